@@ -1,0 +1,236 @@
+"""The JetStream bus: one stream per edge, namespaced by run id.
+
+PROMPTS, ROLLOUTS and SCORED are work queues, each read by one durable pull
+consumer that all replicas of the consuming role share. EXPERIENCE keeps its
+messages (limits retention) so the trainer can re-read from a sequence after a
+crash. DEAD collects what a stage could not handle, with the reason in headers.
+
+A stage step is always: fetch -> decode -> compute -> publish downstream with
+``Nats-Msg-Id = <group id>.<stage>`` and wait for the ack -> ack upstream.
+A crash anywhere repeats at most the compute, and the duplicate window drops the
+repeated publish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import nats
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import BadRequestError
+
+from services.common.config import RunConfig
+from services.common.logs import log_event
+from services.common.messages import DecodeError, Message, decode, encode
+
+PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
+WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role
+EDGES = (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD)
+
+# Dead-letter headers, also set on every published group so a dead letter can be traced back.
+H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
+    "Rlpipe-Reason",
+    "Rlpipe-Source-Stream",
+    "Rlpipe-Source-Seq",
+    "Rlpipe-Service",
+    "Rlpipe-Group-Id",
+)
+
+log = logging.getLogger(__name__)
+
+
+def subject(run_id: str, edge: str) -> str:
+    return f"rlpipe.{run_id}.{edge}"
+
+
+def stream_name(run_id: str, edge: str) -> str:
+    return f"RLPIPE_{run_id}_{edge.upper()}"
+
+
+class Bus:
+    """A connection to NATS with the run's streams in place."""
+
+    def __init__(self, cfg: RunConfig, service: str):
+        self.cfg = cfg
+        self.service = service
+        self.run_id = cfg.run_id
+        self.nc: nats.NATS | None = None
+        self.js: nats.js.JetStreamContext | None = None
+
+    async def connect(self) -> Bus:
+        self.nc = await nats.connect(
+            self.cfg.nats.url,
+            name=f"{self.run_id}-{self.service}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            connect_timeout=5,
+        )
+        self.js = self.nc.jetstream()
+        await self.ensure_streams()
+        return self
+
+    async def close(self) -> None:
+        if self.nc is not None and not self.nc.is_closed:
+            # Not drain(): unacked work simply redelivers, and a pending pull would stall the drain.
+            await self.nc.close()
+
+    def stream_config(self, edge: str) -> api.StreamConfig:
+        nats_cfg = self.cfg.nats
+        return api.StreamConfig(
+            name=stream_name(self.run_id, edge),
+            subjects=[subject(self.run_id, edge)],
+            retention=api.RetentionPolicy.WORK_QUEUE if edge in WORK_QUEUES else api.RetentionPolicy.LIMITS,
+            storage=api.StorageType.FILE if nats_cfg.storage == "file" else api.StorageType.MEMORY,
+            duplicate_window=nats_cfg.duplicate_window_s,
+        )
+
+    async def ensure_streams(self) -> None:
+        for edge in EDGES:
+            config = self.stream_config(edge)
+            try:
+                await self.js.add_stream(config)
+            except BadRequestError:
+                # Exists with other settings (e.g. a changed duplicate window): bring it up to date.
+                await self.js.update_stream(config)
+
+    async def publish(self, edge: str, message: Message, msg_id: str) -> api.PubAck:
+        """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped."""
+        headers = {"Nats-Msg-Id": msg_id, H_SERVICE: self.service}
+        group_id = getattr(message, "group_id", None)
+        if group_id:
+            headers[H_GROUP] = group_id
+        return await self.js.publish(subject(self.run_id, edge), encode(message), headers=headers, timeout=10)
+
+    async def dead_letter(self, msg: Msg, reason: str, edge: str) -> None:
+        """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream."""
+        sequence = msg.metadata.sequence.stream if msg.reply else 0
+        headers = {
+            H_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
+            H_STREAM: stream_name(self.run_id, edge),
+            H_SEQ: str(sequence),
+            H_SERVICE: self.service,
+            "Nats-Msg-Id": f"{edge}.{sequence}.dead",
+        }
+        if msg.headers and H_GROUP in msg.headers:
+            headers[H_GROUP] = msg.headers[H_GROUP]
+        await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
+        log_event(log, "dead_letter", level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
+
+    async def work_queue(self, edge: str) -> nats.js.JetStreamContext.PullSubscription:
+        """The durable pull consumer of ``edge``, shared by every replica of its consuming role."""
+        nats_cfg = self.cfg.nats
+        durable = WORK_QUEUES[edge]
+        return await self.js.pull_subscribe(
+            subject(self.run_id, edge),
+            durable=durable,
+            stream=stream_name(self.run_id, edge),
+            config=api.ConsumerConfig(
+                durable_name=durable,
+                ack_policy=api.AckPolicy.EXPLICIT,
+                ack_wait=nats_cfg.ack_wait_s,
+                max_deliver=nats_cfg.max_deliver,
+                max_ack_pending=nats_cfg.max_ack_pending,
+            ),
+        )
+
+    async def read_from(self, edge: str, start_seq: int) -> nats.js.JetStreamContext.PushSubscription:
+        """An ordered, unacknowledged reader of ``edge`` from stream sequence ``start_seq`` on."""
+        return await self.js.subscribe(
+            subject(self.run_id, edge),
+            stream=stream_name(self.run_id, edge),
+            ordered_consumer=True,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
+        )
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[None]:
+    """Tell JetStream that ``msgs`` are still being worked on, so long computes are not redelivered."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for msg in msgs:
+                with contextlib.suppress(Exception):
+                    await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+In = TypeVar("In", bound=Message)
+Out = TypeVar("Out", bound=Message)
+
+
+@dataclass
+class Stage(Generic[In, Out]):
+    """A stateless pipeline stage: pulls ``consumes``, computes, publishes ``produces``.
+
+    ``compute`` maps a batch of decoded inputs to one output each. If a batch
+    fails, its items are retried one by one so a single bad input cannot sink
+    the others; an item that keeps failing goes to DEAD after MaxDeliver tries.
+    """
+
+    bus: Bus
+    consumes: str
+    produces: str
+    input_kind: type[In]
+    compute: Callable[[list[In]], Awaitable[list[Out]]]
+    batch: int
+    name: str
+    handled: int = 0
+
+    async def run(self, stop: asyncio.Event) -> None:
+        queue = await self.bus.work_queue(self.consumes)
+        nats_cfg = self.bus.cfg.nats
+        while not stop.is_set():
+            try:
+                msgs = await queue.fetch(self.batch, timeout=nats_cfg.fetch_timeout_s)
+            except TimeoutError:  # nats' own TimeoutError subclasses it; fetch raises either
+                continue
+            decoded: list[tuple[Msg, In]] = []
+            for msg in msgs:
+                try:
+                    decoded.append((msg, decode(msg.data, self.input_kind)))
+                except DecodeError as error:
+                    await self.bus.dead_letter(msg, str(error), self.consumes)
+                    await msg.term()
+            if decoded:
+                async with heartbeat([msg for msg, _ in decoded], nats_cfg.heartbeat_s):
+                    await self._process(decoded)
+
+    async def _process(self, decoded: list[tuple[Msg, In]]) -> None:
+        try:
+            outputs = await self.compute([item for _, item in decoded])
+        except Exception as error:
+            if len(decoded) == 1:
+                await self._failed(decoded[0][0], error)
+                return
+            log_event(log, "batch_failed", level=logging.WARNING, error=repr(error), size=len(decoded))
+            for pair in decoded:
+                await self._process([pair])
+            return
+        for (msg, _), output in zip(decoded, outputs, strict=True):
+            await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
+            await msg.ack_sync()
+            self.handled += 1
+
+    async def _failed(self, msg: Msg, error: Exception) -> None:
+        delivered = msg.metadata.num_delivered
+        if delivered >= self.bus.cfg.nats.max_deliver:
+            await self.bus.dead_letter(msg, f"failed {delivered} times, last: {error!r}", self.consumes)
+            await msg.term()
+        else:
+            log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
+            await msg.nak(delay=min(2.0**delivered, 30.0))

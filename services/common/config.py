@@ -1,0 +1,241 @@
+"""The one typed configuration of a run, shared by every service.
+
+Loaded from YAML, then overridden by environment variables named
+``RLPIPE_<SECTION>__<FIELD>`` (for example ``RLPIPE_TRAIN__LEARNING_RATE=1e-5``).
+Environment variables win over the file so that a deployment can change a value
+without editing the file. Every value is validated when a service starts; a bad
+one stops it with the field's dotted name and what is allowed.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+ENV_PREFIX = "RLPIPE_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(Section):
+    path: Path = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+    @field_validator("path")
+    @classmethod
+    def _folder_with_config(cls, path: Path) -> Path:
+        if not path.is_dir():
+            raise ValueError(f"model folder {str(path)!r} does not exist")
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model folder {str(path)!r} has no config.json")
+        return path
+
+
+class DataConfig(Section):
+    task_name: str = "arithmetic"
+    train_path: Path
+    eval_path: Path | None = None
+    eval_every_steps: int = Field(10, ge=0, description="0 disables periodic evaluation")
+    eval_size: int = Field(500, ge=1)
+    shuffle: bool = True
+
+    @field_validator("train_path", "eval_path")
+    @classmethod
+    def _file_exists(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"data file {str(path)!r} does not exist")
+        return path
+
+
+class SamplingConfig(Section):
+    group_size: int = Field(8, ge=1, description="completions per prompt (n)")
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(8, ge=1)
+
+
+class TrainConfig(Section):
+    algorithm: Literal["grpo"] = "grpo"
+    seed: int = 0
+    total_steps: int = Field(100, ge=1)
+    batch_size: int = Field(16, ge=1, description="prompt groups per optimizer step")
+    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    learning_rate: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    max_seq_len: int = Field(64, ge=2)
+    kl_coef: float = Field(0.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    clip_range: float = Field(0.2, gt=0, lt=1)
+    max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
+    log_interval: int = Field(1, ge=1)
+
+
+class CheckpointConfig(Section):
+    store_url: str = Field("", description="file:///path or s3://bucket/prefix; empty = file://<runs_dir>")
+    save_every_steps: int = Field(25, ge=0, description="0 saves only at the end")
+    keep_last: int = Field(3, ge=1)
+    s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
+    s3_secure: bool = True
+    s3_region: str = "us-east-1"
+
+    @field_validator("store_url")
+    @classmethod
+    def _scheme(cls, url: str) -> str:
+        if url and not re.match(r"^(file|s3)://.+", url):
+            raise ValueError(f"store_url {url!r} must start with file:// or s3://")
+        return url
+
+
+class S3Credentials(BaseSettings):
+    """Read only from the environment (or a secrets file), never from YAML, never logged."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore")
+    access_key: str = Field("", repr=False)
+    secret_key: str = Field("", repr=False)
+
+
+class NatsConfig(Section):
+    url: str = "nats://127.0.0.1:4222"
+    storage: Literal["file", "memory"] = "file"
+    ack_wait_s: float = Field(60.0, gt=0, description="time a stage has to finish a message before redelivery")
+    max_deliver: int = Field(5, ge=1)
+    max_ack_pending: int = Field(256, ge=1)
+    duplicate_window_s: float = Field(1800.0, gt=0)
+    heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
+    fetch_timeout_s: float = Field(1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _dedup_outlives_redelivery(self) -> NatsConfig:
+        if self.duplicate_window_s <= self.ack_wait_s * self.max_deliver:
+            raise ValueError(
+                "duplicate_window_s must be longer than ack_wait_s * max_deliver "
+                f"({self.ack_wait_s} * {self.max_deliver}) so a redelivered compute cannot publish twice"
+            )
+        return self
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "hf"] = "vllm"
+    replicas: int = Field(1, ge=1)
+    prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
+    kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV-cache space in GiB")
+
+
+class RewardConfig(Section):
+    functions: dict[str, float] = Field(default_factory=lambda: {"exact_match": 1.0}, description="name -> weight")
+    replicas: int = Field(1, ge=1)
+    batch: int = Field(64, ge=1)
+
+
+class ReferenceConfig(Section):
+    model_path: Path | None = Field(None, description="defaults to model.path")
+    replicas: int = Field(1, ge=1)
+    batch: int = Field(32, ge=1)
+
+
+class ServiceConfig(Section):
+    host: str = "127.0.0.1"
+    trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
+    grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
+    torch_threads: int = Field(1, ge=1)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class RunConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
+
+    run_id: str = Field("run", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    runs_dir: Path = Path("runs")
+    metrics_path: Path | None = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
+    model: ModelConfig
+    data: DataConfig
+    sampling: SamplingConfig = SamplingConfig()
+    train: TrainConfig = TrainConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    nats: NatsConfig = NatsConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
+    reference: ReferenceConfig = ReferenceConfig()
+    service: ServiceConfig = ServiceConfig()
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # The YAML arrives as init kwargs; the environment must override it.
+        return env_settings, init_settings
+
+    @field_validator("reward")
+    @classmethod
+    def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
+        from services.reward.functions import REWARD_FUNCTIONS
+
+        unknown = sorted(set(reward.functions) - set(REWARD_FUNCTIONS))
+        if unknown:
+            raise ValueError(f"unknown reward function(s) {unknown}; allowed: {sorted(REWARD_FUNCTIONS)}")
+        return reward
+
+    @property
+    def run_dir(self) -> Path:
+        return self.runs_dir / self.run_id
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.metrics_path or self.run_dir / "metrics.jsonl"
+
+    @property
+    def checkpoint_url(self) -> str:
+        return self.checkpoint.store_url or self.runs_dir.resolve().as_uri()
+
+    @property
+    def reference_model_path(self) -> Path:
+        return self.reference.model_path or self.model.path
+
+    @property
+    def trainer_address(self) -> str:
+        return f"{self.service.host}:{self.service.trainer_grpc_port}"
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot start a run; the message names every bad field."""
+
+
+def _describe(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "<root>"
+        message = item["msg"].removeprefix("Value error, ")
+        given = item.get("input")
+        shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
+        lines.append(f"  {field}: {message}{shown}")
+    return "invalid configuration:\n" + "\n".join(lines)
+
+
+def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
+    """Read the YAML at ``path`` (if any), apply ``overrides`` and the ``RLPIPE_*`` environment."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    data.update(overrides)
+    try:
+        return RunConfig(**data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None

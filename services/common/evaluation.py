@@ -1,0 +1,56 @@
+"""Greedy decoding and exact-match accuracy for Hugging Face causal LMs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def greedy_generate(
+    model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 256
+) -> list[str]:
+    """Greedily complete each prompt and return the text before the first EOS.
+
+    Prompts are left-padded so every row's last prompt token sits at the same
+    position, which is where ``generate`` appends new tokens.
+    """
+    pad_id = tokenizer.pad_token_id
+    eos_id = tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    completions = []
+    try:
+        for start in range(0, len(prompts), batch_size):
+            encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]]
+            width = max(len(ids) for ids in encoded)
+            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+            with torch.inference_mode():
+                output = model.generate(
+                    input_ids=input_ids.to(model.device),
+                    attention_mask=attention_mask.to(model.device),
+                    do_sample=False,
+                    max_new_tokens=max_new_tokens,
+                    pad_token_id=pad_id,
+                    eos_token_id=eos_id,
+                )
+            for new_ids in output[:, width:].tolist():
+                if eos_id in new_ids:
+                    new_ids = new_ids[: new_ids.index(eos_id)]
+                completions.append(tokenizer.decode(new_ids, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return completions
+
+
+def exact_match(completion: str, answer: str) -> bool:
+    """True when the completion equals the answer, ignoring surrounding whitespace."""
+    return completion.strip() == answer.strip()
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+    """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer``."""
+    if not rows:
+        raise ValueError("greedy_accuracy needs at least one row")
+    completions = greedy_generate(model, tokenizer, [row["prompt"] for row in rows], max_new_tokens)
+    correct = sum(exact_match(c, row["answer"]) for c, row in zip(completions, rows))
+    return correct / len(rows)

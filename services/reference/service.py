@@ -1,0 +1,58 @@
+"""Reference: SCORED -> EXPERIENCE, adding the frozen reference model's logprob of every response token."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import numpy as np
+import torch
+
+from services.common.bus import EXPERIENCE, SCORED, Bus, Stage
+from services.common.config import RunConfig
+from services.common.logs import Stopwatch, log_event
+from services.common.messages import ExperienceGroup, ScoredGroup, advance
+from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.service import start_grpc_server
+
+log = logging.getLogger(__name__)
+
+
+class ReferenceScorer:
+    def __init__(self, cfg: RunConfig):
+        path = cfg.reference_model_path
+        self.model = load_model(path, cfg.model.dtype).eval().requires_grad_(False)
+        self.pad_id = load_tokenizer(path).pad_token_id
+
+    @torch.no_grad()
+    def __call__(self, groups: list[ScoredGroup]) -> list[ExperienceGroup]:
+        pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
+        batch = pack(pairs, self.pad_id)
+        logprobs = token_logprobs(response_logits(self.model, batch), batch.targets)
+        flat = [row[: len(response)].numpy().astype(np.float32) for row, (_, response) in zip(logprobs, pairs)]
+        out, start = [], 0
+        for group in groups:
+            n = len(group.completions)
+            out.append(advance(group, ExperienceGroup, ref_logprobs=flat[start : start + n]))
+            start += n
+        return out
+
+
+async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
+    started = Stopwatch()
+    scorer = ReferenceScorer(cfg)
+    loaded_s = started()
+    bus = await Bus(cfg, "reference").connect()
+    server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
+
+    async def compute(groups: list[ScoredGroup]) -> list[ExperienceGroup]:
+        return await asyncio.to_thread(scorer, groups)
+
+    stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
+    log_event(log, "ready", grpc=address, model=str(cfg.reference_model_path), model_load_s=loaded_s, startup_s=started())
+    try:
+        await stage.run(stop)
+    finally:
+        log_event(log, "draining", handled=stage.handled)
+        await server.stop(grace=1)
+        await bus.close()

@@ -1,0 +1,148 @@
+"""Generation backends behind one small interface: vLLM (default) and transformers ``generate``.
+
+Both return, per prompt, ``n`` completions with their token ids (EOS included when
+generation stopped on it), the sampled tokens' logprobs under the *raw* policy
+(before temperature/top-p, as the trainer computes them) and the finish reason.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from services.common.config import RunConfig, SamplingConfig
+from services.common.modeling import load_model, load_tokenizer
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T]
+    finish_reason: str  # "stop" | "length"
+
+
+class Engine(Protocol):
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]: ...
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+def max_tokens_for(prompt_len: int, sampling: SamplingConfig, max_seq_len: int) -> int:
+    room = max_seq_len - prompt_len
+    if room < 1:
+        raise ValueError(f"prompt of {prompt_len} tokens leaves no room under max_seq_len={max_seq_len}")
+    return min(sampling.max_new_tokens, room)
+
+
+class VllmEngine:
+    """An in-process vLLM engine whose weights are replaced in place on each sync."""
+
+    def __init__(self, cfg: RunConfig):
+        # In-process engine: weight reloads reach the model runner directly, no worker IPC.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
+        from vllm import LLM
+
+        self.llm = LLM(
+            model=str(cfg.model.path),
+            dtype=cfg.model.dtype,
+            max_model_len=cfg.train.max_seq_len,
+            seed=cfg.train.seed,
+            enforce_eager=True,
+        )
+        self.tokenizer = self.llm.get_tokenizer()
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]:
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
+        params = [
+            SamplingParams(
+                n=sampling.group_size,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=max_tokens_for(len(ids), sampling, max_seq_len),
+                logprobs=0,
+            )
+            for ids in prompt_ids
+        ]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        groups = []
+        for result in results:
+            group = []
+            for out in result.outputs:
+                ids = list(out.token_ids)
+                logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids)]
+                group.append(
+                    Generation(
+                        text=self.tokenizer.decode(ids, skip_special_tokens=True),
+                        token_ids=np.asarray(ids, dtype=np.int32),
+                        logprobs=np.asarray(logprobs, dtype=np.float32),
+                        finish_reason="length" if out.finish_reason == "length" else "stop",
+                    )
+                )
+            groups.append(group)
+        return groups
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # reload_weights repacks for the CPU kernels; calling model.load_weights after start-up does not.
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors))})
+        # Cached KV blocks were computed by the old weights.
+        self.llm.reset_prefix_cache()
+
+
+class HfEngine:
+    """transformers ``generate``: slower, for machines without vLLM."""
+
+    def __init__(self, cfg: RunConfig):
+        self.model = load_model(cfg.model.path, cfg.model.dtype).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(cfg.model.path)
+        torch.manual_seed(cfg.train.seed)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]:
+        return [self._group(ids, sampling, max_tokens_for(len(ids), sampling, max_seq_len)) for ids in prompt_ids]
+
+    def _group(self, ids: list[int], sampling: SamplingConfig, max_tokens: int) -> list[Generation]:
+        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
+        prompt = torch.tensor([ids] * sampling.group_size)
+        out = self.model.generate(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=True,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            max_new_tokens=max_tokens,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=pad,
+            eos_token_id=eos,
+        )
+        new_tokens = out.sequences[:, len(ids) :]
+        raw_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
+        token_logprobs = raw_logprobs.gather(-1, new_tokens[..., None]).squeeze(-1)
+        group = []
+        for tokens, logprobs in zip(new_tokens.tolist(), token_logprobs):
+            stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+            group.append(
+                Generation(
+                    text=self.tokenizer.decode(tokens[:stop], skip_special_tokens=True),
+                    token_ids=np.asarray(tokens[:stop], dtype=np.int32),
+                    logprobs=logprobs[:stop].numpy().astype(np.float32),
+                    finish_reason="stop" if eos in tokens else "length",
+                )
+            )
+        return group
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.model.load_state_dict(dict(tensors))
+
+
+def build_engine(cfg: RunConfig) -> Engine:
+    return VllmEngine(cfg) if cfg.rollout.backend == "vllm" else HfEngine(cfg)

@@ -1,0 +1,103 @@
+"""Rollout: PROMPTS -> ROLLOUTS, a group of n completions per prompt, tagged with the policy version.
+
+Weights follow the trainer: a background task watches the trainer's versions over
+gRPC; before each batch the newest version is pulled and loaded into the engine in
+place, so every completion of a batch comes from one known version.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+
+from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage
+from services.common.config import RunConfig
+from services.common.logs import Stopwatch, log_event
+from services.common.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.service import start_grpc_server
+from services.common.weightsync import WeightSyncClient
+from services.rollout.engines import Engine, build_engine
+
+log = logging.getLogger(__name__)
+
+
+class PolicyFollower:
+    """Tracks the trainer's newest version and loads it into the engine when asked."""
+
+    def __init__(self, engine: Engine, engine_thread: ThreadPoolExecutor, client: WeightSyncClient):
+        self.engine = engine
+        self.engine_thread = engine_thread
+        self.client = client
+        self.loaded = 0  # version 0 is the base model the engine started from
+        self.newest = 0
+
+    async def watch(self) -> None:
+        delay = 0.5
+        while True:
+            try:
+                async for info in self.client.watch(after_version=self.newest):
+                    self.newest = max(self.newest, info.version)
+                    delay = 0.5
+            except grpc.aio.AioRpcError as error:
+                log_event(log, "weight_watch_lost", level=logging.WARNING, code=error.code().name, retry_s=delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def sync(self) -> None:
+        if self.newest <= self.loaded:
+            return
+        took = Stopwatch()
+        version, tensors = await self.client.pull()
+        await asyncio.get_running_loop().run_in_executor(self.engine_thread, self.engine.load_weights, tensors.items())
+        self.loaded = version
+        log_event(log, "weights_loaded", version=version, tensors=len(tensors), sync_s=took())
+
+
+async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
+    started = Stopwatch()
+    # Every engine call runs on this one thread: vLLM's CPU kernels bind their OpenMP threads to it.
+    engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+    loop = asyncio.get_running_loop()
+    engine = await loop.run_in_executor(engine_thread, build_engine, cfg)
+    engine_s = started()
+    tokenizer = engine.tokenizer
+    bus = await Bus(cfg, "rollout").connect()
+    server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
+    follower = PolicyFollower(engine, engine_thread, WeightSyncClient(cfg.trainer_address))
+    with contextlib.suppress(grpc.aio.AioRpcError):
+        follower.newest = (await follower.client.version()).version
+        await follower.sync()
+    watcher = asyncio.create_task(follower.watch())
+
+    async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
+        await follower.sync()
+        prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
+        groups = await loop.run_in_executor(engine_thread, engine.generate, prompt_ids, cfg.sampling, cfg.train.max_seq_len)
+        return [
+            advance(
+                prompt,
+                RolloutGroup,
+                prompt_ids=np.asarray(ids, dtype=np.int32),
+                policy_version=follower.loaded,
+                completions=[Completion(**vars(generation)) for generation in group],
+            )
+            for prompt, ids, group in zip(prompts, prompt_ids, groups)
+        ]
+
+    stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
+    log_event(
+        log, "ready", grpc=address, backend=cfg.rollout.backend, engine_load_s=engine_s, policy_version=follower.loaded, startup_s=started()
+    )
+    try:
+        await stage.run(stop)
+    finally:
+        log_event(log, "draining", handled=stage.handled)
+        watcher.cancel()
+        await follower.client.close()
+        await server.stop(grace=1)
+        await bus.close()

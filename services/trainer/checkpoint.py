@@ -1,0 +1,145 @@
+"""Trainer checkpoints at ``<store>/<run>/step-<N>/``.
+
+Parts go up first (model as safetensors with its HF config and tokenizer, so a
+step folder is itself a loadable model; optimizer; RNG states; trainer state),
+then ``manifest.json`` with every part's size and sha256. A step without a
+manifest, or whose parts do not match it, does not exist for loaders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import pickle
+import random
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from services.common.logs import log_event
+from services.common.storage import ObjectStore
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"step-(\d+)/manifest\.json$")
+MODEL_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def rng_state() -> dict[str, Any]:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The state dict without aliases of shared storage (tied embeddings), as Hugging Face saves it."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            out[name] = tensor.contiguous()
+    return out
+
+
+@dataclass
+class Checkpoint:
+    step: int
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, Any]
+    state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
+
+
+class CheckpointCorrupt(RuntimeError):
+    pass
+
+
+class CheckpointStore:
+    def __init__(self, store: ObjectStore, run_id: str, keep_last: int):
+        self.store = store
+        self.run_id = run_id
+        self.keep_last = keep_last
+
+    def _prefix(self, step: int) -> str:
+        return f"{self.run_id}/step-{step:08d}/"
+
+    def save(self, ckpt: Checkpoint, model_dir: Path) -> str:
+        """Upload the parts, then the manifest; returns the step's location."""
+        prefix = self._prefix(ckpt.step)
+        parts = {
+            "model.safetensors": save_safetensors(untied(ckpt.model)),
+            "optimizer.pt": _torch_bytes(ckpt.optimizer),
+            "rng.pkl": pickle.dumps(ckpt.rng),
+            "trainer_state.json": json.dumps(ckpt.state, indent=2).encode(),
+        }
+        parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
+        for name, data in parts.items():
+            self.store.put(prefix + name, data)
+        manifest = {
+            "step": ckpt.step,
+            "created": time.time(),
+            "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
+        }
+        self.store.put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
+        self._prune()
+        return f"{self.store.url.rstrip('/')}/{prefix}"
+
+    def steps(self) -> list[int]:
+        """Steps that have a manifest, oldest first."""
+        found = (_STEP_DIR.search(key) for key in self.store.list(f"{self.run_id}/step-"))
+        return sorted(int(match.group(1)) for match in found if match)
+
+    def load(self, step: int) -> Checkpoint:
+        prefix = self._prefix(step)
+        manifest = json.loads(self.store.get(prefix + MANIFEST))
+        parts = {}
+        for name, meta in manifest["files"].items():
+            data = self.store.get(prefix + name)
+            if len(data) != meta["size"] or _sha256(data) != meta["sha256"]:
+                raise CheckpointCorrupt(f"step {step}: {name} does not match its manifest hash")
+            parts[name] = data
+        return Checkpoint(
+            step=step,
+            model=load_safetensors(parts["model.safetensors"]),
+            optimizer=torch.load(io.BytesIO(parts["optimizer.pt"]), weights_only=False),
+            rng=pickle.loads(parts["rng.pkl"]),
+            state=json.loads(parts["trainer_state.json"]),
+        )
+
+    def load_latest(self) -> Checkpoint | None:
+        """The newest step whose parts all match its manifest; corrupt steps are skipped with a warning."""
+        for step in reversed(self.steps()):
+            try:
+                return self.load(step)
+            except (CheckpointCorrupt, OSError, KeyError, ValueError) as error:
+                log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, reason=str(error))
+        return None
+
+    def _prune(self) -> None:
+        for step in self.steps()[: -self.keep_last]:
+            self.store.delete_prefix(self._prefix(step))

@@ -1,0 +1,203 @@
+"""Trainer: feeds PROMPTS, reads EXPERIENCE in stream order, updates the policy, serves its weights.
+
+It is the only stateful role. It controls staleness by how many prompt groups it
+lets be in flight (``max_inflight_batches * batch_size``); a group leaves flight
+when its experience arrives or when it is dead-lettered on the way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, Bus, subject
+from services.common.config import RunConfig
+from services.common.datasets import load_jsonl
+from services.common.evaluation import greedy_accuracy
+from services.common.logs import Stopwatch, log_event
+from services.common.messages import DecodeError, ExperienceGroup, Prompt, decode
+from services.common.pb import weights_pb2_grpc
+from services.common.service import start_grpc_server
+from services.common.storage import open_store
+from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.trainer.checkpoint import Checkpoint, CheckpointStore, rng_state
+from services.trainer.learner import Learner
+
+log = logging.getLogger(__name__)
+
+
+class PromptFeeder:
+    """Walks the dataset epoch by epoch in a seeded order; its cursor is (epoch, index)."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool):
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._order_of(0)
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def next(self) -> Prompt:
+        row = self.rows[self._order[self.index]]
+        prompt = Prompt(
+            group_id=f"e{self.epoch}-i{self.index}",
+            prompt_id=str(row.get("id", self._order[self.index])),
+            prompt=row["prompt"],
+            answer=str(row.get("answer", "")),
+        )
+        self.index += 1
+        if self.index == len(self.rows):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._order_of(self.epoch)
+        return prompt
+
+    @property
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+
+class MetricsLog:
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps({"time": round(time.time(), 3), **row}) + "\n")
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, bus: Bus, learner: Learner, weights: WeightSyncServer):
+        self.cfg = cfg
+        self.bus = bus
+        self.learner = learner
+        self.weights = weights
+        self.feeder = PromptFeeder(load_jsonl(cfg.data.train_path), cfg.train.seed, cfg.data.shuffle)
+        self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
+        self.checkpoints = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
+        self.metrics = MetricsLog(cfg.metrics_file)
+        self.in_flight: set[str] = set()
+        self.step = 0
+        self.version = 0
+        self.last_experience_seq = 0
+        self.last_eval: float | None = None
+
+    async def feed(self) -> None:
+        limit = self.cfg.train.max_inflight_batches * self.cfg.train.batch_size
+        while len(self.in_flight) < limit:
+            prompt = self.feeder.next()
+            await self.bus.publish(PROMPTS, prompt, msg_id=f"{prompt.group_id}.prompt")
+            self.in_flight.add(prompt.group_id)
+
+    async def on_dead_letter(self, msg: Any) -> None:
+        if msg.headers and msg.headers.get(H_GROUP) in self.in_flight:
+            self.in_flight.discard(msg.headers[H_GROUP])
+            log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=msg.headers[H_GROUP])
+
+    async def next_batch(self, reader: Any, stop: asyncio.Event) -> list[ExperienceGroup]:
+        batch: list[ExperienceGroup] = []
+        while len(batch) < self.cfg.train.batch_size and not stop.is_set():
+            await self.feed()
+            try:
+                msg = await reader.next_msg(timeout=1.0)
+            except TimeoutError:
+                continue
+            sequence = msg.metadata.sequence.stream
+            try:
+                group = decode(msg.data, ExperienceGroup)
+            except DecodeError as error:
+                await self.bus.dead_letter(msg, str(error), EXPERIENCE)
+                self.last_experience_seq = sequence
+                continue
+            self.last_experience_seq = sequence
+            self.in_flight.discard(group.group_id)
+            batch.append(group)
+        return batch
+
+    async def evaluate(self) -> float | None:
+        if not self.eval_rows:
+            return None
+        took = Stopwatch()
+        accuracy = await asyncio.to_thread(
+            greedy_accuracy, self.learner.model, self.learner.tokenizer, self.eval_rows, self.cfg.sampling.max_new_tokens
+        )
+        self.last_eval = accuracy
+        self.metrics.write({"step": self.step, "policy_version": self.version, "eval_accuracy": accuracy, "eval_time_s": took()})
+        log_event(log, "eval", step=self.step, eval_accuracy=accuracy, eval_s=took())
+        return accuracy
+
+    async def save(self) -> None:
+        took = Stopwatch()
+        ckpt = Checkpoint(
+            step=self.step,
+            model=dict(self.learner.model.state_dict()),
+            optimizer=self.learner.optimizer.state_dict(),
+            rng=rng_state(),
+            state={
+                "step": self.step,
+                "policy_version": self.version,
+                "data_cursor": self.feeder.cursor,
+                "last_experience_seq": self.last_experience_seq,
+                "eval_accuracy": self.last_eval,
+            },
+        )
+        location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.cfg.model.path)
+        log_event(log, "checkpoint", step=self.step, location=location, save_s=took())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        train, data = self.cfg.train, self.cfg.data
+        reader = await self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
+        dead = await self.bus.nc.subscribe(subject(self.cfg.run_id, DEAD), cb=self.on_dead_letter)
+        baseline = await self.evaluate()
+        while self.step < train.total_steps and not stop.is_set():
+            batch = await self.next_batch(reader, stop)
+            if len(batch) < train.batch_size:
+                break
+            metrics = await asyncio.to_thread(self.learner.step, batch, self.version)
+            self.step += 1
+            self.version += 1
+            await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
+            row = {"step": self.step, "policy_version": self.version, **metrics}
+            self.metrics.write(row)
+            if self.step % train.log_interval == 0:
+                log_event(log, "step", total_steps=train.total_steps, **row)
+            if self.cfg.checkpoint.save_every_steps and self.step % self.cfg.checkpoint.save_every_steps == 0:
+                await self.save()
+            if data.eval_every_steps and self.step % data.eval_every_steps == 0 and self.step < train.total_steps:
+                await self.evaluate()
+        final = await self.evaluate()
+        await self.save()
+        await dead.unsubscribe()
+        await reader.unsubscribe()
+        log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=baseline, final_accuracy=final)
+
+
+async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
+    started = Stopwatch()
+    learner = await asyncio.to_thread(Learner, cfg)
+    model_s = started()
+    weights = WeightSyncServer(snapshot_of(learner.model, version=0, step=0))
+
+    def register(server: Any) -> list[str]:
+        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
+        return ["rlpipe.v1.WeightSync"]
+
+    server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
+    bus = await Bus(cfg, "trainer").connect()
+    trainer = Trainer(cfg, bus, learner, weights)
+    log_event(log, "ready", grpc=address, model=str(cfg.model.path), model_load_s=model_s, startup_s=started())
+    try:
+        await trainer.run(stop)
+    finally:
+        await server.stop(grace=1)
+        await bus.close()

@@ -1,0 +1,86 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from tests.conftest import ROOT, write_config
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for split in ("train", "eval"):
+        (folder / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return folder
+
+
+def test_yaml_values_and_env_overrides(tmp_path, model_dir, data_dir, monkeypatch):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"learning_rate": 0.01})
+    assert load_config(path).train.learning_rate == 0.01
+    monkeypatch.setenv("RLPIPE_TRAIN__LEARNING_RATE", "0.5")
+    monkeypatch.setenv("RLPIPE_SAMPLING__TEMPERATURE", "0.7")
+    cfg = load_config(path)
+    assert cfg.train.learning_rate == 0.5
+    assert cfg.sampling.temperature == 0.7
+    assert cfg.train.batch_size == 8  # the rest of the section still comes from YAML
+
+
+def test_seed_example_fields_are_expressible(tmp_path, model_dir, data_dir):
+    train = {"seed": 7, "batch_size": 4, "learning_rate": 2e-5, "grad_accum_steps": 2, "max_seq_len": 48,
+             "entropy_coef": 0.01, "kl_coef": 0.05, "clip_range": 0.3, "log_interval": 5}
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train=train,
+                        checkpoint={"save_every_steps": 10}, data={"task_name": "arithmetic"}, metrics_path=str(tmp_path / "m.jsonl"))
+    cfg = load_config(path)
+    assert cfg.train.model_dump(include=set(train)) == train
+    assert cfg.checkpoint.save_every_steps == 10 and cfg.data.task_name == "arithmetic"
+    assert cfg.metrics_file == tmp_path / "m.jsonl"
+
+
+@pytest.mark.parametrize(
+    ("change", "field", "allowed"),
+    [
+        ({"train": {"algorithm": "sarsa"}}, "train.algorithm", "'grpo'"),
+        ({"train": {"learning_rate": -0.1}}, "train.learning_rate", "greater than 0"),
+        ({"model": {"path": "/nowhere/model"}}, "model.path", "/nowhere/model"),
+        ({"reward": {"functions": {"vibes": 1.0}}}, "reward", "exact_match"),
+        ({"rollout": {"backend": "tgi"}}, "rollout.backend", "'vllm' or 'hf'"),
+    ],
+)
+def test_bad_config_names_the_field(tmp_path, model_dir, data_dir, change, field, allowed):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **change)
+    with pytest.raises(ConfigError) as error:
+        load_config(path)
+    assert field in str(error.value) and allowed in str(error.value)
+
+
+def test_duplicate_window_must_outlive_redelivery(tmp_path, model_dir, data_dir):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs",
+                        nats={"ack_wait_s": 60, "max_deliver": 5, "duplicate_window_s": 120})
+    with pytest.raises(ConfigError, match="duplicate_window_s must be longer"):
+        load_config(path)
+
+
+@pytest.mark.parametrize("role", ["trainer", "rollout", "reward", "reference"])
+def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, role):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"learning_rate": -1})
+    done = subprocess.run([sys.executable, "-m", f"services.{role}", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "train.learning_rate" in done.stderr
+
+
+def test_rlpipe_run_refuses_missing_model_path(tmp_path, model_dir, data_dir):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"path": str(tmp_path / "absent")})
+    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert "model.path" in done.stderr and str(tmp_path / "absent") in done.stderr

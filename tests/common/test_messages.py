@@ -1,0 +1,56 @@
+import msgpack
+import numpy as np
+import pytest
+
+from services.common.messages import (
+    Completion, DecodeError, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance, decode, encode,
+)
+
+
+def rollout_group(logprobs=(-0.5, -0.25)) -> RolloutGroup:
+    prompt = Prompt(group_id="e0-i1", prompt_id="add-1", prompt="1+1=", answer="2")
+    completion = Completion(text="2", token_ids=np.array([7, 1], dtype=np.int32), logprobs=np.array(logprobs, dtype=np.float32), finish_reason="stop")
+    return advance(prompt, RolloutGroup, prompt_ids=np.array([3, 4, 3, 5], dtype=np.int32), policy_version=3, completions=[completion])
+
+
+def test_round_trip_keeps_tensors_exact():
+    group = advance(rollout_group(), ScoredGroup, rewards=np.array([1.0], dtype=np.float32))
+    back = decode(encode(group), ScoredGroup)
+    assert back.policy_version == 3 and back.answer == "2"
+    assert back.completions[0].logprobs.dtype == np.float32
+    np.testing.assert_array_equal(back.completions[0].logprobs, [-0.5, -0.25])
+    np.testing.assert_array_equal(back.prompt_ids, [3, 4, 3, 5])
+
+
+def test_tensors_travel_as_little_endian_raw_bytes():
+    raw = msgpack.unpackb(encode(rollout_group()))
+    tensor = raw["completions"][0]["logprobs"]
+    assert tensor == {"dtype": "float32", "shape": [2], "data": np.array([-0.5, -0.25], dtype="<f4").tobytes()}
+    assert raw["v"] == 1
+
+
+@pytest.mark.parametrize(
+    ("payload", "reason"),
+    [
+        (b"\xc1garbage", "not msgpack"),
+        (msgpack.packb([1, 2]), "must be a map"),
+        (msgpack.packb({"v": 99, "kind": "rollout"}), "schema version 99"),
+        (encode(Prompt(group_id="g", prompt_id="p", prompt="1+1=")), "prompt_ids"),
+    ],
+)
+def test_bad_payloads_raise_with_reason(payload, reason):
+    with pytest.raises(DecodeError, match=reason):
+        decode(payload, RolloutGroup)
+
+
+def test_nan_and_misaligned_values_are_rejected():
+    with pytest.raises(DecodeError, match="NaN"):
+        decode(encode(rollout_group()).replace(np.float32(-0.5).tobytes(), np.float32("nan").tobytes()), RolloutGroup)
+    scored = msgpack.unpackb(encode(advance(rollout_group(), ScoredGroup, rewards=np.array([1.0], dtype=np.float32))))
+    scored["rewards"]["data"] = np.array([np.inf], dtype="<f4").tobytes()
+    with pytest.raises(DecodeError, match="rewards contain NaN"):
+        decode(msgpack.packb(scored), ScoredGroup)
+    experience = msgpack.unpackb(encode(advance(rollout_group(), ScoredGroup, rewards=np.array([0.0], dtype=np.float32))))
+    experience |= {"kind": "experience", "ref_logprobs": [{"dtype": "float32", "shape": [3], "data": bytes(12)}]}
+    with pytest.raises(DecodeError, match="ref_logprobs shape"):
+        decode(msgpack.packb(experience), ExperienceGroup)

@@ -1,0 +1,104 @@
+"""Real servers for the tests: nats-server with JetStream, moto_server as the S3 endpoint, and the tiny model."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+TEST_MODEL_DIR = ROOT / "build" / "test-model"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for_port(port: int, process: subprocess.Popen, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with {process.returncode}")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.05)
+    raise RuntimeError(f"{what} did not listen on {port} within {timeout}s")
+
+
+def start_nats(store: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    port = port or free_port()
+    process = subprocess.Popen(
+        [str(BIN / "nats-server"), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_for_port(port, process, "nats-server")
+    return process, f"nats://127.0.0.1:{port}"
+
+
+@pytest.fixture
+def nats_url(tmp_path: Path) -> Iterator[str]:
+    """A fresh JetStream server per test, so streams never leak between tests."""
+    process, url = start_nats(tmp_path / "nats")
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint() -> Iterator[str]:
+    port = free_port()
+    process = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for_port(port, process, "moto_server")
+    yield f"127.0.0.1:{port}"
+    process.terminate()
+    process.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    return s3_endpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> tuple[Path, Path]:
+    """The project's own tiny model and data, built once (reused while its build settings match)."""
+    from services.common.tiny_model import main as build
+
+    model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
+    build(["--out", str(model_dir), "--data", str(data_dir), "--seed", "0"])
+    return model_dir, data_dir
+
+
+def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **sections: dict) -> Path:
+    """A small run config for tests; ``sections`` update the defaults section by section."""
+    import yaml
+
+    config = {
+        "run_id": "test",
+        "runs_dir": str(runs_dir),
+        "model": {"path": str(model_dir)},
+        "data": {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl"), "eval_every_steps": 0, "eval_size": 100},
+        "sampling": {"group_size": 4, "max_new_tokens": 6},
+        "train": {"total_steps": 4, "batch_size": 8, "learning_rate": 1e-3, "max_seq_len": 32, "max_inflight_batches": 2},
+        "checkpoint": {"save_every_steps": 2, "keep_last": 2},
+        "nats": {"ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
+        "rollout": {"prompts_per_batch": 16},
+    }
+    for name, values in sections.items():
+        config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
+    path.write_text(yaml.safe_dump(config))
+    return path

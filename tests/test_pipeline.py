@@ -1,0 +1,144 @@
+"""The whole pipeline as a user runs it: `rlpipe run` with real NATS, vLLM, gRPC and one process per service.
+
+While it trains, garbage and wrong-schema messages are pushed into every stage's
+input; they must land in DEAD with reasons while training goes on to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import nats
+import pytest
+
+from services.common.bus import DEAD, EXPERIENCE, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+from services.common.config import CheckpointConfig
+from services.common.datasets import load_jsonl
+from services.common.evaluation import greedy_accuracy
+from services.common.modeling import load_model, load_tokenizer
+from services.common.storage import open_store
+from services.trainer.checkpoint import CheckpointStore
+from tests.conftest import ROOT, write_config
+
+STEP_METRICS = (
+    "reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate",
+    "truncation_rate", "clipfrac", "approx_kl", "grad_norm", "step_time_s", "policy_version", "learning_rate",
+)
+TOTAL_STEPS = 10
+STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+async def inject_bad_messages(nats_url: str, run_id: str) -> None:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    for edge in STAGE_INPUTS:
+        await js.publish(subject(run_id, edge), b"\x00\xffnot-msgpack")
+        await js.publish(subject(run_id, edge), msgpack.packb({"v": 1, "kind": "nonsense", "group_id": "x"}))
+    await nc.close()
+
+
+async def read_dead_letters(nats_url: str, run_id: str, expected: int, timeout: float) -> list[dict]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    deadline = time.monotonic() + timeout
+    letters: list[dict] = []
+    while time.monotonic() < deadline:
+        info = await js.stream_info(stream_name(run_id, DEAD))
+        if info.state.messages >= expected:
+            break
+        await asyncio.sleep(0.5)
+    sub = await js.subscribe(subject(run_id, DEAD), ordered_consumer=True)
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=2)
+        except TimeoutError:
+            break
+        letters.append(dict(msg.headers or {}))
+    await nc.close()
+    return letters
+
+
+@pytest.mark.timeout(900)
+def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "pipeline.yaml", model_dir, data_dir, runs,
+        run_id="pipe",
+        train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
+        data={"eval_every_steps": 5, "eval_size": 200},
+        checkpoint={"save_every_steps": 5, "keep_last": 3},
+        rollout={"replicas": 2, "prompts_per_batch": 4},
+    )
+    run_dir = runs / "pipe"
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 600
+        while not any(r.get("step", 0) >= 2 and "reward_mean" in r for r in read_metrics(run_dir / "metrics.jsonl")):
+            assert process.poll() is None, process.stdout.read()
+            assert time.monotonic() < deadline, "no training step within 10 minutes"
+            time.sleep(0.5)
+        nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+        asyncio.run(inject_bad_messages(nats_url, "pipe"))
+        letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=2 * len(STAGE_INPUTS), timeout=120))
+        output, _ = process.communicate(timeout=600)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output
+
+    # Both bad messages of every stage input are in DEAD, with the reason, origin and service.
+    by_stream: dict[str, list[dict]] = {}
+    for letter in letters:
+        by_stream.setdefault(letter[H_STREAM], []).append(letter)
+    for edge in STAGE_INPUTS:
+        reasons = [letter[H_REASON] for letter in by_stream.get(stream_name("pipe", edge), [])]
+        assert any("not msgpack" in r for r in reasons), (edge, reasons)
+        assert any("kind" in r for r in reasons), (edge, reasons)
+    assert all(int(letter[H_SEQ]) > 0 and letter[H_SERVICE] for letter in letters)
+
+    # The trainer applied every step, and each logged metric is present and finite.
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "reward_mean" in r]
+    assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+    for row in steps:
+        for key in STEP_METRICS:
+            assert math.isfinite(row[key]), (row["step"], key)
+    # Completions generated after a weight sync carry the new policy version.
+    assert steps[-1]["generated_by_version_max"] >= 1
+    assert [r["policy_version"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+
+    # Every stage handled groups, and both rollout replicas shared the prompts.
+    handled = {}
+    for log in (run_dir / "logs").glob("*.log"):
+        for line in log.read_text().splitlines():
+            if '"draining"' in line:
+                handled[log.stem] = json.loads(line)["handled"]
+    assert handled["rollout-0"] > 0 and handled["rollout-1"] > 0, handled
+    assert handled["reward-0"] > 0 and handled["reference-0"] > 0, handled
+    assert handled["rollout-0"] + handled["rollout-1"] >= TOTAL_STEPS * 8
+
+    # Checkpoints exist with manifests, and the last one is the trained model: loading its folder
+    # through from_pretrained reproduces the trainer's final held-out accuracy exactly.
+    store = CheckpointStore(open_store(runs.resolve().as_uri(), CheckpointConfig()), "pipe", keep_last=3)
+    assert store.steps() == [5, 10]
+    final_eval = [r for r in rows if "eval_accuracy" in r][-1]
+    assert final_eval["step"] == TOTAL_STEPS
+    step_dir = run_dir / "step-00000010"
+    reloaded = load_model(step_dir)
+    eval_rows = load_jsonl(data_dir / "eval.jsonl")[:200]
+    assert greedy_accuracy(reloaded, load_tokenizer(step_dir), eval_rows, 6) == final_eval["eval_accuracy"]
+
+    assert (run_dir / "report.png").stat().st_size > 10_000
+    assert "eval accuracy (start -> end)" in output
