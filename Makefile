@@ -29,7 +29,7 @@ demo: model
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
-bench: model
+bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
 
 clean:

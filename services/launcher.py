@@ -43,8 +43,8 @@ def free_port() -> int:
 
 
 def _die_with_parent() -> None:
-    # Linux: a child gets SIGTERM when the launcher dies, even by SIGKILL, so nothing is orphaned.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    # Linux: a child is killed when the launcher dies, even by SIGKILL, so nothing is orphaned.
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def nats_server_binary() -> str:
@@ -62,7 +62,6 @@ class Child:
     log_path: Path
     events: queue.Queue = field(default_factory=queue.Queue)
     ready: dict[str, Any] | None = None
-    expected_exit: bool = False
 
     def pump(self, stream: IO[bytes]) -> None:
         """Copy the child's output to its log file and pass its JSON events on."""
@@ -125,6 +124,12 @@ class Launcher:
         self.children.append(child)
         return child
 
+    def record_startup(self, name: str, event: dict[str, Any]) -> None:
+        """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""
+        row = {"component": name, "ready_after_s": self.startup[name], **{k: v for k, v in event.items() if k not in ("level", "event")}}
+        with (self.run_dir / "startup.jsonl").open("a") as out:
+            out.write(json.dumps(row) + "\n")
+
     def wait_ready(self, children: list[Child]) -> None:
         started = time.perf_counter()
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -137,6 +142,7 @@ class Launcher:
                         child.ready = event
                         self.startup[child.name] = round(time.perf_counter() - started, 3)
                         console.log(f"[green]{child.name} ready[/] in {self.startup[child.name]:.1f}s {_startup_fields(event)}")
+                        self.record_startup(child.name, event)
                         waiting.remove(child)
                         break
                 if child.ready is None and child.process.poll() is not None:
@@ -149,6 +155,7 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         nats_url = self.start_nats()
         console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
+        self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         self.env = {
             **os.environ,
             "RLPIPE_NATS__URL": nats_url,
@@ -193,7 +200,6 @@ class Launcher:
         """Stop every process (SIGTERM, then SIGKILL); returns the services that failed."""
         for child in self.children:
             if child.process.poll() is None:
-                child.expected_exit = True
                 child.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 20
         for child in self.children:
@@ -205,7 +211,8 @@ class Launcher:
         if self.nats and self.nats.poll() is None:
             self.nats.terminate()
             self.nats.wait(timeout=20)
-        return [c.name for c in self.children if c.process.returncode != 0 and not (c.expected_exit and c.process.returncode in (0, -signal.SIGTERM))]
+        # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
+        return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
 
 
 def _startup_fields(event: dict[str, Any]) -> str:
@@ -245,6 +252,8 @@ def run(config_path: Path) -> int:
         shutil.rmtree(cfg.run_dir)
     cfg.run_dir.mkdir(parents=True)
     launcher = Launcher(cfg, config_path)
+    # SIGTERM (a supervisor, `timeout`) gets the same orderly shutdown as Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         trainer = launcher.start()
         training_started = time.perf_counter()

@@ -68,6 +68,7 @@ class TrainConfig(Section):
     batch_size: int = Field(16, ge=1, description="prompt groups per optimizer step")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     learning_rate: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     max_seq_len: int = Field(64, ge=2)
@@ -126,7 +127,7 @@ class RolloutConfig(Section):
     backend: Literal["vllm", "hf"] = "vllm"
     replicas: int = Field(1, ge=1)
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
-    kv_cache_gib: int = Field(1, ge=1, description="vLLM CPU KV-cache space in GiB")
+    kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
 
 
 class RewardConfig(Section):

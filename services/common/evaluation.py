@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 def greedy_generate(
-    model, tokenizer, prompts: list[str], max_new_tokens: int, batch_size: int = 256
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[str],
+    max_new_tokens: int,
+    batch_size: int = 256,
 ) -> list[str]:
     """Greedily complete each prompt and return the text before the first EOS.
 
@@ -20,10 +25,15 @@ def greedy_generate(
     completions = []
     try:
         for start in range(0, len(prompts), batch_size):
-            encoded = [tokenizer.encode(p, add_special_tokens=False) for p in prompts[start : start + batch_size]]
+            encoded = [
+                tokenizer.encode(prompt, add_special_tokens=False)
+                for prompt in prompts[start : start + batch_size]
+            ]
             width = max(len(ids) for ids in encoded)
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
+            attention_mask = torch.tensor(
+                [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded]
+            )
             with torch.inference_mode():
                 output = model.generate(
                     input_ids=input_ids.to(model.device),
@@ -42,15 +52,22 @@ def greedy_generate(
     return completions
 
 
-def exact_match(completion: str, answer: str) -> bool:
-    """True when the completion equals the answer, ignoring surrounding whitespace."""
+def strict_match(completion: str, answer: str) -> bool:
+    """True when the whole completion is the answer (ignoring surrounding whitespace): stricter than the
+    exact_match reward, so held-out accuracy cannot be gamed by text around a right number."""
     return completion.strip() == answer.strip()
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int) -> float:
+def greedy_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    rows: list[dict],
+    max_new_tokens: int,
+) -> float:
     """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer``."""
     if not rows:
         raise ValueError("greedy_accuracy needs at least one row")
-    completions = greedy_generate(model, tokenizer, [row["prompt"] for row in rows], max_new_tokens)
-    correct = sum(exact_match(c, row["answer"]) for c, row in zip(completions, rows))
+    prompts = [row["prompt"] for row in rows]
+    completions = greedy_generate(model, tokenizer, prompts, max_new_tokens)
+    correct = sum(strict_match(c, row["answer"]) for c, row in zip(completions, rows))
     return correct / len(rows)

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.common.bus import Stage
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.logs import log_event, setup_logging
 
@@ -37,6 +38,16 @@ async def start_grpc_server(
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, f"{cfg.service.host}:{bound}"
+
+
+async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server) -> None:
+    """Run a stage until ``stop``, then close its health server and NATS connection."""
+    try:
+        await stage.run(stop)
+    finally:
+        log_event(log, "draining", handled=stage.handled)
+        await server.stop(grace=1)
+        await stage.bus.close()
 
 
 def run_service(role: str, service_main: ServiceMain) -> None:

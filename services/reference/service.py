@@ -13,7 +13,7 @@ from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import ExperienceGroup, ScoredGroup, advance
 from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.service import start_grpc_server
+from services.common.service import serve_stage, start_grpc_server
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +50,4 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
     log_event(log, "ready", grpc=address, model=str(cfg.reference_model_path), model_load_s=loaded_s, startup_s=started())
-    try:
-        await stage.run(stop)
-    finally:
-        log_event(log, "draining", handled=stage.handled)
-        await server.stop(grace=1)
-        await bus.close()
+    await serve_stage(stage, stop, server)

@@ -11,7 +11,7 @@ from services.common.bus import ROLLOUTS, SCORED, Bus, Stage
 from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import RolloutGroup, ScoredGroup, advance
-from services.common.service import start_grpc_server
+from services.common.service import serve_stage, start_grpc_server
 from services.reward.functions import score
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,4 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, cfg.reward.batch, "reward")
     log_event(log, "ready", grpc=address, functions=cfg.reward.functions, startup_s=started())
-    try:
-        await stage.run(stop)
-    finally:
-        log_event(log, "draining", handled=stage.handled)
-        await server.stop(grace=1)
-        await bus.close()
+    await serve_stage(stage, stop, server)

@@ -46,7 +46,6 @@ class VllmEngine:
     def __init__(self, cfg: RunConfig):
         # In-process engine: weight reloads reach the model runner directly, no worker IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.rollout.kv_cache_gib)
         from vllm import LLM
 
         self.llm = LLM(
@@ -54,7 +53,8 @@ class VllmEngine:
             dtype=cfg.model.dtype,
             max_model_len=cfg.train.max_seq_len,
             seed=cfg.train.seed,
-            enforce_eager=True,
+            enforce_eager=True,  # start-up in ~2 s instead of ~18 s, same generation speed at this size
+            kv_cache_memory_bytes=cfg.rollout.kv_cache_mib << 20,
         )
         self.tokenizer = self.llm.get_tokenizer()
 

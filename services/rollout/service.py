@@ -19,7 +19,7 @@ from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage
 from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import Completion, Prompt, RolloutGroup, advance
-from services.common.service import start_grpc_server
+from services.common.service import serve_stage, start_grpc_server
 from services.common.weightsync import WeightSyncClient
 from services.rollout.engines import Engine, build_engine
 
@@ -94,10 +94,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         log, "ready", grpc=address, backend=cfg.rollout.backend, engine_load_s=engine_s, policy_version=follower.loaded, startup_s=started()
     )
     try:
-        await stage.run(stop)
+        await serve_stage(stage, stop, server)
     finally:
-        log_event(log, "draining", handled=stage.handled)
         watcher.cancel()
         await follower.client.close()
-        await server.stop(grace=1)
-        await bus.close()

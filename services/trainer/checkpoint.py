@@ -1,7 +1,7 @@
 """Trainer checkpoints at ``<store>/<run>/step-<N>/``.
 
 Parts go up first (model as safetensors with its HF config and tokenizer, so a
-step folder is itself a loadable model; optimizer; RNG states; trainer state),
+step folder is itself a loadable model; optimizer; LR scheduler; RNG states; trainer state),
 then ``manifest.json`` with every part's size and sha256. A step without a
 manifest, or whose parts do not match it, does not exist for loaders.
 """
@@ -71,6 +71,7 @@ class Checkpoint:
     step: int
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any]
+    scheduler: dict[str, Any]
     rng: dict[str, Any]
     state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
 
@@ -94,6 +95,7 @@ class CheckpointStore:
         parts = {
             "model.safetensors": save_safetensors(untied(ckpt.model)),
             "optimizer.pt": _torch_bytes(ckpt.optimizer),
+            "scheduler.pt": _torch_bytes(ckpt.scheduler),
             "rng.pkl": pickle.dumps(ckpt.rng),
             "trainer_state.json": json.dumps(ckpt.state, indent=2).encode(),
         }
@@ -127,6 +129,7 @@ class CheckpointStore:
             step=step,
             model=load_safetensors(parts["model.safetensors"]),
             optimizer=torch.load(io.BytesIO(parts["optimizer.pt"]), weights_only=False),
+            scheduler=torch.load(io.BytesIO(parts["scheduler.pt"]), weights_only=False),
             rng=pickle.loads(parts["rng.pkl"]),
             state=json.loads(parts["trainer_state.json"]),
         )

@@ -53,6 +53,9 @@ class Learner:
         self.model = load_model(cfg.model.path, cfg.model.dtype)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
+        warmup = cfg.train.warmup_steps
+        # Adam's first updates are full-size whatever the gradient; warm-up keeps them from jolting the policy.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
 
     def step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]:
         """One optimizer step of GRPO on ``groups``; returns the step's metrics."""
@@ -85,7 +88,9 @@ class Learner:
                 sums[name] += float(value) * share
 
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.max_grad_norm)
+        learning_rate = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
         lengths = torch.tensor([len(r) for _, r in batch.pairs], dtype=torch.float32)
@@ -102,7 +107,7 @@ class Learner:
             "termination_rate": float(batch.stopped.mean()),
             "truncation_rate": float(1 - batch.stopped.mean()),
             "grad_norm": float(grad_norm),
-            "learning_rate": self.optimizer.param_groups[0]["lr"],
+            "learning_rate": learning_rate,
             "generated_by_version_min": float(batch.policy_versions.min()),
             "generated_by_version_max": float(batch.policy_versions.max()),
             "staleness_mean": float((policy_version - batch.policy_versions).mean()),

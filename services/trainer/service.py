@@ -142,6 +142,7 @@ class Trainer:
             step=self.step,
             model=dict(self.learner.model.state_dict()),
             optimizer=self.learner.optimizer.state_dict(),
+            scheduler=self.learner.scheduler.state_dict(),
             rng=rng_state(),
             state={
                 "step": self.step,

@@ -26,11 +26,11 @@ def round_trip(store_url: str, cfg: CheckpointConfig, tmp_path) -> None:
     for step in (1, 2, 3):
         model, optimizer = tiny_state(step)
         state = {"step": step, "policy_version": step, "data_cursor": {"epoch": 0, "index": 8 * step}, "last_experience_seq": 10 * step}
-        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), rng_state(), state), model_dir)
+        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {"last_epoch": step}, rng_state(), state), model_dir)
     assert store.steps() == [2, 3]  # keep_last prunes the oldest
     loaded = store.load_latest()
     model, optimizer = tiny_state(3)
-    assert loaded.step == 3 and loaded.state["last_experience_seq"] == 30
+    assert loaded.step == 3 and loaded.state["last_experience_seq"] == 30 and loaded.scheduler == {"last_epoch": 3}
     restored = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     restored[1].weight = restored[0].weight
     restored.load_state_dict(loaded.model, strict=False)
