@@ -102,3 +102,16 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
         config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """`rlpipe run CONFIG` as a user runs it; returns the finished process and the run's metric rows."""
+    import json
+
+    import yaml
+
+    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    cfg = yaml.safe_load(config.read_text())
+    metrics = Path(cfg["runs_dir"]) / cfg["run_id"] / "metrics.jsonl"
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    return done, rows

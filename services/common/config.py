@@ -24,6 +24,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _one_of(name: str, registry: dict) -> str:
+    if name not in registry:
+        raise ValueError(f"{name!r} is not one of {sorted(registry)}")
+    return name
+
+
 class ModelConfig(Section):
     path: Path = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -61,22 +67,97 @@ class SamplingConfig(Section):
     max_new_tokens: int = Field(8, ge=1)
 
 
+class KLConfig(Section):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    estimator: str = Field("k3", description="k1 | abs | k2 | k3 (or a registered one)")
+    coef: float = Field(0.0, ge=0)
+    placement: Literal["loss", "reward"] = Field("loss", alias="in", description="a loss term, or folded into the reward per token")
+
+    @field_validator("estimator")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from services.trainer.algorithms import KL_ESTIMATORS
+
+        return _one_of(name, KL_ESTIMATORS)
+
+
+class ClipConfig(Section):
+    low: float = Field(0.2, ge=0, lt=1, description="ratio floor 1 - low")
+    high: float = Field(0.2, gt=0, description="ratio ceiling 1 + high (clip-higher: > low)")
+    dual: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages")
+
+
+class TISConfig(Section):
+    mode: Literal["off", "token", "sequence"] = Field("off", description="truncated importance sampling vs rollout logprobs")
+    cap: float = Field(2.0, ge=1)
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _yaml_off(cls, mode: object) -> object:
+        # YAML 1.1 reads a bare `off` as false.
+        return "off" if mode is False else mode
+
+
+class CriticConfig(Section):
+    kind: Literal["separate", "head"] = Field("separate", description="its own model, or a value head on the policy backbone")
+    learning_rate: float = Field(1e-4, gt=0)
+    value_clip: float = Field(0.2, gt=0)
+    value_coef: float = Field(0.5, gt=0)
+    warmup_steps: int = Field(0, ge=0, description="steps that train only the critic")
+
+
+
 class TrainConfig(Section):
-    algorithm: Literal["grpo"] = "grpo"
+    algorithm: str = Field("grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp, or a registered group estimator")
     seed: int = 0
     total_steps: int = Field(100, ge=1)
-    batch_size: int = Field(16, ge=1, description="prompt groups per optimizer step")
+    batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
+    epochs: int = Field(1, ge=1, description="passes over each batch")
+    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
     grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
     learning_rate: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
     weight_decay: float = Field(0.0, ge=0)
     max_grad_norm: float = Field(1.0, gt=0)
     max_seq_len: int = Field(64, ge=2)
-    kl_coef: float = Field(0.0, ge=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl: KLConfig = KLConfig()
+    clip: ClipConfig = ClipConfig()
     entropy_coef: float = Field(0.0, ge=0)
-    clip_range: float = Field(0.2, gt=0, lt=1)
+    loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
+    old_logprobs: Literal["rollout", "recompute"] = Field(
+        "rollout",
+        description="pi_old of the PPO ratio: the rollout engine's sampling logprobs (a trust region around the policy "
+        "that generated the data, right for asynchronous rollouts) or the trainer's own at the start of the step "
+        "(verl's default; pair it with tis to correct for the gap)",
+    )
+    tis: TISConfig = TISConfig()
+    critic: CriticConfig = CriticConfig()
+    max_staleness: int | None = Field(None, ge=0, description="drop groups generated more than this many versions ago")
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
     log_interval: int = Field(1, ge=1)
+
+    @model_validator(mode="after")
+    def _tis_needs_recomputed_logprobs(self) -> TrainConfig:
+        if self.tis.mode != "off" and self.old_logprobs != "recompute":
+            raise ValueError("tis corrects recomputed logprobs toward the rollout's: set old_logprobs: recompute or tis.mode: off")
+        return self
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        from services.trainer.algorithms import AGGREGATIONS
+
+        return _one_of(name, AGGREGATIONS)
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known_algorithm(cls, name: str) -> str:
+        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
+
+        return _one_of(name, {"ppo": None, "reinforce_pp": None, "dr_grpo": None, **ADVANTAGE_ESTIMATORS})
 
 
 class CheckpointConfig(Section):
@@ -184,9 +265,8 @@ class RunConfig(BaseSettings):
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
         from services.reward.functions import REWARD_FUNCTIONS
 
-        unknown = sorted(set(reward.functions) - set(REWARD_FUNCTIONS))
-        if unknown:
-            raise ValueError(f"unknown reward function(s) {unknown}; allowed: {sorted(REWARD_FUNCTIONS)}")
+        for name in reward.functions:
+            _one_of(name, REWARD_FUNCTIONS)
         return reward
 
     @property

@@ -59,12 +59,17 @@ def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch
     return ResponseBatch(input_ids, attention, prompt_lens, targets, mask)
 
 
+def at_response(per_position: torch.Tensor, batch: ResponseBatch) -> torch.Tensor:
+    """``[B, L, ...]`` outputs taken at the positions that predict each response token: ``[B, R, ...]``."""
+    width = batch.targets.shape[1]
+    positions = (batch.prompt_lens[:, None] - 1 + torch.arange(width)[None, :]).clamp(max=per_position.shape[1] - 1)
+    index = positions.view(*positions.shape, *([1] * (per_position.dim() - 2)))
+    return per_position.gather(1, index.expand(-1, -1, *per_position.shape[2:]))
+
+
 def response_logits(model: PreTrainedModel, batch: ResponseBatch) -> torch.Tensor:
     """Logits that predict each response token: ``[B, R, vocab]``."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    width = batch.targets.shape[1]
-    positions = (batch.prompt_lens[:, None] - 1 + torch.arange(width)[None, :]).clamp(max=logits.shape[1] - 1)
-    return logits.gather(1, positions[..., None].expand(-1, -1, logits.shape[-1]))
+    return at_response(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

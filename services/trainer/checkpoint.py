@@ -1,7 +1,7 @@
 """Trainer checkpoints at ``<store>/<run>/step-<N>/``.
 
 Parts go up first (model as safetensors with its HF config and tokenizer, so a
-step folder is itself a loadable model; optimizer; LR scheduler; RNG states; trainer state),
+step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state),
 then ``manifest.json`` with every part's size and sha256. A step without a
 manifest, or whose parts do not match it, does not exist for loaders.
 """
@@ -74,6 +74,7 @@ class Checkpoint:
     scheduler: dict[str, Any]
     rng: dict[str, Any]
     state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
+    critic: dict[str, torch.Tensor] | None = None
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -99,6 +100,8 @@ class CheckpointStore:
             "rng.pkl": pickle.dumps(ckpt.rng),
             "trainer_state.json": json.dumps(ckpt.state, indent=2).encode(),
         }
+        if ckpt.critic is not None:
+            parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
         parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
         for name, data in parts.items():
             self.store.put(prefix + name, data)
@@ -132,6 +135,7 @@ class CheckpointStore:
             scheduler=torch.load(io.BytesIO(parts["scheduler.pt"]), weights_only=False),
             rng=pickle.loads(parts["rng.pkl"]),
             state=json.loads(parts["trainer_state.json"]),
+            critic=load_safetensors(parts["critic.safetensors"]) if "critic.safetensors" in parts else None,
         )
 
     def load_latest(self) -> Checkpoint | None:

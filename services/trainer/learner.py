@@ -1,4 +1,14 @@
-"""The policy and its optimizer, and one GRPO update from a batch of experience groups."""
+"""The policy (and PPO's critic) with their optimizer, and one trainer step over a batch of groups.
+
+A step follows the usual recipe (verl, OpenRLHF, TRL):
+1. score the batch without gradients: ``old_logp`` (the rollout engine's sampling logprobs,
+   or the current policy's own with ``old_logprobs: recompute``), the critic's values, the per-token rewards (the scalar reward on the last token, minus the
+   KL penalty when it is folded into the reward);
+2. advantages by the configured algorithm;
+3. ``epochs`` passes of ``mini_batches`` optimizer steps each, with gradient accumulation,
+   clipped surrogate loss (with truncated importance weights against the rollout engine's
+   logprobs), entropy bonus, KL loss term and clipped value loss.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +20,23 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.messages import ExperienceGroup
-from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.trainer.algorithms import entropy_from_logits, group_advantages, kl_penalty, masked_mean, policy_loss
+from services.common.modeling import ResponseBatch, at_response, load_model, load_tokenizer, pack, token_logprobs
+from services.trainer.algorithms import (
+    aggregate,
+    entropy_from_logits,
+    gae,
+    group_advantages,
+    kl_penalty,
+    masked_mean,
+    policy_loss,
+    reinforce_pp_returns,
+    truncated_importance_weights,
+    value_loss,
+    whiten,
+)
+from services.trainer.critic import Critic
+
+ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
 
 
 def _padded(rows: list[np.ndarray], width: int) -> torch.Tensor:
@@ -21,99 +46,240 @@ def _padded(rows: list[np.ndarray], width: int) -> torch.Tensor:
     return out
 
 
+def _chunks(indices: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    return [chunk for chunk in torch.tensor_split(indices, min(parts, len(indices))) if len(chunk)]
+
+
 @dataclass
-class Rollouts:
-    """A batch of groups flattened to one row per completion."""
+class Batch:
+    """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``."""
 
     pairs: list[tuple[list[int], list[int]]]
-    sampling_logprobs: list[np.ndarray]
-    ref_logprobs: list[np.ndarray]
-    rewards: torch.Tensor
+    mask: torch.Tensor
+    rollout_logp: torch.Tensor
+    ref_logp: torch.Tensor
+    rewards: torch.Tensor  # [N] scalar reward per completion
     group_index: torch.Tensor
     stopped: torch.Tensor  # 1.0 where generation ended on EOS
     policy_versions: torch.Tensor
 
     @classmethod
-    def of(cls, groups: list[ExperienceGroup]) -> Rollouts:
-        rows = [(g_index, g, c, ref) for g_index, g in enumerate(groups) for c, ref in zip(g.completions, g.ref_logprobs)]
+    def of(cls, groups: list[ExperienceGroup]) -> Batch:
+        rows = [(i, g, c, ref) for i, g in enumerate(groups) for c, ref in zip(g.completions, g.ref_logprobs)]
+        pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for _, g, c, _ in rows]
+        width = max(max(len(r) for _, r in pairs), 1)
+        lengths = torch.tensor([len(r) for _, r in pairs])
         return cls(
-            pairs=[(g.prompt_ids.tolist(), c.token_ids.tolist()) for _, g, c, _ in rows],
-            sampling_logprobs=[c.logprobs for _, _, c, _ in rows],
-            ref_logprobs=[ref for *_, ref in rows],
+            pairs=pairs,
+            mask=(torch.arange(width)[None, :] < lengths[:, None]).float(),
+            rollout_logp=_padded([c.logprobs for _, _, c, _ in rows], width),
+            ref_logp=_padded([ref for *_, ref in rows], width),
             rewards=torch.tensor(np.concatenate([g.rewards for g in groups]), dtype=torch.float32),
             group_index=torch.tensor([i for i, *_ in rows]),
             stopped=torch.tensor([c.finish_reason == "stop" for _, _, c, _ in rows], dtype=torch.float32),
             policy_versions=torch.tensor([float(g.policy_version) for _, g, _, _ in rows]),
         )
 
+    def token_rewards(self) -> torch.Tensor:
+        """The scalar reward on each response's last valid token."""
+        out = torch.zeros_like(self.mask)
+        last = (self.mask.sum(-1).long() - 1).clamp(min=0)
+        out[torch.arange(len(out)), last] = self.rewards * (self.mask.sum(-1) > 0)
+        return out
+
 
 class Learner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
+        train = cfg.train
         self.model = load_model(cfg.model.path, cfg.model.dtype)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.train.learning_rate, weight_decay=cfg.train.weight_decay)
-        warmup = cfg.train.warmup_steps
+        self.critic = Critic(cfg, self.model) if train.algorithm == "ppo" else None
+        groups = [{"params": list(self.model.parameters()), "lr": train.learning_rate}]
+        if self.critic is not None:
+            groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay)
+        warmup = train.warmup_steps
         # Adam's first updates are full-size whatever the gradient; warm-up keeps them from jolting the policy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        self.generator = torch.Generator().manual_seed(train.seed)
+        self.steps_done = 0
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    # --- forward passes ---------------------------------------------------------------------
+
+    def _forward(self, rows: torch.Tensor, batch: Batch) -> tuple[ResponseBatch, torch.Tensor, torch.Tensor | None]:
+        """Policy logits ``[n, R, V]`` and critic values ``[n, R]`` (None without a critic) for ``rows``."""
+        packed = pack([batch.pairs[i] for i in rows], self.tokenizer.pad_token_id)
+        want_hidden = self.critic is not None and self.critic.kind == "head"
+        output = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, output_hidden_states=want_hidden)
+        logits = at_response(output.logits, packed)
+        values = self.critic.values(packed, output) if self.critic is not None else None
+        return packed, logits, values
+
+    @torch.no_grad()
+    def _score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The current policy's logprobs and the critic's values for the whole batch, before any update."""
+        old_logp = torch.zeros_like(batch.mask)
+        old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
+        for rows in _chunks(torch.arange(len(batch.pairs)), self.cfg.train.grad_accum_steps):
+            packed, logits, values = self._forward(rows, batch)
+            r = packed.mask.shape[1]
+            old_logp[rows, :r] = token_logprobs(logits, packed.targets) * packed.mask
+            if values is not None:
+                old_values[rows, :r] = values * packed.mask
+        return old_logp, old_values
+
+    # --- advantages -------------------------------------------------------------------------
+
+    def advantages(self, batch: Batch, old_logp: torch.Tensor, old_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Per-token advantages ``[N, R]`` and, for PPO, the value targets."""
+        train = self.cfg.train
+        mask = batch.mask
+        token_rewards = batch.token_rewards()
+        if train.kl.placement == "reward" and train.kl.coef > 0:
+            token_rewards = token_rewards - train.kl.coef * kl_penalty(old_logp, batch.ref_logp, train.kl.estimator) * mask
+        if train.algorithm == "ppo":
+            advantages, returns = gae(token_rewards, old_values, mask, train.gamma, train.lam)
+            return whiten(advantages, mask) * mask, returns
+        if train.algorithm == "reinforce_pp":
+            return whiten(reinforce_pp_returns(token_rewards, mask, train.gamma), mask) * mask, None
+        scores = token_rewards.sum(-1)
+        return group_advantages(scores, batch.group_index, ALIASES.get(train.algorithm, train.algorithm))[:, None] * mask, None
+
+    # --- the step ---------------------------------------------------------------------------
 
     def step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]:
-        """One optimizer step of GRPO on ``groups``; returns the step's metrics."""
+        """One trainer step on ``groups``; returns the step's metrics."""
         started = time.perf_counter()
         train = self.cfg.train
+        batch = Batch.of(groups)
+        self.model.eval()  # scoring must match generation: no dropout
+        if train.old_logprobs == "recompute" or self.critic is not None:
+            old_logp, old_values = self._score(batch)
+        else:
+            old_logp, old_values = batch.rollout_logp, None
+        if train.old_logprobs == "rollout":
+            old_logp = batch.rollout_logp
+        advantages, returns = self.advantages(batch, old_logp, old_values)
+        tis = None
+        if train.tis.mode != "off":
+            tis = truncated_importance_weights(old_logp, batch.rollout_logp, batch.mask, train.tis.mode, train.tis.cap)
+        critic_only = self.critic is not None and self.steps_done < train.critic.warmup_steps
+
         self.model.train()
-        batch = Rollouts.of(groups)
-        advantages = group_advantages(batch.rewards, batch.group_index, "grpo")
-        total_tokens = sum(len(r) for _, r in batch.pairs)
-        sums = {"pg_loss": 0.0, "kl_ref": 0.0, "entropy": 0.0, "clipfrac": 0.0, "approx_kl": 0.0, "loss": 0.0}
-
-        rows = np.arange(len(batch.pairs))
-        for micro in np.array_split(rows, min(train.grad_accum_steps, len(rows))):
-            packed = pack([batch.pairs[i] for i in micro], self.tokenizer.pad_token_id)
-            width = packed.mask.shape[1]
-            logits = response_logits(self.model, packed)
-            logp = token_logprobs(logits, packed.targets)
-            old_logp = _padded([batch.sampling_logprobs[i] for i in micro], width)
-            ref_logp = _padded([batch.ref_logprobs[i] for i in micro], width)
-            mask = packed.mask
-            # The rollout's logprobs are the behaviour policy: the ratio corrects for sampling from an older version.
-            pg_loss, stats = policy_loss(logp, old_logp, advantages[micro], mask, train.clip_range, train.clip_range)
-            kl = masked_mean(kl_penalty(logp, ref_logp, "k3"), mask)
-            entropy = masked_mean(entropy_from_logits(logits.float()), mask)
-            loss = pg_loss + train.kl_coef * kl - train.entropy_coef * entropy
-            # Weight micro-batches by their tokens so the sum equals the token mean over the whole batch.
-            share = float(mask.sum()) / max(total_tokens, 1)
-            (loss * share).backward()
-            for name, value in (("pg_loss", pg_loss), ("kl_ref", kl), ("entropy", entropy), ("loss", loss), *stats.items()):
-                sums[name] += float(value) * share
-
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), train.max_grad_norm)
+        sums: dict[str, float] = {}
+        updates = 0
+        grad_norms = []
+        for _ in range(train.epochs):
+            order = torch.randperm(len(batch.pairs), generator=self.generator)
+            for mini in _chunks(order, train.mini_batches):
+                for micro in _chunks(mini, train.grad_accum_steps):
+                    share = self._share(batch.mask, micro, mini)
+                    loss, stats = self._loss(batch, micro, old_logp, old_values, advantages, returns, tis, critic_only)
+                    (loss * share).backward()
+                    for name, value in stats.items():
+                        sums[name] = sums.get(name, 0.0) + float(value) * share
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                updates += 1
         learning_rate = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
-        lengths = torch.tensor([len(r) for _, r in batch.pairs], dtype=torch.float32)
-        group_std = torch.stack([batch.rewards[batch.group_index == i].std(unbiased=False) for i in range(len(groups))])
+        self.steps_done += 1
+        metrics = {name: value / updates for name, value in sums.items()}
+        metrics |= self._batch_metrics(batch, advantages, returns, old_values, tis, policy_version)
         elapsed = time.perf_counter() - started
-        return {
-            **sums,
+        metrics |= {
+            "grad_norm": float(np.mean(grad_norms)),
+            "learning_rate": learning_rate,
+            "critic_only": float(critic_only),
+            "step_time_s": elapsed,
+            "tokens_per_s": float(batch.mask.sum()) * train.epochs / max(elapsed, 1e-9),
+        }
+        return metrics
+
+    def _share(self, mask: torch.Tensor, micro: torch.Tensor, mini: torch.Tensor) -> float:
+        """Weight of a micro-batch so that summed micro losses equal the mini-batch's aggregate."""
+        if self.cfg.train.loss_agg == "token-mean":
+            return float(mask[micro].sum()) / max(float(mask[mini].sum()), 1.0)
+        has_tokens = mask.sum(-1) > 0
+        return float(has_tokens[micro].sum()) / max(float(has_tokens[mini].sum()), 1.0)
+
+    def _loss(
+        self,
+        batch: Batch,
+        rows: torch.Tensor,
+        old_logp: torch.Tensor,
+        old_values: torch.Tensor | None,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+        tis: torch.Tensor | None,
+        critic_only: bool,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        train = self.cfg.train
+        packed, logits, values = self._forward(rows, batch)
+        r = packed.mask.shape[1]
+        mask = packed.mask
+
+        def cut(t: torch.Tensor) -> torch.Tensor:
+            return t[rows, :r]
+
+        logp = token_logprobs(logits, packed.targets)
+        horizon = batch.mask.shape[1]
+        pg_loss, stats = policy_loss(
+            logp, cut(old_logp), cut(advantages), mask, train.clip.low, train.clip.high, train.clip.dual,
+            train.loss_agg, weights=cut(tis) if tis is not None else None, horizon=horizon,
+        )
+        entropy = aggregate(entropy_from_logits(logits.float()), mask, train.loss_agg, horizon)
+        kl = aggregate(kl_penalty(logp, cut(batch.ref_logp), train.kl.estimator), mask, train.loss_agg, horizon)
+        loss = pg_loss - train.entropy_coef * entropy
+        if train.kl.placement == "loss":
+            loss = loss + train.kl.coef * kl
+        stats |= {"pg_loss": pg_loss.detach(), "entropy": entropy.detach(), "kl_ref": kl.detach()}
+        if values is not None:
+            v_loss, v_clipfrac = value_loss(values, cut(old_values), cut(returns), mask, train.critic.value_clip, train.loss_agg)
+            loss = train.critic.value_coef * v_loss if critic_only else loss + train.critic.value_coef * v_loss
+            stats |= {"value_loss": v_loss.detach(), "value_clipfrac": v_clipfrac}
+        stats["loss"] = loss.detach()
+        return loss, stats
+
+    def _batch_metrics(
+        self,
+        batch: Batch,
+        advantages: torch.Tensor,
+        returns: torch.Tensor | None,
+        old_values: torch.Tensor | None,
+        tis: torch.Tensor | None,
+        policy_version: int,
+    ) -> dict[str, float]:
+        mask = batch.mask
+        lengths = mask.sum(-1)
+        group_std = torch.stack([batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()])
+        valid = mask.bool()
+        metrics = {
             "reward_mean": float(batch.rewards.mean()),
             "reward_std": float(batch.rewards.std()),
-            "advantage_mean": float(advantages.mean()),
+            "advantage_mean": float(advantages[valid].mean()),
+            "advantage_std": float(advantages[valid].std()),
             "zero_variance_groups": float((group_std == 0).float().mean()),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
             "termination_rate": float(batch.stopped.mean()),
             "truncation_rate": float(1 - batch.stopped.mean()),
-            "grad_norm": float(grad_norm),
-            "learning_rate": learning_rate,
             "generated_by_version_min": float(batch.policy_versions.min()),
             "generated_by_version_max": float(batch.policy_versions.max()),
             "staleness_mean": float((policy_version - batch.policy_versions).mean()),
             "staleness_max": float((policy_version - batch.policy_versions).max()),
-            "groups": float(len(groups)),
+            "groups": float(batch.group_index.max() + 1),
             "completions": float(len(batch.pairs)),
-            "step_time_s": elapsed,
-            "tokens_per_s": total_tokens / max(elapsed, 1e-9),
         }
+        if tis is not None:
+            metrics |= {"tis_weight_mean": float(masked_mean(tis, mask)), "tis_weight_max": float(tis[valid].max())}
+        if returns is not None and old_values is not None:
+            residual_var = (returns - old_values)[valid].var()
+            metrics["explained_variance"] = float(1 - residual_var / returns[valid].var().clamp(min=1e-8))
+            metrics["value_mean"] = float(old_values[valid].mean())
+        return metrics

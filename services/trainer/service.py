@@ -91,6 +91,7 @@ class Trainer:
         self.version = 0
         self.last_experience_seq = 0
         self.last_eval: float | None = None
+        self.dropped_stale = 0  # since the last step
 
     async def feed(self) -> None:
         limit = self.cfg.train.max_inflight_batches * self.cfg.train.batch_size
@@ -121,6 +122,10 @@ class Trainer:
                 continue
             self.last_experience_seq = sequence
             self.in_flight.discard(group.group_id)
+            max_staleness = self.cfg.train.max_staleness
+            if max_staleness is not None and self.version - group.policy_version > max_staleness:
+                self.dropped_stale += 1
+                continue
             batch.append(group)
         return batch
 
@@ -144,6 +149,7 @@ class Trainer:
             optimizer=self.learner.optimizer.state_dict(),
             scheduler=self.learner.scheduler.state_dict(),
             rng=rng_state(),
+            critic=dict(self.learner.critic.state_dict()) if self.learner.critic is not None else None,
             state={
                 "step": self.step,
                 "policy_version": self.version,
@@ -168,7 +174,8 @@ class Trainer:
             self.step += 1
             self.version += 1
             await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
-            row = {"step": self.step, "policy_version": self.version, **metrics}
+            row = {"step": self.step, "policy_version": self.version, "dropped_stale": self.dropped_stale, **metrics}
+            self.dropped_stale = 0
             self.metrics.write(row)
             if self.step % train.log_interval == 0:
                 log_event(log, "step", total_steps=train.total_steps, **row)

@@ -37,20 +37,36 @@ def test_yaml_values_and_env_overrides(tmp_path, model_dir, data_dir, monkeypatc
 
 
 def test_seed_example_fields_are_expressible(tmp_path, model_dir, data_dir):
+    # The seed's names: task_name, seed, batch_size, learning_rate, grad_accum_steps, max_seq_len,
+    # save_every_steps, entropy_coef, kl_coef (kl.coef), clip_range (clip.low/high), log_interval, metrics path.
     train = {"seed": 7, "batch_size": 4, "learning_rate": 2e-5, "grad_accum_steps": 2, "max_seq_len": 48,
-             "entropy_coef": 0.01, "kl_coef": 0.05, "clip_range": 0.3, "log_interval": 5}
-    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train=train,
+             "entropy_coef": 0.01, "log_interval": 5}
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs",
+                        train={**train, "kl": {"coef": 0.05, "in": "reward"}, "clip": {"low": 0.3, "high": 0.3}},
                         checkpoint={"save_every_steps": 10}, data={"task_name": "arithmetic"}, metrics_path=str(tmp_path / "m.jsonl"))
     cfg = load_config(path)
     assert cfg.train.model_dump(include=set(train)) == train
+    assert cfg.train.kl.coef == 0.05 and cfg.train.kl.placement == "reward" and cfg.train.clip.high == 0.3
     assert cfg.checkpoint.save_every_steps == 10 and cfg.data.task_name == "arithmetic"
     assert cfg.metrics_file == tmp_path / "m.jsonl"
+
+
+def test_nested_env_override_of_algorithm_settings(tmp_path, model_dir, data_dir, monkeypatch):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    monkeypatch.setenv("RLPIPE_TRAIN__ALGORITHM", "ppo")
+    monkeypatch.setenv("RLPIPE_TRAIN__KL__COEF", "0.2")
+    monkeypatch.setenv("RLPIPE_TRAIN__CLIP__HIGH", "0.28")
+    cfg = load_config(path)
+    assert (cfg.train.algorithm, cfg.train.kl.coef, cfg.train.clip.high) == ("ppo", 0.2, 0.28)
 
 
 @pytest.mark.parametrize(
     ("change", "field", "allowed"),
     [
-        ({"train": {"algorithm": "sarsa"}}, "train.algorithm", "'grpo'"),
+        ({"train": {"algorithm": "sarsa"}}, "train.algorithm", "'reinforce_pp'"),
+        ({"train": {"loss_agg": "median"}}, "train.loss_agg", "seq-mean-token-sum-norm"),
+        ({"train": {"kl": {"estimator": "k9"}}}, "train.kl.estimator", "'k3'"),
+        ({"train": {"clip": {"dual": 0.5}}}, "train.clip.dual", "greater than 1"),
         ({"train": {"learning_rate": -0.1}}, "train.learning_rate", "greater than 0"),
         ({"model": {"path": "/nowhere/model"}}, "model.path", "/nowhere/model"),
         ({"reward": {"functions": {"vibes": 1.0}}}, "reward", "exact_match"),

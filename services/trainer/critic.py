@@ -1,0 +1,39 @@
+"""The PPO critic: a scalar value per response token, from its own model or from the policy's backbone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from services.common.config import RunConfig
+from services.common.modeling import ResponseBatch, at_response, load_model
+
+
+class Critic(torch.nn.Module):
+    """V(s_t) for the state before each response token, read off the last hidden layer by a linear head.
+
+    ``kind = "separate"``: a copy of the base model's backbone, trained only by the value loss.
+    ``kind = "head"``: the head sits on the policy's own backbone and reuses the policy's
+    forward pass, so the value loss also shapes the shared trunk.
+    """
+
+    def __init__(self, cfg: RunConfig, policy: PreTrainedModel):
+        super().__init__()
+        self.kind = cfg.train.critic.kind
+        hidden = policy.config.hidden_size
+        if self.kind == "separate":
+            self.backbone = load_model(cfg.model.path, cfg.model.dtype).model
+        self.head = torch.nn.Linear(hidden, 1, dtype=policy.dtype)
+        # A zero head starts every value at 0 instead of at noise, which would distort the first advantages.
+        torch.nn.init.zeros_(self.head.weight)
+        torch.nn.init.zeros_(self.head.bias)
+
+    def values(self, batch: ResponseBatch, policy_output: Any) -> torch.Tensor:
+        """``[B, R]`` values; ``policy_output`` must carry hidden states for the ``head`` kind."""
+        if self.kind == "head":
+            hidden = policy_output.hidden_states[-1]
+        else:
+            hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        return self.head(at_response(hidden, batch)).squeeze(-1).float()

@@ -1,0 +1,128 @@
+"""Trainer steps on real tiny-model experience, for every algorithm, without the bus."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from services.common.config import load_config
+from services.common.datasets import load_jsonl
+from services.common.modeling import load_tokenizer
+from services.common.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.reference.service import ReferenceScorer
+from services.trainer.algorithms import group_advantages
+from services.trainer.learner import Batch, Learner
+from tests.conftest import write_config
+
+
+def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
+    """Groups whose completions are right or wrong answers, scored by the base model as the sampler would."""
+    scorer = ReferenceScorer(cfg)
+    tokenizer = load_tokenizer(cfg.model.path)
+    rng = np.random.default_rng(0)
+    groups = []
+    for row in rows:
+        prompt_ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        completions, rewards = [], []
+        for k in range(group_size):
+            right = k % 2 == 0
+            text = row["answer"] if right else str(int(row["answer"]) + int(rng.integers(1, 9)))
+            ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+            completions.append(Completion(text=text, token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.zeros(len(ids), np.float32), finish_reason="stop"))
+            rewards.append(float(right))
+        rollout = advance(Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]), RolloutGroup,
+                          prompt_ids=np.asarray(prompt_ids, dtype=np.int32), policy_version=0, completions=completions)
+        groups.append(advance(rollout, ScoredGroup, rewards=np.asarray(rewards, dtype=np.float32)))
+    scored = scorer(groups)
+    # The sampler's logprobs are the base model's: use the reference's scores for them.
+    return [advance(g, ExperienceGroup, completions=[c.model_copy(update={"logprobs": ref}) for c, ref in zip(g.completions, g.ref_logprobs)]) for g in scored]
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory):
+    model_dir, data_dir = tiny_model
+    tmp = tmp_path_factory.mktemp("learner")
+    rows = load_jsonl(data_dir / "train.jsonl")[:6]
+    return model_dir, data_dir, tmp, rows
+
+
+def make(setup, **train):
+    model_dir, data_dir, tmp, rows = setup
+    cfg = load_config(write_config(tmp / "c.yaml", model_dir, data_dir, tmp / "runs", train={"learning_rate": 1e-4, **train}))
+    torch.manual_seed(0)
+    return cfg, Learner(cfg), experience(cfg, rows)
+
+
+def flat(learner: Learner) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"])
+def test_every_algorithm_steps_with_finite_metrics_and_moves_the_policy(setup, algorithm):
+    cfg, learner, groups = make(
+        setup, algorithm=algorithm, kl={"coef": 0.01}, epochs=2, mini_batches=2, old_logprobs="recompute", tis={"mode": "token"}
+    )
+    before = flat(learner)
+    metrics = learner.step(groups, policy_version=0)
+    assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert not torch.equal(before, flat(learner))
+    assert metrics["reward_mean"] == pytest.approx(0.5)
+    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # sampler == policy at version 0
+    if algorithm == "ppo":
+        assert {"value_loss", "explained_variance", "value_clipfrac"} <= set(metrics)
+
+
+def test_ratio_is_taken_against_the_rollout_logprobs_by_default(setup):
+    _, learner, groups = make(setup, algorithm="grpo")
+    shifted = [g.model_copy(update={"completions": [c.model_copy(update={"logprobs": c.logprobs - 0.5}) for c in g.completions]}) for g in groups]
+    metrics = learner.step(shifted, 0)
+    # The sampler gave every token 0.5 nats less than the policy: approx_kl = mean(old - logp) = -0.5.
+    assert metrics["approx_kl"] == pytest.approx(-0.5, abs=1e-3)
+    assert "tis_weight_mean" not in metrics
+
+
+def test_updates_favour_rewarded_answers_over_the_others(setup):
+    _, learner, groups = make(setup, algorithm="grpo", learning_rate=1e-5)
+    rewarded = torch.cat([torch.tensor(g.rewards) for g in groups]).bool()
+    before = learner._score(Batch.of(groups))[0].sum(-1)
+    for _ in range(3):
+        learner.step(groups, policy_version=0)
+    gain = learner._score(Batch.of(groups))[0].sum(-1) - before
+    # Pushing unlikely wrong answers down moves mass around; what must hold is the margin.
+    assert gain[rewarded].mean() > gain[~rewarded].mean() + 0.5
+
+
+def test_gradient_accumulation_gives_the_same_update(setup):
+    _, one, groups = make(setup, algorithm="grpo", grad_accum_steps=1)
+    _, four, _ = make(setup, algorithm="grpo", grad_accum_steps=4)
+    one.step(groups, 0)
+    four.step(groups, 0)
+    torch.testing.assert_close(flat(one), flat(four), atol=1e-6, rtol=1e-5)
+
+
+def test_critic_warmup_trains_only_the_critic(setup):
+    _, learner, groups = make(setup, algorithm="ppo", critic={"warmup_steps": 1})
+    policy_before = flat(learner)
+    critic_before = torch.cat([p.detach().flatten() for p in learner.critic.parameters()])
+    metrics = learner.step(groups, 0)
+    assert metrics["critic_only"] == 1.0
+    torch.testing.assert_close(flat(learner), policy_before)
+    assert not torch.equal(critic_before, torch.cat([p.detach().flatten() for p in learner.critic.parameters()]))
+    assert learner.step(groups, 0)["critic_only"] == 0.0
+
+
+def test_value_head_on_the_policy_backbone(setup):
+    _, learner, groups = make(setup, algorithm="ppo", critic={"kind": "head"})
+    assert not hasattr(learner.critic, "backbone")
+    metrics = learner.step(groups, 0)
+    assert math.isfinite(metrics["value_loss"]) and metrics["value_loss"] > 0
+
+
+def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
+    _, learner, groups = make(setup, algorithm="grpo", kl={"coef": 1.0, "in": "reward", "estimator": "k1"})
+    batch = Batch.of(groups)
+    old_logp = batch.ref_logp + 0.5 * batch.mask  # the policy drifted up by 0.5 nats on every token
+    advantages, _ = learner.advantages(batch, old_logp, None)
+    expected = group_advantages(batch.rewards - 0.5 * batch.mask.sum(-1), batch.group_index, "grpo")
+    torch.testing.assert_close(advantages[:, 0], expected)
