@@ -12,12 +12,15 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: faul
 
 
 @app.command()
-def run(config: Path = typer.Argument(..., help="run config YAML")) -> None:
+def run(
+    config: Path = typer.Argument(..., help="run config YAML"),
+    resume: bool = typer.Option(False, "--resume", help="continue runs/<run id> from its streams and latest checkpoint"),
+) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.launcher import run as launch
 
     try:
-        code = launch(config)
+        code = launch(config, resume=resume)
     except ConfigError as error:
         typer.echo(f"rlpipe run: {error}", err=True)
         raise typer.Exit(2) from None

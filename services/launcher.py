@@ -58,10 +58,12 @@ def nats_server_binary() -> str:
 @dataclass
 class Child:
     name: str
+    role: str
     process: subprocess.Popen
     log_path: Path
     events: queue.Queue = field(default_factory=queue.Queue)
     ready: dict[str, Any] | None = None
+    pump_thread: threading.Thread | None = None
 
     def pump(self, stream: IO[bytes]) -> None:
         """Copy the child's output to its log file and pass its JSON events on."""
@@ -78,14 +80,16 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, cfg: RunConfig, config_path: Path):
+    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool):
         self.cfg = cfg
         self.config_path = config_path
+        self.resume = resume
         self.run_dir = cfg.run_dir
         self.children: list[Child] = []
         self.nats: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.startup: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
 
     def start_nats(self) -> str:
         port = free_port()
@@ -110,19 +114,34 @@ class Launcher:
             time.sleep(0.05)
         raise RuntimeError("nats-server did not accept connections within 30 s")
 
-    def spawn(self, role: str, name: str) -> Child:
+    def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env=self.env,
+            env={**self.env, **(env or {})},
             preexec_fn=_die_with_parent,
         )
-        child = Child(name, process, log_path)
-        threading.Thread(target=child.pump, args=(process.stdout,), daemon=True).start()
-        self.children.append(child)
+        child = Child(name, role, process, log_path)
+        child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
+        child.pump_thread.start()
+        self.children = [c for c in self.children if c.name != name] + [child]
         return child
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def write_run_file(self) -> None:
+        """runs/<run>/run.json: where things are, for tests and tools (and, later, the admin CLI)."""
+        info = {
+            "run_id": self.cfg.run_id,
+            "nats_url": self.env["RLPIPE_NATS__URL"],
+            "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
+            "pids": {c.name: c.process.pid for c in self.children},
+            "restarts": self.restarts,
+        }
+        (self.run_dir / "run.json").write_text(json.dumps(info, indent=2))
 
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
         """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""
@@ -151,7 +170,7 @@ class Launcher:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}")
             time.sleep(0.05)
 
-    def start(self) -> Child:
+    def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         nats_url = self.start_nats()
         console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
@@ -163,23 +182,24 @@ class Launcher:
         }
         for i in range(self.cfg.reference.replicas):
             self.wait_ready([self.spawn("reference", f"reference-{i}")])
-        trainer = self.spawn("trainer", "trainer")
-        self.wait_ready([trainer])
+        # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
+        self.wait_ready([self.spawn("trainer", "trainer", env={"RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})])
         workers = [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
         workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(workers)
-        (self.run_dir / "run.json").write_text(
-            json.dumps({"run_id": self.cfg.run_id, "nats_url": nats_url, "trainer": trainer.ready["grpc"], "pids": {c.name: c.process.pid for c in self.children}}, indent=2)
-        )
-        return trainer
+        self.write_run_file()
 
-    def follow(self, trainer: Child) -> dict[str, Any]:
-        """Progress over training steps until the trainer finishes; raises if any service dies."""
+    def follow(self) -> dict[str, Any]:
+        """Progress over training steps until the trainer is done, restarting services that die."""
         done: dict[str, Any] = {}
+        due: dict[str, float] = {}  # name -> when to restart it
         columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("steps", total=self.cfg.train.total_steps, info="")
             while not done:
+                trainer = self.child("trainer")
+                if trainer.process.poll() is not None and trainer.pump_thread:
+                    trainer.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
                 while not trainer.events.empty():
                     event = trainer.events.get()
                     if event["event"] == "step":
@@ -187,14 +207,35 @@ class Launcher:
                         progress.update(task, completed=event["step"], info=info)
                     elif event["event"] == "eval":
                         progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
+                    elif event["event"] == "resumed":
+                        progress.console.log(f"trainer resumed from step {event['step']} as policy version {event['policy_version']}")
                     elif event["event"] == "done":
                         done = event
+                if done:
+                    break
                 for child in self.children:
-                    if child.process.poll() is not None and not done:
-                        raise RuntimeError(f"{child.name} exited with {child.process.returncode}; see {child.log_path}")
+                    if child.process.poll() is not None and child.name not in due:
+                        due[child.name] = self.schedule_restart(child, progress)
+                for name, when in list(due.items()):
+                    if time.monotonic() >= when:
+                        del due[name]
+                        restarted = self.child(name)
+                        self.spawn(restarted.role, name, env={"RLPIPE_CHECKPOINT__RESUME": "true"})
+                        self.write_run_file()
                 time.sleep(0.1)
-        trainer.process.wait(timeout=60)
+        self.child("trainer").process.wait(timeout=60)
         return done
+
+    def schedule_restart(self, child: Child, progress: Progress) -> float:
+        """As a container restart policy would: back off exponentially, give up after max_restarts."""
+        supervision = self.cfg.supervision
+        count = self.restarts.get(child.name, 0) + 1
+        if count > supervision.max_restarts:
+            raise RuntimeError(f"{child.name} died {count} times (exit {child.process.returncode}); see {child.log_path}")
+        self.restarts[child.name] = count
+        delay = min(supervision.backoff_s * 2 ** (count - 1), supervision.max_backoff_s)
+        progress.console.log(f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s")
+        return time.monotonic() + delay
 
     def stop(self) -> list[str]:
         """Stop every process (SIGTERM, then SIGKILL); returns the services that failed."""
@@ -245,19 +286,20 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def run(config_path: Path) -> int:
+def run(config_path: Path, resume: bool = False) -> int:
+    """Run the pipeline; ``resume`` continues the run in ``runs/<run>`` (its streams and checkpoints) instead of starting afresh."""
     cfg = load_config(config_path)
-    if cfg.run_dir.exists():
+    if cfg.run_dir.exists() and not resume:
         console.log(f"starting afresh: removing the previous {cfg.run_dir}")
         shutil.rmtree(cfg.run_dir)
-    cfg.run_dir.mkdir(parents=True)
-    launcher = Launcher(cfg, config_path)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    launcher = Launcher(cfg, config_path, resume)
     # SIGTERM (a supervisor, `timeout`) gets the same orderly shutdown as Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        trainer = launcher.start()
+        launcher.start()
         training_started = time.perf_counter()
-        done = launcher.follow(trainer)
+        done = launcher.follow()
         wall_s = time.perf_counter() - training_started
     except (RuntimeError, KeyboardInterrupt) as error:
         console.log(f"[red]run failed:[/] {error}")

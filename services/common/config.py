@@ -164,6 +164,8 @@ class CheckpointConfig(Section):
     store_url: str = Field("", description="file:///path or s3://bucket/prefix; empty = file://<runs_dir>")
     save_every_steps: int = Field(25, ge=0, description="0 saves only at the end")
     keep_last: int = Field(3, ge=1)
+    resume: bool = Field(True, description="a starting trainer continues from the latest valid checkpoint")
+    resume_step: int | None = Field(None, ge=0, description="continue from this step instead of the latest")
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
     s3_secure: bool = True
     s3_region: str = "us-east-1"
@@ -231,6 +233,12 @@ class ServiceConfig(Section):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
 
+class SupervisionConfig(Section):
+    max_restarts: int = Field(10, ge=0, description="per service, before the run is declared failed")
+    backoff_s: float = Field(1.0, gt=0, description="first restart delay, doubled on each restart")
+    max_backoff_s: float = Field(30.0, gt=0)
+
+
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
@@ -247,6 +255,7 @@ class RunConfig(BaseSettings):
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
     service: ServiceConfig = ServiceConfig()
+    supervision: SupervisionConfig = SupervisionConfig()
 
     @classmethod
     def settings_customise_sources(

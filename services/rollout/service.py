@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 
 class PolicyFollower:
-    """Tracks the trainer's newest version and loads it into the engine when asked."""
+    """Tracks the trainer's current version and loads it into the engine when asked."""
 
     def __init__(self, engine: Engine, engine_thread: ThreadPoolExecutor, client: WeightSyncClient):
         self.engine = engine
@@ -40,8 +40,10 @@ class PolicyFollower:
         delay = 0.5
         while True:
             try:
-                async for info in self.client.watch(after_version=self.newest):
-                    self.newest = max(self.newest, info.version)
+                # after_version=0: a (re)connected watch first hears the trainer's current version, which
+                # after a trainer restart may differ from anything seen before.
+                async for info in self.client.watch(after_version=0):
+                    self.newest = info.version
                     delay = 0.5
             except grpc.aio.AioRpcError as error:
                 log_event(log, "weight_watch_lost", level=logging.WARNING, code=error.code().name, retry_s=delay)
@@ -49,7 +51,7 @@ class PolicyFollower:
             delay = min(delay * 2, 10.0)
 
     async def sync(self) -> None:
-        if self.newest <= self.loaded:
+        if self.newest == self.loaded:
             return
         took = Stopwatch()
         version, tensors = await self.client.pull()

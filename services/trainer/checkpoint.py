@@ -1,7 +1,7 @@
 """Trainer checkpoints at ``<store>/<run>/step-<N>/``.
 
 Parts go up first (model as safetensors with its HF config and tokenizer, so a
-step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state),
+step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state; lineage),
 then ``manifest.json`` with every part's size and sha256. A step without a
 manifest, or whose parts do not match it, does not exist for loaders.
 """
@@ -66,6 +66,18 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a state dict saved by ``untied``: only the aliases of shared tensors may be absent."""
+    ptrs: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict().items():
+        ptrs.setdefault(tensor.data_ptr(), []).append(name)
+    aliases = {name for names in ptrs.values() for name in names[1:]}
+    result = module.load_state_dict(state, strict=False)
+    wrong = set(result.missing_keys) - aliases
+    if wrong or result.unexpected_keys:
+        raise ValueError(f"checkpoint does not fit the model: missing {sorted(wrong)}, unexpected {sorted(result.unexpected_keys)}")
+
+
 @dataclass
 class Checkpoint:
     step: int
@@ -75,6 +87,7 @@ class Checkpoint:
     rng: dict[str, Any]
     state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
     critic: dict[str, torch.Tensor] | None = None
+    lineage: str = ""  # lineage.jsonl up to this step
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -99,6 +112,7 @@ class CheckpointStore:
             "scheduler.pt": _torch_bytes(ckpt.scheduler),
             "rng.pkl": pickle.dumps(ckpt.rng),
             "trainer_state.json": json.dumps(ckpt.state, indent=2).encode(),
+            "lineage.jsonl": ckpt.lineage.encode(),
         }
         if ckpt.critic is not None:
             parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
@@ -136,6 +150,7 @@ class CheckpointStore:
             rng=pickle.loads(parts["rng.pkl"]),
             state=json.loads(parts["trainer_state.json"]),
             critic=load_safetensors(parts["critic.safetensors"]) if "critic.safetensors" in parts else None,
+            lineage=parts["lineage.jsonl"].decode(),
         )
 
     def load_latest(self) -> Checkpoint | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +35,7 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
+from services.trainer.checkpoint import Checkpoint, load_untied, restore_rng, rng_state
 from services.trainer.critic import Critic
 
 ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
@@ -104,6 +106,20 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
         self.generator = torch.Generator().manual_seed(train.seed)
         self.steps_done = 0
+
+    def rng_state(self) -> dict[str, Any]:
+        return {**rng_state(), "minibatch_order": self.generator.get_state()}
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams."""
+        load_untied(self.model, ckpt.model)
+        if self.critic is not None and ckpt.critic is not None:
+            load_untied(self.critic, ckpt.critic)
+        self.optimizer.load_state_dict(ckpt.optimizer)
+        self.scheduler.load_state_dict(ckpt.scheduler)
+        restore_rng(ckpt.rng)
+        self.generator.set_state(ckpt.rng["minibatch_order"])
+        self.steps_done = ckpt.step
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -26,7 +26,8 @@ from services.common.pb import weights_pb2_grpc
 from services.common.service import start_grpc_server
 from services.common.storage import open_store
 from services.common.weightsync import WeightSyncServer, snapshot_of
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, rng_state
+from services.trainer.checkpoint import Checkpoint, CheckpointStore
+from services.trainer.lineage import Lineage
 from services.trainer.learner import Learner
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,10 @@ class PromptFeeder:
     def cursor(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 
+    def seek(self, cursor: dict[str, int]) -> None:
+        self.epoch, self.index = cursor["epoch"], cursor["index"]
+        self._order = self._order_of(self.epoch)
+
 
 class MetricsLog:
     def __init__(self, path: Path):
@@ -86,12 +91,33 @@ class Trainer:
         self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
         self.checkpoints = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
         self.metrics = MetricsLog(cfg.metrics_file)
+        self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.in_flight: set[str] = set()
         self.step = 0
         self.version = 0
-        self.last_experience_seq = 0
+        self.last_experience_seq = 0  # every EXPERIENCE message up to here is applied, dropped or dead
         self.last_eval: float | None = None
-        self.dropped_stale = 0  # since the last step
+        self.baseline_eval: float | None = None
+        self.saved_step = 0
+
+    def restore(self) -> int | None:
+        """Continue from the configured or latest valid checkpoint; returns its step, or None for a fresh start."""
+        wanted = self.cfg.checkpoint.resume_step
+        ckpt = self.checkpoints.load(wanted) if wanted is not None else self.checkpoints.load_latest()
+        if ckpt is None:
+            return None
+        self.learner.load(ckpt)
+        state = ckpt.state
+        self.step = self.saved_step = state["step"]
+        self.feeder.seek(state["data_cursor"])
+        self.last_experience_seq = state["last_experience_seq"]
+        self.in_flight = set(state["in_flight"])
+        self.last_eval, self.baseline_eval = state["eval_accuracy"], state["baseline_accuracy"]
+        # Versions only grow: rollouts must see the restored weights as new, whatever they hold now.
+        self.version = max(state["policy_version"], self.lineage.max_version()) + 1
+        abandoned = self.lineage.restart_from(self.step, self.version, "resume", copy_if_missing=ckpt.lineage)
+        log_event(log, "resumed", step=self.step, policy_version=self.version, experience_seq=self.last_experience_seq, abandoned_steps=abandoned)
+        return self.step
 
     async def feed(self) -> None:
         limit = self.cfg.train.max_inflight_batches * self.cfg.train.batch_size
@@ -105,8 +131,12 @@ class Trainer:
             self.in_flight.discard(msg.headers[H_GROUP])
             log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=msg.headers[H_GROUP])
 
-    async def next_batch(self, reader: Any, stop: asyncio.Event) -> list[ExperienceGroup]:
+    async def next_batch(self, reader: Any, stop: asyncio.Event) -> tuple[list[ExperienceGroup], list[str], int]:
+        """The next ``batch_size`` usable groups in stream order, the ids dropped as stale, and the last sequence read."""
         batch: list[ExperienceGroup] = []
+        dropped: list[str] = []
+        sequence = self.last_experience_seq
+        max_staleness = self.cfg.train.max_staleness
         while len(batch) < self.cfg.train.batch_size and not stop.is_set():
             await self.feed()
             try:
@@ -118,16 +148,13 @@ class Trainer:
                 group = decode(msg.data, ExperienceGroup)
             except DecodeError as error:
                 await self.bus.dead_letter(msg, str(error), EXPERIENCE)
-                self.last_experience_seq = sequence
                 continue
-            self.last_experience_seq = sequence
             self.in_flight.discard(group.group_id)
-            max_staleness = self.cfg.train.max_staleness
             if max_staleness is not None and self.version - group.policy_version > max_staleness:
-                self.dropped_stale += 1
+                dropped.append(group.group_id)
                 continue
             batch.append(group)
-        return batch
+        return batch, dropped, sequence
 
     async def evaluate(self) -> float | None:
         if not self.eval_rows:
@@ -148,46 +175,65 @@ class Trainer:
             model=dict(self.learner.model.state_dict()),
             optimizer=self.learner.optimizer.state_dict(),
             scheduler=self.learner.scheduler.state_dict(),
-            rng=rng_state(),
+            rng=self.learner.rng_state(),
             critic=dict(self.learner.critic.state_dict()) if self.learner.critic is not None else None,
+            lineage=self.lineage.text(),
             state={
                 "step": self.step,
                 "policy_version": self.version,
                 "data_cursor": self.feeder.cursor,
                 "last_experience_seq": self.last_experience_seq,
+                "in_flight": sorted(self.in_flight),
                 "eval_accuracy": self.last_eval,
+                "baseline_accuracy": self.baseline_eval,
             },
         )
         location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.cfg.model.path)
+        self.saved_step = self.step
         log_event(log, "checkpoint", step=self.step, location=location, save_s=took())
+
+    async def train_step(self, batch: list[ExperienceGroup], dropped: list[str], sequence: int) -> None:
+        train = self.cfg.train
+        metrics = await asyncio.to_thread(self.learner.step, batch, self.version)
+        self.step += 1
+        self.version += 1
+        self.last_experience_seq = sequence
+        self.lineage.record_step(self.step, self.version, [(g.group_id, g.policy_version) for g in batch], dropped, sequence)
+        await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
+        row = {"step": self.step, "policy_version": self.version, "dropped_stale": len(dropped), **metrics}
+        self.metrics.write(row)
+        if self.step % train.log_interval == 0:
+            log_event(log, "step", total_steps=train.total_steps, **row)
 
     async def run(self, stop: asyncio.Event) -> None:
         train, data = self.cfg.train, self.cfg.data
+        resumed = self.cfg.checkpoint.resume and await asyncio.to_thread(self.restore) is not None
+        if resumed:
+            await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
         reader = await self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
         dead = await self.bus.nc.subscribe(subject(self.cfg.run_id, DEAD), cb=self.on_dead_letter)
-        baseline = await self.evaluate()
+        if not resumed:
+            self.baseline_eval = await self.evaluate()
         while self.step < train.total_steps and not stop.is_set():
-            batch = await self.next_batch(reader, stop)
+            batch, dropped, sequence = await self.next_batch(reader, stop)
             if len(batch) < train.batch_size:
                 break
-            metrics = await asyncio.to_thread(self.learner.step, batch, self.version)
-            self.step += 1
-            self.version += 1
-            await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
-            row = {"step": self.step, "policy_version": self.version, "dropped_stale": self.dropped_stale, **metrics}
-            self.dropped_stale = 0
-            self.metrics.write(row)
-            if self.step % train.log_interval == 0:
-                log_event(log, "step", total_steps=train.total_steps, **row)
+            await self.train_step(batch, dropped, sequence)
             if self.cfg.checkpoint.save_every_steps and self.step % self.cfg.checkpoint.save_every_steps == 0:
                 await self.save()
             if data.eval_every_steps and self.step % data.eval_every_steps == 0 and self.step < train.total_steps:
                 await self.evaluate()
-        final = await self.evaluate()
-        await self.save()
         await dead.unsubscribe()
         await reader.unsubscribe()
-        log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=baseline, final_accuracy=final)
+        if self.step < train.total_steps:
+            # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
+            if self.step > self.saved_step:
+                await self.save()
+            log_event(log, "stopped_early", step=self.step)
+            return
+        final = await self.evaluate()
+        await self.save()
+        log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=self.baseline_eval, final_accuracy=final)
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:

@@ -126,3 +126,28 @@ def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
     advantages, _ = learner.advantages(batch, old_logp, None)
     expected = group_advantages(batch.rewards - 0.5 * batch.mask.sum(-1), batch.group_index, "grpo")
     torch.testing.assert_close(advantages[:, 0], expected)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
+    from services.common.config import CheckpointConfig
+    from services.common.storage import open_store
+    from services.trainer.checkpoint import Checkpoint, CheckpointStore
+
+    model_dir = setup[0]
+    cfg, first, groups = make(setup, algorithm=algorithm, epochs=2, mini_batches=2, warmup_steps=3)
+    store = CheckpointStore(open_store(tmp_path.as_uri(), CheckpointConfig()), "resume", keep_last=2)
+    first.step(groups[:3], 0)
+    store.save(Checkpoint(1, dict(first.model.state_dict()), first.optimizer.state_dict(), first.scheduler.state_dict(),
+                          first.rng_state(), {}, critic=dict(first.critic.state_dict()) if first.critic else None), model_dir)
+    torch.manual_seed(1234)  # disturb the global RNG: the checkpoint must bring it back
+    first.step(groups[3:], 1)
+
+    torch.manual_seed(0)
+    resumed = Learner(cfg)
+    resumed.load(store.load_latest())
+    resumed.step(groups[3:], 1)
+    assert torch.equal(flat(first), flat(resumed))
+    if algorithm == "ppo":
+        for a, b in zip(first.critic.parameters(), resumed.critic.parameters()):
+            assert torch.equal(a, b)
