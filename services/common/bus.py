@@ -44,6 +44,9 @@ H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
 
 log = logging.getLogger(__name__)
 
+In = TypeVar("In", bound=Message)
+Out = TypeVar("Out", bound=Message)
+
 
 def subject(run_id: str, edge: str) -> str:
     return f"rlpipe.{run_id}.{edge}"
@@ -98,6 +101,13 @@ class Bus:
             except BadRequestError:
                 # Exists with other settings (e.g. a changed duplicate window): bring it up to date.
                 await self.js.update_stream(config)
+
+    def decode(self, msg: Msg, kind: type[In]) -> In:
+        """Validate a received message as ``kind``; DecodeError says why it is unusable."""
+        limit = self.cfg.nats.max_message_bytes
+        if len(msg.data) > limit:
+            raise DecodeError(f"message of {len(msg.data)} bytes exceeds nats.max_message_bytes={limit}")
+        return decode(msg.data, kind)
 
     async def publish(self, edge: str, message: Message, msg_id: str) -> api.PubAck:
         """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped."""
@@ -169,10 +179,6 @@ async def heartbeat(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[Non
             await task
 
 
-In = TypeVar("In", bound=Message)
-Out = TypeVar("Out", bound=Message)
-
-
 @dataclass
 class Stage(Generic[In, Out]):
     """A stateless pipeline stage: pulls ``consumes``, computes, publishes ``produces``.
@@ -202,7 +208,7 @@ class Stage(Generic[In, Out]):
             decoded: list[tuple[Msg, In]] = []
             for msg in msgs:
                 try:
-                    decoded.append((msg, decode(msg.data, self.input_kind)))
+                    decoded.append((msg, self.bus.decode(msg, self.input_kind)))
                 except DecodeError as error:
                     await self.bus.dead_letter(msg, str(error), self.consumes)
                     await msg.term()

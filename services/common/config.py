@@ -195,6 +195,7 @@ class NatsConfig(Section):
     duplicate_window_s: float = Field(1800.0, gt=0)
     heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
     fetch_timeout_s: float = Field(1.0, gt=0)
+    max_message_bytes: int = Field(512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)")
 
     @model_validator(mode="after")
     def _dedup_outlives_redelivery(self) -> NatsConfig:

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
 
+import certifi
+import urllib3
+
 from services.common.config import CheckpointConfig, S3Credentials
 
 
@@ -66,20 +69,43 @@ class S3Store:
         if not cfg.s3_endpoint:
             raise ValueError("checkpoint.s3_endpoint must be set (host:port) for s3:// store URLs")
         creds = S3Credentials()
+        # Fail fast (the SDK's default waits minutes on a dead endpoint); the checkpoint store retries with backoff.
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=5, read=60),
+            retries=urllib3.Retry(total=1, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
+            ca_certs=certifi.where(),
+        )
         self.client = Minio(
-            cfg.s3_endpoint, access_key=creds.access_key, secret_key=creds.secret_key, secure=cfg.s3_secure, region=cfg.s3_region
+            cfg.s3_endpoint,
+            access_key=creds.access_key,
+            secret_key=creds.secret_key,
+            secure=cfg.s3_secure,
+            region=cfg.s3_region,
+            http_client=http,
         )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}"
-        if not self.client.bucket_exists(bucket):
-            self.client.make_bucket(bucket)
+        self._ensure_bucket()
+
+    def _ensure_bucket(self) -> None:
+        if not self.client.bucket_exists(self.bucket):
+            self.client.make_bucket(self.bucket)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def put(self, key: str, data: bytes) -> None:
-        self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
+        from minio.error import S3Error
+
+        try:
+            self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
+        except S3Error as error:
+            if error.code != "NoSuchBucket":
+                raise
+            # An endpoint that came back empty (or a bucket removed by hand): recreate and write again.
+            self._ensure_bucket()
+            self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
 
     def get(self, key: str) -> bytes:
         response = self.client.get_object(self.bucket, self._key(key))

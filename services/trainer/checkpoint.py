@@ -95,10 +95,24 @@ class CheckpointCorrupt(RuntimeError):
 
 
 class CheckpointStore:
-    def __init__(self, store: ObjectStore, run_id: str, keep_last: int):
+    def __init__(self, store: ObjectStore, run_id: str, keep_last: int, attempts: int = 4, backoff_s: float = 1.0):
         self.store = store
         self.run_id = run_id
         self.keep_last = keep_last
+        self.attempts = attempts
+        self.backoff_s = backoff_s
+
+    def _put(self, key: str, data: bytes) -> None:
+        """Write with retries and exponential backoff: object stores fail transiently."""
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return self.store.put(key, data)
+            except Exception as error:  # network and S3 errors come in many types
+                if attempt == self.attempts:
+                    raise
+                delay = self.backoff_s * 2 ** (attempt - 1)
+                log_event(log, "store_retry", level=logging.WARNING, key=key, attempt=attempt, retry_s=delay, error=repr(error)[:300])
+                time.sleep(delay)
 
     def _prefix(self, step: int) -> str:
         return f"{self.run_id}/step-{step:08d}/"
@@ -118,13 +132,13 @@ class CheckpointStore:
             parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
         parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
         for name, data in parts.items():
-            self.store.put(prefix + name, data)
+            self._put(prefix + name, data)
         manifest = {
             "step": ckpt.step,
             "created": time.time(),
             "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
         }
-        self.store.put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
+        self._put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
         self._prune()
         return f"{self.store.url.rstrip('/')}/{prefix}"
 

@@ -8,6 +8,7 @@ when its experience arrives or when it is dead-lettered on the way.
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import logging
 import time
@@ -21,7 +22,7 @@ from services.common.config import RunConfig
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
 from services.common.logs import Stopwatch, log_event
-from services.common.messages import DecodeError, ExperienceGroup, Prompt, decode
+from services.common.messages import DecodeError, ExperienceGroup, Prompt
 from services.common.pb import weights_pb2_grpc
 from services.common.service import start_grpc_server
 from services.common.storage import open_store
@@ -99,6 +100,7 @@ class Trainer:
         self.last_eval: float | None = None
         self.baseline_eval: float | None = None
         self.saved_step = 0
+        self.upload: asyncio.Task | None = None
 
     def restore(self) -> int | None:
         """Continue from the configured or latest valid checkpoint; returns its step, or None for a fresh start."""
@@ -145,7 +147,7 @@ class Trainer:
                 continue
             sequence = msg.metadata.sequence.stream
             try:
-                group = decode(msg.data, ExperienceGroup)
+                group = self.bus.decode(msg, ExperienceGroup)
             except DecodeError as error:
                 await self.bus.dead_letter(msg, str(error), EXPERIENCE)
                 continue
@@ -168,15 +170,16 @@ class Trainer:
         log_event(log, "eval", step=self.step, eval_accuracy=accuracy, eval_s=took())
         return accuracy
 
-    async def save(self) -> None:
-        took = Stopwatch()
-        ckpt = Checkpoint(
+    def checkpoint(self) -> Checkpoint:
+        """A copy of everything to save, taken between steps so the upload can run while training goes on."""
+        critic = self.learner.critic
+        return Checkpoint(
             step=self.step,
-            model=dict(self.learner.model.state_dict()),
-            optimizer=self.learner.optimizer.state_dict(),
+            model={k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
+            optimizer=copy.deepcopy(self.learner.optimizer.state_dict()),
             scheduler=self.learner.scheduler.state_dict(),
             rng=self.learner.rng_state(),
-            critic=dict(self.learner.critic.state_dict()) if self.learner.critic is not None else None,
+            critic={k: v.detach().clone() for k, v in critic.state_dict().items()} if critic is not None else None,
             lineage=self.lineage.text(),
             state={
                 "step": self.step,
@@ -188,9 +191,29 @@ class Trainer:
                 "baseline_accuracy": self.baseline_eval,
             },
         )
-        location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.cfg.model.path)
-        self.saved_step = self.step
-        log_event(log, "checkpoint", step=self.step, location=location, save_s=took())
+
+    async def save(self, wait: bool = False) -> None:
+        """Checkpoint in the background; with ``wait``, until it is stored (or has failed)."""
+        if self.upload is not None and not self.upload.done():
+            if not wait:
+                log_event(log, "checkpoint_deferred", level=logging.WARNING, step=self.step, reason="previous upload still running")
+                return
+            await self.upload
+        self.upload = asyncio.create_task(self._upload(self.checkpoint()))
+        if wait:
+            await self.upload
+
+    async def _upload(self, ckpt: Checkpoint) -> None:
+        took = Stopwatch()
+        try:
+            location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.cfg.model.path)
+        except Exception as error:  # the store's many failure types; training must go on
+            self.metrics.write({"step": ckpt.step, "checkpoint_failed": 1, "error": repr(error)[:500]})
+            log_event(log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500])
+            return
+        self.saved_step = max(self.saved_step, ckpt.step)
+        self.metrics.write({"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_time_s": took()})
+        log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=took())
 
     async def train_step(self, batch: list[ExperienceGroup], dropped: list[str], sequence: int) -> None:
         train = self.cfg.train
@@ -228,11 +251,11 @@ class Trainer:
         if self.step < train.total_steps:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
             if self.step > self.saved_step:
-                await self.save()
+                await self.save(wait=True)
             log_event(log, "stopped_early", step=self.step)
             return
         final = await self.evaluate()
-        await self.save()
+        await self.save(wait=True)
         log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=self.baseline_eval, final_accuracy=final)
 
 

@@ -1,0 +1,98 @@
+"""A flood of malformed messages into every stream while a run goes on: all dead-lettered, nothing crashes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import msgpack
+import nats
+import numpy as np
+
+from services.common.bus import H_REASON, H_STREAM, stream_name, subject
+from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
+from tests.conftest import ROOT, write_config
+
+EDGES = ("prompts", "rollouts", "scored", "experience")
+PER_KIND = 50  # 5 kinds x 4 edges x 50 = 1,000 messages
+
+
+def nan_rewards_group() -> bytes:
+    completion = Completion(text="2", token_ids=np.array([5, 1], np.int32), logprobs=np.array([-0.1, -0.2], np.float32), finish_reason="stop")
+    rollout = advance(Prompt(group_id="nan", prompt_id="p", prompt="1+1=", answer="2"), RolloutGroup,
+                      prompt_ids=np.array([3], np.int32), policy_version=0, completions=[completion])
+    raw = msgpack.unpackb(encode(advance(rollout, ScoredGroup, rewards=np.array([0.0], np.float32))))
+    raw["rewards"]["data"] = np.array([np.nan], "<f4").tobytes()
+    return msgpack.packb(raw)
+
+
+def bad_messages() -> dict[str, bytes]:
+    return {
+        "garbage": b"\x93\xff\x00not a message",
+        "schema": msgpack.packb({"v": 7, "kind": "prompt", "group_id": "g"}),
+        "missing": msgpack.packb({"v": 1, "kind": "rollout", "group_id": "g"}),
+        "nan": nan_rewards_group(),
+        "oversized": msgpack.packb({"v": 1, "kind": "prompt", "pad": b"x" * (600 * 1024)}),
+    }
+
+
+async def flood(nats_url: str, run_id: str) -> None:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    messages = bad_messages()
+    for _ in range(PER_KIND):
+        for edge in EDGES:
+            for payload in messages.values():
+                await js.publish(subject(run_id, edge), payload)
+    await nc.close()
+
+
+async def dead_letter_reasons(nats_url: str, run_id: str, expected: int, timeout: float) -> list[tuple[str, str]]:
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    deadline = time.monotonic() + timeout
+    while (await js.stream_info(stream_name(run_id, "dead"))).state.messages < expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    sub = await js.subscribe(subject(run_id, "dead"), ordered_consumer=True)
+    reasons = []
+    while True:
+        try:
+            msg = await sub.next_msg(timeout=2)
+        except TimeoutError:
+            break
+        reasons.append((msg.headers[H_STREAM], msg.headers[H_REASON]))
+    await nc.close()
+    return reasons
+
+
+def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="poison",
+                          train={"total_steps": 12, "batch_size": 8, "learning_rate": 1e-5})
+    run_dir = tmp_path / "runs" / "poison"
+    run = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (run_dir / "metrics.jsonl").exists() or '"pg_loss"' not in (run_dir / "metrics.jsonl").read_text():
+            assert run.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+        asyncio.run(flood(nats_url, "poison"))
+        reasons = asyncio.run(dead_letter_reasons(nats_url, "poison", expected=1000, timeout=240))
+        output, _ = run.communicate(timeout=600)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 0, output[-4000:]
+    assert len(reasons) >= 1000
+    for edge in EDGES:
+        texts = [reason for stream, reason in reasons if stream == stream_name("poison", edge)]
+        assert len(texts) >= 5 * PER_KIND, edge
+        assert any("not msgpack" in t for t in texts) and any("schema version 7" in t for t in texts)
+        assert any("exceeds nats.max_message_bytes" in t for t in texts)
+    assert any("rewards contain NaN" in reason for _, reason in reasons)
+    restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
+    assert restarts == {}, f"a service crashed: {restarts}"
