@@ -90,9 +90,12 @@ class Launcher:
         self.env: dict[str, str] = {}
         self.startup: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
+        self.nats_port = 0
 
-    def start_nats(self) -> str:
-        port = free_port()
+    def start_nats(self, port: int | None = None) -> str:
+        """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
+        port = port or free_port()
+        self.nats_port = port
         store = self.run_dir / "nats"
         store.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "logs" / "nats.log").open("ab")
@@ -138,7 +141,7 @@ class Launcher:
             "run_id": self.cfg.run_id,
             "nats_url": self.env["RLPIPE_NATS__URL"],
             "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
-            "pids": {c.name: c.process.pid for c in self.children},
+            "pids": {"nats": self.nats.pid, **{c.name: c.process.pid for c in self.children}},
             "restarts": self.restarts,
         }
         (self.run_dir / "run.json").write_text(json.dumps(info, indent=2))
@@ -213,6 +216,12 @@ class Launcher:
                         done = event
                 if done:
                     break
+                if self.nats.poll() is not None:
+                    # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
+                    self.restarts["nats"] = self.restarts.get("nats", 0) + 1
+                    progress.console.log(f"[yellow]nats-server exited with {self.nats.returncode}[/]; restarting it")
+                    self.start_nats(self.nats_port)
+                    self.write_run_file()
                 for child in self.children:
                     if child.process.poll() is not None and child.name not in due:
                         due[child.name] = self.schedule_restart(child, progress)

@@ -22,8 +22,9 @@ from typing import Generic, TypeVar
 
 import nats
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js import api
-from nats.js.errors import BadRequestError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from services.common.config import RunConfig
 from services.common.logs import log_event
@@ -117,9 +118,9 @@ class Bus:
             headers[H_GROUP] = group_id
         return await self.js.publish(subject(self.run_id, edge), encode(message), headers=headers, timeout=10)
 
-    async def dead_letter(self, msg: Msg, reason: str, edge: str) -> None:
+    async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str) -> None:
         """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream."""
-        sequence = msg.metadata.sequence.stream if msg.reply else 0
+        sequence = msg.sequence if isinstance(msg, StreamMessage) else msg.metadata.sequence.stream
         headers = {
             H_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
             H_STREAM: stream_name(self.run_id, edge),
@@ -149,14 +150,49 @@ class Bus:
             ),
         )
 
-    async def read_from(self, edge: str, start_seq: int) -> nats.js.JetStreamContext.PushSubscription:
-        """An ordered, unacknowledged reader of ``edge`` from stream sequence ``start_seq`` on."""
-        return await self.js.subscribe(
-            subject(self.run_id, edge),
-            stream=stream_name(self.run_id, edge),
-            ordered_consumer=True,
-            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=start_seq),
-        )
+    def read_from(self, edge: str, start_seq: int) -> StreamReader:
+        """A reader of ``edge`` in stream order from sequence ``start_seq`` on."""
+        return StreamReader(self, edge, start_seq)
+
+
+@dataclass
+class StreamMessage:
+    sequence: int
+    data: bytes
+    headers: dict[str, str] | None
+
+
+class StreamReader:
+    """Reads a limits-retention stream message by message by sequence number.
+
+    Stateless on the server (direct gets, no consumer), so a broker restart or a lost
+    connection costs nothing but a retry, and a restarted trainer simply starts again
+    from its checkpoint's sequence.
+    """
+
+    def __init__(self, bus: Bus, edge: str, start_seq: int):
+        self.bus = bus
+        self.stream = stream_name(bus.run_id, edge)
+        self.subject = subject(bus.run_id, edge)
+        self.next_seq = start_seq
+
+    async def next(self, timeout: float) -> StreamMessage | None:
+        """The next message, or None if none arrives within ``timeout`` seconds."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                raw = await self.bus.js.get_msg(self.stream, seq=self.next_seq, subject=self.subject, next=True)
+            except NotFoundError:
+                raw = None
+            except (NatsError, TimeoutError) as error:
+                log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
+                raw = None
+            if raw is not None:
+                self.next_seq = raw.seq + 1
+                return StreamMessage(raw.seq, raw.data or b"", dict(raw.headers) if raw.headers else None)
+            if asyncio.get_running_loop().time() >= deadline:
+                return None
+            await asyncio.sleep(0.05)
 
 
 @contextlib.asynccontextmanager
@@ -198,12 +234,19 @@ class Stage(Generic[In, Out]):
     handled: int = 0
 
     async def run(self, stop: asyncio.Event) -> None:
-        queue = await self.bus.work_queue(self.consumes)
         nats_cfg = self.bus.cfg.nats
+        queue = None
         while not stop.is_set():
             try:
+                # (Re)created after a broker outage: nats-py does not always revive a pull subscription.
+                queue = queue or await self.bus.work_queue(self.consumes)
                 msgs = await queue.fetch(self.batch, timeout=nats_cfg.fetch_timeout_s)
             except TimeoutError:  # nats' own TimeoutError subclasses it; fetch raises either
+                continue
+            except NatsError as error:
+                log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
+                queue = None
+                await asyncio.sleep(1.0)
                 continue
             decoded: list[tuple[Msg, In]] = []
             for msg in msgs:
@@ -228,8 +271,13 @@ class Stage(Generic[In, Out]):
                 await self._process([pair])
             return
         for (msg, _), output in zip(decoded, outputs, strict=True):
-            await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
-            await msg.ack_sync()
+            try:
+                await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
+                await msg.ack_sync()
+            except (NatsError, TimeoutError) as error:
+                # Unacked, the input is redelivered after AckWait; a publish that did land is deduplicated.
+                log_event(log, "publish_failed", level=logging.WARNING, group_id=output.group_id, error=repr(error)[:300])
+                continue
             self.handled += 1
 
     async def _failed(self, msg: Msg, error: Exception) -> None:

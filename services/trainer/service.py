@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from nats.errors import Error as NatsError
 
-from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, Bus, subject
+from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, Bus, StreamReader, subject
 from services.common.config import RunConfig
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
@@ -124,8 +125,14 @@ class Trainer:
     async def feed(self) -> None:
         limit = self.cfg.train.max_inflight_batches * self.cfg.train.batch_size
         while len(self.in_flight) < limit:
+            cursor = self.feeder.cursor
             prompt = self.feeder.next()
-            await self.bus.publish(PROMPTS, prompt, msg_id=f"{prompt.group_id}.prompt")
+            try:
+                await self.bus.publish(PROMPTS, prompt, msg_id=f"{prompt.group_id}.prompt")
+            except (NatsError, TimeoutError) as error:
+                self.feeder.seek(cursor)  # publish it again later; a copy that did land is deduplicated
+                log_event(log, "feed_failed", level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300])
+                return
             self.in_flight.add(prompt.group_id)
 
     async def on_dead_letter(self, msg: Any) -> None:
@@ -133,7 +140,7 @@ class Trainer:
             self.in_flight.discard(msg.headers[H_GROUP])
             log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=msg.headers[H_GROUP])
 
-    async def next_batch(self, reader: Any, stop: asyncio.Event) -> tuple[list[ExperienceGroup], list[str], int]:
+    async def next_batch(self, reader: StreamReader, stop: asyncio.Event) -> tuple[list[ExperienceGroup], list[str], int]:
         """The next ``batch_size`` usable groups in stream order, the ids dropped as stale, and the last sequence read."""
         batch: list[ExperienceGroup] = []
         dropped: list[str] = []
@@ -141,11 +148,10 @@ class Trainer:
         max_staleness = self.cfg.train.max_staleness
         while len(batch) < self.cfg.train.batch_size and not stop.is_set():
             await self.feed()
-            try:
-                msg = await reader.next_msg(timeout=1.0)
-            except TimeoutError:
+            msg = await reader.next(timeout=1.0)
+            if msg is None:
                 continue
-            sequence = msg.metadata.sequence.stream
+            sequence = msg.sequence
             try:
                 group = self.bus.decode(msg, ExperienceGroup)
             except DecodeError as error:
@@ -233,7 +239,7 @@ class Trainer:
         resumed = self.cfg.checkpoint.resume and await asyncio.to_thread(self.restore) is not None
         if resumed:
             await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
-        reader = await self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
+        reader = self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
         dead = await self.bus.nc.subscribe(subject(self.cfg.run_id, DEAD), cb=self.on_dead_letter)
         if not resumed:
             self.baseline_eval = await self.evaluate()
@@ -247,7 +253,6 @@ class Trainer:
             if data.eval_every_steps and self.step % data.eval_every_steps == 0 and self.step < train.total_steps:
                 await self.evaluate()
         await dead.unsubscribe()
-        await reader.unsubscribe()
         if self.step < train.total_steps:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
             if self.step > self.saved_step:
