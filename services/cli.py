@@ -39,6 +39,53 @@ def report(run_dir: Path = typer.Argument(..., help="runs/<run id>")) -> None:
     typer.echo(render_report(metrics, run_dir / "report.png"))
 
 
+@app.command("dead-letters")
+def dead_letters(
+    run_dir: Path = typer.Argument(..., help="runs/<run id> of a running `rlpipe run` (its run.json names the broker)"),
+    nats_url: str = typer.Option("", help="broker URL, instead of the one in run.json"),
+    reinject: list[int] = typer.Option([], help="DEAD sequence to send back to its origin stream (repeatable)"),
+    payload: Path | None = typer.Option(None, help="a fixed message body to send instead (with one --reinject)"),
+    limit: int = typer.Option(1000, help="list at most this many"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object per line instead of a table"),
+) -> None:
+    """List the run's dead letters with their reasons, or re-inject them where they came from."""
+    import asyncio
+    import json
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from services.dead_letters import list_dead_letters, nats_url_of
+    from services.dead_letters import reinject as send_back
+
+    run_id = run_dir.name
+    try:
+        url = nats_url or nats_url_of(run_dir)
+    except FileNotFoundError as error:
+        typer.echo(f"rlpipe dead-letters: {error}", err=True)
+        raise typer.Exit(2) from None
+    if payload is not None and len(reinject) != 1:
+        typer.echo("rlpipe dead-letters: --payload goes with exactly one --reinject", err=True)
+        raise typer.Exit(2)
+    if reinject:
+        body = payload.read_bytes() if payload else None
+        for sequence in reinject:
+            origin = asyncio.run(send_back(url, run_id, sequence, body))
+            typer.echo(f"re-injected dead letter {sequence} into {origin}")
+        return
+    letters = asyncio.run(list_dead_letters(url, run_id, limit))
+    if as_json:
+        for letter in letters:
+            typer.echo(json.dumps(vars(letter)))
+        return
+    table = Table(title=f"dead letters of {run_id}: {len(letters)}")
+    for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason"):
+        table.add_column(column)
+    for d in letters:
+        table.add_row(str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason)
+    Console().print(table)
+
+
 @app.command("build-tiny")
 def build_tiny(
     out: Path = typer.Option(Path("models/tiny-arith"), help="model folder to write"),

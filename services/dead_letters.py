@@ -1,0 +1,79 @@
+"""``rlpipe dead-letters``: list a run's DEAD stream and re-inject messages into the stream they came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import nats
+from nats.js.errors import NotFoundError
+
+from services.common.bus import EDGES, H_GROUP, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+
+
+@dataclass
+class DeadLetter:
+    sequence: int
+    origin_stream: str
+    origin_sequence: int
+    service: str
+    group_id: str
+    reason: str
+    size: int
+
+
+async def list_dead_letters(nats_url: str, run_id: str, limit: int = 1000) -> list[DeadLetter]:
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        letters: list[DeadLetter] = []
+        sequence = 1
+        while len(letters) < limit:
+            try:
+                raw = await js.get_msg(stream_name(run_id, "dead"), seq=sequence, subject=subject(run_id, "dead"), next=True)
+            except NotFoundError:
+                break
+            headers = raw.headers or {}
+            letters.append(
+                DeadLetter(
+                    sequence=raw.seq,
+                    origin_stream=headers.get(H_STREAM, "?"),
+                    origin_sequence=int(headers.get(H_SEQ, 0)),
+                    service=headers.get(H_SERVICE, "?"),
+                    group_id=headers.get(H_GROUP, ""),
+                    reason=headers.get(H_REASON, ""),
+                    size=len(raw.data or b""),
+                )
+            )
+            sequence = raw.seq + 1
+        return letters
+    finally:
+        await nc.close()
+
+
+async def reinject(nats_url: str, run_id: str, sequence: int, payload: bytes | None = None) -> str:
+    """Publish DEAD message ``sequence`` (or a fixed ``payload``) back to its origin stream, then remove it from DEAD."""
+    by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
+    nc = await nats.connect(nats_url)
+    try:
+        js = nc.jetstream()
+        raw = await js.get_msg(stream_name(run_id, "dead"), seq=sequence)
+        origin = (raw.headers or {}).get(H_STREAM, "")
+        if origin not in by_stream:
+            raise ValueError(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
+        headers = {"Nats-Msg-Id": f"reinjected.{sequence}"}
+        if raw.headers and H_GROUP in raw.headers:
+            headers[H_GROUP] = raw.headers[H_GROUP]
+        await js.publish(subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers)
+        await js.delete_msg(stream_name(run_id, "dead"), sequence)
+        return origin
+    finally:
+        await nc.close()
+
+
+def nats_url_of(run_dir: Path) -> str:
+    info = run_dir / "run.json"
+    if not info.is_file():
+        raise FileNotFoundError(f"{info} does not exist: pass --nats-url, or point at a run started by `rlpipe run`")
+    return json.loads(info.read_text())["nats_url"]
