@@ -1,0 +1,63 @@
+"""Chaos: every role SIGKILLed twice at random moments while a run learns.
+
+The run must finish, the lineage of the steps that make up the final model must
+account for every fed prompt exactly once, and held-out accuracy must still improve.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+import time
+
+from services.trainer.lineage import Lineage, effective_steps
+from tests.conftest import ROOT, write_config
+from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill, metric_rows, wait_for
+
+TOTAL_STEPS = 60
+VICTIMS = ["reward-0", "rollout-0", "reference-0", "trainer", "reward-0", "reference-0", "rollout-0", "trainer"]
+
+
+def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="chaos-all",
+        sampling={"group_size": 8, "max_new_tokens": 6},
+        train={"total_steps": TOTAL_STEPS, "batch_size": 32, "learning_rate": 1e-4, "warmup_steps": 10, "max_inflight_batches": 2},
+        data={"eval_every_steps": 0, "eval_size": 500},
+        checkpoint={"save_every_steps": 5, "keep_last": 20},
+        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600},
+        rollout={"prompts_per_batch": 16},
+        supervision={"backoff_s": 0.5},
+    )
+    run_dir = runs / "chaos-all"
+    rng = random.Random(7)
+    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        wait_for(lambda: len(steps()) >= 2, "the first steps", process)
+        for victim in VICTIMS:
+            seen = len(steps())
+            time.sleep(rng.uniform(0.0, 2.0))
+            kill(run_dir, victim)
+            # Let the pipeline apply steps after each kill, so every outage is recovered from.
+            wait_for(lambda: len(steps()) > seen + 1, f"progress after killing {victim}", process, timeout=300)
+        output, _ = process.communicate(timeout=900)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert process.returncode == 0, output[-4000:]
+
+    restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
+    assert restarts == {"reward-0": 2, "rollout-0": 2, "reference-0": 2, "trainer": 2}, restarts
+    records = Lineage(run_dir / "lineage.jsonl").records()
+    assert len([r for r in records if r.get("event") == "resume"]) == 2
+    final = effective_steps(records)
+    assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
+    assert_every_fed_prompt_accounted_once(runs, "chaos-all", final)
+
+    evals = [r["eval_accuracy"] for r in metric_rows(run_dir) if "eval_accuracy" in r]
+    assert evals[-1] >= evals[0] + 0.05, evals
