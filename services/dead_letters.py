@@ -9,7 +9,7 @@ from pathlib import Path
 import nats
 from nats.js.errors import NotFoundError
 
-from services.common.bus import EDGES, H_GROUP, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+from services.common.bus import EDGES, H_CLAIM, H_GROUP, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
 
 
 @dataclass
@@ -63,8 +63,9 @@ async def reinject(nats_url: str, run_id: str, sequence: int, payload: bytes | N
         if origin not in by_stream:
             raise ValueError(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
         headers = {"Nats-Msg-Id": f"reinjected.{sequence}"}
-        if raw.headers and H_GROUP in raw.headers:
-            headers[H_GROUP] = raw.headers[H_GROUP]
+        for carried in (H_GROUP,) if payload is not None else (H_GROUP, H_CLAIM):
+            if raw.headers and carried in raw.headers:
+                headers[carried] = raw.headers[carried]
         await js.publish(subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers)
         await js.delete_msg(stream_name(run_id, "dead"), sequence)
         return origin

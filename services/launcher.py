@@ -99,9 +99,12 @@ class Launcher:
         store = self.run_dir / "nats"
         store.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "logs" / "nats.log").open("ab")
+        conf = self.run_dir / "nats.conf"
+        sync = "always" if self.cfg.nats.sync_always else "2m"
+        conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{\n  store_dir: "{store}"\n  sync_interval: {sync}\n}}\n')
         started = time.perf_counter()
         self.nats = subprocess.Popen(
-            [nats_server_binary(), "-js", "-sd", str(store), "-a", "127.0.0.1", "-p", str(port)],
+            [nats_server_binary(), "-c", str(conf)],
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=_die_with_parent,

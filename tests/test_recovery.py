@@ -113,7 +113,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="broker",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
-        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600},
+        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600, "sync_always": True},
         rollout={"prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )
@@ -135,6 +135,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     print(f"broker kill -> longest gap between steps: {recovery_s:.1f}s; restarts {restarts}")
     assert restarts.get("nats") == 1
+    assert "sync_interval: always" in (run_dir / "nats.conf").read_text()
     final = effective_steps(Lineage(run_dir / "lineage.jsonl").records())
     assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
     assert_every_fed_prompt_accounted_once(runs, "broker", final)

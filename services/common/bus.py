@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -28,7 +30,8 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from services.common.config import RunConfig
 from services.common.logs import log_event
-from services.common.messages import DecodeError, Message, decode, encode
+from services.common.messages import ClaimCheck, DecodeError, Message, decode, encode
+from services.common.storage import ObjectStore, open_store
 
 PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
 WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role
@@ -42,6 +45,7 @@ H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
     "Rlpipe-Service",
     "Rlpipe-Group-Id",
 )
+H_CLAIM = "Rlpipe-Claim-Check"  # the body is a ClaimCheck pointing into the object store
 
 log = logging.getLogger(__name__)
 
@@ -103,20 +107,43 @@ class Bus:
                 # Exists with other settings (e.g. a changed duplicate window): bring it up to date.
                 await self.js.update_stream(config)
 
-    def decode(self, msg: Msg, kind: type[In]) -> In:
-        """Validate a received message as ``kind``; DecodeError says why it is unusable."""
+    def decode(self, msg: Msg | StreamMessage, kind: type[In]) -> In:
+        """Validate a received message as ``kind`` (fetching a claim-checked body); DecodeError says why it is unusable."""
         limit = self.cfg.nats.max_message_bytes
         if len(msg.data) > limit:
             raise DecodeError(f"message of {len(msg.data)} bytes exceeds nats.max_message_bytes={limit}")
+        if msg.headers and msg.headers.get(H_CLAIM):
+            claim = decode(msg.data, ClaimCheck)
+            try:
+                data = self.claims.get(claim.key)
+            except OSError as error:
+                raise DecodeError(f"claim-checked body {claim.key} is unreadable: {error}") from None
+            if len(data) != claim.size or hashlib.sha256(data).hexdigest() != claim.sha256:
+                raise DecodeError(f"claim-checked body {claim.key} does not match its size and hash")
+            return decode(data, kind)
         return decode(msg.data, kind)
 
     async def publish(self, edge: str, message: Message, msg_id: str) -> api.PubAck:
-        """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped."""
+        """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped.
+
+        A body above ``nats.claim_check_bytes`` is stored in the object store first and the
+        message carries its key (claim check), keeping payloads well under the server's limit.
+        """
         headers = {"Nats-Msg-Id": msg_id, H_SERVICE: self.service}
         group_id = getattr(message, "group_id", None)
         if group_id:
             headers[H_GROUP] = group_id
-        return await self.js.publish(subject(self.run_id, edge), encode(message), headers=headers, timeout=10)
+        data = encode(message)
+        if len(data) > self.cfg.nats.claim_check_bytes:
+            key = f"{self.run_id}/claims/{edge}/{msg_id}"
+            await asyncio.to_thread(self.claims.put, key, data)
+            data = encode(ClaimCheck(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            headers[H_CLAIM] = "1"
+        return await self.js.publish(subject(self.run_id, edge), data, headers=headers, timeout=10)
+
+    @functools.cached_property
+    def claims(self) -> ObjectStore:
+        return open_store(self.cfg.checkpoint_url, self.cfg.checkpoint)
 
     async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str) -> None:
         """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream."""
@@ -128,8 +155,9 @@ class Bus:
             H_SERVICE: self.service,
             "Nats-Msg-Id": f"{edge}.{sequence}.dead",
         }
-        if msg.headers and H_GROUP in msg.headers:
-            headers[H_GROUP] = msg.headers[H_GROUP]
+        for carried in (H_GROUP, H_CLAIM):
+            if msg.headers and carried in msg.headers:
+                headers[carried] = msg.headers[carried]
         await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
         log_event(log, "dead_letter", level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
 

@@ -189,6 +189,10 @@ class S3Credentials(BaseSettings):
 class NatsConfig(Section):
     url: str = "nats://127.0.0.1:4222"
     storage: Literal["file", "memory"] = "file"
+    sync_always: bool = Field(
+        False, description="embedded nats-server fsyncs every write (sync_interval: always); the default 2 min "
+        "interval can lose acknowledged messages on power loss. Production brokers must set it in their own config.",
+    )
     ack_wait_s: float = Field(60.0, gt=0, description="time a stage has to finish a message before redelivery")
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
@@ -196,6 +200,15 @@ class NatsConfig(Section):
     heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
     fetch_timeout_s: float = Field(1.0, gt=0)
     max_message_bytes: int = Field(512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)")
+    claim_check_bytes: int = Field(
+        256 * 1024, ge=512, description="a larger group goes to the object store and the message carries its key"
+    )
+
+    @model_validator(mode="after")
+    def _claims_below_the_limit(self) -> NatsConfig:
+        if self.claim_check_bytes >= self.max_message_bytes:
+            raise ValueError("claim_check_bytes must be below max_message_bytes, or large groups would be dead-lettered")
+        return self
 
     @model_validator(mode="after")
     def _dedup_outlives_redelivery(self) -> NatsConfig:

@@ -129,6 +129,15 @@ def advance(message: Message, kind: type[M], **added: Any) -> M:
     return kind.model_validate(fields | added)
 
 
+class ClaimCheck(Message):
+    """Stands in for a message too large for the bus: the message itself is in the object store under ``key``."""
+
+    kind: Literal["claim"] = "claim"
+    key: str
+    size: int
+    sha256: str
+
+
 def encode(message: Message) -> bytes:
     return msgpack.packb(message.model_dump(), use_bin_type=True)
 

@@ -22,6 +22,8 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
         tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id=algorithm,
         train={"algorithm": algorithm, "total_steps": 3, "batch_size": 8, "learning_rate": 1e-5, **train},
         data={"eval_every_steps": 0, "eval_size": 50},
+        # Small enough that every group travels by claim check through the object store.
+        nats={"claim_check_bytes": 600} if algorithm == "dr_grpo" else {},
     )
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -29,6 +31,8 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
     assert [r["step"] for r in steps] == [1, 2, 3]
     for row in steps:
         assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+    if algorithm == "dr_grpo":
+        assert list((tmp_path / "runs" / algorithm / "claims").rglob("*.rollout")), "no group went by claim check"
     if algorithm == "rloo":
         assert all("tis_weight_mean" in r for r in steps)
     if algorithm == "reinforce_pp":
