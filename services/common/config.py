@@ -169,12 +169,15 @@ class CheckpointConfig(Section):
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
     s3_secure: bool = True
     s3_region: str = "us-east-1"
+    s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
+    s3_parallel_uploads: int = Field(4, ge=1)
+    mirror_url: str = Field("", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step")
 
-    @field_validator("store_url")
+    @field_validator("store_url", "mirror_url")
     @classmethod
     def _scheme(cls, url: str) -> str:
         if url and not re.match(r"^(file|s3)://.+", url):
-            raise ValueError(f"store_url {url!r} must start with file:// or s3://")
+            raise ValueError(f"{url!r} must start with file:// or s3://")
         return url
 
 

@@ -85,6 +85,8 @@ class S3Store:
         )
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self.part_size = cfg.s3_part_mib << 20
+        self.parallel_uploads = cfg.s3_parallel_uploads
         self.url = f"s3://{bucket}/{self.prefix}"
         self._ensure_bucket()
 
@@ -99,13 +101,19 @@ class S3Store:
         from minio.error import S3Error
 
         try:
-            self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
+            self._upload(key, data)
         except S3Error as error:
             if error.code != "NoSuchBucket":
                 raise
             # An endpoint that came back empty (or a bucket removed by hand): recreate and write again.
             self._ensure_bucket()
-            self.client.put_object(self.bucket, self._key(key), io.BytesIO(data), len(data))
+            self._upload(key, data)
+
+    def _upload(self, key: str, data: bytes) -> None:
+        # Above part_size the SDK sends a multipart upload, parallel_uploads parts at a time.
+        self.client.put_object(
+            self.bucket, self._key(key), io.BytesIO(data), len(data), part_size=self.part_size, num_parallel_uploads=self.parallel_uploads
+        )
 
     def get(self, key: str) -> bytes:
         response = self.client.get_object(self.bucket, self._key(key))

@@ -95,18 +95,21 @@ class CheckpointCorrupt(RuntimeError):
 
 
 class CheckpointStore:
-    def __init__(self, store: ObjectStore, run_id: str, keep_last: int, attempts: int = 4, backoff_s: float = 1.0):
+    def __init__(
+        self, store: ObjectStore, run_id: str, keep_last: int, attempts: int = 4, backoff_s: float = 1.0, mirror: ObjectStore | None = None
+    ):
         self.store = store
+        self.mirror = mirror
         self.run_id = run_id
         self.keep_last = keep_last
         self.attempts = attempts
         self.backoff_s = backoff_s
 
-    def _put(self, key: str, data: bytes) -> None:
+    def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
         """Write with retries and exponential backoff: object stores fail transiently."""
         for attempt in range(1, self.attempts + 1):
             try:
-                return self.store.put(key, data)
+                return (store or self.store).put(key, data)
             except Exception as error:  # network and S3 errors come in many types
                 if attempt == self.attempts:
                     raise
@@ -131,28 +134,36 @@ class CheckpointStore:
         if ckpt.critic is not None:
             parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
         parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
-        for name, data in parts.items():
-            self._put(prefix + name, data)
         manifest = {
             "step": ckpt.step,
             "created": time.time(),
             "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
         }
-        self._put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode())
-        self._prune()
+        parts[MANIFEST] = json.dumps(manifest, indent=2).encode()  # last: it makes the step exist
+        for name, data in parts.items():
+            self._put(prefix + name, data)
+        self._prune(self.store)
+        if self.mirror is not None:
+            try:
+                for name, data in parts.items():
+                    self._put(prefix + name, data, self.mirror)
+                self._prune(self.mirror)
+            except Exception as error:  # the primary copy stands; the mirror catches up at the next save
+                log_event(log, "mirror_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         return f"{self.store.url.rstrip('/')}/{prefix}"
 
-    def steps(self) -> list[int]:
+    def steps(self, store: ObjectStore | None = None) -> list[int]:
         """Steps that have a manifest, oldest first."""
-        found = (_STEP_DIR.search(key) for key in self.store.list(f"{self.run_id}/step-"))
+        found = (_STEP_DIR.search(key) for key in (store or self.store).list(f"{self.run_id}/step-"))
         return sorted(int(match.group(1)) for match in found if match)
 
-    def load(self, step: int) -> Checkpoint:
+    def load(self, step: int, store: ObjectStore | None = None) -> Checkpoint:
+        store = store or self.store
         prefix = self._prefix(step)
-        manifest = json.loads(self.store.get(prefix + MANIFEST))
+        manifest = json.loads(store.get(prefix + MANIFEST))
         parts = {}
         for name, meta in manifest["files"].items():
-            data = self.store.get(prefix + name)
+            data = store.get(prefix + name)
             if len(data) != meta["size"] or _sha256(data) != meta["sha256"]:
                 raise CheckpointCorrupt(f"step {step}: {name} does not match its manifest hash")
             parts[name] = data
@@ -168,14 +179,26 @@ class CheckpointStore:
         )
 
     def load_latest(self) -> Checkpoint | None:
-        """The newest step whose parts all match its manifest; corrupt steps are skipped with a warning."""
-        for step in reversed(self.steps()):
+        """The newest step whose parts all match its manifest, from the store or else its mirror.
+
+        Corrupt or unreadable copies are skipped with a warning.
+        """
+        stores = [store for store in (self.store, self.mirror) if store is not None]
+        listed: dict[int, list[ObjectStore]] = {}
+        for store in stores:
             try:
-                return self.load(step)
-            except (CheckpointCorrupt, OSError, KeyError, ValueError) as error:
-                log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, reason=str(error))
+                for step in self.steps(store):
+                    listed.setdefault(step, []).append(store)
+            except Exception as error:  # an unreachable store: the other one may do
+                log_event(log, "store_unreadable", level=logging.WARNING, store=store.url, reason=repr(error)[:300])
+        for step in sorted(listed, reverse=True):
+            for store in listed[step]:
+                try:
+                    return self.load(step, store)
+                except (CheckpointCorrupt, OSError, KeyError, ValueError) as error:
+                    log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=store.url, reason=str(error))
         return None
 
-    def _prune(self) -> None:
-        for step in self.steps()[: -self.keep_last]:
-            self.store.delete_prefix(self._prefix(step))
+    def _prune(self, store: ObjectStore) -> None:
+        for step in self.steps(store)[: -self.keep_last]:
+            store.delete_prefix(self._prefix(step))

@@ -91,7 +91,8 @@ class Trainer:
         self.weights = weights
         self.feeder = PromptFeeder(load_jsonl(cfg.data.train_path), cfg.train.seed, cfg.data.shuffle)
         self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
-        self.checkpoints = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
+        mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
+        self.checkpoints = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror)
         self.metrics = MetricsLog(cfg.metrics_file)
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.in_flight: set[str] = set()

@@ -58,3 +58,21 @@ def test_s3_store_round_trip(tmp_path, s3_env):
 def test_s3_without_endpoint_is_a_clear_error():
     with pytest.raises(ValueError, match="s3_endpoint"):
         open_store("s3://bucket/x", CheckpointConfig())
+
+
+def test_mirror_bucket_gets_every_step_and_covers_a_corrupt_primary(tmp_path, s3_env):
+    cfg = CheckpointConfig(s3_endpoint=s3_env, s3_secure=False, s3_part_mib=5)
+    primary, mirror = open_store("s3://rlpipe-primary/x", cfg), open_store("s3://rlpipe-mirror/y", cfg)
+    store = CheckpointStore(primary, "run-m", keep_last=2, mirror=mirror)
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    for step in (1, 2, 3):
+        model, optimizer = tiny_state(step)
+        # A 12 MB tensor makes a multipart upload (5 MiB parts, several in parallel).
+        weights = {**model.state_dict(), "big": torch.randn(3_000_000)}
+        store.save(Checkpoint(step, weights, optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+    assert store.steps(primary) == store.steps(mirror) == [2, 3]
+    primary.put("run-m/step-00000003/model.safetensors", b"bitrot")
+    loaded = store.load_latest()
+    assert loaded.step == 3 and loaded.model["big"].shape == (3_000_000,)  # read from the mirror
