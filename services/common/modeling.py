@@ -35,10 +35,6 @@ class ResponseBatch:
     targets: torch.Tensor  # [B, R] response token ids (pad past the end)
     mask: torch.Tensor  # [B, R] 1.0 on real response tokens
 
-    @property
-    def response_lens(self) -> torch.Tensor:
-        return self.mask.sum(-1).long()
-
 
 def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch:
     """Pack (prompt ids, response ids) pairs. Lengths were bounded at generation time (max_seq_len)."""
