@@ -66,6 +66,11 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s state that training cannot change; tied tensors are copied (and stored) once."""
+    return {name: tensor.detach().clone() for name, tensor in untied(module.state_dict()).items()}
+
+
 def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a state dict saved by ``untied``: only the aliases of shared tensors may be absent."""
     ptrs: dict[int, list[str]] = {}

@@ -173,10 +173,7 @@ class Learner:
         train = self.cfg.train
         batch = Batch.of(groups)
         self.model.eval()  # scoring must match generation: no dropout
-        if train.old_logprobs == "recompute" or self.critic is not None:
-            old_logp, old_values = self._score(batch)
-        else:
-            old_logp, old_values = batch.rollout_logp, None
+        old_logp, old_values = self._score(batch) if train.old_logprobs == "recompute" or self.critic is not None else (None, None)
         if train.old_logprobs == "rollout":
             old_logp = batch.rollout_logp
         advantages, returns = self.advantages(batch, old_logp, old_values)

@@ -28,7 +28,7 @@ from services.common.pb import weights_pb2_grpc
 from services.common.service import start_grpc_server
 from services.common.storage import open_store
 from services.common.weightsync import WeightSyncServer, snapshot_of
-from services.trainer.checkpoint import Checkpoint, CheckpointStore
+from services.trainer.checkpoint import Checkpoint, CheckpointStore, detached_copy
 from services.trainer.lineage import Lineage
 from services.trainer.learner import Learner
 
@@ -182,11 +182,11 @@ class Trainer:
         critic = self.learner.critic
         return Checkpoint(
             step=self.step,
-            model={k: v.detach().clone() for k, v in self.learner.model.state_dict().items()},
+            model=detached_copy(self.learner.model),
             optimizer=copy.deepcopy(self.learner.optimizer.state_dict()),
             scheduler=self.learner.scheduler.state_dict(),
             rng=self.learner.rng_state(),
-            critic={k: v.detach().clone() for k, v in critic.state_dict().items()} if critic is not None else None,
+            critic=detached_copy(critic) if critic is not None else None,
             lineage=self.lineage.text(),
             state={
                 "step": self.step,
@@ -218,9 +218,10 @@ class Trainer:
             self.metrics.write({"step": ckpt.step, "checkpoint_failed": 1, "error": repr(error)[:500]})
             log_event(log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500])
             return
+        seconds = took()
         self.saved_step = max(self.saved_step, ckpt.step)
-        self.metrics.write({"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_time_s": took()})
-        log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=took())
+        self.metrics.write({"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_time_s": seconds})
+        log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=seconds)
 
     async def train_step(self, batch: list[ExperienceGroup], dropped: list[str], sequence: int) -> None:
         train = self.cfg.train
