@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import subprocess
 import sys
@@ -104,13 +105,28 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
     return path
 
 
+RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
+
+
+@contextlib.contextmanager
+def running_pipeline(config: Path) -> Iterator[subprocess.Popen]:
+    """`rlpipe run CONFIG` in the background (output in .stdout); killed if the test leaves it running."""
+    process = subprocess.Popen([*RLPIPE_RUN, str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        yield process
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
     """`rlpipe run CONFIG` as a user runs it; returns the finished process and the run's metric rows."""
     import json
 
     import yaml
 
-    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     cfg = yaml.safe_load(config.read_text())
     metrics = Path(cfg["runs_dir"]) / cfg["run_id"] / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import json
 import random
-import subprocess
-import sys
 import time
 
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import ROOT, write_config
+from tests.conftest import running_pipeline, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill, metric_rows, wait_for
 
 TOTAL_STEPS = 60
@@ -35,8 +33,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     )
     run_dir = runs / "chaos-all"
     rng = random.Random(7)
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as process:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         wait_for(lambda: len(steps()) >= 2, "the first steps", process)
         for victim in VICTIMS:
@@ -46,9 +43,6 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
             # Let the pipeline apply steps after each kill, so every outage is recovered from.
             wait_for(lambda: len(steps()) > seen + 1, f"progress after killing {victim}", process, timeout=300)
         output, _ = process.communicate(timeout=900)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, output[-4000:]
 
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +23,7 @@ from services.common.evaluation import greedy_accuracy
 from services.common.modeling import load_model, load_tokenizer
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import ROOT, write_config
+from tests.conftest import running_pipeline, write_config
 
 STEP_METRICS = (
     "reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate",
@@ -82,8 +80,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         rollout={"replicas": 2, "prompts_per_batch": 4},
     )
     run_dir = runs / "pipe"
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as process:
         deadline = time.monotonic() + 600
         while not any(r.get("step", 0) >= 2 and "reward_mean" in r for r in read_metrics(run_dir / "metrics.jsonl")):
             assert process.poll() is None, process.stdout.read()
@@ -93,9 +90,6 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         asyncio.run(inject_bad_messages(nats_url, "pipe"))
         letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=2 * len(STAGE_INPUTS), timeout=120))
         output, _ = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, output
 
     # Both bad messages of every stage input are in DEAD, with the reason, origin and service.

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 
 import msgpack
@@ -14,7 +12,7 @@ import numpy as np
 
 from services.common.bus import H_REASON, H_STREAM, stream_name, subject
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
-from tests.conftest import ROOT, write_config
+from tests.conftest import running_pipeline, write_config
 
 EDGES = ("prompts", "rollouts", "scored", "experience")
 PER_KIND = 50  # 5 kinds x 4 edges x 50 = 1,000 messages
@@ -73,8 +71,7 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="poison",
                           train={"total_steps": 12, "batch_size": 8, "learning_rate": 1e-5})
     run_dir = tmp_path / "runs" / "poison"
-    run = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
         while not (run_dir / "metrics.jsonl").exists() or '"pg_loss"' not in (run_dir / "metrics.jsonl").read_text():
             assert run.poll() is None and time.monotonic() < deadline
@@ -83,9 +80,6 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
         asyncio.run(flood(nats_url, "poison"))
         reasons = asyncio.run(dead_letter_reasons(nats_url, "poison", expected=1000, timeout=240))
         output, _ = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
     assert run.returncode == 0, output[-4000:]
     assert len(reasons) >= 1000
     for edge in EDGES:

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import ROOT, write_config
+from tests.conftest import running_pipeline, write_config
 
 TOTAL_STEPS = 14
 
@@ -58,8 +57,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         supervision={"backoff_s": 0.5},
     )
     run_dir = runs / "chaos"
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as process:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         # Kill the trainer after step 5: the last checkpoint is 3 or 6, the steps after it must be redone.
         wait_for(lambda: len(steps()) >= 5, "step 5", process)
@@ -70,9 +68,6 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         trainer_recovery_s = min(r["time"] for r in steps() if r["time"] > killed_at) - killed_at
         kill(run_dir, "rollout-0")
         output, _ = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, output[-4000:]
     print(f"trainer kill -> next applied step: {trainer_recovery_s:.1f}s")
 
@@ -118,8 +113,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         supervision={"backoff_s": 0.5},
     )
     run_dir = runs / "broker"
-    process = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as process:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         wait_for(lambda: len(steps()) >= 4, "step 4", process)
         killed_at = time.time()
@@ -128,9 +122,6 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         times = [r["time"] for r in steps()]
         recovery_s = max(b - a for a, b in zip(times, times[1:]) if b > killed_at)  # the outage's gap between steps
         output, _ = process.communicate(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
     assert process.returncode == 0, output[-4000:]
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     print(f"broker kill -> longest gap between steps: {recovery_s:.1f}s; restarts {restarts}")

@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import BIN, ROOT, free_port, wait_for_port, write_config
+from tests.conftest import running_pipeline, BIN, free_port, wait_for_port, write_config
 
 
 def start_moto(port: int) -> subprocess.Popen:
@@ -34,8 +32,7 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="outage",
                           train={"total_steps": 40, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=s3)
     metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
-    run = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, env=os.environ.copy(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
+    with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
         while not any("checkpoint_saved" in r for r in rows(metrics)):
             assert run.poll() is None and time.monotonic() < deadline
@@ -49,9 +46,6 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
         steps_during_outage = [r["step"] for r in rows(metrics) if "pg_loss" in r and r["step"] > failed_at]
         moto = start_moto(port)
         output, _ = run.communicate(timeout=600)
-    finally:
-        if run.poll() is None:
-            run.kill()
     try:
         assert run.returncode == 0, output[-4000:]
         all_rows = rows(metrics)
