@@ -146,6 +146,10 @@ class Launcher:
             "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
             "pids": {"nats": self.nats.pid, **{c.name: c.process.pid for c in self.children}},
             "restarts": self.restarts,
+            "services": {
+                c.name: {"role": c.role, "pid": c.process.pid, **{k: c.ready[k] for k in ("grpc", "admin", "metrics_url") if c.ready and k in c.ready}}
+                for c in self.children
+            },
         }
         (self.run_dir / "run.json").write_text(json.dumps(info, indent=2))
 

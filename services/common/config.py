@@ -9,6 +9,7 @@ one stops it with the field's dotted name and what is allowed.
 
 from __future__ import annotations
 
+import contextvars
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -18,6 +19,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 ENV_PREFIX = "RLPIPE_"
+# Off while a live override is validated, so the environment cannot undo an operator's change.
+_read_environment = contextvars.ContextVar("_read_environment", default=True)
+
+# Fields a running service applies between steps or batches; any other change takes effect at its next start.
+LIVE_FIELDS = (
+    "train.learning_rate",
+    "train.kl.coef",
+    "train.entropy_coef",
+    "train.clip",
+    "train.max_grad_norm",
+    "train.max_staleness",
+    "train.log_interval",
+    "sampling.temperature",
+    "sampling.top_p",
+    "sampling.max_new_tokens",
+    "reward.functions",
+    "alerts",
+    "checkpoint.save_every_steps",
+    "checkpoint.keep_last",
+    "data.eval_every_steps",
+)
 
 
 class Section(BaseModel):
@@ -244,10 +266,96 @@ class ReferenceConfig(Section):
 
 class ServiceConfig(Section):
     host: str = "127.0.0.1"
+    instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
     trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+
+class AdminConfig(Section):
+    port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
+    token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
+    tls_key: Path | None = None
+    call_timeout_s: float = Field(10.0, gt=0, description="deadline the CLI sets on every call")
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> AdminConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("set both tls_cert and tls_key, or neither")
+        for path in (self.tls_cert, self.tls_key, self.token_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"file {str(path)!r} does not exist")
+        return self
+
+
+class AdminCredentials(BaseSettings):
+    """The admin bearer token, only from the environment (or admin.token_file), never from YAML."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore")
+    token: str = Field("", repr=False)
+
+
+class TelemetryConfig(Section):
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)")
+    otlp_endpoint: str = Field("", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none")
+    export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
+
+
+AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
+AlertAction = Literal["notify", "pause", "stop", "rollback"]
+
+
+class AlertRule(Section):
+    """One rule over a metric of the trainer's step rows (or a status metric such as services_down).
+
+    above/below: every value of the last ``window_steps`` rows is beyond ``threshold``.
+    nan: the newest value is NaN or infinite.
+    absent: no row has carried the metric for ``window_s`` seconds.
+    rises_by/falls_by: the mean of the last ``window_steps`` values differs from the mean
+    of the ``window_steps`` before them by more than ``threshold`` (relative, 1.0 = doubled).
+    """
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    metric: str
+    condition: AlertCondition
+    threshold: float = 0.0
+    window_steps: int = Field(1, ge=1)
+    window_s: float = Field(60.0, gt=0, description="for absent")
+    severity: Literal["info", "warning", "critical"] = "warning"
+    actions: list[AlertAction] = Field(default_factory=lambda: ["notify"])
+
+
+def default_alert_rules() -> list[AlertRule]:
+    """The operator's usual worries, with thresholds loose enough not to fire on a healthy run."""
+    rules = [
+        dict(name="entropy_collapse", metric="entropy", condition="below", threshold=0.02, window_steps=5),
+        dict(name="kl_too_high", metric="kl_ref", condition="above", threshold=1.0, window_steps=5),
+        dict(name="reward_std_explodes", metric="reward_std", condition="rises_by", threshold=10.0, window_steps=10),
+        dict(name="response_length_runaway", metric="response_length_mean", condition="rises_by", threshold=1.0, window_steps=20),
+        dict(name="termination_rate_falls", metric="termination_rate", condition="below", threshold=0.5, window_steps=10),
+        dict(name="step_time_regression", metric="step_time_s", condition="rises_by", threshold=2.0, window_steps=20),
+        dict(name="checkpoint_failures", metric="checkpoint_failed", condition="above", threshold=0.0, severity="critical"),
+        dict(name="nan_loss", metric="loss", condition="nan", severity="critical", actions=["notify", "pause"]),
+        dict(name="service_down", metric="services_down", condition="above", threshold=0.0, window_steps=3, severity="critical"),
+    ]
+    return [AlertRule(**rule) for rule in rules]
+
+
+class AlertsConfig(Section):
+    enabled: bool = True
+    webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
+    cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
+    rules: list[AlertRule] = Field(default_factory=default_alert_rules)
+
+    @field_validator("rules")
+    @classmethod
+    def _unique_names(cls, rules: list[AlertRule]) -> list[AlertRule]:
+        names = [rule.name for rule in rules]
+        if len(names) != len(set(names)):
+            raise ValueError(f"rule names must be unique, got {names}")
+        return rules
 
 
 class SupervisionConfig(Section):
@@ -260,6 +368,9 @@ class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
     run_id: str = Field("run", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    environment: Literal["dev", "test", "prod"] | None = Field(
+        None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
+    )
     runs_dir: Path = Path("runs")
     metrics_path: Path | None = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
     model: ModelConfig
@@ -273,6 +384,9 @@ class RunConfig(BaseSettings):
     reference: ReferenceConfig = ReferenceConfig()
     service: ServiceConfig = ServiceConfig()
     supervision: SupervisionConfig = SupervisionConfig()
+    admin: AdminConfig = AdminConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
+    alerts: AlertsConfig = AlertsConfig()
 
     @classmethod
     def settings_customise_sources(
@@ -284,7 +398,7 @@ class RunConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML arrives as init kwargs; the environment must override it.
-        return env_settings, init_settings
+        return (env_settings, init_settings) if _read_environment.get() else (init_settings,)
 
     @field_validator("reward")
     @classmethod
@@ -316,6 +430,37 @@ class RunConfig(BaseSettings):
         return f"{self.service.host}:{self.service.trainer_grpc_port}"
 
 
+class BuildInfo(BaseSettings):
+    """What is running: baked into images as RLPIPE_BUILD_VERSION / RLPIPE_BUILD_REVISION, reported by status."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_BUILD_", extra="ignore")
+    version: str = ""
+    revision: str = ""
+
+    def resolved(self) -> BuildInfo:
+        """Fill what the environment left empty from the installed package and the git checkout."""
+        import importlib.metadata
+        import subprocess
+
+        version = self.version or importlib.metadata.version("rlpipe")
+        revision = self.revision
+        if not revision:
+            try:
+                revision = subprocess.run(
+                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+                ).stdout.strip()
+            except (OSError, subprocess.SubprocessError):
+                revision = ""
+        return BuildInfo(version=version, revision=revision or "unknown")
+
+
+class DeploymentEnvironment(BaseSettings):
+    """``RLPIPE_ENV``: which deployment this machine belongs to (dev, test or prod)."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_", extra="ignore")
+    env: str = ""
+
+
 class ConfigError(ValueError):
     """A configuration that cannot start a run; the message names every bad field."""
 
@@ -343,6 +488,54 @@ def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
             raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     data.update(overrides)
     try:
+        cfg = RunConfig(**data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error)) from None
+    deployment = DeploymentEnvironment().env
+    if deployment and cfg.environment and deployment != cfg.environment:
+        raise ConfigError(
+            f"invalid configuration:\n  environment: this config is for {cfg.environment!r} but RLPIPE_ENV is {deployment!r}; "
+            "use the config of this environment or set RLPIPE_ENV to match"
+        )
+    return cfg
+
+
+def is_live(key: str) -> bool:
+    return any(key == live or key.startswith(live + ".") for live in LIVE_FIELDS)
+
+
+def _set_dotted(data: dict[str, Any], model: type[BaseModel] | None, key: str, value: Any) -> None:
+    """Set ``key`` (dotted, field names or aliases) in a by-alias dump of ``model``; unknown fields are refused."""
+    parts = key.split(".")
+    node: Any = data
+    for depth, part in enumerate(parts):
+        if model is not None:
+            # A field is known by its name or its alias; the dump uses the alias.
+            keys = {name: info.alias or name for name, info in model.model_fields.items()}
+            keys |= {alias: alias for alias in keys.values()}
+            if part not in keys:
+                raise ConfigError(f"invalid configuration:\n  {key}: no such field (allowed here: {sorted(model.model_fields)})")
+            field = next(info for name, info in model.model_fields.items() if (info.alias or name) == keys[part])
+            part = keys[part]
+            annotation = field.annotation
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+        elif not isinstance(node, dict):
+            raise ConfigError(f"invalid configuration:\n  {key}: {'.'.join(parts[:depth])} holds no fields")
+        if depth == len(parts) - 1:
+            node[part] = value
+        else:
+            node = node.setdefault(part, {})
+
+
+def apply_overrides(base: RunConfig, overrides: dict[str, Any]) -> RunConfig:
+    """``base`` with dotted ``overrides`` (``{"train.learning_rate": 5e-5}``), validated; the environment is not re-read."""
+    data = base.model_dump(mode="json", by_alias=True)
+    for key, value in overrides.items():
+        _set_dotted(data, RunConfig, key, value)
+    token = _read_environment.set(False)
+    try:
         return RunConfig(**data)
     except ValidationError as error:
         raise ConfigError(_describe(error)) from None
+    finally:
+        _read_environment.reset(token)
