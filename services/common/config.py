@@ -268,6 +268,7 @@ class ServiceConfig(Section):
     host: str = "127.0.0.1"
     instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
     trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
+    trainer_host: str = Field("", description="where other services reach the trainer (a service name in compose/k8s); defaults to host")
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -427,7 +428,7 @@ class RunConfig(BaseSettings):
 
     @property
     def trainer_address(self) -> str:
-        return f"{self.service.host}:{self.service.trainer_grpc_port}"
+        return f"{self.service.trainer_host or self.service.host}:{self.service.trainer_grpc_port}"
 
 
 class BuildInfo(BaseSettings):
