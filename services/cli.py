@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from services.admin_cli import register as register_operator_commands
 from services.common.config import ConfigError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
@@ -28,15 +29,18 @@ def run(
 
 
 @app.command()
-def report(run_dir: Path = typer.Argument(..., help="runs/<run id>")) -> None:
-    """Render runs/<run>/metrics.jsonl to runs/<run>/report.png."""
-    from services.report import render_report
+def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run directory, or a run id under runs/")) -> None:
+    """Render the run's metrics and events to report.png and a self-contained report.html in its directory."""
+    from services.report import render_html, render_report
 
+    if not run_dir.is_dir() and (Path("runs") / run_dir).is_dir():
+        run_dir = Path("runs") / run_dir
     metrics = run_dir / "metrics.jsonl"
     if not metrics.is_file():
         typer.echo(f"rlpipe report: {metrics} does not exist", err=True)
         raise typer.Exit(2)
     typer.echo(render_report(metrics, run_dir / "report.png"))
+    typer.echo(render_html(run_dir))
 
 
 @app.command("dead-letters")
@@ -86,6 +90,19 @@ def dead_letters(
     Console().print(table)
 
 
+@app.command()
+def doctor(
+    config: Path = typer.Option(Path("examples/arith-grpo.yaml"), "--config", help="run config YAML (default: the one `make demo` runs)"),
+    embedded: bool = typer.Option(
+        False, "--embedded", help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url"
+    ),
+) -> None:
+    """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk; exit 1 naming each failure."""
+    from services.doctor import diagnose, print_report
+
+    raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
+
+
 @app.command("build-tiny")
 def build_tiny(
     out: Path = typer.Option(Path("models/tiny-arith"), help="model folder to write"),
@@ -96,6 +113,9 @@ def build_tiny(
     from services.common.tiny_model import main as build
 
     build(["--out", str(out), "--data", str(data), "--seed", str(seed)])
+
+
+register_operator_commands(app)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import queue
+import secrets
 import shutil
 import signal
 import socket
@@ -28,8 +29,10 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.common.config import RunConfig, load_config
-from services.report import render_report
+from services.common.config import AdminCredentials, RunConfig, load_config
+from services.common.events import EventLog
+from services.doctor import StartupCheckError, startup_checks
+from services.report import render_html, render_report
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 600.0
@@ -91,6 +94,7 @@ class Launcher:
         self.startup: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
         self.nats_port = 0
+        self.events = EventLog(self.run_dir / "events.jsonl")
 
     def start_nats(self, port: int | None = None) -> str:
         """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
@@ -120,13 +124,21 @@ class Launcher:
             time.sleep(0.05)
         raise RuntimeError("nats-server did not accept connections within 30 s")
 
+    def admin_token(self) -> str:
+        """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
+        token = AdminCredentials().token or secrets.token_urlsafe(24)
+        path = self.run_dir / "admin.token"
+        path.touch(mode=0o600)
+        path.write_text(token + "\n")
+        return token
+
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
         process = subprocess.Popen(
             [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**self.env, **(env or {})},
+            env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **(env or {})},
             preexec_fn=_die_with_parent,
         )
         child = Child(name, role, process, log_path)
@@ -144,6 +156,7 @@ class Launcher:
             "run_id": self.cfg.run_id,
             "nats_url": self.env["RLPIPE_NATS__URL"],
             "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
+            "admin": self.child("trainer").ready["admin"] if self.child("trainer").ready else None,
             "pids": {"nats": self.nats.pid, **{c.name: c.process.pid for c in self.children}},
             "restarts": self.restarts,
             "services": {
@@ -189,6 +202,8 @@ class Launcher:
             **os.environ,
             "RLPIPE_NATS__URL": nats_url,
             "RLPIPE_SERVICE__TRAINER_GRPC_PORT": str(free_port()),
+            "RLPIPE_ADMIN__PORT": str(self.cfg.admin.port or free_port()),
+            "RLPIPE_ADMIN_TOKEN": self.admin_token(),
         }
         for i in range(self.cfg.reference.replicas):
             self.wait_ready([self.spawn("reference", f"reference-{i}")])
@@ -219,6 +234,8 @@ class Launcher:
                         progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
                     elif event["event"] == "resumed":
                         progress.console.log(f"trainer resumed from step {event['step']} as policy version {event['policy_version']}")
+                    elif event["event"] in ("paused", "unpaused", "rolled_back", "config_applied", "alert"):
+                        progress.console.log(f"trainer {event['event']}: " + _event_summary(event))
                     elif event["event"] == "done":
                         done = event
                 if done:
@@ -226,6 +243,7 @@ class Launcher:
                 if self.nats.poll() is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
+                    self.events.write("restart", f"nats-server exited with {self.nats.returncode}; restarting it", service="nats", restarts=self.restarts["nats"])
                     progress.console.log(f"[yellow]nats-server exited with {self.nats.returncode}[/]; restarting it")
                     self.start_nats(self.nats_port)
                     self.write_run_file()
@@ -251,6 +269,7 @@ class Launcher:
         self.restarts[child.name] = count
         delay = min(supervision.backoff_s * 2 ** (count - 1), supervision.max_backoff_s)
         progress.console.log(f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s")
+        self.events.write("restart", f"{child.name} exited with {child.process.returncode}; restart {count} in {delay:.1f}s", service=child.name, restarts=count)
         return time.monotonic() + delay
 
     def stop(self) -> list[str]:
@@ -270,6 +289,11 @@ class Launcher:
             self.nats.wait(timeout=20)
         # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
         return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
+
+
+def _event_summary(event: dict[str, Any]) -> str:
+    keys = ("step", "reason", "policy_version", "config_version", "changed", "rule", "message")
+    return " ".join(f"{k}={event[k]}" for k in keys if k in event)
 
 
 def _startup_fields(event: dict[str, Any]) -> str:
@@ -305,6 +329,11 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
 def run(config_path: Path, resume: bool = False) -> int:
     """Run the pipeline; ``resume`` continues the run in ``runs/<run>`` (its streams and checkpoints) instead of starting afresh."""
     cfg = load_config(config_path)
+    try:
+        startup_checks(cfg, "run")
+    except StartupCheckError as error:
+        console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
+        return 2
     if cfg.run_dir.exists() and not resume:
         console.log(f"starting afresh: removing the previous {cfg.run_dir}")
         shutil.rmtree(cfg.run_dir)
@@ -323,7 +352,8 @@ def run(config_path: Path, resume: bool = False) -> int:
         return 1
     failed = launcher.stop()
 
-    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png")
+    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png", cfg.run_dir / "events.jsonl")
+    render_html(cfg.run_dir)
     console.print(summarize(cfg, done, launcher.startup, wall_s))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:

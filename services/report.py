@@ -1,15 +1,37 @@
-"""Render a run's metrics.jsonl into a PNG of the curves an operator watches."""
+"""Render a run's metrics and events into a PNG of the curves an operator watches, and an HTML page.
+
+Inputs, both JSON lines in the run directory:
+
+- ``metrics.jsonl``: rows with ``time`` (unix seconds) and usually ``step``; step rows
+  carry ``reward_mean`` and the other training statistics, eval rows ``eval_accuracy``.
+- ``events.jsonl`` (may be missing or empty): ``{"time", "step" (int or null), "kind",
+  "message", ...}`` for config changes, alerts, rollbacks, resumes, restarts, pauses and stops.
+
+The x-axis is the trainer step everywhere. An event without a step is placed at the step
+of the metrics row written nearest to it in time, and the HTML marks such steps with "≈".
+After a rollback or resume the trainer writes some step numbers again; each curve is
+broken where the step goes back instead of drawing a line back across the plot.
+"""
 
 from __future__ import annotations
 
+import base64
+import bisect
+import html
+import io
 import json
 import math
+from collections import Counter
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
 
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),
@@ -18,33 +40,238 @@ PANELS = (
     ("kl_ref", "KL to reference (k3)", None),
     ("response_length_mean", "response length (tokens)", None),
     ("termination_rate", "termination rate (EOS)", None),
+    ("step_time_s", "step time (s)", None),
 )
+# The step-row statistics whose recent means the HTML summary lists.
+SUMMARY_METRICS = ("reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate", "step_time_s", "tokens_per_s")
+EVENT_STYLES = {
+    "config_change": ("tab:blue", "--"),
+    "alert": ("tab:red", "-"),
+    "rollback": ("tab:purple", "-."),
+    "resume": ("tab:green", ":"),
+    "restart": ("tab:orange", ":"),
+    "pause": ("tab:gray", "--"),
+    "unpause": ("tab:olive", "--"),
+    "stop": ("black", "-"),
+}
+OTHER_EVENT_STYLE = ("tab:brown", ":")
 
 
-def load_rows(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a JSON-lines file; [] when it is missing. Lines that are not a
+    JSON object are skipped, because a live run may be halfway through writing the last one."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(row, dict):
+            rows.append(row)
+    return rows
 
 
-def render_report(metrics_path: Path, out_path: Path) -> Path:
-    rows = load_rows(metrics_path)
-    figure, axes = plt.subplots(2, 3, figsize=(15, 8))
-    for ax, (key, title, band) in zip(axes.flat, PANELS):
-        points = [(r["step"], r[key], r.get(band) if band else None) for r in rows if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
-        ax.set_title(title)
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_step_row(row: dict[str, Any]) -> bool:
+    return isinstance(row.get("step"), int) and "reward_mean" in row
+
+
+def event_steps(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[tuple[int | None, bool]]:
+    """For each event (step, estimated): its own step, or else the step of the metrics row
+    nearest to it in time (estimated=True); (None, True) when no row has both time and step."""
+    timeline = sorted((row["time"], row["step"]) for row in rows if _number(row.get("time")) and isinstance(row.get("step"), int))
+    times = [t for t, _ in timeline]
+    placed = []
+    for event in events:
+        if isinstance(event.get("step"), int):
+            placed.append((event["step"], False))
+            continue
+        at = event.get("time")
+        if not timeline or not _number(at):
+            placed.append((None, True))
+            continue
+        i = bisect.bisect_left(times, at)
+        nearest = min((j for j in (i - 1, i) if 0 <= j < len(timeline)), key=lambda j: abs(times[j] - at))
+        placed.append((timeline[nearest][1], True))
+    return placed
+
+
+def curve(rows: list[dict[str, Any]], key: str, band: str | None) -> tuple[list[float], list[float], list[float] | None]:
+    """x, y and the ±band of one curve in file order, with a NaN gap wherever the step goes back."""
+    xs: list[float] = []
+    ys: list[float] = []
+    spread: list[float] = []
+    for row in rows:
+        step = row.get("step")
+        if not isinstance(step, int) or not _number(row.get(key)):
+            continue
+        if xs and step < xs[-1]:
+            xs.append(math.nan)
+            ys.append(math.nan)
+            spread.append(math.nan)
+        xs.append(step)
+        ys.append(row[key])
+        spread.append(row[band] if band and _number(row.get(band)) else math.nan)
+    has_band = band is not None and any(math.isfinite(s) for s in spread)
+    return xs, ys, spread if has_band else None
+
+
+def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> Figure:
+    figure, axes = plt.subplots(2, 4, figsize=(20, 8))
+    marks = [(step, event.get("kind", "?")) for event, (step, _) in zip(events, event_steps(events, rows)) if step is not None]
+    for ax, (key, panel_title, band) in zip(axes.flat, PANELS):
+        ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if not points:
+        for step, kind in marks:
+            color, style = EVENT_STYLES.get(kind, OTHER_EVENT_STYLE)
+            ax.axvline(step, color=color, linestyle=style, lw=1, alpha=0.7)
+        xs, ys, spread = curve(rows, key, band)
+        if not xs:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             continue
-        steps, values, spread = zip(*points)
-        ax.plot(steps, values, marker="o" if len(points) < 30 else None, lw=1.5)
-        if key.endswith("_rate") or key.endswith("accuracy"):
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1.5)
+        if key.endswith(("_rate", "accuracy")):
             ax.set_ylim(-0.02, 1.02)
-        if band and all(s is not None for s in spread):
-            ax.fill_between(steps, [v - s for v, s in zip(values, spread)], [v + s for v, s in zip(values, spread)], alpha=0.2)
-    figure.suptitle(f"rlpipe run: {metrics_path.parent.name}")
+        if spread:
+            ax.fill_between(xs, [y - s for y, s in zip(ys, spread)], [y + s for y, s in zip(ys, spread)], alpha=0.2)
+    # The eighth cell holds the legend of the event lines shared by every panel.
+    legend_ax = axes.flat[len(PANELS)]
+    legend_ax.axis("off")
+    counts = Counter(kind for _, kind in marks)
+    if counts:
+        styles = [EVENT_STYLES.get(kind, OTHER_EVENT_STYLE) for kind in counts]
+        handles = [Line2D([], [], color=color, linestyle=style) for color, style in styles]
+        legend_ax.legend(handles, [f"{kind} ({n})" for kind, n in counts.items()], title="events", loc="center")
+    else:
+        legend_ax.text(0.5, 0.5, "no events", ha="center", va="center", transform=legend_ax.transAxes)
+    figure.suptitle(title)
     figure.tight_layout()
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out_path, dpi=100)
+    return figure
+
+
+def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> bytes:
+    figure = _figure(rows, events, title)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
     plt.close(figure)
+    return buffer.getvalue()
+
+
+def render_report(metrics_path: Path, out_path: Path, events_path: Path | None = None) -> Path:
+    """Write the curves of ``metrics_path`` with the events of ``events_path`` (default: the
+    ``events.jsonl`` beside the metrics) marked on them to ``out_path`` as PNG."""
+    events = read_jsonl(events_path or metrics_path.with_name("events.jsonl"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_bytes(_png(read_jsonl(metrics_path), events, f"rlpipe run: {metrics_path.parent.name}"))
     return out_path
+
+
+def _when(seconds: Any) -> str:
+    if not _number(seconds):
+        return ""
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)
+
+
+def _table(header: tuple[str, ...], body: list[tuple[Any, ...]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    lines = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(cell))}</td>" for cell in row) + "</tr>" for row in body)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
+
+
+def summary(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+    """(label, value) pairs: steps, wall time, first/final/best eval accuracy, and the means of
+    SUMMARY_METRICS over the last 10% of step rows (at least one)."""
+    steps = [row for row in rows if _is_step_row(row)]
+    evals = [row for row in rows if _number(row.get("eval_accuracy"))]
+    times = [row["time"] for row in rows if _number(row.get("time"))]
+    items: list[tuple[str, Any]] = [
+        ("step rows", len(steps)),
+        ("last step", steps[-1]["step"] if steps else None),
+        ("wall time", str(timedelta(seconds=round(max(times) - min(times)))) if times else None),
+    ]
+    if evals:
+        best = max(evals, key=lambda row: row["eval_accuracy"])
+        items += [
+            (f"first eval accuracy (step {evals[0].get('step')})", evals[0]["eval_accuracy"]),
+            (f"final eval accuracy (step {evals[-1].get('step')})", evals[-1]["eval_accuracy"]),
+            (f"best eval accuracy (step {best.get('step')})", best["eval_accuracy"]),
+        ]
+    tail = steps[-max(1, len(steps) // 10) :] if steps else []
+    for key in SUMMARY_METRICS:
+        values = [row[key] for row in tail if _number(row.get(key))]
+        if values:
+            items.append((f"{key}, mean of the last {len(tail)} steps", sum(values) / len(values)))
+    return items
+
+
+def config_versions(rows: list[dict[str, Any]]) -> list[tuple[int, int | None, str, int]]:
+    """(version, first step, first time, rows) for each ``config_version`` the rows carry, in order of appearance."""
+    seen: dict[int, list[Any]] = {}
+    for row in rows:
+        version = row.get("config_version")
+        if not isinstance(version, int):
+            continue
+        if version not in seen:
+            seen[version] = [row.get("step"), _when(row.get("time")), 0]
+        seen[version][2] += 1
+    return [(version, step, when, count) for version, (step, when, count) in seen.items()]
+
+
+STYLE = """
+body { font-family: system-ui, sans-serif; margin: 1.5em; color: #222; }
+table { border-collapse: collapse; margin: 0.5em 0 1.5em; }
+th, td { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
+th { background: #f2f2f2; }
+img { max-width: 100%; }
+"""
+
+
+def render_html(run_dir: Path, out: Path | None = None) -> Path:
+    """Write one self-contained HTML page for ``run_dir`` (default ``run_dir/report.html``): the
+    curves as an embedded PNG, the summary, config versions (when rows carry them) and the events."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    name = run_dir.resolve().name
+    image = base64.b64encode(_png(rows, events, f"rlpipe run: {name}")).decode()
+    event_rows = [
+        (
+            _when(event.get("time")),
+            "" if step is None else f"≈{step}" if estimated else step,
+            event.get("kind", ""),
+            event.get("message", ""),
+            ", ".join(
+                f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in event.items() if k not in ("time", "step", "kind", "message")
+            ),
+        )
+        for event, (step, estimated) in zip(events, event_steps(events, rows))
+    ]
+    parts = [
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlpipe report: {html.escape(name)}</title>",
+        f"<style>{STYLE}</style></head><body>",
+        f"<h1>rlpipe report: {html.escape(name)}</h1>",
+        f"<img alt='training curves of {html.escape(name)}' src='data:image/png;base64,{image}'>",
+        "<h2>Summary</h2>",
+        _table(("quantity", "value"), summary(rows)),
+    ]
+    versions = config_versions(rows)
+    if versions:
+        parts += ["<h2>Config versions</h2>", _table(("version", "first step", "first seen", "rows"), versions)]
+    parts += ["<h2>Events</h2>"]
+    parts += [_table(("time", "step", "kind", "message", "details"), event_rows) if event_rows else "<p>No events recorded.</p>"]
+    parts += ["</body></html>"]
+    out = out or run_dir / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(parts), encoding="utf-8")
+    return out

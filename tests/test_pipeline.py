@@ -134,5 +134,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     eval_rows = load_jsonl(data_dir / "eval.jsonl")[:200]
     assert greedy_accuracy(reloaded, load_tokenizer(step_dir), eval_rows, 6) == final_eval["eval_accuracy"]
 
+    # EXPERIENCE below what the oldest kept checkpoint would re-read was purged after the saves.
+    oldest = json.loads((run_dir / "step-00000005" / "trainer_state.json").read_text())["last_experience_seq"]
+    trainer_log = [json.loads(line) for line in (run_dir / "logs" / "trainer.log").read_text().splitlines() if line.startswith("{")]
+    assert oldest > 0 and oldest + 1 in [e["experience_below"] for e in trainer_log if e["event"] == "purged"]
+
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert "eval accuracy (start -> end)" in output

@@ -9,6 +9,10 @@ A stage step is always: fetch -> decode -> compute -> publish downstream with
 ``Nats-Msg-Id = <group id>.<stage>`` and wait for the ack -> ack upstream.
 A crash anywhere repeats at most the compute, and the duplicate window drops the
 repeated publish.
+
+Every published message carries the sender's trace context in its headers, and a
+stage handles each message inside a span that continues it (see
+``services.common.telemetry``), so one group's work across services is one trace.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import contextlib
 import functools
 import hashlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import nats
@@ -27,11 +32,14 @@ from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
 
 from services.common.config import RunConfig
 from services.common.logs import log_event
 from services.common.messages import ClaimCheck, DecodeError, Message, decode, encode
 from services.common.storage import ObjectStore, open_store
+from services.common.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
 
 PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
 WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role
@@ -96,6 +104,7 @@ class Bus:
             retention=api.RetentionPolicy.WORK_QUEUE if edge in WORK_QUEUES else api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE if nats_cfg.storage == "file" else api.StorageType.MEMORY,
             duplicate_window=nats_cfg.duplicate_window_s,
+            num_replicas=nats_cfg.stream_replicas,
         )
 
     async def ensure_streams(self) -> None:
@@ -123,13 +132,23 @@ class Bus:
             return decode(data, kind)
         return decode(msg.data, kind)
 
+    @staticmethod
+    def claim_key(msg: Msg | StreamMessage) -> str | None:
+        """The object-store key of a claim-checked message's body, None for an ordinary message."""
+        if not (msg.headers and msg.headers.get(H_CLAIM)):
+            return None
+        try:
+            return decode(msg.data, ClaimCheck).key
+        except DecodeError:
+            return None
+
     async def publish(self, edge: str, message: Message, msg_id: str) -> api.PubAck:
         """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped.
 
         A body above ``nats.claim_check_bytes`` is stored in the object store first and the
         message carries its key (claim check), keeping payloads well under the server's limit.
         """
-        headers = {"Nats-Msg-Id": msg_id, H_SERVICE: self.service}
+        headers = inject_trace({"Nats-Msg-Id": msg_id, H_SERVICE: self.service})
         group_id = getattr(message, "group_id", None)
         if group_id:
             headers[H_GROUP] = group_id
@@ -145,20 +164,25 @@ class Bus:
     def claims(self) -> ObjectStore:
         return open_store(self.cfg.checkpoint_url, self.cfg.checkpoint)
 
-    async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str) -> None:
-        """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream."""
+    async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str, cause: str = "undecodable") -> None:
+        """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream.
+
+        ``cause`` is the reason's class for metrics (``undecodable`` or ``max_deliver``):
+        the free-text reason would give every message its own time series.
+        """
         sequence = msg.sequence if isinstance(msg, StreamMessage) else msg.metadata.sequence.stream
-        headers = {
+        headers = inject_trace({
             H_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
             H_STREAM: stream_name(self.run_id, edge),
             H_SEQ: str(sequence),
             H_SERVICE: self.service,
             "Nats-Msg-Id": f"{edge}.{sequence}.dead",
-        }
+        })
         for carried in (H_GROUP, H_CLAIM):
             if msg.headers and carried in msg.headers:
                 headers[carried] = msg.headers[carried]
         await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
+        record_dead_letter(self.service, edge, cause)
         log_event(log, "dead_letter", level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
 
     async def work_queue(self, edge: str) -> nats.js.JetStreamContext.PullSubscription:
@@ -244,12 +268,28 @@ async def heartbeat(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[Non
 
 
 @dataclass
+class Received(Generic[In]):
+    """One fetched message on its way through a stage, with the span that follows it to settlement."""
+
+    msg: Msg
+    span: Span
+    fetched_at: float  # time.perf_counter() at fetch
+    item: In | None = None
+    settled: bool = False
+
+
+@dataclass
 class Stage(Generic[In, Out]):
     """A stateless pipeline stage: pulls ``consumes``, computes, publishes ``produces``.
 
     ``compute`` maps a batch of decoded inputs to one output each. If a batch
     fails, its items are retried one by one so a single bad input cannot sink
     the others; an item that keeps failing goes to DEAD after MaxDeliver tries.
+
+    Each message gets its own span ``<role>.<edge>``, continuing the trace in its
+    headers, from fetch until it is acked, nakked or terminated; it is the current
+    span only around that message's own publish, so a batch computed together still
+    sends each group on in its own trace.
     """
 
     bus: Bus
@@ -260,6 +300,11 @@ class Stage(Generic[In, Out]):
     batch: int
     name: str
     handled: int = 0
+    metrics: StageMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = StageMetrics(self.bus.service, self.consumes)
+        self.metrics.lag(0)  # until the first fetch says otherwise
 
     async def run(self, stop: asyncio.Event) -> None:
         nats_cfg = self.bus.cfg.nats
@@ -276,43 +321,87 @@ class Stage(Generic[In, Out]):
                 queue = None
                 await asyncio.sleep(1.0)
                 continue
-            decoded: list[tuple[Msg, In]] = []
-            for msg in msgs:
-                try:
-                    decoded.append((msg, self.bus.decode(msg, self.input_kind)))
-                except DecodeError as error:
-                    await self.bus.dead_letter(msg, str(error), self.consumes)
-                    await msg.term()
-            if decoded:
-                async with heartbeat([msg for msg, _ in decoded], nats_cfg.heartbeat_s):
-                    await self._process(decoded)
+            if not msgs:  # fetch can also come back empty-handed
+                continue
+            # The newest message says how many still wait behind it. A fetch that finds nothing leaves the
+            # value as it was: either the queue drained (its last message said 0) or the consumer is at
+            # max_ack_pending, when the old value is the better guess.
+            self.metrics.lag(msgs[-1].metadata.num_pending)
+            fetched_at = time.perf_counter()
+            received = [self._receive(msg, fetched_at) for msg in msgs]
+            try:
+                decoded: list[Received[In]] = []
+                for one in received:
+                    try:
+                        one.item = self.bus.decode(one.msg, self.input_kind)
+                    except DecodeError as error:
+                        with trace.use_span(one.span, end_on_exit=False):
+                            await self.bus.dead_letter(one.msg, str(error), self.consumes)
+                            await one.msg.term()
+                        self._settle(one, "dead", error)
+                        continue
+                    one.span.set_attribute("rlpipe.group_id", one.item.group_id)
+                    decoded.append(one)
+                if decoded:
+                    async with heartbeat([one.msg for one in decoded], nats_cfg.heartbeat_s):
+                        await self._process(decoded)
+            finally:
+                # Only reached unsettled by an exception (a broker error, cancellation): unacked, it is redelivered.
+                for one in received:
+                    if not one.settled:
+                        self._settle(one, "retry")
 
-    async def _process(self, decoded: list[tuple[Msg, In]]) -> None:
+    def _receive(self, msg: Msg, fetched_at: float) -> Received[In]:
+        headers = msg.headers or {}
+        span = start_span_from_headers(
+            f"{self.bus.service}.{self.consumes}", headers, group_id=headers.get(H_GROUP), delivery=msg.metadata.num_delivered
+        )
+        return Received(msg, span, fetched_at)
+
+    def _settle(self, one: Received[In], outcome: str, error: BaseException | None = None) -> None:
+        one.settled = True
+        self.metrics.settled(outcome, time.perf_counter() - one.fetched_at)
+        one.span.set_attribute("rlpipe.outcome", outcome)
+        if error is not None:
+            one.span.record_exception(error)
+            if outcome == "dead":
+                one.span.set_status(StatusCode.ERROR, repr(error)[:300])
+        one.span.end()
+
+    async def _process(self, decoded: list[Received[In]]) -> None:
         try:
-            outputs = await self.compute([item for _, item in decoded])
+            outputs = await self.compute([one.item for one in decoded])
         except Exception as error:
             if len(decoded) == 1:
-                await self._failed(decoded[0][0], error)
+                await self._failed(decoded[0], error)
                 return
             log_event(log, "batch_failed", level=logging.WARNING, error=repr(error), size=len(decoded))
-            for pair in decoded:
-                await self._process([pair])
+            for one in decoded:
+                await self._process([one])
             return
-        for (msg, _), output in zip(decoded, outputs, strict=True):
-            try:
-                await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
-                await msg.ack_sync()
-            except (NatsError, TimeoutError) as error:
-                # Unacked, the input is redelivered after AckWait; a publish that did land is deduplicated.
-                log_event(log, "publish_failed", level=logging.WARNING, group_id=output.group_id, error=repr(error)[:300])
-                continue
+        for one, output in zip(decoded, outputs, strict=True):
+            one.span.add_event("computed", {"rlpipe.batch_size": len(decoded)})
+            with trace.use_span(one.span, end_on_exit=False):
+                try:
+                    await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
+                    await one.msg.ack_sync()
+                except (NatsError, TimeoutError) as error:
+                    # Unacked, the input is redelivered after AckWait; a publish that did land is deduplicated.
+                    log_event(log, "publish_failed", level=logging.WARNING, group_id=output.group_id, error=repr(error)[:300])
+                    self._settle(one, "retry", error)
+                    continue
             self.handled += 1
+            self._settle(one, "ok")
 
-    async def _failed(self, msg: Msg, error: Exception) -> None:
+    async def _failed(self, one: Received[In], error: Exception) -> None:
+        msg = one.msg
         delivered = msg.metadata.num_delivered
-        if delivered >= self.bus.cfg.nats.max_deliver:
-            await self.bus.dead_letter(msg, f"failed {delivered} times, last: {error!r}", self.consumes)
-            await msg.term()
-        else:
-            log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
-            await msg.nak(delay=min(2.0**delivered, 30.0))
+        with trace.use_span(one.span, end_on_exit=False):
+            if delivered >= self.bus.cfg.nats.max_deliver:
+                await self.bus.dead_letter(msg, f"failed {delivered} times, last: {error!r}", self.consumes, cause="max_deliver")
+                await msg.term()
+                self._settle(one, "dead", error)
+            else:
+                log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
+                await msg.nak(delay=min(2.0**delivered, 30.0))
+                self._settle(one, "retry", error)

@@ -214,6 +214,7 @@ class S3Credentials(BaseSettings):
 class NatsConfig(Section):
     url: str = "nats://127.0.0.1:4222"
     storage: Literal["file", "memory"] = "file"
+    stream_replicas: int = Field(1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)")
     sync_always: bool = Field(
         False, description="embedded nats-server fsyncs every write (sync_interval: always); the default 2 min "
         "interval can lose acknowledged messages on power loss. Production brokers must set it in their own config.",
@@ -499,6 +500,18 @@ def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
             "use the config of this environment or set RLPIPE_ENV to match"
         )
     return cfg
+
+
+REDACTED = "<redacted>"
+
+
+def redacted_dump(cfg: RunConfig) -> dict[str, Any]:
+    """The config as plain data for files and operators. Credentials never enter the model; a webhook URL often
+    carries a token in its path, so it is hidden too."""
+    data = cfg.model_dump(mode="json", by_alias=True)
+    if data["alerts"]["webhook_url"]:
+        data["alerts"]["webhook_url"] = REDACTED
+    return data
 
 
 def is_live(key: str) -> bool:

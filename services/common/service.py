@@ -13,9 +13,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.bus import Stage
+from services.common.bus import Bus, Stage
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.logs import log_event, setup_logging
+from services.common.live_config import LiveConfig
+from services.common.logs import bind_log_fields, log_event, setup_logging
+from services.common.presence import Presence, instance_name
+from services.common.telemetry import current_telemetry, start_telemetry
+from services.doctor import StartupCheckError, startup_checks
 
 log = logging.getLogger(__name__)
 
@@ -23,16 +27,21 @@ ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 
 
 async def start_grpc_server(
-    cfg: RunConfig, port: int, register: Callable[[grpc.aio.Server], list[str]] | None = None
+    cfg: RunConfig,
+    port: int,
+    register: Callable[[grpc.aio.Server], list[str]] | None = None,
+    interceptors: list[grpc.aio.ServerInterceptor] | None = None,
+    credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, str]:
-    """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names)."""
-    server = grpc.aio.server()
+    """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names); TLS with ``credentials``."""
+    server = grpc.aio.server(interceptors=interceptors)
     names = register(server) if register else []
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names.append(health.SERVICE_NAME)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{cfg.service.host}:{port}")
+    where = f"{cfg.service.host}:{port}"
+    bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
     if bound == 0:
         raise OSError(f"cannot bind gRPC port {cfg.service.host}:{port}")
     await server.start()
@@ -40,12 +49,20 @@ async def start_grpc_server(
     return server, f"{cfg.service.host}:{bound}"
 
 
-async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server) -> None:
+async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tuple[LiveConfig, Presence]:
+    """The run's live config (newest stored version applied) and this replica's presence entry."""
+    live = await LiveConfig(cfg, bus.js).start()
+    presence = await Presence(bus.js, cfg, role, live).start(metrics_url=current_telemetry().metrics_url, **endpoints)
+    return live, presence
+
+
+async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
     """Run a stage until ``stop``, then close its health server and NATS connection."""
     try:
         await stage.run(stop)
     finally:
         log_event(log, "draining", handled=stage.handled)
+        await presence.stop()
         await server.stop(grace=1)
         await stage.bus.close()
 
@@ -61,6 +78,20 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(2)
     setup_logging(role, cfg.run_id, cfg.service.log_level)
+    instance = instance_name(cfg, role)
+    bind_log_fields(instance=instance)
+    try:
+        startup_checks(cfg, role)
+    except StartupCheckError as error:
+        log_event(log, "startup_check_failed", level=logging.ERROR, error=str(error))
+        print(f"{role}: {error}", file=sys.stderr)
+        sys.exit(2)
+    # Before the service's main, so its ready event can name the metrics endpoint and its first spans are kept.
+    try:
+        telemetry = start_telemetry(cfg, role, instance)
+    except OSError as error:
+        print(f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr)
+        sys.exit(2)
 
     import torch
 
@@ -78,4 +109,6 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     except Exception:
         log.exception("crashed", extra={"fields": {}})
         sys.exit(1)
+    finally:
+        telemetry.shutdown()  # sends the spans and metrics still queued
     log_event(log, "stopped")

@@ -31,6 +31,8 @@ class ObjectStore(Protocol):
 
     def delete_prefix(self, prefix: str) -> None: ...
 
+    def delete(self, keys: list[str]) -> None: ...
+
 
 class FileStore:
     def __init__(self, root: Path):
@@ -60,6 +62,10 @@ class FileStore:
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self.root / prefix, ignore_errors=True)
+
+    def delete(self, keys: list[str]) -> None:
+        for key in keys:
+            (self.root / key).unlink(missing_ok=True)
 
 
 class S3Store:
@@ -124,15 +130,23 @@ class S3Store:
             response.release_conn()
 
     def list(self, prefix: str) -> list[str]:
+        from minio.error import S3Error
+
         strip = len(self._key(""))
-        objects = self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
-        return sorted(obj.object_name[strip:] for obj in objects)
+        try:
+            return sorted(obj.object_name[strip:] for obj in self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True))
+        except S3Error as error:
+            if error.code == "NoSuchBucket":  # an endpoint that came back empty holds nothing; put() recreates it
+                return []
+            raise
 
     def delete_prefix(self, prefix: str) -> None:
+        self.delete(self.list(prefix))
+
+    def delete(self, keys: list[str]) -> None:
         from minio.deleteobjects import DeleteObject
 
-        doomed = [DeleteObject(self._key(key)) for key in self.list(prefix)]
-        for error in self.client.remove_objects(self.bucket, doomed):
+        for error in self.client.remove_objects(self.bucket, [DeleteObject(self._key(key)) for key in keys]):
             raise OSError(f"could not delete {error.object_name}: {error.message}")
 
 

@@ -13,7 +13,8 @@ from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import ExperienceGroup, ScoredGroup, advance
 from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.service import serve_stage, start_grpc_server
+from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.telemetry import current_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +45,15 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     loaded_s = started()
     bus = await Bus(cfg, "reference").connect()
     server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
+    live, presence = await join_run(cfg, bus, "reference", grpc=address)
 
     async def compute(groups: list[ScoredGroup]) -> list[ExperienceGroup]:
+        await live.refresh()  # nothing here is live; the version in force is still reported
         return await asyncio.to_thread(scorer, groups)
 
     stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
-    log_event(log, "ready", grpc=address, model=str(cfg.reference_model_path), model_load_s=loaded_s, startup_s=started())
-    await serve_stage(stage, stop, server)
+    log_event(
+        log, "ready", grpc=address, metrics_url=current_telemetry().metrics_url, model=str(cfg.reference_model_path),
+        model_load_s=loaded_s, startup_s=started(),
+    )
+    await serve_stage(stage, stop, server, presence)

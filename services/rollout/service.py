@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -19,7 +20,8 @@ from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage
 from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import Completion, Prompt, RolloutGroup, advance
-from services.common.service import serve_stage, start_grpc_server
+from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.telemetry import current_telemetry, record_weight_sync
 from services.common.weightsync import WeightSyncClient
 from services.rollout.engines import Engine, build_engine
 
@@ -53,11 +55,14 @@ class PolicyFollower:
     async def sync(self) -> None:
         if self.newest == self.loaded:
             return
-        took = Stopwatch()
+        started = time.perf_counter()
         version, tensors = await self.client.pull()
         await asyncio.get_running_loop().run_in_executor(self.engine_thread, self.engine.load_weights, tensors.items())
         self.loaded = version
-        log_event(log, "weights_loaded", version=version, tensors=len(tensors), sync_s=took())
+        seconds = time.perf_counter() - started
+        nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+        record_weight_sync(seconds, nbytes, version)
+        log_event(log, "weights_loaded", version=version, tensors=len(tensors), bytes=nbytes, sync_s=round(seconds, 3))
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
@@ -75,17 +80,21 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         follower.newest = (await follower.client.version()).version
         await follower.sync()
     watcher = asyncio.create_task(follower.watch())
+    live, presence = await join_run(cfg, bus, "rollout", grpc=address)
 
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
         await follower.sync()
+        await live.refresh()  # sampling temperature, top-p and max new tokens are live
+        presence.update(policy_version=follower.loaded)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
-        groups = await loop.run_in_executor(engine_thread, engine.generate, prompt_ids, cfg.sampling, cfg.train.max_seq_len)
+        groups = await loop.run_in_executor(engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len)
         return [
             advance(
                 prompt,
                 RolloutGroup,
                 prompt_ids=np.asarray(ids, dtype=np.int32),
                 policy_version=follower.loaded,
+                config_version=live.version,
                 completions=[Completion(**vars(generation)) for generation in group],
             )
             for prompt, ids, group in zip(prompts, prompt_ids, groups)
@@ -93,10 +102,11 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
     log_event(
-        log, "ready", grpc=address, backend=cfg.rollout.backend, engine_load_s=engine_s, policy_version=follower.loaded, startup_s=started()
+        log, "ready", grpc=address, metrics_url=current_telemetry().metrics_url, backend=cfg.rollout.backend,
+        engine_load_s=engine_s, policy_version=follower.loaded, startup_s=started(),
     )
     try:
-        await serve_stage(stage, stop, server)
+        await serve_stage(stage, stop, server, presence)
     finally:
         watcher.cancel()
         await follower.client.close()

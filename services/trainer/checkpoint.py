@@ -4,6 +4,11 @@ Parts go up first (model as safetensors with its HF config and tokenizer, so a
 step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state; lineage),
 then ``manifest.json`` with every part's size and sha256. A step without a
 manifest, or whose parts do not match it, does not exist for loaders.
+
+Two marker objects sit beside a manifest: ``STABLE`` (an operator or a healthy save
+vouched for the step; pruning keeps it and ``rollback --stable`` goes to the newest)
+and ``ABANDONED`` (a rollback went back before it; loaders skip it and pruning drops it
+first, while lineage.jsonl keeps the record of what it trained).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import pickle
 import random
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,7 +37,9 @@ from services.common.storage import ObjectStore
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"step-(\d+)/manifest\.json$")
+STABLE = "STABLE"
+ABANDONED = "ABANDONED"
+_STEP_FILE = re.compile(r"step-(\d+)/(manifest\.json|STABLE|ABANDONED)$")
 MODEL_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
@@ -93,6 +101,7 @@ class Checkpoint:
     state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
     critic: dict[str, torch.Tensor] | None = None
     lineage: str = ""  # lineage.jsonl up to this step
+    extras: dict[str, bytes] | None = None  # kept for operators, not loaded: effective config, build info
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -110,17 +119,20 @@ class CheckpointStore:
         self.attempts = attempts
         self.backoff_s = backoff_s
 
-    def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
-        """Write with retries and exponential backoff: object stores fail transiently."""
+    def _retried(self, what: str, call: Callable[[], Any]) -> Any:
+        """``call()`` with retries and exponential backoff: object stores fail transiently."""
         for attempt in range(1, self.attempts + 1):
             try:
-                return (store or self.store).put(key, data)
+                return call()
             except Exception as error:  # network and S3 errors come in many types
                 if attempt == self.attempts:
                     raise
                 delay = self.backoff_s * 2 ** (attempt - 1)
-                log_event(log, "store_retry", level=logging.WARNING, key=key, attempt=attempt, retry_s=delay, error=repr(error)[:300])
+                log_event(log, "store_retry", level=logging.WARNING, key=what, attempt=attempt, retry_s=delay, error=repr(error)[:300])
                 time.sleep(delay)
+
+    def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
+        self._retried(key, lambda: (store or self.store).put(key, data))
 
     def _prefix(self, step: int) -> str:
         return f"{self.run_id}/step-{step:08d}/"
@@ -128,6 +140,9 @@ class CheckpointStore:
     def save(self, ckpt: Checkpoint, model_dir: Path) -> str:
         """Upload the parts, then the manifest; returns the step's location."""
         prefix = self._prefix(ckpt.step)
+        earlier = self._retried(prefix, self._listing).get(ckpt.step, set())
+        if earlier:
+            self.store.delete_prefix(prefix)  # a step saved again, or an abandoned branch's step of the same number
         parts = {
             "model.safetensors": save_safetensors(untied(ckpt.model)),
             "optimizer.pt": _torch_bytes(ckpt.optimizer),
@@ -139,12 +154,17 @@ class CheckpointStore:
         if ckpt.critic is not None:
             parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
         parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
+        parts |= ckpt.extras or {}
         manifest = {
             "step": ckpt.step,
+            "policy_version": ckpt.state.get("policy_version"),
+            "last_experience_seq": ckpt.state.get("last_experience_seq"),
             "created": time.time(),
             "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
         }
         parts[MANIFEST] = json.dumps(manifest, indent=2).encode()  # last: it makes the step exist
+        if STABLE in earlier and ABANDONED not in earlier:
+            parts[STABLE] = json.dumps({"time": time.time()}).encode()  # saving the step again keeps its mark
         for name, data in parts.items():
             self._put(prefix + name, data)
         self._prune(self.store)
@@ -157,10 +177,63 @@ class CheckpointStore:
                 log_event(log, "mirror_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         return f"{self.store.url.rstrip('/')}/{prefix}"
 
-    def steps(self, store: ObjectStore | None = None) -> list[int]:
+    def _listing(self, store: ObjectStore | None = None) -> dict[int, set[str]]:
+        """Step -> which of manifest, STABLE and ABANDONED it has."""
+        found: dict[int, set[str]] = {}
+        for key in (store or self.store).list(f"{self.run_id}/step-"):
+            match = _STEP_FILE.search(key)
+            if match:
+                found.setdefault(int(match.group(1)), set()).add(match.group(2))
+        return found
+
+    def steps(self, store: ObjectStore | None = None, include_abandoned: bool = False) -> list[int]:
         """Steps that have a manifest, oldest first."""
-        found = (_STEP_DIR.search(key) for key in (store or self.store).list(f"{self.run_id}/step-"))
-        return sorted(int(match.group(1)) for match in found if match)
+        listing = self._listing(store)
+        return sorted(
+            step for step, names in listing.items() if MANIFEST in names and (include_abandoned or ABANDONED not in names)
+        )
+
+    def catalog(self) -> list[dict[str, Any]]:
+        """Every stored step with its markers, size and policy version, oldest first."""
+        entries = []
+        for step, names in sorted(self._listing().items()):
+            if MANIFEST not in names:
+                continue
+            manifest = json.loads(self.store.get(self._prefix(step) + MANIFEST))
+            entries.append({
+                "step": step,
+                "policy_version": manifest.get("policy_version") or 0,
+                "last_experience_seq": manifest.get("last_experience_seq"),
+                "created": manifest["created"],
+                "bytes": sum(meta["size"] for meta in manifest["files"].values()),
+                "stable": STABLE in names,
+                "abandoned": ABANDONED in names,
+                "location": f"{self.store.url.rstrip('/')}/{self._prefix(step)}",
+            })
+        return entries
+
+    def mark(self, step: int, marker: str) -> None:
+        """Put ``marker`` (STABLE or ABANDONED) beside the manifest of ``step``, on the mirror too when it has the step."""
+        if step not in self.steps(include_abandoned=True):
+            raise KeyError(f"no checkpoint at step {step} (stored: {self.steps()})")
+        note = json.dumps({"time": time.time()}).encode()
+        self._put(self._prefix(step) + marker, note)
+        if self.mirror is not None:
+            try:
+                if step in self.steps(self.mirror, include_abandoned=True):
+                    self._put(self._prefix(step) + marker, note, self.mirror)
+            except Exception as error:  # the primary holds the truth
+                log_event(log, "mirror_failed", level=logging.WARNING, step=step, error=repr(error)[:300])
+
+    def replay_floor(self) -> int | None:
+        """The lowest EXPERIENCE sequence any loadable step has applied: nothing at or below it is ever read again."""
+        seqs = [entry["last_experience_seq"] for entry in self.catalog() if not entry["abandoned"]]
+        return min(seqs) if seqs and None not in seqs else None
+
+    def latest_stable(self) -> int | None:
+        listing = self._listing()
+        stable = [step for step, names in listing.items() if {MANIFEST, STABLE} <= names and ABANDONED not in names]
+        return max(stable, default=None)
 
     def load(self, step: int, store: ObjectStore | None = None) -> Checkpoint:
         store = store or self.store
@@ -205,5 +278,10 @@ class CheckpointStore:
         return None
 
     def _prune(self, store: ObjectStore) -> None:
-        for step in self.steps(store)[: -self.keep_last]:
-            store.delete_prefix(self._prefix(step))
+        """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first."""
+        listing = self._listing(store)
+        live = sorted(step for step, names in listing.items() if MANIFEST in names and ABANDONED not in names)
+        keep = set(live[-self.keep_last :]) | {step for step, names in listing.items() if STABLE in names and ABANDONED not in names}
+        for step, names in listing.items():
+            if MANIFEST in names and step not in keep:
+                store.delete_prefix(self._prefix(step))

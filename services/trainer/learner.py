@@ -107,6 +107,12 @@ class Learner:
         self.generator = torch.Generator().manual_seed(train.seed)
         self.steps_done = 0
 
+    def reconfigure(self, cfg: RunConfig) -> None:
+        """Take a live config change. Hyperparameters are read at every step; the learning rate also lives in the scheduler."""
+        self.cfg = cfg
+        self.scheduler.base_lrs[0] = cfg.train.learning_rate
+        self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+
     def rng_state(self) -> dict[str, Any]:
         return {**rng_state(), "minibatch_order": self.generator.get_state()}
 

@@ -35,13 +35,26 @@ class Lineage:
     def record_step(self, step: int, version: int, groups: list[tuple[str, int]], dropped: list[str], experience_seq: int) -> None:
         self._append({"step": step, "policy_version": version, "groups": groups, "dropped_stale": dropped, "experience_seq": experience_seq})
 
-    def restart_from(self, step: int, version: int, event: str, copy_if_missing: str = "") -> list[int]:
-        """Record that training goes on from checkpoint ``step``; returns the steps this abandons."""
+    def restart_from(
+        self, step: int, version: int, event: str, copy_if_missing: str = "", abandoned_versions: tuple[int, int] | None = None
+    ) -> list[int]:
+        """Record that training goes on from checkpoint ``step``; returns the steps this abandons.
+
+        A rollback also names the policy versions it disowns (``abandoned_versions``, an
+        inclusive range): groups those versions generated are dropped, never trained on.
+        """
         if not self.path.exists() and copy_if_missing:
             self.path.write_text(copy_if_missing)
         abandoned = [r["step"] for r in effective_steps(self.records()) if r["step"] > step]
-        self._append({"event": event, "from_step": step, "policy_version": version, "abandoned_steps": abandoned})
+        record = {"event": event, "from_step": step, "policy_version": version, "abandoned_steps": abandoned}
+        if abandoned_versions is not None:
+            record["abandoned_versions"] = list(abandoned_versions)
+        self._append(record)
         return abandoned
+
+    def abandoned_versions(self) -> list[tuple[int, int]]:
+        """The inclusive policy-version ranges that rollbacks disowned."""
+        return [tuple(r["abandoned_versions"]) for r in self.records() if "abandoned_versions" in r]
 
     def max_version(self) -> int:
         return max((r.get("policy_version", 0) for r in self.records()), default=0)

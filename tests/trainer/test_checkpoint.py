@@ -76,3 +76,41 @@ def test_mirror_bucket_gets_every_step_and_covers_a_corrupt_primary(tmp_path, s3
     primary.put("run-m/step-00000003/model.safetensors", b"bitrot")
     loaded = store.load_latest()
     assert loaded.step == 3 and loaded.model["big"].shape == (3_000_000,)  # read from the mirror
+
+
+def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    store = CheckpointStore(open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig()), "run-s", keep_last=2)
+
+    def save(step: int) -> None:
+        model, optimizer = tiny_state(step)
+        state = {"step": step, "policy_version": 100 + step}
+        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), state), model_dir)
+
+    save(1)
+    store.mark(1, "STABLE")
+    for step in (2, 3, 4):
+        save(step)
+    assert store.steps() == [1, 3, 4]  # the stable step outlives keep_last
+    assert store.latest_stable() == 1
+    save(4)  # saving a step again keeps its marks
+    store.mark(4, "STABLE")
+    save(4)
+    assert store.latest_stable() == 4
+
+    for step in (3, 4):  # a rollback to step 1 disowns what came after
+        store.mark(step, "ABANDONED")
+    assert store.load_latest().step == 1 and store.latest_stable() == 1
+    catalog = {entry["step"]: entry for entry in store.catalog()}
+    assert catalog[4]["abandoned"] and catalog[4]["stable"] and catalog[4]["policy_version"] == 104
+    assert catalog[1]["stable"] and not catalog[1]["abandoned"] and catalog[1]["bytes"] > 0
+
+    save(3)  # the new branch reaches step 3 again: its own checkpoint replaces the abandoned one
+    assert store.load_latest().step == 3 and not {e["step"]: e for e in store.catalog()}[3]["abandoned"]
+    save(5)
+    assert store.steps(include_abandoned=True) == [1, 3, 5]  # abandoned steps are pruned first; stable 1 stays
+
+    with pytest.raises(KeyError, match="no checkpoint at step 9"):
+        store.mark(9, "STABLE")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 PROTO_DIR = PACKAGE_DIR.parents[2] / "proto"
-PROTOS = ("weights.proto",)
+PROTOS = ("weights.proto", "admin.proto")
 
 
 def _stale(proto: Path) -> bool:
@@ -41,6 +41,6 @@ def build() -> None:
 
 build()
 
-from services.common.pb import weights_pb2, weights_pb2_grpc  # noqa: E402
+from services.common.pb import admin_pb2, admin_pb2_grpc, weights_pb2, weights_pb2_grpc  # noqa: E402
 
-__all__ = ["weights_pb2", "weights_pb2_grpc", "build"]
+__all__ = ["admin_pb2", "admin_pb2_grpc", "weights_pb2", "weights_pb2_grpc", "build"]

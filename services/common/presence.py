@@ -1,0 +1,129 @@
+"""Service presence: each replica's entry in the key-value bucket ``RLPIPE_<run>_SERVICES``.
+
+A replica writes what it is (role, instance, endpoints, build), which versions it runs
+(config, policy) and a heartbeat every few seconds, under its instance name. The
+entry outlives the process, so a restarted replica of the same name finds its own
+earlier entry and counts the restart whatever restarted it (the launcher, Docker, or
+Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to notice a
+role with no live replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import socket
+import time
+from typing import Any
+
+from nats.js import api
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+
+from services.common.config import BuildInfo, RunConfig
+from services.common.live_config import LiveConfig
+from services.common.logs import log_event
+
+log = logging.getLogger(__name__)
+HEARTBEAT_S = 5.0
+UP_WITHIN_S = 3 * HEARTBEAT_S
+STAGE_ROLES = ("rollout", "reward", "reference")
+
+
+def bucket_name(run_id: str) -> str:
+    return f"RLPIPE_{run_id}_SERVICES"
+
+
+def instance_name(cfg: RunConfig, role: str) -> str:
+    name = cfg.service.instance or f"{role}-{socket.gethostname()}"
+    return re.sub(r"[^A-Za-z0-9_=.-]", "-", name)
+
+
+async def open_bucket(js: Any, cfg: RunConfig) -> Any:
+    try:
+        return await js.key_value(bucket_name(cfg.run_id))
+    except BucketNotFoundError:
+        storage = api.StorageType.FILE if cfg.nats.storage == "file" else api.StorageType.MEMORY
+        return await js.create_key_value(bucket=bucket_name(cfg.run_id), history=1, storage=storage, replicas=cfg.nats.stream_replicas)
+
+
+class Presence:
+    def __init__(self, js: Any, cfg: RunConfig, role: str, live: LiveConfig | None = None):
+        self.js = js
+        self.cfg = cfg
+        self.role = role
+        self.live = live
+        self.instance = instance_name(cfg, role)
+        build = BuildInfo().resolved()
+        self.info: dict[str, Any] = {
+            "role": role,
+            "instance": self.instance,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "build_version": build.version,
+            "build_revision": build.revision,
+            "starts": 1,
+        }
+        self.kv: Any = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self, **info: Any) -> Presence:
+        self.kv = await open_bucket(self.js, self.cfg)
+        try:
+            earlier = json.loads((await self.kv.get(self.instance)).value)
+            self.info["starts"] = earlier.get("starts", 0) + 1
+        except KeyNotFoundError:
+            pass
+        self.update(**info)
+        await self._beat()
+        self._task = asyncio.create_task(self._beat_forever())
+        return self
+
+    def update(self, **info: Any) -> None:
+        """Change what the next heartbeat reports (endpoints, versions)."""
+        self.info.update(info)
+
+    async def _beat(self) -> None:
+        versions = {"config_version": self.live.version} if self.live else {}
+        await self.kv.put(self.instance, json.dumps({**self.info, **versions, "time": time.time()}).encode())
+
+    async def _beat_forever(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            try:
+                await self._beat()
+            except Exception as error:  # broker away: the next beat tries again
+                log_event(log, "presence_failed", level=logging.DEBUG, error=repr(error)[:200])
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+
+async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
+    """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out."""
+    kv = await open_bucket(js, cfg)
+    try:
+        keys = await kv.keys()
+    except NoKeysError:
+        return []
+    now = time.time()
+    entries = []
+    for key in keys:
+        try:
+            entry = json.loads((await kv.get(key)).value)
+        except KeyNotFoundError:
+            continue
+        entry["last_seen_s"] = now - entry["time"]
+        entry["up"] = entry["last_seen_s"] <= UP_WITHIN_S
+        entry["restarts"] = entry.get("starts", 1) - 1
+        entries.append(entry)
+    return sorted(entries, key=lambda e: (e["role"], e["instance"]))
+
+
+def roles_down(entries: list[dict[str, Any]]) -> list[str]:
+    """Pipeline roles with no live replica."""
+    up = {entry["role"] for entry in entries if entry["up"]}
+    return [role for role in STAGE_ROLES if role not in up]

@@ -1,0 +1,369 @@
+"""OpenTelemetry for every service: metrics on a Prometheus endpoint (plus OTLP), traces across the bus.
+
+``start_telemetry`` sets the process-wide meter and tracer providers once, serves
+``/metrics`` on ``service.host:telemetry.metrics_port`` (0 = a free port, see
+``Telemetry.metrics_url``) and, when ``telemetry.otlp_endpoint`` is set, exports
+metrics and spans there over OTLP/gRPC. Without an endpoint spans are still
+created, so trace context still travels from service to service.
+
+Recording is in-memory only (an aggregation under a short per-metric lock); scrapes run on
+the HTTP server's thread and OTLP exports on the SDK's own threads, so nothing
+here waits on the network from the caller's thread or event loop. Instruments
+made before ``start_telemetry`` (or in a process that never calls it) are the
+API's proxies: they cost next to nothing and bind once a provider is set.
+
+Names as a Prometheus scrape shows them (the exporter appends the unit and, for
+counters, ``_total``; histograms come as ``_bucket``/``_sum``/``_count``):
+
+every service
+  rlpipe_process_resident_memory_bytes                    gauge, resident set size
+  target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+stages (rollout, reward, reference)
+  rlpipe_groups_processed_total{role,edge,outcome}        outcome: ok | retry | dead
+  rlpipe_stage_latency_seconds{role,edge,outcome}         histogram, fetch to ack/nak/term of one message
+  rlpipe_consumer_lag{role,edge}                          gauge, messages waiting in the durable consumer
+  rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver
+rollout
+  rlpipe_weight_sync_duration_seconds                     histogram, pull + load of one policy version
+  rlpipe_weight_sync_bytes_total                          bytes of weights pulled
+  rlpipe_rollout_policy_version                           gauge, version loaded in the engine
+trainer (``TrainerMetrics``)
+  rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS`` (rlpipe_trainer_entropy, ...)
+  rlpipe_trainer_nonfinite_metrics_total{metric}          step values left out because they were NaN or infinite
+  rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
+  rlpipe_checkpoints_total{outcome}
+  rlpipe_alerts_fired_total{rule,severity}
+
+Every sample also carries the exporter's ``otel_scope_*`` labels.
+
+Spans: each stage opens ``<role>.<edge>`` (``rollout.prompts``, ``reward.rollouts``,
+``reference.scored``) per message, as a child of the W3C ``traceparent`` in the
+message's NATS headers; ``Bus.publish`` writes the current context into the headers
+of what it sends on, so one group's spans form one trace, which the trainer closes
+with ``trainer.experience`` when it reads the group. Custom span attributes are
+namespaced ``rlpipe.`` (``rlpipe.group_id``, ``rlpipe.outcome``, ``rlpipe.delivery``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import functools
+import math
+import numbers
+import os
+import socket
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
+
+from opentelemetry import metrics, propagate, trace
+from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
+from opentelemetry.trace import Span, SpanKind
+from prometheus_client import CollectorRegistry, start_http_server
+
+from services.common.config import RunConfig
+
+SCOPE = "rlpipe"
+# An unreachable collector must not hold up a stopping service for long (the launcher kills after 20 s).
+EXPORT_TIMEOUT_S = 5.0
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+# The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
+TRAINER_STEP_KEYS = (
+    "step",
+    "policy_version",
+    "loss",
+    "pg_loss",
+    "entropy",
+    "kl_ref",
+    "approx_kl",
+    "clipfrac",
+    "clipfrac_lower",
+    "value_loss",
+    "value_clipfrac",
+    "reward_mean",
+    "reward_std",
+    "advantage_std",
+    "zero_variance_groups",
+    "response_length_mean",
+    "response_length_max",
+    "termination_rate",
+    "truncation_rate",
+    "grad_norm",
+    "learning_rate",
+    "step_time_s",
+    "tokens_per_s",
+    "staleness_mean",
+    "staleness_max",
+    "dropped_stale",
+    "tis_weight_mean",
+)
+
+
+class Telemetry:
+    """The running providers and metrics endpoint of this process."""
+
+    def __init__(self, role: str, instance: str, metrics_url: str, meter_provider: MeterProvider,
+                 tracer_provider: TracerProvider, server: Any):
+        self.role = role
+        self.instance = instance
+        self.metrics_url = metrics_url
+        self.meter_provider = meter_provider
+        self.tracer_provider = tracer_provider
+        self._server = server
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def shutdown(self) -> None:
+        """Export what is still queued (spans, a last metrics push), then close the endpoint. Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.tracer_provider.shutdown()
+        self.meter_provider.shutdown(timeout_millis=EXPORT_TIMEOUT_S * 1000)
+        self._server.shutdown()
+        self._server.server_close()
+
+
+_started: Telemetry | None = None
+_start_lock = threading.Lock()
+
+
+def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
+    """Set up metrics and tracing for this process; later calls return the first call's ``Telemetry``.
+
+    The global providers of OpenTelemetry can be set only once per process, hence once here.
+    Raises OSError if the metrics port cannot be bound.
+    """
+    global _started
+    with _start_lock:
+        if _started is not None:
+            return _started
+        telemetry_cfg = cfg.telemetry
+        resource = Resource.create(
+            {"service.name": f"rlpipe-{role}", "service.instance.id": instance, "rlpipe.run_id": cfg.run_id, "rlpipe.role": role}
+        )
+        # Our own registry: the endpoint shows this process's OpenTelemetry metrics and nothing else.
+        registry = CollectorRegistry()
+        readers: list[MetricReader] = [PrometheusMetricReader(registry=registry)]
+        tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+        if telemetry_cfg.otlp_endpoint:
+            readers.append(
+                PeriodicExportingMetricReader(
+                    OTLPMetricExporter(endpoint=telemetry_cfg.otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S),
+                    export_interval_millis=telemetry_cfg.export_interval_s * 1000,
+                )
+            )
+            tracer_provider.add_span_processor(
+                BatchSpanProcessor(OTLPSpanExporter(endpoint=telemetry_cfg.otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S))
+            )
+        # Bound before anything global is set, so a taken port fails the start cleanly.
+        server, _ = start_http_server(telemetry_cfg.metrics_port, addr=cfg.service.host, registry=registry)
+        meter_provider = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
+        metrics.set_meter_provider(meter_provider)
+        trace.set_tracer_provider(tracer_provider)
+        meter().create_observable_gauge(
+            "rlpipe_process_resident_memory", callbacks=[_resident_memory], unit="By", description="resident set size of this process"
+        )
+        url = f"http://{_reachable_host(cfg.service.host)}:{server.server_port}/metrics"
+        _started = Telemetry(role, instance, url, meter_provider, tracer_provider, server)
+        atexit.register(_started.shutdown)
+        return _started
+
+
+def current_telemetry() -> Telemetry:
+    """The ``Telemetry`` that ``start_telemetry`` set up in this process (``run_service`` does, before a service's main)."""
+    if _started is None:
+        raise RuntimeError("start_telemetry() has not been called in this process")
+    return _started
+
+
+def _reachable_host(host: str) -> str:
+    # A wildcard bind is no address to scrape; name the machine instead.
+    if host in ("0.0.0.0", "::", ""):
+        return socket.gethostname()
+    return f"[{host}]" if ":" in host else host
+
+
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_memory(options: CallbackOptions) -> Iterable[Observation]:
+    # Runs on the scrape (or export) thread: a single small read of /proc, nothing that can block for long.
+    try:
+        with open("/proc/self/statm") as statm:
+            pages = int(statm.read().split()[1])
+    except OSError:  # no procfs (not Linux): report nothing rather than a made-up value
+        return []
+    return [Observation(pages * _PAGE_BYTES)]
+
+
+def meter() -> metrics.Meter:
+    return metrics.get_meter(SCOPE)
+
+
+def tracer() -> trace.Tracer:
+    return trace.get_tracer(SCOPE)
+
+
+# ---------------------------------------------------------------- trace context in message headers
+
+
+def inject_trace(headers: dict[str, str]) -> dict[str, str]:
+    """Write the current trace context (W3C ``traceparent``, ``tracestate``, baggage) into ``headers``; returns them."""
+    propagate.inject(headers)
+    return headers
+
+
+def _attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    return {f"rlpipe.{key}": value for key, value in attributes.items() if value is not None}
+
+
+def start_span_from_headers(name: str, headers: Mapping[str, str] | None, kind: SpanKind = SpanKind.CONSUMER, **attributes: Any) -> Span:
+    """A started (not current) span, child of the ``traceparent`` in ``headers`` or a new root; the caller ends it.
+
+    For a batch of messages handled together: one span per message, each made current
+    only around that message's own publish (``trace.use_span(span, end_on_exit=False)``).
+    Keyword attributes are recorded as ``rlpipe.<name>``.
+    """
+    parent = propagate.extract(dict(headers or {}))
+    return tracer().start_span(name, context=parent, kind=kind, attributes=_attributes(attributes))
+
+
+@contextlib.contextmanager
+def span_from_headers(
+    name: str, headers: Mapping[str, str] | None, kind: SpanKind = SpanKind.CONSUMER, **attributes: Any
+) -> Iterator[Span]:
+    """``with span_from_headers("trainer.experience", msg.headers, group_id=...)``: the current span for the block.
+
+    ``headers=None`` starts a new trace (with ``kind=SpanKind.PRODUCER`` around a publish
+    that starts a group's journey). An exception leaving the block is recorded on the
+    span and marks it as an error.
+    """
+    span = start_span_from_headers(name, headers, kind, **attributes)
+    with trace.use_span(span, end_on_exit=True):
+        yield span
+
+
+# ---------------------------------------------------------------- stage, dead-letter and weight-sync metrics
+
+
+class _Instruments:
+    """The instruments every service may use, made once per process."""
+
+    def __init__(self) -> None:
+        m = meter()
+        self.groups = m.create_counter("rlpipe_groups_processed", unit="{group}", description="messages a stage settled, by outcome")
+        self.latency = m.create_histogram(
+            "rlpipe_stage_latency", unit="s", description="from fetch to ack (ok), nak (retry) or term (dead)",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
+        self.lag = m.create_observable_gauge(
+            "rlpipe_consumer_lag", callbacks=[_observe_lag], unit="{message}", description="messages not yet delivered by the stage's consumer"
+        )
+        self.dead_letters = m.create_counter("rlpipe_dead_letters", unit="{message}", description="messages copied to DEAD")
+        self.sync_duration = m.create_histogram(
+            "rlpipe_weight_sync_duration", unit="s", description="pull and load of one policy version",
+            explicit_bucket_boundaries_advisory=SLOW_BUCKETS_S,
+        )
+        self.sync_bytes = m.create_counter("rlpipe_weight_sync_bytes", unit="By", description="weight bytes pulled from the trainer")
+        self.policy_version = m.create_gauge("rlpipe_rollout_policy_version", description="policy version loaded in the engine")
+
+
+@functools.cache
+def _instruments() -> _Instruments:
+    return _Instruments()
+
+
+# (role, edge) -> the consumer's pending count at the stage's latest fetch. Written on the event loop,
+# read by the scrape thread's callback, which must never do NATS I/O itself.
+_consumer_lag: dict[tuple[str, str], int] = {}
+
+
+def _observe_lag(options: CallbackOptions) -> Iterable[Observation]:
+    return [Observation(pending, {"role": role, "edge": edge}) for (role, edge), pending in list(_consumer_lag.items())]
+
+
+class StageMetrics:
+    """What one stage (``role`` consuming ``edge``) records."""
+
+    def __init__(self, role: str, edge: str):
+        self.instruments = _instruments()
+        self.key = (role, edge)
+        self.attributes = {"role": role, "edge": edge}
+
+    def lag(self, pending: int) -> None:
+        _consumer_lag[self.key] = pending
+
+    def settled(self, outcome: str, seconds: float) -> None:
+        attributes = {**self.attributes, "outcome": outcome}
+        self.instruments.groups.add(1, attributes)
+        self.instruments.latency.record(seconds, attributes)
+
+
+def record_dead_letter(role: str, edge: str, reason: str) -> None:
+    _instruments().dead_letters.add(1, {"role": role, "edge": edge, "reason": reason})
+
+
+def record_weight_sync(seconds: float, nbytes: int, version: int) -> None:
+    instruments = _instruments()
+    instruments.sync_duration.record(seconds)
+    instruments.sync_bytes.add(nbytes)
+    instruments.policy_version.set(version)
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+class TrainerMetrics:
+    """The trainer's step, checkpoint and alert metrics; every call only updates in-memory aggregates."""
+
+    def __init__(self) -> None:
+        m = meter()
+        self.gauges = {key: m.create_gauge(f"rlpipe_trainer_{key}", description=f"step row {key!r} of the latest step") for key in TRAINER_STEP_KEYS}
+        self.nonfinite = m.create_counter(
+            "rlpipe_trainer_nonfinite_metrics", unit="{value}", description="step values not exported because they were NaN or infinite"
+        )
+        self.checkpoint_duration = m.create_histogram(
+            "rlpipe_checkpoint_duration", unit="s", description="time to store one checkpoint", explicit_bucket_boundaries_advisory=SLOW_BUCKETS_S
+        )
+        self.checkpoints = m.create_counter("rlpipe_checkpoints", unit="{checkpoint}", description="checkpoints stored or failed")
+        self.alerts = m.create_counter("rlpipe_alerts_fired", unit="{alert}", description="alert rules that fired")
+        # Both outcomes exist from the start, so a rate over failures is 0 rather than absent.
+        for outcome in ("ok", "failed"):
+            self.checkpoints.add(0, {"outcome": outcome})
+
+    def record_step(self, row: Mapping[str, Any]) -> None:
+        """Set ``rlpipe_trainer_<key>`` for each key of ``TRAINER_STEP_KEYS`` in ``row``; others are ignored.
+
+        A NaN or infinite value leaves its gauge unchanged and counts in
+        ``rlpipe_trainer_nonfinite_metrics_total{metric}`` (the step row and alerts still see it).
+        """
+        for key, gauge in self.gauges.items():
+            value = row.get(key)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
+                continue
+            if math.isfinite(value):
+                gauge.set(value)
+            else:
+                self.nonfinite.add(1, {"metric": key})
+
+    def record_checkpoint(self, seconds: float, ok: bool) -> None:
+        outcome = "ok" if ok else "failed"
+        self.checkpoint_duration.record(seconds, {"outcome": outcome})
+        self.checkpoints.add(1, {"outcome": outcome})
+
+    def record_alert(self, rule: str, severity: str) -> None:
+        self.alerts.add(1, {"rule": rule, "severity": severity})

@@ -1,0 +1,131 @@
+"""The ``Admin`` gRPC service the trainer hosts for operators (proto/admin.proto).
+
+Read-only calls answer from the trainer's state at once; calls that change training
+(pause, rollback, checkpoint, stop) are queued to the training loop, which runs them
+between steps, and answer when they are done. Every call must carry the bearer token.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import yaml
+
+from services.common.config import ConfigError, redacted_dump
+from services.common.live_config import parse_value
+from services.common.logs import log_event
+from services.common.pb import admin_pb2, admin_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.trainer.service import Trainer
+
+log = logging.getLogger(__name__)
+OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+class BearerToken(grpc.aio.ServerInterceptor):
+    """Refuses every call but health and reflection unless it carries ``authorization: Bearer <token>``."""
+
+    def __init__(self, token: str):
+        self.expected = f"Bearer {token}".encode()
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token (metadata authorization: Bearer <token>)")
+
+        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
+
+    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+        if details.method.startswith(OPEN_METHODS):
+            return await continuation(details)
+        given = dict(details.invocation_metadata or ()).get("authorization", "")
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), self.expected):
+            return await continuation(details)
+        return self._refuse
+
+
+def _text(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() if value is not None else "null"
+
+
+def _config_version(version: Any) -> admin_pb2.ConfigVersion:
+    return admin_pb2.ConfigVersion(
+        version=version.version,
+        author=version.author,
+        time=version.time,
+        changes=[admin_pb2.FieldChange(key=c.key, old_value=_text(c.old), new_value=_text(c.new), live=c.live) for c in version.changes],
+    )
+
+
+def checkpoint_info(entry: dict[str, Any]) -> admin_pb2.CheckpointInfo:
+    return admin_pb2.CheckpointInfo(**{k: v for k, v in entry.items() if k in admin_pb2.CheckpointInfo.DESCRIPTOR.fields_by_name})
+
+
+class AdminServicer(admin_pb2_grpc.AdminServicer):
+    def __init__(self, trainer: Trainer):
+        self.trainer = trainer
+
+    async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
+        return await self.trainer.status()
+
+    async def Pause(self, request: admin_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
+        await self.trainer.call(lambda: self.trainer.pause(request.reason or "paused by operator"))
+        return await self.trainer.status()
+
+    async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
+        await self.trainer.call(self.trainer.unpause)
+        return await self.trainer.status()
+
+    async def Stop(self, request: admin_pb2.StopRequest, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
+        await self.trainer.call(lambda: self.trainer.request_stop(request.reason or "stopped by operator"))
+        return await self.trainer.status()
+
+    async def UpdateConfig(self, request: admin_pb2.UpdateConfigRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigVersion:
+        if not request.settings:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no settings given (KEY=VALUE ...)")
+        try:
+            settings = {s.key: parse_value(s.value) for s in request.settings}
+            version = await self.trainer.live.propose(settings, request.author, request.dry_run)
+        except ConfigError as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if not request.dry_run and version.changes:
+            log_event(log, "config_updated", config_version=version.version, author=version.author, changes=[vars(c) for c in version.changes])
+            self.trainer.wake()
+        return _config_version(version)
+
+    async def GetConfig(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigReply:
+        live = self.trainer.live
+        return admin_pb2.ConfigReply(version=live.version, yaml=yaml.safe_dump(redacted_dump(live.cfg), sort_keys=False))
+
+    async def GetConfigHistory(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigHistory:
+        return admin_pb2.ConfigHistory(versions=[_config_version(v) for v in await self.trainer.live.history()])
+
+    async def Checkpoint(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
+        entry = await self.trainer.call(self.trainer.checkpoint_now)
+        if entry is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the checkpoint could not be stored; see the trainer log (checkpoint_failed)")
+        return checkpoint_info(entry)
+
+    async def ListCheckpoints(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointList:
+        return admin_pb2.CheckpointList(checkpoints=[checkpoint_info(e) for e in await self.trainer.list_checkpoints()])
+
+    async def Rollback(self, request: admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RollbackReply:
+        which = request.WhichOneof("target")
+        if which is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a step or stable")
+        step = request.step if which == "step" else None
+        try:
+            step, version, abandoned = await self.trainer.call(lambda: self.trainer.rollback(step, reason="operator"))
+        except LookupError as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
+        return admin_pb2.RollbackReply(step=step, policy_version=version, abandoned_steps=abandoned)
+
+    async def MarkStable(self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
+        try:
+            entry = await self.trainer.mark_stable(request.step)
+        except LookupError as error:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
+        return checkpoint_info(entry)

@@ -1,0 +1,61 @@
+"""Live config versions in a real JetStream key-value bucket."""
+
+import asyncio
+
+import nats
+import pytest
+
+from services.common.config import ConfigError, load_config
+from services.common.live_config import LiveConfig, parse_value
+from tests.conftest import write_config
+
+
+@pytest.fixture
+def base(tmp_path, tiny_model, nats_url):
+    model_dir, data_dir = tiny_model
+    return load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"url": nats_url}))
+
+
+def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url):
+    async def scenario():
+        operator_conn, service_conn = await nats.connect(nats_url), await nats.connect(nats_url)
+        operator = await LiveConfig(base, operator_conn.jetstream()).start()
+        service = await LiveConfig(base, service_conn.jetstream(), poll_s=0).start()
+        assert service.version == 0 and await service.refresh() == []
+
+        first = await operator.propose({"train.learning_rate": 5e-5, "train.batch_size": 4}, author="alice")
+        assert first.version == 1
+        assert {(c.key, c.old, c.new, c.live) for c in first.changes} == {
+            ("train.learning_rate", 1e-3, 5e-5, True),
+            ("train.batch_size", 8, 4, False),
+        }
+        assert await service.refresh() == ["train.learning_rate"]  # batch_size changed too, but only at a restart
+        assert service.cfg.train.learning_rate == 5e-5 and service.version == 1
+
+        with pytest.raises(ConfigError, match=r"sampling.temperature: Input should be greater than 0"):
+            await operator.propose({"sampling.temperature": -1}, author="bob")
+        with pytest.raises(ConfigError, match="train.learnin_rate: no such field"):
+            await operator.propose({"train.learnin_rate": 1}, author="bob")
+        assert (await operator.propose({"sampling.temperature": 0.5}, author="bob", dry_run=True)).version == 2
+        assert await service.refresh() == []  # refused and dry-run proposals store nothing
+
+        second = await operator.propose({"reward.functions": parse_value("{exact_match: 1.0, format: 0.2}")}, author="carol")
+        assert await service.refresh() == ["reward.functions"]
+        assert service.cfg.reward.functions == {"exact_match": 1.0, "format": 0.2}
+        assert service.cfg.train.learning_rate == 5e-5  # versions are cumulative
+
+        history = await operator.history()
+        assert [(v.version, v.author) for v in history] == [(1, "alice"), (2, "carol")] and second.version == 2
+        # A service started later takes every stored change, restart-only ones included.
+        late = await LiveConfig(base, service_conn.jetstream()).start()
+        assert late.cfg.train.batch_size == 4 and late.version == 2
+        await operator_conn.close()
+        await service_conn.close()
+
+    asyncio.run(scenario())
+
+
+def test_values_parse_as_yaml_and_malformed_ones_are_named():
+    assert [parse_value(v) for v in ("5e-5", "[notify, pause]", "true", "")] == ["5e-5", ["notify", "pause"], True, ""]
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        parse_value("[unclosed")

@@ -1,0 +1,290 @@
+"""Telemetry in a real process: a stage over real NATS, its Prometheus endpoint scraped over HTTP,
+its spans and metrics received by a real OTLP/gRPC server.
+
+OpenTelemetry's global providers can be set once per process, so the instrumented side
+runs as a child process (``DRIVER``), as every service does; the test holds the receiver.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import yaml
+from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Status
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict
+    error: bool
+
+
+def _value(value: AnyValue):
+    return getattr(value, value.WhichOneof("value")) if value.WhichOneof("value") else None
+
+
+class OtlpReceiver:
+    """An OTLP/gRPC collector in the test: keeps every span and the names of every metric it is sent."""
+
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self.metric_names: set[str] = set()
+        self.lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceService(self), self.server)
+        metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsService(self), self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(grace=None)
+
+    def by_name(self, name: str) -> list[ReceivedSpan]:
+        with self.lock:
+            return [span for span in self.spans if span.name == name]
+
+
+class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self, receiver: OtlpReceiver):
+        self.receiver = receiver
+
+    def Export(self, request, context):
+        received = []
+        for resource_spans in request.resource_spans:
+            resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
+            for scope_spans in resource_spans.scope_spans:
+                for span in scope_spans.spans:
+                    received.append(ReceivedSpan(
+                        service=resource.get("service.name", ""),
+                        name=span.name,
+                        trace_id=span.trace_id.hex(),
+                        span_id=span.span_id.hex(),
+                        parent_span_id=span.parent_span_id.hex(),
+                        attributes={a.key: _value(a.value) for a in span.attributes},
+                        error=span.status.code == Status.STATUS_CODE_ERROR,
+                    ))
+        with self.receiver.lock:
+            self.receiver.spans.extend(received)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
+class _MetricsService(metrics_service_pb2_grpc.MetricsServiceServicer):
+    def __init__(self, receiver: OtlpReceiver):
+        self.receiver = receiver
+
+    def Export(self, request, context):
+        names = {m.name for rm in request.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+        with self.receiver.lock:
+            self.receiver.metric_names |= names
+        return metrics_service_pb2.ExportMetricsServiceResponse()
+
+
+def scrape(url: str) -> list[Sample]:
+    """Every sample of a Prometheus scrape of ``url``."""
+    with urllib.request.urlopen(url, timeout=10) as response:
+        assert response.status == 200
+        text = response.read().decode()
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def values(samples: list[Sample], name: str, **labels: str) -> list[float]:
+    """Values of the samples called ``name`` whose labels include ``labels``."""
+    return [s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())]
+
+
+def one_value(samples: list[Sample], name: str, **labels: str) -> float:
+    found = values(samples, name, **labels)
+    assert len(found) == 1, (name, labels, found)
+    assert math.isfinite(found[0]), (name, labels, found)
+    return found[0]
+
+
+# The instrumented process: a rollout-like stage over real NATS with one good, one flaky and one
+# undecodable message, then a trainer-like reader of its output. Prints its metrics URL, waits for
+# a line on stdin, then shuts telemetry down (which flushes spans and a last metrics export).
+DRIVER = r"""
+import asyncio, json, sys, time
+import numpy as np
+from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage, StreamReader, subject
+from services.common.config import load_config
+from services.common.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.telemetry import TrainerMetrics, record_weight_sync, span_from_headers, start_telemetry
+
+cfg = load_config(sys.argv[1])
+telemetry = start_telemetry(cfg, "rollout", "rollout-test")
+assert start_telemetry(cfg, "reward", "someone-else") is telemetry
+failures = {"g-flaky": 2}  # fails in its batch and alone, then a nak; the redelivery succeeds
+
+async def compute(prompts):
+    for p in prompts:
+        if failures.get(p.group_id, 0) > 0:
+            failures[p.group_id] -= 1
+            raise RuntimeError("flaky")
+    completion = Completion(text="2", token_ids=np.array([5], np.int32), logprobs=np.array([-0.1], np.float32), finish_reason="stop")
+    return [advance(p, RolloutGroup, prompt_ids=np.array([1], np.int32), policy_version=0, completions=[completion]) for p in prompts]
+
+async def main():
+    bus = await Bus(cfg, "rollout").connect()
+    with span_from_headers("test.feed", None):
+        for group_id in ("g-ok", "g-flaky"):
+            await bus.publish(PROMPTS, Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2"), msg_id=group_id + ".prompt")
+    await bus.js.publish(subject(cfg.run_id, PROMPTS), b"\x00 not msgpack")
+    stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, batch=4, name="rollout")
+    stop = asyncio.Event()
+    running = asyncio.create_task(stage.run(stop))
+    deadline = time.monotonic() + 60
+    while stage.handled < 2:
+        assert time.monotonic() < deadline and not running.done(), "stage did not handle both prompts"
+        await asyncio.sleep(0.1)
+    stop.set()
+    await running
+    reader = StreamReader(bus, ROLLOUTS, 1)
+    for _ in range(2):
+        msg = await reader.next(timeout=10)
+        with span_from_headers("trainer.experience", msg.headers, seq=msg.sequence):
+            pass
+    await bus.close()
+
+asyncio.run(main())
+record_weight_sync(0.5, 4096, 3)
+trainer = TrainerMetrics()
+trainer.record_step({"step": 7, "entropy": 1.5, "reward_mean": 0.25, "grad_norm": np.float32(0.75), "loss": float("nan"), "note": "text"})
+trainer.record_checkpoint(1.2, ok=True)
+trainer.record_checkpoint(0.4, ok=False)
+trainer.record_alert("kl_too_high", "warning")
+print(json.dumps({"metrics_url": telemetry.metrics_url}), flush=True)
+sys.stdin.readline()
+telemetry.shutdown()
+"""
+
+
+def minimal_config(tmp_path: Path, **sections: dict) -> Path:
+    """A valid run config; telemetry needs no real model or data, only files that exist."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    config = {
+        "run_id": "tele",
+        "runs_dir": str(tmp_path / "runs"),
+        "model": {"path": str(tmp_path / "model")},
+        "data": {"train_path": str(tmp_path / "train.jsonl")},
+        "nats": {"ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
+        **sections,
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
+    receiver = OtlpReceiver()
+    config = minimal_config(
+        tmp_path, nats={"url": nats_url, "ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
+        telemetry={"otlp_endpoint": receiver.endpoint, "export_interval_s": 60},
+    )
+    with (tmp_path / "driver.log").open("w") as log:
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(config)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+        )
+        try:
+            line = driver.stdout.readline()
+            assert line, (tmp_path / "driver.log").read_text()
+            url = json.loads(line)["metrics_url"]
+            assert url.startswith("http://127.0.0.1:") and not url.startswith("http://127.0.0.1:0/")
+            samples = scrape(url)
+            driver.stdin.write("\n")
+            driver.stdin.flush()
+            assert driver.wait(timeout=30) == 0, (tmp_path / "driver.log").read_text()
+        finally:
+            if driver.poll() is None:
+                driver.kill()
+    receiver.stop()
+
+    stage = {"role": "rollout", "edge": "prompts"}
+    assert one_value(samples, "rlpipe_groups_processed_total", outcome="ok", **stage) == 2
+    assert one_value(samples, "rlpipe_groups_processed_total", outcome="dead", **stage) == 1
+    assert one_value(samples, "rlpipe_groups_processed_total", outcome="retry", **stage) >= 1
+    assert one_value(samples, "rlpipe_stage_latency_seconds_count", outcome="ok", **stage) == 2
+    assert 0 < one_value(samples, "rlpipe_stage_latency_seconds_sum", outcome="ok", **stage) < 60
+    assert one_value(samples, "rlpipe_stage_latency_seconds_bucket", outcome="ok", le="+Inf", **stage) == 2
+    assert one_value(samples, "rlpipe_consumer_lag", **stage) == 0  # everything was consumed
+    assert one_value(samples, "rlpipe_dead_letters_total", reason="undecodable", **stage) == 1
+    assert one_value(samples, "rlpipe_process_resident_memory_bytes") > 10e6
+    assert one_value(samples, "rlpipe_weight_sync_duration_seconds_sum") == 0.5
+    assert one_value(samples, "rlpipe_weight_sync_bytes_total") == 4096
+    assert one_value(samples, "rlpipe_rollout_policy_version") == 3
+    assert one_value(samples, "rlpipe_trainer_entropy") == 1.5
+    assert one_value(samples, "rlpipe_trainer_reward_mean") == 0.25
+    assert one_value(samples, "rlpipe_trainer_grad_norm") == 0.75
+    assert one_value(samples, "rlpipe_trainer_step") == 7
+    assert values(samples, "rlpipe_trainer_loss") == []  # NaN is left out, and counted
+    assert one_value(samples, "rlpipe_trainer_nonfinite_metrics_total", metric="loss") == 1
+    assert one_value(samples, "rlpipe_checkpoints_total", outcome="ok") == 1
+    assert one_value(samples, "rlpipe_checkpoints_total", outcome="failed") == 1
+    assert one_value(samples, "rlpipe_checkpoint_duration_seconds_sum", outcome="failed") == 0.4
+    assert one_value(samples, "rlpipe_alerts_fired_total", rule="kl_too_high", severity="warning") == 1
+    [target] = [s for s in samples if s.name == "target_info"]
+    assert target.labels["service_name"] == "rlpipe-rollout" and target.labels["rlpipe_run_id"] == "tele"
+    assert target.labels["service_instance_id"] == "rollout-test"
+
+    # The shutdown flushed a last OTLP metrics export.
+    assert {"rlpipe_groups_processed", "rlpipe_stage_latency", "rlpipe_process_resident_memory"} <= receiver.metric_names
+
+    # Each group: feed span -> stage span (one per delivery) -> reader span, all in one trace.
+    [feed] = receiver.by_name("test.feed")
+    assert feed.service == "rlpipe-rollout"
+    stage_spans = receiver.by_name("rollout.prompts")
+    readers = receiver.by_name("trainer.experience")
+    assert len(readers) == 2
+    for reader in readers:
+        [parent] = [s for s in stage_spans if s.span_id == reader.parent_span_id]
+        assert parent.attributes["rlpipe.outcome"] == "ok"
+        assert parent.trace_id == reader.trace_id == feed.trace_id
+        assert parent.parent_span_id == feed.span_id
+    flaky = sorted((s for s in stage_spans if s.attributes.get("rlpipe.group_id") == "g-flaky"), key=lambda s: s.attributes["rlpipe.delivery"])
+    assert [s.attributes["rlpipe.delivery"] for s in flaky] == list(range(1, len(flaky) + 1))
+    assert [s.attributes["rlpipe.outcome"] for s in flaky] == ["retry"] * (len(flaky) - 1) + ["ok"] and len(flaky) >= 2
+    assert all(s.trace_id == feed.trace_id for s in flaky)
+    [dead] = [s for s in stage_spans if s.attributes["rlpipe.outcome"] == "dead"]
+    assert dead.error and dead.trace_id != feed.trace_id  # published without a span: its own root
+
+
+def test_a_taken_metrics_port_stops_a_service_with_a_clear_message(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = minimal_config(tmp_path, telemetry={"metrics_port": port})
+        done = subprocess.run(
+            [sys.executable, "-m", "services.reward", "--config", str(config)],
+            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )
+    assert done.returncode == 2, done.stderr
+    # The start-up checks catch it before the metrics server tries to bind.
+    assert f"telemetry.metrics_port {port} on 127.0.0.1: Address already in use" in done.stderr

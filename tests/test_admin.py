@@ -1,0 +1,220 @@
+"""Operating a live run through the `rlpipe` CLI and the Admin gRPC service of a real pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+from safetensors.torch import load_file
+
+from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.common.weightsync import WeightSyncClient
+from services.trainer.lineage import effective_steps
+from tests.conftest import ROOT, free_port, running_pipeline, write_config
+from tests.test_recovery import metric_rows, wait_for
+
+
+def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+async def pull_weights(address: str) -> tuple[int, dict]:
+    client = WeightSyncClient(address)
+    try:
+        return await client.pull()
+    finally:
+        await client.close()
+
+
+def status(run_dir: Path) -> dict:
+    done = rlpipe(run_dir, "status", "--json")
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def start(tiny_model, tmp_path: Path, run_id: str, **sections) -> tuple[Path, Path]:
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id=run_id,
+        train={"total_steps": 1000, "batch_size": 8, "learning_rate": 1e-4, "max_inflight_batches": 2},
+        checkpoint={"save_every_steps": 2, "keep_last": 20},
+        rollout={"prompts_per_batch": 8},
+        **sections,
+    )
+    return config, runs / run_id
+
+
+def test_operator_controls_a_live_run(tiny_model, tmp_path):
+    config, run_dir = start(tiny_model, tmp_path, "ops")
+    with running_pipeline(config) as process:
+        wait_for(lambda: (run_dir / "run.json").exists() and len(metric_rows(run_dir)) > 3, "first steps", process)
+        info = json.loads((run_dir / "run.json").read_text())
+        assert status(run_dir)["step"] >= 1
+
+        # Without the token nothing is answered; with it, everything is.
+        refused = rlpipe(run_dir, "--token", "wrong", "status")
+        assert refused.returncode == 4 and "UNAUTHENTICATED" in refused.stderr
+        with grpc.insecure_channel(info["admin"]) as channel:
+            try:
+                admin_pb2_grpc.AdminStub(channel).GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+                raise AssertionError("a call without a token was answered")
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+
+        # Health and reflection answer on every service, token or not.
+        endpoints = [info["admin"]] + [s["grpc"] for s in info["services"].values()]
+        assert len(endpoints) == 5
+        for address in endpoints:
+            with grpc.insecure_channel(address) as channel:
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING, address
+                assert "grpc.health.v1.Health" in ProtoReflectionDescriptorDatabase(channel).get_services(), address
+        with grpc.insecure_channel(info["admin"]) as channel:
+            assert "rlpipe.v1.Admin" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+        # Status lists every service, up, with its endpoints.
+        live = status(run_dir)
+        services = {s["instance"]: s for s in live["services"]}
+        assert set(services) == {"trainer", "rollout-0", "reward-0", "reference-0"}
+        assert all(s["up"] and s["metrics_url"].startswith("http://") for s in services.values())
+        assert live["build_version"] == "0.1.0" and live["build_revision"] and services["reward-0"]["build_version"] == "0.1.0"
+        table = rlpipe(run_dir, "status")
+        assert table.returncode == 0 and "rollout-0" in table.stdout and "running" in table.stdout
+
+        # Pause holds the step; resume lets it move again.
+        assert rlpipe(run_dir, "pause").returncode == 0
+        paused = status(run_dir)
+        assert paused["state"] == "paused"
+        time.sleep(4)
+        assert status(run_dir)["step"] == paused["step"] == max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+        assert rlpipe(run_dir, "resume").returncode == 0
+        wait_for(lambda: status(run_dir)["step"] > paused["step"] + 1, "steps after resume", process)
+
+        # A live learning-rate change shows in the next metric rows under the new config version.
+        changed = rlpipe(run_dir, "config", "set", "train.learning_rate=3e-5", "--author", "tester")
+        assert changed.returncode == 0, changed.stderr
+        assert "train.learning_rate" in changed.stdout and "live" in changed.stdout
+        wait_for(lambda: any(r.get("config_version") == 1 for r in metric_rows(run_dir) if "reward_mean" in r), "a step under config 1", process)
+        steps = [r for r in metric_rows(run_dir) if "reward_mean" in r]
+        assert {r["learning_rate"] for r in steps if r["config_version"] == 1} == {3e-5}
+        assert {r["learning_rate"] for r in steps if r["config_version"] == 0} == {1e-4}
+
+        # An invalid value is refused with the field and the reason, and nothing changes.
+        bad = rlpipe(run_dir, "config", "set", "train.learning_rate=-1")
+        assert bad.returncode == 1 and "train.learning_rate" in bad.stderr and "greater than 0" in bad.stderr
+        history = json.loads(rlpipe(run_dir, "config", "history", "--json").stdout)["versions"]
+        assert [(v["version"], v["author"]) for v in history] == [(1, "tester")]
+        assert status(run_dir)["config_version"] == 1
+        assert "learning_rate: 3.0e-05" in rlpipe(run_dir, "config", "show").stdout
+
+        # Checkpoint now, vouch for it, train on, then roll back to it while paused.
+        saved = rlpipe(run_dir, "checkpoint")
+        assert saved.returncode == 0, saved.stderr
+        target = int(saved.stdout.split("checkpoint of step ")[1].split()[0])
+        assert rlpipe(run_dir, "mark-stable", str(target)).returncode == 0
+        wait_for(lambda: status(run_dir)["last_checkpoint_step"] >= target + 4, "later checkpoints", process)
+        assert rlpipe(run_dir, "pause").returncode == 0
+        rolled = rlpipe(run_dir, "rollback", "--stable")
+        assert rolled.returncode == 0, rolled.stderr
+        after = status(run_dir)
+        assert after["step"] == target and f"policy version {after['policy_version']}" in rolled.stdout
+        version, served = asyncio.run(pull_weights(info["trainer"]))
+        assert version == after["policy_version"]
+        stored = load_file(str(run_dir / f"step-{target:08d}" / "model.safetensors"))
+        for name, tensor in stored.items():
+            assert torch.equal(served[name], tensor), name
+        listing = {c["step"]: c for c in json.loads(rlpipe(run_dir, "checkpoints", "--json").stdout)["checkpoints"]}
+        assert listing[target]["stable"] and not listing[target]["abandoned"]
+        assert all(c["abandoned"] for step, c in listing.items() if step > target)
+        assert rlpipe(run_dir, "rollback", "99999").returncode == 1  # an unknown step is refused
+
+        # Stop drains and ends the run cleanly.
+        assert rlpipe(run_dir, "resume").returncode == 0
+        assert rlpipe(run_dir, "stop").returncode == 0
+        process.wait(timeout=120)
+        assert process.returncode == 0, process.stdout.read()[-3000:]
+    lineage = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
+    rollback = next(r for r in lineage if r.get("event") == "rollback")
+    assert rollback["from_step"] == target and rollback["abandoned_steps"] and min(rollback["abandoned_steps"]) == target + 1
+    # Steps after the rollback re-read what the abandoned steps had consumed: still no group twice.
+    effective = effective_steps(lineage)
+    accounted = [g for r in effective for g, _ in r["groups"]] + [g for r in effective for g in r["dropped_stale"]]
+    assert len(accounted) == len(set(accounted)) and max(r["step"] for r in effective) > target
+    # What ran is on record: the effective config and build at start and inside each checkpoint.
+    assert (run_dir / "effective-config.yaml").read_text().startswith("# config version 0, rlpipe 0.1.0")
+    assert json.loads((run_dir / f"step-{target:08d}" / "build.json").read_text())["version"] == "0.1.0"
+    assert "learning_rate: 3.0e-05" in (run_dir / f"step-{target:08d}" / "config.yaml").read_text()
+    kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert {"pause", "unpause", "config_change", "rollback", "stop"} <= set(kinds)
+
+
+class Receiver(http.server.BaseHTTPRequestHandler):
+    posts: list[dict] = []
+
+    def do_POST(self) -> None:
+        Receiver.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+def test_alert_rules_fire_and_act(tiny_model, tmp_path):
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    config, run_dir = start(tiny_model, tmp_path, "alerts", alerts={"webhook_url": f"http://127.0.0.1:{port}/hook", "cooldown_steps": 0})
+    try:
+        with running_pipeline(config) as process:
+            wait_for(lambda: (run_dir / "run.json").exists() and len(metric_rows(run_dir)) > 4, "first steps", process)
+            saved = rlpipe(run_dir, "checkpoint")
+            target = int(saved.stdout.split("checkpoint of step ")[1].split()[0])
+            assert rlpipe(run_dir, "mark-stable", str(target)).returncode == 0
+
+            # Entropy is ~1 nat here; a floor of 50 makes the rule fire at once, live, and pause the run.
+            rule = "[{name: entropy_floor, metric: entropy, condition: below, threshold: 50, window_steps: 2, severity: critical, actions: [notify, pause]}]"
+            assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
+            wait_for(lambda: status(run_dir)["state"] == "paused", "the alert's pause", process, timeout=120)
+            now = status(run_dir)
+            alert = next(a for a in now["alerts"] if a["rule"] == "entropy_floor")
+            assert alert["metric"] == "entropy" and alert["threshold"] == 50 and alert["value"] < 50 and alert["window"]
+            wait_for(lambda: any(p["rule"] == "entropy_floor" for p in Receiver.posts), "the webhook", process, timeout=30)
+            posted = next(p for p in Receiver.posts if p["rule"] == "entropy_floor")
+            assert posted["run_id"] == "alerts" and posted["actions_taken"] == ["notify", "pause"] and posted["value"] < 50
+            assert "entropy_floor" in rlpipe(run_dir, "status").stdout
+
+            # The same anomaly with a rollback action returns to the stable checkpoint.
+            rule = rule.replace("entropy_floor", "entropy_guard").replace("[notify, pause]", "[rollback]")
+            assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
+            assert rlpipe(run_dir, "resume").returncode == 0
+            wait_for(lambda: any(json.loads(line).get("kind") == "rollback" for line in (run_dir / "events.jsonl").read_text().splitlines()),
+                     "the alert's rollback", process, timeout=120)
+            rolled = next(json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if json.loads(line)["kind"] == "rollback")
+            assert rolled["step"] == target and "entropy_guard" in rolled["reason"]
+
+            # And with a stop action the run ends.
+            rule = rule.replace("entropy_guard", "entropy_stop").replace("[rollback]", "[notify, stop]")
+            assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
+            process.wait(timeout=180)
+            assert process.returncode == 0
+        fired = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "alert" in line]
+        assert {"entropy_floor", "entropy_guard", "entropy_stop"} <= {row.get("alert") for row in fired}
+        assert any(p["rule"] == "entropy_stop" and p["actions_taken"] == ["notify", "stop"] for p in Receiver.posts)
+    finally:
+        server.shutdown()

@@ -1,0 +1,97 @@
+"""The admin port's transport: bearer token on every Admin call, TLS when configured, health open to probes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.config import load_config
+from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.trainer.service import start_admin_server
+from tests.conftest import ROOT, write_config
+
+
+class StatusOnly:
+    """Stands in for the trainer behind the servicer: this test is about who gets through, not what they get."""
+
+    async def status(self) -> admin_pb2.Status:
+        return admin_pb2.Status(run_id="tls", state="running", step=7)
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "admin.crt", folder / "admin.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    return cert_path, key_path
+
+
+def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp_path, monkeypatch):
+    model_dir, data_dir = tiny_model
+    cert, key = self_signed(tmp_path)
+    monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", service={"host": "localhost"},
+        admin={"port": 0, "tls_cert": str(cert), "tls_key": str(key)},
+    )
+    cfg = load_config(config)
+    credentials = grpc.ssl_channel_credentials(cert.read_bytes())
+
+    async def scenario() -> str:
+        server, address = await start_admin_server(cfg, StatusOnly())
+        try:
+            async with grpc.aio.secure_channel(address, credentials) as channel:
+                admin = admin_pb2_grpc.AdminStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                with pytest.raises(grpc.aio.AioRpcError) as wrong:
+                    await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cre")])
+                assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
+                status = await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cret")])
+                assert (status.run_id, status.step) == ("tls", 7)
+                health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+            async with grpc.aio.insecure_channel(address) as plain:  # TLS is not optional once configured
+                with pytest.raises(grpc.aio.AioRpcError) as cleartext:
+                    await health_pb2_grpc.HealthStub(plain).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                assert cleartext.value.code() == grpc.StatusCode.UNAVAILABLE
+            return address
+        finally:
+            await server.stop(grace=0)
+
+    assert asyncio.run(scenario()).startswith("localhost:")
+
+
+def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    env = {"PATH": "/usr/bin:/bin"}
+    done = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2
+    assert "admin token" in done.stderr and "RLPIPE_ADMIN_TOKEN" in done.stderr
