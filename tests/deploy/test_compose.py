@@ -1,0 +1,155 @@
+"""deploy/compose.yaml: valid against the Compose specification, and shaped the way operations.md says."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from importlib import resources
+
+import jsonschema
+import pytest
+
+from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
+
+RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return load_yaml(DEPLOY / "compose.yaml")
+
+
+def compose_schema() -> dict:
+    # The Compose specification's own JSON schema, as vendored (with its licence) by check-jsonschema.
+    return json.loads((resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
+
+
+def test_matches_the_compose_specification(compose):
+    validator = jsonschema.Draft202012Validator(compose_schema(), format_checker=jsonschema.FormatChecker())
+    errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
+    assert errors == []
+
+
+def test_the_schema_check_catches_a_mistake(compose):
+    broken = json.loads(json.dumps(compose))
+    broken["services"]["trainer"]["depends_on"]["reference"]["condition"] = "service_ready"
+    assert list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(broken))
+
+
+def depends(compose: dict, service: str) -> dict[str, str]:
+    return {name: spec["condition"] for name, spec in compose["services"][service]["depends_on"].items()}
+
+
+def test_start_order_waits_on_health(compose):
+    assert depends(compose, "minio-init") == {"minio": "service_healthy"}
+    assert depends(compose, "reference") == {"nats": "service_healthy", "model-init": "service_completed_successfully"}
+    assert depends(compose, "trainer") == {
+        "nats": "service_healthy",
+        "minio-init": "service_completed_successfully",
+        "reference": "service_healthy",
+    }
+    assert depends(compose, "rollout") == {"trainer": "service_healthy"}
+    assert depends(compose, "reward") == {"trainer": "service_healthy"}
+
+
+def test_every_long_running_service_has_a_health_check_and_restart_policy(compose):
+    for name, service in compose["services"].items():
+        if name in ("minio-init", "model-init", "cli"):
+            assert service["restart"] == "no", name
+            continue
+        assert service["healthcheck"]["test"], name
+        assert service["restart"] in ("unless-stopped", "on-failure"), name
+
+
+def test_rlpipe_services_probe_grpc_health_on_their_configured_port(compose):
+    services = compose["services"]
+    assert "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}" in services["trainer"]["healthcheck"]["test"][1]
+    for name in ("reference", "rollout", "reward"):
+        assert "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}" in services[name]["healthcheck"]["test"][1], name
+
+
+def test_nats_runs_jetstream_from_the_shipped_config_with_a_js_health_check(compose):
+    nats = compose["services"]["nats"]
+    assert nats["command"] == ["-c", "/etc/nats/nats.conf"]
+    assert "./nats/nats.conf:/etc/nats/nats.conf:ro" in nats["volumes"]
+    assert any(volume.startswith("nats-data:") for volume in nats["volumes"])
+    assert "http://127.0.0.1:8222/healthz?js-enabled-only=true" in nats["healthcheck"]["test"]
+
+
+def test_third_party_images_are_pinned_by_digest(compose):
+    for name in ("nats", "minio", "minio-init", "prometheus", "grafana"):
+        assert DIGEST.search(compose["services"][name]["image"]), name
+
+
+def test_gpu_roles_reserve_a_gpu_and_cpu_roles_do_not(compose):
+    for name in ("trainer", "rollout"):
+        devices = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+    for name in ("reference", "reward"):
+        assert "deploy" not in compose["services"][name], name
+
+
+def test_stateless_roles_can_be_scaled(compose):
+    # --scale needs generated container names and no fixed host ports.
+    for name in ("rollout", "reward", "reference"):
+        service = compose["services"][name]
+        assert "container_name" not in service and "ports" not in service, name
+
+
+def test_only_the_admin_port_is_published_beyond_this_host(compose):
+    published = {
+        (name, port) for name, service in compose["services"].items() for port in service.get("ports", [])
+        if not str(port).startswith("127.0.0.1:")
+    }
+    assert published == {("trainer", "50052:50052")}
+
+
+def test_secrets_come_from_the_ignored_env_file(compose):
+    for name in RLPIPE_SERVICES:
+        assert compose["services"][name]["env_file"] == [".env"], name
+        assert "RLPIPE_S3_SECRET_KEY" not in compose["services"][name]["environment"]
+    example = (DEPLOY / ".env.example").read_text()
+    for secret in ("RLPIPE_S3_ACCESS_KEY", "RLPIPE_S3_SECRET_KEY", "RLPIPE_ADMIN_TOKEN"):
+        assert re.search(rf"^{secret}=$", example, re.MULTILINE), f"{secret} must be listed, empty, in .env.example"
+    ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT)
+    assert ignored.returncode == 0, "deploy/.env must be git-ignored"
+    example_ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env.example"], cwd=ROOT)
+    assert example_ignored.returncode == 1, "deploy/.env.example must stay committable"
+
+
+def test_services_mount_the_config_of_their_environment(compose):
+    for name in RLPIPE_SERVICES:
+        service = compose["services"][name]
+        assert "./config/${RLPIPE_ENV:-dev}.yaml:/etc/rlpipe/config.yaml:ro" in service["volumes"], name
+        assert service["environment"]["RLPIPE_ENV"] == "${RLPIPE_ENV:-dev}"
+        assert (DEPLOY / "config" / "dev.yaml").is_file()
+
+
+def test_model_init_builds_the_tiny_model_into_the_shared_volumes(compose):
+    init = compose["services"]["model-init"]
+    assert "rlpipe build-tiny --out /models/tiny-arith --data /data/arith --seed 0" in init["command"][-1]
+    assert {"models:/models", "data:/data"} <= set(init["volumes"])
+    config = load_yaml(DEPLOY / "config" / "base.yaml")
+    assert config["model"]["path"] == "/models/tiny-arith"
+    assert config["data"]["train_path"].startswith("/data/arith/")
+
+
+def test_images_are_built_from_the_role_targets_of_the_one_dockerfile(compose):
+    for name, target in {**{role: role for role in RLPIPE_SERVICES}, "model-init": "cli"}.items():
+        build = compose["services"][name]["build"]
+        assert (build["context"], build["dockerfile"], build["target"]) == ("..", "deploy/Dockerfile", target), name
+        assert set(build["args"]) == {"VERSION", "REVISION"}, name
+
+
+def test_monitoring_and_the_cli_are_optional_profiles(compose):
+    profiles = {name: service.get("profiles") for name, service in compose["services"].items() if "profiles" in service}
+    assert profiles == {"prometheus": ["monitoring"], "grafana": ["monitoring"], "cli": ["tools"]}
+
+
+def test_cli_reaches_the_admin_port_with_the_env_files_token(compose):
+    cli = compose["services"]["cli"]
+    assert cli["entrypoint"] == ["tini", "--", "rlpipe", "--address", "trainer:50052"]
+    assert cli["env_file"] == [".env"] and cli["build"]["target"] == "cli"
+    assert compose["services"]["trainer"]["environment"]["RLPIPE_ADMIN__PORT"] == "50052"

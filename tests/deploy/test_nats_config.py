@@ -1,0 +1,76 @@
+"""The NATS server configs we ship fsync every write and are accepted by a real nats-server."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from services.common.config import NatsConfig
+from tests.conftest import BIN, free_port
+from tests.deploy.conftest import DEPLOY
+
+COMPOSE_CONF = DEPLOY / "nats" / "nats.conf"
+K8S_CONF = DEPLOY / "k8s" / "base" / "nats" / "nats.conf"
+
+
+def jetstream_block(conf: str) -> str:
+    match = re.search(r"^jetstream\s*\{(.*?)^\}", conf, re.MULTILINE | re.DOTALL)
+    assert match, "no jetstream { } block"
+    return match.group(1)
+
+
+@pytest.mark.parametrize("path", [COMPOSE_CONF, K8S_CONF], ids=["compose", "k8s"])
+def test_jetstream_fsyncs_every_write(path: Path):
+    block = jetstream_block(path.read_text())
+    assert re.search(r"^\s*sync_interval:\s*always\s*$", block, re.MULTILINE)
+    assert re.search(r"^\s*store_dir:\s*/data\s*$", block, re.MULTILINE)
+
+
+@pytest.mark.parametrize("path", [COMPOSE_CONF, K8S_CONF], ids=["compose", "k8s"])
+def test_nats_server_accepts_the_config(path: Path):
+    done = subprocess.run(
+        [str(BIN / "nats-server"), "-c", str(path), "-t"], env={"POD_NAME": "nats-0"}, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_compose_broker_starts_healthy_with_fsync_always(tmp_path: Path):
+    """The compose config run for real; only its store and ports are moved to this test's."""
+    client, monitor = free_port(), free_port()
+    conf = COMPOSE_CONF.read_text()
+    for old, new in (
+        ("store_dir: /data", f"store_dir: {tmp_path / 'store'}"),
+        ("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
+        ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{monitor}"),
+    ):
+        assert old in conf
+        conf = conf.replace(old, new)
+    (tmp_path / "nats.conf").write_text(conf)
+    server = subprocess.Popen(
+        [str(BIN / "nats-server"), "-c", str(tmp_path / "nats.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=2) as reply:
+                    assert json.load(reply) == {"status": "ok"}
+                break
+            except OSError:
+                assert server.poll() is None, "nats-server exited"
+                assert time.monotonic() < deadline, "nats-server never became healthy"
+                time.sleep(0.1)
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/varz", timeout=5) as reply:
+            varz = json.load(reply)
+        assert varz["jetstream"]["config"]["sync_always"] is True
+        # Our largest message (nats.max_message_bytes, then claim checks) must fit the server's limit.
+        assert varz["max_payload"] > NatsConfig().max_message_bytes
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
