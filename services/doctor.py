@@ -471,7 +471,9 @@ def _role_ports(cfg: RunConfig, role: str) -> dict[str, int]:
     if role == "trainer":
         ports |= {"service.trainer_grpc_port": cfg.service.trainer_grpc_port, "admin.port": cfg.admin.port}
     elif role == "run":
-        ports |= {"admin.port": cfg.admin.port}  # the launcher picks the trainer's WeightSync port
+        # The launcher picks free ports for WeightSync, and for admin unless the config names one.
+        if "port" in cfg.admin.model_fields_set:
+            ports |= {"admin.port": cfg.admin.port}
     elif role == "doctor":
         ports |= {
             "service.trainer_grpc_port": cfg.service.trainer_grpc_port,

@@ -202,7 +202,8 @@ class Launcher:
             **os.environ,
             "RLPIPE_NATS__URL": nats_url,
             "RLPIPE_SERVICE__TRAINER_GRPC_PORT": str(free_port()),
-            "RLPIPE_ADMIN__PORT": str(self.cfg.admin.port or free_port()),
+            # A port the config names, else a free one: two local runs must not collide on the default.
+            "RLPIPE_ADMIN__PORT": str(self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set and self.cfg.admin.port else free_port()),
             "RLPIPE_ADMIN_TOKEN": self.admin_token(),
         }
         for i in range(self.cfg.reference.replicas):

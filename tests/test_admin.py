@@ -207,10 +207,16 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
                      "the alert's rollback", process, timeout=120)
             rolled = next(json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if json.loads(line)["kind"] == "rollback")
             assert rolled["step"] == target and "entropy_guard" in rolled["reason"]
+            # Still firing after going back: a second rollback to the same step would loop, so it pauses instead.
+            wait_for(lambda: status(run_dir)["state"] == "paused", "the pause after a repeated firing", process, timeout=120)
+            events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+            assert sum(e["kind"] == "rollback" for e in events) == 1
+            assert "fired again after rolling back" in [e for e in events if e["kind"] == "pause"][-1]["message"]
 
             # And with a stop action the run ends.
             rule = rule.replace("entropy_guard", "entropy_stop").replace("[rollback]", "[notify, stop]")
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
+            assert rlpipe(run_dir, "resume").returncode == 0
             process.wait(timeout=180)
             assert process.returncode == 0
         fired = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "alert" in line]

@@ -203,10 +203,14 @@ class CheckpointConfig(Section):
         return url
 
 
-class S3Credentials(BaseSettings):
-    """Read only from the environment (or a secrets file), never from YAML, never logged."""
+# Docker and Kubernetes secrets mounted as files: /run/secrets/rlpipe_s3_access_key and so on.
+SECRETS_DIRS = [folder for folder in ("/run/secrets",) if Path(folder).is_dir()] or None
 
-    model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore")
+
+class S3Credentials(BaseSettings):
+    """Read only from the environment or a secrets file, never from YAML, never logged."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore", secrets_dir=SECRETS_DIRS)
     access_key: str = Field("", repr=False)
     secret_key: str = Field("", repr=False)
 
@@ -293,9 +297,9 @@ class AdminConfig(Section):
 
 
 class AdminCredentials(BaseSettings):
-    """The admin bearer token, only from the environment (or admin.token_file), never from YAML."""
+    """The admin bearer token, only from the environment, a secrets file or admin.token_file, never from YAML."""
 
-    model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore", secrets_dir=SECRETS_DIRS)
     token: str = Field("", repr=False)
 
 

@@ -132,6 +132,7 @@ class Trainer:
         self.reader: StreamReader | None = None
         self.services: list[dict[str, Any]] = []
         self.services_read = 0.0
+        self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
 
     # -- operator commands ------------------------------------------------------------
 
@@ -168,6 +169,7 @@ class Trainer:
             log_event(log, "paused", step=self.step, reason=reason)
 
     def unpause(self) -> None:
+        self.alert_rollbacks.clear()  # the operator has looked: rules may roll back again
         if self.state == "paused":
             self.state, self.paused_reason = "running", ""
             self.events.write("unpause", "resumed by operator", step=self.step)
@@ -362,6 +364,11 @@ class Trainer:
         if target is None:
             self.pause(f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to")
             return
+        if self.alert_rollbacks.get(firing.rule) == target:
+            # The same trouble right after going back to the same step: another rollback would loop.
+            self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
+            return
+        self.alert_rollbacks[firing.rule] = target
         await self.rollback(target, reason=f"alert {firing.rule}")
 
     # -- training ---------------------------------------------------------------------
