@@ -27,6 +27,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
+	$(BIN)/python -m bench.telemetry
 
 clean:
 	rm -rf runs models data $(VENV)
