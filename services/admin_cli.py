@@ -122,7 +122,8 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
     for s in status.services:
         services.add_row(
             s.instance, s.role, "[green]up[/]" if s.up else "[red]down[/]", str(s.restarts), str(s.consumer_lag),
-            str(s.policy_version), str(s.config_version), s.grpc_address, s.metrics_url, f"{s.last_seen_s:.0f}s ago",
+            str(s.policy_version) if s.role in ("trainer", "rollout") else "-",  # the others hold no policy
+            str(s.config_version), s.grpc_address, s.metrics_url, f"{s.last_seen_s:.0f}s ago",
         )
     console.print(services)
     if status.alerts:

@@ -214,6 +214,8 @@ class Launcher:
         workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(workers)
         self.write_run_file()
+        console.log(f"operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | stop "
+                    f"(admin at {self.child('trainer').ready['admin']})")
 
     def follow(self) -> dict[str, Any]:
         """Progress over training steps until the trainer is done, restarting services that die."""
@@ -226,9 +228,15 @@ class Launcher:
                 trainer = self.child("trainer")
                 if trainer.process.poll() is not None and trainer.pump_thread:
                     trainer.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
+                for child in self.children:
+                    if child is not trainer:
+                        self.note_ready(child)
                 while not trainer.events.empty():
                     event = trainer.events.get()
-                    if event["event"] == "step":
+                    if event["event"] == "ready":
+                        trainer.ready = event
+                        self.write_run_file()
+                    elif event["event"] == "step":
                         info = f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  kl {event['kl_ref']:.4f}"
                         progress.update(task, completed=event["step"], info=info)
                     elif event["event"] == "eval":
@@ -260,6 +268,14 @@ class Launcher:
                 time.sleep(0.1)
         self.child("trainer").process.wait(timeout=60)
         return done
+
+    def note_ready(self, child: Child) -> None:
+        """Drain a worker's events; a restarted one's ``ready`` puts its new endpoints in run.json."""
+        while not child.events.empty():
+            event = child.events.get()
+            if event["event"] == "ready":
+                child.ready = event
+                self.write_run_file()
 
     def schedule_restart(self, child: Child, progress: Progress) -> float:
         """As a container restart policy would: back off exponentially, give up after max_restarts."""
@@ -298,7 +314,7 @@ def _event_summary(event: dict[str, Any]) -> str:
 
 
 def _startup_fields(event: dict[str, Any]) -> str:
-    keys = ("backend", "engine_load_s", "model_load_s", "grpc")
+    keys = ("backend", "engine_load_s", "model_load_s", "grpc", "admin")
     return " ".join(f"{k}={event[k]}" for k in keys if k in event)
 
 

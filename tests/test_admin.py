@@ -6,6 +6,7 @@ import asyncio
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -102,6 +103,13 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         assert paused["state"] == "paused"
         time.sleep(4)
         assert status(run_dir)["step"] == paused["step"] == max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+        # A trainer that dies while paused comes back paused: the pause lives in the run's bucket, not the process.
+        os.kill(info["pids"]["trainer"], signal.SIGKILL)
+        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["pids"]["trainer"] != info["pids"]["trainer"], "the trainer's restart", process)
+        wait_for(lambda: rlpipe(run_dir, "status", "--json").returncode == 0, "the restarted trainer's admin", process)
+        restarted = status(run_dir)
+        assert restarted["state"] == "paused" and "still paused after a restart" in restarted["paused_reason"]
+        assert {s["instance"]: s for s in restarted["services"]}["trainer"]["restarts"] == 1
         assert rlpipe(run_dir, "resume").returncode == 0
         wait_for(lambda: status(run_dir)["step"] > paused["step"] + 1, "steps after resume", process)
 
@@ -113,6 +121,8 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         steps = [r for r in metric_rows(run_dir) if "reward_mean" in r]
         assert {r["learning_rate"] for r in steps if r["config_version"] == 1} == {3e-5}
         assert {r["learning_rate"] for r in steps if r["config_version"] == 0} == {1e-4}
+        # Every service took the new version (their heartbeats report it).
+        wait_for(lambda: {s["config_version"] for s in status(run_dir)["services"]} == {1}, "every service on config 1", process, timeout=30)
 
         # An invalid value is refused with the field and the reason, and nothing changes.
         bad = rlpipe(run_dir, "config", "set", "train.learning_rate=-1")

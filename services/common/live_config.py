@@ -30,6 +30,7 @@ from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
 KEY = "current"
+CONTROL_KEY = "control"
 HISTORY = 64  # the most revisions JetStream keeps per key
 
 
@@ -174,6 +175,16 @@ class LiveConfig:
         except KeyWrongLastSequenceError:
             raise ConfigError(f"config version {latest.version + 1} was stored by someone else meanwhile; look and retry") from None
         return version
+
+    async def put_control(self, control: dict[str, Any]) -> None:
+        """The run's operator state (paused or not), beside its config so it survives any restart."""
+        await self.kv.put(CONTROL_KEY, json.dumps(control).encode())
+
+    async def get_control(self) -> dict[str, Any]:
+        try:
+            return json.loads((await self.kv.get(CONTROL_KEY)).value)
+        except KeyNotFoundError:
+            return {}
 
     async def history(self) -> list[ConfigVersion]:
         try:

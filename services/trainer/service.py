@@ -162,18 +162,33 @@ class Trainer:
                 if not done.done():
                     done.set_result(result)
 
-    def pause(self, reason: str) -> None:
+    async def pause(self, reason: str) -> None:
+        """Hold training; kept in the run's config bucket so a restarted trainer stays paused."""
         if self.state == "running":
             self.state, self.paused_reason = "paused", reason
             self.events.write("pause", reason, step=self.step)
             log_event(log, "paused", step=self.step, reason=reason)
+            await self._remember_pause()
 
-    def unpause(self) -> None:
+    async def unpause(self) -> None:
         self.alert_rollbacks.clear()  # the operator has looked: rules may roll back again
         if self.state == "paused":
             self.state, self.paused_reason = "running", ""
             self.events.write("unpause", "resumed by operator", step=self.step)
             log_event(log, "unpaused", step=self.step)
+            await self._remember_pause()
+
+    async def _remember_pause(self) -> None:
+        try:
+            await self.live.put_control({"paused": self.state == "paused", "reason": self.paused_reason})
+        except Exception as error:  # the broker's failures: the pause holds in this process regardless
+            log_event(log, "control_not_stored", level=logging.WARNING, error=repr(error)[:200])
+
+    async def restore_pause(self) -> None:
+        control = await self.live.get_control()
+        if control.get("paused"):
+            self.state, self.paused_reason = "paused", f"{control.get('reason', '')} (still paused after a restart)"
+            log_event(log, "paused", step=self.step, reason=self.paused_reason)
 
     def request_stop(self, reason: str) -> None:
         self.state, self.stop_reason = "stopping", reason
@@ -338,7 +353,7 @@ class Trainer:
         taken = []
         for action in firing.actions:
             if action == "pause":
-                self.pause(f"alert {firing.rule}: {firing.message}")
+                await self.pause(f"alert {firing.rule}: {firing.message}")
             elif action == "stop":
                 self.request_stop(f"alert {firing.rule}: {firing.message}")
             elif action == "rollback":
@@ -362,11 +377,11 @@ class Trainer:
         if target is None:
             target = max((s for s in await asyncio.to_thread(self.checkpoints.steps) if s <= before), default=None)
         if target is None:
-            self.pause(f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to")
+            await self.pause(f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to")
             return
         if self.alert_rollbacks.get(firing.rule) == target:
             # The same trouble right after going back to the same step: another rollback would loop.
-            self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
+            await self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
             return
         self.alert_rollbacks[firing.rule] = target
         await self.rollback(target, reason=f"alert {firing.rule}")
@@ -584,6 +599,7 @@ class Trainer:
         dead = await self.bus.nc.subscribe(subject(self.cfg.run_id, DEAD), cb=self.on_dead_letter)
         if resumed:
             await self.release_dead_in_flight()
+        await self.restore_pause()
         if not resumed:
             self.baseline_eval = await self.evaluate()
         while self.step < self.cfg.train.total_steps and not stop.is_set() and self.state != "stopping":
