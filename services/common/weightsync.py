@@ -39,6 +39,7 @@ class Snapshot:
 
 def snapshot_of(model: torch.nn.Module, version: int, step: int) -> Snapshot:
     """A detached CPU copy of ``model``'s parameters and buffers, safe to stream while training goes on."""
+    # Tied tensors go under both names: vLLM's reload_weights keeps its own lm_head copy and does not re-tie it.
     tensors = tuple((name, t.detach().to("cpu", copy=True).contiguous()) for name, t in model.state_dict().items())
     return Snapshot(version=version, step=step, tensors=tensors)
 
