@@ -142,14 +142,21 @@ class Learner:
         return packed, logits, values
 
     @torch.no_grad()
-    def _score(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The current policy's logprobs and the critic's values for the whole batch, before any update."""
-        old_logp = torch.zeros_like(batch.mask)
+    def _score(self, batch: Batch, policy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Before any update: the current policy's logprobs (if ``policy``) and the critic's values for the whole batch."""
+        old_logp = torch.zeros_like(batch.mask) if policy else None
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
+        # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
+        values_only = not policy and self.critic is not None and self.critic.kind == "separate"
         for rows in _chunks(torch.arange(len(batch.pairs)), self.cfg.train.grad_accum_steps):
-            packed, logits, values = self._forward(rows, batch)
+            if values_only:
+                packed = pack([batch.pairs[i] for i in rows], self.tokenizer.pad_token_id)
+                logits, values = None, self.critic.values(packed, None)
+            else:
+                packed, logits, values = self._forward(rows, batch)
             r = packed.mask.shape[1]
-            old_logp[rows, :r] = token_logprobs(logits, packed.targets) * packed.mask
+            if old_logp is not None:
+                old_logp[rows, :r] = token_logprobs(logits, packed.targets) * packed.mask
             if values is not None:
                 old_values[rows, :r] = values * packed.mask
         return old_logp, old_values
@@ -179,8 +186,9 @@ class Learner:
         train = self.cfg.train
         batch = Batch.of(groups)
         self.model.eval()  # scoring must match generation: no dropout
-        old_logp, old_values = self._score(batch) if train.old_logprobs == "recompute" or self.critic is not None else (None, None)
-        if train.old_logprobs == "rollout":
+        recompute = train.old_logprobs == "recompute"
+        old_logp, old_values = self._score(batch, policy=recompute) if recompute or self.critic is not None else (None, None)
+        if not recompute:
             old_logp = batch.rollout_logp
         advantages, returns = self.advantages(batch, old_logp, old_values)
         tis = None

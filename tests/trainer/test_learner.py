@@ -85,10 +85,10 @@ def test_ratio_is_taken_against_the_rollout_logprobs_by_default(setup):
 def test_updates_favour_rewarded_answers_over_the_others(setup):
     _, learner, groups = make(setup, algorithm="grpo", learning_rate=1e-5)
     rewarded = torch.cat([torch.tensor(g.rewards) for g in groups]).bool()
-    before = learner._score(Batch.of(groups))[0].sum(-1)
+    before = learner._score(Batch.of(groups), policy=True)[0].sum(-1)
     for _ in range(3):
         learner.step(groups, policy_version=0)
-    gain = learner._score(Batch.of(groups))[0].sum(-1) - before
+    gain = learner._score(Batch.of(groups), policy=True)[0].sum(-1) - before
     # Pushing unlikely wrong answers down moves mass around; what must hold is the margin.
     assert gain[rewarded].mean() > gain[~rewarded].mean() + 0.5
 
