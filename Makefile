@@ -28,6 +28,7 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
 	$(BIN)/python -m bench.telemetry
+	$(BIN)/python -m bench.recovery
 
 clean:
 	rm -rf runs models data $(VENV)
