@@ -203,7 +203,7 @@ class CheckpointConfig(Section):
         return url
 
 
-# Docker and Kubernetes secrets mounted as files: /run/secrets/rlpipe_s3_access_key and so on.
+# Docker and Kubernetes secrets mounted as files, one per variable: /run/secrets/RLPIPE_S3_ACCESS_KEY and so on.
 SECRETS_DIRS = [folder for folder in ("/run/secrets",) if Path(folder).is_dir()] or None
 
 
