@@ -17,6 +17,7 @@ counters, ``_total``; histograms come as ``_bucket``/``_sum``/``_count``):
 
 every service
   rlpipe_process_resident_memory_bytes                    gauge, resident set size
+  rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
 stages (rollout, reward, reference)
   rlpipe_groups_processed_total{role,edge,outcome}        outcome: ok | retry | dead
@@ -49,6 +50,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import logging
 import math
 import numbers
 import os
@@ -177,10 +179,22 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
         meter().create_observable_gauge(
             "rlpipe_process_resident_memory", callbacks=[_resident_memory], unit="By", description="resident set size of this process"
         )
+        logging.getLogger().addHandler(_LogCounter())
         url = f"http://{_reachable_host(cfg.service.host)}:{server.server_port}/metrics"
         _started = Telemetry(role, instance, url, meter_provider, tracer_provider, server)
         atexit.register(_started.shutdown)
         return _started
+
+
+class _LogCounter(logging.Handler):
+    """Counts warning-and-worse log records by level, so an error rate can be alerted on like any metric."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.WARNING)
+        self.records = meter().create_counter("rlpipe_log_records", description="log records at warning level or worse")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.add(1, {"level": record.levelname.lower()})
 
 
 def current_telemetry() -> Telemetry:

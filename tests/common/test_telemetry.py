@@ -178,6 +178,8 @@ trainer.record_step({"step": 7, "entropy": 1.5, "reward_mean": 0.25, "grad_norm"
 trainer.record_checkpoint(1.2, ok=True)
 trainer.record_checkpoint(0.4, ok=False)
 trainer.record_alert("kl_too_high", "warning")
+import logging
+logging.getLogger("driver").error("one error for the log error rate")
 print(json.dumps({"metrics_url": telemetry.metrics_url}), flush=True)
 sys.stdin.readline()
 telemetry.shutdown()
@@ -236,6 +238,8 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     assert one_value(samples, "rlpipe_consumer_lag", **stage) == 0  # everything was consumed
     assert one_value(samples, "rlpipe_dead_letters_total", reason="undecodable", **stage) == 1
     assert one_value(samples, "rlpipe_process_resident_memory_bytes") > 10e6
+    assert one_value(samples, "rlpipe_log_records_total", level="error") == 1
+    assert one_value(samples, "rlpipe_log_records_total", level="warning") >= 2  # the dead letter and the failed compute
     assert one_value(samples, "rlpipe_weight_sync_duration_seconds_sum") == 0.5
     assert one_value(samples, "rlpipe_weight_sync_bytes_total") == 4096
     assert one_value(samples, "rlpipe_rollout_policy_version") == 3
