@@ -23,19 +23,13 @@ from pathlib import Path
 
 import yaml
 
+from services.report import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows(run_dir: Path, name: str) -> list[dict]:
-    """JSON lines of a file that may also hold plain text (logs) or a half-written last line."""
-    path = run_dir / name
-    found = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            found.append(json.loads(line))
-        except ValueError:
-            continue
-    return found
+    return read_jsonl(run_dir / name)
 
 
 def steps(run_dir: Path) -> list[dict]:
