@@ -9,6 +9,7 @@ non-zero if any service failed.
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import json
 import os
@@ -25,12 +26,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+import nats
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from services.common.config import AdminCredentials, RunConfig, load_config
 from services.common.events import EventLog
+from services.common.live_config import LiveConfig
 from services.doctor import StartupCheckError, startup_checks
 from services.report import render_html, render_report
 
@@ -124,6 +127,23 @@ class Launcher:
             time.sleep(0.05)
         raise RuntimeError("nats-server did not accept connections within 30 s")
 
+    def forget_pause(self, nats_url: str) -> None:
+        """``--resume`` continues on purpose: a pause or stop recorded before must not hold the new start."""
+
+        async def clear() -> dict[str, Any]:
+            nc = await nats.connect(nats_url)
+            try:
+                live = await LiveConfig(self.cfg, nc.jetstream()).start()
+                earlier = await live.get_control()
+                await live.clear_control()
+                return earlier
+            finally:
+                await nc.close()
+
+        earlier = asyncio.run(clear())
+        if earlier.get("paused"):
+            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
+
     def admin_token(self) -> str:
         """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
         token = AdminCredentials().token or secrets.token_urlsafe(24)
@@ -197,6 +217,8 @@ class Launcher:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         nats_url = self.start_nats()
         console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
+        if self.resume:
+            self.forget_pause(nats_url)
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         self.env = {
             **os.environ,

@@ -109,9 +109,9 @@ RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
 
 
 @contextlib.contextmanager
-def running_pipeline(config: Path) -> Iterator[subprocess.Popen]:
-    """`rlpipe run CONFIG` in the background (output in .stdout); killed if the test leaves it running."""
-    process = subprocess.Popen([*RLPIPE_RUN, str(config)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def running_pipeline(config: Path, *options: str) -> Iterator[subprocess.Popen]:
+    """`rlpipe run CONFIG [OPTIONS]` in the background (output in .stdout); killed if the test leaves it running."""
+    process = subprocess.Popen([*RLPIPE_RUN, str(config), *options], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         yield process
     finally:

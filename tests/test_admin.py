@@ -172,6 +172,17 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
     kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert {"pause", "unpause", "config_change", "rollback", "stop"} <= set(kinds)
 
+    # The stop was recorded as a hold (an orchestrator restarting the trainer gets it back paused);
+    # `rlpipe run --resume` continues on purpose, so it clears the hold and trains on from the last save.
+    last = max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+    with running_pipeline(config, "--resume") as again:
+        wait_for(lambda: max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1, "steps after --resume", again)
+        assert status(run_dir)["state"] == "running"
+        assert rlpipe(run_dir, "stop").returncode == 0
+        output, _ = again.communicate(timeout=120)
+    assert again.returncode == 0, output[-3000:]
+    assert "continuing a run that was held" in " ".join(output.split())
+
 
 class Receiver(http.server.BaseHTTPRequestHandler):
     posts: list[dict] = []

@@ -178,9 +178,10 @@ class Trainer:
             log_event(log, "unpaused", step=self.step)
             await self._remember_pause()
 
-    async def _remember_pause(self) -> None:
+    async def _remember_pause(self, reason: str | None = None) -> None:
+        held = self.state != "running"
         try:
-            await self.live.put_control({"paused": self.state == "paused", "reason": self.paused_reason})
+            await self.live.put_control({"paused": held, "reason": reason or self.paused_reason})
         except Exception as error:  # the broker's failures: the pause holds in this process regardless
             log_event(log, "control_not_stored", level=logging.WARNING, error=repr(error)[:200])
 
@@ -190,10 +191,12 @@ class Trainer:
             self.state, self.paused_reason = "paused", f"{control.get('reason', '')} (still paused after a restart)"
             log_event(log, "paused", step=self.step, reason=self.paused_reason)
 
-    def request_stop(self, reason: str) -> None:
+    async def request_stop(self, reason: str) -> None:
+        """Drain and end the run. An orchestrator that restarts the trainer anyway (Kubernetes) gets it back paused."""
         self.state, self.stop_reason = "stopping", reason
         self.events.write("stop", reason, step=self.step)
         log_event(log, "stop_requested", step=self.step, reason=reason)
+        await self._remember_pause(f"stopped: {reason}")
 
     async def checkpoint_now(self) -> dict[str, Any] | None:
         """Store the current step (unless it already is) and describe it; None if the save failed."""
@@ -355,7 +358,7 @@ class Trainer:
             if action == "pause":
                 await self.pause(f"alert {firing.rule}: {firing.message}")
             elif action == "stop":
-                self.request_stop(f"alert {firing.rule}: {firing.message}")
+                await self.request_stop(f"alert {firing.rule}: {firing.message}")
             elif action == "rollback":
                 # Between steps, like an operator's rollback: never in the middle of this step's bookkeeping.
                 self.commands.put_nowait((lambda: self.rollback_for(firing), asyncio.get_running_loop().create_future()))
