@@ -100,6 +100,7 @@ class LiveConfig:
         self.js = js
         self.poll_s = poll_s
         self.current = ConfigVersion()
+        self.started: RunConfig | None = None  # base + every change stored before start(): what restart-only fields stay at
         self.kv: Any = None
         self._polled = 0.0
 
@@ -115,6 +116,7 @@ class LiveConfig:
             storage = api.StorageType.FILE if self.base.nats.storage == "file" else api.StorageType.MEMORY
             self.kv = await self.js.create_key_value(bucket=bucket_name(self.base.run_id), history=HISTORY, storage=storage, replicas=self.base.nats.stream_replicas)
         await self.refresh(force=True)
+        self.started = self.cfg
         return self
 
     async def _latest_entry(self) -> tuple[ConfigVersion, int | None]:
@@ -125,7 +127,9 @@ class LiveConfig:
         return ConfigVersion.decode(entry.value), entry.revision
 
     async def refresh(self, force: bool = False) -> list[str]:
-        """Take a newer stored version if there is one; returns the live fields that changed (empty if none).
+        """Take a newer stored version if there is one; returns the fields that changed (empty if none).
+
+        Once started, only ``LIVE_FIELDS`` change; a restart-only field keeps its start value in ``cfg``.
 
         Rate-limited to one read per ``poll_s`` unless ``force``; a read that fails leaves the config as it is.
         """
@@ -140,15 +144,17 @@ class LiveConfig:
             return []
         if latest.version == self.current.version:
             return []
+        # At start every stored change applies; once running, only the live fields do.
+        overrides = latest.overrides if self.started is None else {k: v for k, v in latest.overrides.items() if is_live(k)}
         try:
-            cfg = apply_overrides(self.base, latest.overrides)
+            cfg = apply_overrides(self.started or self.base, overrides)
         except ConfigError as error:
             log_event(log, "config_rejected", level=logging.ERROR, config_version=latest.version, error=str(error))
             return []
-        changed = [key for key in latest.overrides if _value_at(cfg, key) != _value_at(self.cfg, key)]
+        changed = [key for key in overrides if _value_at(cfg, key) != _value_at(self.cfg, key)]
         self.cfg, self.current = cfg, latest
         log_event(log, "config_applied", config_version=latest.version, author=latest.author, changed=changed)
-        return [key for key in changed if is_live(key)]
+        return changed
 
     async def propose(self, settings: dict[str, Any], author: str, dry_run: bool = False) -> ConfigVersion:
         """Validate ``settings`` on top of the newest version and store them as the next one.

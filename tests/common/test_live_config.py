@@ -31,6 +31,7 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         }
         assert await service.refresh() == ["train.learning_rate"]  # batch_size changed too, but only at a restart
         assert service.cfg.train.learning_rate == 5e-5 and service.version == 1
+        assert service.cfg.train.batch_size == 8  # restart-only: a running service keeps what it started with
 
         with pytest.raises(ConfigError, match=r"sampling.temperature: Input should be greater than 0"):
             await operator.propose({"sampling.temperature": -1}, author="bob")
