@@ -131,6 +131,7 @@ class Trainer:
         self.wakeup = asyncio.Event()
         self.reader: StreamReader | None = None
         self.services: list[dict[str, Any]] = []
+        self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
         self.services_read = 0.0
         self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
 
@@ -226,12 +227,13 @@ class Trainer:
         """
         if self.upload is not None and not self.upload.done():
             await self.upload  # a save of the state being abandoned must land before it is marked
+        stored = await asyncio.to_thread(self.checkpoints.steps)
         if step is None:
             step = await asyncio.to_thread(self.checkpoints.latest_stable)
             if step is None:
                 raise LookupError("no checkpoint is marked stable (rlpipe mark-stable STEP)")
-        elif step not in await asyncio.to_thread(self.checkpoints.steps):
-            raise LookupError(f"no stored checkpoint at step {step} (stored: {await asyncio.to_thread(self.checkpoints.steps)})")
+        elif step not in stored:
+            raise LookupError(f"no stored checkpoint at step {step} (stored: {stored})")
         ckpt = await asyncio.to_thread(self.checkpoints.load, step)
         disowned = (ckpt.state["policy_version"] + 1, self.version)
         self.learner.load(ckpt)
@@ -242,7 +244,7 @@ class Trainer:
         self.version = max(self.version, self.lineage.max_version()) + 1
         abandoned = self.lineage.restart_from(step, self.version, "rollback", abandoned_versions=disowned)
         self.abandoned_versions.append(disowned)
-        for later in await asyncio.to_thread(self.checkpoints.steps):
+        for later in stored:
             if later > step:
                 await asyncio.to_thread(self.checkpoints.mark, later, ABANDONED)
         await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
@@ -258,8 +260,9 @@ class Trainer:
         if time.monotonic() - self.services_read > max_age_s:
             try:
                 self.services = await read_presence(self.bus.js, self.cfg)
+                self.lag = await self.consumer_lag()
                 self.services_read = time.monotonic()
-                self.experience_lag.lag((await self.consumer_lag()).get("trainer", 0))
+                self.experience_lag.lag(self.lag.get("trainer", 0))
             except (NatsError, TimeoutError) as error:
                 log_event(log, "presence_unreadable", level=logging.WARNING, error=repr(error)[:200])
         return self.services
@@ -282,7 +285,7 @@ class Trainer:
 
     async def status(self) -> admin_pb2.Status:
         services = await self.refresh_services(max_age_s=1.0)
-        lag = await self.consumer_lag()
+        lag = self.lag
         catalog = await self.list_checkpoints()
         live_steps = [e["step"] for e in catalog if not e["abandoned"]]
         stable = [e["step"] for e in catalog if e["stable"] and not e["abandoned"]]
@@ -324,9 +327,9 @@ class Trainer:
 
     # -- live config and alerts -----------------------------------------------------
 
-    async def apply_live_config(self) -> None:
-        """Take the newest stored config version, if it is not in force yet (one key-value read per step)."""
-        await self.live.refresh(force=True)
+    async def apply_live_config(self, force: bool) -> None:
+        """Put the newest config version in force; ``force`` reads the bucket now rather than at the next poll."""
+        await self.live.refresh(force=force)
         if self.live.cfg is self.cfg:
             return
         previous, self.cfg = self.cfg, self.live.cfg
@@ -590,8 +593,9 @@ class Trainer:
         await self.watch(row)
 
     async def between_steps(self) -> None:
+        woken = self.wakeup.is_set()  # an admin call just stored a config version, or queued a command
         await self.run_commands()
-        await self.apply_live_config()
+        await self.apply_live_config(force=woken)
 
     async def run(self, stop: asyncio.Event) -> None:
         data = self.cfg.data
