@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
-import json
 import math
 import os
 import platform
@@ -31,6 +30,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, RunConfig, load_config
+from services.common.datasets import row_problem
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -242,22 +242,6 @@ def check_model(path: Path, name: str = "model") -> CheckResult:
     return CheckResult(name, "ok", f"{path}: {config.model_type}, {vocab} tokens, weights {_size(size)}")
 
 
-def _row_error(raw: bytes) -> str | None:
-    """Why one JSONL line is not a prompt/answer row (the rules of ``datasets.load_jsonl``), or None."""
-    try:
-        row = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "not UTF-8"
-    except json.JSONDecodeError as error:
-        return f"invalid JSON ({error.msg})"
-    if not isinstance(row, dict):
-        return "not a JSON object"
-    for field in ("prompt", "answer"):
-        if not isinstance(row.get(field), str):
-            return f"missing or non-string field {field!r}"
-    return None
-
-
 def check_dataset(path: Path, name: str, max_lines: int) -> CheckResult:
     """The first ``max_lines`` lines parse as rows; the bad ones are listed by line number."""
     bad: list[str] = []
@@ -272,7 +256,7 @@ def check_dataset(path: Path, name: str, max_lines: int) -> CheckResult:
                 checked = number
                 if not raw.strip():
                     continue
-                error = _row_error(raw)
+                error = row_problem(raw)
                 if error is None:
                     rows += 1
                 else:

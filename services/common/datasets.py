@@ -65,6 +65,22 @@ def make_arithmetic_dataset(
     return paths
 
 
+def row_problem(raw: bytes) -> str | None:
+    """Why one JSON Lines line is not a prompt/answer row, or None when it is one."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except json.JSONDecodeError as err:
+        return f"invalid JSON ({err.msg})"
+    if not isinstance(row, dict):
+        return "not a JSON object"
+    for field in ("prompt", "answer"):
+        if not isinstance(row.get(field), str):
+            return f"missing or non-string field {field!r}"
+    return None
+
+
 def load_jsonl(path: Path) -> list[dict]:
     """Read prompt/answer rows from a JSON Lines file, skipping blank lines.
 
@@ -78,20 +94,12 @@ def load_jsonl(path: Path) -> list[dict]:
         raise FileNotFoundError(f"dataset file not found: {path}")
 
     rows = []
-    with path.open(encoding="utf-8") as f:
+    with path.open("rb") as f:
         for line_number, line in enumerate(f, start=1):
             if not line.strip():
                 continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{line_number}: invalid JSON ({err.msg})") from err
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}:{line_number}: expected a JSON object")
-            for field in ("prompt", "answer"):
-                if not isinstance(row.get(field), str):
-                    raise ValueError(
-                        f"{path}:{line_number}: missing or non-string field {field!r}"
-                    )
-            rows.append(row)
+            problem = row_problem(line)
+            if problem is not None:
+                raise ValueError(f"{path}:{line_number}: {problem}")
+            rows.append(json.loads(line))
     return rows
