@@ -25,7 +25,9 @@ class ObjectStore(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
-    def get(self, key: str) -> bytes: ...
+    def get(self, key: str) -> bytes:
+        """The object's bytes; FileNotFoundError when there is none."""
+        ...
 
     def list(self, prefix: str) -> list[str]: ...
 
@@ -53,12 +55,16 @@ class FileStore:
         return (self.root / key).read_bytes()
 
     def list(self, prefix: str) -> list[str]:
-        # Walk only the prefix's folder: the root may hold unrelated run files.
+        # Walk only the prefix's folder: the root may hold unrelated run files. os.walk skips
+        # folders that vanish mid-walk (a concurrent prune), where Path.rglob would raise.
         folder = self.root / prefix.rpartition("/")[0]
-        if not folder.is_dir():
-            return []
-        files = (p for p in folder.rglob("*") if p.is_file() and not p.name.startswith(".tmp-"))
-        return sorted(k for k in (p.relative_to(self.root).as_posix() for p in files) if k.startswith(prefix))
+        keys = (
+            (Path(parent) / name).relative_to(self.root).as_posix()
+            for parent, _, names in os.walk(folder)
+            for name in names
+            if not name.startswith(".tmp-")
+        )
+        return sorted(k for k in keys if k.startswith(prefix))
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self.root / prefix, ignore_errors=True)
@@ -122,7 +128,14 @@ class S3Store:
         )
 
     def get(self, key: str) -> bytes:
-        response = self.client.get_object(self.bucket, self._key(key))
+        from minio.error import S3Error
+
+        try:
+            response = self.client.get_object(self.bucket, self._key(key))
+        except S3Error as error:
+            if error.code in ("NoSuchKey", "NoSuchBucket"):  # the same error a missing file gives
+                raise FileNotFoundError(f"{self.url.rstrip('/')}/{key}") from error
+            raise
         try:
             return response.read()
         finally:

@@ -199,7 +199,10 @@ class CheckpointStore:
         for step, names in sorted(self._listing().items()):
             if MANIFEST not in names:
                 continue
-            manifest = json.loads(self.store.get(self._prefix(step) + MANIFEST))
+            try:
+                manifest = json.loads(self.store.get(self._prefix(step) + MANIFEST))
+            except FileNotFoundError:
+                continue  # pruned between the listing and this read
             entries.append({
                 "step": step,
                 "policy_version": manifest.get("policy_version") or 0,

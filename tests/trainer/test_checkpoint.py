@@ -1,4 +1,5 @@
 import json
+import threading
 
 import pytest
 import torch
@@ -114,3 +115,57 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
 
     with pytest.raises(KeyError, match="no checkpoint at step 9"):
         store.mark(9, "STABLE")
+
+
+class PruneAfterListing:
+    """A file store that prunes one step right after listing it: what a status read meets mid-prune."""
+
+    def __init__(self, store, victim: str):
+        self.store, self.victim, self.url = store, victim, store.url
+
+    def list(self, prefix: str) -> list[str]:
+        keys = self.store.list(prefix)
+        self.store.delete_prefix(self.victim)
+        return keys
+
+    def __getattr__(self, name):
+        return getattr(self.store, name)
+
+
+def test_catalog_skips_a_step_pruned_while_it_is_read(tmp_path):
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    files = open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig())
+    writer = CheckpointStore(files, "run-p", keep_last=5)
+    for step in (1, 2):
+        model, optimizer = tiny_state(step)
+        writer.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+    reader = CheckpointStore(PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5)
+    assert [entry["step"] for entry in reader.catalog()] == [2]
+
+
+def test_file_store_lists_while_folders_are_removed(tmp_path):
+    store = open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig())
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            for step in range(20):
+                store.put(f"run/step-{step:08d}/a/b/part", b"x")
+            store.delete_prefix("run/")
+
+    worker = threading.Thread(target=churn)
+    worker.start()
+    try:
+        listed = [store.list("run/step-") for _ in range(300)]
+    finally:
+        stop.set()
+        worker.join()
+    assert all(all(key.startswith("run/step-") for key in keys) for keys in listed)
+
+
+def test_a_missing_object_is_file_not_found_in_every_store(tmp_path, s3_env):
+    for url, cfg in ((tmp_path.as_uri(), CheckpointConfig()), ("s3://rlpipe-missing/p", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))):
+        with pytest.raises(FileNotFoundError):
+            open_store(url, cfg).get("run/step-00000001/manifest.json")
