@@ -305,10 +305,12 @@ def _tail(path: Path, follow: bool, render: Callable[[str], str | None]) -> None
     if not path.is_file():
         fail(USAGE, f"{path} does not exist")
     with path.open() as source:
+        pending = ""  # a line the writer has not finished yet
         while True:
-            line = source.readline()
-            if line:
-                shown = render(line.rstrip("\n"))
+            pending += source.readline()
+            if pending.endswith("\n") or (pending and not follow):
+                shown = render(pending.rstrip("\n"))
+                pending = ""
                 if shown:
                     typer.echo(shown)
                 continue

@@ -34,6 +34,7 @@ from rich.table import Table
 from services.common.config import AdminCredentials, RunConfig, load_config
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
+from services.common.storage import write_atomically
 from services.doctor import StartupCheckError, startup_checks
 from services.report import render_html, render_report
 
@@ -184,7 +185,7 @@ class Launcher:
                 for c in self.children
             },
         }
-        (self.run_dir / "run.json").write_text(json.dumps(info, indent=2))
+        write_atomically(self.run_dir / "run.json", json.dumps(info, indent=2).encode())  # the CLI and tests read it live
 
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
         """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""

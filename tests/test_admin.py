@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.weightsync import WeightSyncClient
+from services.report import read_jsonl
 from services.trainer.lineage import effective_steps
 from tests.conftest import ROOT, free_port, running_pipeline, write_config
 from tests.test_recovery import metric_rows, wait_for
@@ -224,13 +225,13 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             rule = rule.replace("entropy_floor", "entropy_guard").replace("[notify, pause]", "[rollback]")
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
-            wait_for(lambda: any(json.loads(line).get("kind") == "rollback" for line in (run_dir / "events.jsonl").read_text().splitlines()),
+            wait_for(lambda: any(e["kind"] == "rollback" for e in read_jsonl(run_dir / "events.jsonl")),
                      "the alert's rollback", process, timeout=120)
-            rolled = next(json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines() if json.loads(line)["kind"] == "rollback")
+            rolled = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "rollback")
             assert rolled["step"] == target and "entropy_guard" in rolled["reason"]
             # Still firing after going back: a second rollback to the same step would loop, so it pauses instead.
             wait_for(lambda: status(run_dir)["state"] == "paused", "the pause after a repeated firing", process, timeout=120)
-            events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+            events = read_jsonl(run_dir / "events.jsonl")
             assert sum(e["kind"] == "rollback" for e in events) == 1
             assert "fired again after rolling back" in [e for e in events if e["kind"] == "pause"][-1]["message"]
 

@@ -10,7 +10,6 @@ import asyncio
 import json
 import math
 import time
-from pathlib import Path
 
 import msgpack
 import nats
@@ -22,6 +21,7 @@ from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
 from services.common.modeling import load_model, load_tokenizer
 from services.common.storage import open_store
+from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import running_pipeline, write_config
 
@@ -31,10 +31,6 @@ STEP_METRICS = (
 )
 TOTAL_STEPS = 10
 STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 async def inject_bad_messages(nats_url: str, run_id: str) -> None:
@@ -82,7 +78,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     run_dir = runs / "pipe"
     with running_pipeline(config) as process:
         deadline = time.monotonic() + 600
-        while not any(r.get("step", 0) >= 2 and "reward_mean" in r for r in read_metrics(run_dir / "metrics.jsonl")):
+        while not any(r.get("step", 0) >= 2 and "reward_mean" in r for r in read_jsonl(run_dir / "metrics.jsonl")):
             assert process.poll() is None, process.stdout.read()
             assert time.monotonic() < deadline, "no training step within 10 minutes"
             time.sleep(0.5)
@@ -103,7 +99,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     assert all(int(letter[H_SEQ]) > 0 and letter[H_SERVICE] for letter in letters)
 
     # The trainer applied every step, and each logged metric is present and finite.
-    rows = read_metrics(run_dir / "metrics.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
     steps = [r for r in rows if "reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
     for row in steps:

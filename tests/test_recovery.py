@@ -19,6 +19,7 @@ from pathlib import Path
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
+from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import running_pipeline, write_config
@@ -27,8 +28,7 @@ TOTAL_STEPS = 14
 
 
 def metric_rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return read_jsonl(run_dir / "metrics.jsonl")
 
 
 def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 300) -> None:

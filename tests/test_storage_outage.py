@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
+from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import running_pipeline, BIN, free_port, wait_for_port, write_config
 
@@ -16,10 +16,6 @@ def start_moto(port: int) -> subprocess.Popen:
     process = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for_port(port, process, "moto_server")
     return process
-
-
-def rows(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkeypatch):
@@ -34,21 +30,21 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
     metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
     with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
-        while not any("checkpoint_saved" in r for r in rows(metrics)):
+        while not any("checkpoint_saved" in r for r in read_jsonl(metrics)):
             assert run.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         moto.kill()
         moto.wait()
-        while not any("checkpoint_failed" in r for r in rows(metrics)):
+        while not any("checkpoint_failed" in r for r in read_jsonl(metrics)):
             assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
             time.sleep(0.2)
-        failed_at = max(r["step"] for r in rows(metrics) if "checkpoint_failed" in r)
-        steps_during_outage = [r["step"] for r in rows(metrics) if "pg_loss" in r and r["step"] > failed_at]
+        failed_at = max(r["step"] for r in read_jsonl(metrics) if "checkpoint_failed" in r)
+        steps_during_outage = [r["step"] for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] > failed_at]
         moto = start_moto(port)
         output, _ = run.communicate(timeout=600)
     try:
         assert run.returncode == 0, output[-4000:]
-        all_rows = rows(metrics)
+        all_rows = read_jsonl(metrics)
         assert [r["step"] for r in all_rows if "pg_loss" in r] == list(range(1, 41))  # training never stopped
         assert steps_during_outage or failed_at < 40
         saved_after = [r["step"] for r in all_rows if "checkpoint_saved" in r and r["step"] > failed_at]

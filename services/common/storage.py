@@ -20,6 +20,16 @@ import urllib3
 from services.common.config import CheckpointConfig, S3Credentials
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """Write-then-rename: a crash never leaves a half-written file under the real name, and a
+    reader sees the old content or the new, never part of it."""
+    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
+        tmp.write(data)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    os.replace(tmp.name, path)
+
+
 class ObjectStore(Protocol):
     url: str
 
@@ -44,12 +54,7 @@ class FileStore:
     def put(self, key: str, data: bytes) -> None:
         path = self.root / key
         path.parent.mkdir(parents=True, exist_ok=True)
-        # Write-then-rename: a crash never leaves a half-written file under the real name.
-        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp.name, path)
+        write_atomically(path, data)
 
     def get(self, key: str) -> bytes:
         return (self.root / key).read_bytes()
