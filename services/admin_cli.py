@@ -101,14 +101,15 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
     if as_json:
         return _print_json(status)
     state = f"[bold]{status.state}[/]" + (f" ({status.paused_reason})" if status.paused_reason else "")
+    unreadable = f"[red]unknown: store unreadable ({status.checkpoint_store_error})[/]"
     summary = Table(title=f"run {status.run_id}", show_header=False)
     for name, value in (
         ("state", state),
         ("step", f"{status.step} / {status.total_steps}"),
         ("policy version", str(status.policy_version)),
         ("config version", str(status.config_version)),
-        ("last checkpoint", str(status.last_checkpoint_step) if status.last_checkpoint_step >= 0 else "none"),
-        ("last stable", str(status.last_stable_step) if status.last_stable_step >= 0 else "none"),
+        ("last checkpoint", unreadable if status.checkpoint_store_error else str(status.last_checkpoint_step) if status.last_checkpoint_step >= 0 else "none"),
+        ("last stable", unreadable if status.checkpoint_store_error else str(status.last_stable_step) if status.last_stable_step >= 0 else "none"),
         ("eval accuracy", f"{status.last_eval_accuracy:.3f}" if status.last_eval_accuracy >= 0 else "-"),
         ("groups in flight", str(status.in_flight_groups)),
         ("build", f"{status.build_version} ({status.build_revision})"),

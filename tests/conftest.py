@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -106,6 +107,14 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
 
 
 RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
+
+
+def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+    """An operator's `rlpipe --run-dir RUN_DIR ARGS...`, with the address and token of that run."""
+    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 @contextlib.contextmanager

@@ -7,8 +7,6 @@ import http.server
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,15 +21,8 @@ from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.weightsync import WeightSyncClient
 from services.report import read_jsonl
 from services.trainer.lineage import effective_steps
-from tests.conftest import ROOT, free_port, running_pipeline, write_config
+from tests.conftest import free_port, rlpipe, running_pipeline, write_config
 from tests.test_recovery import metric_rows, wait_for
-
-
-def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
-    )
 
 
 async def pull_weights(address: str) -> tuple[int, dict]:
@@ -235,8 +226,21 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             assert sum(e["kind"] == "rollback" for e in events) == 1
             assert "fired again after rolling back" in [e for e in events if e["kind"] == "pause"][-1]["message"]
 
+            # The stable checkpoint rots: an operator's rollback to it is refused with the reason and changes
+            # nothing; an alert's rollback, which nobody awaits, holds the run instead.
+            (run_dir / f"step-{target:08d}" / "model.safetensors").write_bytes(b"bitrot")
+            before = status(run_dir)
+            refused = rlpipe(run_dir, "rollback", "--stable")
+            assert refused.returncode == 1 and "cannot be loaded" in " ".join(refused.stderr.split()), refused.stderr
+            assert status(run_dir)["policy_version"] == before["policy_version"]
+            rule = rule.replace("entropy_guard", "entropy_rot")
+            assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
+            assert rlpipe(run_dir, "resume").returncode == 0
+            wait_for(lambda: "entropy_rot" in status(run_dir)["paused_reason"], "the pause after a failed rollback", process, timeout=120)
+            assert f"rollback to step {target} failed" in status(run_dir)["paused_reason"]
+
             # And with a stop action the run ends.
-            rule = rule.replace("entropy_guard", "entropy_stop").replace("[rollback]", "[notify, stop]")
+            rule = rule.replace("entropy_rot", "entropy_stop").replace("[rollback]", "[notify, stop]")
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
             process.wait(timeout=180)

@@ -11,7 +11,7 @@ from pathlib import Path
 from tests.conftest import ROOT
 
 
-def rlpipe(run_dir: Path, *args: str, **options) -> subprocess.Popen:
+def cli_process(run_dir: Path, *args: str, **options) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options
     )
@@ -25,7 +25,7 @@ def test_metrics_follow_waits_for_a_half_written_row(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     second = row(2)
     metrics.write_text(row(1) + json.dumps({"step": 1, "checkpoint_saved": True}) + "\n" + second[:25])
-    follower = rlpipe(tmp_path, "metrics", "--follow")
+    follower = cli_process(tmp_path, "metrics", "--follow")
     try:
         assert follower.stdout.readline().startswith("step=1  config_version=0  reward_mean=0.1  entropy=1.5")
         time.sleep(1.5)  # the follower has read the half row by now and must keep it
@@ -42,10 +42,10 @@ def test_metrics_and_logs_print_what_is_there(tmp_path):
     (tmp_path / "metrics.jsonl").write_text(row(1) + row(2))
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "reward-0.log").write_text('{"event": "ready"}\nplain line\n')
-    out, _ = rlpipe(tmp_path, "metrics", "--keys", "step,reward_mean").communicate(timeout=60)
+    out, _ = cli_process(tmp_path, "metrics", "--keys", "step,reward_mean").communicate(timeout=60)
     assert out.splitlines() == ["step=1  reward_mean=0.1", "step=2  reward_mean=0.2"]
-    out, _ = rlpipe(tmp_path, "logs", "reward-0").communicate(timeout=60)
+    out, _ = cli_process(tmp_path, "logs", "reward-0").communicate(timeout=60)
     assert out.splitlines() == ['{"event": "ready"}', "plain line"]
-    missing = rlpipe(tmp_path, "logs", "rollout-7")
+    missing = cli_process(tmp_path, "logs", "rollout-7")
     _, err = missing.communicate(timeout=60)
     assert missing.returncode == 2 and "rollout-7.log does not exist" in err.replace("\n", "")  # rich folds long lines

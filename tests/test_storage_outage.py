@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import time
 
@@ -9,7 +10,7 @@ from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import running_pipeline, BIN, free_port, wait_for_port, write_config
+from tests.conftest import rlpipe, running_pipeline, BIN, free_port, wait_for_port, write_config
 
 
 def start_moto(port: int) -> subprocess.Popen:
@@ -39,6 +40,11 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
             assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
             time.sleep(0.2)
         failed_at = max(r["step"] for r in read_jsonl(metrics) if "checkpoint_failed" in r)
+        # An operator can still ask how the run is: status answers and says the store is unreadable.
+        during = rlpipe(tmp_path / "runs" / "outage", "status", "--json")
+        assert during.returncode == 0, during.stderr
+        assert json.loads(during.stdout)["checkpoint_store_error"]
+        assert "unreadable" in rlpipe(tmp_path / "runs" / "outage", "status").stdout
         steps_during_outage = [r["step"] for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] > failed_at]
         moto = start_moto(port)
         output, _ = run.communicate(timeout=600)

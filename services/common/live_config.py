@@ -25,7 +25,7 @@ import yaml
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from services.common.config import ConfigError, RunConfig, apply_overrides, is_live
+from services.common.config import ConfigError, RunConfig, apply_overrides, is_live, redact
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -164,8 +164,8 @@ class LiveConfig:
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
         proposed = apply_overrides(self.base, latest.overrides | settings)
-        changes = [
-            ConfigChange(key, _value_at(current, key), _value_at(proposed, key), is_live(key))
+        changes = [  # kept for history, logs and events, so secrets are hidden; the overrides hold the values
+            ConfigChange(key, redact(key, _value_at(current, key)), redact(key, _value_at(proposed, key)), is_live(key))
             for key in settings
             if _value_at(current, key) != _value_at(proposed, key)
         ]

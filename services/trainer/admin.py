@@ -19,6 +19,7 @@ from services.common.config import ConfigError, redacted_dump
 from services.common.live_config import parse_value
 from services.common.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.trainer.checkpoint import CheckpointCorrupt
 
 if TYPE_CHECKING:
     from services.trainer.service import Trainer
@@ -121,6 +122,8 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             step, version, abandoned = await self.trainer.call(lambda: self.trainer.rollback(step, reason="operator"))
         except LookupError as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
+        except CheckpointCorrupt as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return admin_pb2.RollbackReply(step=step, policy_version=version, abandoned_steps=abandoned)
 
     async def MarkStable(self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:

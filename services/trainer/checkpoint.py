@@ -108,6 +108,10 @@ class CheckpointCorrupt(RuntimeError):
     pass
 
 
+# What a stored copy that cannot be used raises: another copy or an older step may do.
+UNREADABLE = (CheckpointCorrupt, OSError, KeyError, ValueError)
+
+
 class CheckpointStore:
     def __init__(
         self, store: ObjectStore, run_id: str, keep_last: int, attempts: int = 4, backoff_s: float = 1.0, mirror: ObjectStore | None = None
@@ -239,7 +243,18 @@ class CheckpointStore:
         return max(stable, default=None)
 
     def load(self, step: int, store: ObjectStore | None = None) -> Checkpoint:
-        store = store or self.store
+        """Step ``step`` from ``store``; without one, from the primary store or else the mirror.
+
+        Raises CheckpointCorrupt when a part does not match its manifest, FileNotFoundError when
+        the step is not there."""
+        if store is None:
+            if self.mirror is None:
+                return self.load(step, self.store)
+            try:
+                return self.load(step, self.store)
+            except UNREADABLE as error:
+                log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=self.store.url, reason=str(error))
+                return self.load(step, self.mirror)
         prefix = self._prefix(step)
         manifest = json.loads(store.get(prefix + MANIFEST))
         parts = {}
@@ -276,7 +291,7 @@ class CheckpointStore:
             for store in listed[step]:
                 try:
                     return self.load(step, store)
-                except (CheckpointCorrupt, OSError, KeyError, ValueError) as error:
+                except UNREADABLE as error:
                     log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=store.url, reason=str(error))
         return None
 

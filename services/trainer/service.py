@@ -38,7 +38,7 @@ from services.common.telemetry import StageMetrics, TrainerMetrics, current_tele
 from services.common.weightsync import WeightSyncServer, snapshot_of
 from services.trainer.admin import AdminServicer, BearerToken
 from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
-from services.trainer.checkpoint import ABANDONED, STABLE, Checkpoint, CheckpointStore, detached_copy
+from services.trainer.checkpoint import ABANDONED, STABLE, UNREADABLE, Checkpoint, CheckpointCorrupt, CheckpointStore, detached_copy
 from services.trainer.lineage import Lineage
 from services.trainer.learner import Learner
 
@@ -234,7 +234,10 @@ class Trainer:
                 raise LookupError("no checkpoint is marked stable (rlpipe mark-stable STEP)")
         elif step not in stored:
             raise LookupError(f"no stored checkpoint at step {step} (stored: {stored})")
-        ckpt = await asyncio.to_thread(self.checkpoints.load, step)
+        try:
+            ckpt = await asyncio.to_thread(self.checkpoints.load, step)
+        except UNREADABLE as error:
+            raise CheckpointCorrupt(f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed") from error
         disowned = (ckpt.state["policy_version"] + 1, self.version)
         self.learner.load(ckpt)
         self.learner.reconfigure(self.cfg)  # the live hyperparameters stay in force
@@ -286,7 +289,11 @@ class Trainer:
     async def status(self) -> admin_pb2.Status:
         services = await self.refresh_services(max_age_s=1.0)
         lag = self.lag
-        catalog = await self.list_checkpoints()
+        store_error = ""
+        try:
+            catalog = await self.list_checkpoints()
+        except Exception as error:  # an operator needs status most while something is down
+            catalog, store_error = [], f"{type(error).__name__}: {error}"[:300]
         live_steps = [e["step"] for e in catalog if not e["abandoned"]]
         stable = [e["step"] for e in catalog if e["stable"] and not e["abandoned"]]
         return admin_pb2.Status(
@@ -323,6 +330,7 @@ class Trainer:
             in_flight_groups=len(self.in_flight),
             last_eval_accuracy=self.last_eval if self.last_eval is not None else -1.0,
             environment=self.cfg.environment or "",
+            checkpoint_store_error=store_error,
         )
 
     # -- live config and alerts -----------------------------------------------------
@@ -390,7 +398,11 @@ class Trainer:
             await self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
             return
         self.alert_rollbacks[firing.rule] = target
-        await self.rollback(target, reason=f"alert {firing.rule}")
+        try:
+            await self.rollback(target, reason=f"alert {firing.rule}")
+        except Exception as error:  # nobody awaits an alert's command: hold the run for an operator instead
+            log_event(log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, step=target, error=repr(error)[:500])
+            await self.pause(f"alert {firing.rule}: rollback to step {target} failed: {error}")
 
     # -- training ---------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ import asyncio
 import nats
 import pytest
 
-from services.common.config import ConfigError, load_config
+from services.common.config import REDACTED, ConfigError, load_config
 from services.common.live_config import LiveConfig, parse_value
 from tests.conftest import write_config
 
@@ -45,11 +45,20 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         assert service.cfg.reward.functions == {"exact_match": 1.0, "format": 0.2}
         assert service.cfg.train.learning_rate == 5e-5  # versions are cumulative
 
+        # A webhook URL (its path often holds a token) is in force but never shown in the history.
+        hook = "https://hooks.example/T0/SECRET-TOKEN"
+        third = await operator.propose({"alerts.webhook_url": hook}, author="dave")
+        assert await service.refresh() == ["alerts.webhook_url"] and service.cfg.alerts.webhook_url == hook
+        fourth = await operator.propose({"alerts": {"webhook_url": hook + "2", "enabled": True}}, author="dave")
+        assert set(await service.refresh()) == {"alerts", "alerts.webhook_url"} and service.cfg.alerts.webhook_url == hook + "2"
+
         history = await operator.history()
-        assert [(v.version, v.author) for v in history] == [(1, "alice"), (2, "carol")] and second.version == 2
+        assert [(v.version, v.author) for v in history] == [(1, "alice"), (2, "carol"), (3, "dave"), (4, "dave")] and second.version == 2
+        assert "SECRET-TOKEN" not in repr([third.changes, fourth.changes, [v.changes for v in history]])
+        assert [(c.old, c.new) for c in third.changes] == [("", REDACTED)]
         # A service started later takes every stored change, restart-only ones included.
         late = await LiveConfig(base, service_conn.jetstream()).start()
-        assert late.cfg.train.batch_size == 4 and late.version == 2
+        assert late.cfg.train.batch_size == 4 and late.version == 4
         await operator_conn.close()
         await service_conn.close()
 
