@@ -208,6 +208,8 @@ class Launcher:
                         self.record_startup(child.name, event)
                         waiting.remove(child)
                         break
+                    if event["event"] in ("resumed", "paused"):  # a trainer restores its run before it is ready
+                        console.log(f"{child.name} {event['event']}: " + _event_summary(event))
                 if child.ready is None and child.process.poll() is not None:
                     raise RuntimeError(f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}")
             if time.monotonic() > deadline:
@@ -221,18 +223,18 @@ class Launcher:
         if self.resume:
             self.forget_pause(nats_url)
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
-        self.env = {
-            **os.environ,
-            "RLPIPE_NATS__URL": nats_url,
-            "RLPIPE_SERVICE__TRAINER_GRPC_PORT": str(free_port()),
-            # A port the config names, else a free one: two local runs must not collide on the default.
-            "RLPIPE_ADMIN__PORT": str(self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set and self.cfg.admin.port else free_port()),
-            "RLPIPE_ADMIN_TOKEN": self.admin_token(),
-        }
+        self.env = {**os.environ, "RLPIPE_NATS__URL": nats_url, "RLPIPE_ADMIN_TOKEN": self.admin_token()}
         for i in range(self.cfg.reference.replicas):
             self.wait_ready([self.spawn("reference", f"reference-{i}")])
+        # The trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin
+        # port the config names; rollouts and a restarted trainer then use the ports it got.
+        admin_port = self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set else 0
+        ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
         # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
-        self.wait_ready([self.spawn("trainer", "trainer", env={"RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})])
+        trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
+        self.wait_ready([trainer])
+        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
+        self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
         workers = [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
         workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(workers)
@@ -324,6 +326,9 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 child.process.kill()
                 child.process.wait()
+        for child in self.children:
+            if child.pump_thread:
+                child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
         if self.nats and self.nats.poll() is None:
             self.nats.terminate()
             self.nats.wait(timeout=20)
@@ -378,6 +383,8 @@ def run(config_path: Path, resume: bool = False) -> int:
         console.log(f"starting afresh: removing the previous {cfg.run_dir}")
         shutil.rmtree(cfg.run_dir)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    # Until this run's services are ready, run.json must not point the CLI at the ports of the previous one.
+    (cfg.run_dir / "run.json").unlink(missing_ok=True)
     launcher = Launcher(cfg, config_path, resume)
     # SIGTERM (a supervisor, `timeout`) gets the same orderly shutdown as Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

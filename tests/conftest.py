@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from services.report import read_jsonl
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TEST_MODEL_DIR = ROOT / "build" / "test-model"
@@ -107,6 +109,18 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
 
 
 RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"run ended while waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
 
 
 def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:

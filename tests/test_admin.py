@@ -21,8 +21,7 @@ from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.weightsync import WeightSyncClient
 from services.report import read_jsonl
 from services.trainer.lineage import effective_steps
-from tests.conftest import free_port, rlpipe, running_pipeline, write_config
-from tests.test_recovery import metric_rows, wait_for
+from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 
 async def pull_weights(address: str) -> tuple[int, dict]:

@@ -11,8 +11,8 @@ import random
 import time
 
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import running_pipeline, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill, metric_rows, wait_for
+from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 
 TOTAL_STEPS = 60
 VICTIMS = ["reward-0", "rollout-0", "reference-0", "trainer", "reward-0", "reference-0", "rollout-0", "trainer"]

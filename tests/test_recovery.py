@@ -13,30 +13,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
-from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import running_pipeline, write_config
+from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 
 TOTAL_STEPS = 14
-
-
-def metric_rows(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "metrics.jsonl")
-
-
-def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"run ended while waiting for {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def kill(run_dir: Path, name: str) -> int:
@@ -84,6 +70,10 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     assert resume[0]["policy_version"] > max(versions[: len(before_kill)])  # versions keep growing across the restart
 
     assert_every_fed_prompt_accounted_once(runs, "chaos", final)
+    # While the trainer was away, rollouts generated with the weights they held instead of failing
+    # batches (each failure spends a delivery; a long outage would dead-letter healthy prompts).
+    for log in (run_dir / "logs").glob("rollout-*.log"):
+        assert '"compute_failed"' not in log.read_text(), log
 
 
 def assert_every_fed_prompt_accounted_once(runs: Path, run_id: str, final: list[dict]) -> None:

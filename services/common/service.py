@@ -34,16 +34,20 @@ async def start_grpc_server(
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, str]:
     """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names); TLS with ``credentials``."""
-    server = grpc.aio.server(interceptors=interceptors)
+    # No SO_REUSEPORT: a port another process holds must fail the bind, not be shared with it silently.
+    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     names = register(server) if register else []
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names.append(health.SERVICE_NAME)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
     where = f"{cfg.service.host}:{port}"
-    bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+    try:
+        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+    except RuntimeError as error:  # grpcio raises this where older releases returned 0
+        raise OSError(f"cannot bind gRPC port {where}: in use or not allowed") from error
     if bound == 0:
-        raise OSError(f"cannot bind gRPC port {cfg.service.host}:{port}")
+        raise OSError(f"cannot bind gRPC port {where}: in use or not allowed")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     return server, f"{cfg.service.host}:{bound}"

@@ -128,9 +128,13 @@ def assemble(chunks: list[pb.WeightChunk]) -> tuple[int, dict[str, torch.Tensor]
     return version, tensors
 
 
+# Reconnect soon after the trainer comes back (gRPC's default backoff grows to minutes).
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+
+
 class WeightSyncClient:
     def __init__(self, address: str):
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, options=RECONNECT_OPTIONS)
         self.stub = pb_grpc.WeightSyncStub(self.channel)
 
     async def version(self, timeout: float = 5.0) -> pb.PolicyVersion:

@@ -53,10 +53,17 @@ class PolicyFollower:
             delay = min(delay * 2, 10.0)
 
     async def sync(self) -> None:
+        """Load the newest version if it is not loaded yet. With the trainer away (restarting), keep the
+        loaded one: the batch is tagged with it and the trainer judges its staleness, whereas failing the
+        batch would spend its deliveries and, in a long outage, dead-letter healthy prompts."""
         if self.newest == self.loaded:
             return
         started = time.perf_counter()
-        version, tensors = await self.client.pull()
+        try:
+            version, tensors = await self.client.pull()
+        except grpc.aio.AioRpcError as error:
+            log_event(log, "weight_sync_deferred", level=logging.WARNING, code=error.code().name, loaded=self.loaded, newest=self.newest)
+            return
         await asyncio.get_running_loop().run_in_executor(self.engine_thread, self.engine.load_weights, tensors.items())
         self.loaded = version
         seconds = time.perf_counter() - started

@@ -216,10 +216,11 @@ def _strict_json(value: Any) -> Any:
 
 
 def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 5.0) -> None:
-    """POST ``payload`` as strict JSON to ``url`` from a daemon thread; failures are logged, never raised.
+    """POST ``payload`` as strict JSON to ``url`` from a background thread; failures are logged, never raised.
 
     The trainer must not stall on a slow receiver, and an alert that cannot be delivered
-    is still in the logs and the events file.
+    is still in the logs and the events file. The thread is not a daemon: an alert that
+    stops the run is still delivered (within ``timeout_s``) before the process exits.
     """
     body = json.dumps(_strict_json(payload), default=str, allow_nan=False).encode()
     # Webhook URLs often carry a secret in the path, query or user part: log only the host.
@@ -234,4 +235,4 @@ def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 5.0) -> N
         except Exception as error:  # noqa: BLE001 - any failure of delivery is only logged
             log_event(log, "alert_webhook_failed", level=logging.WARNING, url=where, error=repr(error)[:300])
 
-    threading.Thread(target=send, name="alert-webhook", daemon=True).start()
+    threading.Thread(target=send, name="alert-webhook").start()

@@ -100,6 +100,7 @@ class Trainer:
         self.learner = learner
         self.weights = weights
         self.live = live
+        self.resumed = False  # set by prepare()
         self.feeder = PromptFeeder(load_jsonl(cfg.data.train_path), cfg.train.seed, cfg.data.shuffle)
         self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
@@ -609,17 +610,21 @@ class Trainer:
         await self.run_commands()
         await self.apply_live_config(force=woken)
 
+    async def prepare(self) -> None:
+        """Restore the latest checkpoint and any operator hold, before the trainer says it is ready:
+        its first status and the first weights rollouts pull are those of the restored run."""
+        self.resumed = self.cfg.checkpoint.resume and await asyncio.to_thread(self.restore) is not None
+        if self.resumed:
+            await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
+        await self.restore_pause()
+
     async def run(self, stop: asyncio.Event) -> None:
         data = self.cfg.data
-        resumed = self.cfg.checkpoint.resume and await asyncio.to_thread(self.restore) is not None
-        if resumed:
-            await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
         self.reader = self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
         dead = await self.bus.nc.subscribe(subject(self.cfg.run_id, DEAD), cb=self.on_dead_letter)
-        if resumed:
+        if self.resumed:
             await self.release_dead_in_flight()
-        await self.restore_pause()
-        if not resumed:
+        if not self.resumed:
             self.baseline_eval = await self.evaluate()
         while self.step < self.cfg.train.total_steps and not stop.is_set() and self.state != "stopping":
             await self.between_steps()
@@ -713,6 +718,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
     trainer = Trainer(cfg, bus, learner, weights, live)
+    await trainer.prepare()
     record_run_start(cfg, trainer.build, live.version)
     admin_server, admin_address = await start_admin_server(cfg, trainer)
     trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url)
