@@ -23,7 +23,7 @@ from services.common.modeling import load_model, load_tokenizer
 from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import running_pipeline, write_config
+from tests.conftest import running_pipeline, wait_for, write_config
 
 STEP_METRICS = (
     "reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate",
@@ -77,11 +77,9 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     )
     run_dir = runs / "pipe"
     with running_pipeline(config) as process:
-        deadline = time.monotonic() + 600
-        while not any(r.get("step", 0) >= 2 and "reward_mean" in r for r in read_jsonl(run_dir / "metrics.jsonl")):
-            assert process.poll() is None, process.stdout.read()
-            assert time.monotonic() < deadline, "no training step within 10 minutes"
-            time.sleep(0.5)
+        # run.json appears once every service is ready: inject then, while all ten steps are still to come
+        # (a step takes ~0.1 s here, so waiting for one to pass could leave the trainer no reason to read on).
+        wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", process, timeout=600)
         nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
         asyncio.run(inject_bad_messages(nats_url, "pipe"))
         letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=2 * len(STAGE_INPUTS), timeout=120))

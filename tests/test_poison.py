@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import msgpack
 import nats
 import numpy as np
 
-from services.common.bus import H_REASON, H_STREAM, stream_name, subject
+from services.common.bus import stream_name, subject
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
-from tests.conftest import running_pipeline, write_config
+from services.dead_letters import list_dead_letters
+from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 EDGES = ("prompts", "rollouts", "scored", "experience")
 PER_KIND = 50  # 5 kinds x 4 edges x 50 = 1,000 messages
@@ -48,39 +48,32 @@ async def flood(nats_url: str, run_id: str) -> None:
     await nc.close()
 
 
-async def dead_letter_reasons(nats_url: str, run_id: str, expected: int, timeout: float) -> list[tuple[str, str]]:
+async def dead_letter_count(nats_url: str, run_id: str) -> int:
     nc = await nats.connect(nats_url)
-    js = nc.jetstream()
-    deadline = time.monotonic() + timeout
-    while (await js.stream_info(stream_name(run_id, "dead"))).state.messages < expected and time.monotonic() < deadline:
-        await asyncio.sleep(0.5)
-    sub = await js.subscribe(subject(run_id, "dead"), ordered_consumer=True)
-    reasons = []
-    while True:
-        try:
-            msg = await sub.next_msg(timeout=2)
-        except TimeoutError:
-            break
-        reasons.append((msg.headers[H_STREAM], msg.headers[H_REASON]))
-    await nc.close()
-    return reasons
+    try:
+        return (await nc.jetstream().stream_info(stream_name(run_id, "dead"))).state.messages
+    finally:
+        await nc.close()
 
 
 def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
+    # Long enough that the run is still training when the flood's last message is handled; it is stopped then.
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="poison",
-                          train={"total_steps": 12, "batch_size": 8, "learning_rate": 1e-5})
+                          train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5})
     run_dir = tmp_path / "runs" / "poison"
     with running_pipeline(config) as run:
-        deadline = time.monotonic() + 300
-        while not (run_dir / "metrics.jsonl").exists() or '"pg_loss"' not in (run_dir / "metrics.jsonl").read_text():
-            assert run.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
+        wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "the first step", run)
         nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
         asyncio.run(flood(nats_url, "poison"))
-        reasons = asyncio.run(dead_letter_reasons(nats_url, "poison", expected=1000, timeout=240))
-        output, _ = run.communicate(timeout=600)
+        wait_for(lambda: asyncio.run(dead_letter_count(nats_url, "poison")) >= 1000, "1,000 dead letters", run, timeout=240)
+        flooded_at = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
+        wait_for(lambda: max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r) >= flooded_at + 3, "steps after the flood", run)
+        letters = asyncio.run(list_dead_letters(nats_url, "poison", limit=10_000))
+        assert rlpipe(run_dir, "stop").returncode == 0
+        output, _ = run.communicate(timeout=300)
     assert run.returncode == 0, output[-4000:]
+    reasons = [(letter.origin_stream, letter.reason) for letter in letters]
     assert len(reasons) >= 1000
     for edge in EDGES:
         texts = [reason for stream, reason in reasons if stream == stream_name("poison", edge)]

@@ -12,6 +12,9 @@ from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import rlpipe, running_pipeline, BIN, free_port, wait_for_port, write_config
 
+# Long enough to train through the outage (a failed save retries for ~7 s), so the last save meets a live store.
+TOTAL_STEPS = 150
+
 
 def start_moto(port: int) -> subprocess.Popen:
     process = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -27,7 +30,7 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
     moto = start_moto(port)
     s3 = {"store_url": "s3://ckpt/prefix", "s3_endpoint": f"127.0.0.1:{port}", "s3_secure": False, "save_every_steps": 2, "keep_last": 20}
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="outage",
-                          train={"total_steps": 40, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=s3)
+                          train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=s3)
     metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
     with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
@@ -36,31 +39,31 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
             time.sleep(0.2)
         moto.kill()
         moto.wait()
-        while not any("checkpoint_failed" in r for r in read_jsonl(metrics)):
-            assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
-            time.sleep(0.2)
-        failed_at = max(r["step"] for r in read_jsonl(metrics) if "checkpoint_failed" in r)
         # An operator can still ask how the run is: status answers and says the store is unreadable.
         during = rlpipe(tmp_path / "runs" / "outage", "status", "--json")
         assert during.returncode == 0, during.stderr
         assert json.loads(during.stdout)["checkpoint_store_error"]
         assert "unreadable" in rlpipe(tmp_path / "runs" / "outage", "status").stdout
+        while not any("checkpoint_failed" in r for r in read_jsonl(metrics)):
+            assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
+            time.sleep(0.2)
+        failed_at = max(r["step"] for r in read_jsonl(metrics) if "checkpoint_failed" in r)
         steps_during_outage = [r["step"] for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] > failed_at]
         moto = start_moto(port)
         output, _ = run.communicate(timeout=600)
     try:
         assert run.returncode == 0, output[-4000:]
         all_rows = read_jsonl(metrics)
-        assert [r["step"] for r in all_rows if "pg_loss" in r] == list(range(1, 41))  # training never stopped
-        assert steps_during_outage or failed_at < 40
+        assert [r["step"] for r in all_rows if "pg_loss" in r] == list(range(1, TOTAL_STEPS + 1))  # training never stopped
+        assert steps_during_outage or failed_at < TOTAL_STEPS
         saved_after = [r["step"] for r in all_rows if "checkpoint_saved" in r and r["step"] > failed_at]
-        assert saved_after and saved_after[-1] == 40
+        assert saved_after and saved_after[-1] == TOTAL_STEPS
         log = (tmp_path / "runs" / "outage" / "logs" / "trainer.log").read_text()
         assert '"store_retry"' in log and '"checkpoint_failed"' in log and '"alert": true' in log
         # Only complete steps exist for loaders, and each loads with matching hashes.
         cfg = CheckpointConfig(**{k: v for k, v in s3.items() if k.startswith("s3_")})
         store = CheckpointStore(open_store(s3["store_url"], cfg), "outage", keep_last=20)
-        assert store.steps() and store.steps()[-1] == 40
+        assert store.steps() and store.steps()[-1] == TOTAL_STEPS
         for step in store.steps():
             assert store.load(step).step == step
     finally:
