@@ -167,7 +167,9 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
     # `rlpipe run --resume` continues on purpose, so it clears the hold and trains on from the last save.
     last = max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
     with running_pipeline(config, "--resume") as again:
-        wait_for(lambda: max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1, "steps after --resume", again)
+        # run.json is written anew once every service is ready (the resumed trainer may train on before that).
+        wait_for(lambda: (run_dir / "run.json").exists() and max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1,
+                 "steps after --resume", again)
         assert status(run_dir)["state"] == "running"
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = again.communicate(timeout=120)
