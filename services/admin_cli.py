@@ -36,6 +36,14 @@ _EXIT_OF = {
 }
 
 
+READ_DEADLINE_S = 10.0
+# Commands the training loop runs between steps: they wait for the step in progress, and a checkpoint
+# or rollback moves the whole model through the store. A deadline that expires first leaves the
+# command undone (the trainer skips commands whose caller has gone), never done behind the caller's back.
+LOOP_DEADLINE_S = 600.0
+RUN_BY_THE_LOOP = {"Pause", "Resume", "Stop", "Checkpoint", "Rollback", "MarkStable"}
+
+
 class Target:
     """Where and how to reach the Admin service, from the options or the newest local run."""
 
@@ -65,7 +73,8 @@ class Target:
         with channel:
             stub = admin_pb2_grpc.AdminStub(channel)
             try:
-                return getattr(stub, method)(request, timeout=self.timeout, metadata=[("authorization", f"Bearer {token}")])
+                timeout = self.timeout or (LOOP_DEADLINE_S if method in RUN_BY_THE_LOOP else READ_DEADLINE_S)
+                return getattr(stub, method)(request, timeout=timeout, metadata=[("authorization", f"Bearer {token}")])
             except grpc.RpcError as error:
                 fail(_EXIT_OF.get(error.code(), REFUSED), f"{method}: {error.code().name}: {error.details()}")
 
@@ -144,7 +153,9 @@ def register(app: typer.Typer) -> None:
         ctx: typer.Context,
         address: str = typer.Option("", help="trainer admin host:port (default: the newest local run's)"),
         token: str = typer.Option("", help="admin token (default: RLPIPE_ADMIN_TOKEN, else the run's admin.token)"),
-        timeout: float = typer.Option(10.0, help="deadline of each call, seconds"),
+        timeout: float = typer.Option(
+            0.0, help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, {LOOP_DEADLINE_S:g} for commands the training loop runs)"
+        ),
         run_dir: Path | None = typer.Option(None, help="run directory whose run.json and admin.token to use"),
         tls_ca: Path | None = typer.Option(None, help="CA certificate when the admin port speaks TLS"),
     ) -> None:

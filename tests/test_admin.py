@@ -238,7 +238,8 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
             wait_for(lambda: "entropy_rot" in status(run_dir)["paused_reason"], "the pause after a failed rollback", process, timeout=120)
-            assert f"rollback to step {target} failed" in status(run_dir)["paused_reason"]
+            reason = status(run_dir)["paused_reason"]
+            assert "rollback failed" in reason and f"checkpoint of step {target} cannot be loaded" in reason, reason
 
             # And with a stop action the run ends.
             rule = rule.replace("entropy_rot", "entropy_stop").replace("[rollback]", "[notify, stop]")

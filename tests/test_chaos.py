@@ -27,7 +27,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
         train={"total_steps": TOTAL_STEPS, "batch_size": 32, "learning_rate": 1e-4, "warmup_steps": 10, "max_inflight_batches": 2},
         data={"eval_every_steps": 0, "eval_size": 500},
         checkpoint={"save_every_steps": 5, "keep_last": 20},
-        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600},
+        nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
         rollout={"prompts_per_batch": 16},
         supervision={"backoff_s": 0.5},
     )

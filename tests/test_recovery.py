@@ -38,7 +38,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="chaos",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2, "max_staleness": 3},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
-        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600},
+        nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
         rollout={"prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )
@@ -98,7 +98,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="broker",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
-        nats={"ack_wait_s": 10, "max_deliver": 5, "duplicate_window_s": 600, "sync_always": True},
+        nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600, "sync_always": True},
         rollout={"prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )

@@ -44,10 +44,10 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
         assert during.returncode == 0, during.stderr
         assert json.loads(during.stdout)["checkpoint_store_error"]
         assert "unreadable" in rlpipe(tmp_path / "runs" / "outage", "status").stdout
-        while not any("checkpoint_failed" in r for r in read_jsonl(metrics)):
+        while not any(r.get("checkpoint_failed") for r in read_jsonl(metrics)):
             assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
             time.sleep(0.2)
-        failed_at = max(r["step"] for r in read_jsonl(metrics) if "checkpoint_failed" in r)
+        failed_at = max(r["step"] for r in read_jsonl(metrics) if r.get("checkpoint_failed"))
         steps_during_outage = [r["step"] for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] > failed_at]
         moto = start_moto(port)
         output, _ = run.communicate(timeout=600)

@@ -197,7 +197,9 @@ class Bus:
                 durable_name=durable,
                 ack_policy=api.AckPolicy.EXPLICIT,
                 ack_wait=nats_cfg.ack_wait_s,
-                max_deliver=nats_cfg.max_deliver,
+                # One delivery more than a compute may fail: a message whose earlier deliveries never came
+                # back (the service crashed or hung on it) is dead-lettered on it instead of dropped silently.
+                max_deliver=nats_cfg.max_deliver + 1,
                 max_ack_pending=nats_cfg.max_ack_pending,
             ),
         )
@@ -267,6 +269,10 @@ async def heartbeat(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[Non
             await task
 
 
+class Unsettled(Exception):
+    """A message that used up its deliveries without any of them reaching an outcome."""
+
+
 @dataclass
 class Received(Generic[In]):
     """One fetched message on its way through a stage, with the span that follows it to settlement."""
@@ -332,11 +338,15 @@ class Stage(Generic[In, Out]):
             try:
                 decoded: list[Received[In]] = []
                 for one in received:
+                    delivered = one.msg.metadata.num_delivered
                     try:
+                        if delivered > nats_cfg.max_deliver:
+                            raise Unsettled(f"delivered {delivered} times without an outcome: a {self.bus.service} crashed or hung on it")
                         one.item = self.bus.decode(one.msg, self.input_kind)
-                    except DecodeError as error:
+                    except (DecodeError, Unsettled) as error:
+                        cause = "max_deliver" if isinstance(error, Unsettled) else "undecodable"
                         with trace.use_span(one.span, end_on_exit=False):
-                            await self.bus.dead_letter(one.msg, str(error), self.consumes)
+                            await self.bus.dead_letter(one.msg, str(error), self.consumes, cause=cause)
                             await one.msg.term()
                         self._settle(one, "dead", error)
                         continue

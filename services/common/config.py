@@ -241,6 +241,15 @@ class NatsConfig(Section):
         return self
 
     @model_validator(mode="after")
+    def _heartbeat_within_ack_wait(self) -> NatsConfig:
+        if self.heartbeat_s >= self.ack_wait_s:
+            raise ValueError(
+                f"heartbeat_s ({self.heartbeat_s}) must be below ack_wait_s ({self.ack_wait_s}), "
+                "or long work is redelivered while it still runs"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _dedup_outlives_redelivery(self) -> NatsConfig:
         if self.duplicate_window_s <= self.ack_wait_s * self.max_deliver:
             raise ValueError(
@@ -284,7 +293,6 @@ class AdminConfig(Section):
     token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
     tls_key: Path | None = None
-    call_timeout_s: float = Field(10.0, gt=0, description="deadline the CLI sets on every call")
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> AdminConfig:

@@ -19,7 +19,7 @@ from services.common.config import ConfigError, redacted_dump
 from services.common.live_config import parse_value
 from services.common.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
-from services.trainer.checkpoint import CheckpointCorrupt
+from services.trainer.checkpoint import AbandonedStep, CheckpointCorrupt
 
 if TYPE_CHECKING:
     from services.trainer.service import Trainer
@@ -128,7 +128,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
 
     async def MarkStable(self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
         try:
-            entry = await self.trainer.mark_stable(request.step)
+            entry = await self.trainer.call(lambda: self.trainer.mark_stable(request.step))
         except LookupError as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
+        except AbandonedStep as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return checkpoint_info(entry)

@@ -108,6 +108,10 @@ class CheckpointCorrupt(RuntimeError):
     pass
 
 
+class AbandonedStep(ValueError):
+    pass
+
+
 # What a stored copy that cannot be used raises: another copy or an older step may do.
 UNREADABLE = (CheckpointCorrupt, OSError, KeyError, ValueError)
 
@@ -174,6 +178,8 @@ class CheckpointStore:
         self._prune(self.store)
         if self.mirror is not None:
             try:
+                if earlier:  # the mirror's copy of the earlier save (maybe marked ABANDONED) goes too
+                    self.mirror.delete_prefix(prefix)
                 for name, data in parts.items():
                     self._put(prefix + name, data, self.mirror)
                 self._prune(self.mirror)
@@ -221,8 +227,11 @@ class CheckpointStore:
 
     def mark(self, step: int, marker: str) -> None:
         """Put ``marker`` (STABLE or ABANDONED) beside the manifest of ``step``, on the mirror too when it has the step."""
-        if step not in self.steps(include_abandoned=True):
+        listing = self._listing()
+        if MANIFEST not in listing.get(step, set()):
             raise KeyError(f"no checkpoint at step {step} (stored: {self.steps()})")
+        if marker == STABLE and ABANDONED in listing[step]:
+            raise AbandonedStep(f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})")
         note = json.dumps({"time": time.time()}).encode()
         self._put(self._prefix(step) + marker, note)
         if self.mirror is not None:

@@ -153,6 +153,9 @@ class Trainer:
         self.wakeup.clear()
         while not self.commands.empty():
             command, done = self.commands.get_nowait()
+            if done.cancelled():  # the caller's deadline passed or it hung up: a retry must not find it done twice
+                log_event(log, "command_skipped", level=logging.WARNING, reason="caller gone")
+                continue
             try:
                 result = command()
                 if asyncio.iscoroutine(result):
@@ -213,6 +216,9 @@ class Trainer:
         return await asyncio.to_thread(self.checkpoints.catalog)
 
     async def mark_stable(self, step: int) -> dict[str, Any]:
+        """Run between steps (``call``): never beside a save of the same step, which rewrites its folder."""
+        if self.upload is not None and not self.upload.done():
+            await self.upload
         await asyncio.to_thread(self.checkpoints.mark, step, STABLE)
         log_event(log, "marked_stable", step=step)
         return await self._catalog_entry(step)
@@ -385,7 +391,16 @@ class Trainer:
             post_webhook(self.cfg.alerts.webhook_url, {"run_id": self.cfg.run_id, **details})
 
     async def rollback_for(self, firing: Firing) -> None:
-        """An alert's rollback: to the newest stable step, else the newest one saved before the rule's window; else pause."""
+        """An alert's rollback: to the newest stable step, else the newest one saved before the rule's window; else pause.
+
+        Nobody awaits an alert's command, so a failure holds the run for an operator instead of raising."""
+        try:
+            await self._rollback_for(firing)
+        except Exception as error:
+            log_event(log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, error=repr(error)[:500])
+            await self.pause(f"alert {firing.rule}: rollback failed: {error}")
+
+    async def _rollback_for(self, firing: Firing) -> None:
         rule = next((r for r in self.cfg.alerts.rules if r.name == firing.rule), None)
         before = (firing.step if firing.step is not None else self.step) - (rule.window_steps if rule else 1)
         target = await asyncio.to_thread(self.checkpoints.latest_stable)
@@ -399,11 +414,7 @@ class Trainer:
             await self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
             return
         self.alert_rollbacks[firing.rule] = target
-        try:
-            await self.rollback(target, reason=f"alert {firing.rule}")
-        except Exception as error:  # nobody awaits an alert's command: hold the run for an operator instead
-            log_event(log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, step=target, error=repr(error)[:500])
-            await self.pause(f"alert {firing.rule}: rollback to step {target} failed: {error}")
+        await self.rollback(target, reason=f"alert {firing.rule}")
 
     # -- training ---------------------------------------------------------------------
 
@@ -541,6 +552,8 @@ class Trainer:
                 log_event(log, "checkpoint_deferred", level=logging.WARNING, step=self.step, reason="previous upload still running")
                 return
             await self.upload
+            if self.saved_step == self.step:
+                return  # that upload was this very step: saving it again would delete it first
         self.upload = asyncio.create_task(self._upload(self.checkpoint()))
         if wait:
             await self.upload
@@ -559,7 +572,10 @@ class Trainer:
         seconds = took()
         self.telemetry.record_checkpoint(seconds, ok=True)
         self.saved_step = max(self.saved_step, ckpt.step)
-        self.metrics.write({"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_time_s": seconds})
+        # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
+        row = {"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": seconds}
+        self.metrics.write(row)
+        await self.watch(row)
         log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=seconds)
         await self.purge_consumed()
 

@@ -4,7 +4,7 @@ import asyncio
 
 import numpy as np
 
-from services.common.bus import H_CLAIM, ROLLOUTS, Bus, StreamReader
+from services.common.bus import DEAD, H_CLAIM, H_GROUP, H_REASON, ROLLOUTS, SCORED, Bus, Stage, StreamReader, stream_name
 from services.common.config import load_config
 from services.common.messages import Completion, DecodeError, Prompt, RolloutGroup, advance
 from tests.conftest import write_config
@@ -43,6 +43,41 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
             assert "does not match" in str(error)
         else:
             raise AssertionError("a tampered claim-checked body was accepted")
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model, tmp_path, nats_url):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="unsettled",
+                                   nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5}))
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "reward").connect()
+        await bus.publish(ROLLOUTS, big_group(10), msg_id="g.rollout")
+        queue = await bus.work_queue(ROLLOUTS)
+        for _ in range(cfg.nats.max_deliver):  # a reward replica takes it and dies before any outcome, twice
+            [msg] = await queue.fetch(1, timeout=5)
+            await asyncio.sleep(cfg.nats.ack_wait_s + 0.3)
+        computed = []
+
+        async def compute(groups):
+            computed.extend(groups)
+            return []
+
+        stop = asyncio.Event()
+        stage = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
+        dead = stream_name("unsettled", DEAD)
+        for _ in range(100):
+            if (await bus.js.stream_info(dead)).state.messages:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await stage
+        letter = await bus.js.get_msg(dead, seq=1)
+        assert "delivered 3 times without an outcome" in letter.headers[H_REASON] and letter.headers[H_GROUP] == "big"
+        assert computed == []  # the third delivery is not tried again: it would crash the replica once more
         await bus.close()
 
     asyncio.run(scenario())

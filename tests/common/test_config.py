@@ -87,6 +87,12 @@ def test_duplicate_window_must_outlive_redelivery(tmp_path, model_dir, data_dir)
         load_config(path)
 
 
+def test_heartbeat_must_come_before_the_ack_wait_ends(tmp_path, model_dir, data_dir):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"ack_wait_s": 10, "heartbeat_s": 10})
+    with pytest.raises(ConfigError, match=r"nats: .*heartbeat_s \(10.0\) must be below ack_wait_s"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("role", ["trainer", "rollout", "reward", "reference"])
 def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, role):
     path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"learning_rate": -1})

@@ -176,6 +176,10 @@ def test_default_rules_stay_quiet_on_a_healthy_run_and_catch_a_broken_one():
         fired += broken.observe(row, now=row["time"])
     fired += broken.observe({"step": rows[-1]["step"], "checkpoint_failed": 1}, now=rows[-1]["time"])
     assert {f.rule for f in fired} == {"nan_loss", "kl_too_high", "checkpoint_failures"}
+    # The trainer's row for the next save that lands carries checkpoint_failed 0, which ends the alert.
+    assert "checkpoint_failures" in {f.rule for f in broken.active}
+    broken.observe({"step": rows[-1]["step"], "checkpoint_saved": 1, "checkpoint_failed": 0}, now=rows[-1]["time"])
+    assert "checkpoint_failures" not in {f.rule for f in broken.active}
 
 
 def strict_loads(body: bytes):

@@ -6,7 +6,7 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, rng_state
+from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, rng_state
 
 
 def tiny_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -169,3 +169,24 @@ def test_a_missing_object_is_file_not_found_in_every_store(tmp_path, s3_env):
     for url, cfg in ((tmp_path.as_uri(), CheckpointConfig()), ("s3://rlpipe-missing/p", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))):
         with pytest.raises(FileNotFoundError):
             open_store(url, cfg).get("run/step-00000001/manifest.json")
+
+
+def test_after_a_rollback_the_new_branch_is_kept_on_the_mirror_and_abandoned_steps_cannot_be_vouched_for(tmp_path):
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text("{}")
+    primary, mirror = (open_store((tmp_path / name).as_uri(), CheckpointConfig()) for name in ("primary", "mirror"))
+    store = CheckpointStore(primary, "run-r", keep_last=5, mirror=mirror)
+
+    def save(step: int) -> None:
+        model, optimizer = tiny_state(step)
+        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+
+    for step in (1, 2, 3):
+        save(step)
+    for step in (2, 3):  # a rollback to step 1
+        store.mark(step, "ABANDONED")
+    with pytest.raises(AbandonedStep, match="step 3 was abandoned"):
+        store.mark(3, "STABLE")
+    save(2)  # the new branch's step 2 replaces the abandoned one on both stores
+    assert store.steps(primary) == store.steps(mirror) == [1, 2]
