@@ -177,6 +177,34 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
     assert "continuing a run that was held" in " ".join(output.split())
 
 
+def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
+    # reward-0 hangs (SIGSTOP): alive to its supervisor, silent to everyone else; no step can complete.
+    rules = [
+        {"name": "no_steps", "metric": "reward_mean", "condition": "absent", "window_s": 8, "severity": "critical", "actions": ["notify"]},
+        {"name": "role_down", "metric": "services_down", "condition": "above", "threshold": 0, "window_steps": 2,
+         "severity": "critical", "actions": ["notify", "pause"]},
+    ]
+    config, run_dir = start(tiny_model, tmp_path, "stall", alerts={"rules": rules, "cooldown_steps": 0})
+    with running_pipeline(config) as process:
+        wait_for(lambda: (run_dir / "run.json").exists() and sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "first steps", process)
+        assert not any(e.get("rule") == "role_down" for e in read_jsonl(run_dir / "events.jsonl"))  # roles still starting are not down
+        hung = json.loads((run_dir / "run.json").read_text())["pids"]["reward-0"]
+        os.kill(hung, signal.SIGSTOP)
+        try:
+            wait_for(lambda: status(run_dir)["state"] == "paused", "the role_down alert's pause", process, timeout=120)
+            now = status(run_dir)
+            assert {"no_steps", "role_down"} <= {a["rule"] for a in now["alerts"]}
+            assert "role_down" in now["paused_reason"]
+            assert [s["up"] for s in now["services"] if s["instance"] == "reward-0"] == [False]
+        finally:
+            os.kill(hung, signal.SIGCONT)
+        assert rlpipe(run_dir, "stop").returncode == 0
+        process.wait(timeout=120)
+        assert process.returncode == 0
+    fired = {e.get("rule") for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"}
+    assert {"no_steps", "role_down"} <= fired
+
+
 class Receiver(http.server.BaseHTTPRequestHandler):
     posts: list[dict] = []
 

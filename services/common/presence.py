@@ -123,7 +123,9 @@ async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: (e["role"], e["instance"]))
 
 
-def roles_down(entries: list[dict[str, Any]]) -> list[str]:
-    """Pipeline roles with no live replica."""
+def roles_down(entries: list[dict[str, Any]], count_unseen: bool = True) -> list[str]:
+    """Pipeline roles with no live replica; ``count_unseen=False`` leaves out roles no replica of
+    which has registered yet (still starting: images to pull, engines to load)."""
     up = {entry["role"] for entry in entries if entry["up"]}
-    return [role for role in STAGE_ROLES if role not in up]
+    seen = {entry["role"] for entry in entries}
+    return [role for role in STAGE_ROLES if role not in up and (count_unseen or role in seen)]

@@ -134,6 +134,11 @@ class AlertEvaluator:
                 firings.append(self._fire(rule, *judged, now))
         return firings
 
+    def restart_absence_clocks(self, now: float) -> None:
+        """Count absence from ``now`` (after a pause, when no metric was due)."""
+        self._created = now
+        self._last_seen = dict.fromkeys(self._last_seen, now)
+
     def check_absent(self, now: float) -> list[Firing]:
         """Fire the ``absent`` rules whose metric no row has carried for ``window_s``
         seconds (counted from the evaluator's creation for a metric never seen)."""

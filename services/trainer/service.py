@@ -43,6 +43,8 @@ from services.trainer.lineage import Lineage
 from services.trainer.learner import Learner
 
 log = logging.getLogger(__name__)
+HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
+ROLE_STARTUP_GRACE_S = 300.0  # a role may take this long to register its first replica (image pulls, engine loads)
 
 
 class PromptFeeder:
@@ -134,6 +136,8 @@ class Trainer:
         self.services: list[dict[str, Any]] = []
         self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
         self.services_read = 0.0
+        self.health_checked = 0.0
+        self.created = time.monotonic()
         self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
 
     # -- operator commands ------------------------------------------------------------
@@ -179,6 +183,7 @@ class Trainer:
         self.alert_rollbacks.clear()  # the operator has looked: rules may roll back again
         if self.state == "paused":
             self.state, self.paused_reason = "running", ""
+            self.alerts.restart_absence_clocks(time.time())  # no step was due while paused
             self.events.write("unpause", "resumed by operator", step=self.step)
             log_event(log, "unpaused", step=self.step)
             await self._remember_pause()
@@ -366,9 +371,24 @@ class Trainer:
         if not self.cfg.alerts.enabled:
             return
         now = time.time()
-        firings = self.alerts.observe(row, now) + self.alerts.check_absent(now)
+        firings = self.alerts.observe(row, now)
+        if self.state == "running":  # paused or stopping, no step is due: its metrics are not absent
+            firings += self.alerts.check_absent(now)
         for firing in firings:
             await self.act_on(firing)
+
+    async def check_health(self) -> None:
+        """Every few seconds, also while no step comes (a stalled pipeline, a pause): the services_down
+        status row and the absent-metric rules, which must not wait for a step to be judged."""
+        if time.monotonic() - self.health_checked < HEALTH_CHECK_S:
+            return
+        self.health_checked = time.monotonic()
+        services = await self.refresh_services()
+        await self.watch({"step": self.step, "services_down": float(len(self.roles_down(services)))})
+
+    def roles_down(self, services: list[dict[str, Any]]) -> list[str]:
+        """Roles without a live replica; one that has never registered counts once the start-up grace is over."""
+        return roles_down(services, count_unseen=time.monotonic() - self.created > ROLE_STARTUP_GRACE_S)
 
     async def act_on(self, firing: Firing) -> None:
         taken = []
@@ -481,6 +501,7 @@ class Trainer:
             if self.wakeup.is_set() or await self.live.refresh():
                 self.reader = self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
                 return None
+            await self.check_health()  # a batch that never completes must still raise its alerts
             await self.feed()
             msg = await self.reader.next(timeout=1.0)
             if msg is None:
@@ -567,7 +588,7 @@ class Trainer:
             self.telemetry.record_checkpoint(took(), ok=False)
             self.metrics.write(row)
             log_event(log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500])
-            await self.watch(row)
+            await self.watch({**row, "step": self.step})  # the save's own step may be behind: not a rollback to it
             return
         seconds = took()
         self.telemetry.record_checkpoint(seconds, ok=True)
@@ -575,7 +596,7 @@ class Trainer:
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         row = {"step": ckpt.step, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": seconds}
         self.metrics.write(row)
-        await self.watch(row)
+        await self.watch({**row, "step": self.step})
         log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=seconds)
         await self.purge_consumed()
 
@@ -609,7 +630,7 @@ class Trainer:
             "config_version": self.live.version,
             "dropped_stale": len(dropped),
             **metrics,
-            "services_down": float(len(roles_down(services))),
+            "services_down": float(len(self.roles_down(services))),
         }
         self.last_row = row
         self.metrics.write(row)
@@ -648,8 +669,7 @@ class Trainer:
                 try:
                     await asyncio.wait_for(self.wakeup.wait(), timeout=1.0)
                 except TimeoutError:
-                    for firing in self.alerts.check_absent(time.time()):  # absent-metric rules keep their clock while paused
-                        await self.act_on(firing)
+                    await self.check_health()
                 continue
             collected = await self.next_batch(stop)
             if collected is None:

@@ -106,6 +106,10 @@ def test_absent_counts_from_creation_then_from_the_last_row_carrying_the_metric(
     evaluator.observe({"services_down": 0}, now=1155.0)
     [firing] = evaluator.check_absent(now=1161.0)
     assert firing.step == 7 and firing.value == 61.0
+    # After a pause (no metric was due) absence counts from the resume, for metrics seen or not.
+    evaluator.restart_absence_clocks(now=2000.0)
+    assert evaluator.check_absent(now=2060.0) == []
+    assert [f.value for f in evaluator.check_absent(now=2061.0)] == [61.0]
 
 
 def test_cooldown_counts_steps_including_rows_without_a_step():
