@@ -125,8 +125,10 @@ class Bus:
             claim = decode(msg.data, ClaimCheck)
             try:
                 data = self.claims.get(claim.key)
-            except OSError as error:
-                raise DecodeError(f"claim-checked body {claim.key} is unreadable: {error}") from None
+            except FileNotFoundError as error:
+                raise DecodeError(f"claim-checked body {claim.key} is missing: {error}") from None
+            except Exception as error:  # the store's many failure types: unreachable, refused, timed out
+                raise StoreUnavailable(f"claim-checked body {claim.key} could not be read: {error!r}"[:500]) from error
             if len(data) != claim.size or hashlib.sha256(data).hexdigest() != claim.sha256:
                 raise DecodeError(f"claim-checked body {claim.key} does not match its size and hash")
             return decode(data, kind)
@@ -269,6 +271,10 @@ async def heartbeat(msgs: Sequence[Msg], interval_s: float) -> AsyncIterator[Non
             await task
 
 
+class StoreUnavailable(Exception):
+    """The object store holding a claim-checked body did not answer: the message is fine, try it again later."""
+
+
 class Unsettled(Exception):
     """A message that used up its deliveries without any of them reaching an outcome."""
 
@@ -349,6 +355,11 @@ class Stage(Generic[In, Out]):
                             await self.bus.dead_letter(one.msg, str(error), self.consumes, cause=cause)
                             await one.msg.term()
                         self._settle(one, "dead", error)
+                        continue
+                    except StoreUnavailable as error:
+                        log_event(log, "claim_unavailable", level=logging.WARNING, error=str(error))
+                        await one.msg.nak(delay=5.0)
+                        self._settle(one, "retry", error)
                         continue
                     one.span.set_attribute("rlpipe.group_id", one.item.group_id)
                     decoded.append(one)

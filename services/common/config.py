@@ -40,6 +40,8 @@ LIVE_FIELDS = (
     "checkpoint.keep_last",
     "data.eval_every_steps",
 )
+# Fields that say which run and broker a service belongs to: set where it is deployed, never through the admin.
+DEPLOY_TIME_FIELDS = ("run_id", "nats.url")
 
 
 class Section(BaseModel):

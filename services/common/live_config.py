@@ -21,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import nats
 import yaml
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
-from services.common.config import ConfigError, RunConfig, apply_overrides, is_live, redact
+from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -161,6 +162,10 @@ class LiveConfig:
 
         Raises ConfigError naming the field and reason; nothing is stored then.
         """
+        fixed = [key for key in settings if any(key == name or name.startswith(key + ".") for name in DEPLOY_TIME_FIELDS)]
+        if fixed:
+            raise ConfigError(f"invalid configuration:\n  {fixed[0]}: names the run and its broker; set it where the services are deployed "
+                              "(config file or RLPIPE_* environment), not on a running run")
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
         proposed = apply_overrides(self.base, latest.overrides | settings)
@@ -202,3 +207,12 @@ class LiveConfig:
         except KeyNotFoundError:
             return []
         return [ConfigVersion.decode(entry.value) for entry in entries if entry.value]
+
+
+async def stored_config(cfg: RunConfig) -> RunConfig:
+    """``cfg`` with every change stored through the admin, restart-only ones included: what a starting service runs with."""
+    nc = await nats.connect(cfg.nats.url, connect_timeout=5)
+    try:
+        return (await LiveConfig(cfg, nc.jetstream()).start()).cfg
+    finally:
+        await nc.close()

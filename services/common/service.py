@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.bus import Bus, Stage
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.live_config import LiveConfig
+from services.common.live_config import LiveConfig, stored_config
 from services.common.logs import bind_log_fields, log_event, setup_logging
 from services.common.presence import Presence, instance_name
 from services.common.telemetry import current_telemetry, start_telemetry
@@ -106,7 +106,8 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await service_main(cfg, stop)
+        # Restart-only changes stored through the admin take effect now, for every role alike.
+        await service_main(await stored_config(cfg), stop)
 
     try:
         asyncio.run(serve())

@@ -22,7 +22,7 @@ import yaml
 import numpy as np
 from nats.errors import Error as NatsError
 
-from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, WORK_QUEUES, Bus, StreamReader, stream_name, subject
+from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, WORK_QUEUES, Bus, StoreUnavailable, StreamReader, stream_name, subject
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
@@ -513,6 +513,11 @@ class Trainer:
                 except DecodeError as error:
                     await self.bus.dead_letter(msg, str(error), EXPERIENCE)
                     continue
+                except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
+                    log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))
+                    await asyncio.sleep(2.0)
+                    self.reader = self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
+                    return None
                 if (claim := self.bus.claim_key(msg)) is not None:
                     self.claim_keys.append((msg.sequence, claim))
                 self.in_flight.discard(group.group_id)
@@ -743,7 +748,6 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
     live = await LiveConfig(cfg, bus.js).start()
-    cfg = live.cfg  # restart-only changes made through the admin take effect now
     learner = await asyncio.to_thread(Learner, cfg)
     model_s = started()
     weights = WeightSyncServer(snapshot_of(learner.model, version=0, step=0))

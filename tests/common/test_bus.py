@@ -3,11 +3,12 @@
 import asyncio
 
 import numpy as np
+import pytest
 
-from services.common.bus import DEAD, H_CLAIM, H_GROUP, H_REASON, ROLLOUTS, SCORED, Bus, Stage, StreamReader, stream_name
+from services.common.bus import DEAD, H_CLAIM, H_GROUP, H_REASON, ROLLOUTS, SCORED, Bus, Stage, StoreUnavailable, StreamMessage, StreamReader, stream_name
 from services.common.config import load_config
-from services.common.messages import Completion, DecodeError, Prompt, RolloutGroup, advance
-from tests.conftest import write_config
+from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, encode
+from tests.conftest import free_port, write_config
 
 
 def big_group(tokens: int) -> RolloutGroup:
@@ -81,3 +82,18 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_delay(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    model_dir, data_dir = tiny_model
+    claim = StreamMessage(1, encode(ClaimCheck(key="run/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"})
+    on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
+    with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back
+        Bus(on_disk, "reward").decode(claim, RolloutGroup)
+    # An S3 endpoint nobody answers on: the message stays (nak, re-read) until the store is back.
+    unreachable = load_config(write_config(tmp_path / "b.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint={
+        "store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False}))
+    with pytest.raises(StoreUnavailable, match="could not be read"):
+        Bus(unreachable, "reward").decode(claim, RolloutGroup)

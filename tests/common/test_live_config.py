@@ -6,7 +6,7 @@ import nats
 import pytest
 
 from services.common.config import REDACTED, ConfigError, load_config
-from services.common.live_config import LiveConfig, parse_value
+from services.common.live_config import LiveConfig, parse_value, stored_config
 from tests.conftest import write_config
 
 
@@ -59,6 +59,12 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         # A service started later takes every stored change, restart-only ones included.
         late = await LiveConfig(base, service_conn.jetstream()).start()
         assert late.cfg.train.batch_size == 4 and late.version == 4
+        # That is the config every service process starts with (run_service passes it to its main).
+        assert (await stored_config(base)).train.batch_size == 4
+        # Which run and broker a service belongs to is not the admin's to change.
+        for key, value in (("nats.url", "nats://elsewhere:4222"), ("nats", {"url": "nats://elsewhere:4222"}), ("run_id", "other")):
+            with pytest.raises(ConfigError, match=rf"{key}: names the run and its broker"):
+                await operator.propose({key: value}, author="eve")
         await operator_conn.close()
         await service_conn.close()
 
