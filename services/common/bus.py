@@ -156,9 +156,12 @@ class Bus:
             headers[H_GROUP] = group_id
         data = encode(message)
         if len(data) > self.cfg.nats.claim_check_bytes:
-            key = f"{self.run_id}/claims/{edge}/{msg_id}"
+            sha256 = hashlib.sha256(data).hexdigest()
+            # Keyed by content too: a redelivered compute's body (a new sample) must not overwrite the body of
+            # the message the stream kept, whose repeat the duplicate window drops.
+            key = f"{self.run_id}/claims/{edge}/{msg_id}-{sha256[:16]}"
             await asyncio.to_thread(self.claims.put, key, data)
-            data = encode(ClaimCheck(key=key, size=len(data), sha256=hashlib.sha256(data).hexdigest()))
+            data = encode(ClaimCheck(key=key, size=len(data), sha256=sha256))
             headers[H_CLAIM] = "1"
         return await self.js.publish(subject(self.run_id, edge), data, headers=headers, timeout=10)
 

@@ -7,7 +7,7 @@ import pytest
 
 from services.common.bus import DEAD, H_CLAIM, H_GROUP, H_REASON, ROLLOUTS, SCORED, Bus, Stage, StoreUnavailable, StreamMessage, StreamReader, stream_name
 from services.common.config import load_config
-from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, encode
+from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, decode, encode
 from tests.conftest import free_port, write_config
 
 
@@ -35,8 +35,14 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
         np.testing.assert_array_equal(back.completions[0].token_ids, group.completions[0].token_ids)
         assert back.policy_version == 3
 
+        # A redelivered compute publishes a new sample under the same id: the stream drops the repeat,
+        # and the body of the message it kept stays intact.
+        ack = await bus.publish(ROLLOUTS, big_group(5001), msg_id="big.rollout")
+        assert ack.duplicate
+        np.testing.assert_array_equal(bus.decode(claimed, RolloutGroup).completions[0].token_ids, group.completions[0].token_ids)
+
         # A body that no longer matches its claim is refused (and so would be dead-lettered).
-        [key] = [k for k in bus.claims.list("claims/claims/")]
+        key = decode(claimed.data, ClaimCheck).key
         bus.claims.put(key, b"tampered")
         try:
             bus.decode(claimed, RolloutGroup)
