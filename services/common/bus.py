@@ -116,7 +116,7 @@ class Bus:
                 # Exists with other settings (e.g. a changed duplicate window): bring it up to date.
                 await self.js.update_stream(config)
 
-    def decode(self, msg: Msg | StreamMessage, kind: type[In]) -> In:
+    async def decode(self, msg: Msg | StreamMessage, kind: type[In]) -> In:
         """Validate a received message as ``kind`` (fetching a claim-checked body); DecodeError says why it is unusable."""
         limit = self.cfg.nats.max_message_bytes
         if len(msg.data) > limit:
@@ -124,7 +124,8 @@ class Bus:
         if msg.headers and msg.headers.get(H_CLAIM):
             claim = decode(msg.data, ClaimCheck)
             try:
-                data = self.claims.get(claim.key)
+                # Off the event loop: a slow store must not stall acks, heartbeats and admin calls.
+                data = await asyncio.to_thread(lambda: self.claims.get(claim.key))
             except FileNotFoundError as error:
                 raise DecodeError(f"claim-checked body {claim.key} is missing: {error}") from None
             except Exception as error:  # the store's many failure types: unreachable, refused, timed out
@@ -351,7 +352,7 @@ class Stage(Generic[In, Out]):
                     try:
                         if delivered > nats_cfg.max_deliver:
                             raise Unsettled(f"delivered {delivered} times without an outcome: a {self.bus.service} crashed or hung on it")
-                        one.item = self.bus.decode(one.msg, self.input_kind)
+                        one.item = await self.bus.decode(one.msg, self.input_kind)
                     except (DecodeError, Unsettled) as error:
                         cause = "max_deliver" if isinstance(error, Unsettled) else "undecodable"
                         with trace.use_span(one.span, end_on_exit=False):

@@ -509,7 +509,7 @@ class Trainer:
             with span_from_headers("trainer.experience", msg.headers, group_id=(msg.headers or {}).get(H_GROUP), seq=msg.sequence):
                 sequence = msg.sequence
                 try:
-                    group = self.bus.decode(msg, ExperienceGroup)
+                    group = await self.bus.decode(msg, ExperienceGroup)
                 except DecodeError as error:
                     await self.bus.dead_letter(msg, str(error), EXPERIENCE)
                     continue

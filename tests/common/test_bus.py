@@ -31,7 +31,7 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
         claimed, small = await reader.next(5), await reader.next(5)
         assert claimed.headers[H_CLAIM] == "1" and len(claimed.data) < 1024
         assert H_CLAIM not in (small.headers or {})
-        back = bus.decode(claimed, RolloutGroup)
+        back = await bus.decode(claimed, RolloutGroup)
         np.testing.assert_array_equal(back.completions[0].token_ids, group.completions[0].token_ids)
         assert back.policy_version == 3
 
@@ -39,13 +39,13 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
         # and the body of the message it kept stays intact.
         ack = await bus.publish(ROLLOUTS, big_group(5001), msg_id="big.rollout")
         assert ack.duplicate
-        np.testing.assert_array_equal(bus.decode(claimed, RolloutGroup).completions[0].token_ids, group.completions[0].token_ids)
+        np.testing.assert_array_equal((await bus.decode(claimed, RolloutGroup)).completions[0].token_ids, group.completions[0].token_ids)
 
         # A body that no longer matches its claim is refused (and so would be dead-lettered).
         key = decode(claimed.data, ClaimCheck).key
         bus.claims.put(key, b"tampered")
         try:
-            bus.decode(claimed, RolloutGroup)
+            await bus.decode(claimed, RolloutGroup)
         except DecodeError as error:
             assert "does not match" in str(error)
         else:
@@ -97,9 +97,9 @@ def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_de
     claim = StreamMessage(1, encode(ClaimCheck(key="run/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"})
     on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
     with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back
-        Bus(on_disk, "reward").decode(claim, RolloutGroup)
+        asyncio.run(Bus(on_disk, "reward").decode(claim, RolloutGroup))
     # An S3 endpoint nobody answers on: the message stays (nak, re-read) until the store is back.
     unreachable = load_config(write_config(tmp_path / "b.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint={
         "store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False}))
     with pytest.raises(StoreUnavailable, match="could not be read"):
-        Bus(unreachable, "reward").decode(claim, RolloutGroup)
+        asyncio.run(Bus(unreachable, "reward").decode(claim, RolloutGroup))
