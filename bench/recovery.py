@@ -36,9 +36,11 @@ def steps(run_dir: Path) -> list[dict]:
     return [r for r in rows(run_dir, "metrics.jsonl") if "reward_mean" in r]
 
 
-def wait(condition, what: str, timeout: float = 300) -> None:
+def wait(condition, what: str, launcher: subprocess.Popen, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
+        if launcher.poll() is not None:
+            raise RuntimeError(f"rlpipe run exited with {launcher.returncode} while waiting for {what}")
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.05)
@@ -65,25 +67,25 @@ def main() -> None:
             "sampling": {"group_size": 4, "max_new_tokens": 6},
             "train": {"total_steps": 2000, "batch_size": 8, "learning_rate": 1e-5, "max_seq_len": 32},
             "checkpoint": {"save_every_steps": 5, "keep_last": 3},
-            "nats": {"ack_wait_s": args.ack_wait, "max_deliver": 5, "duplicate_window_s": 600},
+            "nats": {"ack_wait_s": args.ack_wait, "heartbeat_s": args.ack_wait / 3, "max_deliver": 5, "duplicate_window_s": 600},
             "rollout": {"prompts_per_batch": 8},
             "supervision": {"backoff_s": 0.1},
         }))
         run_dir = runs / "recovery"
         launcher = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            wait(lambda: len(steps(run_dir)) >= 12, "first steps")
+            wait(lambda: len(steps(run_dir)) >= 12, "first steps", launcher)
             step_time = statistics.median(b["time"] - a["time"] for a, b in zip(steps(run_dir)[-10:], steps(run_dir)[-9:]))
 
             killed = kill(run_dir, "trainer")
-            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the trainer kill")
+            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the trainer kill", launcher)
             trainer_back = next(r["time"] for r in steps(run_dir) if r["time"] > killed) - killed
 
-            wait(lambda: len([r for r in steps(run_dir) if r["time"] > killed]) >= 5, "steady steps")
+            wait(lambda: len([r for r in steps(run_dir) if r["time"] > killed]) >= 5, "steady steps", launcher)
             killed = kill(run_dir, "rollout-0")
-            wait(lambda: any(e.get("event") == "ready" and e["ts"] > killed for e in rows(run_dir / "logs", "rollout-0.log") if "ts" in e), "rollout ready")
+            wait(lambda: any(e.get("event") == "ready" and e["ts"] > killed for e in rows(run_dir / "logs", "rollout-0.log") if "ts" in e), "rollout ready", launcher)
             rollout_ready = next(e["ts"] for e in rows(run_dir / "logs", "rollout-0.log") if e.get("event") == "ready" and e["ts"] > killed) - killed
-            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the rollout kill")
+            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the rollout kill", launcher)
             rollout_step = next(r["time"] for r in steps(run_dir) if r["time"] > killed) - killed
         finally:
             launcher.send_signal(signal.SIGTERM)

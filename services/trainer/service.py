@@ -768,6 +768,10 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     )
     try:
         await trainer.run(stop)
+        if trainer.saved_step < trainer.step:
+            # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
+            log_event(log, "ended_unsaved", level=logging.ERROR, alert=True, step=trainer.step, saved_step=trainer.saved_step)
+            raise SystemExit(1)
     finally:
         await trainer.presence.stop()
         await admin_server.stop(grace=1)
