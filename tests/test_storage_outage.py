@@ -10,7 +10,7 @@ from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import rlpipe, running_pipeline, BIN, free_port, wait_for_port, write_config
+from tests.conftest import BIN, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
 
 # Long enough to train through the outage (a failed save retries for ~7 s), so the last save meets a live store.
 TOTAL_STEPS = 150
@@ -68,3 +68,27 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, monkey
             assert store.load(step).step == step
     finally:
         moto.kill()
+
+
+def test_a_run_that_ends_with_its_last_steps_unsaved_does_not_exit_clean(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    model_dir, data_dir = tiny_model
+    port = free_port()
+    moto = start_moto(port)
+    s3 = {"store_url": "s3://ckpt/prefix", "s3_endpoint": f"127.0.0.1:{port}", "s3_secure": False, "save_every_steps": 1000}
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="unsaved",
+                          train={"total_steps": 8, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=s3)
+    run_dir = tmp_path / "runs" / "unsaved"
+    try:
+        with running_pipeline(config) as run:
+            wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", run)  # the start-up checks wrote to the store
+            moto.kill()
+            moto.wait()
+            output, _ = run.communicate(timeout=600)
+    finally:
+        moto.kill()
+    # The final save failed: the trainer says so and exits 1, and so does `rlpipe run`.
+    assert run.returncode == 1, output[-3000:]
+    assert "services failed" in output and "trainer" in output.split("services failed")[-1]
+    assert '"ended_unsaved"' in (run_dir / "logs" / "trainer.log").read_text()
