@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, NoKeysError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import BuildInfo, RunConfig
 from services.common.live_config import LiveConfig
@@ -105,10 +105,11 @@ class Presence:
 async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
     """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out."""
     kv = await open_bucket(js, cfg)
-    try:
-        keys = await kv.keys()
-    except NoKeysError:
-        return []
+    # The keys from the stream's subject index: kv.keys() goes through a watcher that can report
+    # no keys while there are some (nats.py#842), which would make every service look gone.
+    prefix = f"$KV.{bucket_name(cfg.run_id)}."
+    info = await js.stream_info(f"KV_{bucket_name(cfg.run_id)}", subjects_filter=f"{prefix}>")
+    keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
     now = time.time()
     entries = []
     for key in keys:
