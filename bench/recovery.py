@@ -60,22 +60,39 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         runs = Path(tmp) / "runs"
         config = Path(tmp) / "c.yaml"
-        config.write_text(yaml.safe_dump({
-            "run_id": "recovery", "runs_dir": str(runs),
-            "model": {"path": str(args.model)},
-            "data": {"train_path": str(args.data / "train.jsonl"), "eval_every_steps": 0},
-            "sampling": {"group_size": 4, "max_new_tokens": 6},
-            "train": {"total_steps": 2000, "batch_size": 8, "learning_rate": 1e-5, "max_seq_len": 32},
-            "checkpoint": {"save_every_steps": 5, "keep_last": 3},
-            "nats": {"ack_wait_s": args.ack_wait, "heartbeat_s": args.ack_wait / 3, "max_deliver": 5, "duplicate_window_s": 600},
-            "rollout": {"prompts_per_batch": 8},
-            "supervision": {"backoff_s": 0.1},
-        }))
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "run_id": "recovery",
+                    "runs_dir": str(runs),
+                    "model": {"path": str(args.model)},
+                    "data": {"train_path": str(args.data / "train.jsonl"), "eval_every_steps": 0},
+                    "sampling": {"group_size": 4, "max_new_tokens": 6},
+                    "train": {"total_steps": 2000, "batch_size": 8, "learning_rate": 1e-5, "max_seq_len": 32},
+                    "checkpoint": {"save_every_steps": 5, "keep_last": 3},
+                    "nats": {
+                        "ack_wait_s": args.ack_wait,
+                        "heartbeat_s": args.ack_wait / 3,
+                        "max_deliver": 5,
+                        "duplicate_window_s": 600,
+                    },
+                    "rollout": {"prompts_per_batch": 8},
+                    "supervision": {"backoff_s": 0.1},
+                }
+            )
+        )
         run_dir = runs / "recovery"
-        launcher = subprocess.Popen([sys.executable, "-m", "services.cli", "run", str(config)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "run", str(config)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         try:
             wait(lambda: len(steps(run_dir)) >= 12, "first steps", launcher)
-            step_time = statistics.median(b["time"] - a["time"] for a, b in zip(steps(run_dir)[-10:], steps(run_dir)[-9:]))
+            step_time = statistics.median(
+                b["time"] - a["time"] for a, b in zip(steps(run_dir)[-10:], steps(run_dir)[-9:], strict=False)
+            )
 
             killed = kill(run_dir, "trainer")
             wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the trainer kill", launcher)
@@ -83,15 +100,32 @@ def main() -> None:
 
             wait(lambda: len([r for r in steps(run_dir) if r["time"] > killed]) >= 5, "steady steps", launcher)
             killed = kill(run_dir, "rollout-0")
-            wait(lambda: any(e.get("event") == "ready" and e["ts"] > killed for e in rows(run_dir / "logs", "rollout-0.log") if "ts" in e), "rollout ready", launcher)
-            rollout_ready = next(e["ts"] for e in rows(run_dir / "logs", "rollout-0.log") if e.get("event") == "ready" and e["ts"] > killed) - killed
+            wait(
+                lambda: any(
+                    e.get("event") == "ready" and e["ts"] > killed
+                    for e in rows(run_dir / "logs", "rollout-0.log")
+                    if "ts" in e
+                ),
+                "rollout ready",
+                launcher,
+            )
+            rollout_ready = (
+                next(
+                    e["ts"]
+                    for e in rows(run_dir / "logs", "rollout-0.log")
+                    if e.get("event") == "ready" and e["ts"] > killed
+                )
+                - killed
+            )
             wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the rollout kill", launcher)
             rollout_step = next(r["time"] for r in steps(run_dir) if r["time"] > killed) - killed
         finally:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=120)
     print(f"median step time:                       {step_time:6.2f} s")
-    print(f"trainer SIGKILL -> next applied step:    {trainer_back:6.2f} s  ({trainer_back / step_time:.0f} step times)")
+    print(
+        f"trainer SIGKILL -> next applied step:    {trainer_back:6.2f} s  ({trainer_back / step_time:.0f} step times)"
+    )
     print(f"rollout SIGKILL -> replacement ready:    {rollout_ready:6.2f} s")
     print(f"rollout SIGKILL -> next applied step:    {rollout_step:6.2f} s")
     print(f"prompts it held: redelivered after nats.ack_wait_s = {args.ack_wait:.0f} s")

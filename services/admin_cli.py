@@ -69,7 +69,11 @@ class Target:
     def call(self, method: str, request: Any) -> Any:
         address = self.given_address or self._recorded("admin")
         token = self.given_token or AdminCredentials().token or self._token_file()
-        channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca.read_bytes())) if self.tls_ca else grpc.insecure_channel(address)
+        channel = (
+            grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca.read_bytes()))
+            if self.tls_ca
+            else grpc.insecure_channel(address)
+        )
         with channel:
             stub = admin_pb2_grpc.AdminStub(channel)
             try:
@@ -117,8 +121,22 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         ("step", f"{status.step} / {status.total_steps}"),
         ("policy version", str(status.policy_version)),
         ("config version", str(status.config_version)),
-        ("last checkpoint", unreadable if status.checkpoint_store_error else str(status.last_checkpoint_step) if status.last_checkpoint_step >= 0 else "none"),
-        ("last stable", unreadable if status.checkpoint_store_error else str(status.last_stable_step) if status.last_stable_step >= 0 else "none"),
+        (
+            "last checkpoint",
+            unreadable
+            if status.checkpoint_store_error
+            else str(status.last_checkpoint_step)
+            if status.last_checkpoint_step >= 0
+            else "none",
+        ),
+        (
+            "last stable",
+            unreadable
+            if status.checkpoint_store_error
+            else str(status.last_stable_step)
+            if status.last_stable_step >= 0
+            else "none",
+        ),
         ("eval accuracy", f"{status.last_eval_accuracy:.3f}" if status.last_eval_accuracy >= 0 else "-"),
         ("groups in flight", str(status.in_flight_groups)),
         ("build", f"{status.build_version} ({status.build_revision})"),
@@ -131,9 +149,16 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         services.add_column(column)
     for s in status.services:
         services.add_row(
-            s.instance, s.role, "[green]up[/]" if s.up else "[red]down[/]", str(s.restarts), str(s.consumer_lag),
+            s.instance,
+            s.role,
+            "[green]up[/]" if s.up else "[red]down[/]",
+            str(s.restarts),
+            str(s.consumer_lag),
             str(s.policy_version) if s.role in ("trainer", "rollout") else "-",  # the others hold no policy
-            str(s.config_version), s.grpc_address, s.metrics_url, f"{s.last_seen_s:.0f}s ago",
+            str(s.config_version),
+            s.grpc_address,
+            s.metrics_url,
+            f"{s.last_seen_s:.0f}s ago",
         )
     console.print(services)
     if status.alerts:
@@ -141,7 +166,16 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         for column in ("rule", "severity", "metric", "value", "threshold", "window", "step", "actions"):
             alerts.add_column(column)
         for a in status.alerts:
-            alerts.add_row(a.rule, a.severity, a.metric, f"{a.value:.4g}", f"{a.threshold:.4g}", a.window, str(a.step), ",".join(a.actions))
+            alerts.add_row(
+                a.rule,
+                a.severity,
+                a.metric,
+                f"{a.value:.4g}",
+                f"{a.threshold:.4g}",
+                a.window,
+                str(a.step),
+                ",".join(a.actions),
+            )
         console.print(alerts)
 
 
@@ -154,7 +188,8 @@ def register(app: typer.Typer) -> None:
         address: str = typer.Option("", help="trainer admin host:port (default: the newest local run's)"),
         token: str = typer.Option("", help="admin token (default: RLPIPE_ADMIN_TOKEN, else the run's admin.token)"),
         timeout: float = typer.Option(
-            0.0, help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, {LOOP_DEADLINE_S:g} for commands the training loop runs)"
+            0.0,
+            help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, {LOOP_DEADLINE_S:g} for commands the training loop runs)",
         ),
         run_dir: Path | None = typer.Option(None, help="run directory whose run.json and admin.token to use"),
         tls_ca: Path | None = typer.Option(None, help="CA certificate when the admin port speaks TLS"),
@@ -204,7 +239,15 @@ def register(app: typer.Typer) -> None:
             table.add_column(column)
         for c in listing.checkpoints:
             saved = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(c.created))
-            table.add_row(str(c.step), str(c.policy_version), saved, f"{c.bytes / 2**20:.1f}", "yes" if c.stable else "", "yes" if c.abandoned else "", c.location)
+            table.add_row(
+                str(c.step),
+                str(c.policy_version),
+                saved,
+                f"{c.bytes / 2**20:.1f}",
+                "yes" if c.stable else "",
+                "yes" if c.abandoned else "",
+                c.location,
+            )
         console.print(table)
 
     @app.command()
@@ -218,7 +261,9 @@ def register(app: typer.Typer) -> None:
             fail(USAGE, "give either STEP or --stable")
         request = admin_pb2.RollbackRequest(stable=True) if stable else admin_pb2.RollbackRequest(step=step)
         reply = target(ctx).call("Rollback", request)
-        console.print(f"rolled back to step {reply.step} as policy version {reply.policy_version}; abandoned steps: {list(reply.abandoned_steps)}")
+        console.print(
+            f"rolled back to step {reply.step} as policy version {reply.policy_version}; abandoned steps: {list(reply.abandoned_steps)}"
+        )
 
     @app.command("mark-stable")
     def mark_stable(ctx: typer.Context, step: int = typer.Argument(..., help="checkpoint step")) -> None:
@@ -251,7 +296,10 @@ def register(app: typer.Typer) -> None:
             if not sep or not key:
                 fail(USAGE, f"{item!r} is not KEY=VALUE")
             pairs.append(admin_pb2.Setting(key=key.strip(), value=value))
-        reply = target(ctx).call("UpdateConfig", admin_pb2.UpdateConfigRequest(settings=pairs, author=author or getpass.getuser(), dry_run=dry_run))
+        reply = target(ctx).call(
+            "UpdateConfig",
+            admin_pb2.UpdateConfigRequest(settings=pairs, author=author or getpass.getuser(), dry_run=dry_run),
+        )
         verb = "would be" if dry_run else "is now"
         console.print(f"config version {reply.version} {verb} in force" if reply.changes else "nothing changed")
         for change in reply.changes:
@@ -268,7 +316,9 @@ def register(app: typer.Typer) -> None:
         for column in ("version", "time", "author", "changes"):
             table.add_column(column)
         for v in history.versions:
-            changes = "; ".join(f"{c.key}: {c.old_value} -> {c.new_value}{'' if c.live else ' (restart)'}" for c in v.changes)
+            changes = "; ".join(
+                f"{c.key}: {c.old_value} -> {c.new_value}{'' if c.live else ' (restart)'}" for c in v.changes
+            )
             table.add_row(str(v.version), time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(v.time)), v.author, changes)
         console.print(table)
 
@@ -276,7 +326,10 @@ def register(app: typer.Typer) -> None:
     def metrics(
         ctx: typer.Context,
         follow: bool = typer.Option(False, "--follow", "-f", help="keep printing new rows"),
-        keys: str = typer.Option("step,config_version,reward_mean,entropy,kl_ref,response_length_mean,termination_rate,learning_rate", help="comma-separated columns"),
+        keys: str = typer.Option(
+            "step,config_version,reward_mean,entropy,kl_ref,response_length_mean,termination_rate,learning_rate",
+            help="comma-separated columns",
+        ),
     ) -> None:
         """Print the run's metric rows (runs/<run>/metrics.jsonl) as they arrive."""
         run_dir = _run_dir(ctx)

@@ -15,7 +15,9 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: faul
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="run config YAML"),
-    resume: bool = typer.Option(False, "--resume", help="continue runs/<run id> from its streams and latest checkpoint"),
+    resume: bool = typer.Option(
+        False, "--resume", help="continue runs/<run id> from its streams and latest checkpoint"
+    ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.launcher import run as launch
@@ -86,15 +88,21 @@ def dead_letters(
     for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason"):
         table.add_column(column)
     for d in letters:
-        table.add_row(str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason)
+        table.add_row(
+            str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason
+        )
     Console().print(table)
 
 
 @app.command()
 def doctor(
-    config: Path = typer.Option(Path("examples/arith-grpo.yaml"), "--config", help="run config YAML (default: the one `make demo` runs)"),
+    config: Path = typer.Option(
+        Path("examples/arith-grpo.yaml"), "--config", help="run config YAML (default: the one `make demo` runs)"
+    ),
     embedded: bool = typer.Option(
-        False, "--embedded", help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url"
+        False,
+        "--embedded",
+        help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url",
     ),
 ) -> None:
     """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk; exit 1 naming each failure."""

@@ -31,7 +31,9 @@ async def list_dead_letters(nats_url: str, run_id: str, limit: int = 1000) -> li
         sequence = 1
         while len(letters) < limit:
             try:
-                raw = await js.get_msg(stream_name(run_id, "dead"), seq=sequence, subject=subject(run_id, "dead"), next=True)
+                raw = await js.get_msg(
+                    stream_name(run_id, "dead"), seq=sequence, subject=subject(run_id, "dead"), next=True
+                )
             except NotFoundError:
                 break
             headers = raw.headers or {}
@@ -66,7 +68,9 @@ async def reinject(nats_url: str, run_id: str, sequence: int, payload: bytes | N
         for carried in (H_GROUP,) if payload is not None else (H_GROUP, H_CLAIM):
             if raw.headers and carried in raw.headers:
                 headers[carried] = raw.headers[carried]
-        await js.publish(subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers)
+        await js.publish(
+            subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers
+        )
         await js.delete_msg(stream_name(run_id, "dead"), sequence)
         return origin
     finally:

@@ -122,7 +122,9 @@ def check_python() -> CheckResult:
     try:
         required = importlib.metadata.metadata("rlpipe").get("Requires-Python") or ""
     except importlib.metadata.PackageNotFoundError:
-        return CheckResult("python", "warn", f"{version}; the rlpipe package is not installed, so its Requires-Python is unknown")
+        return CheckResult(
+            "python", "warn", f"{version}; the rlpipe package is not installed, so its Requires-Python is unknown"
+        )
     if required and not SpecifierSet(required).contains(version):
         return CheckResult("python", "fail", f"{version} ({sys.executable}) but rlpipe requires {required}")
     return CheckResult("python", "ok", f"{version} ({sys.executable}), rlpipe requires {required or 'any'}")
@@ -134,7 +136,9 @@ def check_packages(lock: Path = LOCK_FILE) -> CheckResult:
     from packaging.version import InvalidVersion, Version
 
     if not lock.is_file():
-        return CheckResult("packages", "skip", f"no {lock.name} beside the code (an installed image): nothing to compare")
+        return CheckResult(
+            "packages", "skip", f"no {lock.name} beside the code (an installed image): nothing to compare"
+        )
     mismatched, missing, unreadable, pinned = [], [], [], 0
     for number, line in enumerate(lock.read_text().splitlines(), start=1):
         line = line.strip()
@@ -182,7 +186,11 @@ def _driver_version() -> str:
         return "unknown (no nvidia-smi)"
     try:
         out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"], check=False, capture_output=True, text=True, timeout=10
+            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=10,
         )
     except (OSError, subprocess.SubprocessError) as error:
         return f"unknown ({_short(error, 80)})"
@@ -201,7 +209,9 @@ def check_gpu() -> CheckResult:
         nccl = torch.cuda.nccl.version()
     except (RuntimeError, AttributeError) as error:
         # One GPU trains without NCCL; more than one cannot share gradients.
-        return CheckResult("gpu", "warn" if len(names) == 1 else "fail", f"{detail}, NCCL unavailable: {_short(error, 120)}")
+        return CheckResult(
+            "gpu", "warn" if len(names) == 1 else "fail", f"{detail}, NCCL unavailable: {_short(error, 120)}"
+        )
     nccl_text = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     return CheckResult("gpu", "ok", f"{detail}, NCCL {nccl_text}")
 
@@ -231,10 +241,14 @@ def check_model(path: Path, name: str = "model") -> CheckResult:
     vocab = len(tokenizer)
     # Without tokenizer files transformers builds an empty tokenizer holding only special tokens.
     if vocab <= len(tokenizer.all_special_tokens):
-        return CheckResult(name, "fail", f"{path}: the tokenizer is empty ({vocab} tokens): tokenizer files are missing")
+        return CheckResult(
+            name, "fail", f"{path}: the tokenizer is empty ({vocab} tokens): tokenizer files are missing"
+        )
     embeddings = getattr(config, "vocab_size", None)
     if embeddings is not None and vocab > embeddings:
-        return CheckResult(name, "fail", f"{path}: the tokenizer has {vocab} tokens but the model embeds only {embeddings}")
+        return CheckResult(
+            name, "fail", f"{path}: the tokenizer has {vocab} tokens but the model embeds only {embeddings}"
+        )
     weights = _weight_files(path)
     if not weights:
         return CheckResult(name, "fail", f"{path}: no weights (*.safetensors or pytorch_model*.bin)")
@@ -265,7 +279,9 @@ def check_dataset(path: Path, name: str, max_lines: int) -> CheckResult:
         return CheckResult(name, "fail", f"{path}: cannot read: {_short(error)}")
     scope = f"first {checked} lines" if truncated else f"{checked} lines"
     if bad:
-        shown = "; ".join(bad[:SHOWN_BAD_LINES]) + (f"; and {len(bad) - SHOWN_BAD_LINES} more" if len(bad) > SHOWN_BAD_LINES else "")
+        shown = "; ".join(bad[:SHOWN_BAD_LINES]) + (
+            f"; and {len(bad) - SHOWN_BAD_LINES} more" if len(bad) > SHOWN_BAD_LINES else ""
+        )
         return CheckResult(name, "fail", f"{path}: {len(bad)} bad of {scope}: {shown}")
     if rows == 0:
         return CheckResult(name, "fail", f"{path}: no rows")
@@ -403,9 +419,13 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
         if problems:
             streams_row = CheckResult("streams", "fail", "; ".join(problems))
         elif found:
-            streams_row = CheckResult("streams", "ok", f"{len(found)} of the run's {len(EDGES)} streams exist and match the config")
+            streams_row = CheckResult(
+                "streams", "ok", f"{len(found)} of the run's {len(EDGES)} streams exist and match the config"
+            )
         else:
-            streams_row = CheckResult("streams", "ok", f"none of the run's {len(EDGES)} streams exist yet: they are created at start")
+            streams_row = CheckResult(
+                "streams", "ok", f"none of the run's {len(EDGES)} streams exist yet: they are created at start"
+            )
         return [nats_row, streams_row]
     finally:
         await nc.close()
@@ -425,8 +445,16 @@ def _embedded_broker_rows(cfg: RunConfig) -> list[CheckResult]:
     except (OSError, subprocess.SubprocessError) as error:
         return [CheckResult("nats", "fail", f"rlpipe run cannot start its broker: {_short(error)}"), streams]
     if out.returncode != 0:
-        return [CheckResult("nats", "fail", f"{binary} --version exited with {out.returncode}: {_short(out.stderr)}"), streams]
-    return [CheckResult("nats", "ok", f"rlpipe run starts its own broker, {out.stdout.strip()} ({binary}); nats.url is not used"), streams]
+        return [
+            CheckResult("nats", "fail", f"{binary} --version exited with {out.returncode}: {_short(out.stderr)}"),
+            streams,
+        ]
+    return [
+        CheckResult(
+            "nats", "ok", f"rlpipe run starts its own broker, {out.stdout.strip()} ({binary}); nats.url is not used"
+        ),
+        streams,
+    ]
 
 
 def check_ports(host: str, ports: dict[str, int]) -> CheckResult:
@@ -437,7 +465,9 @@ def check_ports(host: str, ports: dict[str, int]) -> CheckResult:
     busy = []
     for field, port in fixed.items():
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
             with socket.socket(family, kind, proto) as sock:
                 # As the servers do, so a port in TIME_WAIT counts as free.
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -446,7 +476,9 @@ def check_ports(host: str, ports: dict[str, int]) -> CheckResult:
             busy.append(f"{field} {port} on {host}: {error.strerror or error}")
     if busy:
         return CheckResult("ports", "fail", "; ".join(busy))
-    return CheckResult("ports", "ok", f"free on {host}: " + ", ".join(f"{field}={port}" for field, port in fixed.items()))
+    return CheckResult(
+        "ports", "ok", f"free on {host}: " + ", ".join(f"{field}={port}" for field, port in fixed.items())
+    )
 
 
 def _role_ports(cfg: RunConfig, role: str) -> dict[str, int]:
@@ -487,7 +519,9 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
     if not launcher_generates:
         return CheckResult("admin token", "fail", f"{missing}: the trainer does not start without one")
     if cfg.environment == "prod":
-        return CheckResult("admin token", "fail", f"{missing}: a prod deployment must set its own, not rely on a generated one")
+        return CheckResult(
+            "admin token", "fail", f"{missing}: a prod deployment must set its own, not rely on a generated one"
+        )
     return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
 
 
@@ -538,14 +572,20 @@ def _doctor_checks(embedded: bool) -> list[Check]:
         Check("dataset", ("data",), lambda cfg: _dataset_rows(cfg, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), _storage_rows),
         Check("nats", ("nats",), _embedded_broker_rows if embedded else _nats_rows),
-        Check("ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, _role_ports(cfg, ports_of))]),
+        Check(
+            "ports",
+            ("service", "admin", "telemetry"),
+            lambda cfg: [check_ports(cfg.service.host, _role_ports(cfg, ports_of))],
+        ),
         Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=embedded)]),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
     ]
 
 
 def _startup_checks(role: str) -> list[Check]:
-    ports = Check("ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, _role_ports(cfg, role))])
+    ports = Check(
+        "ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, _role_ports(cfg, role))]
+    )
     policy = Check("model", ("model",), lambda cfg: _model_rows(cfg, policy=True, reference=False))
     dataset = Check("dataset", ("data",), lambda cfg: _dataset_rows(cfg, STARTUP_DATASET_LINES))
     storage = Check("storage", ("checkpoint",), _storage_rows)
@@ -555,7 +595,10 @@ def _startup_checks(role: str) -> list[Check]:
     if role == "rollout":
         return [policy, ports]
     if role == "reference":
-        return [Check("model", ("model", "reference"), lambda cfg: _model_rows(cfg, policy=False, reference=True)), ports]
+        return [
+            Check("model", ("model", "reference"), lambda cfg: _model_rows(cfg, policy=False, reference=True)),
+            ports,
+        ]
     if role == "reward":
         return [ports]
     both = Check("model", ("model", "reference"), lambda cfg: _model_rows(cfg, policy=True, reference=True))
@@ -576,7 +619,9 @@ def _run(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]) ->
     return results
 
 
-def run_checks(cfg: RunConfig | None, *, embedded: bool = False, invalid: frozenset[str] = frozenset()) -> list[CheckResult]:
+def run_checks(
+    cfg: RunConfig | None, *, embedded: bool = False, invalid: frozenset[str] = frozenset()
+) -> list[CheckResult]:
     """Every check: the machine's, then the config's (skipped where ``cfg`` is None or the fields they read are ``invalid``).
 
     ``embedded``: the config is for ``rlpipe run``, which starts its own broker and picks the
@@ -642,7 +687,9 @@ def diagnose(config_path: Path, *, embedded: bool = False) -> list[CheckResult]:
     """``rlpipe doctor``: the config's own row first, then every check that a (possibly partial) config allows."""
     try:
         cfg, invalid = load_config(config_path), frozenset()
-        config_row = CheckResult("config", "ok", f"{config_path}: run {cfg.run_id!r}, environment {cfg.environment or 'unset'}")
+        config_row = CheckResult(
+            "config", "ok", f"{config_path}: run {cfg.run_id!r}, environment {cfg.environment or 'unset'}"
+        )
     except ConfigError as error:
         config_row = CheckResult("config", "fail", f"{config_path}: {error}")
         cfg, invalid = _partial_config(config_path)
@@ -671,7 +718,9 @@ def print_report(results: list[CheckResult], console: Console | None = None) -> 
     for result in failures:
         console.print(f"FAIL {result.name}: {result.detail}", **plain)
     if failures:
-        console.print(f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}", **plain)
+        console.print(
+            f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}", **plain
+        )
         return 1
     warnings = sum(result.status == "warn" for result in results)
     console.print(f"rlpipe doctor: no check failed ({warnings} warning{'' if warnings == 1 else 's'})", **plain)

@@ -18,7 +18,9 @@ def check(address: str, timeout: float = 3.0, service: str = "") -> str | None:
     """None when ``address`` reports SERVING for ``service`` ("" = the whole server), else why not."""
     with grpc.insecure_channel(address) as channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+            reply = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
         except grpc.RpcError as error:
             detail = (error.details() or "").splitlines()[0] if error.details() else ""
             return f"{address}: {error.code().name}{': ' + detail if detail else ''}"

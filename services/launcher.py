@@ -109,7 +109,9 @@ class Launcher:
         log = (self.run_dir / "logs" / "nats.log").open("ab")
         conf = self.run_dir / "nats.conf"
         sync = "always" if self.cfg.nats.sync_always else "2m"
-        conf.write_text(f'listen: "127.0.0.1:{port}"\njetstream {{\n  store_dir: "{store}"\n  sync_interval: {sync}\n}}\n')
+        conf.write_text(
+            f'listen: "127.0.0.1:{port}"\njetstream {{\n  store_dir: "{store}"\n  sync_interval: {sync}\n}}\n'
+        )
         started = time.perf_counter()
         self.nats = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
@@ -120,7 +122,9 @@ class Launcher:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.nats.returncode}; see {self.run_dir / 'logs' / 'nats.log'}")
+                raise RuntimeError(
+                    f"nats-server exited with {self.nats.returncode}; see {self.run_dir / 'logs' / 'nats.log'}"
+                )
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
                     self.startup["nats"] = round(time.perf_counter() - started, 3)
@@ -181,15 +185,25 @@ class Launcher:
             "pids": {"nats": self.nats.pid, **{c.name: c.process.pid for c in self.children}},
             "restarts": self.restarts,
             "services": {
-                c.name: {"role": c.role, "pid": c.process.pid, **{k: c.ready[k] for k in ("grpc", "admin", "metrics_url") if c.ready and k in c.ready}}
+                c.name: {
+                    "role": c.role,
+                    "pid": c.process.pid,
+                    **{k: c.ready[k] for k in ("grpc", "admin", "metrics_url") if c.ready and k in c.ready},
+                }
                 for c in self.children
             },
         }
-        write_atomically(self.run_dir / "run.json", json.dumps(info, indent=2).encode())  # the CLI and tests read it live
+        write_atomically(
+            self.run_dir / "run.json", json.dumps(info, indent=2).encode()
+        )  # the CLI and tests read it live
 
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
         """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""
-        row = {"component": name, "ready_after_s": self.startup[name], **{k: v for k, v in event.items() if k not in ("level", "event")}}
+        row = {
+            "component": name,
+            "ready_after_s": self.startup[name],
+            **{k: v for k, v in event.items() if k not in ("level", "event")},
+        }
         with (self.run_dir / "startup.jsonl").open("a") as out:
             out.write(json.dumps(row) + "\n")
 
@@ -204,14 +218,18 @@ class Launcher:
                     if event["event"] == "ready":
                         child.ready = event
                         self.startup[child.name] = round(time.perf_counter() - started, 3)
-                        console.log(f"[green]{child.name} ready[/] in {self.startup[child.name]:.1f}s {_startup_fields(event)}")
+                        console.log(
+                            f"[green]{child.name} ready[/] in {self.startup[child.name]:.1f}s {_startup_fields(event)}"
+                        )
                         self.record_startup(child.name, event)
                         waiting.remove(child)
                         break
                     if event["event"] in ("resumed", "paused"):  # a trainer restores its run before it is ready
                         console.log(f"{child.name} {event['event']}: " + _event_summary(event))
                 if child.ready is None and child.process.poll() is not None:
-                    raise RuntimeError(f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}")
+                    raise RuntimeError(
+                        f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}"
+                    )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}")
             time.sleep(0.05)
@@ -239,14 +257,23 @@ class Launcher:
         workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(workers)
         self.write_run_file()
-        console.log(f"operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | stop "
-                    f"(admin at {self.child('trainer').ready['admin']})")
+        console.log(
+            f"operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | stop "
+            f"(admin at {self.child('trainer').ready['admin']})"
+        )
 
     def follow(self) -> dict[str, Any]:
         """Progress over training steps until the trainer is done, restarting services that die."""
         done: dict[str, Any] = {}
         due: dict[str, float] = {}  # name -> when to restart it
-        columns = (TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        columns = (
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("steps", total=self.cfg.train.total_steps, info="")
             while not done:
@@ -267,7 +294,9 @@ class Launcher:
                     elif event["event"] == "eval":
                         progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
                     elif event["event"] == "resumed":
-                        progress.console.log(f"trainer resumed from step {event['step']} as policy version {event['policy_version']}")
+                        progress.console.log(
+                            f"trainer resumed from step {event['step']} as policy version {event['policy_version']}"
+                        )
                     elif event["event"] in ("paused", "unpaused", "rolled_back", "config_applied", "alert"):
                         progress.console.log(f"trainer {event['event']}: " + _event_summary(event))
                     elif event["event"] == "done":
@@ -277,7 +306,12 @@ class Launcher:
                 if self.nats.poll() is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
-                    self.events.write("restart", f"nats-server exited with {self.nats.returncode}; restarting it", service="nats", restarts=self.restarts["nats"])
+                    self.events.write(
+                        "restart",
+                        f"nats-server exited with {self.nats.returncode}; restarting it",
+                        service="nats",
+                        restarts=self.restarts["nats"],
+                    )
                     progress.console.log(f"[yellow]nats-server exited with {self.nats.returncode}[/]; restarting it")
                     self.start_nats(self.nats_port)
                     self.write_run_file()
@@ -307,11 +341,20 @@ class Launcher:
         supervision = self.cfg.supervision
         count = self.restarts.get(child.name, 0) + 1
         if count > supervision.max_restarts:
-            raise RuntimeError(f"{child.name} died {count} times (exit {child.process.returncode}); see {child.log_path}")
+            raise RuntimeError(
+                f"{child.name} died {count} times (exit {child.process.returncode}); see {child.log_path}"
+            )
         self.restarts[child.name] = count
         delay = min(supervision.backoff_s * 2 ** (count - 1), supervision.max_backoff_s)
-        progress.console.log(f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s")
-        self.events.write("restart", f"{child.name} exited with {child.process.returncode}; restart {count} in {delay:.1f}s", service=child.name, restarts=count)
+        progress.console.log(
+            f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s"
+        )
+        self.events.write(
+            "restart",
+            f"{child.name} exited with {child.process.returncode}; restart {count} in {delay:.1f}s",
+            service=child.name,
+            restarts=count,
+        )
         return time.monotonic() + delay
 
     def stop(self) -> list[str]:

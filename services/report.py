@@ -29,9 +29,9 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.lines import Line2D  # noqa: E402
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
 
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),
@@ -43,7 +43,16 @@ PANELS = (
     ("step_time_s", "step time (s)", None),
 )
 # The step-row statistics whose recent means the HTML summary lists.
-SUMMARY_METRICS = ("reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate", "step_time_s", "tokens_per_s")
+SUMMARY_METRICS = (
+    "reward_mean",
+    "reward_std",
+    "entropy",
+    "kl_ref",
+    "response_length_mean",
+    "termination_rate",
+    "step_time_s",
+    "tokens_per_s",
+)
 EVENT_STYLES = {
     "config_change": ("tab:blue", "--"),
     "alert": ("tab:red", "-"),
@@ -84,7 +93,9 @@ def _is_step_row(row: dict[str, Any]) -> bool:
 def event_steps(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[tuple[int | None, bool]]:
     """For each event (step, estimated): its own step, or else the step of the metrics row
     nearest to it in time (estimated=True); (None, True) when no row has both time and step."""
-    timeline = sorted((row["time"], row["step"]) for row in rows if _number(row.get("time")) and isinstance(row.get("step"), int))
+    timeline = sorted(
+        (row["time"], row["step"]) for row in rows if _number(row.get("time")) and isinstance(row.get("step"), int)
+    )
     times = [t for t, _ in timeline]
     placed = []
     for event in events:
@@ -101,7 +112,9 @@ def event_steps(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> lis
     return placed
 
 
-def curve(rows: list[dict[str, Any]], key: str, band: str | None) -> tuple[list[float], list[float], list[float] | None]:
+def curve(
+    rows: list[dict[str, Any]], key: str, band: str | None
+) -> tuple[list[float], list[float], list[float] | None]:
     """x, y and the ±band of one curve in file order, with a NaN gap wherever the step goes back."""
     xs: list[float] = []
     ys: list[float] = []
@@ -123,8 +136,12 @@ def curve(rows: list[dict[str, Any]], key: str, band: str | None) -> tuple[list[
 
 def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> Figure:
     figure, axes = plt.subplots(2, 4, figsize=(20, 8))
-    marks = [(step, event.get("kind", "?")) for event, (step, _) in zip(events, event_steps(events, rows)) if step is not None]
-    for ax, (key, panel_title, band) in zip(axes.flat, PANELS):
+    marks = [
+        (step, event.get("kind", "?"))
+        for event, (step, _) in zip(events, event_steps(events, rows), strict=False)
+        if step is not None
+    ]
+    for ax, (key, panel_title, band) in zip(axes.flat, PANELS, strict=False):
         ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -139,7 +156,12 @@ def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str
         if key.endswith(("_rate", "accuracy")):
             ax.set_ylim(-0.02, 1.02)
         if spread:
-            ax.fill_between(xs, [y - s for y, s in zip(ys, spread)], [y + s for y, s in zip(ys, spread)], alpha=0.2)
+            ax.fill_between(
+                xs,
+                [y - s for y, s in zip(ys, spread, strict=False)],
+                [y + s for y, s in zip(ys, spread, strict=False)],
+                alpha=0.2,
+            )
     # The eighth cell holds the legend of the event lines shared by every panel.
     legend_ax = axes.flat[len(PANELS)]
     legend_ax.axis("off")
@@ -252,10 +274,12 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
             event.get("kind", ""),
             event.get("message", ""),
             ", ".join(
-                f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in event.items() if k not in ("time", "step", "kind", "message")
+                f"{k}={v if isinstance(v, str) else json.dumps(v)}"
+                for k, v in event.items()
+                if k not in ("time", "step", "kind", "message")
             ),
         )
-        for event, (step, estimated) in zip(events, event_steps(events, rows))
+        for event, (step, estimated) in zip(events, event_steps(events, rows), strict=False)
     ]
     parts = [
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlpipe report: {html.escape(name)}</title>",
@@ -269,7 +293,11 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
     if versions:
         parts += ["<h2>Config versions</h2>", _table(("version", "first step", "first seen", "rows"), versions)]
     parts += ["<h2>Events</h2>"]
-    parts += [_table(("time", "step", "kind", "message", "details"), event_rows) if event_rows else "<p>No events recorded.</p>"]
+    parts += [
+        _table(("time", "step", "kind", "message", "details"), event_rows)
+        if event_rows
+        else "<p>No events recorded.</p>"
+    ]
     parts += ["</body></html>"]
     out = out or run_dir / "report.html"
     out.parent.mkdir(parents=True, exist_ok=True)

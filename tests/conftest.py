@@ -62,7 +62,9 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 def s3_endpoint() -> Iterator[str]:
     port = free_port()
     process = subprocess.Popen(
-        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     wait_for_port(port, process, "moto_server")
     yield f"127.0.0.1:{port}"
@@ -95,9 +97,20 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
         "run_id": "test",
         "runs_dir": str(runs_dir),
         "model": {"path": str(model_dir)},
-        "data": {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl"), "eval_every_steps": 0, "eval_size": 100},
+        "data": {
+            "train_path": str(data_dir / "train.jsonl"),
+            "eval_path": str(data_dir / "eval.jsonl"),
+            "eval_every_steps": 0,
+            "eval_size": 100,
+        },
         "sampling": {"group_size": 4, "max_new_tokens": 6},
-        "train": {"total_steps": 4, "batch_size": 8, "learning_rate": 1e-3, "max_seq_len": 32, "max_inflight_batches": 2},
+        "train": {
+            "total_steps": 4,
+            "batch_size": 8,
+            "learning_rate": 1e-3,
+            "max_seq_len": 32,
+            "max_inflight_batches": 2,
+        },
         "checkpoint": {"save_every_steps": 2, "keep_last": 2},
         "nats": {"ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
         "rollout": {"prompts_per_batch": 16},
@@ -127,14 +140,21 @@ def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """An operator's `rlpipe --run-dir RUN_DIR ARGS...`, with the address and token of that run."""
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
 @contextlib.contextmanager
 def running_pipeline(config: Path, *options: str) -> Iterator[subprocess.Popen]:
     """`rlpipe run CONFIG [OPTIONS]` in the background (output in .stdout); killed if the test leaves it running."""
-    process = subprocess.Popen([*RLPIPE_RUN, str(config), *options], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    process = subprocess.Popen(
+        [*RLPIPE_RUN, str(config), *options], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         yield process
     finally:

@@ -42,7 +42,11 @@ def start(tiny_model, tmp_path: Path, run_id: str, **sections) -> tuple[Path, Pa
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id=run_id,
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id=run_id,
         train={"total_steps": 1000, "batch_size": 8, "learning_rate": 1e-4, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 2, "keep_last": 20},
         rollout={"prompts_per_batch": 8},
@@ -84,7 +88,11 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         services = {s["instance"]: s for s in live["services"]}
         assert set(services) == {"trainer", "rollout-0", "reward-0", "reference-0"}
         assert all(s["up"] and s["metrics_url"].startswith("http://") for s in services.values())
-        assert live["build_version"] == "0.1.0" and live["build_revision"] and services["reward-0"]["build_version"] == "0.1.0"
+        assert (
+            live["build_version"] == "0.1.0"
+            and live["build_revision"]
+            and services["reward-0"]["build_version"] == "0.1.0"
+        )
         table = rlpipe(run_dir, "status")
         assert table.returncode == 0 and "rollout-0" in table.stdout and "running" in table.stdout
 
@@ -93,10 +101,18 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         paused = status(run_dir)
         assert paused["state"] == "paused"
         time.sleep(4)
-        assert status(run_dir)["step"] == paused["step"] == max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+        assert (
+            status(run_dir)["step"]
+            == paused["step"]
+            == max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+        )
         # A trainer that dies while paused comes back paused: the pause lives in the run's bucket, not the process.
         os.kill(info["pids"]["trainer"], signal.SIGKILL)
-        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["pids"]["trainer"] != info["pids"]["trainer"], "the trainer's restart", process)
+        wait_for(
+            lambda: json.loads((run_dir / "run.json").read_text())["pids"]["trainer"] != info["pids"]["trainer"],
+            "the trainer's restart",
+            process,
+        )
         wait_for(lambda: rlpipe(run_dir, "status", "--json").returncode == 0, "the restarted trainer's admin", process)
         restarted = status(run_dir)
         assert restarted["state"] == "paused" and "still paused after a restart" in restarted["paused_reason"]
@@ -108,12 +124,21 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         changed = rlpipe(run_dir, "config", "set", "train.learning_rate=3e-5", "--author", "tester")
         assert changed.returncode == 0, changed.stderr
         assert "train.learning_rate" in changed.stdout and "live" in changed.stdout
-        wait_for(lambda: any(r.get("config_version") == 1 for r in metric_rows(run_dir) if "reward_mean" in r), "a step under config 1", process)
+        wait_for(
+            lambda: any(r.get("config_version") == 1 for r in metric_rows(run_dir) if "reward_mean" in r),
+            "a step under config 1",
+            process,
+        )
         steps = [r for r in metric_rows(run_dir) if "reward_mean" in r]
         assert {r["learning_rate"] for r in steps if r["config_version"] == 1} == {3e-5}
         assert {r["learning_rate"] for r in steps if r["config_version"] == 0} == {1e-4}
         # Every service took the new version (their heartbeats report it).
-        wait_for(lambda: {s["config_version"] for s in status(run_dir)["services"]} == {1}, "every service on config 1", process, timeout=30)
+        wait_for(
+            lambda: {s["config_version"] for s in status(run_dir)["services"]} == {1},
+            "every service on config 1",
+            process,
+            timeout=30,
+        )
 
         # An invalid value is refused with the field and the reason, and nothing changes.
         bad = rlpipe(run_dir, "config", "set", "train.learning_rate=-1")
@@ -151,7 +176,11 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
         assert process.returncode == 0, process.stdout.read()[-3000:]
     lineage = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
     rollback = next(r for r in lineage if r.get("event") == "rollback")
-    assert rollback["from_step"] == target and rollback["abandoned_steps"] and min(rollback["abandoned_steps"]) == target + 1
+    assert (
+        rollback["from_step"] == target
+        and rollback["abandoned_steps"]
+        and min(rollback["abandoned_steps"]) == target + 1
+    )
     # Steps after the rollback re-read what the abandoned steps had consumed: still no group twice.
     effective = effective_steps(lineage)
     accounted = [g for r in effective for g, _ in r["groups"]] + [g for r in effective for g in r["dropped_stale"]]
@@ -168,8 +197,14 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
     last = max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
     with running_pipeline(config, "--resume") as again:
         # run.json is written anew once every service is ready (the resumed trainer may train on before that).
-        wait_for(lambda: (run_dir / "run.json").exists() and max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1,
-                 "steps after --resume", again)
+        wait_for(
+            lambda: (
+                (run_dir / "run.json").exists()
+                and max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1
+            ),
+            "steps after --resume",
+            again,
+        )
         assert status(run_dir)["state"] == "running"
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = again.communicate(timeout=120)
@@ -180,14 +215,34 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
 def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
     # reward-0 hangs (SIGSTOP): alive to its supervisor, silent to everyone else; no step can complete.
     rules = [
-        {"name": "no_steps", "metric": "reward_mean", "condition": "absent", "window_s": 8, "severity": "critical", "actions": ["notify"]},
-        {"name": "role_down", "metric": "services_down", "condition": "above", "threshold": 0, "window_steps": 2,
-         "severity": "critical", "actions": ["notify", "pause"]},
+        {
+            "name": "no_steps",
+            "metric": "reward_mean",
+            "condition": "absent",
+            "window_s": 8,
+            "severity": "critical",
+            "actions": ["notify"],
+        },
+        {
+            "name": "role_down",
+            "metric": "services_down",
+            "condition": "above",
+            "threshold": 0,
+            "window_steps": 2,
+            "severity": "critical",
+            "actions": ["notify", "pause"],
+        },
     ]
     config, run_dir = start(tiny_model, tmp_path, "stall", alerts={"rules": rules, "cooldown_steps": 0})
     with running_pipeline(config) as process:
-        wait_for(lambda: (run_dir / "run.json").exists() and sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "first steps", process)
-        assert not any(e.get("rule") == "role_down" for e in read_jsonl(run_dir / "events.jsonl"))  # roles still starting are not down
+        wait_for(
+            lambda: (run_dir / "run.json").exists() and sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3,
+            "first steps",
+            process,
+        )
+        assert not any(
+            e.get("rule") == "role_down" for e in read_jsonl(run_dir / "events.jsonl")
+        )  # roles still starting are not down
         hung = json.loads((run_dir / "run.json").read_text())["pids"]["reward-0"]
         os.kill(hung, signal.SIGSTOP)
         try:
@@ -221,7 +276,9 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
     port = free_port()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Receiver)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    config, run_dir = start(tiny_model, tmp_path, "alerts", alerts={"webhook_url": f"http://127.0.0.1:{port}/hook", "cooldown_steps": 0})
+    config, run_dir = start(
+        tiny_model, tmp_path, "alerts", alerts={"webhook_url": f"http://127.0.0.1:{port}/hook", "cooldown_steps": 0}
+    )
     try:
         with running_pipeline(config) as process:
             wait_for(lambda: (run_dir / "run.json").exists() and len(metric_rows(run_dir)) > 4, "first steps", process)
@@ -236,21 +293,31 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             now = status(run_dir)
             alert = next(a for a in now["alerts"] if a["rule"] == "entropy_floor")
             assert alert["metric"] == "entropy" and alert["threshold"] == 50 and alert["value"] < 50 and alert["window"]
-            wait_for(lambda: any(p["rule"] == "entropy_floor" for p in Receiver.posts), "the webhook", process, timeout=30)
+            wait_for(
+                lambda: any(p["rule"] == "entropy_floor" for p in Receiver.posts), "the webhook", process, timeout=30
+            )
             posted = next(p for p in Receiver.posts if p["rule"] == "entropy_floor")
-            assert posted["run_id"] == "alerts" and posted["actions_taken"] == ["notify", "pause"] and posted["value"] < 50
+            assert (
+                posted["run_id"] == "alerts" and posted["actions_taken"] == ["notify", "pause"] and posted["value"] < 50
+            )
             assert "entropy_floor" in rlpipe(run_dir, "status").stdout
 
             # The same anomaly with a rollback action returns to the stable checkpoint.
             rule = rule.replace("entropy_floor", "entropy_guard").replace("[notify, pause]", "[rollback]")
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
-            wait_for(lambda: any(e["kind"] == "rollback" for e in read_jsonl(run_dir / "events.jsonl")),
-                     "the alert's rollback", process, timeout=120)
+            wait_for(
+                lambda: any(e["kind"] == "rollback" for e in read_jsonl(run_dir / "events.jsonl")),
+                "the alert's rollback",
+                process,
+                timeout=120,
+            )
             rolled = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "rollback")
             assert rolled["step"] == target and "entropy_guard" in rolled["reason"]
             # Still firing after going back: a second rollback to the same step would loop, so it pauses instead.
-            wait_for(lambda: status(run_dir)["state"] == "paused", "the pause after a repeated firing", process, timeout=120)
+            wait_for(
+                lambda: status(run_dir)["state"] == "paused", "the pause after a repeated firing", process, timeout=120
+            )
             events = read_jsonl(run_dir / "events.jsonl")
             assert sum(e["kind"] == "rollback" for e in events) == 1
             assert "fired again after rolling back" in [e for e in events if e["kind"] == "pause"][-1]["message"]
@@ -265,7 +332,12 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             rule = rule.replace("entropy_guard", "entropy_rot")
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
-            wait_for(lambda: "entropy_rot" in status(run_dir)["paused_reason"], "the pause after a failed rollback", process, timeout=120)
+            wait_for(
+                lambda: "entropy_rot" in status(run_dir)["paused_reason"],
+                "the pause after a failed rollback",
+                process,
+                timeout=120,
+            )
             reason = status(run_dir)["paused_reason"]
             assert "rollback failed" in reason and f"checkpoint of step {target} cannot be loaded" in reason, reason
 

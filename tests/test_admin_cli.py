@@ -13,7 +13,12 @@ from tests.conftest import ROOT
 
 def cli_process(run_dir: Path, *args: str, **options) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options
+        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **options,
     )
 
 

@@ -22,9 +22,19 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="chaos-all",
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="chaos-all",
         sampling={"group_size": 8, "max_new_tokens": 6},
-        train={"total_steps": TOTAL_STEPS, "batch_size": 32, "learning_rate": 1e-4, "warmup_steps": 10, "max_inflight_batches": 2},
+        train={
+            "total_steps": TOTAL_STEPS,
+            "batch_size": 32,
+            "learning_rate": 1e-4,
+            "warmup_steps": 10,
+            "max_inflight_batches": 2,
+        },
         data={"eval_every_steps": 0, "eval_size": 500},
         checkpoint={"save_every_steps": 5, "keep_last": 20},
         nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},

@@ -32,19 +32,46 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
         await bus.close()
 
     asyncio.run(dead_letter_one_bad_prompt())
-    listed = subprocess.run([sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.returncode == 0, listed.stderr
     [letter] = [json.loads(line) for line in listed.stdout.splitlines()]
-    assert letter["reason"] == "invalid Prompt: group_id missing" and letter["origin_stream"] == stream_name("dl", PROMPTS)
+    assert letter["reason"] == "invalid Prompt: group_id missing" and letter["origin_stream"] == stream_name(
+        "dl", PROMPTS
+    )
     assert letter["service"] == "test" and letter["origin_sequence"] == 1
-    table = subprocess.run([sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    table = subprocess.run(
+        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert "dead letters of dl: 1" in table.stdout
 
     fixed = tmp_path / "fixed.msgpack"
     fixed.write_bytes(encode(Prompt(group_id="e0-i0", prompt_id="p", prompt="1+1=", answer="2")))
     sent = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--reinject", str(letter["sequence"]), "--payload", str(fixed)],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [
+            sys.executable,
+            "-m",
+            "services.cli",
+            "dead-letters",
+            str(run_dir),
+            "--reinject",
+            str(letter["sequence"]),
+            "--payload",
+            str(fixed),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert sent.returncode == 0, sent.stderr
 

@@ -20,7 +20,14 @@ from nats.js import api
 
 from services.common.bus import PROMPTS, Bus, stream_name, subject
 from services.common.config import CheckpointConfig, load_config
-from services.doctor import StartupCheckError, check_admin_token, check_packages, check_ports, check_storage, startup_checks
+from services.doctor import (
+    StartupCheckError,
+    check_admin_token,
+    check_packages,
+    check_ports,
+    check_storage,
+    startup_checks,
+)
 from tests.conftest import ROOT, free_port, write_config
 
 
@@ -79,8 +86,12 @@ def test_embedded_checks_the_broker_binary_not_nats_url(tiny_model, tmp_path, no
     model_dir, data_dir = tiny_model
     # rlpipe run starts its own broker and makes the admin token, so neither a closed nats.url nor a missing token fails.
     config = write_config(
-        tmp_path / "run.yaml", model_dir, data_dir, tmp_path / "runs",
-        nats={"url": f"nats://127.0.0.1:{free_port()}"}, admin={"port": free_port()},
+        tmp_path / "run.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        nats={"url": f"nats://127.0.0.1:{free_port()}"},
+        admin={"port": free_port()},
     )
     done = doctor(config, "--embedded")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -174,7 +185,9 @@ def test_malformed_dataset_lines_fail_with_line_numbers(tiny_model, tmp_path, na
     assert done.returncode == 1
     [line] = [line for line in done.stdout.splitlines() if line.startswith("FAIL dataset data.train_path:")]
     assert f"{train}: 3 bad of 6 lines:" in line
-    assert re.search(r"line 2: invalid JSON \(.+\); line 4: not a JSON object; line 5: missing or non-string field 'answer'", line)
+    assert re.search(
+        r"line 2: invalid JSON \(.+\); line 4: not a JSON object; line 5: missing or non-string field 'answer'", line
+    )
 
 
 def test_busy_port_is_named():
@@ -201,7 +214,9 @@ def test_packages_against_a_lock(tmp_path):
 
     lock = tmp_path / "requirements.lock"
     public_torch = torch.__version__.split("+")[0]  # the lock pins the public version of a +cpu build
-    lock.write_text(f"# pinned\ntorch=={public_torch}\npytest==0.0.1\nno-such-package-rlpipe==1.0\nwin-only==1.0 ; sys_platform == 'win32'\n")
+    lock.write_text(
+        f"# pinned\ntorch=={public_torch}\npytest==0.0.1\nno-such-package-rlpipe==1.0\nwin-only==1.0 ; sys_platform == 'win32'\n"
+    )
     result = check_packages(lock)
     assert result.status == "fail"
     assert "mismatched: pytest" in result.detail and "(lock 0.0.1)" in result.detail
@@ -218,9 +233,14 @@ def test_startup_checks_name_each_failure_for_the_roles_that_need_them(tiny_mode
     blocker.write_text("")
     cfg = load_config(
         write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs",
-            data={"train_path": str(train)}, checkpoint={"store_url": (blocker / "ckpt").as_uri()},
-            service={"trainer_grpc_port": free_port()}, admin={"port": free_port()},
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            data={"train_path": str(train)},
+            checkpoint={"store_url": (blocker / "ckpt").as_uri()},
+            service={"trainer_grpc_port": free_port()},
+            admin={"port": free_port()},
         )
     )
     with pytest.raises(StartupCheckError) as raised:

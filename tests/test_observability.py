@@ -26,14 +26,34 @@ from tests.conftest import running_pipeline, write_config
 
 TOTAL_STEPS = 500  # never reached: the test stops the run once it has scraped every service
 # service name in run.json -> (role, edge it consumes)
-CONSUMERS = {"rollout-0": ("rollout", PROMPTS), "reward-0": ("reward", ROLLOUTS), "reference-0": ("reference", SCORED), "trainer": ("trainer", EXPERIENCE)}
+CONSUMERS = {
+    "rollout-0": ("rollout", PROMPTS),
+    "reward-0": ("reward", ROLLOUTS),
+    "reference-0": ("reference", SCORED),
+    "trainer": ("trainer", EXPERIENCE),
+}
 STAGES = ("rollout-0", "reward-0", "reference-0")
 TRAINER_GAUGES = (
-    "entropy", "reward_mean", "reward_std", "kl_ref", "response_length_mean", "termination_rate", "clipfrac",
-    "grad_norm", "learning_rate", "step_time_s", "tokens_per_s", "staleness_mean", "step",
+    "entropy",
+    "reward_mean",
+    "reward_std",
+    "kl_ref",
+    "response_length_mean",
+    "termination_rate",
+    "clipfrac",
+    "grad_norm",
+    "learning_rate",
+    "step_time_s",
+    "tokens_per_s",
+    "staleness_mean",
+    "step",
 )
-SPAN_CHAIN = (("rollout.prompts", "rlpipe-rollout"), ("reward.rollouts", "rlpipe-reward"),
-              ("reference.scored", "rlpipe-reference"), ("trainer.experience", "rlpipe-trainer"))
+SPAN_CHAIN = (
+    ("rollout.prompts", "rlpipe-rollout"),
+    ("reward.rollouts", "rlpipe-reward"),
+    ("reference.scored", "rlpipe-reference"),
+    ("trainer.experience", "rlpipe-trainer"),
+)
 
 
 async def inject_undecodable(nats_url: str, run_id: str) -> None:
@@ -53,7 +73,9 @@ def wait_for_run_file(run_dir: Path, process, timeout: float = 600) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
-def scrape_until(targets: dict[str, tuple[str, Callable[[list[Sample]], bool]]], timeout: float = 300) -> dict[str, list[Sample]]:
+def scrape_until(
+    targets: dict[str, tuple[str, Callable[[list[Sample]], bool]]], timeout: float = 300
+) -> dict[str, list[Sample]]:
     """Scrape every ``name -> (url, done)`` until each ``done`` holds or ``timeout`` passes.
 
     Returns each service's last scrape either way; the assertions then say what is missing.
@@ -110,7 +132,10 @@ def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_pat
     runs = tmp_path / "runs"
     receiver = OtlpReceiver()
     config = write_config(
-        tmp_path / "obs.yaml", model_dir, data_dir, runs,
+        tmp_path / "obs.yaml",
+        model_dir,
+        data_dir,
+        runs,
         run_id="obs",
         train={"total_steps": TOTAL_STEPS, "batch_size": 4, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 2, "keep_last": 2},
@@ -159,15 +184,23 @@ def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_pat
     assert one_value(trainer, "rlpipe_dead_letters_total", role="trainer", edge=EXPERIENCE, reason="undecodable") == 1
 
     # OTLP got the same metrics as the endpoints.
-    assert {"rlpipe_groups_processed", "rlpipe_stage_latency", "rlpipe_consumer_lag", "rlpipe_weight_sync_duration",
-            "rlpipe_process_resident_memory", "rlpipe_trainer_entropy"} <= receiver.metric_names
+    assert {
+        "rlpipe_groups_processed",
+        "rlpipe_stage_latency",
+        "rlpipe_consumer_lag",
+        "rlpipe_weight_sync_duration",
+        "rlpipe_process_resident_memory",
+        "rlpipe_trainer_entropy",
+    } <= receiver.metric_names
 
     # One group, one trace: each service's span is the child of the one before it.
     traces: dict[str, dict[str, list]] = {}
     for span in receiver.spans:
         traces.setdefault(span.trace_id, {}).setdefault(span.name, []).append(span)
     complete = [spans for spans in traces.values() if all(name in spans for name, _ in SPAN_CHAIN)]
-    assert complete, f"no trace holds {[name for name, _ in SPAN_CHAIN]}; span names seen: {sorted({s.name for s in receiver.spans})}"
+    assert complete, (
+        f"no trace holds {[name for name, _ in SPAN_CHAIN]}; span names seen: {sorted({s.name for s in receiver.spans})}"
+    )
     spans = complete[0]
     group_id = spans["rollout.prompts"][0].attributes["rlpipe.group_id"]
     parent = None

@@ -26,8 +26,19 @@ from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import running_pipeline, wait_for, write_config
 
 STEP_METRICS = (
-    "reward_mean", "reward_std", "entropy", "kl_ref", "response_length_mean", "termination_rate",
-    "truncation_rate", "clipfrac", "approx_kl", "grad_norm", "step_time_s", "policy_version", "learning_rate",
+    "reward_mean",
+    "reward_std",
+    "entropy",
+    "kl_ref",
+    "response_length_mean",
+    "termination_rate",
+    "truncation_rate",
+    "clipfrac",
+    "approx_kl",
+    "grad_norm",
+    "step_time_s",
+    "policy_version",
+    "learning_rate",
 )
 TOTAL_STEPS = 10
 STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
@@ -68,7 +79,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
-        tmp_path / "pipeline.yaml", model_dir, data_dir, runs,
+        tmp_path / "pipeline.yaml",
+        model_dir,
+        data_dir,
+        runs,
         run_id="pipe",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         data={"eval_every_steps": 5, "eval_size": 200},
@@ -130,7 +144,9 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
 
     # EXPERIENCE below what the oldest kept checkpoint would re-read was purged after the saves.
     oldest = json.loads((run_dir / "step-00000005" / "trainer_state.json").read_text())["last_experience_seq"]
-    trainer_log = [json.loads(line) for line in (run_dir / "logs" / "trainer.log").read_text().splitlines() if line.startswith("{")]
+    trainer_log = [
+        json.loads(line) for line in (run_dir / "logs" / "trainer.log").read_text().splitlines() if line.startswith("{")
+    ]
     assert oldest > 0 and oldest + 1 in [e["experience_below"] for e in trainer_log if e["event"] == "purged"]
 
     assert (run_dir / "report.png").stat().st_size > 10_000

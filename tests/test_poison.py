@@ -19,9 +19,19 @@ PER_KIND = 50  # 5 kinds x 4 edges x 50 = 1,000 messages
 
 
 def nan_rewards_group() -> bytes:
-    completion = Completion(text="2", token_ids=np.array([5, 1], np.int32), logprobs=np.array([-0.1, -0.2], np.float32), finish_reason="stop")
-    rollout = advance(Prompt(group_id="nan", prompt_id="p", prompt="1+1=", answer="2"), RolloutGroup,
-                      prompt_ids=np.array([3], np.int32), policy_version=0, completions=[completion])
+    completion = Completion(
+        text="2",
+        token_ids=np.array([5, 1], np.int32),
+        logprobs=np.array([-0.1, -0.2], np.float32),
+        finish_reason="stop",
+    )
+    rollout = advance(
+        Prompt(group_id="nan", prompt_id="p", prompt="1+1=", answer="2"),
+        RolloutGroup,
+        prompt_ids=np.array([3], np.int32),
+        policy_version=0,
+        completions=[completion],
+    )
     raw = msgpack.unpackb(encode(advance(rollout, ScoredGroup, rewards=np.array([0.0], np.float32))))
     raw["rewards"]["data"] = np.array([np.nan], "<f4").tobytes()
     return msgpack.packb(raw)
@@ -59,16 +69,28 @@ async def dead_letter_count(nats_url: str, run_id: str) -> int:
 def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     # Long enough that the run is still training when the flood's last message is handled; it is stopped then.
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="poison",
-                          train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5})
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="poison",
+        train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5},
+    )
     run_dir = tmp_path / "runs" / "poison"
     with running_pipeline(config) as run:
         wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "the first step", run)
         nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
         asyncio.run(flood(nats_url, "poison"))
-        wait_for(lambda: asyncio.run(dead_letter_count(nats_url, "poison")) >= 1000, "1,000 dead letters", run, timeout=240)
+        wait_for(
+            lambda: asyncio.run(dead_letter_count(nats_url, "poison")) >= 1000, "1,000 dead letters", run, timeout=240
+        )
         flooded_at = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
-        wait_for(lambda: max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r) >= flooded_at + 3, "steps after the flood", run)
+        wait_for(
+            lambda: max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r) >= flooded_at + 3,
+            "steps after the flood",
+            run,
+        )
         letters = asyncio.run(list_dead_letters(nats_url, "poison", limit=10_000))
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = run.communicate(timeout=300)

@@ -21,6 +21,7 @@ from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+import itertools
 
 TOTAL_STEPS = 14
 
@@ -35,8 +36,18 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="chaos",
-        train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2, "max_staleness": 3},
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="chaos",
+        train={
+            "total_steps": TOTAL_STEPS,
+            "batch_size": 8,
+            "learning_rate": 2e-5,
+            "max_inflight_batches": 2,
+            "max_staleness": 3,
+        },
         checkpoint={"save_every_steps": 3, "keep_last": 10},
         nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
         rollout={"prompts_per_batch": 4},
@@ -49,7 +60,11 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         wait_for(lambda: len(steps()) >= 5, "step 5", process)
         killed_at = time.time()
         kill(run_dir, "trainer")
-        wait_for(lambda: json.loads((run_dir / "run.json").read_text())["restarts"].get("trainer") == 1, "trainer restart", process)
+        wait_for(
+            lambda: json.loads((run_dir / "run.json").read_text())["restarts"].get("trainer") == 1,
+            "trainer restart",
+            process,
+        )
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", process)
         trainer_recovery_s = min(r["time"] for r in steps() if r["time"] > killed_at) - killed_at
         kill(run_dir, "rollout-0")
@@ -95,7 +110,11 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="broker",
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="broker",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
         nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600, "sync_always": True},
@@ -110,7 +129,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         kill(run_dir, "nats")
         wait_for(lambda: any(r["time"] > killed_at + 1 for r in steps()), "a step after the broker restart", process)
         times = [r["time"] for r in steps()]
-        recovery_s = max(b - a for a, b in zip(times, times[1:]) if b > killed_at)  # the outage's gap between steps
+        recovery_s = max(b - a for a, b in itertools.pairwise(times) if b > killed_at)  # the outage's gap between steps
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]

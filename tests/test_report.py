@@ -30,11 +30,20 @@ def synthetic_metrics() -> list[dict]:
     rows = [{"time": T0, "step": 0, "eval_accuracy": 0.25}]
     for i, step in enumerate([*range(1, 31), *range(26, 51)]):
         clock = T0 + 10 * (i + 1)
-        rows.append({
-            "time": clock, "step": step, "config_version": 2 if i >= 30 else 1,
-            "reward_mean": step / 100, "reward_std": 0.1, "entropy": 1 - step / 100, "kl_ref": step / 1000,
-            "response_length_mean": 10.0, "termination_rate": 0.9, "step_time_s": 1.0,
-        })
+        rows.append(
+            {
+                "time": clock,
+                "step": step,
+                "config_version": 2 if i >= 30 else 1,
+                "reward_mean": step / 100,
+                "reward_std": 0.1,
+                "entropy": 1 - step / 100,
+                "kl_ref": step / 1000,
+                "response_length_mean": 10.0,
+                "termination_rate": 0.9,
+                "step_time_s": 1.0,
+            }
+        )
         if step % 20 == 0:
             rows.append({"time": clock + 1, "step": step, "eval_accuracy": 0.25 + step / 80})
         if step == 20:
@@ -52,8 +61,20 @@ def synthetic_events() -> list[dict]:
         return T0 + 10 * (step + 5)
 
     return [
-        {"time": first(5), "step": 5, "kind": "config_change", "message": "config version 2: train.lr=5e-05", "config_version": 2},
-        {"time": first(10) + 4, "step": None, "kind": "alert", "message": "kl_ref > 1 & <rising>", "rule": "kl_too_high"},
+        {
+            "time": first(5),
+            "step": 5,
+            "kind": "config_change",
+            "message": "config version 2: train.lr=5e-05",
+            "config_version": 2,
+        },
+        {
+            "time": first(10) + 4,
+            "step": None,
+            "kind": "alert",
+            "message": "kl_ref > 1 & <rising>",
+            "rule": "kl_too_high",
+        },
         {"time": first(30), "step": 30, "kind": "rollback", "message": "rolled back to step 25"},
         {"time": first(30) + 1, "step": 25, "kind": "resume", "message": "resumed from step 25"},
         {"time": second(40) - 3, "step": None, "kind": "restart", "message": "rollout-0 restarted (exit 1)"},
@@ -78,7 +99,12 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 
 def test_event_steps_use_their_own_step_or_the_nearest_row_in_time():
-    rows = [{"time": 100.0, "step": 1}, {"time": 110.0, "step": 2}, {"time": 111.0, "eval_accuracy": 0.5}, {"time": 130.0, "step": 3}]
+    rows = [
+        {"time": 100.0, "step": 1},
+        {"time": 110.0, "step": 2},
+        {"time": 111.0, "eval_accuracy": 0.5},
+        {"time": 130.0, "step": 3},
+    ]
     events = [
         {"time": 500.0, "step": 7},
         {"time": 104.0, "step": None},  # nearer step 1 (4 s) than step 2 (6 s)
@@ -156,7 +182,9 @@ def test_missing_events_file_still_renders_both(tmp_path):
 def test_cli_writes_both_files_for_a_run_dir_or_a_run_id(tmp_path):
     run_dir = make_run(tmp_path)
     rlpipe = Path(sys.executable).parent / "rlpipe"
-    by_dir = subprocess.run([rlpipe, "report", str(run_dir)], capture_output=True, text=True, timeout=120, check=False, cwd=ROOT)
+    by_dir = subprocess.run(
+        [rlpipe, "report", str(run_dir)], capture_output=True, text=True, timeout=120, check=False, cwd=ROOT
+    )
     assert by_dir.returncode == 0, by_dir.stderr
     assert by_dir.stdout.split() == [str(run_dir / "report.png"), str(run_dir / "report.html")]
     assert png_size((run_dir / "report.png").read_bytes()) == (2000, 800)
@@ -164,19 +192,28 @@ def test_cli_writes_both_files_for_a_run_dir_or_a_run_id(tmp_path):
 
     (run_dir / "report.png").unlink()
     (run_dir / "report.html").unlink()
-    by_id = subprocess.run([rlpipe, "report", "demo"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
+    by_id = subprocess.run(
+        [rlpipe, "report", "demo"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path
+    )
     assert by_id.returncode == 0, by_id.stderr
     assert by_id.stdout.split() == ["runs/demo/report.png", "runs/demo/report.html"]
     assert (run_dir / "report.png").is_file() and (run_dir / "report.html").is_file()
 
-    missing = subprocess.run([rlpipe, "report", "nope"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path)
+    missing = subprocess.run(
+        [rlpipe, "report", "nope"], capture_output=True, text=True, timeout=120, check=False, cwd=tmp_path
+    )
     assert missing.returncode == 2 and "does not exist" in missing.stderr
 
 
 def test_curves_break_where_a_rollback_takes_the_step_back():
     rows = [
-        {"step": 1, "m": 1.0, "s": 0.5}, {"step": 2, "m": 2.0}, {"step": 3, "m": "x"}, {"step": 3, "m": math.nan},
-        {"step": 3, "m": 3.0}, {"step": 2, "m": 1.5, "s": 0.1}, {"m": 9.0},
+        {"step": 1, "m": 1.0, "s": 0.5},
+        {"step": 2, "m": 2.0},
+        {"step": 3, "m": "x"},
+        {"step": 3, "m": math.nan},
+        {"step": 3, "m": 3.0},
+        {"step": 2, "m": 1.5, "s": 0.1},
+        {"m": 9.0},
     ]
     xs, ys, band = curve(rows, "m", "s")
     # Non-numbers and rows without a step are left out; the step going from 3 back to 2 leaves a gap.

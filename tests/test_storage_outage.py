@@ -27,8 +27,11 @@ class StoppableS3:
         self.start()
 
     def start(self) -> None:
-        self.process = subprocess.Popen([str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.process = subprocess.Popen(
+            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for_port(self.port, self.process, "moto_server")
 
     def stop(self) -> None:
@@ -37,7 +40,12 @@ class StoppableS3:
 
     def checkpoint(self, **settings) -> dict:
         """The run config's checkpoint section for this endpoint."""
-        return {"store_url": "s3://ckpt/prefix", "s3_endpoint": f"127.0.0.1:{self.port}", "s3_secure": False, **settings}
+        return {
+            "store_url": "s3://ckpt/prefix",
+            "s3_endpoint": f"127.0.0.1:{self.port}",
+            "s3_secure": False,
+            **settings,
+        }
 
 
 @pytest.fixture
@@ -52,8 +60,15 @@ def s3(monkeypatch):
 def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
     model_dir, data_dir = tiny_model
     checkpoint = s3.checkpoint(save_every_steps=2, keep_last=20)
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="outage",
-                          train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=checkpoint)
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="outage",
+        train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 1e-5},
+        checkpoint=checkpoint,
+    )
     metrics = tmp_path / "runs" / "outage" / "metrics.jsonl"
     with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
@@ -91,11 +106,20 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
 
 def test_a_run_that_ends_with_its_last_steps_unsaved_does_not_exit_clean(tiny_model, tmp_path, s3):
     model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="unsaved",
-                          train={"total_steps": 8, "batch_size": 8, "learning_rate": 1e-5}, checkpoint=s3.checkpoint(save_every_steps=1000))
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="unsaved",
+        train={"total_steps": 8, "batch_size": 8, "learning_rate": 1e-5},
+        checkpoint=s3.checkpoint(save_every_steps=1000),
+    )
     run_dir = tmp_path / "runs" / "unsaved"
     with running_pipeline(config) as run:
-        wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", run)  # the start-up checks wrote to the store
+        wait_for(
+            lambda: (run_dir / "run.json").exists(), "every service ready", run
+        )  # the start-up checks wrote to the store
         s3.stop()
         output, _ = run.communicate(timeout=600)
     # The final save failed: the trainer says so and exits 1, and so does `rlpipe run`.

@@ -177,13 +177,15 @@ class Bus:
         the free-text reason would give every message its own time series.
         """
         sequence = msg.sequence if isinstance(msg, StreamMessage) else msg.metadata.sequence.stream
-        headers = inject_trace({
-            H_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
-            H_STREAM: stream_name(self.run_id, edge),
-            H_SEQ: str(sequence),
-            H_SERVICE: self.service,
-            "Nats-Msg-Id": f"{edge}.{sequence}.dead",
-        })
+        headers = inject_trace(
+            {
+                H_REASON: reason[:1000].replace("\r", " ").replace("\n", " "),
+                H_STREAM: stream_name(self.run_id, edge),
+                H_SEQ: str(sequence),
+                H_SERVICE: self.service,
+                "Nats-Msg-Id": f"{edge}.{sequence}.dead",
+            }
+        )
         for carried in (H_GROUP, H_CLAIM):
             if msg.headers and carried in msg.headers:
                 headers[carried] = msg.headers[carried]
@@ -351,7 +353,9 @@ class Stage(Generic[In, Out]):
                     delivered = one.msg.metadata.num_delivered
                     try:
                         if delivered > nats_cfg.max_deliver:
-                            raise Unsettled(f"delivered {delivered} times without an outcome: a {self.bus.service} crashed or hung on it")
+                            raise Unsettled(
+                                f"delivered {delivered} times without an outcome: a {self.bus.service} crashed or hung on it"
+                            )
                         one.item = await self.bus.decode(one.msg, self.input_kind)
                     except (DecodeError, Unsettled) as error:
                         cause = "max_deliver" if isinstance(error, Unsettled) else "undecodable"
@@ -379,7 +383,10 @@ class Stage(Generic[In, Out]):
     def _receive(self, msg: Msg, fetched_at: float) -> Received[In]:
         headers = msg.headers or {}
         span = start_span_from_headers(
-            f"{self.bus.service}.{self.consumes}", headers, group_id=headers.get(H_GROUP), delivery=msg.metadata.num_delivered
+            f"{self.bus.service}.{self.consumes}",
+            headers,
+            group_id=headers.get(H_GROUP),
+            delivery=msg.metadata.num_delivered,
         )
         return Received(msg, span, fetched_at)
 
@@ -412,7 +419,9 @@ class Stage(Generic[In, Out]):
                     await one.msg.ack_sync()
                 except (NatsError, TimeoutError) as error:
                     # Unacked, the input is redelivered after AckWait; a publish that did land is deduplicated.
-                    log_event(log, "publish_failed", level=logging.WARNING, group_id=output.group_id, error=repr(error)[:300])
+                    log_event(
+                        log, "publish_failed", level=logging.WARNING, group_id=output.group_id, error=repr(error)[:300]
+                    )
                     self._settle(one, "retry", error)
                     continue
             self.handled += 1
@@ -423,7 +432,9 @@ class Stage(Generic[In, Out]):
         delivered = msg.metadata.num_delivered
         with trace.use_span(one.span, end_on_exit=False):
             if delivered >= self.bus.cfg.nats.max_deliver:
-                await self.bus.dead_letter(msg, f"failed {delivered} times, last: {error!r}", self.consumes, cause="max_deliver")
+                await self.bus.dead_letter(
+                    msg, f"failed {delivered} times, last: {error!r}", self.consumes, cause="max_deliver"
+                )
                 await msg.term()
                 self._settle(one, "dead", error)
             else:

@@ -96,7 +96,9 @@ class KLConfig(Section):
 
     estimator: str = Field("k3", description="k1 | abs | k2 | k3 (or a registered one)")
     coef: float = Field(0.0, ge=0)
-    placement: Literal["loss", "reward"] = Field("loss", alias="in", description="a loss term, or folded into the reward per token")
+    placement: Literal["loss", "reward"] = Field(
+        "loss", alias="in", description="a loss term, or folded into the reward per token"
+    )
 
     @field_validator("estimator")
     @classmethod
@@ -113,7 +115,9 @@ class ClipConfig(Section):
 
 
 class TISConfig(Section):
-    mode: Literal["off", "token", "sequence"] = Field("off", description="truncated importance sampling vs rollout logprobs")
+    mode: Literal["off", "token", "sequence"] = Field(
+        "off", description="truncated importance sampling vs rollout logprobs"
+    )
     cap: float = Field(2.0, ge=1)
 
     @field_validator("mode", mode="before")
@@ -124,16 +128,19 @@ class TISConfig(Section):
 
 
 class CriticConfig(Section):
-    kind: Literal["separate", "head"] = Field("separate", description="its own model, or a value head on the policy backbone")
+    kind: Literal["separate", "head"] = Field(
+        "separate", description="its own model, or a value head on the policy backbone"
+    )
     learning_rate: float = Field(1e-4, gt=0)
     value_clip: float = Field(0.2, gt=0)
     value_coef: float = Field(0.5, gt=0)
     warmup_steps: int = Field(0, ge=0, description="steps that train only the critic")
 
 
-
 class TrainConfig(Section):
-    algorithm: str = Field("grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp, or a registered group estimator")
+    algorithm: str = Field(
+        "grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp, or a registered group estimator"
+    )
     seed: int = 0
     total_steps: int = Field(100, ge=1)
     batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
@@ -150,7 +157,9 @@ class TrainConfig(Section):
     kl: KLConfig = KLConfig()
     clip: ClipConfig = ClipConfig()
     entropy_coef: float = Field(0.0, ge=0)
-    loss_agg: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm")
+    loss_agg: str = Field(
+        "token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"
+    )
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout",
         description="pi_old of the PPO ratio: the rollout engine's sampling logprobs (a trust region around the policy "
@@ -166,7 +175,9 @@ class TrainConfig(Section):
     @model_validator(mode="after")
     def _tis_needs_recomputed_logprobs(self) -> TrainConfig:
         if self.tis.mode != "off" and self.old_logprobs != "recompute":
-            raise ValueError("tis corrects recomputed logprobs toward the rollout's: set old_logprobs: recompute or tis.mode: off")
+            raise ValueError(
+                "tis corrects recomputed logprobs toward the rollout's: set old_logprobs: recompute or tis.mode: off"
+            )
         return self
 
     @field_validator("loss_agg")
@@ -195,7 +206,9 @@ class CheckpointConfig(Section):
     s3_region: str = "us-east-1"
     s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
     s3_parallel_uploads: int = Field(4, ge=1)
-    mirror_url: str = Field("", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step")
+    mirror_url: str = Field(
+        "", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step"
+    )
 
     @field_validator("store_url", "mirror_url")
     @classmethod
@@ -220,9 +233,12 @@ class S3Credentials(BaseSettings):
 class NatsConfig(Section):
     url: str = "nats://127.0.0.1:4222"
     storage: Literal["file", "memory"] = "file"
-    stream_replicas: int = Field(1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)")
+    stream_replicas: int = Field(
+        1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)"
+    )
     sync_always: bool = Field(
-        False, description="embedded nats-server fsyncs every write (sync_interval: always); the default 2 min "
+        False,
+        description="embedded nats-server fsyncs every write (sync_interval: always); the default 2 min "
         "interval can lose acknowledged messages on power loss. Production brokers must set it in their own config.",
     )
     ack_wait_s: float = Field(60.0, gt=0, description="time a stage has to finish a message before redelivery")
@@ -231,7 +247,9 @@ class NatsConfig(Section):
     duplicate_window_s: float = Field(1800.0, gt=0)
     heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
     fetch_timeout_s: float = Field(1.0, gt=0)
-    max_message_bytes: int = Field(512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)")
+    max_message_bytes: int = Field(
+        512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)"
+    )
     claim_check_bytes: int = Field(
         256 * 1024, ge=512, description="a larger group goes to the object store and the message carries its key"
     )
@@ -239,7 +257,9 @@ class NatsConfig(Section):
     @model_validator(mode="after")
     def _claims_below_the_limit(self) -> NatsConfig:
         if self.claim_check_bytes >= self.max_message_bytes:
-            raise ValueError("claim_check_bytes must be below max_message_bytes, or large groups would be dead-lettered")
+            raise ValueError(
+                "claim_check_bytes must be below max_message_bytes, or large groups would be dead-lettered"
+            )
         return self
 
     @model_validator(mode="after")
@@ -284,7 +304,9 @@ class ServiceConfig(Section):
     host: str = "127.0.0.1"
     instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
     trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
-    trainer_host: str = Field("", description="where other services reach the trainer (a service name in compose/k8s); defaults to host")
+    trainer_host: str = Field(
+        "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
+    )
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -315,7 +337,9 @@ class AdminCredentials(BaseSettings):
 
 class TelemetryConfig(Section):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)")
-    otlp_endpoint: str = Field("", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none")
+    otlp_endpoint: str = Field(
+        "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
+    )
     export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
 
 
@@ -346,15 +370,58 @@ class AlertRule(Section):
 def default_alert_rules() -> list[AlertRule]:
     """The operator's usual worries, with thresholds loose enough not to fire on a healthy run."""
     rules = [
-        dict(name="entropy_collapse", metric="entropy", condition="below", threshold=0.02, window_steps=5),
-        dict(name="kl_too_high", metric="kl_ref", condition="above", threshold=1.0, window_steps=5),
-        dict(name="reward_std_explodes", metric="reward_std", condition="rises_by", threshold=10.0, window_steps=10),
-        dict(name="response_length_runaway", metric="response_length_mean", condition="rises_by", threshold=1.0, window_steps=20),
-        dict(name="termination_rate_falls", metric="termination_rate", condition="below", threshold=0.5, window_steps=10),
-        dict(name="step_time_regression", metric="step_time_s", condition="rises_by", threshold=2.0, window_steps=20),
-        dict(name="checkpoint_failures", metric="checkpoint_failed", condition="above", threshold=0.0, severity="critical"),
-        dict(name="nan_loss", metric="loss", condition="nan", severity="critical", actions=["notify", "pause"]),
-        dict(name="service_down", metric="services_down", condition="above", threshold=0.0, window_steps=3, severity="critical"),
+        {"name": "entropy_collapse", "metric": "entropy", "condition": "below", "threshold": 0.02, "window_steps": 5},
+        {"name": "kl_too_high", "metric": "kl_ref", "condition": "above", "threshold": 1.0, "window_steps": 5},
+        {
+            "name": "reward_std_explodes",
+            "metric": "reward_std",
+            "condition": "rises_by",
+            "threshold": 10.0,
+            "window_steps": 10,
+        },
+        {
+            "name": "response_length_runaway",
+            "metric": "response_length_mean",
+            "condition": "rises_by",
+            "threshold": 1.0,
+            "window_steps": 20,
+        },
+        {
+            "name": "termination_rate_falls",
+            "metric": "termination_rate",
+            "condition": "below",
+            "threshold": 0.5,
+            "window_steps": 10,
+        },
+        {
+            "name": "step_time_regression",
+            "metric": "step_time_s",
+            "condition": "rises_by",
+            "threshold": 2.0,
+            "window_steps": 20,
+        },
+        {
+            "name": "checkpoint_failures",
+            "metric": "checkpoint_failed",
+            "condition": "above",
+            "threshold": 0.0,
+            "severity": "critical",
+        },
+        {
+            "name": "nan_loss",
+            "metric": "loss",
+            "condition": "nan",
+            "severity": "critical",
+            "actions": ["notify", "pause"],
+        },
+        {
+            "name": "service_down",
+            "metric": "services_down",
+            "condition": "above",
+            "threshold": 0.0,
+            "window_steps": 3,
+            "severity": "critical",
+        },
     ]
     return [AlertRule(**rule) for rule in rules]
 
@@ -463,7 +530,11 @@ class BuildInfo(BaseSettings):
         if not revision:
             try:
                 revision = subprocess.run(
-                    ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5, cwd=Path(__file__).parent
+                    ["git", "rev-parse", "--short", "HEAD"],
+                    capture_output=True,
+                    text=True,
+                    timeout=5,
+                    cwd=Path(__file__).parent,
                 ).stdout.strip()
             except (OSError, subprocess.SubprocessError):
                 revision = ""
@@ -549,7 +620,9 @@ def _set_dotted(data: dict[str, Any], model: type[BaseModel] | None, key: str, v
             keys = {name: info.alias or name for name, info in model.model_fields.items()}
             keys |= {alias: alias for alias in keys.values()}
             if part not in keys:
-                raise ConfigError(f"invalid configuration:\n  {key}: no such field (allowed here: {sorted(model.model_fields)})")
+                raise ConfigError(
+                    f"invalid configuration:\n  {key}: no such field (allowed here: {sorted(model.model_fields)})"
+                )
             field = next(info for name, info in model.model_fields.items() if (info.alias or name) == keys[part])
             part = keys[part]
             annotation = field.annotation

@@ -24,9 +24,7 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
-def make_arithmetic_dataset(
-    out_dir: Path, seed: int = 0, n_eval: int = 500, n_dev: int = 300
-) -> dict[str, Path]:
+def make_arithmetic_dataset(out_dir: Path, seed: int = 0, n_eval: int = 500, n_dev: int = 300) -> dict[str, Path]:
     """Write every addition a+b (0 <= a, b <= 99) as train/dev/eval JSONL splits.
 
     The 10,000 problems are shuffled with ``seed``, so the same seed always
@@ -43,11 +41,7 @@ def make_arithmetic_dataset(
             f"training rows out of {n_problems} problems"
         )
 
-    problems = [
-        _addition_problem(a, b)
-        for a in range(MAX_OPERAND + 1)
-        for b in range(MAX_OPERAND + 1)
-    ]
+    problems = [_addition_problem(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     # A private Random keeps the split independent of global random state.
     random.Random(seed).shuffle(problems)
     splits = {

@@ -26,14 +26,11 @@ def greedy_generate(
     try:
         for start in range(0, len(prompts), batch_size):
             encoded = [
-                tokenizer.encode(prompt, add_special_tokens=False)
-                for prompt in prompts[start : start + batch_size]
+                tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts[start : start + batch_size]
             ]
             width = max(len(ids) for ids in encoded)
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
-            attention_mask = torch.tensor(
-                [[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded]
-            )
+            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
             with torch.inference_mode():
                 output = model.generate(
                     input_ids=input_ids.to(model.device),
@@ -69,5 +66,5 @@ def greedy_accuracy(
         raise ValueError("greedy_accuracy needs at least one row")
     prompts = [row["prompt"] for row in rows]
     completions = greedy_generate(model, tokenizer, prompts, max_new_tokens)
-    correct = sum(strict_match(c, row["answer"]) for c, row in zip(completions, rows))
+    correct = sum(strict_match(c, row["answer"]) for c, row in zip(completions, rows, strict=False))
     return correct / len(rows)

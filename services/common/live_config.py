@@ -69,7 +69,9 @@ class ConfigVersion:
     @classmethod
     def decode(cls, data: bytes) -> ConfigVersion:
         raw = json.loads(data)
-        return cls(raw["version"], raw["author"], raw["time"], raw["overrides"], [ConfigChange(**c) for c in raw["changes"]])
+        return cls(
+            raw["version"], raw["author"], raw["time"], raw["overrides"], [ConfigChange(**c) for c in raw["changes"]]
+        )
 
 
 def _value_at(cfg: RunConfig, key: str) -> Any:
@@ -101,7 +103,9 @@ class LiveConfig:
         self.js = js
         self.poll_s = poll_s
         self.current = ConfigVersion()
-        self.started: RunConfig | None = None  # base + every change stored before start(): what restart-only fields stay at
+        self.started: RunConfig | None = (
+            None  # base + every change stored before start(): what restart-only fields stay at
+        )
         self.kv: Any = None
         self._polled = 0.0
 
@@ -115,7 +119,12 @@ class LiveConfig:
             self.kv = await self.js.key_value(bucket_name(self.base.run_id))
         except BucketNotFoundError:
             storage = api.StorageType.FILE if self.base.nats.storage == "file" else api.StorageType.MEMORY
-            self.kv = await self.js.create_key_value(bucket=bucket_name(self.base.run_id), history=HISTORY, storage=storage, replicas=self.base.nats.stream_replicas)
+            self.kv = await self.js.create_key_value(
+                bucket=bucket_name(self.base.run_id),
+                history=HISTORY,
+                storage=storage,
+                replicas=self.base.nats.stream_replicas,
+            )
         await self.refresh(force=True)
         self.started = self.cfg
         return self
@@ -146,7 +155,9 @@ class LiveConfig:
         if latest.version == self.current.version:
             return []
         # At start every stored change applies; once running, only the live fields do.
-        overrides = latest.overrides if self.started is None else {k: v for k, v in latest.overrides.items() if is_live(k)}
+        overrides = (
+            latest.overrides if self.started is None else {k: v for k, v in latest.overrides.items() if is_live(k)}
+        )
         try:
             cfg = apply_overrides(self.started or self.base, overrides)
         except ConfigError as error:
@@ -162,10 +173,14 @@ class LiveConfig:
 
         Raises ConfigError naming the field and reason; nothing is stored then.
         """
-        fixed = [key for key in settings if any(key == name or name.startswith(key + ".") for name in DEPLOY_TIME_FIELDS)]
+        fixed = [
+            key for key in settings if any(key == name or name.startswith(key + ".") for name in DEPLOY_TIME_FIELDS)
+        ]
         if fixed:
-            raise ConfigError(f"invalid configuration:\n  {fixed[0]}: names the run and its broker; set it where the services are deployed "
-                              "(config file or RLPIPE_* environment), not on a running run")
+            raise ConfigError(
+                f"invalid configuration:\n  {fixed[0]}: names the run and its broker; set it where the services are deployed "
+                "(config file or RLPIPE_* environment), not on a running run"
+            )
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
         proposed = apply_overrides(self.base, latest.overrides | settings)
@@ -174,7 +189,9 @@ class LiveConfig:
             for key in settings
             if _value_at(current, key) != _value_at(proposed, key)
         ]
-        version = ConfigVersion(latest.version + 1, author or "unknown", time.time(), latest.overrides | settings, changes)
+        version = ConfigVersion(
+            latest.version + 1, author or "unknown", time.time(), latest.overrides | settings, changes
+        )
         if dry_run or not changes:
             return version if changes else latest
         # Compare-and-set on the revision: two operators cannot both write version N.
@@ -184,7 +201,9 @@ class LiveConfig:
             else:
                 await self.kv.update(KEY, version.encode(), last=revision)
         except KeyWrongLastSequenceError:
-            raise ConfigError(f"config version {latest.version + 1} was stored by someone else meanwhile; look and retry") from None
+            raise ConfigError(
+                f"config version {latest.version + 1} was stored by someone else meanwhile; look and retry"
+            ) from None
         return version
 
     async def put_control(self, control: dict[str, Any]) -> None:

@@ -31,7 +31,11 @@ class DecodeError(ValueError):
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
     array = np.ascontiguousarray(array)
-    return {"dtype": array.dtype.name, "shape": list(array.shape), "data": array.astype(array.dtype.newbyteorder("<")).tobytes()}
+    return {
+        "dtype": array.dtype.name,
+        "shape": list(array.shape),
+        "data": array.astype(array.dtype.newbyteorder("<")).tobytes(),
+    }
 
 
 def decode_tensor(value: Any) -> np.ndarray:
@@ -44,7 +48,9 @@ def decode_tensor(value: Any) -> np.ndarray:
     dtype = np.dtype(value["dtype"]).newbyteorder("<")
     shape = tuple(int(d) for d in value["shape"])
     if len(value["data"]) != dtype.itemsize * int(np.prod(shape)):
-        raise ValueError(f"tensor data has {len(value['data'])} bytes, shape {shape} of {dtype.name} needs more or fewer")
+        raise ValueError(
+            f"tensor data has {len(value['data'])} bytes, shape {shape} of {dtype.name} needs more or fewer"
+        )
     return np.frombuffer(value["data"], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
 
 
@@ -112,7 +118,7 @@ class ExperienceGroup(ScoredGroup):
     def _reference_aligned(self) -> ExperienceGroup:
         if len(self.ref_logprobs) != len(self.completions):
             raise ValueError("one ref_logprobs tensor per completion is required")
-        for ref, completion in zip(self.ref_logprobs, self.completions):
+        for ref, completion in zip(self.ref_logprobs, self.completions, strict=False):
             if ref.shape != completion.token_ids.shape:
                 raise ValueError(f"ref_logprobs shape {ref.shape} must match token_ids {completion.token_ids.shape}")
             if not np.isfinite(ref).all():

@@ -46,7 +46,9 @@ async def open_bucket(js: Any, cfg: RunConfig) -> Any:
         return await js.key_value(bucket_name(cfg.run_id))
     except BucketNotFoundError:
         storage = api.StorageType.FILE if cfg.nats.storage == "file" else api.StorageType.MEMORY
-        return await js.create_key_value(bucket=bucket_name(cfg.run_id), history=1, storage=storage, replicas=cfg.nats.stream_replicas)
+        return await js.create_key_value(
+            bucket=bucket_name(cfg.run_id), history=1, storage=storage, replicas=cfg.nats.stream_replicas
+        )
 
 
 class Presence:

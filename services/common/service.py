@@ -94,7 +94,9 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     try:
         telemetry = start_telemetry(cfg, role, instance)
     except OSError as error:
-        print(f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr)
+        print(
+            f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr
+        )
         sys.exit(2)
 
     import torch

@@ -129,7 +129,12 @@ class S3Store:
     def _upload(self, key: str, data: bytes) -> None:
         # Above part_size the SDK sends a multipart upload, parallel_uploads parts at a time.
         self.client.put_object(
-            self.bucket, self._key(key), io.BytesIO(data), len(data), part_size=self.part_size, num_parallel_uploads=self.parallel_uploads
+            self.bucket,
+            self._key(key),
+            io.BytesIO(data),
+            len(data),
+            part_size=self.part_size,
+            num_parallel_uploads=self.parallel_uploads,
         )
 
     def get(self, key: str) -> bytes:
@@ -152,7 +157,10 @@ class S3Store:
 
         strip = len(self._key(""))
         try:
-            return sorted(obj.object_name[strip:] for obj in self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True))
+            return sorted(
+                obj.object_name[strip:]
+                for obj in self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
+            )
         except S3Error as error:
             if error.code == "NoSuchBucket":  # an endpoint that came back empty holds nothing; put() recreates it
                 return []

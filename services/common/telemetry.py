@@ -116,8 +116,15 @@ TRAINER_STEP_KEYS = (
 class Telemetry:
     """The running providers and metrics endpoint of this process."""
 
-    def __init__(self, role: str, instance: str, metrics_url: str, meter_provider: MeterProvider,
-                 tracer_provider: TracerProvider, server: Any):
+    def __init__(
+        self,
+        role: str,
+        instance: str,
+        metrics_url: str,
+        meter_provider: MeterProvider,
+        tracer_provider: TracerProvider,
+        server: Any,
+    ):
         self.role = role
         self.instance = instance
         self.metrics_url = metrics_url
@@ -155,7 +162,12 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
             return _started
         telemetry_cfg = cfg.telemetry
         resource = Resource.create(
-            {"service.name": f"rlpipe-{role}", "service.instance.id": instance, "rlpipe.run_id": cfg.run_id, "rlpipe.role": role}
+            {
+                "service.name": f"rlpipe-{role}",
+                "service.instance.id": instance,
+                "rlpipe.run_id": cfg.run_id,
+                "rlpipe.role": role,
+            }
         )
         # Our own registry: the endpoint shows this process's OpenTelemetry metrics and nothing else.
         registry = CollectorRegistry()
@@ -169,7 +181,9 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
                 )
             )
             tracer_provider.add_span_processor(
-                BatchSpanProcessor(OTLPSpanExporter(endpoint=telemetry_cfg.otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S))
+                BatchSpanProcessor(
+                    OTLPSpanExporter(endpoint=telemetry_cfg.otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S)
+                )
             )
         # Bound before anything global is set, so a taken port fails the start cleanly.
         server, _ = start_http_server(telemetry_cfg.metrics_port, addr=cfg.service.host, registry=registry)
@@ -177,7 +191,10 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
         metrics.set_meter_provider(meter_provider)
         trace.set_tracer_provider(tracer_provider)
         meter().create_observable_gauge(
-            "rlpipe_process_resident_memory", callbacks=[_resident_memory], unit="By", description="resident set size of this process"
+            "rlpipe_process_resident_memory",
+            callbacks=[_resident_memory],
+            unit="By",
+            description="resident set size of this process",
         )
         logging.getLogger().addHandler(_LogCounter())
         url = f"http://{_reachable_host(cfg.service.host)}:{server.server_port}/metrics"
@@ -245,7 +262,9 @@ def _attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return {f"rlpipe.{key}": value for key, value in attributes.items() if value is not None}
 
 
-def start_span_from_headers(name: str, headers: Mapping[str, str] | None, kind: SpanKind = SpanKind.CONSUMER, **attributes: Any) -> Span:
+def start_span_from_headers(
+    name: str, headers: Mapping[str, str] | None, kind: SpanKind = SpanKind.CONSUMER, **attributes: Any
+) -> Span:
     """A started (not current) span, child of the ``traceparent`` in ``headers`` or a new root; the caller ends it.
 
     For a batch of messages handled together: one span per message, each made current
@@ -279,21 +298,36 @@ class _Instruments:
 
     def __init__(self) -> None:
         m = meter()
-        self.groups = m.create_counter("rlpipe_groups_processed", unit="{group}", description="messages a stage settled, by outcome")
+        self.groups = m.create_counter(
+            "rlpipe_groups_processed", unit="{group}", description="messages a stage settled, by outcome"
+        )
         self.latency = m.create_histogram(
-            "rlpipe_stage_latency", unit="s", description="from fetch to ack (ok), nak (retry) or term (dead)",
+            "rlpipe_stage_latency",
+            unit="s",
+            description="from fetch to ack (ok), nak (retry) or term (dead)",
             explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
         )
         self.lag = m.create_observable_gauge(
-            "rlpipe_consumer_lag", callbacks=[_observe_lag], unit="{message}", description="messages not yet delivered by the stage's consumer"
+            "rlpipe_consumer_lag",
+            callbacks=[_observe_lag],
+            unit="{message}",
+            description="messages not yet delivered by the stage's consumer",
         )
-        self.dead_letters = m.create_counter("rlpipe_dead_letters", unit="{message}", description="messages copied to DEAD")
+        self.dead_letters = m.create_counter(
+            "rlpipe_dead_letters", unit="{message}", description="messages copied to DEAD"
+        )
         self.sync_duration = m.create_histogram(
-            "rlpipe_weight_sync_duration", unit="s", description="pull and load of one policy version",
+            "rlpipe_weight_sync_duration",
+            unit="s",
+            description="pull and load of one policy version",
             explicit_bucket_boundaries_advisory=SLOW_BUCKETS_S,
         )
-        self.sync_bytes = m.create_counter("rlpipe_weight_sync_bytes", unit="By", description="weight bytes pulled from the trainer")
-        self.policy_version = m.create_gauge("rlpipe_rollout_policy_version", description="policy version loaded in the engine")
+        self.sync_bytes = m.create_counter(
+            "rlpipe_weight_sync_bytes", unit="By", description="weight bytes pulled from the trainer"
+        )
+        self.policy_version = m.create_gauge(
+            "rlpipe_rollout_policy_version", description="policy version loaded in the engine"
+        )
 
 
 @functools.cache
@@ -346,14 +380,24 @@ class TrainerMetrics:
 
     def __init__(self) -> None:
         m = meter()
-        self.gauges = {key: m.create_gauge(f"rlpipe_trainer_{key}", description=f"step row {key!r} of the latest step") for key in TRAINER_STEP_KEYS}
+        self.gauges = {
+            key: m.create_gauge(f"rlpipe_trainer_{key}", description=f"step row {key!r} of the latest step")
+            for key in TRAINER_STEP_KEYS
+        }
         self.nonfinite = m.create_counter(
-            "rlpipe_trainer_nonfinite_metrics", unit="{value}", description="step values not exported because they were NaN or infinite"
+            "rlpipe_trainer_nonfinite_metrics",
+            unit="{value}",
+            description="step values not exported because they were NaN or infinite",
         )
         self.checkpoint_duration = m.create_histogram(
-            "rlpipe_checkpoint_duration", unit="s", description="time to store one checkpoint", explicit_bucket_boundaries_advisory=SLOW_BUCKETS_S
+            "rlpipe_checkpoint_duration",
+            unit="s",
+            description="time to store one checkpoint",
+            explicit_bucket_boundaries_advisory=SLOW_BUCKETS_S,
         )
-        self.checkpoints = m.create_counter("rlpipe_checkpoints", unit="{checkpoint}", description="checkpoints stored or failed")
+        self.checkpoints = m.create_counter(
+            "rlpipe_checkpoints", unit="{checkpoint}", description="checkpoints stored or failed"
+        )
         self.alerts = m.create_counter("rlpipe_alerts_fired", unit="{alert}", description="alert rules that fired")
         # Both outcomes exist from the start, so a rate over failures is 0 rather than absent.
         for outcome in ("ok", "failed"):

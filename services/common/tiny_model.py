@@ -103,15 +103,13 @@ def _new_model(tokenizer: Qwen2Tokenizer, seed: int) -> Qwen2ForCausalLM:
     return model
 
 
-def _encode_examples(
-    tokenizer: Qwen2Tokenizer, rows: list[dict]
-) -> list[tuple[list[int], list[int]]]:
+def _encode_examples(tokenizer: Qwen2Tokenizer, rows: list[dict]) -> list[tuple[list[int], list[int]]]:
     """Token ids of ``prompt + answer + <eos>`` and labels that score only answer and EOS."""
     examples = []
     for row in rows:
         prompt_ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
         answer_ids = tokenizer.encode(row["answer"], add_special_tokens=False)
-        target_ids = answer_ids + [tokenizer.eos_token_id]
+        target_ids = [*answer_ids, tokenizer.eos_token_id]
         examples.append((prompt_ids + target_ids, [-100] * len(prompt_ids) + target_ids))
     return examples
 
@@ -167,9 +165,7 @@ def _warm_start(
         console=Console(stderr=True),
     )
     with progress:
-        task = progress.add_task(
-            "sft", total=max_steps, loss=float("nan"), dev_accuracy=dev_accuracy
-        )
+        task = progress.add_task("sft", total=max_steps, loss=float("nan"), dev_accuracy=dev_accuracy)
         while step < max_steps:
             if len(order) < BATCH_SIZE:
                 order += torch.randperm(len(examples), generator=order_generator).tolist()
@@ -252,12 +248,8 @@ def build_tiny_model(
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
     try:
-        steps, dev_accuracy = _warm_start(
-            model, tokenizer, train_rows, dev_rows, seed, target_accuracy, max_steps
-        )
-        eval_accuracy = greedy_accuracy(
-            model, tokenizer, eval_rows, _max_answer_tokens(tokenizer, eval_rows)
-        )
+        steps, dev_accuracy = _warm_start(model, tokenizer, train_rows, dev_rows, seed, target_accuracy, max_steps)
+        eval_accuracy = greedy_accuracy(model, tokenizer, eval_rows, _max_answer_tokens(tokenizer, eval_rows))
     finally:
         torch.set_num_threads(caller_threads)
 

@@ -34,7 +34,9 @@ class Snapshot:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
     def info(self) -> pb.PolicyVersion:
-        return pb.PolicyVersion(version=self.version, step=self.step, num_tensors=len(self.tensors), total_bytes=self.total_bytes)
+        return pb.PolicyVersion(
+            version=self.version, step=self.step, num_tensors=len(self.tensors), total_bytes=self.total_bytes
+        )
 
 
 def snapshot_of(model: torch.nn.Module, version: int, step: int) -> Snapshot:
@@ -82,7 +84,9 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
     async def GetVersion(self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext) -> pb.PolicyVersion:
         return self.latest.info()
 
-    async def WatchVersions(self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.PolicyVersion]:
+    async def WatchVersions(
+        self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.PolicyVersion]:
         seen = request.after_version
         while True:
             async with self._changed:
@@ -91,10 +95,14 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
             seen = current.version
             yield current.info()
 
-    async def PullWeights(self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.WeightChunk]:
+    async def PullWeights(
+        self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.WeightChunk]:
         snapshot = self.latest
         if request.version and request.version != snapshot.version:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"version {request.version} is gone; newest is {snapshot.version}")
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, f"version {request.version} is gone; newest is {snapshot.version}"
+            )
         for chunk in chunks_of(snapshot):
             yield chunk
 
@@ -129,7 +137,11 @@ def assemble(chunks: list[pb.WeightChunk]) -> tuple[int, dict[str, torch.Tensor]
 
 
 # Reconnect soon after the trainer comes back (gRPC's default backoff grows to minutes).
-RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 2000)]
+RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 class WeightSyncClient:
@@ -144,7 +156,9 @@ class WeightSyncClient:
         return self.stub.WatchVersions(pb.WatchVersionsRequest(after_version=after_version))
 
     async def pull(self, version: int = 0, timeout: float = 120.0) -> tuple[int, dict[str, torch.Tensor]]:
-        chunks = [chunk async for chunk in self.stub.PullWeights(pb.PullWeightsRequest(version=version), timeout=timeout)]
+        chunks = [
+            chunk async for chunk in self.stub.PullWeights(pb.PullWeightsRequest(version=version), timeout=timeout)
+        ]
         return assemble(chunks)
 
     async def close(self) -> None:

@@ -30,7 +30,9 @@ class ReferenceScorer:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
         batch = pack(pairs, self.pad_id)
         logprobs = token_logprobs(response_logits(self.model, batch), batch.targets)
-        flat = [row[: len(response)].numpy().astype(np.float32) for row, (_, response) in zip(logprobs, pairs)]
+        flat = [
+            row[: len(response)].numpy().astype(np.float32) for row, (_, response) in zip(logprobs, pairs, strict=False)
+        ]
         out, start = [], 0
         for group in groups:
             n = len(group.completions)
@@ -53,7 +55,12 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
     log_event(
-        log, "ready", grpc=address, metrics_url=current_telemetry().metrics_url, model=str(cfg.reference_model_path),
-        model_load_s=loaded_s, startup_s=started(),
+        log,
+        "ready",
+        grpc=address,
+        metrics_url=current_telemetry().metrics_url,
+        model=str(cfg.reference_model_path),
+        model_load_s=loaded_s,
+        startup_s=started(),
     )
     await serve_stage(stage, stop, server, presence)

@@ -35,7 +35,12 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, cfg.reward.batch, "reward")
     log_event(
-        log, "ready", grpc=address, metrics_url=current_telemetry().metrics_url, functions=live.cfg.reward.functions,
-        config_version=live.version, startup_s=started(),
+        log,
+        "ready",
+        grpc=address,
+        metrics_url=current_telemetry().metrics_url,
+        functions=live.cfg.reward.functions,
+        config_version=live.version,
+        startup_s=started(),
     )
     await serve_stage(stage, stop, server, presence)

@@ -28,7 +28,9 @@ class Generation:
 
 
 class Engine(Protocol):
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]: ...
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+    ) -> list[list[Generation]]: ...
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -58,7 +60,9 @@ class VllmEngine:
         )
         self.tokenizer = self.llm.get_tokenizer()
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+    ) -> list[list[Generation]]:
         from vllm import SamplingParams, TokensPrompt
 
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
@@ -78,7 +82,7 @@ class VllmEngine:
             group = []
             for out in result.outputs:
                 ids = list(out.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids)]
+                logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids, strict=False)]
                 group.append(
                     Generation(
                         text=self.tokenizer.decode(ids, skip_special_tokens=True),
@@ -106,7 +110,9 @@ class HfEngine:
         torch.manual_seed(cfg.train.seed)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int) -> list[list[Generation]]:
+    def generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+    ) -> list[list[Generation]]:
         return [self._group(ids, sampling, max_tokens_for(len(ids), sampling, max_seq_len)) for ids in prompt_ids]
 
     def _group(self, ids: list[int], sampling: SamplingConfig, max_tokens: int) -> list[Generation]:
@@ -128,7 +134,7 @@ class HfEngine:
         raw_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
         token_logprobs = raw_logprobs.gather(-1, new_tokens[..., None]).squeeze(-1)
         group = []
-        for tokens, logprobs in zip(new_tokens.tolist(), token_logprobs):
+        for tokens, logprobs in zip(new_tokens.tolist(), token_logprobs, strict=False):
             stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
             group.append(
                 Generation(

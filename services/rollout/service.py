@@ -62,7 +62,14 @@ class PolicyFollower:
         try:
             version, tensors = await self.client.pull()
         except grpc.aio.AioRpcError as error:
-            log_event(log, "weight_sync_deferred", level=logging.WARNING, code=error.code().name, loaded=self.loaded, newest=self.newest)
+            log_event(
+                log,
+                "weight_sync_deferred",
+                level=logging.WARNING,
+                code=error.code().name,
+                loaded=self.loaded,
+                newest=self.newest,
+            )
             return
         await asyncio.get_running_loop().run_in_executor(self.engine_thread, self.engine.load_weights, tensors.items())
         self.loaded = version
@@ -94,7 +101,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
-        groups = await loop.run_in_executor(engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len)
+        groups = await loop.run_in_executor(
+            engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len
+        )
         return [
             advance(
                 prompt,
@@ -104,13 +113,19 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
                 config_version=live.version,
                 completions=[Completion(**vars(generation)) for generation in group],
             )
-            for prompt, ids, group in zip(prompts, prompt_ids, groups)
+            for prompt, ids, group in zip(prompts, prompt_ids, groups, strict=False)
         ]
 
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
     log_event(
-        log, "ready", grpc=address, metrics_url=current_telemetry().metrics_url, backend=cfg.rollout.backend,
-        engine_load_s=engine_s, policy_version=follower.loaded, startup_s=started(),
+        log,
+        "ready",
+        grpc=address,
+        metrics_url=current_telemetry().metrics_url,
+        backend=cfg.rollout.backend,
+        engine_load_s=engine_s,
+        policy_version=follower.loaded,
+        startup_s=started(),
     )
     try:
         await serve_stage(stage, stop, server, presence)

@@ -35,11 +35,15 @@ class BearerToken(grpc.aio.ServerInterceptor):
         self.expected = f"Bearer {token}".encode()
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token (metadata authorization: Bearer <token>)")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token (metadata authorization: Bearer <token>)"
+            )
 
         self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
 
-    async def intercept_service(self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails) -> Any:
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
@@ -49,7 +53,11 @@ class BearerToken(grpc.aio.ServerInterceptor):
 
 
 def _text(value: Any) -> str:
-    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip() if value is not None else "null"
+    return (
+        yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+        if value is not None
+        else "null"
+    )
 
 
 def _config_version(version: Any) -> admin_pb2.ConfigVersion:
@@ -57,12 +65,17 @@ def _config_version(version: Any) -> admin_pb2.ConfigVersion:
         version=version.version,
         author=version.author,
         time=version.time,
-        changes=[admin_pb2.FieldChange(key=c.key, old_value=_text(c.old), new_value=_text(c.new), live=c.live) for c in version.changes],
+        changes=[
+            admin_pb2.FieldChange(key=c.key, old_value=_text(c.old), new_value=_text(c.new), live=c.live)
+            for c in version.changes
+        ],
     )
 
 
 def checkpoint_info(entry: dict[str, Any]) -> admin_pb2.CheckpointInfo:
-    return admin_pb2.CheckpointInfo(**{k: v for k, v in entry.items() if k in admin_pb2.CheckpointInfo.DESCRIPTOR.fields_by_name})
+    return admin_pb2.CheckpointInfo(
+        **{k: v for k, v in entry.items() if k in admin_pb2.CheckpointInfo.DESCRIPTOR.fields_by_name}
+    )
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
@@ -84,7 +97,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         await self.trainer.call(lambda: self.trainer.request_stop(request.reason or "stopped by operator"))
         return await self.trainer.status()
 
-    async def UpdateConfig(self, request: admin_pb2.UpdateConfigRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigVersion:
+    async def UpdateConfig(
+        self, request: admin_pb2.UpdateConfigRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.ConfigVersion:
         if not request.settings:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no settings given (KEY=VALUE ...)")
         try:
@@ -93,13 +108,21 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         except ConfigError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if not request.dry_run and version.changes:
-            log_event(log, "config_updated", config_version=version.version, author=version.author, changes=[vars(c) for c in version.changes])
+            log_event(
+                log,
+                "config_updated",
+                config_version=version.version,
+                author=version.author,
+                changes=[vars(c) for c in version.changes],
+            )
             self.trainer.wake()
         return _config_version(version)
 
     async def GetConfig(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigReply:
         live = self.trainer.live
-        return admin_pb2.ConfigReply(version=live.version, yaml=yaml.safe_dump(redacted_dump(live.cfg), sort_keys=False))
+        return admin_pb2.ConfigReply(
+            version=live.version, yaml=yaml.safe_dump(redacted_dump(live.cfg), sort_keys=False)
+        )
 
     async def GetConfigHistory(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigHistory:
         return admin_pb2.ConfigHistory(versions=[_config_version(v) for v in await self.trainer.live.history()])
@@ -107,13 +130,18 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Checkpoint(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
         entry = await self.trainer.call(self.trainer.checkpoint_now)
         if entry is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the checkpoint could not be stored; see the trainer log (checkpoint_failed)")
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the checkpoint could not be stored; see the trainer log (checkpoint_failed)",
+            )
         return checkpoint_info(entry)
 
     async def ListCheckpoints(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointList:
         return admin_pb2.CheckpointList(checkpoints=[checkpoint_info(e) for e in await self.trainer.list_checkpoints()])
 
-    async def Rollback(self, request: admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext) -> admin_pb2.RollbackReply:
+    async def Rollback(
+        self, request: admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.RollbackReply:
         which = request.WhichOneof("target")
         if which is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a step or stable")
@@ -126,7 +154,9 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         return admin_pb2.RollbackReply(step=step, policy_version=version, abandoned_steps=abandoned)
 
-    async def MarkStable(self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
+    async def MarkStable(
+        self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext
+    ) -> admin_pb2.CheckpointInfo:
         try:
             entry = await self.trainer.call(lambda: self.trainer.mark_stable(request.step))
         except LookupError as error:

@@ -166,7 +166,10 @@ class AlertEvaluator:
             beyond = (lambda v: v > threshold) if rule.condition == "above" else (lambda v: v < threshold)
             if len(recent) < window or not all(beyond(v) for v in recent):
                 return None
-            return recent[-1], f"{metric} has been {rule.condition} {threshold:g} for the last {_steps(window)} (newest {recent[-1]:.4g})."
+            return (
+                recent[-1],
+                f"{metric} has been {rule.condition} {threshold:g} for the last {_steps(window)} (newest {recent[-1]:.4g}).",
+            )
         # rises_by / falls_by
         if len(values) < 2 * window:
             return None
@@ -188,7 +191,11 @@ class AlertEvaluator:
         return fired is not None and (self._step or 0) - fired < self.cooldown_steps
 
     def _fire(self, rule: AlertRule, value: float, message: str, now: float) -> Firing:
-        window = f"{rule.window_s:g} s" if rule.condition == "absent" else _steps(1 if rule.condition == "nan" else rule.window_steps)
+        window = (
+            f"{rule.window_s:g} s"
+            if rule.condition == "absent"
+            else _steps(1 if rule.condition == "nan" else rule.window_steps)
+        )
         at = f" at step {self._step}" if self._step is not None else ""
         firing = Firing(
             rule=rule.name,
@@ -237,7 +244,7 @@ def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 5.0) -> N
         try:
             with urllib.request.urlopen(request, timeout=timeout_s) as response:
                 response.read()
-        except Exception as error:  # noqa: BLE001 - any failure of delivery is only logged
+        except Exception as error:
             log_event(log, "alert_webhook_failed", level=logging.WARNING, url=where, error=repr(error)[:300])
 
     threading.Thread(target=send, name="alert-webhook").start()

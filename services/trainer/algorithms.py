@@ -130,7 +130,9 @@ def rloo_advantages(scores: torch.Tensor, group_ids: torch.Tensor, eps: float = 
     return torch.where(count > 1, count / (count - 1).clamp(min=1) * (scores - mean), scores)
 
 
-def group_advantages(scores: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    scores: torch.Tensor, group_ids: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6
+) -> torch.Tensor:
     """One advantage per response from its group's scores, by the named estimator."""
     return ADVANTAGE_ESTIMATORS[estimator](scores, group_ids, eps=eps)
 
@@ -168,7 +170,9 @@ def seq_mean_token_sum_norm(loss_mat: torch.Tensor, mask: torch.Tensor, horizon:
     return _sequence_mean((loss_mat * mask).sum(-1) / (horizon or mask.shape[-1]), mask)
 
 
-def aggregate(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None) -> torch.Tensor:
+def aggregate(
+    loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", horizon: int | None = None
+) -> torch.Tensor:
     """Reduce a per-token loss to a scalar by the named mode."""
     return AGGREGATIONS[mode](loss_mat, mask, horizon=horizon)
 

@@ -40,7 +40,13 @@ MANIFEST = "manifest.json"
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
 _STEP_FILE = re.compile(r"step-(\d+)/(manifest\.json|STABLE|ABANDONED)$")
-MODEL_SIDECARS = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+MODEL_SIDECARS = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def _sha256(data: bytes) -> str:
@@ -88,7 +94,9 @@ def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
     result = module.load_state_dict(state, strict=False)
     wrong = set(result.missing_keys) - aliases
     if wrong or result.unexpected_keys:
-        raise ValueError(f"checkpoint does not fit the model: missing {sorted(wrong)}, unexpected {sorted(result.unexpected_keys)}")
+        raise ValueError(
+            f"checkpoint does not fit the model: missing {sorted(wrong)}, unexpected {sorted(result.unexpected_keys)}"
+        )
 
 
 @dataclass
@@ -118,7 +126,13 @@ UNREADABLE = (CheckpointCorrupt, OSError, KeyError, ValueError)
 
 class CheckpointStore:
     def __init__(
-        self, store: ObjectStore, run_id: str, keep_last: int, attempts: int = 4, backoff_s: float = 1.0, mirror: ObjectStore | None = None
+        self,
+        store: ObjectStore,
+        run_id: str,
+        keep_last: int,
+        attempts: int = 4,
+        backoff_s: float = 1.0,
+        mirror: ObjectStore | None = None,
     ):
         self.store = store
         self.mirror = mirror
@@ -136,7 +150,15 @@ class CheckpointStore:
                 if attempt == self.attempts:
                     raise
                 delay = self.backoff_s * 2 ** (attempt - 1)
-                log_event(log, "store_retry", level=logging.WARNING, key=what, attempt=attempt, retry_s=delay, error=repr(error)[:300])
+                log_event(
+                    log,
+                    "store_retry",
+                    level=logging.WARNING,
+                    key=what,
+                    attempt=attempt,
+                    retry_s=delay,
+                    error=repr(error)[:300],
+                )
                 time.sleep(delay)
 
     def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
@@ -200,7 +222,9 @@ class CheckpointStore:
         """Steps that have a manifest, oldest first."""
         listing = self._listing(store)
         return sorted(
-            step for step, names in listing.items() if MANIFEST in names and (include_abandoned or ABANDONED not in names)
+            step
+            for step, names in listing.items()
+            if MANIFEST in names and (include_abandoned or ABANDONED not in names)
         )
 
     def catalog(self) -> list[dict[str, Any]]:
@@ -213,16 +237,18 @@ class CheckpointStore:
                 manifest = json.loads(self.store.get(self._prefix(step) + MANIFEST))
             except FileNotFoundError:
                 continue  # pruned between the listing and this read
-            entries.append({
-                "step": step,
-                "policy_version": manifest.get("policy_version") or 0,
-                "last_experience_seq": manifest.get("last_experience_seq"),
-                "created": manifest["created"],
-                "bytes": sum(meta["size"] for meta in manifest["files"].values()),
-                "stable": STABLE in names,
-                "abandoned": ABANDONED in names,
-                "location": f"{self.store.url.rstrip('/')}/{self._prefix(step)}",
-            })
+            entries.append(
+                {
+                    "step": step,
+                    "policy_version": manifest.get("policy_version") or 0,
+                    "last_experience_seq": manifest.get("last_experience_seq"),
+                    "created": manifest["created"],
+                    "bytes": sum(meta["size"] for meta in manifest["files"].values()),
+                    "stable": STABLE in names,
+                    "abandoned": ABANDONED in names,
+                    "location": f"{self.store.url.rstrip('/')}/{self._prefix(step)}",
+                }
+            )
         return entries
 
     def mark(self, step: int, marker: str) -> None:
@@ -231,7 +257,9 @@ class CheckpointStore:
         if MANIFEST not in listing.get(step, set()):
             raise KeyError(f"no checkpoint at step {step} (stored: {self.steps()})")
         if marker == STABLE and ABANDONED in listing[step]:
-            raise AbandonedStep(f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})")
+            raise AbandonedStep(
+                f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})"
+            )
         note = json.dumps({"time": time.time()}).encode()
         self._put(self._prefix(step) + marker, note)
         if self.mirror is not None:
@@ -262,7 +290,9 @@ class CheckpointStore:
             try:
                 return self.load(step, self.store)
             except UNREADABLE as error:
-                log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=self.store.url, reason=str(error))
+                log_event(
+                    log, "checkpoint_skipped", level=logging.WARNING, step=step, store=self.store.url, reason=str(error)
+                )
                 return self.load(step, self.mirror)
         prefix = self._prefix(step)
         manifest = json.loads(store.get(prefix + MANIFEST))
@@ -301,14 +331,18 @@ class CheckpointStore:
                 try:
                     return self.load(step, store)
                 except UNREADABLE as error:
-                    log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=store.url, reason=str(error))
+                    log_event(
+                        log, "checkpoint_skipped", level=logging.WARNING, step=step, store=store.url, reason=str(error)
+                    )
         return None
 
     def _prune(self, store: ObjectStore) -> None:
         """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first."""
         listing = self._listing(store)
         live = sorted(step for step, names in listing.items() if MANIFEST in names and ABANDONED not in names)
-        keep = set(live[-self.keep_last :]) | {step for step, names in listing.items() if STABLE in names and ABANDONED not in names}
+        keep = set(live[-self.keep_last :]) | {
+            step for step, names in listing.items() if STABLE in names and ABANDONED not in names
+        }
         for step, names in listing.items():
             if MANIFEST in names and step not in keep:
                 store.delete_prefix(self._prefix(step))

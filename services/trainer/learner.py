@@ -67,7 +67,9 @@ class Batch:
 
     @classmethod
     def of(cls, groups: list[ExperienceGroup]) -> Batch:
-        rows = [(i, g, c, ref) for i, g in enumerate(groups) for c, ref in zip(g.completions, g.ref_logprobs)]
+        rows = [
+            (i, g, c, ref) for i, g in enumerate(groups) for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
+        ]
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for _, g, c, _ in rows]
         width = max(max(len(r) for _, r in pairs), 1)
         lengths = torch.tensor([len(r) for _, r in pairs])
@@ -103,7 +105,9 @@ class Learner:
         self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay)
         warmup = train.warmup_steps
         # Adam's first updates are full-size whatever the gradient; warm-up keeps them from jolting the policy.
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1)))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: min(1.0, (step + 1) / (warmup + 1))
+        )
         self.generator = torch.Generator().manual_seed(train.seed)
         self.steps_done = 0
 
@@ -111,7 +115,9 @@ class Learner:
         """Take a live config change. Hyperparameters are read at every step; the learning rate also lives in the scheduler."""
         self.cfg = cfg
         self.scheduler.base_lrs[0] = cfg.train.learning_rate
-        self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](self.scheduler.last_epoch)
+        self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](
+            self.scheduler.last_epoch
+        )
 
     def rng_state(self) -> dict[str, Any]:
         return {**rng_state(), "minibatch_order": self.generator.get_state()}
@@ -136,7 +142,9 @@ class Learner:
         """Policy logits ``[n, R, V]`` and critic values ``[n, R]`` (None without a critic) for ``rows``."""
         packed = pack([batch.pairs[i] for i in rows], self.tokenizer.pad_token_id)
         want_hidden = self.critic is not None and self.critic.kind == "head"
-        output = self.model(input_ids=packed.input_ids, attention_mask=packed.attention_mask, output_hidden_states=want_hidden)
+        output = self.model(
+            input_ids=packed.input_ids, attention_mask=packed.attention_mask, output_hidden_states=want_hidden
+        )
         logits = at_response(output.logits, packed)
         values = self.critic.values(packed, output) if self.critic is not None else None
         return packed, logits, values
@@ -163,20 +171,26 @@ class Learner:
 
     # --- advantages -------------------------------------------------------------------------
 
-    def advantages(self, batch: Batch, old_logp: torch.Tensor, old_values: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def advantages(
+        self, batch: Batch, old_logp: torch.Tensor, old_values: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-token advantages ``[N, R]`` and, for PPO, the value targets."""
         train = self.cfg.train
         mask = batch.mask
         token_rewards = batch.token_rewards()
         if train.kl.placement == "reward" and train.kl.coef > 0:
-            token_rewards = token_rewards - train.kl.coef * kl_penalty(old_logp, batch.ref_logp, train.kl.estimator) * mask
+            token_rewards = (
+                token_rewards - train.kl.coef * kl_penalty(old_logp, batch.ref_logp, train.kl.estimator) * mask
+            )
         if train.algorithm == "ppo":
             advantages, returns = gae(token_rewards, old_values, mask, train.gamma, train.lam)
             return whiten(advantages, mask) * mask, returns
         if train.algorithm == "reinforce_pp":
             return whiten(reinforce_pp_returns(token_rewards, mask, train.gamma), mask) * mask, None
         scores = token_rewards.sum(-1)
-        return group_advantages(scores, batch.group_index, ALIASES.get(train.algorithm, train.algorithm))[:, None] * mask, None
+        return group_advantages(scores, batch.group_index, ALIASES.get(train.algorithm, train.algorithm))[
+            :, None
+        ] * mask, None
 
     # --- the step ---------------------------------------------------------------------------
 
@@ -187,7 +201,9 @@ class Learner:
         batch = Batch.of(groups)
         self.model.eval()  # scoring must match generation: no dropout
         recompute = train.old_logprobs == "recompute"
-        old_logp, old_values = self._score(batch, policy=recompute) if recompute or self.critic is not None else (None, None)
+        old_logp, old_values = (
+            self._score(batch, policy=recompute) if recompute or self.critic is not None else (None, None)
+        )
         if not recompute:
             old_logp = batch.rollout_logp
         advantages, returns = self.advantages(batch, old_logp, old_values)
@@ -257,8 +273,16 @@ class Learner:
         logp = token_logprobs(logits, packed.targets)
         horizon = batch.mask.shape[1]
         pg_loss, stats = policy_loss(
-            logp, cut(old_logp), cut(advantages), mask, train.clip.low, train.clip.high, train.clip.dual,
-            train.loss_agg, weights=cut(tis) if tis is not None else None, horizon=horizon,
+            logp,
+            cut(old_logp),
+            cut(advantages),
+            mask,
+            train.clip.low,
+            train.clip.high,
+            train.clip.dual,
+            train.loss_agg,
+            weights=cut(tis) if tis is not None else None,
+            horizon=horizon,
         )
         entropy = aggregate(entropy_from_logits(logits.float()), mask, train.loss_agg, horizon)
         kl = aggregate(kl_penalty(logp, cut(batch.ref_logp), train.kl.estimator), mask, train.loss_agg, horizon)
@@ -267,7 +291,9 @@ class Learner:
             loss = loss + train.kl.coef * kl
         stats |= {"pg_loss": pg_loss.detach(), "entropy": entropy.detach(), "kl_ref": kl.detach()}
         if values is not None:
-            v_loss, v_clipfrac = value_loss(values, cut(old_values), cut(returns), mask, train.critic.value_clip, train.loss_agg)
+            v_loss, v_clipfrac = value_loss(
+                values, cut(old_values), cut(returns), mask, train.critic.value_clip, train.loss_agg
+            )
             loss = train.critic.value_coef * v_loss if critic_only else loss + train.critic.value_coef * v_loss
             stats |= {"value_loss": v_loss.detach(), "value_clipfrac": v_clipfrac}
         stats["loss"] = loss.detach()
@@ -284,7 +310,9 @@ class Learner:
     ) -> dict[str, float]:
         mask = batch.mask
         lengths = mask.sum(-1)
-        group_std = torch.stack([batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()])
+        group_std = torch.stack(
+            [batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()]
+        )
         valid = mask.bool()
         metrics = {
             "reward_mean": float(batch.rewards.mean()),

@@ -32,11 +32,26 @@ class Lineage:
     def text(self) -> str:
         return self.path.read_text() if self.path.exists() else ""
 
-    def record_step(self, step: int, version: int, groups: list[tuple[str, int]], dropped: list[str], experience_seq: int) -> None:
-        self._append({"step": step, "policy_version": version, "groups": groups, "dropped_stale": dropped, "experience_seq": experience_seq})
+    def record_step(
+        self, step: int, version: int, groups: list[tuple[str, int]], dropped: list[str], experience_seq: int
+    ) -> None:
+        self._append(
+            {
+                "step": step,
+                "policy_version": version,
+                "groups": groups,
+                "dropped_stale": dropped,
+                "experience_seq": experience_seq,
+            }
+        )
 
     def restart_from(
-        self, step: int, version: int, event: str, copy_if_missing: str = "", abandoned_versions: tuple[int, int] | None = None
+        self,
+        step: int,
+        version: int,
+        event: str,
+        copy_if_missing: str = "",
+        abandoned_versions: tuple[int, int] | None = None,
     ) -> list[int]:
         """Record that training goes on from checkpoint ``step``; returns the steps this abandons.
 

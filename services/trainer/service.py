@@ -17,12 +17,22 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import yaml
-
 import numpy as np
+import yaml
 from nats.errors import Error as NatsError
 
-from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, WORK_QUEUES, Bus, StoreUnavailable, StreamReader, stream_name, subject
+from services.common.bus import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    PROMPTS,
+    WORK_QUEUES,
+    Bus,
+    StoreUnavailable,
+    StreamReader,
+    stream_name,
+    subject,
+)
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
@@ -38,9 +48,17 @@ from services.common.telemetry import StageMetrics, TrainerMetrics, current_tele
 from services.common.weightsync import WeightSyncServer, snapshot_of
 from services.trainer.admin import AdminServicer, BearerToken
 from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
-from services.trainer.checkpoint import ABANDONED, STABLE, UNREADABLE, Checkpoint, CheckpointCorrupt, CheckpointStore, detached_copy
-from services.trainer.lineage import Lineage
+from services.trainer.checkpoint import (
+    ABANDONED,
+    STABLE,
+    UNREADABLE,
+    Checkpoint,
+    CheckpointCorrupt,
+    CheckpointStore,
+    detached_copy,
+)
 from services.trainer.learner import Learner
+from services.trainer.lineage import Lineage
 
 log = logging.getLogger(__name__)
 HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
@@ -106,7 +124,9 @@ class Trainer:
         self.feeder = PromptFeeder(load_jsonl(cfg.data.train_path), cfg.train.seed, cfg.data.shuffle)
         self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
-        self.checkpoints = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror)
+        self.checkpoints = CheckpointStore(
+            open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
+        )
         self.metrics = MetricsLog(cfg.metrics_file)
         self.events = EventLog(cfg.run_dir / "events.jsonl")
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
@@ -249,7 +269,9 @@ class Trainer:
         try:
             ckpt = await asyncio.to_thread(self.checkpoints.load, step)
         except UNREADABLE as error:
-            raise CheckpointCorrupt(f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed") from error
+            raise CheckpointCorrupt(
+                f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed"
+            ) from error
         disowned = (ckpt.state["policy_version"] + 1, self.version)
         self.learner.load(ckpt)
         self.learner.reconfigure(self.cfg)  # the live hyperparameters stay in force
@@ -265,7 +287,9 @@ class Trainer:
         await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
         self.reader = self.bus.read_from(EXPERIENCE, self.last_experience_seq + 1)
         message = f"rolled back to step {step} as policy version {self.version} ({reason}); abandoned steps {abandoned[:1]}..{abandoned[-1:]}"
-        self.events.write("rollback", message, step=step, policy_version=self.version, abandoned_steps=abandoned, reason=reason)
+        self.events.write(
+            "rollback", message, step=step, policy_version=self.version, abandoned_steps=abandoned, reason=reason
+        )
         log_event(log, "rolled_back", step=step, policy_version=self.version, abandoned_steps=abandoned, reason=reason)
         return step, self.version, abandoned
 
@@ -360,7 +384,8 @@ class Trainer:
         version = self.live.current
         self.events.write(
             "config_change",
-            f"config version {version.version} by {version.author}: " + ", ".join(f"{c.key}={c.new}" for c in version.changes),
+            f"config version {version.version} by {version.author}: "
+            + ", ".join(f"{c.key}={c.new}" for c in version.changes),
             step=self.step,
             config_version=version.version,
             changes=[vars(c) for c in version.changes],
@@ -399,14 +424,34 @@ class Trainer:
                 await self.request_stop(f"alert {firing.rule}: {firing.message}")
             elif action == "rollback":
                 # Between steps, like an operator's rollback: never in the middle of this step's bookkeeping.
-                self.commands.put_nowait((lambda: self.rollback_for(firing), asyncio.get_running_loop().create_future()))
+                self.commands.put_nowait(
+                    (lambda: self.rollback_for(firing), asyncio.get_running_loop().create_future())
+                )
                 self.wake()
             taken.append(action)
         details = {**firing.as_dict(), "actions_taken": taken}
         self.telemetry.record_alert(firing.rule, firing.severity)
-        self.events.write("alert", firing.message, step=firing.step, **{k: v for k, v in details.items() if k not in ("message", "step", "time")})
-        self.metrics.write({"step": self.step, "alert": firing.rule, "alert_severity": firing.severity, "config_version": self.live.version})
-        log_event(log, "alert", level=logging.ERROR if firing.severity == "critical" else logging.WARNING, alert=True, **details)
+        self.events.write(
+            "alert",
+            firing.message,
+            step=firing.step,
+            **{k: v for k, v in details.items() if k not in ("message", "step", "time")},
+        )
+        self.metrics.write(
+            {
+                "step": self.step,
+                "alert": firing.rule,
+                "alert_severity": firing.severity,
+                "config_version": self.live.version,
+            }
+        )
+        log_event(
+            log,
+            "alert",
+            level=logging.ERROR if firing.severity == "critical" else logging.WARNING,
+            alert=True,
+            **details,
+        )
         if self.cfg.alerts.webhook_url:
             post_webhook(self.cfg.alerts.webhook_url, {"run_id": self.cfg.run_id, **details})
 
@@ -417,7 +462,9 @@ class Trainer:
         try:
             await self._rollback_for(firing)
         except Exception as error:
-            log_event(log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, error=repr(error)[:500])
+            log_event(
+                log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, error=repr(error)[:500]
+            )
             await self.pause(f"alert {firing.rule}: rollback failed: {error}")
 
     async def _rollback_for(self, firing: Firing) -> None:
@@ -427,11 +474,15 @@ class Trainer:
         if target is None:
             target = max((s for s in await asyncio.to_thread(self.checkpoints.steps) if s <= before), default=None)
         if target is None:
-            await self.pause(f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to")
+            await self.pause(
+                f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to"
+            )
             return
         if self.alert_rollbacks.get(firing.rule) == target:
             # The same trouble right after going back to the same step: another rollback would loop.
-            await self.pause(f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator")
+            await self.pause(
+                f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator"
+            )
             return
         self.alert_rollbacks[firing.rule] = target
         await self.rollback(target, reason=f"alert {firing.rule}")
@@ -457,7 +508,14 @@ class Trainer:
         abandoned = self.lineage.restart_from(self.step, self.version, "resume", copy_if_missing=ckpt.lineage)
         self.abandoned_versions = self.lineage.abandoned_versions()
         self.events.write("resume", f"resumed from step {self.step} as policy version {self.version}", step=self.step)
-        log_event(log, "resumed", step=self.step, policy_version=self.version, experience_seq=self.last_experience_seq, abandoned_steps=abandoned)
+        log_event(
+            log,
+            "resumed",
+            step=self.step,
+            policy_version=self.version,
+            experience_seq=self.last_experience_seq,
+            abandoned_steps=abandoned,
+        )
         return self.step
 
     async def feed(self) -> None:
@@ -506,7 +564,9 @@ class Trainer:
             msg = await self.reader.next(timeout=1.0)
             if msg is None:
                 continue
-            with span_from_headers("trainer.experience", msg.headers, group_id=(msg.headers or {}).get(H_GROUP), seq=msg.sequence):
+            with span_from_headers(
+                "trainer.experience", msg.headers, group_id=(msg.headers or {}).get(H_GROUP), seq=msg.sequence
+            ):
                 sequence = msg.sequence
                 try:
                     group = await self.bus.decode(msg, ExperienceGroup)
@@ -522,7 +582,9 @@ class Trainer:
                     self.claim_keys.append((msg.sequence, claim))
                 self.in_flight.discard(group.group_id)
                 max_staleness = self.cfg.train.max_staleness
-                if self.disowned(group) or (max_staleness is not None and self.version - group.policy_version > max_staleness):
+                if self.disowned(group) or (
+                    max_staleness is not None and self.version - group.policy_version > max_staleness
+                ):
                     dropped.append(group.group_id)
                     continue
                 batch.append(group)
@@ -533,10 +595,20 @@ class Trainer:
             return None
         took = Stopwatch()
         accuracy = await asyncio.to_thread(
-            greedy_accuracy, self.learner.model, self.learner.tokenizer, self.eval_rows, self.cfg.sampling.max_new_tokens
+            greedy_accuracy,
+            self.learner.model,
+            self.learner.tokenizer,
+            self.eval_rows,
+            self.cfg.sampling.max_new_tokens,
         )
         self.last_eval = accuracy
-        row = {"step": self.step, "policy_version": self.version, "config_version": self.live.version, "eval_accuracy": accuracy, "eval_time_s": took()}
+        row = {
+            "step": self.step,
+            "policy_version": self.version,
+            "config_version": self.live.version,
+            "eval_accuracy": accuracy,
+            "eval_time_s": took(),
+        }
         self.metrics.write(row)
         await self.watch(row)
         log_event(log, "eval", step=self.step, eval_accuracy=accuracy, eval_s=took())
@@ -575,7 +647,13 @@ class Trainer:
         """Checkpoint in the background; with ``wait``, until it is stored (or has failed)."""
         if self.upload is not None and not self.upload.done():
             if not wait:
-                log_event(log, "checkpoint_deferred", level=logging.WARNING, step=self.step, reason="previous upload still running")
+                log_event(
+                    log,
+                    "checkpoint_deferred",
+                    level=logging.WARNING,
+                    step=self.step,
+                    reason="previous upload still running",
+                )
                 return
             await self.upload
             if self.saved_step == self.step:
@@ -592,7 +670,9 @@ class Trainer:
             row = {"step": ckpt.step, "checkpoint_failed": 1, "error": repr(error)[:500]}
             self.telemetry.record_checkpoint(took(), ok=False)
             self.metrics.write(row)
-            log_event(log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500])
+            log_event(
+                log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500]
+            )
             await self.watch({**row, "step": self.step})  # the save's own step may be behind: not a rollback to it
             return
         seconds = took()
@@ -626,7 +706,9 @@ class Trainer:
         self.step += 1
         self.version += 1
         self.last_experience_seq = sequence
-        self.lineage.record_step(self.step, self.version, [(g.group_id, g.policy_version) for g in batch], dropped, sequence)
+        self.lineage.record_step(
+            self.step, self.version, [(g.group_id, g.policy_version) for g in batch], dropped, sequence
+        )
         await self.weights.publish(snapshot_of(self.learner.model, self.version, self.step))
         services = await self.refresh_services()
         row = {
@@ -685,7 +767,11 @@ class Trainer:
             await self.train_step(batch, dropped, sequence)
             if self.cfg.checkpoint.save_every_steps and self.step % self.cfg.checkpoint.save_every_steps == 0:
                 await self.save()
-            if data.eval_every_steps and self.step % data.eval_every_steps == 0 and self.step < self.cfg.train.total_steps:
+            if (
+                data.eval_every_steps
+                and self.step % data.eval_every_steps == 0
+                and self.step < self.cfg.train.total_steps
+            ):
                 await self.evaluate()
         await dead.unsubscribe()
         await self.run_commands()  # answer whoever asked to stop
@@ -693,8 +779,15 @@ class Trainer:
             if self.step > self.saved_step:
                 await self.save(wait=True)
             self.state = "done"
-            log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=self.baseline_eval,
-                      final_accuracy=self.last_eval, stopped_by=self.stop_reason)
+            log_event(
+                log,
+                "done",
+                steps=self.step,
+                policy_version=self.version,
+                baseline_accuracy=self.baseline_eval,
+                final_accuracy=self.last_eval,
+                stopped_by=self.stop_reason,
+            )
             return
         if self.step < self.cfg.train.total_steps:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
@@ -705,21 +798,40 @@ class Trainer:
         final = await self.evaluate()
         await self.save(wait=True)
         self.state = "done"
-        log_event(log, "done", steps=self.step, policy_version=self.version, baseline_accuracy=self.baseline_eval, final_accuracy=final)
+        log_event(
+            log,
+            "done",
+            steps=self.step,
+            policy_version=self.version,
+            baseline_accuracy=self.baseline_eval,
+            final_accuracy=final,
+        )
 
 
 def _alert_fields(firing: Firing) -> dict[str, Any]:
     fields = firing.as_dict()
-    return {name: fields[name] for name in admin_pb2.Alert.DESCRIPTOR.fields_by_name if name in fields and fields[name] is not None}
+    return {
+        name: fields[name]
+        for name in admin_pb2.Alert.DESCRIPTOR.fields_by_name
+        if name in fields and fields[name] is not None
+    }
 
 
 def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> None:
     """What this trainer runs with, beside the run's metrics: the effective config (secrets redacted) and the build."""
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     (cfg.run_dir / "effective-config.yaml").write_text(
-        f"# config version {config_version}, rlpipe {build.version} ({build.revision})\n" + yaml.safe_dump(redacted_dump(cfg), sort_keys=False)
+        f"# config version {config_version}, rlpipe {build.version} ({build.revision})\n"
+        + yaml.safe_dump(redacted_dump(cfg), sort_keys=False)
     )
-    log_event(log, "build", version=build.version, revision=build.revision, config_version=config_version, environment=cfg.environment)
+    log_event(
+        log,
+        "build",
+        version=build.version,
+        revision=build.revision,
+        config_version=config_version,
+        environment=cfg.environment,
+    )
 
 
 def admin_token(cfg: RunConfig) -> str:
@@ -741,7 +853,9 @@ async def start_admin_server(cfg: RunConfig, trainer: Trainer) -> tuple[Any, str
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(trainer), server)
         return ["rlpipe.v1.Admin"]
 
-    return await start_grpc_server(cfg, cfg.admin.port, register, interceptors=[BearerToken(admin_token(cfg))], credentials=credentials)
+    return await start_grpc_server(
+        cfg, cfg.admin.port, register, interceptors=[BearerToken(admin_token(cfg))], credentials=credentials
+    )
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
@@ -761,16 +875,26 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     await trainer.prepare()
     record_run_start(cfg, trainer.build, live.version)
     admin_server, admin_address = await start_admin_server(cfg, trainer)
-    trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url)
+    trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(
+        grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
+    )
     log_event(
-        log, "ready", grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url, model=str(cfg.model.path),
-        model_load_s=model_s, startup_s=started(),
+        log,
+        "ready",
+        grpc=address,
+        admin=admin_address,
+        metrics_url=current_telemetry().metrics_url,
+        model=str(cfg.model.path),
+        model_load_s=model_s,
+        startup_s=started(),
     )
     try:
         await trainer.run(stop)
         if trainer.saved_step < trainer.step:
             # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
-            log_event(log, "ended_unsaved", level=logging.ERROR, alert=True, step=trainer.step, saved_step=trainer.saved_step)
+            log_event(
+                log, "ended_unsaved", level=logging.ERROR, alert=True, step=trainer.step, saved_step=trainer.saved_step
+            )
             raise SystemExit(1)
     finally:
         await trainer.presence.stop()

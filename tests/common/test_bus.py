@@ -5,22 +5,53 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.bus import DEAD, H_CLAIM, H_GROUP, H_REASON, ROLLOUTS, SCORED, Bus, Stage, StoreUnavailable, StreamMessage, StreamReader, stream_name
+from services.common.bus import (
+    DEAD,
+    H_CLAIM,
+    H_GROUP,
+    H_REASON,
+    ROLLOUTS,
+    SCORED,
+    Bus,
+    Stage,
+    StoreUnavailable,
+    StreamMessage,
+    StreamReader,
+    stream_name,
+)
 from services.common.config import load_config
 from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, decode, encode
 from tests.conftest import free_port, write_config
 
 
 def big_group(tokens: int) -> RolloutGroup:
-    completion = Completion(text="x", token_ids=np.arange(tokens, dtype=np.int32), logprobs=np.full(tokens, -0.5, np.float32), finish_reason="length")
-    return advance(Prompt(group_id="big", prompt_id="p", prompt="1+1=", answer="2"), RolloutGroup,
-                   prompt_ids=np.array([1, 2], np.int32), policy_version=3, completions=[completion] * 4)
+    completion = Completion(
+        text="x",
+        token_ids=np.arange(tokens, dtype=np.int32),
+        logprobs=np.full(tokens, -0.5, np.float32),
+        finish_reason="length",
+    )
+    return advance(
+        Prompt(group_id="big", prompt_id="p", prompt="1+1=", answer="2"),
+        RolloutGroup,
+        prompt_ids=np.array([1, 2], np.int32),
+        policy_version=3,
+        completions=[completion] * 4,
+    )
 
 
 def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
     model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="claims",
-                                   nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192}))
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id="claims",
+            nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192},
+        )
+    )
 
     async def scenario() -> None:
         bus = await Bus(cfg, "test").connect()
@@ -39,7 +70,9 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
         # and the body of the message it kept stays intact.
         ack = await bus.publish(ROLLOUTS, big_group(5001), msg_id="big.rollout")
         assert ack.duplicate
-        np.testing.assert_array_equal((await bus.decode(claimed, RolloutGroup)).completions[0].token_ids, group.completions[0].token_ids)
+        np.testing.assert_array_equal(
+            (await bus.decode(claimed, RolloutGroup)).completions[0].token_ids, group.completions[0].token_ids
+        )
 
         # A body that no longer matches its claim is refused (and so would be dead-lettered).
         key = decode(claimed.data, ClaimCheck).key
@@ -57,15 +90,23 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
 
 def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model, tmp_path, nats_url):
     model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="unsettled",
-                                   nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5}))
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id="unsettled",
+            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5},
+        )
+    )
 
     async def scenario() -> None:
         bus = await Bus(cfg, "reward").connect()
         await bus.publish(ROLLOUTS, big_group(10), msg_id="g.rollout")
         queue = await bus.work_queue(ROLLOUTS)
         for _ in range(cfg.nats.max_deliver):  # a reward replica takes it and dies before any outcome, twice
-            [msg] = await queue.fetch(1, timeout=5)
+            [_msg] = await queue.fetch(1, timeout=5)
             await asyncio.sleep(cfg.nats.ack_wait_s + 0.3)
         computed = []
 
@@ -94,12 +135,21 @@ def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_de
     monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
     model_dir, data_dir = tiny_model
-    claim = StreamMessage(1, encode(ClaimCheck(key="run/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"})
+    claim = StreamMessage(
+        1, encode(ClaimCheck(key="run/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"}
+    )
     on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
     with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back
         asyncio.run(Bus(on_disk, "reward").decode(claim, RolloutGroup))
     # An S3 endpoint nobody answers on: the message stays (nak, re-read) until the store is back.
-    unreachable = load_config(write_config(tmp_path / "b.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint={
-        "store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False}))
+    unreachable = load_config(
+        write_config(
+            tmp_path / "b.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False},
+        )
+    )
     with pytest.raises(StoreUnavailable, match="could not be read"):
         asyncio.run(Bus(unreachable, "reward").decode(claim, RolloutGroup))

@@ -39,11 +39,25 @@ def test_yaml_values_and_env_overrides(tmp_path, model_dir, data_dir, monkeypatc
 def test_seed_example_fields_are_expressible(tmp_path, model_dir, data_dir):
     # The seed's names: task_name, seed, batch_size, learning_rate, grad_accum_steps, max_seq_len,
     # save_every_steps, entropy_coef, kl_coef (kl.coef), clip_range (clip.low/high), log_interval, metrics path.
-    train = {"seed": 7, "batch_size": 4, "learning_rate": 2e-5, "grad_accum_steps": 2, "max_seq_len": 48,
-             "entropy_coef": 0.01, "log_interval": 5}
-    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs",
-                        train={**train, "kl": {"coef": 0.05, "in": "reward"}, "clip": {"low": 0.3, "high": 0.3}},
-                        checkpoint={"save_every_steps": 10}, data={"task_name": "arithmetic"}, metrics_path=str(tmp_path / "m.jsonl"))
+    train = {
+        "seed": 7,
+        "batch_size": 4,
+        "learning_rate": 2e-5,
+        "grad_accum_steps": 2,
+        "max_seq_len": 48,
+        "entropy_coef": 0.01,
+        "log_interval": 5,
+    }
+    path = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        train={**train, "kl": {"coef": 0.05, "in": "reward"}, "clip": {"low": 0.3, "high": 0.3}},
+        checkpoint={"save_every_steps": 10},
+        data={"task_name": "arithmetic"},
+        metrics_path=str(tmp_path / "m.jsonl"),
+    )
     cfg = load_config(path)
     assert cfg.train.model_dump(include=set(train)) == train
     assert cfg.train.kl.coef == 0.05 and cfg.train.kl.placement == "reward" and cfg.train.clip.high == 0.3
@@ -81,14 +95,21 @@ def test_bad_config_names_the_field(tmp_path, model_dir, data_dir, change, field
 
 
 def test_duplicate_window_must_outlive_redelivery(tmp_path, model_dir, data_dir):
-    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs",
-                        nats={"ack_wait_s": 60, "max_deliver": 5, "duplicate_window_s": 120})
+    path = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        nats={"ack_wait_s": 60, "max_deliver": 5, "duplicate_window_s": 120},
+    )
     with pytest.raises(ConfigError, match="duplicate_window_s must be longer"):
         load_config(path)
 
 
 def test_heartbeat_must_come_before_the_ack_wait_ends(tmp_path, model_dir, data_dir):
-    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"ack_wait_s": 10, "heartbeat_s": 10})
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"ack_wait_s": 10, "heartbeat_s": 10}
+    )
     with pytest.raises(ConfigError, match=r"nats: .*heartbeat_s \(10.0\) must be below ack_wait_s"):
         load_config(path)
 
@@ -96,13 +117,23 @@ def test_heartbeat_must_come_before_the_ack_wait_ends(tmp_path, model_dir, data_
 @pytest.mark.parametrize("role", ["trainer", "rollout", "reward", "reference"])
 def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, role):
     path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"learning_rate": -1})
-    done = subprocess.run([sys.executable, "-m", f"services.{role}", "--config", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", f"services.{role}", "--config", str(path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2
     assert "train.learning_rate" in done.stderr
 
 
 def test_rlpipe_run_refuses_missing_model_path(tmp_path, model_dir, data_dir):
-    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"path": str(tmp_path / "absent")})
-    done = subprocess.run([sys.executable, "-m", "services.cli", "run", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"path": str(tmp_path / "absent")}
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2
     assert "model.path" in done.stderr and str(tmp_path / "absent") in done.stderr

@@ -13,7 +13,9 @@ from tests.conftest import write_config
 @pytest.fixture
 def base(tmp_path, tiny_model, nats_url):
     model_dir, data_dir = tiny_model
-    return load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"url": nats_url}))
+    return load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"url": nats_url})
+    )
 
 
 def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url):
@@ -40,7 +42,9 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         assert (await operator.propose({"sampling.temperature": 0.5}, author="bob", dry_run=True)).version == 2
         assert await service.refresh() == []  # refused and dry-run proposals store nothing
 
-        second = await operator.propose({"reward.functions": parse_value("{exact_match: 1.0, format: 0.2}")}, author="carol")
+        second = await operator.propose(
+            {"reward.functions": parse_value("{exact_match: 1.0, format: 0.2}")}, author="carol"
+        )
         assert await service.refresh() == ["reward.functions"]
         assert service.cfg.reward.functions == {"exact_match": 1.0, "format": 0.2}
         assert service.cfg.train.learning_rate == 5e-5  # versions are cumulative
@@ -50,10 +54,18 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         third = await operator.propose({"alerts.webhook_url": hook}, author="dave")
         assert await service.refresh() == ["alerts.webhook_url"] and service.cfg.alerts.webhook_url == hook
         fourth = await operator.propose({"alerts": {"webhook_url": hook + "2", "enabled": True}}, author="dave")
-        assert set(await service.refresh()) == {"alerts", "alerts.webhook_url"} and service.cfg.alerts.webhook_url == hook + "2"
+        assert (
+            set(await service.refresh()) == {"alerts", "alerts.webhook_url"}
+            and service.cfg.alerts.webhook_url == hook + "2"
+        )
 
         history = await operator.history()
-        assert [(v.version, v.author) for v in history] == [(1, "alice"), (2, "carol"), (3, "dave"), (4, "dave")] and second.version == 2
+        assert [(v.version, v.author) for v in history] == [
+            (1, "alice"),
+            (2, "carol"),
+            (3, "dave"),
+            (4, "dave"),
+        ] and second.version == 2
         assert "SECRET-TOKEN" not in repr([third.changes, fourth.changes, [v.changes for v in history]])
         assert [(c.old, c.new) for c in third.changes] == [("", REDACTED)]
         # A service started later takes every stored change, restart-only ones included.
@@ -62,7 +74,11 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         # That is the config every service process starts with (run_service passes it to its main).
         assert (await stored_config(base)).train.batch_size == 4
         # Which run and broker a service belongs to is not the admin's to change.
-        for key, value in (("nats.url", "nats://elsewhere:4222"), ("nats", {"url": "nats://elsewhere:4222"}), ("run_id", "other")):
+        for key, value in (
+            ("nats.url", "nats://elsewhere:4222"),
+            ("nats", {"url": "nats://elsewhere:4222"}),
+            ("run_id", "other"),
+        ):
             with pytest.raises(ConfigError, match=rf"{key}: names the run and its broker"):
                 await operator.propose({key: value}, author="eve")
         await operator_conn.close()

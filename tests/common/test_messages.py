@@ -3,14 +3,33 @@ import numpy as np
 import pytest
 
 from services.common.messages import (
-    Completion, DecodeError, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance, decode, encode,
+    Completion,
+    DecodeError,
+    ExperienceGroup,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    decode,
+    encode,
 )
 
 
 def rollout_group(logprobs=(-0.5, -0.25)) -> RolloutGroup:
     prompt = Prompt(group_id="e0-i1", prompt_id="add-1", prompt="1+1=", answer="2")
-    completion = Completion(text="2", token_ids=np.array([7, 1], dtype=np.int32), logprobs=np.array(logprobs, dtype=np.float32), finish_reason="stop")
-    return advance(prompt, RolloutGroup, prompt_ids=np.array([3, 4, 3, 5], dtype=np.int32), policy_version=3, completions=[completion])
+    completion = Completion(
+        text="2",
+        token_ids=np.array([7, 1], dtype=np.int32),
+        logprobs=np.array(logprobs, dtype=np.float32),
+        finish_reason="stop",
+    )
+    return advance(
+        prompt,
+        RolloutGroup,
+        prompt_ids=np.array([3, 4, 3, 5], dtype=np.int32),
+        policy_version=3,
+        completions=[completion],
+    )
 
 
 def test_round_trip_keeps_tensors_exact():
@@ -50,7 +69,9 @@ def test_nan_and_misaligned_values_are_rejected():
     scored["rewards"]["data"] = np.array([np.inf], dtype="<f4").tobytes()
     with pytest.raises(DecodeError, match="rewards contain NaN"):
         decode(msgpack.packb(scored), ScoredGroup)
-    experience = msgpack.unpackb(encode(advance(rollout_group(), ScoredGroup, rewards=np.array([0.0], dtype=np.float32))))
+    experience = msgpack.unpackb(
+        encode(advance(rollout_group(), ScoredGroup, rewards=np.array([0.0], dtype=np.float32)))
+    )
     experience |= {"kind": "experience", "ref_logprobs": [{"dtype": "float32", "shape": [3], "data": bytes(12)}]}
     with pytest.raises(DecodeError, match="ref_logprobs shape"):
         decode(msgpack.packb(experience), ExperienceGroup)

@@ -80,15 +80,17 @@ class _TraceService(trace_service_pb2_grpc.TraceServiceServicer):
             resource = {a.key: _value(a.value) for a in resource_spans.resource.attributes}
             for scope_spans in resource_spans.scope_spans:
                 for span in scope_spans.spans:
-                    received.append(ReceivedSpan(
-                        service=resource.get("service.name", ""),
-                        name=span.name,
-                        trace_id=span.trace_id.hex(),
-                        span_id=span.span_id.hex(),
-                        parent_span_id=span.parent_span_id.hex(),
-                        attributes={a.key: _value(a.value) for a in span.attributes},
-                        error=span.status.code == Status.STATUS_CODE_ERROR,
-                    ))
+                    received.append(
+                        ReceivedSpan(
+                            service=resource.get("service.name", ""),
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                            error=span.status.code == Status.STATUS_CODE_ERROR,
+                        )
+                    )
         with self.receiver.lock:
             self.receiver.spans.extend(received)
         return trace_service_pb2.ExportTraceServiceResponse()
@@ -207,12 +209,18 @@ def minimal_config(tmp_path: Path, **sections: dict) -> Path:
 def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     receiver = OtlpReceiver()
     config = minimal_config(
-        tmp_path, nats={"url": nats_url, "ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
+        tmp_path,
+        nats={"url": nats_url, "ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
         telemetry={"otlp_endpoint": receiver.endpoint, "export_interval_s": 60},
     )
     with (tmp_path / "driver.log").open("w") as log:
         driver = subprocess.Popen(
-            [sys.executable, "-c", DRIVER, str(config)], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            [sys.executable, "-c", DRIVER, str(config)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
         )
         try:
             line = driver.stdout.readline()
@@ -239,7 +247,9 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     assert one_value(samples, "rlpipe_dead_letters_total", reason="undecodable", **stage) == 1
     assert one_value(samples, "rlpipe_process_resident_memory_bytes") > 10e6
     assert one_value(samples, "rlpipe_log_records_total", level="error") == 1
-    assert one_value(samples, "rlpipe_log_records_total", level="warning") >= 2  # the dead letter and the failed compute
+    assert (
+        one_value(samples, "rlpipe_log_records_total", level="warning") >= 2
+    )  # the dead letter and the failed compute
     assert one_value(samples, "rlpipe_weight_sync_duration_seconds_sum") == 0.5
     assert one_value(samples, "rlpipe_weight_sync_bytes_total") == 4096
     assert one_value(samples, "rlpipe_rollout_policy_version") == 3
@@ -258,7 +268,11 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     assert target.labels["service_instance_id"] == "rollout-test"
 
     # The shutdown flushed a last OTLP metrics export.
-    assert {"rlpipe_groups_processed", "rlpipe_stage_latency", "rlpipe_process_resident_memory"} <= receiver.metric_names
+    assert {
+        "rlpipe_groups_processed",
+        "rlpipe_stage_latency",
+        "rlpipe_process_resident_memory",
+    } <= receiver.metric_names
 
     # Each group: feed span -> stage span (one per delivery) -> reader span, all in one trace.
     [feed] = receiver.by_name("test.feed")
@@ -271,7 +285,10 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
         assert parent.attributes["rlpipe.outcome"] == "ok"
         assert parent.trace_id == reader.trace_id == feed.trace_id
         assert parent.parent_span_id == feed.span_id
-    flaky = sorted((s for s in stage_spans if s.attributes.get("rlpipe.group_id") == "g-flaky"), key=lambda s: s.attributes["rlpipe.delivery"])
+    flaky = sorted(
+        (s for s in stage_spans if s.attributes.get("rlpipe.group_id") == "g-flaky"),
+        key=lambda s: s.attributes["rlpipe.delivery"],
+    )
     assert [s.attributes["rlpipe.delivery"] for s in flaky] == list(range(1, len(flaky) + 1))
     assert [s.attributes["rlpipe.outcome"] for s in flaky] == ["retry"] * (len(flaky) - 1) + ["ok"] and len(flaky) >= 2
     assert all(s.trace_id == feed.trace_id for s in flaky)
@@ -287,7 +304,11 @@ def test_a_taken_metrics_port_stops_a_service_with_a_clear_message(tmp_path):
         config = minimal_config(tmp_path, telemetry={"metrics_port": port})
         done = subprocess.run(
             [sys.executable, "-m", "services.reward", "--config", str(config)],
-            check=False, cwd=ROOT, capture_output=True, text=True, timeout=120,
+            check=False,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
     assert done.returncode == 2, done.stderr
     # The start-up checks catch it before the metrics server tries to bind.

@@ -5,14 +5,24 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import CHUNK_BYTES, ChecksumError, Snapshot, WeightSyncClient, WeightSyncServer, assemble, chunks_of
+from services.common.weightsync import (
+    CHUNK_BYTES,
+    ChecksumError,
+    Snapshot,
+    WeightSyncClient,
+    WeightSyncServer,
+    assemble,
+    chunks_of,
+)
 from tests.conftest import free_port
 
 
 def snapshot(version: int) -> Snapshot:
     torch.manual_seed(version)
     big = torch.randn(CHUNK_BYTES // 4 + 100)  # spans two chunks
-    return Snapshot(version, version, (("big", big), ("half", torch.randn(3, 5).to(torch.bfloat16)), ("ids", torch.arange(7))))
+    return Snapshot(
+        version, version, (("big", big), ("half", torch.randn(3, 5).to(torch.bfloat16)), ("ids", torch.arange(7)))
+    )
 
 
 def test_chunks_reassemble_bit_exact_and_catch_corruption():

@@ -25,7 +25,10 @@ def kubectl() -> str:
 
 def render(overlay: str) -> list[dict]:
     done = subprocess.run(
-        [kubectl(), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+        [kubectl(), "kustomize", str(DEPLOY / "k8s" / "overlays" / overlay)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, f"kubectl kustomize {overlay} failed:\n{done.stderr}"
     return [doc for doc in yaml.safe_load_all(done.stdout) if doc]

@@ -64,7 +64,10 @@ def test_alert_mirrors_the_rule(rule, alerts):
             assert expr.startswith(f"{extreme}({series(rule.metric)}[{window}])")
     elif rule.condition == "rises_by":
         factor = 1 + rule.threshold
-        recent, earlier = f"avg_over_time({series(rule.metric)}[{window}])", f"avg_over_time({series(rule.metric)}[{window}] offset {window})"
+        recent, earlier = (
+            f"avg_over_time({series(rule.metric)}[{window}])",
+            f"avg_over_time({series(rule.metric)}[{window}] offset {window})",
+        )
         assert re.fullmatch(rf"{re.escape(recent)} > ([0-9.]+) \* {re.escape(earlier)}", expr), expr
         assert float(re.search(r"> ([0-9.]+) \*", expr).group(1)) == factor
     else:
@@ -86,9 +89,15 @@ def test_dashboard_shows_the_training_and_pipeline_signals():
     dashboard = json.loads((DEPLOY / "grafana" / "dashboards" / "rlpipe.json").read_text())
     exprs = " ".join(t["expr"] for panel in dashboard["panels"] for t in panel["targets"])
     for metric in (
-        "rlpipe_trainer_entropy", "rlpipe_trainer_reward_mean", "rlpipe_trainer_reward_std", "rlpipe_trainer_kl_ref",
-        "rlpipe_trainer_response_length_mean", "rlpipe_trainer_termination_rate", "rlpipe_trainer_step_time_s",
-        "rlpipe_consumer_lag", "rlpipe_dead_letters_total",
+        "rlpipe_trainer_entropy",
+        "rlpipe_trainer_reward_mean",
+        "rlpipe_trainer_reward_std",
+        "rlpipe_trainer_kl_ref",
+        "rlpipe_trainer_response_length_mean",
+        "rlpipe_trainer_termination_rate",
+        "rlpipe_trainer_step_time_s",
+        "rlpipe_consumer_lag",
+        "rlpipe_dead_letters_total",
     ):
         assert re.search(rf"\b{metric}\b", exprs), metric
     datasource = load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
@@ -107,7 +116,9 @@ def test_deploy_files_and_the_operations_guide_name_only_exported_metrics():
     assert {"rlpipe_consumer_lag", "rlpipe_dead_letters_total", "rlpipe_trainer_entropy"} <= known
     # Histograms are scraped as <name>_bucket, _sum and _count.
     unknown = {
-        f"{name}: {metric}" for name, text in texts.items() for metric in METRIC.findall(text)
+        f"{name}: {metric}"
+        for name, text in texts.items()
+        for metric in METRIC.findall(text)
         if metric not in known and re.sub(r"_(bucket|sum|count)$", "", metric) not in known
     }
     assert unknown == set()

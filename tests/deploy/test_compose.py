@@ -65,9 +65,14 @@ def test_every_long_running_service_has_a_health_check_and_restart_policy(compos
 
 def test_rlpipe_services_probe_grpc_health_on_their_configured_port(compose):
     services = compose["services"]
-    assert "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}" in services["trainer"]["healthcheck"]["test"][1]
+    assert (
+        "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}"
+        in services["trainer"]["healthcheck"]["test"][1]
+    )
     for name in ("reference", "rollout", "reward"):
-        assert "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}" in services[name]["healthcheck"]["test"][1], name
+        assert (
+            "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}" in services[name]["healthcheck"]["test"][1]
+        ), name
 
 
 def test_nats_runs_jetstream_from_the_shipped_config_with_a_js_health_check(compose):
@@ -100,7 +105,9 @@ def test_stateless_roles_can_be_scaled(compose):
 
 def test_only_the_admin_port_is_published_beyond_this_host(compose):
     published = {
-        (name, port) for name, service in compose["services"].items() for port in service.get("ports", [])
+        (name, port)
+        for name, service in compose["services"].items()
+        for port in service.get("ports", [])
         if not str(port).startswith("127.0.0.1:")
     }
     assert published == {("trainer", "50052:50052")}

@@ -134,6 +134,7 @@ def test_no_secret_is_written_into_a_config():
 
 # --- RLPIPE_* names -------------------------------------------------------------------------
 
+
 def settings_names() -> set[str]:
     """The variables read outside RunConfig: credentials, build info and RLPIPE_ENV."""
     names = set()
@@ -182,7 +183,9 @@ def test_the_name_check_knows_right_from_wrong():
 def test_every_rlpipe_variable_in_deploy_files_and_docs_exists():
     known = settings_names()
     unknown = {
-        f"{path}: {name}" for path, text in deploy_texts().items() for name in ENV_NAME.findall(text)
+        f"{path}: {name}"
+        for path, text in deploy_texts().items()
+        for name in ENV_NAME.findall(text)
         if name not in known and not resolves(name)
     }
     assert unknown == set()

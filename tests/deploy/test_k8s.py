@@ -41,8 +41,17 @@ def test_schema_validation_rejects_an_unknown_field(rendered):
 def test_only_the_expected_kinds_are_rendered(rendered):
     kinds = {doc["kind"] for doc in rendered["prod"]}
     assert kinds == {
-        "Namespace", "ConfigMap", "Service", "StatefulSet", "Deployment", "PersistentVolumeClaim",
-        "PodDisruptionBudget", "NetworkPolicy", "ScaledObject", "PrometheusRule", "PodMonitor",
+        "Namespace",
+        "ConfigMap",
+        "Service",
+        "StatefulSet",
+        "Deployment",
+        "PersistentVolumeClaim",
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "ScaledObject",
+        "PrometheusRule",
+        "PodMonitor",
     }
     assert {doc["kind"] for doc in rendered["dev"]} == kinds | {"Job"}
 
@@ -88,7 +97,9 @@ def test_pods_get_config_env_secrets_and_their_name(overlay, rendered):
         sources = spec["envFrom"]
         assert sources[0]["configMapRef"]["name"] in config_maps
         assert sources[1] == {"secretRef": {"name": "rlpipe-secrets"}}
-        assert {"name": "RLPIPE_SERVICE__INSTANCE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in spec["env"]
+        assert {"name": "RLPIPE_SERVICE__INSTANCE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in spec[
+            "env"
+        ]
         volumes = {v["name"]: v for v in workload["spec"]["template"]["spec"]["volumes"]}
         config = config_maps[volumes["config"]["configMap"]["name"]]
         # The pod reads /etc/rlpipe/$(RLPIPE_ENV).yaml: the key must be there.
@@ -117,7 +128,14 @@ def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
         (trigger,) = scaled["spec"]["triggers"]
         assert trigger["type"] == "nats-jetstream"
         meta = trigger["metadata"]
-        assert set(meta) == {"natsServerMonitoringEndpoint", "account", "stream", "consumer", "lagThreshold", "useHttps"}
+        assert set(meta) == {
+            "natsServerMonitoringEndpoint",
+            "account",
+            "stream",
+            "consumer",
+            "lagThreshold",
+            "useHttps",
+        }
         assert meta["natsServerMonitoringEndpoint"] == f"nats-headless.{namespace}.svc.cluster.local:8222"
         assert meta["account"] == "$G"
         assert (meta["stream"], meta["consumer"]) == (stream_name(run_id, edge), role)
@@ -142,12 +160,23 @@ def test_trainer_is_one_gpu_pod_started_by_torchrun(rendered):
     assert spec["args"][:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=$(TRAINER_GPUS)"]
     assert spec["args"][4:] == ["-m", "services.trainer", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == int(env_map(docs)["TRAINER_GPUS"])
-    assert one(docs, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert (
+        one(docs, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
+            "nvidia.com/gpu"
+        ]
+        == 1
+    )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert spec[probe]["grpc"] == {"port": TRAINER_PORT}
-    assert {p["name"]: p["containerPort"] for p in spec["ports"]} == {"weights": TRAINER_PORT, "admin": ADMIN_PORT, "metrics": METRICS_PORT}
+    assert {p["name"]: p["containerPort"] for p in spec["ports"]} == {
+        "weights": TRAINER_PORT,
+        "admin": ADMIN_PORT,
+        "metrics": METRICS_PORT,
+    }
     assert env_map(docs)["RLPIPE_SERVICE__TRAINER_HOST"] == one(docs, "Service", "trainer")["metadata"]["name"]
-    assert one(docs, "Service", "trainer-admin")["spec"]["ports"] == [{"name": "admin", "port": ADMIN_PORT, "targetPort": "admin"}]
+    assert one(docs, "Service", "trainer-admin")["spec"]["ports"] == [
+        {"name": "admin", "port": ADMIN_PORT, "targetPort": "admin"}
+    ]
 
 
 def test_dev_runs_without_gpus_and_builds_the_tiny_model(rendered):
@@ -156,7 +185,10 @@ def test_dev_runs_without_gpus_and_builds_the_tiny_model(rendered):
         assert "nvidia.com/gpu" not in container(workload)["resources"].get("limits", {}), workload["metadata"]["name"]
     assert env_map(docs)["RLPIPE_ROLLOUT__BACKEND"] == "hf"
     job = one(docs, "Job", "model-init")
-    assert "rlpipe build-tiny --out /assets/models/tiny-arith --data /assets/data/arith --seed 0" in container(job)["args"][-1]
+    assert (
+        "rlpipe build-tiny --out /assets/models/tiny-arith --data /assets/data/arith --seed 0"
+        in container(job)["args"][-1]
+    )
 
 
 def test_nats_is_a_three_node_jetstream_cluster(rendered):
@@ -182,7 +214,9 @@ def ingress_rules(docs: list[dict]) -> list[tuple[dict, dict]]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_network_policy_opens_only_the_admin_port_to_other_namespaces(overlay, rendered):
     docs = rendered[overlay]
-    assert any(p["spec"]["podSelector"] == {} and p["spec"]["policyTypes"] == ["Ingress"] for p in find(docs, "NetworkPolicy"))
+    assert any(
+        p["spec"]["podSelector"] == {} and p["spec"]["policyTypes"] == ["Ingress"] for p in find(docs, "NetworkPolicy")
+    )
     # Platform exceptions, each one port from one named namespace (documented in networkpolicy.yaml).
     platform = {("keda", 8222), ("monitoring", METRICS_PORT)}
     open_to_all, from_platform = [], set()

@@ -35,7 +35,11 @@ def test_jetstream_fsyncs_every_write(path: Path):
 @pytest.mark.parametrize("path", [COMPOSE_CONF, K8S_CONF], ids=["compose", "k8s"])
 def test_nats_server_accepts_the_config(path: Path):
     done = subprocess.run(
-        [str(BIN / "nats-server"), "-c", str(path), "-t"], env={"POD_NAME": "nats-0"}, capture_output=True, text=True, timeout=30
+        [str(BIN / "nats-server"), "-c", str(path), "-t"],
+        env={"POD_NAME": "nats-0"},
+        capture_output=True,
+        text=True,
+        timeout=30,
     )
     assert done.returncode == 0, done.stdout + done.stderr
 
@@ -53,13 +57,17 @@ def test_compose_broker_starts_healthy_with_fsync_always(tmp_path: Path):
         conf = conf.replace(old, new)
     (tmp_path / "nats.conf").write_text(conf)
     server = subprocess.Popen(
-        [str(BIN / "nats-server"), "-c", str(tmp_path / "nats.conf")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        [str(BIN / "nats-server"), "-c", str(tmp_path / "nats.conf")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     try:
         deadline = time.monotonic() + 30
         while True:
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=2) as reply:
+                with urllib.request.urlopen(
+                    f"http://127.0.0.1:{monitor}/healthz?js-enabled-only=true", timeout=2
+                ) as reply:
                     assert json.load(reply) == {"status": "ok"}
                 break
             except OSError:

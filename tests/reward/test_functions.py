@@ -5,7 +5,15 @@ from services.reward.functions import REWARD_FUNCTIONS, final_answer, score
 
 @pytest.mark.parametrize(
     ("text", "answer", "expected"),
-    [("82", "82", 1.0), ("082", "82", 1.0), ("81", "82", 0.0), ("", "82", 0.0), ("8 2", "82", 0.0), ("so 8+74=82", "82", 1.0), ("0", "0", 1.0)],
+    [
+        ("82", "82", 1.0),
+        ("082", "82", 1.0),
+        ("81", "82", 0.0),
+        ("", "82", 0.0),
+        ("8 2", "82", 0.0),
+        ("so 8+74=82", "82", 1.0),
+        ("0", "0", 1.0),
+    ],
 )
 def test_exact_match(text, answer, expected):
     assert REWARD_FUNCTIONS["exact_match"](text, answer, "stop") == expected

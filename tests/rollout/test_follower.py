@@ -19,7 +19,9 @@ class RecordingEngine:
 def test_sync_with_the_trainer_down_keeps_the_loaded_version():
     async def scenario():
         engine = RecordingEngine()
-        follower = PolicyFollower(engine, ThreadPoolExecutor(max_workers=1), WeightSyncClient(f"127.0.0.1:{free_port()}"))
+        follower = PolicyFollower(
+            engine, ThreadPoolExecutor(max_workers=1), WeightSyncClient(f"127.0.0.1:{free_port()}")
+        )
         follower.loaded, follower.newest = 3, 4  # the trainer announced version 4, then died
         try:
             await follower.sync()  # nothing listens on the port: UNAVAILABLE

@@ -24,7 +24,7 @@ def vllm_response_logprobs(engine: VllmEngine, pairs: list[tuple[list[int], list
     prompts = [TokensPrompt(prompt_token_ids=p + r) for p, r in pairs]
     outputs = engine.llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     scored = []
-    for (prompt, response), out in zip(pairs, outputs):
+    for (prompt, response), out in zip(pairs, outputs, strict=False):
         per_position = out.prompt_logprobs  # first entry is None: nothing predicts the first token
         scored.append(np.array([per_position[len(prompt) + j][token].logprob for j, token in enumerate(response)]))
     return scored
@@ -35,7 +35,10 @@ def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
     cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
-    pairs = [(tokenizer.encode(p, add_special_tokens=False), tokenizer.encode(r, add_special_tokens=False) + [eos]) for p, r in PAIRS]
+    pairs = [
+        (tokenizer.encode(p, add_special_tokens=False), [*tokenizer.encode(r, add_special_tokens=False), eos])
+        for p, r in PAIRS
+    ]
 
     # The "trainer" policy: the base model moved away from what vLLM loaded.
     policy = load_model(model_dir).eval()
@@ -45,14 +48,14 @@ def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
             param.add_(0.05 * torch.randn_like(param))
         batch = pack(pairs, tokenizer.pad_token_id)
         expected = token_logprobs(response_logits(policy, batch), batch.targets)
-    expected = [row[: len(r)].numpy() for row, (_, r) in zip(expected, pairs)]
+    expected = [row[: len(r)].numpy() for row, (_, r) in zip(expected, pairs, strict=False)]
 
     engine_thread = ThreadPoolExecutor(max_workers=1)
     engine = engine_thread.submit(VllmEngine, cfg).result()
 
     def max_gap() -> float:
         got = engine_thread.submit(vllm_response_logprobs, engine, pairs).result()
-        return max(float(np.abs(g - e).max()) for g, e in zip(got, expected))
+        return max(float(np.abs(g - e).max()) for g, e in zip(got, expected, strict=False))
 
     before = max_gap()
 

@@ -32,7 +32,7 @@ class StatusOnly:
 def self_signed(folder: Path) -> tuple[Path, Path]:
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -47,7 +47,9 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
     )
     cert_path, key_path = folder / "admin.crt", folder / "admin.key"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return cert_path, key_path
 
 
@@ -56,7 +58,11 @@ def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp
     cert, key = self_signed(tmp_path)
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", service={"host": "localhost"},
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        service={"host": "localhost"},
         admin={"port": 0, "tls_cert": str(cert), "tls_key": str(key)},
     )
     cfg = load_config(config)
@@ -71,9 +77,13 @@ def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp
                     await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10)
                 assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
                 with pytest.raises(grpc.aio.AioRpcError) as wrong:
-                    await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cre")])
+                    await admin.GetStatus(
+                        admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cre")]
+                    )
                 assert wrong.value.code() == grpc.StatusCode.UNAUTHENTICATED
-                status = await admin.GetStatus(admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cret")])
+                status = await admin.GetStatus(
+                    admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", "Bearer s3cret")]
+                )
                 assert (status.run_id, status.step) == ("tls", 7)
                 health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
                 assert health.status == health_pb2.HealthCheckResponse.SERVING
@@ -92,6 +102,13 @@ def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
     env = {"PATH": "/usr/bin:/bin"}
-    done = subprocess.run([sys.executable, "-m", "services.trainer", "--config", str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.trainer", "--config", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert done.returncode == 2
     assert "admin token" in done.stderr and "RLPIPE_ADMIN_TOKEN" in done.stderr

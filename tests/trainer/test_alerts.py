@@ -25,7 +25,9 @@ def rule(**fields) -> AlertRule:
 
 def feed(evaluator: AlertEvaluator, values: list, start_step: int = 1, metric: str = "m") -> list[list[Firing]]:
     """One step row per value; returns what each row fired."""
-    return [evaluator.observe({"step": start_step + i, metric: v}, now=float(start_step + i)) for i, v in enumerate(values)]
+    return [
+        evaluator.observe({"step": start_step + i, metric: v}, now=float(start_step + i)) for i, v in enumerate(values)
+    ]
 
 
 def fired_at(results: list[list[Firing]]) -> list[int]:
@@ -38,9 +40,20 @@ def test_above_needs_the_whole_window_beyond_a_strict_threshold():
     results = feed(evaluator, [2.0, 2.0, 1.0, 1.5, 3.0, 1.1, 1.2, 0.5])
     assert fired_at(results) == [5, 6]
     firing = results[5][0]
-    assert (firing.rule, firing.metric, firing.condition, firing.value, firing.threshold) == ("r", "m", "above", 1.1, 1.0)
+    assert (firing.rule, firing.metric, firing.condition, firing.value, firing.threshold) == (
+        "r",
+        "m",
+        "above",
+        1.1,
+        1.0,
+    )
     assert firing.window == "3 steps" and firing.step == 6 and firing.time == 6.0
-    assert "m" in firing.message and "above 1" in firing.message and "3 steps" in firing.message and "1.1" in firing.message
+    assert (
+        "m" in firing.message
+        and "above 1" in firing.message
+        and "3 steps" in firing.message
+        and "1.1" in firing.message
+    )
 
 
 def test_below_and_rows_without_the_metric_do_not_count():
@@ -55,7 +68,9 @@ def test_below_and_rows_without_the_metric_do_not_count():
 
 
 def test_nan_fires_on_nan_inf_and_non_numbers_but_not_on_finite_values():
-    evaluator = AlertEvaluator([rule(condition="nan", severity="critical", actions=["notify", "pause"])], cooldown_steps=0, now=0.0)
+    evaluator = AlertEvaluator(
+        [rule(condition="nan", severity="critical", actions=["notify", "pause"])], cooldown_steps=0, now=0.0
+    )
     results = feed(evaluator, [0.5, math.nan, 1.0, math.inf, None, "oops", -math.inf, 0.0])
     assert fired_at(results) == [1, 3, 4, 5, 6]
     firing = results[1][0]
@@ -113,7 +128,9 @@ def test_absent_counts_from_creation_then_from_the_last_row_carrying_the_metric(
 
 
 def test_cooldown_counts_steps_including_rows_without_a_step():
-    evaluator = AlertEvaluator([rule(metric="services_down", condition="above", threshold=0.0)], cooldown_steps=3, now=0.0)
+    evaluator = AlertEvaluator(
+        [rule(metric="services_down", condition="above", threshold=0.0)], cooldown_steps=3, now=0.0
+    )
     [first] = evaluator.observe({"step": 10, "services_down": 1}, now=1.0)
     assert first.step == 10
     # Status rows carry no step: they take step 10, inside the cooldown.
@@ -132,7 +149,9 @@ def test_cooldown_restarts_when_a_rollback_takes_the_step_back():
 
 def test_active_clears_when_a_later_row_finds_the_condition_false():
     evaluator = AlertEvaluator(
-        [rule(name="hot", condition="above", threshold=1.0), rule(name="bad", condition="nan")], cooldown_steps=100, now=0.0
+        [rule(name="hot", condition="above", threshold=1.0), rule(name="bad", condition="nan")],
+        cooldown_steps=100,
+        now=0.0,
     )
     feed(evaluator, [2.0])
     assert [f.rule for f in evaluator.active] == ["hot"]

@@ -73,15 +73,21 @@ def test_equal_scores_give_zero_advantage(estimator):
 def test_dr_grpo_and_rloo_by_hand():
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0], dtype=F64)
     groups = torch.tensor([7, 7, 7, 7])
-    torch.testing.assert_close(group_advantages(scores, groups, "grpo_no_std"), torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=F64))
+    torch.testing.assert_close(
+        group_advantages(scores, groups, "grpo_no_std"), torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=F64)
+    )
     # RLOO: 1 - mean(0, 0, 1) = 2/3 ; 0 - mean(1, 0, 1) = -2/3
-    torch.testing.assert_close(group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3], dtype=F64))
+    torch.testing.assert_close(
+        group_advantages(scores, groups, "rloo"), torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3], dtype=F64)
+    )
 
 
 def test_reinforce_pp_returns_by_hand():
     rewards = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]], dtype=F64)
-    torch.testing.assert_close(reinforce_pp_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0, 0.0]], dtype=F64))
+    torch.testing.assert_close(
+        reinforce_pp_returns(rewards, mask, 0.5), torch.tensor([[0.25, 0.5, 1.0, 0.0]], dtype=F64)
+    )
 
 
 def test_policy_loss_clips_only_beyond_the_range():
@@ -105,7 +111,9 @@ def test_clip_higher_is_asymmetric():
 def test_dual_clip_triggers_only_for_negative_advantages():
     logp = torch.log(torch.tensor([[10.0], [10.0]]))  # ratio 10 for both
     adv = torch.tensor([-1.0, 1.0])
-    loss, stats = policy_loss(logp, torch.zeros(2, 1), adv, torch.ones(2, 1), 0.2, 0.2, dual_clip=3.0, agg="seq-mean-token-sum")
+    loss, stats = policy_loss(
+        logp, torch.zeros(2, 1), adv, torch.ones(2, 1), 0.2, 0.2, dual_clip=3.0, agg="seq-mean-token-sum"
+    )
     # A = -1: max(10, 1.2) = 10, bounded by c * |A| = 3 ; A = +1: max(-10, -1.2) = -1.2
     assert loss.item() == pytest.approx((3.0 - 1.2) / 2)
     assert stats["clipfrac_lower"].item() == pytest.approx(0.5)
@@ -116,7 +124,9 @@ def test_policy_loss_ignores_masked_tokens_and_applies_weights():
     logp = torch.tensor([[0.0, 5.0]])
     loss, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([2.0]), mask, 0.2, 0.2)
     assert loss.item() == pytest.approx(-2.0)
-    weighted, _ = policy_loss(logp, torch.zeros(1, 2), torch.tensor([2.0]), mask, 0.2, 0.2, weights=torch.tensor([[0.5, 9.0]]))
+    weighted, _ = policy_loss(
+        logp, torch.zeros(1, 2), torch.tensor([2.0]), mask, 0.2, 0.2, weights=torch.tensor([[0.5, 9.0]])
+    )
     assert weighted.item() == pytest.approx(-1.0)
 
 
@@ -155,9 +165,15 @@ def test_truncated_importance_weights():
     old = torch.log(torch.tensor([[0.5, 0.9]]))
     rollout = torch.log(torch.tensor([[0.25, 0.1]]))
     mask = torch.ones(1, 2)
-    torch.testing.assert_close(truncated_importance_weights(old, rollout, mask, "token", cap=2.0), torch.tensor([[2.0, 2.0]]))
-    torch.testing.assert_close(truncated_importance_weights(old, rollout, mask, "token", cap=10.0), torch.tensor([[2.0, 9.0]]))
-    torch.testing.assert_close(truncated_importance_weights(old, rollout, mask, "sequence", cap=100.0), torch.tensor([[18.0, 18.0]]))
+    torch.testing.assert_close(
+        truncated_importance_weights(old, rollout, mask, "token", cap=2.0), torch.tensor([[2.0, 2.0]])
+    )
+    torch.testing.assert_close(
+        truncated_importance_weights(old, rollout, mask, "token", cap=10.0), torch.tensor([[2.0, 9.0]])
+    )
+    torch.testing.assert_close(
+        truncated_importance_weights(old, rollout, mask, "sequence", cap=100.0), torch.tensor([[18.0, 18.0]])
+    )
 
 
 def test_masked_mean_and_user_registration():
@@ -178,7 +194,7 @@ def test_masked_mean_and_user_registration():
 
 def ref_gae(r, v, m, gamma, lam):
     adv, ret = [], []
-    for row_r, row_v, row_m in zip(r, v, m):
+    for row_r, row_v, row_m in zip(r, v, m, strict=False):
         valid = [t for t, x in enumerate(row_m) if x > 0]
         a = [0.0] * len(row_r)
         last, next_v = 0.0, 0.0
@@ -209,9 +225,9 @@ def ref_group(scores, groups, estimator, eps):
 
 def ref_policy_loss(logp, old, adv, m, lo, hi, dual, agg):
     rows = []
-    for lp_row, old_row, a, m_row in zip(logp, old, adv, m):
+    for lp_row, old_row, a, m_row in zip(logp, old, adv, m, strict=False):
         row = []
-        for lp, o, mk in zip(lp_row, old_row, m_row):
+        for lp, o, mk in zip(lp_row, old_row, m_row, strict=False):
             r = math.exp(max(min(lp - o, 20), -20))
             term = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
             if dual is not None and a < 0:
@@ -223,15 +239,17 @@ def ref_policy_loss(logp, old, adv, m, lo, hi, dual, agg):
 
 def ref_aggregate(rows, m, agg):
     if agg == "token-mean":
-        total = sum(x * mk for row, m_row in zip(rows, m) for x, mk in zip(row, m_row))
+        total = sum(x * mk for row, m_row in zip(rows, m, strict=False) for x, mk in zip(row, m_row, strict=False))
         return total / max(sum(sum(m_row) for m_row in m), 1)
     per_seq = []
-    for row, m_row in zip(rows, m):
+    for row, m_row in zip(rows, m, strict=False):
         n = sum(m_row)
         if n == 0:
             continue
-        s = sum(x * mk for x, mk in zip(row, m_row))
-        per_seq.append({"seq-mean-token-sum": s, "seq-mean-token-mean": s / n, "seq-mean-token-sum-norm": s / len(row)}[agg])
+        s = sum(x * mk for x, mk in zip(row, m_row, strict=False))
+        per_seq.append(
+            {"seq-mean-token-sum": s, "seq-mean-token-mean": s / n, "seq-mean-token-sum-norm": s / len(row)}[agg]
+        )
     return sum(per_seq) / max(len(per_seq), 1)
 
 
@@ -253,7 +271,9 @@ def test_gae_and_returns_match_reference(seed):
     torch.testing.assert_close(adv, torch.tensor(ref_adv, dtype=F64), atol=1e-6, rtol=0)
     torch.testing.assert_close(ret, torch.tensor(ref_ret, dtype=F64), atol=1e-6, rtol=0)
     rtg = reinforce_pp_returns(torch.tensor(r, dtype=F64), torch.tensor(mask, dtype=F64), gamma)
-    ref_rtg, _ = ref_gae(r, [[0.0] * len(row) for row in r], mask, gamma, 1.0)  # GAE with V=0, lam=1 is the return-to-go
+    ref_rtg, _ = ref_gae(
+        r, [[0.0] * len(row) for row in r], mask, gamma, 1.0
+    )  # GAE with V=0, lam=1 is the return-to-go
     torch.testing.assert_close(rtg, torch.tensor(ref_rtg, dtype=F64), atol=1e-6, rtol=0)
 
 
@@ -264,7 +284,9 @@ def test_group_estimators_match_reference(estimator, seed):
     groups = [rng.randint(0, 4) for _ in range(20)]
     scores = [rng.choice([0.0, 1.0, rng.gauss(0, 2)]) for _ in groups]
     got = group_advantages(torch.tensor(scores, dtype=F64), torch.tensor(groups), estimator, eps=1e-6)
-    torch.testing.assert_close(got, torch.tensor(ref_group(scores, groups, estimator, 1e-6), dtype=F64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        got, torch.tensor(ref_group(scores, groups, estimator, 1e-6), dtype=F64), atol=1e-6, rtol=0
+    )
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
@@ -275,8 +297,14 @@ def test_policy_loss_matches_reference(agg, dual, seed):
     logp, old = draw(), draw()
     adv = [rng.gauss(0, 1) for _ in mask]
     got, _ = policy_loss(
-        torch.tensor(logp, dtype=F64), torch.tensor(old, dtype=F64), torch.tensor(adv, dtype=F64), torch.tensor(mask, dtype=F64),
-        0.2, 0.28, dual_clip=dual, agg=agg,
+        torch.tensor(logp, dtype=F64),
+        torch.tensor(old, dtype=F64),
+        torch.tensor(adv, dtype=F64),
+        torch.tensor(mask, dtype=F64),
+        0.2,
+        0.28,
+        dual_clip=dual,
+        agg=agg,
     )
     assert got.item() == pytest.approx(ref_policy_loss(logp, old, adv, mask, 0.2, 0.28, dual, agg), abs=1e-6)
 
@@ -292,19 +320,32 @@ def test_kl_value_entropy_whiten_match_reference(seed):
         "k2": lambda a, b: 0.5 * (a - b) ** 2,
         "k3": lambda a, b: max(min(math.exp(max(min(b - a, 20), -20)) - max(min(b - a, 20), -20) - 1, 10), -10),
     }.items():
-        expected = torch.tensor([[fn(a, b) for a, b in zip(ra, rb)] for ra, rb in zip(logp, ref)], dtype=F64)
+        expected = torch.tensor(
+            [[fn(a, b) for a, b in zip(ra, rb, strict=False)] for ra, rb in zip(logp, ref, strict=False)], dtype=F64
+        )
         torch.testing.assert_close(kl_penalty(lp, rf, name), expected, atol=1e-6, rtol=0)
 
     values, old, returns = draw(), draw(), draw()
-    got, _ = value_loss(torch.tensor(values, dtype=F64), torch.tensor(old, dtype=F64), torch.tensor(returns, dtype=F64), torch.tensor(mask, dtype=F64), 0.2)
-    rows = [[max((v - g) ** 2, (o + max(min(v - o, 0.2), -0.2) - g) ** 2) for v, o, g in zip(rv, ro, rg)] for rv, ro, rg in zip(values, old, returns)]
+    got, _ = value_loss(
+        torch.tensor(values, dtype=F64),
+        torch.tensor(old, dtype=F64),
+        torch.tensor(returns, dtype=F64),
+        torch.tensor(mask, dtype=F64),
+        0.2,
+    )
+    rows = [
+        [max((v - g) ** 2, (o + max(min(v - o, 0.2), -0.2) - g) ** 2) for v, o, g in zip(rv, ro, rg, strict=False)]
+        for rv, ro, rg in zip(values, old, returns, strict=False)
+    ]
     assert got.item() == pytest.approx(0.5 * ref_aggregate(rows, mask, "token-mean"), abs=1e-6)
 
     logits = [rng.gauss(0, 3) for _ in range(11)]
     probs = [math.exp(z) / sum(math.exp(y) for y in logits) for z in logits]
-    assert entropy_from_logits(torch.tensor(logits, dtype=F64)).item() == pytest.approx(-sum(p * math.log(p) for p in probs), abs=1e-6)
+    assert entropy_from_logits(torch.tensor(logits, dtype=F64)).item() == pytest.approx(
+        -sum(p * math.log(p) for p in probs), abs=1e-6
+    )
 
-    flat = [x for row, m_row in zip(logp, mask) for x, mk in zip(row, m_row) if mk]
+    flat = [x for row, m_row in zip(logp, mask, strict=False) for x, mk in zip(row, m_row, strict=False) if mk]
     mean = sum(flat) / len(flat)
     std = math.sqrt(sum((x - mean) ** 2 for x in flat) / (len(flat) - 1))
     expected = torch.tensor([[(x - mean) / std for x in row] for row in logp], dtype=F64)

@@ -11,15 +11,38 @@ from tests.conftest import run_pipeline, write_config
     ("algorithm", "train"),
     [
         ("dr_grpo", {"loss_agg": "seq-mean-token-sum-norm", "kl": {"coef": 0.01, "in": "reward", "estimator": "k1"}}),
-        ("rloo", {"clip": {"low": 0.2, "high": 0.28, "dual": 3.0}, "old_logprobs": "recompute", "tis": {"mode": "sequence", "cap": 2.0}}),
-        ("reinforce_pp", {"epochs": 2, "mini_batches": 2, "gamma": 0.99, "max_staleness": 0, "kl": {"estimator": "k2", "coef": 0.01}}),
-        ("ppo", {"critic": {"kind": "head", "warmup_steps": 1}, "loss_agg": "seq-mean-token-mean", "grad_accum_steps": 2}),
+        (
+            "rloo",
+            {
+                "clip": {"low": 0.2, "high": 0.28, "dual": 3.0},
+                "old_logprobs": "recompute",
+                "tis": {"mode": "sequence", "cap": 2.0},
+            },
+        ),
+        (
+            "reinforce_pp",
+            {
+                "epochs": 2,
+                "mini_batches": 2,
+                "gamma": 0.99,
+                "max_staleness": 0,
+                "kl": {"estimator": "k2", "coef": 0.01},
+            },
+        ),
+        (
+            "ppo",
+            {"critic": {"kind": "head", "warmup_steps": 1}, "loss_agg": "seq-mean-token-mean", "grad_accum_steps": 2},
+        ),
     ],
 )
 def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
     model_dir, data_dir = tiny_model
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id=algorithm,
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id=algorithm,
         train={"algorithm": algorithm, "total_steps": 3, "batch_size": 8, "learning_rate": 1e-5, **train},
         data={"eval_every_steps": 0, "eval_size": 50},
         # Small enough that every group travels by claim check through the object store.
@@ -47,10 +70,21 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
 def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
     model_dir, data_dir = tiny_model
     config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id=f"learn-{algorithm}",
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id=f"learn-{algorithm}",
         sampling={"group_size": 8, "max_new_tokens": 6},
-        train={"algorithm": algorithm, "total_steps": 60, "batch_size": 64, "learning_rate": 1e-4, "warmup_steps": 10,
-               "kl": {"coef": 0.001}, "critic": {"warmup_steps": 10}},
+        train={
+            "algorithm": algorithm,
+            "total_steps": 60,
+            "batch_size": 64,
+            "learning_rate": 1e-4,
+            "warmup_steps": 10,
+            "kl": {"coef": 0.001},
+            "critic": {"warmup_steps": 10},
+        },
         data={"eval_every_steps": 0, "eval_size": 500},
         checkpoint={"save_every_steps": 0},
         rollout={"prompts_per_batch": 64},

@@ -26,8 +26,18 @@ def round_trip(store_url: str, cfg: CheckpointConfig, tmp_path) -> None:
     store = CheckpointStore(open_store(store_url, cfg), "run-a", keep_last=2)
     for step in (1, 2, 3):
         model, optimizer = tiny_state(step)
-        state = {"step": step, "policy_version": step, "data_cursor": {"epoch": 0, "index": 8 * step}, "last_experience_seq": 10 * step}
-        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {"last_epoch": step}, rng_state(), state), model_dir)
+        state = {
+            "step": step,
+            "policy_version": step,
+            "data_cursor": {"epoch": 0, "index": 8 * step},
+            "last_experience_seq": 10 * step,
+        }
+        store.save(
+            Checkpoint(
+                step, dict(model.state_dict()), optimizer.state_dict(), {"last_epoch": step}, rng_state(), state
+            ),
+            model_dir,
+        )
     assert store.steps() == [2, 3]  # keep_last prunes the oldest
     loaded = store.load_latest()
     model, optimizer = tiny_state(3)
@@ -35,7 +45,7 @@ def round_trip(store_url: str, cfg: CheckpointConfig, tmp_path) -> None:
     restored = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     restored[1].weight = restored[0].weight
     restored.load_state_dict(loaded.model, strict=False)
-    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values()):
+    for (name, a), b in zip(model.state_dict().items(), restored.state_dict().values(), strict=False):
         assert torch.equal(a, b), name
     assert torch.equal(loaded.optimizer["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"])
     assert json.loads(store.store.get("run-a/step-00000003/config.json")) == {"model_type": "tiny"}
@@ -88,7 +98,9 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
     def save(step: int) -> None:
         model, optimizer = tiny_state(step)
         state = {"step": step, "policy_version": 100 + step}
-        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), state), model_dir)
+        store.save(
+            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), state), model_dir
+        )
 
     save(1)
     store.mark(1, "STABLE")
@@ -140,7 +152,10 @@ def test_catalog_skips_a_step_pruned_while_it_is_read(tmp_path):
     writer = CheckpointStore(files, "run-p", keep_last=5)
     for step in (1, 2):
         model, optimizer = tiny_state(step)
-        writer.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+        writer.save(
+            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}),
+            model_dir,
+        )
     reader = CheckpointStore(PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5)
     assert [entry["step"] for entry in reader.catalog()] == [2]
 
@@ -166,7 +181,10 @@ def test_file_store_lists_while_folders_are_removed(tmp_path):
 
 
 def test_a_missing_object_is_file_not_found_in_every_store(tmp_path, s3_env):
-    for url, cfg in ((tmp_path.as_uri(), CheckpointConfig()), ("s3://rlpipe-missing/p", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))):
+    for url, cfg in (
+        (tmp_path.as_uri(), CheckpointConfig()),
+        ("s3://rlpipe-missing/p", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False)),
+    ):
         with pytest.raises(FileNotFoundError):
             open_store(url, cfg).get("run/step-00000001/manifest.json")
 
@@ -180,7 +198,10 @@ def test_after_a_rollback_the_new_branch_is_kept_on_the_mirror_and_abandoned_ste
 
     def save(step: int) -> None:
         model, optimizer = tiny_state(step)
-        store.save(Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+        store.save(
+            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}),
+            model_dir,
+        )
 
     for step in (1, 2, 3):
         save(step)

@@ -8,8 +8,8 @@ import torch
 
 from services.common.config import load_config
 from services.common.datasets import load_jsonl
-from services.common.modeling import load_tokenizer
 from services.common.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.modeling import load_tokenizer
 from services.reference.service import ReferenceScorer
 from services.trainer.algorithms import group_advantages
 from services.trainer.learner import Batch, Learner
@@ -28,15 +28,36 @@ def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
         for k in range(group_size):
             right = k % 2 == 0
             text = row["answer"] if right else str(int(row["answer"]) + int(rng.integers(1, 9)))
-            ids = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
-            completions.append(Completion(text=text, token_ids=np.asarray(ids, dtype=np.int32), logprobs=np.zeros(len(ids), np.float32), finish_reason="stop"))
+            ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+            completions.append(
+                Completion(
+                    text=text,
+                    token_ids=np.asarray(ids, dtype=np.int32),
+                    logprobs=np.zeros(len(ids), np.float32),
+                    finish_reason="stop",
+                )
+            )
             rewards.append(float(right))
-        rollout = advance(Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]), RolloutGroup,
-                          prompt_ids=np.asarray(prompt_ids, dtype=np.int32), policy_version=0, completions=completions)
+        rollout = advance(
+            Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]),
+            RolloutGroup,
+            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
+            policy_version=0,
+            completions=completions,
+        )
         groups.append(advance(rollout, ScoredGroup, rewards=np.asarray(rewards, dtype=np.float32)))
     scored = scorer(groups)
     # The sampler's logprobs are the base model's: use the reference's scores for them.
-    return [advance(g, ExperienceGroup, completions=[c.model_copy(update={"logprobs": ref}) for c, ref in zip(g.completions, g.ref_logprobs)]) for g in scored]
+    return [
+        advance(
+            g,
+            ExperienceGroup,
+            completions=[
+                c.model_copy(update={"logprobs": ref}) for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
+            ],
+        )
+        for g in scored
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +70,9 @@ def setup(tiny_model, tmp_path_factory):
 
 def make(setup, **train):
     model_dir, data_dir, tmp, rows = setup
-    cfg = load_config(write_config(tmp / "c.yaml", model_dir, data_dir, tmp / "runs", train={"learning_rate": 1e-4, **train}))
+    cfg = load_config(
+        write_config(tmp / "c.yaml", model_dir, data_dir, tmp / "runs", train={"learning_rate": 1e-4, **train})
+    )
     torch.manual_seed(0)
     return cfg, Learner(cfg), experience(cfg, rows)
 
@@ -60,8 +83,14 @@ def flat(learner: Learner) -> torch.Tensor:
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"])
 def test_every_algorithm_steps_with_finite_metrics_and_moves_the_policy(setup, algorithm):
-    cfg, learner, groups = make(
-        setup, algorithm=algorithm, kl={"coef": 0.01}, epochs=2, mini_batches=2, old_logprobs="recompute", tis={"mode": "token"}
+    _cfg, learner, groups = make(
+        setup,
+        algorithm=algorithm,
+        kl={"coef": 0.01},
+        epochs=2,
+        mini_batches=2,
+        old_logprobs="recompute",
+        tis={"mode": "token"},
     )
     before = flat(learner)
     metrics = learner.step(groups, policy_version=0)
@@ -75,7 +104,12 @@ def test_every_algorithm_steps_with_finite_metrics_and_moves_the_policy(setup, a
 
 def test_ratio_is_taken_against_the_rollout_logprobs_by_default(setup):
     _, learner, groups = make(setup, algorithm="grpo")
-    shifted = [g.model_copy(update={"completions": [c.model_copy(update={"logprobs": c.logprobs - 0.5}) for c in g.completions]}) for g in groups]
+    shifted = [
+        g.model_copy(
+            update={"completions": [c.model_copy(update={"logprobs": c.logprobs - 0.5}) for c in g.completions]}
+        )
+        for g in groups
+    ]
     metrics = learner.step(shifted, 0)
     # The sampler gave every token 0.5 nats less than the policy: approx_kl = mean(old - logp) = -0.5.
     assert metrics["approx_kl"] == pytest.approx(-0.5, abs=1e-3)
@@ -138,8 +172,18 @@ def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     cfg, first, groups = make(setup, algorithm=algorithm, epochs=2, mini_batches=2, warmup_steps=3)
     store = CheckpointStore(open_store(tmp_path.as_uri(), CheckpointConfig()), "resume", keep_last=2)
     first.step(groups[:3], 0)
-    store.save(Checkpoint(1, dict(first.model.state_dict()), first.optimizer.state_dict(), first.scheduler.state_dict(),
-                          first.rng_state(), {}, critic=dict(first.critic.state_dict()) if first.critic else None), model_dir)
+    store.save(
+        Checkpoint(
+            1,
+            dict(first.model.state_dict()),
+            first.optimizer.state_dict(),
+            first.scheduler.state_dict(),
+            first.rng_state(),
+            {},
+            critic=dict(first.critic.state_dict()) if first.critic else None,
+        ),
+        model_dir,
+    )
     torch.manual_seed(1234)  # disturb the global RNG: the checkpoint must bring it back
     first.step(groups[3:], 1)
 
@@ -149,5 +193,5 @@ def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     resumed.step(groups[3:], 1)
     assert torch.equal(flat(first), flat(resumed))
     if algorithm == "ppo":
-        for a, b in zip(first.critic.parameters(), resumed.critic.parameters()):
+        for a, b in zip(first.critic.parameters(), resumed.critic.parameters(), strict=False):
             assert torch.equal(a, b)

@@ -31,7 +31,13 @@ def build() -> None:
     include = str(Path(protoc.__file__).parent / "_proto")
     with tempfile.TemporaryDirectory(dir=PACKAGE_DIR) as tmp:
         # Map proto/ onto this package's import path so generated modules import each other correctly.
-        args = ["protoc", f"-I{include}", f"-Iservices/common/pb={PROTO_DIR}", f"--python_out={tmp}", f"--grpc_python_out={tmp}"]
+        args = [
+            "protoc",
+            f"-I{include}",
+            f"-Iservices/common/pb={PROTO_DIR}",
+            f"--python_out={tmp}",
+            f"--grpc_python_out={tmp}",
+        ]
         if protoc.main(args + [f"services/common/pb/{proto.name}" for proto in protos]) != 0:
             raise RuntimeError(f"protoc failed on {[str(p) for p in protos]}")
         for generated in (Path(tmp) / "services" / "common" / "pb").glob("*.py"):
@@ -43,4 +49,4 @@ build()
 
 from services.common.pb import admin_pb2, admin_pb2_grpc, weights_pb2, weights_pb2_grpc  # noqa: E402
 
-__all__ = ["admin_pb2", "admin_pb2_grpc", "weights_pb2", "weights_pb2_grpc", "build"]
+__all__ = ["admin_pb2", "admin_pb2_grpc", "build", "weights_pb2", "weights_pb2_grpc"]
