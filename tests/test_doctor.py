@@ -20,14 +20,14 @@ from nats.js import api
 
 from services.common.bus import PROMPTS, Bus, stream_name, subject
 from services.common.config import CheckpointConfig, load_config
-from services.doctor import (
+from services.common.startup_checks import (
     StartupCheckError,
     check_admin_token,
-    check_packages,
     check_ports,
     check_storage,
     startup_checks,
 )
+from services.doctor import check_packages
 from tests.conftest import ROOT, free_port, write_config
 
 

@@ -18,6 +18,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from services.common import registry
+
 ENV_PREFIX = "RLPIPE_"
 # Off while a live override is validated, so the environment cannot undo an operator's change.
 _read_environment = contextvars.ContextVar("_read_environment", default=True)
@@ -48,9 +50,9 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def _one_of(name: str, registry: dict) -> str:
-    if name not in registry:
-        raise ValueError(f"{name!r} is not one of {sorted(registry)}")
+def _one_of(name: str, allowed: list[str]) -> str:
+    if name not in allowed:
+        raise ValueError(f"{name!r} is not one of {allowed}")
     return name
 
 
@@ -103,9 +105,7 @@ class KLConfig(Section):
     @field_validator("estimator")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from services.trainer.algorithms import KL_ESTIMATORS
-
-        return _one_of(name, KL_ESTIMATORS)
+        return _one_of(name, registry.KL_ESTIMATORS.names())
 
 
 class ClipConfig(Section):
@@ -168,7 +168,18 @@ class TrainConfig(Section):
     )
     tis: TISConfig = TISConfig()
     critic: CriticConfig = CriticConfig()
-    max_staleness: int | None = Field(None, ge=0, description="drop groups generated more than this many versions ago")
+    max_staleness: int | None = Field(
+        8,
+        ge=0,
+        description="drop groups generated more than this many versions ago; null disables the bound "
+        "(rollouts that cannot pull new weights keep sampling, so in-flight batches alone do not bound it)",
+    )
+    lost_after_s: float = Field(
+        900.0,
+        gt=0,
+        description="a fed group neither applied, dropped nor dead-lettered this long after it was fed, while "
+        "the trainer has read all of EXPERIENCE, is recorded as lost and its in-flight slot freed",
+    )
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
     log_interval: int = Field(1, ge=1)
 
@@ -183,16 +194,12 @@ class TrainConfig(Section):
     @field_validator("loss_agg")
     @classmethod
     def _registered(cls, name: str) -> str:
-        from services.trainer.algorithms import AGGREGATIONS
-
-        return _one_of(name, AGGREGATIONS)
+        return _one_of(name, registry.AGGREGATIONS.names())
 
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, name: str) -> str:
-        from services.trainer.algorithms import ADVANTAGE_ESTIMATORS
-
-        return _one_of(name, {"ppo": None, "reinforce_pp": None, "dr_grpo": None, **ADVANTAGE_ESTIMATORS})
+        return _one_of(name, registry.algorithm_names())
 
 
 class CheckpointConfig(Section):
@@ -483,13 +490,22 @@ class RunConfig(BaseSettings):
         # The YAML arrives as init kwargs; the environment must override it.
         return (env_settings, init_settings) if _read_environment.get() else (init_settings,)
 
+    @model_validator(mode="after")
+    def _lost_only_after_every_delivery(self) -> RunConfig:
+        # A group a stage may still legitimately redeliver must not be written off as lost.
+        retrying_s = self.nats.ack_wait_s * self.nats.max_deliver
+        if self.train.lost_after_s <= retrying_s:
+            raise ValueError(
+                f"train.lost_after_s ({self.train.lost_after_s}) must exceed nats.ack_wait_s x nats.max_deliver "
+                f"({retrying_s}): a group that stages still retry would be recorded as lost"
+            )
+        return self
+
     @field_validator("reward")
     @classmethod
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
-        from services.reward.functions import REWARD_FUNCTIONS
-
         for name in reward.functions:
-            _one_of(name, REWARD_FUNCTIONS)
+            _one_of(name, registry.REWARD_FUNCTIONS.names())
         return reward
 
     @property

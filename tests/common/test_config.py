@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from services.common import registry
 from services.common.config import ConfigError, load_config
 from tests.conftest import ROOT, write_config
 
@@ -92,6 +93,19 @@ def test_bad_config_names_the_field(tmp_path, model_dir, data_dir, change, field
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert field in str(error.value) and allowed in str(error.value)
+
+
+def test_a_name_registered_before_loading_is_accepted_like_a_built_in(tmp_path, model_dir, data_dir):
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"kl": {"estimator": "k_user"}}
+    )
+    with pytest.raises(ConfigError, match="train.kl.estimator"):
+        load_config(path)
+    registry.KL_ESTIMATORS.register("k_user")(lambda logp, ref_logp: logp - ref_logp)
+    try:
+        assert load_config(path).train.kl.estimator == "k_user"
+    finally:
+        del registry.KL_ESTIMATORS["k_user"]
 
 
 def test_duplicate_window_must_outlive_redelivery(tmp_path, model_dir, data_dir):

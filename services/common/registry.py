@@ -1,0 +1,54 @@
+"""The names a config may choose for pluggable functions, and the tables the roles fill with them.
+
+Config validates ``train.algorithm``, ``train.kl.estimator``, ``train.loss_agg`` and
+``reward.functions`` here, without importing the trainer or the reward role (``common``
+never imports a role). Each table starts empty; the role that implements the functions
+registers them on import (``services.trainer.algorithms``, ``services.reward.functions``).
+A name is valid if it is built in (declared below, so a launcher or a rollout that never
+imports the trainer's math still accepts ``k3``) or registered before the config is
+loaded (a user's own estimator). tests/test_layering.py checks that the built-in names
+are exactly what the roles register.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+
+class Registry(dict[str, Callable[..., Any]]):
+    """name -> function, plus the names built into rlpipe whether or not their module is imported yet."""
+
+    def __init__(self, kind: str, builtin: Iterable[str]):
+        super().__init__()
+        self.kind = kind
+        self.builtin = tuple(builtin)
+
+    def names(self) -> list[str]:
+        return sorted({*self.builtin, *self})
+
+    def register(self, name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: ``@ADVANTAGE_ESTIMATORS.register("median")``."""
+
+        def add(fn: Callable[..., Any]) -> Callable[..., Any]:
+            self[name] = fn
+            return fn
+
+        return add
+
+
+ADVANTAGE_ESTIMATORS = Registry("group advantage estimator", ("grpo", "grpo_no_std", "rloo"))
+KL_ESTIMATORS = Registry("KL estimator", ("k1", "abs", "k2", "k3"))
+AGGREGATIONS = Registry(
+    "loss aggregation", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+)
+REWARD_FUNCTIONS = Registry("reward function", ("exact_match", "format"))
+
+# Algorithms whose advantages come from elsewhere than a group estimator: PPO from GAE over a critic,
+# REINFORCE++ from whitened discounted returns, Dr. GRPO as an alias of grpo_no_std (the trainer's learner).
+NON_GROUP_ALGORITHMS = ("ppo", "reinforce_pp", "dr_grpo")
+
+
+def algorithm_names() -> list[str]:
+    """What ``train.algorithm`` accepts: the algorithms above and every group advantage estimator."""
+    return sorted({*NON_GROUP_ALGORITHMS, *ADVANTAGE_ESTIMATORS.names()})

@@ -1,0 +1,343 @@
+"""Start-up checks: the cheap subset of ``rlpipe doctor`` a process runs before it loads anything heavy.
+
+A bad model folder, dataset or unwritable store stops a service (or ``rlpipe run``) at
+once, with every reason named, instead of minutes later. Each check reads the config and
+returns rows of (name, status, detail); ``rlpipe doctor`` (services/doctor.py) runs these
+and the machine and broker checks and prints them as a table. They live in ``common``
+because every role and both CLIs use them, and ``common`` imports neither.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from services.common.config import AdminCredentials, CheckpointConfig, RunConfig
+from services.common.datasets import row_problem
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+# An S3 probe is four requests (bucket, put, get, delete); a dead endpoint must not stall start-up.
+STORAGE_TIMEOUT_S = 5.0
+STARTUP_DATASET_LINES = 1_000
+SHOWN_BAD_LINES = 5
+STARTUP_ROLES = ("trainer", "rollout", "reward", "reference", "run")
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    name: str
+    status: Status
+    detail: str
+
+    @property
+    def failed(self) -> bool:
+        return self.status == "fail"
+
+
+@dataclass(frozen=True)
+class Check:
+    """A config-dependent check: the top-level config fields it reads, and what it does with them."""
+
+    name: str
+    fields: tuple[str, ...]
+    run: Callable[[RunConfig], list[CheckResult]]
+
+
+class StartupCheckError(RuntimeError):
+    """A service cannot start; the message names every failed check."""
+
+    def __init__(self, role: str, failures: list[CheckResult]):
+        self.failures = failures
+        lines = "\n".join(f"  {result.name}: {result.detail}" for result in failures)
+        super().__init__(f"{role} start-up checks failed:\n{lines}")
+
+
+def shorten(error: BaseException, limit: int = 300) -> str:
+    text = str(error) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def human_size(n: float) -> str:
+    if n < 1024:
+        return f"{n:.0f} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        n /= 1024
+        if n < 1024:
+            return f"{n:.1f} {unit}"
+    return f"{n / 1024:.1f} TiB"
+
+
+def _with_deadline(work: Callable[[], None], timeout_s: float) -> None:
+    """``work()`` in a daemon thread, given up after ``timeout_s``.
+
+    A hung socket cannot be cancelled, only abandoned.
+    """
+    errors: list[Exception] = []
+
+    def target() -> None:
+        try:
+            work()
+        except Exception as error:  # raised again in the caller's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True, name="doctor-probe")
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {timeout_s:g}s")
+    if errors:
+        raise errors[0]
+
+
+def weight_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+
+
+def check_model(path: Path, name: str = "model") -> CheckResult:
+    """The folder loads as a Hugging Face causal LM would.
+
+    That is: a config, a real tokenizer that fits the embeddings, and weights.
+    """
+    from transformers import AutoConfig, AutoTokenizer
+
+    if not path.is_dir():
+        return CheckResult(name, "fail", f"{path}: no such folder")
+    # transformers raises OSError, ValueError, KeyError... depending on what is wrong with the folder.
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except Exception as error:
+        return CheckResult(name, "fail", f"{path}: config does not load: {shorten(error)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    except Exception as error:
+        return CheckResult(name, "fail", f"{path}: tokenizer does not load: {shorten(error)}")
+    vocab = len(tokenizer)
+    # Without tokenizer files transformers builds an empty tokenizer holding only special tokens.
+    if vocab <= len(tokenizer.all_special_tokens):
+        return CheckResult(
+            name, "fail", f"{path}: the tokenizer is empty ({vocab} tokens): tokenizer files are missing"
+        )
+    embeddings = getattr(config, "vocab_size", None)
+    if embeddings is not None and vocab > embeddings:
+        return CheckResult(
+            name, "fail", f"{path}: the tokenizer has {vocab} tokens but the model embeds only {embeddings}"
+        )
+    weights = weight_files(path)
+    if not weights:
+        return CheckResult(name, "fail", f"{path}: no weights (*.safetensors or pytorch_model*.bin)")
+    size = sum(p.stat().st_size for p in weights)
+    return CheckResult(name, "ok", f"{path}: {config.model_type}, {vocab} tokens, weights {human_size(size)}")
+
+
+def check_dataset(path: Path, name: str, max_lines: int) -> CheckResult:
+    """The first ``max_lines`` lines parse as rows; the bad ones are listed by line number."""
+    bad: list[str] = []
+    rows = checked = 0
+    truncated = False
+    try:
+        with path.open("rb") as lines:
+            for number, raw in enumerate(lines, start=1):
+                if number > max_lines:
+                    truncated = True
+                    break
+                checked = number
+                if not raw.strip():
+                    continue
+                error = row_problem(raw)
+                if error is None:
+                    rows += 1
+                else:
+                    bad.append(f"line {number}: {error}")
+    except OSError as error:
+        return CheckResult(name, "fail", f"{path}: cannot read: {shorten(error)}")
+    scope = f"first {checked} lines" if truncated else f"{checked} lines"
+    if bad:
+        shown = "; ".join(bad[:SHOWN_BAD_LINES]) + (
+            f"; and {len(bad) - SHOWN_BAD_LINES} more" if len(bad) > SHOWN_BAD_LINES else ""
+        )
+        return CheckResult(name, "fail", f"{path}: {len(bad)} bad of {scope}: {shown}")
+    if rows == 0:
+        return CheckResult(name, "fail", f"{path}: no rows")
+    return CheckResult(name, "ok", f"{path}: {rows} rows parse ({scope} checked)")
+
+
+def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage") -> CheckResult:
+    """Write, read back and delete a probe object under a prefix of its own."""
+    from services.common.storage import open_store
+
+    prefix = f".rlpipe-doctor-{uuid.uuid4().hex}/"
+    payload = os.urandom(64)
+    step = "open"
+
+    def probe() -> None:
+        nonlocal step
+        store = open_store(url, checkpoint)
+        step = "write"
+        store.put(prefix + "probe", payload)
+        step = "read"
+        if store.get(prefix + "probe") != payload:
+            raise OSError("read back other bytes than were written")
+        step = "delete"
+        store.delete_prefix(prefix)
+        if store.list(prefix):
+            raise OSError("the probe is still listed after delete")
+
+    try:
+        _with_deadline(probe, STORAGE_TIMEOUT_S)
+    except Exception as error:  # file systems, S3 and the network fail in many types
+        return CheckResult(name, "fail", f"{url}: {step} failed: {shorten(error)}")
+    return CheckResult(name, "ok", f"{url}: write, read and delete work")
+
+
+def storage_rows(cfg: RunConfig) -> list[CheckResult]:
+    rows = [check_storage(cfg.checkpoint_url, cfg.checkpoint)]
+    if cfg.checkpoint.mirror_url:
+        rows.append(check_storage(cfg.checkpoint.mirror_url, cfg.checkpoint, "storage mirror"))
+    return rows
+
+
+def check_ports(host: str, ports: dict[str, int]) -> CheckResult:
+    """Each fixed port can be bound on ``host``; 0 means any free port and is not probed."""
+    fixed = {field: port for field, port in ports.items() if port}
+    if not fixed:
+        return CheckResult("ports", "skip", "every port is 0 (any free port)")
+    busy = []
+    for field, port in fixed.items():
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            with socket.socket(family, kind, proto) as sock:
+                # As the servers do, so a port in TIME_WAIT counts as free.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind(address)
+        except OSError as error:  # socket.gaierror included: an unresolvable host binds nothing
+            busy.append(f"{field} {port} on {host}: {error.strerror or error}")
+    if busy:
+        return CheckResult("ports", "fail", "; ".join(busy))
+    return CheckResult(
+        "ports", "ok", f"free on {host}: " + ", ".join(f"{field}={port}" for field, port in fixed.items())
+    )
+
+
+def role_ports(cfg: RunConfig, role: str) -> dict[str, int]:
+    """The fixed ports ``role`` binds.
+
+    ``run``: those its children bind that the launcher does not choose; ``doctor``: all of them.
+    """
+    ports = {"telemetry.metrics_port": cfg.telemetry.metrics_port}
+    if role == "trainer":
+        ports |= {"service.trainer_grpc_port": cfg.service.trainer_grpc_port, "admin.port": cfg.admin.port}
+    elif role == "run":
+        # The launcher picks free ports for WeightSync, and for admin unless the config names one.
+        if "port" in cfg.admin.model_fields_set:
+            ports |= {"admin.port": cfg.admin.port}
+    elif role == "doctor":
+        ports |= {
+            "service.trainer_grpc_port": cfg.service.trainer_grpc_port,
+            "service.grpc_port": cfg.service.grpc_port,
+            "admin.port": cfg.admin.port,
+        }
+    else:
+        ports |= {"service.grpc_port": cfg.service.grpc_port}
+    return ports
+
+
+def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
+    """``launcher_generates``: started by ``rlpipe run``, which makes a token when none is set."""
+    if AdminCredentials().token:
+        return CheckResult("admin token", "ok", "set by RLPIPE_ADMIN_TOKEN")
+    token_file = cfg.admin.token_file
+    if token_file is None:
+        missing = "neither RLPIPE_ADMIN_TOKEN nor admin.token_file is set"
+    else:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as error:
+            return CheckResult("admin token", "fail", f"admin.token_file {token_file}: {shorten(error)}")
+        if token:
+            return CheckResult("admin token", "ok", f"read from admin.token_file {token_file}")
+        missing = f"admin.token_file {token_file} is empty"
+    if not launcher_generates:
+        return CheckResult("admin token", "fail", f"{missing}: the trainer does not start without one")
+    if cfg.environment == "prod":
+        return CheckResult(
+            "admin token", "fail", f"{missing}: a prod deployment must set its own, not rely on a generated one"
+        )
+    return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
+
+
+def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
+    rows = [check_model(cfg.model.path)] if policy else []
+    if reference and (not policy or cfg.reference_model_path != cfg.model.path):
+        rows.append(check_model(cfg.reference_model_path, "reference model"))
+    return rows
+
+
+def dataset_rows(cfg: RunConfig, max_lines: int) -> list[CheckResult]:
+    paths = {"dataset data.train_path": cfg.data.train_path, "dataset data.eval_path": cfg.data.eval_path}
+    return [check_dataset(path, name, max_lines) for name, path in paths.items() if path is not None]
+
+
+def _startup_checks(role: str) -> list[Check]:
+    ports = Check(
+        "ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, role_ports(cfg, role))]
+    )
+    policy = Check("model", ("model",), lambda cfg: model_rows(cfg, policy=True, reference=False))
+    dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, STARTUP_DATASET_LINES))
+    storage = Check("storage", ("checkpoint",), storage_rows)
+    token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
+    if role == "trainer":
+        return [policy, dataset, storage, token, ports]
+    if role == "rollout":
+        return [policy, ports]
+    if role == "reference":
+        return [
+            Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=False, reference=True)),
+            ports,
+        ]
+    if role == "reward":
+        return [ports]
+    both = Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True))
+    return [both, dataset, storage, token, ports]
+
+
+def run_each(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]) -> list[CheckResult]:
+    """Each check's rows; a check is skipped, with a row saying why, without a config or with a field of it invalid."""
+    results = []
+    for check in checks:
+        if cfg is None:
+            results.append(CheckResult(check.name, "skip", "needs a loadable config"))
+            continue
+        broken = [field for field in check.fields if field in invalid]
+        if broken:
+            results.append(CheckResult(check.name, "skip", f"invalid config: {', '.join(broken)} (see config)"))
+            continue
+        results += check.run(cfg)
+    return results
+
+
+def startup_checks(cfg: RunConfig, role: str) -> list[CheckResult]:
+    """The cheap checks ``role`` needs before it starts (no network wait beyond a few seconds, no broker).
+
+    trainer: model, datasets, storage probe, admin token (required: it does not start without
+    one), its ports; rollout: model, ports; reference: reference model, ports; reward: ports;
+    run (the launcher): models, datasets, storage, admin token (a warning: it generates one,
+    except in prod), admin and metrics ports. The broker is left out: the bus waits for it,
+    and ``rlpipe run`` starts its own after these checks.
+    Returns the rows (warnings included); raises StartupCheckError naming each failure.
+    """
+    if role not in STARTUP_ROLES:
+        raise ValueError(f"unknown role {role!r}: one of {STARTUP_ROLES}")
+    results = run_each(_startup_checks(role), cfg, frozenset())
+    failures = [result for result in results if result.failed]
+    if failures:
+        raise StartupCheckError(role, failures)
+    return results

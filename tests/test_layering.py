@@ -1,0 +1,153 @@
+"""Dependencies point one way: ``services.common`` <- roles <- CLIs.
+
+``common`` is what every process loads; if it imported a role or a CLI, a reward worker would
+drag in the trainer's math (and torch), and an edit to the launcher could break every role.
+``doctor`` and ``launcher`` are siblings: what both need lives in ``common``. The rules are
+checked on the source with ``ast``, so a function-local import counts as much as a top-level
+one, and nothing is imported to check it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from services.common import registry
+from tests.conftest import ROOT
+
+SERVICES = ROOT / "services"
+ROLES = ("trainer", "rollout", "reward", "reference")
+SIBLINGS = ("doctor", "launcher")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, module) for every import in ``source``, relative ones resolved.
+
+    ``from a import b`` counts as importing ``a.b`` where that is a module, else ``a``.
+    """
+    package = module if is_package else module.rpartition(".")[0]
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            # `from services import doctor` imports the module services.doctor.
+            found += [
+                (node.lineno, f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
+                for alias in node.names
+            ]
+    return sorted(set(found))
+
+
+def layer(module: str) -> str | None:
+    """common, role or cli for a module of services/; None for anything else (the stdlib, packages, tests)."""
+    parts = module.split(".")
+    if parts[0] != "services" or len(parts) < 2:
+        return None
+    if parts[1] == "common":
+        return "common"
+    if parts[1] in ROLES:
+        return "role"
+    return "cli"  # launcher, cli, doctor, admin_cli, dead_letters, report, healthcheck: run by people, not roles
+
+
+def violation(importer: str, imported: str) -> str | None:
+    """Why ``importer`` must not import ``imported``, or None if it may."""
+    importer_layer, imported_layer = layer(importer), layer(imported)
+    if importer_layer is None or imported_layer is None:
+        return None
+    if importer_layer == "common" and imported_layer != "common":
+        return f"common must not import a {imported_layer} module"
+    if importer_layer == "role" and imported_layer == "cli":
+        return "a role must not import a CLI module"
+    top = importer.split(".")[1], imported.split(".")[1]
+    if set(top) == set(SIBLINGS) and top[0] != top[1]:
+        return "doctor and launcher must not import each other: what both need belongs in services/common"
+    return None
+
+
+def violations_in(path: Path, source: str) -> list[str]:
+    module = module_name(path)
+    return [
+        f"{path.relative_to(ROOT)}:{line}: {module} imports {imported}: {why}"
+        for line, imported in imported_modules(source, module, path.name == "__init__.py")
+        if (why := violation(module, imported))
+    ]
+
+
+@pytest.mark.parametrize(
+    ("path", "source", "expected"),
+    [
+        (
+            "services/common/config.py",
+            "def f():\n    from services.trainer.algorithms import KL_ESTIMATORS\n",
+            "services.trainer.algorithms: common must not import a role module",
+        ),
+        ("services/common/service.py", "from services.doctor import startup_checks\n", "common must not import a cli"),
+        ("services/common/x.py", "from services import launcher\n", "imports services.launcher: common must not"),
+        ("services/common/x.py", "from .. import reward\n", "imports services.reward: common must not"),
+        ("services/doctor.py", "from services.launcher import nats_server_binary\n", "must not import each other"),
+        ("services/launcher.py", "import services.doctor\n", "must not import each other"),
+        ("services/reward/service.py", "from services.cli import app\n", "a role must not import a CLI module"),
+        ("services/trainer/admin.py", "from ..admin_cli import register\n", "a role must not import a CLI module"),
+    ],
+)
+def test_the_checker_catches_each_kind_of_wrong_way_import(path, source, expected):
+    found = violations_in(ROOT / path, source)
+    assert len(found) == 1 and expected in found[0], found
+
+
+@pytest.mark.parametrize(
+    ("path", "source"),
+    [
+        ("services/trainer/service.py", "from services.common.bus import Bus\nfrom .checkpoint import Checkpoints\n"),
+        ("services/launcher.py", "from services.common.startup_checks import startup_checks\n"),
+        ("services/cli.py", "from services.launcher import run\nfrom services.doctor import diagnose\n"),
+        ("services/common/service.py", "from services.common import registry\nimport torch\n"),
+    ],
+)
+def test_the_checker_allows_imports_that_point_the_right_way(path, source):
+    assert violations_in(ROOT / path, source) == []
+
+
+def test_no_module_imports_the_wrong_way():
+    found = [line for path in sorted(SERVICES.rglob("*.py")) for line in violations_in(path, path.read_text())]
+    assert found == [], "wrong-way imports:\n" + "\n".join(found)
+
+
+def test_the_built_in_names_config_accepts_are_what_the_roles_register():
+    # Config knows the built-ins without importing the roles; this keeps the two lists from drifting apart.
+    from services.reward import functions
+    from services.trainer import algorithms
+
+    assert sorted(algorithms.ADVANTAGE_ESTIMATORS) == sorted(registry.ADVANTAGE_ESTIMATORS.builtin)
+    assert sorted(algorithms.KL_ESTIMATORS) == sorted(registry.KL_ESTIMATORS.builtin)
+    assert sorted(algorithms.AGGREGATIONS) == sorted(registry.AGGREGATIONS.builtin)
+    assert sorted(functions.REWARD_FUNCTIONS) == sorted(registry.REWARD_FUNCTIONS.builtin)
+
+
+def test_the_roles_register_into_the_tables_config_validates_against():
+    # A user's @register_advantage("x") must make `train.algorithm: x` valid, so the roles' tables are common's.
+    from services.reward import functions
+    from services.trainer import algorithms
+
+    assert algorithms.ADVANTAGE_ESTIMATORS is registry.ADVANTAGE_ESTIMATORS
+    assert algorithms.KL_ESTIMATORS is registry.KL_ESTIMATORS
+    assert algorithms.AGGREGATIONS is registry.AGGREGATIONS
+    assert functions.REWARD_FUNCTIONS is registry.REWARD_FUNCTIONS
