@@ -22,7 +22,10 @@ model: $(STAMP)
 demo: model
 	$(BIN)/rlpipe run $(CONFIG)
 
+# Lint and format first: they take seconds, the tests many minutes.
 test: $(STAMP)
+	$(BIN)/ruff check services tests bench
+	$(BIN)/ruff format --check services tests bench
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -189,7 +189,8 @@ def register(app: typer.Typer) -> None:
         token: str = typer.Option("", help="admin token (default: RLPIPE_ADMIN_TOKEN, else the run's admin.token)"),
         timeout: float = typer.Option(
             0.0,
-            help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, {LOOP_DEADLINE_S:g} for commands the training loop runs)",
+            help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, "
+            f"{LOOP_DEADLINE_S:g} for commands the training loop runs)",
         ),
         run_dir: Path | None = typer.Option(None, help="run directory whose run.json and admin.token to use"),
         tls_ca: Path | None = typer.Option(None, help="CA certificate when the admin port speaks TLS"),
@@ -262,7 +263,8 @@ def register(app: typer.Typer) -> None:
         request = admin_pb2.RollbackRequest(stable=True) if stable else admin_pb2.RollbackRequest(step=step)
         reply = target(ctx).call("Rollback", request)
         console.print(
-            f"rolled back to step {reply.step} as policy version {reply.policy_version}; abandoned steps: {list(reply.abandoned_steps)}"
+            f"rolled back to step {reply.step} as policy version {reply.policy_version}; "
+            f"abandoned steps: {list(reply.abandoned_steps)}"
         )
 
     @app.command("mark-stable")

@@ -105,7 +105,10 @@ def doctor(
         help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url",
     ),
 ) -> None:
-    """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk; exit 1 naming each failure."""
+    """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk.
+
+    Exits 1 naming each failure.
+    """
     from services.doctor import diagnose, print_report
 
     raise typer.Exit(print_report(diagnose(config, embedded=embedded)))

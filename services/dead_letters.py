@@ -55,7 +55,10 @@ async def list_dead_letters(nats_url: str, run_id: str, limit: int = 1000) -> li
 
 
 async def reinject(nats_url: str, run_id: str, sequence: int, payload: bytes | None = None) -> str:
-    """Publish DEAD message ``sequence`` (or a fixed ``payload``) back to its origin stream, then remove it from DEAD."""
+    """Publish DEAD message ``sequence`` (or a fixed ``payload``) back to its origin stream; then remove it from DEAD.
+
+    Returns the origin stream's name.
+    """
     by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
     nc = await nats.connect(nats_url)
     try:

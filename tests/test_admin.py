@@ -10,6 +10,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import grpc
 import torch
@@ -261,7 +262,7 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
 
 
 class Receiver(http.server.BaseHTTPRequestHandler):
-    posts: list[dict] = []
+    posts: ClassVar[list[dict]] = []
 
     def do_POST(self) -> None:
         Receiver.posts.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
@@ -287,7 +288,10 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             assert rlpipe(run_dir, "mark-stable", str(target)).returncode == 0
 
             # Entropy is ~1 nat here; a floor of 50 makes the rule fire at once, live, and pause the run.
-            rule = "[{name: entropy_floor, metric: entropy, condition: below, threshold: 50, window_steps: 2, severity: critical, actions: [notify, pause]}]"
+            rule = (
+                "[{name: entropy_floor, metric: entropy, condition: below, threshold: 50, window_steps: 2, "
+                "severity: critical, actions: [notify, pause]}]"
+            )
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             wait_for(lambda: status(run_dir)["state"] == "paused", "the alert's pause", process, timeout=120)
             now = status(run_dir)

@@ -84,7 +84,8 @@ def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_tok
 
 def test_embedded_checks_the_broker_binary_not_nats_url(tiny_model, tmp_path, no_admin_token):
     model_dir, data_dir = tiny_model
-    # rlpipe run starts its own broker and makes the admin token, so neither a closed nats.url nor a missing token fails.
+    # rlpipe run starts its own broker and makes the admin token,
+    # so neither a closed nats.url nor a missing token fails.
     config = write_config(
         tmp_path / "run.yaml",
         model_dir,
@@ -215,7 +216,8 @@ def test_packages_against_a_lock(tmp_path):
     lock = tmp_path / "requirements.lock"
     public_torch = torch.__version__.split("+")[0]  # the lock pins the public version of a +cpu build
     lock.write_text(
-        f"# pinned\ntorch=={public_torch}\npytest==0.0.1\nno-such-package-rlpipe==1.0\nwin-only==1.0 ; sys_platform == 'win32'\n"
+        f"# pinned\ntorch=={public_torch}\npytest==0.0.1\nno-such-package-rlpipe==1.0\n"
+        "win-only==1.0 ; sys_platform == 'win32'\n"
     )
     result = check_packages(lock)
     assert result.status == "fail"

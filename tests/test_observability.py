@@ -199,7 +199,8 @@ def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_pat
         traces.setdefault(span.trace_id, {}).setdefault(span.name, []).append(span)
     complete = [spans for spans in traces.values() if all(name in spans for name, _ in SPAN_CHAIN)]
     assert complete, (
-        f"no trace holds {[name for name, _ in SPAN_CHAIN]}; span names seen: {sorted({s.name for s in receiver.spans})}"
+        f"no trace holds {[name for name, _ in SPAN_CHAIN]}; "
+        f"span names seen: {sorted({s.name for s in receiver.spans})}"
     )
     spans = complete[0]
     group_id = spans["rollout.prompts"][0].attributes["rlpipe.group_id"]

@@ -597,8 +597,8 @@ def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
     deployment = DeploymentEnvironment().env
     if deployment and cfg.environment and deployment != cfg.environment:
         raise ConfigError(
-            f"invalid configuration:\n  environment: this config is for {cfg.environment!r} but RLPIPE_ENV is {deployment!r}; "
-            "use the config of this environment or set RLPIPE_ENV to match"
+            f"invalid configuration:\n  environment: this config is for {cfg.environment!r} "
+            f"but RLPIPE_ENV is {deployment!r}; use the config of this environment or set RLPIPE_ENV to match"
         )
     return cfg
 
@@ -652,7 +652,10 @@ def _set_dotted(data: dict[str, Any], model: type[BaseModel] | None, key: str, v
 
 
 def apply_overrides(base: RunConfig, overrides: dict[str, Any]) -> RunConfig:
-    """``base`` with dotted ``overrides`` (``{"train.learning_rate": 5e-5}``), validated; the environment is not re-read."""
+    """``base`` with dotted ``overrides`` (``{"train.learning_rate": 5e-5}``), validated.
+
+    The environment is not read again: an operator's change must not be undone by it.
+    """
     data = base.model_dump(mode="json", by_alias=True)
     for key, value in overrides.items():
         _set_dotted(data, RunConfig, key, value)

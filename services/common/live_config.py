@@ -178,8 +178,8 @@ class LiveConfig:
         ]
         if fixed:
             raise ConfigError(
-                f"invalid configuration:\n  {fixed[0]}: names the run and its broker; set it where the services are deployed "
-                "(config file or RLPIPE_* environment), not on a running run"
+                f"invalid configuration:\n  {fixed[0]}: names the run and its broker; "
+                "set it where the services are deployed (config file or RLPIPE_* environment), not on a running run"
             )
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
@@ -229,7 +229,10 @@ class LiveConfig:
 
 
 async def stored_config(cfg: RunConfig) -> RunConfig:
-    """``cfg`` with every change stored through the admin, restart-only ones included: what a starting service runs with."""
+    """``cfg`` with every change stored through the admin, restart-only ones included.
+
+    That is what a starting service runs with.
+    """
     nc = await nats.connect(cfg.nats.url, connect_timeout=5)
     try:
         return (await LiveConfig(cfg, nc.jetstream()).start()).cfg

@@ -29,7 +29,8 @@ rollout
   rlpipe_weight_sync_bytes_total                          bytes of weights pulled
   rlpipe_rollout_policy_version                           gauge, version loaded in the engine
 trainer (``TrainerMetrics``)
-  rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS`` (rlpipe_trainer_entropy, ...)
+  rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS``
+                                                          (rlpipe_trainer_entropy, ...)
   rlpipe_trainer_nonfinite_metrics_total{metric}          step values left out because they were NaN or infinite
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
   rlpipe_checkpoints_total{outcome}
@@ -215,7 +216,10 @@ class _LogCounter(logging.Handler):
 
 
 def current_telemetry() -> Telemetry:
-    """The ``Telemetry`` that ``start_telemetry`` set up in this process (``run_service`` does, before a service's main)."""
+    """The ``Telemetry`` that ``start_telemetry`` set up in this process.
+
+    ``run_service`` sets it up before a service's main.
+    """
     if _started is None:
         raise RuntimeError("start_telemetry() has not been called in this process")
     return _started

@@ -90,7 +90,8 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
         seen = request.after_version
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: self.latest.version > seen)
+                # Bound now (the default), so the predicate reads this pass's `seen`, not whatever the loop set later.
+                await self._changed.wait_for(lambda after=seen: self.latest.version > after)
                 current = self.latest
             seen = current.version
             yield current.info()

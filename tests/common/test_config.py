@@ -99,7 +99,7 @@ def test_a_name_registered_before_loading_is_accepted_like_a_built_in(tmp_path, 
     path = write_config(
         tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"kl": {"estimator": "k_user"}}
     )
-    with pytest.raises(ConfigError, match="train.kl.estimator"):
+    with pytest.raises(ConfigError, match=r"train\.kl\.estimator"):
         load_config(path)
     registry.KL_ESTIMATORS.register("k_user")(lambda logp, ref_logp: logp - ref_logp)
     try:

@@ -37,7 +37,7 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
 
         with pytest.raises(ConfigError, match=r"sampling.temperature: Input should be greater than 0"):
             await operator.propose({"sampling.temperature": -1}, author="bob")
-        with pytest.raises(ConfigError, match="train.learnin_rate: no such field"):
+        with pytest.raises(ConfigError, match=r"train\.learnin_rate: no such field"):
             await operator.propose({"train.learnin_rate": 1}, author="bob")
         assert (await operator.propose({"sampling.temperature": 0.5}, author="bob", dry_run=True)).version == 2
         assert await service.refresh() == []  # refused and dry-run proposals store nothing

@@ -148,14 +148,20 @@ async def compute(prompts):
         if failures.get(p.group_id, 0) > 0:
             failures[p.group_id] -= 1
             raise RuntimeError("flaky")
-    completion = Completion(text="2", token_ids=np.array([5], np.int32), logprobs=np.array([-0.1], np.float32), finish_reason="stop")
-    return [advance(p, RolloutGroup, prompt_ids=np.array([1], np.int32), policy_version=0, completions=[completion]) for p in prompts]
+    completion = Completion(
+        text="2", token_ids=np.array([5], np.int32), logprobs=np.array([-0.1], np.float32), finish_reason="stop"
+    )
+    return [
+        advance(p, RolloutGroup, prompt_ids=np.array([1], np.int32), policy_version=0, completions=[completion])
+        for p in prompts
+    ]
 
 async def main():
     bus = await Bus(cfg, "rollout").connect()
     with span_from_headers("test.feed", None):
         for group_id in ("g-ok", "g-flaky"):
-            await bus.publish(PROMPTS, Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2"), msg_id=group_id + ".prompt")
+            prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
+            await bus.publish(PROMPTS, prompt, msg_id=group_id + ".prompt")
     await bus.js.publish(subject(cfg.run_id, PROMPTS), b"\x00 not msgpack")
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, batch=4, name="rollout")
     stop = asyncio.Event()
@@ -176,7 +182,8 @@ async def main():
 asyncio.run(main())
 record_weight_sync(0.5, 4096, 3)
 trainer = TrainerMetrics()
-trainer.record_step({"step": 7, "entropy": 1.5, "reward_mean": 0.25, "grad_norm": np.float32(0.75), "loss": float("nan"), "note": "text"})
+step = {"step": 7, "entropy": 1.5, "reward_mean": 0.25, "grad_norm": np.float32(0.75), "loss": float("nan")}
+trainer.record_step({**step, "note": "text"})
 trainer.record_checkpoint(1.2, ok=True)
 trainer.record_checkpoint(0.4, ok=False)
 trainer.record_alert("kl_too_high", "warning")

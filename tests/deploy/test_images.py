@@ -84,7 +84,8 @@ def test_every_python_image_installs_with_the_shared_script():
     built = stages()
     assert re.search(rf"RUN .*sh {re.escape(INSTALL)} /opt/rlpipe/\.venv$", built["cpu"], re.MULTILINE)
     assert re.search(
-        rf"RUN .*LOCK=deploy/requirements-cuda\.txt sh {re.escape(INSTALL)} /opt/rlpipe/\.venv \"\" deploy/requirements-cuda\.txt$",
+        rf"RUN .*LOCK=deploy/requirements-cuda\.txt sh {re.escape(INSTALL)} "
+        r"/opt/rlpipe/\.venv \"\" deploy/requirements-cuda\.txt$",
         built["cuda"],
         re.MULTILINE,
     )
