@@ -24,6 +24,7 @@ stages (rollout, reward, reference)
   rlpipe_stage_latency_seconds{role,edge,outcome}         histogram, fetch to ack/nak/term of one message
   rlpipe_consumer_lag{role,edge}                          gauge, messages waiting in the durable consumer
   rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver
+  rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
 rollout
   rlpipe_weight_sync_duration_seconds                     histogram, pull + load of one policy version
   rlpipe_weight_sync_bytes_total                          bytes of weights pulled
@@ -320,6 +321,10 @@ class _Instruments:
         self.dead_letters = m.create_counter(
             "rlpipe_dead_letters", unit="{message}", description="messages copied to DEAD"
         )
+        self.breaker = m.create_gauge(
+            "rlpipe_stage_breaker_state",
+            description="the stage's dependency circuit breaker: 0 closed, 1 half-open, 2 open (fetching paused)",
+        )
         self.sync_duration = m.create_histogram(
             "rlpipe_weight_sync_duration",
             unit="s",
@@ -358,6 +363,9 @@ class StageMetrics:
 
     def lag(self, pending: int) -> None:
         _consumer_lag[self.key] = pending
+
+    def breaker(self, state: int) -> None:
+        self.instruments.breaker.set(int(state), self.attributes)
 
     def settled(self, outcome: str, seconds: float) -> None:
         attributes = {**self.attributes, "outcome": outcome}

@@ -15,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from services.common.bus import DependencyUnavailable
 from services.common.config import RunConfig, SamplingConfig
 from services.common.modeling import load_model, load_tokenizer
 
@@ -33,6 +34,10 @@ class Engine(Protocol):
     ) -> list[list[Generation]]: ...
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class EngineUnavailable(DependencyUnavailable):
+    """The engine itself failed (died, lost its device): the prompts are fine, the stage holds them and retries."""
 
 
 def max_tokens_for(prompt_len: int, sampling: SamplingConfig, max_seq_len: int) -> int:

@@ -23,7 +23,7 @@ from services.common.messages import Completion, Prompt, RolloutGroup, advance
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.telemetry import current_telemetry, record_weight_sync
 from services.common.weightsync import WeightSyncClient
-from services.rollout.engines import Engine, build_engine
+from services.rollout.engines import Engine, EngineUnavailable, build_engine
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +101,16 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
-        groups = await loop.run_in_executor(
-            engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len
-        )
+        try:
+            groups = await loop.run_in_executor(
+                engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len
+            )
+        except (ValueError, TypeError):
+            raise  # the prompts' fault (one too long for max_seq_len, say): their deliveries, then DEAD
+        except Exception as error:
+            # Anything else is the engine's (a dead engine core, a device error): failing the prompts for it
+            # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
+            raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
         return [
             advance(
                 prompt,

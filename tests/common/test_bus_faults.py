@@ -1,0 +1,371 @@
+"""Broker state loss, consumer settings and dependency outages, against real nats-server (and moto for S3)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+from nats.js import api
+
+from services.common.bus import (
+    DEAD,
+    EXPERIENCE,
+    H_CLAIM,
+    ROLLOUTS,
+    SCORED,
+    WORK_QUEUES,
+    BreakerState,
+    BrokerStateLost,
+    Bus,
+    CircuitBreaker,
+    ConsumerSettingsConflict,
+    DependencyUnavailable,
+    Stage,
+    StreamGap,
+    stream_name,
+)
+from services.common.config import RunConfig, load_config
+from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from tests.conftest import BIN, free_port, start_nats, wait_for_port, write_config
+
+
+def group(group_id: str, tokens: int = 3) -> RolloutGroup:
+    completion = Completion(
+        text="x",
+        token_ids=np.arange(tokens, dtype=np.int32),
+        logprobs=np.zeros(tokens, np.float32),
+        finish_reason="stop",
+    )
+    return advance(
+        Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2"),
+        RolloutGroup,
+        prompt_ids=np.array([1, 2], np.int32),
+        policy_version=0,
+        completions=[completion],
+    )
+
+
+def scored(item: RolloutGroup) -> ScoredGroup:
+    return advance(item, ScoredGroup, rewards=np.zeros(len(item.completions), np.float32))
+
+
+def config(tmp_path, tiny_model, name: str = "c.yaml", **sections) -> RunConfig:
+    model_dir, data_dir = tiny_model
+    return load_config(
+        write_config(tmp_path / name, model_dir, data_dir, tmp_path / "runs", run_id="faults", **sections)
+    )
+
+
+async def stream_messages(bus: Bus, edge: str) -> int:
+    return (await bus.js.stream_info(stream_name(bus.run_id, edge))).state.messages
+
+
+# ------------------------------------------------------------------ the breaker
+
+
+def test_circuit_breaker_backs_off_opens_probes_and_closes():
+    now = [100.0]
+    breaker = CircuitBreaker(threshold=3, cooldown_s=10.0, backoff_s=0.5, clock=lambda: now[0])
+    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.0 and breaker.down_for() == 0.0
+    breaker.failed()
+    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.5
+    now[0] += 0.5
+    assert breaker.retry_in() == 0.0
+    breaker.failed()
+    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 1.0  # doubled
+    now[0] += 1.0
+    breaker.failed()  # the third in a row: open for a full cool-down
+    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 10.0
+    now[0] += 9.0
+    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 1.0
+    now[0] += 1.0
+    assert breaker.state is BreakerState.HALF_OPEN and breaker.retry_in() == 0.0
+    breaker.failed()  # the probe failed: open again
+    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 10.0
+    assert breaker.failures == 4 and breaker.down_for() == 11.5
+    now[0] += 10.0
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.succeeded()
+    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0 and breaker.retry_in() == 0.0
+    assert breaker.down_for() == 0.0
+    breaker.failed()  # a new streak starts from the short backoff again
+    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.5
+    with pytest.raises(ValueError):
+        CircuitBreaker(threshold=0)
+
+
+# ------------------------------------------------------------------ consumer settings
+
+
+def test_changed_consumer_settings_reach_the_broker(tiny_model, tmp_path, nats_url):
+    old = config(tmp_path, tiny_model, "old.yaml", nats={"url": nats_url, "max_deliver": 3, "ack_wait_s": 30})
+    new = config(
+        tmp_path,
+        tiny_model,
+        "new.yaml",
+        nats={"url": nats_url, "max_deliver": 6, "ack_wait_s": 45, "max_ack_pending": 7, "duplicate_window_s": 600},
+    )
+    durable, stream = WORK_QUEUES[ROLLOUTS], stream_name("faults", ROLLOUTS)
+
+    async def scenario() -> None:
+        bus = await Bus(old, "reward").connect()
+        await bus.work_queue(ROLLOUTS)
+        info = await bus.js.consumer_info(stream, durable)
+        assert (info.config.max_deliver, info.config.ack_wait) == (4, 30.0)  # one more than max_deliver, see work_queue
+        await bus.close()
+
+        bus = await Bus(new, "reward").connect()  # a restart with raised limits
+        await bus.work_queue(ROLLOUTS)
+        info = await bus.js.consumer_info(stream, durable)
+        assert (info.config.max_deliver, info.config.ack_wait, info.config.max_ack_pending) == (7, 45.0, 7)
+
+        # A difference JetStream cannot update (someone made the durable replaying at the original pace) stops start-up.
+        await bus.js.delete_consumer(stream, durable)
+        await bus.js.add_consumer(stream, bus.consumer_config(ROLLOUTS).evolve(replay_policy=api.ReplayPolicy.ORIGINAL))
+        with pytest.raises(ConsumerSettingsConflict, match="replay_policy: 'original' on the broker, 'instant' wanted"):
+            await bus.work_queue(ROLLOUTS)
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ lost broker state
+
+
+def test_a_reader_stops_at_a_gap_instead_of_skipping_it(tiny_model, tmp_path, nats_url):
+    cfg = config(tmp_path, tiny_model, nats={"url": nats_url})
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        for i in range(5):
+            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        reader = bus.read_from(EXPERIENCE, 1)
+        assert [(await reader.next(2)).sequence for _ in range(2)] == [1, 2]
+        await bus.js.delete_msg(stream_name("faults", EXPERIENCE), 3)  # the message the reader needs next is gone
+        with pytest.raises(StreamGap) as gap:
+            await reader.next(2)
+        assert (gap.value.stream, gap.value.expected, gap.value.found) == (stream_name("faults", EXPERIENCE), 3, 4)
+        assert "sequences 3..3 were lost" in str(gap.value)
+        assert isinstance(gap.value, BrokerStateLost)
+        with pytest.raises(StreamGap):  # it stays where it was: no later call skips the gap either
+            await reader.next(2)
+        # A checkpoint that read up to 2 needs 3 next: check_covers says the same before any read.
+        with pytest.raises(StreamGap, match="expected sequence 3"):
+            await bus.js.purge_stream(stream_name("faults", EXPERIENCE), seq=4)  # first_seq is now 4
+            await bus.check_covers(EXPERIENCE, 2)
+        await bus.check_covers(EXPERIENCE, 3)  # a trainer past 3 purged below itself: fine
+        with pytest.raises(BrokerStateLost, match="ends at sequence 5 but sequence 9 was already read"):
+            await bus.check_covers(EXPERIENCE, 9)
+        # The trainer purges everything it checkpointed: an empty stream still covers its sequence.
+        await bus.js.purge_stream(stream_name("faults", EXPERIENCE), seq=6)
+        await bus.check_covers(EXPERIENCE, 5)
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_broker_back_without_its_store_gets_its_streams_and_consumers_back_and_readers_stop(tiny_model, tmp_path):
+    port, store = free_port(), tmp_path / "nats"
+    server, url = start_nats(store, port)
+    cfg = config(tmp_path, tiny_model, nats={"url": url})
+
+    async def scenario() -> subprocess.Popen:
+        bus = await Bus(cfg, "trainer").connect()
+        reconnected = asyncio.Event()
+
+        async def listener() -> None:
+            reconnected.set()
+
+        bus.on_reconnect(listener)
+        await bus.work_queue(ROLLOUTS)
+        for i in range(3):
+            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        reader = bus.read_from(EXPERIENCE, 1)
+        assert [(await reader.next(2)).sequence for _ in range(3)] == [1, 2, 3]
+        created = await bus.stream_created(EXPERIENCE)
+        await bus.check_covers(EXPERIENCE, 3, created)
+
+        server.kill()  # power loss, and the broker's volume with it
+        server.wait()
+        shutil.rmtree(store)
+        restarted, _ = start_nats(store, port)
+        await asyncio.wait_for(reconnected.wait(), timeout=20)
+        # Every stream and the work queue's consumer are back, empty.
+        for edge in (EXPERIENCE, ROLLOUTS, DEAD):
+            assert await stream_messages(bus, edge) == 0
+        assert (await bus.js.consumer_info(stream_name("faults", ROLLOUTS), WORK_QUEUES[ROLLOUTS])).config.max_deliver
+        with pytest.raises(BrokerStateLost, match="ends at sequence 0 but sequence 3 was already read"):
+            await bus.check_covers(EXPERIENCE, 3)
+        with pytest.raises(BrokerStateLost, match="sequence 3 was already read"):
+            await reader.next(2)
+        # Refilled past the reader's position, the re-created stream would hand out other groups under the
+        # sequences expected; the creation time tells them apart.
+        for i in range(5):
+            await bus.publish(EXPERIENCE, group(f"new{i}"), msg_id=f"new{i}.reference")
+        with pytest.raises(BrokerStateLost, match="was re-created"):
+            await reader.next(2)
+        with pytest.raises(BrokerStateLost, match="was re-created"):
+            await bus.check_covers(EXPERIENCE, 3, created)
+        await bus.close()
+        return restarted
+
+    restarted = asyncio.run(scenario())
+    restarted.terminate()
+    restarted.wait(timeout=10)
+
+
+# ------------------------------------------------------------------ dependency outages
+
+
+def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(tiny_model, tmp_path, nats_url, caplog):
+    cfg = config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+    )
+    outage_s = 3 * cfg.nats.ack_wait_s * cfg.nats.max_deliver  # the old rule dead-lettered within ack_wait*max_deliver
+    ids = [f"g{i}" for i in range(5)]
+    caplog.set_level(logging.INFO)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "reward").connect()
+        for group_id in ids:
+            await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
+        loop = asyncio.get_running_loop()
+        back_at = loop.time() + outage_s
+        computed: list[str] = []
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            if loop.time() < back_at:
+                raise DependencyUnavailable("engine down")
+            computed.extend(g.group_id for g in groups)
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward")
+        task = asyncio.create_task(stage.run(stop))
+        await asyncio.sleep(outage_s * 0.8)
+        # Mid-outage: the breaker is open, the stage holds one batch and fetches nothing more; the rest waits
+        # in the stream undelivered, and nothing was redelivered.
+        assert stage.breaker.state is not BreakerState.CLOSED
+        consumer = await bus.js.consumer_info(stream_name("faults", ROLLOUTS), WORK_QUEUES[ROLLOUTS])
+        assert (consumer.num_ack_pending, consumer.num_pending, consumer.num_redelivered) == (2, 3, 0)
+        while await stream_messages(bus, SCORED) < len(ids):
+            assert loop.time() < back_at + 30, "the stage did not recover"
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert sorted(computed) == ids  # each exactly once
+        assert await stream_messages(bus, SCORED) == len(ids) and await stream_messages(bus, DEAD) == 0
+        assert stage.handled == len(ids) and stage.breaker.state is BreakerState.CLOSED
+        await bus.close()
+
+    asyncio.run(scenario())
+    events = [getattr(r, "fields", {}) | {"event": r.getMessage()} for r in caplog.records]
+    assert [e for e in events if e["event"] == "dependency_down" and e.get("alert") is True]
+    assert [e for e in events if e["event"] == "dependency_recovered" and e.get("alert") is False]
+    assert not [e for e in events if e["event"] in ("dead_letter", "compute_failed")]
+
+
+def test_a_bad_message_still_goes_to_dead_letters(tiny_model, tmp_path, nats_url):
+    cfg = config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+    )
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "reward").connect()
+        for group_id in ("good", "bad"):
+            await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            if any(g.group_id == "bad" for g in groups):
+                raise ValueError("no answer can be scored")  # the data's fault, not a dependency's
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward").run(stop))
+        for _ in range(200):
+            if await stream_messages(bus, DEAD):
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert await stream_messages(bus, SCORED) == 1 and await stream_messages(bus, DEAD) == 1
+        letter = await bus.js.get_msg(stream_name("faults", DEAD), seq=1)
+        assert (
+            "no answer can be scored" in letter.headers["Rlpipe-Reason"] and letter.headers["Rlpipe-Group-Id"] == "bad"
+        )
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model, tmp_path, nats_url, monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    s3_port = free_port()  # nothing listens on it until the store "comes back"
+    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    checkpoint = {"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{s3_port}", "s3_secure": False}
+    producer = config(tmp_path, tiny_model, "p.yaml", nats=nats)  # its groups are small enough to travel inline
+    stage_cfg = config(
+        tmp_path,
+        tiny_model,
+        "s.yaml",
+        nats={**nats, "claim_check_bytes": 512, "max_message_bytes": 4096},
+        checkpoint=checkpoint,
+    )
+    ids = [f"g{i}" for i in range(3)]
+    moto: list[subprocess.Popen] = []
+
+    async def scenario() -> None:
+        source = await Bus(producer, "rollout").connect()
+        for group_id in ids:
+            # ~2 KB: inline for the producer, past the stage's claim_check_bytes, so every output's body
+            # goes to the (unreachable) store.
+            await source.publish(ROLLOUTS, group(group_id, tokens=200), msg_id=f"{group_id}.rollout")
+        bus = await Bus(stage_cfg, "reward").connect()
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
+        task = asyncio.create_task(stage.run(stop))
+        await asyncio.sleep(3 * stage_cfg.nats.ack_wait_s * stage_cfg.nats.max_deliver)
+        assert not task.done(), "the stage crashed on the store outage"
+        assert stage.breaker.failures > 0 and await stream_messages(bus, SCORED) == 0
+        moto.append(
+            subprocess.Popen(
+                [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        await asyncio.to_thread(wait_for_port, s3_port, moto[0], "moto_server")
+        for _ in range(600):
+            if await stream_messages(bus, SCORED) == len(ids):
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert await stream_messages(bus, SCORED) == len(ids) and await stream_messages(bus, DEAD) == 0
+        assert stage.handled == len(ids)
+        for seq in range(1, len(ids) + 1):
+            out = await bus.js.get_msg(stream_name("faults", SCORED), seq=seq)
+            assert out.headers[H_CLAIM] == "1"
+            assert len((await bus.decode(out, ScoredGroup)).completions[0].token_ids) == 200
+        await bus.close()
+        await source.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for process in moto:
+            process.terminate()
+            process.wait(timeout=10)
