@@ -7,8 +7,49 @@ manifest, or whose parts do not match it, does not exist for loaders.
 
 Two marker objects sit beside a manifest: ``STABLE`` (an operator or a healthy save
 vouched for the step; pruning keeps it and ``rollback --stable`` goes to the newest)
-and ``ABANDONED`` (a rollback went back before it; loaders skip it and pruning drops it
-first, while lineage.jsonl keeps the record of what it trained).
+and ``ABANDONED`` (a rollback or a resume went back before it; loaders skip it and pruning
+drops it first, while lineage.jsonl keeps the record of what it trained).
+
+Incarnations
+------------
+Every start of a run that is not a resume is a new *incarnation* with a fresh id
+(``start_fresh``); a resume takes over the id of the checkpoint it continues
+(``adopt_incarnation``). Every manifest carries the id. Once a ``CheckpointStore`` knows its
+incarnation, steps whose manifest names another one are *foreign*: they are not listed,
+loaded, vouched for, abandoned, counted for the replay floor, pruned or overwritten; they
+belong to another run that happens to share the prefix. A manifest without the field
+(written before incarnations existed) belongs to whichever incarnation resumes it. A store
+whose incarnation is still None (a trainer that has not yet decided between resuming and a
+fresh start) sees every step and cannot save.
+
+A fresh start on a prefix that already holds checkpoints is refused (``check_fresh_start``
+raises ``ForeignCheckpoints``) rather than run beside them: a restarted trainer finds its
+checkpoint with ``load_latest`` before it knows its incarnation, and would take the newest
+step of either run.
+
+What a reader sees while ``save`` runs
+--------------------------------------
+- A new step: nothing until its manifest lands (parts first, manifest last).
+- The same step saved again by the same incarnation with the same policy version and
+  EXPERIENCE sequence (a retry after a failed prune or mirror copy, or "checkpoint now" on
+  a step just saved): nothing changes. The stored copy (and its STABLE mark) stands; only
+  pruning and the mirror copy are redone. The stored parts are not re-verified.
+- A step of the same number from another branch (an abandoned step, or a live copy with a
+  different policy version or sequence): the old copy is marked ABANDONED first unless it
+  already is, so from then on every reader skips it as it skips any abandoned step. Then
+  parts the new copy does not have (and the old STABLE mark) are deleted, the new parts and
+  the new manifest are written, and the ABANDONED mark is deleted last: the new copy exists
+  from that moment. An interrupted save leaves an abandoned step, which the next save of
+  that number replaces and pruning drops first. Other live steps are never touched, so at
+  no moment is a live step of the current branch without a loadable copy.
+- A foreign step of the same number: the save raises ``ForeignCheckpoints`` and writes nothing.
+- Pruning deletes a step's manifest before its parts: the step vanishes at once rather than
+  being seen half-deleted (a reader that listed it just before finds it missing or corrupt
+  and takes another step, as ``load_latest`` does).
+
+Once the manifest and its markers are on the primary store the step is stored: a failure
+while pruning or copying to the mirror afterwards is logged (``prune_failed``,
+``mirror_failed``) and ``save`` returns normally; the next save prunes and mirrors again.
 """
 
 from __future__ import annotations
@@ -21,10 +62,11 @@ import pickle
 import random
 import re
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -99,6 +141,50 @@ def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None
         )
 
 
+def new_incarnation() -> str:
+    """A fresh run incarnation id."""
+    return uuid.uuid4().hex
+
+
+@dataclass(kw_only=True)
+class TrainerState:
+    """``trainer_state.json``: what the trainer needs, besides weights, optimizer, schedule and RNG, to go on."""
+
+    step: int
+    policy_version: int
+    config_version: int = 0
+    data_cursor: dict[str, int] = field(default_factory=dict)  # the prompt feeder's position (epoch, index)
+    last_experience_seq: int  # last EXPERIENCE stream sequence applied (or dropped) by this step
+    in_flight: list[str] = field(default_factory=list)  # group ids fed as prompts and not yet applied
+    eval_accuracy: float | None = None
+    baseline_accuracy: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)  # the last step's metrics row
+    incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
+    applied_ids: list[str] = field(default_factory=list)  # groups applied or dropped since the oldest kept step
+    claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
+
+    # Fields every trainer_state.json has carried; the others default when an older file lacks them.
+    REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "last_experience_seq")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> TrainerState:
+        """Parse a trainer_state.json; ValueError when it is not one. Unknown keys (a newer writer's) are ignored."""
+        raw = json.loads(text)
+        if not isinstance(raw, dict):
+            raise ValueError(f"trainer_state.json holds a {type(raw).__name__}, not an object")
+        missing = [name for name in cls.REQUIRED if name not in raw]
+        if missing:
+            raise ValueError(f"trainer_state.json lacks {missing}")
+        known = {f.name for f in fields(cls)}
+        values = {name: value for name, value in raw.items() if name in known}
+        # JSON has no tuples: pairs come back as lists.
+        values["claim_keys"] = [(int(seq), str(key)) for seq, key in values.get("claim_keys", [])]
+        return cls(**values)
+
+
 @dataclass
 class Checkpoint:
     step: int
@@ -106,10 +192,15 @@ class Checkpoint:
     optimizer: dict[str, Any]
     scheduler: dict[str, Any]
     rng: dict[str, Any]
-    state: dict[str, Any]  # policy version, data cursor, last applied EXPERIENCE sequence, metrics
+    state: TrainerState
     critic: dict[str, torch.Tensor] | None = None
     lineage: str = ""  # lineage.jsonl up to this step
     extras: dict[str, bytes] | None = None  # kept for operators, not loaded: effective config, build info
+
+    @property
+    def incarnation(self) -> str:
+        """The run incarnation that saved it; "" for a checkpoint from before incarnations."""
+        return self.state.incarnation
 
 
 class CheckpointCorrupt(RuntimeError):
@@ -120,8 +211,42 @@ class AbandonedStep(ValueError):
     pass
 
 
+class ForeignCheckpoints(RuntimeError):
+    """Checkpoints of another run incarnation are in the way: a fresh start over them, or a save over one."""
+
+    def __init__(self, message: str, found: dict[str, list[int]]):
+        super().__init__(message)
+        self.found = found  # store prefix (url/run_id/) -> the steps found there
+
+
 # What a stored copy that cannot be used raises: another copy or an older step may do.
 UNREADABLE = (CheckpointCorrupt, OSError, KeyError, ValueError)
+
+
+@dataclass
+class _Stored:
+    """One step on one store, as a listing and its manifest show it."""
+
+    step: int
+    names: set[str]  # which of manifest.json, STABLE and ABANDONED it has
+    manifest: dict[str, Any] | None  # None: not read, or unreadable
+
+    @property
+    def owner(self) -> str | None:
+        return self.manifest.get("incarnation") if self.manifest is not None else None
+
+    @property
+    def live(self) -> bool:
+        return ABANDONED not in self.names
+
+
+def _read_manifest(data: bytes) -> dict[str, Any] | None:
+    """The manifest as a dict, or None when it is not one (bitrot): whose step it is cannot be told then."""
+    try:
+        manifest = json.loads(data)
+    except ValueError:
+        return None
+    return manifest if isinstance(manifest, dict) else None
 
 
 class CheckpointStore:
@@ -133,6 +258,7 @@ class CheckpointStore:
         attempts: int = 4,
         backoff_s: float = 1.0,
         mirror: ObjectStore | None = None,
+        incarnation: str | None = None,
     ):
         self.store = store
         self.mirror = mirror
@@ -140,12 +266,70 @@ class CheckpointStore:
         self.keep_last = keep_last
         self.attempts = attempts
         self.backoff_s = backoff_s
+        # None until the trainer has decided: start_fresh() or adopt_incarnation() (or a restart that knows it).
+        self.incarnation = incarnation
+
+    # -- incarnations -------------------------------------------------------------------
+
+    def location(self, store: ObjectStore | None = None) -> str:
+        """The run's prefix on ``store``: ``<url>/<run_id>/``."""
+        return f"{(store or self.store).url.rstrip('/')}/{self.run_id}/"
+
+    def check_fresh_start(self) -> None:
+        """Raise ForeignCheckpoints when the run's prefix (on the store or its mirror) holds any checkpoint.
+
+        A fresh start must not share a prefix with an earlier run: its steps would be pruned
+        against the old ones and a restart could resume the old run. An unreachable mirror
+        does not block the start (it is a second copy); an unreachable primary raises its error.
+        """
+        found: dict[str, list[int]] = {}
+        for store in (self.store, self.mirror):
+            if store is None:
+                continue
+            try:
+                steps = self.steps(store, include_abandoned=True, include_foreign=True)
+            except Exception as error:
+                if store is self.store:
+                    raise
+                log_event(log, "mirror_failed", level=logging.WARNING, store=store.url, error=repr(error)[:300])
+                continue
+            if steps:
+                found[self.location(store)] = steps
+        if found:
+            where = "; ".join(f"{prefix} holds steps {steps}" for prefix, steps in found.items())
+            raise ForeignCheckpoints(
+                f"checkpoints of an earlier run are in the way of a fresh start: {where}. "
+                f"Continue that run with `rlpipe run --resume`, or start a new one under another run_id.",
+                found,
+            )
+
+    def start_fresh(self, incarnation: str | None = None) -> str:
+        """``check_fresh_start``, then take ``incarnation`` (default: a new id) for every save; returns it."""
+        self.check_fresh_start()
+        self.incarnation = incarnation or new_incarnation()
+        return self.incarnation
+
+    def adopt_incarnation(self, ckpt: Checkpoint) -> str:
+        """Continue the incarnation that saved ``ckpt``; returns it.
+
+        A checkpoint from before incarnations gets a new id: the steps without one stay
+        this incarnation's (and anyone's that resumes them)."""
+        self.incarnation = ckpt.incarnation or new_incarnation()
+        return self.incarnation
+
+    def _foreign(self, entry: _Stored) -> bool:
+        owner = entry.owner
+        return self.incarnation is not None and owner is not None and owner != self.incarnation
+
+    # -- store access ---------------------------------------------------------------------
 
     def _retried(self, what: str, call: Callable[[], Any]) -> Any:
         """``call()`` with retries and exponential backoff: object stores fail transiently."""
         for attempt in range(1, self.attempts + 1):
             try:
                 return call()
+            except FileNotFoundError:
+                raise  # an answer, not a transient failure
             except Exception as error:  # network and S3 errors come in many types
                 if attempt == self.attempts:
                     raise
@@ -164,50 +348,12 @@ class CheckpointStore:
     def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
         self._retried(key, lambda: (store or self.store).put(key, data))
 
+    def _delete(self, keys: list[str], store: ObjectStore) -> None:
+        if keys:
+            self._retried(keys[0], lambda: store.delete(keys))
+
     def _prefix(self, step: int) -> str:
         return f"{self.run_id}/step-{step:08d}/"
-
-    def save(self, ckpt: Checkpoint, model_dir: Path) -> str:
-        """Upload the parts, then the manifest; returns the step's location."""
-        prefix = self._prefix(ckpt.step)
-        earlier = self._retried(prefix, self._listing).get(ckpt.step, set())
-        if earlier:
-            self.store.delete_prefix(prefix)  # a step saved again, or an abandoned branch's step of the same number
-        parts = {
-            "model.safetensors": save_safetensors(untied(ckpt.model)),
-            "optimizer.pt": _torch_bytes(ckpt.optimizer),
-            "scheduler.pt": _torch_bytes(ckpt.scheduler),
-            "rng.pkl": pickle.dumps(ckpt.rng),
-            "trainer_state.json": json.dumps(ckpt.state, indent=2).encode(),
-            "lineage.jsonl": ckpt.lineage.encode(),
-        }
-        if ckpt.critic is not None:
-            parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
-        parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
-        parts |= ckpt.extras or {}
-        manifest = {
-            "step": ckpt.step,
-            "policy_version": ckpt.state.get("policy_version"),
-            "last_experience_seq": ckpt.state.get("last_experience_seq"),
-            "created": time.time(),
-            "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
-        }
-        parts[MANIFEST] = json.dumps(manifest, indent=2).encode()  # last: it makes the step exist
-        if STABLE in earlier and ABANDONED not in earlier:
-            parts[STABLE] = json.dumps({"time": time.time()}).encode()  # saving the step again keeps its mark
-        for name, data in parts.items():
-            self._put(prefix + name, data)
-        self._prune(self.store)
-        if self.mirror is not None:
-            try:
-                if earlier:  # the mirror's copy of the earlier save (maybe marked ABANDONED) goes too
-                    self.mirror.delete_prefix(prefix)
-                for name, data in parts.items():
-                    self._put(prefix + name, data, self.mirror)
-                self._prune(self.mirror)
-            except Exception as error:  # the primary copy stands; the mirror catches up at the next save
-                log_event(log, "mirror_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
-        return f"{self.store.url.rstrip('/')}/{prefix}"
 
     def _listing(self, store: ObjectStore | None = None) -> dict[int, set[str]]:
         """Step -> which of manifest, STABLE and ABANDONED it has."""
@@ -218,49 +364,197 @@ class CheckpointStore:
                 found.setdefault(int(match.group(1)), set()).add(match.group(2))
         return found
 
-    def steps(self, store: ObjectStore | None = None, include_abandoned: bool = False) -> list[int]:
-        """Steps that have a manifest, oldest first."""
-        listing = self._listing(store)
-        return sorted(
-            step
-            for step, names in listing.items()
-            if MANIFEST in names and (include_abandoned or ABANDONED not in names)
-        )
+    def _scan(self, store: ObjectStore | None = None, manifests: bool = True) -> list[_Stored]:
+        """The steps with a manifest on ``store``, oldest first; with ``manifests``, each with its manifest read.
 
-    def catalog(self) -> list[dict[str, Any]]:
-        """Every stored step with its markers, size and policy version, oldest first."""
+        A step pruned between the listing and the read of its manifest is left out."""
+        store = store or self.store
         entries = []
-        for step, names in sorted(self._listing().items()):
+        for step, names in sorted(self._listing(store).items()):
             if MANIFEST not in names:
                 continue
+            manifest = None
+            if manifests:
+                try:
+                    manifest = _read_manifest(store.get(self._prefix(step) + MANIFEST))
+                except FileNotFoundError:
+                    continue
+            entries.append(_Stored(step, names, manifest))
+        return entries
+
+    # -- saving -----------------------------------------------------------------------------
+
+    def save(self, ckpt: Checkpoint, model_dir: Path) -> str:
+        """Store ``ckpt`` (see the module docstring for the order of writes); returns the step's location.
+
+        Raises RuntimeError before the store has an incarnation, ValueError when the state names
+        another one, ForeignCheckpoints when another incarnation holds the step, and the store's
+        error when the primary copy cannot be written. Pruning and mirror failures are only logged.
+        """
+        if self.incarnation is None:
+            raise RuntimeError("checkpoint store has no incarnation yet: start_fresh() or adopt_incarnation() first")
+        if ckpt.state.incarnation != self.incarnation:
+            raise ValueError(
+                f"step {ckpt.step}: its state names incarnation {ckpt.state.incarnation!r}, "
+                f"the store writes for {self.incarnation!r}"
+            )
+        parts = {
+            "model.safetensors": save_safetensors(untied(ckpt.model)),
+            "optimizer.pt": _torch_bytes(ckpt.optimizer),
+            "scheduler.pt": _torch_bytes(ckpt.scheduler),
+            "rng.pkl": pickle.dumps(ckpt.rng),
+            "trainer_state.json": ckpt.state.to_json().encode(),
+            "lineage.jsonl": ckpt.lineage.encode(),
+        }
+        if ckpt.critic is not None:
+            parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
+        parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
+        parts |= ckpt.extras or {}
+        manifest = {
+            "step": ckpt.step,
+            "incarnation": self.incarnation,
+            "policy_version": ckpt.state.policy_version,
+            "last_experience_seq": ckpt.state.last_experience_seq,
+            "created": time.time(),
+            "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
+        }
+        stable = self._write_step(self.store, ckpt.step, parts, manifest, stable=False)
+        # From here the step is stored: what follows is housekeeping that the next save redoes.
+        try:
+            self._prune(self.store)
+        except Exception as error:
+            log_event(log, "prune_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
+        if self.mirror is not None:
             try:
-                manifest = json.loads(self.store.get(self._prefix(step) + MANIFEST))
+                self._write_step(self.mirror, ckpt.step, parts, manifest, stable=stable)
+                self._prune(self.mirror)
+            except Exception as error:  # the primary copy stands; the mirror catches up at the next save
+                log_event(log, "mirror_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
+        return f"{self.store.url.rstrip('/')}/{self._prefix(ckpt.step)}"
+
+    def _write_step(
+        self, store: ObjectStore, step: int, parts: dict[str, bytes], manifest: dict[str, Any], stable: bool
+    ) -> bool:
+        """Put one step on ``store`` so that no reader ever meets a mix of two copies; returns whether it is STABLE.
+
+        ``stable``: mark the new copy STABLE (the mirror follows the primary's mark)."""
+        prefix = self._prefix(step)
+        names = {key[len(prefix) :] for key in self._retried(prefix, lambda: store.list(prefix))}
+        old: dict[str, Any] | None = None
+        if MANIFEST in names:
+            try:
+                old = _read_manifest(self._retried(prefix + MANIFEST, lambda: store.get(prefix + MANIFEST))) or {}
             except FileNotFoundError:
-                continue  # pruned between the listing and this read
+                names.discard(MANIFEST)  # pruned since the listing: what is left are stale parts
+        if old is not None:
+            owner = old.get("incarnation")
+            if owner is not None and owner != self.incarnation:
+                found = {self.location(store): [step]}
+                raise ForeignCheckpoints(
+                    f"{store.url.rstrip('/')}/{prefix} holds step {step} of another run incarnation ({owner}); "
+                    f"not overwriting it. Continue that run with `rlpipe run --resume`, or use another run_id.",
+                    found,
+                )
+            same = all(old.get(key) == manifest[key] for key in ("step", "policy_version", "last_experience_seq"))
+            if same and ABANDONED not in names:
+                if stable and STABLE not in names:
+                    self._put(prefix + STABLE, _note(), store)
+                return stable or STABLE in names  # saved already: the stored copy stands
+            if ABANDONED not in names:
+                # Another branch's live copy: disown it before touching a part, so readers skip it from now on.
+                log_event(
+                    log,
+                    "checkpoint_replaced",
+                    level=logging.WARNING,
+                    step=step,
+                    store=store.url,
+                    policy_version=old.get("policy_version"),
+                    new_policy_version=manifest["policy_version"],
+                )
+                self._put(prefix + ABANDONED, _note(), store)
+                names.add(ABANDONED)
+        keep = set(parts) | {MANIFEST, ABANDONED} | ({STABLE} if stable else set())
+        # A step without a manifest, or an abandoned one, may lose parts: no reader uses them.
+        self._delete(sorted(prefix + name for name in names - keep), store)
+        for name, data in parts.items():
+            self._put(prefix + name, data, store)
+        self._put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode(), store)
+        if stable:
+            self._put(prefix + STABLE, _note(), store)
+        if ABANDONED in names:
+            self._delete([prefix + ABANDONED], store)  # last: the new copy exists from here
+        return stable
+
+    def _prune(self, store: ObjectStore) -> None:
+        """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first.
+
+        Foreign steps are not this run's to delete: they stay."""
+        own = [entry for entry in self._scan(store) if not self._foreign(entry)]
+        live = [entry.step for entry in own if entry.live]
+        keep = set(live[-self.keep_last :]) | {entry.step for entry in own if STABLE in entry.names and entry.live}
+        for entry in own:
+            if entry.step not in keep:
+                prefix = self._prefix(entry.step)
+                self._delete([prefix + MANIFEST], store)  # first: the step is gone at once, never half-deleted
+                self._retried(prefix, lambda prefix=prefix: store.delete_prefix(prefix))
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def steps(
+        self, store: ObjectStore | None = None, include_abandoned: bool = False, include_foreign: bool = False
+    ) -> list[int]:
+        """Steps that have a manifest, oldest first; this incarnation's only, unless ``include_foreign``."""
+        check_owner = self.incarnation is not None and not include_foreign
+        return [
+            entry.step
+            for entry in self._scan(store, manifests=check_owner)
+            if (include_abandoned or entry.live) and not (check_owner and self._foreign(entry))
+        ]
+
+    def catalog(self, include_foreign: bool = False) -> list[dict[str, Any]]:
+        """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
+        size, policy version and incarnation, oldest first. A step whose manifest cannot be read is left out."""
+        entries = []
+        for entry in self._scan():
+            if entry.manifest is None:
+                log_event(
+                    log, "checkpoint_skipped", level=logging.WARNING, step=entry.step, reason="unreadable manifest"
+                )
+                continue
+            foreign = self._foreign(entry)
+            if foreign and not include_foreign:
+                continue
+            manifest = entry.manifest
             entries.append(
                 {
-                    "step": step,
+                    "step": entry.step,
                     "policy_version": manifest.get("policy_version") or 0,
                     "last_experience_seq": manifest.get("last_experience_seq"),
                     "created": manifest["created"],
                     "bytes": sum(meta["size"] for meta in manifest["files"].values()),
-                    "stable": STABLE in names,
-                    "abandoned": ABANDONED in names,
-                    "location": f"{self.store.url.rstrip('/')}/{self._prefix(step)}",
+                    "stable": STABLE in entry.names,
+                    "abandoned": ABANDONED in entry.names,
+                    "incarnation": entry.owner,
+                    "foreign": foreign,
+                    "location": f"{self.store.url.rstrip('/')}/{self._prefix(entry.step)}",
                 }
             )
         return entries
 
     def mark(self, step: int, marker: str) -> None:
-        """Put ``marker`` (STABLE or ABANDONED) beside the manifest of ``step``, on the mirror too when it has the step."""
-        listing = self._listing()
-        if MANIFEST not in listing.get(step, set()):
+        """Put ``marker`` (STABLE or ABANDONED) beside the manifest of ``step``; on the mirror too if it has it."""
+        if marker not in (STABLE, ABANDONED):
+            raise ValueError(f"unknown marker {marker!r}: {STABLE} or {ABANDONED}")
+        entry = next((e for e in self._scan(manifests=self.incarnation is not None) if e.step == step), None)
+        if entry is None:
             raise KeyError(f"no checkpoint at step {step} (stored: {self.steps()})")
-        if marker == STABLE and ABANDONED in listing[step]:
+        if self._foreign(entry):
+            raise KeyError(f"step {step} belongs to another run incarnation ({entry.owner}), not to this one")
+        if marker == STABLE and not entry.live:
             raise AbandonedStep(
                 f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})"
             )
-        note = json.dumps({"time": time.time()}).encode()
+        note = _note()
         self._put(self._prefix(step) + marker, note)
         if self.mirror is not None:
             try:
@@ -269,21 +563,56 @@ class CheckpointStore:
             except Exception as error:  # the primary holds the truth
                 log_event(log, "mirror_failed", level=logging.WARNING, step=step, error=repr(error)[:300])
 
-    def replay_floor(self) -> int | None:
-        """The lowest EXPERIENCE sequence any loadable step has applied: nothing at or below it is ever read again."""
-        seqs = [entry["last_experience_seq"] for entry in self.catalog() if not entry["abandoned"]]
-        return min(seqs) if seqs and None not in seqs else None
+    def abandon_after(self, step: int) -> list[int]:
+        """Mark every live step of this incarnation after ``step`` ABANDONED, on the mirror too; returns the
+        steps it marked on the primary store (none when run again: it is idempotent).
+
+        For a resume from an older step and for a rollback, before any in-memory state changes:
+        if it raises (the primary could not be marked), nothing else has changed and it can be
+        run again. Newest first, so an interrupted call leaves the live steps one unbroken branch
+        from the oldest. The mirror's failures are logged: the primary holds the truth.
+        """
+        marked = self._abandon_after(self.store, step)
+        if self.mirror is not None:
+            try:
+                self._abandon_after(self.mirror, step)
+            except Exception as error:
+                log_event(log, "mirror_failed", level=logging.WARNING, step=step, error=repr(error)[:300])
+        if marked:
+            log_event(log, "checkpoints_abandoned", after_step=step, steps=marked)
+        return marked
+
+    def _abandon_after(self, store: ObjectStore, step: int) -> list[int]:
+        entries = self._retried(self.run_id, lambda: self._scan(store, manifests=self.incarnation is not None))
+        later = [e.step for e in entries if e.step > step and e.live and not self._foreign(e)]
+        for later_step in sorted(later, reverse=True):
+            self._put(self._prefix(later_step) + ABANDONED, _note(), store)
+        return sorted(later)
+
+    def replay_floor(self, read_seq: int) -> int | None:
+        """The EXPERIENCE sequence at and below which nothing is ever read again: the lowest sequence
+        applied by a live step of this incarnation, and never above ``read_seq`` (what the trainer
+        has read). None when there is no such step, or one whose sequence is unknown."""
+        seqs = [
+            entry.manifest.get("last_experience_seq") if entry.manifest is not None else None
+            for entry in self._scan()
+            if entry.live and not self._foreign(entry)
+        ]
+        if not seqs or None in seqs:
+            return None
+        return min(*seqs, read_seq)
 
     def latest_stable(self) -> int | None:
-        listing = self._listing()
-        stable = [step for step, names in listing.items() if {MANIFEST, STABLE} <= names and ABANDONED not in names]
+        """The newest live STABLE step of this incarnation."""
+        entries = self._scan(manifests=self.incarnation is not None)
+        stable = [e.step for e in entries if STABLE in e.names and e.live and not self._foreign(e)]
         return max(stable, default=None)
 
     def load(self, step: int, store: ObjectStore | None = None) -> Checkpoint:
         """Step ``step`` from ``store``; without one, from the primary store or else the mirror.
 
         Raises CheckpointCorrupt when a part does not match its manifest, FileNotFoundError when
-        the step is not there."""
+        the step is not there, ForeignCheckpoints when it is another incarnation's."""
         if store is None:
             if self.mirror is None:
                 return self.load(step, self.store)
@@ -295,7 +624,15 @@ class CheckpointStore:
                 )
                 return self.load(step, self.mirror)
         prefix = self._prefix(step)
-        manifest = json.loads(store.get(prefix + MANIFEST))
+        manifest = _read_manifest(store.get(prefix + MANIFEST))
+        if manifest is None:
+            raise CheckpointCorrupt(f"step {step}: manifest.json is not a manifest")
+        if self._foreign(_Stored(step, {MANIFEST}, manifest)):
+            raise ForeignCheckpoints(
+                f"step {step} at {store.url.rstrip('/')}/{prefix} belongs to another run incarnation "
+                f"({manifest['incarnation']}), not to {self.incarnation}",
+                {self.location(store): [step]},
+            )
         parts = {}
         for name, meta in manifest["files"].items():
             data = store.get(prefix + name)
@@ -308,13 +645,14 @@ class CheckpointStore:
             optimizer=torch.load(io.BytesIO(parts["optimizer.pt"]), weights_only=False),
             scheduler=torch.load(io.BytesIO(parts["scheduler.pt"]), weights_only=False),
             rng=pickle.loads(parts["rng.pkl"]),
-            state=json.loads(parts["trainer_state.json"]),
+            state=TrainerState.from_json(parts["trainer_state.json"]),
             critic=load_safetensors(parts["critic.safetensors"]) if "critic.safetensors" in parts else None,
             lineage=parts["lineage.jsonl"].decode(),
         )
 
     def load_latest(self) -> Checkpoint | None:
-        """The newest step whose parts all match its manifest, from the store or else its mirror.
+        """The newest live step of this incarnation (of any, before it has one) whose parts all match
+        its manifest, from the store or else its mirror.
 
         Corrupt or unreadable copies are skipped with a warning.
         """
@@ -336,13 +674,7 @@ class CheckpointStore:
                     )
         return None
 
-    def _prune(self, store: ObjectStore) -> None:
-        """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first."""
-        listing = self._listing(store)
-        live = sorted(step for step, names in listing.items() if MANIFEST in names and ABANDONED not in names)
-        keep = set(live[-self.keep_last :]) | {
-            step for step, names in listing.items() if STABLE in names and ABANDONED not in names
-        }
-        for step, names in listing.items():
-            if MANIFEST in names and step not in keep:
-                store.delete_prefix(self._prefix(step))
+
+def _note() -> bytes:
+    """A marker's content: when it was put."""
+    return json.dumps({"time": time.time()}).encode()

@@ -6,7 +6,7 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
-from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, rng_state
+from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, TrainerState, rng_state
 
 
 def tiny_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -19,29 +19,39 @@ def tiny_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, optimizer
 
 
+def checkpoint(step: int, incarnation: str, extra: dict[str, torch.Tensor] | None = None, **state) -> Checkpoint:
+    """A small checkpoint of ``step``; ``state`` overrides TrainerState fields (the version defaults to the step)."""
+    model, optimizer = tiny_state(step)
+    fields = {"step": step, "policy_version": step, "last_experience_seq": 10 * step, "incarnation": incarnation}
+    return Checkpoint(
+        step,
+        {**model.state_dict(), **(extra or {})},
+        optimizer.state_dict(),
+        {"last_epoch": step},
+        rng_state(),
+        TrainerState(**(fields | state)),
+    )
+
+
 def round_trip(store_url: str, cfg: CheckpointConfig, tmp_path) -> None:
     model_dir = tmp_path / "hf"
     model_dir.mkdir()
     (model_dir / "config.json").write_text('{"model_type": "tiny"}')
     store = CheckpointStore(open_store(store_url, cfg), "run-a", keep_last=2)
+    incarnation = store.start_fresh()
     for step in (1, 2, 3):
-        model, optimizer = tiny_state(step)
-        state = {
-            "step": step,
-            "policy_version": step,
-            "data_cursor": {"epoch": 0, "index": 8 * step},
-            "last_experience_seq": 10 * step,
-        }
-        store.save(
-            Checkpoint(
-                step, dict(model.state_dict()), optimizer.state_dict(), {"last_epoch": step}, rng_state(), state
-            ),
-            model_dir,
-        )
+        store.save(checkpoint(step, incarnation, data_cursor={"epoch": 0, "index": 8 * step}), model_dir)
     assert store.steps() == [2, 3]  # keep_last prunes the oldest
     loaded = store.load_latest()
     model, optimizer = tiny_state(3)
-    assert loaded.step == 3 and loaded.state["last_experience_seq"] == 30 and loaded.scheduler == {"last_epoch": 3}
+    assert loaded.state == TrainerState(
+        step=3,
+        policy_version=3,
+        data_cursor={"epoch": 0, "index": 24},
+        last_experience_seq=30,
+        incarnation=incarnation,
+    )
+    assert loaded.step == 3 and loaded.incarnation == incarnation and loaded.scheduler == {"last_epoch": 3}
     restored = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     restored[1].weight = restored[0].weight
     restored.load_state_dict(loaded.model, strict=False)
@@ -74,15 +84,13 @@ def test_s3_without_endpoint_is_a_clear_error():
 def test_mirror_bucket_gets_every_step_and_covers_a_corrupt_primary(tmp_path, s3_env):
     cfg = CheckpointConfig(s3_endpoint=s3_env, s3_secure=False, s3_part_mib=5)
     primary, mirror = open_store("s3://rlpipe-primary/x", cfg), open_store("s3://rlpipe-mirror/y", cfg)
-    store = CheckpointStore(primary, "run-m", keep_last=2, mirror=mirror)
+    store = CheckpointStore(primary, "run-m", keep_last=2, mirror=mirror, incarnation="inc-m")
     model_dir = tmp_path / "hf"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     for step in (1, 2, 3):
-        model, optimizer = tiny_state(step)
         # A 12 MB tensor makes a multipart upload (5 MiB parts, several in parallel).
-        weights = {**model.state_dict(), "big": torch.randn(3_000_000)}
-        store.save(Checkpoint(step, weights, optimizer.state_dict(), {}, rng_state(), {"step": step}), model_dir)
+        store.save(checkpoint(step, "inc-m", extra={"big": torch.randn(3_000_000)}), model_dir)
     assert store.steps(primary) == store.steps(mirror) == [2, 3]
     primary.put("run-m/step-00000003/model.safetensors", b"bitrot")
     loaded = store.load_latest()
@@ -93,14 +101,12 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
     model_dir = tmp_path / "hf"
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
-    store = CheckpointStore(open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig()), "run-s", keep_last=2)
+    store = CheckpointStore(
+        open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig()), "run-s", keep_last=2, incarnation="inc-s"
+    )
 
     def save(step: int) -> None:
-        model, optimizer = tiny_state(step)
-        state = {"step": step, "policy_version": 100 + step}
-        store.save(
-            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), state), model_dir
-        )
+        store.save(checkpoint(step, "inc-s", policy_version=100 + step), model_dir)
 
     save(1)
     store.mark(1, "STABLE")
@@ -120,7 +126,8 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
     assert catalog[4]["abandoned"] and catalog[4]["stable"] and catalog[4]["policy_version"] == 104
     assert catalog[1]["stable"] and not catalog[1]["abandoned"] and catalog[1]["bytes"] > 0
 
-    save(3)  # the new branch reaches step 3 again: its own checkpoint replaces the abandoned one
+    store.save(checkpoint(3, "inc-s", policy_version=200), model_dir)  # the new branch reaches step 3 again:
+    assert store.load_latest().state.policy_version == 200  # its own checkpoint replaces the abandoned one
     assert store.load_latest().step == 3 and not {e["step"]: e for e in store.catalog()}[3]["abandoned"]
     save(5)
     assert store.steps(include_abandoned=True) == [1, 3, 5]  # abandoned steps are pruned first; stable 1 stays
@@ -149,14 +156,12 @@ def test_catalog_skips_a_step_pruned_while_it_is_read(tmp_path):
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     files = open_store((tmp_path / "ckpt").as_uri(), CheckpointConfig())
-    writer = CheckpointStore(files, "run-p", keep_last=5)
+    writer = CheckpointStore(files, "run-p", keep_last=5, incarnation="inc-p")
     for step in (1, 2):
-        model, optimizer = tiny_state(step)
-        writer.save(
-            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}),
-            model_dir,
-        )
-    reader = CheckpointStore(PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5)
+        writer.save(checkpoint(step, "inc-p"), model_dir)
+    reader = CheckpointStore(
+        PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5, incarnation="inc-p"
+    )
     assert [entry["step"] for entry in reader.catalog()] == [2]
 
 
@@ -194,20 +199,13 @@ def test_after_a_rollback_the_new_branch_is_kept_on_the_mirror_and_abandoned_ste
     model_dir.mkdir()
     (model_dir / "config.json").write_text("{}")
     primary, mirror = (open_store((tmp_path / name).as_uri(), CheckpointConfig()) for name in ("primary", "mirror"))
-    store = CheckpointStore(primary, "run-r", keep_last=5, mirror=mirror)
-
-    def save(step: int) -> None:
-        model, optimizer = tiny_state(step)
-        store.save(
-            Checkpoint(step, dict(model.state_dict()), optimizer.state_dict(), {}, rng_state(), {"step": step}),
-            model_dir,
-        )
-
+    store = CheckpointStore(primary, "run-r", keep_last=5, mirror=mirror, incarnation="inc-r")
     for step in (1, 2, 3):
-        save(step)
+        store.save(checkpoint(step, "inc-r"), model_dir)
     for step in (2, 3):  # a rollback to step 1
         store.mark(step, "ABANDONED")
     with pytest.raises(AbandonedStep, match="step 3 was abandoned"):
         store.mark(3, "STABLE")
-    save(2)  # the new branch's step 2 replaces the abandoned one on both stores
-    assert store.steps(primary) == store.steps(mirror) == [1, 2]
+    store.save(checkpoint(2, "inc-r", policy_version=7), model_dir)  # the new branch's step 2 replaces the abandoned
+    assert store.steps(primary) == store.steps(mirror) == [1, 2]  # one on both stores
+    assert store.load(2, mirror).state.policy_version == 7
