@@ -22,7 +22,10 @@ from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.checkpoint import AbandonedStep, CheckpointCorrupt
 
 if TYPE_CHECKING:
-    from services.trainer.service import Trainer
+    from services.common.live_config import LiveConfig
+    from services.trainer.control import Control
+    from services.trainer.recovery import Recovery
+    from services.trainer.status import StatusReporter
 
 log = logging.getLogger(__name__)
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -79,23 +82,28 @@ def checkpoint_info(entry: dict[str, Any]) -> admin_pb2.CheckpointInfo:
 
 
 class AdminServicer(admin_pb2_grpc.AdminServicer):
-    def __init__(self, trainer: Trainer):
-        self.trainer = trainer
+    """Talks to the trainer's components, never to its loop: commands go through ``control``'s queue."""
+
+    def __init__(self, control: Control, status: StatusReporter, live: LiveConfig, recovery: Recovery):
+        self.control = control
+        self.reporter = status
+        self.live = live
+        self.recovery = recovery
 
     async def GetStatus(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
-        return await self.trainer.status()
+        return await self.reporter.status()
 
     async def Pause(self, request: admin_pb2.PauseRequest, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
-        await self.trainer.call(lambda: self.trainer.pause(request.reason or "paused by operator"))
-        return await self.trainer.status()
+        await self.control.call(lambda: self.control.pause(request.reason or "paused by operator"))
+        return await self.reporter.status()
 
     async def Resume(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
-        await self.trainer.call(self.trainer.unpause)
-        return await self.trainer.status()
+        await self.control.call(self.control.unpause)
+        return await self.reporter.status()
 
     async def Stop(self, request: admin_pb2.StopRequest, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
-        await self.trainer.call(lambda: self.trainer.request_stop(request.reason or "stopped by operator"))
-        return await self.trainer.status()
+        await self.control.call(lambda: self.control.request_stop(request.reason or "stopped by operator"))
+        return await self.reporter.status()
 
     async def UpdateConfig(
         self, request: admin_pb2.UpdateConfigRequest, context: grpc.aio.ServicerContext
@@ -104,7 +112,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "no settings given (KEY=VALUE ...)")
         try:
             settings = {s.key: parse_value(s.value) for s in request.settings}
-            version = await self.trainer.live.propose(settings, request.author, request.dry_run)
+            version = await self.live.propose(settings, request.author, request.dry_run)
         except ConfigError as error:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         if not request.dry_run and version.changes:
@@ -115,20 +123,20 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
                 author=version.author,
                 changes=[vars(c) for c in version.changes],
             )
-            self.trainer.wake()
+            self.control.wake()
         return _config_version(version)
 
     async def GetConfig(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigReply:
-        live = self.trainer.live
+        live = self.live
         return admin_pb2.ConfigReply(
             version=live.version, yaml=yaml.safe_dump(redacted_dump(live.cfg), sort_keys=False)
         )
 
     async def GetConfigHistory(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.ConfigHistory:
-        return admin_pb2.ConfigHistory(versions=[_config_version(v) for v in await self.trainer.live.history()])
+        return admin_pb2.ConfigHistory(versions=[_config_version(v) for v in await self.live.history()])
 
     async def Checkpoint(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointInfo:
-        entry = await self.trainer.call(self.trainer.checkpoint_now)
+        entry = await self.control.call(lambda: self.recovery.checkpoint_now(self.live.version))
         if entry is None:
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
@@ -137,7 +145,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         return checkpoint_info(entry)
 
     async def ListCheckpoints(self, request: Any, context: grpc.aio.ServicerContext) -> admin_pb2.CheckpointList:
-        return admin_pb2.CheckpointList(checkpoints=[checkpoint_info(e) for e in await self.trainer.list_checkpoints()])
+        return admin_pb2.CheckpointList(checkpoints=[checkpoint_info(e) for e in await self.recovery.catalog()])
 
     async def Rollback(
         self, request: admin_pb2.RollbackRequest, context: grpc.aio.ServicerContext
@@ -147,7 +155,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "give a step or stable")
         step = request.step if which == "step" else None
         try:
-            step, version, abandoned = await self.trainer.call(lambda: self.trainer.rollback(step, reason="operator"))
+            step, version, abandoned = await self.control.call(lambda: self.recovery.rollback(step, "operator"))
         except LookupError as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
         except CheckpointCorrupt as error:
@@ -158,7 +166,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         self, request: admin_pb2.MarkStableRequest, context: grpc.aio.ServicerContext
     ) -> admin_pb2.CheckpointInfo:
         try:
-            entry = await self.trainer.call(lambda: self.trainer.mark_stable(request.step))
+            entry = await self.control.call(lambda: self.recovery.mark_stable(request.step))
         except LookupError as error:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(error.args[0]))
         except AbandonedStep as error:

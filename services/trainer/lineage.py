@@ -2,7 +2,8 @@
 
 One line per applied step (step, policy version after it, the groups applied with the
 version that generated each, the groups dropped as stale, the last EXPERIENCE sequence
-read) and one line per resume or rollback, naming the steps it abandoned. The steps
+read), one line per resume, restart or rollback, naming the steps and policy versions it
+abandoned, and one line per batch of groups written off as lost. The steps
 that make up the current model are the recorded steps minus the abandoned ones; that
 list is how operators answer "which samples trained step N" and how the tests prove
 that every group was applied exactly once.
@@ -14,6 +15,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+TAIL_BYTES = 1 << 20  # longer than any one record: a torn line starts within the file's last MiB
+
 
 class Lineage:
     def __init__(self, path: Path):
@@ -21,13 +24,21 @@ class Lineage:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def _append(self, record: dict[str, Any]) -> None:
-        with self.path.open("a") as out:
-            out.write(json.dumps(record) + "\n")
+        with self.path.open("ab+") as out:
+            # A crash mid-write leaves a torn last line: cut it off, so the record after it stays readable.
+            end = out.tell()
+            if end > 0:
+                out.seek(max(end - TAIL_BYTES, 0))
+                tail = out.read()
+                if not tail.endswith(b"\n"):
+                    out.truncate(end - len(tail) + tail.rfind(b"\n") + 1)
+            out.write(json.dumps(record).encode() + b"\n")
 
     def records(self) -> list[dict[str, Any]]:
+        """Every complete record; a torn last line (a crash mid-write) was never a record."""
         if not self.path.exists():
             return []
-        return [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        return [json.loads(line) for line in self.path.read_text().split("\n")[:-1] if line.strip()]
 
     def text(self) -> str:
         return self.path.read_text() if self.path.exists() else ""
@@ -44,6 +55,10 @@ class Lineage:
                 "experience_seq": experience_seq,
             }
         )
+
+    def record_lost(self, step: int, group_ids: list[str]) -> None:
+        """Groups that never came back: neither applied, dropped nor dead-lettered within the bound."""
+        self._append({"lost": group_ids, "at_step": step})
 
     def restart_from(
         self,
@@ -81,6 +96,11 @@ def effective_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for record in records:
         if "event" in record:
             steps = [s for s in steps if s["step"] <= record["from_step"]]
-        else:
+        elif "step" in record:
             steps.append(record)
     return steps
+
+
+def lost_groups(records: list[dict[str, Any]]) -> list[str]:
+    """Every group written off as lost, in the order it was."""
+    return [group for record in records for group in record.get("lost", [])]

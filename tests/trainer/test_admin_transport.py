@@ -18,12 +18,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.trainer.admin import AdminServicer
 from services.trainer.service import start_admin_server
 from tests.conftest import ROOT, write_config
 
 
 class StatusOnly:
-    """Stands in for the trainer behind the servicer: this test is about who gets through, not what they get."""
+    """Stands in for the trainer's status reporter: this test is about who gets through, not what they get."""
 
     async def status(self) -> admin_pb2.Status:
         return admin_pb2.Status(run_id="tls", state="running", step=7)
@@ -69,7 +70,8 @@ def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp
     credentials = grpc.ssl_channel_credentials(cert.read_bytes())
 
     async def scenario() -> str:
-        server, address = await start_admin_server(cfg, StatusOnly())
+        servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
+        server, address = await start_admin_server(cfg, servicer)
         try:
             async with grpc.aio.secure_channel(address, credentials) as channel:
                 admin = admin_pb2_grpc.AdminStub(channel)

@@ -227,7 +227,7 @@ def ref_policy_loss(logp, old, adv, m, lo, hi, dual, agg):
     rows = []
     for lp_row, old_row, a, m_row in zip(logp, old, adv, m, strict=False):
         row = []
-        for lp, o, mk in zip(lp_row, old_row, m_row, strict=False):
+        for lp, o, _masked in zip(lp_row, old_row, m_row, strict=False):
             r = math.exp(max(min(lp - o, 20), -20))
             term = max(-a * r, -a * min(max(r, 1 - lo), 1 + hi))
             if dual is not None and a < 0:

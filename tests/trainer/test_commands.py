@@ -1,22 +1,82 @@
-"""Operator commands run between steps, each once, and never after its caller has gone."""
+"""Operator commands run between steps, each once, and never after its caller has gone; holds survive restarts."""
 
 import asyncio
-from types import SimpleNamespace
+import json
+from typing import Any
 
-from services.trainer.service import Trainer
+from services.common.events import EventLog
+from services.trainer.control import Control, RunState
+from services.trainer.progress import Progress
 
 
-def test_a_command_whose_caller_gave_up_is_skipped_and_the_rest_run_in_order():
+class Holds:
+    """The run's config bucket as Control sees it: where a pause or stop is kept across restarts."""
+
+    def __init__(self) -> None:
+        self.stored: dict[str, Any] = {}
+
+    async def put_control(self, control: dict[str, Any]) -> None:
+        self.stored = control
+
+    async def get_control(self) -> dict[str, Any]:
+        return self.stored
+
+
+def test_a_command_whose_caller_gave_up_is_skipped_and_the_rest_run_in_order(tmp_path):
     async def scenario():
-        loop = SimpleNamespace(commands=asyncio.Queue(), wakeup=asyncio.Event())  # the state run_commands uses
+        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), Progress())
         ran = []
         futures = []
         for name in ("pause", "rollback", "resume"):
             futures.append(asyncio.get_running_loop().create_future())
-            await loop.commands.put((lambda name=name: ran.append(name), futures[-1]))
+            await control.commands.put((lambda name=name: ran.append(name), futures[-1]))
         futures[1].cancel()  # the CLI's deadline passed while the rollback waited for the step to end
-        await Trainer.run_commands(loop)
+        await control.run_commands()
         assert ran == ["pause", "resume"]
-        assert futures[0].done() and futures[2].done() and loop.commands.empty()
+        assert futures[0].done() and futures[2].done() and control.commands.empty()
+
+    asyncio.run(scenario())
+
+
+def test_a_call_returns_the_commands_result_or_raises_its_error_once_the_loop_runs_it(tmp_path):
+    async def scenario():
+        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), Progress())
+
+        async def failing() -> None:
+            raise LookupError("no such step")
+
+        answered = asyncio.ensure_future(control.call(lambda: 42))
+        refused = asyncio.ensure_future(control.call(failing))
+        await asyncio.sleep(0)
+        assert control.wakeup.is_set() and not answered.done()  # nothing runs until the loop gets to it
+        await control.run_commands()
+        assert await answered == 42
+        assert isinstance(refused.exception(), LookupError)
+        assert not control.wakeup.is_set()
+
+    asyncio.run(scenario())
+
+
+def test_a_pause_is_stored_and_holds_a_restarted_trainer_until_an_operator_resumes(tmp_path):
+    async def scenario():
+        holds, events = Holds(), EventLog(tmp_path / "events.jsonl")
+        first = Control(holds, events, Progress(step=3))
+        resumed_hooks = []
+        first.on_unpause.append(lambda: resumed_hooks.append("clocks"))
+        await first.pause("operator looks at KL")
+        assert (first.state, holds.stored) == (RunState.PAUSED, {"paused": True, "reason": "operator looks at KL"})
+
+        restarted = Control(holds, events, Progress(step=3))
+        await restarted.restore_hold()
+        assert restarted.state == RunState.PAUSED
+        assert restarted.paused_reason == "operator looks at KL (still paused after a restart)"
+        await first.unpause()
+        assert (first.state, holds.stored["paused"], resumed_hooks) == (RunState.RUNNING, False, ["clocks"])
+
+        await first.request_stop("done for today")
+        assert first.state == RunState.STOPPING
+        assert holds.stored == {"paused": True, "reason": "stopped: done for today"}
+        rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        assert [row["kind"] for row in rows] == ["pause", "unpause", "stop"]
 
     asyncio.run(scenario())

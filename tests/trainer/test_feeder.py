@@ -1,4 +1,4 @@
-from services.trainer.service import PromptFeeder
+from services.trainer.intake import PromptFeeder
 
 ROWS = [{"id": f"r{i}", "prompt": f"{i}+0=", "answer": str(i)} for i in range(5)]
 

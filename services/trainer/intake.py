@@ -1,0 +1,270 @@
+"""The trainer's intake: it feeds PROMPTS and reads EXPERIENCE in stream order.
+
+Exactly once rests here, not on the broker's duplicate window. ``GroupLedger`` knows the
+fate of every group the current lineage fed: in flight until it is applied, dropped
+(stale or disowned), dead-lettered or written off as lost. A group that already has a
+fate is never fed again and never applied again, whatever the broker delivers: a feed
+after the duplicate window expired, a compute repeated past it, a broker that restarted
+without its dedupe entries. The ledger reaches back to the oldest kept checkpoint (it is
+stored in every checkpoint), which is as far back as a resume can go.
+
+Slots are reconciled, not only counted: dead letters are read from the DEAD stream by
+sequence (none is missed while the trainer reconnects or is down), and a group that has
+been in flight for ``train.lost_after_s`` while the trainer has read everything in
+EXPERIENCE is recorded as lost and its slot freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+from nats.errors import Error as NatsError
+
+from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, Bus, StoreUnavailable, StreamReader
+from services.common.config import RunConfig
+from services.common.logs import log_event
+from services.common.messages import DecodeError, ExperienceGroup, Prompt
+from services.common.telemetry import span_from_headers
+from services.trainer.progress import Progress
+
+log = logging.getLogger(__name__)
+
+
+class PromptFeeder:
+    """Walks the dataset epoch by epoch in a seeded order; its cursor is (epoch, index)."""
+
+    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool):
+        self.rows = rows
+        self.seed = seed
+        self.shuffle = shuffle
+        self.epoch = 0
+        self.index = 0
+        self._order = self._order_of(0)
+
+    def _order_of(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.rows))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+
+    def next(self) -> Prompt:
+        row = self.rows[self._order[self.index]]
+        prompt = Prompt(
+            group_id=f"e{self.epoch}-i{self.index}",
+            prompt_id=str(row.get("id", self._order[self.index])),
+            prompt=row["prompt"],
+            answer=str(row.get("answer", "")),
+        )
+        self.index += 1
+        if self.index == len(self.rows):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._order_of(self.epoch)
+        return prompt
+
+    @property
+    def cursor(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def seek(self, cursor: dict[str, int]) -> None:
+        self.epoch, self.index = cursor["epoch"], cursor["index"]
+        self._order = self._order_of(self.epoch)
+
+
+class Fate(StrEnum):
+    APPLIED = "applied"
+    DROPPED = "dropped"  # stale, or made by a policy version a resume or rollback disowned
+    DEAD = "dead"
+    LOST = "lost"
+
+
+@dataclass
+class Settled:
+    step: int
+    fate: Fate
+
+
+class GroupLedger:
+    """What became of every group the current lineage fed. Bookkeeping only: no I/O, no clock of its own."""
+
+    def __init__(self) -> None:
+        self.in_flight: dict[str, float] = {}  # group id -> when it was fed (monotonic seconds)
+        self.settled: dict[str, Settled] = {}
+        self.repeats = 0  # deliveries of a group that already had its fate: never applied
+        self.counts: Counter[Fate] = Counter()
+
+    def known(self, group_id: str) -> bool:
+        return group_id in self.in_flight or group_id in self.settled
+
+    def fed(self, group_id: str, now: float) -> None:
+        self.in_flight[group_id] = now
+
+    def arrived(self, group_id: str) -> bool:
+        """A group came out of EXPERIENCE: True if it may be used, False for a repeat of a settled one."""
+        if group_id in self.settled:
+            self.repeats += 1
+            return False
+        self.in_flight.pop(group_id, None)
+        return True
+
+    def settle(self, group_ids: list[str], step: int, fate: Fate) -> list[str]:
+        """Give each group its fate (once); returns those that had none yet."""
+        new = [g for g in group_ids if g not in self.settled]
+        for group_id in new:
+            self.in_flight.pop(group_id, None)
+            self.settled[group_id] = Settled(step, fate)
+            self.counts[fate] += 1
+        return new
+
+    def overdue(self, now: float, max_age_s: float) -> list[str]:
+        return sorted(g for g, fed_at in self.in_flight.items() if now - fed_at > max_age_s)
+
+    def forget_through(self, step: int) -> None:
+        """Drop the fates settled at or before ``step``: no kept checkpoint goes back that far."""
+        self.settled = {g: s for g, s in self.settled.items() if s.step > step}
+
+    def restore(self, in_flight: list[str], applied: list[str], step: int, now: float) -> None:
+        """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now) and the groups it settled."""
+        self.in_flight = dict.fromkeys(in_flight, now)
+        self.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
+
+    def rewind(self, applied: list[str], step: int) -> None:
+        """A rollback to a checkpoint: only its applied and dropped groups stand. Dead and lost groups stay
+        settled (they are facts about the pipeline, not the model) and groups in flight stay in flight."""
+        kept = {g: s for g, s in self.settled.items() if s.fate in (Fate.DEAD, Fate.LOST)}
+        self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | kept
+
+
+@dataclass
+class Collected:
+    """One step's worth of EXPERIENCE: the groups to train on, those dropped, and how far it read."""
+
+    batch: list[ExperienceGroup]
+    dropped: list[str]
+    sequence: int  # the last EXPERIENCE sequence read for this batch
+    claim_keys: list[tuple[int, str]] = field(default_factory=list)  # claim-checked bodies read, by sequence
+
+
+class Intake:
+    """Feeds prompts up to the in-flight limit and collects batches from EXPERIENCE."""
+
+    def __init__(
+        self,
+        bus: Bus,
+        feeder: PromptFeeder,
+        ledger: GroupLedger,
+        progress: Progress,
+        on_lost: Callable[[list[str]], Awaitable[None]],
+    ):
+        self.bus = bus
+        self.feeder = feeder
+        self.ledger = ledger
+        self.progress = progress
+        self.on_lost = on_lost  # records groups written off as lost (lineage, metrics, alerts)
+        self.reader: StreamReader | None = None
+        self.dead = bus.read_from(DEAD, 1)
+
+    def rewind(self) -> None:
+        """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
+        self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
+
+    async def feed(self, cfg: RunConfig, config_version: int) -> None:
+        limit = cfg.train.max_inflight_batches * cfg.train.batch_size
+        while len(self.ledger.in_flight) < limit:
+            cursor = self.feeder.cursor
+            prompt = self.feeder.next()
+            if self.ledger.known(prompt.group_id):
+                continue  # settled before a restart (dead-lettered, say): feeding it again would apply it twice
+            prompt.config_version = config_version
+            try:
+                ack = await self.bus.publish(PROMPTS, prompt, msg_id=f"{prompt.group_id}.prompt")
+            except (NatsError, TimeoutError) as error:
+                self.feeder.seek(cursor)  # publish it again later; a copy that did land is deduplicated
+                log_event(log, "feed_failed", level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300])
+                return
+            if ack.duplicate:
+                # Fed before a restart inside the duplicate window: it is somewhere downstream (or in DEAD, which
+                # catch_up_dead settles), so it is in flight; the lost-group bound frees the slot if it never comes.
+                log_event(log, "feed_repeated", group_id=prompt.group_id)
+            self.ledger.fed(prompt.group_id, time.monotonic())
+
+    async def catch_up_dead(self) -> int:
+        """Settle every group dead-lettered since the last look, as dead; returns how many were new."""
+        new = 0
+        while (msg := await self.dead.next(timeout=0)) is not None:
+            group_id = (msg.headers or {}).get(H_GROUP)
+            if group_id and self.ledger.settle([group_id], self.progress.step, Fate.DEAD):
+                new += 1
+                log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
+        return new
+
+    async def write_off_overdue(self, lost_after_s: float) -> list[str]:
+        """Groups in flight past the bound while EXPERIENCE holds nothing unread: their deliveries are spent."""
+        overdue = self.ledger.overdue(time.monotonic(), lost_after_s)
+        lost = self.ledger.settle(overdue, self.progress.step, Fate.LOST)
+        if lost:
+            log_event(log, "groups_lost", level=logging.ERROR, alert=True, count=len(lost), group_ids=lost[:20])
+            await self.on_lost(lost)
+        return lost
+
+    async def collect(
+        self, cfg: RunConfig, config_version: int, interrupted: Callable[[], Awaitable[bool]], stop: asyncio.Event
+    ) -> Collected | None:
+        """The next ``batch_size`` usable groups in stream order; None when ``interrupted`` (an operator command,
+        a config change, the claim store down) drops the partial batch, which is re-read from the last applied
+        sequence."""
+        batch: list[ExperienceGroup] = []
+        dropped: list[str] = []
+        claims: list[tuple[int, str]] = []
+        in_batch: set[str] = set()
+        sequence = self.progress.applied_seq
+        if self.reader is None:
+            self.rewind()
+        while len(batch) < cfg.train.batch_size and not stop.is_set():
+            if await interrupted():
+                self.rewind()
+                return None
+            await self.catch_up_dead()
+            await self.feed(cfg, config_version)
+            msg = await self.reader.next(timeout=1.0)
+            if msg is None:
+                await self.write_off_overdue(cfg.train.lost_after_s)
+                continue
+            group_id = (msg.headers or {}).get(H_GROUP)
+            with span_from_headers("trainer.experience", msg.headers, group_id=group_id, seq=msg.sequence):
+                sequence = msg.sequence
+                try:
+                    group = await self.bus.decode(msg, ExperienceGroup)
+                except DecodeError as error:
+                    await self.bus.dead_letter(msg, str(error), EXPERIENCE)
+                    if group_id:
+                        self.ledger.settle([group_id], self.progress.step, Fate.DEAD)
+                    continue
+                except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
+                    log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))
+                    await asyncio.sleep(2.0)
+                    self.rewind()
+                    return None
+                if (claim := self.bus.claim_key(msg)) is not None:
+                    claims.append((msg.sequence, claim))
+                if group.group_id in in_batch:
+                    self.ledger.repeats += 1
+                if group.group_id in in_batch or not self.ledger.arrived(group.group_id):
+                    log_event(log, "repeat_dropped", group_id=group.group_id, seq=msg.sequence)
+                    continue
+                in_batch.add(group.group_id)
+                if self._unusable(group, cfg.train.max_staleness):
+                    dropped.append(group.group_id)
+                    continue
+                batch.append(group)
+        return Collected(batch, dropped, sequence, claims)
+
+    def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:
+        stale = max_staleness is not None and self.progress.version - group.policy_version > max_staleness
+        return stale or self.progress.disowned(group.policy_version)

@@ -1,0 +1,320 @@
+"""Recovery: checkpoints in, checkpoints out.
+
+Saving takes a copy of everything a step depends on between steps and uploads it in the
+background while training goes on; after a save, the EXPERIENCE (and claim-checked
+bodies) that no kept checkpoint would re-read are purged, and the ledger forgets groups
+older than the oldest kept step.
+
+Resume and rollback are one operation, ``adopt``: serve a stored step as a new policy
+version. It is all-or-nothing in this order: the checkpoint is read and checked, the
+store is changed (every later step marked ABANDONED, which is idempotent, so a failure
+here changes nothing in memory and the same call can be made again), and only then is the
+running state replaced, the lineage written, the weights published and EXPERIENCE re-read
+from the step's sequence. Policy versions only grow across restarts: the versions that the
+abandoned steps produced are disowned, and groups they generated are dropped on arrival.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import yaml
+
+from services.common.bus import EXPERIENCE, Bus, stream_name
+from services.common.config import BuildInfo, redacted_dump
+from services.common.events import EventLog
+from services.common.logs import Stopwatch, log_event
+from services.common.telemetry import TrainerMetrics
+from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.trainer.checkpoint import (
+    STABLE,
+    UNREADABLE,
+    Checkpoint,
+    CheckpointCorrupt,
+    CheckpointStore,
+    TrainerState,
+    detached_copy,
+    new_incarnation,
+)
+from services.trainer.intake import GroupLedger, PromptFeeder
+from services.trainer.learner import Learner
+from services.trainer.lineage import Lineage
+from services.trainer.progress import ConfigSource, Progress
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(
+        self,
+        settings: ConfigSource,
+        learner: Learner,
+        checkpoints: CheckpointStore,
+        lineage: Lineage,
+        progress: Progress,
+        ledger: GroupLedger,
+        feeder: PromptFeeder,
+        weights: WeightSyncServer,
+        bus: Bus,
+        events: EventLog,
+        telemetry: TrainerMetrics,
+        report: Callable[[dict[str, Any]], Awaitable[None]],
+        rewind: Callable[[], None],
+    ):
+        self.settings = settings
+        self.learner = learner
+        self.checkpoints = checkpoints
+        self.lineage = lineage
+        self.progress = progress
+        self.ledger = ledger
+        self.feeder = feeder
+        self.weights = weights
+        self.bus = bus
+        self.events = events
+        self.telemetry = telemetry
+        self.report = report  # a metrics row about a save: written and judged by the alert rules
+        self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
+        self.build = BuildInfo().resolved()
+        self.upload: asyncio.Task | None = None
+        self.claim_keys: dict[str, int] = {}  # claim-checked EXPERIENCE bodies read, key -> sequence
+
+    # -- start ------------------------------------------------------------------------
+
+    async def start(self, resume: bool) -> bool:
+        """Adopt the configured or newest checkpoint when resuming; returns whether one was adopted.
+
+        A fresh start refuses a store that already holds steps of this run id (another run's, or this
+        one's from before): it would prune, purge and later resume from them."""
+        if not resume:
+            self.progress.incarnation = await asyncio.to_thread(self.checkpoints.start_fresh)
+            return False
+        wanted = self.settings.cfg.checkpoint.resume_step
+        load = self.checkpoints.load_latest if wanted is None else (lambda: self.checkpoints.load(wanted))
+        ckpt = await asyncio.to_thread(load)
+        if ckpt is not None:
+            await self.adopt(ckpt, "resume", reason="trainer start")
+            return True
+        await self._restart_without_checkpoint()
+        return False
+
+    async def _restart_without_checkpoint(self) -> None:
+        """A restart before the run's first checkpoint: a new incarnation, whose policy versions still grow past
+        any this run served (rollouts may hold them), and which abandons the steps taken before."""
+        self.progress.incarnation = self.checkpoints.incarnation = new_incarnation()
+        served = self.lineage.max_version()
+        if served:
+            self.progress.version = served + 1
+            self.lineage.restart_from(0, self.progress.version, "restart", abandoned_versions=(1, served))
+            self.progress.abandoned_versions = self.lineage.abandoned_versions()
+            await self.publish()
+
+    # -- adopt: resume and rollback -----------------------------------------------------
+
+    async def adopt(self, ckpt: Checkpoint, event: str, reason: str) -> list[int]:
+        """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons."""
+        later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)  # first: it may fail
+        state: TrainerState = ckpt.state
+        progress = self.progress
+        new_version = max(progress.version, self.lineage.max_version(), state.policy_version) + 1
+        disowned = (state.policy_version + 1, new_version - 1)
+        self.learner.load(ckpt)
+        self.learner.reconfigure(self.settings.cfg)  # the live hyperparameters stay in force
+        progress.step = progress.saved_step = ckpt.step
+        progress.version = new_version
+        progress.applied_seq = state.last_experience_seq
+        progress.last_eval = state.eval_accuracy
+        progress.incarnation = self.checkpoints.adopt_incarnation(ckpt)
+        self.claim_keys |= {key: seq for seq, key in state.claim_keys}
+        if event == "resume":
+            # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's.
+            self.feeder.seek(state.data_cursor)
+            self.ledger.restore(state.in_flight, state.applied_ids, ckpt.step, time.monotonic())
+            progress.baseline_eval = state.baseline_accuracy
+            progress.last_row = dict(state.metrics)
+        else:
+            # The same process goes back: prompts already fed stay in flight and are not fed again.
+            self.ledger.rewind(state.applied_ids, ckpt.step)
+        abandoned = self.lineage.restart_from(
+            ckpt.step,
+            new_version,
+            event,
+            copy_if_missing=ckpt.lineage,
+            abandoned_versions=disowned if disowned[1] >= disowned[0] else None,
+        )
+        progress.abandoned_versions = self.lineage.abandoned_versions()
+        await self.publish()
+        self.rewind()
+        message = f"{event} to step {ckpt.step} as policy version {new_version} ({reason})"
+        self.events.write(
+            event, message, step=ckpt.step, policy_version=new_version, abandoned_steps=abandoned, reason=reason
+        )
+        log_event(
+            log,
+            "resumed" if event == "resume" else "rolled_back",
+            step=ckpt.step,
+            policy_version=new_version,
+            experience_seq=progress.applied_seq,
+            abandoned_steps=abandoned,
+            abandoned_checkpoints=later,
+            reason=reason,
+        )
+        return abandoned
+
+    async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
+        """Serve checkpoint ``step`` (None: the newest stable one) as a new policy version.
+
+        The steps after it are abandoned, and so are the policy versions they produced: groups
+        those versions generated are dropped when they arrive. EXPERIENCE is re-read from the
+        checkpoint's sequence, so the groups the abandoned steps trained on are applied again (or
+        dropped, if an abandoned version made them): each group is still accounted for exactly once
+        in the steps that make up the model.
+        """
+        await self.wait_for_upload()  # a save of the state being abandoned must land before it is marked
+        stored = await asyncio.to_thread(self.checkpoints.steps)
+        if step is None:
+            step = await asyncio.to_thread(self.checkpoints.latest_stable)
+            if step is None:
+                raise LookupError("no checkpoint is marked stable (rlpipe mark-stable STEP)")
+        elif step not in stored:
+            raise LookupError(f"no stored checkpoint at step {step} (stored: {stored})")
+        try:
+            ckpt = await asyncio.to_thread(self.checkpoints.load, step)
+        except UNREADABLE as error:
+            raise CheckpointCorrupt(
+                f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed"
+            ) from error
+        abandoned = await self.adopt(ckpt, "rollback", reason)
+        return step, self.progress.version, abandoned
+
+    async def publish(self) -> None:
+        """Serve the learner's weights as the current policy version."""
+        await self.weights.publish(snapshot_of(self.learner.model, self.progress.version, self.progress.step))
+
+    # -- save ---------------------------------------------------------------------------
+
+    def snapshot(self, config_version: int) -> Checkpoint:
+        """A copy of everything to save, taken between steps so the upload can run while training goes on."""
+        cfg, progress, learner = self.settings.cfg, self.progress, self.learner
+        critic = learner.critic
+        return Checkpoint(
+            step=progress.step,
+            model=detached_copy(learner.model),
+            optimizer=copy.deepcopy(learner.optimizer.state_dict()),
+            scheduler=learner.scheduler.state_dict(),
+            rng=learner.rng_state(),
+            critic=detached_copy(critic) if critic is not None else None,
+            lineage=self.lineage.text(),
+            state=TrainerState(
+                step=progress.step,
+                policy_version=progress.version,
+                config_version=config_version,
+                data_cursor=self.feeder.cursor,
+                last_experience_seq=progress.applied_seq,
+                in_flight=sorted(self.ledger.in_flight),
+                eval_accuracy=progress.last_eval,
+                baseline_accuracy=progress.baseline_eval,
+                metrics=dict(progress.last_row),
+                incarnation=progress.incarnation,
+                applied_ids=sorted(self.ledger.settled),
+                claim_keys=sorted((seq, key) for key, seq in self.claim_keys.items()),
+            ),
+            extras={
+                # What produced these weights, for whoever restores or audits them.
+                "config.yaml": yaml.safe_dump(redacted_dump(cfg), sort_keys=False).encode(),
+                "build.json": json.dumps({"version": self.build.version, "revision": self.build.revision}).encode(),
+            },
+        )
+
+    def track_claims(self, claim_keys: list[tuple[int, str]]) -> None:
+        self.claim_keys |= {key: seq for seq, key in claim_keys}
+
+    async def wait_for_upload(self) -> None:
+        if self.upload is not None and not self.upload.done():
+            await self.upload
+
+    async def save(self, config_version: int, wait: bool = False) -> None:
+        """Checkpoint in the background; with ``wait``, until it is stored (or has failed)."""
+        if self.upload is not None and not self.upload.done():
+            if not wait:
+                log_event(
+                    log,
+                    "checkpoint_deferred",
+                    level=logging.WARNING,
+                    step=self.progress.step,
+                    reason="previous upload still running",
+                )
+                return
+            await self.upload
+            if self.progress.saved_step == self.progress.step:
+                return  # that upload was this very step
+        self.upload = asyncio.create_task(self._upload(self.snapshot(config_version)))
+        if wait:
+            await self.upload
+
+    async def _upload(self, ckpt: Checkpoint) -> None:
+        took = Stopwatch()
+        try:
+            location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.settings.cfg.model.path)
+        except Exception as error:  # the store's many failure types; training must go on
+            self.telemetry.record_checkpoint(took(), ok=False)
+            log_event(
+                log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500]
+            )
+            # The row carries the current step: the save's own step may be behind, and is not one to roll back to.
+            await self.report({"step": self.progress.step, "checkpoint_failed": 1, "error": repr(error)[:500]})
+            return
+        seconds = took()
+        self.telemetry.record_checkpoint(seconds, ok=True)
+        self.progress.saved_step = max(self.progress.saved_step, ckpt.step)
+        # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
+        await self.report(
+            {"step": self.progress.step, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": seconds}
+        )
+        log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=seconds)
+        await self.purge_consumed()
+
+    async def purge_consumed(self) -> None:
+        """Drop what no kept checkpoint would re-read: EXPERIENCE, its claim-checked bodies, settled group ids."""
+        try:
+            floor = await asyncio.to_thread(self.checkpoints.replay_floor, self.progress.applied_seq)
+            oldest = min(await asyncio.to_thread(self.checkpoints.steps), default=None)
+            if floor is None or oldest is None:
+                return
+            await self.bus.js.purge_stream(stream_name(self.bus.run_id, EXPERIENCE), seq=floor + 1)
+            doomed = [key for key, seq in self.claim_keys.items() if seq <= floor]
+            await asyncio.to_thread(self.bus.claims.delete, doomed)
+        except Exception as error:  # the broker's or the store's failures; purging can wait for the next save
+            log_event(log, "purge_failed", level=logging.WARNING, error=repr(error)[:300])
+            return
+        for key in doomed:
+            self.claim_keys.pop(key, None)
+        self.ledger.forget_through(oldest)
+        log_event(log, "purged", experience_below=floor + 1, claims=len(doomed))
+
+    # -- operator calls -------------------------------------------------------------
+
+    async def catalog(self) -> list[dict[str, Any]]:
+        return await asyncio.to_thread(self.checkpoints.catalog)
+
+    async def entry(self, step: int) -> dict[str, Any] | None:
+        return next((e for e in await self.catalog() if e["step"] == step), None)
+
+    async def checkpoint_now(self, config_version: int) -> dict[str, Any] | None:
+        """Store the current step (unless it already is) and describe it; None if the save failed."""
+        step = self.progress.step
+        if self.progress.saved_step != step or step not in await asyncio.to_thread(self.checkpoints.steps):
+            await self.save(config_version, wait=True)
+        return await self.entry(step)
+
+    async def mark_stable(self, step: int) -> dict[str, Any] | None:
+        """Run between steps: never beside a save of the same step, which rewrites its folder."""
+        await self.wait_for_upload()
+        await asyncio.to_thread(self.checkpoints.mark, step, STABLE)
+        log_event(log, "marked_stable", step=step)
+        return await self.entry(step)

@@ -1,0 +1,147 @@
+"""The alert responder: every metrics row is written, judged by the alert rules, and what fires is carried out.
+
+Actions: notify (log, events file, metrics row, Prometheus counter, webhook), pause, stop,
+and rollback — to the newest stable checkpoint, else the newest one saved before the
+rule's window. A rollback is queued to the training loop like an operator's, and nobody
+awaits it, so one that fails pauses the run with the reason instead of raising. A rule
+that fires again right after rolling back to the same step pauses instead of looping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from services.common.events import EventLog
+from services.common.logs import log_event
+from services.common.telemetry import TrainerMetrics
+from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.control import Control
+from services.trainer.progress import ConfigSource, Progress
+
+log = logging.getLogger(__name__)
+
+Rollback = Callable[[int | None, str], Awaitable[Any]]
+
+
+class MetricsLog:
+    """``metrics.jsonl``: one JSON row per line, flushed line by line for readers that follow it."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = path.open("a", buffering=1)
+
+    def write(self, row: dict[str, Any]) -> None:
+        self.file.write(json.dumps({"time": round(time.time(), 3), **row}) + "\n")
+
+
+class AlertResponder:
+    def __init__(
+        self,
+        settings: ConfigSource,
+        alerts: AlertEvaluator,
+        control: Control,
+        checkpoints: CheckpointStore,
+        rollback: Rollback,
+        progress: Progress,
+        metrics: MetricsLog,
+        events: EventLog,
+        telemetry: TrainerMetrics,
+    ):
+        self.settings = settings
+        self.alerts = alerts
+        self.control = control
+        self.checkpoints = checkpoints
+        self.rollback = rollback
+        self.progress = progress
+        self.metrics = metrics
+        self.events = events
+        self.telemetry = telemetry
+        self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
+        control.on_unpause.append(self.operator_resumed)
+
+    def operator_resumed(self) -> None:
+        self.alert_rollbacks.clear()  # the operator has looked: rules may roll back again
+        self.alerts.restart_absence_clocks(time.time())  # no step was due while paused
+
+    async def report(self, row: dict[str, Any]) -> None:
+        """Write ``row`` to the metrics file and judge it."""
+        self.metrics.write(row)
+        await self.watch(row)
+
+    async def watch(self, row: dict[str, Any]) -> None:
+        """Feed a metrics row to the alert rules and carry out what fires."""
+        if not self.settings.cfg.alerts.enabled:
+            return
+        now = time.time()
+        firings = self.alerts.observe(row, now)
+        if self.control.running:  # paused or stopping, no step is due: its metrics are not absent
+            firings += self.alerts.check_absent(now)
+        for firing in firings:
+            await self.act_on(firing)
+
+    async def act_on(self, firing: Firing) -> None:
+        reason = f"alert {firing.rule}: {firing.message}"
+        taken = []
+        for action in firing.actions:
+            if action == "pause":
+                await self.control.pause(reason)
+            elif action == "stop":
+                await self.control.request_stop(reason)
+            elif action == "rollback":
+                # Between steps, like an operator's rollback: never in the middle of this step's bookkeeping.
+                self.control.submit(lambda: self.rollback_for(firing))
+            taken.append(action)
+        details = {**firing.as_dict(), "actions_taken": taken}
+        self.telemetry.record_alert(firing.rule, firing.severity)
+        extra = {k: v for k, v in details.items() if k not in ("message", "step", "time")}
+        self.events.write("alert", firing.message, step=firing.step, **extra)
+        cfg = self.settings.cfg
+        self.metrics.write(
+            {
+                "step": self.progress.step,
+                "alert": firing.rule,
+                "alert_severity": firing.severity,
+                "config_version": self.settings.version,
+            }
+        )
+        level = logging.ERROR if firing.severity == "critical" else logging.WARNING
+        log_event(log, "alert", level=level, alert=True, **details)
+        if cfg.alerts.webhook_url:
+            post_webhook(cfg.alerts.webhook_url, {"run_id": cfg.run_id, **details})
+
+    async def rollback_for(self, firing: Firing) -> None:
+        """An alert's rollback; nobody awaits it, so a failure holds the run for an operator instead of raising."""
+        try:
+            await self._rollback_for(firing)
+        except Exception as error:
+            log_event(
+                log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, error=repr(error)[:500]
+            )
+            await self.control.pause(f"alert {firing.rule}: rollback failed: {error}")
+
+    async def _rollback_for(self, firing: Firing) -> None:
+        rule = next((r for r in self.settings.cfg.alerts.rules if r.name == firing.rule), None)
+        before = (firing.step if firing.step is not None else self.progress.step) - (rule.window_steps if rule else 1)
+        target = await asyncio.to_thread(self.checkpoints.latest_stable)
+        if target is None:
+            target = max((s for s in await asyncio.to_thread(self.checkpoints.steps) if s <= before), default=None)
+        if target is None:
+            await self.control.pause(
+                f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to"
+            )
+            return
+        if self.alert_rollbacks.get(firing.rule) == target:
+            # The same trouble right after going back to the same step: another rollback would loop.
+            await self.control.pause(
+                f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator"
+            )
+            return
+        self.alert_rollbacks[firing.rule] = target
+        await self.rollback(target, f"alert {firing.rule}")

@@ -1,0 +1,147 @@
+"""What the trainer reports about the run: services and their lag, and the Admin ``Status`` reply.
+
+Presence and consumer lag are read from JetStream at most every few seconds (``max_age_s``)
+and cached, so status calls and the health checks between steps cost the broker little.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from nats.errors import Error as NatsError
+
+from services.common.bus import EXPERIENCE, WORK_QUEUES, Bus, stream_name
+from services.common.config import BuildInfo
+from services.common.logs import log_event
+from services.common.pb import admin_pb2
+from services.common.presence import read_presence, roles_down
+from services.common.telemetry import StageMetrics
+from services.trainer.alerts import AlertEvaluator, Firing
+from services.trainer.control import Control
+from services.trainer.intake import GroupLedger
+from services.trainer.progress import ConfigSource, Progress
+
+log = logging.getLogger(__name__)
+ROLE_STARTUP_GRACE_S = 300.0  # a role may take this long to register its first replica (image pulls, engine loads)
+
+
+class StatusReporter:
+    def __init__(
+        self,
+        settings: ConfigSource,
+        bus: Bus,
+        progress: Progress,
+        control: Control,
+        ledger: GroupLedger,
+        alerts: AlertEvaluator,
+        catalog: Callable[[], Awaitable[list[dict[str, Any]]]],
+        build: BuildInfo,
+    ):
+        self.settings = settings
+        self.bus = bus
+        self.progress = progress
+        self.control = control
+        self.ledger = ledger
+        self.alerts = alerts
+        self.catalog = catalog
+        self.build = build
+        self.experience_lag = StageMetrics("trainer", EXPERIENCE)
+        self.services: list[dict[str, Any]] = []
+        self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
+        self.services_read = 0.0
+        self.created = time.monotonic()
+
+    async def refresh_services(self, max_age_s: float = 5.0) -> list[dict[str, Any]]:
+        if time.monotonic() - self.services_read > max_age_s:
+            try:
+                self.services = await read_presence(self.bus.js, self.settings.cfg)
+                self.lag = await self.consumer_lag()
+                self.services_read = time.monotonic()
+                self.experience_lag.lag(self.lag.get("trainer", 0))
+            except (NatsError, TimeoutError) as error:
+                log_event(log, "presence_unreadable", level=logging.WARNING, error=repr(error)[:200])
+        return self.services
+
+    async def consumer_lag(self) -> dict[str, int]:
+        """Messages waiting per consuming role: pending plus unacknowledged on its work queue; the trainer's
+        unread EXPERIENCE."""
+        run_id = self.settings.cfg.run_id
+        lag = {}
+        for edge, role in WORK_QUEUES.items():
+            try:
+                info = await self.bus.js.consumer_info(stream_name(run_id, edge), role)
+                lag[role] = info.num_pending + info.num_ack_pending
+            except (NatsError, TimeoutError):
+                continue
+        try:
+            info = await self.bus.js.stream_info(stream_name(run_id, EXPERIENCE))
+            lag["trainer"] = max(info.state.last_seq - self.progress.applied_seq, 0)
+        except (NatsError, TimeoutError):
+            pass
+        return lag
+
+    def roles_down(self, services: list[dict[str, Any]]) -> list[str]:
+        """Roles without a live replica; one that has never registered counts once the start-up grace is over."""
+        return roles_down(services, count_unseen=time.monotonic() - self.created > ROLE_STARTUP_GRACE_S)
+
+    async def services_down(self) -> float:
+        return float(len(self.roles_down(await self.refresh_services())))
+
+    async def status(self) -> admin_pb2.Status:
+        cfg, progress = self.settings.cfg, self.progress
+        services = await self.refresh_services(max_age_s=1.0)
+        store_error = ""
+        try:
+            catalog = await self.catalog()
+        except Exception as error:  # an operator needs status most while something is down
+            catalog, store_error = [], f"{type(error).__name__}: {error}"[:300]
+        live_steps = [e["step"] for e in catalog if not e["abandoned"]]
+        stable = [e["step"] for e in catalog if e["stable"] and not e["abandoned"]]
+        return admin_pb2.Status(
+            run_id=cfg.run_id,
+            state=self.control.state.value,
+            paused_reason=self.control.paused_reason,
+            step=progress.step,
+            total_steps=cfg.train.total_steps,
+            policy_version=progress.version,
+            config_version=self.settings.version,
+            last_checkpoint_step=max(live_steps, default=-1),
+            last_stable_step=max(stable, default=-1),
+            services=[self._service(e) for e in services],
+            alerts=[admin_pb2.Alert(**_alert_fields(f)) for f in self.alerts.active],
+            build_version=self.build.version,
+            build_revision=self.build.revision,
+            in_flight_groups=len(self.ledger.in_flight),
+            last_eval_accuracy=progress.last_eval if progress.last_eval is not None else -1.0,
+            environment=cfg.environment or "",
+            checkpoint_store_error=store_error,
+        )
+
+    def _service(self, entry: dict[str, Any]) -> admin_pb2.ServiceStatus:
+        return admin_pb2.ServiceStatus(
+            instance=entry["instance"],
+            role=entry["role"],
+            grpc_address=entry.get("grpc", ""),
+            metrics_url=entry.get("metrics_url", ""),
+            pid=entry.get("pid", 0),
+            config_version=entry.get("config_version", 0),
+            policy_version=entry.get("policy_version", 0),
+            restarts=entry["restarts"],
+            consumer_lag=self.lag.get(entry["role"], 0),
+            last_seen_s=entry["last_seen_s"],
+            up=entry["up"],
+            build_version=entry.get("build_version", ""),
+            build_revision=entry.get("build_revision", ""),
+        )
+
+
+def _alert_fields(firing: Firing) -> dict[str, Any]:
+    fields = firing.as_dict()
+    return {
+        name: fields[name]
+        for name in admin_pb2.Alert.DESCRIPTOR.fields_by_name
+        if name in fields and fields[name] is not None
+    }

@@ -1,0 +1,73 @@
+"""The group ledger: each fed group gets one fate, repeats are refused, slots are reconciled."""
+
+from services.trainer.intake import Fate, GroupLedger
+
+
+def test_a_group_is_applied_once_and_every_later_delivery_of_it_is_refused():
+    ledger = GroupLedger()
+    ledger.fed("e0-i0", now=0.0)
+    assert ledger.arrived("e0-i0")
+    assert ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED) == ["e0-i0"]
+    # The same group again: a feed after the duplicate window, a compute repeated past it.
+    assert not ledger.arrived("e0-i0")
+    assert not ledger.arrived("e0-i0")
+    assert ledger.repeats == 2
+    assert ledger.settle(["e0-i0"], step=2, fate=Fate.APPLIED) == []
+    assert ledger.counts[Fate.APPLIED] == 1
+
+
+def test_a_group_read_but_not_yet_applied_may_be_read_again_after_a_dropped_batch():
+    ledger = GroupLedger()
+    ledger.fed("e0-i3", now=0.0)
+    assert ledger.arrived("e0-i3")  # read into a batch that an operator command then dropped
+    assert ledger.arrived("e0-i3")  # re-read from the last applied sequence: still usable
+    assert ledger.repeats == 0
+
+
+def test_a_dead_lettered_group_frees_its_slot_and_is_never_fed_again():
+    ledger = GroupLedger()
+    ledger.fed("e0-i1", now=0.0)
+    assert ledger.settle(["e0-i1"], step=4, fate=Fate.DEAD) == ["e0-i1"]
+    assert ledger.in_flight == {}
+    assert ledger.known("e0-i1")  # the feeder skips it after a resume
+    assert not ledger.arrived("e0-i1")  # a late copy that made it through anyway is not applied
+
+
+def test_only_groups_in_flight_past_the_bound_are_overdue():
+    ledger = GroupLedger()
+    ledger.fed("old", now=0.0)
+    ledger.fed("young", now=50.0)
+    assert ledger.overdue(now=100.0, max_age_s=60.0) == ["old"]
+    assert ledger.settle(ledger.overdue(now=100.0, max_age_s=60.0), step=7, fate=Fate.LOST) == ["old"]
+    assert list(ledger.in_flight) == ["young"]
+    assert not ledger.arrived("old")  # a lost group that shows up after all is not applied a second time
+
+
+def test_the_ledger_forgets_fates_older_than_the_oldest_kept_checkpoint():
+    ledger = GroupLedger()
+    ledger.settle(["a"], step=10, fate=Fate.APPLIED)
+    ledger.settle(["b"], step=20, fate=Fate.APPLIED)
+    ledger.settle(["c"], step=30, fate=Fate.DROPPED)
+    ledger.forget_through(20)
+    assert sorted(ledger.settled) == ["c"]
+
+
+def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids():
+    ledger = GroupLedger()
+    ledger.fed("from-before-the-crash", now=0.0)
+    ledger.restore(in_flight=["x", "y"], applied=["a", "b"], step=5, now=100.0)
+    assert ledger.in_flight == {"x": 100.0, "y": 100.0}
+    assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {"a": (5, Fate.APPLIED), "b": (5, Fate.APPLIED)}
+
+
+def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_later_applications():
+    ledger = GroupLedger()
+    ledger.settle(["a"], step=1, fate=Fate.APPLIED)
+    ledger.settle(["b"], step=3, fate=Fate.APPLIED)  # applied by a step the rollback abandons
+    ledger.settle(["dead"], step=3, fate=Fate.DEAD)
+    ledger.settle(["lost"], step=3, fate=Fate.LOST)
+    ledger.fed("flying", now=0.0)
+    ledger.rewind(applied=["a"], step=2)
+    assert sorted(ledger.settled) == ["a", "dead", "lost"]
+    assert ledger.arrived("b")  # re-read after the rollback: applied again in the new branch
+    assert "flying" in ledger.in_flight
