@@ -390,3 +390,21 @@ def test_s3_replacement_of_an_abandoned_step_removes_parts_the_new_copy_lacks(tm
     )
     loaded = store.load_latest()
     assert loaded.step == 2 and loaded.critic is None and loaded.state.policy_version == 22
+
+
+def test_a_resave_after_a_mirror_failure_copies_the_step_and_its_stable_mark_to_the_mirror(tmp_path, model_dir, caplog):
+    primary = file_store(tmp_path, "primary")
+    mirror = PutsFailAfter(file_store(tmp_path, "mirror"), 0)
+    store = CheckpointStore(primary, "run-m", keep_last=1, mirror=mirror, incarnation="inc", attempts=1)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.checkpoint"):
+        store.save(checkpoint(1, "inc"), model_dir)  # the mirror is down: the save still succeeds
+    assert [r.getMessage() for r in caplog.records] == ["mirror_failed"]
+    store.mark(1, STABLE)
+    assert store.steps(mirror) == []
+    mirror.allowed = None  # back up
+    primary_writes = Observed(primary, lambda: None)
+    store.store = primary_writes
+    store.save(checkpoint(1, "inc"), model_dir)  # "checkpoint now" again: the primary copy stands
+    assert primary_writes.writes == []
+    assert store.steps(mirror) == [1] and store.load(1, mirror).step == 1
+    assert mirror.store.list("run-m/step-00000001/STABLE") == ["run-m/step-00000001/STABLE"]
