@@ -118,7 +118,10 @@ class Recovery:
 
     async def adopt(self, ckpt: Checkpoint, event: str, reason: str) -> list[int]:
         """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons."""
-        later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)  # first: it may fail
+        # The store learns whose steps it keeps first (setting it again on a retry is harmless), so that
+        # marking later steps abandoned, which may fail and leaves memory untouched, spares other runs' steps.
+        incarnation = self.checkpoints.adopt_incarnation(ckpt)
+        later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)
         state: TrainerState = ckpt.state
         progress = self.progress
         new_version = max(progress.version, self.lineage.max_version(), state.policy_version) + 1
@@ -129,7 +132,7 @@ class Recovery:
         progress.version = new_version
         progress.applied_seq = state.last_experience_seq
         progress.last_eval = state.eval_accuracy
-        progress.incarnation = self.checkpoints.adopt_incarnation(ckpt)
+        progress.incarnation = incarnation
         self.claim_keys |= {key: seq for seq, key in state.claim_keys}
         if event == "resume":
             # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's.

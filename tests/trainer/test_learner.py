@@ -166,11 +166,13 @@ def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
 def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     from services.common.config import CheckpointConfig
     from services.common.storage import open_store
-    from services.trainer.checkpoint import Checkpoint, CheckpointStore
+    from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 
     model_dir = setup[0]
     cfg, first, groups = make(setup, algorithm=algorithm, epochs=2, mini_batches=2, warmup_steps=3)
-    store = CheckpointStore(open_store(tmp_path.as_uri(), CheckpointConfig()), "resume", keep_last=2)
+    store = CheckpointStore(
+        open_store(tmp_path.as_uri(), CheckpointConfig()), "resume", keep_last=2, incarnation="resume-test"
+    )
     first.step(groups[:3], 0)
     store.save(
         Checkpoint(
@@ -179,7 +181,7 @@ def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
             first.optimizer.state_dict(),
             first.scheduler.state_dict(),
             first.rng_state(),
-            {},
+            TrainerState(step=1, policy_version=0, last_experience_seq=0, incarnation="resume-test"),
             critic=dict(first.critic.state_dict()) if first.critic else None,
         ),
         model_dir,
