@@ -1,9 +1,13 @@
-"""The S3 endpoint goes away mid-run: saves fail and are retried, training goes on, and saves succeed again."""
+"""The S3 endpoint goes away mid-run: saves fail and are retried, training goes on, and saves succeed again;
+claim-checked groups wait for the store instead of being dead-lettered."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
+import threading
 import time
 
 import pytest
@@ -12,6 +16,7 @@ from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
+from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import BIN, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
 
 # Long enough to train through the outage (a failed save retries for ~7 s), so the last save meets a live store.
@@ -46,6 +51,71 @@ class StoppableS3:
             "s3_secure": False,
             **settings,
         }
+
+
+class UnreachableS3(StoppableS3):
+    """A moto_server behind a TCP relay: stop() refuses and cuts every connection, but the objects survive.
+
+    An outage that loses the store's content would lose the bodies of claim-checked groups already in
+    flight (rightly dead-lettered as missing); this one is a store that is only unreachable for a while.
+    """
+
+    def __init__(self):
+        self.listener: socket.socket | None = None
+        self.open: list[socket.socket] = []
+        self.lock = threading.Lock()
+        self.backend = free_port()
+        self.moto = subprocess.Popen(
+            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.backend)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.backend, self.moto, "moto_server")
+        super().__init__()
+
+    def start(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def stop(self) -> None:
+        with self.lock:
+            sockets, self.open = self.open, []
+            if self.listener is not None:
+                sockets.append(self.listener)
+                self.listener = None
+        for sock in sockets:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.stop()
+        self.moto.kill()
+        self.moto.wait()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # stopped
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.backend))
+            with self.lock:
+                if self.listener is not listener:  # stopped meanwhile
+                    client.close()
+                    upstream.close()
+                    return
+                self.open += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
 
 
 @pytest.fixture
@@ -85,13 +155,19 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
             assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
             time.sleep(0.2)
         failed_at = max(r["step"] for r in read_jsonl(metrics) if r.get("checkpoint_failed"))
-        steps_during_outage = [r["step"] for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] > failed_at]
+        # Training goes on with the store still down: steps after the failed save are applied before it is back.
+        wait_for(
+            lambda: [r for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] >= failed_at + 3],
+            "steps applied while the store is down",
+            run,
+            timeout=240,
+        )
+        assert not any(r.get("checkpoint_saved") and r["step"] > failed_at for r in read_jsonl(metrics))
         s3.start()
         output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-4000:]
     all_rows = read_jsonl(metrics)
     assert [r["step"] for r in all_rows if "pg_loss" in r] == list(range(1, TOTAL_STEPS + 1))  # training never stopped
-    assert steps_during_outage or failed_at < TOTAL_STEPS
     saved_after = [r["step"] for r in all_rows if "checkpoint_saved" in r and r["step"] > failed_at]
     assert saved_after and saved_after[-1] == TOTAL_STEPS
     log = (tmp_path / "runs" / "outage" / "logs" / "trainer.log").read_text()
@@ -126,3 +202,58 @@ def test_a_run_that_ends_with_its_last_steps_unsaved_does_not_exit_clean(tiny_mo
     assert run.returncode == 1, output[-3000:]
     assert "services failed" in output and "trainer" in output.split("services failed")[-1]
     assert '"ended_unsaved"' in (run_dir / "logs" / "trainer.log").read_text()
+
+
+@pytest.fixture
+def unreachable_s3(monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    endpoint = UnreachableS3()
+    yield endpoint
+    endpoint.close()
+
+
+CLAIM_STEPS = 12
+CLAIM_OUTAGE_S = 25.0
+
+
+def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(tiny_model, tmp_path, unreachable_s3):
+    model_dir, data_dir = tiny_model
+    nats = {"ack_wait_s": 3, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": 600, "claim_check_bytes": 512}
+    # The outage outlasts every delivery a message has (ack_wait_s * max_deliver = 6 s) several times over.
+    assert 3 * nats["ack_wait_s"] * nats["max_deliver"] < CLAIM_OUTAGE_S
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="claims",
+        train={"total_steps": CLAIM_STEPS, "batch_size": 8, "learning_rate": 1e-5},
+        checkpoint=unreachable_s3.checkpoint(save_every_steps=4, keep_last=20),
+        nats=nats,
+        rollout={"prompts_per_batch": 4},
+    )
+    run_dir = tmp_path / "runs" / "claims"
+    steps = lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if "pg_loss" in r]  # noqa: E731
+    with running_pipeline(config) as run:
+        wait_for(lambda: len(steps()) >= 2, "step 2", run)
+        unreachable_s3.stop()
+        time.sleep(CLAIM_OUTAGE_S)
+        assert run.poll() is None, "the run died during the store outage"
+        stopped_at = len(steps())
+        unreachable_s3.start()
+        output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, output[-4000:]
+    assert stopped_at < CLAIM_STEPS, "the outage came too late to meet claim-checked traffic"
+    assert [r["step"] for r in steps()] == list(range(1, CLAIM_STEPS + 1))
+    logs = {path.stem: path.read_text() for path in (run_dir / "logs").glob("*.log")}
+    # Every group was claim-checked, so the stages met the outage while storing or reading bodies ...
+    held = [name for name, text in logs.items() if '"dependency_unavailable"' in text]
+    assert held, "no stage met the outage"
+    # ... and not one group was dead-lettered or written off for it.
+    for name, text in logs.items():
+        assert '"dead_letter"' not in text and '"group_lost_to_dead_letters"' not in text, name
+    final = effective_steps(Lineage(run_dir / "lineage.jsonl").records())
+    assert [r["step"] for r in final] == list(range(1, CLAIM_STEPS + 1))
+    applied = [group for r in final for group, _ in r["groups"]]
+    assert len(applied) == CLAIM_STEPS * 8 and len(set(applied)) == len(applied)
