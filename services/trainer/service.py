@@ -24,7 +24,7 @@ from typing import Any
 import grpc
 import yaml
 
-from services.common.bus import Bus
+from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
@@ -109,6 +109,7 @@ class Trainer:
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
+        self.broker_lost: BrokerStateLost | None = None  # found by the check after a reconnect
         self.reported: dict[str, int] = {}  # the ledger's counts as of the last metrics row
 
     async def prepare(self) -> None:
@@ -144,9 +145,25 @@ class Trainer:
             changes=[vars(c) for c in version.changes],
         )
 
+    async def watch_broker(self) -> None:
+        """EXPERIENCE must still hold what this run read: a broker back without its store (or without unsynced
+        writes) would otherwise make the reader wait below a lost sequence forever, or skip a gap."""
+        created = (await self.bus.check_covers(EXPERIENCE, self.progress.applied_seq)).created
+
+        async def after_reconnect() -> None:
+            try:
+                await self.bus.check_covers(EXPERIENCE, self.progress.applied_seq, created)
+            except BrokerStateLost as error:
+                self.broker_lost = error
+                self.control.wake()
+
+        self.bus.on_reconnect(after_reconnect)
+
     async def interrupted(self) -> bool:
         """Between two reads of a batch: a command or a config change drops the partial batch. Meanwhile the
         health rules are judged, so a batch that never completes still raises its alerts."""
+        if self.broker_lost is not None:
+            raise self.broker_lost
         if self.control.wakeup.is_set() or await self.live.refresh():
             return True
         await self.check_health()
@@ -242,11 +259,14 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         progress, control = self.progress, self.control
+        await self.watch_broker()
         self.intake.rewind()
         await self.intake.catch_up_dead()  # groups dead-lettered while no trainer read DEAD are settled first
         if not self.resumed:
             progress.baseline_eval = await self.evaluate()
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
+            if self.broker_lost is not None:
+                raise self.broker_lost
             await self.between_steps()
             if not control.running:
                 await control.wait_while_held(1.0, on_idle=self.check_health)
@@ -370,7 +390,13 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         startup_s=started(),
     )
     try:
-        await trainer.run(stop)
+        try:
+            await trainer.run(stop)
+        except BrokerStateLost as error:
+            # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
+            # or start the run again from its checkpoints under a new run id).
+            log_event(log, "broker_state_lost", level=logging.CRITICAL, alert=True, error=str(error))
+            raise SystemExit(1) from error
         progress = trainer.progress
         if progress.saved_step < progress.step:
             # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
