@@ -1,0 +1,97 @@
+"""The alert responder alone: a firing's rollback goes through the command queue, never loops, and pauses on failure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+from typing import Any
+
+from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
+from services.common.events import EventLog
+from services.common.storage import open_store
+from services.common.telemetry import TrainerMetrics
+from services.trainer.alerts import AlertEvaluator
+from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
+from services.trainer.control import Control, RunState
+from services.trainer.progress import Progress
+from services.trainer.responder import AlertResponder, MetricsLog
+from tests.trainer.test_commands import Holds
+
+KL_RULE = AlertRule(name="kl_high", metric="kl", condition="above", threshold=1.0, actions=["notify", "rollback"])
+
+
+def stored_steps(tmp_path, steps: list[int]) -> CheckpointStore:
+    store = CheckpointStore(open_store(tmp_path.as_uri(), CheckpointConfig()), "run", keep_last=10, incarnation="i")
+    for step in steps:
+        state = TrainerState(step=step, policy_version=step, last_experience_seq=step, incarnation="i")
+        store.save(Checkpoint(step, {}, {}, {}, {}, state), tmp_path)
+    return store
+
+
+def responder(tmp_path, store: CheckpointStore, rollback) -> tuple[AlertResponder, Control, Progress]:
+    alerts = AlertsConfig(rules=[KL_RULE], cooldown_steps=0)
+    settings = SimpleNamespace(cfg=SimpleNamespace(alerts=alerts, run_id="run"), version=3)  # the config in force
+    progress = Progress(step=12)
+    events = EventLog(tmp_path / "events.jsonl")
+    control = Control(Holds(), events, progress)
+    evaluator = AlertEvaluator(alerts.rules, alerts.cooldown_steps)
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    alert = AlertResponder(settings, evaluator, control, store, rollback, progress, metrics, events, TrainerMetrics())
+    return alert, control, progress
+
+
+def test_a_rollback_action_runs_between_steps_and_goes_to_the_newest_step_before_the_window(tmp_path):
+    async def scenario() -> None:
+        calls: list[tuple[Any, str]] = []
+
+        async def rollback(step, reason):
+            calls.append((step, reason))
+
+        alert, control, _ = responder(tmp_path, stored_steps(tmp_path, [5, 10, 12]), rollback)
+        await alert.report({"step": 12, "kl": 3.0})
+        assert calls == []  # queued, not run inside the step's bookkeeping
+        await control.run_commands()
+        assert calls == [(10, "alert kl_high")]  # window 1 step: the newest step saved before step 12 is 10
+        rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+        assert [r.get("alert") for r in rows] == [None, "kl_high"]
+
+    asyncio.run(scenario())
+
+
+def test_firing_again_after_rolling_back_to_the_same_step_pauses_instead_of_looping(tmp_path):
+    async def scenario() -> None:
+        calls: list[int] = []
+
+        async def rollback(step, reason):
+            calls.append(step)
+
+        alert, control, progress = responder(tmp_path, stored_steps(tmp_path, [10]), rollback)
+        await alert.report({"step": 12, "kl": 3.0})
+        await control.run_commands()
+        progress.step = 12
+        await alert.report({"step": 13, "kl": 3.0})
+        await control.run_commands()
+        assert calls == [10]
+        assert control.state == RunState.PAUSED
+        assert "fired again after rolling back to step 10" in control.paused_reason
+        await control.unpause()  # the operator has looked: the rule may roll back again
+        await alert.report({"step": 14, "kl": 3.0})
+        await control.run_commands()
+        assert calls == [10, 10]
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_that_fails_pauses_the_run_with_the_reason(tmp_path):
+    async def scenario() -> None:
+        async def rollback(step, reason):
+            raise RuntimeError("store unreachable")
+
+        alert, control, _ = responder(tmp_path, stored_steps(tmp_path, [10]), rollback)
+        await alert.report({"step": 12, "kl": 3.0})
+        await control.run_commands()
+        assert control.state == RunState.PAUSED
+        assert control.paused_reason == "alert kl_high: rollback failed: store unreachable"
+
+    asyncio.run(scenario())
