@@ -19,8 +19,9 @@ install: $(STAMP)
 model: $(STAMP)
 	$(BIN)/rlpipe build-tiny --out models/tiny-arith --data data/arith --seed 0
 
+# A demo starts over each time: --overwrite deletes the previous demo run (rlpipe run alone refuses to).
 demo: model
-	$(BIN)/rlpipe run $(CONFIG)
+	$(BIN)/rlpipe run $(CONFIG) --overwrite
 
 # Lint and format first: they take seconds, the tests many minutes.
 test: $(STAMP)

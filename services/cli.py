@@ -18,12 +18,18 @@ def run(
     resume: bool = typer.Option(
         False, "--resume", help="continue runs/<run id> from its streams and latest checkpoint"
     ),
+    overwrite: bool = typer.Option(
+        False,
+        "--overwrite",
+        help="delete runs/<run id> (its checkpoints, metrics, streams and logs) and start over; "
+        "without it or --resume, a run directory holding checkpoints or metrics is refused",
+    ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.launcher import run as launch
 
     try:
-        code = launch(config, resume=resume)
+        code = launch(config, resume=resume, overwrite=overwrite)
     except ConfigError as error:
         typer.echo(f"rlpipe run: {error}", err=True)
         raise typer.Exit(2) from None

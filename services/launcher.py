@@ -5,6 +5,14 @@ per service in the order storage -> reference -> trainer -> rollout/reward, each
 waited on until it logs ``ready``. Shows a progress bar over training steps, and at
 the end writes the report plot and a summary, stops every process and exits
 non-zero if any service failed.
+
+A run directory that already holds checkpoints or metrics is never deleted by accident:
+``--resume`` continues it, ``--overwrite`` deletes it and starts over, and without either
+the launcher refuses (exit 2). A service that dies is restarted with exponential backoff,
+unless it died more than ``supervision.max_restarts`` times within
+``supervision.restart_window_s``. On stop each service gets its own grace after SIGTERM
+(``supervision.trainer_stop_grace_s`` for the trainer's final save,
+``supervision.stop_grace_s`` for the others) before SIGKILL.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.common.config import AdminCredentials, RunConfig, load_config
+from services.common.config import AdminCredentials, RunConfig, SupervisionConfig, load_config
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.nats_server import nats_server_binary
@@ -53,6 +62,32 @@ def free_port() -> int:
 def _die_with_parent() -> None:
     # Linux: a child is killed when the launcher dies, even by SIGKILL, so nothing is orphaned.
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+@dataclass
+class RestartPolicy:
+    """As a container restart policy would: back off exponentially, give up on a service that dies too often too fast.
+
+    Counted per service over a sliding window, so a service that crashes now and then in a
+    week-long run is always restarted, while one in a crash loop fails the run.
+    """
+
+    supervision: SupervisionConfig
+    # name -> monotonic times of its restarts within the window, oldest first
+    recent: dict[str, deque[float]] = field(default_factory=dict)
+    # name -> restarts over the whole run, for run.json and the report
+    total: dict[str, int] = field(default_factory=dict)
+
+    def next_restart(self, name: str, now: float) -> float | None:
+        """Delay before ``name`` is restarted, or None when it has used up its restarts in the window."""
+        window = self.recent.setdefault(name, deque())
+        while window and now - window[0] >= self.supervision.restart_window_s:
+            window.popleft()
+        if len(window) >= self.supervision.max_restarts:
+            return None
+        window.append(now)
+        self.total[name] = self.total.get(name, 0) + 1
+        return min(self.supervision.backoff_s * 2 ** (len(window) - 1), self.supervision.max_backoff_s)
 
 
 @dataclass
@@ -89,7 +124,9 @@ class Launcher:
         self.nats: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
         self.startup: dict[str, float] = {}
-        self.restarts: dict[str, int] = {}
+        self.restart_policy = RestartPolicy(cfg.supervision)
+        # name -> restarts over the whole run (nats-server's too); run.json shows it
+        self.restarts: dict[str, int] = self.restart_policy.total
         self.nats_port = 0
         self.events = EventLog(self.run_dir / "events.jsonl")
 
@@ -186,9 +223,8 @@ class Launcher:
                 for c in self.children
             },
         }
-        write_atomically(
-            self.run_dir / "run.json", json.dumps(info, indent=2).encode()
-        )  # the CLI and tests read it live
+        # Atomically: the CLI and tests read it while the run goes on.
+        write_atomically(self.run_dir / "run.json", json.dumps(info, indent=2).encode())
 
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
         """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""
@@ -251,8 +287,8 @@ class Launcher:
         self.wait_ready(workers)
         self.write_run_file()
         console.log(
-            f"operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | stop "
-            f"(admin at {self.child('trainer').ready['admin']})"
+            "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
+            f"stop (admin at {self.child('trainer').ready['admin']})"
         )
 
     def follow(self) -> dict[str, Any]:
@@ -282,7 +318,10 @@ class Launcher:
                         trainer.ready = event
                         self.write_run_file()
                     elif event["event"] == "step":
-                        info = f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  kl {event['kl_ref']:.4f}"
+                        info = (
+                            f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  "
+                            f"kl {event['kl_ref']:.4f}"
+                        )
                         progress.update(task, completed=event["step"], info=info)
                     elif event["event"] == "eval":
                         progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
@@ -330,15 +369,15 @@ class Launcher:
                 self.write_run_file()
 
     def schedule_restart(self, child: Child, progress: Progress) -> float:
-        """As a container restart policy would: back off exponentially, give up after max_restarts."""
+        """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast."""
         supervision = self.cfg.supervision
-        count = self.restarts.get(child.name, 0) + 1
-        if count > supervision.max_restarts:
+        delay = self.restart_policy.next_restart(child.name, time.monotonic())
+        if delay is None:
             raise RuntimeError(
-                f"{child.name} died {count} times (exit {child.process.returncode}); see {child.log_path}"
+                f"{child.name} exited with {child.process.returncode} after {supervision.max_restarts} restarts within "
+                f"supervision.restart_window_s={supervision.restart_window_s:g}s; see {child.log_path}"
             )
-        self.restarts[child.name] = count
-        delay = min(supervision.backoff_s * 2 ** (count - 1), supervision.max_backoff_s)
+        count = self.restarts[child.name]
         progress.console.log(
             f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s"
         )
@@ -350,16 +389,26 @@ class Launcher:
         )
         return time.monotonic() + delay
 
+    def stop_grace_s(self, child: Child) -> float:
+        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first."""
+        supervision = self.cfg.supervision
+        return supervision.trainer_stop_grace_s if child.role == "trainer" else supervision.stop_grace_s
+
     def stop(self) -> list[str]:
-        """Stop every process (SIGTERM, then SIGKILL); returns the services that failed."""
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for child in self.children:
+        """Stop every process (SIGTERM, then SIGKILL after its own grace); returns the services that failed."""
+        running = [child for child in self.children if child.process.poll() is None]
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        # Shortest grace first: each wait ends at its own deadline, all counted from the same SIGTERM.
+        for child in sorted(running, key=self.stop_grace_s):
+            grace = self.stop_grace_s(child)
+            if child.role == "trainer" and child.process.poll() is None:
+                console.log(f"waiting up to {grace:g}s for the trainer's final save (Ctrl-C again kills it)")
             try:
-                child.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+                child.process.wait(timeout=max(started + grace - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
+                console.log(f"[red]{child.name} did not exit within {grace:g}s of SIGTERM[/]; killing it")
                 child.process.kill()
                 child.process.wait()
         for child in self.children:
@@ -407,17 +456,52 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-def run(config_path: Path, resume: bool = False) -> int:
-    """Run the pipeline; ``resume`` continues the run in ``runs/<run>`` (its streams and checkpoints) instead of starting afresh."""
+def previous_run(cfg: RunConfig) -> list[str]:
+    """What of an earlier run under this run id a fresh start would destroy: local checkpoints, metrics."""
+    found = []
+    steps = sorted(path.name for path in cfg.run_dir.glob("step-*") if path.is_dir())
+    if steps:
+        found.append(f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''} ({steps[0]} to {steps[-1]})")
+    if cfg.metrics_file.is_file() and cfg.metrics_file.stat().st_size > 0:
+        found.append(f"metrics in {cfg.metrics_file}")
+    return found
+
+
+def _plain(message: str) -> None:
+    """Unstyled and unwrapped, so a script or a person can grep it."""
+    console.print(message, markup=False, highlight=False, soft_wrap=True)
+
+
+def run(config_path: Path, resume: bool = False, overwrite: bool = False) -> int:
+    """Run the pipeline in ``runs/<run>``; 2 without starting anything when the config or the machine is not fit.
+
+    ``resume`` continues the run there (its streams and checkpoints); ``overwrite`` deletes it
+    first. With neither, a directory holding an earlier run's checkpoints or metrics is refused,
+    so re-running a config by accident cannot destroy a run.
+    """
+    if resume and overwrite:
+        _plain("rlpipe run: --resume continues the run in its directory and --overwrite deletes it: choose one")
+        return 2
     cfg = load_config(config_path)
+    earlier = previous_run(cfg)
+    if earlier and not (resume or overwrite):
+        _plain(
+            f"rlpipe run: {cfg.run_dir} already holds a run ({', '.join(earlier)}); nothing was changed.\n"
+            f"  continue it:               rlpipe run {config_path} --resume\n"
+            f"  delete it and start over:  rlpipe run {config_path} --overwrite"
+        )
+        return 2
     try:
         startup_checks(cfg, "run")
     except StartupCheckError as error:
         console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
         return 2
-    if cfg.run_dir.exists() and not resume:
-        console.log(f"starting afresh: removing the previous {cfg.run_dir}")
-        shutil.rmtree(cfg.run_dir)
+    if not resume:
+        if cfg.run_dir.exists():
+            console.log(f"starting afresh: removing the previous {cfg.run_dir}")
+            shutil.rmtree(cfg.run_dir)
+        # A metrics_path outside the run directory would otherwise carry the old run's rows into the new one's.
+        cfg.metrics_file.unlink(missing_ok=True)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     # Until this run's services are ready, run.json must not point the CLI at the ports of the previous one.
     (cfg.run_dir / "run.json").unlink(missing_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import subprocess
 import time
 
 import msgpack
@@ -23,7 +24,7 @@ from services.common.modeling import load_model, load_tokenizer
 from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
 
 STEP_METRICS = (
     "reward_mean",
@@ -151,3 +152,26 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
 
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert "eval accuracy (start -> end)" in output
+
+    # Running the same config again by accident must not destroy the run: refused, nothing touched.
+    again = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2, again.stderr
+    assert f"{run_dir} already holds a run" in again.stderr and "--resume" in again.stderr
+    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000005", "step-00000010"]
+    assert len(read_jsonl(run_dir / "metrics.jsonl")) == len(rows)
+    # --overwrite (what `make demo` passes) starts over in the same directory: the old steps and rows are gone.
+    short = write_config(
+        tmp_path / "short.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="pipe",
+        train={"total_steps": 2, "batch_size": 8, "learning_rate": 2e-5},
+        checkpoint={"save_every_steps": 2, "keep_last": 3},
+    )
+    redone = subprocess.run(
+        [*RLPIPE_RUN, str(short), "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert redone.returncode == 0, redone.stderr[-3000:]
+    assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000002"]
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r] == [1, 2]

@@ -449,9 +449,45 @@ class AlertsConfig(Section):
 
 
 class SupervisionConfig(Section):
-    max_restarts: int = Field(10, ge=0, description="per service, before the run is declared failed")
-    backoff_s: float = Field(1.0, gt=0, description="first restart delay, doubled on each restart")
+    """How ``rlpipe run`` restarts the services it started, and how long it lets them stop."""
+
+    max_restarts: int = Field(
+        10,
+        ge=0,
+        description="restarts of one service within restart_window_s; one more and the run is declared failed",
+    )
+    restart_window_s: float = Field(
+        3600.0,
+        gt=0,
+        description="the sliding window max_restarts counts over: a service that crashes once a day runs for ever, "
+        "one in a crash loop fails the run",
+    )
+    backoff_s: float = Field(
+        1.0, gt=0, description="first restart delay, doubled for each earlier restart still in the window"
+    )
     max_backoff_s: float = Field(30.0, gt=0)
+    trainer_stop_grace_s: float = Field(
+        300.0,
+        gt=0,
+        description="on stop, how long the trainer may take after SIGTERM before SIGKILL: it saves a final "
+        "checkpoint, which for a large model takes minutes",
+    )
+    stop_grace_s: float = Field(
+        20.0, gt=0, description="on stop, how long every other service may take after SIGTERM before SIGKILL"
+    )
+
+    @model_validator(mode="after")
+    def _window_outlasts_the_backoff(self) -> SupervisionConfig:
+        # The restarts of a crash loop are spaced by their backoff; if max_restarts of them cannot fit in the
+        # window, the count in the window never exceeds max_restarts and the loop goes on for ever.
+        backoff = sum(min(self.backoff_s * 2**k, self.max_backoff_s) for k in range(self.max_restarts))
+        if self.restart_window_s <= backoff:
+            raise ValueError(
+                f"restart_window_s ({self.restart_window_s:g}) must be longer than the backoff of max_restarts "
+                f"restarts ({backoff:g}s with backoff_s={self.backoff_s:g}, max_backoff_s={self.max_backoff_s:g}), "
+                "or a service in a crash loop is restarted for ever"
+            )
+        return self
 
 
 class RunConfig(BaseSettings):

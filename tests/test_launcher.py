@@ -1,0 +1,147 @@
+"""The launcher's supervision rules, against real processes: a rerun never destroys a run by accident,
+restarts are limited by a rate rather than a lifetime count, and each service gets its own stop grace."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rich.progress import Progress
+
+from services.common.config import ConfigError, SupervisionConfig, load_config
+from services.launcher import Child, Launcher, RestartPolicy
+from tests.conftest import RLPIPE_RUN, ROOT, write_config
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    # Enough for the config to load; the refusals under test come before anything reads the model.
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "eval"):
+        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", run_id="kept")
+
+
+def rlpipe_run(config: Path, *options: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*RLPIPE_RUN, str(config), *options], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_rerunning_a_config_refuses_to_delete_its_checkpoints_and_metrics(config, tmp_path):
+    run_dir = tmp_path / "runs" / "kept"
+    (run_dir / "step-00000005").mkdir(parents=True)
+    (run_dir / "step-00000010").mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+
+    done = rlpipe_run(config)
+
+    assert done.returncode == 2, done.stderr
+    message = " ".join(done.stderr.split())
+    assert f"{run_dir} already holds a run (2 checkpoints (step-00000005 to step-00000010), metrics in" in message
+    assert f"rlpipe run {config} --resume" in message and f"rlpipe run {config} --overwrite" in message
+    assert sorted(p.name for p in run_dir.iterdir()) == ["metrics.jsonl", "step-00000005", "step-00000010"]
+
+
+def test_a_run_directory_without_checkpoints_or_metrics_is_not_refused(config, tmp_path):
+    # Left by a start that failed early: nothing in it is worth a refusal. The run then goes on to the
+    # start-up checks, which this config's weightless model folder fails (exit 2 as well, but saying so).
+    (tmp_path / "runs" / "kept" / "logs").mkdir(parents=True)
+    done = rlpipe_run(config)
+    assert done.returncode == 2
+    assert "already holds a run" not in done.stderr and "start-up checks failed" in " ".join(done.stderr.split())
+
+
+def test_resume_and_overwrite_together_are_refused(config, tmp_path):
+    (tmp_path / "runs" / "kept" / "step-00000005").mkdir(parents=True)
+    done = rlpipe_run(config, "--resume", "--overwrite")
+    assert done.returncode == 2 and "choose one" in done.stderr
+    assert (tmp_path / "runs" / "kept" / "step-00000005").is_dir()
+
+
+def test_restarts_are_limited_per_window_not_per_run():
+    supervision = SupervisionConfig(max_restarts=3, restart_window_s=100, backoff_s=1, max_backoff_s=30)
+    policy = RestartPolicy(supervision)
+    # A crash loop: three restarts with doubling backoff, then the fourth inside the window is refused.
+    assert [policy.next_restart("rollout-0", now) for now in (0.0, 1.0, 3.0)] == [1, 2, 4]
+    assert policy.next_restart("rollout-0", 7.0) is None
+    # Other services have their own count.
+    assert policy.next_restart("reward-0", 7.0) == 1
+    # Once the first restart has left the window there is room for one more, backed off by the two still in it.
+    assert policy.next_restart("rollout-0", 100.0) == 4
+    # After a quiet window the backoff starts over.
+    assert policy.next_restart("rollout-0", 1000.0) == 1
+    assert policy.total == {"rollout-0": 5, "reward-0": 1}
+
+
+def test_a_service_that_crashes_now_and_then_is_restarted_for_ever():
+    # The default budget, and a crash every 10 minutes for a week: a lifetime count would have ended the run.
+    policy = RestartPolicy(SupervisionConfig())
+    delays = [policy.next_restart("trainer", minute * 60.0) for minute in range(0, 7 * 24 * 60, 10)]
+    assert None not in delays and policy.total == {"trainer": 7 * 24 * 6}
+
+
+def test_a_restart_window_a_crash_loop_cannot_fill_is_refused_naming_the_field(config):
+    # 10 restarts backed off 1, 2, 4, 8, 16, then 30 s each take 181 s: a 120 s window never holds 11.
+    with pytest.raises(ConfigError) as error:
+        load_config(config, supervision={"max_restarts": 10, "restart_window_s": 120})
+    assert "supervision: restart_window_s (120) must be longer than the backoff of max_restarts restarts (181s" in str(
+        error.value
+    )
+
+
+def test_a_service_dying_too_often_fails_the_run_naming_the_window(config, tmp_path):
+    cfg = load_config(config, supervision={"max_restarts": 1, "restart_window_s": 600, "backoff_s": 0.1})
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    crashed.wait(timeout=30)
+    child = Child("reward-0", "reward", crashed, cfg.run_dir / "reward-0.log")
+    progress = Progress(console=Console(file=io.StringIO()))
+    assert launcher.schedule_restart(child, progress) > time.monotonic()
+    with pytest.raises(RuntimeError) as error:
+        launcher.schedule_restart(child, progress)
+    assert "reward-0 exited with 3 after 1 restarts within supervision.restart_window_s=600s" in str(error.value)
+    assert launcher.restarts == {"reward-0": 1}
+
+
+# Exits 0 `seconds` after SIGTERM, as a service finishing its work (the trainer's final save) would.
+SLOW_TO_STOP = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (time.sleep({seconds}), sys.exit(0)))
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def slow_child(name: str, role: str, seconds: float, log: Path) -> Child:
+    process = subprocess.Popen(
+        [sys.executable, "-c", SLOW_TO_STOP.format(seconds=seconds)], stdout=subprocess.PIPE, text=True
+    )
+    assert process.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
+    return Child(name, role, process, log)
+
+
+def test_each_service_gets_its_own_stop_grace(config, tmp_path):
+    cfg = load_config(config, supervision={"trainer_stop_grace_s": 30, "stop_grace_s": 1})
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    # Both take 4 s to stop: the trainer is within its grace, the rollout is not.
+    trainer = slow_child("trainer", "trainer", 4, tmp_path / "trainer.log")
+    rollout = slow_child("rollout-0", "rollout", 4, tmp_path / "rollout.log")
+    launcher.children = [trainer, rollout]
+
+    started = time.monotonic()
+    failed = launcher.stop()
+
+    assert trainer.process.returncode == 0, "the trainer was killed before its save could finish"
+    assert rollout.process.returncode == -9, "the rollout outlived its grace and should have been killed"
+    assert failed == ["rollout-0"]
+    assert 3.5 < time.monotonic() - started < 20
