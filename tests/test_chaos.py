@@ -51,7 +51,9 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
             time.sleep(rng.uniform(0.0, 2.0))
             kill(run_dir, victim)
             # Let the pipeline apply steps after each kill, so every outage is recovered from.
-            wait_for(lambda: len(steps()) > seen + 1, f"progress after killing {victim}", process, timeout=300)
+            wait_for(
+                lambda seen=seen: len(steps()) > seen + 1, f"progress after killing {victim}", process, timeout=300
+            )
         output, _ = process.communicate(timeout=900)
     assert process.returncode == 0, output[-4000:]
 

@@ -18,8 +18,8 @@ from services.common.config import ConfigError, RunConfig, load_config
 from services.common.live_config import LiveConfig, stored_config
 from services.common.logs import bind_log_fields, log_event, setup_logging
 from services.common.presence import Presence, instance_name
+from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.telemetry import current_telemetry, start_telemetry
-from services.doctor import StartupCheckError, startup_checks
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,8 @@ async def start_grpc_server(
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     credentials: grpc.ServerCredentials | None = None,
 ) -> tuple[grpc.aio.Server, str]:
-    """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names); TLS with ``credentials``."""
+    """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names);
+    TLS with ``credentials``."""
     # No SO_REUSEPORT: a port another process holds must fail the bind, not be shared with it silently.
     server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
     names = register(server) if register else []

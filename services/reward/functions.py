@@ -10,16 +10,11 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from services.common.registry import REWARD_FUNCTIONS
+
 RewardFn = Callable[[str, str, str], float]
-REWARD_FUNCTIONS: dict[str, RewardFn] = {}
-
-
-def reward_function(name: str) -> Callable[[RewardFn], RewardFn]:
-    def register(fn: RewardFn) -> RewardFn:
-        REWARD_FUNCTIONS[name] = fn
-        return fn
-
-    return register
+# The table lives in common, where config validates names against it without importing this role.
+reward_function = REWARD_FUNCTIONS.register
 
 
 _FINAL_NUMBER = re.compile(r"-?\d+")

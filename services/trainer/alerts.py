@@ -168,7 +168,8 @@ class AlertEvaluator:
                 return None
             return (
                 recent[-1],
-                f"{metric} has been {rule.condition} {threshold:g} for the last {_steps(window)} (newest {recent[-1]:.4g}).",
+                f"{metric} has been {rule.condition} {threshold:g} for the last {_steps(window)} "
+                f"(newest {recent[-1]:.4g}).",
             )
         # rises_by / falls_by
         if len(values) < 2 * window:

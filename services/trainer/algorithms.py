@@ -10,29 +10,14 @@ OpenRLHF, so a metric here means what it means there.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {}
-KL_ESTIMATORS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {}
-AGGREGATIONS: dict[str, Callable[..., torch.Tensor]] = {}
+from services.common.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
 
-
-def _registrar(registry: dict) -> Callable[[str], Callable]:
-    def register(name: str) -> Callable:
-        def add(fn: Callable) -> Callable:
-            registry[name] = fn
-            return fn
-
-        return add
-
-    return register
-
-
-register_advantage = _registrar(ADVANTAGE_ESTIMATORS)
-register_kl = _registrar(KL_ESTIMATORS)
-register_aggregation = _registrar(AGGREGATIONS)
+# The tables live in common, where config validates names against them without importing the trainer.
+register_advantage = ADVANTAGE_ESTIMATORS.register
+register_kl = KL_ESTIMATORS.register
+register_aggregation = AGGREGATIONS.register
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

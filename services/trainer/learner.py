@@ -2,8 +2,9 @@
 
 A step follows the usual recipe (verl, OpenRLHF, TRL):
 1. score the batch without gradients: ``old_logp`` (the rollout engine's sampling logprobs,
-   or the current policy's own with ``old_logprobs: recompute``), the critic's values, the per-token rewards (the scalar reward on the last token, minus the
-   KL penalty when it is folded into the reward);
+   or the current policy's own with ``old_logprobs: recompute``), the critic's values, the
+   per-token rewards (the scalar reward on the last token, minus the KL penalty when it is
+   folded into the reward);
 2. advantages by the configured algorithm;
 3. ``epochs`` passes of ``mini_batches`` optimizer steps each, with gradient accumulation,
    clipped surrogate loss (with truncated importance weights against the rollout engine's
@@ -112,7 +113,8 @@ class Learner:
         self.steps_done = 0
 
     def reconfigure(self, cfg: RunConfig) -> None:
-        """Take a live config change. Hyperparameters are read at every step; the learning rate also lives in the scheduler."""
+        """Take a live config change. Hyperparameters are read at every step; the learning rate also lives
+        in the scheduler."""
         self.cfg = cfg
         self.scheduler.base_lrs[0] = cfg.train.learning_rate
         self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](
@@ -151,7 +153,8 @@ class Learner:
 
     @torch.no_grad()
     def _score(self, batch: Batch, policy: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Before any update: the current policy's logprobs (if ``policy``) and the critic's values for the whole batch."""
+        """Before any update: the current policy's logprobs (if ``policy``) and the critic's values for the
+        whole batch."""
         old_logp = torch.zeros_like(batch.mask) if policy else None
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
