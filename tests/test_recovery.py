@@ -10,18 +10,20 @@ every fed prompt exactly once: applied, dropped as stale, or still in flight.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
 import time
 from pathlib import Path
 
+import yaml
+
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, effective_steps
+from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
-import itertools
 
 TOTAL_STEPS = 14
 
@@ -91,19 +93,28 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         assert '"compute_failed"' not in log.read_text(), log
 
 
-def assert_every_fed_prompt_accounted_once(runs: Path, run_id: str, final: list[dict]) -> None:
-    """Applied once, or dropped as stale once, or still in flight at the end: never lost, never twice."""
+def assert_every_fed_prompt_accounted_once(
+    runs: Path, run_id: str, final: list[dict], dead: frozenset[str] = frozenset()
+) -> None:
+    """Every fed group has exactly one fate in the lineage of the final model: applied, dropped as stale,
+    dead-lettered (``dead``), written off as lost, or still in flight at the end; and only the newest
+    ``max_inflight_batches * batch_size`` fed groups may still be in flight (no slot leaked)."""
     applied = [group for r in final for group, _ in r["groups"]]
     dropped = [group for r in final for group in r["dropped_stale"]]
     assert len(applied) == len(set(applied)), "a group was applied twice"
     assert not set(applied) & set(dropped) and len(dropped) == len(set(dropped))
+    lost = set(lost_groups(Lineage(runs / run_id / "lineage.jsonl").records()))
+    train = yaml.safe_load((runs / run_id / "effective-config.yaml").read_text())["train"]
     store = CheckpointStore(open_store(runs.resolve().as_uri(), CheckpointConfig()), run_id, keep_last=10)
     state = store.load(final[-1]["step"]).state
-    assert state["data_cursor"]["epoch"] == 0
-    fed = {f"e0-i{i}" for i in range(state["data_cursor"]["index"])}
-    in_flight = set(state["in_flight"])
-    assert set(applied) | set(dropped) | in_flight == fed, "a fed prompt's group was lost"
-    assert not in_flight & (set(applied) | set(dropped))
+    assert state.data_cursor["epoch"] == 0
+    fed = [f"e0-i{i}" for i in range(state.data_cursor["index"])]
+    in_flight = set(state.in_flight)
+    fates = [set(applied), set(dropped), set(dead), lost, in_flight]
+    assert set().union(*fates) == set(fed), "a fed prompt's group was lost"
+    assert sum(len(f) for f in fates) == len(fed), "a group has two fates"
+    newest = set(fed[-train["max_inflight_batches"] * train["batch_size"] :])
+    assert in_flight <= newest, f"in-flight slots leaked: {sorted(in_flight - newest)}"
 
 
 def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
