@@ -41,11 +41,6 @@ from services.common.startup_checks import (
     weight_files,
 )
 
-# services/common/service.py still imports these from here; once it imports them from
-# services.common.startup_checks (issue #11), this re-export goes.
-from services.common.startup_checks import StartupCheckError as StartupCheckError
-from services.common.startup_checks import startup_checks as startup_checks
-
 if TYPE_CHECKING:
     from rich.console import Console
 
