@@ -1,0 +1,158 @@
+"""Recovery alone, on a real tiny learner and a file:// store: adopt is all-or-nothing, versions only grow."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import torch
+
+from services.common.config import CheckpointConfig, load_config
+from services.common.datasets import load_jsonl
+from services.common.events import EventLog
+from services.common.storage import open_store
+from services.common.telemetry import TrainerMetrics
+from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.intake import Fate, GroupLedger, PromptFeeder
+from services.trainer.learner import Learner
+from services.trainer.lineage import Lineage
+from services.trainer.progress import Progress
+from services.trainer.recovery import Recovery
+from tests.conftest import write_config
+
+
+class Harness:
+    """One trainer process's recovery and what it touches; a second Harness on the same folder is a restart."""
+
+    def __init__(self, tiny_model, tmp_path, **checkpoint: Any):
+        model_dir, data_dir = tiny_model
+        self.cfg = load_config(
+            write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+        )
+        torch.manual_seed(0)
+        self.learner = Learner(self.cfg)
+        self.checkpoints = CheckpointStore(
+            open_store((tmp_path / "store").as_uri(), CheckpointConfig()), "run", keep_last=10
+        )
+        self.lineage = Lineage(tmp_path / "runs" / "lineage.jsonl")
+        self.progress = Progress()
+        self.ledger = GroupLedger()
+        self.weights = WeightSyncServer(snapshot_of(self.learner.model, 0, 0))
+        self.rows: list[dict[str, Any]] = []
+        self.rewinds = 0
+        settings = type("Settings", (), {"cfg": self.cfg, "version": 0})()
+        self.recovery = Recovery(
+            settings,
+            self.learner,
+            self.checkpoints,
+            self.lineage,
+            self.progress,
+            self.ledger,
+            PromptFeeder(load_jsonl(data_dir / "train.jsonl"), 0, shuffle=False),
+            self.weights,
+            bus=None,  # purging is not under test: it logs purge_failed and waits for the next save
+            events=EventLog(tmp_path / "runs" / "events.jsonl"),
+            telemetry=TrainerMetrics(),
+            report=self.report,
+            rewind=self.rewind,
+        )
+
+    async def report(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+
+    def rewind(self) -> None:
+        self.rewinds += 1
+
+    async def step_and_save(self, step: int, groups: list[str]) -> None:
+        """What the loop does for a step, minus the math: the weights move so each step's are told apart."""
+        with torch.no_grad():
+            next(self.learner.model.parameters()).add_(1.0)
+        self.progress.step, self.progress.version, self.progress.applied_seq = step, step, step * 10
+        self.ledger.settle(groups, step, Fate.APPLIED)
+        self.lineage.record_step(step, step, [(g, step - 1) for g in groups], [], step * 10)
+        await self.recovery.save(config_version=0, wait=True)
+
+
+def first_weights(learner: Learner) -> torch.Tensor:
+    return next(learner.model.parameters()).detach().clone()
+
+
+@pytest.fixture
+def saved_run(tiny_model, tmp_path):
+    """A run that saved steps 1, 2 and 3 and then died."""
+
+    async def run() -> torch.Tensor:
+        first = Harness(tiny_model, tmp_path)
+        assert not await first.recovery.start(resume=False)
+        for step in (1, 2, 3):
+            await first.step_and_save(step, [f"e0-i{step}"])
+            if step == 2:
+                at_two = first_weights(first.learner)
+        return at_two
+
+    return asyncio.run(run())
+
+
+def test_a_resume_from_an_older_step_abandons_the_later_ones_and_serves_a_newer_version(
+    tiny_model, tmp_path, saved_run
+):
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_step=2)
+        assert await restarted.recovery.start(resume=True)
+        progress = restarted.progress
+        assert (progress.step, progress.version, progress.applied_seq) == (2, 4, 20)
+        assert torch.equal(first_weights(restarted.learner), saved_run)
+        assert progress.abandoned_versions == [(3, 3)]  # step 3 made version 3: its groups are dropped
+        assert restarted.checkpoints.steps() == [1, 2]  # step 3 is marked ABANDONED
+        assert sorted(restarted.ledger.settled) == ["e0-i1", "e0-i2"]
+        assert restarted.weights.latest.version == 4 and restarted.rewinds == 1
+        assert restarted.lineage.records()[-1]["abandoned_steps"] == [3]
+
+    asyncio.run(scenario())
+
+
+def test_an_adopt_that_cannot_mark_the_later_steps_changes_nothing(tiny_model, tmp_path, saved_run):
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_step=2)
+        before = first_weights(restarted.learner)
+        lineage_before = restarted.lineage.text()
+
+        def store_down(step: int) -> list[int]:
+            raise OSError("store unreachable")
+
+        restarted.checkpoints.abandon_after = store_down
+        with pytest.raises(OSError, match="store unreachable"):
+            await restarted.recovery.start(resume=True)
+        assert (restarted.progress.step, restarted.progress.version) == (0, 0)
+        assert torch.equal(first_weights(restarted.learner), before)
+        assert restarted.lineage.text() == lineage_before
+        assert restarted.weights.latest.version == 0 and restarted.rewinds == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_restarted_before_its_first_checkpoint_serves_versions_past_those_it_served(tiny_model, tmp_path):
+    async def scenario() -> None:
+        first = Harness(tiny_model, tmp_path)
+        await first.recovery.start(resume=False)
+        for step in (1, 2, 3):  # steps taken, none saved
+            first.lineage.record_step(step, step, [(f"e0-i{step}", step - 1)], [], step)
+        restarted = Harness(tiny_model, tmp_path)
+        assert not await restarted.recovery.start(resume=True)
+        assert restarted.progress.version == 4 and restarted.weights.latest.version == 4
+        assert restarted.progress.abandoned_versions == [(1, 3)]
+        assert restarted.lineage.records()[-1]["abandoned_steps"] == [1, 2, 3]
+        assert restarted.progress.incarnation not in ("", first.progress.incarnation)
+
+    asyncio.run(scenario())
+
+
+def test_a_fresh_start_refuses_a_prefix_that_holds_checkpoints(tiny_model, tmp_path, saved_run):
+    async def scenario() -> None:
+        fresh = Harness(tiny_model, tmp_path)
+        with pytest.raises(ForeignCheckpoints, match="--resume"):
+            await fresh.recovery.start(resume=False)
+
+    asyncio.run(scenario())
