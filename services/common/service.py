@@ -24,6 +24,10 @@ from services.common.telemetry import current_telemetry, start_telemetry
 log = logging.getLogger(__name__)
 
 ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
+# A service that cannot run as configured (bad config, failed start-up check, a checkpoint store holding another
+# run, a broker that lost this run's messages) exits with this code: restarting it would fail the same way, or
+# worse (a trainer restarted with resume on would adopt the other run's steps), so supervisors must not.
+EXIT_REFUSED = 2
 
 
 async def start_grpc_server(
@@ -81,7 +85,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         cfg = load_config(args.config)
     except ConfigError as error:
         print(f"{role}: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
     setup_logging(role, cfg.run_id, cfg.service.log_level)
     instance = instance_name(cfg, role)
     bind_log_fields(instance=instance)
@@ -90,7 +94,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     except StartupCheckError as error:
         log_event(log, "startup_check_failed", level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_REFUSED)
     # Before the service's main, so its ready event can name the metrics endpoint and its first spans are kept.
     try:
         telemetry = start_telemetry(cfg, role, instance)

@@ -33,13 +33,13 @@ from services.common.live_config import LiveConfig
 from services.common.logs import Stopwatch, bind_log_fields, log_event
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.presence import Presence
-from services.common.service import start_grpc_server
+from services.common.service import EXIT_REFUSED, start_grpc_server
 from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics, current_telemetry
 from services.common.weightsync import WeightSyncServer, snapshot_of
 from services.trainer.admin import AdminServicer, BearerToken
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.control import Control, RunState
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
@@ -372,7 +372,14 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
     trainer = Trainer(cfg, bus, learner, weights, live)
-    await trainer.prepare()
+    try:
+        await trainer.prepare()
+    except ForeignCheckpoints as error:
+        # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
+        # resume the other run's steps.
+        log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
+        await bus.close()
+        raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)
     servicer = AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
     admin_server, admin_address = await start_admin_server(cfg, servicer)
@@ -396,7 +403,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).
             log_event(log, "broker_state_lost", level=logging.CRITICAL, alert=True, error=str(error))
-            raise SystemExit(1) from error
+            raise SystemExit(EXIT_REFUSED) from error
         progress = trainer.progress
         if progress.saved_step < progress.step:
             # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
