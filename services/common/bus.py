@@ -273,6 +273,8 @@ class Bus:
             storage=api.StorageType.FILE if nats_cfg.storage == "file" else api.StorageType.MEMORY,
             duplicate_window=nats_cfg.duplicate_window_s,
             num_replicas=nats_cfg.stream_replicas,
+            # DEAD is the only stream nothing else purges; EXPERIENCE is purged by the trainer after each save.
+            max_age=nats_cfg.dead_letter_max_age_s if edge == DEAD else None,
         )
 
     async def ensure_streams(self) -> None:

@@ -252,6 +252,11 @@ class NatsConfig(Section):
     max_deliver: int = Field(5, ge=1)
     max_ack_pending: int = Field(256, ge=1)
     duplicate_window_s: float = Field(1800.0, gt=0)
+    dead_letter_max_age_s: float = Field(
+        14 * 86400.0,
+        gt=0,
+        description="DEAD keeps a dead letter this long for `rlpipe dead-letters` to list or re-inject, then drops it",
+    )
     heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
     fetch_timeout_s: float = Field(1.0, gt=0)
     max_message_bytes: int = Field(

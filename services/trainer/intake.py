@@ -28,7 +28,16 @@ from typing import Any
 import numpy as np
 from nats.errors import Error as NatsError
 
-from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, Bus, StoreUnavailable, StreamReader
+from services.common.bus import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    PROMPTS,
+    Bus,
+    StoreUnavailable,
+    StreamReader,
+    stream_name,
+)
 from services.common.config import RunConfig
 from services.common.logs import log_event
 from services.common.messages import DecodeError, ExperienceGroup, Prompt
@@ -168,7 +177,7 @@ class Intake:
         self.progress = progress
         self.on_lost = on_lost  # records groups written off as lost (lineage, metrics, alerts)
         self.reader: StreamReader | None = None
-        self.dead = bus.read_from(DEAD, 1)
+        self.dead: StreamReader | None = None  # from the oldest dead letter DEAD still keeps
 
     def rewind(self) -> None:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
@@ -196,6 +205,9 @@ class Intake:
 
     async def catch_up_dead(self) -> int:
         """Settle every group dead-lettered since the last look, as dead; returns how many were new."""
+        if self.dead is None:
+            info = await self.bus.js.stream_info(stream_name(self.bus.run_id, DEAD))
+            self.dead = self.bus.read_from(DEAD, max(info.state.first_seq, 1))
         new = 0
         while (msg := await self.dead.next(timeout=0)) is not None:
             group_id = (msg.headers or {}).get(H_GROUP)
