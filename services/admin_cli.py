@@ -89,7 +89,8 @@ def newest_run_dir(runs: Path = Path("runs")) -> Path | None:
 
 
 def fail(code: int, message: str) -> None:
-    Console(stderr=True).print(f"[red]rlpipe:[/] {message}", highlight=False)
+    # Unwrapped: a path or an address in the message must stay greppable at any terminal width.
+    Console(stderr=True).print(f"[red]rlpipe:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

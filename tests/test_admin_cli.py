@@ -53,4 +53,4 @@ def test_metrics_and_logs_print_what_is_there(tmp_path):
     assert out.splitlines() == ['{"event": "ready"}', "plain line"]
     missing = cli_process(tmp_path, "logs", "rollout-7")
     _, err = missing.communicate(timeout=60)
-    assert missing.returncode == 2 and "rollout-7.log does not exist" in err.replace("\n", "")  # rich folds long lines
+    assert missing.returncode == 2 and err == f"rlpipe: {tmp_path / 'logs' / 'rollout-7.log'} does not exist\n"
