@@ -58,7 +58,17 @@ def _one_of(name: str, allowed: list[str]) -> str:
 
 class ModelConfig(Section):
     path: Path = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="weights and activations of rollout, reference and evaluation, and the trainer's compute dtype "
+        "(its parameters stay float32 by default: train.master_weights). float16 is refused: the trainer has no loss "
+        "scaling, so its small gradients would underflow to zero",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto",
+        description="where the trainer, critic, reference and evaluation run: auto = CUDA when this process sees a "
+        "GPU, else CPU; cuda without a GPU stops the service at start",
+    )
 
     @field_validator("path")
     @classmethod
@@ -146,7 +156,29 @@ class TrainConfig(Section):
     batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
     epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
-    grad_accum_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
+    grad_accum_steps: int = Field(
+        1, ge=1, description="micro-batches of equal row counts per optimizer step (1 with micro_batch_tokens)"
+    )
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens one forward/backward pass holds, padding included: each optimizer step's rows are "
+        "sorted by length and cut into micro-batches of n rows padded to their longest (prompt + response) L with "
+        "n * L <= micro_batch_tokens; gradients accumulate with the loss normalised over the whole optimizer step. "
+        "At least max_seq_len (one sequence); null: grad_accum_steps equal-count micro-batches",
+    )
+    master_weights: Literal["float32", "model_dtype"] = Field(
+        "float32",
+        description="precision of the parameters the optimizer updates and of its AdamW moments. float32: kept in "
+        "float32, forward and backward run under autocast to model.dtype, so updates smaller than bfloat16's "
+        "resolution (~1/256 of a weight) still land; model_dtype: stored in model.dtype, half the memory for weights, "
+        "gradients and optimizer state, at the cost of those small updates",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="recompute each layer's activations during the backward pass instead of keeping them: "
+        "activation memory no longer grows with depth, for about one more forward pass of compute",
+    )
     learning_rate: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
     weight_decay: float = Field(0.0, ge=0)
@@ -188,6 +220,22 @@ class TrainConfig(Section):
         if self.tis.mode != "off" and self.old_logprobs != "recompute":
             raise ValueError(
                 "tis corrects recomputed logprobs toward the rollout's: set old_logprobs: recompute or tis.mode: off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _micro_batches_hold_a_sequence(self) -> TrainConfig:
+        if self.micro_batch_tokens is None:
+            return self
+        if self.micro_batch_tokens < self.max_seq_len:
+            raise ValueError(
+                f"micro_batch_tokens ({self.micro_batch_tokens}) is smaller than one sequence of max_seq_len "
+                f"({self.max_seq_len}) tokens: set it to at least {self.max_seq_len}, or null"
+            )
+        if self.grad_accum_steps != 1:
+            raise ValueError(
+                "micro_batch_tokens and grad_accum_steps both split the optimizer step: set grad_accum_steps: 1 "
+                "with micro_batch_tokens, or micro_batch_tokens: null"
             )
         return self
 
@@ -298,6 +346,14 @@ class RolloutConfig(Section):
     replicas: int = Field(1, ge=1)
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of each GPU's memory vLLM may take for weights, activations and KV cache (vLLM's own "
+        "default); lower it when the trainer or reference shares the GPU",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
 
 
 class RewardConfig(Section):
