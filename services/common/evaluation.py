@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from services.common.modeling import Precision
 
 
 def greedy_generate(
@@ -12,11 +16,14 @@ def greedy_generate(
     prompts: list[str],
     max_new_tokens: int,
     batch_size: int = 256,
+    precision: Precision | None = None,
 ) -> list[str]:
     """Greedily complete each prompt and return the text before the first EOS.
 
     Prompts are left-padded so every row's last prompt token sits at the same
-    position, which is where ``generate`` appends new tokens.
+    position, which is where ``generate`` appends new tokens. The model runs where it is
+    (``model.device``); with ``precision`` (a trainer's fp32 master weights) under its autocast,
+    so held-out accuracy is measured in the dtype the rollouts sample in.
     """
     pad_id = tokenizer.pad_token_id
     eos_id = tokenizer.eos_token_id
@@ -31,7 +38,7 @@ def greedy_generate(
             width = max(len(ids) for ids in encoded)
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-            with torch.inference_mode():
+            with torch.inference_mode(), precision.autocast() if precision else contextlib.nullcontext():
                 output = model.generate(
                     input_ids=input_ids.to(model.device),
                     attention_mask=attention_mask.to(model.device),
@@ -60,11 +67,13 @@ def greedy_accuracy(
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
     max_new_tokens: int,
+    precision: Precision | None = None,
 ) -> float:
-    """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer``."""
+    """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer`` (``precision``: see
+    ``greedy_generate``)."""
     if not rows:
         raise ValueError("greedy_accuracy needs at least one row")
     prompts = [row["prompt"] for row in rows]
-    completions = greedy_generate(model, tokenizer, prompts, max_new_tokens)
+    completions = greedy_generate(model, tokenizer, prompts, max_new_tokens, precision=precision)
     correct = sum(strict_match(c, row["answer"]) for c, row in zip(completions, rows, strict=False))
     return correct / len(rows)

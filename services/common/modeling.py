@@ -1,4 +1,4 @@
-"""Loading Hugging Face models and computing per-token logprobs of responses.
+"""Loading Hugging Face models, where and in which precision they run, and per-token logprobs of responses.
 
 Shared by the reference (frozen model) and the trainer (policy), so both score a
 response exactly the same way: logits at position t predict the token at t + 1.
@@ -6,23 +6,106 @@ response exactly the same way: logits at position t predict the token at t + 1.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from services.common.config import ConfigError, ModelConfig
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_model(path: Path, dtype: str = "float32") -> PreTrainedModel:
+def load_model(path: Path, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"no Hugging Face model at {str(path)!r} (config.json missing)")
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES[dtype])
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES.get(dtype, dtype))
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def resolve_device(name: str, cuda_available: bool | None = None) -> torch.device:
+    """``model.device`` as a torch device: ``auto`` is CUDA when this process sees a GPU, else the CPU.
+
+    ``cuda_available`` defaults to ``torch.cuda.is_available()``. Checked where the model is
+    loaded, not at config load: the launcher that validates a config may run on a machine
+    without the GPU its services get.
+    """
+    available = torch.cuda.is_available() if cuda_available is None else cuda_available
+    if name == "auto":
+        return torch.device("cuda" if available else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise ConfigError(f"invalid configuration:\n  model.device: {name!r} is not one of ['auto', 'cpu', 'cuda']")
+    if name == "cuda" and not available:
+        raise ConfigError(
+            "invalid configuration:\n  model.device: 'cuda' but this process sees no CUDA device "
+            "(torch.cuda.is_available() is False); use auto or cpu, or run it where a GPU is visible"
+        )
+    return torch.device(name)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Where a model runs and in which dtypes: parameters stored in ``param_dtype``, matmuls in ``compute_dtype``.
+
+    With fp32 master weights (``param_dtype`` float32, ``compute_dtype`` bfloat16) the module
+    stays float32 and ``autocast()`` runs its forward (and so its backward) in bfloat16: the
+    optimizer updates float32 weights, so a step smaller than bfloat16's resolution is not lost.
+    """
+
+    device: torch.device
+    param_dtype: torch.dtype
+    compute_dtype: torch.dtype
+
+    @classmethod
+    def of(
+        cls, model: ModelConfig, master_weights: str = "model_dtype", cuda_available: bool | None = None
+    ) -> Precision:
+        """``master_weights``: "float32" keeps parameters in float32 (the trainer), "model_dtype" stores them in
+        ``model.dtype`` (frozen models: reference, rollout)."""
+        compute = DTYPES[model.dtype]
+        param = torch.float32 if master_weights == "float32" else compute
+        return cls(resolve_device(model.device, cuda_available), param, compute)
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """Mixed precision when the parameters are wider than the compute dtype; else nothing to do."""
+        if self.compute_dtype == self.param_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+
+def to_host(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory, floating point cast to ``dtype`` if given; never shares its storage.
+
+    The cast (when the tensor is on a GPU) happens inside the copy, so the GPU holds at most
+    one extra tensor of this size, never a second copy of a whole model.
+    """
+    tensor = tensor.detach()
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return torch.empty(tensor.shape, dtype=target, device="cpu").copy_(tensor)
+
+
+def host_state(state: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """``state`` (a module's state dict) copied to host memory one tensor at a time (see ``to_host``)."""
+    return {name: to_host(tensor, dtype) for name, tensor in state.items()}
+
+
+def host_copy(value: Any) -> Any:
+    """A deep copy of nested state (an optimizer's ``state_dict()``) with every tensor copied to host memory,
+    one at a time: ``copy.deepcopy`` would clone GPU tensors on the GPU, a second copy of the optimizer state."""
+    if isinstance(value, torch.Tensor):
+        return to_host(value)
+    if isinstance(value, dict):
+        return {key: host_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(host_copy(item) for item in value)
+    return value  # ints, floats, strings, None and bools are immutable
 
 
 @dataclass
@@ -34,6 +117,11 @@ class ResponseBatch:
     prompt_lens: torch.Tensor  # [B]
     targets: torch.Tensor  # [B, R] response token ids (pad past the end)
     mask: torch.Tensor  # [B, R] 1.0 on real response tokens
+
+    def to(self, device: torch.device) -> ResponseBatch:
+        return ResponseBatch(
+            *(t.to(device) for t in (self.input_ids, self.attention_mask, self.prompt_lens, self.targets, self.mask))
+        )
 
 
 def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch:
@@ -58,14 +146,19 @@ def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch
 def at_response(per_position: torch.Tensor, batch: ResponseBatch) -> torch.Tensor:
     """``[B, L, ...]`` outputs taken at the positions that predict each response token: ``[B, R, ...]``."""
     width = batch.targets.shape[1]
-    positions = (batch.prompt_lens[:, None] - 1 + torch.arange(width)[None, :]).clamp(max=per_position.shape[1] - 1)
+    steps = torch.arange(width, device=per_position.device)
+    positions = (batch.prompt_lens.to(per_position.device)[:, None] - 1 + steps[None, :]).clamp(
+        max=per_position.shape[1] - 1
+    )
     index = positions.view(*positions.shape, *([1] * (per_position.dim() - 2)))
     return per_position.gather(1, index.expand(-1, -1, *per_position.shape[2:]))
 
 
 def response_logits(model: PreTrainedModel, batch: ResponseBatch) -> torch.Tensor:
     """Logits that predict each response token: ``[B, R, vocab]``."""
-    return at_response(model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits, batch)
+    return at_response(
+        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits, batch
+    )
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,8 @@
-"""Reference: SCORED -> EXPERIENCE, adding the frozen reference model's logprob of every response token."""
+"""Reference: SCORED -> EXPERIENCE, adding the frozen reference model's logprob of every response token.
+
+The frozen model runs on ``model.device`` with its weights in ``model.dtype``: it is never
+updated, so it needs no float32 master copy.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from services.common.bus import EXPERIENCE, SCORED, Bus, Stage
 from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import ExperienceGroup, ScoredGroup, advance
-from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.telemetry import current_telemetry
 
@@ -22,14 +26,15 @@ log = logging.getLogger(__name__)
 class ReferenceScorer:
     def __init__(self, cfg: RunConfig):
         path = cfg.reference_model_path
-        self.model = load_model(path, cfg.model.dtype).eval().requires_grad_(False)
+        self.precision = Precision.of(cfg.model)
+        self.model = load_model(path, self.precision.param_dtype).to(self.precision.device).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(path).pad_token_id
 
     @torch.no_grad()
     def __call__(self, groups: list[ScoredGroup]) -> list[ExperienceGroup]:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
-        batch = pack(pairs, self.pad_id)
-        logprobs = token_logprobs(response_logits(self.model, batch), batch.targets)
+        batch = pack(pairs, self.pad_id).to(self.precision.device)
+        logprobs = token_logprobs(response_logits(self.model, batch), batch.targets).cpu()
         flat = [
             row[: len(response)].numpy().astype(np.float32) for row, (_, response) in zip(logprobs, pairs, strict=False)
         ]
