@@ -10,6 +10,9 @@ OpenRLHF, so a metric here means what it means there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Literal
+
 import torch
 
 from services.common.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
@@ -17,7 +20,27 @@ from services.common.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTI
 # The tables live in common, where config validates names against them without importing the trainer.
 register_advantage = ADVANTAGE_ESTIMATORS.register
 register_kl = KL_ESTIMATORS.register
-register_aggregation = AGGREGATIONS.register
+
+AggregationUnit = Literal["token", "sequence"]
+# What each aggregation averages over; micro-batching weights a micro-batch by its share of these units.
+AGGREGATION_UNITS: dict[str, AggregationUnit] = {}
+
+
+def register_aggregation(
+    name: str, unit: AggregationUnit = "sequence"
+) -> Callable[[Callable[..., torch.Tensor]], Callable[..., torch.Tensor]]:
+    """Decorator: register a loss aggregation under ``name``.
+
+    ``unit`` says what it is a mean over: ``"token"`` (every valid token of the batch) or
+    ``"sequence"`` (every sequence with at least one valid token). The trainer needs it to
+    split an optimizer step into micro-batches without changing the loss (``micro_batch_weight``).
+    """
+
+    def add(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        AGGREGATION_UNITS[name] = unit
+        return AGGREGATIONS.register(name)(fn)
+
+    return add
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +102,7 @@ def _group_index(group_ids: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 def _group_sum(values: torch.Tensor, index: torch.Tensor, groups: int) -> torch.Tensor:
-    return torch.zeros(groups, dtype=values.dtype).index_add_(0, index, values)
+    return torch.zeros(groups, dtype=values.dtype, device=values.device).index_add_(0, index, values)
 
 
 @register_advantage("grpo")
@@ -125,7 +148,7 @@ def group_advantages(
 # --- aggregation ------------------------------------------------------------------------------
 
 
-@register_aggregation("token-mean")
+@register_aggregation("token-mean", unit="token")
 def token_mean(loss_mat: torch.Tensor, mask: torch.Tensor, horizon: int | None = None) -> torch.Tensor:
     """sum over all valid tokens / number of valid tokens."""
     return masked_mean(loss_mat, mask)
@@ -160,6 +183,21 @@ def aggregate(
 ) -> torch.Tensor:
     """Reduce a per-token loss to a scalar by the named mode."""
     return AGGREGATIONS[mode](loss_mat, mask, horizon=horizon)
+
+
+def micro_batch_weight(micro_mask: torch.Tensor, step_mask: torch.Tensor, mode: str = "token-mean") -> float:
+    """Weight w_m of a micro-batch's aggregate so that sum_m w_m * agg(L_m) = agg(L) over the whole step.
+
+    An aggregation is a mean over units U (``AGGREGATION_UNITS``): agg(L) = sum_u l_u / |U|, so
+    w_m = |U_m| / |U|. token-mean: U = valid tokens, w_m = sum(mask_m) / sum(mask) (the step's
+    token mean, not a mean of micro-batch means); sequence means (seq-mean-token-sum,
+    seq-mean-token-mean, seq-mean-token-sum-norm with one horizon for the step): U =
+    sequences with a valid token. ``micro_mask`` ``[b, R_m]`` and ``step_mask`` ``[B, R]``;
+    an empty step gives 0.
+    """
+    if AGGREGATION_UNITS.get(mode, "sequence") == "token":
+        return float(micro_mask.sum()) / max(float(step_mask.sum()), 1.0)
+    return float((micro_mask.sum(-1) > 0).sum()) / max(float((step_mask.sum(-1) > 0).sum()), 1.0)
 
 
 # --- losses -----------------------------------------------------------------------------------
@@ -217,15 +255,16 @@ def value_loss(
     mask: torch.Tensor,
     clip: float,
     agg: str = "token-mean",
+    horizon: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipped value loss: 0.5 * agg(max((v - R)^2, (clip(v, old - clip, old + clip) - R)^2)).
 
-    Returns the loss and the share of valid tokens where the clipped term was larger.
+    ``horizon`` as in ``aggregate``. Returns the loss and the share of valid tokens where the clipped term was larger.
     """
     clipped_values = old_values + (values - old_values).clamp(-clip, clip)
     unclipped_error = (values - returns) ** 2
     clipped_error = (clipped_values - returns) ** 2
-    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), mask, agg)
+    loss = 0.5 * aggregate(torch.maximum(unclipped_error, clipped_error), mask, agg, horizon)
     return loss, masked_mean((clipped_error > unclipped_error).to(values.dtype), mask).detach()
 
 

@@ -8,14 +8,18 @@ import torch
 
 from services.trainer.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    AGGREGATION_UNITS,
+    AGGREGATIONS,
     aggregate,
     entropy_from_logits,
     gae,
     group_advantages,
     kl_penalty,
     masked_mean,
+    micro_batch_weight,
     policy_loss,
     register_advantage,
+    register_aggregation,
     reinforce_pp_returns,
     truncated_importance_weights,
     value_loss,
@@ -187,6 +191,79 @@ def test_masked_mean_and_user_registration():
         assert group_advantages(torch.tensor([3.0]), torch.tensor([0]), "constant_test").item() == 1.0
     finally:
         del ADVANTAGE_ESTIMATORS["constant_test"]
+
+
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def split_like_the_learner(x, rows_of, width_of):
+    """Rows of ``x`` for one micro-batch, cut to that micro-batch's own padded width."""
+    return x[rows_of][:, :width_of]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batch_weights_reassemble_the_whole_step_aggregate(mode):
+    # Rows of 3, 1, 0 (empty), 5, 2 and 4 valid tokens, split into micro-batches padded to their own longest row.
+    lengths = [3, 1, 0, 5, 2, 4]
+    mask = torch.tensor([[1.0 if t < n else 0.0 for t in range(5)] for n in lengths], dtype=F64)
+    loss = torch.randn(6, 5, dtype=F64, generator=torch.Generator().manual_seed(0))
+    values, old_values, returns = (
+        torch.randn(6, 5, dtype=F64, generator=torch.Generator().manual_seed(k)) for k in (1, 2, 3)
+    )
+    whole = aggregate(loss, mask, mode, horizon=5)
+    whole_value, _ = value_loss(values, old_values, returns, mask, 0.2, mode, horizon=5)
+    split, split_value = torch.zeros((), dtype=F64), torch.zeros((), dtype=F64)
+    for rows in ([3, 0], [1, 2, 5], [4]):
+        width = max(lengths[i] for i in rows)
+        m = split_like_the_learner(mask, rows, width)
+        weight = micro_batch_weight(m, mask, mode)
+        split += weight * aggregate(split_like_the_learner(loss, rows, width), m, mode, horizon=5)
+        v_loss, _ = value_loss(
+            *(split_like_the_learner(t, rows, width) for t in (values, old_values, returns)), m, 0.2, mode, horizon=5
+        )
+        split_value += weight * v_loss
+    torch.testing.assert_close(split, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(split_value, whole_value, rtol=1e-12, atol=1e-12)
+
+
+def test_micro_batch_weight_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0], [1.0, 1.0, 0.0]])
+    micro = mask[[0, 2]]  # 3 of the step's 6 tokens; 1 of its 3 sequences with tokens (the empty one counts for none)
+    assert micro_batch_weight(micro, mask, "token-mean") == 3 / 6
+    assert micro_batch_weight(micro, mask, "seq-mean-token-mean") == 1 / 3
+    assert micro_batch_weight(micro[:, :0], torch.zeros(2, 0), "token-mean") == 0.0  # an empty step
+
+
+def test_value_loss_sum_norm_uses_the_given_horizon_not_the_width():
+    values, returns = torch.tensor([[2.0, 2.0]]), torch.tensor([[0.0, 0.0]])
+    mask = torch.ones(1, 2)
+    # 0.5 * (4 + 4) / horizon
+    assert value_loss(values, values, returns, mask, 0.2, "seq-mean-token-sum-norm")[0].item() == 0.5 * 8 / 2
+    assert value_loss(values, values, returns, mask, 0.2, "seq-mean-token-sum-norm", horizon=8)[0].item() == 0.5
+
+
+def test_a_registered_aggregation_declares_what_it_averages_over():
+    @register_aggregation("token-mean-twice_test", unit="token")
+    def twice(loss_mat, mask, horizon=None):
+        return 2 * masked_mean(loss_mat, mask)
+
+    @register_aggregation("seq-max_test")
+    def seq_max(loss_mat, mask, horizon=None):
+        return (loss_mat * mask).amax(-1).mean()
+
+    try:
+        assert aggregate(torch.ones(1, 2), torch.ones(1, 2), "token-mean-twice_test").item() == 2.0
+        assert AGGREGATION_UNITS["token-mean-twice_test"] == "token"
+        assert AGGREGATION_UNITS["seq-max_test"] == "sequence"  # the default
+        assert {name: AGGREGATION_UNITS[name] for name in MODES} == {
+            "token-mean": "token",
+            "seq-mean-token-sum": "sequence",
+            "seq-mean-token-mean": "sequence",
+            "seq-mean-token-sum-norm": "sequence",
+        }
+    finally:
+        for name in ("token-mean-twice_test", "seq-max_test"):
+            del AGGREGATIONS[name], AGGREGATION_UNITS[name]
 
 
 # --- against an independent loop-by-loop reference, float64, random inputs --------------------
