@@ -17,6 +17,8 @@ class Critic(torch.nn.Module):
     ``kind = "separate"``: a copy of the base model's backbone, trained only by the value loss.
     ``kind = "head"``: the head sits on the policy's own backbone and reuses the policy's
     forward pass, so the value loss also shapes the shared trunk.
+    Its parameters take the policy's dtype (float32 with fp32 master weights); the learner moves it
+    to the policy's device and runs it under the same autocast.
     """
 
     def __init__(self, cfg: RunConfig, policy: PreTrainedModel):
@@ -24,7 +26,9 @@ class Critic(torch.nn.Module):
         self.kind = cfg.train.critic.kind
         hidden = policy.config.hidden_size
         if self.kind == "separate":
-            self.backbone = load_model(cfg.model.path, cfg.model.dtype).model
+            self.backbone = load_model(cfg.model.path, policy.dtype).model
+            if cfg.train.gradient_checkpointing:
+                self.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.head = torch.nn.Linear(hidden, 1, dtype=policy.dtype)
         # A zero head starts every value at 0 instead of at noise, which would distort the first advantages.
         torch.nn.init.zeros_(self.head.weight)
@@ -35,5 +39,7 @@ class Critic(torch.nn.Module):
         if self.kind == "head":
             hidden = policy_output.hidden_states[-1]
         else:
-            hidden = self.backbone(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+            hidden = self.backbone(
+                input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
+            ).last_hidden_state
         return self.head(at_response(hidden, batch)).squeeze(-1).float()

@@ -9,12 +9,22 @@ A step follows the usual recipe (verl, OpenRLHF, TRL):
 3. ``epochs`` passes of ``mini_batches`` optimizer steps each, with gradient accumulation,
    clipped surrogate loss (with truncated importance weights against the rollout engine's
    logprobs), entropy bonus, KL loss term and clipped value loss.
+
+Micro-batches: an optimizer step's rows are split into ``grad_accum_steps`` equal-count
+chunks, or, with ``micro_batch_tokens``, sorted by length and cut so each micro-batch's
+padded size fits the budget (``split_by_tokens``); each pads only to its own longest
+sequence. Each micro-batch's loss is weighted by its share of the step's tokens or
+sequences (``micro_batch_weight``), so the accumulated gradient is the unsplit step's.
+
+Device and precision (``Precision``): the policy and critic live on ``model.device``; with
+``train.master_weights: float32`` their parameters and AdamW state stay float32 and every
+forward runs under autocast to ``model.dtype``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -22,7 +32,15 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.messages import ExperienceGroup
-from services.common.modeling import ResponseBatch, at_response, load_model, load_tokenizer, pack, token_logprobs
+from services.common.modeling import (
+    Precision,
+    ResponseBatch,
+    at_response,
+    load_model,
+    load_tokenizer,
+    pack,
+    token_logprobs,
+)
 from services.trainer.algorithms import (
     aggregate,
     entropy_from_logits,
@@ -30,6 +48,7 @@ from services.trainer.algorithms import (
     group_advantages,
     kl_penalty,
     masked_mean,
+    micro_batch_weight,
     policy_loss,
     reinforce_pp_returns,
     truncated_importance_weights,
@@ -53,6 +72,31 @@ def _chunks(indices: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [chunk for chunk in torch.tensor_split(indices, min(parts, len(indices))) if len(chunk)]
 
 
+def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
+    """Length-sorted micro-batches of ``rows`` whose padded size fits ``budget`` tokens.
+
+    ``lengths[i]`` is row ``rows[i]``'s prompt + response length. Rows are sorted longest first
+    (a stable sort: the split depends only on the rows and their lengths) and cut greedily: a
+    micro-batch whose first, longest row has length L takes rows while n * L <= budget. Each
+    micro-batch pads to its own longest row, so short sequences stop padding to the step's longest.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True)
+    longest_first, sorted_lengths = rows[order], lengths[order].tolist()
+    if sorted_lengths and sorted_lengths[0] > budget:
+        raise ValueError(
+            f"train.micro_batch_tokens ({budget}) is smaller than one sequence of {sorted_lengths[0]} tokens "
+            "(prompt + response): it must hold the longest sequence, max_seq_len"
+        )
+    micro_batches, start = [], 0
+    for i in range(1, len(sorted_lengths)):
+        if (i - start + 1) * sorted_lengths[start] > budget:
+            micro_batches.append(longest_first[start:i])
+            start = i
+    if sorted_lengths:
+        micro_batches.append(longest_first[start:])
+    return micro_batches
+
+
 @dataclass
 class Batch:
     """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``."""
@@ -65,6 +109,14 @@ class Batch:
     group_index: torch.Tensor
     stopped: torch.Tensor  # 1.0 where generation ended on EOS
     policy_versions: torch.Tensor
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """``[N]`` prompt + response length of each row, on the CPU (it only decides how rows are grouped)."""
+        return torch.tensor([len(prompt) + len(response) for prompt, response in self.pairs])
+
+    def to(self, device: torch.device) -> Batch:
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "pairs"})
 
     @classmethod
     def of(cls, groups: list[ExperienceGroup]) -> Batch:
@@ -89,17 +141,38 @@ class Batch:
         """The scalar reward on each response's last valid token."""
         out = torch.zeros_like(self.mask)
         last = (self.mask.sum(-1).long() - 1).clamp(min=0)
-        out[torch.arange(len(out)), last] = self.rewards * (self.mask.sum(-1) > 0)
+        out[torch.arange(len(out), device=out.device), last] = self.rewards * (self.mask.sum(-1) > 0)
         return out
+
+
+@dataclass
+class StepTargets:
+    """What a step's loss is measured against, fixed before its first update; per-token ``[N, R]``."""
+
+    old_logp: torch.Tensor  # pi_old of the ratio
+    advantages: torch.Tensor
+    old_values: torch.Tensor | None = None  # PPO: the critic before the update, for value clipping
+    returns: torch.Tensor | None = None  # PPO: value targets
+    tis: torch.Tensor | None = None  # truncated importance weights toward the rollout's logprobs
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each layer's activations in the backward pass. Non-reentrant: it needs no input that requires
+    grad and restores the RNG state, so dropout draws the same masks in the recomputation."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 class Learner:
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         train = cfg.train
-        self.model = load_model(cfg.model.path, cfg.model.dtype)
+        self.precision = Precision.of(cfg.model, train.master_weights)
+        self.device = self.precision.device
+        self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
+        if train.gradient_checkpointing:
+            enable_gradient_checkpointing(self.model)
         self.tokenizer = load_tokenizer(cfg.model.path)
-        self.critic = Critic(cfg, self.model) if train.algorithm == "ppo" else None
+        self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
         groups = [{"params": list(self.model.parameters()), "lr": train.learning_rate}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
@@ -140,15 +213,30 @@ class Learner:
 
     # --- forward passes ---------------------------------------------------------------------
 
+    def micro_batches(self, rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
+        """``rows`` (one optimizer step's, or all for scoring) in the micro-batches one forward pass takes."""
+        train = self.cfg.train
+        if train.micro_batch_tokens is None:
+            return _chunks(rows, train.grad_accum_steps)
+        return split_by_tokens(rows, batch.lengths[rows], train.micro_batch_tokens)
+
+    def _pack(self, rows: torch.Tensor, batch: Batch) -> ResponseBatch:
+        # Padded to these rows' own longest sequence: a length-sorted micro-batch of short rows stays short.
+        return pack([batch.pairs[i] for i in rows.tolist()], self.tokenizer.pad_token_id).to(self.device)
+
     def _forward(self, rows: torch.Tensor, batch: Batch) -> tuple[ResponseBatch, torch.Tensor, torch.Tensor | None]:
         """Policy logits ``[n, R, V]`` and critic values ``[n, R]`` (None without a critic) for ``rows``."""
-        packed = pack([batch.pairs[i] for i in rows], self.tokenizer.pad_token_id)
+        packed = self._pack(rows, batch)
         want_hidden = self.critic is not None and self.critic.kind == "head"
-        output = self.model(
-            input_ids=packed.input_ids, attention_mask=packed.attention_mask, output_hidden_states=want_hidden
-        )
+        with self.precision.autocast():
+            output = self.model(
+                input_ids=packed.input_ids,
+                attention_mask=packed.attention_mask,
+                output_hidden_states=want_hidden,
+                use_cache=False,  # no generation here; a KV cache is only memory
+            )
+            values = self.critic.values(packed, output) if self.critic is not None else None
         logits = at_response(output.logits, packed)
-        values = self.critic.values(packed, output) if self.critic is not None else None
         return packed, logits, values
 
     @torch.no_grad()
@@ -159,17 +247,19 @@ class Learner:
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
         values_only = not policy and self.critic is not None and self.critic.kind == "separate"
-        for rows in _chunks(torch.arange(len(batch.pairs)), self.cfg.train.grad_accum_steps):
+        for rows in self.micro_batches(torch.arange(len(batch.pairs)), batch):
             if values_only:
-                packed = pack([batch.pairs[i] for i in rows], self.tokenizer.pad_token_id)
-                logits, values = None, self.critic.values(packed, None)
+                packed = self._pack(rows, batch)
+                with self.precision.autocast():
+                    logits, values = None, self.critic.values(packed, None)
             else:
                 packed, logits, values = self._forward(rows, batch)
             r = packed.mask.shape[1]
+            at = rows.to(self.device)
             if old_logp is not None:
-                old_logp[rows, :r] = token_logprobs(logits, packed.targets) * packed.mask
+                old_logp[at, :r] = token_logprobs(logits, packed.targets) * packed.mask
             if values is not None:
-                old_values[rows, :r] = values * packed.mask
+                old_values[at, :r] = values * packed.mask
         return old_logp, old_values
 
     # --- advantages -------------------------------------------------------------------------
@@ -201,7 +291,41 @@ class Learner:
         """One trainer step on ``groups``; returns the step's metrics."""
         started = time.perf_counter()
         train = self.cfg.train
-        batch = Batch.of(groups)
+        batch = Batch.of(groups).to(self.device)
+        targets = self.targets(batch)
+        critic_only = self.critic is not None and self.steps_done < train.critic.warmup_steps
+
+        self.model.train()
+        sums: dict[str, float] = {}
+        updates = 0
+        grad_norms = []
+        for _ in range(train.epochs):
+            order = torch.randperm(len(batch.pairs), generator=self.generator)
+            for mini in _chunks(order, train.mini_batches):
+                for name, value in self.accumulate(batch, mini, targets, critic_only).items():
+                    sums[name] = sums.get(name, 0.0) + value
+                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                updates += 1
+        learning_rate = self.optimizer.param_groups[0]["lr"]
+        self.scheduler.step()
+        self.steps_done += 1
+        metrics = {name: value / updates for name, value in sums.items()}
+        metrics |= self._batch_metrics(batch, targets, policy_version)
+        elapsed = time.perf_counter() - started
+        metrics |= {
+            "grad_norm": float(np.mean(grad_norms)),
+            "learning_rate": learning_rate,
+            "critic_only": float(critic_only),
+            "step_time_s": elapsed,
+            "tokens_per_s": float(batch.mask.sum()) * train.epochs / max(elapsed, 1e-9),
+        }
+        return metrics
+
+    def targets(self, batch: Batch) -> StepTargets:
+        """pi_old, advantages and (PPO) value targets, from the policy and critic before this step's first update."""
+        train = self.cfg.train
         self.model.eval()  # scoring must match generation: no dropout
         recompute = train.old_logprobs == "recompute"
         old_logp, old_values = (
@@ -213,78 +337,53 @@ class Learner:
         tis = None
         if train.tis.mode != "off":
             tis = truncated_importance_weights(old_logp, batch.rollout_logp, batch.mask, train.tis.mode, train.tis.cap)
-        critic_only = self.critic is not None and self.steps_done < train.critic.warmup_steps
+        return StepTargets(old_logp, advantages, old_values, returns, tis)
 
-        self.model.train()
-        sums: dict[str, float] = {}
-        updates = 0
-        grad_norms = []
-        for _ in range(train.epochs):
-            order = torch.randperm(len(batch.pairs), generator=self.generator)
-            for mini in _chunks(order, train.mini_batches):
-                for micro in _chunks(mini, train.grad_accum_steps):
-                    share = self._share(batch.mask, micro, mini)
-                    loss, stats = self._loss(batch, micro, old_logp, old_values, advantages, returns, tis, critic_only)
-                    (loss * share).backward()
-                    for name, value in stats.items():
-                        sums[name] = sums.get(name, 0.0) + float(value) * share
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-                updates += 1
-        learning_rate = self.optimizer.param_groups[0]["lr"]
-        self.scheduler.step()
-        self.steps_done += 1
-        metrics = {name: value / updates for name, value in sums.items()}
-        metrics |= self._batch_metrics(batch, advantages, returns, old_values, tis, policy_version)
-        elapsed = time.perf_counter() - started
-        metrics |= {
-            "grad_norm": float(np.mean(grad_norms)),
-            "learning_rate": learning_rate,
-            "critic_only": float(critic_only),
-            "step_time_s": elapsed,
-            "tokens_per_s": float(batch.mask.sum()) * train.epochs / max(elapsed, 1e-9),
-        }
-        return metrics
+    def accumulate(
+        self, batch: Batch, rows: torch.Tensor, targets: StepTargets, critic_only: bool = False
+    ) -> dict[str, float]:
+        """Add to each parameter's ``.grad`` the gradient of the loss aggregated over ``rows`` (one optimizer
+        step's), micro-batch by micro-batch; returns the loss statistics of those rows, weighted the same way.
 
-    def _share(self, mask: torch.Tensor, micro: torch.Tensor, mini: torch.Tensor) -> float:
-        """Weight of a micro-batch so that summed micro losses equal the mini-batch's aggregate."""
-        if self.cfg.train.loss_agg == "token-mean":
-            return float(mask[micro].sum()) / max(float(mask[mini].sum()), 1.0)
-        has_tokens = mask.sum(-1) > 0
-        return float(has_tokens[micro].sum()) / max(float(has_tokens[mini].sum()), 1.0)
+        Each micro-batch's loss is weighted by its share of the step's tokens (token-mean) or sequences
+        (sequence means), so the sum is the step's aggregate, not a mean of micro-batch means.
+        """
+        loss_agg = self.cfg.train.loss_agg
+        step_mask = batch.mask[rows.to(self.device)]
+        stats: dict[str, float] = {}
+        for micro in self.micro_batches(rows, batch):
+            weight = micro_batch_weight(batch.mask[micro.to(self.device)], step_mask, loss_agg)
+            loss, micro_stats = self._loss(batch, micro, targets, critic_only)
+            (loss * weight).backward()
+            for name, value in micro_stats.items():
+                stats[name] = stats.get(name, 0.0) + float(value) * weight
+        return stats
 
     def _loss(
-        self,
-        batch: Batch,
-        rows: torch.Tensor,
-        old_logp: torch.Tensor,
-        old_values: torch.Tensor | None,
-        advantages: torch.Tensor,
-        returns: torch.Tensor | None,
-        tis: torch.Tensor | None,
-        critic_only: bool,
+        self, batch: Batch, rows: torch.Tensor, targets: StepTargets, critic_only: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         train = self.cfg.train
         packed, logits, values = self._forward(rows, batch)
         r = packed.mask.shape[1]
         mask = packed.mask
+        at = rows.to(self.device)
 
         def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[rows, :r]
+            return t[at, :r]
 
         logp = token_logprobs(logits, packed.targets)
+        # One horizon for the whole batch, so seq-mean-token-sum-norm does not depend on a micro-batch's width.
         horizon = batch.mask.shape[1]
         pg_loss, stats = policy_loss(
             logp,
-            cut(old_logp),
-            cut(advantages),
+            cut(targets.old_logp),
+            cut(targets.advantages),
             mask,
             train.clip.low,
             train.clip.high,
             train.clip.dual,
             train.loss_agg,
-            weights=cut(tis) if tis is not None else None,
+            weights=cut(targets.tis) if targets.tis is not None else None,
             horizon=horizon,
         )
         entropy = aggregate(entropy_from_logits(logits.float()), mask, train.loss_agg, horizon)
@@ -295,22 +394,21 @@ class Learner:
         stats |= {"pg_loss": pg_loss.detach(), "entropy": entropy.detach(), "kl_ref": kl.detach()}
         if values is not None:
             v_loss, v_clipfrac = value_loss(
-                values, cut(old_values), cut(returns), mask, train.critic.value_clip, train.loss_agg
+                values,
+                cut(targets.old_values),
+                cut(targets.returns),
+                mask,
+                train.critic.value_clip,
+                train.loss_agg,
+                horizon,
             )
             loss = train.critic.value_coef * v_loss if critic_only else loss + train.critic.value_coef * v_loss
             stats |= {"value_loss": v_loss.detach(), "value_clipfrac": v_clipfrac}
         stats["loss"] = loss.detach()
         return loss, stats
 
-    def _batch_metrics(
-        self,
-        batch: Batch,
-        advantages: torch.Tensor,
-        returns: torch.Tensor | None,
-        old_values: torch.Tensor | None,
-        tis: torch.Tensor | None,
-        policy_version: int,
-    ) -> dict[str, float]:
+    def _batch_metrics(self, batch: Batch, targets: StepTargets, policy_version: int) -> dict[str, float]:
+        advantages, returns, old_values, tis = targets.advantages, targets.returns, targets.old_values, targets.tis
         mask = batch.mask
         lengths = mask.sum(-1)
         group_std = torch.stack(

@@ -12,7 +12,7 @@ from services.common.messages import Completion, ExperienceGroup, Prompt, Rollou
 from services.common.modeling import load_tokenizer
 from services.reference.service import ReferenceScorer
 from services.trainer.algorithms import group_advantages
-from services.trainer.learner import Batch, Learner
+from services.trainer.learner import Batch, Learner, split_by_tokens
 from tests.conftest import write_config
 
 
@@ -133,6 +133,93 @@ def test_gradient_accumulation_gives_the_same_update(setup):
     one.step(groups, 0)
     four.step(groups, 0)
     torch.testing.assert_close(flat(one), flat(four), atol=1e-6, rtol=1e-5)
+
+
+def test_split_by_tokens_sorts_by_length_and_fills_the_budget_by_hand():
+    rows = torch.tensor([10, 11, 12, 13, 14])
+    lengths = torch.tensor([5, 9, 3, 9, 2])
+    # Longest first (stable): 11 (9), 13 (9), 10 (5), 12 (3), 14 (2). Budget 18: [11, 13] is 2 x 9 = 18, a third
+    # row would make 3 x 9; [10, 12, 14] pads to 5: 3 x 5 = 15.
+    split = split_by_tokens(rows, lengths, 18)
+    assert [m.tolist() for m in split] == [[11, 13], [10, 12, 14]]
+    assert [m.tolist() for m in split_by_tokens(rows, lengths, 9)] == [[11], [13], [10], [12, 14]]
+    assert split_by_tokens(rows[:0], lengths[:0], 9) == []
+
+
+def test_split_by_tokens_refuses_a_sequence_longer_than_the_budget():
+    with pytest.raises(ValueError, match=r"train\.micro_batch_tokens \(8\) is smaller than one sequence of 9 tokens"):
+        split_by_tokens(torch.tensor([0, 1]), torch.tensor([3, 9]), 8)
+
+
+def step_gradients(learner: Learner, groups, critic_only=False) -> dict[str, torch.Tensor]:
+    """The gradient of one optimizer step over the whole batch, without the update."""
+    batch = Batch.of(groups).to(learner.device)
+    targets = learner.targets(batch)
+    learner.model.train()
+    learner.accumulate(batch, torch.arange(len(batch.pairs)), targets, critic_only)
+    named = [*learner.model.named_parameters()]
+    if learner.critic is not None:
+        named += [(f"critic.{name}", p) for name, p in learner.critic.named_parameters()]
+    return {name: p.grad.clone() for name, p in named if p.grad is not None}
+
+
+# At least max_seq_len (32). The batch's rows are 9 or 10 tokens long: micro-batches of 4 rows padded to 10, then of 5
+# rows of 9, so their row and token counts differ.
+BUDGET = 45
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize(
+    "loss_agg", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+)
+def test_a_step_split_by_token_budget_has_the_gradients_of_the_unsplit_step(setup, algorithm, loss_agg):
+    train = {"algorithm": algorithm, "loss_agg": loss_agg, "kl": {"coef": 0.1}, "entropy_coef": 0.01}
+    _, whole, groups = make(setup, **train)
+    _, split, _ = make(setup, **train, micro_batch_tokens=BUDGET)
+    if algorithm == "ppo":
+        # A zero value head passes no gradient to the critic's backbone: give both the same random head.
+        for learner in (whole, split):
+            torch.nn.init.normal_(learner.critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+
+    batch = Batch.of(groups)
+    micro = split.micro_batches(torch.arange(len(batch.pairs)), batch)
+    assert sorted(torch.cat(micro).tolist()) == list(range(len(batch.pairs)))
+    # Several micro-batches of unequal sizes, so a mean of micro-batch means would differ from the step's mean.
+    assert len(micro) >= 3 and len({len(m) for m in micro}) > 1 and len({int(batch.mask[m].sum()) for m in micro}) > 1
+    for m in micro:
+        longest = int(batch.lengths[m].max())
+        assert split._pack(m, batch).input_ids.shape == (len(m), longest)  # padded to its own longest row only
+        assert len(m) * longest <= BUDGET
+
+    expected, got = step_gradients(whole, groups), step_gradients(split, groups)
+    assert expected.keys() == got.keys()
+    if algorithm == "ppo":
+        assert any(name.startswith("critic.backbone") and g.abs().sum() > 0 for name, g in got.items())
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-sum-norm"])
+def test_ppo_value_loss_alone_split_by_token_budget_has_the_unsplit_gradients(setup, loss_agg):
+    _, whole, groups = make(setup, algorithm="ppo", loss_agg=loss_agg)
+    _, split, _ = make(setup, algorithm="ppo", loss_agg=loss_agg, micro_batch_tokens=BUDGET)
+    for learner in (whole, split):
+        torch.nn.init.normal_(learner.critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+    expected = step_gradients(whole, groups, critic_only=True)
+    got = step_gradients(split, groups, critic_only=True)
+    critic = [name for name in expected if name.startswith("critic.")]
+    assert critic and all(got[name].abs().sum() > 0 for name in critic)
+    for name in critic:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_a_whole_step_with_a_token_budget_matches_the_unsplit_step(setup):
+    _, whole, groups = make(setup, algorithm="grpo", mini_batches=2)
+    _, split, _ = make(setup, algorithm="grpo", mini_batches=2, micro_batch_tokens=BUDGET)
+    metrics_whole, metrics_split = whole.step(groups, 0), split.step(groups, 0)
+    torch.testing.assert_close(flat(split), flat(whole), atol=1e-6, rtol=1e-5)
+    for name in ("loss", "pg_loss", "entropy", "kl_ref", "clipfrac"):
+        assert metrics_split[name] == pytest.approx(metrics_whole[name], abs=1e-5), name
 
 
 def test_critic_warmup_trains_only_the_critic(setup):
