@@ -1,0 +1,85 @@
+"""Config of devices, precision and micro-batching (issue #10 items 1-2): defaults, and bad values refused
+at load naming the field and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from tests.conftest import write_config
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (model / "config.json").write_text("{}")
+    for split in ("train", "eval"):
+        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return model, data
+
+
+def load(tmp_path: Path, dirs: tuple[Path, Path], **sections: dict):
+    return load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", **sections))
+
+
+def test_defaults(tmp_path, dirs):
+    cfg = load(tmp_path, dirs)
+    assert (cfg.model.device, cfg.model.dtype) == ("auto", "float32")
+    assert (cfg.train.master_weights, cfg.train.gradient_checkpointing, cfg.train.micro_batch_tokens) == (
+        "float32",
+        False,
+        None,
+    )
+    assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.9, 1)
+
+
+def test_the_new_fields_load(tmp_path, dirs):
+    cfg = load(
+        tmp_path,
+        dirs,
+        model={"path": str(dirs[0]), "device": "cpu", "dtype": "bfloat16"},
+        train={
+            "max_seq_len": 32,
+            "micro_batch_tokens": 32,
+            "master_weights": "model_dtype",
+            "gradient_checkpointing": True,
+        },
+        rollout={"gpu_memory_utilization": 0.5, "tensor_parallel_size": 2},
+    )
+    assert (cfg.model.device, cfg.model.dtype, cfg.train.micro_batch_tokens) == ("cpu", "bfloat16", 32)
+    assert (cfg.train.master_weights, cfg.train.gradient_checkpointing) == ("model_dtype", True)
+    assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.5, 2)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model": {"device": "gpu"}}, "model.device: Input should be 'auto', 'cpu' or 'cuda'"),
+        ({"model": {"dtype": "float16"}}, "model.dtype: Input should be 'float32' or 'bfloat16'"),
+        ({"train": {"master_weights": "float64"}}, "train.master_weights: Input should be 'float32' or 'model_dtype'"),
+        (
+            {"train": {"max_seq_len": 32, "micro_batch_tokens": 31}},
+            "train: micro_batch_tokens (31) is smaller than one sequence of max_seq_len (32) tokens: "
+            "set it to at least 32, or null",
+        ),
+        (
+            {"train": {"max_seq_len": 32, "micro_batch_tokens": 64, "grad_accum_steps": 2}},
+            "train: micro_batch_tokens and grad_accum_steps both split the optimizer step",
+        ),
+        ({"train": {"micro_batch_tokens": 0}}, "train.micro_batch_tokens: Input should be greater than or equal to 1"),
+        ({"rollout": {"gpu_memory_utilization": 0}}, "rollout.gpu_memory_utilization: Input should be greater than 0"),
+        (
+            {"rollout": {"gpu_memory_utilization": 1.5}},
+            "rollout.gpu_memory_utilization: Input should be less than or equal to 1",
+        ),
+        ({"rollout": {"tensor_parallel_size": 0}}, "rollout.tensor_parallel_size: Input should be greater than or"),
+    ],
+)
+def test_bad_values_are_refused_at_load_naming_the_field(tmp_path, dirs, change, message):
+    if "model" in change:
+        change = {"model": {"path": str(dirs[0]), **change["model"]}}
+    with pytest.raises(ConfigError) as error:
+        load(tmp_path, dirs, **change)
+    assert message in str(error.value)
