@@ -44,6 +44,7 @@ from services.common.config import AdminCredentials, RunConfig, SupervisionConfi
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.nats_server import nats_server_binary
+from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.storage import write_atomically
 from services.report import render_html, render_report
@@ -369,8 +370,11 @@ class Launcher:
                 self.write_run_file()
 
     def schedule_restart(self, child: Child, progress: Progress) -> float:
-        """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast."""
+        """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast, or
+        refused to run (exit EXIT_REFUSED): restarting it would fail alike, or resume a run it refused."""
         supervision = self.cfg.supervision
+        if child.process.returncode == EXIT_REFUSED:
+            raise RuntimeError(f"{child.name} refused to run (exit {EXIT_REFUSED}); see {child.log_path}")
         delay = self.restart_policy.next_restart(child.name, time.monotonic())
         if delay is None:
             raise RuntimeError(

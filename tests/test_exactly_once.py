@@ -1,9 +1,10 @@
-"""Exactly once does not rest on the broker's duplicate window.
+"""Exactly once does not rest on the broker's duplicate window, nor on a checkpoint prefix being clean.
 
 A trainer that comes back after ``nats.duplicate_window_s`` re-feeds prompts from its
 checkpoint's cursor; the broker has forgotten them, so they are sampled again and a
 second copy of each lands in EXPERIENCE beside the first. The trainer's group ledger
-must apply only one of them.
+must apply only one of them. And a fresh run must not adopt, prune or purge against an
+earlier run's checkpoints under the same prefix.
 """
 
 from __future__ import annotations
@@ -14,9 +15,15 @@ import signal
 import subprocess
 import time
 
+import pytest
+
+from services.common.config import CheckpointConfig
+from services.common.storage import open_store
+from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.test_storage_outage import StoppableS3
 
 TOTAL_STEPS = 24
 SAVE_EVERY = 10
@@ -61,3 +68,44 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     # The repeats reached the trainer (the broker no longer filtered them) and were refused there.
     refused = sum(r.get("repeats_dropped", 0) for r in metric_rows(run_dir) if "pg_loss" in r)
     assert refused > 0
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    endpoint = StoppableS3()
+    yield endpoint
+    endpoint.stop()
+
+
+def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothing(tiny_model, tmp_path, s3):
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="reuse",
+        train={"total_steps": 4},
+        checkpoint=s3.checkpoint(save_every_steps=2, keep_last=5),
+    )
+    first, _ = run_pipeline(config)
+    assert first.returncode == 0, first.stdout[-3000:]
+    store = CheckpointStore(open_store("s3://ckpt/prefix", CheckpointConfig(**s3.checkpoint())), "reuse", keep_last=5)
+    before = store.catalog()
+    assert [e["step"] for e in before] == [2, 4]
+
+    # Started afresh (the local run folder deleted on purpose), the same run id on the same S3 prefix: the old run's
+    # steps would be pruned against the new ones, and a crash would resume the old run.
+    again = subprocess.run(
+        [*RLPIPE_RUN, str(config), "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert again.returncode != 0
+    trainer_log = (runs / "reuse" / "logs" / "trainer.log").read_text()
+    assert '"start_refused"' in trainer_log
+    assert "s3://ckpt/prefix/reuse/ holds steps [2, 4]" in trainer_log and "--resume" in trainer_log
+    # Refused once, and not restarted with resume on (which would have adopted the old run's steps).
+    assert trainer_log.count('"start_refused"') == 1 and '"resumed"' not in trainer_log
+    assert store.catalog() == before
