@@ -490,6 +490,14 @@ def default_alert_rules() -> list[AlertRule]:
             "window_steps": 3,
             "severity": "critical",
         },
+        {
+            # A group neither applied, dropped nor dead-lettered within train.lost_after_s: samples went missing.
+            "name": "groups_lost",
+            "metric": "groups_lost",
+            "condition": "above",
+            "threshold": 0.0,
+            "severity": "critical",
+        },
     ]
     return [AlertRule(**rule) for rule in rules]
 

@@ -36,6 +36,7 @@ trainer (``TrainerMetrics``)
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
   rlpipe_checkpoints_total{outcome}
   rlpipe_alerts_fired_total{rule,severity}
+  rlpipe_trainer_groups_total{fate}                       fed groups settled: fate dead | lost | repeat (refused)
 
 Every sample also carries the exporter's ``otel_scope_*`` labels.
 
@@ -84,6 +85,7 @@ LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 # The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
+GROUP_FATES = ("dead", "lost", "repeat")
 TRAINER_STEP_KEYS = (
     "step",
     "policy_version",
@@ -411,6 +413,11 @@ class TrainerMetrics:
             "rlpipe_checkpoints", unit="{checkpoint}", description="checkpoints stored or failed"
         )
         self.alerts = m.create_counter("rlpipe_alerts_fired", unit="{alert}", description="alert rules that fired")
+        self.groups = m.create_counter(
+            "rlpipe_trainer_groups", unit="{group}", description="fed groups dead-lettered, lost, or refused as repeats"
+        )
+        for fate in GROUP_FATES:  # present from the start, so an increase() over them is 0 rather than absent
+            self.groups.add(0, {"fate": fate})
         # Both outcomes exist from the start, so a rate over failures is 0 rather than absent.
         for outcome in ("ok", "failed"):
             self.checkpoints.add(0, {"outcome": outcome})
@@ -434,6 +441,9 @@ class TrainerMetrics:
         outcome = "ok" if ok else "failed"
         self.checkpoint_duration.record(seconds, {"outcome": outcome})
         self.checkpoints.add(1, {"outcome": outcome})
+
+    def record_groups(self, fate: str, count: int) -> None:
+        self.groups.add(count, {"fate": fate})
 
     def record_alert(self, rule: str, severity: str) -> None:
         self.alerts.add(1, {"rule": rule, "severity": severity})

@@ -179,6 +179,7 @@ class Trainer:
 
     async def record_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
+        self.telemetry.record_groups("lost", len(group_ids))  # now: a stalled pipeline brings no step row
         await self.responder.watch({"step": self.progress.step, "groups_lost": float(len(group_ids))})
 
     def ledger_row(self) -> dict[str, float]:
@@ -190,6 +191,8 @@ class Trainer:
         }
         row = {name: float(n - self.reported.get(name, 0)) for name, n in counts.items()}
         self.reported = counts
+        self.telemetry.record_groups("dead", int(row["groups_dead"]))
+        self.telemetry.record_groups("repeat", int(row["repeats_dropped"]))
         return {**row, "in_flight_groups": float(len(self.ledger.in_flight))}
 
     # -- a step ------------------------------------------------------------------------

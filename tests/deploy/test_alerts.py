@@ -11,8 +11,12 @@ from services.common import telemetry
 from services.common.config import default_alert_rules
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
-# Step-row metrics are exported as rlpipe_trainer_<metric>; two rules watch other series.
-SERIES = {"checkpoint_failed": 'rlpipe_checkpoints_total{outcome="failed"}', "services_down": 'up{job="rlpipe"}'}
+# Step-row metrics are exported as rlpipe_trainer_<metric>; three rules watch other series.
+SERIES = {
+    "checkpoint_failed": 'rlpipe_checkpoints_total{outcome="failed"}',
+    "services_down": 'up{job="rlpipe"}',
+    "groups_lost": 'rlpipe_trainer_groups_total{fate="lost"}',
+}
 COMPARATOR = {"above": ">", "below": "<"}
 METRIC = re.compile(r"\brlpipe_[a-z_]*[a-z]\b")
 
