@@ -30,6 +30,12 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute each layer's activations in the backward pass instead of keeping them. Non-reentrant: it needs
+    no input that requires grad, and restores the RNG state so dropout draws the same masks when recomputing."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def resolve_device(name: str, cuda_available: bool | None = None) -> torch.device:
     """``model.device`` as a torch device: ``auto`` is CUDA when this process sees a GPU, else the CPU.
 

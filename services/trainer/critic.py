@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
-from services.common.modeling import ResponseBatch, at_response, load_model
+from services.common.modeling import ResponseBatch, at_response, enable_gradient_checkpointing, load_model
 
 
 class Critic(torch.nn.Module):
@@ -28,7 +28,7 @@ class Critic(torch.nn.Module):
         if self.kind == "separate":
             self.backbone = load_model(cfg.model.path, policy.dtype).model
             if cfg.train.gradient_checkpointing:
-                self.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                enable_gradient_checkpointing(self.backbone)
         self.head = torch.nn.Linear(hidden, 1, dtype=policy.dtype)
         # A zero head starts every value at 0 instead of at noise, which would distort the first advantages.
         torch.nn.init.zeros_(self.head.weight)

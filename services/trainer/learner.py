@@ -36,6 +36,7 @@ from services.common.modeling import (
     Precision,
     ResponseBatch,
     at_response,
+    enable_gradient_checkpointing,
     load_model,
     load_tokenizer,
     pack,
@@ -156,13 +157,14 @@ class StepTargets:
     tis: torch.Tensor | None = None  # truncated importance weights toward the rollout's logprobs
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    """Recompute each layer's activations in the backward pass. Non-reentrant: it needs no input that requires
-    grad and restores the RNG state, so dropout draws the same masks in the recomputation."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-
-
 class Learner:
+    """The policy, PPO's critic and their optimizer; ``step`` trains on one batch of groups.
+
+    Attributes: ``precision`` (device and dtypes), ``device``, ``model`` (the policy), ``tokenizer``,
+    ``critic`` (None unless PPO), ``optimizer`` (AdamW; the critic in its own group), ``scheduler``,
+    ``generator`` (mini-batch order, checkpointed), ``steps_done``.
+    """
+
     def __init__(self, cfg: RunConfig):
         self.cfg = cfg
         train = cfg.train
