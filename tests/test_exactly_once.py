@@ -9,18 +9,22 @@ earlier run's checkpoints under the same prefix.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import time
 
+import nats
 import pytest
 
+from services.common.bus import H_GROUP, PROMPTS, stream_name
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, effective_steps
+from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
 from tests.test_storage_outage import StoppableS3
@@ -109,3 +113,60 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothin
     # Refused once, and not restarted with resume on (which would have adopted the old run's steps).
     assert trainer_log.count('"start_refused"') == 1 and '"resumed"' not in trainer_log
     assert store.catalog() == before
+
+
+def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model, tmp_path):
+    """Work-queue messages gone from the broker (a lost volume, say) come back neither as experience nor as dead
+    letters. Their in-flight slots must not leak: after train.lost_after_s they are recorded as lost, the alert
+    fires, and feeding goes on, so the run finishes instead of starving with every service up."""
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="leak",
+        train={"total_steps": 40, "batch_size": 8, "max_inflight_batches": 2, "lost_after_s": 6},
+        nats={"ack_wait_s": 2, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": 30},
+        rollout={"prompts_per_batch": 4},
+    )
+    run_dir = runs / "leak"
+    with running_pipeline(config) as process:
+        wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "step 1", process)
+        pids = json.loads((run_dir / "run.json").read_text())["pids"]
+        os.kill(pids["rollout-0"], signal.SIGSTOP)  # nothing fetches PROMPTS while we look and purge
+        try:
+            purged = asyncio.run(purge_prompts(json.loads((run_dir / "run.json").read_text())["nats_url"]))
+        finally:
+            os.kill(pids["rollout-0"], signal.SIGCONT)
+        output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-4000:]
+    assert len(purged) > 0
+
+    records = Lineage(run_dir / "lineage.jsonl").records()
+    final = effective_steps(records)
+    assert [r["step"] for r in final] == list(range(1, 41))
+    used = {g for r in final for g, _ in r["groups"]} | {g for r in final for g in r["dropped_stale"]}
+    # A purged prompt the stopped rollout had already fetched still came back; every other one is lost.
+    assert set(lost_groups(records)) == purged - used
+    assert purged - used
+    assert_every_fed_prompt_accounted_once(runs, "leak", final)
+    rows = metric_rows(run_dir)
+    assert sum(r.get("groups_lost", 0) for r in rows if "pg_loss" in r) == len(purged - used)
+    assert [r["alert"] for r in rows if r.get("alert") == "groups_lost"] == ["groups_lost"]
+
+
+async def purge_prompts(nats_url: str) -> set[str]:
+    """Drop every message of the PROMPTS work queue; returns their group ids."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    name = stream_name("leak", PROMPTS)
+    state = (await js.stream_info(name)).state
+    groups = set()
+    for seq in range(state.first_seq, state.last_seq + 1):
+        with contextlib.suppress(nats.js.errors.NotFoundError):
+            groups.add((await js.get_msg(name, seq)).headers[H_GROUP])
+    await js.purge_stream(name)
+    await nc.close()
+    return groups

@@ -10,13 +10,14 @@ stored in every checkpoint), which is as far back as a resume can go.
 
 Slots are reconciled, not only counted: dead letters are read from the DEAD stream by
 sequence (none is missed while the trainer reconnects or is down), and a group that has
-been in flight for ``train.lost_after_s`` while the trainer has read everything in
-EXPERIENCE is recorded as lost and its slot freed.
+been in flight for ``train.lost_after_s``, that a group fed after it has overtaken, and
+that is not waiting unread in EXPERIENCE, is recorded as lost and its slot freed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -27,6 +28,7 @@ from typing import Any
 
 import numpy as np
 from nats.errors import Error as NatsError
+from nats.js.errors import NotFoundError
 
 from services.common.bus import (
     DEAD,
@@ -45,6 +47,7 @@ from services.common.telemetry import span_from_headers
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
+LOST_CHECK_S = 1.0  # how often groups in flight are checked against train.lost_after_s
 
 
 class PromptFeeder:
@@ -99,27 +102,38 @@ class Settled:
     fate: Fate
 
 
+@dataclass
+class Flight:
+    fed_at: float  # monotonic seconds
+    serial: int  # feeding order: a group fed later has a higher one
+
+
 class GroupLedger:
     """What became of every group the current lineage fed. Bookkeeping only: no I/O, no clock of its own."""
 
     def __init__(self) -> None:
-        self.in_flight: dict[str, float] = {}  # group id -> when it was fed (monotonic seconds)
+        self.in_flight: dict[str, Flight] = {}
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
         self.counts: Counter[Fate] = Counter()
+        self.fed_count = 0
+        self.newest_arrival = 0  # the highest serial that came back: the pipeline has moved past what is below
 
     def known(self, group_id: str) -> bool:
         return group_id in self.in_flight or group_id in self.settled
 
     def fed(self, group_id: str, now: float) -> None:
-        self.in_flight[group_id] = now
+        self.fed_count += 1
+        self.in_flight[group_id] = Flight(now, self.fed_count)
 
     def arrived(self, group_id: str) -> bool:
         """A group came out of EXPERIENCE: True if it may be used, False for a repeat of a settled one."""
         if group_id in self.settled:
             self.repeats += 1
             return False
-        self.in_flight.pop(group_id, None)
+        flight = self.in_flight.pop(group_id, None)
+        if flight is not None:
+            self.newest_arrival = max(self.newest_arrival, flight.serial)
         return True
 
     def settle(self, group_ids: list[str], step: int, fate: Fate) -> list[str]:
@@ -132,7 +146,14 @@ class GroupLedger:
         return new
 
     def overdue(self, now: float, max_age_s: float) -> list[str]:
-        return sorted(g for g, fed_at in self.in_flight.items() if now - fed_at > max_age_s)
+        """Groups in flight longer than ``max_age_s`` that a group fed after them has overtaken. A group nothing
+        overtook waits with the rest of a stalled pipeline (a slow start, a role down): the stall alerts report
+        that, and writing the groups off would only feed more into the same stall."""
+        return sorted(
+            g
+            for g, flight in self.in_flight.items()
+            if now - flight.fed_at > max_age_s and flight.serial < self.newest_arrival
+        )
 
     def forget_through(self, step: int) -> None:
         """Drop the fates settled at or before ``step``: no kept checkpoint goes back that far."""
@@ -140,7 +161,8 @@ class GroupLedger:
 
     def restore(self, in_flight: list[str], applied: list[str], step: int, now: float) -> None:
         """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now) and the groups it settled."""
-        self.in_flight = dict.fromkeys(in_flight, now)
+        self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(in_flight, start=1)}
+        self.fed_count, self.newest_arrival = len(in_flight), 0
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
 
     def rewind(self, applied: list[str], step: int) -> None:
@@ -178,6 +200,7 @@ class Intake:
         self.on_lost = on_lost  # records groups written off as lost (lineage, metrics, alerts)
         self.reader: StreamReader | None = None
         self.dead: StreamReader | None = None  # from the oldest dead letter DEAD still keeps
+        self.lost_checked = 0.0
 
     def rewind(self) -> None:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
@@ -216,10 +239,27 @@ class Intake:
                 log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
         return new
 
-    async def write_off_overdue(self, lost_after_s: float) -> list[str]:
-        """Groups in flight past the bound while EXPERIENCE holds nothing unread: their deliveries are spent."""
-        overdue = self.ledger.overdue(time.monotonic(), lost_after_s)
-        lost = self.ledger.settle(overdue, self.progress.step, Fate.LOST)
+    async def write_off_overdue(self, cfg: RunConfig) -> list[str]:
+        """Groups in flight past the bound, overtaken by later ones, and not waiting unread in EXPERIENCE: their
+        deliveries are spent. Looked at every ``LOST_CHECK_S``; skipped while EXPERIENCE holds a backlog (after
+        a pause, say), in which an overdue group may still be waiting."""
+        now = time.monotonic()
+        if now - self.lost_checked < LOST_CHECK_S:
+            return []
+        self.lost_checked = now
+        overdue = self.ledger.overdue(now, cfg.train.lost_after_s)
+        if not overdue:
+            return []
+        stream = stream_name(self.bus.run_id, EXPERIENCE)
+        last = (await self.bus.js.stream_info(stream)).state.last_seq
+        first_unread = self.reader.next_seq
+        if last - first_unread + 1 > cfg.train.max_inflight_batches * cfg.train.batch_size:
+            return []
+        waiting = set()
+        for seq in range(first_unread, last + 1):
+            with contextlib.suppress(NotFoundError):
+                waiting.add(((await self.bus.js.get_msg(stream, seq)).headers or {}).get(H_GROUP))
+        lost = self.ledger.settle([g for g in overdue if g not in waiting], self.progress.step, Fate.LOST)
         if lost:
             log_event(log, "groups_lost", level=logging.ERROR, alert=True, count=len(lost), group_ids=lost[:20])
             await self.on_lost(lost)
@@ -245,8 +285,8 @@ class Intake:
             await self.catch_up_dead()
             await self.feed(cfg, config_version)
             msg = await self.reader.next(timeout=1.0)
+            await self.write_off_overdue(cfg)
             if msg is None:
-                await self.write_off_overdue(cfg.train.lost_after_s)
                 continue
             group_id = (msg.headers or {}).get(H_GROUP)
             with span_from_headers("trainer.experience", msg.headers, group_id=group_id, seq=msg.sequence):

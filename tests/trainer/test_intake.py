@@ -33,12 +33,17 @@ def test_a_dead_lettered_group_frees_its_slot_and_is_never_fed_again():
     assert not ledger.arrived("e0-i1")  # a late copy that made it through anyway is not applied
 
 
-def test_only_groups_in_flight_past_the_bound_are_overdue():
+def test_only_groups_past_the_bound_that_a_later_group_overtook_are_overdue():
     ledger = GroupLedger()
     ledger.fed("old", now=0.0)
+    ledger.fed("stuck", now=0.0)
     ledger.fed("young", now=50.0)
-    assert ledger.overdue(now=100.0, max_age_s=60.0) == ["old"]
-    assert ledger.settle(ledger.overdue(now=100.0, max_age_s=60.0), step=7, fate=Fate.LOST) == ["old"]
+    # Nothing came back yet (a slow start, a role down): that is a stall, not lost groups.
+    assert ledger.overdue(now=100.0, max_age_s=60.0) == []
+    ledger.fed("newest", now=60.0)
+    assert ledger.arrived("newest")
+    assert ledger.overdue(now=100.0, max_age_s=60.0) == ["old", "stuck"]
+    assert ledger.settle(ledger.overdue(now=100.0, max_age_s=60.0), step=7, fate=Fate.LOST) == ["old", "stuck"]
     assert list(ledger.in_flight) == ["young"]
     assert not ledger.arrived("old")  # a lost group that shows up after all is not applied a second time
 
@@ -56,7 +61,7 @@ def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids():
     ledger = GroupLedger()
     ledger.fed("from-before-the-crash", now=0.0)
     ledger.restore(in_flight=["x", "y"], applied=["a", "b"], step=5, now=100.0)
-    assert ledger.in_flight == {"x": 100.0, "y": 100.0}
+    assert {g: f.fed_at for g, f in ledger.in_flight.items()} == {"x": 100.0, "y": 100.0}
     assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {"a": (5, Fate.APPLIED), "b": (5, Fate.APPLIED)}
 
 
