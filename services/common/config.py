@@ -346,6 +346,12 @@ class RolloutConfig(Section):
     replicas: int = Field(1, ge=1)
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the rollout serves and pulls weights in; auto = model.dtype, the trainer's"
+    )
+    weight_buffer_mib: int = Field(
+        64, ge=1, description="tensors received but not yet loaded during a weight sync (plus one larger tensor)"
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0,

@@ -40,6 +40,11 @@ class EngineUnavailable(DependencyUnavailable):
     """The engine itself failed (died, lost its device): the prompts are fine, the stage holds them and retries."""
 
 
+def serving_dtype(cfg: RunConfig) -> str:
+    """The dtype the rollout's engine holds its weights in, and so the one to pull them in."""
+    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
 def max_tokens_for(prompt_len: int, sampling: SamplingConfig, max_seq_len: int) -> int:
     room = max_seq_len - prompt_len
     if room < 1:
@@ -57,7 +62,7 @@ class VllmEngine:
 
         self.llm = LLM(
             model=str(cfg.model.path),
-            dtype=cfg.model.dtype,
+            dtype=serving_dtype(cfg),
             max_model_len=cfg.train.max_seq_len,
             seed=cfg.train.seed,
             enforce_eager=True,  # start-up in ~2 s instead of ~18 s, same generation speed at this size
@@ -100,8 +105,11 @@ class VllmEngine:
         return groups
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Consumes ``tensors`` lazily, so they can still be arriving: vLLM loads layer by layer as each
+        layer's tensors are complete. An iterator that raises midway leaves layers unloaded (on the meta
+        device): the caller must treat the engine as unusable until a complete load."""
         # reload_weights repacks for the CPU kernels; calling model.load_weights after start-up does not.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(list(tensors))})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
         # Cached KV blocks were computed by the old weights.
         self.llm.reset_prefix_cache()
 
@@ -110,7 +118,7 @@ class HfEngine:
     """transformers ``generate``: slower, for machines without vLLM."""
 
     def __init__(self, cfg: RunConfig):
-        self.model = load_model(cfg.model.path, cfg.model.dtype).eval().requires_grad_(False)
+        self.model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.model.path)
         torch.manual_seed(cfg.train.seed)
 
@@ -151,8 +159,21 @@ class HfEngine:
             )
         return group
 
+    @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.model.load_state_dict(dict(tensors))
+        """Copies each tensor into the model as it arrives (no second copy of the model), as strict as
+        ``load_state_dict``: an unknown name or shape raises at once, a missing name at the end."""
+        live = self.model.state_dict()  # shares storage with the parameters
+        missing = set(live)
+        for name, tensor in tensors:
+            target = live.get(name)
+            if target is None or target.shape != tensor.shape:
+                got = "unknown name" if target is None else f"shape {list(tensor.shape)}, not {list(target.shape)}"
+                raise KeyError(f"weights for {name!r} do not fit the model: {got}")
+            target.copy_(tensor)
+            missing.discard(name)
+        if missing:
+            raise KeyError(f"weights missing for {sorted(missing)}")
 
 
 def build_engine(cfg: RunConfig) -> Engine:

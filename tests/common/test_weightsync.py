@@ -4,15 +4,18 @@ import grpc
 import pytest
 import torch
 
-from services.common.pb import weights_pb2_grpc
+from services.common.pb import weights_pb2, weights_pb2_grpc
 from services.common.weightsync import (
     CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
     ChecksumError,
     Snapshot,
     WeightSyncClient,
     WeightSyncServer,
     assemble,
     chunks_of,
+    snapshot_of,
+    split_chunk,
 )
 from tests.conftest import free_port
 
@@ -68,3 +71,104 @@ def test_watch_and_pull_over_a_real_socket():
             await server.stop(0)
 
     asyncio.run(scenario())
+
+
+async def serving(snap: Snapshot) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
+    impl = WeightSyncServer(snap)
+    server = grpc.aio.server()
+    weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
+    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    await server.start()
+    return server, impl, f"127.0.0.1:{port}"
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.head = torch.nn.Linear(64, 300, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("position_ids", torch.arange(16))
+
+
+def test_split_chunk_leaves_data_in_place_and_parses_the_rest():
+    chunk = next(chunks_of(snapshot(3)))
+    raw = chunk.SerializeToString()
+    header, data = split_chunk(raw)
+    assert data.obj is raw  # a view into the received message, not a copy
+    assert bytes(data) == chunk.data and header.data == b""
+    assert (header.name, header.version, header.offset, header.crc32) == ("big", 3, 0, chunk.crc32)
+    assert header.tensor_bytes == (CHUNK_BYTES // 4 + 100) * 4
+
+
+def test_pull_casts_floats_to_the_requested_dtype_and_leaves_integers():
+    async def scenario():
+        snap = snapshot(4)
+        server, _, address = await serving(snap)
+        client = WeightSyncClient(address)
+        try:
+            stream = client.stream(dtype=torch.bfloat16)
+            tensors = {name: tensor async for name, tensor in stream}
+        finally:
+            await client.close()
+            await server.stop(0)
+        stored = dict(snap.tensors)
+        assert tensors["big"].dtype == torch.bfloat16
+        assert torch.equal(tensors["big"], stored["big"].to(torch.bfloat16))
+        assert torch.equal(tensors["half"], stored["half"])
+        assert tensors["ids"].dtype == torch.int64 and torch.equal(tensors["ids"], stored["ids"])
+        assert stream.data_bytes == (CHUNK_BYTES // 4 + 100) * 2 + 15 * 2 + 7 * 8  # half the float32 bytes
+
+    asyncio.run(scenario())
+
+
+def test_tied_weights_are_copied_once_and_sent_once_under_both_names():
+    model = TiedLM()
+    snap = snapshot_of(model, version=5, step=5)
+    stored = dict(snap.tensors)
+    assert stored["head.weight"] is stored["embed.weight"]  # one host copy in the trainer
+    assert [name for name, _ in snap.tensors] == list(model.state_dict())
+
+    async def scenario():
+        server, _, address = await serving(snap)
+        client = WeightSyncClient(address)
+        try:
+            stream = client.stream()
+            tensors = {name: tensor async for name, tensor in stream}
+            # A client from before aliases (the generated stub, protobuf decoding) still gets every name.
+            old_style = [c async for c in client.stub.PullWeights(weights_pb2.PullWeightsRequest())]
+        finally:
+            await client.close()
+            await server.stop(0)
+        return stream, tensors, old_style
+
+    stream, tensors, old_style = asyncio.run(scenario())
+    assert stream.version == 5 and set(tensors) == set(stored)
+    for name, tensor in stored.items():
+        assert torch.equal(tensors[name], tensor)
+    embed_bytes = 300 * 64 * 4
+    assert stream.data_bytes == snap.total_bytes - embed_bytes
+    assert not any(c.aliases for c in old_style) and sum(len(c.data) for c in old_style) == snap.total_bytes
+    version, old_tensors = assemble(old_style)
+    assert version == 5 and set(old_tensors) == set(stored)
+
+
+def test_chunk_size_is_the_clients_within_bounds_and_crcs_are_kept_per_version():
+    async def scenario():
+        snap = snapshot(6)
+        server, _, address = await serving(snap)
+        client = WeightSyncClient(address, chunk_bytes=1)  # below the floor: the server uses MIN_CHUNK_BYTES
+        try:
+            raw = [c async for c in client._pull(weights_pb2.PullWeightsRequest(chunk_bytes=1))]
+            version, tensors = await client.pull()
+        finally:
+            await client.close()
+            await server.stop(0)
+        return snap, raw, version, tensors
+
+    snap, raw, version, tensors = asyncio.run(scenario())
+    big_bytes = (CHUNK_BYTES // 4 + 100) * 4
+    assert len([r for r in raw if split_chunk(r)[0].name == "big"]) == -(-big_bytes // MIN_CHUNK_BYTES)
+    assert set(snap.crcs) == {("None", MIN_CHUNK_BYTES, False), ("None", MIN_CHUNK_BYTES, True)}
+    assert version == 6 and all(torch.equal(tensors[n], t) for n, t in snap.tensors)

@@ -1,4 +1,5 @@
-"""After a sync over real gRPC, vLLM scores sequences like the trainer's transformers model with the same weights."""
+"""After a sync over real gRPC, vLLM scores sequences like the trainer's transformers model with the same weights:
+the newest version, streamed into the running engine, tied embeddings sent once and re-named on arrival."""
 
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
@@ -59,15 +60,27 @@ def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
 
     before = max_gap()
 
+    def other_policy(seed: int) -> torch.nn.Module:
+        model = load_model(model_dir).eval()
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in model.parameters():
+                param.add_(0.05 * torch.randn_like(param))
+        return model
+
     async def sync_over_grpc() -> int:
-        weights = WeightSyncServer(snapshot_of(policy, version=7, step=7))
+        # The replica is behind: versions 5 and 6 went by unseen; only 7 (the policy) may end up loaded.
+        weights = WeightSyncServer(snapshot_of(other_policy(5), version=5, step=5))
         server = grpc.aio.server()
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
         port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
         await server.start()
+        await weights.publish(snapshot_of(other_policy(6), version=6, step=6))
+        await weights.publish(snapshot_of(policy, version=7, step=7))
         follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"))
         follower.newest = (await follower.client.version()).version
         await follower.sync()
+        assert not follower.torn
         await follower.client.close()
         await server.stop(0)
         return follower.loaded
