@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from services.common.config import AdminCredentials, CheckpointConfig, RunConfig
+from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, RunConfig
 from services.common.datasets import row_problem
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -274,6 +274,17 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
     return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
 
 
+def check_device(cfg: RunConfig) -> CheckResult:
+    """``model.device`` names a device this process has (``cuda`` with no GPU is refused here, not mid-load)."""
+    from services.common.modeling import resolve_device
+
+    try:
+        device = resolve_device(cfg.model.device)
+    except ConfigError as error:
+        return CheckResult("device", "fail", str(error).removeprefix("invalid configuration:").strip())
+    return CheckResult("device", "ok", f"model.device {cfg.model.device}: {device}")
+
+
 def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
     rows = [check_model(cfg.model.path)] if policy else []
     if reference and (not policy or cfg.reference_model_path != cfg.model.path):
@@ -294,19 +305,21 @@ def _startup_checks(role: str) -> list[Check]:
     dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, STARTUP_DATASET_LINES))
     storage = Check("storage", ("checkpoint",), storage_rows)
     token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
+    device = Check("device", ("model",), lambda cfg: [check_device(cfg)])
     if role == "trainer":
-        return [policy, dataset, storage, token, ports]
+        return [policy, device, dataset, storage, token, ports]
     if role == "rollout":
         return [policy, ports]
     if role == "reference":
         return [
             Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=False, reference=True)),
+            device,
             ports,
         ]
     if role == "reward":
         return [ports]
     both = Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True))
-    return [both, dataset, storage, token, ports]
+    return [both, device, dataset, storage, token, ports]
 
 
 def run_each(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]) -> list[CheckResult]:

@@ -74,6 +74,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from services.common.logs import log_event
+from services.common.modeling import host_state
 from services.common.storage import ObjectStore
 
 log = logging.getLogger(__name__)
@@ -102,13 +103,18 @@ def _torch_bytes(obj: Any) -> bytes:
 
 
 def rng_state() -> dict[str, Any]:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():  # dropout and sampling on the GPU draw from these, not the CPU generator
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def restore_rng(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -123,8 +129,10 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``module``'s state that training cannot change; tied tensors are copied (and stored) once."""
-    return {name: tensor.detach().clone() for name, tensor in untied(module.state_dict()).items()}
+    """A copy of ``module``'s state in host memory that training cannot change, in its own dtypes (exact resume
+    needs the float32 master weights); tensor by tensor, never a second whole copy on a GPU. Tied tensors are
+    copied (and stored) once."""
+    return host_state(untied(module.state_dict()))
 
 
 def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -17,7 +17,6 @@ abandoned steps produced are disowned, and groups they generated are dropped on 
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import logging
 import time
@@ -30,6 +29,7 @@ from services.common.bus import EXPERIENCE, Bus, stream_name
 from services.common.config import BuildInfo, redacted_dump
 from services.common.events import EventLog
 from services.common.logs import Stopwatch, log_event
+from services.common.modeling import host_copy
 from services.common.telemetry import TrainerMetrics
 from services.common.weightsync import WeightSyncServer, snapshot_of
 from services.trainer.checkpoint import (
@@ -208,7 +208,7 @@ class Recovery:
         return Checkpoint(
             step=progress.step,
             model=detached_copy(learner.model),
-            optimizer=copy.deepcopy(learner.optimizer.state_dict()),
+            optimizer=host_copy(learner.optimizer.state_dict()),
             scheduler=learner.scheduler.state_dict(),
             rng=learner.rng_state(),
             critic=detached_copy(critic) if critic is not None else None,

@@ -242,6 +242,7 @@ class Trainer:
             self.learner.tokenizer,
             self.eval_rows,
             self.cfg.sampling.max_new_tokens,
+            precision=self.learner.precision,
         )
         self.progress.last_eval = accuracy
         row = {
