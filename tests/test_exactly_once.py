@@ -13,20 +13,22 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import nats
 import pytest
 
-from services.common.bus import H_GROUP, PROMPTS, stream_name
+from services.common.bus import EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 from tests.test_storage_outage import StoppableS3
 
 TOTAL_STEPS = 24
@@ -170,3 +172,54 @@ async def purge_prompts(nats_url: str) -> set[str]:
     await js.purge_stream(name)
     await nc.close()
     return groups
+
+
+def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(tiny_model, tmp_path):
+    """A broker that restarts without its volume holds none of the EXPERIENCE the trainer read. Waiting below the
+    lost sequence forever, or reading on from sequence 1 as if nothing happened, would both be silent; the trainer
+    stops with broker_state_lost instead, and is not restarted into the same state."""
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="lostvol",
+        train={"total_steps": 500, "batch_size": 8},
+        checkpoint={"save_every_steps": 5, "keep_last": 3},
+        rollout={"prompts_per_batch": 4},
+    )
+    run_dir = runs / "lostvol"
+    with running_pipeline(config) as process:
+        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "step 3", process)
+        os.kill(process.pid, signal.SIGSTOP)  # the launcher must not restart the broker before its store is gone
+        try:
+            broker = kill(run_dir, "nats")
+            wait_for_exit(broker)
+            shutil.rmtree(run_dir / "nats")
+        finally:
+            os.kill(process.pid, signal.SIGCONT)
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode != 0, output[-3000:]
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    lost = [json.loads(line) for line in trainer_log.splitlines() if '"broker_state_lost"' in line]
+    assert len(lost) == 1 and stream_name("lostvol", EXPERIENCE) in lost[0]["error"]
+    assert '"resumed"' not in trainer_log  # not restarted into the same broker
+    steps = [r for r in Lineage(run_dir / "lineage.jsonl").records() if "step" in r]
+    seqs = [r["experience_seq"] for r in steps]
+    assert seqs == sorted(set(seqs))  # nothing re-read from the re-created stream's sequence 1
+
+
+def wait_for_exit(pid: int, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        # A zombie is dead, only not yet reaped by the stopped launcher.
+        if Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z":
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still running")
