@@ -1,0 +1,78 @@
+"""The status reporter alone, against a real nats-server: lag from JetStream, state from control, store trouble."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from services.common.bus import EXPERIENCE, PROMPTS, Bus
+from services.common.config import BuildInfo, load_config
+from services.common.events import EventLog
+from services.common.messages import Prompt
+from services.trainer.alerts import AlertEvaluator
+from services.trainer.control import Control
+from services.trainer.intake import GroupLedger
+from services.trainer.progress import Progress
+from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
+from tests.conftest import write_config
+from tests.trainer.test_commands import Holds
+from tests.trainer.test_intake_bus import experience
+
+
+def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(tiny_model, tmp_path, nats_url):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="st", nats={"url": nats_url})
+    )
+
+    async def store_down() -> list[dict]:
+        raise ConnectionError("minio unreachable")
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        await bus.work_queue(PROMPTS)  # the rollout role's durable consumer, as a rollout would create it
+        for i in range(3):
+            await bus.publish(PROMPTS, Prompt(group_id=f"g{i}", prompt_id=f"g{i}", prompt="1+1=", answer="2"), f"p{i}")
+        for i in range(5):
+            await bus.publish(EXPERIENCE, experience(f"x{i}"), msg_id=f"x{i}")
+        progress = Progress(step=4, version=6, applied_seq=2)
+        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), progress)
+        await control.pause("looking at KL")
+        ledger = GroupLedger()
+        for group in ("a", "b"):
+            ledger.fed(group, now=0.0)
+        settings = type("Settings", (), {"cfg": cfg, "version": 7})()
+        reporter = StatusReporter(
+            settings, bus, progress, control, ledger, AlertEvaluator([], 0), store_down, BuildInfo(version="t")
+        )
+        status = await reporter.status()
+        assert (status.state, status.paused_reason, status.step, status.policy_version) == (
+            "paused",
+            "looking at KL",
+            4,
+            6,
+        )
+        assert (status.config_version, status.in_flight_groups, status.last_checkpoint_step) == (7, 2, -1)
+        assert status.checkpoint_store_error == "ConnectionError: minio unreachable"
+        assert reporter.lag == {"rollout": 3, "trainer": 3}  # 3 prompts waiting; EXPERIENCE 5 written, 2 applied
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_role_that_never_registered_counts_as_down_only_after_the_start_up_grace(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    settings = type("Settings", (), {"cfg": cfg, "version": 0})()
+    progress = Progress()
+
+    async def no_catalog() -> list[dict]:
+        return []
+
+    reporter = StatusReporter(
+        settings, None, progress, None, GroupLedger(), AlertEvaluator([], 0), no_catalog, BuildInfo()
+    )
+    trainer_only = [{"role": "trainer", "up": True}]
+    assert reporter.roles_down(trainer_only) == []  # rollouts may still be loading their engines
+    reporter.created = time.monotonic() - ROLE_STARTUP_GRACE_S - 1
+    assert reporter.roles_down(trainer_only) == ["rollout", "reward", "reference"]
