@@ -1,7 +1,10 @@
-"""Arithmetic prompt/answer datasets stored as JSON Lines.
+"""Prompt/answer datasets stored as JSON Lines: bare arithmetic and chat word problems.
 
-Every row is a JSON object with at least a ``prompt`` and an ``answer`` string,
-e.g. ``{"id": "add-0037-0045", "prompt": "37+45=", "answer": "82"}``.
+Every row is a JSON object with an ``answer`` string and either a plain ``prompt`` string,
+e.g. ``{"id": "add-0037-0045", "prompt": "37+45=", "answer": "82"}``, or ``messages``, a chat
+rendered with the model's chat template (services/common/chat.py), e.g.
+``{"id": "word-0-tom-apples-017-025", "messages": [{"role": "user", "content": "Tom has 17 apples and buys
+25 more. How many apples does Tom have now?"}], "answer": "42"}``.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from pathlib import Path
 
 MAX_OPERAND = 99
 SPLIT_NAMES = ("train", "dev", "eval")
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 def _addition_problem(a: int, b: int) -> dict:
@@ -59,6 +63,94 @@ def make_arithmetic_dataset(out_dir: Path, seed: int = 0, n_eval: int = 500, n_d
     return paths
 
 
+# Word problems: each template is (question, operation). Operands are drawn so answers stay
+# whole and non-negative; every problem is unique across the three splits.
+NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lily", "Omar", "Grace", "Leo", "Nina")
+ITEMS = ("apples", "pencils", "stickers", "marbles", "books", "cookies", "stamps", "shells")
+WORD_TEMPLATES: tuple[tuple[str, str], ...] = (
+    ("{name} has {a} {item} and buys {b} more. How many {item} does {name} have now?", "+"),
+    ("{name} picked {a} {item} in the morning and {b} in the afternoon. How many {item} did {name} pick in all?", "+"),
+    ("A box holds {a} {item}. {name} puts in {b} more. How many {item} are in the box now?", "+"),
+    ("{name} had {a} {item} and gave {b} of them to a friend. How many {item} does {name} have left?", "-"),
+    ("There are {a} {item} on the table. {name} takes away {b}. How many {item} are still on the table?", "-"),
+    ("{name} buys {a} bags with {b} {item} in each bag. How many {item} does {name} buy?", "*"),
+)
+# Measured on SmolLM2-135M-Instruct with vLLM: greedy got 41% of 64 held-out problems right and sampling
+# (T=0.7, 8 per prompt) 20%, with a right answer in 14 of 16 groups, which is what GRPO learns from.
+# Operands up to 20-30 gave 23% greedy and a right answer in a quarter of the groups.
+WORD_ADD_RANGE = (1, 10)
+WORD_SUB_RANGE = (3, 15)  # the minuend; the subtrahend is below it
+WORD_MUL_BAGS, WORD_MUL_EACH = (2, 4), (2, 5)
+# Measured on SmolLM2-135M-Instruct (48 held-out problems, greedy, 40 new tokens): this system
+# message gave 23% right against 17% for the bare question, with shorter replies, so more of
+# them end inside a small max_new_tokens.
+WORD_SYSTEM = (
+    "You are a math tutor. Solve the word problem in one short sentence that ends with the answer as a number."
+)
+
+
+def _word_problem(template: int, name: str, item: str, a: int, b: int) -> dict:
+    question, op = WORD_TEMPLATES[template]
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {
+        "id": f"word-{template}-{name.lower()}-{item}-{a:03d}-{b:03d}",
+        "messages": [
+            {"role": "system", "content": WORD_SYSTEM},
+            {"role": "user", "content": question.format(name=name, item=item, a=a, b=b)},
+        ],
+        "answer": str(answer),
+    }
+
+
+def make_word_problem_dataset(
+    out_dir: Path, seed: int = 0, n_train: int = 4000, n_eval: int = 300, n_dev: int = 200
+) -> dict[str, Path]:
+    """Write chat-form word problems ("Tom has 17 apples and buys 25 more. ...") as train/dev/eval JSONL.
+
+    Each row is a system message (``WORD_SYSTEM``) and the question. Additions use operands
+    1-10, subtractions 3-15 minus a smaller number, products 2-4 bags of 2-5: small enough
+    that a 135M model's errors are mostly in setting the sum up and saying the result, which
+    RL can fix, rather than in arithmetic it cannot yet do. Problems are drawn
+    with ``seed`` without repeats, so no question appears in two splits and the same seed
+    always writes the same files.
+
+    Returns the path of each split file, keyed by split name.
+    """
+    total = n_train + n_eval + n_dev
+    if min(n_train, n_eval, n_dev) < 0 or n_train == 0:
+        raise ValueError(f"n_train={n_train}, n_eval={n_eval}, n_dev={n_dev}: counts must be >= 0, n_train > 0")
+    rng = random.Random(seed)
+    seen: set[str] = set()
+    problems: list[dict] = []
+    # 6 templates x 10 names x 8 items x the operand pairs: tens of thousands of distinct problems.
+    while len(problems) < total:
+        template = rng.randrange(len(WORD_TEMPLATES))
+        op = WORD_TEMPLATES[template][1]
+        if op == "+":
+            a, b = rng.randint(*WORD_ADD_RANGE), rng.randint(*WORD_ADD_RANGE)
+        elif op == "-":
+            a = rng.randint(*WORD_SUB_RANGE)
+            b = rng.randint(1, a - 1)
+        else:
+            a, b = rng.randint(*WORD_MUL_BAGS), rng.randint(*WORD_MUL_EACH)
+        row = _word_problem(template, rng.choice(NAMES), rng.choice(ITEMS), a, b)
+        if row["id"] not in seen:
+            seen.add(row["id"])
+            problems.append(row)
+    splits = {
+        "eval": problems[:n_eval],
+        "dev": problems[n_eval : n_eval + n_dev],
+        "train": problems[n_eval + n_dev :],
+    }
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split in SPLIT_NAMES:
+        paths[split] = out_dir / f"{split}.jsonl"
+        _write_jsonl(paths[split], splits[split])
+    return paths
+
+
 def row_problem(raw: bytes) -> str | None:
     """Why one JSON Lines line is not a prompt/answer row, or None when it is one."""
     try:
@@ -69,9 +161,32 @@ def row_problem(raw: bytes) -> str | None:
         return f"invalid JSON ({err.msg})"
     if not isinstance(row, dict):
         return "not a JSON object"
-    for field in ("prompt", "answer"):
-        if not isinstance(row.get(field), str):
-            return f"missing or non-string field {field!r}"
+    if not isinstance(row.get("answer"), str):
+        return "missing or non-string field 'answer'"
+    if "messages" in row:
+        if "prompt" in row:
+            return "has both 'prompt' and 'messages'; give one"
+        return messages_problem(row["messages"])
+    if not isinstance(row.get("prompt"), str):
+        return "missing or non-string field 'prompt' (or give 'messages')"
+    return None
+
+
+def messages_problem(messages: object) -> str | None:
+    """Why ``messages`` is not a chat to render with ``add_generation_prompt=True``, or None when it is one."""
+    if not isinstance(messages, list) or not messages:
+        return "field 'messages' must be a non-empty list of {role, content} objects"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"messages[{i}] is not a JSON object"
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                return f"messages[{i}].{key} is missing or not a string"
+        if message["role"] not in CHAT_ROLES:
+            return f"messages[{i}].role {message['role']!r} is not one of {list(CHAT_ROLES)}"
+    # The generation prompt opens a new assistant turn; after an assistant turn that would be a second one.
+    if messages[-1]["role"] == "assistant":
+        return f"messages[{len(messages) - 1}].role is 'assistant'; the last message is what the model answers"
     return None
 
 
@@ -80,8 +195,8 @@ def load_jsonl(path: Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: naming the file and 1-based line number of the first line
-            that is not a JSON object with string ``prompt`` and ``answer``.
+        ValueError: naming the file, the 1-based line number and the field of the first
+            line that is not a row (see ``row_problem``).
     """
     path = Path(path)
     if not path.is_file():

@@ -8,6 +8,7 @@ start leaves the model only partly right, which gives RL room to improve it.
 CLI::
 
     python -m services.common.tiny_model --out models/tiny-arith --data data/arith --seed 0
+    python -m services.common.tiny_model --task word-problems --data data/word-problems
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenizers import pre_tokenizers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from services.common.datasets import load_jsonl, make_arithmetic_dataset
+from services.common.datasets import load_jsonl, make_arithmetic_dataset, make_word_problem_dataset
 from services.common.evaluation import greedy_accuracy
 
 PAD_TOKEN = "<pad>"
@@ -271,13 +272,25 @@ def build_tiny_model(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="model folder to write")
+    parser.add_argument("--out", type=Path, help="model folder to write (arithmetic only)")
     parser.add_argument("--data", type=Path, required=True, help="folder for the JSONL splits")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-accuracy", type=float, default=0.4)
     parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
+    parser.add_argument(
+        "--task",
+        choices=("arithmetic", "word-problems"),
+        default="arithmetic",
+        help="word-problems writes only the chat-form dataset: the character-level model cannot read a chat",
+    )
     args = parser.parse_args(argv)
 
+    if args.task == "word-problems":
+        paths = make_word_problem_dataset(args.data, seed=args.seed)
+        print(json.dumps({split: str(path) for split, path in paths.items()}))
+        return
+    if args.out is None:
+        parser.error("--out is required with --task arithmetic")
     make_arithmetic_dataset(args.data, seed=args.seed)
     summary = build_tiny_model(
         args.out,

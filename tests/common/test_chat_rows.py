@@ -1,0 +1,151 @@
+"""Chat dataset rows: validation, rendering with a chat template, the word-problem set, numeric answers."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from services.cli import app
+from services.common.answers import ends_on_answer, last_number, parse_number
+from services.common.chat import ChatTemplateMissing, prompt_text, render_rows
+from services.common.datasets import (
+    WORD_SYSTEM,
+    WORD_TEMPLATES,
+    load_jsonl,
+    make_word_problem_dataset,
+    row_problem,
+)
+from services.common.tiny_model import build_char_tokenizer
+
+TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+
+
+def line(row: object) -> bytes:
+    return json.dumps(row).encode()
+
+
+def test_a_messages_row_is_a_row() -> None:
+    row = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}], "answer": "2"}
+    assert row_problem(line(row)) is None
+    assert row_problem(line({"prompt": "1+1=", "answer": "2"})) is None
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ({"answer": "2"}, "missing or non-string field 'prompt' (or give 'messages')"),
+        ({"prompt": "1+1=", "answer": 2}, "missing or non-string field 'answer'"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}], "answer": "2"}, "has both 'prompt' and"),
+        ({"messages": [], "answer": "2"}, "field 'messages' must be a non-empty list"),
+        ({"messages": "hi", "answer": "2"}, "field 'messages' must be a non-empty list"),
+        ({"messages": ["hi"], "answer": "2"}, "messages[0] is not a JSON object"),
+        ({"messages": [{"role": "user"}], "answer": "2"}, "messages[0].content is missing or not a string"),
+        ({"messages": [{"content": "x"}], "answer": "2"}, "messages[0].role is missing or not a string"),
+        ({"messages": [{"role": "bot", "content": "x"}], "answer": "2"}, "messages[0].role 'bot' is not one of"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}], "answer": "2"},
+            "messages[1].role is 'assistant'; the last message is what the model answers",
+        ),
+    ],
+)
+def test_a_bad_row_names_the_field(row: dict, problem: str) -> None:
+    found = row_problem(line(row))
+    assert found is not None and found.startswith(problem)
+
+
+def test_load_jsonl_names_file_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "rows.jsonl"
+    path.write_text(
+        line({"prompt": "1+1=", "answer": "2"}).decode() + "\n" + line({"messages": [], "answer": "1"}).decode()
+    )
+    with pytest.raises(ValueError, match=r"rows\.jsonl:2: field 'messages' must be a non-empty list"):
+        load_jsonl(path)
+
+
+def test_rendering_uses_the_chat_template_with_a_generation_prompt() -> None:
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    chat = {
+        "id": "c",
+        "messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+        "answer": "1",
+    }
+    plain = {"id": "p", "prompt": "1+1=", "answer": "2"}
+    assert prompt_text(chat, tokenizer) == "[system] s\n[user] q\n[assistant] "
+    assert prompt_text(plain, tokenizer) == "1+1="
+    rendered = render_rows([chat, plain], tokenizer)
+    assert [r["prompt"] for r in rendered] == ["[system] s\n[user] q\n[assistant] ", "1+1="]
+    assert rendered[0]["messages"] == chat["messages"] and "prompt" not in chat  # the input rows are not changed
+
+
+def test_a_chat_row_without_a_template_names_the_row() -> None:
+    tokenizer = build_char_tokenizer()
+    assert not tokenizer.chat_template
+    with pytest.raises(ChatTemplateMissing, match="row 'w1' has 'messages' but the model's tokenizer has no chat"):
+        prompt_text({"id": "w1", "messages": [{"role": "user", "content": "q"}], "answer": "1"}, tokenizer)
+
+
+def test_word_problems_are_valid_disjoint_reproducible_and_right(tmp_path: Path) -> None:
+    paths = make_word_problem_dataset(tmp_path / "a", seed=3, n_train=300, n_eval=50, n_dev=20)
+    again = make_word_problem_dataset(tmp_path / "b", seed=3, n_train=300, n_eval=50, n_dev=20)
+    for split in ("train", "dev", "eval"):
+        assert paths[split].read_bytes() == again[split].read_bytes()
+    rows = {split: load_jsonl(path) for split, path in paths.items()}
+    assert {split: len(r) for split, r in rows.items()} == {"train": 300, "dev": 20, "eval": 50}
+    ids = [row["id"] for r in rows.values() for row in r]
+    assert len(set(ids)) == 370
+    questions = [row["messages"][1]["content"] for r in rows.values() for row in r]
+    assert len(set(questions)) == 370
+    for row in rows["train"]:
+        assert row["messages"][0] == {"role": "system", "content": WORD_SYSTEM}
+        # The id carries the template and operands: recompute the answer from them.
+        _, template, _, _, a, b = row["id"].split("-")
+        op = WORD_TEMPLATES[int(template)][1]
+        assert row["answer"] == str({"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op])
+        assert int(row["answer"]) >= 0
+        assert f" {int(a)} " in row["messages"][1]["content"]
+
+
+def test_build_tiny_writes_the_word_problem_variant(tmp_path: Path) -> None:
+    done = CliRunner().invoke(app, ["build-tiny", "--task", "word-problems", "--data", str(tmp_path / "wp")])
+    assert done.exit_code == 0, done.output
+    assert json.loads(done.stdout)["eval"] == str(tmp_path / "wp" / "eval.jsonl")
+    rows = load_jsonl(tmp_path / "wp" / "train.jsonl")
+    assert len(rows) == 4000 and all(row_problem(line(row)) is None for row in rows)
+    assert not (tmp_path / "models").exists()
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("Tom now has 42 apples.", Fraction(42)),
+        ("17 + 25 = 42", Fraction(42)),
+        ("17-5 is 12", Fraction(12)),
+        ("it is -5", Fraction(-5)),
+        ("17-5", Fraction(5)),  # a minus after a digit subtracts, it is no sign
+        ("about 1,234 of them", Fraction(1234)),
+        ("1,2,3", Fraction(3)),
+        ("costs 3.50 dollars.", Fraction(7, 2)),
+        ("The answer is 42.", Fraction(42)),
+        ("no numbers here", None),
+    ],
+)
+def test_last_number(text: str, value: Fraction | None) -> None:
+    assert last_number(text) == value
+
+
+def test_ends_on_answer_compares_values() -> None:
+    assert ends_on_answer("so 6 + 7 = 13 apples", "13")
+    assert ends_on_answer("13.0", "13") and ends_on_answer("+13", " 13 ")
+    assert not ends_on_answer("13 apples, then 2 more", "13")
+    assert not ends_on_answer("nothing", "13")
+    assert parse_number("1,000") == 1000 and parse_number("12 apples") is None
+    with pytest.raises(ValueError, match="reference answer 'thirteen' is not a number"):
+        ends_on_answer("13", "thirteen")
