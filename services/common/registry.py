@@ -42,7 +42,7 @@ KL_ESTIMATORS = Registry("KL estimator", ("k1", "abs", "k2", "k3"))
 AGGREGATIONS = Registry(
     "loss aggregation", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 )
-REWARD_FUNCTIONS = Registry("reward function", ("exact_match", "format"))
+REWARD_FUNCTIONS = Registry("reward function", ("exact_match", "final_number", "format"))
 
 # Algorithms whose advantages come from elsewhere than a group estimator: PPO from GAE over a critic,
 # REINFORCE++ from whitened discounted returns, Dr. GRPO as an alias of grpo_no_std (the trainer's learner).

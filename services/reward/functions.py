@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
+from services.common.answers import ends_on_answer
 from services.common.registry import REWARD_FUNCTIONS
 
 RewardFn = Callable[[str, str, str], float]
@@ -37,6 +38,17 @@ def exact_match(text: str, answer: str, finish_reason: str) -> float:
 def answer_format(text: str, answer: str, finish_reason: str) -> float:
     """1 if the completion is exactly one integer that ended with EOS (not cut off by the length limit)."""
     return float(finish_reason == "stop" and re.fullmatch(r"\s*-?\d+\s*", text) is not None)
+
+
+@reward_function("final_number")
+def final_number(text: str, answer: str, finish_reason: str) -> float:
+    """1 if the last number in a free-text (chat) answer equals the reference by value, else 0.
+
+    "Tom now has 42 apples." and "17 + 25 = 42" both score 1 against "42"; "42 - 17 = 25" scores 0.
+    A completion cut off by the length limit is judged the same way, as the held-out evaluation
+    judges it. A reference answer that is not a number raises ValueError naming it.
+    """
+    return float(ends_on_answer(text, answer))
 
 
 def score(text: str, answer: str, finish_reason: str, weights: dict[str, float]) -> float:
