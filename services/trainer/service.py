@@ -288,28 +288,17 @@ class Trainer:
             if eval_every and progress.step % eval_every == 0 and progress.step < self.cfg.train.total_steps:
                 await self.evaluate()
         await control.run_commands()  # answer whoever asked to stop
-        if control.state == RunState.STOPPING:
-            if progress.step > progress.saved_step:
-                await self.save(wait=True)
-            control.state = RunState.DONE
-            log_event(
-                log,
-                "done",
-                steps=progress.step,
-                policy_version=progress.version,
-                baseline_accuracy=progress.baseline_eval,
-                final_accuracy=progress.last_eval,
-                stopped_by=control.stop_reason,
-            )
-            return
-        if progress.step < self.cfg.train.total_steps:
+        stopped = control.state == RunState.STOPPING
+        if not stopped and progress.step < self.cfg.train.total_steps:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
             if progress.step > progress.saved_step:
                 await self.save(wait=True)
             log_event(log, "stopped_early", step=progress.step)
             return
-        final = await self.evaluate()
-        await self.save(wait=True)
+        if not stopped:
+            await self.evaluate()  # the run's last word on held-out accuracy
+        if progress.step > progress.saved_step or not stopped:
+            await self.save(wait=True)
         control.state = RunState.DONE
         log_event(
             log,
@@ -317,7 +306,8 @@ class Trainer:
             steps=progress.step,
             policy_version=progress.version,
             baseline_accuracy=progress.baseline_eval,
-            final_accuracy=final,
+            final_accuracy=progress.last_eval,
+            **({"stopped_by": control.stop_reason} if stopped else {}),
         )
 
 
