@@ -7,6 +7,7 @@ import contextlib
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from services.common.answers import ends_on_answer
 from services.common.modeling import Precision
 
 
@@ -75,5 +76,12 @@ def greedy_accuracy(
         raise ValueError("greedy_accuracy needs at least one row")
     prompts = [row["prompt"] for row in rows]
     completions = greedy_generate(model, tokenizer, prompts, max_new_tokens, precision=precision)
-    correct = sum(strict_match(c, row["answer"]) for c, row in zip(completions, rows, strict=False))
+    correct = sum(answered(c, row) for c, row in zip(completions, rows, strict=False))
     return correct / len(rows)
+
+
+def answered(completion: str, row: dict) -> bool:
+    """A chat row is answered in a sentence whose final number must be the answer; a plain row by the answer alone."""
+    if "messages" in row:
+        return ends_on_answer(completion, row["answer"])
+    return strict_match(completion, row["answer"])

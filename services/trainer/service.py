@@ -25,6 +25,7 @@ import grpc
 import yaml
 
 from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
+from services.common.chat import render_rows
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
@@ -62,13 +63,16 @@ class Trainer:
         self.learner = learner
         self.live = live
         self.progress = Progress()
-        self.eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
+        # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
+        eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
+        self.eval_rows = render_rows(eval_rows, learner.tokenizer)
         events = EventLog(cfg.run_dir / "events.jsonl")
         self.events = events
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.telemetry = TrainerMetrics()
         self.ledger = GroupLedger()
-        self.feeder = PromptFeeder(load_jsonl(cfg.data.train_path), cfg.train.seed, cfg.data.shuffle)
+        train_rows = render_rows(load_jsonl(cfg.data.train_path), learner.tokenizer)
+        self.feeder = PromptFeeder(train_rows, cfg.train.seed, cfg.data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
             open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror

@@ -149,3 +149,14 @@ def test_ends_on_answer_compares_values() -> None:
     assert parse_number("1,000") == 1000 and parse_number("12 apples") is None
     with pytest.raises(ValueError, match="reference answer 'thirteen' is not a number"):
         ends_on_answer("13", "thirteen")
+
+
+def test_held_out_accuracy_reads_a_chat_answers_final_number_and_a_plain_answer_strictly() -> None:
+    from services.common.evaluation import answered
+
+    chat = {"messages": [{"role": "user", "content": "Tom has 7 apples and buys 5 more. How many?"}], "answer": "12"}
+    assert answered("Tom now has 7 + 5 = 12 apples.", chat)
+    assert not answered("Tom has 12 apples, then eats 1 and has 11.", chat)
+    plain = {"prompt": "7+5=", "answer": "12"}
+    assert answered(" 12 ", plain)
+    assert not answered("12 apples", plain)  # a plain row is the answer alone: held-out accuracy is not gamed
