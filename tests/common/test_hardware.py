@@ -1,0 +1,155 @@
+"""Hardware samples: the step-row keys they make, the gauges those become, and the GPU headroom alert on a CPU run."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import subprocess
+import sys
+
+import numpy as np
+import torch
+
+from services.common.config import default_alert_rules
+from services.common.hardware import (
+    GIB,
+    HARDWARE_ROW_KEYS,
+    HardwareSample,
+    HardwareSampler,
+    _nvml,
+    cuda_version_of,
+    gpu_seen,
+    host_rss_bytes,
+    nvml_uuid,
+    release_numbers,
+    smi_cuda_version,
+)
+from services.common.telemetry import TRAINER_STEP_KEYS, trainer_gauge_name
+from services.trainer.alerts import AlertEvaluator
+from tests.common.test_telemetry import minimal_config, one_value, scrape
+from tests.conftest import ROOT
+
+FULL = HardwareSample(
+    host_rss_gb=1.5,
+    cuda_allocated_gb=10.0,
+    cuda_reserved_gb=12.0,
+    cuda_peak_gb=11.0,
+    cuda_headroom_frac=0.25,
+    gpu_util_pct=87.0,
+    gpu_mem_used_gb=100.0,
+    gpu_mem_total_gb=139.8,
+)
+
+
+def test_a_full_sample_names_every_key_as_the_issue_does():
+    assert FULL.row() == {
+        "memory/host_rss_gb": 1.5,
+        "memory/allocated_gb": 10.0,
+        "memory/reserved_gb": 12.0,
+        "memory/peak_gb": 11.0,
+        "memory/headroom_frac": 0.25,
+        "gpu/util_pct": 87.0,
+        "gpu/mem_used_gb": 100.0,
+        "gpu/mem_total_gb": 139.8,
+    }
+    assert tuple(FULL.row()) == HARDWARE_ROW_KEYS
+
+
+def test_missing_sources_leave_their_keys_out_not_zero():
+    assert HardwareSample(host_rss_gb=2.0, cuda_allocated_gb=0.0).row() == {
+        "memory/host_rss_gb": 2.0,
+        "memory/allocated_gb": 0.0,
+    }
+    assert HardwareSample().row() == {}
+
+
+def test_a_cpu_sampler_reports_only_this_process_rss_and_follows_it():
+    sampler = HardwareSampler(torch.device("cpu"))
+    before = sampler.row()
+    assert list(before) == ["memory/host_rss_gb"]
+    assert abs(before["memory/host_rss_gb"] * GIB - host_rss_bytes()) < 64 * 2**20
+    block = np.ones(256 * 2**20, dtype=np.uint8)  # written, so resident
+    grown = sampler.row()["memory/host_rss_gb"] - before["memory/host_rss_gb"]
+    assert 0.2 < grown < 0.5, grown
+    del block
+
+
+def test_every_hardware_key_is_a_trainer_gauge_with_a_valid_unique_prometheus_name():
+    assert set(HARDWARE_ROW_KEYS) <= set(TRAINER_STEP_KEYS)
+    names = [trainer_gauge_name(key) for key in TRAINER_STEP_KEYS]
+    assert len(names) == len(set(names))
+    assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name) for name in names)
+    assert trainer_gauge_name("memory/headroom_frac") == "rlpipe_trainer_memory_headroom_frac"
+    assert trainer_gauge_name("entropy") == "rlpipe_trainer_entropy"
+
+
+def test_the_headroom_alert_is_not_judged_on_a_cpu_run_and_fires_after_three_low_steps():
+    evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=0, now=0.0)
+    sampler = HardwareSampler(torch.device("cpu"))
+    for step in range(1, 11):  # a CPU run: rows never carry the metric
+        assert evaluator.observe({"step": step, **sampler.row()}, now=float(step)) == []
+    lows = [evaluator.observe({"step": step, "memory/headroom_frac": 0.03}, now=float(step)) for step in range(11, 14)]
+    assert [[firing.rule for firing in fired] for fired in lows] == [[], [], ["gpu_memory_headroom"]]
+    assert evaluator.observe({"step": 14, "memory/headroom_frac": 0.30}, now=14.0) == []
+    assert [firing.rule for firing in evaluator.active] == []
+
+
+def test_nvml_is_used_only_where_a_gpu_shows_itself():
+    # The real bindings (nvidia-ml-py is a test dependency): without a driver nvmlInit fails and NVML counts as absent.
+    import pynvml  # noqa: F401  an ImportError here means the test extra is not installed
+
+    assert (_nvml() is None) == (gpu_seen() == "")
+
+
+def test_version_parsing():
+    assert cuda_version_of(12080) == "12.8"
+    assert cuda_version_of(13000) == "13.0"
+    header = "| NVIDIA-SMI 580.159.03    Driver Version: 580.159.03    CUDA Version: 13.0     |"
+    assert smi_cuda_version(header) == "13.0"
+    assert smi_cuda_version("no header") is None
+    assert release_numbers("2.27.5.post1") == (2, 27, 5)
+    assert release_numbers("2.13.0+cu130") == (2, 13, 0)
+    assert release_numbers("12.8") == (12, 8)
+    assert nvml_uuid("58a0b5c3-1a2b-3c4d-5e6f-708192a3b4c5") == "GPU-58a0b5c3-1a2b-3c4d-5e6f-708192a3b4c5"
+    assert nvml_uuid("MIG-58a0b5c3") == "MIG-58a0b5c3"
+
+
+# A trainer's telemetry in its own process (the meter provider is set once per process), fed a CPU row and a
+# full GPU-shaped row, then scraped over HTTP.
+DRIVER = r"""
+import json, sys
+import torch
+from services.common.config import load_config
+from services.common.hardware import HardwareSample, HardwareSampler
+from services.common.telemetry import TrainerMetrics, start_telemetry
+
+telemetry = start_telemetry(load_config(sys.argv[1]), "trainer", "trainer-test")
+trainer = TrainerMetrics()
+trainer.record_step({"step": 1, **HardwareSampler(torch.device("cpu")).row()})
+trainer.record_step({"step": 2, **HardwareSample(**json.loads(sys.argv[2])).row()})
+print(json.dumps({"metrics_url": telemetry.metrics_url}), flush=True)
+sys.stdin.readline()
+telemetry.shutdown()
+"""
+
+
+def test_hardware_keys_reach_prometheus_under_their_mapped_names(tmp_path):
+    config = minimal_config(tmp_path, telemetry={"metrics_port": 0})
+    full = {name: getattr(FULL, name) for name in FULL.__dataclass_fields__}
+    driver = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(config), json.dumps(full)],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = json.loads(driver.stdout.readline())["metrics_url"]
+        samples = scrape(url)
+    finally:
+        driver.communicate("\n", timeout=60)
+    assert driver.returncode == 0
+    for key, value in FULL.row().items():
+        assert math.isclose(one_value(samples, trainer_gauge_name(key)), value), key
+    assert one_value(samples, "rlpipe_trainer_step") == 2
