@@ -31,7 +31,9 @@ rollout
   rlpipe_rollout_policy_version                           gauge, version loaded in the engine
 trainer (``TrainerMetrics``)
   rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS``
-                                                          (rlpipe_trainer_entropy, ...)
+                                                          (rlpipe_trainer_entropy, ...); a "/" in a key
+                                                          becomes "_" (``trainer_gauge_name``):
+                                                          memory/peak_gb -> rlpipe_trainer_memory_peak_gb
   rlpipe_trainer_nonfinite_metrics_total{metric}          step values left out because they were NaN or infinite
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
   rlpipe_checkpoints_total{outcome}
@@ -57,6 +59,7 @@ import logging
 import math
 import numbers
 import os
+import re
 import socket
 import threading
 from collections.abc import Iterable, Iterator, Mapping
@@ -76,6 +79,7 @@ from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.config import RunConfig
+from services.common.hardware import HARDWARE_ROW_KEYS
 
 SCOPE = "rlpipe"
 # An unreachable collector must not hold up a stopping service for long (the launcher kills after 20 s).
@@ -114,7 +118,14 @@ TRAINER_STEP_KEYS = (
     "staleness_max",
     "dropped_stale",
     "tis_weight_mean",
+    *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/hardware.py
 )
+
+
+def trainer_gauge_name(key: str) -> str:
+    """The Prometheus name of a step-row key's gauge: ``rlpipe_trainer_`` + the key, each character Prometheus
+    does not allow in a name (the ``/`` of ``memory/peak_gb``) as ``_``: ``rlpipe_trainer_memory_peak_gb``."""
+    return "rlpipe_trainer_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
 class Telemetry:
@@ -395,7 +406,7 @@ class TrainerMetrics:
     def __init__(self) -> None:
         m = meter()
         self.gauges = {
-            key: m.create_gauge(f"rlpipe_trainer_{key}", description=f"step row {key!r} of the latest step")
+            key: m.create_gauge(trainer_gauge_name(key), description=f"step row {key!r} of the latest step")
             for key in TRAINER_STEP_KEYS
         }
         self.nonfinite = m.create_counter(
