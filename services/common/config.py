@@ -504,6 +504,15 @@ def default_alert_rules() -> list[AlertRule]:
             "threshold": 0.0,
             "severity": "critical",
         },
+        {
+            # Under 5% of the GPU's memory free for 3 steps: the next longer batch is an OOM. Only CUDA runs
+            # carry the metric (services/common/hardware.py), and a rule whose metric is absent is not judged.
+            "name": "gpu_memory_headroom",
+            "metric": "memory/headroom_frac",
+            "condition": "below",
+            "threshold": 0.05,
+            "window_steps": 3,
+        },
     ]
     return [AlertRule(**rule) for rule in rules]
 
