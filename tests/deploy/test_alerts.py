@@ -22,12 +22,14 @@ METRIC = re.compile(r"\brlpipe_[a-z_]*[a-z]\b")
 
 
 def series(metric: str) -> str:
-    return SERIES.get(metric, f"rlpipe_trainer_{metric}")
+    return SERIES.get(metric, telemetry.trainer_gauge_name(metric))
 
 
 def exported() -> set[str]:
     """The series the services export, as services/common/telemetry.py documents and defines them."""
-    return set(METRIC.findall(telemetry.__doc__)) | {f"rlpipe_trainer_{key}" for key in telemetry.TRAINER_STEP_KEYS}
+    return set(METRIC.findall(telemetry.__doc__)) | {
+        telemetry.trainer_gauge_name(key) for key in telemetry.TRAINER_STEP_KEYS
+    }
 
 
 @pytest.fixture(scope="module")
