@@ -15,14 +15,25 @@ Where the time goes, and what this module does about it (measured with
 - The server slices each chunk out of the snapshot's memory, so a pull never holds a
   second whole copy of a tensor; tensors that share storage (tied embeddings) are
   copied once into the snapshot and sent once to clients that accept aliases.
-- A client can ask for the rollout's dtype (bf16 halves the bytes of an fp32 trainer).
+- A client can ask for the rollout's dtype (bf16 halves the bytes of an fp32 trainer). Each tensor is
+  cast once per version, on the first pull that needs it, and the cast kept with the snapshot for every
+  later puller (the cast cost more than the wire).
+
+Fan-out (``python -m bench.weight_fanout``): the trainer's egress is what N replicas share, so a version
+leaves the trainer at most ``fanout`` times whatever N is. Replicas that keep a ``WatchVersions`` stream
+open with their ``relay_address`` form a tree, fixed when a version is published (join order, ``fanout``
+children per node, the trainer at the root); each announcement tells a replica where to pull from and
+whether to keep what it pulls for its children (:class:`Relay`). A relay forwards the raw messages it
+received as they arrive, so a version crosses the tree in about one model transfer plus a chunk per
+level, not one transfer per level. Any pull from a peer that fails falls back to the trainer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import zlib
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -38,9 +49,9 @@ MAX_CHUNK_BYTES = 16 << 20
 # the data is checked and copied (bench/weight_sync.py --chunk-kib measures the choice).
 PULL_CHUNK_BYTES = 1 << 20
 _DATA_FIELD = pb.WeightChunk.DESCRIPTOR.fields_by_name["data"].number
-_PULL_METHOD = "/{}/{}".format(
-    *pb.DESCRIPTOR.services_by_name["WeightSync"].methods_by_name["PullWeights"].full_name.rsplit(".", 1)
-)
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["WeightSync"].full_name
+_PULL_METHOD = f"/{SERVICE_NAME}/PullWeights"
+DEFAULT_FANOUT = 2  # replicas the trainer, and each relay, serves a version to directly
 
 
 @dataclass(frozen=True)
@@ -51,10 +62,24 @@ class Snapshot:
     # Chunk CRCs per (wire dtype, chunk bytes, aliases), filled by the first pull of this version and reused by
     # every later one: N replicas cost the trainer one checksum pass per version, not N.
     crcs: dict[tuple[str, int, bool], list[int]] = field(default_factory=dict, compare=False, repr=False)
+    # Tensors cast to a wire dtype, by (id of the stored tensor, dtype): built by the first pull that asks for
+    # that dtype and shared by every later one, freed with the snapshot when the next version replaces it.
+    casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def as_dtype(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``tensor`` (one of this snapshot's) in ``dtype``, cast on first use. The whole tensor is cast at once:
+        the event loop stalls for one tensor's cast at most, and every puller after the first skips it."""
+        if tensor.dtype == dtype:
+            return tensor
+        key = (id(tensor), dtype)
+        cast = self.casts.get(key)
+        if cast is None:
+            cast = self.casts[key] = tensor.to(dtype)
+        return cast
 
     def info(self) -> pb.PolicyVersion:
         return pb.PolicyVersion(
@@ -110,12 +135,12 @@ def chunks_of(
     crcs: list[int] = []
     for names, tensor in _groups(snapshot.tensors, aliases):
         sent = wire_dtype(tensor.dtype, dtype)
-        flat = tensor.reshape(-1)
+        flat = snapshot.as_dtype(tensor, sent).reshape(-1)
         itemsize = torch.empty(0, dtype=sent).element_size()
         per_chunk = max(1, chunk_bytes // itemsize)
         for start in range(0, max(flat.numel(), 1), per_chunk):
-            # Slice and (if asked) cast one chunk at a time: a pull never holds a second copy of a tensor.
-            data = _raw_bytes(flat[start : start + per_chunk].to(sent))
+            # Sliced out of the snapshot (or its cached cast) chunk by chunk: no per-pull copy of a tensor.
+            data = _raw_bytes(flat[start : start + per_chunk])
             crc = known[len(crcs)] if known is not None else zlib.crc32(data)
             crcs.append(crc)
             yield pb.WeightChunk(
@@ -132,6 +157,11 @@ def chunks_of(
     snapshot.crcs[key] = crcs  # only a stream that ran to the end gets here
 
 
+def dtype_text(dtype: torch.dtype | None) -> str:
+    """How PullWeightsRequest.dtype names ``dtype``; "" = as stored."""
+    return str(dtype).removeprefix("torch.") if dtype is not None else ""
+
+
 def dtype_named(name: str) -> torch.dtype:
     dtype = getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
@@ -139,17 +169,51 @@ def dtype_named(name: str) -> torch.dtype:
     return dtype
 
 
-class WeightSyncServer(pb_grpc.WeightSyncServicer):
-    """Holds the newest snapshot and wakes watchers when a new one is published."""
+def relay_route(plan: tuple[str, ...], address: str, fanout: int) -> tuple[str, bool]:
+    """Where the replica at ``address`` pulls a version from ("" = the trainer) and whether it relays it.
 
-    def __init__(self, initial: Snapshot):
+    ``plan`` lists the relaying replicas in join order as a complete ``fanout``-ary tree under the trainer:
+    the first ``fanout`` are the trainer's children, and replica ``i``'s children are
+    ``fanout * (i + 1)`` onwards. A replica outside the plan (joined after the version was published, or a
+    client that does not relay) pulls from the trainer."""
+    if fanout < 1 or address not in plan:
+        return "", False
+    at = plan.index(address)
+    parent = plan[(at - fanout) // fanout] if at >= fanout else ""
+    return parent, fanout * (at + 1) < len(plan)
+
+
+class WeightSyncServer(pb_grpc.WeightSyncServicer):
+    """Holds the newest snapshot and wakes watchers when a new one is published.
+
+    ``fanout`` bounds how many replicas pull each version from here (0: every replica does, as before
+    relaying); the rest get it from a peer, see :func:`relay_route`."""
+
+    def __init__(self, initial: Snapshot, fanout: int = DEFAULT_FANOUT):
         self.latest = initial
+        self.fanout = fanout
+        self.sent_bytes = 0  # tensor data streamed by PullWeights, all versions: what the trainer's egress pays
         self._changed = asyncio.Condition()
+        # Open watch streams per relay address, in join order (dicts keep insertion order).
+        self._members: dict[str, int] = {}
+        # The tree of the latest version, fixed at publish: every replica is told its part of one tree.
+        self._plan: tuple[str, ...] = ()
+
+    @property
+    def members(self) -> tuple[str, ...]:
+        return tuple(self._members)
 
     async def publish(self, snapshot: Snapshot) -> None:
         async with self._changed:
             self.latest = snapshot
+            self._plan = tuple(self._members)
             self._changed.notify_all()
+
+    def announcement(self, snapshot: Snapshot, address: str) -> pb.PolicyVersion:
+        info = snapshot.info()
+        if snapshot is self.latest:
+            info.source, info.relay = relay_route(self._plan, address, self.fanout)
+        return info
 
     async def GetVersion(self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext) -> pb.PolicyVersion:
         return self.latest.info()
@@ -158,13 +222,23 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
         self, request: pb.WatchVersionsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.PolicyVersion]:
         seen = request.after_version
-        while True:
-            async with self._changed:
-                # Bound now (the default), so the predicate reads this pass's `seen`, not whatever the loop set later.
-                await self._changed.wait_for(lambda after=seen: self.latest.version > after)
-                current = self.latest
-            seen = current.version
-            yield current.info()
+        address = request.relay_address
+        if address:
+            self._members[address] = self._members.get(address, 0) + 1
+        try:
+            while True:
+                async with self._changed:
+                    # Bound now (the default), so the predicate reads this pass's `seen`, not whatever the loop
+                    # set later.
+                    await self._changed.wait_for(lambda after=seen: self.latest.version > after)
+                    current = self.latest
+                seen = current.version
+                yield self.announcement(current, address)
+        finally:  # the stream ended (the replica went away): later versions' trees leave it out
+            if address:
+                self._members[address] -= 1  # in place: a replica with a second stream keeps its position
+                if not self._members[address]:
+                    del self._members[address]
 
     async def PullWeights(
         self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
@@ -181,6 +255,7 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         chunk_bytes = min(max(request.chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
         for chunk in chunks_of(snapshot, chunk_bytes, dtype, request.accept_aliases):
+            self.sent_bytes += len(chunk.data)
             yield chunk
 
 
@@ -309,10 +384,13 @@ CHANNEL_OPTIONS = [*RECONNECT_OPTIONS, ("grpc.max_receive_message_length", MAX_C
 
 class WeightStream:
     """One pull. Iterate for ``(name, tensor)`` pairs, each as soon as it is complete and checked; ``version``
-    is known from the first chunk on. An error (the trainer went away, a bad chunk) raises from the loop."""
+    is known from the first chunk on. An error (the trainer went away, a bad chunk) raises from the loop.
 
-    def __init__(self, call: grpc.aio.UnaryStreamCall):
+    The serialized chunks come from a gRPC call or from this process's own :class:`Relay`."""
+
+    def __init__(self, call: AsyncIterable[bytes], cancel: Callable[[], object] | None = None):
         self._call = call
+        self._cancel = cancel if cancel is not None else getattr(call, "cancel", lambda: None)
         self._assembler = TensorAssembler()
 
     @property
@@ -330,7 +408,7 @@ class WeightStream:
         self._assembler.finish()
 
     def cancel(self) -> None:
-        self._call.cancel()
+        self._cancel()
 
 
 class WeightSyncClient:
@@ -346,18 +424,24 @@ class WeightSyncClient:
     async def version(self, timeout: float = 5.0) -> pb.PolicyVersion:
         return await self.stub.GetVersion(pb.GetVersionRequest(), timeout=timeout)
 
-    def watch(self, after_version: int) -> AsyncIterator[pb.PolicyVersion]:
-        return self.stub.WatchVersions(pb.WatchVersionsRequest(after_version=after_version))
+    def watch(self, after_version: int, relay_address: str = "") -> AsyncIterator[pb.PolicyVersion]:
+        """Announcements of new versions; with ``relay_address``, this replica joins the relay tree while the
+        stream is open and each announcement says where to pull from."""
+        request = pb.WatchVersionsRequest(after_version=after_version, relay_address=relay_address)
+        return self.stub.WatchVersions(request)
+
+    def raw(
+        self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0
+    ) -> grpc.aio.UnaryStreamCall:
+        """A pull as the serialized chunks, unchecked: what a relay keeps and forwards."""
+        request = pb.PullWeightsRequest(
+            version=version, chunk_bytes=self.chunk_bytes, dtype=dtype_text(dtype), accept_aliases=True
+        )
+        return self._pull(request, timeout=timeout)
 
     def stream(self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0) -> WeightStream:
         """Pull ``version`` (0: the newest), floating-point tensors as ``dtype`` if given."""
-        request = pb.PullWeightsRequest(
-            version=version,
-            chunk_bytes=self.chunk_bytes,
-            dtype=str(dtype).removeprefix("torch.") if dtype is not None else "",
-            accept_aliases=True,
-        )
-        return WeightStream(self._pull(request, timeout=timeout))
+        return WeightStream(self.raw(version, dtype, timeout))
 
     async def pull(
         self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0
@@ -369,3 +453,139 @@ class WeightSyncClient:
 
     async def close(self) -> None:
         await self.channel.close()
+
+
+class RelayBroken(RuntimeError):
+    """The pull a relay was forwarding broke off; the puller goes to the trainer instead."""
+
+
+class RelayBuffer:
+    """One version as a relay received it: serialized chunks in stream order, readable while still arriving.
+
+    Kept whole until the next version replaces it, so a child that syncs late still finds it: a relaying
+    replica holds one copy of the model in the wire dtype on the host."""
+
+    def __init__(self, version: int, dtype: str):
+        self.version = version
+        self.dtype = dtype  # PullWeightsRequest.dtype it was pulled with
+        self.chunks: list[tuple[bytes, int]] = []  # (serialized chunk, its tensor data bytes)
+        self.done = False
+        self.error: BaseException | None = None
+        self._more = asyncio.Event()
+
+    def _wake(self) -> None:
+        # Readers wait on the event they saw; a fresh one for the next wait, so none misses a wake-up.
+        self._more.set()
+        self._more = asyncio.Event()
+
+    def append(self, raw: bytes) -> None:
+        self.chunks.append((raw, len(split_chunk(raw)[1])))
+        self._wake()
+
+    def finish(self, error: BaseException | None = None) -> None:
+        if not self.done:
+            self.done, self.error = True, error
+            self._wake()
+
+    @property
+    def complete(self) -> bool:
+        return self.done and self.error is None
+
+    async def read(self) -> AsyncIterator[tuple[bytes, int]]:
+        """Every chunk, waiting for more until the pull that fills it ends; raises RelayBroken if it broke."""
+        at = 0
+        while True:
+            more = self._more
+            while at < len(self.chunks):
+                yield self.chunks[at]
+                at += 1
+            if self.done:
+                if self.error is not None:
+                    raise RelayBroken(f"the relayed pull of version {self.version} broke: {self.error!r}"[:300])
+                return
+            await more.wait()
+
+    async def fill(self, call: AsyncIterable[bytes]) -> None:
+        """Receive a pull into this buffer; its readers follow chunk by chunk. Raises what broke the pull."""
+        try:
+            async for raw in call:
+                self.append(raw)
+        except BaseException as error:  # cancelled too: readers must not wait for chunks that never come
+            self.finish(error)
+            raise
+        self.finish()
+
+
+class Relay(pb_grpc.WeightSyncServicer):
+    """A rollout's side of the tree: serves the version it is relaying to the peers the trainer sends to it.
+
+    Chunks go out as the bytes that came in (no protobuf work), and as soon as they came in. Register it with
+    :func:`add_relay_to_server`; the generated registration would serialize them again."""
+
+    def __init__(self, wait_s: float = 10.0):
+        self.current: RelayBuffer | None = None
+        self.wait_s = wait_s  # how long a child that asks first waits for this relay to start the version
+        self.sent_bytes = 0
+        self._changed = asyncio.Condition()
+
+    async def begin(self, version: int, dtype: str) -> RelayBuffer:
+        """Start relaying ``version`` (its pull is the caller's, see RelayBuffer.fill); the previous one is
+        dropped once the children still reading it are done."""
+        async with self._changed:
+            self.current = RelayBuffer(version, dtype)
+            self._changed.notify_all()
+            return self.current
+
+    def _matching(self, version: int) -> RelayBuffer | None:
+        current = self.current
+        return current if current is not None and (version in (0, current.version)) else None
+
+    async def GetVersion(self, request: pb.GetVersionRequest, context: grpc.aio.ServicerContext) -> pb.PolicyVersion:
+        current = self.current
+        return pb.PolicyVersion(version=current.version if current is not None and current.complete else 0)
+
+    async def PullWeights(  # type: ignore[override]  # yields serialized chunks, see add_relay_to_server
+        self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        # A child may hear of the version before this relay does: wait a little for it to start.
+        async with self._changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self._changed.wait_for(
+                        lambda: self.current is not None and self.current.version >= request.version
+                    ),
+                    self.wait_s,
+                )
+        buffer = self._matching(request.version)
+        if buffer is None or (buffer.done and buffer.error is not None):
+            have = self.current.version if self.current is not None else 0
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"relay has no version {request.version} (has {have})")
+        assert buffer is not None  # abort raised otherwise
+        if request.dtype != buffer.dtype or not request.accept_aliases:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"relay holds {buffer.dtype or 'as stored'} with aliases; asked {request.dtype or 'as stored'}",
+            )
+        try:
+            async for raw, data_bytes in buffer.read():
+                self.sent_bytes += data_bytes
+                yield raw
+        except RelayBroken as error:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(error))
+
+
+def add_relay_to_server(relay: Relay, server: grpc.aio.Server) -> str:
+    """Serve ``relay`` as WeightSync (PullWeights and GetVersion); returns the service name."""
+    handlers = {
+        # No response serializer: the chunks are already serialized, exactly as received.
+        "PullWeights": grpc.unary_stream_rpc_method_handler(
+            relay.PullWeights, request_deserializer=pb.PullWeightsRequest.FromString
+        ),
+        "GetVersion": grpc.unary_unary_rpc_method_handler(
+            relay.GetVersion,
+            request_deserializer=pb.GetVersionRequest.FromString,
+            response_serializer=pb.PolicyVersion.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    return SERVICE_NAME

@@ -172,3 +172,32 @@ def test_chunk_size_is_the_clients_within_bounds_and_crcs_are_kept_per_version()
     assert len([r for r in raw if split_chunk(r)[0].name == "big"]) == -(-big_bytes // MIN_CHUNK_BYTES)
     assert set(snap.crcs) == {("None", MIN_CHUNK_BYTES, False), ("None", MIN_CHUNK_BYTES, True)}
     assert version == 6 and all(torch.equal(tensors[n], t) for n, t in snap.tensors)
+
+
+def test_a_cast_is_made_once_per_version_and_shared_by_every_pull():
+    async def scenario():
+        snap = snapshot(7)
+        server, impl, address = await serving(snap)
+        client = WeightSyncClient(address)
+        try:
+            first = await client.pull(dtype=torch.bfloat16)
+            casts = dict(snap.casts)
+            second = await client.pull(dtype=torch.bfloat16)
+            await impl.publish(snapshot(8))
+            third = await client.pull(dtype=torch.bfloat16)
+        finally:
+            await client.close()
+            await server.stop(0)
+        return snap, casts, first, second, third, impl.latest
+
+    snap, casts, first, second, third, latest = asyncio.run(scenario())
+    big = dict(snap.tensors)["big"]
+    # Only the float32 tensor needed a cast: bf16 goes as it is, integers are never cast.
+    assert list(casts) == [(id(big), torch.bfloat16)]
+    assert snap.casts == casts and snap.casts[(id(big), torch.bfloat16)] is casts[(id(big), torch.bfloat16)]
+    assert torch.equal(casts[(id(big), torch.bfloat16)], big.to(torch.bfloat16))
+    assert first[0] == second[0] == 7 and torch.equal(first[1]["big"], second[1]["big"])
+    # The next version brings its own casts; the old snapshot's go with it.
+    new_big = dict(latest.tensors)["big"]
+    assert list(latest.casts) == [(id(new_big), torch.bfloat16)]
+    assert third[0] == 8 and torch.equal(third[1]["big"], new_big.to(torch.bfloat16))
