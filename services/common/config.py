@@ -352,6 +352,17 @@ class RolloutConfig(Section):
     weight_buffer_mib: int = Field(
         64, ge=1, description="tensors received but not yet loaded during a weight sync (plus one larger tensor)"
     )
+    weight_relay: bool = Field(
+        True,
+        description="join the trainer's relay tree: pull each version from a peer or the trainer as told, and serve "
+        "it to peers (a relaying replica holds one host copy of the model in the wire dtype)",
+    )
+    relay_host: str = Field(
+        "", description="host peers reach this replica's gRPC port at (the pod IP in k8s); empty = service.host"
+    )
+    relay_fanout: int = Field(
+        2, ge=0, description="replicas the trainer, and each relaying replica, send a version to; 0 = all from trainer"
+    )
     gpu_memory_utilization: float = Field(
         0.9,
         gt=0,

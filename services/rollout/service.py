@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,9 +22,20 @@ from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage
 from services.common.config import RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.telemetry import current_telemetry, record_weight_sync
-from services.common.weightsync import ChecksumError, WeightSyncClient, dtype_named
+from services.common.weightsync import (
+    ChecksumError,
+    Relay,
+    RelayBroken,
+    RelayBuffer,
+    WeightStream,
+    WeightSyncClient,
+    add_relay_to_server,
+    dtype_named,
+    dtype_text,
+)
 from services.rollout.engines import Engine, EngineUnavailable, build_engine, serving_dtype
 from services.rollout.handoff import EngineGone, TensorHandoff
 
@@ -37,7 +49,13 @@ class PolicyFollower:
     behind skips the versions in between. Tensors are loaded as they arrive (see ``handoff``), which
     means a pull that breaks after loading began leaves the engine ``torn`` (part old, part new
     weights; in vLLM, layers not loaded at all): the rollout generates nothing until a later sync
-    completes."""
+    completes (:meth:`ready`).
+
+    With a ``relay`` (and the ``relay_address`` peers reach it at), the replica joins the trainer's relay
+    tree: each announcement names where to pull from (a peer, or the trainer) and whether to relay. A
+    relaying replica pulls the version at once, in the background, into its relay (children stream from
+    it as it arrives) and later loads it from there; the others pull at their next sync. A pull from a
+    peer that fails (the peer left, or has not got the version) is retried from the trainer."""
 
     def __init__(
         self,
@@ -46,16 +64,24 @@ class PolicyFollower:
         client: WeightSyncClient,
         dtype: torch.dtype | None = None,
         buffer_bytes: int = 64 << 20,
+        relay: Relay | None = None,
+        relay_address: str = "",
     ):
         self.engine = engine
         self.engine_thread = engine_thread
         self.client = client
         self.dtype = dtype  # pull floating-point weights in the dtype the engine holds them in
         self.buffer_bytes = buffer_bytes
+        self.relay = relay
+        self.relay_address = relay_address if relay is not None else ""
         self.loaded = 0  # version 0 is the base model the engine started from
         self.newest = 0
+        self.announced: pb.PolicyVersion | None = None  # the newest announcement: where to pull it from
         self.torn = False
         self.last_buffer_peak = 0  # bytes held between receiving and loading in the last sync
+        self.last_origin = ""  # where the last loaded version came from: "relay", "peer" or "trainer"
+        self._peers: dict[str, WeightSyncClient] = {}
+        self._prefetch: asyncio.Task[None] | None = None
 
     async def watch(self) -> None:
         delay = 0.5
@@ -63,13 +89,70 @@ class PolicyFollower:
             try:
                 # after_version=0: a (re)connected watch first hears the trainer's current version, which
                 # after a trainer restart may differ from anything seen before.
-                async for info in self.client.watch(after_version=0):
-                    self.newest = info.version
+                async for info in self.client.watch(after_version=0, relay_address=self.relay_address):
+                    self.newest, self.announced = info.version, info
+                    if info.relay and self.relay is not None:
+                        await self._start_relaying(info)
                     delay = 0.5
             except grpc.aio.AioRpcError as error:
                 log_event(log, "weight_watch_lost", level=logging.WARNING, code=error.code().name, retry_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    async def _start_relaying(self, info: pb.PolicyVersion) -> None:
+        assert self.relay is not None
+        if self._prefetch is not None:
+            self._prefetch.cancel()  # latest wins here too; its children fall back to the trainer
+        buffer = await self.relay.begin(info.version, dtype_text(self.dtype))
+        self._prefetch = asyncio.create_task(self._fill(buffer, info.source))
+
+    async def _fill(self, buffer: RelayBuffer, source: str) -> None:
+        """Pull the version being relayed: from the parent, or from the trainer if the parent fails before
+        sending anything (once children have part of it, they fall back themselves)."""
+        clients = [self._peer(source), self.client] if source else [self.client]
+        for client in clients:
+            try:
+                await buffer.fill(client.raw(version=buffer.version, dtype=self.dtype))
+                return
+            except grpc.aio.AioRpcError as error:
+                log_event(
+                    log,
+                    "weight_relay_pull_failed",
+                    level=logging.WARNING,
+                    code=error.code().name,
+                    source=source if client is not self.client else "trainer",
+                    version=buffer.version,
+                )
+                if buffer.done:
+                    return
+        buffer.finish(RelayBroken("no source had the version"))
+
+    def _peer(self, address: str) -> WeightSyncClient:
+        client = self._peers.get(address)
+        if client is None:
+            client = self._peers[address] = WeightSyncClient(address, chunk_bytes=self.client.chunk_bytes)
+        return client
+
+    def _sources(self) -> list[tuple[str, Callable[[], WeightStream]]]:
+        """Where to get the newest version, best first; the trainer is always last."""
+        sources: list[tuple[str, Callable[[], WeightStream]]] = []
+        current = self.relay.current if self.relay is not None else None
+        if current is not None and current.version == self.newest and not (current.done and current.error):
+            sources.append(("relay", lambda: WeightStream(raw async for raw, _ in current.read())))
+        announced = self.announced
+        if not sources and announced is not None and announced.version == self.newest and announced.source:
+            peer = self._peer(announced.source)
+            sources.append(("peer", lambda: peer.stream(version=announced.version, dtype=self.dtype)))
+        sources.append(("trainer", lambda: self.client.stream(dtype=self.dtype)))
+        return sources
+
+    async def ready(self) -> int:
+        """Sync, then the loaded version; raises EngineUnavailable while the engine is torn (a sync broke off
+        after loading began), so the stage holds its prompts instead of tagging half-loaded weights."""
+        await self.sync()
+        if self.torn:
+            raise EngineUnavailable("a weight sync broke off midway; waiting for a complete one")
+        return self.loaded
 
     async def sync(self) -> None:
         """Load the newest version if it is not loaded yet. With the trainer away (restarting), keep the
@@ -78,15 +161,38 @@ class PolicyFollower:
         if self.newest == self.loaded and not self.torn:
             return
         started = time.perf_counter()
-        stream = self.client.stream(dtype=self.dtype)
+        for origin, open_stream in self._sources():
+            stream = open_stream()
+            if await self._load(stream, last=origin == "trainer"):
+                self.last_origin = origin
+                seconds = time.perf_counter() - started
+                record_weight_sync(seconds, stream.data_bytes, self.loaded)
+                log_event(
+                    log,
+                    "weights_loaded",
+                    version=self.loaded,
+                    origin=origin,
+                    bytes=stream.data_bytes,
+                    buffer_peak=self.last_buffer_peak,
+                    sync_s=round(seconds, 3),
+                )
+                return
+            if origin != "trainer":
+                log_event(log, "weight_relay_fallback", level=logging.WARNING, origin=origin, torn=self.torn)
+
+    async def _load(self, stream: WeightStream, last: bool) -> bool:
+        """Stream one pull into the engine; True once it is loaded. A pull that fails before its first tensor
+        leaves the engine as it was; one that fails after leaves it torn."""
         tensors = aiter(stream)
         try:
             # The engine starts loading only once the first tensor is here: a trainer that is down costs
             # nothing, the loaded weights stay whole.
             first = await anext(tensors)
-        except (grpc.aio.AioRpcError, ChecksumError) as error:
-            self._deferred(error)
-            return
+        except (grpc.aio.AioRpcError, ChecksumError, RelayBroken, StopAsyncIteration) as error:
+            stream.cancel()
+            if last:
+                self._deferred(error)
+            return False
         loop = asyncio.get_running_loop()
         handoff = TensorHandoff(loop, self.buffer_bytes)
         load = loop.run_in_executor(self.engine_thread, self.engine.load_weights, handoff)
@@ -96,7 +202,7 @@ class PolicyFollower:
             async for name, tensor in tensors:
                 await handoff.put(name, tensor)
             handoff.close()
-        except (grpc.aio.AioRpcError, ChecksumError) as error:
+        except (grpc.aio.AioRpcError, ChecksumError, RelayBroken) as error:
             handoff.close(error)
         except EngineGone:
             pass  # the load's own error is raised below
@@ -117,23 +223,30 @@ class PolicyFollower:
                 loaded=self.loaded,
                 newest=self.newest,
             )
-            return
+            return False
         self.loaded, self.torn = stream.version or 0, False
         self.last_buffer_peak = handoff.peak
-        seconds = time.perf_counter() - started
-        record_weight_sync(seconds, stream.data_bytes, self.loaded)
-        log_event(
-            log,
-            "weights_loaded",
-            version=self.loaded,
-            bytes=stream.data_bytes,
-            buffer_peak=handoff.peak,
-            sync_s=round(seconds, 3),
-        )
+        return True
 
     def _deferred(self, error: BaseException) -> None:
         code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
         log_event(log, "weight_sync_deferred", level=logging.WARNING, code=code, loaded=self.loaded, newest=self.newest)
+
+    async def close(self) -> None:
+        if self._prefetch is not None:
+            self._prefetch.cancel()
+        for client in (self.client, *self._peers.values()):
+            await client.close()
+
+
+def relay_address_of(cfg: RunConfig, bound: str) -> str:
+    """Where peers reach this replica's relay: rollout.relay_host (the pod IP in k8s) or service.host, at the
+    bound gRPC port; "" (no relaying) when only a wildcard bind address is known, as peers cannot dial it."""
+    host = cfg.rollout.relay_host or cfg.service.host
+    if host in ("0.0.0.0", "::", "[::]", ""):
+        log_event(log, "weight_relay_off", level=logging.WARNING, reason="set rollout.relay_host to this pod's IP")
+        return ""
+    return f"{host}:{bound.rsplit(':', 1)[1]}"
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
@@ -145,13 +258,19 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     engine_s = started()
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
-    server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
+    relay = Relay() if cfg.rollout.weight_relay else None
+    server, address = await start_grpc_server(
+        cfg, cfg.service.grpc_port, register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None
+    )
+    relay_address = relay_address_of(cfg, address) if relay else ""
     follower = PolicyFollower(
         engine,
         engine_thread,
         WeightSyncClient(cfg.trainer_address),
         dtype=dtype_named(serving_dtype(cfg)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,
+        relay=relay if relay_address else None,
+        relay_address=relay_address,
     )
     with contextlib.suppress(grpc.aio.AioRpcError):
         follower.newest = (await follower.client.version()).version
@@ -160,10 +279,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live, presence = await join_run(cfg, bus, "rollout", grpc=address)
 
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
-        await follower.sync()
-        if follower.torn:
-            # Generating from half-loaded weights would tag wrong logprobs with a version: hold the prompts.
-            raise EngineUnavailable("a weight sync broke off midway; waiting for a complete one")
+        # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
+        await follower.ready()
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
@@ -204,4 +321,4 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         await serve_stage(stage, stop, server, presence)
     finally:
         watcher.cancel()
-        await follower.client.close()
+        await follower.close()
