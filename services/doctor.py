@@ -25,12 +25,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.common.config import ConfigError, RunConfig, load_config
+from services.common.hardware import GpuFacts, gpu_facts, release_numbers
 from services.common.nats_server import nats_server_binary
 from services.common.startup_checks import (
     Check,
     CheckResult,
+    Status,
     check_admin_token,
     check_ports,
+    cuda_failure,
     dataset_rows,
     human_size,
     model_rows,
@@ -119,40 +122,115 @@ def check_packages(lock: Path = LOCK_FILE) -> CheckResult:
     return CheckResult("packages", "ok", f"{pinned} pinned packages match {lock}")
 
 
-def _driver_version() -> str:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return "unknown (no nvidia-smi)"
-    try:
-        out = subprocess.run(
-            [smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-            check=False,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError) as error:
-        return f"unknown ({shorten(error, 80)})"
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else "unknown"
+# GPU checks: pure decisions over the facts services/common/hardware.py gathers, so each branch is
+# tested on a machine without a GPU by handing it the facts of one.
 
 
-def check_gpu() -> CheckResult:
-    import torch
-
-    if not torch.cuda.is_available():
-        return CheckResult("gpu", "ok", f"no GPU (CPU run), torch {torch.__version__}")
-    names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    devices = f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
-    detail = f"{devices}; torch {torch.__version__}, CUDA {torch.version.cuda}, driver {_driver_version()}"
-    try:
-        nccl = torch.cuda.nccl.version()
-    except (RuntimeError, AttributeError) as error:
-        # One GPU trains without NCCL; more than one cannot share gradients.
+def gpu_row(facts: GpuFacts) -> CheckResult:
+    """A GPU the driver shows but CUDA cannot open fails, naming why: CUDA code would run on the CPU or not at all."""
+    if not facts.cuda_available:
+        if not facts.gpu_seen:
+            return CheckResult("gpu", "ok", f"no GPU (CPU run), torch {facts.torch_version}")
         return CheckResult(
-            "gpu", "warn" if len(names) == 1 else "fail", f"{detail}, NCCL unavailable: {shorten(error, 120)}"
+            "gpu", "fail", f"a GPU is present ({facts.gpu_seen}) but CUDA does not initialize: {cuda_failure(facts)}"
         )
-    nccl_text = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
-    return CheckResult("gpu", "ok", f"{detail}, NCCL {nccl_text}")
+    names = facts.devices
+    devices = f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
+    driver = facts.driver_version or "unknown"
+    return CheckResult("gpu", "ok", f"{devices}; torch {facts.torch_version}, CUDA {facts.torch_cuda}, driver {driver}")
+
+
+def cuda_versions_row(facts: GpuFacts) -> CheckResult:
+    """torch's CUDA against the newest CUDA the driver supports.
+
+    An older driver major cannot run the build at all; an older minor of the same major runs
+    through CUDA's minor-version compatibility, where code JIT-compiled from PTX (Triton's
+    kernels, vLLM's) can still fail, hence a warning.
+    """
+    if not facts.cuda_available and not facts.gpu_seen:
+        return CheckResult("cuda", "skip", "no GPU")
+    if facts.torch_cuda is None:
+        return CheckResult("cuda", "skip", f"torch {facts.torch_version} is a CPU-only build (see gpu)")
+    built = f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda}"
+    if facts.driver_cuda is None:
+        return CheckResult(
+            "cuda", "warn", f"{built}; the driver's CUDA version is unknown (NVML did not load, nvidia-smi did not say)"
+        )
+    driver = f"driver {facts.driver_version or '(version unknown)'} supports CUDA up to {facts.driver_cuda}"
+    want, have = release_numbers(facts.torch_cuda)[:2], release_numbers(facts.driver_cuda)[:2]
+    if have[:1] < want[:1]:
+        return CheckResult(
+            "cuda",
+            "fail",
+            f"{built} but the {driver}: upgrade the driver, or install a torch built for CUDA {have[0]}.x",
+        )
+    if have < want:
+        return CheckResult(
+            "cuda",
+            "warn",
+            f"{built} but the {driver}: it runs by minor-version compatibility, and kernels compiled at run time "
+            "(Triton, vLLM) may fail; upgrade the driver",
+        )
+    return CheckResult("cuda", "ok", f"{built}; {driver}")
+
+
+def nccl_row(facts: GpuFacts) -> CheckResult:
+    """The NCCL torch loaded: present (needed with more than one GPU), for torch's CUDA major, and the wheel's own."""
+    if not facts.cuda_available:
+        return CheckResult("nccl", "skip", "no CUDA")
+    if facts.nccl is None:
+        # One GPU trains without NCCL; more than one cannot share gradients.
+        status: Status = "warn" if len(facts.devices) <= 1 else "fail"
+        return CheckResult("nccl", status, f"NCCL unavailable: {facts.nccl_error[:120]}")
+    if facts.nccl_wheel is None:
+        return CheckResult("nccl", "ok", f"NCCL {facts.nccl} (no nvidia-nccl wheel: linked into torch or the system's)")
+    wheel, wheel_version = facts.nccl_wheel
+    wheel_cuda = int(wheel.removeprefix("nvidia-nccl-cu"))  # gpu_facts matched nvidia-nccl-cu<digits>
+    torch_major = release_numbers(facts.torch_cuda or "")[:1]
+    if torch_major and wheel_cuda != torch_major[0]:
+        return CheckResult(
+            "nccl",
+            "fail",
+            f"{wheel} {wheel_version} is built for CUDA {wheel_cuda} but torch for CUDA {facts.torch_cuda}: "
+            f"install nvidia-nccl-cu{torch_major[0]}",
+        )
+    if release_numbers(wheel_version)[:3] != release_numbers(facts.nccl)[:3]:
+        return CheckResult(
+            "nccl",
+            "warn",
+            f"torch loaded NCCL {facts.nccl} but {wheel} is {wheel_version}: another libnccl "
+            "(LD_LIBRARY_PATH, a system install) shadows the wheel's",
+        )
+    return CheckResult("nccl", "ok", f"NCCL {facts.nccl} ({wheel} {wheel_version})")
+
+
+def vllm_row(facts: GpuFacts) -> CheckResult:
+    """The torch vLLM was built against is the torch installed: its compiled ops load against no other."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    if facts.vllm is None:
+        return CheckResult("vllm", "skip", "vLLM is not installed (the rollout needs it: the vllm extra)")
+    dist, version = facts.vllm
+    if not facts.vllm_torch:
+        return CheckResult("vllm", "ok", f"{dist} {version} names no torch requirement on this platform")
+    try:
+        wanted = SpecifierSet(facts.vllm_torch)
+    except InvalidSpecifier:
+        return CheckResult("vllm", "warn", f"{dist} {version} requires torch {facts.vllm_torch!r}, which is unreadable")
+    if not wanted.contains(facts.torch_version, prereleases=True):
+        return CheckResult(
+            "vllm",
+            "fail",
+            f"{dist} {version} requires torch{facts.vllm_torch} but torch {facts.torch_version} is installed: "
+            "install the torch it pins (requirements.lock; deploy/requirements-cuda.txt on a GPU machine)",
+        )
+    return CheckResult(
+        "vllm", "ok", f"{dist} {version} requires torch{facts.vllm_torch}; torch {facts.torch_version} is installed"
+    )
+
+
+def gpu_rows(facts: GpuFacts) -> list[CheckResult]:
+    return [gpu_row(facts), cuda_versions_row(facts), nccl_row(facts), vllm_row(facts)]
 
 
 # Config checks.
@@ -349,7 +427,12 @@ def run_checks(
     trainer's port, so the nats-server binary is checked instead of ``nats.url``.
     Not for a running event loop: the NATS probe runs its own.
     """
-    return [check_python(), check_packages(), check_gpu(), *run_each(_doctor_checks(embedded), cfg, invalid)]
+    return [
+        check_python(),
+        check_packages(),
+        *gpu_rows(gpu_facts()),
+        *run_each(_doctor_checks(embedded), cfg, invalid),
+    ]
 
 
 def _partial_config(path: Path) -> tuple[RunConfig | None, frozenset[str]]:

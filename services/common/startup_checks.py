@@ -20,6 +20,7 @@ from typing import Literal
 
 from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, RunConfig
 from services.common.datasets import row_problem
+from services.common.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -274,15 +275,57 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
     return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
 
 
-def check_device(cfg: RunConfig) -> CheckResult:
-    """``model.device`` names a device this process has (``cuda`` with no GPU is refused here, not mid-load)."""
+def cuda_failure(facts: GpuFacts) -> str:
+    """Why CUDA does not initialize on a machine that has a GPU, with what to do about it."""
+    if facts.torch_cuda is None:
+        return (
+            f"torch {facts.torch_version} is a CPU-only build (torch.version.cuda is None); "
+            "install a CUDA build of torch (deploy/requirements-cuda.txt)"
+        )
+    if facts.driver_cuda is not None and release_numbers(facts.driver_cuda)[:1] < release_numbers(facts.torch_cuda)[:1]:
+        return (
+            f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda} but driver "
+            f"{facts.driver_version or '(version unknown)'} supports CUDA up to {facts.driver_cuda}; "
+            "upgrade the driver or install a torch built for the driver's CUDA"
+        )
+    if facts.cuda_error:
+        return f"torch.cuda.init() raised {facts.cuda_error}"
+    return "torch.cuda.is_available() is False and torch.cuda.init() raised nothing"
+
+
+def device_result(name: str, cuda_available: bool, broken_gpu: GpuFacts | None) -> CheckResult:
+    """``model.device`` against what this process has.
+
+    ``broken_gpu``: the facts of a GPU that is present but that CUDA cannot open (None when there
+    is none, or CUDA works). With it, ``auto`` fails instead of quietly training on the CPU.
+    """
     from services.common.modeling import resolve_device
 
+    broken = (
+        f"a GPU is present ({broken_gpu.gpu_seen}) but CUDA does not initialize: {cuda_failure(broken_gpu)}"
+        if broken_gpu is not None
+        else ""
+    )
     try:
-        device = resolve_device(cfg.model.device)
+        device = resolve_device(name, cuda_available)
     except ConfigError as error:
-        return CheckResult("device", "fail", str(error).removeprefix("invalid configuration:").strip())
-    return CheckResult("device", "ok", f"model.device {cfg.model.device}: {device}")
+        detail = str(error).removeprefix("invalid configuration:").strip()
+        return CheckResult("device", "fail", f"{detail}; {broken}" if broken else detail)
+    if broken and name == "auto":
+        return CheckResult(
+            "device", "fail", f"model.device auto would run on the CPU: {broken}; or set model.device cpu on purpose"
+        )
+    return CheckResult("device", "ok", f"model.device {name}: {device}")
+
+
+def check_device(cfg: RunConfig) -> CheckResult:
+    """``model.device`` names a device this process has (``cuda`` with no GPU is refused here, not mid-load)."""
+    import torch
+
+    available = torch.cuda.is_available()
+    # Looked for only when CUDA is unavailable and the config could want it: a stat of /proc, at worst nvidia-smi.
+    broken = gpu_facts() if not available and cfg.model.device != "cpu" and gpu_seen() else None
+    return device_result(cfg.model.device, available, broken)
 
 
 def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
