@@ -29,6 +29,7 @@ from services.common.chat import render_rows
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
+from services.common.hardware import HardwareSampler
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.logs import Stopwatch, bind_log_fields, log_event
@@ -110,6 +111,7 @@ class Trainer:
         self.status = StatusReporter(
             live, bus, self.progress, self.control, self.ledger, self.alerts, self.recovery.catalog, self.build
         )
+        self.hardware = HardwareSampler(learner.device)
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
@@ -224,6 +226,7 @@ class Trainer:
             "config_version": self.live.version,
             "dropped_stale": len(collected.dropped),
             **metrics,
+            **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
             "services_down": await self.status.services_down(),
         }
