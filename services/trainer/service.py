@@ -29,8 +29,8 @@ from services.common.chat import render_rows
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
-from services.common.hardware import HardwareSampler
 from services.common.events import EventLog
+from services.common.hardware import HardwareSampler
 from services.common.live_config import LiveConfig
 from services.common.logs import Stopwatch, bind_log_fields, log_event
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
