@@ -151,10 +151,11 @@ async def grpc_pull_seconds(client: WeightSyncClient, dtype: torch.dtype | None)
 
 async def measure(
     info: dict, dtype: torch.dtype | None, repeats: int, chunk_bytes: int
-) -> tuple[float, float, float, int]:
-    """Median gRPC and raw seconds, the median of the ratios of back-to-back pairs, and the bytes pulled."""
+) -> tuple[float, float, float, int, float]:
+    """Median gRPC and raw seconds, the median of the ratios of back-to-back pairs, the bytes pulled, and the
+    first pull's seconds (it makes the version's CRCs and casts, and warms the channel)."""
     client = WeightSyncClient(f"127.0.0.1:{info['grpc_port']}", chunk_bytes=chunk_bytes)
-    await grpc_pull_seconds(client, dtype)  # warm the channel and its flow-control windows
+    first_s, _ = await grpc_pull_seconds(client, dtype)  # warms the channel and its flow-control windows
     raw_pull_seconds(info["raw_port"], info["wire_bytes"])
     grpc_times, raw_times = [], []
     for _ in range(repeats):  # alternate, so load from other processes hits both alike
@@ -165,7 +166,7 @@ async def measure(
     # Pairs taken back to back see the same load from the rest of the machine: their ratio is steadier than
     # the ratio of two medians.
     ratio = statistics.median(r / g for r, g in zip(raw_times, grpc_times, strict=True))
-    return statistics.median(grpc_times), statistics.median(raw_times), ratio, data_bytes
+    return statistics.median(grpc_times), statistics.median(raw_times), ratio, data_bytes, first_s
 
 
 def main() -> None:
@@ -187,7 +188,9 @@ def main() -> None:
     try:
         info = ready.get(timeout=300)
         dtype = dtype_named(args.dtype) if args.dtype else None
-        grpc_s, raw_s, wire_ratio, data_bytes = asyncio.run(measure(info, dtype, args.repeats, args.chunk_kib << 10))
+        grpc_s, raw_s, wire_ratio, data_bytes, first_s = asyncio.run(
+            measure(info, dtype, args.repeats, args.chunk_kib << 10)
+        )
     finally:
         trainer.kill()
     assert data_bytes == info["wire_bytes"], (data_bytes, info["wire_bytes"])
@@ -195,6 +198,7 @@ def main() -> None:
     torch_s = info["torch_s"]
     print(f"model (state dict)    {model_mb:10.1f} MB   on the wire {wire_mb:.1f} MB ({args.dtype or 'as stored'})")
     print(f"gRPC pull             {wire_mb / grpc_s:10.1f} MB/s  ({grpc_s * 1e3:.1f} ms, {args.chunk_kib} KiB chunks)")
+    print(f"first pull of version {wire_mb / first_s:10.1f} MB/s  ({first_s * 1e3:.1f} ms, makes CRCs and casts)")
     print(f"raw loopback TCP      {wire_mb / raw_s:10.1f} MB/s  ({raw_s * 1e3:.1f} ms)  baseline: the wire")
     print(f"torch.save+load (RAM) {model_mb / torch_s:10.1f} MB/s  ({torch_s * 1e3:.1f} ms)  baseline: in memory")
     print(f"ratio gRPC/wire       {wire_ratio:10.2f}x  (median over back-to-back pairs)")
