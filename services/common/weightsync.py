@@ -62,24 +62,33 @@ class Snapshot:
     # Chunk CRCs per (wire dtype, chunk bytes, aliases), filled by the first pull of this version and reused by
     # every later one: N replicas cost the trainer one checksum pass per version, not N.
     crcs: dict[tuple[str, int, bool], list[int]] = field(default_factory=dict, compare=False, repr=False)
-    # Tensors cast to a wire dtype, by (id of the stored tensor, dtype): built by the first pull that asks for
-    # that dtype and shared by every later one, freed with the snapshot when the next version replaces it.
+    # Tensors cast to a wire dtype (flat), by (id of the stored tensor, dtype): filled chunk by chunk by the first
+    # pull that asks for that dtype and shared by every later one, freed with the snapshot when the next version
+    # replaces it. `cast_upto` is how many elements of each are filled (every pull walks a tensor in order).
     casts: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    cast_upto: dict[tuple[int, torch.dtype], int] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def total_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for _, t in self.tensors)
 
-    def as_dtype(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``tensor`` (one of this snapshot's) in ``dtype``, cast on first use. The whole tensor is cast at once:
-        the event loop stalls for one tensor's cast at most, and every puller after the first skips it."""
+    def piece(self, tensor: torch.Tensor, dtype: torch.dtype, start: int, stop: int) -> torch.Tensor:
+        """Elements ``start:stop`` of ``tensor`` (one of this snapshot's, flattened) in ``dtype``, cast once.
+
+        The cast is kept whole but made a chunk at a time, as pulls reach it: casting a whole tensor into
+        fresh memory at once measured 2-6x slower than chunk by chunk (page faults, cache misses)."""
+        flat = tensor.reshape(-1)
         if tensor.dtype == dtype:
-            return tensor
+            return flat[start:stop]
         key = (id(tensor), dtype)
         cast = self.casts.get(key)
         if cast is None:
-            cast = self.casts[key] = tensor.to(dtype)
-        return cast
+            cast = self.casts[key] = torch.empty(flat.numel(), dtype=dtype)
+        done = self.cast_upto.get(key, 0)
+        if stop > done:
+            cast[done:stop].copy_(flat[done:stop])
+            self.cast_upto[key] = stop
+        return cast[start:stop]
 
     def info(self) -> pb.PolicyVersion:
         return pb.PolicyVersion(
@@ -135,12 +144,12 @@ def chunks_of(
     crcs: list[int] = []
     for names, tensor in _groups(snapshot.tensors, aliases):
         sent = wire_dtype(tensor.dtype, dtype)
-        flat = snapshot.as_dtype(tensor, sent).reshape(-1)
+        numel = tensor.numel()
         itemsize = torch.empty(0, dtype=sent).element_size()
         per_chunk = max(1, chunk_bytes // itemsize)
-        for start in range(0, max(flat.numel(), 1), per_chunk):
-            # Sliced out of the snapshot (or its cached cast) chunk by chunk: no per-pull copy of a tensor.
-            data = _raw_bytes(flat[start : start + per_chunk])
+        for start in range(0, max(numel, 1), per_chunk):
+            # Sliced out of the snapshot (or its shared cast) chunk by chunk: no per-pull copy of a tensor.
+            data = _raw_bytes(snapshot.piece(tensor, sent, start, min(start + per_chunk, numel)))
             crc = known[len(crcs)] if known is not None else zlib.crc32(data)
             crcs.append(crc)
             yield pb.WeightChunk(
@@ -149,7 +158,7 @@ def chunks_of(
                 dtype=str(sent).removeprefix("torch."),
                 shape=list(tensor.shape),
                 offset=start * itemsize,
-                tensor_bytes=flat.numel() * itemsize,
+                tensor_bytes=numel * itemsize,
                 data=data,
                 crc32=crc,
                 aliases=names[1:] if start == 0 else [],

@@ -194,6 +194,7 @@ def test_a_cast_is_made_once_per_version_and_shared_by_every_pull():
     big = dict(snap.tensors)["big"]
     # Only the float32 tensor needed a cast: bf16 goes as it is, integers are never cast.
     assert list(casts) == [(id(big), torch.bfloat16)]
+    assert snap.cast_upto == {(id(big), torch.bfloat16): big.numel()}  # made once, in full, by the first pull
     assert snap.casts == casts and snap.casts[(id(big), torch.bfloat16)] is casts[(id(big), torch.bfloat16)]
     assert torch.equal(casts[(id(big), torch.bfloat16)], big.to(torch.bfloat16))
     assert first[0] == second[0] == 7 and torch.equal(first[1]["big"], second[1]["big"])
