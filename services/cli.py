@@ -8,6 +8,7 @@ import typer
 
 from services.admin_cli import register as register_operator_commands
 from services.common.config import ConfigError
+from services.tuner.cli import register as register_tune_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
 
@@ -160,6 +161,7 @@ def import_gguf(
 
 
 register_operator_commands(app)
+register_tune_command(app)
 
 
 def main() -> None:

@@ -1,0 +1,79 @@
+"""``rlpipe tune [status|best|report] FILE``.
+
+One command with an optional action word rather than a command group: ``rlpipe tune FILE`` runs the
+study, which a group's positional argument could not share with its sub-commands.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+ACTIONS = ("status", "best", "report")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command(no_args_is_help=True)
+    def tune(
+        args: list[str] = typer.Argument(..., metavar="[status|best|report] FILE", help="the tune file"),
+        worker: bool = typer.Option(
+            False,
+            "--worker",
+            help="join the study as one more worker (the tune file's storage shared by several tuners); "
+            "no table, report or best config at the end, the last worker to finish or `rlpipe tune best` does that",
+        ),
+        out: Path | None = typer.Option(
+            None, "--out", help="best: the YAML to write (default <workdir>/best.yaml); report: its folder"
+        ),
+    ) -> None:
+        """Search hyperparameters: each trial an isolated `rlpipe run`, scored, limited and recorded in an Optuna study.
+
+        `rlpipe tune FILE` runs the study to its budget (a restarted tuner continues it), then prints the table
+        and writes the report and the best config. `status` prints the table, `best` writes the best trial's
+        config as a YAML for `rlpipe run`, `report` renders PNG plots and an HTML page.
+        """
+        from rich.console import Console
+
+        from services.tuner import records
+        from services.tuner.spec import TuneFileError, load_tune_file
+        from services.tuner.study import open_storage, open_study
+
+        action, path = (args[0], args[1]) if len(args) == 2 else ("run", args[0])
+        if len(args) > 2 or (len(args) == 2 and action not in ACTIONS):
+            typer.echo(f"rlpipe tune: expected [{'|'.join(ACTIONS)}] FILE, got {' '.join(args)}", err=True)
+            raise typer.Exit(2)
+        try:
+            spec, base = load_tune_file(path)
+        except TuneFileError as error:
+            typer.echo(f"rlpipe tune: {error}", err=True)
+            raise typer.Exit(2) from None
+        # A table read from a file or a CI log is as useful as one on a terminal: do not squeeze it to 80 columns.
+        console = Console(width=None if sys.stdout.isatty() else 160)
+        import optuna
+
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        if action == "run":
+            from services.tuner.study import Tuner
+
+            tuner = Tuner(spec, base, Console(stderr=True))
+            tuner.run()
+            if worker:
+                return
+            study = tuner.study
+        else:
+            study = open_study(spec, open_storage(spec))
+        all_records = records.records(study)
+        if action in ("run", "status"):
+            console.print(records.status_table(spec, all_records))
+        if action in ("run", "report"):
+            console.print(f"report: {records.render_report(spec, study, out or spec.work_dir / 'report')}")
+        if action in ("run", "best"):
+            best = records.ranked(spec, all_records)
+            if not best:
+                typer.echo(f"rlpipe tune: no completed, feasible trial in study {spec.study} yet", err=True)
+                # A study that ran to its budget did its job even if every trial failed; `best` alone has none.
+                raise typer.Exit(1 if action == "best" else 0)
+            written = records.best_config(spec, best[0], out or spec.work_dir / "best.yaml")
+            console.print(f"best: trial {best[0].number} ({best[0].end.objective:.4g}) -> {written}")

@@ -1,0 +1,255 @@
+"""What the study records per trial, and what ``rlpipe tune status | best | report`` make of it.
+
+Optuna keeps each trial's number, parameters, state, value and intermediate values; the tuner adds
+the rest as user attributes, written through ``TrialRecord`` so every reader sees one schema. A
+trial's ``status`` is finer than Optuna's state: ``oom`` is COMPLETE with a violated constraint (so
+samplers steer away from it), ``timeout`` and ``failed`` are FAIL, ``pruned`` is PRUNED, and a
+``duplicate`` copies the earlier trial it repeats instead of running again.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import optuna
+import yaml
+
+from services.tuner.spec import TuneSpec, base_config_data, set_dotted
+
+FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
+
+
+@dataclass
+class TrialStart:
+    """Written when a trial is launched: enough for a restarted tuner to find and kill what it left running."""
+
+    run_id: str
+    run_dir: str
+    config_path: str
+    host: str
+    worker_pid: int
+    started_at: float
+    pgid: int | None = None
+
+
+@dataclass
+class TrialEnd:
+    status: str
+    reason: str
+    steps: int = 0
+    objective: float | None = None
+    final_metrics: dict[str, float] = field(default_factory=dict)
+    peak_rss_gb: float | None = None
+    peak_gpu_gb: float | None = None
+    wall_s: float = 0.0
+    device_hours: float = 0.0
+    exit_code: int | None = None
+    alerts: list[str] = field(default_factory=list)  # "<rule> (<severity>)"
+    constraints: list[float] = field(default_factory=list)  # <= 0 feasible; [0] is out-of-memory
+    duplicate_of: int | None = None
+    ended_at: float = field(default_factory=time.time)
+
+
+def save(storage: optuna.storages.BaseStorage, trial_id: int, record: TrialStart | TrialEnd) -> None:
+    """Write ``record`` as the trial's user attributes (also for a trial another tuner process asked for)."""
+    for key, value in asdict(record).items():
+        storage.set_trial_user_attr(trial_id, key, value)
+
+
+@dataclass
+class TrialRecord:
+    """One row of ``rlpipe tune status``: a trial as the study holds it."""
+
+    number: int
+    state: str
+    status: str
+    params: dict[str, Any]
+    start: TrialStart | None
+    end: TrialEnd | None
+
+    @classmethod
+    def of(cls, trial: optuna.trial.FrozenTrial) -> TrialRecord:
+        attrs = trial.user_attrs
+        start = end = None
+        if "run_id" in attrs:
+            start = TrialStart(**{k: attrs[k] for k in TrialStart.__dataclass_fields__ if k in attrs})
+        if "status" in attrs:
+            end = TrialEnd(**{k: attrs[k] for k in TrialEnd.__dataclass_fields__ if k in attrs})
+        running = trial.state == optuna.trial.TrialState.RUNNING
+        status = end.status if end else ("running" if running else trial.state.name.lower())
+        return cls(trial.number, trial.state.name, status, dict(trial.params), start, end)
+
+    @property
+    def feasible(self) -> bool:
+        return self.end is not None and all(c <= 0 for c in self.end.constraints)
+
+
+def records(study: optuna.Study) -> list[TrialRecord]:
+    return [TrialRecord.of(t) for t in study.get_trials(deepcopy=False)]
+
+
+def ranked(spec: TuneSpec, all_records: list[TrialRecord]) -> list[TrialRecord]:
+    """Completed, feasible trials that ran themselves (not duplicates), best first."""
+    done = [
+        r
+        for r in all_records
+        if r.status == "complete" and r.feasible and r.end is not None and r.end.objective is not None
+    ]
+    return sorted(done, key=lambda r: r.end.objective, reverse=spec.objective.direction == "maximize")
+
+
+def status_table(spec: TuneSpec, all_records: list[TrialRecord]):
+    """A rich Table of every trial."""
+    from rich.table import Table
+
+    best = ranked(spec, all_records)
+    best_number = best[0].number if best else None
+    o = spec.objective
+    table = Table(title=f"study {spec.study}: {o.reduce} {o.metric} ({o.direction}); * = best")
+    for column in ("#", "status", "objective", "steps", "wall s", "peak GB", "params", "reason / run dir"):
+        table.add_column(column, overflow="fold")
+    for r in all_records:
+        end = r.end
+        objective = "" if end is None or end.objective is None else f"{end.objective:.4g}"
+        if r.number == best_number:
+            objective += " *"
+        params = ", ".join(f"{k.rsplit('.', 1)[-1]}={_short(v)}" for k, v in r.params.items())
+        where = (end.reason if end and end.reason else "") or (r.start.run_dir if r.start else "")
+        table.add_row(
+            str(r.number),
+            r.status,
+            objective,
+            str(end.steps) if end else "",
+            f"{end.wall_s:.0f}" if end else "",
+            f"{end.peak_rss_gb:.2f}" if end and end.peak_rss_gb is not None else "",
+            params,
+            where,
+        )
+    return table
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
+
+
+def best_config(spec: TuneSpec, record: TrialRecord, out: Path) -> Path:
+    """The base config with the best trial's parameters, as a file ``rlpipe run`` takes unchanged.
+
+    Its run id is ``<study>-best`` (the trial's own run directory holds the trial and would be refused),
+    and ``train.total_steps`` is what the trial ran, so the run reproduces what was measured.
+    """
+    data = base_config_data(spec)
+    for key, value in record.params.items():
+        set_dotted(data, key, value)
+    data["run_id"] = f"{spec.study}-best"
+    if record.end is not None and spec.trial.max_steps is not None:
+        total = record.params.get("train.total_steps", data.get("train", {}).get("total_steps"))
+        set_dotted(data, "train.total_steps", min(int(total or spec.trial.max_steps), spec.trial.max_steps))
+    objective = record.end.objective if record.end else None
+    header = (
+        f"# best trial {record.number} of study {spec.study}: {spec.objective.reduce} {spec.objective.metric} = "
+        f"{objective}\n# base config {spec.base_config}; parameters: {record.params}\n"
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(header + yaml.safe_dump(data, sort_keys=False))
+    return out
+
+
+def render_report(spec: TuneSpec, study: optuna.Study, out_dir: Path) -> Path:
+    """PNG plots (history, importances, parallel coordinates, intermediate values) and one HTML page."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from optuna.visualization import matplotlib as ov
+
+    # Optuna marks its matplotlib plots experimental; the report is ours to keep working, not the user's to fix.
+    warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    all_records = records(study)
+    finished = [t for t in study.get_trials(deepcopy=False) if t.state in FINISHED]
+    complete = [t for t in finished if t.state == optuna.trial.TrialState.COMPLETE]
+    plots: dict[str, Path] = {}
+
+    def draw(name: str, plot) -> None:
+        try:
+            ax = plot()
+        except (ValueError, RuntimeError, ZeroDivisionError) as error:
+            # Importances need two completed trials with varied params; say so instead of failing the report.
+            plots[name] = Path(f"(not drawn: {error})")
+            return
+        figure = ax.figure if hasattr(ax, "figure") else ax.flat[0].figure
+        figure.set_size_inches(9, 5)
+        figure.tight_layout()
+        path = out_dir / f"{name}.png"
+        figure.savefig(path, dpi=90)
+        plt.close(figure)
+        plots[name] = path
+
+    draw("history", lambda: _history(spec, all_records))
+    if len(complete) >= 2:
+        draw("importances", lambda: ov.plot_param_importances(study))
+        draw("parallel_coordinates", lambda: ov.plot_parallel_coordinate(study))
+    draw("intermediate_values", lambda: ov.plot_intermediate_values(study))
+    page = out_dir / "report.html"
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f"<td>{html.escape(str(x))}</td>"
+            for x in (
+                r.number,
+                r.status,
+                "" if not r.end or r.end.objective is None else f"{r.end.objective:.4g}",
+                r.end.steps if r.end else "",
+                r.end.wall_s if r.end else "",
+                r.params,
+                r.end.reason if r.end else "",
+            )
+        )
+        + "</tr>"
+        for r in all_records
+    )
+    images = "".join(
+        f"<h2>{name}</h2>"
+        + (
+            f'<img src="data:image/png;base64,{base64.b64encode(path.read_bytes()).decode()}">'
+            if path.suffix == ".png"
+            else f"<p>{html.escape(str(path))}</p>"
+        )
+        for name, path in plots.items()
+    )
+    page.write_text(
+        f"<!doctype html><meta charset=utf-8><title>study {html.escape(spec.study)}</title>"
+        f"<h1>study {html.escape(spec.study)}</h1><table border=1 cellpadding=3>"
+        "<tr><th>#<th>status<th>objective<th>steps<th>wall s<th>params<th>reason</tr>"
+        f"{rows}</table>{images}"
+    )
+    return page
+
+
+def _history(spec: TuneSpec, all_records: list[TrialRecord]):
+    """Objective per trial, every status shown (Optuna's own history plot leaves out failed trials)."""
+    import matplotlib.pyplot as plt
+
+    _, ax = plt.subplots()
+    colors = {"complete": "tab:blue", "pruned": "tab:orange", "oom": "tab:red", "timeout": "tab:purple"}
+    for status in sorted({r.status for r in all_records}):
+        group = [r for r in all_records if r.status == status]
+        ys = [r.end.objective if r.end and r.end.objective is not None else float("nan") for r in group]
+        # Trials without an objective (failed at start) sit on the axis so they are still seen.
+        ys = [0.0 if y != y else y for y in ys]
+        ax.scatter([r.number for r in group], ys, label=f"{status} ({len(group)})", color=colors.get(status, "gray"))
+    best = ranked(spec, all_records)
+    if best:
+        ax.axhline(best[0].end.objective, linestyle="--", color="tab:green", label=f"best: trial {best[0].number}")
+    ax.set_xlabel("trial")
+    ax.set_ylabel(f"{spec.objective.reduce} {spec.objective.metric}")
+    ax.set_title(f"study {spec.study}: optimization history")
+    ax.legend()
+    return ax

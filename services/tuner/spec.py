@@ -1,0 +1,368 @@
+"""The tune file: what ``rlpipe tune FILE`` searches, how it scores a trial, and what it may spend.
+
+Defaults and the search space are kept apart: ``base_config`` is an ordinary run config (the one
+``rlpipe run`` takes), and ``space`` names the run config's own dotted keys with a range or choices
+each. Everything is checked when the tuner starts, before any trial runs: an unknown key, a section
+instead of a field, an empty range, a log range touching zero, or a bound the run config itself
+refuses (``sampling.temperature: 0``) stops it with the key named.
+
+Example (examples/tune-arith.yaml has a full one)::
+
+    study: arith
+    base_config: examples/arith-grpo.yaml
+    space:
+      train.learning_rate: {type: float, low: 1.0e-5, high: 1.0e-1, log: true}
+      sampling.group_size: {type: categorical, choices: [4, 8]}
+      train.clip.high: {type: float, low: 0.2, high: 0.4, when: {param: train.algorithm, in: [grpo, dr_grpo]}}
+    objective: {metric: eval_accuracy, reduce: final, direction: maximize}
+    pruner: {kind: median, warmup_steps: 20}
+    budget: {max_trials: 12, max_wall_s: 1800}
+    trial: {max_steps: 80, max_wall_s: 300, max_rss_gb: 8}
+
+Paths (``base_config``, ``workdir``, a ``journal:``/``sqlite:`` storage) are relative to the working
+directory, as the paths inside run configs are.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from services.common.config import ConfigError, RunConfig, apply_overrides, load_config
+
+Scalar = str | int | float | bool
+
+
+class TuneFileError(ValueError):
+    """A tune file the tuner refuses to start with; the message names every bad key."""
+
+
+class Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Condition(Spec):
+    """Sample a parameter only when another key's value is one of ``in``.
+
+    ``param`` is another parameter of the space (listed before this one, so it is sampled first) or,
+    when the space does not vary it, a key of the base config (then the condition is fixed for the study).
+    """
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    param: str
+    values: list[Scalar] = Field(alias="in", min_length=1)
+
+
+class FloatParam(Spec):
+    type: Literal["float"]
+    low: float
+    high: float
+    log: bool = Field(False, description="sample uniformly in log space (learning rates, coefficients over decades)")
+    step: float | None = Field(None, gt=0, description="discretise the range (not with log)")
+    when: Condition | None = None
+
+    @model_validator(mode="after")
+    def _a_range(self) -> FloatParam:
+        _check_range(self.low, self.high, self.log)
+        if self.log and self.step is not None:
+            raise ValueError("step and log cannot be combined (Optuna samples either a grid or a log scale)")
+        return self
+
+
+class IntParam(Spec):
+    type: Literal["int"]
+    low: int
+    high: int
+    log: bool = False
+    step: int = Field(1, ge=1)
+    when: Condition | None = None
+
+    @model_validator(mode="after")
+    def _a_range(self) -> IntParam:
+        _check_range(self.low, self.high, self.log)
+        if self.log and self.step != 1:
+            raise ValueError("step and log cannot be combined (Optuna samples either a grid or a log scale)")
+        return self
+
+
+class CategoricalParam(Spec):
+    type: Literal["categorical"]
+    choices: list[Scalar] = Field(min_length=1)
+    when: Condition | None = None
+
+    @field_validator("choices")
+    @classmethod
+    def _distinct(cls, choices: list[Scalar]) -> list[Scalar]:
+        if len({repr(c) for c in choices}) != len(choices):
+            raise ValueError(f"choices must be distinct, got {choices}")
+        return choices
+
+
+Param = Annotated[FloatParam | IntParam | CategoricalParam, Field(discriminator="type")]
+
+
+def _check_range(low: float, high: float, log: bool) -> None:
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise ValueError(f"low and high must be finite numbers, got {low}..{high}")
+    if low >= high:
+        raise ValueError(f"empty range: low ({low}) must be below high ({high}); a fixed value belongs in base_config")
+    if log and low <= 0:
+        raise ValueError(f"a log range must be positive, got low={low}")
+
+
+class MetricConstraint(Spec):
+    """A trial is feasible only if ``reduce`` over the metric's values stays below / above a bound."""
+
+    metric: str
+    reduce: Literal["final", "max", "min", "mean"] = "max"
+    below: float | None = None
+    above: float | None = None
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> MetricConstraint:
+        if (self.below is None) == (self.above is None):
+            raise ValueError("give exactly one of below / above")
+        return self
+
+
+class AlertConstraint(Spec):
+    """A trial is feasible only if no alert of this severity or worse fired during it."""
+
+    no_alert: Literal["info", "warning", "critical"]
+
+
+class Objective(Spec):
+    metric: str = Field("eval_accuracy", description="a key of the run's metrics.jsonl rows")
+    reduce: Literal["final", "best", "mean_last_k"] = Field(
+        "final", description="final: the last value; best: the best by direction; mean_last_k: mean of the last k"
+    )
+    k: int = Field(3, ge=1, description="values averaged by mean_last_k")
+    direction: Literal["maximize", "minimize"] = "maximize"
+    constraints: list[MetricConstraint | AlertConstraint] = Field(
+        default_factory=list, description="feasibility rules; an infeasible trial never becomes the best"
+    )
+
+
+class Pruner(Spec):
+    kind: Literal["none", "median", "successive_halving"] = "median"
+    startup_trials: int = Field(3, ge=0, description="median: trials completed before any is pruned")
+    warmup_steps: int = Field(0, ge=0, description="median: trainer steps of a trial before it may be pruned")
+    min_resource: int = Field(1, ge=1, description="successive_halving: steps of the first rung")
+    reduction_factor: int = Field(3, ge=2, description="successive_halving: 1/factor of trials promoted per rung")
+
+
+class Sampler(Spec):
+    kind: Literal["tpe", "random"] = "tpe"
+    seed: int | None = None
+    startup_trials: int = Field(5, ge=0, description="tpe: random trials before it models the space")
+
+
+class Budget(Spec):
+    max_trials: int = Field(20, ge=1, description="trials of the study that end (any status), over all workers")
+    max_wall_s: float | None = Field(None, gt=0, description="this tuner process's wall time; a trial is cut at it")
+    max_device_hours: float | None = Field(
+        None, gt=0, description="summed over the study's trials: GPUs x hours, or wall hours for CPU trials"
+    )
+
+
+class TrialLimits(Spec):
+    max_steps: int | None = Field(
+        None, ge=1, description="caps train.total_steps of every trial (the base config's and a sampled one)"
+    )
+    max_wall_s: float = Field(3600.0, gt=0, description="from the trial's launch; past it the trial is a timeout")
+    max_rss_gb: float | None = Field(None, gt=0, description="host RSS of the trial's whole process tree")
+    max_gpu_gb: float | None = Field(None, gt=0, description="device memory of the trial's processes (needs NVML)")
+    stop_grace_s: float = Field(30.0, gt=0, description="after SIGTERM, before SIGKILL of the trial's process group")
+    poll_s: float = Field(0.5, gt=0, description="how often metrics, limits and the pruner are checked")
+
+
+class TuneSpec(Spec):
+    study: str = Field(pattern=r"^[A-Za-z0-9_-]{1,48}$", description="study name; trial run ids are <study>-t<N>")
+    base_config: Path = Field(description="the run config every trial starts from")
+    workdir: Path | None = Field(None, description="trial configs, runs and the journal; default runs/tune/<study>")
+    storage: str = Field(
+        "",
+        description="empty: a journal file in workdir; journal:PATH, sqlite:///PATH, or postgresql://... when "
+        "tuners on several machines share the study",
+    )
+    space: dict[str, Param] = Field(min_length=1)
+    objective: Objective = Objective()
+    pruner: Pruner = Pruner()
+    sampler: Sampler = Sampler()
+    budget: Budget = Budget()
+    trial: TrialLimits = TrialLimits()
+    keep_checkpoints: int = Field(3, ge=0, description="checkpoints kept for the best few trials; others' deleted")
+    enqueue: list[dict[str, Scalar]] = Field(
+        default_factory=list, description="parameter sets run first, in order (known-good configs, regressions)"
+    )
+
+    @field_validator("storage")
+    @classmethod
+    def _known_storage(cls, url: str) -> str:
+        if url and not re.match(r"^(journal:.+|sqlite:///.+|postgresql(\+\w+)?://.+)$", url):
+            raise ValueError(f"{url!r} is not journal:PATH, sqlite:///PATH or postgresql://...")
+        return url
+
+    @property
+    def work_dir(self) -> Path:
+        return self.workdir or Path("runs") / "tune" / self.study
+
+    @property
+    def storage_url(self) -> str:
+        return self.storage or f"journal:{self.work_dir / 'study.journal'}"
+
+    def trial_run_id(self, number: int) -> str:
+        return f"{self.study}-t{number}"
+
+
+def _field_of(key: str) -> type[Any] | None:
+    """The annotation of the dotted run-config field ``key``; raises naming the first part that is not one."""
+    model: type[BaseModel] = RunConfig
+    parts = key.split(".")
+    for depth, part in enumerate(parts):
+        fields = {info.alias or name: info for name, info in model.model_fields.items()}
+        fields |= dict(model.model_fields)
+        if part not in fields:
+            raise ValueError(
+                f"no such field {part!r} in {'.'.join(parts[:depth]) or 'the run config'} "
+                f"(allowed: {sorted(model.model_fields)})"
+            )
+        annotation = fields[part].annotation
+        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        if depth == len(parts) - 1:
+            if is_section:
+                raise ValueError(f"{key} is a section; name one of its fields ({sorted(annotation.model_fields)})")
+            return annotation
+        if not is_section:
+            raise ValueError(f"{'.'.join(parts[: depth + 1])} holds no fields")
+        model = annotation
+    return None
+
+
+def get_dotted(data: dict[str, Any], key: str) -> Any:
+    node: Any = data
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set ``key`` in a raw config mapping, creating sections the file left to their defaults."""
+    *sections, leaf = key.split(".")
+    node = data
+    for part in sections:
+        node = node.setdefault(part, {})
+    node[leaf] = value
+
+
+def _check_space(spec: TuneSpec, base: RunConfig) -> list[str]:
+    """Problems of the search space against the run config, each naming its key."""
+    problems: list[str] = []
+    dumped = base.model_dump(mode="json", by_alias=True)
+    seen: list[str] = []
+    for key, param in spec.space.items():
+        try:
+            annotation = _field_of(key)
+        except ValueError as error:
+            problems.append(f"space.{key}: {error}")
+            seen.append(key)
+            continue
+        if key in ("run_id", "runs_dir", "metrics_path") or key.startswith(("nats.url", "checkpoint.store_url")):
+            problems.append(f"space.{key}: the tuner sets this per trial (isolation); it cannot be searched")
+        if isinstance(param, IntParam) and annotation is float:
+            pass  # an int range over a float field is fine: ints are floats
+        elif isinstance(param, FloatParam) and annotation is int:
+            problems.append(f"space.{key}: the field is an integer; use type: int")
+        # Both ends (or every choice) must be a value the run config accepts, or trials fail for nothing.
+        values = param.choices if isinstance(param, CategoricalParam) else [param.low, param.high]
+        for value in values:
+            try:
+                apply_overrides(base, {key: value})
+            except ConfigError as error:
+                detail = str(error).removeprefix("invalid configuration:\n").strip()
+                problems.append(f"space.{key}: {value!r} is refused by the run config: {detail}")
+        if param.when is not None:
+            other = param.when.param
+            if other in spec.space:
+                if other not in seen:
+                    problems.append(f"space.{key}.when: {other} must be listed before {key} (it is sampled first)")
+            else:
+                try:
+                    _field_of(other)
+                    get_dotted(dumped, other)
+                except (ValueError, KeyError) as error:
+                    problems.append(f"space.{key}.when.param: {other}: {error}")
+        seen.append(key)
+    for i, params in enumerate(spec.enqueue):
+        for key in params:
+            if key not in spec.space:
+                problems.append(f"enqueue[{i}].{key}: not a parameter of the space")
+    return problems
+
+
+def _describe(error: ValidationError) -> list[str]:
+    lines = []
+    for item in error.errors():
+        # A discriminated union puts the tag in the path ("space.x.float.low"); the reader wrote "space.x.low".
+        parts = [str(p) for p in item["loc"] if p not in ("float", "int", "categorical")]
+        given = item.get("input")
+        shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
+        lines.append(f"{'.'.join(parts) or '<root>'}: {item['msg'].removeprefix('Value error, ')}{shown}")
+    return lines
+
+
+def load_tune_file(path: Path | str) -> tuple[TuneSpec, RunConfig]:
+    """The validated tune file and its base run config; TuneFileError naming every bad key otherwise."""
+    path = Path(path)
+    if not path.is_file():
+        raise TuneFileError(f"tune file {str(path)!r} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise TuneFileError(f"tune file {str(path)!r} is not YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise TuneFileError(f"tune file {str(path)!r} must hold a mapping at the top level")
+    try:
+        spec = TuneSpec(**data)
+    except ValidationError as error:
+        raise TuneFileError(f"invalid tune file {path}:\n  " + "\n  ".join(_describe(error))) from None
+    try:
+        base = load_config(spec.base_config)
+    except ConfigError as error:
+        raise TuneFileError(f"invalid tune file {path}:\n  base_config: {error}") from None
+    problems = _check_space(spec, base)
+    if problems:
+        raise TuneFileError(f"invalid tune file {path}:\n  " + "\n  ".join(problems))
+    return spec, base
+
+
+def base_config_data(spec: TuneSpec) -> dict[str, Any]:
+    """The base config file as written (not the model dump): trial configs keep its shape, comments aside."""
+    return yaml.safe_load(spec.base_config.read_text()) or {}
+
+
+def trial_config_data(
+    spec: TuneSpec, base: RunConfig, params: dict[str, Scalar], run_id: str, runs_dir: Path
+) -> dict[str, Any]:
+    """A trial's run config: the base file, the sampled params, and what isolates the trial from the others.
+
+    Its own run id gives it its own streams (``RLPIPE_<run>_*``), config bucket and checkpoint prefix; its
+    own runs dir its own embedded NATS store. The admin port is 0 so trials side by side never collide.
+    """
+    data = base_config_data(spec)
+    for key, value in params.items():
+        set_dotted(data, key, value)
+    data["run_id"] = run_id
+    data["runs_dir"] = str(runs_dir)
+    data.pop("metrics_path", None)  # else every trial would append to one file
+    if spec.trial.max_steps is not None:
+        total = params.get("train.total_steps", base.train.total_steps)
+        set_dotted(data, "train.total_steps", min(int(total), spec.trial.max_steps))
+    set_dotted(data, "admin.port", 0)
+    return data
