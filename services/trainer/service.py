@@ -365,7 +365,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live = await LiveConfig(cfg, bus.js).start()
     learner = await asyncio.to_thread(Learner, cfg)
     model_s = started()
-    weights = WeightSyncServer(snapshot_of(learner.model, version=0, step=0))
+    weights = WeightSyncServer(snapshot_of(learner.model, version=0, step=0), fanout=cfg.rollout.relay_fanout)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
