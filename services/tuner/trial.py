@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -101,12 +102,16 @@ def reduce_values(values: list[float], objective: Objective) -> float | None:
     return sum(tail) / len(tail)
 
 
-def _tail(path: Path, lines: int = 3) -> str:
+def _last_message(path: Path, limit: int = 400) -> str:
+    """The launcher's last log message, unwrapped: rich wraps it to the terminal's width and adds its source."""
     try:
-        text = path.read_text(errors="replace").strip().splitlines()
+        text = path.read_text(errors="replace")
     except OSError:
         return ""
-    return " | ".join(" ".join(line.split()) for line in text[-lines:])
+    stamps = list(re.finditer(r"^\[\d\d:\d\d:\d\d\] ", text, re.MULTILINE))
+    last = text[stamps[-1].end() :] if stamps else text
+    last = re.sub(r"\s\S+\.py:\d+\s", " ", last)
+    return " ".join(last.split())[-limit:]
 
 
 class TrialProcess:
@@ -255,11 +260,11 @@ class TrialProcess:
 
     def ended_by_itself(self, code: int) -> tuple[Status, str]:
         if code != 0:
-            return "failed", f"rlpipe run exited with {code}: {_tail(self.log_path)}"
+            return "failed", f"rlpipe run exited with {code}: {_last_message(self.log_path)}"
         if self.stopped_by:
             return "failed", f"stopped at step {self.steps}: {self.stopped_by}"
         if self.steps < self.total_steps:
-            return "failed", f"ended at step {self.steps} of {self.total_steps}: {_tail(self.log_path)}"
+            return "failed", f"ended at step {self.steps} of {self.total_steps}: {_last_message(self.log_path)}"
         return "complete", ""
 
     def stop(self, process: subprocess.Popen, pgid: int) -> None:
