@@ -19,6 +19,12 @@ sequences (``micro_batch_weight``), so the accumulated gradient is the unsplit s
 Device and precision (``Precision``): the policy and critic live on ``model.device``; with
 ``train.master_weights: float32`` their parameters and AdamW state stay float32 and every
 forward runs under autocast to ``model.dtype``.
+
+Across processes (``services/trainer/distributed.py``, under torchrun): the policy and critic are
+sharded with FSDP2; every method that runs a collective is a command rank 0 sends first, so the
+other ranks, in ``follow``, run the same method with what it sent. Each rank scores and trains on
+its share of every optimizer step's rows (``_passes``), weighted against the whole step, and the
+gradients add up to one process's. Without torchrun (``Mesh()``) nothing of that runs.
 """
 
 from __future__ import annotations
@@ -29,19 +35,23 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 
 from services.common.config import RunConfig
+from services.common.evaluation import greedy_accuracy
 from services.common.messages import ExperienceGroup
 from services.common.modeling import (
     Precision,
     ResponseBatch,
     at_response,
     enable_gradient_checkpointing,
+    host_copy,
     load_model,
     load_tokenizer,
     pack,
     token_logprobs,
 )
+from services.common.weightsync import Snapshot, snapshot_of
 from services.trainer.algorithms import (
     aggregate,
     entropy_from_logits,
@@ -56,8 +66,9 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
-from services.trainer.checkpoint import Checkpoint, load_untied, restore_rng, rng_state
+from services.trainer.checkpoint import Checkpoint, detached_copy, load_untied, restore_rng, rng_state, untied
 from services.trainer.critic import Critic
+from services.trainer.distributed import Mesh, Op, config_payload, evaluate_payload, step_payload
 
 ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
 
@@ -96,6 +107,28 @@ def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> l
     if sorted_lengths:
         micro_batches.append(longest_first[start:])
     return micro_batches
+
+
+def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face model (its ``_no_split_modules``): FSDP's units, gathered one at a
+    time."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def _number(value: torch.Tensor) -> float:
+    """A scalar that may be a DTensor (a norm over sharded gradients) as a float, the same on every rank."""
+    return float(value.full_tensor() if isinstance(value, DTensor) else value)
+
+
+@dataclass
+class LearnerState:
+    """What a checkpoint takes from the learner besides schedule and RNG, in host memory and one process's format
+    whatever the world size: full tensors by name (tied ones once) and AdamW's ``state_dict``."""
+
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    critic: dict[str, torch.Tensor] | None
 
 
 @dataclass
@@ -160,21 +193,34 @@ class StepTargets:
 class Learner:
     """The policy, PPO's critic and their optimizer; ``step`` trains on one batch of groups.
 
-    Attributes: ``precision`` (device and dtypes), ``device``, ``model`` (the policy), ``tokenizer``,
-    ``critic`` (None unless PPO), ``optimizer`` (AdamW; the critic in its own group), ``scheduler``,
-    ``generator`` (mini-batch order, checkpointed), ``steps_done``.
+    Attributes: ``mesh`` (this process among the trainer's; ``Mesh()`` alone), ``precision`` (device and
+    dtypes), ``device``, ``model`` (the policy), ``tokenizer``, ``critic`` (None unless PPO), ``optimizer``
+    (AdamW; the critic in its own group), ``scheduler``, ``generator`` (mini-batch order, checkpointed; the same
+    on every rank), ``steps_done``.
+
+    With a distributed ``mesh`` every rank constructs one (it joins the process group and takes rank 0's
+    config); rank 0 then calls the methods below and the others run ``distributed.follow``.
     """
 
-    def __init__(self, cfg: RunConfig):
+    def __init__(self, cfg: RunConfig, mesh: Mesh | None = None):
+        self.mesh = mesh or Mesh()
+        device = self.mesh.start(Precision.of(cfg.model, cfg.train.master_weights).device)
+        cfg = self.mesh.agree(cfg)
         self.cfg = cfg
         train = cfg.train
-        self.precision = Precision.of(cfg.model, train.master_weights)
+        self.precision = replace(Precision.of(cfg.model, train.master_weights), device=device)
         self.device = self.precision.device
         self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
+        # Sharding replaces the parameters with DTensors: before the optimizer takes them.
+        self.mesh.shard(self.model, _layers(self.model))
+        if self.critic is not None:
+            backbone = getattr(self.critic, "backbone", None)
+            units = _layers(backbone) if backbone is not None else []
+            self.mesh.shard(self.critic, units, forward_methods=("values",))
         groups = [{"params": list(self.model.parameters()), "lr": train.learning_rate}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
@@ -190,17 +236,57 @@ class Learner:
     def reconfigure(self, cfg: RunConfig) -> None:
         """Take a live config change. Hyperparameters are read at every step; the learning rate also lives
         in the scheduler."""
-        self.cfg = cfg
-        self.scheduler.base_lrs[0] = cfg.train.learning_rate
-        self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](
-            self.scheduler.last_epoch
-        )
+        with self.mesh.command(Op.RECONFIGURE, config_payload(cfg) if self.mesh.leads else b""):
+            self.cfg = cfg
+            self.scheduler.base_lrs[0] = cfg.train.learning_rate
+            self.optimizer.param_groups[0]["lr"] = cfg.train.learning_rate * self.scheduler.lr_lambdas[0](
+                self.scheduler.last_epoch
+            )
 
     def rng_state(self) -> dict[str, Any]:
         return {**rng_state(), "minibatch_order": self.generator.get_state()}
 
-    def load(self, ckpt: Checkpoint) -> None:
-        """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams."""
+    # --- full state: weight sync, checkpoints, evaluation ------------------------------------
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full state dict in host memory (tied names share a tensor); ``{}`` on ranks but 0."""
+        with self.mesh.command(Op.WEIGHTS):
+            return self.mesh.gather_module(self.model)
+
+    def snapshot(self, version: int, step: int) -> Snapshot:
+        """The policy's weights as weight sync serves them, as ``version`` made at ``step``."""
+        if not self.mesh.distributed:
+            return snapshot_of(self.model, version, step)
+        return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
+
+    def state(self) -> LearnerState:
+        """A host-memory copy of weights, critic and optimizer state that training cannot change (rank 0's is
+        complete; the others' empty)."""
+        if not self.mesh.distributed:
+            return LearnerState(
+                model=detached_copy(self.model),
+                optimizer=host_copy(self.optimizer.state_dict()),
+                critic=detached_copy(self.critic) if self.critic is not None else None,
+            )
+        with self.mesh.command(Op.STATE):
+            model = untied(self.mesh.gather_module(self.model))
+            critic = untied(self.mesh.gather_module(self.critic)) if self.critic is not None else None
+            optimizer = self.mesh.gather_optimizer(self.optimizer)
+        return LearnerState(model=model, optimizer=optimizer, critic=critic)
+
+    def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
+        """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
+        with self.mesh.command(Op.EVALUATE, evaluate_payload(rows, max_new_tokens) if self.mesh.leads else b""):
+            return greedy_accuracy(self.model, self.tokenizer, rows, max_new_tokens, precision=self.precision)
+
+    def load(self, ckpt: Checkpoint | None) -> None:
+        """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams.
+
+        Across processes rank 0 passes the checkpoint it read and the others None: each keeps its shards."""
+        if self.mesh.distributed:
+            self._load_sharded(ckpt)
+            return
+        assert ckpt is not None
         load_untied(self.model, ckpt.model)
         if self.critic is not None and ckpt.critic is not None:
             load_untied(self.critic, ckpt.critic)
@@ -209,6 +295,22 @@ class Learner:
         restore_rng(ckpt.rng)
         self.generator.set_state(ckpt.rng["minibatch_order"])
         self.steps_done = ckpt.step
+
+    def _load_sharded(self, ckpt: Checkpoint | None) -> None:
+        with self.mesh.command(Op.LOAD):
+            small = self.mesh.share(
+                {"step": ckpt.step, "scheduler": ckpt.scheduler, "rng": ckpt.rng, "critic": ckpt.critic is not None}
+                if ckpt is not None
+                else None
+            )
+            self.mesh.load_module(self.model, ckpt.model if ckpt is not None else None)
+            if self.critic is not None and small["critic"]:
+                self.mesh.load_module(self.critic, ckpt.critic if ckpt is not None else None)
+            self.mesh.load_optimizer(self.optimizer, ckpt.optimizer if ckpt is not None else None)
+        self.scheduler.load_state_dict(small["scheduler"])
+        restore_rng(small["rng"])
+        self.generator.set_state(small["rng"]["minibatch_order"])
+        self.steps_done = small["step"]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]
@@ -221,6 +323,18 @@ class Learner:
         if train.micro_batch_tokens is None:
             return _chunks(rows, train.grad_accum_steps)
         return split_by_tokens(rows, batch.lengths[rows], train.micro_batch_tokens)
+
+    def _passes(self, rows: torch.Tensor, batch: Batch) -> list[tuple[torch.Tensor, bool]]:
+        """This rank's forward passes over ``rows``: its share's micro-batches, each with whether it counts.
+
+        Alone, that is every micro-batch of ``rows``. Across processes, each rank takes its share of ``rows``;
+        since every forward and backward of a sharded model is collective, a rank with fewer micro-batches than
+        the busiest adds passes over a row that count for nothing. Every rank holds the whole batch, so each
+        works out every share's micro-batches itself, and they all agree without asking each other."""
+        plans = [self.micro_batches(share, batch) if len(share) else [] for share in self.mesh.shares(rows)]
+        mine = plans[self.mesh.rank]
+        busiest = max(len(plan) for plan in plans)
+        return [(micro, True) for micro in mine] + [(rows[:1], False)] * (busiest - len(mine))
 
     def _pack(self, rows: torch.Tensor, batch: Batch) -> ResponseBatch:
         # Padded to these rows' own longest sequence: a length-sorted micro-batch of short rows stays short.
@@ -249,19 +363,26 @@ class Learner:
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
         values_only = not policy and self.critic is not None and self.critic.kind == "separate"
-        for rows in self.micro_batches(torch.arange(len(batch.pairs)), batch):
+        for rows, counts in self._passes(torch.arange(len(batch.pairs)), batch):
             if values_only:
                 packed = self._pack(rows, batch)
                 with self.precision.autocast():
                     logits, values = None, self.critic.values(packed, None)
             else:
                 packed, logits, values = self._forward(rows, batch)
+            if not counts:
+                continue
             r = packed.mask.shape[1]
             at = rows.to(self.device)
             if old_logp is not None:
                 old_logp[at, :r] = token_logprobs(logits, packed.targets) * packed.mask
             if values is not None:
                 old_values[at, :r] = values * packed.mask
+        # Each rank filled its own rows and left the others' zero: the sum is every row.
+        if old_logp is not None:
+            self.mesh.sum_(old_logp)
+        if old_values is not None:
+            self.mesh.sum_(old_values)
         return old_logp, old_values
 
     # --- advantages -------------------------------------------------------------------------
@@ -291,6 +412,10 @@ class Learner:
 
     def step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]:
         """One trainer step on ``groups``; returns the step's metrics."""
+        with self.mesh.command(Op.STEP, step_payload(groups, policy_version) if self.mesh.leads else b""):
+            return self._step(groups, policy_version)
+
+    def _step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]:
         started = time.perf_counter()
         train = self.cfg.train
         batch = Batch.of(groups).to(self.device)
@@ -306,13 +431,14 @@ class Learner:
             for mini in _chunks(order, train.mini_batches):
                 for name, value in self.accumulate(batch, mini, targets, critic_only).items():
                     sums[name] = sums.get(name, 0.0) + value
-                grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
+                grad_norms.append(_number(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 updates += 1
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.steps_done += 1
+        sums = self.mesh.sum_values(sums)  # each rank's share of the loss statistics
         metrics = {name: value / updates for name, value in sums.items()}
         metrics |= self._batch_metrics(batch, targets, policy_version)
         elapsed = time.perf_counter() - started
@@ -353,12 +479,13 @@ class Learner:
         loss_agg = self.cfg.train.loss_agg
         step_mask = batch.mask[rows.to(self.device)]
         stats: dict[str, float] = {}
-        for micro in self.micro_batches(rows, batch):
-            weight = micro_batch_weight(batch.mask[micro.to(self.device)], step_mask, loss_agg)
+        for micro, counts in self._passes(rows, batch):
+            weight = micro_batch_weight(batch.mask[micro.to(self.device)], step_mask, loss_agg) if counts else 0.0
             loss, micro_stats = self._loss(batch, micro, targets, critic_only)
             (loss * weight).backward()
             for name, value in micro_stats.items():
-                stats[name] = stats.get(name, 0.0) + float(value) * weight
+                # A pass that does not count still names every statistic: the ranks sum them key by key.
+                stats[name] = stats.get(name, 0.0) + (float(value) * weight if counts else 0.0)
         return stats
 
     def _loss(
