@@ -40,7 +40,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.common.config import AdminCredentials, RunConfig, SupervisionConfig, load_config
+from services.common.config import AdminCredentials, ConfigError, RunConfig, SupervisionConfig, load_config
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.nats_server import nats_server_binary
@@ -113,6 +113,33 @@ class Child:
                     continue
                 if isinstance(event, dict) and "event" in event:
                     self.events.put(event)
+
+
+def trainer_command(cfg: RunConfig, command: list[str], cuda_devices: int | None = None) -> list[str]:
+    """``command`` (``python -m services.trainer ...``) under torchrun when ``trainer.nproc`` > 1: one process per
+    device on this machine (``--standalone``: a rendezvous on localhost, on a free port).
+
+    Raises ConfigError naming trainer.nproc when the model runs on CUDA and this machine has fewer GPUs
+    (``cuda_devices``: torch's count by default). On the CPU any count runs, as processes on gloo."""
+    nproc = cfg.trainer.nproc
+    if nproc == 1:
+        return command
+    import torch  # only a launch that shards needs it
+
+    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
+    on_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and count > 0)
+    if on_cuda and nproc > count:
+        raise ConfigError(
+            f"invalid configuration:\n  trainer.nproc: {nproc} trainer processes, one per GPU, but this machine has "
+            f"{count} CUDA device(s): set trainer.nproc to at most {count}, or model.device: cpu"
+        )
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *command[1:]]
+
+
+def trainer_env(cfg: RunConfig) -> dict[str, str]:
+    """torchrun passes SIGTERM on to its processes and kills them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by
+    default): as long as the trainer may take for its final save."""
+    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.supervision.trainer_stop_grace_s))}
 
 
 class Launcher:
@@ -190,8 +217,11 @@ class Launcher:
 
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
+        command = [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)]
+        if role == "trainer" and self.cfg.trainer.nproc > 1:
+            command, env = trainer_command(self.cfg, command), {**trainer_env(self.cfg), **(env or {})}
         process = subprocess.Popen(
-            [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)],
+            command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **(env or {})},

@@ -543,6 +543,16 @@ class AlertsConfig(Section):
         return rules
 
 
+class TrainerConfig(Section):
+    nproc: int = Field(
+        1,
+        ge=1,
+        description="trainer processes on this machine, one per device: above 1, `rlpipe run` starts the trainer "
+        "under torchrun and FSDP2 shards the policy (and critic) across them (on the CPU: processes on gloo); at "
+        "most the GPUs this machine has when the model runs on CUDA. Restart-only",
+    )
+
+
 class SupervisionConfig(Section):
     """How ``rlpipe run`` restarts the services it started, and how long it lets them stop."""
 
@@ -604,6 +614,7 @@ class RunConfig(BaseSettings):
     reward: RewardConfig = RewardConfig()
     reference: ReferenceConfig = ReferenceConfig()
     service: ServiceConfig = ServiceConfig()
+    trainer: TrainerConfig = TrainerConfig()
     supervision: SupervisionConfig = SupervisionConfig()
     admin: AdminConfig = AdminConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
