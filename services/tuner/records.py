@@ -20,7 +20,7 @@ from typing import Any
 import optuna
 import yaml
 
-from services.tuner.spec import TuneSpec, base_config_data, set_dotted
+from services.tuner.spec import TuneSpec, base_config_data
 
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
 
@@ -141,16 +141,25 @@ def _short(value: Any) -> str:
 def best_config(spec: TuneSpec, record: TrialRecord, out: Path) -> Path:
     """The base config with the best trial's parameters, as a file ``rlpipe run`` takes unchanged.
 
-    Its run id is ``<study>-best`` (the trial's own run directory holds the trial and would be refused),
-    and ``train.total_steps`` is what the trial ran, so the run reproduces what was measured.
+    It is the trial's own config with run id ``<study>-best`` (the trial's run directory holds the trial
+    and would be refused) and the base's runs dir, so ``train.total_steps`` is what the trial ran and the
+    run reproduces what was measured.
     """
-    data = base_config_data(spec)
-    for key, value in record.params.items():
-        set_dotted(data, key, value)
+    # Exactly what the trial ran (base file, fixed keys, params, the step cap), less what isolated it.
+    base = base_config_data(spec)
+    data = yaml.safe_load(Path(record.start.config_path).read_text()) if record.start else dict(base)
     data["run_id"] = f"{spec.study}-best"
-    if record.end is not None and spec.trial.max_steps is not None:
-        total = record.params.get("train.total_steps", data.get("train", {}).get("total_steps"))
-        set_dotted(data, "train.total_steps", min(int(total or spec.trial.max_steps), spec.trial.max_steps))
+    if "runs_dir" in base:
+        data["runs_dir"] = base["runs_dir"]
+    else:
+        data.pop("runs_dir", None)
+    admin = data.get("admin", {})
+    if "port" in base.get("admin", {}):
+        admin["port"] = base["admin"]["port"]
+    else:
+        admin.pop("port", None)
+    if not admin:
+        data.pop("admin", None)
     objective = record.end.objective if record.end else None
     header = (
         f"# best trial {record.number} of study {spec.study}: {spec.objective.reduce} {spec.objective.metric} = "

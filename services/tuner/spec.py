@@ -191,6 +191,11 @@ class TuneSpec(Spec):
         description="empty: a journal file in workdir; journal:PATH, sqlite:///PATH, or postgresql://... when "
         "tuners on several machines share the study",
     )
+    fixed: dict[str, Scalar] = Field(
+        default_factory=dict,
+        description="dotted keys set the same in every trial (eval cadence, checkpoint cadence): the study's own "
+        "settings, kept out of the base config that `rlpipe run` also uses",
+    )
     space: dict[str, Param] = Field(min_length=1)
     objective: Objective = Objective()
     pruner: Pruner = Pruner()
@@ -299,6 +304,15 @@ def _check_space(spec: TuneSpec, base: RunConfig) -> list[str]:
                 except (ValueError, KeyError) as error:
                     problems.append(f"space.{key}.when.param: {other}: {error}")
         seen.append(key)
+    for key, value in spec.fixed.items():
+        try:
+            _field_of(key)
+            apply_overrides(base, {key: value})
+        except (ValueError, ConfigError) as error:
+            detail = str(error).removeprefix("invalid configuration:\n").strip()
+            problems.append(f"fixed.{key}: {detail}")
+        if key in spec.space:
+            problems.append(f"fixed.{key}: also in the space; a key is either fixed or searched")
     for i, params in enumerate(spec.enqueue):
         for key in params:
             if key not in spec.space:
@@ -356,13 +370,13 @@ def trial_config_data(
     own runs dir its own embedded NATS store. The admin port is 0 so trials side by side never collide.
     """
     data = base_config_data(spec)
-    for key, value in params.items():
+    for key, value in {**spec.fixed, **params}.items():
         set_dotted(data, key, value)
     data["run_id"] = run_id
     data["runs_dir"] = str(runs_dir)
     data.pop("metrics_path", None)  # else every trial would append to one file
     if spec.trial.max_steps is not None:
-        total = params.get("train.total_steps", base.train.total_steps)
+        total = params.get("train.total_steps", spec.fixed.get("train.total_steps", base.train.total_steps))
         set_dotted(data, "train.total_steps", min(int(total), spec.trial.max_steps))
     set_dotted(data, "admin.port", 0)
     return data

@@ -85,6 +85,9 @@ def test_every_problem_of_the_space_is_named_at_once(tmp_path, base):
         ({"enqueue": [{"train.kl.coef": 0.1}]}, "enqueue[0].train.kl.coef: not a parameter of the space"),
         ({"base_config": "/nonexistent.yaml"}, "base_config: config file '/nonexistent.yaml' does not exist"),
         ({"trail": {"max_steps": 3}}, "trail: Extra inputs are not permitted"),
+        ({"fixed": {"data.eval_evry_steps": 5}}, "fixed.data.eval_evry_steps: no such field 'eval_evry_steps'"),
+        ({"fixed": {"data.eval_every_steps": -1}}, "fixed.data.eval_every_steps: data.eval_every_steps: Input should"),
+        ({"fixed": {"train.learning_rate": 0.1}}, "fixed.train.learning_rate: also in the space"),
     ],
 )
 def test_a_bad_tune_file_is_refused_naming_the_key(tmp_path, base, fields, expected):
@@ -104,7 +107,8 @@ def test_rlpipe_tune_refuses_a_bad_file_before_any_trial_with_exit_2(tmp_path, b
 
 
 def test_a_trial_config_is_the_base_file_with_its_params_and_its_own_run_id_runs_dir_and_ports(tmp_path, base):
-    spec, cfg = load_tune_file(tune_file(tmp_path, base, trial={"max_steps": 3}))
+    fixed = {"data.eval_every_steps": 1}
+    spec, cfg = load_tune_file(tune_file(tmp_path, base, trial={"max_steps": 3}, fixed=fixed))
     data = trial_config_data(spec, cfg, {"train.learning_rate": 5e-3, "train.kl.coef": 0.05}, "s-t7", tmp_path / "r")
     path = tmp_path / "t7.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -113,4 +117,5 @@ def test_a_trial_config_is_the_base_file_with_its_params_and_its_own_run_id_runs
     assert trial.train.learning_rate == 5e-3 and trial.train.kl.coef == 0.05
     assert trial.train.total_steps == 3  # base 4, capped by trial.max_steps
     assert trial.admin.port == 0  # two trials side by side never ask for the same admin port
+    assert trial.data.eval_every_steps == 1  # the study's fixed settings
     assert trial.sampling.group_size == cfg.sampling.group_size  # the rest is the base file's

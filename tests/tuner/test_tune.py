@@ -110,6 +110,7 @@ def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(
     assert (tmp_path / "tune" / "report" / "history.png").is_file()
     best = load_config(tmp_path / "tune" / "best.yaml")  # what `rlpipe run` loads
     assert best.run_id == "s-best" and str(best.model.path) == good and best.train.total_steps == 2
+    assert best.runs_dir == tmp_path / "runs" and best.admin.port == 50052  # the base's, not the trial's
 
     status = subprocess.run([*TUNE, "status", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert status.returncode == 0 and "│ 1 │ complete" in status.stdout and "│ 0 │ failed" in status.stdout
