@@ -1,0 +1,226 @@
+"""The trainer sharded over two processes (torchrun, gloo, FSDP2) takes the steps one process takes.
+
+Every run goes through tests/trainer/dist_worker.py: a single process in this one, two under
+``python -m torch.distributed.run`` (real processes, a real process group). Checkpoints go through
+the real CheckpointStore, so a step saved by two processes is resumed by two and by one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from services.common.config import load_config
+from services.common.datasets import load_jsonl
+from services.common.messages import ExperienceGroup, decode, encode
+from services.common.storage import FileStore
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.distributed import Mesh
+from services.trainer.learner import Batch, Learner
+from tests.conftest import ROOT, write_config
+from tests.trainer import dist_worker
+from tests.trainer.test_learner import experience
+
+STEPS, SAVE_AT = 4, 2
+TOLERANCE = {"atol": 1e-5, "rtol": 0.0}
+TORCHRUN_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model, tmp_path_factory) -> tuple[Path, Path, Path]:
+    """A config (several optimizer steps per trainer step, micro-batches cut by tokens, pi_old recomputed, so every
+    path that splits rows is taken) and fixed experience groups."""
+    model_dir, data_dir = tiny_model
+    tmp = tmp_path_factory.mktemp("distributed")
+    config = write_config(
+        tmp / "config.yaml",
+        model_dir,
+        data_dir,
+        tmp / "runs",
+        train={
+            "algorithm": "grpo",
+            # Key biases get a gradient that is zero but for rounding (softmax ignores a shift shared by every
+            # key), which AdamW scales up to steps of about the learning rate, so rounding differences between
+            # one process and two show up there at a fraction of it: 5e-4 keeps those under TOLERANCE.
+            "learning_rate": 5e-4,
+            "warmup_steps": 1,
+            "mini_batches": 2,
+            "epochs": 1,
+            "max_seq_len": 16,
+            # Sequences of 9 and 10 tokens: 2 of 10 or 3 of 9 per micro-batch, so when scoring the batch the rank
+            # with the 9-token rows has one micro-batch fewer and runs a pass that does not count.
+            "micro_batch_tokens": 27,
+            "old_logprobs": "recompute",
+            "kl": {"coef": 0.05, "placement": "loss"},
+            "tis": {"mode": "token"},
+        },
+    )
+    cfg = load_config(config)
+    groups = experience(cfg, load_jsonl(data_dir / "train.jsonl")[:6])
+    groups_file = tmp / "groups.msgpack"
+    groups_file.write_bytes(msgpack.packb([encode(g) for g in groups], use_bin_type=True))
+    return tmp, config, groups_file
+
+
+def alone(setup, name: str, *options: str) -> Path:
+    tmp, config, groups = setup
+    out = tmp / name
+    dist_worker.main(
+        ["--config", str(config), "--groups", str(groups), "--out", str(out), "--steps", str(STEPS), *options]
+    )
+    return out
+
+
+def torchrun(setup, name: str, *options: str, nproc: int = 2) -> Path:
+    tmp, config, groups = setup
+    out = tmp / name
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",  # a free port on localhost: tests running side by side do not collide
+            "--nproc-per-node",
+            str(nproc),
+            str(Path(dist_worker.__file__)),
+            *("--config", str(config), "--groups", str(groups), "--out", str(out), "--steps", str(STEPS)),
+            *options,
+        ],
+        cwd=ROOT,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=TORCHRUN_TIMEOUT_S,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out
+
+
+def run_of(out: Path) -> dict:
+    return json.loads((out / "run.json").read_text())
+
+
+def assert_same_steps(got: Path, want: Path, steps: range) -> None:
+    got_run, want_run = run_of(got), run_of(want)
+    for step in steps:
+        got_row, want_row = got_run["steps"][str(step)], want_run["steps"][str(step)]
+        assert got_row.keys() == want_row.keys()
+        for name, value in want_row.items():
+            # Losses and statistics: within 1e-5. grad_norm (of order 10) sums the squares of every gradient entry,
+            # the near-zero key-bias ones too, whose rounding differs between summation orders: 1e-4 relative.
+            rel = 1e-4 if name == "grad_norm" else 0.0
+            assert got_row[name] == pytest.approx(value, abs=TOLERANCE["atol"], rel=rel), (step, name)
+    assert got_run["steps_done"] == want_run["steps_done"] == STEPS
+    got_model, want_model = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
+    assert got_model.keys() == want_model.keys()
+    for name, tensor in want_model.items():
+        torch.testing.assert_close(got_model[name], tensor, **TOLERANCE, msg=name)
+
+
+@pytest.fixture(scope="module")
+def runs(setup) -> dict[str, Path]:
+    """One process from scratch, two from scratch, both saving at SAVE_AT; two resuming the two-process save."""
+    tmp = setup[0]
+    store_one, store_two = tmp / "store-one", tmp / "store-two"
+    return {
+        "one": alone(setup, "one", "--store", str(store_one), "--save-at", str(SAVE_AT)),
+        "two": torchrun(setup, "two", "--store", str(store_two), "--save-at", str(SAVE_AT)),
+        "two_resumed": torchrun(setup, "two-resumed", "--store", str(store_two), "--resume", str(SAVE_AT)),
+        "store_one": store_one,
+        "store_two": store_two,
+    }
+
+
+def test_two_processes_take_the_steps_of_one(tiny_model, runs):
+    assert_same_steps(runs["two"], runs["one"], range(1, STEPS + 1))
+    # The policy moved: equal weights are not just the untouched starting point.
+    base = load_file(str(tiny_model[0] / "model.safetensors"))
+    final = load_file(str(runs["one"] / "model.safetensors"))
+    assert (final["model.embed_tokens.weight"] - base["model.embed_tokens.weight"]).abs().max() > 1e-3
+
+
+def test_weight_sync_serves_the_gathered_full_weights_under_every_name(runs):
+    two, one = run_of(runs["two"]), run_of(runs["one"])
+    assert two["snapshot_names"] == one["snapshot_names"]
+    assert "lm_head.weight" in two["snapshot_names"]  # the tied alias, as vLLM wants it
+    snapshot = load_file(str(runs["two"] / "snapshot.safetensors"))
+    model = load_file(str(runs["one"] / "model.safetensors"))
+    torch.testing.assert_close(snapshot["lm_head.weight"], snapshot["model.embed_tokens.weight"], atol=0, rtol=0)
+    for name, tensor in model.items():
+        torch.testing.assert_close(snapshot[name], tensor, **TOLERANCE, msg=name)
+    assert two["eval_accuracy"] == one["eval_accuracy"]
+
+
+def test_a_two_process_checkpoint_is_the_one_process_format_with_the_same_contents(runs):
+    one = CheckpointStore(FileStore(runs["store_one"]), "dist", keep_last=10).load(SAVE_AT)
+    two = CheckpointStore(FileStore(runs["store_two"]), "dist", keep_last=10).load(SAVE_AT)
+    assert two.model.keys() == one.model.keys()
+    for name, tensor in one.model.items():
+        torch.testing.assert_close(two.model[name], tensor, **TOLERANCE, msg=name)
+    assert two.optimizer["param_groups"] == one.optimizer["param_groups"]
+    assert two.optimizer["state"].keys() == one.optimizer["state"].keys()
+    for index, entry in one.optimizer["state"].items():
+        assert two.optimizer["state"][index].keys() == entry.keys()
+        for key, value in entry.items():
+            torch.testing.assert_close(two.optimizer["state"][index][key], value, **TOLERANCE, msg=f"{index}.{key}")
+    assert two.scheduler == one.scheduler
+    assert torch.equal(two.rng["minibatch_order"], one.rng["minibatch_order"])
+
+
+def test_two_processes_resume_a_two_process_checkpoint_and_go_on_as_one_process_did(runs):
+    assert_same_steps(runs["two_resumed"], runs["one"], range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_one_process_resumes_a_two_process_checkpoint(setup, runs):
+    resumed = alone(setup, "one-from-two", "--store", str(runs["store_two"]), "--resume", str(SAVE_AT))
+    assert_same_steps(resumed, runs["one"], range(SAVE_AT + 1, STEPS + 1))
+
+
+def test_ranks_with_fewer_micro_batches_pad_with_passes_that_do_not_count(setup):
+    """The plan every rank works out for itself: its share's micro-batches, then filler up to the busiest rank."""
+    _, config, groups_file = setup
+    learner = Learner(load_config(config))
+    batch = Batch.of([decode(g, ExperienceGroup) for g in msgpack.unpackb(groups_file.read_bytes(), raw=False)])
+    rows = torch.arange(len(batch.pairs))
+    plans = []
+    for rank in range(2):
+        learner.mesh = Mesh(rank, 2)  # not started: planning asks no other process
+        plans.append(learner._passes(rows, batch))
+    shares = torch.tensor_split(rows, 2)
+    for rank, plan in enumerate(plans):
+        counted = [micro for micro, counts in plan if counts]
+        assert sorted(torch.cat(counted).tolist()) == shares[rank].tolist()
+        assert [micro.tolist() for micro, counts in plan if not counts] == [[0]] * (len(plan) - len(counted))
+    assert len(plans[0]) == len(plans[1])
+    assert [counts for _, counts in plans[1]][-1] is False  # this batch's lengths leave rank 1 a pass short
+
+
+def test_trainer_nproc_launches_torchrun_and_more_than_the_gpus_is_refused_naming_the_field(setup):
+    from services.common.config import ConfigError
+    from services.launcher import trainer_command
+
+    _, config, _ = setup
+    plain = [sys.executable, "-m", "services.trainer", "--config", str(config)]
+    assert trainer_command(load_config(config), plain) == plain  # nproc 1: the single process, unchanged
+    model = load_config(config).model.model_dump()
+    on_cpu = load_config(config, trainer={"nproc": 3}, model={**model, "device": "cpu"})
+    assert trainer_command(on_cpu, plain, cuda_devices=0) == [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"),
+        *plain[1:],
+    ]
+    on_cuda = on_cpu.model_copy(update={"model": on_cpu.model.model_copy(update={"device": "cuda"})})
+    with pytest.raises(ConfigError, match=r"trainer\.nproc: 3 trainer processes, one per GPU, but this machine has 2"):
+        trainer_command(on_cuda, plain, cuda_devices=2)
+    assert load_config(config, trainer={"nproc": 2}).trainer.nproc == 2
+    with pytest.raises(ConfigError, match=r"trainer\.nproc"):
+        load_config(config, trainer={"nproc": 0})
