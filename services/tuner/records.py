@@ -57,9 +57,11 @@ class TrialEnd:
 
 
 def save(storage: optuna.storages.BaseStorage, trial_id: int, record: TrialStart | TrialEnd) -> None:
-    """Write ``record`` as the trial's user attributes (also for a trial another tuner process asked for)."""
-    for key, value in asdict(record).items():
-        storage.set_trial_user_attr(trial_id, key, value)
+    """Write ``record`` as one user attribute (``start`` or ``end``) of the trial.
+
+    One attribute, so a reader (``rlpipe tune status``, a restarted tuner) never sees half a record.
+    """
+    storage.set_trial_user_attr(trial_id, "start" if isinstance(record, TrialStart) else "end", asdict(record))
 
 
 @dataclass
@@ -76,11 +78,10 @@ class TrialRecord:
     @classmethod
     def of(cls, trial: optuna.trial.FrozenTrial) -> TrialRecord:
         attrs = trial.user_attrs
-        start = end = None
-        if "run_id" in attrs:
-            start = TrialStart(**{k: attrs[k] for k in TrialStart.__dataclass_fields__ if k in attrs})
-        if "status" in attrs:
-            end = TrialEnd(**{k: attrs[k] for k in TrialEnd.__dataclass_fields__ if k in attrs})
+        start = TrialStart(**attrs["start"]) if "start" in attrs else None
+        if start is not None and "pgid" in attrs:
+            start.pgid = attrs["pgid"]  # written on its own the moment the trial's process starts
+        end = TrialEnd(**attrs["end"]) if "end" in attrs else None
         running = trial.state == optuna.trial.TrialState.RUNNING
         status = end.status if end else ("running" if running else trial.state.name.lower())
         return cls(trial.number, trial.state.name, status, dict(trial.params), start, end)
