@@ -29,9 +29,8 @@ from services.common.bus import EXPERIENCE, Bus, stream_name
 from services.common.config import BuildInfo, redacted_dump
 from services.common.events import EventLog
 from services.common.logs import Stopwatch, log_event
-from services.common.modeling import host_copy
 from services.common.telemetry import TrainerMetrics
-from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.common.weightsync import WeightSyncServer
 from services.trainer.checkpoint import (
     STABLE,
     UNREADABLE,
@@ -39,7 +38,6 @@ from services.trainer.checkpoint import (
     CheckpointCorrupt,
     CheckpointStore,
     TrainerState,
-    detached_copy,
     new_incarnation,
 )
 from services.trainer.intake import GroupLedger, PromptFeeder
@@ -197,21 +195,21 @@ class Recovery:
 
     async def publish(self) -> None:
         """Serve the learner's weights as the current policy version."""
-        await self.weights.publish(snapshot_of(self.learner.model, self.progress.version, self.progress.step))
+        await self.weights.publish(self.learner.snapshot(self.progress.version, self.progress.step))
 
     # -- save ---------------------------------------------------------------------------
 
     def snapshot(self, config_version: int) -> Checkpoint:
         """A copy of everything to save, taken between steps so the upload can run while training goes on."""
         cfg, progress, learner = self.settings.cfg, self.progress, self.learner
-        critic = learner.critic
+        state = learner.state()  # in host memory and one process's format, whatever the world size
         return Checkpoint(
             step=progress.step,
-            model=detached_copy(learner.model),
-            optimizer=host_copy(learner.optimizer.state_dict()),
+            model=state.model,
+            optimizer=state.optimizer,
             scheduler=learner.scheduler.state_dict(),
             rng=learner.rng_state(),
-            critic=detached_copy(critic) if critic is not None else None,
+            critic=state.critic,
             lineage=self.lineage.text(),
             state=TrainerState(
                 step=progress.step,

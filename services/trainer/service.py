@@ -28,7 +28,6 @@ from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
 from services.common.chat import render_rows
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import load_jsonl
-from services.common.evaluation import greedy_accuracy
 from services.common.events import EventLog
 from services.common.hardware import HardwareSampler
 from services.common.live_config import LiveConfig
@@ -38,11 +37,12 @@ from services.common.presence import Presence
 from services.common.service import EXIT_REFUSED, start_grpc_server
 from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics, current_telemetry
-from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.common.weightsync import WeightSyncServer
 from services.trainer.admin import AdminServicer, BearerToken
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.control import Control, RunState
+from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
@@ -243,14 +243,7 @@ class Trainer:
         if not self.eval_rows:
             return None
         took = Stopwatch()
-        accuracy = await asyncio.to_thread(
-            greedy_accuracy,
-            self.learner.model,
-            self.learner.tokenizer,
-            self.eval_rows,
-            self.cfg.sampling.max_new_tokens,
-            precision=self.learner.precision,
-        )
+        accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, self.cfg.sampling.max_new_tokens)
         self.progress.last_eval = accuracy
         row = {
             "step": self.progress.step,
@@ -360,12 +353,31 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
+    """Rank 0's trainer (the only one when not under torchrun); ``follower_main`` runs the other ranks."""
+    mesh = Mesh.from_env()
+    try:
+        await lead(cfg, stop, mesh)
+    finally:
+        mesh.close()  # followers stop with it, also when it exits refusing to start
+
+
+def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
+    """A trainer rank other than 0: it holds shards and runs rank 0's commands; rank 0 alone talks to NATS,
+    the admin API and weight sync, so nothing else starts here."""
+    learner = Learner(cfg, mesh)
+    try:
+        follow(mesh, learner)
+    finally:
+        mesh.close()
+
+
+async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
     live = await LiveConfig(cfg, bus.js).start()
-    learner = await asyncio.to_thread(Learner, cfg)
+    learner = await asyncio.to_thread(Learner, cfg, mesh)
     model_s = started()
-    weights = WeightSyncServer(snapshot_of(learner.model, version=0, step=0), fanout=cfg.rollout.relay_fanout)
+    weights = WeightSyncServer(learner.snapshot(version=0, step=0), fanout=cfg.rollout.relay_fanout)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
