@@ -39,7 +39,9 @@ def greedy_generate(
             width = max(len(ids) for ids in encoded)
             input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
             attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-            with torch.inference_mode(), precision.autocast() if precision else contextlib.nullcontext():
+            # no_grad, not inference_mode: the model trains on afterwards, and FSDP2 refills the unsharded
+            # parameters it gathered here in place, which an inference tensor refuses.
+            with torch.no_grad(), precision.autocast() if precision else contextlib.nullcontext():
                 output = model.generate(
                     input_ids=input_ids.to(model.device),
                     attention_mask=attention_mask.to(model.device),

@@ -365,10 +365,12 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
     """A trainer rank other than 0: it holds shards and runs rank 0's commands; rank 0 alone talks to NATS,
     the admin API and weight sync, so nothing else starts here."""
     learner = Learner(cfg, mesh)
+    log_event(log, "follower_ready", rank=mesh.rank, world=mesh.world)
     try:
         follow(mesh, learner)
     finally:
         mesh.close()
+    log_event(log, "follower_stopped", rank=mesh.rank)
 
 
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
