@@ -221,8 +221,9 @@ class TrialProcess:
             series=self.series,
             final_metrics=final,
             alerts=self.alerts,
-            peak_rss_gb=round(self.peak_rss / GB, 3),
-            peak_gpu_gb=round(self.peak_gpu / GB, 3) if self.gpu.available else None,
+            # Unrounded: a peak just past the limit must not read as equal to it (the table rounds for display).
+            peak_rss_gb=self.peak_rss / GB,
+            peak_gpu_gb=self.peak_gpu / GB if self.gpu.available else None,
             wall_s=round(time.monotonic() - started, 2),
             leftover_pids=[m.pid for m in leftovers],
         )
