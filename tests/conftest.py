@@ -174,3 +174,42 @@ def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.Complet
     metrics = Path(cfg["runs_dir"]) / cfg["run_id"] / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     return done, rows
+
+
+class StoppableS3:
+    """A moto_server that a test stops and starts again on the same port (it comes back empty)."""
+
+    def __init__(self):
+        self.port = free_port()
+        self.process: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        wait_for_port(self.port, self.process, "moto_server")
+
+    def stop(self) -> None:
+        self.process.kill()  # a no-op on one already stopped
+        self.process.wait()
+
+    def checkpoint(self, **settings) -> dict:
+        """The run config's checkpoint section for this endpoint."""
+        return {
+            "store_url": "s3://ckpt/prefix",
+            "s3_endpoint": f"127.0.0.1:{self.port}",
+            "s3_secure": False,
+            **settings,
+        }
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    endpoint = StoppableS3()
+    yield endpoint
+    endpoint.stop()

@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import nats
-import pytest
 
 from services.common.bus import EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.common.config import CheckpointConfig
@@ -29,7 +28,6 @@ from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
-from tests.test_storage_outage import StoppableS3
 
 TOTAL_STEPS = 24
 SAVE_EVERY = 10
@@ -74,15 +72,6 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     # The repeats reached the trainer (the broker no longer filtered them) and were refused there.
     refused = sum(r.get("repeats_dropped", 0) for r in metric_rows(run_dir) if "pg_loss" in r)
     assert refused > 0
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
-    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
-    endpoint = StoppableS3()
-    yield endpoint
-    endpoint.stop()
 
 
 def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothing(tiny_model, tmp_path, s3):

@@ -17,40 +17,10 @@ from services.common.storage import open_store
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import BIN, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
+from tests.conftest import BIN, StoppableS3, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
 
 # Long enough to train through the outage (a failed save retries for ~7 s), so the last save meets a live store.
 TOTAL_STEPS = 150
-
-
-class StoppableS3:
-    """A moto_server that a test stops and starts again on the same port (it comes back empty)."""
-
-    def __init__(self):
-        self.port = free_port()
-        self.process: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        self.process = subprocess.Popen(
-            [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_for_port(self.port, self.process, "moto_server")
-
-    def stop(self) -> None:
-        self.process.kill()  # a no-op on one already stopped
-        self.process.wait()
-
-    def checkpoint(self, **settings) -> dict:
-        """The run config's checkpoint section for this endpoint."""
-        return {
-            "store_url": "s3://ckpt/prefix",
-            "s3_endpoint": f"127.0.0.1:{self.port}",
-            "s3_secure": False,
-            **settings,
-        }
 
 
 class UnreachableS3(StoppableS3):
@@ -116,15 +86,6 @@ class UnreachableS3(StoppableS3):
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
-
-
-@pytest.fixture
-def s3(monkeypatch):
-    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
-    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
-    endpoint = StoppableS3()
-    yield endpoint
-    endpoint.stop()
 
 
 def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):

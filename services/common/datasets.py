@@ -48,19 +48,7 @@ def make_arithmetic_dataset(out_dir: Path, seed: int = 0, n_eval: int = 500, n_d
     problems = [_addition_problem(a, b) for a in range(MAX_OPERAND + 1) for b in range(MAX_OPERAND + 1)]
     # A private Random keeps the split independent of global random state.
     random.Random(seed).shuffle(problems)
-    splits = {
-        "eval": problems[:n_eval],
-        "dev": problems[n_eval : n_eval + n_dev],
-        "train": problems[n_eval + n_dev :],
-    }
-
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {}
-    for name in SPLIT_NAMES:
-        paths[name] = out_dir / f"{name}.jsonl"
-        _write_jsonl(paths[name], splits[name])
-    return paths
+    return _write_splits(problems, n_eval, n_dev, out_dir)
 
 
 # Word problems: each template is (question, operation). Operands are drawn so answers stay
@@ -137,6 +125,11 @@ def make_word_problem_dataset(
         if row["id"] not in seen:
             seen.add(row["id"])
             problems.append(row)
+    return _write_splits(problems, n_eval, n_dev, out_dir)
+
+
+def _write_splits(problems: list[dict], n_eval: int, n_dev: int, out_dir: str | Path) -> dict[str, Path]:
+    """Write the shuffled ``problems`` as eval, dev and train JSON Lines files (in that order of the list)."""
     splits = {
         "eval": problems[:n_eval],
         "dev": problems[n_eval : n_eval + n_dev],
