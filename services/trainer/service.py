@@ -417,7 +417,9 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         except BrokerStateLost as error:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).
-            log_event(log, "broker_state_lost", level=logging.CRITICAL, alert=True, error=str(error))
+            log_event(
+                log, "broker_state_lost", level=logging.CRITICAL, alert=True, stream=error.stream, error=str(error)
+            )
             raise SystemExit(EXIT_REFUSED) from error
         progress = trainer.progress
         if progress.saved_step < progress.step:
