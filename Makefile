@@ -43,11 +43,13 @@ data/word-problems/train.jsonl: $(STAMP)
 demo: model
 	$(BIN)/rlpipe run $(CONFIG) --overwrite
 
-# Lint and format first: they take seconds, the tests many minutes.
+# Lint and format first: they take seconds, the tests many minutes. Then the tests in two tiers, both always run:
+# the components and short pipelines first, so a broken unit fails fast, then the slow end-to-end runs (marked e2e).
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -m "not e2e" tests
+	$(BIN)/python -m pytest -q -m e2e tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync

@@ -10,6 +10,8 @@ import json
 import random
 import time
 
+import pytest
+
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
@@ -18,6 +20,7 @@ TOTAL_STEPS = 60
 VICTIMS = ["reward-0", "rollout-0", "reference-0", "trainer", "reward-0", "reference-0", "rollout-0", "trainer"]
 
 
+@pytest.mark.e2e
 def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
