@@ -426,6 +426,12 @@ class TelemetryConfig(Section):
         "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
     )
     export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
+    samples_keep_steps: int = Field(
+        50,
+        ge=0,
+        description="steps whose applied groups the trainer keeps in runs/<run>/samples/step_<N>.jsonl for "
+        "`rlpipe samples` (prompts, completions, rewards, logprob and KL summaries); 0 keeps none",
+    )
 
 
 AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
@@ -710,7 +716,7 @@ class ConfigError(ValueError):
     """A configuration that cannot start a run; the message names every bad field."""
 
 
-def _describe(error: ValidationError) -> str:
+def _describe(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "<root>"
@@ -718,7 +724,7 @@ def _describe(error: ValidationError) -> str:
         given = item.get("input")
         shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
         lines.append(f"  {field}: {message}{shown}")
-    return "invalid configuration:\n" + "\n".join(lines)
+    return lines
 
 
 def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
@@ -728,21 +734,51 @@ def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+        data = _read_yaml(path)
     data.update(overrides)
+    problems: list[str] = []
+    cfg = None
     try:
         cfg = RunConfig(**data)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from None
+        problems = _describe(error)
+    # Checked even when fields failed, so that one run of the command names every problem.
+    environment = cfg.environment if cfg is not None else data.get("environment")
     deployment = DeploymentEnvironment().env
-    if deployment and cfg.environment and deployment != cfg.environment:
-        raise ConfigError(
-            f"invalid configuration:\n  environment: this config is for {cfg.environment!r} "
+    if deployment and isinstance(environment, str) and deployment != environment:
+        problems.append(
+            f"  environment: this config is for {environment!r} "
             f"but RLPIPE_ENV is {deployment!r}; use the config of this environment or set RLPIPE_ENV to match"
         )
+    if problems or cfg is None:
+        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
     return cfg
+
+
+def _yaml_position(error: yaml.MarkedYAMLError) -> str:
+    """Where the parser stopped and what it expected, and where the construct it was reading began."""
+
+    def at(mark: yaml.Mark) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    mark = error.problem_mark or error.context_mark
+    said = f"at {at(mark)}: " if mark is not None else ": "
+    said += error.problem or error.context or "unreadable"
+    if error.problem_mark is not None and error.context_mark is not None and error.context:
+        said += f" ({error.context} that starts at {at(error.context_mark)})"
+    return said
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.MarkedYAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML {_yaml_position(error)}") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    return data
 
 
 REDACTED = "<redacted>"
@@ -805,6 +841,6 @@ def apply_overrides(base: RunConfig, overrides: dict[str, Any]) -> RunConfig:
     try:
         return RunConfig(**data)
     except ValidationError as error:
-        raise ConfigError(_describe(error)) from None
+        raise ConfigError("invalid configuration:\n" + "\n".join(_describe(error))) from None
     finally:
         _read_environment.reset(token)
