@@ -49,6 +49,7 @@ from services.trainer.lineage import Lineage
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery
 from services.trainer.responder import AlertResponder, MetricsLog
+from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
 
 log = logging.getLogger(__name__)
@@ -70,6 +71,7 @@ class Trainer:
         events = EventLog(cfg.run_dir / "events.jsonl")
         self.events = events
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
+        self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
         self.telemetry = TrainerMetrics()
         self.ledger = GroupLedger()
         train_rows = render_rows(load_jsonl(cfg.data.train_path), learner.tokenizer)
@@ -219,6 +221,7 @@ class Trainer:
             collected.dropped,
             collected.sequence,
         )
+        self.samples.record(progress.step, collected.batch)
         await self.recovery.publish()
         row = {
             "step": progress.step,

@@ -1,0 +1,115 @@
+"""The sample archive: what the trainer applied at each step, for the operator's spot checks.
+
+``runs/<run>/samples/step_<N>.jsonl`` holds one line per group applied at step N: its
+prompt, and per completion the text, reward, finish reason and a summary of its
+per-token sampling logprobs and of their distance to the reference. It is written from
+the groups the trainer applies (not from EXPERIENCE, which is purged), and bounded: the
+newest ``keep_steps`` steps stay. A step recorded again after a rollback replaces the
+file of the same number, and files of later steps, which belong to the abandoned branch,
+are deleted, so the archive always shows the branch the current model came from.
+
+``rlpipe samples`` reads it.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from services.common.messages import ExperienceGroup
+from services.common.storage import write_atomically
+
+_STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
+
+
+@dataclass(frozen=True)
+class CompletionSample:
+    text: str
+    reward: float
+    finish_reason: str
+    tokens: int
+    logprob_mean: float  # mean sampling logprob per token
+    logprob_min: float  # the least likely token the sampler drew
+    kl_mean: float  # mean per-token log ratio log pi_sample - log pi_ref (the k1 estimate of KL to the reference)
+    kl_max: float  # the token furthest from the reference
+
+
+@dataclass(frozen=True)
+class GroupSample:
+    step: int
+    group_id: str
+    policy_version: int  # the version that generated the group
+    prompt: str
+    answer: str
+    completions: list[CompletionSample]
+
+    @property
+    def reward_mean(self) -> float:
+        return float(np.mean([c.reward for c in self.completions]))
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, line: str) -> GroupSample:
+        raw = json.loads(line)
+        return cls(**{**raw, "completions": [CompletionSample(**c) for c in raw["completions"]]})
+
+
+def summarize(step: int, group: ExperienceGroup) -> GroupSample:
+    """One applied group as the archive keeps it."""
+    completions = []
+    for completion, reward, ref in zip(group.completions, group.rewards, group.ref_logprobs, strict=True):
+        logprobs = completion.logprobs.astype(np.float64)  # (T,)
+        log_ratio = logprobs - ref.astype(np.float64)  # (T,)
+        empty = logprobs.size == 0  # a completion that stopped at once has no tokens to summarise
+        completions.append(
+            CompletionSample(
+                text=completion.text,
+                reward=float(reward),
+                finish_reason=completion.finish_reason,
+                tokens=int(logprobs.size),
+                logprob_mean=0.0 if empty else float(logprobs.mean()),
+                logprob_min=0.0 if empty else float(logprobs.min()),
+                kl_mean=0.0 if empty else float(log_ratio.mean()),
+                kl_max=0.0 if empty else float(log_ratio.max()),
+            )
+        )
+    return GroupSample(step, group.group_id, group.policy_version, group.prompt, group.answer, completions)
+
+
+class SampleArchive:
+    """``<folder>/step_<N>.jsonl`` for the newest ``keep_steps`` steps; ``keep_steps`` 0 keeps nothing."""
+
+    def __init__(self, folder: Path, keep_steps: int):
+        self.folder = folder
+        self.keep_steps = keep_steps
+
+    def path(self, step: int) -> Path:
+        return self.folder / f"step_{step}.jsonl"
+
+    def record(self, step: int, groups: list[ExperienceGroup]) -> None:
+        """Keep the groups applied at ``step``; drop steps older than the window and those of an abandoned branch."""
+        if self.keep_steps == 0:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        # Whole file or nothing: a reader (or a crash) never meets half a step.
+        write_atomically(self.path(step), "".join(summarize(step, g).to_json() + "\n" for g in groups).encode())
+        for stored in self.steps():
+            if stored > step or stored <= step - self.keep_steps:
+                self.path(stored).unlink(missing_ok=True)
+
+    def steps(self) -> list[int]:
+        """The archived steps, oldest first."""
+        if not self.folder.is_dir():
+            return []
+        found = (_STEP_FILE.match(path.name) for path in self.folder.iterdir())
+        return sorted(int(match.group(1)) for match in found if match)
+
+    def read(self, step: int) -> list[GroupSample]:
+        """The groups applied at ``step``; FileNotFoundError when the step is not (or no longer) archived."""
+        return [GroupSample.from_json(line) for line in self.path(step).read_text().splitlines() if line.strip()]
