@@ -2,7 +2,9 @@
 
 Parts go up first (model as safetensors with its HF config and tokenizer, so a
 step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state; lineage),
-then ``manifest.json`` with every part's size and sha256. A step without a
+then ``manifest.json`` with every part's size and sha256. Nothing is unpickled on load: weights are safetensors, the
+optimizer, scheduler and RNG states load with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
+containers only), and a part holding any other object is refused with ``UnsafeCheckpoint``. A step without a
 manifest, or whose parts do not match it, does not exist for loaders.
 
 Two marker objects sit beside a manifest: ``STABLE`` (an operator or a healthy save
@@ -100,6 +102,32 @@ def _torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def _safe_torch_load(data: bytes, what: str) -> Any:
+    """``data`` saved by ``torch.save``, unpickled only as far as tensors, numbers, strings and containers go:
+    a checkpoint is data, and loading one must never run code that a writer of the store planted in it."""
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[0][:200]
+        raise UnsafeCheckpoint(
+            f"{what} holds something other than tensors, numbers and containers and is refused unopened "
+            f"(rlpipe never unpickles objects from a checkpoint): {reason}"
+        ) from None
+
+
+def _rng_bytes(state: dict[str, Any]) -> bytes:
+    """The RNG states as ``torch.save`` bytes that load with ``weights_only``: numpy's key array becomes a tensor."""
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    stored = {**state, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian)}
+    return _torch_bytes(stored)
+
+
+def _rng_from_bytes(data: bytes, what: str) -> dict[str, Any]:
+    state = _safe_torch_load(data, what)
+    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
+    return {**state, "numpy": (name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian)}
 
 
 def rng_state() -> dict[str, Any]:
@@ -213,6 +241,10 @@ class Checkpoint:
 
 class CheckpointCorrupt(RuntimeError):
     pass
+
+
+class UnsafeCheckpoint(CheckpointCorrupt):
+    """A part that would need unpickling arbitrary objects to load (a planted payload, or a pre-safetensors format)."""
 
 
 class AbandonedStep(ValueError):
@@ -410,7 +442,7 @@ class CheckpointStore:
             "model.safetensors": save_safetensors(untied(ckpt.model)),
             "optimizer.pt": _torch_bytes(ckpt.optimizer),
             "scheduler.pt": _torch_bytes(ckpt.scheduler),
-            "rng.pkl": pickle.dumps(ckpt.rng),
+            "rng.pt": _rng_bytes(ckpt.rng),
             "trainer_state.json": ckpt.state.to_json().encode(),
             "lineage.jsonl": ckpt.lineage.encode(),
         }
@@ -647,12 +679,17 @@ class CheckpointStore:
             if len(data) != meta["size"] or _sha256(data) != meta["sha256"]:
                 raise CheckpointCorrupt(f"step {step}: {name} does not match its manifest hash")
             parts[name] = data
+        if "rng.pt" not in parts and "rng.pkl" in parts:
+            raise UnsafeCheckpoint(
+                f"step {step}: rng.pkl is a Python pickle (a checkpoint written before rlpipe stopped unpickling), "
+                "refused unopened; resume from a newer step or start afresh"
+            )
         return Checkpoint(
             step=step,
             model=load_safetensors(parts["model.safetensors"]),
-            optimizer=torch.load(io.BytesIO(parts["optimizer.pt"]), weights_only=False),
-            scheduler=torch.load(io.BytesIO(parts["scheduler.pt"]), weights_only=False),
-            rng=pickle.loads(parts["rng.pkl"]),
+            optimizer=_safe_torch_load(parts["optimizer.pt"], f"step {step}: optimizer.pt"),
+            scheduler=_safe_torch_load(parts["scheduler.pt"], f"step {step}: scheduler.pt"),
+            rng=_rng_from_bytes(parts["rng.pt"], f"step {step}: rng.pt"),
             state=TrainerState.from_json(parts["trainer_state.json"]),
             critic=load_safetensors(parts["critic.safetensors"]) if "critic.safetensors" in parts else None,
             lineage=parts["lineage.jsonl"].decode(),
