@@ -345,7 +345,12 @@ class RolloutConfig(Section):
     backend: Literal["vllm", "hf"] = "vllm"
     replicas: int = Field(1, ge=1)
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
-    kv_cache_mib: int = Field(256, ge=16, description="vLLM KV-cache memory")
+    kv_cache_mib: int | None = Field(
+        256,
+        ge=16,
+        description="vLLM KV-cache memory; null = what gpu_memory_utilization leaves after weights and activations "
+        "(on a GPU; vLLM's CPU backend reads it as a share of host memory)",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="dtype the rollout serves and pulls weights in; auto = model.dtype, the trainer's"
     )
