@@ -10,12 +10,13 @@ one stops it with the field's dotted name and what is allowed.
 from __future__ import annotations
 
 import contextvars
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common import registry
@@ -378,10 +379,89 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
 
 
+class RewardModelConfig(Section):
+    """A Hugging Face sequence classifier scoring (prompt, completion) pairs; see docs/rewards.md."""
+
+    path: Path = Field(description="AutoModelForSequenceClassification folder (config.json, weights, tokenizer)")
+    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    batch_size: int = Field(16, ge=1, description="pairs per forward pass")
+    max_length: int = Field(512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when this replica sees a GPU; cuda without one stops the replica at start"
+    )
+    normalize: bool = Field(
+        True, description="score = sigmoid(logit), in (0, 1) like the rule functions; false = the raw logit"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _folder_with_config(cls, path: Path) -> Path:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"reward model folder {str(path)!r} does not exist or has no config.json")
+        return path
+
+
+class RewardHttpConfig(Section):
+    """A remote reward service: batched JSON POSTs of (prompt, completion, answer, metadata) -> scores."""
+
+    url: str = Field(pattern=r"^https?://\S+$", description="the endpoint taking the POST (docs/rewards.md)")
+    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    timeout_s: float = Field(10.0, gt=0, description="one request's limit; a slower answer counts as a failure")
+    retries: int = Field(2, ge=0, description="retries of a failed request before the group waits for the service")
+    backoff_s: float = Field(0.5, gt=0, description="wait before the first retry, doubled for each next one")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once from one replica")
+    batch_size: int = Field(64, ge=1, description="completions per request")
+    headers_from_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="header name -> environment variable holding its value (a token stays out of the YAML)",
+    )
+    _headers: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _headers_set_in_environment(self) -> RewardHttpConfig:
+        if not _read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
+            return self
+        missing = [variable for variable in self.headers_from_env.values() if variable not in os.environ]
+        if missing:
+            raise ValueError(f"headers_from_env names environment variables that are not set: {missing}")
+        self._headers = {header: os.environ[variable] for header, variable in self.headers_from_env.items()}
+        return self
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The request headers, their values read from the environment when the config was loaded."""
+        return dict(self._headers)
+
+
 class RewardConfig(Section):
-    functions: dict[str, float] = Field(default_factory=lambda: {"exact_match": 1.0}, description="name -> weight")
+    functions: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0},
+        description="name or 'module:function' import path -> weight (docs/rewards.md)",
+    )
+    function_timeout_s: float = Field(
+        10.0, gt=0, description="one function on one completion; past it that score is 0 and the call is killed"
+    )
+    model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
+    http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
     replicas: int = Field(1, ge=1)
     batch: int = Field(64, ge=1)
+
+    @field_validator("functions")
+    @classmethod
+    def _plugins_import(cls, functions: dict[str, float]) -> dict[str, float]:
+        for name in functions:
+            if ":" in name:  # a plugin: imported now, so a typo stops the start rather than the first group
+                registry.import_function(name)
+        return functions
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> RewardConfig:
+        if not self.functions and self.model is None and self.http is None:
+            raise ValueError("no reward: name reward.functions, a reward.model or a reward.http service")
+        taken = {"model", "http"} & set(self.functions)
+        if taken:
+            raise ValueError(f"reward.functions may not use the names {sorted(taken)}: they name the model and http")
+        return self
 
 
 class ReferenceConfig(Section):
@@ -658,7 +738,8 @@ class RunConfig(BaseSettings):
     @classmethod
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
         for name in reward.functions:
-            _one_of(name, registry.REWARD_FUNCTIONS.names())
+            if ":" not in name:  # import paths are checked by RewardConfig
+                _one_of(name, registry.REWARD_FUNCTIONS.names())
         return reward
 
     @property

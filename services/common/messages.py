@@ -5,7 +5,7 @@ its n completions) is the unit that flows; each stage adds its part:
 
     prompt     -> Prompt            (trainer -> PROMPTS)
     rollout    -> RolloutGroup      (rollout -> ROLLOUTS): completions + policy version
-    reward     -> ScoredGroup       (reward -> SCORED): one scalar reward per completion
+    reward     -> ScoredGroup       (reward -> SCORED): one scalar reward per completion, and its parts
     reference  -> ExperienceGroup   (reference -> EXPERIENCE): reference logprobs per token
 
 Tensors travel as ``{"dtype", "shape", "data"}`` with raw little-endian bytes.
@@ -15,6 +15,7 @@ at the door and dead-lettered instead of crashing a stage.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
@@ -100,14 +101,28 @@ class RolloutGroup(Prompt):
 class ScoredGroup(RolloutGroup):
     kind: Literal["scored"] = "scored"
     rewards: Tensor
+    # Each reward source's own score per completion before weighting (rule function name, "model", "http"):
+    # ``rewards`` is their weighted sum. Reported per step as ``reward/<name>/mean``.
+    reward_parts: dict[str, Tensor] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _one_finite_reward_each(self) -> ScoredGroup:
-        if self.rewards.shape != (len(self.completions),):
-            raise ValueError(f"rewards shape {self.rewards.shape} must be ({len(self.completions)},)")
-        if not np.isfinite(self.rewards).all():
-            raise ValueError("rewards contain NaN or inf")
+        expected = (len(self.completions),)
+        for name, values in {"rewards": self.rewards, **self.reward_parts}.items():
+            if values.shape != expected:
+                raise ValueError(f"{name} shape {values.shape} must be {expected}")
+            if not np.isfinite(values).all():
+                raise ValueError(f"{name} contain NaN or inf")
         return self
+
+
+def reward_part_means(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """``reward/<name>/mean`` over every completion of ``groups`` that carries the part ``name``."""
+    parts: dict[str, list[np.ndarray]] = {}
+    for group in groups:
+        for name, values in group.reward_parts.items():
+            parts.setdefault(name, []).append(values)
+    return {f"reward/{name}/mean": float(np.concatenate(values).mean()) for name, values in sorted(parts.items())}
 
 
 class ExperienceGroup(ScoredGroup):

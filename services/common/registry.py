@@ -12,6 +12,7 @@ are exactly what the roles register.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -42,7 +43,34 @@ KL_ESTIMATORS = Registry("KL estimator", ("k1", "abs", "k2", "k3"))
 AGGREGATIONS = Registry(
     "loss aggregation", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 )
-REWARD_FUNCTIONS = Registry("reward function", ("exact_match", "final_number", "format"))
+REWARD_FUNCTIONS = Registry(
+    "reward function",
+    ("exact_match", "final_number", "format", "format_penalty", "gsm8k", "length_penalty", "math_verify"),
+)
+
+
+def import_function(path: str) -> Callable[..., Any]:
+    """The callable a ``module:function`` path names (a plugin on the Python path); ValueError says what is wrong."""
+    module_name, _, attribute = path.partition(":")
+    if not module_name or not attribute:
+        raise ValueError(f"{path!r} is not an import path of the form 'module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as error:  # a plugin may fail to import in any way: its own bug, a missing dependency
+        raise ValueError(f"{path!r}: module {module_name!r} cannot be imported ({error!r})") from None
+    function = getattr(module, attribute, None)
+    if not callable(function):
+        raise ValueError(f"{path!r}: module {module_name!r} has no function {attribute!r}")
+    return function
+
+
+def reward_function(name: str) -> Callable[..., Any]:
+    """A registered reward function by name, or a plugin's by its ``module:function`` import path."""
+    if ":" in name:
+        return import_function(name)
+    if name not in REWARD_FUNCTIONS:
+        raise ValueError(f"reward function {name!r} is not one of {REWARD_FUNCTIONS.names()} nor a 'module:function'")
+    return REWARD_FUNCTIONS[name]
 
 # Algorithms whose advantages come from elsewhere than a group estimator: PPO from GAE over a critic,
 # REINFORCE++ from whitened discounted returns, Dr. GRPO as an alias of grpo_no_std (the trainer's learner).

@@ -1,26 +1,119 @@
-"""Reward: ROLLOUTS -> SCORED, one scalar reward per completion."""
+"""Reward: ROLLOUTS -> SCORED, one scalar reward per completion and the parts it is made of.
+
+A replica scores with up to three sources, each a *part* with a weight:
+
+- rule functions (``reward.functions``: built-in names or ``module:function`` plugins), run in a
+  child process under ``reward.function_timeout_s`` per call (``services.reward.sandbox``);
+- a reward model (``reward.model``), scored as ``model`` (``services.reward.model``);
+- a remote reward service (``reward.http``), scored as ``http`` (``services.reward.remote``).
+
+The reward is the weighted sum of the parts; each part's own scores travel in the group
+(``ScoredGroup.reward_parts``) and reach the trainer's step rows as ``reward/<name>/mean``.
+A rule function that raises, or a remote service that refuses the input, fails the compute: the
+stage retries the group and dead-letters it after ``nats.max_deliver``. A remote service that is
+down raises ``DependencyUnavailable``: the stage holds the group and retries, spending no delivery.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 
 from services.common.bus import ROLLOUTS, SCORED, Bus, Stage
-from services.common.config import RunConfig
+from services.common.config import RewardConfig, RunConfig
 from services.common.logs import Stopwatch, log_event
 from services.common.messages import RolloutGroup, ScoredGroup, advance
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.telemetry import current_telemetry
-from services.reward.functions import score
+from services.reward.model import RewardModel
+from services.reward.remote import RemoteItem, RemoteScorer
+from services.reward.sandbox import RuleCall, RuleSandbox
 
 log = logging.getLogger(__name__)
 
 
-def score_group(group: RolloutGroup, weights: dict[str, float], config_version: int = 0) -> ScoredGroup:
-    rewards = [score(c.text, group.answer, c.finish_reason, weights) for c in group.completions]
-    return advance(group, ScoredGroup, rewards=np.asarray(rewards, dtype=np.float32), config_version=config_version)
+@dataclass
+class RewardSources:
+    """What one replica scores with; ``model`` and ``remote`` only when configured."""
+
+    rules: RuleSandbox
+    model: RewardModel | None = None
+    remote: RemoteScorer | None = None
+
+    @classmethod
+    def of(cls, reward: RewardConfig) -> RewardSources:
+        return cls(
+            rules=RuleSandbox(reward.function_timeout_s),
+            model=RewardModel(reward.model) if reward.model is not None else None,
+            remote=RemoteScorer(reward.http) if reward.http is not None else None,
+        )
+
+    def close(self) -> None:
+        self.rules.close()
+
+
+def weights_of(reward: RewardConfig) -> dict[str, float]:
+    """Part name -> weight: the rule functions, then ``model`` and ``http`` when configured."""
+    weights = dict(reward.functions)
+    if reward.model is not None:
+        weights["model"] = reward.model.weight
+    if reward.http is not None:
+        weights["http"] = reward.http.weight
+    return weights
+
+
+def combine(parts: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
+    """``sum_name weights[name] * parts[name]``: ``[n]`` float32 rewards from ``[n]`` scores per part."""
+    total = np.zeros_like(next(iter(parts.values())), dtype=np.float64)
+    for name, values in parts.items():
+        total += weights[name] * values
+    return total.astype(np.float32)
+
+
+def split(flat: list[float] | np.ndarray, sizes: list[int]) -> list[np.ndarray]:
+    """Cut one value per completion of a batch back into one ``[n]`` float32 array per group."""
+    return np.split(np.asarray(flat, dtype=np.float32), np.cumsum(sizes)[:-1])
+
+
+async def score_groups(
+    groups: list[RolloutGroup], reward: RewardConfig, sources: RewardSources, config_version: int = 0
+) -> list[ScoredGroup]:
+    """Every completion of ``groups`` scored by every part of ``reward``, as one ScoredGroup each."""
+    sizes = [len(group.completions) for group in groups]
+    completions = [(group, completion) for group in groups for completion in group.completions]
+    per_part: dict[str, list[np.ndarray]] = {}
+    if reward.functions:
+        names = list(reward.functions)
+        calls = [RuleCall(name, c.text, g.answer, c.finish_reason) for g, c in completions for name in names]
+        flat = np.asarray(await asyncio.to_thread(sources.rules.score, calls), dtype=np.float32).reshape(-1, len(names))
+        for column, name in enumerate(names):
+            per_part[name] = split(flat[:, column], sizes)
+    if reward.model is not None and sources.model is not None:
+        pairs = [(group.prompt, completion.text) for group, completion in completions]
+        per_part["model"] = split(await asyncio.to_thread(sources.model.score, pairs), sizes)
+    if reward.http is not None and sources.remote is not None:
+        items = [
+            RemoteItem(g.prompt, c.text, g.answer, {"group_id": g.group_id, "prompt_id": g.prompt_id})
+            for g, c in completions
+        ]
+        per_part["http"] = split(await sources.remote.score(items), sizes)
+    weights = weights_of(reward)
+    scored = []
+    for index, group in enumerate(groups):
+        parts = {name: values[index] for name, values in per_part.items()}
+        scored.append(
+            advance(
+                group,
+                ScoredGroup,
+                rewards=combine(parts, weights),
+                reward_parts=parts,
+                config_version=config_version,
+            )
+        )
+    return scored
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
@@ -28,10 +121,13 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     bus = await Bus(cfg, "reward").connect()
     server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
+    # The model and the remote service are set at start (not live); the functions and their weights are.
+    sources = RewardSources.of(cfg.reward)
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
         await live.refresh()  # reward weights are live
-        return [score_group(group, live.cfg.reward.functions, live.version) for group in groups]
+        reward = live.cfg.reward.model_copy(update={"model": cfg.reward.model, "http": cfg.reward.http})
+        return await score_groups(groups, reward, sources, live.version)
 
     stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, cfg.reward.batch, "reward")
     log_event(
@@ -40,7 +136,12 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         functions=live.cfg.reward.functions,
+        model=str(cfg.reward.model.path) if cfg.reward.model else None,
+        http=cfg.reward.http.url if cfg.reward.http else None,
         config_version=live.version,
         startup_s=started(),
     )
-    await serve_stage(stage, stop, server, presence)
+    try:
+        await serve_stage(stage, stop, server, presence)
+    finally:
+        sources.close()

@@ -32,6 +32,7 @@ from services.common.events import EventLog
 from services.common.hardware import HardwareSampler
 from services.common.live_config import LiveConfig
 from services.common.logs import Stopwatch, bind_log_fields, log_event
+from services.common.messages import reward_part_means
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.presence import Presence
 from services.common.service import EXIT_REFUSED, start_grpc_server
@@ -229,6 +230,7 @@ class Trainer:
             "config_version": self.live.version,
             "dropped_stale": len(collected.dropped),
             **metrics,
+            **reward_part_means(collected.batch),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
             "services_down": await self.status.services_down(),

@@ -1,0 +1,47 @@
+"""Rule functions run in a child process: a call that never ends is killed and scores 0, the replica goes on."""
+
+import pytest
+
+from services.reward.sandbox import RewardFunctionError, RuleCall, RuleSandbox
+
+
+def forever(text: str, answer: str, finish_reason: str) -> float:
+    """A function that hangs on the completion "hang" (as math on a huge expression can)."""
+    while text == "hang":
+        pass
+    return 1.0
+
+
+def refuses(text: str, answer: str, finish_reason: str) -> float:
+    raise ValueError(f"cannot judge {answer!r}")
+
+
+HANGS = "tests.reward.test_sandbox:forever"
+
+
+@pytest.fixture
+def sandbox():
+    box = RuleSandbox(timeout_s=1.0)
+    yield box
+    box.close()
+
+
+def test_a_hung_call_scores_zero_and_the_calls_after_it_are_still_scored(sandbox):
+    calls = [
+        RuleCall("exact_match", "12", "12", "stop"),
+        RuleCall(HANGS, "hang", "1", "stop"),
+        RuleCall(HANGS, "fine", "1", "stop"),
+        RuleCall("exact_match", "13", "12", "stop"),
+    ]
+    assert sandbox.score(calls) == [1.0, 0.0, 1.0, 0.0]
+    assert sandbox.timeouts == 1
+    # The replacement child serves the next batch as well.
+    assert sandbox.score([RuleCall("exact_match", "7", "7", "stop")]) == [1.0]
+
+
+def test_a_function_that_raises_names_itself_and_leaves_the_sandbox_usable(sandbox):
+    calls = [RuleCall("tests.reward.test_sandbox:refuses", "1", "x", "stop"), RuleCall("exact_match", "1", "1", "stop")]
+    with pytest.raises(RewardFunctionError, match=r"test_sandbox:refuses.*cannot judge 'x'"):
+        sandbox.score(calls)
+    assert sandbox.score([RuleCall("exact_match", "5", "5", "stop")]) == [1.0]
+    assert sandbox.timeouts == 0

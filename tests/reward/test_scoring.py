@@ -1,0 +1,104 @@
+"""A group's reward is the weighted sum of its parts, and each part's own scores travel with it."""
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.common.config import ConfigError, RewardConfig, load_config
+from services.common.messages import (
+    Completion,
+    ExperienceGroup,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    decode,
+    encode,
+    reward_part_means,
+)
+from services.reward.sandbox import RuleSandbox
+from services.reward.service import RewardSources, score_groups
+
+
+def group(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
+    return RolloutGroup(
+        group_id=group_id,
+        prompt_id=group_id,
+        prompt="1+1=",
+        answer=answer,
+        prompt_ids=np.array([1, 2], dtype=np.int64),
+        policy_version=0,
+        completions=[
+            Completion(
+                text=text,
+                token_ids=np.array([3], dtype=np.int64),
+                logprobs=np.array([-0.5], dtype=np.float32),
+                finish_reason=finish,
+            )
+            for text in texts
+        ],
+    )
+
+
+@pytest.fixture
+def rules():
+    sandbox = RuleSandbox(timeout_s=5.0)
+    yield RewardSources(rules=sandbox)
+    sandbox.close()
+
+
+def test_rewards_are_the_weighted_sum_of_the_parts_kept_per_completion(rules):
+    reward = RewardConfig(functions={"exact_match": 1.0, "format": 0.5, "examples.reward_plugin:brevity": 0.25})
+    scored = asyncio.run(score_groups([group("a", "2", ["2", "x 3 4"]), group("b", "22", ["22"])], reward, rules, 7))
+    first, second = scored
+    assert first.reward_parts["exact_match"].tolist() == [1.0, 0.0]
+    assert first.reward_parts["format"].tolist() == [1.0, 0.0]
+    assert first.reward_parts["examples.reward_plugin:brevity"].tolist() == pytest.approx([1.0, 0.0])
+    assert first.rewards.tolist() == pytest.approx([1.75, 0.0])
+    assert second.rewards.tolist() == pytest.approx([1.75]) and second.config_version == 7
+    assert reward_part_means(scored) == pytest.approx(
+        {
+            "reward/exact_match/mean": 2 / 3,
+            "reward/format/mean": 2 / 3,
+            "reward/examples.reward_plugin:brevity/mean": 2 / 3,
+        }
+    )
+
+
+def test_reward_parts_survive_the_wire_to_the_trainer(rules):
+    (scored,) = asyncio.run(score_groups([group("a", "2", ["2", "3"])], RewardConfig(), rules))
+    experience = advance(
+        decode(encode(scored), ScoredGroup), ExperienceGroup, ref_logprobs=[np.array([-1.0], np.float32)] * 2
+    )
+    assert decode(encode(experience), ExperienceGroup).reward_parts["exact_match"].tolist() == [1.0, 0.0]
+
+
+def test_a_part_of_the_wrong_length_or_not_finite_is_refused():
+    scored = {"rewards": np.zeros(1, np.float32)}
+    base = group("a", "2", ["2"]).model_dump() | scored | {"kind": "scored"}
+    with pytest.raises(ValueError, match=r"model shape \(2,\) must be \(1,\)"):
+        ScoredGroup.model_validate(base | {"reward_parts": {"model": np.zeros(2, np.float32)}})
+    with pytest.raises(ValueError, match="http contain NaN"):
+        ScoredGroup.model_validate(base | {"reward_parts": {"http": np.array([np.nan], np.float32)}})
+
+
+def test_a_plugin_that_cannot_be_imported_stops_the_start_naming_the_entry(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    settings = {"model": {"path": str(model_dir)}, "data": {"train_path": str(data_dir / "train.jsonl")}}
+    with pytest.raises(ConfigError, match=r"reward.functions: 'examples.nope:score': module 'examples.nope' cannot"):
+        load_config(None, **settings, reward={"functions": {"examples.nope:score": 1.0}})
+    with pytest.raises(ConfigError, match=r"'examples.reward_plugin:nothing': module .* has no function 'nothing'"):
+        load_config(None, **settings, reward={"functions": {"examples.reward_plugin:nothing": 1.0}})
+    assert load_config(None, **settings, reward={"functions": {"examples.reward_plugin:brevity": 1.0}})
+
+
+def test_http_headers_come_from_the_environment_the_config_names(tiny_model, monkeypatch):
+    model_dir, data_dir = tiny_model
+    settings = {"model": {"path": str(model_dir)}, "data": {"train_path": str(data_dir / "train.jsonl")}}
+    http = {"url": "http://127.0.0.1:1/score", "headers_from_env": {"Authorization": "TEST_REWARD_TOKEN"}}
+    with pytest.raises(ConfigError, match=r"reward.http: .*not set: \['TEST_REWARD_TOKEN'\]"):
+        load_config(None, **settings, reward={"http": http})
+    monkeypatch.setenv("TEST_REWARD_TOKEN", "Bearer s3cret")
+    cfg = load_config(None, **settings, reward={"http": http})
+    assert cfg.reward.http.headers == {"Authorization": "Bearer s3cret"}
+    assert "s3cret" not in cfg.model_dump_json()
