@@ -180,8 +180,8 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         console.print(alerts)
 
 
-def register(app: typer.Typer) -> None:
-    """Add the operator commands to the ``rlpipe`` app."""
+def register(app: typer.Typer) -> typer.Typer:
+    """Add the operator commands to the ``rlpipe`` app; returns the ``checkpoints`` group, for more subcommands."""
 
     @app.callback()
     def connect(
@@ -230,9 +230,14 @@ def register(app: typer.Typer) -> None:
         info = target(ctx).call("Checkpoint", admin_pb2.CheckpointRequest())
         console.print(f"checkpoint of step {info.step} (policy version {info.policy_version}) at {info.location}")
 
-    @app.command()
+    checkpoints_app = typer.Typer(help="The stored checkpoints; `checkpoints verify` checks they are whole and load.")
+    app.add_typer(checkpoints_app, name="checkpoints")
+
+    @checkpoints_app.callback(invoke_without_command=True)
     def checkpoints(ctx: typer.Context, as_json: bool = typer.Option(False, "--json")) -> None:
         """The stored checkpoints, with stable and abandoned marks."""
+        if ctx.invoked_subcommand is not None:
+            return
         listing = target(ctx).call("ListCheckpoints", admin_pb2.ListCheckpointsRequest())
         if as_json:
             return _print_json(listing)
@@ -347,6 +352,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Print a service's log of a local run (runs/<run>/logs/<service>.log)."""
         _tail(_run_dir(ctx) / "logs" / f"{service}.log", follow, lambda line: line)
+
+    return checkpoints_app
 
 
 def _run_dir(ctx: typer.Context) -> Path:

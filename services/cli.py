@@ -9,6 +9,7 @@ import typer
 from services.admin_cli import register as register_operator_commands
 from services.common.config import ConfigError
 from services.tuner.cli import register as register_tune_command
+from services.verify_cli import register as register_verify_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
 
@@ -25,10 +26,20 @@ def run(
         help="delete runs/<run id> (its checkpoints, metrics, streams and logs) and start over; "
         "without it or --resume, a run directory holding checkpoints or metrics is refused",
     ),
+    smoke: bool = typer.Option(
+        False,
+        "--smoke",
+        help="a few steps at a small batch under <run id>-smoke; exits 0 only if sampling, reward, reference "
+        "and the update each logged a batch",
+    ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.launcher import run as launch
 
+    if smoke:
+        from services.verify_cli import smoke_command
+
+        raise typer.Exit(smoke_command(config))
     try:
         code = launch(config, resume=resume, overwrite=overwrite)
     except ConfigError as error:
@@ -160,7 +171,7 @@ def import_gguf(
     typer.echo(json.dumps(asdict(summary)))
 
 
-register_operator_commands(app)
+register_verify_commands(app, register_operator_commands(app))
 register_tune_command(app)
 
 

@@ -1,0 +1,259 @@
+"""`rlpipe verify`, `rlpipe run --smoke`, `rlpipe alerts test`, `rlpipe checkpoints verify` and `rlpipe samples`,
+as an operator runs them: real processes, a real webhook receiver, moto_server S3, the embedded deployment."""
+
+from __future__ import annotations
+
+import io
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from services.common.config import load_config
+from services.common.modeling import load_model
+from services.common.storage import open_store
+from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, detached_copy, rng_state
+from services.trainer.lineage import Lineage
+from tests.conftest import ROOT, free_port, metric_rows, write_config
+
+
+def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "services.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
+
+
+class Webhook:
+    """A local HTTP receiver that records the JSON bodies POSTed to it."""
+
+    def __init__(self) -> None:
+        received = self.received = []
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                received.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def webhook() -> Iterator[Webhook]:
+    receiver = Webhook()
+    yield receiver
+    receiver.close()
+
+
+def jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- alerts test ---------------------------------------------------------------------------------
+
+
+def test_alerts_test_fires_every_rule_through_log_events_metrics_prometheus_and_a_real_webhook(
+    tmp_path, tiny_model, webhook
+):
+    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs", alerts={"webhook_url": webhook.url})
+    rules = [rule.name for rule in load_config(config).alerts.rules]
+    done = rlpipe("alerts", "test", "--config", str(config))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert sorted(body["rule"] for body in webhook.received) == sorted(rules)
+    assert all("drill" in body["message"] and body["actions_taken"] == ["notify"] for body in webhook.received)
+    run_dir = tmp_path / "runs" / "test"
+    assert sorted(e["rule"] for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "alert") == sorted(rules)
+    assert sorted(row["alert"] for row in jsonl(run_dir / "metrics.jsonl")) == sorted(rules)
+    logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
+    assert sorted(line["rule"] for line in logged if line["event"] == "alert") == sorted(rules)
+    assert f"{len(rules)} rlpipe_alerts_fired_total at http://" in done.stdout
+
+
+def test_alerts_test_fails_naming_the_webhook_when_it_is_unreachable(tmp_path, tiny_model):
+    unreachable = f"http://127.0.0.1:{free_port()}/hook"  # nothing listens there
+    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs", alerts={"webhook_url": unreachable})
+    done = rlpipe("alerts", "test", "kl_too_high", "--config", str(config))
+    assert done.returncode == 1
+    failures = [line for line in done.stderr.splitlines() if line.startswith("rlpipe alerts test:")]
+    assert len(failures) == 1 and failures[0].startswith("rlpipe alerts test: sink webhook failed: 1 of 1 POSTs to")
+    assert "Connection refused" in failures[0]
+    events = jsonl(tmp_path / "runs" / "test" / "events.jsonl")
+    assert [e["rule"] for e in events if e["kind"] == "alert"] == ["kl_too_high"]  # the other sinks still got it
+
+
+def test_alerts_test_refuses_an_unknown_rule_naming_the_configured_ones(tmp_path, tiny_model):
+    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs")
+    done = rlpipe("alerts", "test", "no_such_rule", "--config", str(config))
+    assert done.returncode == 2
+    assert "no alert rule 'no_such_rule' in this config (rules: entropy_collapse, kl_too_high," in done.stderr
+    assert not (tmp_path / "runs" / "test" / "events.jsonl").exists()
+
+
+# -- checkpoints verify ------------------------------------------------------------------------------
+
+
+def save_steps(cfg, steps: list[int], model_dir: Path, state_of=lambda model: detached_copy(model)) -> None:
+    """Checkpoints of ``steps`` with the tiny model's weights, through the trainer's own store (with its mirror)."""
+    model = load_model(cfg.model.path)
+    mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint)
+    store = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, 5, mirror=mirror)
+    store.start_fresh()
+    for step in steps:
+        state = TrainerState(step=step, policy_version=step, last_experience_seq=step, incarnation=store.incarnation)
+        store.save(Checkpoint(step, state_of(model), {}, {}, rng_state(), state), model_dir)
+
+
+def flip_bytes(endpoint: str, key: str) -> None:
+    from minio import Minio
+
+    client = Minio(endpoint, access_key="testing", secret_key="testing", secure=False)
+    data = bytearray(client.get_object("ckpt", key).read())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor data, past the safetensors header
+    client.put_object("ckpt", key, io.BytesIO(bytes(data)), len(data))
+
+
+def findings(done: subprocess.CompletedProcess) -> list[str]:
+    """What the command said was wrong (stderr also carries the model loader's progress bar)."""
+    return [line for line in done.stderr.splitlines() if line.startswith("rlpipe checkpoints verify: ")]
+
+
+def test_checkpoints_verify_names_the_step_and_file_of_a_corrupted_tensor_in_s3(tmp_path, tiny_model, s3):
+    model_dir, data_dir = tiny_model
+    checkpoint = s3.checkpoint(mirror_url=(tmp_path / "mirror").as_uri())
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+    save_steps(load_config(config), [1, 2], model_dir)
+    flip_bytes(f"127.0.0.1:{s3.port}", "prefix/test/step-00000002/model.safetensors")
+
+    done = rlpipe("checkpoints", "verify", "--all", "--json", "--config", str(config))
+    assert done.returncode == 1
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert [(r["store"], r["step"], r["ok"]) for r in rows] == [
+        ("s3://ckpt/prefix", 1, True),
+        ("s3://ckpt/prefix", 2, False),
+        ((tmp_path / "mirror").as_uri(), 1, True),
+        ((tmp_path / "mirror").as_uri(), 2, True),  # the mirror's copy is whole
+    ]
+    assert findings(done) == [
+        "rlpipe checkpoints verify: s3://ckpt/prefix: step 2: model.safetensors does not match its manifest hash"
+    ]
+    assert "tensors loaded into" in rows[0]["detail"]
+
+    newest = rlpipe("checkpoints", "verify", "--json", "--config", str(config))  # no STEP: the newest, step 2
+    assert newest.returncode == 1 and [json.loads(line)["step"] for line in newest.stdout.splitlines()] == [2, 2]
+    older = rlpipe("checkpoints", "verify", "1", "--config", str(config))
+    assert older.returncode == 0, older.stdout + older.stderr
+
+
+def test_checkpoints_verify_fails_a_whole_checkpoint_whose_weights_do_not_fit_the_model(tmp_path, tiny_model):
+    model_dir, data_dir = tiny_model
+    checkpoint = {"store_url": (tmp_path / "store").as_uri(), "mirror_url": (tmp_path / "mirror").as_uri()}
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+
+    def renamed(model) -> dict:
+        return {f"renamed.{name}": tensor for name, tensor in detached_copy(model).items()}
+
+    save_steps(load_config(config), [3], model_dir, state_of=renamed)
+    done = rlpipe("checkpoints", "verify", "--config", str(config))
+    assert done.returncode == 1
+    failures = findings(done)
+    assert len(failures) == 2  # the store and the mirror
+    assert all("step 3: weights do not load: checkpoint does not fit the model: missing" in f for f in failures)
+
+
+# -- the whole checklist ---------------------------------------------------------------------------
+
+
+def verify_config(tmp_path: Path, tiny_model, **sections) -> Path:
+    return write_config(tmp_path / "deploy.yaml", *tiny_model, tmp_path / "runs", run_id="deploy", **sections)
+
+
+@pytest.fixture(scope="module")
+def verified(tmp_path_factory, tiny_model) -> Iterator[tuple[subprocess.CompletedProcess, Path, Webhook]]:
+    """One `rlpipe verify` of the embedded deployment with the tiny model, shared by the tests that read it."""
+    tmp_path = tmp_path_factory.mktemp("verify")
+    receiver = Webhook()
+    config = verify_config(tmp_path, tiny_model, alerts={"webhook_url": receiver.url})
+    done = rlpipe("verify", "--config", str(config), timeout=900)
+    yield done, tmp_path / "runs" / "deploy-smoke", receiver
+    receiver.close()
+
+
+@pytest.mark.e2e
+def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified):
+    done, run_dir, receiver = verified
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((run_dir / "verify.json").read_text())
+    assert record["passed"] is True and record["failed"] == [] and record["run_id"] == "deploy-smoke"
+    names = ["roles", "weight-sync", "smoke-run", "checkpoint", "alert-drill", "metrics"]
+    assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names]
+    assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
+    assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
+    rows = metric_rows(run_dir)
+    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]  # the smoke run: 3 steps at batch 2
+    drilled = sorted(r["alert"] for r in rows if "alert" in r)  # the smoke run itself fires no rule
+    assert drilled == sorted(rule.name for rule in load_config(run_dir.parent.parent / "deploy.yaml").alerts.rules)
+    assert sorted(body["rule"] for body in receiver.received) == drilled
+
+
+@pytest.mark.e2e
+def test_samples_show_exactly_the_groups_and_rewards_the_trainer_applied(verified):
+    done, run_dir, _ = verified
+    assert done.returncode == 0, done.stderr[-3000:]
+    applied = {r["step"]: r for r in Lineage(run_dir / "lineage.jsonl").records() if "groups" in r}
+    rows = {r["step"]: r for r in metric_rows(run_dir) if "reward_mean" in r}
+    for step in (1, 2, 3):
+        shown = rlpipe("--run-dir", str(run_dir), "samples", "--step", str(step), "--n", "100", "--json")
+        assert shown.returncode == 0, shown.stderr
+        groups = [json.loads(line) for line in shown.stdout.splitlines()]
+        assert sorted(g["group_id"] for g in groups) == sorted(group_id for group_id, _ in applied[step]["groups"])
+        rewards = [c["reward"] for g in groups for c in g["completions"]]
+        assert sum(rewards) / len(rewards) == pytest.approx(rows[step]["reward_mean"], abs=1e-6)
+    table = rlpipe("samples", "--run", str(run_dir), "--n", "1")  # the newest step, as a table
+    assert table.returncode == 0 and "step 3  group " in table.stdout and "KL mean" in table.stdout
+
+
+@pytest.mark.e2e
+def test_verify_fails_naming_the_roles_check_when_the_reward_service_is_killed(tmp_path, tiny_model):
+    config = verify_config(tmp_path, tiny_model, supervision={"max_restarts": 0})
+    run_dir = tmp_path / "runs" / "deploy-smoke"
+    verify = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "verify", "--config", str(config)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not (run_dir / "run.json").is_file():  # written once every service is ready
+            assert verify.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        reward_pid = json.loads((run_dir / "run.json").read_text())["pids"]["reward-0"]
+        subprocess.run(["kill", f"-{signal.SIGKILL.value}", str(reward_pid)], check=True)
+        _, err = verify.communicate(timeout=600)
+    finally:
+        if verify.poll() is None:
+            verify.kill()
+            verify.communicate()
+    assert verify.returncode == 1
+    failed = [line for line in err.splitlines() if line.startswith("rlpipe verify: ")]
+    assert failed[0].startswith("rlpipe verify: roles failed: ") and "reward-0" in failed[0]
+    record = json.loads((run_dir / "verify.json").read_text())
+    assert record["failed"][0] == "roles"
+    assert "**failed**: roles" in (run_dir / "verify.md").read_text()
