@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
@@ -126,6 +127,14 @@ RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
 
 def metric_rows(run_dir: Path) -> list[dict]:
     return read_jsonl(run_dir / "metrics.jsonl")
+
+
+def service_events(run_dir: Path, service: str) -> list[dict]:
+    """The JSON log events of ``service`` (e.g. "trainer") in a run, oldest first; none before its log exists."""
+    log_file = run_dir / "logs" / f"{service}.log"
+    if not log_file.exists():
+        return []
+    return [json.loads(line) for line in log_file.read_text().splitlines() if line.startswith("{")]
 
 
 def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 300) -> None:

@@ -20,13 +20,23 @@ import time
 from pathlib import Path
 
 import nats
+import pytest
 
 from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
+from tests.conftest import (
+    RLPIPE_RUN,
+    ROOT,
+    metric_rows,
+    run_pipeline,
+    running_pipeline,
+    service_events,
+    wait_for,
+    write_config,
+)
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 
 TOTAL_STEPS = 24
@@ -219,3 +229,39 @@ def wait_for_exit(pid: int, timeout: float = 10.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"process {pid} still running")
+
+
+@pytest.mark.e2e
+def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_trainer_reads_on(tiny_model, tmp_path):
+    """save_every_steps: 0 used to keep EXPERIENCE forever. Now everything read is purged every few steps, and a
+    trainer killed before any checkpoint starts over reading after the purge, not stopping on the gap as if the
+    broker had lost messages."""
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="nosave",
+        train={"total_steps": 30, "batch_size": 8, "max_inflight_batches": 2},
+        checkpoint={"save_every_steps": 0},
+        rollout={"prompts_per_batch": 4},
+        supervision={"backoff_s": 0.5},
+    )
+    run_dir = runs / "nosave"
+    trainer_events = lambda: service_events(run_dir, "trainer")  # noqa: E731
+    with running_pipeline(config) as process:
+        wait_for(lambda: any(e["event"] == "purged" for e in trainer_events()), "a purge without checkpoints", process)
+        kill(run_dir, "trainer")
+        purges = [e["experience_below"] for e in trainer_events() if e["event"] == "purged"]
+        output, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, output[-3000:]
+    events = trainer_events()
+    assert not [e for e in events if e["event"] == "broker_state_lost"]
+    [replay] = [e for e in events if e["event"] == "replay_purged"]
+    assert (replay["read_through"], replay["purged_through"]) == (0, purges[-1] - 1)
+    records = Lineage(run_dir / "lineage.jsonl").records()
+    final = effective_steps(records)
+    assert [r["step"] for r in final] == list(range(1, 31))
+    assert_every_fed_prompt_accounted_once(runs, "nosave", final)

@@ -84,6 +84,7 @@ log = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
+PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
 _STEP_FILE = re.compile(r"step-(\d+)/(manifest\.json|STABLE|ABANDONED)$")
 MODEL_SIDECARS = (
     "config.json",
@@ -630,17 +631,53 @@ class CheckpointStore:
         return sorted(later)
 
     def replay_floor(self, read_seq: int) -> int | None:
-        """The EXPERIENCE sequence at and below which nothing is ever read again: the lowest sequence
-        applied by a live step of this incarnation, and never above ``read_seq`` (what the trainer
-        has read). None when there is no such step, or one whose sequence is unknown."""
-        seqs = [
-            entry.manifest.get("last_experience_seq") if entry.manifest is not None else None
-            for entry in self._scan()
-            if entry.live and not self._foreign(entry)
-        ]
-        if not seqs or None in seqs:
+        """The EXPERIENCE sequence at and below which nothing is ever read again, never above ``read_seq`` (what the
+        trainer has read): the lowest sequence applied by the newest ``keep_last`` live steps of this incarnation,
+        the ones a resume or a rollback within the kept window reads on from; ``read_seq`` when there are none.
+
+        A STABLE step older than that window does not hold EXPERIENCE back (a run would keep its stream forever): a
+        rollback to it reads on from the purge (``purged_through``). None when a step of the window has no known
+        sequence."""
+        window = [entry for entry in self._scan() if entry.live and not self._foreign(entry)][-self.keep_last :]
+        seqs = [entry.manifest.get("last_experience_seq") if entry.manifest is not None else None for entry in window]
+        if None in seqs:
             return None
-        return min(*seqs, read_seq)
+        return min([*seqs, read_seq])
+
+    def record_purge(self, seq: int, stream: str) -> None:
+        """Note, before EXPERIENCE is purged through ``seq``, that this run purges it: a resume or rollback to a step
+        that read less then reads on after ``seq`` instead of taking the gap for a broker that lost messages.
+
+        ``stream`` names the stream's life (its creation time): a stream re-created since voids the note. Written to
+        the mirror too, as a checkpoint is, so that a resume from the mirror knows it."""
+        data = json.dumps({"experience_seq": seq, "stream": stream}).encode()
+        self._put(self._purge_key, data)
+        if self.mirror is not None:
+            try:
+                self._put(self._purge_key, data, self.mirror)
+            except Exception as error:  # the primary holds the truth
+                log_event(log, "mirror_failed", level=logging.WARNING, key=self._purge_key, error=repr(error)[:300])
+
+    def purged_through(self, stream: str) -> int:
+        """The EXPERIENCE sequence through which this run purged ``stream`` (its life as in ``record_purge``);
+        0 when it never did. Read from the primary store, or from the mirror while the primary is unreachable."""
+        stores = [self.store] if self.mirror is None else [self.store, self.mirror]
+        for store in stores:
+            try:
+                data = self._retried(self._purge_key, lambda store=store: store.get(self._purge_key))
+            except FileNotFoundError:
+                return 0
+            except Exception:
+                if store is stores[-1]:
+                    raise
+                continue
+            record = json.loads(data)
+            return int(record["experience_seq"]) if record.get("stream") == stream else 0
+        return 0
+
+    @property
+    def _purge_key(self) -> str:
+        return f"{self.run_id}/{PURGED}"
 
     def latest_stable(self) -> int | None:
         """The newest live STABLE step of this incarnation."""

@@ -81,6 +81,7 @@ class Recovery:
         self.build = BuildInfo().resolved()
         self.upload: asyncio.Task | None = None
         self.claim_keys: dict[str, int] = {}  # claim-checked EXPERIENCE bodies read, key -> sequence
+        self.purged_seq = 0  # EXPERIENCE purged through here by this process
 
     # -- start ------------------------------------------------------------------------
 
@@ -105,6 +106,7 @@ class Recovery:
         """A restart before the run's first checkpoint: a new incarnation, whose policy versions still grow past
         any this run served (rollouts may hold them), and which abandons the steps taken before."""
         self.progress.incarnation = self.checkpoints.incarnation = new_incarnation()
+        self.progress.applied_seq = await self.read_on_after(0)
         served = self.lineage.max_version()
         if served:
             self.progress.version = served + 1
@@ -121,6 +123,7 @@ class Recovery:
         incarnation = self.checkpoints.adopt_incarnation(ckpt)
         later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)
         state: TrainerState = ckpt.state
+        read_from = await self.read_on_after(state.last_experience_seq)
         progress = self.progress
         new_version = max(progress.version, self.lineage.max_version(), state.policy_version) + 1
         disowned = (state.policy_version + 1, new_version - 1)
@@ -128,7 +131,7 @@ class Recovery:
         self.learner.reconfigure(self.settings.cfg)  # the live hyperparameters stay in force
         progress.step = progress.saved_step = ckpt.step
         progress.version = new_version
-        progress.applied_seq = state.last_experience_seq
+        progress.applied_seq = read_from
         progress.last_eval = state.eval_accuracy
         progress.incarnation = incarnation
         self.claim_keys |= {key: seq for seq, key in state.claim_keys}
@@ -166,6 +169,18 @@ class Recovery:
             reason=reason,
         )
         return abandoned
+
+    async def read_on_after(self, seq: int) -> int:
+        """Where to read EXPERIENCE on from for a state that read through ``seq``: there, or past this run's purge
+        when it went further (a rollback to a STABLE step older than the kept window, a resume after checkpoints
+        were off). The groups in between are gone on purpose; those the state still had in flight are written off
+        as lost once overdue (``train.lost_after_s``), like any group that never comes back."""
+        created = await self.bus.stream_created(EXPERIENCE)
+        purged = await asyncio.to_thread(self.checkpoints.purged_through, str(created))
+        if purged <= seq:
+            return seq
+        log_event(log, "replay_purged", level=logging.WARNING, read_through=seq, purged_through=purged)
+        return purged
 
     async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
         """Serve checkpoint ``step`` (None: the newest stable one) as a new policy version.
@@ -281,21 +296,33 @@ class Recovery:
         await self.purge_consumed()
 
     async def purge_consumed(self) -> None:
-        """Drop what no kept checkpoint would re-read: EXPERIENCE, its claim-checked bodies, settled group ids."""
+        """Drop what no kept checkpoint would re-read: EXPERIENCE, its claim-checked bodies, settled group ids.
+
+        With ``checkpoint.save_every_steps: 0`` that is everything read: a resume from a checkpoint saved at a stop
+        reads on from the purge rather than keeping the stream since then. The purge is recorded (``record_purge``)
+        before it is made, so a reader finding the stream purged knows it from a broker that lost messages."""
+        read_seq = self.progress.applied_seq
         try:
-            floor = await asyncio.to_thread(self.checkpoints.replay_floor, self.progress.applied_seq)
-            oldest = min(await asyncio.to_thread(self.checkpoints.steps), default=None)
-            if floor is None or oldest is None:
+            if self.settings.cfg.checkpoint.save_every_steps:
+                floor = await asyncio.to_thread(self.checkpoints.replay_floor, read_seq)
+            else:
+                floor = read_seq
+            if floor is None or floor <= self.purged_seq:
                 return
+            created = await self.bus.stream_created(EXPERIENCE)
+            await asyncio.to_thread(self.checkpoints.record_purge, floor, str(created))
             await self.bus.js.purge_stream(stream_name(self.bus.run_id, EXPERIENCE), seq=floor + 1)
             doomed = [key for key, seq in self.claim_keys.items() if seq <= floor]
             await asyncio.to_thread(self.bus.claims.delete, doomed)
+            oldest = min(await asyncio.to_thread(self.checkpoints.steps), default=None)
         except Exception as error:  # the broker's or the store's failures; purging can wait for the next save
             log_event(log, "purge_failed", level=logging.WARNING, error=repr(error)[:300])
             return
+        self.purged_seq = floor
         for key in doomed:
             self.claim_keys.pop(key, None)
-        self.ledger.forget_through(oldest)
+        if oldest is not None:
+            self.ledger.forget_through(oldest)
         log_event(log, "purged", experience_below=floor + 1, claims=len(doomed))
 
     # -- operator calls -------------------------------------------------------------

@@ -55,6 +55,8 @@ from services.trainer.status import StatusReporter
 
 log = logging.getLogger(__name__)
 HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
+# Without periodic checkpoints nothing else purges EXPERIENCE; a purge costs a store listing and a write.
+PURGE_EVERY_STEPS_UNSAVED = 10
 
 
 class Trainer:
@@ -288,7 +290,9 @@ class Trainer:
             await self.train_step(collected)
             every = self.cfg.checkpoint.save_every_steps
             if every and progress.step % every == 0:
-                await self.save()
+                await self.save()  # and purges after it
+            elif not every and progress.step % PURGE_EVERY_STEPS_UNSAVED == 0:
+                await self.recovery.purge_consumed()
             eval_every = self.cfg.data.eval_every_steps
             if eval_every and progress.step % eval_every == 0 and progress.step < self.cfg.train.total_steps:
                 await self.evaluate()

@@ -306,13 +306,34 @@ def test_an_interrupted_abandon_leaves_the_newest_steps_abandoned_first(tmp_path
 
 def test_the_replay_floor_never_exceeds_what_the_trainer_has_read(tmp_path, model_dir):
     store = CheckpointStore(file_store(tmp_path), "run-f", keep_last=3, incarnation="inc")
-    assert store.replay_floor(read_seq=50) is None  # nothing stored: nothing may be purged
+    assert store.replay_floor(read_seq=50) == 50  # nothing stored: no step reads anything again
     for step in (1, 2):
         store.save(checkpoint(step, "inc"), model_dir)
     assert store.replay_floor(read_seq=50) == 10
     assert store.replay_floor(read_seq=4) == 4
     store.abandon_after(0)
-    assert store.replay_floor(read_seq=50) is None
+    assert store.replay_floor(read_seq=50) == 50
+
+
+def test_the_replay_floor_is_held_by_the_kept_window_not_by_older_stable_steps(tmp_path, model_dir):
+    store = CheckpointStore(file_store(tmp_path), "run-w", keep_last=2, incarnation="inc")
+    for step in (1, 2, 3, 4):
+        store.save(checkpoint(step, "inc"), model_dir)
+        if step == 1:
+            store.mark(1, STABLE)
+    assert store.steps() == [1, 3, 4]
+    assert store.replay_floor(read_seq=50) == 30  # steps 3 and 4 (sequences 30, 40); STABLE step 1 does not pin
+
+
+def test_a_purge_record_is_read_back_from_the_mirror_and_only_for_the_same_stream(tmp_path):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-p", keep_last=2, mirror=mirror, incarnation="inc")
+    assert store.purged_through("stream-a") == 0  # never purged
+    store.record_purge(70, "stream-a")
+    assert store.purged_through("stream-a") == 70
+    assert store.purged_through("stream-b") == 0  # a stream re-created since: the record says nothing of it
+    primary.delete_prefix("run-p/")
+    assert CheckpointStore(mirror, "run-p", keep_last=2).purged_through("stream-a") == 70
 
 
 # -- saving -------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -23,10 +24,32 @@ from services.trainer.recovery import Recovery
 from tests.conftest import write_config
 
 
+class ExperienceStream:
+    """The broker as Recovery sees it: one EXPERIENCE stream that remembers its purges, and the claim-checked bodies.
+    (The real broker's purges are exercised end to end in tests/test_exactly_once.py.)"""
+
+    def __init__(self) -> None:
+        self.created = datetime(2026, 1, 1, tzinfo=UTC)
+        self.purged_below: list[int] = []
+        self.deleted_claims: list[str] = []
+        self.run_id = "run"
+        self.js = self
+        self.claims = self
+
+    async def stream_created(self, edge: str) -> datetime:
+        return self.created
+
+    async def purge_stream(self, name: str, seq: int) -> None:
+        self.purged_below.append(seq)
+
+    def delete(self, keys: list[str]) -> None:
+        self.deleted_claims += keys
+
+
 class Harness:
     """One trainer process's recovery and what it touches; a second Harness on the same folder is a restart."""
 
-    def __init__(self, tiny_model, tmp_path, **checkpoint: Any):
+    def __init__(self, tiny_model, tmp_path, stream: ExperienceStream | None = None, **checkpoint: Any):
         model_dir, data_dir = tiny_model
         self.cfg = load_config(
             write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
@@ -34,8 +57,11 @@ class Harness:
         torch.manual_seed(0)
         self.learner = Learner(self.cfg)
         self.checkpoints = CheckpointStore(
-            open_store((tmp_path / "store").as_uri(), CheckpointConfig()), "run", keep_last=10
+            open_store((tmp_path / "store").as_uri(), CheckpointConfig()),
+            "run",
+            keep_last=checkpoint.get("keep_last", 10),
         )
+        self.stream = stream or ExperienceStream()
         self.lineage = Lineage(tmp_path / "runs" / "lineage.jsonl")
         self.progress = Progress()
         self.ledger = GroupLedger()
@@ -52,7 +78,7 @@ class Harness:
             self.ledger,
             PromptFeeder(load_jsonl(data_dir / "train.jsonl"), 0, shuffle=False),
             self.weights,
-            bus=None,  # purging is not under test: it logs purge_failed and waits for the next save
+            bus=self.stream,
             events=EventLog(tmp_path / "runs" / "events.jsonl"),
             telemetry=TrainerMetrics(),
             report=self.report,
@@ -106,7 +132,8 @@ def test_a_resume_from_an_older_step_abandons_the_later_ones_and_serves_a_newer_
         assert torch.equal(first_weights(restarted.learner), saved_run)
         assert progress.abandoned_versions == [(3, 3)]  # step 3 made version 3: its groups are dropped
         assert restarted.checkpoints.steps() == [1, 2]  # step 3 is marked ABANDONED
-        assert sorted(restarted.ledger.settled) == ["e0-i1", "e0-i2"]
+        # e0-i1's EXPERIENCE was purged after step 1 was saved: no reader meets it again, so step 2 forgot it.
+        assert sorted(restarted.ledger.settled) == ["e0-i2"]
         assert restarted.weights.latest.version == 4 and restarted.rewinds == 1
         assert restarted.lineage.records()[-1]["abandoned_steps"] == [3]
 
@@ -154,5 +181,46 @@ def test_a_fresh_start_refuses_a_prefix_that_holds_checkpoints(tiny_model, tmp_p
         fresh = Harness(tiny_model, tmp_path)
         with pytest.raises(ForeignCheckpoints, match="--resume"):
             await fresh.recovery.start(resume=False)
+
+    asyncio.run(scenario())
+
+
+def test_a_stable_step_older_than_the_kept_window_does_not_hold_experience_back(tiny_model, tmp_path):
+    """Purges follow the newest keep_last steps; a rollback to an older STABLE step reads on after the purge (the
+    groups it had in flight there are written off once overdue) instead of taking the gap for a lost broker."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, keep_last=2)
+        await run.recovery.start(resume=False)
+        await run.step_and_save(1, ["e0-i1"])
+        run.checkpoints.mark(1, "STABLE")
+        for step in (2, 3, 4):
+            await run.step_and_save(step, [f"e0-i{step}"])
+        assert run.checkpoints.steps() == [1, 3, 4]  # the STABLE step is kept...
+        assert run.stream.purged_below == [11, 21, 31]  # ...but EXPERIENCE goes on being purged past it
+        assert run.checkpoints.purged_through(str(run.stream.created)) == 30
+
+        step, version, _ = await run.recovery.rollback(None, reason="test")
+        assert (step, version) == (1, 5)
+        assert run.progress.applied_seq == 30  # read on after the purge, not from step 1's sequence 10
+        # A stream created anew (a broker that lost its store) voids the record: the gap is not taken for a purge.
+        assert run.checkpoints.purged_through(str(datetime(2026, 2, 1, tzinfo=UTC))) == 0
+
+    asyncio.run(scenario())
+
+
+def test_without_periodic_checkpoints_everything_read_is_purged_and_a_restart_reads_on_after_it(tiny_model, tmp_path):
+    async def scenario() -> None:
+        first = Harness(tiny_model, tmp_path, save_every_steps=0)
+        await first.recovery.start(resume=False)
+        first.progress.applied_seq = 42
+        await first.recovery.purge_consumed()
+        assert first.stream.purged_below == [43]
+        await first.recovery.purge_consumed()
+        assert first.stream.purged_below == [43]  # nothing new read: no second purge
+
+        restarted = Harness(tiny_model, tmp_path, stream=first.stream, save_every_steps=0)
+        assert not await restarted.recovery.start(resume=True)  # no checkpoint to resume
+        assert restarted.progress.applied_seq == 42
 
     asyncio.run(scenario())
