@@ -17,12 +17,24 @@ ACTIONS = ("status", "best", "report")
 def register(app: typer.Typer) -> None:
     @app.command(no_args_is_help=True)
     def tune(
-        args: list[str] = typer.Argument(..., metavar="[status|best|report] FILE", help="the tune file"),
+        args: list[str] = typer.Argument(
+            ...,
+            metavar="[status|best|report] FILE [KEY=VALUE]...",
+            help="the tune file, then dotted settings over its base config (each value read as YAML), kept fixed "
+            "in every trial",
+        ),
         worker: bool = typer.Option(
             False,
             "--worker",
             help="join the study as one more worker (the tune file's storage shared by several tuners); "
             "no table, report or best config at the end, the last worker to finish or `rlpipe tune best` does that",
+        ),
+        storage: str | None = typer.Option(
+            None,
+            "--storage",
+            envvar="RLPIPE_TUNE_STORAGE",
+            help="the study's storage URL, in place of the tune file's (postgresql://USER:PASSWORD@HOST/DB for "
+            "workers on several machines); from the environment, it stays out of process listings",
         ),
         out: Path | None = typer.Option(
             None, "--out", help="best: the YAML to write (default <workdir>/best.yaml); report: its folder"
@@ -36,17 +48,29 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
+        from services.common.config import ConfigError, load_config_with, parse_overrides
         from services.tuner import records
         from services.tuner.spec import TuneFileError, load_tune_file
         from services.tuner.study import open_storage, open_study
 
-        action, path = (args[0], args[1]) if len(args) == 2 else ("run", args[0])
-        if len(args) > 2 or (len(args) == 2 and action not in ACTIONS):
-            typer.echo(f"rlpipe tune: expected [{'|'.join(ACTIONS)}] FILE, got {' '.join(args)}", err=True)
+        words = [arg for arg in args if "=" not in arg]
+        settings = [arg for arg in args if "=" in arg]
+        if not 1 <= len(words) <= 2 or (len(words) == 2 and words[0] not in ACTIONS):
+            typer.echo(
+                f"rlpipe tune: expected [{'|'.join(ACTIONS)}] FILE [KEY=VALUE]..., got {' '.join(args)}", err=True
+            )
             raise typer.Exit(2)
+        action, path = (words[0], words[1]) if len(words) == 2 else ("run", words[0])
         try:
-            spec, base = load_tune_file(path)
-        except TuneFileError as error:
+            spec, base = load_tune_file(path, storage)
+            overrides = parse_overrides(settings)
+            searched = sorted(set(overrides) & set(spec.space))
+            if searched:
+                raise ConfigError(f"override {searched[0]}: the tune file searches it; a key is either set or searched")
+            if overrides:  # the base config with them, and every trial's config through the study's fixed keys
+                base, _ = load_config_with(spec.base_config, overrides)
+                spec = spec.model_copy(update={"fixed": {**spec.fixed, **overrides}})
+        except (TuneFileError, ConfigError) as error:
             typer.echo(f"rlpipe tune: {error}", err=True)
             raise typer.Exit(2) from None
         # A table read from a file or a CI log is as useful as one on a terminal: do not squeeze it to 80 columns.
@@ -57,7 +81,7 @@ def register(app: typer.Typer) -> None:
         if action == "run":
             from services.tuner.study import Tuner
 
-            tuner = Tuner(spec, base, Console(stderr=True))
+            tuner = Tuner(spec, base, Console(stderr=True), worker=worker)
             tuner.run()
             if worker:
                 return

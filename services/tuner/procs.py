@@ -75,6 +75,16 @@ def group_cmdlines(pgid: int) -> list[str]:
     return out
 
 
+def environ_value(pid: int, key: str) -> str | None:
+    """``key`` in the environment process ``pid`` was started with (the kernel's copy), None if unset or gone."""
+    try:
+        entries = (PROC / str(pid) / "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{key}=".encode()
+    return next((e[len(prefix) :].decode() for e in entries if e.startswith(prefix)), None)
+
+
 class GpuMemory:
     """Device memory used by a set of pids, from NVML; ``available`` is False without nvidia-ml-py or a driver."""
 

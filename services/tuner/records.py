@@ -27,15 +27,23 @@ FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, op
 
 @dataclass
 class TrialStart:
-    """Written when a trial is launched: enough for a restarted tuner to find and kill what it left running."""
+    """Written when a trial is claimed: its config, and enough for another tuner to find what it left running."""
 
     run_id: str
     run_dir: str
-    config_path: str
+    config_path: str  # on ``host``; ``config`` is the same config, readable from any machine
     host: str
     worker_pid: int
     started_at: float
+    config: dict[str, Any] = field(default_factory=dict)
+    device_slot: str | None = None  # the CUDA_VISIBLE_DEVICES the tuner gave it, if it ran on a device slot
+    deadline_s: float = 0.0
+    deadline_reason: str = ""
+    reserved_device_hours: float = 0.0  # its deadline times its GPUs: held against budget.max_device_hours
+    # Set when the launcher started ("launched" attribute): its process group, and CUDA_VISIBLE_DEVICES as
+    # the kernel holds the launcher's starting environment.
     pgid: int | None = None
+    cuda_visible_devices: str | None = None
 
 
 @dataclass
@@ -79,9 +87,19 @@ class TrialRecord:
     def of(cls, trial: optuna.trial.FrozenTrial) -> TrialRecord:
         attrs = trial.user_attrs
         start = TrialStart(**attrs["start"]) if "start" in attrs else None
-        if start is not None and "pgid" in attrs:
-            start.pgid = attrs["pgid"]  # written on its own the moment the trial's process starts
+        if start is not None and "launched" in attrs:
+            # Written on its own the moment the trial's process starts.
+            start.pgid = attrs["launched"]["pgid"]
+            start.cuda_visible_devices = attrs["launched"]["cuda_visible_devices"]
         end = TrialEnd(**attrs["end"]) if "end" in attrs else None
+        if end is None and trial.state == optuna.trial.TrialState.FAIL:
+            # Failed by Optuna's stale-heartbeat check, which leaves a finished trial no attribute to write.
+            worker = f"{start.host} pid {start.worker_pid}" if start else "unknown"
+            end = TrialEnd(
+                status="failed",
+                reason=f"interrupted: its worker ({worker}) stopped its heartbeat; failed by another worker",
+                ended_at=trial.datetime_complete.timestamp() if trial.datetime_complete else 0.0,
+            )
         running = trial.state == optuna.trial.TrialState.RUNNING
         status = end.status if end else ("running" if running else trial.state.name.lower())
         return cls(trial.number, trial.state.name, status, dict(trial.params), start, end)
@@ -148,7 +166,8 @@ def best_config(spec: TuneSpec, record: TrialRecord, out: Path) -> Path:
     """
     # Exactly what the trial ran (base file, fixed keys, params, the step cap), less what isolated it.
     base = base_config_data(spec)
-    data = yaml.safe_load(Path(record.start.config_path).read_text()) if record.start else dict(base)
+    # The config as recorded in the study: the trial may have run on another machine.
+    data = dict(record.start.config) if record.start else dict(base)
     data["run_id"] = f"{spec.study}-best"
     if "runs_dir" in base:
         data["runs_dir"] = base["runs_dir"]

@@ -165,7 +165,9 @@ class Sampler(Spec):
 
 class Budget(Spec):
     max_trials: int = Field(20, ge=1, description="trials of the study that end (any status), over all workers")
-    max_wall_s: float | None = Field(None, gt=0, description="this tuner process's wall time; a trial is cut at it")
+    max_wall_s: float | None = Field(
+        None, gt=0, description="from the study's first trial, over all workers; a trial is cut at it"
+    )
     max_device_hours: float | None = Field(
         None, gt=0, description="summed over the study's trials: GPUs x hours, or wall hours for CPU trials"
     )
@@ -182,6 +184,48 @@ class TrialLimits(Spec):
     poll_s: float = Field(0.5, gt=0, description="how often metrics, limits and the pruner are checked")
 
 
+class Parallel(Spec):
+    """Trials side by side: on this machine (device slots) and across workers sharing one study."""
+
+    device_slots: list[str] = Field(
+        default_factory=list,
+        description='one trial at a time per slot, each started with CUDA_VISIBLE_DEVICES=<slot> ("0", "1,2"); '
+        "empty: one trial at a time, with the tuner's own devices",
+    )
+    heartbeat_s: int = Field(
+        10, ge=1, description="a database study: how often each running trial's worker records that it is alive"
+    )
+    stale_after_s: int = Field(
+        60,
+        ge=2,
+        description="a database study: a running trial without a heartbeat this long is failed (its worker died)",
+    )
+
+    @field_validator("device_slots")
+    @classmethod
+    def _distinct_devices(cls, slots: list[str]) -> list[str]:
+        seen: set[str] = set()
+        for slot in slots:
+            if not re.fullmatch(r"[A-Za-z0-9-]+(,[A-Za-z0-9-]+)*", slot):
+                raise ValueError(
+                    f"{slot!r} is not a CUDA_VISIBLE_DEVICES value (device indices or UUIDs, comma-separated)"
+                )
+            devices = set(slot.split(","))
+            if devices & seen:
+                raise ValueError(f"slot {slot!r} shares devices {sorted(devices & seen)} with another slot")
+            seen |= devices
+        return slots
+
+    @model_validator(mode="after")
+    def _grace_above_beat(self) -> Parallel:
+        if self.stale_after_s <= self.heartbeat_s:
+            raise ValueError(
+                f"stale_after_s ({self.stale_after_s}) must exceed heartbeat_s ({self.heartbeat_s}), "
+                "or live trials are failed between two heartbeats"
+            )
+        return self
+
+
 class TuneSpec(Spec):
     study: str = Field(pattern=r"^[A-Za-z0-9_-]{1,48}$", description="study name; trial run ids are <study>-t<N>")
     base_config: Path = Field(description="the run config every trial starts from")
@@ -189,7 +233,7 @@ class TuneSpec(Spec):
     storage: str = Field(
         "",
         description="empty: a journal file in workdir; journal:PATH, sqlite:///PATH, or postgresql://... when "
-        "tuners on several machines share the study",
+        "tuners on several machines share the study (`rlpipe tune --storage` / RLPIPE_TUNE_STORAGE overrides it)",
     )
     fixed: dict[str, Scalar] = Field(
         default_factory=dict,
@@ -202,6 +246,7 @@ class TuneSpec(Spec):
     sampler: Sampler = Sampler()
     budget: Budget = Budget()
     trial: TrialLimits = TrialLimits()
+    parallel: Parallel = Parallel()
     keep_checkpoints: int = Field(3, ge=0, description="checkpoints kept for the best few trials; others' deleted")
     enqueue: list[dict[str, Scalar]] = Field(
         default_factory=list, description="parameter sets run first, in order (known-good configs, regressions)"
@@ -331,8 +376,11 @@ def _describe(error: ValidationError) -> list[str]:
     return lines
 
 
-def load_tune_file(path: Path | str) -> tuple[TuneSpec, RunConfig]:
-    """The validated tune file and its base run config; TuneFileError naming every bad key otherwise."""
+def load_tune_file(path: Path | str, storage: str | None = None) -> tuple[TuneSpec, RunConfig]:
+    """The validated tune file (``storage`` in place of its own) and its base run config.
+
+    Raises TuneFileError naming every bad key.
+    """
     path = Path(path)
     if not path.is_file():
         raise TuneFileError(f"tune file {str(path)!r} does not exist")
@@ -342,6 +390,8 @@ def load_tune_file(path: Path | str) -> tuple[TuneSpec, RunConfig]:
         raise TuneFileError(f"tune file {str(path)!r} is not YAML: {error}") from None
     if not isinstance(data, dict):
         raise TuneFileError(f"tune file {str(path)!r} must hold a mapping at the top level")
+    if storage:
+        data["storage"] = storage
     try:
         spec = TuneSpec(**data)
     except ValidationError as error:

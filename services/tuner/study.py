@@ -1,4 +1,4 @@
-"""The study loop: ask Optuna for parameters, run them as an isolated trial, tell it how the trial ended.
+"""The study loop: claim a trial, run it as an isolated ``rlpipe run``, tell Optuna how it ended.
 
 Failure behaviour:
 
@@ -9,9 +9,14 @@ Failure behaviour:
 - Parameters identical to an earlier trial's are not run again: the new trial copies the earlier
   one's outcome (status ``duplicate``). A trial interrupted by the tuner's own death may be re-run.
 - The tuner itself killed (SIGKILL, a lost machine): its trial's launcher dies with it
-  (PR_SET_PDEATHSIG), and the next tuner on the same host finds the trial still RUNNING in the study,
+  (PR_SET_PDEATHSIG). The next tuner on the same host finds the trial still RUNNING in the study,
   kills whatever is left of its recorded process group, deletes its NATS store and records it
-  ``failed`` ("interrupted"). Finished trials are in the study's storage and are never re-run.
+  ``failed`` ("interrupted"). On a database study any worker on any machine also fails it once its
+  heartbeat is older than ``parallel.stale_after_s`` (sharing.py). Finished trials are never re-run.
+- Several workers and device slots share the study: each claims its next trial under the study's
+  claim lock (sharing.py), so the budget holds over all of them. A worker whose trial was failed as
+  stale while it still ran (the database out of reach past the grace) stops the trial and leaves the
+  record as the other worker wrote it.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import shutil
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,24 +37,15 @@ from services.common.config import RunConfig
 from services.tuner import records
 from services.tuner.procs import GpuMemory, group_cmdlines, kill_group
 from services.tuner.records import FINISHED, TrialEnd, TrialRecord, TrialStart
+from services.tuner.sharing import Heartbeat, beats, claim_lock, open_storage
 from services.tuner.spec import AlertConstraint, CategoricalParam, FloatParam, TuneSpec, get_dotted, trial_config_data
 from services.tuner.trial import TrialOutcome, TrialProcess, reduce_values
+
+__all__ = ["Tuner", "open_storage", "open_study"]
 
 SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 # A sampler that keeps proposing parameters already run has exhausted the space.
 MAX_DUPLICATES_IN_A_ROW = 50
-
-
-def open_storage(spec: TuneSpec) -> optuna.storages.BaseStorage:
-    url = spec.storage_url
-    if url.startswith("journal:"):
-        path = Path(url.removeprefix("journal:"))
-        path.parent.mkdir(parents=True, exist_ok=True)
-        backend = optuna.storages.journal.JournalFileBackend(str(path))
-        return optuna.storages.JournalStorage(backend)
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    return optuna.storages.RDBStorage(url)
 
 
 def open_study(spec: TuneSpec, storage: optuna.storages.BaseStorage) -> optuna.Study:
@@ -90,54 +87,65 @@ def _alive_tuner(pid: int) -> bool:
 
 
 @dataclass
-class Budget:
-    trials_counted: int
-    reason: str  # why no further trial starts; empty while one may
+class Claim:
+    """A trial this tuner may run: asked, sampled, not a duplicate, its start recorded."""
+
+    trial: optuna.Trial
+    params: dict[str, object]
+    start: TrialStart
+    config: dict
+    heartbeat: Heartbeat
 
 
 class Tuner:
-    """Runs a study to its budget; ``run()`` returns why it stopped."""
+    """Runs a study to its budget, one trial per device slot at a time; ``run()`` returns why it stopped."""
 
-    def __init__(self, spec: TuneSpec, base: RunConfig, console: Console | None = None):
+    def __init__(self, spec: TuneSpec, base: RunConfig, console: Console | None = None, worker: bool = False):
         self.spec = spec
         self.base = base
         self.console = console or Console(stderr=True)
-        self.storage = open_storage(spec)
+        self.storage = open_storage(spec, on_stale=self.on_stale)
         self.study = open_study(spec, self.storage)
+        if worker:
+            # Workers seeded alike would all propose the same parameters; Optuna reseeds its parallel jobs so too.
+            self.study.sampler.reseed_rng()
         self.host = socket.gethostname()
         self.gpu = GpuMemory()
-        self.started = time.monotonic()
         self.duplicates_in_a_row = 0
-        # GPUs a trial holds, for device-hours: one where NVML sees a device and the run may use it; CPU trials
-        # count their wall time.
-        self.gpus_per_trial = 1 if self.gpu.available and self.gpu.device_count and base.model.device != "cpu" else 0
+        self.mine: set[int] = set()  # numbers of the trials this process runs now (its device slots)
+        # GPUs a trial holds, for device-hours: one (or its slot's) where NVML sees a device and the run may use
+        # it; CPU trials count their wall time.
+        self.on_gpu = self.gpu.available and bool(self.gpu.device_count) and base.model.device != "cpu"
 
     def trial_id(self, number: int) -> int:
         """The storage's id of trial ``number``, for attributes written outside the trial's own object."""
         study_id = self.storage.get_study_id_from_name(self.spec.study)
         return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
 
+    def gpus(self, slot: str | None) -> int:
+        if not self.on_gpu:
+            return 0
+        return len(slot.split(",")) if slot else 1
+
     # -- recovery -------------------------------------------------------------------------------------
 
     def recover(self) -> list[int]:
-        """Record as failed the trials a dead tuner on this host left RUNNING; kill what is left of them."""
+        """Fail the trials dead workers left RUNNING: stale heartbeats anywhere, dead tuners on this host."""
+        if beats(self.storage):
+            optuna.storages.fail_stale_trials(self.study)  # calls on_stale for each
         recovered = []
         for trial in self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            if trial.number in self.mine:
+                continue
             record = TrialRecord.of(trial)
             start = record.start
             if start is not None and (start.host != self.host or _alive_tuner(start.worker_pid)):
                 continue  # another live tuner's trial (another worker, or another machine sharing the study)
-            if start is None and time.time() - trial.datetime_start.timestamp() < 60:
-                continue  # just asked for by a live tuner, which records its start within moments
-            killed: list[str] = []
-            if start is not None and start.pgid is not None:
-                # Only a group that is this trial's run: a recycled pgid of an unrelated process is left alone.
-                mine = [c for c in group_cmdlines(start.pgid) if start.config_path in c or start.run_dir in c]
-                if mine:
-                    killed = mine
-                    kill_group(start.pgid)
-            if start is not None:
-                shutil.rmtree(Path(start.run_dir) / "nats", ignore_errors=True)
+            if start is None and (beats(self.storage) or time.time() - trial.datetime_start.timestamp() < 60):
+                # Just asked for by a live tuner, which records its start within moments; on a database study
+                # the heartbeat, written right after the ask, tells instead (clocks of other machines may differ).
+                continue
+            killed = self.kill_leftovers(start)
             end = TrialEnd(
                 status="failed",
                 reason=f"interrupted: the tuner (pid {start.worker_pid if start else '?'}) died mid-trial; "
@@ -150,59 +158,116 @@ class Tuner:
             recovered.append(trial.number)
         return recovered
 
+    def on_stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
+        """Optuna failed ``trial``: its worker stopped beating (records.TrialRecord says so when read)."""
+        killed = self.kill_leftovers(TrialRecord.of(trial).start)
+        self.console.log(f"trial {trial.number}: {TrialRecord.of(trial).end.reason}; {len(killed)} leftovers killed")
+
+    def kill_leftovers(self, start: TrialStart | None) -> list[str]:
+        """What is left on this host of a dead worker's trial: its process group killed, its NATS store deleted."""
+        if start is None or start.host != self.host:
+            return []  # its machine took them down with the worker (PR_SET_PDEATHSIG), or is gone
+        killed: list[str] = []
+        if start.pgid is not None:
+            # Only a group that is this trial's run: a recycled pgid of an unrelated process is left alone.
+            killed = [c for c in group_cmdlines(start.pgid) if start.config_path in c or start.run_dir in c]
+            if killed:
+                kill_group(start.pgid)
+        shutil.rmtree(Path(start.run_dir) / "nats", ignore_errors=True)
+        return killed
+
     # -- budget ----------------------------------------------------------------------------------------
 
-    def budget(self) -> Budget:
-        trials = self.study.get_trials(deepcopy=False)
-        ended = [TrialRecord.of(t) for t in trials if t.state in FINISHED]
-        counted = sum(1 for r in ended if r.status != "duplicate")
-        running = sum(1 for t in trials if t.state == optuna.trial.TrialState.RUNNING)
+    def study_started_at(self) -> float:
+        """When the study's first trial was claimed, by any worker: the start of ``budget.max_wall_s``."""
+        started = self.study.user_attrs.get("started_at")
+        if started is None:
+            started = time.time()
+            self.study.set_user_attr("started_at", started)
+        return float(started)
+
+    def device_hours_spent(self, all_records: list[TrialRecord]) -> float:
+        """Ended trials' device-hours, and what running ones reserved (their deadline times their GPUs)."""
+        spent = 0.0
+        for r in all_records:
+            if r.end is not None:
+                spent += r.end.device_hours
+            elif r.status == "running" and r.start is not None:
+                spent += r.start.reserved_device_hours
+        return spent
+
+    def stop_reason(self) -> str:
+        """Why no further trial may start (empty while one may); called under the claim lock."""
+        all_records = records.records(self.study)
+        # Every trial claimed, running or ended, by any worker; not enqueued ones still waiting, nor duplicates.
+        counted = sum(1 for r in all_records if r.state != "WAITING" and r.status != "duplicate")
         b = self.spec.budget
-        if counted + running >= b.max_trials:
-            return Budget(counted, f"budget.max_trials ({b.max_trials}) reached")
-        if b.max_wall_s is not None and time.monotonic() - self.started >= b.max_wall_s:
-            return Budget(counted, f"budget.max_wall_s ({b.max_wall_s:g}s) reached")
-        if b.max_device_hours is not None and self.device_hours(ended) >= b.max_device_hours:
-            return Budget(counted, f"budget.max_device_hours ({b.max_device_hours:g}) reached")
+        if counted >= b.max_trials:
+            return f"budget.max_trials ({b.max_trials}) reached"
+        if b.max_wall_s is not None and time.time() - self.study_started_at() >= b.max_wall_s:
+            return f"budget.max_wall_s ({b.max_wall_s:g}s) reached"
+        if b.max_device_hours is not None and self.device_hours_spent(all_records) >= b.max_device_hours:
+            return f"budget.max_device_hours ({b.max_device_hours:g}) reached"
         if self.duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
-            return Budget(counted, f"the sampler proposed only already-run parameters {MAX_DUPLICATES_IN_A_ROW} times")
-        return Budget(counted, "")
+            return f"the sampler proposed only already-run parameters {MAX_DUPLICATES_IN_A_ROW} times"
+        return ""
 
-    @staticmethod
-    def device_hours(ended: list[TrialRecord]) -> float:
-        return sum(r.end.device_hours for r in ended if r.end is not None)
-
-    def deadline(self) -> tuple[float, str]:
-        """Wall seconds the next trial may run, and which limit that is."""
+    def deadline(self, gpus: int) -> tuple[float, str]:
+        """Wall seconds the next trial may run, and which limit that is; called under the claim lock."""
         options = [(self.spec.trial.max_wall_s, "trial.max_wall_s")]
         b = self.spec.budget
         if b.max_wall_s is not None:
-            options.append((b.max_wall_s - (time.monotonic() - self.started), "budget.max_wall_s"))
+            options.append((b.max_wall_s - (time.time() - self.study_started_at()), "budget.max_wall_s"))
         if b.max_device_hours is not None:
-            ended = [TrialRecord.of(t) for t in self.study.get_trials(deepcopy=False) if t.state in FINISHED]
-            left_h = b.max_device_hours - self.device_hours(ended)
-            options.append((left_h * 3600 / max(self.gpus_per_trial, 1), "budget.max_device_hours"))
+            left_h = b.max_device_hours - self.device_hours_spent(records.records(self.study))
+            options.append((left_h * 3600 / max(gpus, 1), "budget.max_device_hours"))
         return min(options)
 
     # -- the loop --------------------------------------------------------------------------------------
 
     def run(self) -> str:
-        self.recover()
-        self.enqueue_once()
-        while not (why := self.budget().reason):
-            trial = self.study.ask()
-            params = self.sample(trial)
-            earlier = self.duplicate_of(trial.number, params)
-            if earlier is not None:
-                self.copy_outcome(trial, earlier)
-                continue
-            self.duplicates_in_a_row = 0
-            self.run_trial(trial, params)
+        slots: list[str | None] = list(self.spec.parallel.device_slots) or [None]
+        if len(slots) == 1:
+            why = self.work(slots[0])
+        else:
+            with ThreadPoolExecutor(len(slots), thread_name_prefix="slot") as pool:
+                # Each slot stops for the same budget; the first one's words say it.
+                why, *_ = pool.map(self.work, slots)
         self.console.log(f"study {self.spec.study} stopped: {why}")
         return why
 
+    def work(self, slot: str | None) -> str:
+        """Claim and run trials on one device slot until the budget says stop; returns why."""
+        while isinstance(claim := self.claim(slot), Claim):
+            try:
+                self.run_trial(claim, slot)
+            finally:
+                claim.heartbeat.stop()
+                self.mine.discard(claim.trial.number)
+        return claim
+
+    def claim(self, slot: str | None) -> Claim | str:
+        """Under the study's claim lock: the next trial to run on ``slot``, or why none may start."""
+        with claim_lock(self.spec, self.storage):
+            self.recover()
+            self.enqueue_once()
+            while not (why := self.stop_reason()):
+                trial = self.study.ask()
+                heartbeat = Heartbeat(self.storage, self.trial_id(trial.number), self.console.log)
+                params = self.sample(trial)
+                earlier = self.duplicate_of(trial.number, params)
+                if earlier is not None:
+                    self.copy_outcome(trial, earlier)
+                    heartbeat.stop()
+                    continue
+                self.duplicates_in_a_row = 0
+                self.mine.add(trial.number)
+                start, config = self.record_start(trial, params, slot)
+                return Claim(trial, params, start, config, heartbeat)
+            return why
+
     def enqueue_once(self) -> None:
-        # A restarted tuner must not queue the same sets again: the study remembers it did.
+        # A restarted tuner (or a second worker) must not queue the same sets again: the study remembers it did.
         if self.spec.enqueue and not self.study.user_attrs.get("enqueued"):
             for params in self.spec.enqueue:
                 self.study.enqueue_trial(params, skip_if_exists=True)
@@ -256,52 +321,81 @@ class Tuner:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         self.console.log(f"trial {trial.number}: {end.reason}")
 
-    def run_trial(self, trial: optuna.Trial, params: dict[str, object]) -> None:
+    def record_start(self, trial: optuna.Trial, params: dict[str, object], slot: str | None) -> tuple[TrialStart, dict]:
+        """Write the trial's config and its start record, with the share of the budget it may spend."""
         spec = self.spec
         run_id = spec.trial_run_id(trial.number)
         runs_dir = spec.work_dir / "runs"
-        run_dir = runs_dir / run_id
         config_path = spec.work_dir / "configs" / f"{run_id}.yaml"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         data = trial_config_data(spec, self.base, params, run_id, runs_dir)
         config_path.write_text(
             f"# trial {trial.number} of study {spec.study}: {params}\n" + yaml.safe_dump(data, sort_keys=False)
         )
+        gpus = self.gpus(slot)
+        deadline_s, deadline_reason = self.deadline(gpus)
         start = TrialStart(
             run_id=run_id,
-            run_dir=str(run_dir),
+            run_dir=str(runs_dir / run_id),
             config_path=str(config_path),
             host=self.host,
             worker_pid=os.getpid(),
             started_at=time.time(),
+            config=data,
+            device_slot=slot,
+            deadline_s=deadline_s,
+            deadline_reason=deadline_reason,
+            reserved_device_hours=max(deadline_s, 0.0) / 3600 * max(gpus, 1),
         )
         records.save(self.storage, self.trial_id(trial.number), start)
-        deadline_s, deadline_reason = self.deadline()
-        total_steps = int(data.get("train", {}).get("total_steps", self.base.train.total_steps))
-        self.console.log(f"trial {trial.number} ({run_id}) starts: {params}")
+        return start, data
+
+    def run_trial(self, claim: Claim, slot: str | None) -> None:
+        spec, trial, start = self.spec, claim.trial, claim.start
+        run_dir = Path(start.run_dir)
+        total_steps = int(claim.config.get("train", {}).get("total_steps", self.base.train.total_steps))
+        where = f" on CUDA_VISIBLE_DEVICES={slot}" if slot is not None else ""
+        self.console.log(f"trial {trial.number} ({start.run_id}) starts{where}: {claim.params}")
         process = TrialProcess(
-            config_path,
+            Path(start.config_path),
             run_dir,
             total_steps,
             spec.objective,
             spec.trial,
-            deadline_s,
-            deadline_reason,
+            start.deadline_s,
+            start.deadline_reason,
             self.gpu,
             tracked={c.metric for c in spec.objective.constraints if not isinstance(c, AlertConstraint)},
+            visible_devices=slot,
         )
+        lost = False
 
-        def on_start(pgid: int) -> None:
+        def on_start(pgid: int, visible_devices: str | None) -> None:
             # Before anything else can happen to the trial: a tuner killed from here on leaves this to find.
-            self.storage.set_trial_user_attr(self.trial_id(trial.number), "pgid", pgid)
+            launched = {"pgid": pgid, "cuda_visible_devices": visible_devices}
+            self.storage.set_trial_user_attr(self.trial_id(trial.number), "launched", launched)
 
         def should_prune(step: int, value: float) -> bool:
-            trial.report(value, step)
-            return trial.should_prune()
+            nonlocal lost
+            try:
+                trial.report(value, step)
+                return trial.should_prune()
+            except optuna.exceptions.UpdateFinishedTrialError:
+                lost = True  # failed as stale by another worker: its outcome can no longer be told, stop it
+                return True
 
         outcome = process.run(on_start, should_prune)
-        end = self.record(trial, outcome)
         self.clean_up(run_dir, outcome)
+        try:
+            end = self.record(trial, outcome, self.gpus(slot))
+        except optuna.exceptions.UpdateFinishedTrialError:
+            lost = True
+        if lost:
+            self.console.log(
+                f"[yellow]trial {trial.number} was failed by another worker while it ran (no heartbeat for "
+                f"{spec.parallel.stale_after_s}s: the database out of reach?); its outcome is not recorded"
+            )
+            return
         self.console.log(
             f"trial {trial.number} {end.status}"
             + (f": objective {end.objective:.4g}" if end.objective is not None else "")
@@ -345,7 +439,7 @@ class Tuner:
             values.append(reduced - c.below if c.below is not None else c.above - reduced)
         return values
 
-    def record(self, trial: optuna.Trial, outcome: TrialOutcome) -> TrialEnd:
+    def record(self, trial: optuna.Trial, outcome: TrialOutcome, gpus: int) -> TrialEnd:
         objective = reduce_values([v for _, v in outcome.values], self.spec.objective)
         end = TrialEnd(
             status=outcome.status,
@@ -356,7 +450,7 @@ class Tuner:
             peak_rss_gb=outcome.peak_rss_gb,
             peak_gpu_gb=outcome.peak_gpu_gb,
             wall_s=outcome.wall_s,
-            device_hours=round(outcome.wall_s / 3600 * max(self.gpus_per_trial, 1), 6),
+            device_hours=round(outcome.wall_s / 3600 * max(gpus, 1), 6),
             exit_code=outcome.exit_code,
             alerts=[f"{a.rule} ({a.severity})" for a in outcome.alerts],
             constraints=self.constraint_values(outcome),

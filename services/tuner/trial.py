@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import re
 import signal
 import subprocess
@@ -33,7 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from services.tuner.procs import GpuMemory, die_with_parent, group_members, group_rss_bytes, kill_group, signal_group
+from services.tuner.procs import (
+    GpuMemory,
+    die_with_parent,
+    environ_value,
+    group_members,
+    group_rss_bytes,
+    kill_group,
+    signal_group,
+)
 from services.tuner.spec import Objective, TrialLimits
 
 Status = Literal["complete", "pruned", "timeout", "oom", "failed"]
@@ -128,6 +137,7 @@ class TrialProcess:
         deadline_reason: str,
         gpu: GpuMemory,
         tracked: set[str] | None = None,
+        visible_devices: str | None = None,
     ):
         self.config_path = config_path
         self.run_dir = run_dir
@@ -137,6 +147,7 @@ class TrialProcess:
         self.deadline_s = deadline_s  # wall seconds from launch this trial may run
         self.deadline_reason = deadline_reason
         self.gpu = gpu
+        self.visible_devices = visible_devices  # CUDA_VISIBLE_DEVICES of the run (a device slot), else inherited
         self.log_path = run_dir.parent / f"{run_dir.name}.launcher.log"
         self.metrics = JsonlFollower(run_dir / "metrics.jsonl")
         self.events = JsonlFollower(run_dir / "events.jsonl")
@@ -152,20 +163,25 @@ class TrialProcess:
         self.peak_rss = 0
         self.peak_gpu = 0
 
-    def run(self, on_start: Callable[[int], None], should_prune: Callable[[int, float], bool]) -> TrialOutcome:
+    def run(
+        self, on_start: Callable[[int, str | None], None], should_prune: Callable[[int, float], bool]
+    ) -> TrialOutcome:
+        """``on_start(pgid, CUDA_VISIBLE_DEVICES)`` as the launcher's kernel-recorded environment holds it."""
         self.run_dir.parent.mkdir(parents=True, exist_ok=True)
         started = time.monotonic()
+        env = None if self.visible_devices is None else {**os.environ, "CUDA_VISIBLE_DEVICES": self.visible_devices}
         with self.log_path.open("ab") as log:
             process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli", "run", str(self.config_path), "--overwrite"],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
+                env=env,
                 start_new_session=True,  # its own process group: the unit the tuner measures and kills
                 preexec_fn=die_with_parent,
             )
         pgid = process.pid
-        on_start(pgid)
+        on_start(pgid, environ_value(pgid, "CUDA_VISIBLE_DEVICES"))
         status: Status | None = None
         reason = ""
         while status is None:

@@ -88,6 +88,9 @@ def test_every_problem_of_the_space_is_named_at_once(tmp_path, base):
         ({"fixed": {"data.eval_evry_steps": 5}}, "fixed.data.eval_evry_steps: no such field 'eval_evry_steps'"),
         ({"fixed": {"data.eval_every_steps": -1}}, "fixed.data.eval_every_steps: data.eval_every_steps: Input should"),
         ({"fixed": {"train.learning_rate": 0.1}}, "fixed.train.learning_rate: also in the space"),
+        ({"parallel": {"device_slots": ["0,1", "1"]}}, "parallel.device_slots: slot '1' shares devices ['1']"),
+        ({"parallel": {"device_slots": ["0 1"]}}, "parallel.device_slots: '0 1' is not a CUDA_VISIBLE_DEVICES"),
+        ({"parallel": {"heartbeat_s": 10, "stale_after_s": 10}}, "parallel: stale_after_s (10) must exceed"),
     ],
 )
 def test_a_bad_tune_file_is_refused_naming_the_key(tmp_path, base, fields, expected):
