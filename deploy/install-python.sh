@@ -41,5 +41,13 @@ fi
 if [ -n "$requirements" ]; then
     "$pip" install --quiet -c "$lock" -r "$requirements"
 fi
+# What this environment holds, for `rlpipe doctor` to compare against (services/doctor.py: INSTALL_RECORD).
+"$venv/bin/python" - "$extras" "$lock" "$requirements" "$venv/rlpipe-install.json" <<'EOF'
+import json, os, sys
+extras, lock, requirements, out = sys.argv[1:]
+record = {"extras": [e for e in extras.split(",") if e], "lock": os.path.abspath(lock),
+          "requirements": os.path.abspath(requirements) if requirements else None}
+open(out, "w").write(json.dumps(record) + "\n")
+EOF
 # Generates the gRPC stubs now, while the tree is writable (images run as a non-root user).
 "$venv/bin/python" -c "import services.common.pb"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import importlib.metadata
+import json
 import math
 import platform
 import shutil
@@ -48,6 +49,8 @@ if TYPE_CHECKING:
     from rich.console import Console
 
 LOCK_FILE = Path(__file__).resolve().parents[1] / "requirements.lock"
+# Beside the environment's interpreter prefix: {"extras": [...], "lock": path, "requirements": path or null}.
+INSTALL_RECORD = "rlpipe-install.json"
 NETWORK_TIMEOUT_S = 3.0
 DOCTOR_DATASET_LINES = 100_000
 # Weights plus AdamW's two moments of the same shape.
@@ -72,11 +75,61 @@ def check_python() -> CheckResult:
     return CheckResult("python", "ok", f"{version} ({sys.executable}), rlpipe requires {required or 'any'}")
 
 
-def check_packages(lock: Path = LOCK_FILE) -> CheckResult:
-    """Installed versions against the ``==`` pins of a pip-freeze lock, by public version (2.13.0 == 2.13.0+cpu)."""
+def installed_closure(extras: list[str]) -> set[str]:
+    """Canonical names of rlpipe and everything it needs with ``extras``, transitively, from installed metadata."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    needed: set[str] = set()
+    todo: list[tuple[str, frozenset[str]]] = [("rlpipe", frozenset(extras))]
+    walked: set[tuple[str, frozenset[str]]] = set()
+    while todo:
+        name, wanted = todo.pop()
+        if (canonicalize_name(name), wanted) in walked:
+            continue
+        walked.add((canonicalize_name(name), wanted))
+        needed.add(canonicalize_name(name))
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue  # not installed: the pin comparison names it
+        for text in requires:
+            requirement = Requirement(text)
+            marker = requirement.marker
+            if marker is None or any(marker.evaluate({"extra": extra}) for extra in (*wanted, "")):
+                todo.append((requirement.name, frozenset(requirement.extras)))
+    return needed
+
+
+def install_record(prefix: Path | None = None) -> dict[str, Any] | None:
+    """What deploy/install-python.sh installed into this environment (extras, lock, requirements), if it says."""
+    record = Path(prefix or sys.prefix) / INSTALL_RECORD
+    return json.loads(record.read_text()) if record.is_file() else None
+
+
+def check_packages(lock: Path | None = None, record: dict[str, Any] | None = None) -> CheckResult:
+    """Installed versions against the ``==`` pins of a pip-freeze lock, by public version (2.13.0 == 2.13.0+cpu).
+
+    Where the environment records how it was installed (``INSTALL_RECORD``, written by deploy/install-python.sh:
+    every image and ``make install``), only the pins of what that install holds count: rlpipe with its recorded
+    extras and their dependencies, and the packages of its extra requirements file, against the lock it used. A
+    slim image without the test extra then passes without pytest."""
     from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
     from packaging.version import InvalidVersion, Version
 
+    record = record if record is not None else install_record() if lock is None else None
+    needed: set[str] | None = None
+    if record is not None:
+        lock = Path(record["lock"])
+        needed = installed_closure(record.get("extras", []))
+        if record.get("requirements"):
+            needed |= {
+                canonicalize_name(Requirement(line).name)
+                for line in Path(record["requirements"]).read_text().splitlines()
+                if line.strip() and not line.lstrip().startswith(("#", "-"))
+            }
+    lock = lock or LOCK_FILE
     if not lock.is_file():
         return CheckResult(
             "packages", "skip", f"no {lock.name} beside the code (an installed image): nothing to compare"
@@ -98,6 +151,8 @@ def check_packages(lock: Path = LOCK_FILE) -> CheckResult:
         except (InvalidRequirement, InvalidVersion):
             unreadable.append(str(number))
             continue
+        if needed is not None and canonicalize_name(requirement.name) not in needed:
+            continue  # pinned for an extra this environment was not installed with
         pinned += 1
         try:
             have = importlib.metadata.version(requirement.name)

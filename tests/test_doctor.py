@@ -227,6 +227,28 @@ def test_packages_against_a_lock(tmp_path):
     assert check_packages(tmp_path / "absent.lock").status == "skip"
 
 
+def test_packages_of_an_image_count_only_what_its_recorded_extras_install(tmp_path):
+    import torch
+
+    lock = tmp_path / "requirements.lock"
+    public_torch = torch.__version__.split("+")[0]
+    # pytest comes with the test extra only; an image installed without it must not fail on its pin.
+    lock.write_text(f"torch=={public_torch}\npytest==0.0.1\nno-such-package-rlpipe==1.0\n")
+
+    slim = check_packages(record={"extras": [], "lock": str(lock), "requirements": None})
+    with_tests = check_packages(record={"extras": ["test"], "lock": str(lock), "requirements": None})
+    requirements = tmp_path / "requirements-cuda.txt"
+    requirements.write_text("# the GPU image's own pins\nno-such-package-rlpipe==1.0\n")
+    gpu = check_packages(record={"extras": [], "lock": str(lock), "requirements": str(requirements)})
+
+    assert slim.status == "ok", slim.detail
+    assert slim.detail == f"1 pinned packages match {lock}"
+    assert with_tests.status == "fail" and with_tests.detail == "mismatched: pytest " + pytest.__version__ + (
+        " (lock 0.0.1)"
+    )
+    assert gpu.status == "fail" and gpu.detail == "missing: no-such-package-rlpipe==1.0"
+
+
 def test_startup_checks_name_each_failure_for_the_roles_that_need_them(tiny_model, tmp_path, no_admin_token):
     model_dir, data_dir = tiny_model
     train = tmp_path / "train.jsonl"
