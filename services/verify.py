@@ -57,6 +57,8 @@ SMOKE_TIMEOUT_S = 900.0
 # Mean per-token |log pi_sampler - log pi_trainer| allowed on groups the trainer's current version generated:
 # the same weights in two engines differ by rounding (~1e-4 in float32), a missed or torn sync by far more.
 LOGPROB_TOLERANCE = 0.02
+# How long one probe of a role may take: a busy trainer answers its status between the parts of a step.
+PROBE_TIMEOUT_S = 60.0
 CURVES = ("entropy", "reward_mean", "reward_std", "kl_ref", "response_length_mean", "termination_rate")
 STAGE_OF_ROLE = {"rollout": "sampling", "reward": "reward", "reference": "reference"}
 
@@ -194,12 +196,12 @@ def check_roles(run_dir: Path) -> tuple[list[str], str]:
     for name, service in sorted(info["services"].items()):
         found = []
         if service.get("grpc"):
-            reason = health_check(service["grpc"], timeout=10.0)
+            reason = health_check(service["grpc"], timeout=PROBE_TIMEOUT_S)
             if reason:
                 found.append(f"health {reason}")
         if service.get("metrics_url"):
             try:
-                with urllib.request.urlopen(service["metrics_url"], timeout=10) as response:
+                with urllib.request.urlopen(service["metrics_url"], timeout=PROBE_TIMEOUT_S) as response:
                     response.read()
             except OSError as error:
                 found.append(f"metrics endpoint {service['metrics_url']}: {error}")
@@ -224,7 +226,7 @@ def _trainer_status(address: str, token: str) -> admin_pb2.Status | str:
     with grpc.insecure_channel(address) as channel:
         try:
             return admin_pb2_grpc.AdminStub(channel).GetStatus(
-                admin_pb2.GetStatusRequest(), timeout=10, metadata=[("authorization", f"Bearer {token}")]
+                admin_pb2.GetStatusRequest(), timeout=PROBE_TIMEOUT_S, metadata=[("authorization", f"Bearer {token}")]
             )
         except grpc.RpcError as error:
             return f"{address}: {error.code().name}: {error.details()}"
@@ -238,7 +240,7 @@ def scrape_stages(run_dir: Path) -> dict[str, ServiceScrape]:
         if service["role"] not in STAGE_OF_ROLE:
             continue
         try:
-            with urllib.request.urlopen(service["metrics_url"], timeout=10) as response:
+            with urllib.request.urlopen(service["metrics_url"], timeout=PROBE_TIMEOUT_S) as response:
                 text = response.read().decode()
         except (OSError, KeyError) as error:
             scraped[name] = ServiceScrape(service["role"], 0.0, None, f"metrics not scraped: {error!r}")
