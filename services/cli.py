@@ -17,6 +17,13 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: faul
 @app.command()
 def run(
     config: Path = typer.Argument(..., help="run config YAML"),
+    overrides: list[str] = typer.Argument(
+        None,
+        metavar="KEY=VALUE",
+        help="dotted settings over the file, each value read as YAML (train.learning_rate=5e-5 "
+        "'reward.functions={exact_match: 1}'); validated like `rlpipe config set`",
+        show_default=False,
+    ),
     resume: bool = typer.Option(
         False, "--resume", help="continue runs/<run id> from its streams and latest checkpoint"
     ),
@@ -41,7 +48,7 @@ def run(
 
         raise typer.Exit(smoke_command(config))
     try:
-        code = launch(config, resume=resume, overwrite=overwrite)
+        code = launch(config, resume=resume, overwrite=overwrite, overrides=overrides or ())
     except ConfigError as error:
         typer.echo(f"rlpipe run: {error}", err=True)
         raise typer.Exit(2) from None

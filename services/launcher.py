@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import secrets
+import shlex
 import shutil
 import signal
 import socket
@@ -31,16 +32,25 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import nats
+import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.common.config import AdminCredentials, ConfigError, RunConfig, SupervisionConfig, load_config
+from services.common.config import (
+    AdminCredentials,
+    ConfigError,
+    RunConfig,
+    SupervisionConfig,
+    load_config_with,
+    parse_overrides,
+)
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.nats_server import nats_server_binary
@@ -506,23 +516,25 @@ def _plain(message: str) -> None:
     console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
-def run(config_path: Path, resume: bool = False, overwrite: bool = False) -> int:
+def run(config_path: Path, resume: bool = False, overwrite: bool = False, overrides: Sequence[str] = ()) -> int:
     """Run the pipeline in ``runs/<run>``; 2 without starting anything when the config or the machine is not fit.
 
     ``resume`` continues the run there (its streams and checkpoints); ``overwrite`` deletes it
     first. With neither, a directory holding an earlier run's checkpoints or metrics is refused,
-    so re-running a config by accident cannot destroy a run.
+    so re-running a config by accident cannot destroy a run. ``overrides`` are command-line
+    ``KEY=VALUE`` settings over the file; the services then read ``runs/<run>/run-config.yaml``.
     """
     if resume and overwrite:
         _plain("rlpipe run: --resume continues the run in its directory and --overwrite deletes it: choose one")
         return 2
-    cfg = load_config(config_path)
+    cfg, config_data = load_config_with(config_path, parse_overrides(overrides))
     earlier = previous_run(cfg)
     if earlier and not (resume or overwrite):
+        command = shlex.join(["rlpipe", "run", str(config_path), *overrides])
         _plain(
             f"rlpipe run: {cfg.run_dir} already holds a run ({', '.join(earlier)}); nothing was changed.\n"
-            f"  continue it:               rlpipe run {config_path} --resume\n"
-            f"  delete it and start over:  rlpipe run {config_path} --overwrite"
+            f"  continue it:               {command} --resume\n"
+            f"  delete it and start over:  {command} --overwrite"
         )
         return 2
     try:
@@ -539,6 +551,9 @@ def run(config_path: Path, resume: bool = False, overwrite: bool = False) -> int
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     # Until this run's services are ready, run.json must not point the CLI at the ports of the previous one.
     (cfg.run_dir / "run.json").unlink(missing_ok=True)
+    if overrides:  # the services read a file: the one they get has the overrides written in
+        config_path = cfg.run_dir / "run-config.yaml"
+        config_path.write_text(yaml.safe_dump(config_data, sort_keys=False))
     launcher = Launcher(cfg, config_path, resume)
     # SIGTERM (a supervisor, `timeout`) gets the same orderly shutdown as Ctrl-C.
     signal.signal(signal.SIGTERM, signal.default_int_handler)

@@ -10,8 +10,10 @@ one stops it with the field's dotted name and what is allowed.
 from __future__ import annotations
 
 import contextvars
+import importlib.util
 import os
 import re
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,10 +83,37 @@ class ModelConfig(Section):
         return path
 
 
+class DataColumns(Section):
+    """Which of a dataset's columns hold what a row needs (docs/configuration.md, Data)."""
+
+    prompt: str = Field("prompt", min_length=1, description="the plain prompt text")
+    messages: str = Field(
+        "messages", min_length=1, description="a chat ([{role, content}, ...]) rendered with the chat template"
+    )
+    answer: str = Field("answer", min_length=1, description="the reference answer the reward compares with")
+    id: str = Field("id", min_length=1, description="a row's stable id (optional; the row's index otherwise)")
+
+
 class DataConfig(Section):
     task_name: str = "arithmetic"
-    train_path: Path
-    eval_path: Path | None = None
+    train_path: Path = Field(
+        description="JSON Lines file, or a local Hugging Face dataset: a save_to_disk folder, a Parquet, Arrow, "
+        "JSON or CSV file, or a folder of them"
+    )
+    eval_path: Path | None = Field(None, description="held-out rows, in any form train_path takes")
+    split: str = Field("train", min_length=1, description="the split of train_path to train on, when it holds several")
+    eval_split: str = Field(
+        "test", min_length=1, description="the split of eval_path to evaluate on, when it holds several"
+    )
+    columns: DataColumns = DataColumns()
+    streaming: bool = Field(
+        False,
+        description="read train_path as a stream instead of all at once, for datasets larger than memory: rows are "
+        "checked as they come (a bad one is skipped and logged) and a resume reads up to its place again",
+    )
+    shuffle_buffer: int = Field(
+        10_000, ge=1, description="rows a streamed dataset is shuffled within (a full shuffle needs them all)"
+    )
     eval_every_steps: int = Field(10, ge=0, description="0 disables periodic evaluation")
     eval_size: int = Field(500, ge=1)
     shuffle: bool = True
@@ -92,8 +121,8 @@ class DataConfig(Section):
     @field_validator("train_path", "eval_path")
     @classmethod
     def _file_exists(cls, path: Path | None) -> Path | None:
-        if path is not None and not path.is_file():
-            raise ValueError(f"data file {str(path)!r} does not exist")
+        if path is not None and not path.exists():
+            raise ValueError(f"data file or folder {str(path)!r} does not exist")
         return path
 
 
@@ -517,6 +546,32 @@ class TelemetryConfig(Section):
         description="steps whose applied groups the trainer keeps in runs/<run>/samples/step_<N>.jsonl for "
         "`rlpipe samples` (prompts, completions, rewards, logprob and KL summaries); 0 keeps none",
     )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers the trainer sends every metrics row, config version, alert and checkpoint "
+        "to, under the run id, metric names in the actor/ critic/ reward/ response_length/ namespaces "
+        "(docs/metrics.md); each needs the `trackers` extra",
+    )
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow store or server; empty = sqlite:///<run dir>/mlflow.db, a local store without a server"
+    )
+    mlflow_experiment: str = Field("rlpipe", min_length=1, description="MLflow experiment the run is logged under")
+    wandb_project: str = Field("rlpipe", min_length=1, description="W&B project the run is logged under")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes <run dir>/wandb for `wandb sync`; online needs W&B credentials (WANDB_API_KEY)",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once_and_installed(cls, trackers: list[str]) -> list[str]:
+        if len(trackers) != len(set(trackers)):
+            raise ValueError(f"names a tracker twice: {trackers}")
+        # Looked up, not imported: the trainer imports them when it opens the trackers.
+        missing = [name for name in trackers if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(f"{missing} not installed: pip install 'rlpipe[trackers]'")
+        return trackers
 
 
 AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
@@ -865,6 +920,80 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
     return data
+
+
+def parse_value(text: str) -> Any:
+    """A setting's value as the operator typed it, read as YAML: ``5e-5``, ``[notify, pause]``, ``{exact_match: 1}``."""
+    try:
+        return yaml.safe_load(text) if text.strip() else ""
+    except yaml.YAMLError as error:
+        raise ConfigError(f"value {text!r} is not valid YAML: {error}") from None
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``KEY=VALUE`` settings as typed on a command line (``train.learning_rate=5e-5``) as dotted overrides.
+
+    Each value is read as YAML, as `rlpipe config set` reads it. ConfigError, in one line, names the first
+    item that is not ``KEY=VALUE`` or whose value is not YAML.
+    """
+    overrides: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not KEY=VALUE (a dotted key, e.g. train.learning_rate=5e-5)")
+        try:
+            overrides[key.strip()] = parse_value(text)
+        except ConfigError as error:
+            raise ConfigError(f"override {key.strip()}: {' '.join(str(error).split())}") from None
+    return overrides
+
+
+def load_config_with(path: Path | str, overrides: Mapping[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
+    """The run config of the file at ``path`` with dotted ``overrides`` written into it, and that file's data.
+
+    The data is for processes that read a config file (``rlpipe run``'s services): written out as YAML, it
+    loads to the same config. ``RLPIPE_*`` variables still apply on top, as they do over the file, so an
+    override that one of them would undo is refused rather than silently lost. Errors are one-line
+    ConfigErrors naming the override (an unknown key, a value its field refuses).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    data = _read_yaml(path)
+    for key, value in overrides.items():
+        try:
+            _set_dotted(data, RunConfig, key, value)
+        except ConfigError as error:
+            raise ConfigError(f"override {_one_line(error)}") from None
+    try:
+        cfg = load_config(None, **data)
+    except ConfigError as error:
+        raise ConfigError(f"invalid override: {_one_line(error)}") from None
+    token = _read_environment.set(False)
+    try:
+        as_written = RunConfig(**data)
+    finally:
+        _read_environment.reset(token)
+    for key in overrides:
+        if _dotted_value(cfg, key) != _dotted_value(as_written, key):
+            raise ConfigError(
+                f"override {key}: an RLPIPE_* environment variable sets it too and would win; unset it or drop "
+                "the override"
+            )
+    return cfg, data
+
+
+def _one_line(error: ConfigError) -> str:
+    """A ConfigError's field lines joined into one, without the ``invalid configuration:`` heading."""
+    lines = str(error).removeprefix("invalid configuration:").strip().splitlines()
+    return "; ".join(line.strip() for line in lines)
+
+
+def _dotted_value(cfg: RunConfig, key: str) -> Any:
+    node: Any = cfg.model_dump(mode="json")
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 REDACTED = "<redacted>"

@@ -22,11 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import nats
-import yaml
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
+from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
 from services.common.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -84,14 +84,6 @@ def _value_at(cfg: RunConfig, key: str) -> Any:
                 return None
         node = node[part]
     return node
-
-
-def parse_value(text: str) -> Any:
-    """A setting's value as the operator typed it, read as YAML: ``5e-5``, ``[notify, pause]``, ``{exact_match: 1}``."""
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"value {text!r} is not valid YAML: {error}") from None
 
 
 class LiveConfig:

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, RunConfig
-from services.common.datasets import row_problem
+from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, DataConfig, RunConfig
+from services.common.datasets import DatasetError, scan_dataset
 from services.common.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
 
 Status = Literal["ok", "warn", "fail", "skip"]
@@ -27,7 +27,6 @@ Status = Literal["ok", "warn", "fail", "skip"]
 # An S3 probe is four requests (bucket, put, get, delete); a dead endpoint must not stall start-up.
 STORAGE_TIMEOUT_S = 5.0
 STARTUP_DATASET_LINES = 1_000
-SHOWN_BAD_LINES = 5
 STARTUP_ROLES = ("trainer", "rollout", "reward", "reference", "run")
 
 
@@ -137,36 +136,22 @@ def check_model(path: Path, name: str = "model") -> CheckResult:
     return CheckResult(name, "ok", f"{path}: {config.model_type}, {vocab} tokens, weights {human_size(size)}")
 
 
-def check_dataset(path: Path, name: str, max_lines: int) -> CheckResult:
-    """The first ``max_lines`` lines parse as rows; the bad ones are listed by line number."""
-    bad: list[str] = []
-    rows = checked = 0
-    truncated = False
+def check_dataset(data: DataConfig, path: Path, split: str, name: str, max_rows: int) -> CheckResult:
+    """The first ``max_rows`` rows (lines of a JSON Lines file) are prompt/answer rows; bad ones are listed by line
+    number or row index."""
     try:
-        with path.open("rb") as lines:
-            for number, raw in enumerate(lines, start=1):
-                if number > max_lines:
-                    truncated = True
-                    break
-                checked = number
-                if not raw.strip():
-                    continue
-                error = row_problem(raw)
-                if error is None:
-                    rows += 1
-                else:
-                    bad.append(f"line {number}: {error}")
+        # Streamed: a check reads the rows it checks, not the whole dataset.
+        scan = scan_dataset(path, data.columns, split, max_rows, streaming=True)
     except OSError as error:
         return CheckResult(name, "fail", f"{path}: cannot read: {shorten(error)}")
-    scope = f"first {checked} lines" if truncated else f"{checked} lines"
-    if bad:
-        shown = "; ".join(bad[:SHOWN_BAD_LINES]) + (
-            f"; and {len(bad) - SHOWN_BAD_LINES} more" if len(bad) > SHOWN_BAD_LINES else ""
-        )
-        return CheckResult(name, "fail", f"{path}: {len(bad)} bad of {scope}: {shown}")
-    if rows == 0:
+    except Exception as error:  # a bad format, split or column, or whatever datasets or pyarrow could not read
+        return CheckResult(name, "fail", shorten(error) if isinstance(error, DatasetError) else f"{path}: {error}")
+    if scan.bad:
+        return CheckResult(name, "fail", scan.summary(path))
+    if scan.rows == 0:
         return CheckResult(name, "fail", f"{path}: no rows")
-    return CheckResult(name, "ok", f"{path}: {rows} rows parse ({scope} checked)")
+    scope = f"first {scan.checked} {scan.where}s" if scan.truncated else f"{scan.checked} {scan.where}s"
+    return CheckResult(name, "ok", f"{path}: {scan.rows} rows parse ({scope} checked)")
 
 
 def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage") -> CheckResult:
@@ -336,8 +321,11 @@ def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResul
 
 
 def dataset_rows(cfg: RunConfig, max_lines: int) -> list[CheckResult]:
-    paths = {"dataset data.train_path": cfg.data.train_path, "dataset data.eval_path": cfg.data.eval_path}
-    return [check_dataset(path, name, max_lines) for name, path in paths.items() if path is not None]
+    sources = {
+        "dataset data.train_path": (cfg.data.train_path, cfg.data.split),
+        "dataset data.eval_path": (cfg.data.eval_path, cfg.data.eval_split),
+    }
+    return [check_dataset(cfg.data, path, split, name, max_lines) for name, (path, split) in sources.items() if path]
 
 
 def _startup_checks(role: str) -> list[Check]:

@@ -21,12 +21,11 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-import numpy as np
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
@@ -41,6 +40,7 @@ from services.common.bus import (
     stream_name,
 )
 from services.common.config import RunConfig
+from services.common.datasets import Fed, PromptSource, RowTable
 from services.common.logs import log_event
 from services.common.messages import DecodeError, ExperienceGroup, Prompt
 from services.common.telemetry import span_from_headers
@@ -51,42 +51,65 @@ LOST_CHECK_S = 1.0  # how often groups in flight are checked against train.lost_
 
 
 class PromptFeeder:
-    """Walks the dataset epoch by epoch in a seeded order; its cursor is (epoch, index)."""
+    """Walks the dataset epoch by epoch in a seeded order; its cursor is (epoch, index), index being how far into
+    the epoch's order it is. ``source`` is a list of rows or any ``PromptSource`` (services/common/datasets.py:
+    rows in memory, a memory-mapped dataset, a stream): the order depends only on the seed and the epoch, so a
+    feeder that seeks a saved cursor feeds what the one that saved it would have fed next."""
 
-    def __init__(self, rows: list[dict[str, Any]], seed: int, shuffle: bool):
-        self.rows = rows
+    def __init__(self, source: list[dict[str, Any]] | PromptSource, seed: int, shuffle: bool):
+        self.source = RowTable(source) if isinstance(source, list) else source
         self.seed = seed
         self.shuffle = shuffle
         self.epoch = 0
         self.index = 0
-        self._order = self._order_of(0)
-
-    def _order_of(self, epoch: int) -> np.ndarray:
-        if not self.shuffle:
-            return np.arange(len(self.rows))
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        self._walk = self.source.walk(0, 0, seed, shuffle)
+        # The last prompt, the cursor before it and the walk after it: a seek one prompt back (a publish that
+        # failed) replays it instead of reading a stream up to it again.
+        self._last: tuple[dict[str, int], Prompt, tuple[int, int, Iterator[Fed]]] | None = None
+        self._replay: tuple[Prompt, tuple[int, int, Iterator[Fed]]] | None = None
 
     def next(self) -> Prompt:
-        row = self.rows[self._order[self.index]]
-        prompt = Prompt(
-            group_id=f"e{self.epoch}-i{self.index}",
-            prompt_id=str(row.get("id", self._order[self.index])),
-            prompt=row["prompt"],
-            answer=str(row.get("answer", "")),
-        )
-        self.index += 1
-        if self.index == len(self.rows):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._order_of(self.epoch)
+        before = self.cursor
+        if self._replay is not None:
+            prompt, (self.epoch, self.index, self._walk) = self._replay
+            self._replay = None
+        else:
+            prompt = self._next_row()
+        self._last = (before, prompt, (self.epoch, self.index, self._walk))
         return prompt
+
+    def _next_row(self) -> Prompt:
+        epochs_ended = 0
+        while True:
+            fed = next(self._walk, None)
+            if fed is None:  # the epoch is over: the next one, in its own order
+                epochs_ended += 1
+                if epochs_ended > 1:  # a whole epoch went by without a row to feed (streamed rows all bad)
+                    raise ValueError("the dataset has no usable row to feed")
+                self.epoch, self.index = self.epoch + 1, 0
+                self._walk = self.source.walk(self.epoch, 0, self.seed, self.shuffle)
+                continue
+            self.index = fed.position + 1
+            if fed.row is not None:
+                break
+        return Prompt(
+            group_id=f"e{self.epoch}-i{fed.position}",
+            prompt_id=str(fed.row.get("id", fed.index)),
+            prompt=fed.row["prompt"],
+            answer=str(fed.row.get("answer", "")),
+        )
 
     @property
     def cursor(self) -> dict[str, int]:
         return {"epoch": self.epoch, "index": self.index}
 
     def seek(self, cursor: dict[str, int]) -> None:
+        if self._last is not None and cursor == self._last[0]:
+            self._replay = self._last[1:]
+        else:
+            self._replay = None
+            self._walk = self.source.walk(cursor["epoch"], cursor["index"], self.seed, self.shuffle)
         self.epoch, self.index = cursor["epoch"], cursor["index"]
-        self._order = self._order_of(self.epoch)
 
 
 class Fate(StrEnum):

@@ -20,6 +20,7 @@ from typing import Any
 from services.common.events import EventLog
 from services.common.logs import log_event
 from services.common.telemetry import TrainerMetrics
+from services.common.trackers import TrackerFanout
 from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control
@@ -31,14 +32,23 @@ Rollback = Callable[[int | None, str], Awaitable[Any]]
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON row per line, flushed line by line for readers that follow it."""
+    """``metrics.jsonl``: one JSON row per line, flushed line by line for readers that follow it; and the same
+    rows to the experiment trackers of ``telemetry.report_to``, if any."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, trackers: TrackerFanout | None = None):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.file = path.open("a", buffering=1)
+        self.trackers = trackers
 
     def write(self, row: dict[str, Any]) -> None:
         self.file.write(json.dumps({"time": round(time.time(), 3), **row}) + "\n")
+        if self.trackers is not None:
+            self.trackers.write(row)
+
+    def close(self) -> None:
+        self.file.close()
+        if self.trackers is not None:
+            self.trackers.close()
 
 
 class AlertResponder:

@@ -19,15 +19,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import grpc
 import yaml
 
 from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
-from services.common.chat import render_rows
+from services.common.chat import prompt_text, render_rows
 from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
-from services.common.datasets import load_jsonl
+from services.common.datasets import open_prompts, read_rows
 from services.common.events import EventLog
 from services.common.hardware import HardwareSampler
 from services.common.live_config import LiveConfig
@@ -38,6 +39,7 @@ from services.common.presence import Presence
 from services.common.service import EXIT_REFUSED, start_grpc_server
 from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics, current_telemetry
+from services.common.trackers import open_trackers
 from services.common.weightsync import WeightSyncServer
 from services.trainer.admin import AdminServicer, BearerToken
 from services.trainer.alerts import AlertEvaluator
@@ -69,7 +71,8 @@ class Trainer:
         self.live = live
         self.progress = Progress()
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
-        eval_rows = load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size] if cfg.data.eval_path else []
+        data = cfg.data
+        eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
         self.eval_rows = render_rows(eval_rows, learner.tokenizer)
         events = EventLog(cfg.run_dir / "events.jsonl")
         self.events = events
@@ -77,8 +80,8 @@ class Trainer:
         self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
         self.telemetry = TrainerMetrics()
         self.ledger = GroupLedger()
-        train_rows = render_rows(load_jsonl(cfg.data.train_path), learner.tokenizer)
-        self.feeder = PromptFeeder(train_rows, cfg.train.seed, cfg.data.shuffle)
+        train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
+        self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
             open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
@@ -93,7 +96,7 @@ class Trainer:
             self.checkpoints,
             rollback=lambda step, reason: self.recovery.rollback(step, reason),
             progress=self.progress,
-            metrics=MetricsLog(cfg.metrics_file),
+            metrics=MetricsLog(cfg.metrics_file, open_trackers(cfg)),
             events=events,
             telemetry=self.telemetry,
         )
@@ -443,6 +446,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
             )
             raise SystemExit(1)
     finally:
+        trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
         await admin_server.stop(grace=1)
         await server.stop(grace=1)

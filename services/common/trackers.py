@@ -1,0 +1,312 @@
+"""Experiment trackers: TensorBoard, MLflow and Weights & Biases, fed from the trainer's metrics rows.
+
+``telemetry.report_to`` names the trackers. The trainer's metrics log hands every row it writes
+(step rows, evaluations, checkpoints, alerts) to ``TrackerFanout.write``, which turns it into
+tracker metrics under the common namespaces (``actor/pg_loss``, ``critic/vf_loss``,
+``reward/mean``, ``response_length/mean``; the table is ``METRIC_NAMES``, its meaning in
+docs/metrics.md) and into text events for alerts, checkpoints and config versions.
+
+One tracker run per rlpipe run, named by the run id; a resumed trainer appends to it:
+TensorBoard writes new event files into the same ``<run dir>/tensorboard``, MLflow finds its run by
+the ``rlpipe.run_id`` tag, W&B resumes the run whose id is the run id (offline unless
+``telemetry.wandb_mode: online``).
+
+Each backend's library is imported only when it is named, with an error naming the ``trackers``
+extra when it is missing. A tracker that fails mid-run is logged and skipped for that row: the
+metrics file has every row, and training does not wait on a dashboard.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import yaml
+
+from services.common.config import RunConfig, redacted_dump
+from services.common.logs import log_event
+
+log = logging.getLogger(__name__)
+
+# rlpipe's row key -> the tracker's name. Keys already holding a "/" (reward/<fn>/mean, memory/...) keep theirs;
+# any other key goes under trainer/.
+METRIC_NAMES: dict[str, str] = {
+    "loss": "actor/loss",
+    "pg_loss": "actor/pg_loss",
+    "clipfrac": "actor/pg_clipfrac",
+    "clipfrac_lower": "actor/pg_clipfrac_lower",
+    "approx_kl": "actor/ppo_kl",
+    "entropy": "actor/entropy",
+    "kl_ref": "actor/kl_ref",
+    "grad_norm": "actor/grad_norm",
+    "learning_rate": "actor/lr",
+    "tis_weight_mean": "actor/tis_weight_mean",
+    "tis_weight_max": "actor/tis_weight_max",
+    "policy_version": "actor/policy_version",
+    "value_loss": "critic/vf_loss",
+    "value_clipfrac": "critic/vf_clipfrac",
+    "explained_variance": "critic/vf_explained_var",
+    "value_mean": "critic/values/mean",
+    "advantage_mean": "critic/advantages/mean",
+    "advantage_std": "critic/advantages/std",
+    "critic_only": "critic/warmup_step",
+    "reward_mean": "reward/mean",
+    "reward_std": "reward/std",
+    "zero_variance_groups": "reward/zero_variance_groups",
+    "response_length_mean": "response_length/mean",
+    "response_length_max": "response_length/max",
+    "termination_rate": "response_length/terminated_ratio",
+    "truncation_rate": "response_length/clip_ratio",
+    "eval_accuracy": "eval/accuracy",
+    "eval_time_s": "eval/time_s",
+    "staleness_mean": "rollout/staleness_mean",
+    "staleness_max": "rollout/staleness_max",
+    "generated_by_version_min": "rollout/policy_version_min",
+    "generated_by_version_max": "rollout/policy_version_max",
+    "dropped_stale": "rollout/dropped_stale",
+    "groups": "rollout/groups",
+    "completions": "rollout/completions",
+    "step_time_s": "perf/step_time_s",
+    "tokens_per_s": "perf/throughput_tokens_per_s",
+    "config_version": "config/version",
+    "checkpoint_saved": "checkpoint/saved",
+    "checkpoint_failed": "checkpoint/failed",
+    "checkpoint_time_s": "checkpoint/time_s",
+    "groups_dead": "pipeline/groups_dead",
+    "groups_lost": "pipeline/groups_lost",
+    "repeats_dropped": "pipeline/repeats_dropped",
+    "in_flight_groups": "pipeline/in_flight_groups",
+    "services_down": "pipeline/services_down",
+}
+# Carried by a row but not a metric: the wall clock, and the step every value is logged at.
+NOT_METRICS = ("time", "step")
+EXTRA = "trackers"  # pip install 'rlpipe[trackers]'
+
+
+class TrackerUnavailable(RuntimeError):
+    """A tracker named in telemetry.report_to whose library is not installed."""
+
+
+def tracker_name(key: str) -> str:
+    """The tracker's name of the row key ``key``."""
+    if key in METRIC_NAMES:
+        return METRIC_NAMES[key]
+    return key if "/" in key else f"trainer/{key}"
+
+
+@dataclass
+class TrackerEntry:
+    """What one metrics row becomes in a tracker: numbers at a step, and text events (alert, checkpoint, config)."""
+
+    step: int
+    metrics: dict[str, float] = field(default_factory=dict)
+    events: dict[str, str] = field(default_factory=dict)  # kind -> text
+
+
+def tracker_entry(row: Mapping[str, Any], last_config_version: int | None) -> TrackerEntry:
+    """Map one metrics row (pure): numbers renamed by ``tracker_name``, alerts, checkpoints and new config versions
+    as events; ``last_config_version`` is the version the previous row carried (None before the first)."""
+    entry = TrackerEntry(step=int(row.get("step") or 0))
+    for key, value in row.items():
+        if key in NOT_METRICS or isinstance(value, str) or value is None:
+            continue
+        if isinstance(value, (bool, int, float)):
+            entry.metrics[tracker_name(key)] = float(value)
+    if "alert" in row:
+        entry.metrics[f"alert/{row['alert']}"] = 1.0
+        entry.events["alert"] = f"{row.get('alert_severity', 'warning')}: {row['alert']} at step {entry.step}"
+    if row.get("checkpoint_saved"):
+        entry.events["checkpoint"] = f"saved at step {entry.step} in {row.get('checkpoint_time_s', 0):.1f} s"
+    elif row.get("checkpoint_failed"):
+        entry.events["checkpoint"] = f"failed at step {entry.step}: {row.get('error', '')}"
+    version = row.get("config_version")
+    if isinstance(version, int) and last_config_version is not None and version != last_config_version:
+        entry.events["config"] = f"config version {version} in force from step {entry.step}"
+    return entry
+
+
+class Tracker(Protocol):
+    """One tracker run; created (or resumed) when opened."""
+
+    def log(self, entry: TrackerEntry) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def require(module: str, tracker: str) -> Any:
+    """``module`` of the tracker ``tracker``, imported; TrackerUnavailable naming the extra when it is missing."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise TrackerUnavailable(
+            f"telemetry.report_to names {tracker}, but {error.name or module} is not installed: "
+            f"pip install 'rlpipe[{EXTRA}]'"
+        ) from None
+
+
+def _flat(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested config as dotted keys, for trackers whose parameters are flat."""
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat |= _flat(value, name + ".")
+        else:
+            flat[name] = value
+    return flat
+
+
+class TensorBoardTracker:
+    """Event files in ``<run dir>/tensorboard``: scalars per metric, text per event kind, the config as text."""
+
+    def __init__(self, log_dir: Path, config: Mapping[str, Any]):
+        require("tensorboard", "tensorboard")
+        summary = require("torch.utils.tensorboard", "tensorboard")
+        self.writer = summary.SummaryWriter(log_dir=str(log_dir))
+        self.writer.add_text("config", "```\n" + yaml.safe_dump(dict(config), sort_keys=False) + "```", 0)
+
+    def log(self, entry: TrackerEntry) -> None:
+        for name, value in entry.metrics.items():
+            self.writer.add_scalar(name, value, entry.step)
+        for kind, text in entry.events.items():
+            self.writer.add_text(f"events/{kind}", text, entry.step)
+        # A reader (TensorBoard, the run's report) sees each row now, not at the writer's next 2-minute flush.
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class MlflowTracker:
+    """An MLflow run tagged ``rlpipe.run_id``, found again on resume; the config as parameters at creation."""
+
+    RUN_TAG = "rlpipe.run_id"
+
+    def __init__(
+        self, tracking_uri: str, experiment: str, run_id: str, artifacts: Path | None, config: Mapping[str, Any]
+    ):
+        mlflow_client = require("mlflow.tracking", "mlflow")
+        self.entities = require("mlflow.entities", "mlflow")
+        self.client = mlflow_client.MlflowClient(tracking_uri)
+        found = self.client.get_experiment_by_name(experiment)
+        experiment_id = (
+            found.experiment_id
+            if found is not None
+            else self.client.create_experiment(experiment, artifact_location=artifacts and artifacts.as_uri())
+        )
+        runs = self.client.search_runs([experiment_id], filter_string=f"tags.`{self.RUN_TAG}` = '{run_id}'")
+        if runs:
+            self.run_id = runs[0].info.run_id
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            self.run_id = self.client.create_run(
+                experiment_id, run_name=run_id, tags={self.RUN_TAG: run_id}
+            ).info.run_id
+            # Parameters cannot change once logged: a resumed run's changes arrive as config events instead.
+            params = [self.entities.Param(k, str(v)[:6000]) for k, v in _flat(config).items()]
+            for start in range(0, len(params), 100):  # MLflow takes at most 100 parameters per batch
+                self.client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def log(self, entry: TrackerEntry) -> None:
+        millis = int(time.time() * 1000)
+        metrics = [
+            self.entities.Metric(name, value, millis, entry.step)
+            for name, value in entry.metrics.items()
+            if math.isfinite(value)  # MLflow stores no NaN or infinity; metrics.jsonl keeps them
+        ]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+        for kind, text in entry.events.items():
+            self.client.set_tag(self.run_id, f"rlpipe.last_{kind}", text)
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id, status="FINISHED")
+
+
+class WandbTracker:
+    """A W&B run whose id is the run id (resumed, not duplicated), offline into ``<run dir>/wandb`` by default."""
+
+    def __init__(self, project: str, mode: str, run_id: str, run_dir: Path, config: Mapping[str, Any]):
+        wandb = require("wandb", "wandb")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.run = wandb.init(
+            project=project,
+            name=run_id,
+            id=run_id,
+            resume="allow",
+            mode=mode,
+            dir=str(run_dir),
+            config=dict(config),
+            settings=wandb.Settings(silent=True, console="off"),
+        )
+
+    def log(self, entry: TrackerEntry) -> None:
+        self.run.log(entry.metrics, step=entry.step)
+        for kind, text in entry.events.items():
+            self.run.summary[f"last_{kind}"] = text
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackerFanout:
+    """Every metrics row to every opened tracker; one tracker's failure is logged, the others still get the row."""
+
+    def __init__(self, trackers: dict[str, Tracker]):
+        self.trackers = trackers
+        self.config_version: int | None = None
+        self.failing: set[str] = set()  # logged once until the tracker works again
+
+    def write(self, row: Mapping[str, Any]) -> None:
+        entry = tracker_entry(row, self.config_version)
+        if isinstance(row.get("config_version"), int):
+            self.config_version = row["config_version"]
+        # Steps only grow in a tracker: a row without a step (none today) would land at step 0.
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.log(entry)
+            except Exception as error:  # a dashboard's outage must not stop training; metrics.jsonl has the row
+                if name not in self.failing:
+                    log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
+                self.failing.add(name)
+            else:
+                self.failing.discard(name)
+
+    def close(self) -> None:
+        for name, tracker in self.trackers.items():
+            try:
+                tracker.close()
+            except Exception as error:  # closing one must not keep the others from flushing
+                log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
+
+
+def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
+    """The trackers ``telemetry.report_to`` names, opened (or resumed) for this run; None when it names none.
+
+    Raises TrackerUnavailable naming the extra when a tracker's library is missing.
+    """
+    telemetry = cfg.telemetry
+    if not telemetry.report_to:
+        return None
+    config = redacted_dump(cfg)
+    run_dir = cfg.run_dir.resolve()
+    trackers: dict[str, Tracker] = {}
+    for name in telemetry.report_to:
+        if name == "tensorboard":
+            trackers[name] = TensorBoardTracker(run_dir / "tensorboard", config)
+        elif name == "mlflow":
+            # The local store keeps artifacts beside it; a configured store or server decides for itself.
+            uri, artifacts = telemetry.mlflow_tracking_uri, None
+            if not uri:
+                uri, artifacts = f"sqlite:///{run_dir / 'mlflow.db'}", run_dir / "mlflow-artifacts"
+            trackers[name] = MlflowTracker(uri, telemetry.mlflow_experiment, cfg.run_id, artifacts, config)
+        else:
+            trackers[name] = WandbTracker(telemetry.wandb_project, telemetry.wandb_mode, cfg.run_id, run_dir, config)
+    log_event(log, "trackers_open", trackers=list(trackers))
+    return TrackerFanout(trackers)

@@ -1,0 +1,176 @@
+"""Hugging Face datasets (Parquet, Arrow, JSON, save_to_disk), column mapping, streaming, and a cursor that resumes."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.config import DataColumns, DataConfig
+from services.common.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
+from services.trainer.intake import PromptFeeder
+from tests.conftest import ROOT
+
+# The user's own names for what rlpipe calls prompt, answer and id.
+THEIR_COLUMNS = {"prompt": "question", "answer": "solution", "id": "uid"}
+N_ROWS = 24
+
+
+def their_rows(tiny_model) -> list[dict]:
+    _, data_dir = tiny_model
+    rows = load_jsonl(data_dir / "train.jsonl")[:N_ROWS]
+    return [{"uid": row["id"], "question": row["prompt"], "solution": row["answer"], "source": "arith"} for row in rows]
+
+
+def write_source(kind: str, rows: list[dict], folder: Path) -> tuple[Path, bool]:
+    """The rows written as ``kind``; returns the path and whether to stream it."""
+    import datasets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    table = datasets.Dataset.from_list(rows)
+    streaming = kind.endswith("-stream")
+    kind = kind.removesuffix("-stream")
+    if kind == "jsonl":
+        path = folder / "train.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    elif kind == "parquet":
+        path = folder / "train.parquet"
+        table.to_parquet(str(path))
+    elif kind == "json":
+        path = folder / "train.json"
+        path.write_text(json.dumps(rows))
+    elif kind == "save_to_disk":
+        path = folder / "saved"
+        datasets.DatasetDict({"train": table, "test": table.select(range(4))}).save_to_disk(str(path))
+    else:
+        assert kind == "arrow"
+        table.save_to_disk(str(folder / "saved"))
+        [path] = (folder / "saved").glob("*.arrow")
+    return path, streaming
+
+
+SOURCES = ["jsonl", "parquet", "json", "arrow", "save_to_disk", "jsonl-stream", "parquet-stream", "save_to_disk-stream"]
+
+
+def data_config(path: Path, streaming: bool, **extra) -> DataConfig:
+    return DataConfig(train_path=path, columns=THEIR_COLUMNS, streaming=streaming, shuffle_buffer=8, **extra)
+
+
+# A trainer's feeding as a process: its data config in argv[1], the cursor it resumes from (or "") in argv[2]; one
+# line per prompt fed with the cursor after it, which is what a checkpoint keeps (services/trainer/recovery.py).
+FEEDING = """
+import json, sys
+import yaml
+from services.common.config import DataConfig
+from services.common.datasets import open_prompts
+from services.trainer.intake import PromptFeeder
+data = DataConfig(**yaml.safe_load(open(sys.argv[1])))
+feeder = PromptFeeder(open_prompts(data), seed=11, shuffle=True)
+if sys.argv[2]:
+    feeder.seek(json.loads(sys.argv[2]))
+for _ in range(int(sys.argv[3])):
+    prompt = feeder.next()
+    print(json.dumps({"group": prompt.group_id, "id": prompt.prompt_id, "prompt": prompt.prompt,
+                      "cursor": feeder.cursor}), flush=True)
+"""
+
+
+def feeding(config: Path, cursor: dict | None, count: int) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", FEEDING, str(config), json.dumps(cursor) if cursor else "", str(count)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("kind", SOURCES)
+def test_a_feeder_killed_and_resumed_from_its_saved_cursor_feeds_what_an_uninterrupted_one_does(
+    kind, tiny_model, tmp_path
+):
+    rows = their_rows(tiny_model)
+    path, streaming = write_source(kind, rows, tmp_path / "data")
+    data = data_config(path, streaming)
+    # Two and a half epochs: the resume lands mid-epoch and the walk crosses epoch ends after it.
+    total, killed_after = N_ROWS * 5 // 2, N_ROWS + 7
+    whole = PromptFeeder(open_prompts(data), seed=11, shuffle=True)
+    uninterrupted = [whole.next() for _ in range(total)]
+    assert sorted(p.prompt_id for p in uninterrupted[:N_ROWS]) == sorted(row["uid"] for row in rows)
+    assert [p.prompt for p in uninterrupted[:N_ROWS]] != [row["question"] for row in rows]  # shuffled
+
+    config = tmp_path / "data.yaml"
+    config.write_text(yaml.safe_dump(data.model_dump(mode="json")))
+    first = feeding(config, None, total)  # it would feed them all; it is killed on the way
+    fed = [json.loads(first.stdout.readline()) for _ in range(killed_after)]
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    second = feeding(config, fed[-1]["cursor"], total - killed_after)
+    fed += [json.loads(line) for line in second.communicate(timeout=300)[0].splitlines()]
+    assert second.returncode == 0
+    assert [(f["group"], f["id"], f["prompt"]) for f in fed] == [
+        (p.group_id, p.prompt_id, p.prompt) for p in uninterrupted
+    ]
+
+
+def test_a_seek_one_prompt_back_replays_it_without_rereading_the_stream(tiny_model, tmp_path):
+    path, _ = write_source("parquet", their_rows(tiny_model), tmp_path / "data")
+    feeder = PromptFeeder(open_prompts(data_config(path, streaming=True)), seed=3, shuffle=True)
+    [feeder.next() for _ in range(N_ROWS - 1)]
+    cursor = feeder.cursor
+    last_of_epoch = feeder.next()
+    feeder.seek(cursor)  # the publish failed: the same prompt again
+    assert feeder.next() == last_of_epoch
+    assert feeder.next().group_id == "e1-i0"
+
+
+def test_columns_are_mapped_and_rendered_by_the_given_function(tiny_model, tmp_path):
+    path, _ = write_source("parquet", their_rows(tiny_model), tmp_path / "data")
+    data = DataConfig(train_path=path, columns=THEIR_COLUMNS, shuffle=False)
+    feeder = PromptFeeder(open_prompts(data, render=lambda row: "Q: " + row["prompt"]), seed=0, shuffle=False)
+    first = feeder.next()
+    expected = their_rows(tiny_model)[0]
+    assert (first.prompt_id, first.prompt, first.answer) == (
+        expected["uid"],
+        "Q: " + expected["question"],
+        expected["solution"],
+    )
+
+
+def test_chat_rows_from_a_messages_column(tmp_path):
+    import datasets
+
+    chat = [{"role": "user", "content": "Tom has 2 apples and buys 3 more. How many?"}]
+    path = tmp_path / "chat.parquet"
+    datasets.Dataset.from_list([{"conversation": chat, "gold": "5"}]).to_parquet(str(path))
+    columns = DataColumns(messages="conversation", answer="gold")
+    assert read_rows(path, columns) == [{"answer": "5", "messages": chat}]
+
+
+def test_unusable_rows_are_reported_at_start_with_their_index_and_reason(tiny_model, tmp_path):
+    rows = their_rows(tiny_model)
+    rows[3]["solution"] = None
+    rows[17]["question"] = None
+    path, _ = write_source("parquet", rows, tmp_path / "data")
+    with pytest.raises(DatasetError) as refused:
+        open_prompts(data_config(path, streaming=False))
+    assert str(refused.value) == (
+        f"{path}: 2 bad of {N_ROWS} rows: row 3: missing or non-string field 'solution'; "
+        "row 17: missing or non-string field 'question' (or give 'messages')"
+    )
+    scan = scan_dataset(path, DataColumns(**THEIR_COLUMNS), limit=10, streaming=True)
+    assert (scan.checked, scan.truncated, scan.bad) == (10, True, [(3, "missing or non-string field 'solution'")])
+
+
+def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model, tmp_path):
+    path, _ = write_source("save_to_disk", their_rows(tiny_model), tmp_path / "data")
+    with pytest.raises(DatasetError, match=r"no column 'prompt' \(data.columns.prompt\) or 'messages'.*'question'"):
+        read_rows(path, DataColumns(answer="solution"))
+    with pytest.raises(DatasetError, match=r"has no split 'validation' \(it has \['test', 'train'\]\); set data.split"):
+        read_rows(path, DataColumns(**THEIR_COLUMNS), split="validation")
+    assert len(read_rows(path, DataColumns(**THEIR_COLUMNS), split="test")) == 4
+    with pytest.raises(DatasetError, match=r"cannot tell the format from '.txt'"):
+        (tmp_path / "rows.txt").write_text("1+1=")
+        read_rows(tmp_path / "rows.txt", DataColumns())
