@@ -143,7 +143,9 @@ def trainer_command(cfg: RunConfig, command: list[str], cuda_devices: int | None
             f"invalid configuration:\n  trainer.nproc: {nproc} trainer processes, one per GPU, but this machine has "
             f"{count} CUDA device(s): set trainer.nproc to at most {count}, or model.device: cpu"
         )
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *command[1:]]
+    # torchrun through services.trainer.distributed, which keeps a rank's EXIT_REFUSED (torchrun's own exit is 1).
+    launch = [sys.executable, "-m", "services.trainer.distributed"]
+    return [*launch, "--standalone", f"--nproc-per-node={nproc}", *command[1:]]
 
 
 def trainer_env(cfg: RunConfig) -> dict[str, str]:

@@ -31,7 +31,21 @@ Loading sends each tensor from rank 0 and each rank keeps its shard.
 Environment: torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (and ``MASTER_ADDR``/``MASTER_PORT``,
 which ``init_process_group`` reads through its ``env://`` rendezvous) are torch.distributed's
 documented contract with the processes it starts, not rlpipe configuration; ``Mesh.from_env`` is the
-one place that reads them.
+one place that reads them, with ``RLPIPE_TORCHRUN_PID``, which ``launch`` adds (below).
+
+Launching. ``rlpipe run`` starts torchrun through ``launch`` (``python -m services.trainer.distributed``,
+torchrun's own arguments), which runs torchrun in its process and keeps two things torchrun loses:
+
+- A refusal. torchrun exits 1 whenever a rank fails, whatever the rank's exit code, so a trainer that
+  refused to run (``EXIT_REFUSED``: a bad config, another run's checkpoints, a broker that lost its
+  state) would look like a crash and be restarted into the same refusal. ``launch`` exits
+  ``EXIT_REFUSED`` when a rank did, else 1 for any failure, from the ranks' own exit codes.
+- The ranks' lives. torchrun stops its ranks when it is stopped, but a SIGKILLed torchrun (the
+  launcher's kill after the stop grace, the OOM killer) cannot, and its ranks would live on as orphans
+  holding memory and devices. Each rank asks Linux, as it starts (``Mesh.from_env``), to SIGKILL it when
+  its parent dies (``PR_SET_PDEATHSIG``), and exits at once if that parent, named by ``launch`` in
+  ``RLPIPE_TORCHRUN_PID``, already died before it asked. Under a plain torchrun (the k8s entry) the
+  first is left to the pod's restart and the second still holds, without that check.
 
 Timeouts. Commands travel on their own gloo group whose timeout is long (``COMMAND_WAIT``): a paused
 or starved trainer leaves its followers waiting for hours, and that is not a failure. Compute
@@ -50,9 +64,12 @@ and atexit run, while a peer may still be sending (see tests/trainer/test_distri
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import pickle
+import signal
+import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -69,10 +86,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from services.common.config import RunConfig
 from services.common.messages import ExperienceGroup, decode, encode
 from services.common.modeling import to_host
+from services.common.service import EXIT_REFUSED
 
 # A follower waits for the leader's next command as long as the leader goes without one (paused, no
 # experience); a year stands for "forever" in a timeout that must be finite.
 COMMAND_WAIT = datetime.timedelta(days=365)
+# torchrun's pid, which ``launch`` gives the ranks it starts (see the module docstring).
+TORCHRUN_PID_ENV = "RLPIPE_TORCHRUN_PID"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Op(IntEnum):
@@ -116,11 +137,13 @@ class Mesh:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Mesh:
-        """torchrun's view of this process (see the module docstring); a single process without it."""
+        """torchrun's view of this process (see the module docstring); a single process without it. A rank is
+        bound to die with the torchrun that started it."""
         env = os.environ if env is None else env
         world = int(env.get("WORLD_SIZE", "1"))
         if world <= 1:
             return cls()
+        die_with_parent(int(env[TORCHRUN_PID_ENV]) if TORCHRUN_PID_ENV in env else None)
         return cls(int(env["RANK"]), world, int(env.get("LOCAL_RANK", "0")))
 
     @property
@@ -430,3 +453,38 @@ def follow(mesh: Mesh, replica: Replica) -> None:
             replica.evaluate(raw["rows"], raw["max_new_tokens"])
         else:  # pragma: no cover - an Op added without a case here
             raise ValueError(f"no follower action for {op!r}")
+
+
+# -- launching ---------------------------------------------------------------------------
+
+
+def die_with_parent(parent: int | None) -> None:
+    """Linux: this process gets SIGKILL when its parent dies, however the parent dies. ``parent``: the pid the
+    parent had, when known; a process whose parent is already gone (it was re-parented) kills itself now."""
+    if not sys.platform.startswith("linux"):
+        return
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if parent is not None and os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def launch(argv: list[str]) -> int:
+    """torchrun with ``argv`` (its own arguments), run in this process; returns the exit code: 0, EXIT_REFUSED
+    when a rank exited with it, else 1 (see the module docstring)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    os.environ[TORCHRUN_PID_ENV] = str(os.getpid())  # the ranks inherit it: the agent starts them from here
+    try:
+        torchrun.run(torchrun.parse_args(argv))
+    except ChildFailedError as failed:
+        print(failed.format_msg(), file=sys.stderr)
+        exit_codes = {failure.exitcode for failure in failed.failures.values()}
+        return EXIT_REFUSED if EXIT_REFUSED in exit_codes else 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(launch(sys.argv[1:]))

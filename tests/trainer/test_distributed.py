@@ -215,7 +215,7 @@ def test_trainer_nproc_launches_torchrun_and_more_than_the_gpus_is_refused_namin
     on_cpu = load_config(config, trainer={"nproc": 3}, model={**model, "device": "cpu"})
     assert trainer_command(on_cpu, plain, cuda_devices=0) == [
         sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"),
+        *("-m", "services.trainer.distributed", "--standalone", "--nproc-per-node=3"),
         *plain[1:],
     ]
     on_cuda = on_cpu.model_copy(update={"model": on_cpu.model.model_copy(update={"device": "cuda"})})
