@@ -17,6 +17,7 @@ the breaker's state are metrics (``rlpipe_reward_http_*``).
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import logging
 import math
@@ -85,7 +86,7 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float) -> b
         raise _RequestFailed(f"http_{error.code}", detail) from None
     except TimeoutError as error:
         raise _RequestFailed("timeout", f"no answer from {url} within {timeout_s}s") from error
-    except (urllib.error.URLError, OSError) as error:  # refused, reset, DNS: the service, not the input
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, reset, cut off, DNS
         kind = "timeout" if isinstance(getattr(error, "reason", None), TimeoutError) else "connection"
         raise _RequestFailed(kind, f"{url}: {error!r}") from error
 
