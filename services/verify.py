@@ -166,8 +166,12 @@ def smoke(config_path: Path, folder: Path) -> SmokeRun:
     # The smoke run id is the smoke's own: an earlier smoke's directory and checkpoints go.
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
     cfg.metrics_file.unlink(missing_ok=True)
-    for store in stores(cfg):
-        store.delete_prefix(f"{cfg.run_id}/")
+    try:
+        for store in stores(cfg):
+            store.delete_prefix(f"{cfg.run_id}/")
+    except Exception as error:  # an unreachable store fails the start like a failed start-up check
+        outcome.error = f"not started: checkpoint store: {error!r}"[:500]
+        return outcome
     cfg.run_dir.mkdir(parents=True)
     launcher = Launcher(cfg, smoke_path, resume=False)
     previous = signal.signal(signal.SIGALRM, _timed_out)

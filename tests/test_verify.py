@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -257,3 +258,18 @@ def test_verify_fails_naming_the_roles_check_when_the_reward_service_is_killed(t
     record = json.loads((run_dir / "verify.json").read_text())
     assert record["failed"][0] == "roles"
     assert "**failed**: roles" in (run_dir / "verify.md").read_text()
+
+
+def test_smoke_run_refuses_an_environment_that_would_override_its_run_id(tmp_path, tiny_model):
+    config = verify_config(tmp_path, tiny_model)
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "run", "--smoke", str(config)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RLPIPE_RUN_ID": "deploy"},
+    )
+    assert done.returncode == 2
+    assert "run_id: set by RLPIPE_* environment variables, which win over the smoke run's values" in done.stderr
+    assert not (tmp_path / "runs").exists()  # nothing started, the deployment's run untouched
