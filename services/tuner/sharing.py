@@ -7,13 +7,15 @@ lock for the whole study, so between them the workers never start more than ``bu
 never overspend the device-hours, and never start the same parameters twice. The trial itself runs
 outside the lock.
 
-- PostgreSQL (or SQLite): a session advisory lock keyed by the study name, held on a connection of
-  its own, which the server drops with the connection if the worker dies. A running trial's worker
+- PostgreSQL: a session advisory lock keyed by the study name, held on a connection of its own,
+  which the server drops with the connection if the worker dies. A running trial's worker
   records Optuna's heartbeat (``RDBStorage(heartbeat_interval=...)``) every ``parallel.heartbeat_s``;
   a trial whose heartbeat is older than ``parallel.stale_after_s`` is failed by the next worker that
-  claims a trial (``optuna.storages.fail_stale_trials``), on whatever machine it runs.
-- A journal or SQLite file: ``flock`` on a file beside it (workers on one machine). Dead workers'
-  trials are found by host and pid instead (``Tuner.recover``).
+  claims a trial (``optuna.storages.fail_stale_trials``), on whatever machine it runs (SQLite
+  beats too).
+- A journal or SQLite file: ``flock`` on a file beside it (workers on one machine). On a journal,
+  dead workers' trials are found by host and pid only (``Tuner.recover``), as they also are on a
+  database when the dead worker ran on this host (no need to wait out the grace).
 """
 
 from __future__ import annotations
@@ -56,18 +58,46 @@ def open_storage(spec: TuneSpec, on_stale: StaleCallback | None = None) -> optun
         return optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(path)))
     if url.startswith("sqlite:///"):
         Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    if on_stale is None:
-        return optuna.storages.RDBStorage(database_url(url))
-    for note in _OPTUNA_NOTES:
-        warnings.filterwarnings("ignore", message=note)
-    return optuna.storages.RDBStorage(
-        database_url(url),
-        # A connection idle through a long trial may have been dropped by a proxy or a restarted server.
-        engine_kwargs={"pool_pre_ping": True},
-        heartbeat_interval=spec.parallel.heartbeat_s,
-        grace_period=spec.parallel.stale_after_s,
-        heartbeat_stale_trial_callback=on_stale,
-    )
+    with _one_schema_writer(database_url(url)):
+        if on_stale is None:
+            return optuna.storages.RDBStorage(database_url(url))
+        for note in _OPTUNA_NOTES:
+            warnings.filterwarnings("ignore", message=note)
+        return optuna.storages.RDBStorage(
+            database_url(url),
+            # A connection idle through a long trial may have been dropped by a proxy or a restarted server.
+            engine_kwargs={"pool_pre_ping": True},
+            heartbeat_interval=spec.parallel.heartbeat_s,
+            grace_period=spec.parallel.stale_after_s,
+            heartbeat_stale_trial_callback=on_stale,
+        )
+
+
+@contextlib.contextmanager
+def _one_schema_writer(url: str) -> Iterator[None]:
+    """On PostgreSQL, one process at a time opens the storage: workers started together on an empty database
+    would each create Optuna's tables, and all but one fail (a duplicate ``studydirection`` type)."""
+    if not url.startswith("postgresql"):
+        yield
+        return
+    engine = sqlalchemy.create_engine(url)
+    try:
+        with _advisory_lock(engine, "rlpipe-tune-schema"):
+            yield
+    finally:
+        engine.dispose()
+
+
+@contextlib.contextmanager
+def _advisory_lock(engine: sqlalchemy.Engine, key: str) -> Iterator[None]:
+    """A session lock on its own connection: the server releases it if this process dies holding it."""
+    with engine.connect() as connection:
+        connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": key})
+        try:
+            yield
+        finally:
+            connection.execute(sqlalchemy.text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"), {"key": key})
+            connection.commit()
 
 
 def beats(storage: optuna.storages.BaseStorage) -> bool:
@@ -78,16 +108,8 @@ def beats(storage: optuna.storages.BaseStorage) -> bool:
 def claim_lock(spec: TuneSpec, storage: optuna.storages.BaseStorage) -> Iterator[None]:
     """Hold the study's claim lock (see the module docstring); blocks while another worker holds it."""
     if isinstance(storage, optuna.storages.RDBStorage) and storage.engine.dialect.name == "postgresql":
-        key = f"rlpipe-tune:{spec.study}"
-        with storage.engine.connect() as connection:
-            connection.execute(sqlalchemy.text("SELECT pg_advisory_lock(hashtextextended(:key, 0))"), {"key": key})
-            try:
-                yield
-            finally:
-                connection.execute(
-                    sqlalchemy.text("SELECT pg_advisory_unlock(hashtextextended(:key, 0))"), {"key": key}
-                )
-                connection.commit()
+        with _advisory_lock(storage.engine, f"rlpipe-tune:{spec.study}"):
+            yield
         return
     url = spec.storage_url
     path = Path(url.removeprefix("journal:") if url.startswith("journal:") else url.removeprefix("sqlite:///"))

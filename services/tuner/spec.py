@@ -18,6 +18,7 @@ Example (examples/tune-arith.yaml has a full one)::
     pruner: {kind: median, warmup_steps: 20}
     budget: {max_trials: 12, max_wall_s: 1800}
     trial: {max_steps: 80, max_wall_s: 300, max_rss_gb: 8}
+    parallel: {device_slots: ["0", "1"]}          # two trials at a time, one GPU each
 
 Paths (``base_config``, ``workdir``, a ``journal:``/``sqlite:`` storage) are relative to the working
 directory, as the paths inside run configs are.
@@ -164,7 +165,9 @@ class Sampler(Spec):
 
 
 class Budget(Spec):
-    max_trials: int = Field(20, ge=1, description="trials of the study that end (any status), over all workers")
+    max_trials: int = Field(
+        20, ge=1, description="trials of the study claimed (running or ended, not duplicates), over all workers"
+    )
     max_wall_s: float | None = Field(
         None, gt=0, description="from the study's first trial, over all workers; a trial is cut at it"
     )
