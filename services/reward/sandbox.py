@@ -5,8 +5,9 @@ process's main thread; a child process can be killed. The child evaluates the ca
 one by one and answers each at once. When an answer does not come within ``timeout_s``, the
 child is killed, that call scores 0 (a completion so pathological that checking it never ends
 earns nothing) and a fresh child takes the calls still to do. A function that raises is the
-input's fault (a reference it cannot read): ``RewardFunctionError`` goes back to the stage,
-which retries the group and dead-letters it when it keeps failing.
+input's fault (a reference it cannot read), and so is one that kills the child outright (a crash
+in native code): ``RewardFunctionError`` goes back to the stage, which retries the group and
+dead-letters it when it keeps failing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from services.common.registry import reward_function
 
 log = logging.getLogger(__name__)
 
-CHILD_STARTUP_S = 60.0  # a fresh child's imports (math-verify pulls in sympy) on a busy machine
+CHILD_STARTUP_S = 300.0  # a fresh child's imports (math-verify pulls in sympy) on a busy machine
+READY = "ready"
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ def _serve(conn: Connection) -> None:
     """The child: evaluate each batch of calls, answering ``(True, score)`` or ``(False, error)`` per call."""
     import services.reward.functions  # noqa: F401  # registers the built-in functions in this fresh process
 
+    conn.send(READY)  # imports done: from here on the parent's clock is the calls' own time
     while True:
         calls: list[RuleCall] = conn.recv()
         for call in calls:
@@ -62,15 +65,18 @@ class RuleSandbox:
         self._context = multiprocessing.get_context("spawn")
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: Connection | None = None
-        self._warm = False  # the child has answered once: its imports are done
 
-    def _start(self) -> Connection:
+    def start(self) -> Connection:
+        """The child's end of the pipe, starting a child first if none runs (at start-up and after a kill)."""
         if self._conn is None:
             parent, child = self._context.Pipe()
             self._process = self._context.Process(target=_serve, args=(child,), daemon=True, name="reward-rules")
             self._process.start()
             child.close()
             self._conn = parent
+            if not parent.poll(CHILD_STARTUP_S) or parent.recv() != READY:
+                self.close()
+                raise RuntimeError(f"the rule sandbox's child process did not start within {CHILD_STARTUP_S:g}s")
         return self._conn
 
     def close(self) -> None:
@@ -79,23 +85,26 @@ class RuleSandbox:
             self._process.join()
         if self._conn is not None:
             self._conn.close()
-        self._process, self._conn, self._warm = None, None, False
+        self._process, self._conn = None, None
 
     def score(self, calls: list[RuleCall]) -> list[float]:
         """One score per call, in order; a call past the limit scores 0. Raises ``RewardFunctionError``."""
         scores: list[float] = []
         while len(scores) < len(calls):
-            conn = self._start()
+            conn = self.start()
             conn.send(calls[len(scores) :])
             while len(scores) < len(calls):
-                # The first answer also waits for a fresh child's imports, which are not the call's time.
-                limit = self.timeout_s if self._warm else self.timeout_s + CHILD_STARTUP_S
-                if not conn.poll(limit):
+                if not conn.poll(self.timeout_s):
                     self._timed_out(calls[len(scores)])
                     scores.append(0.0)
                     break  # the remaining calls go to a new child
-                self._warm = True
-                ok, value = conn.recv()
+                try:
+                    ok, value = conn.recv()
+                except EOFError:  # the child died on this call (a crash in native code): like a raise, the input's
+                    self.close()
+                    raise RewardFunctionError(
+                        f"reward function {calls[len(scores)].function!r} crashed its process"
+                    ) from None
                 if not ok:
                     self._drain(conn, len(calls) - len(scores) - 1)
                     raise RewardFunctionError(f"reward function {calls[len(scores)].function!r} failed: {value}")

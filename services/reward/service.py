@@ -123,6 +123,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
     # The model and the remote service are set at start (not live); the functions and their weights are.
     sources = RewardSources.of(cfg.reward)
+    await asyncio.to_thread(sources.rules.start)  # the child's imports now, not in the first batch's time
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
         await live.refresh()  # reward weights are live

@@ -1,5 +1,7 @@
 """Rule functions run in a child process: a call that never ends is killed and scores 0, the replica goes on."""
 
+import os
+
 import pytest
 
 from services.reward.sandbox import RewardFunctionError, RuleCall, RuleSandbox
@@ -14,6 +16,10 @@ def forever(text: str, answer: str, finish_reason: str) -> float:
 
 def refuses(text: str, answer: str, finish_reason: str) -> float:
     raise ValueError(f"cannot judge {answer!r}")
+
+
+def crashes(text: str, answer: str, finish_reason: str) -> float:
+    os._exit(3)  # as a segfault in native code would end the process
 
 
 HANGS = "tests.reward.test_sandbox:forever"
@@ -45,3 +51,9 @@ def test_a_function_that_raises_names_itself_and_leaves_the_sandbox_usable(sandb
         sandbox.score(calls)
     assert sandbox.score([RuleCall("exact_match", "5", "5", "stop")]) == [1.0]
     assert sandbox.timeouts == 0
+
+
+def test_a_function_that_kills_its_process_fails_the_input_and_a_fresh_child_takes_over(sandbox):
+    with pytest.raises(RewardFunctionError, match=r"test_sandbox:crashes' crashed its process"):
+        sandbox.score([RuleCall("tests.reward.test_sandbox:crashes", "1", "1", "stop")])
+    assert sandbox.score([RuleCall("exact_match", "5", "5", "stop")]) == [1.0]
