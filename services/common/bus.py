@@ -37,6 +37,15 @@ breaker's state is the ``rlpipe_stage_breaker_state`` gauge, and an outage longe
 ``ack_wait_s * max_deliver`` (when it would have dead-lettered before) logs an alert.
 Only a stop during an outage gives the held messages back (nak), which, like a crash,
 costs each one delivery.
+
+Hung work. One compute may take at most ``nats.max_work_s``; past it the stage abandons it
+(cancels the await: a thread it runs in cannot be killed and finishes unheeded) and naks
+the batch's messages with backoff, each spending a delivery, without splitting the batch
+(that would multiply the wait by its size). On its last delivery a message goes to DEAD
+with reason ``timeout``. ``Stage.last_progress`` is the wall time the loop last moved (a
+fetch returned, a message settled, a dependency retried): a loop stuck past
+``stall_bound_s`` is reported NOT_SERVING by the service's health (services/common/service.py)
+and as stalled in its presence entry.
 """
 
 from __future__ import annotations
@@ -61,7 +70,7 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
-from services.common.config import RunConfig
+from services.common.config import NatsConfig, RunConfig
 from services.common.logs import log_event
 from services.common.messages import ClaimCheck, DecodeError, Message, decode, encode
 from services.common.storage import ObjectStore, open_store
@@ -99,6 +108,12 @@ BREAKER_THRESHOLD = 3
 BREAKER_COOLDOWN_S = 10.0
 # How often an idle StreamReader re-checks that its stream is still the one it has been reading.
 READER_VERIFY_S = 2.0
+
+
+def stall_bound_s(nats_cfg: NatsConfig) -> float:
+    """Seconds without progress after which a stage's loop counts as stuck: a compute is abandoned after
+    ``max_work_s``, so twice that (plus a fetch) means even abandoning it did not free the loop."""
+    return 2 * nats_cfg.max_work_s + nats_cfg.fetch_timeout_s
 
 
 class BrokerStateLost(RuntimeError):
@@ -346,7 +361,7 @@ class Bus:
     async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str, cause: str = "undecodable") -> None:
         """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream.
 
-        ``cause`` is the reason's class for metrics (``undecodable`` or ``max_deliver``):
+        ``cause`` is the reason's class for metrics (``undecodable``, ``max_deliver`` or ``timeout``):
         the free-text reason would give every message its own time series.
         """
         sequence = msg.sequence if isinstance(msg, StreamMessage) else msg.metadata.sequence.stream
@@ -549,6 +564,10 @@ class Unsettled(Exception):
     """A message that used up its deliveries without any of them reaching an outcome."""
 
 
+class WorkTimedOut(Exception):
+    """A compute ran past ``nats.max_work_s`` and was abandoned."""
+
+
 class _Stopping(Exception):
     """The stage was asked to stop while it waited for a dependency."""
 
@@ -672,10 +691,16 @@ class Stage(Generic[In, Out]):
     breaker: CircuitBreaker = field(init=False)  # over every dependency of the stage: claim store, compute, broker
     _alerted: bool = field(init=False, default=False)  # the current outage has raised its alert
     _last_error: str = field(init=False, default="")
+    last_progress: float = field(init=False, default_factory=time.time)  # wall time; see the module docstring
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the loop has gone without progress beyond ``stall_bound_s`` (0 while it is moving)."""
+        return max(0.0, now - self.last_progress - stall_bound_s(self.bus.cfg.nats))
 
     def __post_init__(self) -> None:
         self.metrics = StageMetrics(self.bus.service, self.consumes)
         self.metrics.lag(0)  # until the first fetch says otherwise
+        self.metrics.watch_progress(self.stalled_for)
         self.breaker = CircuitBreaker()
         self.metrics.breaker(BreakerState.CLOSED)
 
@@ -688,12 +713,14 @@ class Stage(Generic[In, Out]):
                 queue = queue or await self.bus.work_queue(self.consumes)
                 msgs = await queue.fetch(self.batch, timeout=nats_cfg.fetch_timeout_s)
             except TimeoutError:  # nats' own TimeoutError subclasses it; fetch raises either
+                self.last_progress = time.time()
                 continue
             except NatsError as error:
                 log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
                 queue = None
                 await asyncio.sleep(1.0)
                 continue
+            self.last_progress = time.time()
             if not msgs:  # fetch can also come back empty-handed
                 continue
             # The newest message says how many still wait behind it. A fetch that finds nothing leaves the
@@ -757,6 +784,7 @@ class Stage(Generic[In, Out]):
                 await _sleep_unless(stop, min(wait, 1.0))
                 self._maybe_alert(step)
             self.metrics.breaker(self.breaker.state)
+            self.last_progress = time.time()  # waiting out an outage is the loop at work, not stuck
             if stop.is_set() and self.breaker.failures:
                 raise _Stopping
             try:
@@ -830,6 +858,7 @@ class Stage(Generic[In, Out]):
 
     def _settle(self, one: Received[In], outcome: str, error: BaseException | None = None) -> None:
         one.settled = True
+        self.last_progress = time.time()
         self.metrics.settled(outcome, time.perf_counter() - one.fetched_at)
         one.span.set_attribute("rlpipe.outcome", outcome)
         if error is not None:
@@ -841,10 +870,15 @@ class Stage(Generic[In, Out]):
     async def _process(self, decoded: list[Received[In]], stop: asyncio.Event) -> None:
         try:
             outputs = await self._available(
-                functools.partial(self.compute, [one.item for one in decoded]), "compute", stop
+                functools.partial(self._capped_compute, [one.item for one in decoded]), "compute", stop
             )
         except _Stopping:
             raise
+        except WorkTimedOut as error:  # abandoned whole: splitting would wait max_work_s per message
+            log_event(log, "work_timed_out", level=logging.WARNING, error=str(error), size=len(decoded))
+            for one in decoded:
+                await self._failed(one, error)
+            return
         except Exception as error:  # the inputs' fault: find the bad one(s)
             if len(decoded) == 1:
                 await self._failed(decoded[0], error)
@@ -869,14 +903,29 @@ class Stage(Generic[In, Out]):
             self.handled += 1
             self._settle(one, "ok")
 
+    async def _capped_compute(self, items: list[In]) -> list[Out]:
+        """``compute(items)``, abandoned after ``nats.max_work_s`` with ``WorkTimedOut``."""
+        limit = self.bus.cfg.nats.max_work_s
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await self.compute(items)
+        except TimeoutError:
+            if not deadline.expired():  # the compute's own TimeoutError (a slow dependency): not ours to relabel
+                raise
+            message = f"compute of {len(items)} message(s) took longer than nats.max_work_s={limit:g}s"
+            raise WorkTimedOut(message) from None
+
     async def _failed(self, one: Received[In], error: Exception) -> None:
         msg = one.msg
         delivered = msg.metadata.num_delivered
         with trace.use_span(one.span, end_on_exit=False):
             if delivered >= self.bus.cfg.nats.max_deliver:
-                await self.bus.dead_letter(
-                    msg, f"failed {delivered} times, last: {error!r}", self.consumes, cause="max_deliver"
-                )
+                if isinstance(error, WorkTimedOut):
+                    reason, cause = f"timeout: {error} on each of {delivered} deliveries", "timeout"
+                else:
+                    reason, cause = f"failed {delivered} times, last: {error!r}", "max_deliver"
+                await self.bus.dead_letter(msg, reason, self.consumes, cause=cause)
                 await msg.term()
                 self._settle(one, "dead", error)
             else:

@@ -294,6 +294,12 @@ class CheckpointConfig(Section):
     mirror_url: str = Field(
         "", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step"
     )
+    min_free_mib: int = Field(
+        1024,
+        ge=0,
+        description="free space a save needs at least on the runs directory (and a file:// store) when no "
+        "checkpoint has been saved yet to measure; the disk_space_low alert fires below twice what a save needs",
+    )
 
     @field_validator("store_url", "mirror_url")
     @classmethod
@@ -336,6 +342,13 @@ class NatsConfig(Section):
         description="DEAD keeps a dead letter this long for `rlpipe dead-letters` to list or re-inject, then drops it",
     )
     heartbeat_s: float = Field(10.0, gt=0, description="in_progress() interval during long work")
+    max_work_s: float = Field(
+        900.0,
+        gt=0,
+        description="longest a stage may compute one batch: past it the work is abandoned and the messages nakked "
+        "with backoff (DEAD with reason timeout after max_deliver tries); a loop without progress for twice this "
+        "long reports NOT_SERVING on its gRPC health, so liveness probes restart it",
+    )
     fetch_timeout_s: float = Field(1.0, gt=0)
     max_message_bytes: int = Field(
         512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)"
@@ -670,6 +683,58 @@ def default_alert_rules() -> list[AlertRule]:
             "threshold": 0.05,
             "window_steps": 3,
         },
+        {
+            # No step for 15 minutes while the run is not paused: a stage stopped, hung or starved the trainer.
+            "name": "steps_absent",
+            "metric": "step_time_s",
+            "condition": "absent",
+            "window_s": 900.0,
+            "severity": "critical",
+        },
+        {
+            # Roles whose every live replica's loop made no progress for 2 * nats.max_work_s (the health rows,
+            # every few seconds, carry the count; services/common/presence.py).
+            "name": "role_stalled",
+            "metric": "roles_stalled",
+            "condition": "above",
+            "threshold": 0.0,
+            "window_steps": 3,
+            "severity": "critical",
+        },
+        {
+            # Every group scored alike for 10 steps: GRPO advantages are all zero and nothing is learned
+            # (a broken reward function, or prompts far too easy or too hard).
+            "name": "zero_reward_variance",
+            "metric": "zero_variance_groups",
+            "condition": "above",
+            "threshold": 0.999,
+            "window_steps": 10,
+        },
+        {
+            # Applied groups come from policies more than 4 versions old on average: rollouts cannot keep up
+            # or do not receive new weights.
+            "name": "staleness_high",
+            "metric": "staleness_mean",
+            "condition": "above",
+            "threshold": 4.0,
+            "window_steps": 10,
+        },
+        {
+            # A role restarted more than 3 times within supervision.restart_window_s: a crash loop.
+            "name": "restart_loop",
+            "metric": "role_restarts",
+            "condition": "above",
+            "threshold": 3.0,
+            "severity": "critical",
+        },
+        {
+            # Free space on the runs directory (and a file:// store) is less than two saves need.
+            "name": "disk_space_low",
+            "metric": "disk_free_saves",
+            "condition": "below",
+            "threshold": 2.0,
+            "severity": "critical",
+        },
     ]
     return [AlertRule(**rule) for rule in rules]
 
@@ -677,6 +742,16 @@ def default_alert_rules() -> list[AlertRule]:
 class AlertsConfig(Section):
     enabled: bool = True
     webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
+    webhook_retries: int = Field(
+        3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
+    )
+    webhook_backoff_s: float = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
+    heartbeat_s: float = Field(
+        300.0,
+        ge=0,
+        description="the trainer POSTs a `watchdog` firing to the webhook this often (0 = never), so a dead-man "
+        "receiver notices when alerts could no longer reach anyone",
+    )
     cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
     rules: list[AlertRule] = Field(default_factory=default_alert_rules)
 

@@ -5,7 +5,10 @@ A replica writes what it is (role, instance, endpoints, build), which versions i
 entry outlives the process, so a restarted replica of the same name finds its own
 earlier entry and counts the restart whatever restarted it (the launcher, Docker, or
 Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to notice a
-role with no live replica.
+role with no live replica, a role whose loops make no progress (``progress_time``, the
+stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is down; one
+whose loop is stuck beats on but its progress time stands still), and restart loops
+(``RestartCounter``: restarts per role within a window).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 import re
 import socket
 import time
+from collections import deque
 from typing import Any
 
 from nats.js import api
@@ -25,6 +29,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from services.common.config import BuildInfo, RunConfig
 from services.common.live_config import LiveConfig
 from services.common.logs import log_event
+from services.common.telemetry import record_service_starts
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
@@ -79,6 +84,7 @@ class Presence:
         except KeyNotFoundError:
             pass
         self.update(**info)
+        record_service_starts(self.role, self.info["starts"])
         await self._beat()
         self._task = asyncio.create_task(self._beat_forever())
         return self
@@ -132,3 +138,41 @@ def roles_down(entries: list[dict[str, Any]], count_unseen: bool = True) -> list
     up = {entry["role"] for entry in entries if entry["up"]}
     seen = {entry["role"] for entry in entries}
     return [role for role in STAGE_ROLES if role not in up and (count_unseen or role in seen)]
+
+
+def roles_stalled(entries: list[dict[str, Any]], now: float, bound_s: float) -> list[str]:
+    """Pipeline roles with live replicas none of which has made progress within ``bound_s`` seconds.
+
+    Only stages report ``progress_time``; a role whose live replicas do not (still starting) is not judged.
+    """
+    stalled = []
+    for role in STAGE_ROLES:
+        times = [e["progress_time"] for e in entries if e["role"] == role and e["up"] and "progress_time" in e]
+        if times and now - max(times) > bound_s:
+            stalled.append(role)
+    return stalled
+
+
+class RestartCounter:
+    """Restarts of each role within the last ``window_s`` seconds, from the ``starts`` of its presence entries.
+
+    Each instance's count is taken against the value it had ``window_s`` ago, or against the first value this
+    counter saw when it has watched for less than that: restarts before a trainer came up are not known here.
+    """
+
+    def __init__(self, window_s: float):
+        self.window_s = window_s
+        self._samples: dict[str, deque[tuple[float, int]]] = {}  # instance -> (time, starts) at each change
+
+    def observe(self, entries: list[dict[str, Any]], now: float) -> dict[str, int]:
+        per_role: dict[str, int] = {}
+        for entry in entries:
+            samples = self._samples.setdefault(entry["instance"], deque())
+            starts = int(entry.get("starts", 1))
+            if not samples or samples[-1][1] != starts:
+                samples.append((now, starts))
+            # Keep one sample from before the window: the baseline the count is taken against.
+            while len(samples) > 1 and samples[1][0] <= now - self.window_s:
+                samples.popleft()
+            per_role[entry["role"]] = per_role.get(entry["role"], 0) + starts - samples[0][1]
+        return per_role

@@ -7,6 +7,8 @@ import asyncio
 import logging
 import signal
 import sys
+import time
+import weakref
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -22,6 +24,10 @@ from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.telemetry import current_telemetry, start_telemetry
 
 log = logging.getLogger(__name__)
+# How often a stage's watchdog compares its loop's progress with the stall bound and updates health and presence.
+WATCHDOG_S = 1.0
+# Each server's health servicer, for the watchdog to flip; weak, so a stopped server is not kept alive.
+_health_servicers: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
 
 ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 # A service that cannot run as configured (bad config, failed start-up check, a checkpoint store holding another
@@ -55,6 +61,7 @@ async def start_grpc_server(
         raise OSError(f"cannot bind gRPC port {where}: in use or not allowed")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    _health_servicers[server] = health_servicer
     return server, f"{cfg.service.host}:{bound}"
 
 
@@ -65,11 +72,39 @@ async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tup
     return live, presence
 
 
+async def watch_stage(stage: Stage, server: grpc.aio.Server, presence: Presence) -> None:
+    """For ever: the stage's loop progress into its presence entry, and its gRPC health NOT_SERVING while the
+    loop is stuck past ``stall_bound_s`` (SERVING again once it moves), so a liveness probe restarts it."""
+    health_servicer = _health_servicers[server]
+    stuck = False
+    while True:
+        presence.update(progress_time=stage.last_progress)
+        stalled_s = stage.stalled_for(time.time())
+        if (stalled_s > 0) != stuck:
+            stuck = not stuck
+            status = health_pb2.HealthCheckResponse.NOT_SERVING if stuck else health_pb2.HealthCheckResponse.SERVING
+            await health_servicer.set("", status)
+            if stuck:
+                log_event(
+                    log,
+                    "stage_stalled",
+                    level=logging.ERROR,
+                    alert=True,
+                    no_progress_s=round(time.time() - stage.last_progress, 1),
+                    health="NOT_SERVING",
+                )
+            else:
+                log_event(log, "stage_progressing", health="SERVING")
+        await asyncio.sleep(WATCHDOG_S)
+
+
 async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
     """Run a stage until ``stop``, then close its health server and NATS connection."""
+    watchdog = asyncio.create_task(watch_stage(stage, server, presence))
     try:
         await stage.run(stop)
     finally:
+        watchdog.cancel()
         log_event(log, "draining", handled=stage.handled)
         await presence.stop()
         await server.stop(grace=1)

@@ -23,7 +23,10 @@ stages (rollout, reward, reference)
   rlpipe_groups_processed_total{role,edge,outcome}        outcome: ok | retry | dead
   rlpipe_stage_latency_seconds{role,edge,outcome}         histogram, fetch to ack/nak/term of one message
   rlpipe_consumer_lag{role,edge}                          gauge, messages waiting in the durable consumer
-  rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver
+  rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver | timeout
+  rlpipe_stage_stalled{role,edge}                         gauge, 1 while the loop has made no progress for
+                                                          2 * nats.max_work_s (services/common/bus.py), else 0
+  rlpipe_service_starts{role}                             gauge, starts of this replica's name (presence)
   rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
 rollout
   rlpipe_weight_sync_duration_seconds                     histogram, pull + load of one policy version
@@ -39,6 +42,10 @@ trainer (``TrainerMetrics``)
   rlpipe_checkpoints_total{outcome}
   rlpipe_alerts_fired_total{rule,severity}
   rlpipe_trainer_groups_total{fate}                       fed groups settled: fate dead | lost | repeat (refused)
+  rlpipe_disk_free_bytes{path}                            gauge, free space of the runs directory and a file:// store
+  rlpipe_disk_free_saves{path}                            gauge, that free space over what one save needs (the newest
+                                                          checkpoint's size, at least checkpoint.min_free_mib); an
+                                                          s3:// store reports no free space, so it has no series
 
 Every sample also carries the exporter's ``otel_scope_*`` labels.
 
@@ -60,9 +67,12 @@ import math
 import numbers
 import os
 import re
+import shutil
 import socket
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from opentelemetry import metrics, propagate, trace
@@ -350,6 +360,14 @@ class _Instruments:
         self.policy_version = m.create_gauge(
             "rlpipe_rollout_policy_version", description="policy version loaded in the engine"
         )
+        self.stalled = m.create_observable_gauge(
+            "rlpipe_stage_stalled",
+            callbacks=[_observe_stalled],
+            description="1 while the stage's loop has made no progress for 2 * nats.max_work_s, else 0",
+        )
+        self.starts = m.create_gauge(
+            "rlpipe_service_starts", description="starts of this replica's instance name, restarts included"
+        )
 
 
 @functools.cache
@@ -366,6 +384,18 @@ def _observe_lag(options: CallbackOptions) -> Iterable[Observation]:
     return [Observation(pending, {"role": role, "edge": edge}) for (role, edge), pending in list(_consumer_lag.items())]
 
 
+# (role, edge) -> seconds the stage has been stuck beyond its bound at a given wall time (Stage.stalled_for).
+_stall_clocks: dict[tuple[str, str], Callable[[float], float]] = {}
+
+
+def _observe_stalled(options: CallbackOptions) -> Iterable[Observation]:
+    now = time.time()
+    return [
+        Observation(int(stalled_for(now) > 0), {"role": role, "edge": edge})
+        for (role, edge), stalled_for in list(_stall_clocks.items())
+    ]
+
+
 class StageMetrics:
     """What one stage (``role`` consuming ``edge``) records."""
 
@@ -376,6 +406,10 @@ class StageMetrics:
 
     def lag(self, pending: int) -> None:
         _consumer_lag[self.key] = pending
+
+    def watch_progress(self, stalled_for: Callable[[float], float]) -> None:
+        """Export ``rlpipe_stage_stalled`` from ``stalled_for(now)``, asked at each scrape."""
+        _stall_clocks[self.key] = stalled_for
 
     def breaker(self, state: int) -> None:
         self.instruments.breaker.set(int(state), self.attributes)
@@ -388,6 +422,10 @@ class StageMetrics:
 
 def record_dead_letter(role: str, edge: str, reason: str) -> None:
     _instruments().dead_letters.add(1, {"role": role, "edge": edge, "reason": reason})
+
+
+def record_service_starts(role: str, starts: int) -> None:
+    _instruments().starts.set(starts, {"role": role})
 
 
 def record_weight_sync(seconds: float, nbytes: int, version: int) -> None:
@@ -458,3 +496,53 @@ class TrainerMetrics:
 
     def record_alert(self, rule: str, severity: str) -> None:
         self.alerts.add(1, {"rule": rule, "severity": severity})
+
+
+# ---------------------------------------------------------------- free disk space
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes for an unprivileged writer on the filesystem holding ``path`` (or its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return shutil.disk_usage(candidate).free
+    return shutil.disk_usage(".").free
+
+
+class DiskWatch:
+    """Free space of the directories a save writes to, against what one save needs.
+
+    ``needed_bytes`` is the newest checkpoint's size (``saw_checkpoint``), at least ``min_free_bytes``. The
+    gauges are read at each scrape (one statvfs per path); ``free_saves`` gives the same figure to the alert rules.
+    """
+
+    def __init__(self, paths: list[Path], min_free_bytes: int):
+        self.paths = list(dict.fromkeys(path.resolve() for path in paths))
+        self.min_free_bytes = min_free_bytes
+        self.checkpoint_bytes = 0
+        m = meter()
+        m.create_observable_gauge(
+            "rlpipe_disk_free", callbacks=[self._observe_free], unit="By", description="free space where saves go"
+        )
+        m.create_observable_gauge(
+            "rlpipe_disk_free_saves",
+            callbacks=[self._observe_saves],
+            description="free space over what one save needs",
+        )
+
+    @property
+    def needed_bytes(self) -> int:
+        return max(self.checkpoint_bytes, self.min_free_bytes, 1)
+
+    def saw_checkpoint(self, nbytes: int) -> None:
+        self.checkpoint_bytes = nbytes
+
+    def free_saves(self) -> float:
+        """How many saves the fullest of the paths still has room for."""
+        return min(free_bytes(path) for path in self.paths) / self.needed_bytes
+
+    def _observe_free(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(free_bytes(path), {"path": str(path)}) for path in self.paths]
+
+    def _observe_saves(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(free_bytes(path) / self.needed_bytes, {"path": str(path)}) for path in self.paths]

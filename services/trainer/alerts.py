@@ -228,12 +228,17 @@ def _strict_json(value: Any) -> Any:
     return value
 
 
-def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 5.0) -> None:
+def post_webhook(
+    url: str, payload: dict[str, Any], timeout_s: float = 5.0, retries: int = 0, backoff_s: float = 1.0
+) -> None:
     """POST ``payload`` as strict JSON to ``url`` from a background thread; failures are logged, never raised.
 
+    A failed POST (no connection, a timeout, an answer other than 2xx) is tried again up to
+    ``retries`` times, ``backoff_s`` after the first failure and twice as long after each next
+    one: a receiver restarting or rate-limiting for a moment still gets the alert.
     The trainer must not stall on a slow receiver, and an alert that cannot be delivered
     is still in the logs and the events file. The thread is not a daemon: an alert that
-    stops the run is still delivered (within ``timeout_s``) before the process exits.
+    stops the run is still delivered (within its retries) before the process exits.
     """
     body = json.dumps(_strict_json(payload), default=str, allow_nan=False).encode()
     # Webhook URLs often carry a secret in the path, query or user part: log only the host.
@@ -242,10 +247,59 @@ def post_webhook(url: str, payload: dict[str, Any], timeout_s: float = 5.0) -> N
 
     def send() -> None:
         request = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=timeout_s) as response:
-                response.read()
-        except Exception as error:
-            log_event(log, "alert_webhook_failed", level=logging.WARNING, url=where, error=repr(error)[:300])
+        for attempt in range(1, retries + 2):
+            try:
+                with urllib.request.urlopen(request, timeout=timeout_s) as response:  # raises on 4xx and 5xx
+                    response.read()
+                return
+            except Exception as error:
+                if attempt > retries:
+                    log_event(
+                        log,
+                        "alert_webhook_failed",
+                        level=logging.WARNING,
+                        url=where,
+                        attempts=attempt,
+                        error=repr(error)[:300],
+                    )
+                    return
+                delay = backoff_s * 2 ** (attempt - 1)
+                log_event(
+                    log, "alert_webhook_retry", url=where, attempt=attempt, retry_s=delay, error=repr(error)[:300]
+                )
+                time.sleep(delay)
 
     threading.Thread(target=send, name="alert-webhook").start()
+
+
+WATCHDOG_RULE = "watchdog"
+
+
+class Heartbeat:
+    """The dead-man check's sender side: says when the next ``watchdog`` POST is due.
+
+    The receiver (a dead-man's-switch service, or Alertmanager's own Watchdog route) raises the alarm when
+    these stop arriving: a trainer that is down, hung, or cut off from the webhook can send no alert itself.
+    """
+
+    def __init__(self) -> None:
+        self.last: float | None = None
+
+    def due(self, now: float, every_s: float) -> bool:
+        """True (and counted as sent) when ``every_s`` seconds have passed since the last beat; never for 0."""
+        if every_s <= 0 or (self.last is not None and now - self.last < every_s):
+            return False
+        self.last = now
+        return True
+
+    @staticmethod
+    def payload(run_id: str, step: int, now: float) -> dict[str, Any]:
+        return {
+            "run_id": run_id,
+            "rule": WATCHDOG_RULE,
+            "severity": "none",
+            "step": step,
+            "time": now,
+            "message": f"[none] {WATCHDOG_RULE}: the trainer of {run_id} is alive at step {step} and can reach "
+            "this webhook; a dead-man receiver alarms when these stop.",
+        }

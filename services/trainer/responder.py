@@ -21,7 +21,7 @@ from services.common.events import EventLog
 from services.common.logs import log_event
 from services.common.telemetry import TrainerMetrics
 from services.common.trackers import TrackerFanout
-from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
+from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control
 from services.trainer.progress import ConfigSource, Progress
@@ -74,6 +74,7 @@ class AlertResponder:
         self.events = events
         self.telemetry = telemetry
         self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
+        self.heartbeat = Heartbeat()
         control.on_unpause.append(self.operator_resumed)
 
     def operator_resumed(self) -> None:
@@ -90,6 +91,9 @@ class AlertResponder:
         if not self.settings.cfg.alerts.enabled:
             return
         now = time.time()
+        alerts_cfg = self.settings.cfg.alerts
+        if alerts_cfg.webhook_url and self.heartbeat.due(now, alerts_cfg.heartbeat_s):
+            self.post(Heartbeat.payload(self.settings.cfg.run_id, self.progress.step, now))
         firings = self.alerts.observe(row, now)
         if self.control.running:  # paused or stopping, no step is due: its metrics are not absent
             firings += self.alerts.check_absent(now)
@@ -124,7 +128,13 @@ class AlertResponder:
         level = logging.ERROR if firing.severity == "critical" else logging.WARNING
         log_event(log, "alert", level=level, alert=True, **details)
         if cfg.alerts.webhook_url:
-            post_webhook(cfg.alerts.webhook_url, {"run_id": cfg.run_id, **details})
+            self.post({"run_id": cfg.run_id, **details})
+
+    def post(self, payload: dict[str, Any]) -> None:
+        alerts_cfg = self.settings.cfg.alerts
+        post_webhook(
+            alerts_cfg.webhook_url, payload, retries=alerts_cfg.webhook_retries, backoff_s=alerts_cfg.webhook_backoff_s
+        )
 
     async def rollback_for(self, firing: Firing) -> None:
         """An alert's rollback; nobody awaits it, so a failure holds the run for an operator instead of raising."""

@@ -189,7 +189,7 @@ class Trainer:
         if time.monotonic() - self.health_checked < HEALTH_CHECK_S:
             return
         self.health_checked = time.monotonic()
-        await self.responder.watch({"step": self.progress.step, "services_down": await self.status.services_down()})
+        await self.responder.watch({"step": self.progress.step, **await self.status.health_row()})
 
     async def record_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
@@ -238,7 +238,7 @@ class Trainer:
             **reward_part_means(collected.batch),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
-            "services_down": await self.status.services_down(),
+            **await self.status.health_row(),
         }
         progress.last_row = row
         self.telemetry.record_step(row)

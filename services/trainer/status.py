@@ -6,19 +6,22 @@ and cached, so status calls and the health checks between steps cost the broker 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 from nats.errors import Error as NatsError
 
-from services.common.bus import EXPERIENCE, WORK_QUEUES, Bus, stream_name
+from services.common.bus import EXPERIENCE, WORK_QUEUES, Bus, stall_bound_s, stream_name
 from services.common.config import BuildInfo
 from services.common.logs import log_event
 from services.common.pb import admin_pb2
-from services.common.presence import read_presence, roles_down
-from services.common.telemetry import StageMetrics
+from services.common.presence import RestartCounter, read_presence, roles_down, roles_stalled
+from services.common.telemetry import DiskWatch, StageMetrics
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger
@@ -26,6 +29,7 @@ from services.trainer.progress import ConfigSource, Progress
 
 log = logging.getLogger(__name__)
 ROLE_STARTUP_GRACE_S = 300.0  # a role may take this long to register its first replica (image pulls, engine loads)
+CHECKPOINT_SIZE_MAX_AGE_S = 60.0  # how long the newest checkpoint's size (read from the store's catalog) is reused
 
 
 class StatusReporter:
@@ -53,6 +57,10 @@ class StatusReporter:
         self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
         self.services_read = 0.0
         self.created = time.monotonic()
+        cfg = settings.cfg
+        self.restart_counter = RestartCounter(cfg.supervision.restart_window_s)
+        self.disk = DiskWatch(save_paths(cfg.run_dir, cfg.checkpoint_url), cfg.checkpoint.min_free_mib * 2**20)
+        self.checkpoint_size_read = -CHECKPOINT_SIZE_MAX_AGE_S
 
     async def refresh_services(self, max_age_s: float = 5.0) -> list[dict[str, Any]]:
         if time.monotonic() - self.services_read > max_age_s:
@@ -89,6 +97,34 @@ class StatusReporter:
 
     async def services_down(self) -> float:
         return float(len(self.roles_down(await self.refresh_services())))
+
+    async def health_row(self) -> dict[str, float]:
+        """The pipeline's health for the alert rules: roles down, roles stalled, the most restarts of one role
+        within supervision.restart_window_s, and how many saves the disk still has room for."""
+        cfg = self.settings.cfg
+        services = await self.refresh_services()
+        now = time.time()
+        await self.refresh_checkpoint_size()
+        restarts = self.restart_counter.observe(services, now)
+        free_saves = await asyncio.to_thread(self.disk.free_saves)
+        return {
+            "services_down": float(len(self.roles_down(services))),
+            "roles_stalled": float(len(roles_stalled(services, now, stall_bound_s(cfg.nats)))),
+            "role_restarts": float(max(restarts.values(), default=0)),
+            "disk_free_saves": round(free_saves, 3),
+        }
+
+    async def refresh_checkpoint_size(self) -> None:
+        if time.monotonic() - self.checkpoint_size_read < CHECKPOINT_SIZE_MAX_AGE_S:
+            return
+        self.checkpoint_size_read = time.monotonic()
+        try:
+            catalog = await self.catalog()
+        except Exception as error:  # the store's own alerts cover its outages; the last size known stays
+            log_event(log, "checkpoint_size_unknown", level=logging.DEBUG, error=repr(error)[:200])
+            return
+        if catalog:
+            self.disk.saw_checkpoint(max(catalog, key=lambda entry: entry["step"])["bytes"])
 
     async def status(self) -> admin_pb2.Status:
         cfg, progress = self.settings.cfg, self.progress
@@ -145,3 +181,13 @@ def _alert_fields(firing: Firing) -> dict[str, Any]:
         for name in admin_pb2.Alert.DESCRIPTOR.fields_by_name
         if name in fields and fields[name] is not None
     }
+
+
+def save_paths(run_dir: Path, checkpoint_url: str) -> list[Path]:
+    """Where a save writes on local disks: the run directory, and the store's folder when it is file://
+    (an s3:// store reports no free space; its quota is the provider's to watch)."""
+    paths = [run_dir]
+    parts = urllib.parse.urlsplit(checkpoint_url)
+    if parts.scheme == "file":
+        paths.append(Path(urllib.parse.unquote(parts.path)))
+    return paths

@@ -11,12 +11,17 @@ from services.common import telemetry
 from services.common.config import default_alert_rules
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
-# Step-row metrics are exported as rlpipe_trainer_<metric>; three rules watch other series.
+# Step-row metrics are exported as rlpipe_trainer_<metric>; the rules on the trainer's status rows watch other series.
 SERIES = {
     "checkpoint_failed": 'rlpipe_checkpoints_total{outcome="failed"}',
     "services_down": 'up{job="rlpipe"}',
     "groups_lost": 'rlpipe_trainer_groups_total{fate="lost"}',
+    "roles_stalled": "rlpipe_stage_stalled",
+    "role_restarts": "rlpipe_service_starts",
+    "disk_free_saves": "rlpipe_disk_free_saves",
 }
+# Rules whose window is not counted in steps: restarts count over supervision.restart_window_s (1 h by default).
+WINDOWS = {"restart_loop": "1h"}
 COMPARATOR = {"above": ">", "below": "<"}
 METRIC = re.compile(r"\brlpipe_[a-z_]*[a-z]\b")
 
@@ -51,7 +56,7 @@ def test_alert_mirrors_the_rule(rule, alerts):
     expr = alert["expr"]
     assert alert["labels"]["severity"] == rule.severity
     assert [a.strip() for a in alert["annotations"]["actions"].split(",")] == rule.actions
-    window = f"{rule.window_steps}m"
+    window = WINDOWS.get(rule.name, f"{rule.window_steps}m")
     if rule.condition != "nan":
         assert series(rule.metric) in expr
     if rule.condition == "nan":
@@ -59,7 +64,7 @@ def test_alert_mirrors_the_rule(rule, alerts):
         assert expr == f'increase(rlpipe_trainer_nonfinite_metrics_total{{metric="{rule.metric}"}}[{window}]) > 0'
         return
     # A window of N steps is N minutes: in the range selector, or as `for` where the expression has none.
-    assert f"[{window}]" in expr or alert.get("for") == window
+    assert rule.condition == "absent" or f"[{window}]" in expr or alert.get("for") == window
     if rule.condition in COMPARATOR:
         comparison = re.search(r"([<>])\s*([-+0-9.eE]+)\s*$", expr)
         assert comparison, expr
@@ -68,6 +73,9 @@ def test_alert_mirrors_the_rule(rule, alerts):
             # Every value of the window beyond the threshold: its max below, or its min above.
             extreme = "max_over_time" if rule.condition == "below" else "min_over_time"
             assert expr.startswith(f"{extreme}({series(rule.metric)}[{window}])")
+    elif rule.condition == "absent":
+        # No new value of the gauge within window_s: it did not change over that range.
+        assert expr == f"changes({series(rule.metric)}[{rule.window_s / 60:g}m]) == 0"
     elif rule.condition == "rises_by":
         factor = 1 + rule.threshold
         recent, earlier = (

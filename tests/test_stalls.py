@@ -1,0 +1,230 @@
+"""What used to stall silently is detected: a stopped role, a hung compute, a stuck loop, a crash loop, no steps.
+
+The rules are judged on rows as the trainer writes them; the hung compute and the stuck loop run a real
+stage on a real nats-server with a real gRPC health server; the stopped role is a rollout SIGSTOPped in a
+real pipeline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from services.common.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stall_bound_s, stream_name
+from services.common.config import default_alert_rules
+from services.common.messages import RolloutGroup
+from services.common.presence import Presence, RestartCounter, read_presence, roles_stalled
+from services.common.service import serve_stage, start_grpc_server
+from services.healthcheck import check
+from services.report import read_jsonl
+from services.trainer.alerts import AlertEvaluator
+from tests.common.test_bus_faults import config, group, scored, stream_messages
+from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+
+
+def fired(rows: list[dict]) -> set[str]:
+    evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=20, now=0.0)
+    return {firing.rule for step, row in enumerate(rows) for firing in evaluator.observe({"step": step, **row}, 0.0)}
+
+
+# ------------------------------------------------------------------ the default rules on the trainer's rows
+
+
+def test_every_group_scored_alike_for_ten_steps_fires_zero_reward_variance():
+    assert fired([{"zero_variance_groups": 1.0}] * 9) == set()
+    assert fired([{"zero_variance_groups": 1.0}] * 10) == {"zero_reward_variance"}
+    assert fired([{"zero_variance_groups": 1.0}] * 9 + [{"zero_variance_groups": 0.75}]) == set()
+
+
+def test_stale_applied_groups_fire_staleness_high():
+    assert fired([{"staleness_mean": 5.0}] * 10) == {"staleness_high"}
+    assert fired([{"staleness_mean": 4.0}] * 10) == set()
+
+
+def test_status_rows_fire_role_stalled_restart_loop_and_disk_space_low():
+    assert fired([{"roles_stalled": 1.0}] * 3) == {"role_stalled"}
+    assert fired([{"role_restarts": 4.0}]) == {"restart_loop"}
+    assert fired([{"role_restarts": 3.0}]) == set()
+    assert fired([{"disk_free_saves": 1.5}]) == {"disk_space_low"}
+    assert fired([{"disk_free_saves": 2.5}]) == set()
+
+
+def test_fifteen_minutes_without_a_step_fires_steps_absent():
+    evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=20, now=0.0)
+    evaluator.observe({"step": 1, "step_time_s": 0.5}, now=10.0)
+    assert [f.rule for f in evaluator.check_absent(now=10.0 + 900)] == []
+    assert [f.rule for f in evaluator.check_absent(now=10.0 + 901)] == ["steps_absent"]
+
+
+# ------------------------------------------------------------------ presence: stalled roles and restart loops
+
+
+def entry(role: str, instance: str, up: bool = True, starts: int = 1, **fields) -> dict:
+    return {"role": role, "instance": instance, "up": up, "starts": starts, **fields}
+
+
+def test_a_role_is_stalled_when_no_live_replica_made_progress_within_the_bound():
+    now = 1000.0
+    entries = [
+        entry("reward", "reward-0", progress_time=now - 100),
+        entry("reward", "reward-1", progress_time=now - 5),  # one replica moving: the role is not stalled
+        entry("rollout", "rollout-0", progress_time=now - 100),
+        entry("rollout", "rollout-1", up=False, progress_time=now),  # down: service_down's business
+        entry("reference", "reference-0"),  # no progress reported yet (starting): not judged
+    ]
+    assert roles_stalled(entries, now, bound_s=60.0) == ["rollout"]
+
+
+def test_restarts_count_per_role_within_the_window_only():
+    counter = RestartCounter(window_s=100.0)
+    assert counter.observe([entry("reward", "reward-0", starts=3)], now=0.0) == {"reward": 0}  # earlier: unknown
+    assert counter.observe([entry("reward", "reward-0", starts=5)], now=50.0) == {"reward": 2}
+    both = [entry("reward", "reward-0", starts=6), entry("reward", "reward-1", starts=2)]
+    assert counter.observe(both, now=90.0) == {"reward": 3}  # reward-1 seen first at 2 starts: 0 of its own
+    # At 160 the window starts at 60: the restarts at 50 fall out, the one at 90 stays.
+    assert counter.observe(both, now=160.0) == {"reward": 1}
+    assert counter.observe(both, now=250.0) == {"reward": 0}
+
+
+# ------------------------------------------------------------------ a hung compute, a stuck loop
+
+
+def capped_config(tmp_path, tiny_model, nats_url):
+    """Computes capped at half a second, two deliveries each."""
+    nats = {"url": nats_url, "ack_wait_s": 5, "heartbeat_s": 1, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    return config(tmp_path, tiny_model, nats={**nats, "max_work_s": 0.5})
+
+
+def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as_timeout(
+    tiny_model, tmp_path, nats_url, caplog
+):
+    cfg = capped_config(tmp_path, tiny_model, nats_url)
+    never = threading.Event()  # a reward function blocked for good, as on a wedged remote call
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "reward").connect()
+        await bus.publish(ROLLOUTS, group("hangs"), msg_id="hangs.rollout")
+
+        async def compute(groups):
+            await asyncio.to_thread(never.wait)
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
+        try:
+            for _ in range(300):
+                if await stream_messages(bus, DEAD):
+                    break
+                await asyncio.sleep(0.1)
+            stop.set()
+            await task
+        finally:
+            never.set()  # the abandoned threads end, or asyncio.run would wait for them at exit
+        assert await stream_messages(bus, DEAD) == 1 and await stream_messages(bus, SCORED) == 0
+        letter = await bus.js.get_msg(stream_name("faults", DEAD), seq=1)
+        assert letter.headers["Rlpipe-Group-Id"] == "hangs"
+        assert letter.headers["Rlpipe-Reason"].startswith("timeout: compute of 1 message(s) took longer than")
+        assert "on each of 2 deliveries" in letter.headers["Rlpipe-Reason"]
+        await bus.close()
+
+    caplog.set_level("WARNING")
+    asyncio.run(scenario())
+    timeouts = [r for r in caplog.records if r.getMessage() == "work_timed_out"]
+    assert len(timeouts) == 2  # one per delivery, the first nakked with backoff, the second dead-lettered
+
+
+def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model, tmp_path, nats_url):
+    cfg = capped_config(tmp_path, tiny_model, nats_url)
+    assert stall_bound_s(cfg.nats) == pytest.approx(1.3)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "reward").connect()
+        server, address = await start_grpc_server(cfg, 0)
+        presence = await Presence(bus.js, cfg, "reward").start(grpc=address)
+        release = asyncio.Event()
+
+        async def compute(groups):
+            # Ignores being abandoned: the cap cannot free the loop, only a restart can.
+            while not release.is_set():
+                try:
+                    await release.wait()
+                except asyncio.CancelledError:
+                    continue
+            return [scored(g) for g in groups]
+
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_stage(stage, stop, server, presence))
+        await asyncio.sleep(1.0)
+        assert await asyncio.to_thread(check, address) is None  # idle, fetching: SERVING
+
+        await bus.publish(ROLLOUTS, group("stuck"), msg_id="stuck.rollout")
+        reason = None
+        for _ in range(100):
+            reason = await asyncio.to_thread(check, address)
+            if reason:
+                break
+            await asyncio.sleep(0.1)
+        assert reason == f"{address}: NOT_SERVING"
+        await asyncio.sleep(5.5)  # a presence heartbeat carries the standing progress time
+        entries = await read_presence(bus.js, cfg)
+        assert roles_stalled(entries, time.time(), stall_bound_s(cfg.nats)) == ["reward"]
+
+        release.set()  # the compute returns: the loop moves and health comes back
+        for _ in range(100):
+            reason = await asyncio.to_thread(check, address)
+            if reason is None:
+                break
+            await asyncio.sleep(0.1)
+        assert reason is None
+        assert await stream_messages(bus, SCORED) == 1
+        stop.set()
+        await task
+
+    asyncio.run(scenario())
+
+
+# ------------------------------------------------------------------ a real pipeline with a SIGSTOPped rollout
+
+
+@pytest.mark.e2e
+def test_a_sigstopped_rollout_fires_steps_absent_and_service_down(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    rules = [
+        rule.model_dump() | ({"window_s": 30.0} if rule.name == "steps_absent" else {})
+        for rule in default_alert_rules()
+    ]
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="stall",
+        train={"total_steps": 1000, "max_inflight_batches": 1},
+        checkpoint={"save_every_steps": 0},
+        alerts={"rules": rules, "cooldown_steps": 0},  # a rule that fired while starting up may fire again
+    )
+    run_dir = runs / "stall"
+    with running_pipeline(config) as process:
+        wait_for(lambda: len([r for r in metric_rows(run_dir) if "pg_loss" in r]) >= 2, "the first steps", process)
+        rollout = json.loads((run_dir / "run.json").read_text())["pids"]["rollout-0"]
+        stopped_at = time.time()
+        os.kill(rollout, signal.SIGSTOP)
+        try:
+            alerts = lambda: [  # noqa: E731
+                e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert" and e["time"] > stopped_at
+            ]
+            fired = lambda: {e["rule"] for e in alerts()}  # noqa: E731
+            wait_for(lambda: {"steps_absent", "service_down"} <= fired(), "the stall alerts", process, timeout=240)
+        finally:
+            os.kill(rollout, signal.SIGCONT)
+    absent = next(e for e in alerts() if e["rule"] == "steps_absent")
+    assert absent["metric"] == "step_time_s" and absent["severity"] == "critical"
+    assert "has not been reported for" in absent["message"]
