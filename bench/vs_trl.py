@@ -1,0 +1,399 @@
+"""rlpipe against TRL's ``GRPOTrainer``: the same GRPO task, model and hyperparameters, one after the other.
+
+    python -m bench.vs_trl [--steps 100] [--trl-threads 1] [--trl-venv build/bench/trl-venv]
+
+Both train ``models/tiny-arith`` (a Hugging Face ``Qwen2ForCausalLM``; ``make model``) on
+``data/arith/train.jsonl`` with the demo's hyperparameters (``examples/arith-grpo.yaml``): 64 prompts
+per step, 8 completions each (512 completions per step), at most 6 new tokens, temperature 1, AdamW
+at lr 1e-4 after 10 warm-up steps, grad norm 1.0, clip 0.2, k3 KL in the loss at 0.001, token-mean
+loss (TRL's ``dapo``), exact-match reward on the final integer. rlpipe runs as ``rlpipe run`` (its
+five processes, vLLM rollout); TRL runs in its own virtual environment (``build/bench/trl-venv``,
+created here when missing, with the torch and transformers already installed: TRL never enters
+``.venv`` or an image) as one process generating with transformers ``generate`` (TRL's vLLM needs
+a GPU server or colocation).
+
+What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
+samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
+logprobs); TRL generates then trains, on-policy. Each rlpipe service runs one torch thread
+(``service.torch_threads``), and so does TRL's process by default (``--trl-threads``): with torch's
+default of one thread per core, TRL's step took 36 s instead of 4.5 s on the shared 2-core machine,
+its OpenMP threads waiting on each other behind other processes.
+
+Compared: wall time per step (median of step-to-step gaps after ``--skip`` steps), completions/s
+over the same steady steps and over the whole run including start-up, the mean reward per step,
+and held-out greedy accuracy after the last step (the first ``data.eval_size`` rows of
+``data/arith/eval.jsonl``, both judged by rlpipe's ``greedy_accuracy``), so accuracy per completion
+consumed is comparable. Writes ``build/bench/vs_trl.jsonl`` (one row per system, then one per step)
+and ``build/bench/vs_trl.png``; prints the table and the rlpipe/TRL ratios.
+
+This file also runs inside the TRL environment (``--trl-worker``), so it imports nothing from rlpipe
+at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "bench"
+TRL_VENV = OUT / "trl-venv"
+BASE_CONFIG = ROOT / "examples" / "arith-grpo.yaml"
+
+
+@dataclass(frozen=True)
+class Task:
+    """The hyperparameters both trainers get: the demo's (examples/arith-grpo.yaml), fewer steps."""
+
+    model: str = "models/tiny-arith"
+    train_path: str = "data/arith/train.jsonl"
+    eval_path: str = "data/arith/eval.jsonl"
+    eval_size: int = 500
+    steps: int = 100
+    prompts_per_step: int = 64
+    group_size: int = 8
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    learning_rate: float = 1e-4
+    warmup_steps: int = 10
+    max_grad_norm: float = 1.0
+    clip: float = 0.2
+    kl_coef: float = 0.001
+    seed: int = 0
+
+    @property
+    def completions_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+@dataclass
+class Result:
+    """One system's run: per-step wall-clock times and mean rewards, and the run's totals."""
+
+    system: str
+    wall_s: float  # process start to exit, start-up and saving included
+    step_times: list[float]  # seconds since the run started, at the end of each step
+    rewards: list[float]  # mean reward of each step's completions
+    accuracy_start: float
+    accuracy_end: float
+    threads: str
+
+    def steady_step_s(self, skip: int) -> float:
+        gaps = [b - a for a, b in zip(self.step_times[skip:], self.step_times[skip + 1 :], strict=False)]
+        return statistics.median(gaps)
+
+    def steady_completions_per_s(self, task: Task, skip: int) -> float:
+        steps = len(self.step_times) - 1 - skip
+        return steps * task.completions_per_step / (self.step_times[-1] - self.step_times[skip])
+
+    def summary(self, task: Task, skip: int) -> dict:
+        consumed = len(self.step_times) * task.completions_per_step
+        return {
+            "system": self.system,
+            "steps": len(self.step_times),
+            "wall_s": round(self.wall_s, 2),
+            "median_step_s": round(self.steady_step_s(skip), 4),
+            "completions_per_s": round(self.steady_completions_per_s(task, skip), 1),
+            "completions_per_s_with_startup": round(consumed / self.wall_s, 1),
+            "reward_first5": round(statistics.mean(self.rewards[:5]), 4),
+            "reward_last5": round(statistics.mean(self.rewards[-5:]), 4),
+            "accuracy_start": self.accuracy_start,
+            "accuracy_end": self.accuracy_end,
+            "accuracy_gain_per_10k_completions": round(
+                (self.accuracy_end - self.accuracy_start) / consumed * 10_000, 4
+            ),
+            "threads": self.threads,
+        }
+
+
+# --- the TRL side: runs inside build/bench/trl-venv ---------------------------------------------
+
+_FINAL_INTEGER = re.compile(r"-?\d+")
+
+
+def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
+    """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = [json.loads(line) for line in (ROOT / task.train_path).read_text().splitlines() if line.strip()]
+    dataset = Dataset.from_list([{"prompt": row["prompt"], "answer": row["answer"]} for row in rows])
+
+    # rlpipe's exact_match reward restated here: this environment cannot import rlpipe (math-verify et al.).
+    def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
+        scores = []
+        for text, expected in zip(completions, answer, strict=True):
+            found = _FINAL_INTEGER.findall(text)
+            scores.append(float(bool(found) and found[-1].lstrip("0") == expected.strip().lstrip("0")))
+        return scores
+
+    started = time.perf_counter()
+    steps = (out_dir / "steps.jsonl").open("w")
+
+    class StepClock(TrainerCallback):
+        """Writes each logged step's end time and mean reward (logging_steps=1: one log per step)."""
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "reward" in logs:
+                row = {"step": state.global_step, "time": time.perf_counter() - started, "reward": logs["reward"]}
+                steps.write(json.dumps(row) + "\n")
+                steps.flush()
+
+    args = GRPOConfig(
+        output_dir=str(out_dir / "trainer"),
+        max_steps=task.steps,
+        per_device_train_batch_size=task.completions_per_step,
+        gradient_accumulation_steps=1,
+        num_generations=task.group_size,
+        max_completion_length=task.max_new_tokens,
+        temperature=task.temperature,
+        top_p=1.0,
+        learning_rate=task.learning_rate,
+        lr_scheduler_type="constant_with_warmup",
+        warmup_steps=task.warmup_steps,
+        weight_decay=0.0,
+        max_grad_norm=task.max_grad_norm,
+        epsilon=task.clip,
+        beta=task.kl_coef,
+        loss_type="dapo",  # token-mean over the step's tokens: rlpipe's loss_agg token-mean
+        scale_rewards="group",
+        num_iterations=1,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=task.seed,
+        use_cpu=True,
+        bf16=False,
+        dataloader_num_workers=0,
+    )
+    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
+    trainer = GRPOTrainer(
+        model=str(ROOT / task.model),
+        reward_funcs=exact_match,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
+    trainer.train()
+    steps.close()
+    trainer.model.save_pretrained(str(out_dir / "final"))
+    tokenizer.save_pretrained(str(out_dir / "final"))
+
+
+# --- the rlpipe side and the comparison: runs in .venv ------------------------------------------
+
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL environment's python, creating it when missing: torch and transformers pinned to the versions
+    ``.venv`` already has, so pip takes the local wheels and both systems run the same kernels."""
+    python = venv / "bin" / "python"
+    if python.exists():
+        return python
+    import torch
+    import transformers
+
+    torch_version = torch.__version__.split("+")[0]
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pins = [f"torch=={torch_version}", f"transformers=={transformers.__version__}", "trl"]
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", *pins], check=True)
+    return python
+
+
+def accuracy(model_dir: Path, task: Task) -> float:
+    import torch
+
+    from services.common.datasets import load_jsonl
+    from services.common.evaluation import greedy_accuracy
+    from services.common.modeling import load_model, load_tokenizer
+
+    torch.set_num_threads(1)
+    rows = load_jsonl(ROOT / task.eval_path)[: task.eval_size]
+    model = load_model(model_dir).eval()
+    return greedy_accuracy(model, load_tokenizer(model_dir), rows, task.max_new_tokens)
+
+
+def run_trl(task: Task, python: Path, threads: int) -> Result:
+    out_dir = OUT / "trl-run"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    command = [str(python), str(Path(__file__).resolve()), "--trl-worker", json.dumps(asdict(task)), str(out_dir)]
+    log = out_dir.with_suffix(".log")
+    started = time.perf_counter()
+    with log.open("w") as out:
+        code = subprocess.run(
+            [*command, str(threads)],
+            cwd=ROOT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        ).returncode
+    wall = time.perf_counter() - started
+    if code != 0:
+        raise RuntimeError(f"the TRL run exited {code}; see {log}")
+    rows = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines()]
+    return Result(
+        system="trl",
+        wall_s=wall,
+        step_times=[row["time"] for row in rows],
+        rewards=[row["reward"] for row in rows],
+        accuracy_start=accuracy(ROOT / task.model, task),
+        accuracy_end=accuracy(out_dir / "final", task),
+        threads=f"1 process x {threads} torch thread(s)",
+    )
+
+
+def rlpipe_config(task: Task, runs_dir: Path) -> dict:
+    import yaml
+
+    cfg = yaml.safe_load(BASE_CONFIG.read_text())
+    cfg["run_id"] = "bench-vs-trl"
+    cfg["runs_dir"] = str(runs_dir)
+    cfg["model"]["path"] = str(ROOT / task.model)
+    cfg["data"] |= {
+        "train_path": str(ROOT / task.train_path),
+        "eval_path": str(ROOT / task.eval_path),
+        "eval_every_steps": task.steps,
+        "eval_size": task.eval_size,
+    }
+    cfg["sampling"] |= {
+        "group_size": task.group_size,
+        "temperature": task.temperature,
+        "top_p": 1.0,
+        "max_new_tokens": task.max_new_tokens,
+    }
+    cfg["train"] |= {
+        "algorithm": "grpo",
+        "seed": task.seed,
+        "total_steps": task.steps,
+        "batch_size": task.prompts_per_step,
+        "learning_rate": task.learning_rate,
+        "warmup_steps": task.warmup_steps,
+        "max_grad_norm": task.max_grad_norm,
+        "clip": {"low": task.clip, "high": task.clip},
+        "kl": {"estimator": "k3", "coef": task.kl_coef, "in": "loss"},
+        "loss_agg": "token-mean",
+    }
+    cfg["rollout"]["prompts_per_batch"] = task.prompts_per_step
+    cfg["checkpoint"]["save_every_steps"] = task.steps
+    return cfg
+
+
+def run_rlpipe(task: Task) -> Result:
+    import yaml
+
+    from bench.throughput import run_pipeline
+
+    runs_dir = OUT / "runs"
+    config = OUT / "vs_trl-rlpipe.yaml"
+    cfg = rlpipe_config(task, runs_dir)
+    config.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    started = time.perf_counter()
+    started_at = time.time()
+    rows = run_pipeline(config, [], runs_dir / cfg["run_id"], task.steps)
+    wall = time.perf_counter() - started
+    steps = {row["step"]: row for row in rows if "completions" in row}
+    evals = {row["step"]: row["eval_accuracy"] for row in rows if "eval_accuracy" in row}
+    ordered = [steps[step] for step in sorted(steps)]
+    return Result(
+        system="rlpipe",
+        wall_s=wall,
+        step_times=[row["time"] - started_at for row in ordered],
+        rewards=[row["reward_mean"] for row in ordered],
+        accuracy_start=evals[0],
+        accuracy_end=evals[task.steps],
+        threads=f"5 processes x {cfg.get('service', {}).get('torch_threads', 1)} torch thread",
+    )
+
+
+def plot(results: list[Result], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (rewards, clock) = plt.subplots(1, 2, figsize=(11, 4))
+    for result in results:
+        steps = range(1, len(result.rewards) + 1)
+        rewards.plot(steps, result.rewards, label=result.system)
+        clock.plot(steps, result.step_times, label=result.system)
+    rewards.set(xlabel="step", ylabel="mean reward", title="reward per step")
+    clock.set(xlabel="step", ylabel="seconds since start", title="wall clock at the end of each step")
+    for axes in (rewards, clock):
+        axes.legend()
+        axes.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=Task.steps)
+    parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state figures")
+    parser.add_argument("--trl-venv", type=Path, default=TRL_VENV)
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        default=1,
+        help="torch threads of the TRL process (default 1, as each rlpipe service: see the module docstring)",
+    )
+    parser.add_argument("--trl-worker", nargs=3, metavar=("TASK_JSON", "OUT_DIR", "THREADS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trl_worker:
+        trl_worker(Task(**json.loads(args.trl_worker[0])), Path(args.trl_worker[1]), int(args.trl_worker[2]))
+        return
+    if args.steps < args.skip + 5:
+        parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
+    task = Task(steps=args.steps)
+    OUT.mkdir(parents=True, exist_ok=True)
+    python = ensure_trl_venv(args.trl_venv)
+    load_before = os.getloadavg()[0]
+    results = [run_rlpipe(task), run_trl(task, python, args.trl_threads)]
+    load_after = os.getloadavg()[0]
+    summaries = [result.summary(task, args.skip) for result in results]
+    rl, trl = summaries
+    ratios = {
+        "completions_per_s": round(rl["completions_per_s"] / trl["completions_per_s"], 3),
+        "completions_per_s_with_startup": round(
+            rl["completions_per_s_with_startup"] / trl["completions_per_s_with_startup"], 3
+        ),
+        "median_step_s": round(rl["median_step_s"] / trl["median_step_s"], 3),
+        "accuracy_gain_per_completion": round(
+            rl["accuracy_gain_per_10k_completions"] / trl["accuracy_gain_per_10k_completions"], 3
+        )
+        if trl["accuracy_gain_per_10k_completions"]
+        else None,
+    }
+    machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(load_after, 2)}
+    with (OUT / "vs_trl.jsonl").open("w") as out:
+        for summary in summaries:
+            out.write(json.dumps({"kind": "summary", **summary, "task": asdict(task), "machine": machine}) + "\n")
+        out.write(json.dumps({"kind": "ratio", "rlpipe_over_trl": ratios}) + "\n")
+        for result in results:
+            for step, (at, reward) in enumerate(zip(result.step_times, result.rewards, strict=True), start=1):
+                out.write(
+                    json.dumps({"kind": "step", "system": result.system, "step": step, "time": at, "reward": reward})
+                )
+                out.write("\n")
+    plot(results, OUT / "vs_trl.png")
+    keys = list(rl)
+    print(f"{'':36}{'rlpipe':>22}{'trl':>28}")
+    for key in keys[1:]:
+        print(f"{key:36}{rl[key]!s:>22}{trl[key]!s:>28}")
+    print(f"rlpipe / TRL: {json.dumps(ratios)}")
+    print(f"machine: {json.dumps(machine)}; wrote {OUT / 'vs_trl.jsonl'} and {OUT / 'vs_trl.png'}")
+
+
+if __name__ == "__main__":
+    main()
