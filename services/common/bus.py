@@ -72,7 +72,7 @@ from opentelemetry.trace import Span, StatusCode
 
 from services.common.config import NatsConfig, RunConfig
 from services.common.logs import log_event
-from services.common.messages import ClaimCheck, DecodeError, Message, decode, encode
+from services.common.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
 from services.common.storage import ObjectStore, open_store
 from services.common.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
 
@@ -841,7 +841,7 @@ class Stage(Generic[In, Out]):
 
     async def _publish(self, output: Out) -> api.PubAck:
         try:
-            return await self.bus.publish(self.produces, output, msg_id=f"{output.group_id}.{self.name}")
+            return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
         except (NatsError, TimeoutError) as error:
             # The broker, not the message: retried with the output in hand, so the compute is not repeated.
             raise DependencyUnavailable(f"publish to {self.produces} failed: {error!r}") from error

@@ -72,6 +72,8 @@ class Prompt(Message):
     prompt: str
     answer: str = ""
     config_version: int = 0
+    # The trainer incarnation that fed it (see dedupe_id); empty in messages from before incarnations.
+    incarnation: str = ""
 
 
 class Completion(BaseModel):
@@ -139,6 +141,15 @@ class ExperienceGroup(ScoredGroup):
             if not np.isfinite(ref).all():
                 raise ValueError("reference logprobs contain NaN or inf")
         return self
+
+
+def dedupe_id(message: Prompt, stage: str) -> str:
+    """The ``Nats-Msg-Id`` of ``message`` as ``stage`` publishes it: one per group, stage and trainer incarnation.
+
+    A resumed trainer continues its incarnation, so a prompt it feeds again inside the duplicate window is dropped
+    as a repeat at every hop; a trainer that starts over without a checkpoint is a new incarnation, and the groups
+    it feeds under the same ids are new work rather than repeats of what its abandoned steps used."""
+    return ".".join(part for part in (message.group_id, message.incarnation, stage) if part)
 
 
 M = TypeVar("M", bound=Message)

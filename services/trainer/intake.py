@@ -42,7 +42,7 @@ from services.common.bus import (
 from services.common.config import RunConfig
 from services.common.datasets import Fed, PromptSource, RowTable
 from services.common.logs import log_event
-from services.common.messages import DecodeError, ExperienceGroup, Prompt
+from services.common.messages import DecodeError, ExperienceGroup, Prompt, dedupe_id
 from services.common.telemetry import span_from_headers
 from services.trainer.progress import Progress
 
@@ -237,8 +237,9 @@ class Intake:
             if self.ledger.known(prompt.group_id):
                 continue  # settled before a restart (dead-lettered, say): feeding it again would apply it twice
             prompt.config_version = config_version
+            prompt.incarnation = self.progress.incarnation
             try:
-                ack = await self.bus.publish(PROMPTS, prompt, msg_id=f"{prompt.group_id}.prompt")
+                ack = await self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt"))
             except (NatsError, TimeoutError) as error:
                 self.feeder.seek(cursor)  # publish it again later; a copy that did land is deduplicated
                 log_event(log, "feed_failed", level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300])
@@ -328,6 +329,11 @@ class Intake:
                     return None
                 if (claim := self.bus.claim_key(msg)) is not None:
                     claims.append((msg.sequence, claim))
+                if group.incarnation and group.incarnation != self.progress.incarnation:
+                    # Fed by an incarnation that started over without a checkpoint: its steps are abandoned, and
+                    # this incarnation feeds the same ids as its own groups, which must not be refused as repeats.
+                    log_event(log, "foreign_group_dropped", group_id=group.group_id, incarnation=group.incarnation)
+                    continue
                 if group.group_id in in_batch:
                     self.ledger.repeats += 1
                 if group.group_id in in_batch or not self.ledger.arrived(group.group_id):

@@ -11,6 +11,7 @@ from services.common.messages import (
     ScoredGroup,
     advance,
     decode,
+    dedupe_id,
     encode,
 )
 
@@ -75,3 +76,11 @@ def test_nan_and_misaligned_values_are_rejected():
     experience |= {"kind": "experience", "ref_logprobs": [{"dtype": "float32", "shape": [3], "data": bytes(12)}]}
     with pytest.raises(DecodeError, match="ref_logprobs shape"):
         decode(msgpack.packb(experience), ExperienceGroup)
+
+
+def test_dedupe_ids_tell_incarnations_and_stages_apart_and_keep_the_old_form_without_one():
+    prompt = Prompt(group_id="e0-i3", prompt_id="p3", prompt="1+1=")
+    assert dedupe_id(prompt, "prompt") == "e0-i3.prompt"  # as before incarnations: repeats still match
+    fed = prompt.model_copy(update={"incarnation": "inc-b"})
+    assert dedupe_id(fed, "prompt") == "e0-i3.inc-b.prompt"
+    assert dedupe_id(fed, "reward") == "e0-i3.inc-b.reward"

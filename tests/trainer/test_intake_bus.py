@@ -29,8 +29,8 @@ def config(tiny_model, tmp_path, nats_url, **train):
     return load_config(path), load_jsonl(data_dir / "train.jsonl")
 
 
-def experience(group_id: str, policy_version: int = 0) -> ExperienceGroup:
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
+def experience(group_id: str, policy_version: int = 0, incarnation: str = "") -> ExperienceGroup:
+    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2", incarnation=incarnation)
     ids = np.asarray([5, 2], dtype=np.int32)
     completion = Completion(text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop")
     rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=policy_version, completions=[completion])
@@ -115,6 +115,40 @@ def test_a_batch_takes_each_group_once_however_often_experience_holds_it(tiny_mo
         assert collected.dropped == ["e9-i2"]  # 3 - 1 > max_staleness 1
         assert collected.sequence == 5
         assert ledger.repeats == 2
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_the_old_groups(
+    tiny_model, tmp_path, nats_url
+):
+    """A restart without a checkpoint is a new incarnation: inside the duplicate window its prompts are not taken
+    for repeats of the abandoned incarnation's, and the abandoned incarnation's groups are dropped unsettled, so
+    they neither train the new policy nor block the same ids fed again."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        first = Intake(
+            bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), Progress(incarnation="a"), lost_nowhere
+        )
+        await first.feed(cfg, config_version=0)
+        progress = Progress(incarnation="b")
+        again = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        await again.feed(cfg, config_version=0)
+        assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 8  # 4 + 4, none repeats
+
+        await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="a"), msg_id="old")
+        await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="b"), msg_id="new-0")
+        await bus.publish(EXPERIENCE, experience("e0-i1", incarnation="b"), msg_id="new-1")
+
+        async def never() -> bool:
+            return False
+
+        collected = await again.collect(cfg, 0, never, asyncio.Event())
+        assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
+        assert collected.dropped == [] and again.ledger.repeats == 0
         await bus.close()
 
     asyncio.run(scenario())
