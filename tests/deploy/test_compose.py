@@ -84,7 +84,7 @@ def test_nats_runs_jetstream_from_the_shipped_config_with_a_js_health_check(comp
 
 
 def test_third_party_images_are_pinned_by_digest(compose):
-    for name in ("nats", "minio", "minio-init", "prometheus", "grafana"):
+    for name in ("nats", "minio", "minio-init", "prometheus", "alertmanager", "grafana"):
         assert DIGEST.search(compose["services"][name]["image"]), name
 
 
@@ -152,7 +152,12 @@ def test_images_are_built_from_the_role_targets_of_the_one_dockerfile(compose):
 
 def test_monitoring_and_the_cli_are_optional_profiles(compose):
     profiles = {name: service.get("profiles") for name, service in compose["services"].items() if "profiles" in service}
-    assert profiles == {"prometheus": ["monitoring"], "grafana": ["monitoring"], "cli": ["tools"]}
+    assert profiles == {
+        "prometheus": ["monitoring"],
+        "alertmanager": ["monitoring"],
+        "grafana": ["monitoring"],
+        "cli": ["tools"],
+    }
 
 
 def test_cli_reaches_the_admin_port_with_the_env_files_token(compose):

@@ -13,7 +13,7 @@ from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one
 
 KUBERNETES_VERSION = "1.33"
 # Custom resources have no schema in kubernetes-validate; their shape is checked below.
-CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor"}
+CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor", "AlertmanagerConfig"}
 STATELESS = {role: edge for edge, role in WORK_QUEUES.items()}  # role -> the edge it consumes
 HEALTH_PORT, TRAINER_PORT, ADMIN_PORT, METRICS_PORT = 50061, 50051, 50052, 9400
 
@@ -52,6 +52,7 @@ def test_only_the_expected_kinds_are_rendered(rendered):
         "ScaledObject",
         "PrometheusRule",
         "PodMonitor",
+        "AlertmanagerConfig",
     }
     assert {doc["kind"] for doc in rendered["dev"]} == kinds | {"Job"}
 
