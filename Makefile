@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-rm model-smol bench clean
+.PHONY: install demo test model model-rm model-smol bench bench-throughput bench-trl clean
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
@@ -59,6 +59,14 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
 	$(BIN)/python -m bench.telemetry
 	$(BIN)/python -m bench.recovery
+
+# Throughput of each stage and of a short run (after `make model`; smol's stages too after `make model-smol`).
+bench-throughput: $(STAMP)
+	$(BIN)/python -m bench.throughput
+
+# rlpipe against TRL's GRPOTrainer (after `make model`); TRL goes into its own venv (build/bench/trl-venv), never $(VENV).
+bench-trl: $(STAMP)
+	$(BIN)/python -m bench.vs_trl
 
 clean:
 	rm -rf runs models data $(VENV)

@@ -356,6 +356,8 @@ def main() -> None:
     if args.steps < args.skip + 5:
         parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
     task = Task(steps=args.steps)
+    if not (ROOT / task.model / "config.json").is_file():
+        parser.error(f"no model at {task.model}: build it with `make model`")
     OUT.mkdir(parents=True, exist_ok=True)
     python = ensure_trl_venv(args.trl_venv)
     load_before = os.getloadavg()[0]
