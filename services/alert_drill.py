@@ -36,7 +36,6 @@ from services.trainer.responder import AlertResponder, MetricsLog
 
 SINKS = ("log", "events", "metrics", "prometheus", "webhook")
 DRILL_NOTE = "drill: a synthetic firing from `rlpipe alerts test`; no action is taken"
-WEBHOOK_WAIT_S = 30.0  # longer than the webhook's own timeout: its thread always ends first
 
 
 @dataclass(frozen=True)
@@ -159,10 +158,12 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
             await responder.act_on(drill_firing(rule))
 
     asyncio.run(fire_all())
-    responder.metrics.file.flush()
-    for thread in threading.enumerate():  # the webhook POSTs run on their own threads: wait for their outcome
+    responder.metrics.close()
+    # The webhook POSTs run on their own threads, each bounded by its timeout and alerts.webhook_retries:
+    # wait for every outcome, retries included, so a failure after the last retry is seen.
+    for thread in threading.enumerate():
         if thread.name == "alert-webhook":
-            thread.join(WEBHOOK_WAIT_S)
+            thread.join()
     logging.getLogger().removeHandler(records)
 
     names = [rule.name for rule in rules]
@@ -197,6 +198,9 @@ def _webhook_result(cfg: RunConfig, firings: int, records: _Records) -> SinkResu
     if failures:
         first = failures[0]
         return SinkResult(
-            "webhook", False, f"{len(failures)} of {firings} POSTs to {first.get('url')} failed: {first.get('error')}"
+            "webhook",
+            False,
+            f"{len(failures)} of {firings} POSTs to {first.get('url')} failed "
+            f"(after {first.get('attempts', 1)} attempts): {first.get('error')}",
         )
     return SinkResult("webhook", True, f"{firings} POSTs accepted")
