@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 
@@ -21,9 +22,11 @@ from services.common.config import default_alert_rules
 from services.common.messages import RolloutGroup
 from services.common.presence import Presence, RestartCounter, read_presence, roles_stalled
 from services.common.service import serve_stage, start_grpc_server
+from services.common.telemetry import DiskWatch
 from services.healthcheck import check
 from services.report import read_jsonl
 from services.trainer.alerts import AlertEvaluator
+from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 
@@ -228,3 +231,39 @@ def test_a_sigstopped_rollout_fires_steps_absent_and_service_down(tiny_model, tm
     absent = next(e for e in alerts() if e["rule"] == "steps_absent")
     assert absent["metric"] == "step_time_s" and absent["severity"] == "critical"
     assert "has not been reported for" in absent["message"]
+
+
+# ------------------------------------------------------------------ a disk filling up
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs: a disk that really fills up (mounting needs root, as in the CI container)."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount_point)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount_point
+    subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_a_filling_disk_fires_disk_space_low_before_a_save_fails(small_disk):
+    runs = small_disk / "runs"
+    watch = DiskWatch(save_paths(runs / "run-1", "s3://bucket/prefix"), min_free_bytes=512 * 1024)
+    assert watch.paths == [runs.resolve() / "run-1"]  # an s3:// store reports no free space: not watched
+    assert watch.free_saves() == pytest.approx(4.0, abs=0.1)
+    assert fired([{"disk_free_saves": watch.free_saves()}]) == set()
+
+    (small_disk / "filler").write_bytes(b"\0" * (1280 * 1024))  # 0.75 MiB left: one save more fits, not two
+    assert fired([{"disk_free_saves": watch.free_saves()}]) == {"disk_space_low"}
+    # A checkpoint larger than the configured minimum raises what a save needs; a smaller one does not lower it.
+    watch.saw_checkpoint(640 * 1024)
+    assert watch.free_saves() == pytest.approx(1.2, abs=0.05)
+    watch.saw_checkpoint(100 * 1024)
+    assert watch.free_saves() == pytest.approx(1.5, abs=0.05)
+
+
+def test_a_file_store_is_watched_beside_the_run_directory(tmp_path):
+    store = tmp_path / "store dir"
+    assert save_paths(tmp_path / "runs" / "r", store.as_uri()) == [tmp_path / "runs" / "r", store]
