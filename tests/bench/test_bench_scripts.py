@@ -1,0 +1,66 @@
+"""The bench scripts' own logic, without running a bench: what they hand rlpipe and how they count."""
+
+import os
+import time
+
+import pytest
+
+from bench.throughput import CpuSampler, Measurement, ratios
+from bench.vs_trl import Result, Task, rlpipe_config
+from services.common.config import load_config
+
+
+def test_the_rlpipe_side_of_vs_trl_gets_the_same_task_as_trl(tmp_path):
+    task = Task(steps=12)
+    cfg = load_config(None, **rlpipe_config(task, tmp_path / "runs"))
+    assert (cfg.train.total_steps, cfg.train.batch_size, cfg.rollout.prompts_per_batch) == (12, 64, 64)
+    assert (cfg.sampling.group_size, cfg.sampling.max_new_tokens, cfg.sampling.temperature) == (8, 6, 1.0)
+    assert (cfg.train.learning_rate, cfg.train.warmup_steps, cfg.train.max_grad_norm) == (1e-4, 10, 1.0)
+    assert (cfg.train.clip.low, cfg.train.clip.high, cfg.train.kl.coef, cfg.train.kl.placement) == (
+        0.2,
+        0.2,
+        0.001,
+        "loss",
+    )
+    assert (cfg.train.loss_agg, cfg.train.algorithm, cfg.data.eval_every_steps) == ("token-mean", "grpo", 12)
+    assert cfg.runs_dir == tmp_path / "runs"
+
+
+def test_steady_figures_leave_out_the_skipped_steps():
+    task = Task(steps=6, prompts_per_step=2, group_size=5)  # 10 completions a step
+    # Steps 1-2 slow (start-up), then one step every 0.5 s.
+    result = Result("x", 10.0, [4.0, 6.0, 6.5, 7.0, 7.5, 8.0], [0.0] * 6, 0.4, 0.5, "")
+    assert result.steady_step_s(skip=2) == 0.5
+    assert result.steady_completions_per_s(task, skip=2) == pytest.approx(3 * 10 / 1.5)
+    summary = result.summary(task, skip=2)
+    assert summary["completions_per_s_with_startup"] == 6.0  # 60 completions over the 10 s wall time
+    assert summary["accuracy_gain_per_10k_completions"] == pytest.approx(0.1 / 60 * 10_000, abs=1e-3)
+
+
+def test_each_variant_is_compared_with_its_baseline_and_the_pipeline_with_its_slowest_stage():
+    def m(kind, variant, baseline, seconds):
+        return Measurement("tiny", kind, variant, baseline, [seconds], tokens=100, completions=100)
+
+    measurements = [
+        m("rollout", "hf", "hf", 4.0),
+        m("rollout", "vllm", "hf", 1.0),  # 100 completions/s
+        m("learner", "whole batch", "whole batch", 2.0),  # 50/s: the slower stage
+        m("learner", "micro", "whole batch", 4.0),
+        m("pipeline", "rlpipe run", "slowest stage alone", 2.5),  # 40/s
+    ]
+    assert ratios(measurements) == {0: 1.0, 1: 4.0, 2: 1.0, 3: 0.5, 4: pytest.approx(0.8)}
+
+
+def test_the_cpu_sampler_reads_a_process_cpu_time_from_proc(tmp_path):
+    run_json = tmp_path / "run.json"
+    run_json.write_text(f'{{"pids": {{"me": {os.getpid()}}}}}')
+    with CpuSampler(run_json, interval_s=0.02) as sampler:
+        start, cpu_start = time.time(), time.process_time()
+        while time.time() - start < 1.5:
+            pass  # spin: this process is the one sampled
+        end, cpu_end = time.time(), time.process_time()
+    shares = sampler.shares(start, end)
+    assert set(shares) == {"me"}
+    # The share the process measured itself: however loaded the machine is, /proc must say the same, up to
+    # clock ticks and the sampling interval at both ends.
+    assert shares["me"] == pytest.approx((cpu_end - cpu_start) / (end - start), abs=0.1)
