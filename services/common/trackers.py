@@ -286,10 +286,24 @@ class TrackerFanout:
                 log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
 
 
+def _open(name: str, cfg: RunConfig, run_dir: Path, config: Mapping[str, Any]) -> Tracker:
+    telemetry = cfg.telemetry
+    if name == "tensorboard":
+        return TensorBoardTracker(run_dir / "tensorboard", config)
+    if name == "mlflow":
+        # The local store keeps artifacts beside it; a configured store or server decides for itself.
+        uri, artifacts = telemetry.mlflow_tracking_uri, None
+        if not uri:
+            uri, artifacts = f"sqlite:///{run_dir / 'mlflow.db'}", run_dir / "mlflow-artifacts"
+        return MlflowTracker(uri, telemetry.mlflow_experiment, cfg.run_id, artifacts, config)
+    return WandbTracker(telemetry.wandb_project, telemetry.wandb_mode, cfg.run_id, run_dir, config)
+
+
 def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
     """The trackers ``telemetry.report_to`` names, opened (or resumed) for this run; None when it names none.
 
-    Raises TrackerUnavailable naming the extra when a tracker's library is missing.
+    Raises TrackerUnavailable naming the extra when a tracker's library is missing; a tracker that fails to
+    open otherwise (its server away) is logged and left out, so the run trains without it.
     """
     telemetry = cfg.telemetry
     if not telemetry.report_to:
@@ -298,15 +312,11 @@ def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
     run_dir = cfg.run_dir.resolve()
     trackers: dict[str, Tracker] = {}
     for name in telemetry.report_to:
-        if name == "tensorboard":
-            trackers[name] = TensorBoardTracker(run_dir / "tensorboard", config)
-        elif name == "mlflow":
-            # The local store keeps artifacts beside it; a configured store or server decides for itself.
-            uri, artifacts = telemetry.mlflow_tracking_uri, None
-            if not uri:
-                uri, artifacts = f"sqlite:///{run_dir / 'mlflow.db'}", run_dir / "mlflow-artifacts"
-            trackers[name] = MlflowTracker(uri, telemetry.mlflow_experiment, cfg.run_id, artifacts, config)
-        else:
-            trackers[name] = WandbTracker(telemetry.wandb_project, telemetry.wandb_mode, cfg.run_id, run_dir, config)
+        try:
+            trackers[name] = _open(name, cfg, run_dir, config)
+        except TrackerUnavailable:
+            raise
+        except Exception as error:  # a tracking server away at start: train without it rather than not at all
+            log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
     log_event(log, "trackers_open", trackers=list(trackers))
     return TrackerFanout(trackers)

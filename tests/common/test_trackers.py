@@ -8,6 +8,10 @@ from services.common.config import ConfigError, load_config
 from services.common.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
 from tests.conftest import RLPIPE_RUN, ROOT, run_pipeline, write_config
 
+# Real runs whose subject is not generation: transformers' generate starts and stops faster than vLLM, and a busy
+# machine gets more time to stop the services.
+LIGHT_RUN = {"rollout": {"backend": "hf", "prompts_per_batch": 16}, "supervision": {"stop_grace_s": 60}}
+
 STEP_ROW = {
     "time": 1.0,
     "step": 3,
@@ -88,6 +92,19 @@ def test_wandb_runs_offline_into_the_run_directory_and_a_reopened_run_keeps_its_
     assert all(run.name.endswith("-wb-run") and (run / "run-wb-run.wandb").stat().st_size > 0 for run in runs)
 
 
+def test_a_tracker_that_cannot_open_is_left_out_and_the_others_get_every_row(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    unwritable = "sqlite:////proc/no-such-dir/mlflow.db"  # what a tracking store that is away looks like at start
+    telemetry = {"report_to": ["tensorboard", "mlflow"], "mlflow_tracking_uri": unwritable}
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", telemetry=telemetry)
+    cfg = load_config(config)
+    trackers = open_trackers(cfg)
+    assert list(trackers.trackers) == ["tensorboard"]
+    trackers.write(STEP_ROW)
+    trackers.close()
+    assert _tensorboard_scalars(cfg.run_dir / "tensorboard", "actor/pg_loss") == [(3, 0.5)]
+
+
 def _tensorboard_scalars(log_dir: Path, tag: str) -> list[tuple[int, float]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -120,6 +137,7 @@ def test_a_run_reports_to_tensorboard_and_mlflow_and_its_resume_appends_to_the_s
         train={"total_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "max_seq_len": 32},
         checkpoint={"save_every_steps": 2, "keep_last": 2},
         telemetry={"report_to": ["tensorboard", "mlflow"]},
+        **LIGHT_RUN,
     )
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
