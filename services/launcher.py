@@ -53,6 +53,7 @@ from services.common.config import (
 )
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
+from services.common.logs import RotatingLog
 from services.common.nats_server import nats_server_binary
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
@@ -107,22 +108,26 @@ class Child:
     role: str
     process: subprocess.Popen
     log_path: Path
+    log_max_bytes: int
+    log_keep: int
     events: queue.Queue = field(default_factory=queue.Queue)
     ready: dict[str, Any] | None = None
     pump_thread: threading.Thread | None = None
 
     def pump(self, stream: IO[bytes]) -> None:
-        """Copy the child's output to its log file and pass its JSON events on."""
-        with self.log_path.open("ab") as log:
+        """Copy the child's output to its (rotating) log file and pass its JSON events on."""
+        log = RotatingLog(self.log_path, self.log_max_bytes, self.log_keep)
+        try:
             for line in stream:
                 log.write(line)
-                log.flush()
                 try:
                     event = json.loads(line)
                 except ValueError:
                     continue
                 if isinstance(event, dict) and "event" in event:
                     self.events.put(event)
+        finally:
+            log.close()
 
 
 def trainer_command(cfg: RunConfig, command: list[str], cuda_devices: int | None = None) -> list[str]:
@@ -239,7 +244,7 @@ class Launcher:
             env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **(env or {})},
             preexec_fn=_die_with_parent,
         )
-        child = Child(name, role, process, log_path)
+        child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]

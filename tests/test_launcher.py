@@ -103,7 +103,7 @@ def test_a_service_dying_too_often_fails_the_run_naming_the_window(config, tmp_p
     launcher = Launcher(cfg, config, resume=False)
     crashed = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     crashed.wait(timeout=30)
-    child = Child("reward-0", "reward", crashed, cfg.run_dir / "reward-0.log")
+    child = Child("reward-0", "reward", crashed, cfg.run_dir / "reward-0.log", log_max_bytes=2**20, log_keep=1)
     progress = Progress(console=Console(file=io.StringIO()))
     assert launcher.schedule_restart(child, progress) > time.monotonic()
     with pytest.raises(RuntimeError) as error:
@@ -126,7 +126,7 @@ def slow_child(name: str, role: str, seconds: float, log: Path) -> Child:
         [sys.executable, "-c", SLOW_TO_STOP.format(seconds=seconds)], stdout=subprocess.PIPE, text=True
     )
     assert process.stdout.readline() == "ready\n"  # its SIGTERM handler is in place
-    return Child(name, role, process, log)
+    return Child(name, role, process, log, log_max_bytes=2**20, log_keep=1)
 
 
 def test_each_service_gets_its_own_stop_grace(config, tmp_path):

@@ -522,6 +522,10 @@ class ServiceConfig(Section):
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    log_max_mib: int = Field(
+        100, ge=1, description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size"
+    )
+    log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
 
 
 class AdminConfig(Section):

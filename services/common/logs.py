@@ -3,6 +3,11 @@
 Fields bound with ``bind_log_fields`` (the replica's instance, the trainer's current
 step) ride on every later line, and a line logged inside a span carries its trace and
 span ids, so logs and traces can be joined.
+
+``RotatingLog`` keeps a service's log file (written by ``rlpipe run``) within a size: past
+``max_bytes`` it becomes ``<name>.1`` (the one before ``<name>.2``, and so on) and only ``keep``
+of those stay, so a week-long run cannot fill its disk with logs. In containers the runtime
+rotates stderr instead (compose's logging options, the kubelet's containerLogMaxSize).
 """
 
 from __future__ import annotations
@@ -11,7 +16,8 @@ import json
 import logging
 import sys
 import time
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 from opentelemetry import trace
 
@@ -74,3 +80,46 @@ class Stopwatch:
 
     def __call__(self) -> float:
         return round(time.perf_counter() - self.start, 3)
+
+
+class RotatingLog:
+    """A log file of whole lines that rotates by size: ``write`` appends a line, ``close`` ends it."""
+
+    def __init__(self, path: Path, max_bytes: int, keep: int):
+        if max_bytes < 1 or keep < 0:
+            raise ValueError("max_bytes must be >= 1 and keep >= 0")
+        self.path = path
+        self.max_bytes = max_bytes
+        self.keep = keep
+        self._file: IO[bytes] = path.open("ab")
+        self._size = self._file.tell()
+
+    def write(self, line: bytes) -> None:
+        """Append ``line`` (flushed, for readers that follow the file); a line never straddles two files."""
+        if self._size and self._size + len(line) > self.max_bytes:
+            self._rotate()
+        self._file.write(line)
+        self._file.flush()
+        self._size += len(line)
+
+    def close(self) -> None:
+        self._file.close()
+
+    def rotated(self) -> list[Path]:
+        """The rotated files that exist, oldest first."""
+        return [path for n in range(self.keep, 0, -1) if (path := self._numbered(n)).exists()]
+
+    def _numbered(self, n: int) -> Path:
+        return self.path.with_name(f"{self.path.name}.{n}")
+
+    def _rotate(self) -> None:
+        self._file.close()
+        if self.keep:
+            for n in range(self.keep - 1, 0, -1):  # each moves up by one, over the oldest (.keep), which drops off
+                if self._numbered(n).exists():
+                    self._numbered(n).replace(self._numbered(n + 1))
+            self.path.replace(self._numbered(1))
+        else:
+            self.path.unlink()
+        self._file = self.path.open("ab")
+        self._size = 0

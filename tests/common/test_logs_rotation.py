@@ -1,0 +1,63 @@
+"""Service logs rotate by size and keep a bounded number of old files; `rlpipe run` writes them that way."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from services.common.logs import RotatingLog
+from services.launcher import Child
+
+
+def line(n: int) -> bytes:
+    return f'{{"event": "tick", "n": "{n:03d}"}}\n'.encode()  # the same length for every n
+
+
+LINE = len(line(0))
+
+
+def test_a_log_past_its_size_rotates_and_keeps_only_the_newest_files(tmp_path):
+    path = tmp_path / "reward-0.log"
+    log = RotatingLog(path, max_bytes=2 * LINE + 1, keep=2)  # two lines per file
+    for n in range(9):
+        log.write(line(n))
+    log.close()
+    assert path.read_bytes() == line(8)
+    assert (tmp_path / "reward-0.log.1").read_bytes() == line(6) + line(7)
+    assert (tmp_path / "reward-0.log.2").read_bytes() == line(4) + line(5)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reward-0.log", "reward-0.log.1", "reward-0.log.2"]
+    assert log.rotated() == [tmp_path / "reward-0.log.2", tmp_path / "reward-0.log.1"]
+
+
+def test_a_line_longer_than_the_limit_is_kept_whole(tmp_path):
+    path = tmp_path / "x.log"
+    log = RotatingLog(path, max_bytes=10, keep=1)
+    log.write(line(1))
+    log.write(line(2))
+    log.close()
+    assert path.read_bytes() == line(2) and (tmp_path / "x.log.1").read_bytes() == line(1)
+
+
+def test_keep_zero_keeps_no_rotated_file_and_a_reopened_log_counts_what_is_there(tmp_path):
+    path = tmp_path / "x.log"
+    path.write_bytes(line(0))
+    log = RotatingLog(path, max_bytes=LINE + 1, keep=0)
+    log.write(line(1))  # two lines do not fit: the earlier run's line goes
+    log.close()
+    assert [p.name for p in tmp_path.iterdir()] == ["x.log"] and path.read_bytes() == line(1)
+    with pytest.raises(ValueError):
+        RotatingLog(path, max_bytes=0, keep=1)
+
+
+def test_the_launcher_pumps_a_childs_output_through_the_rotating_log(tmp_path):
+    script = "import json, sys\nfor n in range(50):\n    print(json.dumps({'event': 'tick', 'n': f'{n:03d}'}))\n"
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)
+    child = Child("reward-0", "reward", process, tmp_path / "reward-0.log", log_max_bytes=10 * LINE, log_keep=3)
+    child.pump(process.stdout)
+    process.wait(timeout=30)
+    files = [tmp_path / "reward-0.log.3", tmp_path / "reward-0.log.2", tmp_path / "reward-0.log.1"]
+    kept = b"".join(path.read_bytes() for path in [*files, tmp_path / "reward-0.log"])
+    assert kept == b"".join(line(n) for n in range(10, 50))  # 10 lines a file, 4 files: the last 40 lines
+    assert child.events.qsize() == 50  # every event still reaches the launcher
