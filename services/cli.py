@@ -86,7 +86,7 @@ def dead_letters(
     from rich.console import Console
     from rich.table import Table
 
-    from services.dead_letters import list_dead_letters, nats_url_of
+    from services.dead_letters import list_dead_letters, nats_url_of, operator_options
     from services.dead_letters import reinject as send_back
 
     run_id = run_dir.name
@@ -101,10 +101,10 @@ def dead_letters(
     if reinject:
         body = payload.read_bytes() if payload else None
         for sequence in reinject:
-            origin = asyncio.run(send_back(url, run_id, sequence, body))
+            origin = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
             typer.echo(f"re-injected dead letter {sequence} into {origin}")
         return
-    letters = asyncio.run(list_dead_letters(url, run_id, limit))
+    letters = asyncio.run(list_dead_letters(url, run_id, limit, operator_options(run_dir)))
     if as_json:
         for letter in letters:
             typer.echo(json.dumps(vars(letter)))

@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nats
 from nats.js.errors import NotFoundError
 
 from services.common.bus import EDGES, H_CLAIM, H_GROUP, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+from services.common.config import NatsConfig
+from services.common.nats_connect import connect_options
 
 
 @dataclass
@@ -23,8 +26,10 @@ class DeadLetter:
     size: int
 
 
-async def list_dead_letters(nats_url: str, run_id: str, limit: int = 1000) -> list[DeadLetter]:
-    nc = await nats.connect(nats_url)
+async def list_dead_letters(
+    nats_url: str, run_id: str, limit: int = 1000, options: dict[str, Any] | None = None
+) -> list[DeadLetter]:
+    nc = await nats.connect(nats_url, **(options or {}))
     try:
         js = nc.jetstream()
         letters: list[DeadLetter] = []
@@ -54,13 +59,15 @@ async def list_dead_letters(nats_url: str, run_id: str, limit: int = 1000) -> li
         await nc.close()
 
 
-async def reinject(nats_url: str, run_id: str, sequence: int, payload: bytes | None = None) -> str:
+async def reinject(
+    nats_url: str, run_id: str, sequence: int, payload: bytes | None = None, options: dict[str, Any] | None = None
+) -> str:
     """Publish DEAD message ``sequence`` (or a fixed ``payload``) back to its origin stream; then remove it from DEAD.
 
     Returns the origin stream's name.
     """
     by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **(options or {}))
     try:
         js = nc.jetstream()
         raw = await js.get_msg(stream_name(run_id, "dead"), seq=sequence)
@@ -85,3 +92,9 @@ def nats_url_of(run_dir: Path) -> str:
     if not info.is_file():
         raise FileNotFoundError(f"{info} does not exist: pass --nats-url, or point at a run started by `rlpipe run`")
     return json.loads(info.read_text())["nats_url"]
+
+
+def operator_options(run_dir: Path) -> dict[str, Any]:
+    """``nats.connect`` keywords of the operator's key that ``rlpipe run`` left in the run directory, if it did."""
+    seed = run_dir / "nats-auth" / "operator.nk"
+    return connect_options(NatsConfig(nkey_seed_file=seed), "operator") if seed.is_file() else {}

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.hardware import GpuFacts, gpu_facts, release_numbers
+from services.common.nats_connect import connect_options
 from services.common.nats_server import nats_server_binary
 from services.common.startup_checks import (
     Check,
@@ -353,6 +354,7 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
                 reconnect_time_wait=0.1,
                 error_cb=remember,
                 name="rlpipe-doctor",
+                **connect_options(cfg.nats, "operator"),
             ),
             NETWORK_TIMEOUT_S,
         )

@@ -25,6 +25,7 @@ import pytest
 from services.common.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
+from services.dead_letters import operator_options
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import (
@@ -138,7 +139,8 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
         pids = json.loads((run_dir / "run.json").read_text())["pids"]
         os.kill(pids["rollout-0"], signal.SIGSTOP)  # nothing fetches PROMPTS while we look and purge
         try:
-            purged = asyncio.run(purge_prompts(json.loads((run_dir / "run.json").read_text())["nats_url"]))
+            nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+            purged = asyncio.run(purge_prompts(nats_url, operator_options(run_dir)))
         finally:
             os.kill(pids["rollout-0"], signal.SIGCONT)
         output, _ = process.communicate(timeout=600)
@@ -160,10 +162,10 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     assert next(r["step"] for r in rows if r.get("alert") == "groups_lost") == first_loss
 
 
-async def purge_prompts(nats_url: str) -> set[str]:
+async def purge_prompts(nats_url: str, options: dict) -> set[str]:
     """Delete the PROMPTS messages the rollouts have not been handed yet; returns their group ids. (One handed out
     just now still comes back from the rollout that holds it: the test counts those as used, not lost.)"""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **options)
     js = nc.jetstream()
     name = stream_name("leak", PROMPTS)
     delivered = (await js.consumer_info(name, "rollout")).delivered.stream_seq

@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.samples import Sample
 
 from services.common.bus import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
+from services.dead_letters import operator_options
 from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
 from tests.conftest import running_pipeline, write_config
 
@@ -56,8 +57,8 @@ SPAN_CHAIN = (
 )
 
 
-async def inject_undecodable(nats_url: str, run_id: str) -> None:
-    nc = await nats.connect(nats_url)
+async def inject_undecodable(nats_url: str, run_id: str, options: dict) -> None:
+    nc = await nats.connect(nats_url, **options)
     js = nc.jetstream()
     for _, edge in CONSUMERS.values():
         await js.publish(subject(run_id, edge), b"\x00\xffnot-msgpack")
@@ -145,7 +146,7 @@ def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_pat
     run_dir = runs / "obs"
     with running_pipeline(config) as process:
         run = wait_for_run_file(run_dir, process)
-        asyncio.run(inject_undecodable(run["nats_url"], "obs"))
+        asyncio.run(inject_undecodable(run["nats_url"], "obs", operator_options(run_dir)))
         services = run["services"]
         # Every ready event names its endpoint (the trainer's too: current_telemetry().metrics_url).
         missing = [name for name in CONSUMERS if "metrics_url" not in services[name]]

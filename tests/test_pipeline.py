@@ -22,6 +22,7 @@ from services.common.datasets import load_jsonl
 from services.common.evaluation import greedy_accuracy
 from services.common.modeling import load_model, load_tokenizer
 from services.common.storage import open_store
+from services.dead_letters import operator_options
 from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
@@ -45,8 +46,8 @@ TOTAL_STEPS = 10
 STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
 
 
-async def inject_bad_messages(nats_url: str, run_id: str) -> None:
-    nc = await nats.connect(nats_url)
+async def inject_bad_messages(nats_url: str, run_id: str, options: dict) -> None:
+    nc = await nats.connect(nats_url, **options)
     js = nc.jetstream()
     for edge in STAGE_INPUTS:
         await js.publish(subject(run_id, edge), b"\x00\xffnot-msgpack")
@@ -54,8 +55,8 @@ async def inject_bad_messages(nats_url: str, run_id: str) -> None:
     await nc.close()
 
 
-async def read_dead_letters(nats_url: str, run_id: str, expected: int, timeout: float) -> list[dict]:
-    nc = await nats.connect(nats_url)
+async def read_dead_letters(nats_url: str, run_id: str, expected: int, timeout: float, options: dict) -> list[dict]:
+    nc = await nats.connect(nats_url, **options)
     js = nc.jetstream()
     deadline = time.monotonic() + timeout
     letters: list[dict] = []
@@ -96,8 +97,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         # (a step takes ~0.1 s here, so waiting for one to pass could leave the trainer no reason to read on).
         wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", process, timeout=600)
         nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
-        asyncio.run(inject_bad_messages(nats_url, "pipe"))
-        letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=2 * len(STAGE_INPUTS), timeout=120))
+        operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
+        asyncio.run(inject_bad_messages(nats_url, "pipe", operator))
+        expected = 2 * len(STAGE_INPUTS)
+        letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=expected, timeout=120, options=operator))
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
 

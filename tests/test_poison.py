@@ -16,7 +16,7 @@ import numpy as np
 
 from services.common.bus import stream_name, subject
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
-from services.dead_letters import list_dead_letters
+from services.dead_letters import list_dead_letters, operator_options
 from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 EDGES = ("prompts", "rollouts", "scored", "experience")
@@ -67,9 +67,9 @@ def expected_reason(kind: str, edge: str) -> str:
     }[kind]
 
 
-async def flood(nats_url: str, run_id: str) -> dict[tuple[str, int], tuple[str, str]]:
+async def flood(nats_url: str, run_id: str, options: dict) -> dict[tuple[str, int], tuple[str, str]]:
     """Publish the bad messages; returns (stream, sequence) -> (edge, kind) of each, from its publish ack."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(nats_url, **options)
     js = nc.jetstream()
     sent = {}
     for _ in range(PER_KIND):
@@ -81,8 +81,8 @@ async def flood(nats_url: str, run_id: str) -> dict[tuple[str, int], tuple[str, 
     return sent
 
 
-async def dead_letter_count(nats_url: str, run_id: str) -> int:
-    nc = await nats.connect(nats_url)
+async def dead_letter_count(nats_url: str, run_id: str, options: dict) -> int:
+    nc = await nats.connect(nats_url, **options)
     try:
         return (await nc.jetstream().stream_info(stream_name(run_id, "dead"))).state.messages
     finally:
@@ -104,9 +104,13 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
     with running_pipeline(config) as run:
         wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "the first step", run)
         nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
-        flooded = asyncio.run(flood(nats_url, "poison"))
+        operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
+        flooded = asyncio.run(flood(nats_url, "poison", operator))
         wait_for(
-            lambda: asyncio.run(dead_letter_count(nats_url, "poison")) >= 1000, "1,000 dead letters", run, timeout=240
+            lambda: asyncio.run(dead_letter_count(nats_url, "poison", operator)) >= 1000,
+            "1,000 dead letters",
+            run,
+            timeout=240,
         )
         flooded_at = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
         wait_for(

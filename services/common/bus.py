@@ -73,6 +73,7 @@ from opentelemetry.trace import Span, StatusCode
 from services.common.config import NatsConfig, RunConfig
 from services.common.logs import log_event
 from services.common.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
+from services.common.nats_connect import connect_options
 from services.common.storage import ObjectStore, open_store
 from services.common.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
 
@@ -187,6 +188,7 @@ class Bus:
             reconnect_time_wait=0.5,
             connect_timeout=5,
             reconnected_cb=self._reconnected,
+            **connect_options(self.cfg.nats, self.service),
         )
         self.js = self.nc.jetstream()
         await self.ensure_streams()

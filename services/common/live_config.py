@@ -28,6 +28,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
 from services.common.logs import log_event
+from services.common.nats_connect import connect_options
 
 log = logging.getLogger(__name__)
 KEY = "current"
@@ -220,12 +221,12 @@ class LiveConfig:
         return [ConfigVersion.decode(entry.value) for entry in entries if entry.value]
 
 
-async def stored_config(cfg: RunConfig) -> RunConfig:
+async def stored_config(cfg: RunConfig, role: str = "operator") -> RunConfig:
     """``cfg`` with every change stored through the admin, restart-only ones included.
 
     That is what a starting service runs with.
     """
-    nc = await nats.connect(cfg.nats.url, connect_timeout=5)
+    nc = await nats.connect(cfg.nats.url, connect_timeout=5, **connect_options(cfg.nats, role))
     try:
         return (await LiveConfig(cfg, nc.jetstream()).start()).cfg
     finally:

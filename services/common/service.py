@@ -149,7 +149,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         # Restart-only changes stored through the admin take effect now, for every role alike.
-        await service_main(await stored_config(cfg), stop)
+        await service_main(await stored_config(cfg, role), stop)
 
     try:
         asyncio.run(serve())

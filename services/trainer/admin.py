@@ -3,6 +3,10 @@
 Read-only calls answer from the trainer's state at once; calls that change training
 (pause, rollback, checkpoint, stop) are queued to the training loop, which runs them
 between steps, and answer when they are done. Every call must carry the bearer token.
+
+The token comes from RLPIPE_ADMIN_TOKEN (fixed for the process) or from ``admin.token_file``, which is
+re-read whenever it changes: writing a new token there rotates it without a restart, and the old one
+is refused from the next call on.
 """
 
 from __future__ import annotations
@@ -10,12 +14,13 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
 import yaml
 
-from services.common.config import ConfigError, redacted_dump
+from services.common.config import AdminCredentials, ConfigError, RunConfig, redacted_dump
 from services.common.live_config import parse_value
 from services.common.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
@@ -31,11 +36,47 @@ log = logging.getLogger(__name__)
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
 
+class AdminToken:
+    """The token calls must carry: a fixed one, or the content of a file, re-read when the file changes."""
+
+    def __init__(self, fixed: str = "", path: Path | None = None):
+        self.fixed = fixed
+        self.path = path
+        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file when last read
+        self._token = fixed
+        if not fixed and path is not None:
+            self.current()
+        if not self._token:
+            raise ValueError("no admin token: set RLPIPE_ADMIN_TOKEN or admin.token_file (rlpipe run generates one)")
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> AdminToken:
+        return cls(AdminCredentials().token, cfg.admin.token_file)
+
+    def current(self) -> str:
+        if self.fixed or self.path is None:
+            return self._token
+        try:
+            stat = self.path.stat()
+            if (stat.st_mtime_ns, stat.st_size) != self._seen:
+                token = self.path.read_text().strip()
+                self._seen = (stat.st_mtime_ns, stat.st_size)
+                if not token:  # a file being rewritten, or emptied by mistake: keep the token in force
+                    log_event(log, "admin_token_empty", level=logging.WARNING, path=str(self.path))
+                elif token != self._token:
+                    if self._token:
+                        log_event(log, "admin_token_rotated", path=str(self.path))
+                    self._token = token
+        except OSError as error:  # moved away mid-rotation: the token in force stands until the new file is there
+            log_event(log, "admin_token_unreadable", level=logging.WARNING, path=str(self.path), error=str(error))
+        return self._token
+
+
 class BearerToken(grpc.aio.ServerInterceptor):
     """Refuses every call but health and reflection unless it carries ``authorization: Bearer <token>``."""
 
-    def __init__(self, token: str):
-        self.expected = f"Bearer {token}".encode()
+    def __init__(self, token: AdminToken):
+        self.token = token
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -50,7 +91,8 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), self.expected):
+        expected = f"Bearer {self.token.current()}".encode()
+        if isinstance(given, str) and hmac.compare_digest(given.encode(), expected):
             return await continuation(details)
         return self._refuse
 

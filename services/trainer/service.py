@@ -27,7 +27,7 @@ import yaml
 
 from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
 from services.common.chat import prompt_text, render_rows
-from services.common.config import AdminCredentials, BuildInfo, RunConfig, redacted_dump
+from services.common.config import BuildInfo, RunConfig, redacted_dump
 from services.common.datasets import open_prompts, read_rows
 from services.common.events import EventLog
 from services.common.hardware import HardwareSampler
@@ -41,7 +41,7 @@ from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics, current_telemetry
 from services.common.trackers import open_trackers
 from services.common.weightsync import WeightSyncServer
-from services.trainer.admin import AdminServicer, BearerToken
+from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.control import Control, RunState
@@ -340,15 +340,6 @@ def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> N
     )
 
 
-def admin_token(cfg: RunConfig) -> str:
-    token = AdminCredentials().token
-    if not token and cfg.admin.token_file is not None:
-        token = cfg.admin.token_file.read_text().strip()
-    if not token:
-        raise ValueError("no admin token: set RLPIPE_ADMIN_TOKEN or admin.token_file (rlpipe run generates one)")
-    return token
-
-
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
     """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
     credentials = None
@@ -360,7 +351,7 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
         return ["rlpipe.v1.Admin"]
 
     return await start_grpc_server(
-        cfg, cfg.admin.port, register, interceptors=[BearerToken(admin_token(cfg))], credentials=credentials
+        cfg, cfg.admin.port, register, interceptors=[BearerToken(AdminToken.from_config(cfg))], credentials=credentials
     )
 
 

@@ -56,7 +56,7 @@ def test_start_order_waits_on_health(compose):
 
 def test_every_long_running_service_has_a_health_check_and_restart_policy(compose):
     for name, service in compose["services"].items():
-        if name in ("minio-init", "model-init", "cli"):
+        if name in ("minio-init", "model-init", "secrets-init", "cli"):
             assert service["restart"] == "no", name
             continue
         assert service["healthcheck"]["test"], name
@@ -162,6 +162,7 @@ def test_monitoring_and_the_cli_are_optional_profiles(compose):
 
 def test_cli_reaches_the_admin_port_with_the_env_files_token(compose):
     cli = compose["services"]["cli"]
-    assert cli["entrypoint"] == ["tini", "--", "rlpipe", "--address", "trainer:50052"]
+    tls = ["--tls-ca", "/run/rlpipe/secrets/ca.pem"]
+    assert cli["entrypoint"] == ["tini", "--", "rlpipe", "--address", "trainer:50052", *tls]
     assert cli["env_file"] == [".env"] and cli["build"]["target"] == "cli"
     assert compose["services"]["trainer"]["environment"]["RLPIPE_ADMIN__PORT"] == "50052"

@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from services.common.config import NatsConfig
-from tests.conftest import BIN, free_port
+from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY
+from tests.deploy.test_compose_security import local_compose_conf, make_secrets
 
 COMPOSE_CONF = DEPLOY / "nats" / "nats.conf"
 K8S_CONF = DEPLOY / "k8s" / "base" / "nats" / "nats.conf"
@@ -32,8 +33,17 @@ def test_jetstream_fsyncs_every_write(path: Path):
     assert re.search(r"^\s*store_dir:\s*/data\s*$", block, re.MULTILINE)
 
 
-@pytest.mark.parametrize("path", [COMPOSE_CONF, K8S_CONF], ids=["compose", "k8s"])
-def test_nats_server_accepts_the_config(path: Path):
+def compose_conf_with_secrets(folder: Path, model: tuple[Path, Path], port: int, monitor: int) -> Path:
+    """The compose config runnable here: secrets made as secrets-init makes them, paths moved into ``folder``."""
+    config = write_config(folder / "c.yaml", *model, folder / "runs")
+    made = make_secrets(folder / "secrets", config)
+    assert made.returncode == 0, made.stderr
+    return local_compose_conf(folder, port, monitor)
+
+
+@pytest.mark.parametrize("which", ["compose", "k8s"])
+def test_nats_server_accepts_the_config(which: str, tiny_model, tmp_path: Path):
+    path = compose_conf_with_secrets(tmp_path, tiny_model, 4222, 8222) if which == "compose" else K8S_CONF
     done = subprocess.run(
         [str(BIN / "nats-server"), "-c", str(path), "-t"],
         env={"POD_NAME": "nats-0"},
@@ -44,18 +54,10 @@ def test_nats_server_accepts_the_config(path: Path):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-def test_compose_broker_starts_healthy_with_fsync_always(tmp_path: Path):
-    """The compose config run for real; only its store and ports are moved to this test's."""
+def test_compose_broker_starts_healthy_with_fsync_always(tiny_model, tmp_path: Path):
+    """The compose config run for real; only its store, ports and secrets are moved to this test's."""
     client, monitor = free_port(), free_port()
-    conf = COMPOSE_CONF.read_text()
-    for old, new in (
-        ("store_dir: /data", f"store_dir: {tmp_path / 'store'}"),
-        ("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{client}"),
-        ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{monitor}"),
-    ):
-        assert old in conf
-        conf = conf.replace(old, new)
-    (tmp_path / "nats.conf").write_text(conf)
+    compose_conf_with_secrets(tmp_path, tiny_model, client, monitor)
     server = subprocess.Popen(
         [str(BIN / "nats-server"), "-c", str(tmp_path / "nats.conf")],
         stdout=subprocess.DEVNULL,

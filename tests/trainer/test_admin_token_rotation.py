@@ -1,0 +1,76 @@
+"""Rotating the admin token: rewrite admin.token_file and the running trainer's admin port takes the new one."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import grpc
+import pytest
+
+from services.common.config import load_config
+from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.trainer.admin import AdminServicer
+from services.trainer.service import start_admin_server
+from tests.conftest import write_config
+from tests.trainer.test_admin_transport import StatusOnly
+
+
+def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("first-token\n")
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            admin={"port": 0, "token_file": str(token_file)},
+        )
+    )
+
+    async def status_code(admin: admin_pb2_grpc.AdminStub, token: str) -> grpc.StatusCode:
+        try:
+            await admin.GetStatus(
+                admin_pb2.GetStatusRequest(), metadata=(("authorization", f"Bearer {token}"),), timeout=10
+            )
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+        return grpc.StatusCode.OK
+
+    async def scenario() -> list[grpc.StatusCode]:
+        servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
+        server, address = await start_admin_server(cfg, servicer)
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                admin = admin_pb2_grpc.AdminStub(channel)
+                codes = [await status_code(admin, "first-token")]
+                token_file.write_text("second-token\n")
+                # A rewrite within the same clock tick as the first write must still be seen: bump the mtime.
+                stat = token_file.stat()
+                os.utime(token_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+                codes += [await status_code(admin, "first-token"), await status_code(admin, "second-token")]
+                token_file.write_text("")  # half-way through a rewrite: the token in force stands
+                codes.append(await status_code(admin, "second-token"))
+                return codes
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(scenario()) == [
+        grpc.StatusCode.OK,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.OK,
+        grpc.StatusCode.OK,
+    ]
+
+
+def test_no_token_anywhere_refuses_to_start_the_admin_port(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
+    model_dir, data_dir = tiny_model
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", admin={"port": 0}))
+    servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
+
+    with pytest.raises(ValueError, match="no admin token"):
+        asyncio.run(start_admin_server(cfg, servicer))
