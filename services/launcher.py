@@ -46,6 +46,7 @@ from rich.table import Table
 from services.common.config import (
     AdminCredentials,
     ConfigError,
+    NatsConfig,
     RunConfig,
     SupervisionConfig,
     load_config_with,
@@ -54,7 +55,9 @@ from services.common.config import (
 from services.common.events import EventLog
 from services.common.live_config import LiveConfig
 from services.common.logs import RotatingLog
-from services.common.nats_server import nats_server_binary
+from services.common.nats_auth import RoleKey, server_authorization, write_run_credentials
+from services.common.nats_connect import connect_options
+from services.common.nats_server import embedded_config, nats_server_binary
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.storage import write_atomically
@@ -173,6 +176,7 @@ class Launcher:
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
         self.nats_port = 0
+        self.nats_keys: dict[str, RoleKey] = {}
         self.events = EventLog(self.run_dir / "events.jsonl")
 
     def start_nats(self, port: int | None = None) -> str:
@@ -183,10 +187,8 @@ class Launcher:
         store.mkdir(parents=True, exist_ok=True)
         log = (self.run_dir / "logs" / "nats.log").open("ab")
         conf = self.run_dir / "nats.conf"
-        sync = "always" if self.cfg.nats.sync_always else "2m"
-        conf.write_text(
-            f'listen: "127.0.0.1:{port}"\njetstream {{\n  store_dir: "{store}"\n  sync_interval: {sync}\n}}\n'
-        )
+        authorization = server_authorization(self.cfg.run_id, list(self.nats_keys.values()))
+        conf.write_text(embedded_config(port, store, self.cfg.nats.sync_always, authorization))
         started = time.perf_counter()
         self.nats = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
@@ -211,7 +213,7 @@ class Launcher:
         """``--resume`` continues on purpose: a pause or stop recorded before must not hold the new start."""
 
         async def clear() -> dict[str, Any]:
-            nc = await nats.connect(nats_url)
+            nc = await nats.connect(nats_url, **connect_options(self.nats_cfg("trainer"), "trainer"))
             try:
                 live = await LiveConfig(self.cfg, nc.jetstream()).start()
                 earlier = await live.get_control()
@@ -224,13 +226,27 @@ class Launcher:
         if earlier.get("paused"):
             console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
 
-    def admin_token(self) -> str:
+    def nats_cfg(self, role: str) -> NatsConfig:
+        """The broker settings of ``role``: this run's broker with that role's key."""
+        return self.cfg.nats.model_copy(update={"nkey_seed_file": self.nats_keys[role].seed_file})
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """What only ``role`` is given: its own NATS key, and the admin token for the trainer alone (as a file it
+        re-reads, so that rewriting runs/<run>/admin.token rotates it)."""
+        env = {"RLPIPE_NATS__NKEY_SEED_FILE": str(self.nats_keys[role].seed_file)}
+        if role == "trainer":
+            env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
+        return env
+
+    @property
+    def token_file(self) -> Path:
+        return self.run_dir.resolve() / "admin.token"
+
+    def write_admin_token(self) -> None:
         """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
         token = AdminCredentials().token or secrets.token_urlsafe(24)
-        path = self.run_dir / "admin.token"
-        path.touch(mode=0o600)
-        path.write_text(token + "\n")
-        return token
+        self.token_file.touch(mode=0o600)
+        self.token_file.write_text(token + "\n")
 
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -241,7 +257,7 @@ class Launcher:
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **(env or {})},
+            env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})},
             preexec_fn=_die_with_parent,
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
@@ -313,12 +329,17 @@ class Launcher:
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
+        self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
         nats_url = self.start_nats()
         console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
         if self.resume:
             self.forget_pause(nats_url)
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
-        self.env = {**os.environ, "RLPIPE_NATS__URL": nats_url, "RLPIPE_ADMIN_TOKEN": self.admin_token()}
+        self.write_admin_token()
+        # Only the trainer is given the token (role_env); no service inherits one from this shell.
+        inherited = {name: value for name, value in os.environ.items() if name != "RLPIPE_ADMIN_TOKEN"}
+        self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
         for i in range(self.cfg.reference.replicas):
             self.wait_ready([self.spawn("reference", f"reference-{i}")])
         # The trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin

@@ -46,7 +46,7 @@ LIVE_FIELDS = (
     "data.eval_every_steps",
 )
 # Fields that say which run and broker a service belongs to: set where it is deployed, never through the admin.
-DEPLOY_TIME_FIELDS = ("run_id", "nats.url")
+DEPLOY_TIME_FIELDS = ("run_id", "nats.url", "nats.nkey_seed_file", "nats.tls_ca_file")
 
 
 class Section(BaseModel):
@@ -323,6 +323,15 @@ class S3Credentials(BaseSettings):
 
 class NatsConfig(Section):
     url: str = "nats://127.0.0.1:4222"
+    nkey_seed_file: Path | None = Field(
+        None,
+        description="file holding this service's NATS nkey seed (SU...), readable by it alone; the broker admits that "
+        "key with its role's permissions only (services/common/nats_auth.py). rlpipe run generates one per role; "
+        "null connects without authentication",
+    )
+    tls_ca_file: Path | None = Field(
+        None, description="PEM CA bundle the broker's certificate must chain to (a tls:// url); null: system CAs"
+    )
     storage: Literal["file", "memory"] = "file"
     stream_replicas: int = Field(
         1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)"
@@ -356,6 +365,13 @@ class NatsConfig(Section):
     claim_check_bytes: int = Field(
         256 * 1024, ge=512, description="a larger group goes to the object store and the message carries its key"
     )
+
+    @field_validator("nkey_seed_file", "tls_ca_file")
+    @classmethod
+    def _readable_file(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"file {str(path)!r} does not exist")
+        return path
 
     @model_validator(mode="after")
     def _claims_below_the_limit(self) -> NatsConfig:
