@@ -5,6 +5,11 @@ e.g. ``{"id": "add-0037-0045", "prompt": "37+45=", "answer": "82"}``, or ``messa
 rendered with the model's chat template (services/common/chat.py), e.g.
 ``{"id": "word-0-tom-apples-017-025", "messages": [{"role": "user", "content": "Tom has 17 apples and buys
 25 more. How many apples does Tom have now?"}], "answer": "42"}``.
+
+The same rows may come from a local Hugging Face dataset (a ``save_to_disk`` folder, Parquet, Arrow,
+JSON or CSV) whose columns ``data.columns`` names, read whole (memory-mapped) or streamed. The
+trainer's feeder walks them through a ``PromptSource``: an epoch's order depends only on the seed
+and the epoch, so a cursor (epoch, index) saved in a checkpoint resumes the same sequence (docs/data.md).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ import yaml
 from services.common.config import DataColumns, DataConfig
 from services.common.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
 from services.trainer.intake import PromptFeeder
-from tests.conftest import ROOT
+from tests.common.test_trackers import LIGHT_RUN
+from tests.conftest import ROOT, run_pipeline, write_config
 
 # The user's own names for what rlpipe calls prompt, answer and id.
 THEIR_COLUMNS = {"prompt": "question", "answer": "solution", "id": "uid"}
@@ -174,3 +175,51 @@ def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model
     with pytest.raises(DatasetError, match=r"cannot tell the format from '.txt'"):
         (tmp_path / "rows.txt").write_text("1+1=")
         read_rows(tmp_path / "rows.txt", DataColumns())
+
+
+def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_path, nats_url):
+    from tests.test_doctor import config_for, doctor
+
+    rows = their_rows(tiny_model)
+    rows[5]["question"] = None
+    path, _ = write_source("parquet", rows, tmp_path / "data")
+    done = doctor(config_for(tmp_path, tiny_model, nats_url, data={"train_path": str(path), "columns": THEIR_COLUMNS}))
+    assert done.returncode == 1
+    [line] = [line for line in done.stdout.splitlines() if line.startswith("FAIL dataset data.train_path:")]
+    assert f"{path}: 1 bad of {N_ROWS} rows: row 5: missing or non-string field 'question' (or give 'messages')" in line
+
+
+@pytest.mark.e2e
+def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model, tmp_path):
+    import datasets
+
+    model_dir, data_dir = tiny_model
+
+    def parquet(split: str, count: int) -> tuple[Path, list[dict]]:
+        rows = [
+            {"uid": row["id"], "question": row["prompt"], "solution": row["answer"]}
+            for row in load_jsonl(data_dir / f"{split}.jsonl")[:count]
+        ]
+        path = tmp_path / f"{split}.parquet"
+        datasets.Dataset.from_list(rows).to_parquet(str(path))
+        return path, rows
+
+    (train, train_rows), (held_out, _) = parquet("train", 200), parquet("eval", 40)
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        data={"train_path": str(train), "eval_path": str(held_out), "columns": THEIR_COLUMNS, "eval_size": 40},
+        train={"total_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "max_seq_len": 32},
+        checkpoint={"save_every_steps": 0},
+        **LIGHT_RUN,
+    )
+    done, metrics = run_pipeline(config)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert [row["step"] for row in metrics if "pg_loss" in row] == [1, 2]
+    assert [row["step"] for row in metrics if "eval_accuracy" in row] == [0, 2]  # before and after, on the Parquet
+    answers = {row["question"]: row["solution"] for row in train_rows}
+    fed = [json.loads(line) for line in (tmp_path / "runs" / "test" / "samples" / "step_1.jsonl").open()]
+    assert len(fed) == 4
+    assert all(answers[group["prompt"]] == group["answer"] for group in fed)
