@@ -43,6 +43,9 @@ def run(
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.launcher import run as launch
 
+    if smoke and overrides:
+        typer.echo("rlpipe run: --smoke runs the config file as it is; drop the KEY=VALUE overrides", err=True)
+        raise typer.Exit(2)
     if smoke:
         from services.verify_cli import smoke_command
 
