@@ -101,6 +101,11 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
 
 
 def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tmp_path):
+    tune_file = tmp_path / "tune.yaml"
+    spec = yaml.safe_load((ROOT / "examples" / "tune-arith.yaml").read_text())
+    tune_file.write_text(yaml.safe_dump({**spec, "workdir": str(tmp_path / "tune")}))  # its own, empty study
+    done = rlpipe("tune", "status", str(tune_file), "train.total_steps=40", "sampling.top_p=0.9")
+    assert done.returncode == 0, done.stderr
     done = rlpipe("tune", "status", "examples/tune-arith.yaml", "train.learning_rate=1e-3")
     assert done.returncode == 2
     assert done.stderr.strip() == (
