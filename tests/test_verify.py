@@ -207,9 +207,11 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]  # the smoke run: 3 steps at batch 2
-    drilled = sorted(r["alert"] for r in rows if "alert" in r)  # the smoke run itself fires no rule
-    assert drilled == sorted(rule.name for rule in load_config(run_dir.parent.parent / "deploy.yaml").alerts.rules)
-    assert sorted(body["rule"] for body in receiver.received) == drilled
+    rules = sorted(rule.name for rule in load_config(run_dir.parent.parent / "deploy.yaml").alerts.rules)
+    events = jsonl(run_dir / "events.jsonl")
+    assert sorted(e["rule"] for e in events if e["kind"] == "alert" and "drill" in e["message"]) == rules
+    # The trainer posts its heartbeats to the same receiver; the drill's firings say they are one.
+    assert sorted(body["rule"] for body in receiver.received if "drill" in body.get("message", "")) == rules
 
 
 @pytest.mark.e2e
@@ -273,3 +275,18 @@ def test_smoke_run_refuses_an_environment_that_would_override_its_run_id(tmp_pat
     assert done.returncode == 2
     assert "run_id: set by RLPIPE_* environment variables, which win over the smoke run's values" in done.stderr
     assert not (tmp_path / "runs").exists()  # nothing started, the deployment's run untouched
+
+
+@pytest.mark.e2e
+def test_run_smoke_logs_a_batch_from_every_stage_under_its_own_run_id(tmp_path, tiny_model):
+    config = verify_config(tmp_path, tiny_model)
+    deployment = tmp_path / "runs" / "deploy"
+    deployment.mkdir(parents=True)
+    (deployment / "metrics.jsonl").write_text('{"step": 7, "reward_mean": 0.5}\n')
+    done = rlpipe("run", "--smoke", str(config), timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    smoke_rows = [row for row in metric_rows(tmp_path / "runs" / "deploy-smoke") if "reward_mean" in row]
+    assert [row["step"] for row in smoke_rows] == [1, 2, 3]
+    assert (deployment / "metrics.jsonl").read_text() == '{"step": 7, "reward_mean": 0.5}\n'  # untouched
+    smoke = next(line for line in done.stdout.splitlines() if "smoke-run" in line)
+    assert "pass" in smoke and all(stage in smoke for stage in ("sampling", "reward", "reference", "update 3 steps"))
