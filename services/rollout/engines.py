@@ -115,9 +115,14 @@ class VllmEngine:
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consumes ``tensors`` lazily, so they can still be arriving: vLLM loads layer by layer as each
         layer's tensors are complete. An iterator that raises midway leaves layers unloaded (on the meta
-        device): the caller must treat the engine as unusable until a complete load."""
+        device): the caller must treat the engine as unusable until a complete load.
+
+        Under tensor parallelism the workers are processes of their own, which get their arguments pickled, and a
+        stream cannot be: the tensors are all received first, so the sync holds one more host copy of the model."""
+        in_other_processes = self.llm.llm_engine.vllm_config.parallel_config.world_size > 1
+        weights = list(tensors) if in_other_processes else iter(tensors)
         # reload_weights repacks for the CPU kernels; calling model.load_weights after start-up does not.
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors)})
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Cached KV blocks were computed by the old weights.
         self.llm.reset_prefix_cache()
 

@@ -7,7 +7,6 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -17,12 +16,11 @@ from services.common.config import load_config
 from services.common.datasets import load_jsonl
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import WeightSyncClient, WeightSyncServer, snapshot_of
+from services.common.weightsync import snapshot_of
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import VllmEngine
-from services.rollout.service import PolicyFollower
-from tests.conftest import ROOT, free_port, write_config
+from tests.conftest import ROOT, write_config
+from tests.rollout.grpc_sync import sync_over_grpc
 from tests.rollout.test_vllm_weight_sync import vllm_response_logprobs
 
 SMOL_DIR, SMOL_DATA = ROOT / "models" / "smollm2-135m-instruct", ROOT / "data" / "word-problems"
@@ -95,21 +93,7 @@ def test_smol_weights_synced_into_vllm_score_like_the_trainer_and_the_reference_
 
     assert gap(vllm_logprobs(), base_logprobs) < TOLERANCE  # vLLM serves the imported model as transformers does
 
-    async def sync_over_grpc() -> int:
-        weights = WeightSyncServer(snapshot_of(policy, version=1, step=1))
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"))
-        follower.newest = (await follower.client.version()).version
-        await follower.sync()
-        assert not follower.torn
-        await follower.client.close()
-        await server.stop(0)
-        return follower.loaded
-
-    assert asyncio.run(sync_over_grpc()) == 1
+    assert asyncio.run(sync_over_grpc(engine, engine_thread, snapshot_of(policy, version=1, step=1))) == 1
     assert gap(vllm_logprobs(), policy_logprobs) < TOLERANCE
 
     groups = []
