@@ -246,10 +246,10 @@ def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_train
         data_dir,
         runs,
         run_id="nosave",
-        train={"total_steps": 30, "batch_size": 8, "max_inflight_batches": 2},
+        train={"total_steps": 30, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 0},
         rollout={"prompts_per_batch": 4},
-        supervision={"backoff_s": 0.5},
+        supervision={"backoff_s": 0.5, "stop_grace_s": 60},
     )
     run_dir = runs / "nosave"
     trainer_events = lambda: service_events(run_dir, "trainer")  # noqa: E731
@@ -267,3 +267,5 @@ def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_train
     final = effective_steps(records)
     assert [r["step"] for r in final] == list(range(1, 31))
     assert_every_fed_prompt_accounted_once(runs, "nosave", final)
+    # What the abandoned incarnation left in flight came back and was set aside, not trained on nor counted.
+    assert sum(e["event"] == "foreign_group_dropped" for e in events) > 0
