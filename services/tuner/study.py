@@ -253,15 +253,16 @@ class Tuner:
             self.enqueue_once()
             while not (why := self.stop_reason()):
                 trial = self.study.ask()
+                self.mine.add(trial.number)
                 heartbeat = Heartbeat(self.storage, self.trial_id(trial.number), self.console.log)
                 params = self.sample(trial)
                 earlier = self.duplicate_of(trial.number, params)
                 if earlier is not None:
                     self.copy_outcome(trial, earlier)
                     heartbeat.stop()
+                    self.mine.discard(trial.number)
                     continue
                 self.duplicates_in_a_row = 0
-                self.mine.add(trial.number)
                 start, config = self.record_start(trial, params, slot)
                 return Claim(trial, params, start, config, heartbeat)
             return why

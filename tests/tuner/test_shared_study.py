@@ -3,6 +3,7 @@ beating failed by another, and device slots running trials concurrently on one m
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from pathlib import Path
@@ -11,9 +12,9 @@ import pytest
 
 from services.tuner.records import TrialStart, records, save
 from services.tuner.spec import load_tune_file
-from services.tuner.study import Tuner
+from services.tuner.study import Tuner, open_storage, open_study
 from tests.conftest import ROOT, write_config
-from tests.tuner.test_tune import TUNE, alive, study_records, tune_file
+from tests.tuner.test_tune import TUNE, alive, tune_file
 
 
 @pytest.fixture
@@ -33,12 +34,12 @@ ONE_STEP = {"max_steps": 1, "max_wall_s": 300, "stop_grace_s": 10, "poll_s": 0.2
 
 @pytest.mark.e2e
 def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budget(tmp_path, base, postgres_url):
-    path = tune_file(
-        tmp_path, base, study="two-workers", storage=postgres_url, budget={"max_trials": 4}, trial=ONE_STEP
-    )
+    # The tune file names no storage: the one setting the deploy profiles use does (RLPIPE_TUNE_STORAGE).
+    path = tune_file(tmp_path, base, study="two-workers", budget={"max_trials": 4}, trial=ONE_STEP)
+    env = {**os.environ, "RLPIPE_TUNE_STORAGE": postgres_url}
     workers = [
         subprocess.Popen(
-            [*TUNE, "--worker", str(path)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [*TUNE, "--worker", str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for _ in range(2)
     ]
@@ -46,7 +47,9 @@ def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budg
     for worker, (_, err) in zip(workers, outputs, strict=True):
         assert worker.returncode == 0, err[-3000:]
         assert "stopped: budget.max_trials (4) reached" in " ".join(err.split())
-    found = study_records(path)
+    assert not (tmp_path / "tune" / "study.journal").exists()
+    spec, _ = load_tune_file(path, postgres_url)
+    found = records(open_study(spec, open_storage(spec)))
 
     # Exactly the budget over both workers, every trial run once, by one of them, in its own run directory.
     assert [r.number for r in found] == [0, 1, 2, 3]
@@ -64,7 +67,9 @@ def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budg
     assert all(alive(r.start.pgid) == [] for r in found)
 
     # The records are read from the shared storage: any machine that can reach it gets the table.
-    status = subprocess.run([*TUNE, "status", str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    status = subprocess.run(
+        [*TUNE, "status", "--storage", postgres_url, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert status.returncode == 0, status.stderr
     assert all(f"│ {r.number} │ {r.status}" in status.stdout for r in found), status.stdout
 
