@@ -5,7 +5,8 @@ steps at a small batch under its own run id (``<run_id>-smoke``, so the deployme
 is never touched), and checks, in order:
 
 1. ``roles``: every service started and is reachable and healthy (gRPC health SERVING, its
-   metrics endpoint answers, the trainer's status shows each one up), and none died.
+   metrics endpoint answers, the trainer's status shows each one up), none died, and the trainer stopped
+   cleanly (its final save; a stage that outlived its stop grace is noted, not failed).
 2. ``weight-sync``: a trained policy version reached every rollout (its
    ``rlpipe_rollout_policy_version``), and on the steps that trained on groups of the
    trainer's current version the sampler's logprobs match the trainer's (the step's
@@ -272,9 +273,13 @@ def roles_check(run: SmokeRun) -> Check:
         return Check("roles", "fail", run.error or "the deployment did not start")
     if run.role_problems:
         return Check("roles", "fail", "; ".join(run.role_problems))
-    if run.failed_services:
-        return Check("roles", "fail", f"services failed or did not stop cleanly: {', '.join(run.failed_services)}")
-    return Check("roles", "pass", run.role_evidence)
+    if "trainer" in run.failed_services:  # its stop is its final save
+        return Check("roles", "fail", "the trainer did not stop cleanly (exit code or SIGKILL after its grace)")
+    # A stateless stage that outlived its stop grace lost nothing (its work is redelivered); it is on the
+    # record, not a failed role, since how long a loaded machine takes to tear an engine down says nothing of health.
+    stragglers = [name for name in run.failed_services if name != "trainer"]
+    note = f"; at stop {', '.join(stragglers)} did not exit cleanly within the grace" if stragglers else ""
+    return Check("roles", "pass", run.role_evidence + note)
 
 
 def weight_sync_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
