@@ -1,4 +1,6 @@
 from services.common.service import run_service
 from services.reward.service import main
 
-run_service("reward", main)
+# Guarded: worker processes that vLLM (tensor parallelism) or torch start with spawn import __main__ again.
+if __name__ == "__main__":
+    run_service("reward", main)
