@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.common.config import AdminCredentials
+from services.common.logs import JsonlFollower
 from services.common.pb import admin_pb2, admin_pb2_grpc
 
 # Piped output (scripts, logs) gets room for the wide tables instead of rich's 80 columns.
@@ -379,16 +380,12 @@ def _metric_line(line: str, columns: list[str]) -> str | None:
 def _tail(path: Path, follow: bool, render: Callable[[str], str | None]) -> None:
     if not path.is_file():
         fail(USAGE, f"{path} does not exist")
-    with path.open() as source:
-        pending = ""  # a line the writer has not finished yet
-        while True:
-            pending += source.readline()
-            if pending.endswith("\n") or (pending and not follow):
-                shown = render(pending.rstrip("\n"))
-                pending = ""
-                if shown:
-                    typer.echo(shown)
-                continue
-            if not follow:
-                return
-            time.sleep(0.5)
+    follower = JsonlFollower(path)  # through the record's rolled parts too
+    while True:
+        for line in follower.new_lines():
+            shown = render(line.decode())
+            if shown:
+                typer.echo(shown)
+        if not follow:
+            return
+        time.sleep(0.5)

@@ -61,7 +61,7 @@ from services.common.nats_server import embedded_config, nats_server_binary
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.storage import write_atomically
-from services.report import render_html, render_report
+from services.report import read_jsonl, render_html, render_report
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 600.0
@@ -504,7 +504,7 @@ def _startup_fields(event: dict[str, Any]) -> str:
 
 
 def summarize(cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], wall_s: float) -> Table:
-    rows = [json.loads(line) for line in cfg.metrics_file.read_text().splitlines() if line.strip()]
+    rows = read_jsonl(cfg.metrics_file)
     steps = [r for r in rows if "reward_mean" in r]
     table = Table(title=f"run {cfg.run_id}")
     table.add_column("metric")

@@ -33,6 +33,8 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from services.common.logs import jsonl_parts
+
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),
     ("eval_accuracy", "held-out accuracy (greedy)", None),
@@ -67,12 +69,11 @@ OTHER_EVENT_STYLE = ("tab:brown", ":")
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines file; [] when it is missing. Lines that are not a
-    JSON object are skipped, because a live run may be halfway through writing the last one."""
-    if not path.is_file():
-        return []
+    """The JSON objects of a JSON-lines record, its rolled parts first (``jsonl_parts``); [] when it is
+    missing. Lines that are not a JSON object are skipped, because a live run may be halfway through
+    writing the last one."""
     rows = []
-    for line in path.read_text().splitlines():
+    for line in (line for part in jsonl_parts(path) for line in part.read_text().splitlines()):
         try:
             row = json.loads(line)
         except json.JSONDecodeError:

@@ -573,6 +573,12 @@ class TelemetryConfig(Section):
         "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
     )
     export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
+    jsonl_max_mib: int = Field(
+        256,
+        ge=1,
+        description="metrics.jsonl rolls to numbered parts (metrics.00001.jsonl, ...) past this size; every part is "
+        "kept and every reader (report, metrics --follow, tune, tests) reads them in order",
+    )
     samples_keep_steps: int = Field(
         50,
         ge=0,

@@ -8,12 +8,18 @@ span ids, so logs and traces can be joined.
 ``max_bytes`` it becomes ``<name>.1`` (the one before ``<name>.2``, and so on) and only ``keep``
 of those stay, so a week-long run cannot fill its disk with logs. In containers the runtime
 rotates stderr instead (compose's logging options, the kubelet's containerLogMaxSize).
+
+``RollingJsonl`` does the same for a run's record (``metrics.jsonl``, ``events.jsonl``) but
+keeps every part: past its size the file becomes ``metrics.00001.jsonl`` (then ``.00002``...),
+never renamed again, and a fresh ``metrics.jsonl`` goes on. ``jsonl_parts`` lists them in
+order for readers of the whole record; ``JsonlFollower`` follows the record across rolls.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -123,3 +129,105 @@ class RotatingLog:
             self.path.unlink()
         self._file = self.path.open("ab")
         self._size = 0
+
+
+def rolled_part(path: Path, number: int) -> Path:
+    """The ``number``-th rolled part of a JSON-lines record: ``metrics.jsonl`` -> ``metrics.00001.jsonl``."""
+    return path.with_name(f"{path.stem}.{number:05d}{path.suffix}")
+
+
+def jsonl_parts(path: Path) -> list[Path]:
+    """The parts of the record ``path`` in the order they were written: rolled parts, then ``path`` itself."""
+    parts = []
+    while (part := rolled_part(path, len(parts) + 1)).exists():
+        parts.append(part)
+    return parts + ([path] if path.is_file() else [])
+
+
+class RollingJsonl:
+    """Appends JSON lines to ``path``, rolling it to its next numbered part past ``max_bytes``."""
+
+    def __init__(self, path: Path, max_bytes: int):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.max_bytes = max_bytes
+        self._rolled = len(jsonl_parts(path)) - (1 if path.exists() else 0)
+
+    def write(self, line: str) -> None:
+        """Append one line (with its newline), opened per line so a reader never sees a half-rolled file."""
+        size = self.path.stat().st_size if self.path.exists() else 0
+        if size and size + len(line.encode()) > self.max_bytes:
+            self._rolled += 1
+            self.path.replace(rolled_part(self.path, self._rolled))
+        with self.path.open("a") as out:
+            out.write(line)
+
+
+class JsonlFollower:
+    """The new complete lines of a file another process appends to, like ``tail -F``: the rolled parts that exist
+    at its first read first (``jsonl_parts``), then the file itself; when the file is renamed away (rolled or rotated)
+    and a new one takes its name, the old one is read to its end before the new one, and so are the parts rolled
+    after it. A rotated log (``RotatingLog``, whose files shift names) must not rotate twice between two calls.
+    A half-written last line waits for its end."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._queued: list[Path] | None = None  # listed at the first read: the record may not exist yet
+        self._file: IO[bytes] | None = None
+        self._pending = b""
+
+    def new_lines(self) -> list[bytes]:
+        lines: list[bytes] = []
+        while True:
+            if self._file is None and not self._open_next():
+                return lines
+            lines += self._read()
+            if self._queued or self._renamed_away():
+                lines += self._read()  # what was written before the rename
+                if not self._queued:  # rolled parts made since it became one: read them before the current file
+                    self._queued = self._parts_after(os.fstat(self._file.fileno()).st_ino)
+                self._file.close()
+                self._file, self._pending = None, b""
+                continue
+            return lines
+
+    def _parts_after(self, inode: int) -> list[Path]:
+        rolled = [part for part in jsonl_parts(self.path) if part != self.path]
+        inodes = [part.stat().st_ino for part in rolled]
+        return rolled[inodes.index(inode) + 1 :] if inode in inodes else []
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        """``new_lines`` that are JSON objects (a torn line from a killed writer is skipped)."""
+        rows = []
+        for line in self.new_lines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict):
+                rows.append(row)
+        return rows
+
+    def _open_next(self) -> bool:
+        first = self._queued is None
+        if first:
+            self._queued = [part for part in jsonl_parts(self.path) if part != self.path]
+        try:
+            self._file = (self._queued.pop(0) if self._queued else self.path).open("rb")
+        except FileNotFoundError:
+            if first:
+                self._queued = None  # nothing yet: list the parts again at the next call
+            return False
+        return True
+
+    def _read(self) -> list[bytes]:
+        data = self._pending + self._file.read()
+        end = data.rfind(b"\n") + 1
+        self._pending = data[end:]
+        return data[:end].splitlines()
+
+    def _renamed_away(self) -> bool:
+        try:
+            return os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+        except FileNotFoundError:  # renamed, its successor not made yet: read on in the old one
+            return False

@@ -12,13 +12,14 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from services.common.events import EventLog
-from services.common.logs import log_event
+from services.common.logs import RollingJsonl, log_event
 from services.common.telemetry import TrainerMetrics
 from services.common.trackers import TrackerFanout
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
@@ -32,12 +33,12 @@ Rollback = Callable[[int | None, str], Awaitable[Any]]
 
 
 class MetricsLog:
-    """``metrics.jsonl``: one JSON row per line, flushed line by line for readers that follow it; and the same
-    rows to the experiment trackers of ``telemetry.report_to``, if any."""
+    """``metrics.jsonl``: one JSON row per line, whole for readers that follow it, rolled to numbered parts past
+    ``max_bytes`` (``RollingJsonl``); and the same rows to the experiment trackers of ``telemetry.report_to``."""
 
-    def __init__(self, path: Path, trackers: TrackerFanout | None = None):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.file = path.open("a", buffering=1)
+    def __init__(self, path: Path, trackers: TrackerFanout | None = None, max_bytes: int | None = None):
+        # Without max_bytes one file grows for ever (a drill's or a test's short record).
+        self.file = RollingJsonl(path, max_bytes or sys.maxsize)
         self.trackers = trackers
 
     def write(self, row: dict[str, Any]) -> None:
@@ -46,7 +47,6 @@ class MetricsLog:
             self.trackers.write(row)
 
     def close(self) -> None:
-        self.file.close()
         if self.trackers is not None:
             self.trackers.close()
 

@@ -96,7 +96,7 @@ class Trainer:
             self.checkpoints,
             rollback=lambda step, reason: self.recovery.rollback(step, reason),
             progress=self.progress,
-            metrics=MetricsLog(cfg.metrics_file, open_trackers(cfg)),
+            metrics=MetricsLog(cfg.metrics_file, open_trackers(cfg), cfg.telemetry.jsonl_max_mib * 2**20),
             events=events,
             telemetry=self.telemetry,
         )

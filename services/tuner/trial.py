@@ -21,7 +21,6 @@ before the trial is recorded.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import re
@@ -34,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from services.common.logs import JsonlFollower
 from services.tuner.procs import (
     GpuMemory,
     die_with_parent,
@@ -70,33 +70,6 @@ class TrialOutcome:
     peak_gpu_gb: float | None
     wall_s: float
     leftover_pids: list[int] = field(default_factory=list)  # alive after the launcher exited; killed
-
-
-class JsonlFollower:
-    """New complete lines of a file another process appends to (a half-written last line waits for its end)."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def new_rows(self) -> list[dict[str, Any]]:
-        try:
-            with self.path.open("rb") as f:
-                f.seek(self.offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return []
-        end = chunk.rfind(b"\n") + 1
-        self.offset += end
-        rows = []
-        for line in chunk[:end].splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a torn line from a killed writer
-            if isinstance(row, dict):
-                rows.append(row)
-        return rows
 
 
 def reduce_values(values: list[float], objective: Objective) -> float | None:

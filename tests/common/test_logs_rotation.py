@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from services.common.logs import RotatingLog
+from services.common.logs import JsonlFollower, RotatingLog, jsonl_parts, rolled_part
 from services.launcher import Child
+from services.report import read_jsonl
+from services.trainer.responder import MetricsLog
 
 
 def line(n: int) -> bytes:
@@ -61,3 +63,39 @@ def test_the_launcher_pumps_a_childs_output_through_the_rotating_log(tmp_path):
     kept = b"".join(path.read_bytes() for path in [*files, tmp_path / "reward-0.log"])
     assert kept == b"".join(line(n) for n in range(10, 50))  # 10 lines a file, 4 files: the last 40 lines
     assert child.events.qsize() == 50  # every event still reaches the launcher
+
+
+# ------------------------------------------------------------------ metrics.jsonl rolling into parts
+
+
+def test_a_record_rolls_into_numbered_parts_that_every_reader_reads_in_order(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    metrics = MetricsLog(path, max_bytes=300)
+    follower = JsonlFollower(path)
+    followed = []
+    for step in range(1, 21):
+        metrics.write({"step": step, "loss": 0.5})
+        if step % 12 == 0:  # several rolls between two polls: the follower reads every part once
+            followed += [row["step"] for row in follower.new_rows()]
+    followed += [row["step"] for row in follower.new_rows()]
+    parts = jsonl_parts(path)
+    assert len(parts) > 3 and parts[0] == rolled_part(path, 1) and parts[-1] == path
+    assert all(part.stat().st_size <= 300 for part in parts)
+    assert [row["step"] for row in read_jsonl(path)] == list(range(1, 21))
+    assert followed == list(range(1, 21))
+    # A follower started late reads the parts already rolled, then the current file.
+    assert [row["step"] for row in JsonlFollower(path).new_rows()] == list(range(1, 21))
+
+
+def test_a_follower_of_a_rotating_log_reads_each_line_once_across_rotations(tmp_path):
+    path = tmp_path / "trainer.log"
+    log = RotatingLog(path, max_bytes=3 * LINE, keep=5)
+    follower = JsonlFollower(path)
+    seen = []
+    for n in range(20):
+        log.write(line(n))
+        if n % 2 == 0:  # more often than it rotates (every third line), as a 0.5 s poll of 100 MiB files is
+            seen += follower.new_lines()
+    seen += follower.new_lines()
+    log.close()
+    assert seen == [line(n).rstrip(b"\n") for n in range(20)]
