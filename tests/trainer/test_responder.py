@@ -12,7 +12,7 @@ from services.common.events import EventLog
 from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
+from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, rng_state
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, MetricsLog
@@ -25,7 +25,7 @@ def stored_steps(tmp_path, steps: list[int]) -> CheckpointStore:
     store = CheckpointStore(open_store(tmp_path.as_uri(), CheckpointConfig()), "run", keep_last=10, incarnation="i")
     for step in steps:
         state = TrainerState(step=step, policy_version=step, last_experience_seq=step, incarnation="i")
-        store.save(Checkpoint(step, {}, {}, {}, {}, state), tmp_path)
+        store.save(Checkpoint(step, {}, {}, {}, rng_state(), state), tmp_path)
     return store
 
 
