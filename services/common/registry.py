@@ -72,6 +72,7 @@ def reward_function(name: str) -> Callable[..., Any]:
         raise ValueError(f"reward function {name!r} is not one of {REWARD_FUNCTIONS.names()} nor a 'module:function'")
     return REWARD_FUNCTIONS[name]
 
+
 # Algorithms whose advantages come from elsewhere than a group estimator: PPO from GAE over a critic,
 # REINFORCE++ from whitened discounted returns, Dr. GRPO as an alias of grpo_no_std (the trainer's learner).
 NON_GROUP_ALGORITHMS = ("ppo", "reinforce_pp", "dr_grpo")
