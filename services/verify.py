@@ -19,6 +19,10 @@ is never touched), and checks, in order:
 6. ``metrics``: entropy, reward mean and std, KL, response length and termination rate are
    in every step row, as finite numbers.
 
+Against a running deployment (``rlpipe --address ADMIN verify``, ``verify_live``) nothing is started:
+the roles and rollout versions come from the trainer's status, the rest from the run's own files and
+stores, and the smoke run is skipped.
+
 A check whose evidence never came (the deployment did not start) is ``skip``. The record,
 ``verify.json`` and a short ``verify.md``, goes into the smoke run's directory; the exit code
 is 1 when any check failed, and each failed check is named.
@@ -226,9 +230,14 @@ def check_roles(run_dir: Path) -> tuple[list[str], str]:
     return problems, evidence
 
 
-def _trainer_status(address: str, token: str) -> admin_pb2.Status | str:
-    """The trainer's Admin status, or why it could not be had."""
-    with grpc.insecure_channel(address) as channel:
+def _trainer_status(address: str, token: str, tls_ca: Path | None = None) -> admin_pb2.Status | str:
+    """The trainer's Admin status (over TLS with ``tls_ca``), or why it could not be had."""
+    channel = (
+        grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()))
+        if tls_ca
+        else grpc.insecure_channel(address)
+    )
+    with channel:
         try:
             return admin_pb2_grpc.AdminStub(channel).GetStatus(
                 admin_pb2.GetStatusRequest(), timeout=PROBE_TIMEOUT_S, metadata=[("authorization", f"Bearer {token}")]
@@ -291,16 +300,22 @@ def weight_sync_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
     ]
     if not rollouts or behind:
         return Check("weight-sync", "fail", f"no trained policy version reached {', '.join(behind) or 'any rollout'}")
+    versions = ", ".join(f"{name} at version {int(s.policy_version)}" for name, s in rollouts.items())
+    return logprobs_match(rows, versions)
+
+
+def logprobs_match(rows: list[dict[str, Any]], versions: str) -> Check:
+    """The weight-sync check once every rollout has a trained version (``versions`` says which): the sampler's
+    logprobs against the trainer's on the steps that trained on groups of the trainer's current version."""
     fresh = [row for row in rows if row.get("staleness_max") == 0 and "approx_kl" in row]
     if not fresh:
         return Check("weight-sync", "fail", "no step trained on groups of the trainer's current version to compare")
     apart = [row for row in fresh if not abs(row["approx_kl"]) <= LOGPROB_TOLERANCE]
-    compared = ", ".join(f"step {r['step']}: {r['approx_kl']:.2e}" for r in fresh)
+    compared = ", ".join(f"step {r['step']}: {r['approx_kl']:.2e}" for r in fresh[-5:])
     if apart:
         return Check(
             "weight-sync", "fail", f"sampler and trainer logprobs differ beyond {LOGPROB_TOLERANCE}: {compared}"
         )
-    versions = ", ".join(f"{name} at version {int(s.policy_version)}" for name, s in rollouts.items())
     return Check("weight-sync", "pass", f"{versions}; logprob gap (approx_kl) {compared}")
 
 
@@ -329,7 +344,12 @@ def smoke_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
 def checkpoint_check(run: SmokeRun) -> Check:
     if not run.finished:
         return Check("checkpoint", "skip", "the smoke run did not finish")
-    results = verify_checkpoints(run.cfg)
+    return stored_checkpoint_check(run.cfg)
+
+
+def stored_checkpoint_check(cfg: RunConfig) -> Check:
+    """The newest checkpoint on the store and the mirror reads back whole and loads into the model."""
+    results = verify_checkpoints(cfg)
     bad = [f"{r.store}: {r.detail}" for r in results if not r.ok]
     if bad:
         return Check("checkpoint", "fail", "; ".join(bad))
@@ -345,8 +365,15 @@ def drill_check(cfg: RunConfig) -> Check:
 
 
 def metrics_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
+    if not rows and not run.started:
+        return Check("metrics", "skip", f"no step rows in {run.cfg.metrics_file}")
+    return metrics_of(run.cfg, rows)
+
+
+def metrics_of(cfg: RunConfig, rows: list[dict[str, Any]]) -> Check:
+    """The training curves the guide asks for, in every step row, finite."""
     if not rows:
-        return Check("metrics", "skip" if not run.started else "fail", f"no step rows in {run.cfg.metrics_file}")
+        return Check("metrics", "fail", f"no step rows in {cfg.metrics_file}")
     empty = [key for key in CURVES if not all(_finite(row.get(key)) for row in rows)]
     if empty:
         return Check("metrics", "fail", f"missing or not finite in some of {len(rows)} step rows: {', '.join(empty)}")
@@ -411,3 +438,54 @@ def smoke_only(config_path: Path) -> list[Check]:
     with tempfile.TemporaryDirectory(prefix="rlpipe-smoke-") as folder:
         run = smoke(config_path, Path(folder))
     return [roles_check(run), smoke_check(run, step_rows(run.cfg))]
+
+
+def verify_live(
+    config_path: Path, address: str, token: str, tls_ca: Path | None = None
+) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
+    """The checklist against a running deployment, through its trainer's Admin API at ``address``.
+
+    Nothing is started or stopped: the roles and the versions their rollouts hold come from the trainer's
+    status (and each replica's gRPC health where it is reachable from here), the logprob comparison and
+    the curves from the run's metrics file when this machine sees it. The smoke run is skipped: it needs
+    a deployment of its own (``rlpipe verify`` or ``rlpipe run --smoke`` on the same config)."""
+    started = time.monotonic()
+    cfg = load_config(config_path)
+    rows = step_rows(cfg) if cfg.metrics_file.is_file() else []
+    status = _trainer_status(address, token, tls_ca)
+    if isinstance(status, str):
+        roles = Check("roles", "fail", f"trainer admin: {status}")
+        sync = Check("weight-sync", "skip", "the trainer's status could not be read")
+    else:
+        problems = [f"{s.instance}: down in the trainer's status" for s in status.services if not s.up]
+        for service in status.services:
+            reason = health_check(service.grpc_address, timeout=PROBE_TIMEOUT_S) if service.grpc_address else None
+            if service.up and reason:
+                problems.append(f"{service.instance}: health {reason}")
+        up = [s.instance for s in status.services if s.up]
+        roles = (
+            Check("roles", "fail", "; ".join(problems))
+            if problems
+            else Check("roles", "pass", f"{', '.join(up)}: up in the trainer's status, gRPC health SERVING")
+        )
+        rollouts = [s for s in status.services if s.role == "rollout"]
+        behind = [f"{s.instance} (version {s.policy_version})" for s in rollouts if s.policy_version < 1]
+        if not rollouts or behind:
+            sync = Check(
+                "weight-sync", "fail", f"no trained policy version reached {', '.join(behind) or 'any rollout'}"
+            )
+        else:
+            versions = ", ".join(f"{s.instance} at version {s.policy_version}" for s in rollouts)
+            versions += f" (trainer at {status.policy_version})"
+            sync = logprobs_match(rows, versions) if rows else Check("weight-sync", "pass", versions)
+    checks = [
+        roles,
+        sync,
+        Check("smoke-run", "skip", "a live deployment is not restarted for a smoke run: `rlpipe run --smoke CONFIG`"),
+        stored_checkpoint_check(cfg),
+        drill_check(cfg),
+        Check("metrics", "skip", f"{cfg.metrics_file} is not on this machine")
+        if not cfg.metrics_file.is_file()
+        else metrics_of(cfg, rows),
+    ]
+    return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started)

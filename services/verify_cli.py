@@ -70,19 +70,29 @@ def smoke_command(config: Path) -> int:
 def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
     @app.command("verify")
     def verify_command(
+        ctx: typer.Context,
         config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="the deployment's run config YAML"),
     ) -> None:
-        """The post-deployment checklist against the embedded deployment: roles, weight sync, a smoke run,
-        a checkpoint written and loaded, an alert drill, the training curves. Writes verify.json and verify.md."""
-        from services.verify import verify
+        """The post-deployment checklist: roles, weight sync, a smoke run, a checkpoint written and loaded, an
+        alert drill, the training curves. Starts the embedded deployment, or, with the global --address, checks
+        the running one behind that trainer admin address (no smoke run). Writes verify.json and verify.md."""
+        from services.common.config import AdminCredentials
+        from services.verify import verify, verify_live
 
         _orderly_sigterm()
+        target = ctx.obj
         try:
-            checks, cfg, (as_json, as_md) = verify(config)
+            if target is not None and target.given_address:
+                token = target.given_token or AdminCredentials().token
+                if not token and target.run_dir is not None and (target.run_dir / "admin.token").is_file():
+                    token = (target.run_dir / "admin.token").read_text().strip()
+                checks, cfg, (as_json, as_md) = verify_live(config, target.given_address, token, target.tls_ca)
+            else:
+                checks, cfg, (as_json, as_md) = verify(config)
         except ConfigError as error:
             _plain(f"rlpipe verify: {error}")
             raise typer.Exit(2) from None
-        _show_checks(checks, f"verification of {config} (smoke run {cfg.run_id})")
+        _show_checks(checks, f"verification of {config} (run {cfg.run_id})")
         _plain(f"record: {as_json} {as_md}")
         failed = [c for c in checks if c.status == "fail"]
         for check in failed:

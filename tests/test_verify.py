@@ -22,7 +22,7 @@ from services.common.modeling import load_model
 from services.common.storage import open_store
 from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, detached_copy, rng_state
 from services.trainer.lineage import Lineage
-from tests.conftest import ROOT, free_port, metric_rows, write_config
+from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
 
 
 def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -290,3 +290,27 @@ def test_run_smoke_logs_a_batch_from_every_stage_under_its_own_run_id(tmp_path, 
     assert (deployment / "metrics.jsonl").read_text() == '{"step": 7, "reward_mean": 0.5}\n'  # untouched
     smoke = next(line for line in done.stdout.splitlines() if "smoke-run" in line)
     assert "pass" in smoke and all(stage in smoke for stage in ("sampling", "reward", "reference", "update 3 steps"))
+
+
+@pytest.mark.e2e
+def test_verify_checks_a_live_deployment_through_its_admin_address_without_a_smoke_run(tmp_path, tiny_model):
+    config = verify_config(tmp_path, tiny_model, train={"total_steps": 200}, checkpoint={"save_every_steps": 2})
+    run_dir = tmp_path / "runs" / "deploy"
+    with running_pipeline(config) as pipeline:
+        wait_for(lambda: (run_dir / "step-00000002" / "manifest.json").is_file(), "a checkpoint", pipeline, 600)
+        wait_for(lambda: (run_dir / "run.json").is_file(), "run.json", pipeline)
+        admin = json.loads((run_dir / "run.json").read_text())["admin"]
+        done = rlpipe("--address", admin, "--run-dir", str(run_dir), "verify", "--config", str(config), timeout=600)
+        assert pipeline.poll() is None  # checked, not stopped
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    record = json.loads((run_dir / "verify.json").read_text())
+    statuses = [(c["name"], c["status"]) for c in record["checks"]]
+    assert statuses == [
+        ("roles", "pass"),
+        ("weight-sync", "pass"),
+        ("smoke-run", "skip"),
+        ("checkpoint", "pass"),
+        ("alert-drill", "pass"),
+        ("metrics", "pass"),
+    ]
+    assert not (tmp_path / "runs" / "deploy-smoke").exists()
