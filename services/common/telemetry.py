@@ -28,6 +28,10 @@ stages (rollout, reward, reference)
                                                           2 * nats.max_work_s (services/common/bus.py), else 0
   rlpipe_service_starts{role}                             gauge, starts of this replica's name (presence)
   rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
+reward with a remote service (``reward.http``, services/reward/remote.py)
+  rlpipe_reward_http_latency_seconds{outcome}             histogram, one request to the remote reward service
+  rlpipe_reward_http_errors_total{kind}                   failed requests, by kind
+  rlpipe_reward_http_breaker_state                        gauge, 0 closed, 1 half-open, 2 open (groups wait)
 rollout
   rlpipe_weight_sync_duration_seconds                     histogram, pull + load of one policy version
   rlpipe_weight_sync_bytes_total                          bytes of weights pulled
