@@ -13,6 +13,9 @@ import typer
 
 ACTIONS = ("status", "best", "report")
 
+# The one variable a tuner reads: the study storage URL, kept out of process listings (it carries a password).
+STORAGE_ENVVAR = "RLPIPE_TUNE_STORAGE"
+
 
 def register(app: typer.Typer) -> None:
     @app.command(no_args_is_help=True)
@@ -32,7 +35,7 @@ def register(app: typer.Typer) -> None:
         storage: str | None = typer.Option(
             None,
             "--storage",
-            envvar="RLPIPE_TUNE_STORAGE",
+            envvar=STORAGE_ENVVAR,
             help="the study's storage URL, in place of the tune file's (postgresql://USER:PASSWORD@HOST/DB for "
             "workers on several machines); from the environment, it stays out of process listings",
         ),

@@ -25,6 +25,7 @@ from services.common.config import (
     S3Credentials,
     load_config,
 )
+from services.tuner.cli import STORAGE_ENVVAR
 from tests.deploy.conftest import DEPLOY, ROOT, find, load_yaml
 
 ENVIRONMENTS = ("dev", "test", "prod")
@@ -136,8 +137,8 @@ def test_no_secret_is_written_into_a_config():
 
 
 def settings_names() -> set[str]:
-    """The variables read outside RunConfig: credentials, build info and RLPIPE_ENV."""
-    names = set()
+    """The variables read outside RunConfig: credentials, build info, RLPIPE_ENV and the tuner's storage URL."""
+    names = {STORAGE_ENVVAR}
     for settings in (S3Credentials, AdminCredentials, BuildInfo, DeploymentEnvironment):
         prefix = settings.model_config["env_prefix"]
         names |= {f"{prefix}{field}".upper() for field in settings.model_fields}

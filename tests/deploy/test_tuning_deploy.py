@@ -21,7 +21,7 @@ from tests.deploy.test_k8s import KUBERNETES_VERSION
 
 TUNING = DEPLOY / "k8s" / "components" / "tuning"
 STUDY_FILE = TUNING / "tune.yaml"
-DEFAULT_STORAGE = "${RLPIPE_TUNE_STORAGE:-postgresql://rlpipe:${RLPIPE_TUNE_DB_PASSWORD:-}@postgres:5432/optuna}"
+DEFAULT_STORAGE = "${RLPIPE_TUNE_STORAGE:-postgresql://rlpipe:${TUNE_DB_PASSWORD:-}@postgres:5432/optuna}"
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +85,7 @@ def test_the_study_storage_is_one_setting_shared_by_every_worker(tune_compose):
     assert tuner["environment"]["RLPIPE_TUNE_STORAGE"] == DEFAULT_STORAGE
     postgres = tune_compose["services"]["postgres"]["environment"]
     assert (postgres["POSTGRES_USER"], postgres["POSTGRES_DB"]) == ("rlpipe", "optuna")
-    assert postgres["POSTGRES_PASSWORD"].startswith("${RLPIPE_TUNE_DB_PASSWORD:?")
+    assert postgres["POSTGRES_PASSWORD"].startswith("${TUNE_DB_PASSWORD:?")
     assert "storage" not in load_yaml(STUDY_FILE)  # else the file and the setting could disagree
 
 
