@@ -10,8 +10,14 @@ from bench.vs_trl import Result, Task, rlpipe_config
 from services.common.config import load_config
 
 
-def test_the_rlpipe_side_of_vs_trl_gets_the_same_task_as_trl(tmp_path):
-    task = Task(steps=12)
+def test_the_rlpipe_side_of_vs_trl_gets_the_same_task_as_trl(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model  # the bench's own defaults (models/tiny-arith) need `make model` first
+    task = Task(
+        model=str(model_dir),
+        train_path=str(data_dir / "train.jsonl"),
+        eval_path=str(data_dir / "eval.jsonl"),
+        steps=12,
+    )
     cfg = load_config(None, **rlpipe_config(task, tmp_path / "runs"))
     assert (cfg.train.total_steps, cfg.train.batch_size, cfg.rollout.prompts_per_batch) == (12, 64, 64)
     assert (cfg.sampling.group_size, cfg.sampling.max_new_tokens, cfg.sampling.temperature) == (8, 6, 1.0)
