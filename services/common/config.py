@@ -1069,6 +1069,8 @@ def load_config_with(path: Path | str, overrides: Mapping[str, Any]) -> tuple[Ru
     try:
         cfg = load_config(None, **data)
     except ConfigError as error:
+        if not overrides:
+            raise  # the file's own problems, one line each as load_config names them
         raise ConfigError(f"invalid override: {_one_line(error)}") from None
     token = _read_environment.set(False)
     try:
