@@ -100,18 +100,22 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
     assert yaml.safe_load((run_dir / "run-config.yaml").read_text())["train"]["total_steps"] == 2
 
 
-def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tmp_path):
-    tune_file = tmp_path / "tune.yaml"
+def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    # The example's search space over a base config on the test model (a fresh clone has no models/ yet),
+    # in its own, empty study.
+    base = write_config(tmp_path / "base.yaml", model_dir, data_dir, tmp_path / "runs")
     spec = yaml.safe_load((ROOT / "examples" / "tune-arith.yaml").read_text())
-    tune_file.write_text(yaml.safe_dump({**spec, "workdir": str(tmp_path / "tune")}))  # its own, empty study
+    tune_file = tmp_path / "tune.yaml"
+    tune_file.write_text(yaml.safe_dump({**spec, "base_config": str(base), "workdir": str(tmp_path / "tune")}))
     done = rlpipe("tune", "status", str(tune_file), "train.total_steps=40", "sampling.top_p=0.9")
     assert done.returncode == 0, done.stderr
-    done = rlpipe("tune", "status", "examples/tune-arith.yaml", "train.learning_rate=1e-3")
+    done = rlpipe("tune", "status", str(tune_file), "train.learning_rate=1e-3")
     assert done.returncode == 2
     assert done.stderr.strip() == (
         "rlpipe tune: override train.learning_rate: the tune file searches it; a key is either set or searched"
     )
-    done = rlpipe("tune", "status", "examples/tune-arith.yaml", "train.total_steps=0")
+    done = rlpipe("tune", "status", str(tune_file), "train.total_steps=0")
     assert done.returncode == 2
     assert done.stderr.strip().startswith(
         "rlpipe tune: invalid override: train.total_steps: Input should be greater than or equal to 1"
