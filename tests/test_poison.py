@@ -118,7 +118,7 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
             "steps after the flood",
             run,
         )
-        letters = asyncio.run(list_dead_letters(nats_url, "poison", limit=10_000))
+        letters = asyncio.run(list_dead_letters(nats_url, "poison", 10_000, operator))
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = run.communicate(timeout=300)
     assert run.returncode == 0, output[-4000:]
