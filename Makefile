@@ -52,8 +52,8 @@ demo: model
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
-	$(BIN)/python -m pytest -q -m "not e2e" tests
-	$(BIN)/python -m pytest -q -m e2e tests
+	$(BIN)/python -m pytest -q --durations=15 -m "not e2e" tests
+	$(BIN)/python -m pytest -q --durations=15 -m e2e tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
