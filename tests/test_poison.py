@@ -13,11 +13,15 @@ import json
 import msgpack
 import nats
 import numpy as np
+import pytest
 
 from services.common.bus import stream_name, subject
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
 from services.dead_letters import list_dead_letters, operator_options
 from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
+
+# Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
+pytestmark = pytest.mark.e2e
 
 EDGES = ("prompts", "rollouts", "scored", "experience")
 PER_KIND = 50  # 5 kinds x 4 edges x 50 = 1,000 messages

@@ -17,6 +17,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 
 from services.common.config import CheckpointConfig
@@ -24,6 +25,9 @@ from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+
+# Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
+pytestmark = pytest.mark.e2e
 
 TOTAL_STEPS = 14
 

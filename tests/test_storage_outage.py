@@ -19,6 +19,9 @@ from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import BIN, StoppableS3, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
 
+# Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
+pytestmark = pytest.mark.e2e
+
 # Long enough to train through the outage (a failed save retries for ~7 s), so the last save meets a live store.
 TOTAL_STEPS = 150
 

@@ -6,6 +6,9 @@ import pytest
 
 from tests.conftest import run_pipeline, write_config
 
+# Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.parametrize(
     ("algorithm", "train"),

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import run_pipeline, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
+
+# Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
+pytestmark = pytest.mark.e2e
 
 
 def test_a_two_rank_trainer_trains_saves_and_stops_cleanly_in_the_pipeline(tiny_model, tmp_path):
