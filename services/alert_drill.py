@@ -14,20 +14,18 @@ paused, stopped or rolled back.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import AlertRule, RunConfig
 from services.common.events import EventLog
-from services.common.logs import setup_logging
+from services.common.logs import JsonlFollower, setup_logging
 from services.common.telemetry import TrainerMetrics, start_telemetry
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
@@ -100,18 +98,6 @@ def drill_firing(rule: AlertRule) -> Firing:
     )
 
 
-def _lines_after(path: Path, offset: int) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    with path.open("rb") as source:
-        source.seek(offset)
-        return [json.loads(line) for line in source.read().decode().splitlines() if line.strip()]
-
-
-def _size(path: Path) -> int:
-    return path.stat().st_size if path.is_file() else 0
-
-
 def _fired_counts(metrics_url: str) -> dict[str, float]:
     """rule -> rlpipe_alerts_fired_total as the Prometheus endpoint shows it."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
@@ -138,9 +124,10 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
     logging.getLogger().addHandler(records)
     telemetry = start_telemetry(cfg, "operator", "alert-drill")
     events_path, metrics_path = cfg.run_dir / "events.jsonl", cfg.metrics_file
-    events_from, metrics_from = _size(events_path), _size(metrics_path)
+    # The trainer may write and roll both files meanwhile: followers read on across rolls, from what is there now.
+    new_events, new_metrics = JsonlFollower(events_path).skip_to_end(), JsonlFollower(metrics_path).skip_to_end()
     progress = Progress()
-    events = EventLog(events_path)
+    events = EventLog.of_run(cfg)
     responder = AlertResponder(
         _InForce(cfg),
         AlertEvaluator(rules, cfg.alerts.cooldown_steps),
@@ -168,8 +155,8 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
 
     names = [rule.name for rule in rules]
     logged = {fields.get("rule") for event, fields in records.seen if event == "alert"}
-    evented = {row.get("rule") for row in _lines_after(events_path, events_from) if row.get("kind") == "alert"}
-    rowed = {row.get("alert") for row in _lines_after(metrics_path, metrics_from)}
+    evented = {row.get("rule") for row in new_events.new_rows() if row.get("kind") == "alert"}
+    rowed = {row.get("alert") for row in new_metrics.new_rows()}
     results = [
         _result("log", names, logged, "alert lines on stderr"),
         _result("events", names, evented, f"alert events in {events_path}"),

@@ -1,7 +1,7 @@
 """``rlpipe run CONFIG``: the whole pipeline on one machine.
 
 Starts a local NATS server with JetStream in the run directory, then one OS process
-per service in the order storage -> reference -> trainer -> rollout/reward, each
+per service in the order storage -> trainer -> reference -> rollout/reward, each
 waited on until it logs ``ready``. Shows a progress bar over training steps, and at
 the end writes the report plot and a summary, stops every process and exits
 non-zero if any service failed.
@@ -177,7 +177,7 @@ class Launcher:
         self.restarts: dict[str, int] = self.restart_policy.total
         self.nats_port = 0
         self.nats_keys: dict[str, RoleKey] = {}
-        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.events = EventLog.of_run(cfg)
 
     def start_nats(self, port: int | None = None) -> str:
         """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
@@ -340,8 +340,7 @@ class Launcher:
         # Only the trainer is given the token (role_env); no service inherits one from this shell.
         inherited = {name: value for name, value in os.environ.items() if name != "RLPIPE_ADMIN_TOKEN"}
         self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
-        for i in range(self.cfg.reference.replicas):
-            self.wait_ready([self.spawn("reference", f"reference-{i}")])
+        # The trainer first: it creates the run's streams and buckets, which the other roles wait for.
         # The trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin
         # port the config names; rollouts and a restarted trainer then use the ports it got.
         admin_port = self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set else 0
@@ -351,6 +350,8 @@ class Launcher:
         self.wait_ready([trainer])
         self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
         self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
+        for i in range(self.cfg.reference.replicas):
+            self.wait_ready([self.spawn("reference", f"reference-{i}")])
         workers = [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
         workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(workers)

@@ -7,6 +7,8 @@ Inputs, both JSON lines in the run directory:
 - ``events.jsonl`` (may be missing or empty): ``{"time", "step" (int or null), "kind",
   "message", ...}`` for config changes, alerts, rollbacks, resumes, restarts, pauses and stops.
 
+Both roll into numbered parts past ``telemetry.jsonl_max_mib``; ``read_jsonl`` reads every part in order.
+
 The x-axis is the trainer step everywhere. An event without a step is placed at the step
 of the metrics row written nearest to it in time, and the HTML marks such steps with "≈".
 After a rollback or resume the trainer writes some step numbers again; each curve is

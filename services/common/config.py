@@ -576,8 +576,9 @@ class TelemetryConfig(Section):
     jsonl_max_mib: int = Field(
         256,
         ge=1,
-        description="metrics.jsonl rolls to numbered parts (metrics.00001.jsonl, ...) past this size; every part is "
-        "kept and every reader (report, metrics --follow, tune, tests) reads them in order",
+        description="metrics.jsonl and events.jsonl roll to numbered parts (metrics.00001.jsonl, ...) past this "
+        "size; every part is kept and every reader (report, metrics --follow, tune, alert drill, tests) reads them "
+        "in order",
     )
     samples_keep_steps: int = Field(
         50,

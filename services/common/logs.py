@@ -11,12 +11,16 @@ rotates stderr instead (compose's logging options, the kubelet's containerLogMax
 
 ``RollingJsonl`` does the same for a run's record (``metrics.jsonl``, ``events.jsonl``) but
 keeps every part: past its size the file becomes ``metrics.00001.jsonl`` (then ``.00002``...),
-never renamed again, and a fresh ``metrics.jsonl`` goes on. ``jsonl_parts`` lists them in
-order for readers of the whole record; ``JsonlFollower`` follows the record across rolls.
+never renamed again, and a fresh ``metrics.jsonl`` goes on. Several processes may write one
+record (the launcher and the trainer both write ``events.jsonl``): each line is appended under
+an exclusive lock on ``.<name>.lock`` beside it, so no two writers roll at once or write into a
+part after it was rolled. ``jsonl_parts`` lists the parts in order for readers of the whole
+record; ``JsonlFollower`` follows the record across rolls.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -145,22 +149,29 @@ def jsonl_parts(path: Path) -> list[Path]:
 
 
 class RollingJsonl:
-    """Appends JSON lines to ``path``, rolling it to its next numbered part past ``max_bytes``."""
+    """Appends JSON lines to ``path``, rolling it to its next numbered part past ``max_bytes``; safe for several
+    writing processes (see the module docstring)."""
 
     def __init__(self, path: Path, max_bytes: int):
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_bytes = max_bytes
-        self._rolled = len(jsonl_parts(path)) - (1 if path.exists() else 0)
+        self.lock_path = path.with_name(f".{path.name}.lock")
 
     def write(self, line: str) -> None:
-        """Append one line (with its newline), opened per line so a reader never sees a half-rolled file."""
-        size = self.path.stat().st_size if self.path.exists() else 0
-        if size and size + len(line.encode()) > self.max_bytes:
-            self._rolled += 1
-            self.path.replace(rolled_part(self.path, self._rolled))
-        with self.path.open("a") as out:
-            out.write(line)
+        """Append one line (with its newline) whole, opened per line so a reader never sees a half-rolled file.
+
+        Under the lock the size is read, the file rolled and the line written as one step: another writer's
+        roll can neither reuse a part number (the next one is counted on disk, not remembered) nor leave this
+        line in a part a follower has already read to its end."""
+        data = line.encode()
+        with self.lock_path.open("a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            size = self.path.stat().st_size if self.path.exists() else 0
+            if size and size + len(data) > self.max_bytes:
+                self.path.replace(rolled_part(self.path, len(jsonl_parts(self.path))))
+            with self.path.open("ab") as out:
+                out.write(data)
 
 
 class JsonlFollower:
@@ -175,6 +186,15 @@ class JsonlFollower:
         self._queued: list[Path] | None = None  # listed at the first read: the record may not exist yet
         self._file: IO[bytes] | None = None
         self._pending = b""
+
+    def skip_to_end(self) -> JsonlFollower:
+        """Follow only what is written from now on: the parts and lines there already are not read."""
+        parts = jsonl_parts(self.path)
+        if parts:  # else nothing was written yet: the first read lists the parts made since
+            self._queued = []
+            self._file = parts[-1].open("rb")  # a rolled part only in the moment before its successor exists
+            self._file.seek(0, os.SEEK_END)
+        return self
 
     def new_lines(self) -> list[bytes]:
         lines: list[bytes] = []

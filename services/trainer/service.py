@@ -74,7 +74,7 @@ class Trainer:
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
         self.eval_rows = render_rows(eval_rows, learner.tokenizer)
-        events = EventLog(cfg.run_dir / "events.jsonl")
+        events = EventLog.of_run(cfg)
         self.events = events
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
