@@ -32,6 +32,7 @@ from tests.conftest import (
     RLPIPE_RUN,
     ROOT,
     metric_rows,
+    rlpipe,
     run_pipeline,
     running_pipeline,
     service_events,
@@ -120,7 +121,9 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothin
 def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model, tmp_path):
     """Work-queue messages gone from the broker (a lost volume, say) come back neither as experience nor as dead
     letters. Their in-flight slots must not leak: after train.lost_after_s they are recorded as lost, the alert
-    fires, and feeding goes on, so the run finishes instead of starving with every service up."""
+    fires, and feeding goes on instead of starving with every service up. (The run is stopped once every purged
+    group has a fate: written off, or used after all. Left to end at a step count, it could end while the last
+    purged groups were still short of lost_after_s, in flight for a reason, and the test would be racing it.)"""
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
@@ -129,7 +132,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
         data_dir,
         runs,
         run_id="leak",
-        train={"total_steps": 60, "batch_size": 8, "max_inflight_batches": 4, "lost_after_s": 6},
+        train={"total_steps": 10_000, "batch_size": 8, "max_inflight_batches": 4, "lost_after_s": 6},
         nats={"ack_wait_s": 2, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": 30},
         rollout={"prompts_per_batch": 4},
     )
@@ -143,14 +146,19 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
             purged = asyncio.run(purge_prompts(nats_url, operator_options(run_dir)))
         finally:
             os.kill(pids["rollout-0"], signal.SIGCONT)
+        assert len(purged) > 0
+        wait_for(lambda: purged <= fated_groups(run_dir), "every purged group written off or used", process)
+        # The step being collected when the last group was written off counts it in its metrics row.
+        steps_then = sum("pg_loss" in r for r in metric_rows(run_dir))
+        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) > steps_then + 1, "two more steps", process)
+        assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
-    assert len(purged) > 0
 
     records = Lineage(run_dir / "lineage.jsonl").records()
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, 61))
-    used = {g for r in final for g, _ in r["groups"]} | {g for r in final for g in r["dropped_stale"]}
+    assert [r["step"] for r in final] == list(range(1, len(final) + 1))
+    used = used_groups(final)
     # A purged prompt the stopped rollout had already fetched still came back; every other one is lost.
     assert set(lost_groups(records)) == purged - used
     assert purged - used
@@ -160,6 +168,17 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     # The alert fires when the first groups are written off (not a step later: a stall brings no step row).
     first_loss = next(r["at_step"] for r in records if "lost" in r)
     assert next(r["step"] for r in rows if r.get("alert") == "groups_lost") == first_loss
+
+
+def used_groups(steps: list[dict]) -> set[str]:
+    """Groups the lineage's steps applied or dropped as stale."""
+    return {g for r in steps for g, _ in r["groups"]} | {g for r in steps for g in r["dropped_stale"]}
+
+
+def fated_groups(run_dir: Path) -> set[str]:
+    """Groups that have a fate so far: used by a step, or written off as lost."""
+    records = Lineage(run_dir / "lineage.jsonl").records() if (run_dir / "lineage.jsonl").exists() else []
+    return used_groups(effective_steps(records)) | set(lost_groups(records))
 
 
 async def purge_prompts(nats_url: str, options: dict) -> set[str]:
