@@ -244,6 +244,15 @@ class TrainConfig(Section):
     )
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
     log_interval: int = Field(1, ge=1)
+    stall_bound_s: float = Field(
+        1800.0,
+        ge=60,
+        description="longest the trainer's loop may go without progress before its gRPC health (weight sync and "
+        "admin ports) reports NOT_SERVING, so a liveness probe restarts it. The loop beats about every second "
+        "while it waits for groups or is paused; one learner step, one evaluation or the final checkpoint upload "
+        "beats nothing while it runs, so this must exceed the longest of them (raise it for big models). "
+        "At least 60 s: a broker reconnect must not fail the probe",
+    )
 
     @model_validator(mode="after")
     def _tis_needs_recomputed_logprobs(self) -> TrainConfig:

@@ -10,6 +10,7 @@ import sys
 import time
 import weakref
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -72,25 +73,36 @@ async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tup
     return live, presence
 
 
-async def watch_stage(stage: Stage, server: grpc.aio.Server, presence: Presence) -> None:
-    """For ever: the stage's loop progress into its presence entry, and its gRPC health NOT_SERVING while the
-    loop is stuck past ``stall_bound_s`` (SERVING again once it moves), so a liveness probe restarts it."""
-    health_servicer = _health_servicers[server]
+class LoopProgress(Protocol):
+    """A service loop's progress as the watchdog reads it: a ``Stage``, the trainer's ``LoopHeartbeat``."""
+
+    last_progress: float  # wall time the loop last moved
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the loop has gone without progress beyond its bound (0 while it is moving)."""
+        ...
+
+
+async def watch_progress(loop: LoopProgress, servers: list[grpc.aio.Server], presence: Presence) -> None:
+    """For ever: the loop's progress into its presence entry, and the gRPC health of ``servers`` NOT_SERVING while
+    the loop is stuck past its bound (SERVING again once it moves), so a liveness probe restarts the service."""
+    health_servicers = [_health_servicers[server] for server in servers]
     stuck = False
     while True:
-        presence.update(progress_time=stage.last_progress)
-        stalled_s = stage.stalled_for(time.time())
+        presence.update(progress_time=loop.last_progress)
+        stalled_s = loop.stalled_for(time.time())
         if (stalled_s > 0) != stuck:
             stuck = not stuck
             status = health_pb2.HealthCheckResponse.NOT_SERVING if stuck else health_pb2.HealthCheckResponse.SERVING
-            await health_servicer.set("", status)
+            for health_servicer in health_servicers:
+                await health_servicer.set("", status)
             if stuck:
                 log_event(
                     log,
                     "stage_stalled",
                     level=logging.ERROR,
                     alert=True,
-                    no_progress_s=round(time.time() - stage.last_progress, 1),
+                    no_progress_s=round(time.time() - loop.last_progress, 1),
                     health="NOT_SERVING",
                 )
             else:
@@ -100,7 +112,7 @@ async def watch_stage(stage: Stage, server: grpc.aio.Server, presence: Presence)
 
 async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
     """Run a stage until ``stop``, then close its health server and NATS connection."""
-    watchdog = asyncio.create_task(watch_stage(stage, server, presence))
+    watchdog = asyncio.create_task(watch_progress(stage, [server], presence))
     try:
         await stage.run(stop)
     finally:

@@ -7,7 +7,8 @@ work and never reference the loop that drives them.
 - ``control``: operator commands and the running/paused/stopping state;
 - ``recovery``: checkpoints, purging, and adopting a stored step (resume, rollback);
 - ``responder``: metrics rows judged by the alert rules, and their actions;
-- ``status``: services, lag and the Admin status reply.
+- ``status``: services, lag and the Admin status reply;
+- ``liveness``: the loop's heartbeat, which the gRPC health follows.
 
 Staleness is bounded twice: by how many prompt groups are in flight
 (``max_inflight_batches * batch_size``) and by ``max_staleness``, which drops groups made by
@@ -36,7 +37,7 @@ from services.common.logs import Stopwatch, bind_log_fields, log_event
 from services.common.messages import reward_part_means
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.presence import Presence
-from services.common.service import EXIT_REFUSED, start_grpc_server
+from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
 from services.common.storage import open_store
 from services.common.telemetry import TrainerMetrics, current_telemetry
 from services.common.trackers import open_trackers
@@ -49,6 +50,7 @@ from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
+from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery
 from services.trainer.responder import AlertResponder, MetricsLog
@@ -70,6 +72,7 @@ class Trainer:
         self.learner = learner
         self.live = live
         self.progress = Progress()
+        self.heartbeat = LoopHeartbeat(cfg.train.stall_bound_s)
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
@@ -178,6 +181,7 @@ class Trainer:
         health rules are judged, so a batch that never completes still raises its alerts."""
         if self.broker_lost is not None:
             raise self.broker_lost
+        self.heartbeat.beat()  # waiting for groups is progress: an idle pipeline is not a hung trainer
         if self.control.wakeup.is_set() or await self.live.refresh():
             return True
         await self.check_health()
@@ -281,6 +285,7 @@ class Trainer:
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
                 raise self.broker_lost
+            self.heartbeat.beat()  # at least every second while paused (wait_while_held below)
             await self.between_steps()
             if not control.running:
                 await control.wait_while_held(1.0, on_idle=self.check_health)
@@ -404,6 +409,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(
         grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
     )
+    watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence))
     log_event(
         log,
         "ready",
@@ -437,6 +443,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
             )
             raise SystemExit(1)
     finally:
+        watchdog.cancel()
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
         await admin_server.stop(grace=1)

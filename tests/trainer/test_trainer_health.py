@@ -1,0 +1,129 @@
+"""The trainer's gRPC health follows its loop: NOT_SERVING while the loop is stuck, SERVING once it moves again,
+and SERVING through an idle pipeline and an operator's pause (issue #13).
+
+A real trainer loop (tiny learner, real nats-server, both real gRPC servers, checked by the healthcheck client
+probes use); the loop is blocked by a queued command that does not return, as a learner step that hangs would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.bus import Bus
+from services.common.config import ConfigError, load_config
+from services.common.live_config import LiveConfig
+from services.common.pb import weights_pb2_grpc
+from services.common.presence import Presence
+from services.common.service import start_grpc_server, watch_progress
+from services.common.weightsync import WeightSyncServer
+from services.healthcheck import check
+from services.trainer.admin import AdminServicer
+from services.trainer.learner import Learner
+from services.trainer.liveness import LoopHeartbeat
+from services.trainer.service import Trainer, start_admin_server
+from tests.conftest import create_run_state, write_config
+
+# Shrunk from train.stall_bound_s (at least 60 s in a config) so the test need not wait minutes.
+BOUND_S = 2.0
+
+
+async def _health(addresses: list[str]) -> list[str | None]:
+    return [await asyncio.to_thread(check, address) for address in addresses]
+
+
+async def _until(addresses: list[str], wanted: list[str | None], timeout_s: float = 30.0) -> list[str | None]:
+    """The health of ``addresses`` once it is ``wanted``, or as it stands when ``timeout_s`` ran out."""
+    for _ in range(int(timeout_s / 0.2)):
+        seen = await _health(addresses)
+        if seen == wanted:
+            break
+        await asyncio.sleep(0.2)
+    return seen
+
+
+def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_when_idle_or_paused(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            nats={"url": nats_url},
+            service={"trainer_grpc_port": 0},
+            admin={"port": 0},
+            data={"eval_path": None},
+        )
+    )
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "trainer").connect()
+        live = await LiveConfig(cfg, bus.js).start()
+        learner = Learner(cfg)
+        weights = WeightSyncServer(learner.snapshot(version=0, step=0))
+
+        def register(server):
+            weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
+            return ["rlpipe.v1.WeightSync"]
+
+        server, address = await start_grpc_server(cfg, 0, register)
+        trainer = Trainer(cfg, bus, learner, weights, live)
+        trainer.heartbeat.bound_s = BOUND_S
+        await trainer.prepare()
+        admin_server, admin_address = await start_admin_server(
+            cfg, AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
+        )
+        presence = await Presence(bus.js, cfg, "trainer", live).start(grpc=address, admin=admin_address)
+        watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], presence))
+        stop = asyncio.Event()
+        loop = asyncio.create_task(trainer.run(stop))
+        addresses = [address, admin_address]
+        try:
+            # No rollout runs: the loop waits for groups, beating, for well past the bound.
+            await asyncio.sleep(3 * BOUND_S)
+            assert await _health(addresses) == [None, None]
+
+            release = asyncio.Event()
+            trainer.control.submit(release.wait)  # the loop runs it between steps and hangs there
+            stuck = [f"{address}: NOT_SERVING", f"{admin_address}: NOT_SERVING"]
+            assert await _until(addresses, stuck) == stuck
+            assert not loop.done()
+
+            release.set()  # the loop moves on: healthy again at its next beat
+            assert await _until(addresses, [None, None]) == [None, None]
+
+            await trainer.control.pause("operator pause")  # held: the loop goes round every second, beating
+            await asyncio.sleep(3 * BOUND_S)
+            assert await _health(addresses) == [None, None]
+            assert trainer.progress.step == 0  # no step was taken: only the loop's beats kept it healthy
+        finally:
+            stop.set()
+            await asyncio.wait_for(loop, timeout=60)
+            watchdog.cancel()
+            await presence.stop()
+            await admin_server.stop(grace=0)
+            await server.stop(grace=0)
+            await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_heartbeat_counts_stalled_seconds_only_past_its_bound():
+    heartbeat = LoopHeartbeat(bound_s=60.0, last_progress=1000.0)
+    assert heartbeat.stalled_for(1059.0) == 0.0
+    assert heartbeat.stalled_for(1070.0) == 10.0
+    heartbeat.beat()
+    assert heartbeat.stalled_for(heartbeat.last_progress + 1.0) == 0.0
+
+
+def test_a_stall_bound_below_a_minute_is_refused_naming_the_field(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"stall_bound_s": 5})
+    with pytest.raises(ConfigError, match=r"train\.stall_bound_s"):
+        load_config(config)
