@@ -218,4 +218,4 @@ def test_k8s_environment_loads_with_the_config_it_selects(overlay, rendered, tin
     assert env_map["data"]["RLPIPE_ENV"] == overlay
     cfg = load_with_test_model(DEPLOY / "config" / f"{overlay}.yaml", tiny_model)
     assert cfg.environment == overlay
-    assert cfg.trainer_address == "trainer:50051" and cfg.nats.url == "nats://nats:4222"
+    assert cfg.trainer_address == "trainer:50051" and cfg.nats.url == "tls://nats:4222"

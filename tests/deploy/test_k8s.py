@@ -13,7 +13,7 @@ from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one
 
 KUBERNETES_VERSION = "1.33"
 # Custom resources have no schema in kubernetes-validate; their shape is checked below.
-CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor", "AlertmanagerConfig"}
+CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor", "AlertmanagerConfig", "Certificate", "Issuer"}
 STATELESS = {role: edge for edge, role in WORK_QUEUES.items()}  # role -> the edge it consumes
 HEALTH_PORT, TRAINER_PORT, ADMIN_PORT, METRICS_PORT = 50061, 50051, 50052, 9400
 
@@ -53,6 +53,8 @@ def test_only_the_expected_kinds_are_rendered(rendered):
         "PrometheusRule",
         "PodMonitor",
         "AlertmanagerConfig",
+        "Certificate",
+        "Issuer",
     }
     assert {doc["kind"] for doc in rendered["dev"]} == kinds | {"Job"}
 
@@ -153,13 +155,14 @@ def test_disruption_budgets_cover_the_scaled_roles_and_nats(overlay, rendered):
         assert budget["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/name": name}
 
 
-def test_trainer_is_one_gpu_pod_started_by_torchrun(rendered):
+def test_trainer_is_one_gpu_pod_started_by_torchrun_through_the_wrapper(rendered):
     docs = rendered["prod"]
     trainer = one(docs, "StatefulSet", "trainer")
     assert trainer["spec"]["replicas"] == 1
     spec = container(trainer)
-    assert spec["args"][:4] == ["torchrun", "--standalone", "--nnodes=1", "--nproc-per-node=$(TRAINER_GPUS)"]
-    assert spec["args"][4:] == ["-m", "services.trainer", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
+    assert spec["args"][:3] == ["python", "-m", "services.trainer.distributed"]  # torchrun's arguments follow
+    assert spec["args"][3:6] == ["--standalone", "--nnodes=1", "--nproc-per-node=$(TRAINER_GPUS)"]
+    assert spec["args"][6:] == ["-m", "services.trainer", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == int(env_map(docs)["TRAINER_GPUS"])
     assert (
         one(docs, "Deployment", "rollout")["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"][
@@ -205,7 +208,7 @@ def test_nats_is_a_three_node_jetstream_cluster(rendered):
     assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
     probe = container(nats)["readinessProbe"]["httpGet"]
     assert probe["path"] == "/healthz?js-enabled-only=true"
-    assert env_map(docs)["RLPIPE_NATS__URL"] == "nats://nats:4222"
+    assert env_map(docs)["RLPIPE_NATS__URL"] == "tls://nats:4222"
 
 
 def ingress_rules(docs: list[dict]) -> list[tuple[dict, dict]]:

@@ -15,6 +15,7 @@ from services.common.config import NatsConfig
 from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY
 from tests.deploy.test_compose_security import local_compose_conf, make_secrets
+from tests.deploy.test_k8s_security import k8s_conf_with_secrets
 
 COMPOSE_CONF = DEPLOY / "nats" / "nats.conf"
 K8S_CONF = DEPLOY / "k8s" / "base" / "nats" / "nats.conf"
@@ -43,7 +44,10 @@ def compose_conf_with_secrets(folder: Path, model: tuple[Path, Path], port: int,
 
 @pytest.mark.parametrize("which", ["compose", "k8s"])
 def test_nats_server_accepts_the_config(which: str, tiny_model, tmp_path: Path):
-    path = compose_conf_with_secrets(tmp_path, tiny_model, 4222, 8222) if which == "compose" else K8S_CONF
+    if which == "compose":
+        path = compose_conf_with_secrets(tmp_path, tiny_model, 4222, 8222)
+    else:
+        path = k8s_conf_with_secrets(tmp_path)
     done = subprocess.run(
         [str(BIN / "nats-server"), "-c", str(path), "-t"],
         env={"POD_NAME": "nats-0"},

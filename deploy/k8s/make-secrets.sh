@@ -1,0 +1,53 @@
+#!/bin/sh
+# The NATS keys of a Kubernetes deployment, made fresh and printed as Secret manifests, for kubectl apply:
+#   sh deploy/k8s/make-secrets.sh deploy/config/prod.yaml | kubectl -n rlpipe apply -f -
+# Run it from a checkout where rlpipe is installed (`make install`; PYTHON names another interpreter), before
+# the first apply: the pods wait in ContainerCreating until their Secrets exist.
+#   rlpipe-nats-auth     auth.conf: every role's public key and permissions (services/common/nats_auth.py),
+#                        mounted by the NATS pods alone
+#   rlpipe-nats-<role>   nats.nk: that role's seed (trainer, rollout, reward, reference, operator), each
+#                        mounted by its own role alone; operator is for `rlpipe` commands run by a person
+# The keys exist only in a private temporary folder, removed on exit, and in the manifests on stdout.
+# Running it again makes new keys: that is their rotation (docs/operations.md, "Security").
+# usage: make-secrets.sh CONFIG   (the deployment's run config: its run_id names the subjects)
+set -eu
+if [ $# -ne 1 ]; then
+    echo "usage: $0 CONFIG   (e.g. deploy/config/prod.yaml)" >&2
+    exit 2
+fi
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+"${PYTHON:-python3}" - "$1" "$tmp" <<'PY'
+import base64
+import sys
+from pathlib import Path
+
+import yaml
+
+from services.common.nats_auth import write_deployment_credentials
+from services.common.nats_connect import ROLES
+
+config, folder = Path(sys.argv[1]), Path(sys.argv[2])
+# Only run_id matters here, read from the file as the pods read it (the overlays set no RLPIPE_RUN_ID). The
+# whole config cannot be loaded on a workstation: its model and data paths are the pods' volumes.
+run_id = (yaml.safe_load(config.read_text()) or {}).get("run_id")
+if not isinstance(run_id, str) or not run_id:
+    sys.exit(f"{config}: no run_id (the streams and subjects the keys are allowed are named after it)")
+auth = write_deployment_credentials(run_id, folder)
+
+
+def secret(name: str, key: str, path: Path) -> dict:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "rlpipe"}},
+        "type": "Opaque",
+        "data": {key: base64.b64encode(path.read_bytes()).decode()},
+    }
+
+
+manifests = [secret("rlpipe-nats-auth", "auth.conf", auth)]
+manifests += [secret(f"rlpipe-nats-{role}", "nats.nk", folder / role / "nats.nk") for role in ROLES]
+sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
+print(f"made the NATS keys of {', '.join(ROLES)} for run {run_id}", file=sys.stderr)
+PY

@@ -1,0 +1,461 @@
+"""deploy/k8s runs NATS with per-role keys and TLS by default: each role mounts only its own key, the broker
+admits nothing else and speaks TLS to clients and between its nodes, only the trainer holds the admin token,
+and the trainer runs under rlpipe's torchrun wrapper. The broker config the pods get is run for real, as a
+3-node cluster, with the keys deploy/k8s/make-secrets.sh makes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import shutil
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import kubernetes_validate
+import nats
+import nkeys
+import pytest
+import yaml
+
+from services.common.bus import Bus, stream_name
+from services.common.config import load_config
+from services.common.nats_connect import ROLES, SERVICE_ROLES, connect_options
+from tests.conftest import BIN, free_port, write_config
+from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
+from tests.deploy.test_k8s import KUBERNETES_VERSION, container
+
+SECRETS_DIR = "/run/rlpipe/secrets"
+PROD_CONFIG = DEPLOY / "config" / "prod.yaml"
+STAGES = tuple(role for role in SERVICE_ROLES if role != "trainer")
+# Every Secret a pod of the default overlays reads, and which keys of it: the whole Secret is "*".
+ROLE_SECRETS = {"rlpipe-secrets": {"*"}, "nats-tls": {"ca.crt"}}
+EXPECTED_SECRETS = {
+    "nats": {"rlpipe-nats-auth": {"auth.conf"}, "nats-tls": {"tls.crt", "tls.key", "ca.crt"}},
+    "trainer": ROLE_SECRETS
+    | {"rlpipe-nats-trainer": {"nats.nk"}, "trainer-admin-tls": {"tls.crt", "tls.key"}, "rlpipe-admin": {"token"}},
+    **{role: ROLE_SECRETS | {f"rlpipe-nats-{role}": {"nats.nk"}} for role in STAGES},
+    "model-init": {},
+}
+
+
+def pod_templates(docs: list[dict]) -> dict[str, dict]:
+    return {
+        doc["metadata"]["name"]: doc["spec"]["template"]["spec"]
+        for doc in docs
+        if doc["kind"] in ("Deployment", "StatefulSet", "Job")
+    }
+
+
+def secrets_read(pod: dict) -> dict[str, set[str]]:
+    """Secret name -> the keys the pod reads of it, from its volumes and its containers' environment."""
+    found: dict[str, set[str]] = {}
+
+    def add(name: str, items: list[dict] | None) -> None:
+        found.setdefault(name, set()).update({item["key"] for item in items} if items else {"*"})
+
+    for volume in pod.get("volumes", []):
+        if "secret" in volume:
+            add(volume["secret"]["secretName"], volume["secret"].get("items"))
+        for source in volume.get("projected", {}).get("sources", []):
+            if "secret" in source:
+                add(source["secret"]["name"], source["secret"].get("items"))
+    for spec in pod.get("initContainers", []) + pod["containers"]:
+        for source in spec.get("envFrom", []):
+            if "secretRef" in source:
+                add(source["secretRef"]["name"], None)
+        for variable in spec.get("env", []):
+            ref = variable.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                add(ref["name"], [{"key": ref["key"]}])
+    return found
+
+
+def env_of(workload: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container(workload)["env"]}
+
+
+def mounted_files(pod: dict, volume_name: str) -> dict[str, tuple[str, str]]:
+    """The files of a projected volume: path -> (Secret or ConfigMap name, key)."""
+    (volume,) = [v for v in pod["volumes"] if v["name"] == volume_name]
+    files = {}
+    for source in volume["projected"]["sources"]:
+        ((_, ref),) = source.items()
+        for item in ref.get("items", []):
+            files[item["path"]] = (ref["name"], item["key"])
+    return files
+
+
+def certificate(docs: list[dict], name: str) -> dict:
+    found = one(docs, "Certificate", name)
+    assert found["apiVersion"] == "cert-manager.io/v1"
+    return found["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pod_reads_only_its_own_roles_secrets(overlay, rendered):
+    pods = pod_templates(rendered[overlay])
+    expected = {name: secrets for name, secrets in EXPECTED_SECRETS.items() if name in pods}
+    assert set(pods) == set(expected)
+    assert {name: secrets_read(pod) for name, pod in pods.items()} == expected
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_role_connects_with_its_key_over_tls(overlay, rendered):
+    docs = rendered[overlay]
+    (env_map,) = [cm for cm in find(docs, "ConfigMap") if cm["metadata"]["name"].startswith("rlpipe-env")]
+    url = env_map["data"]["RLPIPE_NATS__URL"]
+    assert url == "tls://nats:4222"
+    assert "nats" in certificate(docs, "nats-tls")["dnsNames"]  # the host of the URL
+    for role in SERVICE_ROLES:
+        workload = one(docs, "StatefulSet" if role == "trainer" else "Deployment", role)
+        env = env_of(workload)
+        assert env["RLPIPE_NATS__NKEY_SEED_FILE"] == f"{SECRETS_DIR}/nats.nk", role
+        assert env["RLPIPE_NATS__TLS_CA_FILE"] == f"{SECRETS_DIR}/ca.pem", role
+        assert {"name": "secrets", "mountPath": SECRETS_DIR, "readOnly": True} in container(workload)["volumeMounts"]
+        files = mounted_files(workload["spec"]["template"]["spec"], "secrets")
+        assert files["nats.nk"] == (f"rlpipe-nats-{role}", "nats.nk")
+        assert files["ca.pem"] == ("nats-tls", "ca.crt")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_broker_requires_tls_and_a_role_key(overlay, rendered):
+    docs = rendered[overlay]
+    nats_set = one(docs, "StatefulSet", "nats")
+    assert container(nats_set)["args"] == ["-c", "/etc/nats/nats.conf"]
+    assert {"name": "config", "mountPath": "/etc/nats", "readOnly": True} in container(nats_set)["volumeMounts"]
+    files = mounted_files(nats_set["spec"]["template"]["spec"], "config")
+    assert files == {
+        "auth.conf": ("rlpipe-nats-auth", "auth.conf"),
+        "tls/tls.crt": ("nats-tls", "tls.crt"),
+        "tls/tls.key": ("nats-tls", "tls.key"),
+        "tls/ca.crt": ("nats-tls", "ca.crt"),
+    }
+    (config_map,) = [cm for cm in find(docs, "ConfigMap") if cm["metadata"]["name"].startswith("nats-config")]
+    conf = config_map["data"]["nats.conf"]
+    assert conf.rstrip().endswith("include ./auth.conf")
+    assert conf.count("cert_file: /etc/nats/tls/tls.crt") == 2  # clients, and the cluster's routes
+    assert "ca_file: /etc/nats/tls/ca.crt\n    verify: true" in conf  # a node must present a certificate too
+    spec = certificate(docs, "nats-tls")
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    for node in range(nats_set["spec"]["replicas"]):
+        assert f"nats://nats-{node}.nats-headless:6222" in conf
+        assert f"nats-{node}.nats-headless" in spec["dnsNames"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_certificates_chain_to_the_namespaces_own_ca(overlay, rendered):
+    docs = rendered[overlay]
+    issuers = {doc["metadata"]["name"]: doc["spec"] for doc in find(docs, "Issuer")}
+    ca = certificate(docs, "rlpipe-ca")
+    assert ca["isCA"] is True
+    assert issuers[ca["issuerRef"]["name"]] == {"selfSigned": {}}
+    for name in ("nats-tls", "trainer-admin-tls"):
+        spec = certificate(docs, name)
+        assert spec["secretName"] == name
+        assert spec["issuerRef"] == {"name": "rlpipe-ca", "kind": "Issuer", "group": "cert-manager.io"}
+        assert issuers["rlpipe-ca"] == {"ca": {"secretName": ca["secretName"]}}
+    # The CA's own key is mounted nowhere.
+    assert all(ca["secretName"] not in secrets_read(pod) for pod in pod_templates(docs).values())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(overlay, rendered):
+    docs = rendered[overlay]
+    for role in STAGES:
+        assert env_of(one(docs, "Deployment", role))["RLPIPE_ADMIN_TOKEN"] == "", role  # blanks rlpipe-secrets'
+    trainer = one(docs, "StatefulSet", "trainer")
+    env = env_of(trainer)
+    # From its file, which the kubelet refreshes when the Secret changes; never from a variable.
+    assert env["RLPIPE_ADMIN_TOKEN"] == ""
+    files = mounted_files(trainer["spec"]["template"]["spec"], "secrets")
+    assert env["RLPIPE_ADMIN__TOKEN_FILE"] == f"{SECRETS_DIR}/admin.token"
+    assert files["admin.token"] == ("rlpipe-admin", "token")
+    assert (env["RLPIPE_ADMIN__TLS_CERT"], env["RLPIPE_ADMIN__TLS_KEY"]) == (
+        f"{SECRETS_DIR}/admin.pem",
+        f"{SECRETS_DIR}/admin.key",
+    )
+    assert (files["admin.pem"], files["admin.key"]) == (
+        ("trainer-admin-tls", "tls.crt"),
+        ("trainer-admin-tls", "tls.key"),
+    )
+    spec = certificate(docs, "trainer-admin-tls")
+    assert one(docs, "Service", "trainer-admin")["metadata"]["name"] in spec["dnsNames"]
+    assert "localhost" in spec["dnsNames"] and "127.0.0.1" in spec["ipAddresses"]  # port-forward, exec
+    assert "client auth" not in spec["usages"]  # it cannot pose as a NATS node
+
+
+def torchrun_arguments(args: list[str]) -> list[str]:
+    """The trainer container's torchrun arguments, after the wrapper that runs torchrun in its process."""
+    assert args[:3] == ["python", "-m", "services.trainer.distributed"]
+    return args[3:]
+
+
+def test_the_trainer_runs_torchrun_through_rlpipes_wrapper(rendered):
+    from torch.distributed.run import parse_args
+
+    for overlay in OVERLAYS:
+        arguments = torchrun_arguments(container(one(rendered[overlay], "StatefulSet", "trainer"))["args"])
+        parsed = parse_args(arguments)
+        assert parsed.standalone and (parsed.nnodes, parsed.nproc_per_node) == ("1", "$(TRAINER_GPUS)")
+        assert parsed.module and parsed.training_script == "services.trainer"
+        assert parsed.training_script_args == ["--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
+        assert env_of(one(rendered[overlay], "StatefulSet", "trainer"))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "280"
+
+
+def render_with_component(tmp_path: Path, overlay: str, component: str) -> list[dict]:
+    """``overlay`` with ``components/<component>`` added, as docs/operations.md says to do."""
+    source = DEPLOY / "k8s" / "overlays" / overlay
+    for path in source.iterdir():
+        shutil.copy(path, tmp_path / path.name)
+    kustomization = yaml.safe_load((source / "kustomization.yaml").read_text())
+
+    def moved(ref: str) -> str:
+        return os.path.relpath(source / ref, tmp_path) if ref.startswith("..") else ref
+
+    kustomization["resources"] = [moved(ref) for ref in kustomization["resources"]]
+    kustomization["components"] = [moved(ref) for ref in kustomization.get("components", [])]
+    kustomization["components"].append(os.path.relpath(DEPLOY / "k8s" / "components" / component, tmp_path))
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    done = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
+
+
+def test_the_multinode_trainer_keeps_the_wrapper_its_rendezvous_and_its_secrets(tmp_path):
+    from torch.distributed.run import parse_args
+
+    docs = render_with_component(tmp_path, "prod", "trainer-multinode")
+    trainer = one(docs, "StatefulSet", "trainer")
+    parsed = parse_args(torchrun_arguments(container(trainer)["args"]))
+    assert (parsed.nnodes, parsed.rdzv_backend, parsed.rdzv_id) == ("$(TRAINER_NODES)", "c10d", "rlpipe-trainer")
+    assert parsed.rdzv_endpoint == "trainer-0.trainer-rendezvous:29400"
+    assert parsed.local_addr == "$(POD_NAME).trainer-rendezvous"
+    assert not parsed.standalone and parsed.training_script == "services.trainer"
+    env = env_of(trainer)
+    assert env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "280" and "POD_NAME" in env
+    assert secrets_read(trainer["spec"]["template"]["spec"]) == EXPECTED_SECRETS["trainer"]
+
+
+# -- the secrets step and the broker, for real -----------------------------------------------------------------
+
+
+def run_make_secrets(config: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["sh", str(DEPLOY / "k8s" / "make-secrets.sh"), str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+
+
+def make_secrets(config: Path) -> list[dict]:
+    done = run_make_secrets(config)
+    assert done.returncode == 0, done.stderr
+    return list(yaml.safe_load_all(done.stdout))
+
+
+def decoded(secret: dict) -> dict[str, bytes]:
+    return {key: base64.b64decode(value) for key, value in secret["data"].items()}
+
+
+def test_make_secrets_makes_the_secrets_the_pods_mount_and_keys_the_broker_admits(rendered):
+    secrets = {s["metadata"]["name"]: s for s in make_secrets(PROD_CONFIG)}
+    assert set(secrets) == {"rlpipe-nats-auth", *(f"rlpipe-nats-{role}" for role in ROLES)}
+    for secret in secrets.values():
+        kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
+    mounted = {name for pod in pod_templates(rendered["prod"]).values() for name in secrets_read(pod)}
+    made_by_cert_manager = {
+        certificate(rendered["prod"], c["metadata"]["name"])["secretName"]
+        for c in find(rendered["prod"], "Certificate")
+    }
+    # What neither this script nor cert-manager makes, the operator creates (docs/operations.md).
+    assert mounted - set(secrets) - made_by_cert_manager == {"rlpipe-secrets", "rlpipe-admin"}
+    auth = decoded(secrets["rlpipe-nats-auth"])["auth.conf"].decode()
+    for role in ROLES:
+        seed = decoded(secrets[f"rlpipe-nats-{role}"])["nats.nk"].strip()
+        assert f'nkey: "{nkeys.from_seed(seed).public_key.decode()}"' in auth, role
+    again = {s["metadata"]["name"]: s for s in make_secrets(PROD_CONFIG)}
+    assert again["rlpipe-nats-trainer"]["data"] != secrets["rlpipe-nats-trainer"]["data"]  # fresh keys each run
+
+
+def test_make_secrets_refuses_a_config_without_run_id(tmp_path):
+    (tmp_path / "c.yaml").write_text("environment: prod\n")
+    done = run_make_secrets(tmp_path / "c.yaml")
+    assert done.returncode != 0 and done.stdout == ""
+    assert "no run_id" in done.stderr
+
+
+def openssl(*args: str | Path) -> None:
+    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
+
+
+def issue_certificates(folder: Path, spec: dict) -> None:
+    """What cert-manager puts in the Secret nats-tls (tls.crt, tls.key, ca.crt), made with openssl from the
+    rendered Certificate's names and usages."""
+    folder.mkdir()
+    ca_key, ca, key, request = folder / "ca.key", folder / "ca.crt", folder / "tls.key", folder / "tls.csr"
+    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
+    openssl("req", "-x509", *new_key, "-days", "2", "-subj", "/CN=test CA", "-keyout", ca_key, "-out", ca)
+    openssl("req", *new_key, "-subj", f"/CN={spec['commonName']}", "-keyout", key, "-out", request)
+    usage = {"server auth": "serverAuth", "client auth": "clientAuth"}
+    (folder / "ext").write_text(
+        f"subjectAltName={','.join(f'DNS:{name}' for name in spec['dnsNames'])}\n"
+        f"extendedKeyUsage={','.join(usage[u] for u in spec['usages'] if u in usage)}\n"
+    )
+    openssl(
+        "x509",
+        "-req",
+        "-in",
+        request,
+        "-CA",
+        ca,
+        "-CAkey",
+        ca_key,
+        "-CAcreateserial",
+        "-days",
+        "2",
+        "-extfile",
+        folder / "ext",
+        "-out",
+        folder / "tls.crt",
+    )
+
+
+def broker_secrets(folder: Path, nats_certificate: dict) -> dict[str, dict[str, bytes]]:
+    """``folder`` laid out as the NATS pods' /etc/nats, but for nats.conf: auth.conf from make-secrets.sh and tls/
+    as cert-manager issues ``nats_certificate``. Returns every Secret make-secrets.sh made, decoded."""
+    secrets = {s["metadata"]["name"]: decoded(s) for s in make_secrets(PROD_CONFIG)}
+    (folder / "auth.conf").write_bytes(secrets["rlpipe-nats-auth"]["auth.conf"])
+    issue_certificates(folder / "tls", nats_certificate)
+    return secrets
+
+
+def k8s_conf_with_secrets(folder: Path) -> Path:
+    """deploy/k8s/base/nats/nats.conf runnable here, with its secrets in ``folder`` where the pods have /etc/nats."""
+    specs = yaml.safe_load_all((DEPLOY / "k8s" / "components" / "cert-manager" / "certificates.yaml").read_text())
+    (nats_certificate,) = [doc["spec"] for doc in specs if doc["metadata"]["name"] == "nats-tls"]
+    broker_secrets(folder, nats_certificate)
+    conf = (DEPLOY / "k8s" / "base" / "nats" / "nats.conf").read_text()
+    assert "/etc/nats/" in conf
+    (folder / "nats.conf").write_text(conf.replace("/etc/nats/", f"{folder}/"))
+    return folder / "nats.conf"
+
+
+def local_node_conf(conf: str, folder: Path, node: int, ports: list[dict[str, int]]) -> str:
+    """The pods' nats.conf for node ``node`` on this machine: its store, ports and route addresses moved, the
+    projected volume's /etc/nats/ replaced by ``folder``. Hosts stay names the certificate covers (localhost)."""
+    mine = ports[node]
+    replacements = [
+        ("store_dir: /data", f"store_dir: {folder / f'store-{node}'}"),
+        ("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{mine['client']}"),
+        ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{mine['monitor']}"),
+        ("listen: 0.0.0.0:6222", f"listen: 127.0.0.1:{mine['cluster']}"),
+        ("/etc/nats/", f"{folder}/"),
+    ]
+    replacements += [(f"nats-{i}.nats-headless:6222", f"localhost:{p['cluster']}") for i, p in enumerate(ports)]
+    for old, new in replacements:
+        assert old in conf, old
+        conf = conf.replace(old, new)
+    return conf
+
+
+def healthy(monitor: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{monitor}/healthz", timeout=2) as reply:
+            return json.load(reply) == {"status": "ok"}
+    except OSError:
+        return False
+
+
+def plain_text_session(port: int) -> tuple[dict, bytes]:
+    """What the broker announces, and answers to a client that goes on without TLS (CONNECT, PING): b"" when it
+    hangs up instead of answering PONG."""
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        announced = json.loads(sock.recv(65536).removeprefix(b"INFO "))
+        sock.sendall(b'CONNECT {"verbose":false}\r\nPING\r\n')
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    return {key: announced.get(key) for key in ("tls_required", "auth_required")}, answer
+
+
+def test_the_pods_broker_config_runs_a_tls_cluster_that_admits_only_the_role_keys(rendered, tiny_model, tmp_path):
+    docs = rendered["prod"]
+    (config_map,) = [cm for cm in find(docs, "ConfigMap") if cm["metadata"]["name"].startswith("nats-config")]
+    secrets = broker_secrets(tmp_path, certificate(docs, "nats-tls"))
+    replicas = one(docs, "StatefulSet", "nats")["spec"]["replicas"]
+    ports = [{"client": free_port(), "monitor": free_port(), "cluster": free_port()} for _ in range(replicas)]
+    servers = []
+    try:
+        for node in range(replicas):
+            conf = tmp_path / f"nats-{node}.conf"
+            conf.write_text(local_node_conf(config_map["data"]["nats.conf"], tmp_path, node, ports))
+            servers.append(
+                subprocess.Popen(
+                    [str(BIN / "nats-server"), "-c", str(conf)],
+                    env={"POD_NAME": f"nats-{node}"},
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                )
+            )
+        deadline = time.monotonic() + 60
+        # Healthy only once in contact with a JetStream meta leader: the nodes found each other over TLS routes.
+        while not all(healthy(p["monitor"]) for p in ports):
+            assert all(server.poll() is None for server in servers), "a nats-server exited"
+            assert time.monotonic() < deadline, "the cluster never became healthy"
+            time.sleep(0.2)
+        client = ports[0]["client"]
+        run_id = load_yaml(PROD_CONFIG)["run_id"]  # the subjects the keys are allowed
+        model_dir, data_dir = tiny_model
+        config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+        for role in ROLES:
+            (tmp_path / role).mkdir()
+            (tmp_path / role / "nats.nk").write_bytes(secrets[f"rlpipe-nats-{role}"]["nats.nk"])
+
+        def as_role(role: str):
+            return load_config(
+                config,
+                run_id=run_id,
+                nats={
+                    "url": f"tls://localhost:{client}",
+                    "nkey_seed_file": str(tmp_path / role / "nats.nk"),
+                    "tls_ca_file": str(tmp_path / "tls" / "ca.crt"),
+                    "stream_replicas": replicas,
+                },
+            )
+
+        async def scenario() -> None:
+            trainer = await Bus(as_role("trainer"), "trainer").connect()  # makes the run's streams, 3 copies each
+            info = await trainer.js.stream_info(stream_name(run_id, "prompts"))
+            assert info.config.num_replicas == replicas and len(info.cluster.replicas) == replicas - 1
+            await trainer.close()
+            reward = await Bus(as_role("reward"), "reward").connect()  # its own key, on another node's stream
+            await reward.close()
+            trust = ssl.create_default_context(cafile=str(tmp_path / "tls" / "ca.crt"))
+            with pytest.raises(Exception, match="Authorization Violation"):  # TLS without a key
+                await nats.connect(f"tls://localhost:{client}", tls=trust, allow_reconnect=False, connect_timeout=3)
+            stranger = tmp_path / "stranger.nk"
+            stranger.write_bytes(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER))
+            with pytest.raises(Exception, match="Authorization Violation"):  # a key the broker does not know
+                await nats.connect(
+                    f"tls://localhost:{client}",
+                    allow_reconnect=False,
+                    connect_timeout=3,
+                    **connect_options(as_role("reward").nats.model_copy(update={"nkey_seed_file": stranger}), "reward"),
+                )
+
+        asyncio.run(scenario())
+        assert plain_text_session(client) == ({"tls_required": True, "auth_required": True}, b"")
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(timeout=10)
