@@ -40,6 +40,10 @@ torchrun's own arguments), which runs torchrun in its process and keeps two thin
   refused to run (``EXIT_REFUSED``: a bad config, another run's checkpoints, a broker that lost its
   state) would look like a crash and be restarted into the same refusal. ``launch`` exits
   ``EXIT_REFUSED`` when a rank did, else 1 for any failure, from the ranks' own exit codes.
+- A stop. Stopped by SIGTERM or SIGINT, torchrun passes the signal on to its ranks (rank 0 saves its
+  step), waits ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` for them, and then raises, which would exit 1: a
+  supervisor would count an orderly stop as a crash. ``launch`` ends by that same signal instead, as a
+  single trainer process stopped by it does.
 - The ranks' lives. torchrun stops its ranks when it is stopped, but a SIGKILLed torchrun (the
   launcher's kill after the stop grace, the OOM killer) cannot, and its ranks would live on as orphans
   holding memory and devices. Each rank asks Linux, as it starts (``Mesh.from_env``), to SIGKILL it when
@@ -472,8 +476,9 @@ def die_with_parent(parent: int | None) -> None:
 
 def launch(argv: list[str]) -> int:
     """torchrun with ``argv`` (its own arguments), run in this process; returns the exit code: 0, EXIT_REFUSED
-    when a rank exited with it, else 1 (see the module docstring)."""
+    when a rank exited with it, else 1; stopped by a signal, it dies of that signal (see the module docstring)."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     os.environ[TORCHRUN_PID_ENV] = str(os.getpid())  # the ranks inherit it: the agent starts them from here
@@ -483,6 +488,10 @@ def launch(argv: list[str]) -> int:
         print(failed.format_msg(), file=sys.stderr)
         exit_codes = {failure.exitcode for failure in failed.failures.values()}
         return EXIT_REFUSED if EXIT_REFUSED in exit_codes else 1
+    except SignalException as stopped:
+        # The ranks have had the signal and their time to stop: end as a process that signal stops.
+        signal.signal(stopped.sigval, signal.SIG_DFL)
+        os.kill(os.getpid(), stopped.sigval)
     return 0
 
 

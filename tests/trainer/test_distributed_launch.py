@@ -72,6 +72,39 @@ def test_a_rank_that_crashes_makes_the_trainer_command_exit_1_so_it_is_restarted
     assert "exitcode  : 3" in done.stderr  # torchrun's own account of the failed rank is kept
 
 
+def test_a_sigterm_stops_every_rank_in_order_and_the_trainer_command_dies_of_it_not_failing(tmp_path):
+    """A supervisor's SIGTERM reaches each rank, which finishes (rank 0 would save its step), and the command
+    ends by SIGTERM as a single trainer does: the launcher counts that a stop. torchrun alone would exit 1."""
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import os, signal, sys, time\n"
+        "from pathlib import Path\n"
+        "here = Path(sys.argv[1])\n"
+        "def stop(*_):\n"
+        "    time.sleep(1)  # a final save takes a while\n"
+        "    (here / f\"stopped-{os.environ['RANK']}\").touch()\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "(here / f\"ready-{os.environ['RANK']}\").touch()\n"
+        "time.sleep(120)\n"
+    )
+    command = [sys.executable, "-m", "services.trainer.distributed", "--standalone", "--nproc-per-node=2"]
+    process = subprocess.Popen(
+        [*command, str(script), str(tmp_path)], cwd=ROOT, env=rank_env(), stderr=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not all((tmp_path / f"ready-{rank}").exists() for rank in (0, 1)):
+            assert process.poll() is None and time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    assert process.returncode == -signal.SIGTERM, stderr[-4000:]
+    assert sorted(p.name for p in tmp_path.glob("stopped-*")) == ["stopped-0", "stopped-1"]
+
+
 def test_no_trainer_rank_outlives_a_sigkilled_torchrun(tiny_model, tmp_path, nats_url):
     model_dir, data_dir = tiny_model
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"nproc": 2})
