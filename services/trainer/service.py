@@ -297,7 +297,9 @@ class Trainer:
                 break
             await self.train_step(collected)
             every = self.cfg.checkpoint.save_every_steps
-            if every and progress.step % every == 0:
+            # The last step is saved by the run's end, once, after the final evaluation: saved here, its copy would
+            # stand without it (a stored step is never rewritten in place; checkpoint.py).
+            if every and progress.step % every == 0 and progress.step < self.cfg.train.total_steps:
                 await self.save()  # and purges after it
             elif not every and progress.step % PURGE_EVERY_STEPS_UNSAVED == 0:
                 await self.recovery.purge_consumed()
@@ -313,9 +315,9 @@ class Trainer:
             log_event(log, "stopped_early", step=progress.step)
             return
         if not stopped:
-            await self.evaluate()  # the run's last word on held-out accuracy
+            await self.evaluate()  # the run's last word on held-out accuracy, saved with the last step below
         if progress.step > progress.saved_step or not stopped:
-            await self.save(wait=True)
+            await self.save(wait=True)  # after any upload still running; the last step once, with its evaluation
         control.state = RunState.DONE
         log_event(
             log,

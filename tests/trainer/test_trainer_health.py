@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from services.common.bus import Bus
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError, RunConfig, load_config
 from services.common.live_config import LiveConfig
 from services.common.pb import weights_pb2_grpc
 from services.common.presence import Presence
@@ -27,6 +27,17 @@ from tests.conftest import create_run_state, write_config
 
 # Shrunk from train.stall_bound_s (at least 60 s in a config) so the test need not wait minutes.
 BOUND_S = 2.0
+
+
+async def start_trainer(cfg: RunConfig) -> Trainer:
+    """A trainer as ``lead`` wires it (its run's streams and buckets created, its checkpoint adopted), not running."""
+    await create_run_state(cfg)
+    bus = await Bus(cfg, "trainer").connect()
+    live = await LiveConfig(cfg, bus.js).start()
+    learner = Learner(cfg)
+    trainer = Trainer(cfg, bus, learner, WeightSyncServer(learner.snapshot(version=0, step=0)), live)
+    await trainer.prepare()
+    return trainer
 
 
 async def _health(addresses: list[str]) -> list[str | None]:
@@ -62,24 +73,18 @@ def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_whe
     )
 
     async def scenario() -> None:
-        await create_run_state(cfg)
-        bus = await Bus(cfg, "trainer").connect()
-        live = await LiveConfig(cfg, bus.js).start()
-        learner = Learner(cfg)
-        weights = WeightSyncServer(learner.snapshot(version=0, step=0))
+        trainer = await start_trainer(cfg)
+        trainer.heartbeat.bound_s = BOUND_S
 
         def register(server):
-            weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
+            weights_pb2_grpc.add_WeightSyncServicer_to_server(trainer.recovery.weights, server)
             return ["rlpipe.v1.WeightSync"]
 
         server, address = await start_grpc_server(cfg, 0, register)
-        trainer = Trainer(cfg, bus, learner, weights, live)
-        trainer.heartbeat.bound_s = BOUND_S
-        await trainer.prepare()
         admin_server, admin_address = await start_admin_server(
-            cfg, AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
+            cfg, AdminServicer(trainer.control, trainer.status, trainer.live, trainer.recovery)
         )
-        presence = await Presence(bus.js, cfg, "trainer", live).start(grpc=address, admin=admin_address)
+        presence = await Presence(trainer.bus.js, cfg, "trainer", trainer.live).start(grpc=address, admin=admin_address)
         watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], presence))
         stop = asyncio.Event()
         loop = asyncio.create_task(trainer.run(stop))
@@ -109,7 +114,7 @@ def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_whe
             await presence.stop()
             await admin_server.stop(grace=0)
             await server.stop(grace=0)
-            await bus.close()
+            await trainer.bus.close()
 
     asyncio.run(scenario())
 

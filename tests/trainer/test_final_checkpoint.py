@@ -1,0 +1,72 @@
+"""The run's last step is stored once, after the final evaluation, and holds it: deterministic, whatever the timing
+of the periodic uploads (the tracker test counts its saves exactly).
+
+A real trainer loop (tiny learner, real nats-server, file:// checkpoint store) fed EXPERIENCE by this test in place
+of the stages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.common.bus import EXPERIENCE
+from services.common.config import load_config
+from services.report import read_jsonl
+from tests.conftest import write_config
+from tests.trainer.test_intake_bus import experience
+from tests.trainer.test_trainer_health import start_trainer
+
+
+async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
+    """Every prompt the trainer feeds comes back as one experience group made by the policy it serves."""
+    published: set[str] = set()
+    while not done.done():
+        for group_id in sorted(set(trainer.ledger.in_flight) - published):
+            group = experience(group_id, trainer.progress.version, trainer.progress.incarnation)
+            await trainer.bus.publish(EXPERIENCE, group, msg_id=f"{group_id}.experience")
+            published.add(group_id)
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.parametrize(("total_steps", "saved"), [(2, [2]), (3, [2, 3])])
+def test_the_last_step_is_saved_once_with_the_final_evaluation(tiny_model, tmp_path, nats_url, total_steps, saved):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            nats={"url": nats_url},
+            data={"eval_size": 4, "shuffle": False},
+            train={"total_steps": total_steps, "batch_size": 2},
+            checkpoint={"save_every_steps": 2, "keep_last": 5},
+        )
+    )
+
+    async def scenario() -> None:
+        trainer = await start_trainer(cfg)
+        # The baseline and the final evaluation told apart, which the tiny model's accuracies need not be.
+        accuracies = iter([0.25, 0.75])
+        trainer.learner.evaluate = lambda rows, max_new_tokens: next(accuracies)
+        try:
+            run = asyncio.create_task(trainer.run(asyncio.Event()))
+            stages = asyncio.create_task(_stand_in_for_the_stages(trainer, run))
+            await asyncio.wait_for(run, timeout=300)
+            await stages
+        finally:
+            await trainer.bus.close()
+        assert trainer.progress.step == trainer.progress.saved_step == total_steps
+        assert trainer.checkpoints.steps() == saved
+        assert trainer.checkpoints.load(total_steps).state.eval_accuracy == 0.75
+        if total_steps > 2:
+            assert trainer.checkpoints.load(2).state.eval_accuracy == 0.25  # saved before the final evaluation
+
+    asyncio.run(scenario())
+    rows = read_jsonl(cfg.metrics_file)
+    evaluated = [(row["step"], row["eval_accuracy"]) for row in rows if "eval_accuracy" in row]
+    assert evaluated == [(0, 0.25), (total_steps, 0.75)]
+    # Each stored step uploaded exactly once: the periodic save skipped the last step, which the run's end saved.
+    assert len([row for row in rows if row.get("checkpoint_saved")]) == len(saved)
