@@ -138,6 +138,8 @@ def test_the_broker_requires_tls_and_a_role_key(overlay, rendered):
         "tls/ca.crt": ("nats-tls", "ca.crt"),
     }
     (config_map,) = [cm for cm in find(docs, "ConfigMap") if cm["metadata"]["name"].startswith("nats-config")]
+    (volume,) = [v for v in nats_set["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    assert {"configMap": {"name": config_map["metadata"]["name"]}} in volume["projected"]["sources"]  # nats.conf
     conf = config_map["data"]["nats.conf"]
     assert conf.rstrip().endswith("include ./auth.conf")
     assert conf.count("cert_file: /etc/nats/tls/tls.crt") == 2  # clients, and the cluster's routes
@@ -233,6 +235,9 @@ def test_the_multinode_trainer_keeps_the_wrapper_its_rendezvous_and_its_secrets(
 
     docs = render_with_component(tmp_path, "prod", "trainer-multinode")
     trainer = one(docs, "StatefulSet", "trainer")
+    kubernetes_validate.validate(trainer, KUBERNETES_VERSION, strict=True)
+    names = [variable["name"] for variable in container(trainer)["env"]]
+    assert len(names) == len(set(names)), "the component's patch merges into the base's env, not beside it"
     parsed = parse_args(torchrun_arguments(container(trainer)["args"]))
     assert (parsed.nnodes, parsed.rdzv_backend, parsed.rdzv_id) == ("$(TRAINER_NODES)", "c10d", "rlpipe-trainer")
     assert parsed.rdzv_endpoint == "trainer-0.trainer-rendezvous:29400"
