@@ -277,6 +277,7 @@ class Trainer:
 
     async def run(self, stop: asyncio.Event) -> None:
         progress, control = self.progress, self.control
+        self.heartbeat.beat()  # restoring a checkpoint before (prepare) is start-up, not a stalled loop
         await self.watch_broker()
         self.intake.rewind()
         await self.intake.catch_up_dead()  # groups dead-lettered while no trainer read DEAD are settled first
