@@ -190,7 +190,7 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path):
     assert (run_dir / "effective-config.yaml").read_text().startswith("# config version 0, rlpipe 0.1.0")
     assert json.loads((run_dir / f"step-{target:08d}" / "build.json").read_text())["version"] == "0.1.0"
     assert "learning_rate: 3.0e-05" in (run_dir / f"step-{target:08d}" / "config.yaml").read_text()
-    kinds = [json.loads(line)["kind"] for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [event["kind"] for event in read_jsonl(run_dir / "events.jsonl")]
     assert {"pause", "unpause", "config_change", "rollback", "stop"} <= set(kinds)
 
     # The stop was recorded as a hold (an orchestrator restarting the trainer gets it back paused);

@@ -1,10 +1,10 @@
 """Operator commands run between steps, each once, and never after its caller has gone; holds survive restarts."""
 
 import asyncio
-import json
 from typing import Any
 
 from services.common.events import EventLog
+from services.report import read_jsonl
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 
@@ -76,7 +76,7 @@ def test_a_pause_is_stored_and_holds_a_restarted_trainer_until_an_operator_resum
         await first.request_stop("done for today")
         assert first.state == RunState.STOPPING
         assert holds.stored == {"paused": True, "reason": "stopped: done for today"}
-        rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        rows = read_jsonl(tmp_path / "events.jsonl")
         assert [row["kind"] for row in rows] == ["pause", "unpause", "stop"]
 
     asyncio.run(scenario())
