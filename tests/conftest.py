@@ -59,6 +59,18 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
     process.wait(timeout=10)
 
 
+async def create_run_state(cfg) -> None:
+    """The run's streams and buckets, as the trainer creates them at start: a stage only waits for them."""
+    from services.common.bus import Bus
+    from services.common.live_config import LiveConfig
+    from services.common.presence import open_bucket
+
+    bus = await Bus(cfg, "trainer").connect()
+    await LiveConfig(cfg, bus.js).start()
+    await open_bucket(bus.js, cfg)
+    await bus.close()
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
     port = free_port()

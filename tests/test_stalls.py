@@ -28,7 +28,7 @@ from services.report import read_jsonl
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
-from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import create_run_state, metric_rows, running_pipeline, wait_for, write_config
 
 
 def fired(rows: list[dict]) -> set[str]:
@@ -111,6 +111,7 @@ def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as
     never = threading.Event()  # a reward function blocked for good, as on a wedged remote call
 
     async def scenario() -> None:
+        await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         await bus.publish(ROLLOUTS, group("hangs"), msg_id="hangs.rollout")
 
@@ -147,6 +148,7 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
     assert stall_bound_s(cfg.nats) == pytest.approx(1.3)
 
     async def scenario() -> None:
+        await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         server, address = await start_grpc_server(cfg, 0)
         presence = await Presence(bus.js, cfg, "reward").start(grpc=address)

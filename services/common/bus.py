@@ -14,12 +14,17 @@ Every published message carries the sender's trace context in its headers, and a
 stage handles each message inside a span that continues it (see
 ``services.common.telemetry``), so one group's work across services is one trace.
 
-Broker state. Streams and the work queues' durable consumers are ensured at connect
-and again after every reconnect (a broker that came back without its store gets them
-back). A consumer whose settings differ from the config is updated in place
-(ack_wait, max_deliver, max_ack_pending); a difference JetStream cannot update stops
-start-up with ``ConsumerSettingsConflict`` naming the field. A broker that lost
-messages is never read past silently: ``StreamReader.next`` raises ``StreamGap`` when
+Broker state. The trainer owns the streams: its bus creates them (or updates one whose
+settings changed) at connect and again after every reconnect, so a broker that came
+back without its store gets them back. A stage's bus only looks them up, at connect and
+after a reconnect, and waits while one is missing (``await_run_state``: the trainer not
+up yet, or not yet back), whatever order the services start in; its key may not create,
+update or delete a stream (``services.common.nats_auth``). Each stage ensures its own
+work queue's durable consumer, at first use and after every reconnect. A consumer whose
+settings differ from the config is updated in place (ack_wait, max_deliver,
+max_ack_pending); a difference JetStream cannot update stops start-up with
+``ConsumerSettingsConflict`` naming the field. A broker that lost messages is never
+read past silently: ``StreamReader.next`` raises ``StreamGap`` when
 the next message present is beyond the expected sequence (EXPERIENCE is purged only
 below its reader, so any jump is a loss) and ``BrokerStateLost`` when the stream was
 re-created or ends below what was already read; ``Bus.check_covers`` makes the same
@@ -73,7 +78,7 @@ from opentelemetry.trace import Span, StatusCode
 from services.common.config import NatsConfig, RunConfig
 from services.common.logs import log_event
 from services.common.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
-from services.common.nats_connect import connect_options
+from services.common.nats_connect import await_run_state, connect_options, creates_run_state
 from services.common.storage import ObjectStore, open_store
 from services.common.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
 
@@ -171,6 +176,7 @@ class Bus:
         self.cfg = cfg
         self.service = service
         self.run_id = cfg.run_id
+        self.creates_streams = creates_run_state(service)  # the trainer; a stage waits for them instead
         self.nc: nats.NATS | None = None
         self.js: nats.js.JetStreamContext | None = None
         # Bumped the moment the connection comes back, before streams are restored: a reader seeing it
@@ -191,7 +197,7 @@ class Bus:
             **connect_options(self.cfg.nats, self.service),
         )
         self.js = self.nc.jetstream()
-        await self.ensure_streams()
+        await self._streams_in_place()
         return self
 
     async def close(self) -> None:
@@ -221,11 +227,12 @@ class Bus:
         self._restore = asyncio.get_running_loop().create_task(self._restore_state())
 
     async def _restore_state(self) -> None:
-        """Streams and consumers back in place after a reconnect: a broker that lost its store has none."""
+        """Streams and consumers back in place after a reconnect: a broker that lost its store has none (the trainer
+        re-creates the streams, a stage waits for them and then re-creates its consumer)."""
         delay = 0.2
         while True:
             try:
-                await self.ensure_streams()
+                await self._streams_in_place()
                 for edge in sorted(self._work_queues):
                     await self.ensure_consumer(edge)
                 break
@@ -294,7 +301,17 @@ class Bus:
             max_age=nats_cfg.dead_letter_max_age_s if edge == DEAD else None,
         )
 
+    async def _streams_in_place(self) -> None:
+        await (self.ensure_streams() if self.creates_streams else self.await_streams())
+
+    async def await_streams(self) -> None:
+        """Return once every stream of the run exists, waiting (and saying so) while the trainer has not made one."""
+        for edge in EDGES:
+            name = stream_name(self.run_id, edge)
+            await await_run_state(f"stream {name}", functools.partial(self.js.stream_info, name), NotFoundError)
+
     async def ensure_streams(self) -> None:
+        """Create the run's streams, or bring one whose settings changed up to date: the trainer's part."""
         for edge in EDGES:
             config = self.stream_config(edge)
             try:

@@ -10,7 +10,8 @@ on top of the file+environment config, with who changed what and when:
 Every service reads the newest version at start (so restart-only fields take effect
 then) and polls it between batches or steps, applying the fields of ``LIVE_FIELDS``.
 Polling with a direct get, rather than a push watcher, survives broker restarts
-without any subscription to re-create.
+without any subscription to re-create. Only the trainer creates the bucket and writes
+it (through its admin API); every other role waits for it and reads.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
 from services.common.logs import log_event
-from services.common.nats_connect import connect_options
+from services.common.nats_connect import await_run_state, connect_options, creates_run_state
 
 log = logging.getLogger(__name__)
 KEY = "current"
@@ -90,8 +91,9 @@ def _value_at(cfg: RunConfig, key: str) -> Any:
 class LiveConfig:
     """The config in force for one service: base (file + environment) plus the newest stored overrides."""
 
-    def __init__(self, base: RunConfig, js: Any, poll_s: float = 1.0):
+    def __init__(self, base: RunConfig, js: Any, poll_s: float = 1.0, creates_bucket: bool = True):
         self.base = base
+        self.creates_bucket = creates_bucket  # the trainer's; any other role waits for it
         self.cfg = base
         self.js = js
         self.poll_s = poll_s
@@ -107,20 +109,25 @@ class LiveConfig:
         return self.current.version
 
     async def start(self) -> LiveConfig:
-        """Open (or create) the bucket and take the newest version; a bad stored version is refused loudly."""
-        try:
-            self.kv = await self.js.key_value(bucket_name(self.base.run_id))
-        except BucketNotFoundError:
-            storage = api.StorageType.FILE if self.base.nats.storage == "file" else api.StorageType.MEMORY
-            self.kv = await self.js.create_key_value(
-                bucket=bucket_name(self.base.run_id),
-                history=HISTORY,
-                storage=storage,
-                replicas=self.base.nats.stream_replicas,
-            )
+        """Open (or create, or wait for) the bucket and take the newest version; a bad stored version is refused
+        loudly."""
+        name = bucket_name(self.base.run_id)
+        if not self.creates_bucket:
+            self.kv = await await_run_state(f"bucket {name}", lambda: self.js.key_value(name), BucketNotFoundError)
+        else:
+            self.kv = await self._open_or_create(name)
         await self.refresh(force=True)
         self.started = self.cfg
         return self
+
+    async def _open_or_create(self, name: str) -> Any:
+        try:
+            return await self.js.key_value(name)
+        except BucketNotFoundError:
+            storage = api.StorageType.FILE if self.base.nats.storage == "file" else api.StorageType.MEMORY
+            return await self.js.create_key_value(
+                bucket=name, history=HISTORY, storage=storage, replicas=self.base.nats.stream_replicas
+            )
 
     async def _latest_entry(self) -> tuple[ConfigVersion, int | None]:
         try:
@@ -224,10 +231,10 @@ class LiveConfig:
 async def stored_config(cfg: RunConfig, role: str = "operator") -> RunConfig:
     """``cfg`` with every change stored through the admin, restart-only ones included.
 
-    That is what a starting service runs with.
+    That is what a starting service runs with; a stage started before the trainer waits here for the bucket.
     """
     nc = await nats.connect(cfg.nats.url, connect_timeout=5, **connect_options(cfg.nats, role))
     try:
-        return (await LiveConfig(cfg, nc.jetstream()).start()).cfg
+        return (await LiveConfig(cfg, nc.jetstream(), creates_bucket=creates_run_state(role)).start()).cfg
     finally:
         await nc.close()

@@ -8,12 +8,16 @@ may publish follows what it does in ``services.common.bus``, ``live_config`` and
     rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             presence
     reward     SCORED, DEAD                       ROLLOUTS (reward)    read             presence
     reference  EXPERIENCE, DEAD                   SCORED (reference)   read             presence
-    trainer    PROMPTS, DEAD                      reads every stream   read and write   purges EXPERIENCE, presence
+    trainer    PROMPTS, DEAD                      reads every stream   read and write   creates and updates the
+                                                                                        streams and buckets,
+                                                                                        purges EXPERIENCE, presence
     operator   re-injected dead letters           reads every stream   read             deletes single messages
 
-Only the trainer (and the admin API it serves) writes the config bucket and PROMPTS. Every service
-may create and update the run's streams (each restores them after a broker lost its store, see
-``Bus.ensure_streams``) and write its presence entry; none may purge or delete a stream but the
+Only the trainer, the run's owner, creates and updates the run's streams and buckets (and restores
+the streams after a broker lost its store, see ``Bus.ensure_streams``); it alone, with the admin API
+it serves, writes the config bucket and PROMPTS. The stages only look the streams and buckets up,
+waiting while one is missing (``Bus.await_streams``), and create their own durable consumer. Every
+service writes its presence entry; nobody may delete a stream, and none may purge one but the
 trainer's purge of EXPERIENCE. Replies come to a per-role inbox prefix (``_INBOX_<role>``), so one
 role cannot read the answers another gets (a pulled batch, a config read).
 
@@ -33,7 +37,7 @@ from services.common import live_config, presence
 from services.common.bus import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
 from services.common.bus import stream_name as _stream
 from services.common.bus import subject as _subject
-from services.common.nats_connect import ROLES, SERVICE_ROLES, inbox_prefix
+from services.common.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
 
 # The work queue each stage consumes (its durable consumer is named after the role) and the edge each role feeds.
 CONSUMES = {role: edge for edge, role in WORK_QUEUES.items()}
@@ -70,12 +74,12 @@ def permissions(run_id: str, role: str) -> Permissions:
     config, services = live_config.bucket_name(run_id), presence.bucket_name(run_id)
     publish: list[str] = []
     if role in SERVICE_ROLES:
-        publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD)]
+        publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD), f"$KV.{services}.>"]
+    if role == RUN_OWNER:  # the others wait for what it creates (services.common.nats_connect.await_run_state)
         for edge in EDGES:
             stream = _stream(run_id, edge)
             publish += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
-        # Opening a bucket creates it when missing (whichever service starts first); writing is separate.
-        publish += [f"$JS.API.STREAM.CREATE.KV_{config}", f"$JS.API.STREAM.CREATE.KV_{services}", f"$KV.{services}.>"]
+        publish += [f"$JS.API.STREAM.CREATE.KV_{config}", f"$JS.API.STREAM.CREATE.KV_{services}"]
     publish += [f"$JS.API.STREAM.INFO.{_stream(run_id, edge)}" for edge in EDGES]
     watches = role in ("trainer", "operator")
     publish += _bucket_read(config, watches) + _bucket_read(services, watches)
@@ -89,7 +93,7 @@ def permissions(run_id: str, role: str) -> Permissions:
             f"$JS.API.CONSUMER.MSG.NEXT.{stream}.{durable}",
             f"$JS.ACK.{stream}.{durable}.>",
         ]
-    if role == "trainer":
+    if role == RUN_OWNER:
         publish += [f"$KV.{config}.>", f"$JS.API.STREAM.PURGE.{_stream(run_id, EXPERIENCE)}"]
     if role in ("trainer", "operator"):  # status, lag and dead-letter counts: reading any stream and consumer
         publish += [f"$JS.API.STREAM.MSG.GET.{_stream(run_id, edge)}" for edge in EDGES]

@@ -1,17 +1,42 @@
 """How a process connects to the run's broker: its role's nkey, its reply inbox and the broker's TLS trust.
 
-The identities and permissions themselves are in ``services.common.nats_auth``.
+The identities and permissions themselves are in ``services.common.nats_auth``. The trainer owns the
+run's broker state: it alone creates and updates the streams and key-value buckets, and every other
+role waits for them (``await_run_state``), whatever order the services start in.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import ssl
-from typing import Any
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from nats.errors import Error as NatsError
 
 from services.common.config import NatsConfig
+from services.common.logs import log_event
 
-SERVICE_ROLES = ("trainer", "rollout", "reward", "reference")
+RUN_OWNER = "trainer"
+STAGE_ROLES = ("rollout", "reward", "reference")
+SERVICE_ROLES = (RUN_OWNER, *STAGE_ROLES)
 ROLES = (*SERVICE_ROLES, "operator")
+# While the run's owner has not created what a role needs, the role looks again after at most WAIT_POLL_S
+# and says in its log that it is waiting every WAIT_LOG_S.
+WAIT_POLL_S = 2.0
+WAIT_LOG_S = 10.0
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def creates_run_state(role: str) -> bool:
+    """Whether ``role`` creates the run's streams and buckets when they are missing: the trainer does; a stage or
+    an operator's tool waits for them (its key may only look them up). A name outside ``ROLES`` (a test's client
+    of a broker without keys) stands in for the trainer."""
+    return role == RUN_OWNER or role not in ROLES
 
 
 def inbox_prefix(role: str) -> str:
@@ -28,3 +53,38 @@ def connect_options(nats_cfg: NatsConfig, role: str) -> dict[str, Any]:
     if nats_cfg.tls_ca_file is not None:
         options["tls"] = ssl.create_default_context(cafile=str(nats_cfg.tls_ca_file))
     return options
+
+
+async def await_run_state(what: str, look_up: Callable[[], Awaitable[T]], missing: type[Exception]) -> T:
+    """``look_up()``'s result once ``what`` (a stream or bucket the trainer creates) exists.
+
+    While ``look_up`` raises ``missing`` (not created yet: the trainer is not up, or the broker came back
+    without its store and the trainer has not restored it) or the broker does not answer, it looks again
+    with backoff, logging ``waiting_for_trainer`` at once and every ``WAIT_LOG_S``: a role waits the
+    trainer out, it neither fails (to be restarted in a loop) nor creates the state itself.
+    """
+    started, delay, logged_at = time.monotonic(), 0.1, None
+    while True:
+        try:
+            found = await look_up()
+        except missing:
+            reason = "not created yet: the trainer creates it"
+        except (NatsError, TimeoutError) as error:
+            reason = f"cannot be looked up: {error!r}"[:300]
+        else:
+            if logged_at is not None:
+                log_event(log, "trainer_state_found", what=what, waited_s=round(time.monotonic() - started, 1))
+            return found
+        now = time.monotonic()
+        if logged_at is None or now - logged_at >= WAIT_LOG_S:
+            logged_at = now
+            log_event(
+                log,
+                "waiting_for_trainer",
+                level=logging.WARNING,
+                what=what,
+                reason=reason,
+                waited_s=round(now - started, 1),
+            )
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, WAIT_POLL_S)

@@ -8,7 +8,8 @@ Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to not
 role with no live replica, a role whose loops make no progress (``progress_time``, the
 stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is down; one
 whose loop is stuck beats on but its progress time stands still), and restart loops
-(``RestartCounter``: restarts per role within a window).
+(``RestartCounter``: restarts per role within a window). The trainer creates the bucket;
+a replica of another role started before it waits for the bucket (``await_run_state``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from services.common.config import BuildInfo, RunConfig
 from services.common.live_config import LiveConfig
 from services.common.logs import log_event
+from services.common.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
 from services.common.telemetry import record_service_starts
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 UP_WITHIN_S = 3 * HEARTBEAT_S
-STAGE_ROLES = ("rollout", "reward", "reference")
 
 
 def bucket_name(run_id: str) -> str:
@@ -46,14 +47,16 @@ def instance_name(cfg: RunConfig, role: str) -> str:
     return re.sub(r"[^A-Za-z0-9_=.-]", "-", name)
 
 
-async def open_bucket(js: Any, cfg: RunConfig) -> Any:
+async def open_bucket(js: Any, cfg: RunConfig, create: bool = True) -> Any:
+    """The run's presence bucket: created when missing, or (``create=False``, a role that may not) waited for."""
+    name = bucket_name(cfg.run_id)
+    if not create:
+        return await await_run_state(f"bucket {name}", lambda: js.key_value(name), BucketNotFoundError)
     try:
-        return await js.key_value(bucket_name(cfg.run_id))
+        return await js.key_value(name)
     except BucketNotFoundError:
         storage = api.StorageType.FILE if cfg.nats.storage == "file" else api.StorageType.MEMORY
-        return await js.create_key_value(
-            bucket=bucket_name(cfg.run_id), history=1, storage=storage, replicas=cfg.nats.stream_replicas
-        )
+        return await js.create_key_value(bucket=name, history=1, storage=storage, replicas=cfg.nats.stream_replicas)
 
 
 class Presence:
@@ -77,7 +80,7 @@ class Presence:
         self._task: asyncio.Task | None = None
 
     async def start(self, **info: Any) -> Presence:
-        self.kv = await open_bucket(self.js, self.cfg)
+        self.kv = await open_bucket(self.js, self.cfg, create=creates_run_state(self.role))
         try:
             earlier = json.loads((await self.kv.get(self.instance)).value)
             self.info["starts"] = earlier.get("starts", 0) + 1

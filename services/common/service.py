@@ -68,7 +68,7 @@ async def start_grpc_server(
 
 async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tuple[LiveConfig, Presence]:
     """The run's live config (newest stored version applied) and this replica's presence entry."""
-    live = await LiveConfig(cfg, bus.js).start()
+    live = await LiveConfig(cfg, bus.js, creates_bucket=bus.creates_streams).start()
     presence = await Presence(bus.js, cfg, role, live).start(metrics_url=current_telemetry().metrics_url, **endpoints)
     return live, presence
 

@@ -21,7 +21,7 @@ from services.common.bus import (
 )
 from services.common.config import load_config
 from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, decode, encode
-from tests.conftest import free_port, write_config
+from tests.conftest import create_run_state, free_port, write_config
 
 
 def big_group(tokens: int) -> RolloutGroup:
@@ -102,6 +102,7 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
     )
 
     async def scenario() -> None:
+        await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         await bus.publish(ROLLOUTS, big_group(10), msg_id="g.rollout")
         queue = await bus.work_queue(ROLLOUTS)

@@ -30,7 +30,7 @@ from services.common.bus import (
 )
 from services.common.config import RunConfig, load_config
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
-from tests.conftest import BIN, free_port, start_nats, wait_for_port, write_config
+from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
 
 def group(group_id: str, tokens: int = 3) -> RolloutGroup:
@@ -112,6 +112,7 @@ def test_changed_consumer_settings_reach_the_broker(tiny_model, tmp_path, nats_u
     durable, stream = WORK_QUEUES[ROLLOUTS], stream_name("faults", ROLLOUTS)
 
     async def scenario() -> None:
+        await create_run_state(old)
         bus = await Bus(old, "reward").connect()
         await bus.work_queue(ROLLOUTS)
         info = await bus.js.consumer_info(stream, durable)
@@ -218,6 +219,56 @@ def test_a_broker_back_without_its_store_gets_its_streams_and_consumers_back_and
     restarted.wait(timeout=10)
 
 
+def test_a_stage_finding_a_broker_back_without_its_store_waits_for_the_trainer_to_restore_the_streams(
+    tiny_model, tmp_path, caplog
+):
+    """The trainer stopped (as it does on broker_state_lost) and the broker lost its store: a stage's bus does not
+    re-create the streams, it waits for them, and once the trainer has restored them its consumer is back."""
+    port, store = free_port(), tmp_path / "nats"
+    server, url = start_nats(store, port)
+    cfg = config(tmp_path, tiny_model, nats={"url": url})
+    caplog.set_level(logging.INFO)
+
+    def waiting() -> list[str]:
+        return [r.fields["what"] for r in caplog.records if r.getMessage() == "waiting_for_trainer"]
+
+    async def scenario() -> subprocess.Popen:
+        await create_run_state(cfg)
+        stage = await Bus(cfg, "reward").connect()
+        restored = asyncio.Event()
+
+        async def listener() -> None:
+            restored.set()
+
+        stage.on_reconnect(listener)
+        await stage.work_queue(ROLLOUTS)
+        server.kill()
+        server.wait()
+        shutil.rmtree(store)
+        restarted, _ = start_nats(store, port)
+        for _ in range(200):
+            if waiting():
+                break
+            await asyncio.sleep(0.1)
+        assert waiting() == [f"stream {stream_name('faults', 'prompts')}"]
+        await asyncio.sleep(1.0)  # the stage keeps looking; it creates nothing meanwhile
+        assert not restored.is_set()
+        assert (await stage.js.streams_info()) == []
+        trainer = await Bus(cfg, "trainer").connect()  # back: it restores the streams
+        await asyncio.wait_for(restored.wait(), timeout=20)
+        assert (await trainer.js.consumer_info(stream_name("faults", ROLLOUTS), WORK_QUEUES[ROLLOUTS])).config
+        for bus in (stage, trainer):
+            await bus.close()
+        return restarted
+
+    restarted = asyncio.run(scenario())
+    restarted.terminate()
+    restarted.wait(timeout=10)
+    assert [r.fields["what"] for r in caplog.records if r.getMessage() == "trainer_state_found"] == [
+        f"stream {stream_name('faults', 'prompts')}"
+    ]
+
+
 # ------------------------------------------------------------------ dependency outages
 
 
@@ -232,6 +283,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
     caplog.set_level(logging.INFO)
 
     async def scenario() -> None:
+        await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         for group_id in ids:
             await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
@@ -279,6 +331,7 @@ def test_a_bad_message_still_goes_to_dead_letters(tiny_model, tmp_path, nats_url
     )
 
     async def scenario() -> None:
+        await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         for group_id in ("good", "bad"):
             await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
@@ -324,6 +377,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
     moto: list[subprocess.Popen] = []
 
     async def scenario() -> None:
+        await create_run_state(producer)
         source = await Bus(producer, "rollout").connect()
         for group_id in ids:
             # ~2 KB: inline for the producer, past the stage's claim_check_bytes, so every output's body

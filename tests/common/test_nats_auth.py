@@ -3,20 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import logging
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import nats
 import pytest
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
-from services.common.bus import EXPERIENCE, Bus, stream_name, subject
+from services.common import live_config, presence
+from services.common.bus import EXPERIENCE, ROLLOUTS, Bus, stream_name, subject
 from services.common.config import RunConfig, load_config
-from services.common.live_config import KEY, LiveConfig
+from services.common.live_config import KEY, LiveConfig, stored_config
 from services.common.nats_auth import RoleKey, server_authorization, write_run_credentials
-from services.common.nats_connect import connect_options
+from services.common.nats_connect import STAGE_ROLES, connect_options
 from services.common.nats_server import embedded_config, nats_server_binary
+from services.common.presence import Presence, read_presence
 from tests.conftest import free_port, wait_for_port, write_config
 
 
@@ -72,6 +76,7 @@ def test_reward_consumes_rollouts_but_publishing_to_experience_is_a_permissions_
     cfg, keys = secured
 
     async def scenario() -> tuple[list[str], int]:
+        trainer = await Bus(as_role(cfg, keys, "trainer"), "trainer").connect()  # creates the streams
         reward = await Bus(as_role(cfg, keys, "reward"), "reward").connect()
         await reward.work_queue("rollouts")  # its own consumer: allowed
         errors: list[str] = []
@@ -80,7 +85,6 @@ def test_reward_consumes_rollouts_but_publishing_to_experience_is_a_permissions_
             await nc.jetstream().publish(subject("test", EXPERIENCE), b"forged", timeout=2)
         await nc.close()
         await reward.close()
-        trainer = await Bus(as_role(cfg, keys, "trainer"), "trainer").connect()
         stored = (await trainer.js.stream_info(stream_name("test", EXPERIENCE))).state.messages
         await trainer.close()
         return errors, stored
@@ -116,3 +120,123 @@ def test_config_writes_with_a_stage_key_are_refused_and_the_trainers_are_taken(s
 
     assert revision == 1
     assert 'nats: permissions violation for publish to "$kv.rlpipe_test_config.current"' in errors
+
+
+def violation(subject_name: str) -> str:
+    """The error nats-py reports for a refused publish (it lower-cases the server's -ERR)."""
+    return f'nats: permissions violation for publish to "{subject_name.lower()}"'
+
+
+def test_a_stage_key_may_not_create_update_or_delete_a_stream_nor_create_a_bucket_the_trainers_may(secured):
+    cfg, keys = secured
+    experience = stream_name("test", EXPERIENCE)
+    config_bucket = live_config.bucket_name("test")
+
+    async def scenario() -> tuple[dict[str, list[str]], list[str]]:
+        trainer = await Bus(as_role(cfg, keys, "trainer"), "trainer").connect()  # creates every stream
+        wanted = trainer.stream_config(EXPERIENCE)
+        shrunk = dataclasses.replace(wanted, max_msgs=1)  # a stage must not cut what the trainer re-reads
+        refused: dict[str, list[str]] = {}
+        for role in STAGE_ROLES:
+            errors: list[str] = []
+            nc = await connect(as_role(cfg, keys, role), role, errors)
+            js = nc.jetstream(timeout=1)
+            attempts = await asyncio.gather(
+                js.add_stream(shrunk),
+                js.update_stream(shrunk),
+                js.delete_stream(experience),
+                js.create_key_value(bucket=config_bucket),
+                return_exceptions=True,
+            )
+            assert all(isinstance(attempt, nats.errors.TimeoutError) for attempt in attempts), (role, attempts)
+            await nc.close()
+            refused[role] = errors
+        after = await trainer.js.stream_info(experience)
+        assert after.config.max_msgs == -1 and after.config.retention == wanted.retention
+        with pytest.raises(BucketNotFoundError):
+            await trainer.js.key_value(config_bucket)
+        # The trainer's own key: updates the stream and creates the bucket, but deletes no stream either.
+        trainer_errors: list[str] = []
+        owner = await connect(as_role(cfg, keys, "trainer"), "trainer", trainer_errors)
+        owner_js = owner.jetstream(timeout=1)
+        assert (await owner_js.update_stream(shrunk)).config.max_msgs == 1
+        await LiveConfig(cfg, owner_js).start()
+        assert (await (await owner_js.key_value(config_bucket)).status()).bucket == config_bucket
+        with pytest.raises(nats.errors.TimeoutError):
+            await owner_js.delete_stream(experience)
+        await owner.close()
+        await trainer.close()
+        return refused, trainer_errors
+
+    refused, trainer_errors = asyncio.run(scenario())
+
+    for role in STAGE_ROLES:
+        assert sorted(refused[role]) == sorted(
+            violation(f"$JS.API.STREAM.{action}.{stream}")
+            for action, stream in (
+                ("CREATE", experience),
+                ("UPDATE", experience),
+                ("DELETE", experience),
+                ("CREATE", f"KV_{config_bucket}"),
+            )
+        ), role
+    assert trainer_errors == [violation(f"$JS.API.STREAM.DELETE.{experience}")]
+
+
+def test_a_stage_started_before_the_trainer_waits_for_each_stream_and_bucket_then_goes_on(secured, caplog):
+    """A reward replica up first starts as run_service does (stored config, bus, live config, presence, its work
+    queue) with its own key: it waits for each thing the trainer creates, and goes on once it exists."""
+    cfg, keys = secured
+    reward_cfg, trainer_cfg = as_role(cfg, keys, "reward"), as_role(cfg, keys, "trainer")
+    caplog.set_level(logging.INFO)
+
+    def waited_for() -> list[str]:
+        return [r.fields["what"] for r in caplog.records if r.getMessage() == "waiting_for_trainer"]
+
+    async def until_waiting_for(what: str, reward: asyncio.Task) -> None:
+        for _ in range(100):
+            if what in waited_for():
+                assert not reward.done()
+                return
+            await asyncio.sleep(0.1)
+        raise AssertionError(f"reward did not wait for {what}: {waited_for()}")
+
+    async def start_reward() -> tuple[Bus, Presence]:
+        started = await stored_config(reward_cfg, "reward")
+        bus = await Bus(started, "reward").connect()
+        live = await LiveConfig(started, bus.js, creates_bucket=bus.creates_streams).start()
+        replica = await Presence(bus.js, started, "reward", live).start()
+        await bus.work_queue(ROLLOUTS)
+        return bus, replica
+
+    async def scenario() -> list[dict]:
+        reward = asyncio.create_task(start_reward())
+        await until_waiting_for(f"bucket {live_config.bucket_name('test')}", reward)
+        trainer_nc = await nats.connect(cfg.nats.url, **connect_options(trainer_cfg.nats, "trainer"))
+        live = await LiveConfig(trainer_cfg, trainer_nc.jetstream()).start()
+        await until_waiting_for(f"stream {stream_name('test', 'prompts')}", reward)
+        trainer = await Bus(trainer_cfg, "trainer").connect()
+        await until_waiting_for(f"bucket {presence.bucket_name('test')}", reward)
+        trainer_presence = await Presence(trainer.js, trainer_cfg, "trainer", live).start()
+        bus, replica = await asyncio.wait_for(reward, timeout=30)
+        consumer = await trainer.js.consumer_info(stream_name("test", ROLLOUTS), "reward")
+        assert consumer.config.durable_name == "reward"
+        entries = await read_presence(trainer.js, trainer_cfg)
+        for closing in (replica, trainer_presence):
+            await closing.stop()
+        for connection in (bus, trainer):
+            await connection.close()
+        await trainer_nc.close()
+        return entries
+
+    entries = asyncio.run(scenario())
+
+    assert sorted(entry["role"] for entry in entries) == ["reward", "trainer"]
+    assert waited_for() == [
+        f"bucket {live_config.bucket_name('test')}",
+        f"stream {stream_name('test', 'prompts')}",
+        f"bucket {presence.bucket_name('test')}",
+    ]
+    assert len([r for r in caplog.records if r.getMessage() == "trainer_state_found"]) == 3
+    # It never tried what its key may not do: the broker refused nothing.
+    assert not [r for r in caplog.records if "permissions violation" in str(r.exc_info or r.getMessage()).lower()]

@@ -20,6 +20,7 @@ def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, 
     async def scenario():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
+        await read_presence(js, cfg)  # the trainer's read creates the bucket, which the stages wait for
         replicas = [
             await Presence(
                 js, cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": name})}), role

@@ -157,6 +157,7 @@ async def compute(prompts):
     ]
 
 async def main():
+    await (await Bus(cfg, "trainer").connect()).close()  # the trainer creates the streams a stage waits for
     bus = await Bus(cfg, "rollout").connect()
     with span_from_headers("test.feed", None):
         for group_id in ("g-ok", "g-flaky"):

@@ -34,7 +34,7 @@ def test_matches_the_compose_specification(compose):
 
 def test_the_schema_check_catches_a_mistake(compose):
     broken = json.loads(json.dumps(compose))
-    broken["services"]["trainer"]["depends_on"]["reference"]["condition"] = "service_ready"
+    broken["services"]["trainer"]["depends_on"]["nats"]["condition"] = "service_ready"
     assert list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(broken))
 
 
@@ -44,12 +44,12 @@ def depends(compose: dict, service: str) -> dict[str, str]:
 
 def test_start_order_waits_on_health(compose):
     assert depends(compose, "minio-init") == {"minio": "service_healthy"}
-    assert depends(compose, "reference") == {"nats": "service_healthy", "model-init": "service_completed_successfully"}
     assert depends(compose, "trainer") == {
         "nats": "service_healthy",
         "minio-init": "service_completed_successfully",
-        "reference": "service_healthy",
+        "model-init": "service_completed_successfully",
     }
+    assert depends(compose, "reference") == {"trainer": "service_healthy"}
     assert depends(compose, "rollout") == {"trainer": "service_healthy"}
     assert depends(compose, "reward") == {"trainer": "service_healthy"}
 

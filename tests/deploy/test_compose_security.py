@@ -120,7 +120,8 @@ def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own
         )
 
     async def scenario() -> list[str]:
-        reward = await Bus(as_role("reward"), "reward").connect()  # TLS, its key, its streams and consumer
+        await (await Bus(as_role("trainer"), "trainer").connect()).close()  # the trainer creates the streams
+        reward = await Bus(as_role("reward"), "reward").connect()  # TLS, its key, the streams and its consumer
         await reward.work_queue("rollouts")
         errors: list[str] = []
 
