@@ -48,8 +48,8 @@ torchrun's own arguments), which runs torchrun in its process and keeps two thin
   launcher's kill after the stop grace, the OOM killer) cannot, and its ranks would live on as orphans
   holding memory and devices. Each rank asks Linux, as it starts (``Mesh.from_env``), to SIGKILL it when
   its parent dies (``PR_SET_PDEATHSIG``), and exits at once if that parent, named by ``launch`` in
-  ``RLPIPE_TORCHRUN_PID``, already died before it asked. Under a plain torchrun (the k8s entry) the
-  first is left to the pod's restart and the second still holds, without that check.
+  ``RLPIPE_TORCHRUN_PID``, already died before it asked. ``rlpipe run`` and the Kubernetes trainer
+  both start torchrun through ``launch``; under a plain torchrun the second holds without that check.
 
 Timeouts. Commands travel on their own gloo group whose timeout is long (``COMMAND_WAIT``): a paused
 or starved trainer leaves its followers waiting for hours, and that is not a failure. Compute
