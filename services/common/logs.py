@@ -178,7 +178,8 @@ class JsonlFollower:
     """The new complete lines of a file another process appends to, like ``tail -F``: the rolled parts that exist
     at its first read first (``jsonl_parts``), then the file itself; when the file is renamed away (rolled or rotated)
     and a new one takes its name, the old one is read to its end before the new one, and so are the parts rolled
-    after it. A rotated log (``RotatingLog``, whose files shift names) must not rotate twice between two calls.
+    after it, also those rolled while it was opening the new one (another process may roll at any moment).
+    A rotated log (``RotatingLog``, whose files shift names) must not rotate twice between two calls.
     A half-written last line waits for its end."""
 
     def __init__(self, path: Path):
@@ -186,6 +187,7 @@ class JsonlFollower:
         self._queued: list[Path] | None = None  # listed at the first read: the record may not exist yet
         self._file: IO[bytes] | None = None
         self._pending = b""
+        self._finished: int | None = None  # inode of the last file read to its end: the next part follows it
 
     def skip_to_end(self) -> JsonlFollower:
         """Follow only what is written from now on: the parts and lines there already are not read."""
@@ -204,15 +206,17 @@ class JsonlFollower:
             lines += self._read()
             if self._queued or self._renamed_away():
                 lines += self._read()  # what was written before the rename
-                if not self._queued:  # rolled parts made since it became one: read them before the current file
-                    self._queued = self._parts_after(os.fstat(self._file.fileno()).st_ino)
+                self._finished = os.fstat(self._file.fileno()).st_ino
                 self._file.close()
                 self._file, self._pending = None, b""
                 continue
             return lines
 
-    def _parts_after(self, inode: int) -> list[Path]:
+    def _parts_after(self, inode: int | None) -> list[Path]:
+        """The rolled parts after the one that is ``inode``; all of them for None (no file read yet)."""
         rolled = [part for part in jsonl_parts(self.path) if part != self.path]
+        if inode is None:
+            return rolled
         inodes = [part.stat().st_ino for part in rolled]
         return rolled[inodes.index(inode) + 1 :] if inode in inodes else []
 
@@ -232,12 +236,22 @@ class JsonlFollower:
         first = self._queued is None
         if first:
             self._queued = [part for part in jsonl_parts(self.path) if part != self.path]
+        if self._queued:
+            self._file = self._queued.pop(0).open("rb")  # a rolled part keeps its name
+            return True
         try:
-            self._file = (self._queued.pop(0) if self._queued else self.path).open("rb")
+            current = self.path.open("rb")
         except FileNotFoundError:
             if first:
                 self._queued = None  # nothing yet: list the parts again at the next call
             return False
+        # Parts rolled since the queue was listed (the file just opened among them, if it rolled meanwhile) come
+        # first; none means the file opened is the one that follows the last file read.
+        self._queued = self._parts_after(self._finished)
+        if self._queued:
+            current.close()
+            current = self._queued.pop(0).open("rb")
+        self._file = current
         return True
 
     def _read(self) -> list[bytes]:
