@@ -26,7 +26,7 @@ from services.trainer.service import Trainer, start_admin_server
 from tests.conftest import create_run_state, write_config
 
 # Shrunk from train.stall_bound_s (at least 60 s in a config) so the test need not wait minutes.
-BOUND_S = 2.0
+BOUND_S = 3.0
 
 
 async def start_trainer(cfg: RunConfig) -> Trainer:
