@@ -65,6 +65,7 @@ from services.report import read_jsonl, render_html, render_report
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 600.0
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
 _PR_SET_PDEATHSIG = 1
 
 
@@ -493,6 +494,15 @@ class Launcher:
         # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
         return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
 
+    def kill(self) -> list[str]:
+        """SIGKILL every process at once (a stop cut short); returns the services it killed."""
+        killed = [child.name for child in self.children if child.process.poll() is None]
+        for process in [child.process for child in self.children] + ([self.nats] if self.nats else []):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        return killed
+
 
 def _event_summary(event: dict[str, Any]) -> str:
     keys = ("step", "reason", "policy_version", "config_version", "changed", "rule", "message")
@@ -540,6 +550,35 @@ def previous_run(cfg: RunConfig) -> list[str]:
     return found
 
 
+class Interrupted(Exception):
+    """Ctrl-C or SIGTERM: the operator (or a supervisor) ends the run; it stops in order, it did not fail."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.name = signal.Signals(signum).name
+        super().__init__(self.name)
+
+
+def interrupt(signum: int, _frame: Any) -> None:
+    raise Interrupted(signum)
+
+
+def stop_or_kill(launcher: Launcher) -> list[str]:
+    """Every service stopped in order (``Launcher.stop``); a second Ctrl-C or SIGTERM meanwhile kills them now."""
+    try:
+        return launcher.stop()
+    except Interrupted as again:
+        console.log(f"[red]{again.name} again: killing every service now[/]")
+        return launcher.kill()
+
+
+def _write_reports(cfg: RunConfig) -> Path:
+    """The run's PNG report (returned) and its HTML page, from whatever metrics it has."""
+    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png", cfg.run_dir / "events.jsonl")
+    render_html(cfg.run_dir)
+    return report
+
+
 def _plain(message: str) -> None:
     """Unstyled and unwrapped, so a script or a person can grep it."""
     console.print(message, markup=False, highlight=False, soft_wrap=True)
@@ -584,21 +623,39 @@ def run(config_path: Path, resume: bool = False, overwrite: bool = False, overri
         config_path = cfg.run_dir / "run-config.yaml"
         config_path.write_text(yaml.safe_dump(config_data, sort_keys=False))
     launcher = Launcher(cfg, config_path, resume)
-    # SIGTERM (a supervisor, `timeout`) gets the same orderly shutdown as Ctrl-C.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C and SIGTERM (a supervisor, `timeout`) get the same orderly shutdown.
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, interrupt)
+    try:
+        return _supervise(cfg, config_path, launcher)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
+    """Start the services, follow the run to its end, stop them; the run's exit code."""
     try:
         launcher.start()
         training_started = time.perf_counter()
         done = launcher.follow()
         wall_s = time.perf_counter() - training_started
-    except (RuntimeError, KeyboardInterrupt) as error:
+    except Interrupted as interrupted:
+        console.log(f"{interrupted.name}: stopping every service; the trainer saves the step in hand")
+        failed = stop_or_kill(launcher)
+        _write_reports(cfg)
+        if failed:
+            console.log(f"[red]services failed:[/] {failed}")
+        _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
+        return 128 + interrupted.signum
+    except RuntimeError as error:
         console.log(f"[red]run failed:[/] {error}")
-        launcher.stop()
+        stop_or_kill(launcher)
         return 1
-    failed = launcher.stop()
+    failed = stop_or_kill(launcher)
 
-    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png", cfg.run_dir / "events.jsonl")
-    render_html(cfg.run_dir)
+    report = _write_reports(cfg)
     console.print(summarize(cfg, done, launcher.startup, wall_s))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:

@@ -4,8 +4,11 @@ restarts are limited by a rate rather than a lifetime count, and each service ge
 from __future__ import annotations
 
 import io
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -14,8 +17,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from services.common.config import ConfigError, SupervisionConfig, load_config
-from services.launcher import Child, Launcher, RestartPolicy
-from tests.conftest import RLPIPE_RUN, ROOT, write_config
+from services.launcher import Child, Launcher, RestartPolicy, interrupt, stop_or_kill
+from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 
 @pytest.fixture
@@ -145,3 +148,54 @@ def test_each_service_gets_its_own_stop_grace(config, tmp_path):
     assert rollout.process.returncode == -9, "the rollout outlived its grace and should have been killed"
     assert failed == ["rollout-0"]
     assert 3.5 < time.monotonic() - started < 20
+
+
+def test_a_second_ctrl_c_during_the_stop_kills_every_service_at_once(config, tmp_path):
+    """The first Ctrl-C gives the trainer its long grace for the final save; a person who presses it again
+    wants out now, and gets it instead of waiting out supervision.trainer_stop_grace_s."""
+    cfg = load_config(config, supervision={"trainer_stop_grace_s": 300})
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    trainer = slow_child("trainer", "trainer", 60, tmp_path / "trainer.log")
+    launcher.children = [trainer]
+    previous = signal.signal(signal.SIGINT, interrupt)
+    second = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        second.start()
+        started = time.monotonic()
+        killed = stop_or_kill(launcher)
+    finally:
+        second.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert killed == ["trainer"]
+    assert trainer.process.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 30  # not the 60 s its stop would have taken
+
+
+@pytest.mark.e2e
+def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tiny_model, tmp_path):
+    """Ctrl-C is how a person ends a run early: not a failure. Every service stops in order, the trainer saves
+    the step in hand, the report is written, and the exit status is 130 (128 + SIGINT) with the resume command."""
+    model_dir, data_dir = tiny_model
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="ctrlc",
+        train={"total_steps": 10_000, "batch_size": 4},
+        checkpoint={"save_every_steps": 1000, "keep_last": 2},
+        rollout={"prompts_per_batch": 4},
+    )
+    run_dir = tmp_path / "runs" / "ctrlc"
+    with running_pipeline(config) as process:
+        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "step 3", process)
+        process.send_signal(signal.SIGINT)
+        output, _ = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGINT, output[-3000:]
+    assert "SIGINT: stopping every service" in output and "run failed" not in output
+    assert f"continue it with rlpipe run {config} --resume" in " ".join(output.split())
+    last_step = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
+    saved = sorted(path.name for path in run_dir.glob("step-*"))
+    assert saved == [f"step-{last_step:08d}"]  # no periodic save came due: this is the stop's own
+    assert (run_dir / "report.png").stat().st_size > 0
