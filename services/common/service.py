@@ -99,14 +99,14 @@ async def watch_progress(loop: LoopProgress, servers: list[grpc.aio.Server], pre
             if stuck:
                 log_event(
                     log,
-                    "stage_stalled",
+                    "loop_stalled",
                     level=logging.ERROR,
                     alert=True,
                     no_progress_s=round(time.time() - loop.last_progress, 1),
                     health="NOT_SERVING",
                 )
             else:
-                log_event(log, "stage_progressing", health="SERVING")
+                log_event(log, "loop_progressing", health="SERVING")
         await asyncio.sleep(WATCHDOG_S)
 
 
