@@ -224,3 +224,28 @@ def test_without_periodic_checkpoints_everything_read_is_purged_and_a_restart_re
         assert restarted.progress.applied_seq == 42
 
     asyncio.run(scenario())
+
+
+def test_claim_bodies_read_before_a_restart_are_deleted_once_the_resumed_trainer_purges_past_them(tiny_model, tmp_path):
+    """Each checkpoint carries the claim-checked bodies read since the replay floor (#11 item 8): a resumed trainer
+    deletes those its predecessor read once no kept step re-reads them. Without the keys in the checkpoint the new
+    process knew only the bodies it read itself, and the old ones stayed in the store for ever."""
+
+    async def scenario() -> None:
+        first = Harness(tiny_model, tmp_path, keep_last=2)
+        await first.recovery.start(resume=False)
+        for step in (1, 2):
+            first.recovery.track_claims([(step * 10, f"run/claims/experience/g{step}")])
+            await first.step_and_save(step, [f"e0-i{step}"])
+        # Step 1's save purged through its own sequence 10; step 2's left the floor at 10 (step 1 is still kept).
+        assert first.stream.deleted_claims == ["run/claims/experience/g1"]
+
+        restarted = Harness(tiny_model, tmp_path, stream=first.stream, keep_last=2)
+        assert await restarted.recovery.start(resume=True)
+        assert restarted.recovery.claim_keys == {"run/claims/experience/g2": 20}
+        await restarted.step_and_save(3, ["e0-i3"])  # keeps steps 2 and 3: the floor moves to step 2's sequence 20
+        assert first.stream.purged_below == [11, 21]
+        assert first.stream.deleted_claims == ["run/claims/experience/g1", "run/claims/experience/g2"]
+        assert restarted.recovery.claim_keys == {}
+
+    asyncio.run(scenario())
