@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-rm model-smol bench bench-throughput bench-trl clean
+.PHONY: install demo test model model-rm model-smol bench bench-throughput bench-trl bench-trl-smol clean
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
@@ -64,9 +64,13 @@ bench: $(STAMP)
 bench-throughput: $(STAMP)
 	$(BIN)/python -m bench.throughput
 
-# rlpipe against TRL's GRPOTrainer (after `make model`); TRL goes into its own venv (build/bench/trl-venv), never $(VENV).
+# rlpipe against TRL's GRPOTrainer; TRL goes into its own venv (build/bench/trl-venv), never $(VENV).
+# bench-trl: the tiny task (after `make model`); bench-trl-smol: SmolLM2 on chat word problems (~35 min here).
 bench-trl: $(STAMP)
 	$(BIN)/python -m bench.vs_trl
+
+bench-trl-smol: model-smol
+	$(BIN)/python -m bench.vs_trl --task smol
 
 clean:
 	rm -rf runs models data $(VENV)

@@ -1,12 +1,17 @@
 """rlpipe against TRL's ``GRPOTrainer``: the same GRPO task, model and hyperparameters, one after the other.
 
-    python -m bench.vs_trl [--steps 100] [--trl-threads 1] [--trl-venv build/bench/trl-venv]
+    python -m bench.vs_trl [--task tiny|smol] [--steps N] [--trl-threads T] [--trl-venv build/bench/trl-venv]
 
-Both train ``models/tiny-arith`` (a Hugging Face ``Qwen2ForCausalLM``; ``make model``) on
-``data/arith/train.jsonl`` with the demo's hyperparameters (``examples/arith-grpo.yaml``): 64 prompts
-per step, 8 completions each (512 completions per step), at most 6 new tokens, temperature 1, AdamW
-at lr 1e-4 after 10 warm-up steps, grad norm 1.0, clip 0.2, k3 KL in the loss at 0.001, token-mean
-loss (TRL's ``dapo``), exact-match reward on the final integer. rlpipe runs as ``rlpipe run`` (its
+``--task tiny`` (the default) trains ``models/tiny-arith`` (a Hugging Face ``Qwen2ForCausalLM``;
+``make model``) on ``data/arith/train.jsonl`` with the demo's hyperparameters
+(``examples/arith-grpo.yaml``): 64 prompts per step, 8 completions each (512 completions per step),
+at most 6 new tokens, temperature 1, AdamW at lr 1e-4 after 10 warm-up steps, grad norm 1.0, clip
+0.2, k3 KL in the loss at 0.001, token-mean loss (TRL's ``dapo``), exact-match reward on the final
+integer. ``--task smol`` trains SmolLM2-135M-Instruct (``make model-smol``) on the chat word problems
+with ``examples/smol-arith.yaml``'s hyperparameters: 4 prompts x 8 completions of at most 40 tokens
+at temperature 0.7, lr 2e-5 after 2 warm-up steps, the ``final_number`` reward; both render the
+``messages`` rows with the model's chat template (TRL takes them as a conversational dataset).
+rlpipe runs as ``rlpipe run`` (its
 five processes, vLLM rollout); TRL runs in its own virtual environment (``build/bench/trl-venv``,
 created here when missing, with the torch and transformers already installed: TRL never enters
 ``.venv`` or an image) as one process generating with transformers ``generate`` (TRL's vLLM needs
@@ -23,8 +28,8 @@ Compared: wall time per step (median of step-to-step gaps after ``--skip`` steps
 over the same steady steps and over the whole run including start-up, the mean reward per step,
 and held-out greedy accuracy after the last step (the first ``data.eval_size`` rows of
 ``data/arith/eval.jsonl``, both judged by rlpipe's ``greedy_accuracy``), so accuracy per completion
-consumed is comparable. Writes ``build/bench/vs_trl.jsonl`` (one row per system, then one per step)
-and ``build/bench/vs_trl.png``; prints the table and the rlpipe/TRL ratios.
+consumed is comparable. Writes ``build/bench/vs_trl-<task>.jsonl`` (one row per system, then one per
+step) and ``build/bench/vs_trl-<task>.png``; prints the table and the rlpipe/TRL ratios.
 
 This file also runs inside the TRL environment (``--trl-worker``), so it imports nothing from rlpipe
 at module level.
@@ -40,19 +45,20 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
 TRL_VENV = OUT / "trl-venv"
-BASE_CONFIG = ROOT / "examples" / "arith-grpo.yaml"
 
 
 @dataclass(frozen=True)
 class Task:
-    """The hyperparameters both trainers get: the demo's (examples/arith-grpo.yaml), fewer steps."""
+    """The hyperparameters both trainers get; the defaults are the demo's (examples/arith-grpo.yaml)."""
 
+    name: str = "tiny"  # names the bench's outputs, so the two tasks' results sit side by side
+    base_config: str = "examples/arith-grpo.yaml"  # rlpipe's settings that TRL has no counterpart for
     model: str = "models/tiny-arith"
     train_path: str = "data/arith/train.jsonl"
     eval_path: str = "data/arith/eval.jsonl"
@@ -72,6 +78,26 @@ class Task:
     @property
     def completions_per_step(self) -> int:
         return self.prompts_per_step * self.group_size
+
+
+TASKS = {
+    "tiny": Task(),
+    "smol": Task(
+        name="smol",
+        base_config="examples/smol-arith.yaml",
+        model="models/smollm2-135m-instruct",
+        train_path="data/word-problems/train.jsonl",
+        eval_path="data/word-problems/eval.jsonl",
+        eval_size=150,
+        steps=12,
+        prompts_per_step=4,
+        max_new_tokens=40,
+        temperature=0.7,
+        learning_rate=2e-5,
+        warmup_steps=2,
+    ),
+}
+MAKE_TARGET = {"tiny": "make model", "smol": "make model-smol"}
 
 
 @dataclass
@@ -119,6 +145,13 @@ class Result:
 _FINAL_INTEGER = re.compile(r"-?\d+")
 
 
+def trl_rows(task: Task) -> list[dict]:
+    """The training rows as TRL takes them: a chat row's ``messages`` become a conversational ``prompt``, which
+    TRL renders with the tokenizer's chat template and ``add_generation_prompt``, as rlpipe does."""
+    rows = [json.loads(line) for line in (ROOT / task.train_path).read_text().splitlines() if line.strip()]
+    return [{"prompt": row.get("messages", row.get("prompt")), "answer": row["answer"]} for row in rows]
+
+
 def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
     import torch
@@ -128,16 +161,27 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    rows = [json.loads(line) for line in (ROOT / task.train_path).read_text().splitlines() if line.strip()]
-    dataset = Dataset.from_list([{"prompt": row["prompt"], "answer": row["answer"]} for row in rows])
+    rows = trl_rows(task)
+    dataset = Dataset.from_list(rows)
+    chat = isinstance(rows[0]["prompt"], list)
+    # answers.py needs only the standard library, so this environment can import it; the rest of rlpipe it
+    # cannot (math-verify et al.).
+    sys.path.insert(0, str(ROOT))
+    from services.common.answers import ends_on_answer
 
-    # rlpipe's exact_match reward restated here: this environment cannot import rlpipe (math-verify et al.).
+    # rlpipe's exact_match reward restated here, for the same reason.
     def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
         scores = []
         for text, expected in zip(completions, answer, strict=True):
             found = _FINAL_INTEGER.findall(text)
             scores.append(float(bool(found) and found[-1].lstrip("0") == expected.strip().lstrip("0")))
         return scores
+
+    # rlpipe's final_number: a conversational completion is one assistant message.
+    def final_number(completions: list[list[dict]], answer: list[str], **_: object) -> list[float]:
+        return [
+            float(ends_on_answer(c[0]["content"], expected)) for c, expected in zip(completions, answer, strict=True)
+        ]
 
     started = time.perf_counter()
     steps = (out_dir / "steps.jsonl").open("w")
@@ -160,6 +204,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         max_completion_length=task.max_new_tokens,
         temperature=task.temperature,
         top_p=1.0,
+        max_prompt_length=None,  # rlpipe does not cut prompts either
         learning_rate=task.learning_rate,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=task.warmup_steps,
@@ -181,7 +226,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
     trainer = GRPOTrainer(
         model=str(ROOT / task.model),
-        reward_funcs=exact_match,
+        reward_funcs=final_number if chat else exact_match,
         args=args,
         train_dataset=dataset,
         processing_class=tokenizer,
@@ -215,18 +260,20 @@ def ensure_trl_venv(venv: Path) -> Path:
 def accuracy(model_dir: Path, task: Task) -> float:
     import torch
 
+    from services.common.chat import render_rows
     from services.common.datasets import load_jsonl
     from services.common.evaluation import greedy_accuracy
     from services.common.modeling import load_model, load_tokenizer
 
     torch.set_num_threads(1)
-    rows = load_jsonl(ROOT / task.eval_path)[: task.eval_size]
+    tokenizer = load_tokenizer(model_dir)
+    rows = render_rows(load_jsonl(ROOT / task.eval_path)[: task.eval_size], tokenizer)
     model = load_model(model_dir).eval()
-    return greedy_accuracy(model, load_tokenizer(model_dir), rows, task.max_new_tokens)
+    return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens)
 
 
 def run_trl(task: Task, python: Path, threads: int) -> Result:
-    out_dir = OUT / "trl-run"
+    out_dir = OUT / f"trl-run-{task.name}"
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [str(python), str(Path(__file__).resolve()), "--trl-worker", json.dumps(asdict(task)), str(out_dir)]
     log = out_dir.with_suffix(".log")
@@ -257,8 +304,8 @@ def run_trl(task: Task, python: Path, threads: int) -> Result:
 def rlpipe_config(task: Task, runs_dir: Path) -> dict:
     import yaml
 
-    cfg = yaml.safe_load(BASE_CONFIG.read_text())
-    cfg["run_id"] = "bench-vs-trl"
+    cfg = yaml.safe_load((ROOT / task.base_config).read_text())
+    cfg["run_id"] = f"bench-vs-trl-{task.name}"
     cfg["runs_dir"] = str(runs_dir)
     cfg["model"]["path"] = str(ROOT / task.model)
     cfg["data"] |= {
@@ -296,7 +343,7 @@ def run_rlpipe(task: Task) -> Result:
     from bench.throughput import run_pipeline
 
     runs_dir = OUT / "runs"
-    config = OUT / "vs_trl-rlpipe.yaml"
+    config = OUT / f"vs_trl-{task.name}-rlpipe.yaml"
     cfg = rlpipe_config(task, runs_dir)
     config.write_text(yaml.safe_dump(cfg, sort_keys=False))
     started = time.perf_counter()
@@ -339,7 +386,8 @@ def plot(results: list[Result], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=Task.steps)
+    parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
+    parser.add_argument("--steps", type=int, help="default: 100 for tiny, 12 for smol")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state figures")
     parser.add_argument("--trl-venv", type=Path, default=TRL_VENV)
     parser.add_argument(
@@ -353,11 +401,13 @@ def main() -> None:
     if args.trl_worker:
         trl_worker(Task(**json.loads(args.trl_worker[0])), Path(args.trl_worker[1]), int(args.trl_worker[2]))
         return
-    if args.steps < args.skip + 5:
+    task = TASKS[args.task]
+    if args.steps is not None:
+        task = replace(task, steps=args.steps)
+    if task.steps < args.skip + 5:
         parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
-    task = Task(steps=args.steps)
     if not (ROOT / task.model / "config.json").is_file():
-        parser.error(f"no model at {task.model}: build it with `make model`")
+        parser.error(f"no model at {task.model}: build it with `{MAKE_TARGET[args.task]}`")
     OUT.mkdir(parents=True, exist_ok=True)
     python = ensure_trl_venv(args.trl_venv)
     load_before = os.getloadavg()[0]
@@ -378,7 +428,8 @@ def main() -> None:
         else None,
     }
     machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(load_after, 2)}
-    with (OUT / "vs_trl.jsonl").open("w") as out:
+    jsonl, png = OUT / f"vs_trl-{task.name}.jsonl", OUT / f"vs_trl-{task.name}.png"
+    with jsonl.open("w") as out:
         for summary in summaries:
             out.write(json.dumps({"kind": "summary", **summary, "task": asdict(task), "machine": machine}) + "\n")
         out.write(json.dumps({"kind": "ratio", "rlpipe_over_trl": ratios}) + "\n")
@@ -388,13 +439,13 @@ def main() -> None:
                     json.dumps({"kind": "step", "system": result.system, "step": step, "time": at, "reward": reward})
                 )
                 out.write("\n")
-    plot(results, OUT / "vs_trl.png")
+    plot(results, png)
     keys = list(rl)
     print(f"{'':36}{'rlpipe':>22}{'trl':>28}")
     for key in keys[1:]:
         print(f"{key:36}{rl[key]!s:>22}{trl[key]!s:>28}")
     print(f"rlpipe / TRL: {json.dumps(ratios)}")
-    print(f"machine: {json.dumps(machine)}; wrote {OUT / 'vs_trl.jsonl'} and {OUT / 'vs_trl.png'}")
+    print(f"machine: {json.dumps(machine)}; wrote {jsonl} and {png}")
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """The bench scripts' own logic, without running a bench: what they hand rlpipe and how they count."""
 
+import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
 from bench.throughput import CpuSampler, Measurement, ratios
-from bench.vs_trl import Result, Task, rlpipe_config
+from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
 from services.common.config import load_config
 
 
@@ -30,6 +32,25 @@ def test_the_rlpipe_side_of_vs_trl_gets_the_same_task_as_trl(tiny_model, tmp_pat
     )
     assert (cfg.train.loss_agg, cfg.train.algorithm, cfg.data.eval_every_steps) == ("token-mean", "grpo", 12)
     assert cfg.runs_dir == tmp_path / "runs"
+
+
+def test_the_smol_task_hands_both_trainers_the_smol_example_settings_and_chat_prompts(tiny_model, tmp_path):
+    model_dir, _ = tiny_model  # stands in for SmolLM2, which needs `make model-smol`
+    chat = {"messages": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "Tom has 2..."}]}
+    train = tmp_path / "train.jsonl"
+    train.write_text(
+        json.dumps({**chat, "answer": "5", "id": "w1"}) + "\n" + json.dumps({"prompt": "2+3=", "answer": "5"})
+    )
+    task = replace(TASKS["smol"], model=str(model_dir), train_path=str(train), eval_path=str(train))
+
+    cfg = load_config(None, **rlpipe_config(task, tmp_path / "runs"))
+    assert (cfg.train.batch_size, cfg.rollout.prompts_per_batch, cfg.sampling.group_size) == (4, 4, 8)
+    assert (cfg.sampling.max_new_tokens, cfg.sampling.temperature, cfg.data.eval_size) == (40, 0.7, 150)
+    assert (cfg.train.learning_rate, cfg.train.warmup_steps, cfg.train.total_steps) == (2e-5, 2, 12)
+    assert cfg.reward.functions == {"final_number": 1.0}
+    assert cfg.run_id == "bench-vs-trl-smol"
+    # TRL gets a chat row as a conversational prompt (it applies the chat template), a plain row as text.
+    assert trl_rows(task) == [{"prompt": chat["messages"], "answer": "5"}, {"prompt": "2+3=", "answer": "5"}]
 
 
 def test_steady_figures_leave_out_the_skipped_steps():
