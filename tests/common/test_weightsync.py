@@ -202,3 +202,51 @@ def test_a_cast_is_made_once_per_version_and_shared_by_every_pull():
     new_big = dict(latest.tensors)["big"]
     assert list(latest.casts) == [(id(new_big), torch.bfloat16)]
     assert third[0] == 8 and torch.equal(third[1]["big"], new_big.to(torch.bfloat16))
+
+
+def test_a_version_is_served_from_one_host_snapshot_while_the_trainer_keeps_training():
+    """The trainer's optimizer steps change its model in place while replicas pull: every pull of a version,
+    including one already streaming when the next version is published, gets the weights as they were when
+    the version was made, out of the one copy the snapshot holds."""
+    torch.manual_seed(9)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))  # 4.2 MB: several chunks
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        model(torch.randn(4, 512)).square().sum().backward()
+        optimizer.step()
+
+    made = {name: t.clone() for name, t in model.state_dict().items()}
+    snap = snapshot_of(model, version=1, step=1)
+    live = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert not live & {t.untyped_storage().data_ptr() for _, t in snap.tensors}  # a copy, not a view
+
+    async def scenario():
+        server, impl, address = await serving(snap)
+        client = WeightSyncClient(address, chunk_bytes=MIN_CHUNK_BYTES)
+        try:
+            stream = client.stream()
+            pulled = aiter(stream)
+            first = [await anext(pulled)]  # the pull is under way...
+            train_step()  # ...while the trainer trains on,
+            await impl.publish(snapshot_of(model, version=2, step=2))  # and publishes the next version
+            train_step()
+            first += [item async for item in pulled]
+            newer_version, newer = await client.pull()
+            later_version, later = await client.pull(version=2)
+        finally:
+            await client.close()
+            await server.stop(0)
+        return stream.version, dict(first), newer_version, newer, later_version, later, impl.latest
+
+    version, first, newer_version, newer, later_version, later, latest = asyncio.run(scenario())
+    assert version == 1 and set(first) == set(made)
+    for name, tensor in made.items():
+        assert torch.equal(first[name], tensor), name  # version 1 as it was made, though the model moved twice
+    stepped = dict(latest.tensors)
+    assert any(not torch.equal(stepped[name], made[name]) for name in made)
+    assert (newer_version, later_version) == (2, 2)
+    for name in made:
+        assert torch.equal(newer[name], stepped[name]) and torch.equal(later[name], stepped[name]), name
+        assert not torch.equal(stepped[name], model.state_dict()[name]), name  # the second step is not in it
