@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import subprocess
 import sys
 
@@ -101,3 +102,74 @@ def test_an_answer_that_does_not_fit_the_schema_is_the_services_failure(body, re
         parse_scores(body, 1)
     assert failure.value.kind == "malformed"
     assert parse_scores(b'{"scores": [0.5]}', 1) == [0.5]
+
+
+class ScriptedService:
+    """A real HTTP server on a real socket answering each POST with the next status of ``script`` (then 200 with
+    ``ok_body``), recording when each request came."""
+
+    def __init__(self, script: list[int], ok_body: bytes = b'{"scores": [1.0]}'):
+        import http.server
+        import threading
+        import time
+
+        self.script, self.times = list(script), []
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                service.times.append(time.monotonic())
+                status = service.script.pop(0) if service.script else 200
+                body = ok_body if status == 200 else b'{"error": "scripted"}'
+                self.send_response(status)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status", [500, 503, 408, 429])
+def test_a_failing_status_is_retried_with_doubling_backoff_and_then_the_service_is_down(status):
+    service = ScriptedService([status] * 3)
+    try:
+        with pytest.raises(DependencyUnavailable, match=f"failed 3 times: HTTP {status}"):
+            asyncio.run(scorer(service.port, retries=2, backoff_s=0.2).score(ITEMS[:1]))
+        assert len(service.times) == 3  # the request and its two retries, no more
+        first_wait, second_wait = (b - a for a, b in itertools.pairwise(service.times))
+        assert first_wait >= 0.2 and second_wait >= 0.4  # backoff_s, then twice it
+        assert asyncio.run(scorer(service.port).score(ITEMS[:1])) == [1.0]  # the service answers again
+    finally:
+        service.close()
+
+
+def test_a_failure_then_an_answer_is_scored_by_the_retry():
+    service = ScriptedService([503])
+    try:
+        assert asyncio.run(scorer(service.port, retries=1).score(ITEMS[:1])) == [1.0]
+        assert len(service.times) == 2
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("status", [400, 404, 413, 422])
+def test_a_client_error_blames_the_input_and_is_not_retried(status):
+    service = ScriptedService([status])
+    try:
+        client = scorer(service.port, retries=3)
+        with pytest.raises(RemoteRewardRejected, match=f"HTTP {status} from"):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert len(service.times) == 1
+        assert client.breaker.failures == 0  # bad input says nothing about the service being down
+    finally:
+        service.close()
