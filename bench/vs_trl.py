@@ -204,7 +204,6 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         max_completion_length=task.max_new_tokens,
         temperature=task.temperature,
         top_p=1.0,
-        max_prompt_length=None,  # rlpipe does not cut prompts either
         learning_rate=task.learning_rate,
         lr_scheduler_type="constant_with_warmup",
         warmup_steps=task.warmup_steps,
