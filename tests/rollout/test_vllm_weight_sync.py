@@ -1,8 +1,12 @@
 """After a sync over real gRPC, vLLM scores sequences like the trainer's transformers model with the same weights:
-the newest version, streamed into the running engine, tied embeddings sent once and re-named on arrival."""
+the newest version, streamed into the running engine, tied embeddings sent once and re-named on arrival, after a
+replica that fell behind skipped the versions in between."""
 
 import asyncio
+import shutil
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -11,8 +15,8 @@ import torch
 from services.common.config import load_config
 from services.common.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import WeightSyncClient, WeightSyncServer, snapshot_of
-from services.rollout.engines import VllmEngine
+from services.common.weightsync import Snapshot, WeightSyncClient, WeightSyncServer, dtype_named, snapshot_of
+from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
 
@@ -31,7 +35,37 @@ def vllm_response_logprobs(engine: VllmEngine, pairs: list[tuple[list[int], list
     return scored
 
 
+def moved_policy(model_dir: Path, seed: int) -> torch.nn.Module:
+    """The base model moved away from what vLLM loaded: a trained policy."""
+    model = load_model(model_dir).eval()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.05 * torch.randn_like(param))
+    return model
+
+
+def trainer_logprobs(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> list[np.ndarray]:
+    with torch.no_grad():
+        batch = pack(pairs, pad_id)
+        logprobs = token_logprobs(response_logits(model, batch), batch.targets)
+    return [row[: len(r)].numpy() for row, (_, r) in zip(logprobs, pairs, strict=True)]
+
+
+def wire_bytes(snapshot: Snapshot) -> int:
+    """What one pull of ``snapshot`` carries as stored: every tensor once, tied ones included."""
+    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in snapshot.tensors}.values())
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
 def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
+    """Latest wins: a replica that loaded version 5 and fell behind while 6 and 7 were published catches up
+    to 7 in one pull, skipping 6, and then scores as the trainer's version 7 does."""
     model_dir, data_dir = tiny_model
     cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
     tokenizer = load_tokenizer(model_dir)
@@ -41,51 +75,119 @@ def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
         for p, r in PAIRS
     ]
 
-    # The "trainer" policy: the base model moved away from what vLLM loaded.
-    policy = load_model(model_dir).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for param in policy.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-        batch = pack(pairs, tokenizer.pad_token_id)
-        expected = token_logprobs(response_logits(policy, batch), batch.targets)
-    expected = [row[: len(r)].numpy() for row, (_, r) in zip(expected, pairs, strict=False)]
+    policy = moved_policy(model_dir, seed=0)  # the trainer's newest, version 7
+    expected = trainer_logprobs(policy, pairs, tokenizer.pad_token_id)
 
     engine_thread = ThreadPoolExecutor(max_workers=1)
     engine = engine_thread.submit(VllmEngine, cfg).result()
 
-    def max_gap() -> float:
+    def max_gap(want: list[np.ndarray]) -> float:
         got = engine_thread.submit(vllm_response_logprobs, engine, pairs).result()
-        return max(float(np.abs(g - e).max()) for g, e in zip(got, expected, strict=False))
+        return max(float(np.abs(g - e).max()) for g, e in zip(got, want, strict=False))
 
-    before = max_gap()
+    before = max_gap(expected)
+    older = moved_policy(model_dir, seed=5)
+    older_expected = trainer_logprobs(older, pairs, tokenizer.pad_token_id)
+    snapshots = {
+        5: snapshot_of(older, version=5, step=5),
+        6: snapshot_of(moved_policy(model_dir, seed=6), version=6, step=6),
+        7: snapshot_of(policy, version=7, step=7),
+    }
 
-    def other_policy(seed: int) -> torch.nn.Module:
-        model = load_model(model_dir).eval()
-        torch.manual_seed(seed)
-        with torch.no_grad():
-            for param in model.parameters():
-                param.add_(0.05 * torch.randn_like(param))
-        return model
-
-    async def sync_over_grpc() -> int:
-        # The replica is behind: versions 5 and 6 went by unseen; only 7 (the policy) may end up loaded.
-        weights = WeightSyncServer(snapshot_of(other_policy(5), version=5, step=5))
+    async def follow_over_grpc() -> dict:
+        # The replica follows the trainer through its watch stream, as a rollout does, and loads version 5.
+        weights = WeightSyncServer(snapshots[5])
         server = grpc.aio.server()
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
         port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
         await server.start()
-        await weights.publish(snapshot_of(other_policy(6), version=6, step=6))
-        await weights.publish(snapshot_of(policy, version=7, step=7))
         follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"))
-        follower.newest = (await follower.client.version()).version
-        await follower.sync()
-        assert not follower.torn
-        await follower.client.close()
-        await server.stop(0)
-        return follower.loaded
+        watcher = asyncio.create_task(follower.watch())
+        try:
+            await until(lambda: follower.newest == 5)
+            await follower.sync()
+            seen = {"first": follower.loaded, "gap_first": await asyncio.to_thread(max_gap, older_expected)}
+            # Then it falls behind: 6 and 7 are published while it is busy, and it never loads 6.
+            await weights.publish(snapshots[6])
+            await weights.publish(snapshots[7])
+            await until(lambda: follower.newest == 7)
+            seen["gap_behind"] = await asyncio.to_thread(max_gap, expected)
+            sent = weights.sent_bytes
+            await follower.sync()  # one sync: straight to the newest
+            seen.update(loaded=follower.loaded, torn=follower.torn, trainer_sent=weights.sent_bytes - sent)
+            return seen
+        finally:
+            watcher.cancel()
+            await follower.close()
+            await server.stop(0)
 
-    assert asyncio.run(sync_over_grpc()) == 7
-    after = max_gap()
+    seen = asyncio.run(follow_over_grpc())
+    after = max_gap(expected)
     assert before > 1e-2, f"perturbed weights should score differently before the sync (gap {before})"
+    assert seen["first"] == 5 and seen["gap_first"] < 1e-3, f"version 5 loaded scores {seen['gap_first']} off"
+    assert seen["gap_behind"] > 1e-2, "version 5 must score differently from version 7"
+    assert (seen["loaded"], seen["torn"]) == (7, False)
+    # Skipped, not replayed: the catch-up pulled one copy of the model (version 7), not version 6 and then 7.
+    assert seen["trainer_sent"] == wire_bytes(snapshots[7])
     assert after < 1e-3, f"after the sync vLLM and transformers differ by {after}"
+
+
+def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_from_the_policy(tiny_model, tmp_path):
+    """A float32 trainer, a rollout serving bfloat16 (rollout.dtype): the rollout pulls in the dtype it serves, as
+    its service does (serving_dtype), so half the bytes cross the wire, and after the update it scores exactly as
+    a bfloat16 engine started from the trainer's policy does. (Against the trainer's own transformers forward in
+    bfloat16 it differs by ~2e-2: the two sum bfloat16 products in different orders; float32 is held to 1e-3
+    by the test above.)"""
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"dtype": "bfloat16"})
+    )
+    assert cfg.model.dtype == "float32" and serving_dtype(cfg) == "bfloat16"
+    tokenizer = load_tokenizer(model_dir)
+    eos = tokenizer.eos_token_id
+    pairs = [
+        (tokenizer.encode(p, add_special_tokens=False), [*tokenizer.encode(r, add_special_tokens=False), eos])
+        for p, r in PAIRS
+    ]
+    policy = moved_policy(model_dir, seed=0)  # float32, as the trainer holds it
+    snapshot = snapshot_of(policy, version=3, step=3)
+    assert all(t.dtype == torch.float32 for _, t in snapshot.tensors)
+    policy_dir = tmp_path / "policy"
+    shutil.copytree(model_dir, policy_dir)
+    policy.save_pretrained(policy_dir)  # the trainer's policy on disk, in float32
+
+    engine_thread = ThreadPoolExecutor(max_workers=1)
+    engine = engine_thread.submit(VllmEngine, cfg).result()
+    assert engine.llm.llm_engine.vllm_config.model_config.dtype == torch.bfloat16
+    fresh_cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": policy_dir})})
+    fresh = engine_thread.submit(VllmEngine, fresh_cfg).result()  # a bfloat16 engine started from the policy
+    expected = engine_thread.submit(vllm_response_logprobs, fresh, pairs).result()
+
+    def max_gap() -> float:
+        got = engine_thread.submit(vllm_response_logprobs, engine, pairs).result()
+        return max(float(np.abs(g - e).max()) for g, e in zip(got, expected, strict=True))
+
+    async def sync() -> tuple[int, int]:
+        weights = WeightSyncServer(snapshot)
+        server = grpc.aio.server()
+        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
+        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+        await server.start()
+        client = WeightSyncClient(f"127.0.0.1:{port}")
+        follower = PolicyFollower(engine, engine_thread, client, dtype=dtype_named(serving_dtype(cfg)))
+        try:
+            follower.newest = (await client.version()).version
+            await follower.sync()
+            assert not follower.torn
+            return follower.loaded, weights.sent_bytes
+        finally:
+            await follower.close()
+            await server.stop(0)
+
+    before = max_gap()
+    loaded, sent = asyncio.run(sync())
+    after = max_gap()
+    assert loaded == 3
+    assert sent * 2 == wire_bytes(snapshot)  # bfloat16 on the wire: half the float32 bytes, tied weights once
+    assert before > 1e-2, f"perturbed weights should score differently before the sync (gap {before})"
+    assert after < 1e-3, f"after the sync vLLM scores {after} off an engine started from the same weights"
