@@ -20,9 +20,11 @@ a GPU server or colocation).
 What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
 samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
 logprobs); TRL generates then trains, on-policy. Each rlpipe service runs one torch thread
-(``service.torch_threads``), and so does TRL's process by default (``--trl-threads``): with torch's
-default of one thread per core, TRL's step took 36 s instead of 4.5 s on the shared 2-core machine,
-its OpenMP threads waiting on each other behind other processes.
+(``service.torch_threads``). On the tiny task so does TRL's process by default (``--trl-threads``):
+with torch's default of one thread per core, TRL's step took 36 s instead of 4.5 s on the shared
+2-core machine, its OpenMP threads waiting on each other behind other processes. On smol TRL gets
+both cores by default: its matrices are large enough for two threads to pay on a quiet machine, and
+one thread would leave TRL a core that rlpipe's five processes use.
 
 Compared: wall time per step (median of step-to-step gaps after ``--skip`` steps), completions/s
 over the same steady steps and over the whole run including start-up, the mean reward per step,
@@ -74,6 +76,7 @@ class Task:
     clip: float = 0.2
     kl_coef: float = 0.001
     seed: int = 0
+    trl_threads: int = 1  # torch threads of TRL's one process (see the module docstring)
 
     @property
     def completions_per_step(self) -> int:
@@ -95,6 +98,7 @@ TASKS = {
         temperature=0.7,
         learning_rate=2e-5,
         warmup_steps=2,
+        trl_threads=2,
     ),
 }
 MAKE_TARGET = {"tiny": "make model", "smol": "make model-smol"}
@@ -392,8 +396,7 @@ def main() -> None:
     parser.add_argument(
         "--trl-threads",
         type=int,
-        default=1,
-        help="torch threads of the TRL process (default 1, as each rlpipe service: see the module docstring)",
+        help="torch threads of the TRL process (default: 1 for tiny, 2 for smol; see the module docstring)",
     )
     parser.add_argument("--trl-worker", nargs=3, metavar=("TASK_JSON", "OUT_DIR", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -410,7 +413,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     python = ensure_trl_venv(args.trl_venv)
     load_before = os.getloadavg()[0]
-    results = [run_rlpipe(task), run_trl(task, python, args.trl_threads)]
+    results = [run_rlpipe(task), run_trl(task, python, args.trl_threads or task.trl_threads)]
     load_after = os.getloadavg()[0]
     summaries = [result.summary(task, args.skip) for result in results]
     rl, trl = summaries
