@@ -212,6 +212,12 @@ class TrainConfig(Section):
     learning_rate: float = Field(1e-4, gt=0)
     warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
     weight_decay: float = Field(0.0, ge=0)
+    adam_eps: float = Field(
+        1e-8,
+        gt=0,
+        description="AdamW's epsilon: an update is lr * m / (sqrt(v) + adam_eps), so entries whose gradient is far "
+        "below it move by less than the learning rate (larger values damp updates driven by rounding noise)",
+    )
     max_grad_norm: float = Field(1.0, gt=0)
     max_seq_len: int = Field(64, ge=2)
     gamma: float = Field(1.0, ge=0, le=1)

@@ -224,7 +224,7 @@ class Learner:
         groups = [{"params": list(self.model.parameters()), "lr": train.learning_rate}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
-        self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay, eps=train.adam_eps)
         warmup = train.warmup_steps
         # Adam's first updates are full-size whatever the gradient; warm-up keeps them from jolting the policy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
