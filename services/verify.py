@@ -37,6 +37,7 @@ import signal
 import tempfile
 import time
 import urllib.request
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,7 +48,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.alert_drill import run_drill
 from services.checkpoint_verify import stores, verify_checkpoints
-from services.common.config import ConfigError, RunConfig, load_config
+from services.common.config import ConfigError, RunConfig, load_config, load_config_with
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.healthcheck import check as health_check
@@ -120,14 +121,22 @@ def smoke_overrides(run_id: str) -> dict[str, Any]:
     }
 
 
-def write_smoke_config(config_path: Path, folder: Path) -> tuple[Path, RunConfig]:
-    """The deployment's YAML with the smoke overrides, written to ``folder``; returns its path and the loaded config.
+def write_smoke_config(
+    config_path: Path, folder: Path, settings: Mapping[str, Any] | None = None
+) -> tuple[Path, RunConfig]:
+    """The deployment's YAML with the user's ``settings`` (command-line overrides) and then the smoke overrides,
+    written to ``folder``; returns its path and the loaded config.
 
-    Raises ConfigError when the config is invalid, or when an ``RLPIPE_*`` variable overrides
-    a field the smoke run sets (an RLPIPE_RUN_ID would point it at the deployment's own run)."""
-    base = load_config(config_path)
-    data = yaml.safe_load(config_path.read_text()) or {}
+    Raises ConfigError when the config or a setting is invalid, when a setting is one the smoke run sets itself,
+    or when an ``RLPIPE_*`` variable overrides such a field (an RLPIPE_RUN_ID would point it at the deployment's
+    own run)."""
+    base, data = load_config_with(config_path, settings or {})
     overrides = smoke_overrides(base.run_id)
+    taken = sorted(set(settings or {}) & set(overrides))
+    if taken:
+        raise ConfigError(
+            f"override {', '.join(taken)}: set by the smoke run itself (a short run of its own); override other fields"
+        )
     for key, value in overrides.items():
         node = data
         *parents, leaf = key.split(".")
@@ -157,11 +166,11 @@ def _timed_out(signum: int, frame: Any) -> None:
     raise TimeoutError(f"the smoke run did not finish within {SMOKE_TIMEOUT_S:g}s")
 
 
-def smoke(config_path: Path, folder: Path) -> SmokeRun:
+def smoke(config_path: Path, folder: Path, settings: Mapping[str, Any] | None = None) -> SmokeRun:
     """Start the deployment for a smoke run, check its roles while it is up, let it finish, stop it.
 
     The smoke config lives in ``folder`` for the run's duration (services read it again when restarted)."""
-    smoke_path, cfg = write_smoke_config(config_path, folder)
+    smoke_path, cfg = write_smoke_config(config_path, folder, settings)
     outcome = SmokeRun(cfg)
     try:
         startup_checks(cfg, "run")
@@ -388,11 +397,14 @@ def _finite(value: Any) -> bool:
 # -- the record ---------------------------------------------------------------------------------
 
 
-def write_record(cfg: RunConfig, config_path: Path, checks: list[Check], took_s: float) -> tuple[Path, Path]:
+def write_record(
+    cfg: RunConfig, config_path: Path, checks: list[Check], took_s: float, settings: Mapping[str, Any] | None = None
+) -> tuple[Path, Path]:
     failed = [c.name for c in checks if c.status == "fail"]
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": str(config_path),
+        "overrides": dict(settings or {}),
         "run_id": cfg.run_id,
         "passed": not failed,
         "failed": failed,
@@ -405,6 +417,7 @@ def write_record(cfg: RunConfig, config_path: Path, checks: list[Check], took_s:
     lines = [
         f"# Verification of {config_path}",
         "",
+        *([f"Overrides: `{' '.join(f'{k}={v}' for k, v in settings.items())}`", ""] if settings else []),
         f"{record['time']}, smoke run `{cfg.run_id}`, {record['took_s']} s: "
         + ("**passed**" if not failed else f"**failed**: {', '.join(failed)}"),
         "",
@@ -416,11 +429,14 @@ def write_record(cfg: RunConfig, config_path: Path, checks: list[Check], took_s:
     return as_json, as_md
 
 
-def verify(config_path: Path) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
-    """Run the checklist against the embedded deployment; raises ConfigError for a config that cannot start."""
+def verify(
+    config_path: Path, settings: Mapping[str, Any] | None = None
+) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
+    """Run the checklist against the embedded deployment, the config file with ``settings`` (dotted overrides)
+    over it; raises ConfigError for a config that cannot start."""
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="rlpipe-verify-") as folder:
-        run = smoke(config_path, Path(folder))
+        run = smoke(config_path, Path(folder), settings)
     rows = step_rows(run.cfg)
     checks = [
         roles_check(run),
@@ -430,7 +446,7 @@ def verify(config_path: Path) -> tuple[list[Check], RunConfig, tuple[Path, Path]
         drill_check(run.cfg),
         metrics_check(run, rows),
     ]
-    return checks, run.cfg, write_record(run.cfg, config_path, checks, time.monotonic() - started)
+    return checks, run.cfg, write_record(run.cfg, config_path, checks, time.monotonic() - started, settings)
 
 
 def smoke_only(config_path: Path) -> list[Check]:
@@ -441,16 +457,17 @@ def smoke_only(config_path: Path) -> list[Check]:
 
 
 def verify_live(
-    config_path: Path, address: str, token: str, tls_ca: Path | None = None
+    config_path: Path, address: str, token: str, tls_ca: Path | None = None, settings: Mapping[str, Any] | None = None
 ) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
     """The checklist against a running deployment, through its trainer's Admin API at ``address``.
 
     Nothing is started or stopped: the roles and the versions their rollouts hold come from the trainer's
     status (and each replica's gRPC health where it is reachable from here), the logprob comparison and
     the curves from the run's metrics file when this machine sees it. The smoke run is skipped: it needs
-    a deployment of its own (``rlpipe verify`` or ``rlpipe run --smoke`` on the same config)."""
+    a deployment of its own (``rlpipe verify`` or ``rlpipe run --smoke`` on the same config). ``settings``
+    (dotted overrides) apply over the file, as the deployment was launched with them."""
     started = time.monotonic()
-    cfg = load_config(config_path)
+    cfg, _ = load_config_with(config_path, settings or {})
     rows = step_rows(cfg) if cfg.metrics_file.is_file() else []
     status = _trainer_status(address, token, tls_ca)
     if isinstance(status, str):
@@ -488,4 +505,4 @@ def verify_live(
         if not cfg.metrics_file.is_file()
         else metrics_of(cfg, rows),
     ]
-    return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started)
+    return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started, settings)

@@ -71,24 +71,33 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
     @app.command("verify")
     def verify_command(
         ctx: typer.Context,
+        overrides: list[str] = typer.Argument(
+            None,
+            metavar="KEY=VALUE",
+            help="dotted settings over the config file, each value read as YAML, as `rlpipe run` takes them",
+            show_default=False,
+        ),
         config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="the deployment's run config YAML"),
     ) -> None:
         """The post-deployment checklist: roles, weight sync, a smoke run, a checkpoint written and loaded, an
         alert drill, the training curves. Starts the embedded deployment, or, with the global --address, checks
         the running one behind that trainer admin address (no smoke run). Writes verify.json and verify.md."""
-        from services.common.config import AdminCredentials
+        from services.common.config import AdminCredentials, parse_overrides
         from services.verify import verify, verify_live
 
         _orderly_sigterm()
         target = ctx.obj
         try:
+            settings = parse_overrides(overrides or ())
             if target is not None and target.given_address:
                 token = target.given_token or AdminCredentials().token
                 if not token and target.run_dir is not None and (target.run_dir / "admin.token").is_file():
                     token = (target.run_dir / "admin.token").read_text().strip()
-                checks, cfg, (as_json, as_md) = verify_live(config, target.given_address, token, target.tls_ca)
+                checks, cfg, (as_json, as_md) = verify_live(
+                    config, target.given_address, token, target.tls_ca, settings
+                )
             else:
-                checks, cfg, (as_json, as_md) = verify(config)
+                checks, cfg, (as_json, as_md) = verify(config, settings)
         except ConfigError as error:
             _plain(f"rlpipe verify: {error}")
             raise typer.Exit(2) from None

@@ -120,3 +120,22 @@ def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tiny_model, t
     assert done.stderr.strip().startswith(
         "rlpipe tune: invalid override: train.total_steps: Input should be greater than or equal to 1"
     )
+
+
+@pytest.mark.parametrize(
+    ("override", "refusal"),
+    [
+        ("train.learing_rate=1e-4", "rlpipe verify: override train.learing_rate: no such field (allowed here: ["),
+        ("train.learning_rate=-1", "rlpipe verify: invalid override: train.learning_rate: Input should be greater"),
+        ("learning_rate", "rlpipe verify: override 'learning_rate' is not KEY=VALUE"),
+        ("train.total_steps=50", "rlpipe verify: override train.total_steps: set by the smoke run itself"),
+    ],
+)
+def test_verify_refuses_a_bad_override_in_one_line_before_starting_anything(override, refusal, tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    done = rlpipe("verify", "--config", str(config), override)
+    assert done.returncode == 2
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(refusal), line
+    assert not (tmp_path / "runs").exists()

@@ -184,13 +184,17 @@ def verify_config(tmp_path: Path, tiny_model, **sections) -> Path:
     return write_config(tmp_path / "deploy.yaml", *tiny_model, tmp_path / "runs", run_id="deploy", **sections)
 
 
+VERIFY_LEARNING_RATE = 3e-4
+
+
 @pytest.fixture(scope="module")
 def verified(tmp_path_factory, tiny_model) -> Iterator[tuple[subprocess.CompletedProcess, Path, Webhook]]:
     """One `rlpipe verify` of the embedded deployment with the tiny model, shared by the tests that read it."""
     tmp_path = tmp_path_factory.mktemp("verify")
     receiver = Webhook()
     config = verify_config(tmp_path, tiny_model, alerts={"webhook_url": receiver.url})
-    done = rlpipe("verify", "--config", str(config), timeout=900)
+    # With a command-line override, as `rlpipe run` takes them: the smoke run must train with it.
+    done = rlpipe("verify", "--config", str(config), f"train.learning_rate={VERIFY_LEARNING_RATE}", timeout=900)
     yield done, tmp_path / "runs" / "deploy-smoke", receiver
     receiver.close()
 
@@ -201,12 +205,14 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     record = json.loads((run_dir / "verify.json").read_text())
     assert record["passed"] is True and record["failed"] == [] and record["run_id"] == "deploy-smoke"
+    assert record["overrides"] == {"train.learning_rate": VERIFY_LEARNING_RATE}
     names = ["roles", "weight-sync", "smoke-run", "checkpoint", "alert-drill", "metrics"]
     assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names]
     assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
     assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]  # the smoke run: 3 steps at batch 2
+    assert {r["learning_rate"] for r in rows if "reward_mean" in r} == {VERIFY_LEARNING_RATE}
     rules = sorted(rule.name for rule in load_config(run_dir.parent.parent / "deploy.yaml").alerts.rules)
     events = jsonl(run_dir / "events.jsonl")
     assert sorted(e["rule"] for e in events if e["kind"] == "alert" and "drill" in e["message"]) == rules
