@@ -162,7 +162,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     # A purged prompt the stopped rollout had already fetched still came back; every other one is lost.
     assert set(lost_groups(records)) == purged - used
     assert purged - used
-    assert_every_fed_prompt_accounted_once(runs, "leak", final)
+    assert_every_fed_prompt_accounted_once(runs, "leak", final, allow_lost=True)
     rows = metric_rows(run_dir)
     assert sum(r.get("groups_lost", 0) for r in rows if "pg_loss" in r) == len(purged - used)
     # The alert fires when the first groups are written off (not a step later: a stall brings no step row).
