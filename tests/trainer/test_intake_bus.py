@@ -152,3 +152,30 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
         await bus.close()
 
     asyncio.run(scenario())
+
+
+async def never() -> bool:
+    return False
+
+
+def test_a_group_made_by_a_disowned_policy_version_is_dropped_on_arrival(tiny_model, tmp_path, nats_url):
+    """A resume or rollback disowns the versions of the steps it abandons: their groups are dropped however fresh
+    they are (the staleness bound is off here, so it cannot be what drops them), and the versions either side of
+    the disowned range are still trained on."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url, max_staleness=None)
+    assert cfg.train.max_staleness is None
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        progress = Progress(step=5, version=6, abandoned_versions=[(3, 4)])  # a resume from step 2 abandoned 3-4
+        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        for n, (group_id, version) in enumerate([("e9-i0", 3), ("e9-i1", 2), ("e9-i2", 4), ("e9-i3", 5)]):
+            await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"v-{n}")
+
+        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i3"]  # versions 2 and 5
+        assert collected.dropped == ["e9-i0", "e9-i2"]  # versions 3 and 4
+        assert collected.sequence == 4
+        await bus.close()
+
+    asyncio.run(scenario())
