@@ -179,3 +179,25 @@ def test_a_group_made_by_a_disowned_policy_version_is_dropped_on_arrival(tiny_mo
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def test_with_the_default_settings_a_group_nine_versions_old_is_dropped_and_one_eight_old_is_used(
+    tiny_model, tmp_path, nats_url
+):
+    """The staleness bound holds without being configured: a rollout that cannot pull new weights keeps sampling
+    from old ones, and only the trainer's default bound keeps those groups out of training."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)  # train.max_staleness left to its default
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        progress = Progress(step=10, version=10)
+        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        for n, (group_id, version) in enumerate([("e9-i0", 1), ("e9-i1", 2), ("e9-i2", 10)]):
+            await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"s-{n}")
+
+        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        assert collected.dropped == ["e9-i0"]  # 10 - 1 = 9 versions old
+        assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i2"]  # 8 versions old, and current
+        await bus.close()
+
+    asyncio.run(scenario())
