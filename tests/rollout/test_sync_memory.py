@@ -22,6 +22,7 @@ from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
 
 BUFFER = 8 << 20
+LAYERS = 24
 
 
 def peak_rss_reset() -> None:
@@ -43,7 +44,7 @@ def many_layer_model(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=256,
-        num_hidden_layers=24,
+        num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=4,
         intermediate_size=1024,
@@ -108,7 +109,9 @@ def test_replica_behind_catches_up_to_the_newest_with_bounded_memory(tiny_model,
     assert follower.last_buffer_peak <= BUFFER
     # The handoff's bound, plus gRPC's receive window and one tensor in assembly; a second copy of the
     # model (what pulling everything before loading costs) would be ~100 MB.
-    assert growth < BUFFER + (24 << 20), f"a sync of {model_bytes / 1e6:.0f} MB grew memory by {growth / 1e6:.1f} MB"
+    measured = f"a sync of {model_bytes / 1e6:.0f} MB grew memory by {growth / 1e6:.1f} MB"
+    print(f"transformers: {measured}")  # the figure docs/performance.md quotes (pytest -s)
+    assert growth < BUFFER + (24 << 20), measured
 
 
 @dataclass
@@ -186,7 +189,10 @@ def test_a_vllm_replica_behind_catches_up_with_bounded_memory_and_scores_as_the_
     assert result.loaded == 4 and not result.torn
     assert result.logprob_gap < 1e-3, f"after catching up, vLLM scores {result.logprob_gap} off the trainer's version 4"
     assert result.buffer_peak <= BUFFER
-    # The handoff's bound, plus gRPC's receive window and a layer repacked by vLLM's CPU kernels; a second copy of
-    # the model would be ~100 MB, and without VllmEngine fixing glibc's mmap threshold the heap kept 35-70 MB.
+    # The transformers engine's bound (the handoff's buffer, gRPC's receive window, a tensor in assembly) plus one
+    # decoder layer, which vLLM's CPU kernels repack into blocks of their own as it loads. A second copy of the
+    # model would be ~100 MB; without VllmEngine fixing glibc's mmap threshold the heap kept 35-82 MB.
+    layer_bytes = result.model_bytes // LAYERS
     measured = f"a sync of {result.model_bytes / 1e6:.0f} MB grew memory by {result.growth / 1e6:.1f} MB"
-    assert result.growth < BUFFER + (24 << 20), measured
+    print(f"vllm: {measured}")  # the figure docs/performance.md quotes (pytest -s)
+    assert result.growth < BUFFER + (24 << 20) + layer_bytes, measured
