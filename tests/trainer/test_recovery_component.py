@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from datetime import UTC, datetime
 from typing import Any
 
@@ -156,6 +157,51 @@ def test_an_adopt_that_cannot_mark_the_later_steps_changes_nothing(tiny_model, t
         assert torch.equal(first_weights(restarted.learner), before)
         assert restarted.lineage.text() == lineage_before
         assert restarted.weights.latest.version == 0 and restarted.rewinds == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_that_cannot_mark_the_later_steps_changes_nothing_and_a_retry_goes_through(tiny_model, tmp_path):
+    """The rollback path of adopt: the store refuses to mark steps 2 and 3 abandoned, so the running trainer keeps
+    its step, version, weights, ledger, reader and lineage; the same call, once the store answers, rolls back."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        for step in (1, 2, 3):
+            await run.step_and_save(step, [f"e0-i{step}"])
+            if step == 1:
+                at_one = first_weights(run.learner)
+        at_three = first_weights(run.learner)
+        progress_before = dataclasses.replace(run.progress, abandoned_versions=list(run.progress.abandoned_versions))
+        settled_before = {g: (s.step, s.fate) for g, s in run.ledger.settled.items()}
+        in_flight_before = dict(run.ledger.in_flight)
+        lineage_before = run.lineage.text()
+        served_before = run.weights.latest
+
+        def store_down(step: int) -> list[int]:
+            raise OSError("store unreachable")
+
+        run.checkpoints.abandon_after = store_down
+        with pytest.raises(OSError, match="store unreachable"):
+            await run.recovery.rollback(1, reason="test")
+        assert run.progress == progress_before
+        assert torch.equal(first_weights(run.learner), at_three)
+        assert run.weights.latest is served_before and run.rewinds == 0  # nothing published, nothing re-read
+        assert {g: (s.step, s.fate) for g, s in run.ledger.settled.items()} == settled_before
+        assert run.ledger.in_flight == in_flight_before
+        assert run.lineage.text() == lineage_before
+        assert run.checkpoints.steps() == [1, 2, 3]  # nothing marked
+
+        del run.checkpoints.abandon_after  # the store answers again
+        assert await run.recovery.rollback(1, reason="test") == (1, 4, [2, 3])
+        assert (run.progress.step, run.progress.version, run.progress.applied_seq) == (1, 4, 10)
+        assert run.progress.abandoned_versions == [(2, 3)]
+        assert torch.equal(first_weights(run.learner), at_one)
+        assert run.weights.latest.version == 4 and run.rewinds == 1
+        assert run.checkpoints.steps() == [1]
+        assert {g: s.fate for g, s in run.ledger.settled.items()} == {"e0-i1": Fate.APPLIED}
+        assert run.lineage.records()[-1]["event"] == "rollback"
 
     asyncio.run(scenario())
 
