@@ -209,6 +209,8 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
         output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-4000:]
     assert stopped_at < CLAIM_STEPS, "the outage came too late to meet claim-checked traffic"
+    restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
+    assert restarts == {}, f"a service crashed over the outage: {restarts}"  # held, not crashed and restarted
     assert [r["step"] for r in steps()] == list(range(1, CLAIM_STEPS + 1))
     logs = {path.stem: path.read_text() for path in (run_dir / "logs").glob("*.log")}
     # Every group was claim-checked, so the stages met the outage while storing or reading bodies ...
