@@ -225,7 +225,8 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
         finally:
             os.kill(process.pid, signal.SIGCONT)
         output, _ = process.communicate(timeout=300)
-    assert process.returncode != 0, output[-3000:]
+    # The trainer exits EXIT_REFUSED (2); the launcher does not restart a refusal and ends the run with 1.
+    assert process.returncode == 1, output[-3000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     lost = [json.loads(line) for line in trainer_log.splitlines() if '"broker_state_lost"' in line]
     # Whichever of the two streams it reads the trainer checks first after the reconnect names the loss.
