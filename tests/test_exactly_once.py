@@ -109,7 +109,7 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothin
     again = subprocess.run(
         [*RLPIPE_RUN, str(config), "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
-    assert again.returncode != 0
+    assert again.returncode == 1  # the launcher: the trainer refused (exit 2), so the run failed
     trainer_log = (runs / "reuse" / "logs" / "trainer.log").read_text()
     assert '"start_refused"' in trainer_log
     assert "s3://ckpt/prefix/reuse/ holds steps [2, 4]" in trainer_log and "--resume" in trainer_log

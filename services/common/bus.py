@@ -22,8 +22,9 @@ up yet, or not yet back), whatever order the services start in; its key may not 
 update or delete a stream (``services.common.nats_auth``). Each stage ensures its own
 work queue's durable consumer, at first use and after every reconnect. A consumer whose
 settings differ from the config is updated in place (ack_wait, max_deliver,
-max_ack_pending); a difference JetStream cannot update stops start-up with
-``ConsumerSettingsConflict`` naming the field. A broker that lost messages is never
+max_ack_pending); a difference JetStream cannot update fails the stage's start (and each
+restart, until the launcher's restart limit ends the run) with ``ConsumerSettingsConflict``
+naming the field. A broker that lost messages is never
 read past silently: ``StreamReader.next`` raises ``StreamGap`` when
 the next message present is beyond the expected sequence (EXPERIENCE is purged only
 below its reader, so any jump is a loss) and ``BrokerStateLost`` when the stream was
