@@ -136,6 +136,10 @@ class GroupLedger:
 
     def __init__(self) -> None:
         self.in_flight: dict[str, Flight] = {}
+        # Read from EXPERIENCE into the batch being collected, not yet given a fate: no longer in flight (the
+        # pipeline is done with them, so no slot and no age bound), but a checkpoint taken now must still list
+        # them, or a fed group would have no fate in it.
+        self.read: set[str] = set()
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
         self.counts: Counter[Fate] = Counter()
@@ -143,7 +147,13 @@ class GroupLedger:
         self.newest_arrival = 0  # the highest serial that came back: the pipeline has moved past what is below
 
     def known(self, group_id: str) -> bool:
-        return group_id in self.in_flight or group_id in self.settled
+        return group_id in self.in_flight or group_id in self.read or group_id in self.settled
+
+    def unsettled(self) -> list[str]:
+        """Fed groups without a fate yet, for a checkpoint: in flight, or read and waiting for their step. A
+        resumed trainer counts them all in flight; those already read come again from EXPERIENCE, which keeps
+        everything after the checkpoint's sequence."""
+        return sorted(self.in_flight.keys() | self.read)
 
     def fed(self, group_id: str, now: float) -> None:
         self.fed_count += 1
@@ -157,6 +167,7 @@ class GroupLedger:
         flight = self.in_flight.pop(group_id, None)
         if flight is not None:
             self.newest_arrival = max(self.newest_arrival, flight.serial)
+        self.read.add(group_id)
         return True
 
     def settle(self, group_ids: list[str], step: int, fate: Fate) -> list[str]:
@@ -164,6 +175,7 @@ class GroupLedger:
         new = [g for g in group_ids if g not in self.settled]
         for group_id in new:
             self.in_flight.pop(group_id, None)
+            self.read.discard(group_id)
             self.settled[group_id] = Settled(step, fate)
             self.counts[fate] += 1
         return new
@@ -185,6 +197,7 @@ class GroupLedger:
     def restore(self, in_flight: list[str], applied: list[str], step: int, now: float) -> None:
         """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now) and the groups it settled."""
         self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(in_flight, start=1)}
+        self.read = set()
         self.fed_count, self.newest_arrival = len(in_flight), 0
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
 

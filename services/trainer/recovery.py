@@ -232,7 +232,7 @@ class Recovery:
                 config_version=config_version,
                 data_cursor=self.feeder.cursor,
                 last_experience_seq=progress.applied_seq,
-                in_flight=sorted(self.ledger.in_flight),
+                in_flight=self.ledger.unsettled(),
                 eval_accuracy=progress.last_eval,
                 baseline_accuracy=progress.baseline_eval,
                 metrics=dict(progress.last_row),

@@ -24,6 +24,23 @@ def test_a_group_read_but_not_yet_applied_may_be_read_again_after_a_dropped_batc
     assert ledger.repeats == 0
 
 
+def test_a_checkpoint_lists_groups_read_but_not_yet_applied_with_those_in_flight():
+    ledger = GroupLedger()
+    for group_id in ("e0-i1", "e0-i2", "e0-i3"):
+        ledger.fed(group_id, now=0.0)
+    assert ledger.arrived("e0-i2")  # in the batch being collected when the trainer saves (a stop, say)
+    assert list(ledger.in_flight) == ["e0-i1", "e0-i3"]  # its slot is free: the pipeline is done with it
+    assert ledger.unsettled() == ["e0-i1", "e0-i2", "e0-i3"]
+    assert ledger.known("e0-i2")
+    assert ledger.settle(["e0-i2"], step=5, fate=Fate.APPLIED) == ["e0-i2"]
+    assert ledger.unsettled() == ["e0-i1", "e0-i3"]
+    # Resumed from such a checkpoint, every unsettled group is in flight again (the read one comes back from
+    # EXPERIENCE, past the checkpoint's sequence).
+    resumed = GroupLedger()
+    resumed.restore(["e0-i1", "e0-i2", "e0-i3"], applied=[], step=4, now=0.0)
+    assert resumed.unsettled() == ["e0-i1", "e0-i2", "e0-i3"] and resumed.read == set()
+
+
 def test_a_dead_lettered_group_frees_its_slot_and_is_never_fed_again():
     ledger = GroupLedger()
     ledger.fed("e0-i1", now=0.0)
