@@ -273,6 +273,7 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     A nonzero exit after every step was recorded (a service slow to stop on a loaded machine) is reported
     and the run used; a run that recorded fewer steps raises."""
     log = run_dir.with_suffix(".log")
+    log.parent.mkdir(parents=True, exist_ok=True)  # runs_dir: rlpipe run creates it, but only once it starts
     with log.open("w") as out:
         # python -m, not the rlpipe script: the services run from this tree, whichever one .venv installed.
         command = [sys.executable, "-m", "services.cli", "run", str(config), *overrides, "--overwrite"]
