@@ -106,20 +106,28 @@ def test_an_answer_that_does_not_fit_the_schema_is_the_services_failure(body, re
 
 class ScriptedService:
     """A real HTTP server on a real socket answering each POST with the next status of ``script`` (then 200 with
-    ``ok_body``), recording when each request came."""
+    ``ok_body``) after ``hold_s``, recording when each request came and the most it held at once."""
 
-    def __init__(self, script: list[int], ok_body: bytes = b'{"scores": [1.0]}'):
+    def __init__(self, script: list[int], ok_body: bytes = b'{"scores": [1.0]}', hold_s: float = 0.0):
         import http.server
         import threading
         import time
 
         self.script, self.times = list(script), []
+        self.active = self.peak = 0
+        lock = threading.Lock()
         service = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self) -> None:
                 self.rfile.read(int(self.headers["Content-Length"]))
-                service.times.append(time.monotonic())
+                with lock:
+                    service.times.append(time.monotonic())
+                    service.active += 1
+                    service.peak = max(service.peak, service.active)
+                time.sleep(hold_s)
+                with lock:
+                    service.active -= 1
                 status = service.script.pop(0) if service.script else 200
                 body = ok_body if status == 200 else b'{"error": "scripted"}'
                 self.send_response(status)
@@ -171,5 +179,20 @@ def test_a_client_error_blames_the_input_and_is_not_retried(status):
             asyncio.run(client.score(ITEMS[:1]))
         assert len(service.times) == 1
         assert client.breaker.failures == 0  # bad input says nothing about the service being down
+    finally:
+        service.close()
+
+
+@pytest.mark.parametrize("limit", [2, 3])
+def test_requests_in_flight_reach_max_concurrency_and_never_exceed_it(limit):
+    # Six one-item batches, each held 0.3 s by the service: all six would be in flight at once without the limit.
+    service = ScriptedService([], hold_s=0.3)
+    try:
+        client = RemoteScorer(
+            RewardHttpConfig(url=f"http://127.0.0.1:{service.port}/score", batch_size=1, max_concurrency=limit)
+        )
+        assert asyncio.run(client.score(ITEMS + ITEMS[:1])) == [1.0] * 6
+        assert len(service.times) == 6
+        assert service.peak == limit
     finally:
         service.close()
