@@ -7,9 +7,7 @@ generation stopped on it), the sampled tokens' logprobs under the *raw* policy
 
 from __future__ import annotations
 
-import ctypes
 import os
-import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -69,37 +67,12 @@ def vllm_engine_args(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-# glibc's M_MMAP_THRESHOLD (malloc.h): allocations from this size on get pages of their own, returned on free.
-_M_MMAP_THRESHOLD = -3
-MMAP_THRESHOLD_BYTES = 128 << 10
-
-
-def return_large_frees_to_the_os() -> None:
-    """Fix glibc's mmap threshold at its 128 KiB default, so every large block is mapped on its own and unmapped
-    when freed.
-
-    By default glibc raises the threshold to the size of each large block freed (up to 32 MiB), so after the
-    first weight reload the blocks a reload allocates for a layer (vLLM's CPU kernels repack every linear
-    layer's weights) come from the heap, and the heap keeps what they free: measured here, a reload of a 103 MB
-    model left the process 35-50 MB larger each time; with the threshold fixed, 4.4 MB (one layer). Blocks
-    allocated before the call keep their placement, so it runs before the engine loads the model. A no-op off
-    glibc."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # another C library (musl): its allocator returns large blocks anyway
-        return
-    libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-
-
 class VllmEngine:
     """An in-process vLLM engine whose weights are replaced in place on each sync."""
 
     def __init__(self, cfg: RunConfig):
         # In-process engine: weight reloads reach the model runner directly, no worker IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        return_large_frees_to_the_os()
         from vllm import LLM
 
         self.llm = LLM(**vllm_engine_args(cfg))

@@ -22,15 +22,15 @@ from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
 
 BUFFER = 8 << 20
-LAYERS = 24
 
 
-def peak_rss_reset() -> None:
-    """Reset the kernel's high-water mark of this process's resident memory (Linux, since 4.0), after handing
-    freed heap memory back to the kernel: pages malloc kept from earlier work would otherwise absorb a sync's
-    allocations unseen."""
+def peak_rss_reset(trim: bool = True) -> None:
+    """Reset the kernel's high-water mark of this process's resident memory (Linux, since 4.0); with ``trim``,
+    after handing freed heap memory back to the kernel first, so pages malloc kept from earlier work cannot absorb
+    a sync's allocations unseen."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if trim:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
 
 
@@ -44,7 +44,7 @@ def many_layer_model(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=256,
-        num_hidden_layers=LAYERS,
+        num_hidden_layers=24,
         num_attention_heads=4,
         num_key_value_heads=4,
         intermediate_size=1024,
@@ -151,7 +151,9 @@ def vllm_replica_catches_up(model_dir: Path, data_dir: Path, tmp: Path) -> Catch
             await weights.publish(snapshot_of(policies[version], version=version, step=10 * version))
         while follower.newest != 4:
             await asyncio.sleep(0.01)
-        peak_rss_reset()
+        # Without trimming: this process also built the trainer's snapshots, whose freed heap a trimmed reload would
+        # fault back in and count, which a rollout's process never holds (see the test's docstring).
+        peak_rss_reset(trim=False)
         before = rss_kib("VmRSS")
         await follower.sync()
         growth = (rss_kib("VmHWM") - before) << 10
@@ -174,9 +176,17 @@ def vllm_replica_catches_up(model_dir: Path, data_dir: Path, tmp: Path) -> Catch
 
 def test_a_vllm_replica_behind_catches_up_with_bounded_memory_and_scores_as_the_trainer(tiny_model, tmp_path):
     """The same in a running vLLM engine (reload_weights, layer by layer), in a process of its own as a rollout
-    replica is: this one's heap holds what earlier tests freed, which a reload would reuse and count. A sync of the
-    newest version grows the process by the handoff's bound and a layer, not by a second model, and then vLLM
-    scores as the trainer's model of that version does."""
+    replica is (pytest's heap holds what earlier tests freed). A sync of the newest version peaks at the handoff's
+    bound and gRPC's window over what the process held before it, not at a second model, and then vLLM scores as
+    the trainer's model of that version does.
+
+    Measured against the resident memory before the sync as it is, not trimmed first: vLLM's CPU kernels repack
+    each layer into new blocks on every reload, and glibc keeps the blocks a reload frees in its heap, where the
+    next reload reuses them. A rollout therefore settles, after its first syncs, at the model plus that kept heap
+    (up to about half the model here), and each later sync stays within the bound over it. Trimming first would
+    count those reused pages as the sync's (35-82 MB here). Fixing glibc's mmap threshold at 128 KiB would return
+    them but costs 20-30% of CPU generation speed (`python -m bench.mmap_threshold`), so the engine leaves glibc
+    its default; see docs/performance.md."""
     _, data_dir = tiny_model
     model_dir = tmp_path / "model"
     many_layer_model(seed=0).save_pretrained(model_dir)
@@ -189,10 +199,7 @@ def test_a_vllm_replica_behind_catches_up_with_bounded_memory_and_scores_as_the_
     assert result.loaded == 4 and not result.torn
     assert result.logprob_gap < 1e-3, f"after catching up, vLLM scores {result.logprob_gap} off the trainer's version 4"
     assert result.buffer_peak <= BUFFER
-    # The transformers engine's bound (the handoff's buffer, gRPC's receive window, a tensor in assembly) plus one
-    # decoder layer, which vLLM's CPU kernels repack into blocks of their own as it loads. A second copy of the
-    # model would be ~100 MB; without VllmEngine fixing glibc's mmap threshold the heap kept 35-82 MB.
-    layer_bytes = result.model_bytes // LAYERS
+    # A second copy of the model (pulling everything before loading) would be ~100 MB.
     measured = f"a sync of {result.model_bytes / 1e6:.0f} MB grew memory by {result.growth / 1e6:.1f} MB"
     print(f"vllm: {measured}")  # the figure docs/performance.md quotes (pytest -s)
-    assert result.growth < BUFFER + (24 << 20) + layer_bytes, measured
+    assert result.growth < BUFFER + (24 << 20), measured
