@@ -23,18 +23,27 @@ def rlpipe(*args: str, env: dict[str, str] | None = None) -> subprocess.Complete
     )
 
 
+BAD_OVERRIDES = [
+    ("train.learing_rate=1e-4", "override train.learing_rate: no such field (allowed here: ["),
+    ("train.learning_rate=-1", "invalid override: train.learning_rate: Input should be greater than 0"),
+    ("learning_rate", "override 'learning_rate' is not KEY=VALUE"),
+]
+
+
 @pytest.mark.parametrize(
-    ("override", "refusal"),
+    ("command", "override", "refusal"),
     [
-        ("train.learing_rate=1e-4", "rlpipe run: override train.learing_rate: no such field (allowed here: ["),
-        ("train.learning_rate=-1", "rlpipe run: invalid override: train.learning_rate: Input should be greater than 0"),
-        ("learning_rate", "rlpipe run: override 'learning_rate' is not KEY=VALUE"),
+        *((["run"], override, f"rlpipe run: {refusal}") for override, refusal in BAD_OVERRIDES),
+        *((["verify", "--config"], override, f"rlpipe verify: {refusal}") for override, refusal in BAD_OVERRIDES),
+        (["verify", "--config"], "train.total_steps=50", "rlpipe verify: override train.total_steps: set by the smoke"),
     ],
 )
-def test_a_bad_override_is_refused_in_one_line_naming_it(override, refusal, tiny_model, tmp_path):
+def test_a_bad_override_is_refused_in_one_line_naming_it_before_anything_starts(
+    command, override, refusal, tiny_model, tmp_path
+):
     model_dir, data_dir = tiny_model
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
-    done = rlpipe("run", str(config), override)
+    done = rlpipe(*command, str(config), override)
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
     assert line.startswith(refusal), line
@@ -120,22 +129,3 @@ def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tiny_model, t
     assert done.stderr.strip().startswith(
         "rlpipe tune: invalid override: train.total_steps: Input should be greater than or equal to 1"
     )
-
-
-@pytest.mark.parametrize(
-    ("override", "refusal"),
-    [
-        ("train.learing_rate=1e-4", "rlpipe verify: override train.learing_rate: no such field (allowed here: ["),
-        ("train.learning_rate=-1", "rlpipe verify: invalid override: train.learning_rate: Input should be greater"),
-        ("learning_rate", "rlpipe verify: override 'learning_rate' is not KEY=VALUE"),
-        ("train.total_steps=50", "rlpipe verify: override train.total_steps: set by the smoke run itself"),
-    ],
-)
-def test_verify_refuses_a_bad_override_in_one_line_before_starting_anything(override, refusal, tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
-    done = rlpipe("verify", "--config", str(config), override)
-    assert done.returncode == 2
-    [line] = done.stderr.strip().splitlines()
-    assert line.startswith(refusal), line
-    assert not (tmp_path / "runs").exists()
