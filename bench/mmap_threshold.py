@@ -36,13 +36,18 @@ VARIANTS = ("glibc", "128k")
 M_MMAP_THRESHOLD = -3  # malloc.h
 
 
-def peak_rss_reset() -> None:
+def peak_rss_reset(trim: bool = True) -> None:
+    """Reset the kernel's high-water mark of this process's resident memory (Linux, since 4.0); with ``trim``,
+    after handing freed heap memory back to the kernel first, so pages malloc kept from earlier work cannot absorb
+    the next allocations unseen. tests/rollout/test_sync_memory.py measures syncs with it too."""
     gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    if trim:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")
 
 
 def rss_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (VmRSS, VmHWM) in KiB."""
     line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
     return int(line.split()[1])
 

@@ -1,8 +1,6 @@
 """A sync streams into the running engine: peak memory grows by a bounded buffer, not by a second model."""
 
 import asyncio
-import ctypes
-import gc
 import multiprocessing
 import shutil
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -14,6 +12,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from bench.mmap_threshold import peak_rss_reset, rss_kib
 from services.common.config import load_config
 from services.common.pb import weights_pb2_grpc
 from services.common.weightsync import WeightSyncClient, WeightSyncServer, snapshot_of
@@ -22,21 +21,6 @@ from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
 
 BUFFER = 8 << 20
-
-
-def peak_rss_reset(trim: bool = True) -> None:
-    """Reset the kernel's high-water mark of this process's resident memory (Linux, since 4.0); with ``trim``,
-    after handing freed heap memory back to the kernel first, so pages malloc kept from earlier work cannot absorb
-    a sync's allocations unseen."""
-    gc.collect()
-    if trim:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")
-
-
-def rss_kib(field: str) -> int:
-    line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field + ":"))
-    return int(line.split()[1])
 
 
 def many_layer_model(seed: int) -> LlamaForCausalLM:
