@@ -47,13 +47,20 @@ data/word-problems/train.jsonl: $(STAMP)
 demo: model
 	$(BIN)/rlpipe run $(CONFIG) --overwrite
 
-# Lint and format first: they take seconds, the tests many minutes. Then the tests in two tiers, both always run:
-# the components and short pipelines first, so a broken unit fails fast, then the slow end-to-end runs (marked e2e).
+# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, the
+# fast ones first so a broken unit fails in a minute: unit (in-process), integration (real brokers, stores, gRPC,
+# vLLM, processes), e2e (whole runs). The last two run on TEST_WORKERS pytest-xdist workers, a file per worker at a
+# time (tests in one file share their fixtures, e.g. one pipeline run): most of their time is spent waiting on
+# processes, brokers and stores rather than on the cores (docs/testing.md has the measurements).
+TEST_WORKERS ?= 2
+PYTEST_TIERED = $(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
-	$(BIN)/python -m pytest -q --durations=15 -m "not e2e" tests
-	$(BIN)/python -m pytest -q --durations=15 -m e2e tests
+	$(BIN)/python -m pytest -q --durations=10 -m unit tests
+	$(PYTEST_TIERED) -m integration tests
+	$(PYTEST_TIERED) -m e2e tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import _posixsubprocess
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -19,6 +21,51 @@ from services.report import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 TEST_MODEL_DIR = ROOT / "build" / "test-model"
+
+# Every test belongs to exactly one tier (pyproject.toml describes them). A module's `pytestmark` sets the tier of
+# its tests; a test that differs carries its own marker, and the marker closest to the test wins.
+TIERS = ("unit", "integration", "e2e")
+
+
+def tier_of(item: pytest.Item) -> str | None:
+    return next((marker.name for marker in item.iter_markers() if marker.name in TIERS), None)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    untiered = [item.nodeid for item in items if tier_of(item) is None]
+    if untiered:
+        raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}")
+    # `-m unit` selects by any marker on the way up; keep only the tests whose own tier was asked for.
+    selected = config.getoption("markexpr")
+    if selected in TIERS:
+        kept = [item for item in items if tier_of(item) == selected]
+        config.hook.pytest_deselected(items=[item for item in items if tier_of(item) != selected])
+        items[:] = kept
+
+
+class UnitTierViolation(RuntimeError):
+    """A test marked `unit` reached for a socket or a process: it belongs to the integration tier."""
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unit tier's promise, enforced: no network connection, no listening socket, no child process."""
+    if tier_of(request.node) != "unit":
+        return
+
+    def refuse(what: str):
+        def refused(*args, **kwargs):
+            raise UnitTierViolation(f"{request.node.nodeid} is marked unit but {what}; mark it integration")
+
+        return refused
+
+    monkeypatch.setattr(socket.socket, "connect", refuse("opened a network connection"))
+    monkeypatch.setattr(socket.socket, "connect_ex", refuse("opened a network connection"))
+    monkeypatch.setattr(socket.socket, "listen", refuse("listened on a socket"))
+    # subprocess and multiprocessing both start children through fork_exec.
+    monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse("started a process"))
+    monkeypatch.setattr(os, "fork", refuse("forked a process"))
+    monkeypatch.setattr(os, "posix_spawn", refuse("started a process"))
 
 
 def free_port() -> int:
@@ -98,8 +145,19 @@ def tiny_model() -> tuple[Path, Path]:
     from services.common.tiny_model import main as build
 
     model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
-    build(["--out", str(model_dir), "--data", str(data_dir), "--seed", "0"])
+    with one_builder("tiny-model"):
+        build(["--out", str(model_dir), "--data", str(data_dir), "--seed", "0"])
     return model_dir, data_dir
+
+
+@contextlib.contextmanager
+def one_builder(name: str) -> Iterator[None]:
+    """Held while a shared test artefact under build/test-model is built or checked: pytest-xdist workers each ask
+    for it, so one builds (or rewrites its data files) while the others wait, then reuse it."""
+    TEST_MODEL_DIR.mkdir(parents=True, exist_ok=True)
+    with open(TEST_MODEL_DIR / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **sections: dict) -> Path:

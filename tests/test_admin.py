@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -23,6 +24,8 @@ from services.common.weightsync import WeightSyncClient
 from services.report import read_jsonl
 from services.trainer.lineage import effective_steps
 from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
+
+pytestmark = pytest.mark.e2e
 
 
 async def pull_weights(address: str) -> tuple[int, dict]:

@@ -8,7 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
 
 
 def cli_process(run_dir: Path, *args: str, **options) -> subprocess.Popen:

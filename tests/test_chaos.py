@@ -16,6 +16,8 @@ from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 
+pytestmark = pytest.mark.e2e
+
 TOTAL_STEPS = 60
 VICTIMS = ["reward-0", "rollout-0", "reference-0", "trainer", "reward-0", "reference-0", "rollout-0", "trainer"]
 

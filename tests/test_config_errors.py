@@ -6,9 +6,12 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests.conftest import RLPIPE_RUN, ROOT
+
+pytestmark = pytest.mark.e2e
 
 
 def run_cli(config: Path, **env: str) -> subprocess.CompletedProcess:

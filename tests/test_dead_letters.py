@@ -6,12 +6,15 @@ import subprocess
 import sys
 
 import msgpack
+import pytest
 
 from services.common.bus import PROMPTS, Bus, stream_name, subject
 from services.common.config import load_config
 from services.common.messages import Prompt, decode, encode
 from services.dead_letters import list_dead_letters
 from tests.conftest import ROOT, write_config
+
+pytestmark = pytest.mark.integration
 
 
 def test_list_and_reinject(tiny_model, tmp_path, nats_url):

@@ -30,6 +30,8 @@ from services.common.startup_checks import (
 from services.doctor import check_packages
 from tests.conftest import ROOT, free_port, write_config
 
+pytestmark = pytest.mark.integration
+
 
 def doctor(config: Path, *args: str) -> subprocess.CompletedProcess:
     """`rlpipe doctor` as a user runs it; a wide terminal so table rows stay on one line."""
@@ -210,6 +212,7 @@ def test_admin_token_is_required_unless_the_launcher_makes_one(tiny_model, tmp_p
     assert check_admin_token(prod, launcher_generates=True).status == "fail"
 
 
+@pytest.mark.unit
 def test_packages_against_a_lock(tmp_path):
     import torch
 
@@ -227,6 +230,7 @@ def test_packages_against_a_lock(tmp_path):
     assert check_packages(tmp_path / "absent.lock").status == "skip"
 
 
+@pytest.mark.unit
 def test_packages_of_an_image_count_only_what_its_recorded_extras_install(tmp_path):
     import torch
 

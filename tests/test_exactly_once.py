@@ -41,6 +41,8 @@ from tests.conftest import (
 )
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 
+pytestmark = pytest.mark.e2e
+
 TOTAL_STEPS = 24
 SAVE_EVERY = 10
 WINDOW_S = 5.0

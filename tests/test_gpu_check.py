@@ -5,7 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.integration
 
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
 STEPS = ["nvidia-smi", "build-tiny", "doctor", "hardware", "vllm", "bf16-trainer", "weight-sync", "torchrun-2", "smol"]
@@ -28,6 +32,7 @@ def test_dry_run_prints_every_step_with_its_limit_and_runs_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.unit
 def test_every_step_in_the_docs_table():
     section = (ROOT / "docs" / "performance.md").read_text().split("## GPU check", 1)[1]
     assert "bench/gpu_check.sh" in section

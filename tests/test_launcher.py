@@ -20,6 +20,8 @@ from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.launcher import Child, Launcher, RestartPolicy, interrupt, stop_or_kill
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def config(tmp_path: Path) -> Path:
@@ -69,6 +71,7 @@ def test_resume_and_overwrite_together_are_refused(config, tmp_path):
     assert (tmp_path / "runs" / "kept" / "step-00000005").is_dir()
 
 
+@pytest.mark.unit
 def test_restarts_are_limited_per_window_not_per_run():
     supervision = SupervisionConfig(max_restarts=3, restart_window_s=100, backoff_s=1, max_backoff_s=30)
     policy = RestartPolicy(supervision)
@@ -84,6 +87,7 @@ def test_restarts_are_limited_per_window_not_per_run():
     assert policy.total == {"rollout-0": 5, "reward-0": 1}
 
 
+@pytest.mark.unit
 def test_a_service_that_crashes_now_and_then_is_restarted_for_ever():
     # The default budget, and a crash every 10 minutes for a week: a lifetime count would have ended the run.
     policy = RestartPolicy(SupervisionConfig())
@@ -91,6 +95,7 @@ def test_a_service_that_crashes_now_and_then_is_restarted_for_ever():
     assert None not in delays and policy.total == {"trainer": 7 * 24 * 6}
 
 
+@pytest.mark.unit
 def test_a_restart_window_a_crash_loop_cannot_fill_is_refused_naming_the_field(config):
     # 10 restarts backed off 1, 2, 4, 8, 16, then 30 s each take 181 s: a 120 s window never holds 11.
     with pytest.raises(ConfigError) as error:
@@ -100,6 +105,7 @@ def test_a_restart_window_a_crash_loop_cannot_fill_is_refused_naming_the_field(c
     )
 
 
+@pytest.mark.integration
 def test_a_service_dying_too_often_fails_the_run_naming_the_window(config, tmp_path):
     cfg = load_config(config, supervision={"max_restarts": 1, "restart_window_s": 600, "backoff_s": 0.1})
     cfg.run_dir.mkdir(parents=True)
@@ -132,6 +138,7 @@ def slow_child(name: str, role: str, seconds: float, log: Path) -> Child:
     return Child(name, role, process, log, log_max_bytes=2**20, log_keep=1)
 
 
+@pytest.mark.integration
 def test_each_service_gets_its_own_stop_grace(config, tmp_path):
     cfg = load_config(config, supervision={"trainer_stop_grace_s": 30, "stop_grace_s": 1})
     cfg.run_dir.mkdir(parents=True)
@@ -150,6 +157,7 @@ def test_each_service_gets_its_own_stop_grace(config, tmp_path):
     assert 3.5 < time.monotonic() - started < 20
 
 
+@pytest.mark.integration
 def test_a_second_ctrl_c_during_the_stop_kills_every_service_at_once(config, tmp_path):
     """The first Ctrl-C gives the trainer its long grace for the final save; a person who presses it again
     wants out now, and gets it instead of waiting out supervision.trainer_stop_grace_s."""

@@ -17,6 +17,8 @@ import pytest
 from services.common import registry
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.unit
+
 SERVICES = ROOT / "services"
 ROLES = ("trainer", "rollout", "reward", "reference")
 SIBLINGS = ("doctor", "launcher")

@@ -25,6 +25,8 @@ from services.dead_letters import operator_options
 from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
 from tests.conftest import running_pipeline, write_config
 
+pytestmark = pytest.mark.e2e
+
 TOTAL_STEPS = 500  # never reached: the test stops the run once it has scraped every service
 # service name in run.json -> (role, edge it consumes)
 CONSUMERS = {

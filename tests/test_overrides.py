@@ -11,6 +11,8 @@ from services.common.config import ConfigError, load_config_with, parse_override
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, write_config
 
+pytestmark = pytest.mark.e2e
+
 
 def rlpipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
@@ -61,6 +63,7 @@ def test_an_override_an_environment_variable_would_undo_is_refused(tiny_model, t
     )
 
 
+@pytest.mark.integration
 def test_overrides_are_read_as_yaml_and_written_into_the_file_data(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")

@@ -27,6 +27,8 @@ from services.report import read_jsonl
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
 
+pytestmark = pytest.mark.e2e
+
 STEP_METRICS = (
     "reward_mean",
     "reward_std",

@@ -12,7 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from services.report import curve, event_steps, read_jsonl, render_html, render_report
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0
@@ -179,6 +183,7 @@ def test_missing_events_file_still_renders_both(tmp_path):
     assert "No events recorded." in page and "data:image/png;base64," in page
 
 
+@pytest.mark.e2e
 def test_cli_writes_both_files_for_a_run_dir_or_a_run_id(tmp_path):
     run_dir = make_run(tmp_path)
     rlpipe = Path(sys.executable).parent / "rlpipe"

@@ -30,6 +30,8 @@ from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
 from tests.conftest import create_run_state, metric_rows, running_pipeline, wait_for, write_config
 
+pytestmark = pytest.mark.unit
+
 
 def fired(rows: list[dict]) -> set[str]:
     evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=20, now=0.0)
@@ -104,6 +106,7 @@ def capped_config(tmp_path, tiny_model, nats_url):
     return config(tmp_path, tiny_model, nats={**nats, "max_work_s": 0.5})
 
 
+@pytest.mark.integration
 def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as_timeout(
     tiny_model, tmp_path, nats_url, caplog
 ):
@@ -143,6 +146,7 @@ def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as
     assert len(timeouts) == 2  # one per delivery, the first nakked with backoff, the second dead-lettered
 
 
+@pytest.mark.integration
 def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model, tmp_path, nats_url):
     cfg = capped_config(tmp_path, tiny_model, nats_url)
     assert stall_bound_s(cfg.nats) == pytest.approx(1.3)
@@ -250,6 +254,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", str(mount_point)], check=True)
 
 
+@pytest.mark.integration
 def test_a_filling_disk_fires_disk_space_low_before_a_save_fails(small_disk):
     runs = small_disk / "runs"
     watch = DiskWatch(save_paths(runs / "run-1", "s3://bucket/prefix"), min_free_bytes=512 * 1024)

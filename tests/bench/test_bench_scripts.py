@@ -11,6 +11,8 @@ from bench.throughput import CpuSampler, Measurement, ratios
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
 from services.common.config import load_config
 
+pytestmark = pytest.mark.integration
+
 
 def test_the_rlpipe_side_of_vs_trl_gets_the_same_task_as_trl(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model  # the bench's own defaults (models/tiny-arith) need `make model` first
@@ -53,6 +55,7 @@ def test_the_smol_task_hands_both_trainers_the_smol_example_settings_and_chat_pr
     assert trl_rows(task) == [{"prompt": chat["messages"], "answer": "5"}, {"prompt": "2+3=", "answer": "5"}]
 
 
+@pytest.mark.unit
 def test_steady_figures_leave_out_the_skipped_steps():
     task = Task(steps=6, prompts_per_step=2, group_size=5)  # 10 completions a step
     # Steps 1-2 slow (start-up), then one step every 0.5 s.
@@ -78,6 +81,7 @@ def test_each_variant_is_compared_with_its_baseline_and_the_pipeline_with_its_sl
     assert ratios(measurements) == {0: 1.0, 1: 4.0, 2: 1.0, 3: 0.5, 4: pytest.approx(0.8)}
 
 
+@pytest.mark.unit
 def test_the_cpu_sampler_reads_a_process_cpu_time_from_proc(tmp_path):
     run_json = tmp_path / "run.json"
     run_json.write_text(f'{{"pids": {{"me": {os.getpid()}}}}}')

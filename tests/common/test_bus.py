@@ -23,6 +23,8 @@ from services.common.config import load_config
 from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, decode, encode
 from tests.conftest import create_run_state, free_port, write_config
 
+pytestmark = pytest.mark.integration
+
 
 def big_group(tokens: int) -> RolloutGroup:
     completion = Completion(

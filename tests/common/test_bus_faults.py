@@ -32,6 +32,8 @@ from services.common.config import RunConfig, load_config
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
+pytestmark = pytest.mark.integration
+
 
 def group(group_id: str, tokens: int = 3) -> RolloutGroup:
     completion = Completion(
@@ -67,6 +69,7 @@ async def stream_messages(bus: Bus, edge: str) -> int:
 # ------------------------------------------------------------------ the breaker
 
 
+@pytest.mark.unit
 def test_circuit_breaker_backs_off_opens_probes_and_closes():
     now = [100.0]
     breaker = CircuitBreaker(threshold=3, cooldown_s=10.0, backoff_s=0.5, clock=lambda: now[0])

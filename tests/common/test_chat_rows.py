@@ -21,6 +21,8 @@ from services.common.datasets import (
 )
 from services.common.tiny_model import build_char_tokenizer
 
+pytestmark = pytest.mark.unit
+
 TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}[assistant] {% endif %}"
@@ -69,6 +71,7 @@ def test_load_jsonl_names_file_line_and_field(tmp_path: Path) -> None:
         load_jsonl(path)
 
 
+@pytest.mark.integration
 def test_rendering_uses_the_chat_template_with_a_generation_prompt() -> None:
     tokenizer = build_char_tokenizer()
     tokenizer.chat_template = TEMPLATE

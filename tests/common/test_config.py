@@ -8,6 +8,8 @@ from services.common import registry
 from services.common.config import ConfigError, load_config
 from tests.conftest import ROOT, write_config
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
@@ -128,6 +130,7 @@ def test_heartbeat_must_come_before_the_ack_wait_ends(tmp_path, model_dir, data_
         load_config(path)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("role", ["trainer", "rollout", "reward", "reference"])
 def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, role):
     path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"learning_rate": -1})
@@ -142,6 +145,7 @@ def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, ro
     assert "train.learning_rate" in done.stderr
 
 
+@pytest.mark.integration
 def test_rlpipe_run_refuses_missing_model_path(tmp_path, model_dir, data_dir):
     path = write_config(
         tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"path": str(tmp_path / "absent")}

@@ -15,6 +15,8 @@ from services.trainer.intake import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
 
+pytestmark = pytest.mark.integration
+
 # The user's own names for what rlpipe calls prompt, answer and id.
 THEIR_COLUMNS = {"prompt": "question", "answer": "solution", "id": "uid"}
 N_ROWS = 24
@@ -140,6 +142,7 @@ def test_columns_are_mapped_and_rendered_by_the_given_function(tiny_model, tmp_p
     )
 
 
+@pytest.mark.unit
 def test_chat_rows_from_a_messages_column(tmp_path):
     import datasets
 

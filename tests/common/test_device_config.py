@@ -8,6 +8,8 @@ import pytest
 from services.common.config import ConfigError, load_config
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def dirs(tmp_path: Path) -> tuple[Path, Path]:

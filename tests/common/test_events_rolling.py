@@ -8,9 +8,13 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from services.common.events import EventLog
 from services.common.logs import JsonlFollower, jsonl_parts, rolled_part
 from services.report import read_jsonl, render_html
+
+pytestmark = pytest.mark.integration
 
 MAX_BYTES = 600  # a few events a part: dozens of rolls while both writers go on
 EVENTS_EACH = 150
@@ -65,6 +69,7 @@ def test_two_processes_writing_events_roll_them_into_parts_without_losing_or_tea
     assert all(f"{name} event {n}<" in report for name in ("launcher", "trainer") for n in range(EVENTS_EACH))
 
 
+@pytest.mark.unit
 def test_a_follower_skipped_to_the_end_reads_only_later_events_across_a_roll(tmp_path):
     path = tmp_path / "events.jsonl"
     events = EventLog(path, max_bytes=MAX_BYTES)

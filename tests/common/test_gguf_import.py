@@ -28,6 +28,8 @@ from services.common.gguf_import import (
     probe_ids,
 )
 
+pytestmark = pytest.mark.unit
+
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -136,6 +138,7 @@ def imported(tiny_gguf: tuple[Path, LlamaForCausalLM], tmp_path_factory: pytest.
     return out
 
 
+@pytest.mark.integration
 def test_the_saved_folder_loads_with_plain_from_pretrained_and_gives_the_gguf_models_logits(
     tiny_gguf: tuple[Path, LlamaForCausalLM], imported: Path
 ) -> None:
@@ -154,6 +157,7 @@ def test_the_saved_folder_loads_with_plain_from_pretrained_and_gives_the_gguf_mo
     assert torch.equal(got, expected)
 
 
+@pytest.mark.integration
 def test_the_gguf_weights_are_the_source_models_up_to_q4_1_rounding(
     tiny_gguf: tuple[Path, LlamaForCausalLM], imported: Path
 ) -> None:
@@ -166,6 +170,7 @@ def test_the_gguf_weights_are_the_source_models_up_to_q4_1_rounding(
     assert torch.equal(saved["model.norm.weight"], source["model.norm.weight"])  # F32 tensors are exact
 
 
+@pytest.mark.integration
 def test_tokenizer_special_tokens_and_chat_template_survive(imported: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(imported))
     assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from services.common.config import default_alert_rules
@@ -29,6 +30,8 @@ from services.common.telemetry import TRAINER_STEP_KEYS, trainer_gauge_name
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.unit
 
 FULL = HardwareSample(
     host_rss_gb=1.5,
@@ -134,6 +137,7 @@ telemetry.shutdown()
 """
 
 
+@pytest.mark.integration
 def test_hardware_keys_reach_prometheus_under_their_mapped_names(tmp_path):
     config = minimal_config(tmp_path, telemetry={"metrics_port": 0})
     full = {name: getattr(FULL, name) for name in FULL.__dataclass_fields__}

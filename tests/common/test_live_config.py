@@ -9,6 +9,8 @@ from services.common.config import REDACTED, ConfigError, load_config
 from services.common.live_config import LiveConfig, parse_value, stored_config
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def base(tmp_path, tiny_model, nats_url):
@@ -87,6 +89,7 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_values_parse_as_yaml_and_malformed_ones_are_named():
     assert [parse_value(v) for v in ("5e-5", "[notify, pause]", "true", "")] == ["5e-5", ["notify", "pause"], True, ""]
     with pytest.raises(ConfigError, match="is not valid YAML"):

@@ -12,6 +12,8 @@ from services.launcher import Child
 from services.report import read_jsonl
 from services.trainer.responder import MetricsLog
 
+pytestmark = pytest.mark.unit
+
 
 def line(n: int) -> bytes:
     return f'{{"event": "tick", "n": "{n:03d}"}}\n'.encode()  # the same length for every n
@@ -53,6 +55,7 @@ def test_keep_zero_keeps_no_rotated_file_and_a_reopened_log_counts_what_is_there
         RotatingLog(path, max_bytes=0, keep=1)
 
 
+@pytest.mark.integration
 def test_the_launcher_pumps_a_childs_output_through_the_rotating_log(tmp_path):
     script = "import json, sys\nfor n in range(50):\n    print(json.dumps({'event': 'tick', 'n': f'{n:03d}'}))\n"
     process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE)

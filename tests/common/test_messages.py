@@ -15,6 +15,8 @@ from services.common.messages import (
     encode,
 )
 
+pytestmark = pytest.mark.unit
+
 
 def rollout_group(logprobs=(-0.5, -0.25)) -> RolloutGroup:
     prompt = Prompt(group_id="e0-i1", prompt_id="add-1", prompt="1+1=", answer="2")

@@ -23,6 +23,8 @@ from services.common.nats_server import embedded_config, nats_server_binary
 from services.common.presence import Presence, read_presence
 from tests.conftest import free_port, wait_for_port, write_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def secured(tiny_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict[str, RoleKey]]]:
@@ -56,6 +58,7 @@ async def connect(cfg: RunConfig, role: str, errors: list[str]) -> nats.NATS:
     return await nats.connect(cfg.nats.url, error_cb=remember, **connect_options(cfg.nats, role))
 
 
+@pytest.mark.unit
 def test_seed_files_are_readable_by_their_owner_only(tmp_path):
     keys = write_run_credentials(tmp_path / "nats-auth")
     assert sorted(keys) == ["operator", "reference", "reward", "rollout", "trainer"]

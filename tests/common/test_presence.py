@@ -3,10 +3,13 @@
 import asyncio
 
 import nats
+import pytest
 
 from services.common.config import load_config
 from services.common.presence import Presence, read_presence, roles_down
 from tests.conftest import write_config
+
+pytestmark = pytest.mark.integration
 
 
 def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, nats_url):

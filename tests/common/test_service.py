@@ -10,6 +10,8 @@ from services.common.config import load_config
 from services.common.service import start_grpc_server
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.integration
+
 
 def test_a_port_another_server_holds_fails_the_bind(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model

@@ -7,6 +7,8 @@ from services.common.config import load_config
 from services.common.startup_checks import StartupCheckError, startup_checks
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("role", ["trainer", "reference", "run"])
 def test_cuda_without_a_gpu_fails_the_start_up_checks_naming_the_field(tiny_model, tmp_path, role):

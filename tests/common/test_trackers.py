@@ -8,6 +8,8 @@ from services.common.config import ConfigError, load_config
 from services.common.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
 from tests.conftest import RLPIPE_RUN, ROOT, run_pipeline, write_config
 
+pytestmark = pytest.mark.integration
+
 # Real runs whose subject is not generation: transformers' generate starts and stops faster than vLLM, and a busy
 # machine gets more time to stop the services.
 LIGHT_RUN = {"rollout": {"backend": "hf", "prompts_per_batch": 16}, "supervision": {"stop_grace_s": 60}}
@@ -28,6 +30,7 @@ STEP_ROW = {
 }
 
 
+@pytest.mark.unit
 def test_row_keys_map_to_the_common_namespaces_and_wall_time_is_not_a_metric():
     entry = tracker_entry(STEP_ROW, last_config_version=None)
     assert entry.step == 3
@@ -46,6 +49,7 @@ def test_row_keys_map_to_the_common_namespaces_and_wall_time_is_not_a_metric():
     assert entry.events == {}
 
 
+@pytest.mark.unit
 def test_alerts_checkpoints_and_new_config_versions_become_events():
     alert = tracker_entry({"step": 5, "alert": "kl_too_high", "alert_severity": "warning", "config_version": 0}, 0)
     assert alert.metrics["alert/kl_too_high"] == 1.0

@@ -19,6 +19,8 @@ from services.common.weightsync import (
 )
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.integration
+
 
 def snapshot(version: int) -> Snapshot:
     torch.manual_seed(version)
@@ -28,6 +30,7 @@ def snapshot(version: int) -> Snapshot:
     )
 
 
+@pytest.mark.unit
 def test_chunks_reassemble_bit_exact_and_catch_corruption():
     snap = snapshot(1)
     chunks = list(chunks_of(snap))
@@ -92,6 +95,7 @@ class TiedLM(torch.nn.Module):
         self.register_buffer("position_ids", torch.arange(16))
 
 
+@pytest.mark.unit
 def test_split_chunk_leaves_data_in_place_and_parses_the_rest():
     chunk = next(chunks_of(snapshot(3)))
     raw = chunk.SerializeToString()

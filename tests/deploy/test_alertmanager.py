@@ -3,7 +3,11 @@ firings through Alertmanager to the one webhook setting the trainer uses too, wi
 
 from __future__ import annotations
 
+import pytest
+
 from tests.deploy.conftest import DEPLOY, load_yaml, one
+
+pytestmark = pytest.mark.unit
 
 WEBHOOK_SETTING = "RLPIPE_ALERTS__WEBHOOK_URL"
 
@@ -45,6 +49,7 @@ def test_compose_alertmanager_routes_everything_to_the_webhook_and_the_watchdog_
     assert watchdog["receiver"] == "webhook" and watchdog["repeat_interval"] == "5m"
 
 
+@pytest.mark.integration
 def test_k8s_routes_the_rules_to_the_webhook_from_the_trainers_secret(rendered):
     for docs in rendered.values():
         config = one(docs, "AlertmanagerConfig", "rlpipe")

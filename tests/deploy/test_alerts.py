@@ -11,6 +11,8 @@ from services.common import telemetry
 from services.common.config import default_alert_rules
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
+pytestmark = pytest.mark.unit
+
 # Step-row metrics are exported as rlpipe_trainer_<metric>; the rules on the trainer's status rows watch other series.
 SERIES = {
     "checkpoint_failed": 'rlpipe_checkpoints_total{outcome="failed"}',

@@ -12,6 +12,8 @@ import pytest
 
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
+pytestmark = pytest.mark.unit
+
 RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
@@ -26,12 +28,14 @@ def compose_schema() -> dict:
     return json.loads((resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
 
 
+@pytest.mark.integration
 def test_matches_the_compose_specification(compose):
     validator = jsonschema.Draft202012Validator(compose_schema(), format_checker=jsonschema.FormatChecker())
     errors = [f"{'/'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(compose)]
     assert errors == []
 
 
+@pytest.mark.integration
 def test_the_schema_check_catches_a_mistake(compose):
     broken = json.loads(json.dumps(compose))
     broken["services"]["trainer"]["depends_on"]["nats"]["condition"] = "service_ready"
@@ -63,6 +67,7 @@ def test_every_long_running_service_has_a_health_check_and_restart_policy(compos
         assert service["restart"] in ("unless-stopped", "on-failure"), name
 
 
+@pytest.mark.integration
 def test_rlpipe_services_probe_grpc_health_on_their_configured_port(compose):
     services = compose["services"]
     assert (
@@ -88,6 +93,7 @@ def test_third_party_images_are_pinned_by_digest(compose):
         assert DIGEST.search(compose["services"][name]["image"]), name
 
 
+@pytest.mark.integration
 def test_gpu_roles_reserve_a_gpu_and_cpu_roles_do_not(compose):
     for name in ("trainer", "rollout"):
         devices = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
@@ -113,6 +119,7 @@ def test_only_the_admin_port_is_published_beyond_this_host(compose):
     assert published == {("trainer", "50052:50052")}
 
 
+@pytest.mark.integration
 def test_secrets_come_from_the_ignored_env_file(compose):
     for name in RLPIPE_SERVICES:
         assert compose["services"][name]["env_file"] == [".env"], name
@@ -134,6 +141,7 @@ def test_services_mount_the_config_of_their_environment(compose):
         assert (DEPLOY / "config" / "dev.yaml").is_file()
 
 
+@pytest.mark.integration
 def test_model_init_builds_the_tiny_model_into_the_shared_volumes(compose):
     init = compose["services"]["model-init"]
     assert "rlpipe build-tiny --out /models/tiny-arith --data /data/arith --seed 0" in init["command"][-1]
@@ -143,6 +151,7 @@ def test_model_init_builds_the_tiny_model_into_the_shared_volumes(compose):
     assert config["data"]["train_path"].startswith("/data/arith/")
 
 
+@pytest.mark.integration
 def test_images_are_built_from_the_role_targets_of_the_one_dockerfile(compose):
     for name, target in {**{role: role for role in RLPIPE_SERVICES}, "model-init": "cli"}.items():
         build = compose["services"][name]["build"]

@@ -18,6 +18,8 @@ from services.common.nats_connect import connect_options
 from tests.conftest import BIN, free_port, wait_for_port, write_config
 from tests.deploy.conftest import DEPLOY, load_yaml
 
+pytestmark = pytest.mark.unit
+
 ROLES = {"reference": "reference", "trainer": "trainer", "rollout": "rollout", "reward": "reward", "cli": "operator"}
 
 
@@ -91,6 +93,7 @@ def make_secrets(out: Path, config: Path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration
 def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own_subjects_over_tls(
     tiny_model, tmp_path
 ):

@@ -28,6 +28,8 @@ from services.common.config import (
 from services.tuner.cli import STORAGE_ENVVAR
 from tests.deploy.conftest import DEPLOY, ROOT, find, load_yaml
 
+pytestmark = pytest.mark.integration
+
 ENVIRONMENTS = ("dev", "test", "prod")
 # What an environment may change relative to base.yaml: identity, broker durability and timing,
 # run length, retention, logging and where alerts go. Anything else belongs in base.yaml.
@@ -85,6 +87,7 @@ def run_configs() -> list[Path]:
     return [p for p in sorted((DEPLOY / "config").glob("*.yaml")) if p.name != "kustomization.yaml"]
 
 
+@pytest.mark.unit
 def test_the_config_folder_holds_base_and_one_file_per_environment():
     assert sorted(p.stem for p in run_configs()) == sorted(["base", *ENVIRONMENTS])
     kustomization = load_yaml(DEPLOY / "config" / "kustomization.yaml")
@@ -111,6 +114,7 @@ def test_base_config_loads_and_belongs_to_no_environment(tiny_model, clean_env):
     assert load_with_test_model(DEPLOY / "config" / "base.yaml", tiny_model).environment is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("env", ENVIRONMENTS)
 def test_environment_config_differs_from_base_only_where_allowed(env):
     base = flatten(load_yaml(DEPLOY / "config" / "base.yaml"))
@@ -127,6 +131,7 @@ def test_production_broker_is_durable(tiny_model, clean_env):
     assert cfg.nats.sync_always is True
 
 
+@pytest.mark.unit
 def test_no_secret_is_written_into_a_config():
     secret = re.compile(r"(^|_)(secret|secret_key|access_key|token|password)$")
     for path in run_configs():
@@ -175,12 +180,14 @@ def deploy_texts() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
 
 
+@pytest.mark.e2e
 def test_the_name_check_knows_right_from_wrong():
     assert resolves("RLPIPE_TRAIN__KL__COEF") and resolves("RLPIPE_SERVICE__TRAINER_HOST") and resolves("RLPIPE_RUN_ID")
     assert not resolves("RLPIPE_TRAIN__LEARNINGRATE") and not resolves("RLPIPE_SERVICE__TRAINER_GRPC_PORT__X")
     assert {"RLPIPE_S3_ACCESS_KEY", "RLPIPE_ADMIN_TOKEN", "RLPIPE_BUILD_REVISION", "RLPIPE_ENV"} <= settings_names()
 
 
+@pytest.mark.unit
 def test_every_rlpipe_variable_in_deploy_files_and_docs_exists():
     known = settings_names()
     unknown = {

@@ -13,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from tests.conftest import ROOT, free_port
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def health_server() -> Iterator[tuple[str, health.HealthServicer]]:

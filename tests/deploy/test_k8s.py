@@ -11,6 +11,8 @@ import pytest
 from services.common.bus import WORK_QUEUES, stream_name
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one
 
+pytestmark = pytest.mark.integration
+
 KUBERNETES_VERSION = "1.33"
 # Custom resources have no schema in kubernetes-validate; their shape is checked below.
 CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor", "AlertmanagerConfig", "Certificate", "Issuer"}
@@ -117,6 +119,7 @@ def test_configs_in_the_config_map_are_the_files_in_deploy_config(rendered):
         assert text == (DEPLOY / "config" / name).read_text(), name
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
     docs = rendered[overlay]

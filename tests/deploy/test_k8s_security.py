@@ -31,6 +31,8 @@ from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container
 
+pytestmark = pytest.mark.integration
+
 SECRETS_DIR = "/run/rlpipe/secrets"
 PROD_CONFIG = DEPLOY / "config" / "prod.yaml"
 STAGES = tuple(role for role in SERVICE_ROLES if role != "trainer")

@@ -17,6 +17,8 @@ from tests.deploy.conftest import DEPLOY
 from tests.deploy.test_compose_security import local_compose_conf, make_secrets
 from tests.deploy.test_k8s_security import k8s_conf_with_secrets
 
+pytestmark = pytest.mark.integration
+
 COMPOSE_CONF = DEPLOY / "nats" / "nats.conf"
 K8S_CONF = DEPLOY / "k8s" / "base" / "nats" / "nats.conf"
 
@@ -27,6 +29,7 @@ def jetstream_block(conf: str) -> str:
     return match.group(1)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("path", [COMPOSE_CONF, K8S_CONF], ids=["compose", "k8s"])
 def test_jetstream_fsyncs_every_write(path: Path):
     block = jetstream_block(path.read_text())

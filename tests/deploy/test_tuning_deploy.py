@@ -19,6 +19,8 @@ from tests.deploy.conftest import DEPLOY, ROOT, kubectl, load_yaml, one
 from tests.deploy.test_compose import compose_schema
 from tests.deploy.test_k8s import KUBERNETES_VERSION
 
+pytestmark = pytest.mark.integration
+
 TUNING = DEPLOY / "k8s" / "components" / "tuning"
 STUDY_FILE = TUNING / "tune.yaml"
 DEFAULT_STORAGE = "${RLPIPE_TUNE_STORAGE:-postgresql://rlpipe:${TUNE_DB_PASSWORD:-}@postgres:5432/optuna}"
@@ -187,6 +189,7 @@ def test_the_overlays_do_not_tune_unless_asked(rendered):
         assert tuning_docs(docs) == []
 
 
+@pytest.mark.unit
 def test_the_study_file_shipped_with_the_component_is_the_one_compose_mounts():
     compose = load_yaml(DEPLOY / "compose.tune.yaml")
     mount = next(m for m in compose["services"]["tuner"]["volumes"] if m.endswith(":/etc/rlpipe/tune.yaml:ro"))

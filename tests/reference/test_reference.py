@@ -1,12 +1,15 @@
 """The reference scores completions exactly as the sampler's policy did when both hold the same weights."""
 
 import numpy as np
+import pytest
 
 from services.common.config import load_config
 from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
 from tests.conftest import write_config
+
+pytestmark = pytest.mark.integration
 
 
 def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model, tmp_path):

@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_MODEL_DIR
+from tests.conftest import TEST_MODEL_DIR, one_builder
 
 
 @pytest.fixture(scope="session")
@@ -12,4 +12,5 @@ def tiny_reward_model(tiny_model) -> tuple[Path, dict]:
 
     model_dir, data_dir = tiny_model
     out = TEST_MODEL_DIR / "reward-model"
-    return out, build_reward_model(out, model_dir, data_dir, seed=0)
+    with one_builder("reward-model"):
+        return out, build_reward_model(out, model_dir, data_dir, seed=0)

@@ -8,6 +8,8 @@ from services.common import registry
 from services.common.config import RewardConfig
 from services.reward.functions import final_number, score
 
+pytestmark = pytest.mark.unit
+
 
 def test_final_number_is_registered_and_built_in() -> None:
     assert registry.REWARD_FUNCTIONS["final_number"] is final_number

@@ -2,6 +2,8 @@ import pytest
 
 from services.reward.functions import REWARD_FUNCTIONS, final_answer, score
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "answer", "expected"),

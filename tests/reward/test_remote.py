@@ -14,6 +14,8 @@ from services.common.config import RewardHttpConfig
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, _RequestFailed, parse_scores
 from tests.conftest import free_port, wait_for_port
 
+pytestmark = pytest.mark.integration
+
 
 def start_server(port: int, *options: str) -> subprocess.Popen:
     server = subprocess.Popen(
@@ -87,6 +89,7 @@ def test_a_slow_answer_counts_as_a_failure(port):
         server.wait()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize(
     ("body", "reason"),
     [

@@ -13,6 +13,8 @@ from services.reward.service import weights_of
 from services.reward.tiny_rm import wrong_answer
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.integration
+
 
 def test_the_reward_model_scores_right_answers_above_wrong_ones_on_held_out_prompts(tiny_model, tiny_reward_model):
     _, data_dir = tiny_model
@@ -37,6 +39,7 @@ def test_raw_logits_without_normalize_and_a_batch_split_in_passes(tiny_reward_mo
     np.testing.assert_allclose(normalized, 1 / (1 + np.exp(-raw)), rtol=1e-4)
 
 
+@pytest.mark.unit
 def test_device_auto_takes_a_visible_gpu_and_cuda_without_one_stops_the_replica():
     assert model_device("auto", cuda_available=True) == torch.device("cuda")
     assert model_device("auto", cuda_available=False) == torch.device("cpu")

@@ -21,6 +21,8 @@ from tests.conftest import (
 )
 from tests.reward.test_remote import start_server
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.mark.e2e
 def test_a_run_scored_by_the_reward_model_reports_each_part_in_its_step_rows(tiny_model, tiny_reward_model, tmp_path):

@@ -6,6 +6,8 @@ import pytest
 
 from services.reward.sandbox import RewardFunctionError, RuleCall, RuleSandbox
 
+pytestmark = pytest.mark.integration
+
 
 def forever(text: str, answer: str, finish_reason: str) -> float:
     """A function that hangs on the completion "hang" (as math on a huge expression can)."""

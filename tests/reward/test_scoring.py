@@ -19,6 +19,8 @@ from services.common.messages import (
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardSources, score_groups
 
+pytestmark = pytest.mark.integration
+
 
 def group(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
     return RolloutGroup(
@@ -73,6 +75,7 @@ def test_reward_parts_survive_the_wire_to_the_trainer(rules):
     assert decode(encode(experience), ExperienceGroup).reward_parts["exact_match"].tolist() == [1.0, 0.0]
 
 
+@pytest.mark.unit
 def test_a_part_of_the_wrong_length_or_not_finite_is_refused():
     scored = {"rewards": np.zeros(1, np.float32)}
     base = group("a", "2", ["2"]).model_dump() | scored | {"kind": "scored"}

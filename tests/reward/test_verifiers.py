@@ -2,6 +2,8 @@ import pytest
 
 from services.reward.functions import REWARD_FUNCTIONS, gsm8k_answer
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "answer", "expected"),

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from services.common import service as common_service
 from services.common.bus import DEAD, PROMPTS, ROLLOUTS, WORK_QUEUES, Bus, stream_name
@@ -23,6 +24,8 @@ from services.common.messages import Prompt
 from services.rollout import service as rollout_service
 from services.rollout.engines import Generation
 from tests.conftest import create_run_state, free_port, write_config
+
+pytestmark = pytest.mark.integration
 
 RUN_ID = "engine"
 

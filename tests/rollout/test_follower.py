@@ -3,9 +3,13 @@
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
+
 from services.common.weightsync import WeightSyncClient
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
 
 
 class RecordingEngine:

@@ -5,6 +5,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
@@ -18,6 +19,8 @@ from services.common.weightsync import (
 )
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
+
+pytestmark = pytest.mark.integration
 
 
 class DictEngine:
@@ -42,6 +45,7 @@ def wire_bytes(snap: Snapshot) -> int:
     return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in snap.tensors}.values())
 
 
+@pytest.mark.unit
 def test_relay_route_is_a_complete_tree_under_the_trainer():
     plan = tuple("abcdefg")
     assert [relay_route(plan, a, 2) for a in plan] == [

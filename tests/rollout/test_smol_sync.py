@@ -23,6 +23,8 @@ from tests.conftest import ROOT, write_config
 from tests.rollout.grpc_sync import sync_over_grpc
 from tests.rollout.test_vllm_weight_sync import vllm_response_logprobs
 
+pytestmark = pytest.mark.e2e
+
 SMOL_DIR, SMOL_DATA = ROOT / "models" / "smollm2-135m-instruct", ROOT / "data" / "word-problems"
 # float32 on the CPU: vLLM's kernels and transformers' sum in different orders over 30 layers (1.2e-5 seen).
 TOLERANCE = 1e-4

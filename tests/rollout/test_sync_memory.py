@@ -9,6 +9,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -19,6 +20,8 @@ from services.common.weightsync import WeightSyncClient, WeightSyncServer, snaps
 from services.rollout.engines import HfEngine, VllmEngine
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
+
+pytestmark = pytest.mark.integration
 
 BUFFER = 8 << 20
 

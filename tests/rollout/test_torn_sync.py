@@ -16,6 +16,8 @@ from services.rollout.engines import EngineUnavailable
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
 
+pytestmark = pytest.mark.integration
+
 TENSORS = 24
 ELEMENTS = 1 << 20  # 4 MiB per tensor, 96 MiB in all: far beyond what gRPC's flow-control windows buffer
 

@@ -16,6 +16,8 @@ from tests.conftest import write_config
 from tests.rollout.grpc_sync import sync_over_grpc
 from tests.rollout.test_vllm_weight_sync import PAIRS, vllm_response_logprobs
 
+pytestmark = pytest.mark.integration
+
 
 def test_memory_share_kv_cache_size_and_dtype_reach_the_running_vllm_engine(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import pytest
 import torch
 
 from services.common.config import load_config
@@ -19,6 +20,8 @@ from services.common.weightsync import Snapshot, WeightSyncClient, WeightSyncSer
 from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config
+
+pytestmark = pytest.mark.integration
 
 PAIRS = [("37+45=", "82"), ("9+9=", "18"), ("50+50=", "100"), ("3+4=", "7")]
 

@@ -15,6 +15,8 @@ from services.trainer.service import start_admin_server
 from tests.conftest import write_config
 from tests.trainer.test_admin_transport import StatusOnly
 
+pytestmark = pytest.mark.integration
+
 
 def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tmp_path, monkeypatch):
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)

@@ -22,6 +22,8 @@ from services.trainer.admin import AdminServicer
 from services.trainer.service import start_admin_server
 from tests.conftest import ROOT, write_config
 
+pytestmark = pytest.mark.integration
+
 
 class StatusOnly:
     """Stands in for the trainer's status reporter: this test is about who gets through, not what they get."""

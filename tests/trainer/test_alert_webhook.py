@@ -13,6 +13,8 @@ import pytest
 
 from services.trainer.alerts import WATCHDOG_RULE, Heartbeat, post_webhook
 
+pytestmark = pytest.mark.integration
+
 
 class FlakyReceiver(BaseHTTPRequestHandler):
     """Answers 503 to the first ``server.failures`` POSTs, 204 after; every POST's body goes to ``server.received``."""
@@ -75,6 +77,7 @@ def test_a_webhook_failing_past_its_retries_is_logged_once_with_the_attempts(fla
     assert "503" in record.fields["error"]
 
 
+@pytest.mark.unit
 def test_the_heartbeat_is_due_once_per_interval_and_never_when_off():
     heartbeat = Heartbeat()
     assert [heartbeat.due(now, 300.0) for now in (0.0, 10.0, 299.0, 300.0, 400.0, 600.0)] == [

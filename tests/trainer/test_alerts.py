@@ -16,6 +16,8 @@ import pytest
 from services.common.config import AlertRule, default_alert_rules
 from services.trainer.alerts import AlertEvaluator, Firing, post_webhook
 
+pytestmark = pytest.mark.unit
+
 HEALTHY_ROWS = Path(__file__).parent / "data" / "healthy_ppo_metrics.jsonl"
 
 
@@ -236,6 +238,7 @@ def receiver():
     server.server_close()
 
 
+@pytest.mark.integration
 def test_webhook_posts_the_firing_as_json(receiver):
     evaluator = AlertEvaluator([rule(condition="nan")], cooldown_steps=0, now=0.0)
     [firing] = evaluator.observe({"step": 3, "m": math.nan}, now=5.0)
@@ -247,6 +250,7 @@ def test_webhook_posts_the_firing_as_json(receiver):
     assert payload == {**firing.as_dict(), "value": "nan"} and payload["step"] == 3
 
 
+@pytest.mark.integration
 def test_webhook_failure_is_logged_not_raised(caplog):
     with HTTPServer(("127.0.0.1", 0), Receiver) as closed:
         port = closed.server_port  # bound then closed: nothing listens there

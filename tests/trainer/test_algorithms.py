@@ -26,6 +26,8 @@ from services.trainer.algorithms import (
     whiten,
 )
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 
 # --- hand-worked ------------------------------------------------------------------------------

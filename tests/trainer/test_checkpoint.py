@@ -8,6 +8,8 @@ from services.common.config import CheckpointConfig
 from services.common.storage import open_store
 from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, TrainerState, rng_state
 
+pytestmark = pytest.mark.unit
+
 
 def tiny_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
@@ -72,6 +74,7 @@ def test_file_store_round_trip(tmp_path):
     round_trip((tmp_path / "ckpt").as_uri(), CheckpointConfig(), tmp_path)
 
 
+@pytest.mark.integration
 def test_s3_store_round_trip(tmp_path, s3_env):
     round_trip("s3://rlpipe-test/ckpts", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False), tmp_path)
 
@@ -81,6 +84,7 @@ def test_s3_without_endpoint_is_a_clear_error():
         open_store("s3://bucket/x", CheckpointConfig())
 
 
+@pytest.mark.integration
 def test_mirror_bucket_gets_every_step_and_covers_a_corrupt_primary(tmp_path, s3_env):
     cfg = CheckpointConfig(s3_endpoint=s3_env, s3_secure=False, s3_part_mib=5)
     primary, mirror = open_store("s3://rlpipe-primary/x", cfg), open_store("s3://rlpipe-mirror/y", cfg)
@@ -185,6 +189,7 @@ def test_file_store_lists_while_folders_are_removed(tmp_path):
     assert all(all(key.startswith("run/step-") for key in keys) for keys in listed)
 
 
+@pytest.mark.integration
 def test_a_missing_object_is_file_not_found_in_every_store(tmp_path, s3_env):
     for url, cfg in (
         (tmp_path.as_uri(), CheckpointConfig()),

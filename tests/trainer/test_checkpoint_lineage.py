@@ -21,6 +21,8 @@ from services.trainer.checkpoint import (
 )
 from tests.trainer.test_checkpoint import checkpoint
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.fixture
 def model_dir(tmp_path):
@@ -145,7 +147,7 @@ def test_trainer_state_round_trips_and_reads_files_from_before_the_new_fields():
 # -- incarnations ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", ["file", "s3"])
+@pytest.mark.parametrize("kind", ["file", pytest.param("s3", marks=pytest.mark.integration)])
 def test_a_fresh_start_on_a_prefix_holding_another_runs_steps_is_refused(kind, tmp_path, model_dir, request):
     if kind == "file":
         url, cfg = (tmp_path / "ckpt").as_uri(), CheckpointConfig()
@@ -393,6 +395,7 @@ def test_replacing_a_live_step_of_another_branch_disowns_it_before_touching_a_pa
     assert reader.latest_stable() is None  # the old branch's STABLE mark went with it
 
 
+@pytest.mark.integration
 def test_s3_replacement_of_an_abandoned_step_removes_parts_the_new_copy_lacks(tmp_path, model_dir, s3_env):
     import torch
 

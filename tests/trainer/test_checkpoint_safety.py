@@ -19,6 +19,8 @@ from services.common.storage import open_store
 from services.trainer.checkpoint import CheckpointStore, UnsafeCheckpoint, restore_rng
 from tests.trainer.test_checkpoint import checkpoint
 
+pytestmark = pytest.mark.unit
+
 
 class Payload:
     """What an attacker with write access to the store plants: unpickling it creates ``marker``."""

@@ -3,10 +3,14 @@
 import asyncio
 from typing import Any
 
+import pytest
+
 from services.common.events import EventLog
 from services.report import read_jsonl
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
+
+pytestmark = pytest.mark.unit
 
 
 class Holds:

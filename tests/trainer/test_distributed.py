@@ -29,6 +29,8 @@ from tests.conftest import ROOT, write_config
 from tests.trainer import dist_worker
 from tests.trainer.test_learner import experience
 
+pytestmark = pytest.mark.integration
+
 STEPS, SAVE_AT = 4, 2
 TOLERANCE = {"atol": 1e-5, "rtol": 0.0}
 TORCHRUN_TIMEOUT_S = 240

@@ -13,10 +13,14 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
 from services.launcher import trainer_command
 from tests.conftest import ROOT, write_config
+
+pytestmark = pytest.mark.integration
 
 START_TIMEOUT_S = 240
 

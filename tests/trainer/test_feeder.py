@@ -1,4 +1,8 @@
+import pytest
+
 from services.trainer.intake import PromptFeeder
+
+pytestmark = pytest.mark.unit
 
 ROWS = [{"id": f"r{i}", "prompt": f"{i}+0=", "answer": str(i)} for i in range(5)]
 

@@ -18,6 +18,8 @@ from tests.conftest import write_config
 from tests.trainer.test_intake_bus import experience
 from tests.trainer.test_trainer_health import start_trainer
 
+pytestmark = pytest.mark.integration
+
 
 async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
     """Every prompt the trainer feeds comes back as one experience group made by the policy it serves."""

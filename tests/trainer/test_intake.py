@@ -1,6 +1,10 @@
 """The group ledger: each fed group gets one fate, repeats are refused, slots are reconciled."""
 
+import pytest
+
 from services.trainer.intake import Fate, GroupLedger
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_group_is_applied_once_and_every_later_delivery_of_it_is_refused():

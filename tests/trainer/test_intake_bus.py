@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
+import pytest
 
 from services.common.bus import DEAD, EXPERIENCE, PROMPTS, Bus, stream_name
 from services.common.config import load_config
@@ -13,6 +14,8 @@ from services.common.messages import Completion, ExperienceGroup, Prompt, Rollou
 from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.progress import Progress
 from tests.conftest import write_config
+
+pytestmark = pytest.mark.integration
 
 
 def config(tiny_model, tmp_path, nats_url, **train):

@@ -15,6 +15,8 @@ from services.trainer.algorithms import group_advantages
 from services.trainer.learner import Batch, Learner, split_by_tokens
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.integration
+
 
 def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
     """Groups whose completions are right or wrong answers, scored by the base model as the sampler would."""
@@ -150,6 +152,7 @@ def test_gradient_accumulation_gives_the_same_gradients_and_update(setup):
     torch.testing.assert_close(flat(four), flat(one), atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.unit
 def test_split_by_tokens_sorts_by_length_and_fills_the_budget_by_hand():
     rows = torch.tensor([10, 11, 12, 13, 14])
     lengths = torch.tensor([5, 9, 3, 9, 2])
@@ -161,6 +164,7 @@ def test_split_by_tokens_sorts_by_length_and_fills_the_budget_by_hand():
     assert split_by_tokens(rows[:0], lengths[:0], 9) == []
 
 
+@pytest.mark.unit
 def test_split_by_tokens_refuses_a_sequence_longer_than_the_budget():
     with pytest.raises(ValueError, match=r"train\.micro_batch_tokens \(8\) is smaller than one sequence of 9 tokens"):
         split_by_tokens(torch.tensor([0, 1]), torch.tensor([3, 9]), 8)

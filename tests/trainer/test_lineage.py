@@ -1,6 +1,10 @@
 """lineage.jsonl survives a crash mid-write, and says which steps and groups make up the model."""
 
+import pytest
+
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
+
+pytestmark = pytest.mark.unit
 
 
 def test_a_torn_last_line_is_not_a_record_and_the_next_record_replaces_it(tmp_path):

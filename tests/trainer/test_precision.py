@@ -15,6 +15,8 @@ from services.trainer.learner import Batch, Learner
 from tests.conftest import write_config
 from tests.trainer.test_learner import experience
 
+pytestmark = pytest.mark.integration
+
 F32, BF16 = torch.float32, torch.bfloat16
 
 
@@ -47,12 +49,14 @@ def lm_head_dtypes(model: torch.nn.Module) -> tuple[list[torch.dtype], torch.uti
 # --- devices ------------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_auto_is_cuda_only_when_a_gpu_is_visible():
     assert resolve_device("auto", cuda_available=False) == torch.device("cpu")
     assert resolve_device("auto", cuda_available=True) == torch.device("cuda")
     assert resolve_device("cpu", cuda_available=True) == torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_cuda_without_a_gpu_is_refused_naming_model_device():
     with pytest.raises(ConfigError, match=r"model\.device: 'cuda' but this process sees no CUDA device"):
         resolve_device("cuda", cuda_available=False)
@@ -79,6 +83,7 @@ def test_auto_puts_trainer_critic_and_reference_on_the_cpu_here(setup, no_gpu):
 # --- precision ----------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_precision_of_the_config():
     cfg_model = type("M", (), {"dtype": "bfloat16", "device": "cpu"})
     master = Precision.of(cfg_model, "float32")
@@ -207,6 +212,7 @@ def test_gradient_checkpointing_recomputes_the_layers_and_gives_the_same_gradien
 # --- host copies --------------------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_host_state_copies_each_tensor_and_casts_only_floating_point():
     state = {"w": torch.randn(3, 2), "ids": torch.arange(4)}
     copied = host_state(state, dtype=BF16)
@@ -219,6 +225,7 @@ def test_host_state_copies_each_tensor_and_casts_only_floating_point():
     assert not torch.equal(same["w"], state["w"])
 
 
+@pytest.mark.unit
 def test_host_copy_of_optimizer_state_is_equal_and_independent():
     weight = torch.nn.Parameter(torch.randn(4))
     optimizer = torch.optim.AdamW([weight], lr=0.1)

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from services.trainer.progress import Progress
+
+pytestmark = pytest.mark.unit
 
 
 def test_disowned_versions_are_the_inclusive_ranges_and_nothing_either_side():

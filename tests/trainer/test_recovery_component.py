@@ -24,6 +24,8 @@ from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery
 from tests.conftest import write_config
 
+pytestmark = pytest.mark.integration
+
 
 class ExperienceStream:
     """The broker as Recovery sees it: one EXPERIENCE stream that remembers its purges, and the claim-checked bodies.

@@ -7,6 +7,8 @@ import json
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
 from services.common.events import EventLog
 from services.common.storage import open_store
@@ -17,6 +19,8 @@ from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, MetricsLog
 from tests.trainer.test_commands import Holds
+
+pytestmark = pytest.mark.unit
 
 KL_RULE = AlertRule(name="kl_high", metric="kl", condition="above", threshold=1.0, actions=["notify", "rollback"])
 

@@ -10,6 +10,8 @@ import pytest
 from services.common.messages import Completion, ExperienceGroup
 from services.trainer.samples import SampleArchive, summarize
 
+pytestmark = pytest.mark.unit
+
 
 def group(group_id: str, rewards: list[float], logprobs: list[list[float]], ref: list[list[float]]) -> ExperienceGroup:
     completions = [

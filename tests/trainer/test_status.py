@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from services.common.bus import EXPERIENCE, PROMPTS, Bus
 from services.common.config import BuildInfo, load_config
 from services.common.events import EventLog
@@ -17,6 +19,8 @@ from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
 from tests.conftest import write_config
 from tests.trainer.test_commands import Holds
 from tests.trainer.test_intake_bus import experience
+
+pytestmark = pytest.mark.integration
 
 
 def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(tiny_model, tmp_path, nats_url):

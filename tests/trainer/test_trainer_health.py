@@ -25,6 +25,8 @@ from services.trainer.liveness import LoopHeartbeat
 from services.trainer.service import Trainer, start_admin_server
 from tests.conftest import create_run_state, write_config
 
+pytestmark = pytest.mark.integration
+
 # Shrunk from train.stall_bound_s (at least 60 s in a config) so the test need not wait minutes.
 BOUND_S = 3.0
 
@@ -119,6 +121,7 @@ def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_whe
     asyncio.run(scenario())
 
 
+@pytest.mark.unit
 def test_the_heartbeat_counts_stalled_seconds_only_past_its_bound():
     heartbeat = LoopHeartbeat(bound_s=60.0, last_progress=1000.0)
     assert heartbeat.stalled_for(1059.0) == 0.0

@@ -12,6 +12,8 @@ from services.tuner import records
 from services.tuner.records import TrialEnd
 from services.tuner.spec import TuneSpec
 
+pytestmark = pytest.mark.unit
+
 # (status, Optuna state, objective, constraints) of each trial, as the tuner tells them.
 TRIALS = [
     ("complete", "COMPLETE", 0.30, [0.0]),

@@ -16,6 +16,8 @@ from services.tuner.study import Tuner, open_storage, open_study
 from tests.conftest import ROOT, write_config
 from tests.tuner.test_tune import TUNE, alive, tune_file
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
@@ -74,6 +76,7 @@ def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budg
     assert all(f"│ {r.number} │ {r.status}" in status.stdout for r in found), status.stdout
 
 
+@pytest.mark.integration
 def test_a_trial_whose_worker_stopped_its_heartbeat_is_failed_by_the_next_worker(tmp_path, base, postgres_url):
     spec, cfg = load_tune_file(
         tune_file(

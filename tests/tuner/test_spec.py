@@ -13,6 +13,8 @@ from services.common.config import load_config
 from services.tuner.spec import TuneFileError, load_tune_file, trial_config_data
 from tests.conftest import ROOT, write_config
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:

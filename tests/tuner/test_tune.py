@@ -24,6 +24,8 @@ from services.tuner.spec import load_tune_file
 from services.tuner.study import Tuner, open_storage, open_study
 from tests.conftest import ROOT, write_config
 
+pytestmark = pytest.mark.integration
+
 TUNE = [sys.executable, "-m", "services.cli", "tune"]
 
 
