@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.report import curve, event_steps, read_jsonl, render_html, render_report
+from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report
 
 ROOT = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000.0

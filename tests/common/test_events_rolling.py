@@ -8,16 +8,16 @@ import subprocess
 import sys
 import time
 
-from services.common.events import EventLog
-from services.common.logs import JsonlFollower, jsonl_parts, rolled_part
-from services.report import read_jsonl, render_html
+from services.cli.report import read_jsonl, render_html
+from services.common.observe.events import EventLog
+from services.common.observe.logs import JsonlFollower, jsonl_parts, rolled_part
 
 MAX_BYTES = 600  # a few events a part: dozens of rolls while both writers go on
 EVENTS_EACH = 150
 WRITER = """
 import sys, time
 from pathlib import Path
-from services.common.events import EventLog
+from services.common.observe.events import EventLog
 
 path, name, count, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 events = EventLog(path, max_bytes={max_bytes})

@@ -3,7 +3,7 @@
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-from services.common.weightsync import WeightSyncClient
+from services.common.transport.weightsync import WeightSyncClient
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
 

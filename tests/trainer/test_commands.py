@@ -3,8 +3,8 @@
 import asyncio
 from typing import Any
 
-from services.common.events import EventLog
-from services.report import read_jsonl
+from services.cli.report import read_jsonl
+from services.common.observe.events import EventLog
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 

@@ -13,9 +13,9 @@ import threading
 import time
 from pathlib import Path
 
+from services.cli.launcher import trainer_command
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
-from services.launcher import trainer_command
 from tests.conftest import ROOT, write_config
 
 START_TIMEOUT_S = 240
