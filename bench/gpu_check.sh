@@ -196,7 +196,7 @@ step_hardware() {
     "$python" - <<'EOF'
 import torch
 
-from services.common.hardware import HardwareSampler
+from services.common.observe.hardware import HardwareSampler
 
 device = torch.device("cuda")
 sampler = HardwareSampler(device)

@@ -55,7 +55,7 @@ def rss_kib(field: str) -> int:
 def worker(model: str, variant: str, batches: int) -> dict:
     """One variant in this process: generated tokens/s and the memory each of two syncs added."""
     from bench.throughput import MODELS, config_for, prompt_batch
-    from services.common.modeling import load_model
+    from services.common.model.modeling import load_model
     from services.rollout import engines
 
     if variant == "128k":

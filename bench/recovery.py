@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from services.report import read_jsonl
+from services.cli.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from services.common.config import RunConfig, ServiceConfig, TelemetryConfig
-from services.common.telemetry import TRAINER_STEP_KEYS, TrainerMetrics, start_telemetry
+from services.common.observe.telemetry import TRAINER_STEP_KEYS, TrainerMetrics, start_telemetry
 
 
 def step_rows(count: int) -> list[dict[str, float]]:

@@ -43,8 +43,8 @@ import torch
 import yaml
 
 from services.common.config import RunConfig, load_config
-from services.common.datasets import load_jsonl
-from services.common.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.model.datasets import load_jsonl
+from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -114,7 +114,7 @@ def config_for(model: Model) -> RunConfig:
 
 def prompt_batch(cfg: RunConfig, tokenizer) -> tuple[list[dict], list[list[int]]]:
     """The first rollout batch of training rows, rendered and tokenized as the feeder and rollout do."""
-    from services.common.chat import render_rows
+    from services.common.model.chat import render_rows
 
     rows = render_rows(load_jsonl(cfg.data.train_path)[: cfg.rollout.prompts_per_batch], tokenizer)
     return rows, [tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]

@@ -171,7 +171,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     # answers.py needs only the standard library, so this environment can import it; the rest of rlpipe it
     # cannot (math-verify et al.).
     sys.path.insert(0, str(ROOT))
-    from services.common.answers import ends_on_answer
+    from services.common.model.answers import ends_on_answer
 
     # rlpipe's exact_match reward restated here, for the same reason.
     def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
@@ -263,10 +263,10 @@ def ensure_trl_venv(venv: Path) -> Path:
 def accuracy(model_dir: Path, task: Task) -> float:
     import torch
 
-    from services.common.chat import render_rows
-    from services.common.datasets import load_jsonl
-    from services.common.evaluation import greedy_accuracy
-    from services.common.modeling import load_model, load_tokenizer
+    from services.common.model.chat import render_rows
+    from services.common.model.datasets import load_jsonl
+    from services.common.model.evaluation import greedy_accuracy
+    from services.common.model.modeling import load_model, load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)

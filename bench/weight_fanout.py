@@ -37,7 +37,7 @@ import torch
 
 from bench.weight_sync import synthetic_model
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import (
+from services.common.transport.weightsync import (
     Relay,
     Snapshot,
     WeightSyncClient,

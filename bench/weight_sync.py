@@ -27,7 +27,7 @@ import grpc
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import (
+from services.common.transport.weightsync import (
     PULL_CHUNK_BYTES,
     Snapshot,
     WeightSyncClient,
@@ -68,7 +68,7 @@ def smollm2_135m() -> torch.nn.Module:
 def build_model(spec: ModelSpec) -> torch.nn.Module:
     torch.manual_seed(0)
     if spec.path:
-        from services.common.modeling import load_model
+        from services.common.model.modeling import load_model
 
         return load_model(spec.path)
     if spec.smollm2_135m:

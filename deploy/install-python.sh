@@ -41,7 +41,7 @@ fi
 if [ -n "$requirements" ]; then
     "$pip" install --quiet -c "$lock" -r "$requirements"
 fi
-# What this environment holds, for `rlpipe doctor` to compare against (services/doctor.py: INSTALL_RECORD).
+# What this environment holds, for `rlpipe doctor` to compare against (services/cli/doctor.py: INSTALL_RECORD).
 "$venv/bin/python" - "$extras" "$lock" "$requirements" "$venv/rlpipe-install.json" <<'EOF'
 import json, os, sys
 extras, lock, requirements, out = sys.argv[1:]

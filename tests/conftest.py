@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from services.report import read_jsonl
+from services.cli.report import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -108,9 +108,9 @@ def nats_url(tmp_path: Path) -> Iterator[str]:
 
 async def create_run_state(cfg) -> None:
     """The run's streams and buckets, as the trainer creates them at start: a stage only waits for them."""
-    from services.common.bus import Bus
-    from services.common.live_config import LiveConfig
-    from services.common.presence import open_bucket
+    from services.common.transport.bus import Bus
+    from services.common.transport.live_config import LiveConfig
+    from services.common.transport.presence import open_bucket
 
     bus = await Bus(cfg, "trainer").connect()
     await LiveConfig(cfg, bus.js).start()
@@ -142,7 +142,7 @@ def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 @pytest.fixture(scope="session")
 def tiny_model() -> tuple[Path, Path]:
     """The project's own tiny model and data, built once (reused while its build settings match)."""
-    from services.common.tiny_model import main as build
+    from services.common.model.tiny_model import main as build
 
     model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
     with one_builder("tiny-model"):

@@ -19,9 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from safetensors.torch import load_file
 
+from services.cli.report import read_jsonl
 from services.common.pb import admin_pb2, admin_pb2_grpc
-from services.common.weightsync import WeightSyncClient
-from services.report import read_jsonl
+from services.common.transport.weightsync import WeightSyncClient
 from services.trainer.lineage import effective_steps
 from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 

@@ -8,10 +8,10 @@ import sys
 import msgpack
 import pytest
 
-from services.common.bus import PROMPTS, Bus, stream_name, subject
+from services.cli.dead_letters import list_dead_letters
 from services.common.config import load_config
-from services.common.messages import Prompt, decode, encode
-from services.dead_letters import list_dead_letters
+from services.common.transport.bus import PROMPTS, Bus, stream_name, subject
+from services.common.transport.messages import Prompt, decode, encode
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration

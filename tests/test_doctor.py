@@ -18,7 +18,7 @@ import nats
 import pytest
 from nats.js import api
 
-from services.common.bus import PROMPTS, Bus, stream_name, subject
+from services.cli.doctor import check_packages
 from services.common.config import CheckpointConfig, load_config
 from services.common.startup_checks import (
     StartupCheckError,
@@ -27,7 +27,7 @@ from services.common.startup_checks import (
     check_storage,
     startup_checks,
 )
-from services.doctor import check_packages
+from services.common.transport.bus import PROMPTS, Bus, stream_name, subject
 from tests.conftest import ROOT, free_port, write_config
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from services.common.hardware import GpuFacts, gpu_facts
+from services.cli.doctor import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
+from services.common.observe.hardware import GpuFacts, gpu_facts
 from services.common.startup_checks import device_result
-from services.doctor import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -16,8 +16,8 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
+from services.cli.launcher import Child, Launcher, RestartPolicy, interrupt, stop_or_kill
 from services.common.config import ConfigError, SupervisionConfig, load_config
-from services.launcher import Child, Launcher, RestartPolicy, interrupt, stop_or_kill
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e

@@ -1,7 +1,15 @@
-"""Dependencies point one way: ``services.common`` <- roles <- CLIs.
+"""Dependencies point one way: ``services.common`` <- roles <- CLIs, and within common, base <- concerns <- runtime.
 
 ``common`` is what every process loads; if it imported a role or a CLI, a reward worker would
 drag in the trainer's math (and torch), and an edit to the launcher could break every role.
+Inside ``common``, each concern package imports only what lies below it:
+
+- base: ``config``, ``registry`` and the generated ``pb`` stubs; they import nothing else of common;
+- ``observe`` (telemetry, logs, events, trackers, hardware): base only;
+- ``transport`` (bus, messages, weight sync, storage, NATS, live config, presence) and ``model`` (modeling,
+  datasets, chat, evaluation, the model builders): base and observe, never each other;
+- runtime (``service``, ``startup_checks``): any of them, since it starts a role.
+
 ``doctor`` and ``launcher`` are siblings: what both need lives in ``common``. The rules are
 checked on the source with ``ast``, so a function-local import counts as much as a top-level
 one, and nothing is imported to check it.
@@ -21,7 +29,15 @@ pytestmark = pytest.mark.unit
 
 SERVICES = ROOT / "services"
 ROLES = ("trainer", "rollout", "reward", "reference")
-SIBLINGS = ("doctor", "launcher")
+SIBLINGS = ("services.cli.doctor", "services.cli.launcher")
+# What each part of services.common may import of common (the module docstring says why).
+COMMON_IMPORTS = {
+    "base": {"base"},
+    "observe": {"base", "observe"},
+    "transport": {"base", "observe", "transport"},
+    "model": {"base", "observe", "model"},
+    "runtime": {"base", "observe", "transport", "model", "runtime"},
+}
 
 
 def module_name(path: Path) -> str:
@@ -49,7 +65,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[i
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            # `from services import doctor` imports the module services.doctor.
+            # `from services import doctor` imports the module services.cli.doctor.
             found += [
                 (node.lineno, f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
                 for alias in node.names
@@ -66,7 +82,16 @@ def layer(module: str) -> str | None:
         return "common"
     if parts[1] in ROLES:
         return "role"
-    return "cli"  # launcher, cli, doctor, admin_cli, dead_letters, report, healthcheck: run by people, not roles
+    return "cli"  # services.cli (the rlpipe app, launcher, doctor, verify, ...) and the tuner: run by people
+
+
+def common_part(module: str) -> str:
+    """The part of services.common a module belongs to: base, observe, transport, model or runtime."""
+    parts = module.split(".")
+    part = parts[2] if len(parts) > 2 else ""
+    if part in ("observe", "transport", "model"):
+        return part
+    return "runtime" if part in ("service", "startup_checks") else "base"
 
 
 def violation(importer: str, imported: str) -> str | None:
@@ -76,10 +101,14 @@ def violation(importer: str, imported: str) -> str | None:
         return None
     if importer_layer == "common" and imported_layer != "common":
         return f"common must not import a {imported_layer} module"
+    if importer_layer == imported_layer == "common":
+        importer_part, imported_part = common_part(importer), common_part(imported)
+        if imported_part not in COMMON_IMPORTS[importer_part]:
+            return f"common's {importer_part} must not import its {imported_part}"
     if importer_layer == "role" and imported_layer == "cli":
         return "a role must not import a CLI module"
-    top = importer.split(".")[1], imported.split(".")[1]
-    if set(top) == set(SIBLINGS) and top[0] != top[1]:
+    siblings = {name for name in SIBLINGS if importer.startswith(name) or imported.startswith(name)}
+    if len(siblings) == 2:
         return "doctor and launcher must not import each other: what both need belongs in services/common"
     return None
 
@@ -101,13 +130,34 @@ def violations_in(path: Path, source: str) -> list[str]:
             "def f():\n    from services.trainer.algorithms import KL_ESTIMATORS\n",
             "services.trainer.algorithms: common must not import a role module",
         ),
-        ("services/common/service.py", "from services.doctor import startup_checks\n", "common must not import a cli"),
-        ("services/common/x.py", "from services import launcher\n", "imports services.launcher: common must not"),
+        (
+            "services/common/service.py",
+            "from services.cli.doctor import startup_checks\n",
+            "common must not import a cli",
+        ),
+        (
+            "services/common/x.py",
+            "from services.cli import launcher\n",
+            "imports services.cli.launcher: common must not",
+        ),
         ("services/common/x.py", "from .. import reward\n", "imports services.reward: common must not"),
-        ("services/doctor.py", "from services.launcher import nats_server_binary\n", "must not import each other"),
-        ("services/launcher.py", "import services.doctor\n", "must not import each other"),
+        (
+            "services/cli/doctor.py",
+            "from services.cli.launcher import nats_server_binary\n",
+            "must not import each other",
+        ),
+        ("services/cli/launcher.py", "import services.cli.doctor\n", "must not import each other"),
         ("services/reward/service.py", "from services.cli import app\n", "a role must not import a CLI module"),
-        ("services/trainer/admin.py", "from ..admin_cli import register\n", "a role must not import a CLI module"),
+        ("services/trainer/admin.py", "from ..cli.admin import register\n", "a role must not import a CLI module"),
+        (
+            "services/common/observe/telemetry.py",
+            "from services.common.transport.bus import Bus\n",
+            "common's observe must not import its transport",
+        ),
+        ("services/common/model/chat.py", "from ..transport import storage\n", "common's model must not import its"),
+        ("services/common/transport/bus.py", "from services.common.model import modeling\n", "transport must not"),
+        ("services/common/config.py", "from services.common.observe.logs import log_event\n", "base must not"),
+        ("services/common/observe/logs.py", "from services.common import service\n", "observe must not import its run"),
     ],
 )
 def test_the_checker_catches_each_kind_of_wrong_way_import(path, source, expected):
@@ -118,10 +168,16 @@ def test_the_checker_catches_each_kind_of_wrong_way_import(path, source, expecte
 @pytest.mark.parametrize(
     ("path", "source"),
     [
-        ("services/trainer/service.py", "from services.common.bus import Bus\nfrom .checkpoint import Checkpoints\n"),
-        ("services/launcher.py", "from services.common.startup_checks import startup_checks\n"),
-        ("services/cli.py", "from services.launcher import run\nfrom services.doctor import diagnose\n"),
+        (
+            "services/trainer/service.py",
+            "from services.common.transport.bus import Bus\nfrom .checkpoint import Checkpoints\n",
+        ),
+        ("services/cli/launcher.py", "from services.common.startup_checks import startup_checks\n"),
+        ("services/cli/app.py", "from services.cli.launcher import run\nfrom services.cli.doctor import diagnose\n"),
         ("services/common/service.py", "from services.common import registry\nimport torch\n"),
+        ("services/common/service.py", "from services.common.transport.bus import Bus\n"),
+        ("services/common/model/datasets.py", "from services.common.observe.logs import log_event\n"),
+        ("services/common/transport/bus.py", "from ..config import RunConfig\nfrom ..observe import telemetry\n"),
     ],
 )
 def test_the_checker_allows_imports_that_point_the_right_way(path, source):

@@ -20,8 +20,8 @@ import nats
 import pytest
 from prometheus_client.samples import Sample
 
-from services.common.bus import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
-from services.dead_letters import operator_options
+from services.cli.dead_letters import operator_options
+from services.common.transport.bus import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
 from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
 from tests.conftest import running_pipeline, write_config
 

@@ -16,14 +16,14 @@ import msgpack
 import nats
 import pytest
 
-from services.common.bus import DEAD, EXPERIENCE, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+from services.cli.dead_letters import operator_options
+from services.cli.report import read_jsonl
 from services.common.config import CheckpointConfig
-from services.common.datasets import load_jsonl
-from services.common.evaluation import greedy_accuracy
-from services.common.modeling import load_model, load_tokenizer
-from services.common.storage import open_store
-from services.dead_letters import operator_options
-from services.report import read_jsonl
+from services.common.model.datasets import load_jsonl
+from services.common.model.evaluation import greedy_accuracy
+from services.common.model.modeling import load_model, load_tokenizer
+from services.common.transport.bus import DEAD, EXPERIENCE, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
 

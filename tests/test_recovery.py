@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from services.common.config import CheckpointConfig
-from services.common.storage import open_store
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.report import curve, event_steps, read_jsonl, render_html, render_report
+from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report
 
 pytestmark = pytest.mark.unit
 

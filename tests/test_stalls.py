@@ -17,14 +17,14 @@ import time
 
 import pytest
 
-from services.common.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stall_bound_s, stream_name
+from services.cli.healthcheck import check
+from services.cli.report import read_jsonl
 from services.common.config import default_alert_rules
-from services.common.messages import RolloutGroup
-from services.common.presence import Presence, RestartCounter, read_presence, roles_stalled
+from services.common.observe.telemetry import DiskWatch
 from services.common.service import serve_stage, start_grpc_server
-from services.common.telemetry import DiskWatch
-from services.healthcheck import check
-from services.report import read_jsonl
+from services.common.transport.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stall_bound_s, stream_name
+from services.common.transport.messages import RolloutGroup
+from services.common.transport.presence import Presence, RestartCounter, read_presence, roles_stalled
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages

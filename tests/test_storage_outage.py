@@ -12,9 +12,9 @@ import time
 
 import pytest
 
+from services.cli.report import read_jsonl
 from services.common.config import CheckpointConfig
-from services.common.storage import open_store
-from services.report import read_jsonl
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import BIN, StoppableS3, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from services.common.config import load_config
-from services.common.modeling import load_model
-from services.common.storage import open_store
+from services.common.model.modeling import load_model
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, detached_copy, rng_state
 from services.trainer.lineage import Lineage
 from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config

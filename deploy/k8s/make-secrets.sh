@@ -3,7 +3,7 @@
 #   sh deploy/k8s/make-secrets.sh deploy/config/prod.yaml | kubectl -n rlpipe apply -f -
 # Run it from a checkout where rlpipe is installed (`make install`; PYTHON names another interpreter), before
 # the first apply: the pods wait in ContainerCreating until their Secrets exist.
-#   rlpipe-nats-auth     auth.conf: every role's public key and permissions (services/common/nats_auth.py),
+#   rlpipe-nats-auth     auth.conf: every role's public key and permissions (services/common/transport/nats_auth.py),
 #                        mounted by the NATS pods alone
 #   rlpipe-nats-<role>   nats.nk: that role's seed (trainer, rollout, reward, reference, operator), each
 #                        mounted by its own role alone; operator is for `rlpipe` commands run by a person
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import yaml
 
-from services.common.nats_auth import write_deployment_credentials
-from services.common.nats_connect import ROLES
+from services.common.transport.nats_auth import write_deployment_credentials
+from services.common.transport.nats_connect import ROLES
 
 config, folder = Path(sys.argv[1]), Path(sys.argv[2])
 # Only run_id matters here, read from the file as the pods read it (the overlays set no RLPIPE_RUN_ID). The

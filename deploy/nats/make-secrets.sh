@@ -3,7 +3,7 @@
 # `secrets-init` service runs this in the cli image; later starts keep what is there):
 #   tls/ca.pem, ca.key          a self-signed CA (the CA key never leaves this volume)
 #   tls/nats.pem, nats.key      the broker's certificate (DNS:nats)
-#   auth.conf                   the broker's per-role nkeys and permissions (services/common/nats_auth.py)
+#   auth.conf                   the broker's per-role nkeys and permissions (services/common/transport/nats_auth.py)
 #   <role>/nats.nk, ca.pem      one folder per role (trainer, rollout, reward, reference, operator):
 #                               each container mounts only its own folder
 #   trainer/admin.pem, .key     the Admin port's certificate (DNS:trainer)
@@ -31,7 +31,7 @@ certificate() {  # NAME: a server certificate for the host NAME signed by the CA
 certificate nats
 certificate trainer
 # A start that stopped half-way is redone whole: only .made, written last, marks the secrets as made.
-python -m services.common.nats_auth "$config" "$out"
+python -m services.common.transport.nats_auth "$config" "$out"
 for role in trainer rollout reward reference operator; do
     cp "$tls/ca.pem" "$out/$role/ca.pem"
 done

@@ -341,8 +341,8 @@ class NatsConfig(Section):
     nkey_seed_file: Path | None = Field(
         None,
         description="file holding this service's NATS nkey seed (SU...), readable by it alone; the broker admits that "
-        "key with its role's permissions only (services/common/nats_auth.py). rlpipe run generates one per role; "
-        "null connects without authentication",
+        "key with its role's permissions only (services/common/transport/nats_auth.py). rlpipe run generates "
+        "one per role; null connects without authentication",
     )
     tls_ca_file: Path | None = Field(
         None, description="PEM CA bundle the broker's certificate must chain to (a tls:// url); null: system CAs"
@@ -718,7 +718,7 @@ def default_alert_rules() -> list[AlertRule]:
         },
         {
             # Under 5% of the GPU's memory free for 3 steps: the next longer batch is an OOM. Only CUDA runs
-            # carry the metric (services/common/hardware.py), and a rule whose metric is absent is not judged.
+            # carry the metric (services/common/observe/hardware.py), and a rule whose metric is absent is not judged.
             "name": "gpu_memory_headroom",
             "metric": "memory/headroom_frac",
             "condition": "below",
@@ -735,7 +735,7 @@ def default_alert_rules() -> list[AlertRule]:
         },
         {
             # Roles whose every live replica's loop made no progress for 2 * nats.max_work_s (the health rows,
-            # every few seconds, carry the count; services/common/presence.py).
+            # every few seconds, carry the count; services/common/transport/presence.py).
             "name": "role_stalled",
             "metric": "roles_stalled",
             "condition": "above",

@@ -16,13 +16,13 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.bus import Bus, Stage
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.live_config import LiveConfig, stored_config
-from services.common.logs import bind_log_fields, log_event, setup_logging
-from services.common.presence import Presence, instance_name
+from services.common.observe.logs import bind_log_fields, log_event, setup_logging
+from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.startup_checks import StartupCheckError, startup_checks
-from services.common.telemetry import current_telemetry, start_telemetry
+from services.common.transport.bus import Bus, Stage
+from services.common.transport.live_config import LiveConfig, stored_config
+from services.common.transport.presence import Presence, instance_name
 
 log = logging.getLogger(__name__)
 # How often a stage's watchdog compares its loop's progress with the stall bound and updates health and presence.

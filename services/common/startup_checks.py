@@ -2,7 +2,7 @@
 
 A bad model folder, dataset or unwritable store stops a service (or ``rlpipe run``) at
 once, with every reason named, instead of minutes later. Each check reads the config and
-returns rows of (name, status, detail); ``rlpipe doctor`` (services/doctor.py) runs these
+returns rows of (name, status, detail); ``rlpipe doctor`` (services/cli/doctor.py) runs these
 and the machine and broker checks and prints them as a table. They live in ``common``
 because every role and both CLIs use them, and ``common`` imports neither.
 """
@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Literal
 
 from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, DataConfig, RunConfig
-from services.common.datasets import DatasetError, scan_dataset
-from services.common.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
+from services.common.model.datasets import DatasetError, scan_dataset
+from services.common.observe.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -156,7 +156,7 @@ def check_dataset(data: DataConfig, path: Path, split: str, name: str, max_rows:
 
 def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage") -> CheckResult:
     """Write, read back and delete a probe object under a prefix of its own."""
-    from services.common.storage import open_store
+    from services.common.transport.storage import open_store
 
     prefix = f".rlpipe-doctor-{uuid.uuid4().hex}/"
     payload = os.urandom(64)
@@ -284,7 +284,7 @@ def device_result(name: str, cuda_available: bool, broken_gpu: GpuFacts | None) 
     ``broken_gpu``: the facts of a GPU that is present but that CUDA cannot open (None when there
     is none, or CUDA works). With it, ``auto`` fails instead of quietly training on the CPU.
     """
-    from services.common.modeling import resolve_device
+    from services.common.model.modeling import resolve_device
 
     broken = (
         f"a GPU is present ({broken_gpu.gpu_seen}) but CUDA does not initialize: {cuda_failure(broken_gpu)}"

@@ -12,13 +12,13 @@ import logging
 import numpy as np
 import torch
 
-from services.common.bus import EXPERIENCE, SCORED, Bus, Stage
 from services.common.config import RunConfig
-from services.common.logs import Stopwatch, log_event
-from services.common.messages import ExperienceGroup, ScoredGroup, advance
-from services.common.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.model.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
-from services.common.telemetry import current_telemetry
+from services.common.transport.bus import EXPERIENCE, SCORED, Bus, Stage
+from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
 
 log = logging.getLogger(__name__)
 

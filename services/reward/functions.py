@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from math_verify import parse, verify
 
-from services.common.answers import ends_on_answer, parse_number
+from services.common.model.answers import ends_on_answer, parse_number
 from services.common.registry import REWARD_FUNCTIONS
 
 RewardFn = Callable[[str, str, str], float]

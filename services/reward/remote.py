@@ -27,10 +27,10 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.common.bus import BreakerState, CircuitBreaker, DependencyUnavailable
 from services.common.config import RewardHttpConfig
-from services.common.logs import log_event
-from services.common.telemetry import LATENCY_BUCKETS_S, meter
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import LATENCY_BUCKETS_S, meter
+from services.common.transport.bus import BreakerState, CircuitBreaker, DependencyUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 from services.common.registry import reward_function
 
 log = logging.getLogger(__name__)

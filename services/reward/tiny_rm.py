@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer, Qwen2ForSequenceClassification
 
-from services.common.datasets import load_jsonl
+from services.common.model.datasets import load_jsonl
 
 BUILD_MARKER = "reward_model_build.json"
 TORCH_THREADS = 1  # the machines this builds on are small and shared; one thread is fastest per core

@@ -15,9 +15,9 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from services.common.bus import DependencyUnavailable
 from services.common.config import RunConfig, SamplingConfig
-from services.common.modeling import load_model, load_tokenizer
+from services.common.model.modeling import load_model, load_tokenizer
+from services.common.transport.bus import DependencyUnavailable
 
 
 @dataclass

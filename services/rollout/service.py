@@ -18,14 +18,14 @@ import grpc
 import numpy as np
 import torch
 
-from services.common.bus import PROMPTS, ROLLOUTS, Bus, Stage
 from services.common.config import RunConfig
-from services.common.logs import Stopwatch, log_event
-from services.common.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.telemetry import current_telemetry, record_weight_sync
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
-from services.common.telemetry import current_telemetry, record_weight_sync
-from services.common.weightsync import (
+from services.common.transport.bus import PROMPTS, ROLLOUTS, Bus, Stage
+from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.transport.weightsync import (
     ChecksumError,
     Relay,
     RelayBroken,

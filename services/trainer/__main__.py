@@ -1,7 +1,7 @@
 import argparse
 
 from services.common.config import load_config
-from services.common.logs import setup_logging
+from services.common.observe.logs import setup_logging
 from services.common.service import run_service
 from services.trainer.distributed import Mesh
 from services.trainer.service import follower_main, main

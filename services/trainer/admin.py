@@ -21,13 +21,13 @@ import grpc
 import yaml
 
 from services.common.config import AdminCredentials, ConfigError, RunConfig, redacted_dump
-from services.common.live_config import parse_value
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
+from services.common.transport.live_config import parse_value
 from services.trainer.checkpoint import AbandonedStep, CheckpointCorrupt
 
 if TYPE_CHECKING:
-    from services.common.live_config import LiveConfig
+    from services.common.transport.live_config import LiveConfig
     from services.trainer.control import Control
     from services.trainer.recovery import Recovery
     from services.trainer.status import StatusReporter

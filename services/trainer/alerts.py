@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.common.config import AlertRule
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 
 log = logging.getLogger("rlpipe.alerts")
 

@@ -75,9 +75,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from services.common.logs import log_event
-from services.common.modeling import host_state
-from services.common.storage import ObjectStore
+from services.common.model.modeling import host_state
+from services.common.observe.logs import log_event
+from services.common.transport.storage import ObjectStore
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any, Protocol
 
-from services.common.events import EventLog
-from services.common.logs import log_event
+from services.common.observe.events import EventLog
+from services.common.observe.logs import log_event
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)

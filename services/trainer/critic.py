@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
-from services.common.modeling import ResponseBatch, at_response, enable_gradient_checkpointing, load_model
+from services.common.model.modeling import ResponseBatch, at_response, enable_gradient_checkpointing, load_model
 
 
 class Critic(torch.nn.Module):

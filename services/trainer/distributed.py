@@ -88,9 +88,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from services.common.config import RunConfig
-from services.common.messages import ExperienceGroup, decode, encode
-from services.common.modeling import to_host
+from services.common.model.modeling import to_host
 from services.common.service import EXIT_REFUSED
+from services.common.transport.messages import ExperienceGroup, decode, encode
 
 # A follower waits for the leader's next command as long as the leader goes without one (paused, no
 # experience); a year stands for "forever" in a timeout that must be finite.

@@ -29,7 +29,11 @@ from typing import Any
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
-from services.common.bus import (
+from services.common.config import RunConfig
+from services.common.model.datasets import Fed, PromptSource, RowTable
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import span_from_headers
+from services.common.transport.bus import (
     DEAD,
     EXPERIENCE,
     H_GROUP,
@@ -39,11 +43,7 @@ from services.common.bus import (
     StreamReader,
     stream_name,
 )
-from services.common.config import RunConfig
-from services.common.datasets import Fed, PromptSource, RowTable
-from services.common.logs import log_event
-from services.common.messages import DecodeError, ExperienceGroup, Prompt, dedupe_id
-from services.common.telemetry import span_from_headers
+from services.common.transport.messages import DecodeError, ExperienceGroup, Prompt, dedupe_id
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ LOST_CHECK_S = 1.0  # how often groups in flight are checked against train.lost_
 
 class PromptFeeder:
     """Walks the dataset epoch by epoch in a seeded order; its cursor is (epoch, index), index being how far into
-    the epoch's order it is. ``source`` is a list of rows or any ``PromptSource`` (services/common/datasets.py:
+    the epoch's order it is. ``source`` is a list of rows or any ``PromptSource`` (services/common/model/datasets.py:
     rows in memory, a memory-mapped dataset, a stream): the order depends only on the seed and the epoch, so a
     feeder that seeks a saved cursor feeds what the one that saved it would have fed next."""
 

@@ -38,9 +38,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from services.common.config import RunConfig
-from services.common.evaluation import greedy_accuracy
-from services.common.messages import ExperienceGroup
-from services.common.modeling import (
+from services.common.model.evaluation import greedy_accuracy
+from services.common.model.modeling import (
     Precision,
     ResponseBatch,
     at_response,
@@ -51,7 +50,8 @@ from services.common.modeling import (
     pack,
     token_logprobs,
 )
-from services.common.weightsync import Snapshot, snapshot_of
+from services.common.transport.messages import ExperienceGroup
+from services.common.transport.weightsync import Snapshot, snapshot_of
 from services.trainer.algorithms import (
     aggregate,
     entropy_from_logits,

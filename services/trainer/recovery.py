@@ -25,12 +25,12 @@ from typing import Any
 
 import yaml
 
-from services.common.bus import EXPERIENCE, Bus, stream_name
 from services.common.config import BuildInfo, redacted_dump
-from services.common.events import EventLog
-from services.common.logs import Stopwatch, log_event
-from services.common.telemetry import TrainerMetrics
-from services.common.weightsync import WeightSyncServer
+from services.common.observe.events import EventLog
+from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.telemetry import TrainerMetrics
+from services.common.transport.bus import EXPERIENCE, Bus, stream_name
+from services.common.transport.weightsync import WeightSyncServer
 from services.trainer.checkpoint import (
     STABLE,
     UNREADABLE,

@@ -18,10 +18,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.events import EventLog
-from services.common.logs import RollingJsonl, log_event
-from services.common.telemetry import TrainerMetrics
-from services.common.trackers import TrackerFanout
+from services.common.observe.events import EventLog
+from services.common.observe.logs import RollingJsonl, log_event
+from services.common.observe.telemetry import TrainerMetrics
+from services.common.observe.trackers import TrackerFanout
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control

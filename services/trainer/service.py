@@ -26,22 +26,22 @@ from typing import Any
 import grpc
 import yaml
 
-from services.common.bus import EXPERIENCE, BrokerStateLost, Bus
-from services.common.chat import prompt_text, render_rows
 from services.common.config import BuildInfo, RunConfig, redacted_dump
-from services.common.datasets import open_prompts, read_rows
-from services.common.events import EventLog
-from services.common.hardware import HardwareSampler
-from services.common.live_config import LiveConfig
-from services.common.logs import Stopwatch, bind_log_fields, log_event
-from services.common.messages import reward_part_means
+from services.common.model.chat import prompt_text, render_rows
+from services.common.model.datasets import open_prompts, read_rows
+from services.common.observe.events import EventLog
+from services.common.observe.hardware import HardwareSampler
+from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
+from services.common.observe.telemetry import TrainerMetrics, current_telemetry
+from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
-from services.common.presence import Presence
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
-from services.common.storage import open_store
-from services.common.telemetry import TrainerMetrics, current_telemetry
-from services.common.trackers import open_trackers
-from services.common.weightsync import WeightSyncServer
+from services.common.transport.bus import EXPERIENCE, BrokerStateLost, Bus
+from services.common.transport.live_config import LiveConfig
+from services.common.transport.messages import reward_part_means
+from services.common.transport.presence import Presence
+from services.common.transport.storage import open_store
+from services.common.transport.weightsync import WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints

@@ -16,12 +16,12 @@ from typing import Any
 
 from nats.errors import Error as NatsError
 
-from services.common.bus import EXPERIENCE, WORK_QUEUES, Bus, stall_bound_s, stream_name
 from services.common.config import BuildInfo
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import DiskWatch, StageMetrics
 from services.common.pb import admin_pb2
-from services.common.presence import RestartCounter, read_presence, roles_down, roles_stalled
-from services.common.telemetry import DiskWatch, StageMetrics
+from services.common.transport.bus import EXPERIENCE, WORK_QUEUES, Bus, stall_bound_s, stream_name
+from services.common.transport.presence import RestartCounter, read_presence, roles_down, roles_stalled
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from services.common.logs import JsonlFollower
+from services.common.observe.logs import JsonlFollower
 from services.tuner.procs import (
     GpuMemory,
     die_with_parent,

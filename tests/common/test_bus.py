@@ -5,7 +5,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.bus import (
+from services.common.config import load_config
+from services.common.transport.bus import (
     DEAD,
     H_CLAIM,
     H_GROUP,
@@ -19,8 +20,16 @@ from services.common.bus import (
     StreamReader,
     stream_name,
 )
-from services.common.config import load_config
-from services.common.messages import ClaimCheck, Completion, DecodeError, Prompt, RolloutGroup, advance, decode, encode
+from services.common.transport.messages import (
+    ClaimCheck,
+    Completion,
+    DecodeError,
+    Prompt,
+    RolloutGroup,
+    advance,
+    decode,
+    encode,
+)
 from tests.conftest import create_run_state, free_port, write_config
 
 pytestmark = pytest.mark.integration

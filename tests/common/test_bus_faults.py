@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from nats.js import api
 
-from services.common.bus import (
+from services.common.config import RunConfig, load_config
+from services.common.transport.bus import (
     DEAD,
     EXPERIENCE,
     H_CLAIM,
@@ -28,8 +29,7 @@ from services.common.bus import (
     StreamGap,
     stream_name,
 )
-from services.common.config import RunConfig, load_config
-from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration

@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.common.answers import ends_on_answer, last_number, parse_number
-from services.common.chat import ChatTemplateMissing, prompt_text, render_rows
-from services.common.datasets import (
+from services.cli.app import app
+from services.common.model.answers import ends_on_answer, last_number, parse_number
+from services.common.model.chat import ChatTemplateMissing, prompt_text, render_rows
+from services.common.model.datasets import (
     WORD_SYSTEM,
     WORD_TEMPLATES,
     load_jsonl,
     make_word_problem_dataset,
     row_problem,
 )
-from services.common.tiny_model import build_char_tokenizer
+from services.common.model.tiny_model import build_char_tokenizer
 
 pytestmark = pytest.mark.unit
 
@@ -155,7 +155,7 @@ def test_ends_on_answer_compares_values() -> None:
 
 
 def test_held_out_accuracy_reads_a_chat_answers_final_number_and_a_plain_answer_strictly() -> None:
-    from services.common.evaluation import answered
+    from services.common.model.evaluation import answered
 
     chat = {"messages": [{"role": "user", "content": "Tom has 7 apples and buys 5 more. How many?"}], "answer": "12"}
     assert answered("Tom now has 7 + 5 = 12 apples.", chat)

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from services.common.config import DataColumns, DataConfig
-from services.common.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
+from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
 from services.trainer.intake import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
@@ -68,7 +68,7 @@ FEEDING = """
 import json, sys
 import yaml
 from services.common.config import DataConfig
-from services.common.datasets import open_prompts
+from services.common.model.datasets import open_prompts
 from services.trainer.intake import PromptFeeder
 data = DataConfig(**yaml.safe_load(open(sys.argv[1])))
 feeder = PromptFeeder(open_prompts(data), seed=11, shuffle=True)

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from services.common.events import EventLog
-from services.common.logs import JsonlFollower, jsonl_parts, rolled_part
-from services.report import read_jsonl, render_html
+from services.cli.report import read_jsonl, render_html
+from services.common.observe.events import EventLog
+from services.common.observe.logs import JsonlFollower, jsonl_parts, rolled_part
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ EVENTS_EACH = 150
 WRITER = """
 import sys, time
 from pathlib import Path
-from services.common.events import EventLog
+from services.common.observe.events import EventLog
 
 path, name, count, go = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 events = EventLog(path, max_bytes={max_bytes})

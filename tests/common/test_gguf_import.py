@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from typer.testing import CliRunner
 
-from services.cli import app
-from services.common.gguf_import import (
+from services.cli.app import app
+from services.common.model.gguf_import import (
     IMPORT_MARKER,
     GGUFImportError,
     check_gguf,

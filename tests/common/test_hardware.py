@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.common.config import default_alert_rules
-from services.common.hardware import (
+from services.common.observe.hardware import (
     GIB,
     HARDWARE_ROW_KEYS,
     HardwareSample,
@@ -26,7 +26,7 @@ from services.common.hardware import (
     release_numbers,
     smi_cuda_version,
 )
-from services.common.telemetry import TRAINER_STEP_KEYS, trainer_gauge_name
+from services.common.observe.telemetry import TRAINER_STEP_KEYS, trainer_gauge_name
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.conftest import ROOT
@@ -124,8 +124,8 @@ DRIVER = r"""
 import json, sys
 import torch
 from services.common.config import load_config
-from services.common.hardware import HardwareSample, HardwareSampler
-from services.common.telemetry import TrainerMetrics, start_telemetry
+from services.common.observe.hardware import HardwareSample, HardwareSampler
+from services.common.observe.telemetry import TrainerMetrics, start_telemetry
 
 telemetry = start_telemetry(load_config(sys.argv[1]), "trainer", "trainer-test")
 trainer = TrainerMetrics()

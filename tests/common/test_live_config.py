@@ -6,7 +6,7 @@ import nats
 import pytest
 
 from services.common.config import REDACTED, ConfigError, load_config
-from services.common.live_config import LiveConfig, parse_value, stored_config
+from services.common.transport.live_config import LiveConfig, parse_value, stored_config
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

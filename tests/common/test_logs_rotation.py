@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from services.common.logs import JsonlFollower, RotatingLog, jsonl_parts, rolled_part
-from services.launcher import Child
-from services.report import read_jsonl
+from services.cli.launcher import Child
+from services.cli.report import read_jsonl
+from services.common.observe.logs import JsonlFollower, RotatingLog, jsonl_parts, rolled_part
 from services.trainer.responder import MetricsLog
 
 pytestmark = pytest.mark.unit

@@ -2,7 +2,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from services.common.messages import (
+from services.common.transport.messages import (
     Completion,
     DecodeError,
     ExperienceGroup,

@@ -6,7 +6,7 @@ import nats
 import pytest
 
 from services.common.config import load_config
-from services.common.presence import Presence, read_presence, roles_down
+from services.common.transport.presence import Presence, read_presence, roles_down
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
-from services.common.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
+from services.common.observe.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
 from tests.conftest import RLPIPE_RUN, ROOT, run_pipeline, write_config
 
 pytestmark = pytest.mark.integration

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2, weights_pb2_grpc
-from services.common.weightsync import (
+from services.common.transport.weightsync import (
     CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     ChecksumError,

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from services.common import telemetry
 from services.common.config import default_alert_rules
+from services.common.observe import telemetry
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
 pytestmark = pytest.mark.unit
@@ -33,7 +33,7 @@ def series(metric: str) -> str:
 
 
 def exported() -> set[str]:
-    """The series the services export, as services/common/telemetry.py documents and defines them."""
+    """The series the services export, as services/common/observe/telemetry.py documents and defines them."""
     return set(METRIC.findall(telemetry.__doc__)) | {
         telemetry.trainer_gauge_name(key) for key in telemetry.TRAINER_STEP_KEYS
     }

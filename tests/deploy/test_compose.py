@@ -71,12 +71,13 @@ def test_every_long_running_service_has_a_health_check_and_restart_policy(compos
 def test_rlpipe_services_probe_grpc_health_on_their_configured_port(compose):
     services = compose["services"]
     assert (
-        "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}"
+        "services.cli.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}"
         in services["trainer"]["healthcheck"]["test"][1]
     )
     for name in ("reference", "rollout", "reward"):
         assert (
-            "services.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}" in services[name]["healthcheck"]["test"][1]
+            "services.cli.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}"
+            in services[name]["healthcheck"]["test"][1]
         ), name
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.common.bus import EXPERIENCE, Bus, subject
 from services.common.config import load_config
-from services.common.nats_connect import connect_options
+from services.common.transport.bus import EXPERIENCE, Bus, subject
+from services.common.transport.nats_connect import connect_options
 from tests.conftest import BIN, free_port, wait_for_port, write_config
 from tests.deploy.conftest import DEPLOY, load_yaml
 

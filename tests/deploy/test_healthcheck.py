@@ -1,4 +1,4 @@
-"""`python -m services.healthcheck`, the probe the images' HEALTHCHECK and compose run."""
+"""`python -m services.cli.healthcheck`, the probe the images' HEALTHCHECK and compose run."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def health_server() -> Iterator[tuple[str, health.HealthServicer]]:
 
 def probe(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "services.healthcheck", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
+        [sys.executable, "-m", "services.cli.healthcheck", *args], cwd=ROOT, capture_output=True, text=True, timeout=30
     )
 
 

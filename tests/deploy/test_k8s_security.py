@@ -24,9 +24,9 @@ import nkeys
 import pytest
 import yaml
 
-from services.common.bus import Bus, stream_name
 from services.common.config import load_config
-from services.common.nats_connect import ROLES, SERVICE_ROLES, connect_options
+from services.common.transport.bus import Bus, stream_name
+from services.common.transport.nats_connect import ROLES, SERVICE_ROLES, connect_options
 from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container

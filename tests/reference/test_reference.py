@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from services.common.config import load_config
-from services.common.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
 from tests.conftest import write_config

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from services.common.bus import BreakerState, DependencyUnavailable
 from services.common.config import RewardHttpConfig
+from services.common.transport.bus import BreakerState, DependencyUnavailable
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, _RequestFailed, parse_scores
 from tests.conftest import free_port, wait_for_port
 

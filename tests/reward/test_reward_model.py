@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from services.common.config import ConfigError, RewardModelConfig, load_config_with
-from services.common.datasets import load_jsonl
+from services.common.model.datasets import load_jsonl
 from services.reward.model import RewardModel, model_device
 from services.reward.service import weights_of
 from services.reward.tiny_rm import wrong_answer

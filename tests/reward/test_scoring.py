@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.config import ConfigError, RewardConfig, load_config
-from services.common.messages import (
+from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
     RolloutGroup,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import (
+from services.common.transport.weightsync import (
     Relay,
     Snapshot,
     WeightSyncClient,

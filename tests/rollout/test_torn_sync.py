@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.weightsync import Snapshot, WeightSyncClient, WeightSyncServer
+from services.common.transport.weightsync import Snapshot, WeightSyncClient, WeightSyncServer
 from services.rollout.engines import EngineUnavailable
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port

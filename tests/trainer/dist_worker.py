@@ -23,9 +23,9 @@ import torch
 from safetensors.torch import save_file
 
 from services.common.config import RunConfig, load_config
-from services.common.datasets import load_jsonl
-from services.common.messages import ExperienceGroup, decode
-from services.common.storage import FileStore
+from services.common.model.datasets import load_jsonl
+from services.common.transport.messages import ExperienceGroup, decode
+from services.common.transport.storage import FileStore
 from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.learner import Learner

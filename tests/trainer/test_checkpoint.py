@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from services.common.config import CheckpointConfig
-from services.common.storage import open_store
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, TrainerState, rng_state
 
 pytestmark = pytest.mark.unit

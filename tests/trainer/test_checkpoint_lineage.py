@@ -10,7 +10,7 @@ import logging
 import pytest
 
 from services.common.config import CheckpointConfig
-from services.common.storage import ObjectStore, open_store
+from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpoint import (
     ABANDONED,
     STABLE,

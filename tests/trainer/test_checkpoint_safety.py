@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from services.common.config import CheckpointConfig
-from services.common.storage import open_store
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore, UnsafeCheckpoint, restore_rng
 from tests.trainer.test_checkpoint import checkpoint
 

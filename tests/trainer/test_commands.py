@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from services.common.events import EventLog
-from services.report import read_jsonl
+from services.cli.report import read_jsonl
+from services.common.observe.events import EventLog
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 

@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.config import load_config
-from services.common.datasets import load_jsonl
-from services.common.messages import ExperienceGroup, decode, encode
-from services.common.storage import FileStore
+from services.common.model.datasets import load_jsonl
+from services.common.transport.messages import ExperienceGroup, decode, encode
+from services.common.transport.storage import FileStore
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.distributed import Mesh
 from services.trainer.learner import Batch, Learner
@@ -207,8 +207,8 @@ def test_ranks_with_fewer_micro_batches_pad_with_passes_that_do_not_count(setup)
 
 
 def test_trainer_nproc_launches_torchrun_and_more_than_the_gpus_is_refused_naming_the_field(setup):
+    from services.cli.launcher import trainer_command
     from services.common.config import ConfigError
-    from services.launcher import trainer_command
 
     _, config, _ = setup
     plain = [sys.executable, "-m", "services.trainer", "--config", str(config)]

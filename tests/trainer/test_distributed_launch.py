@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.launcher import trainer_command
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
-from services.launcher import trainer_command
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration

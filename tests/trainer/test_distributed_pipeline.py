@@ -7,7 +7,7 @@ import json
 import pytest
 
 from services.common.config import CheckpointConfig
-from services.common.storage import open_store
+from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import run_pipeline, write_config

@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.bus import DEAD, EXPERIENCE, PROMPTS, Bus, stream_name
 from services.common.config import load_config
-from services.common.datasets import load_jsonl
-from services.common.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.model.datasets import load_jsonl
+from services.common.transport.bus import DEAD, EXPERIENCE, PROMPTS, Bus, stream_name
+from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.progress import Progress
 from tests.conftest import write_config

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.datasets import load_jsonl
-from services.common.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
-from services.common.modeling import load_tokenizer
+from services.common.model.datasets import load_jsonl
+from services.common.model.modeling import load_tokenizer
+from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.trainer.algorithms import group_advantages
 from services.trainer.learner import Batch, Learner, split_by_tokens
@@ -271,7 +271,7 @@ def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     from services.common.config import CheckpointConfig
-    from services.common.storage import open_store
+    from services.common.transport.storage import open_store
     from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
 
     model_dir = setup[0]

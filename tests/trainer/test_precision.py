@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from services.common.config import ConfigError, load_config
-from services.common.datasets import load_jsonl
-from services.common.evaluation import greedy_generate
-from services.common.modeling import Precision, host_copy, host_state, load_tokenizer, resolve_device
+from services.common.model.datasets import load_jsonl
+from services.common.model.evaluation import greedy_generate
+from services.common.model.modeling import Precision, host_copy, host_state, load_tokenizer, resolve_device
 from services.reference.service import ReferenceScorer
 from services.trainer.learner import Batch, Learner
 from tests.conftest import write_config

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from services.common.config import CheckpointConfig, load_config
-from services.common.datasets import load_jsonl
-from services.common.events import EventLog
-from services.common.storage import open_store
-from services.common.telemetry import TrainerMetrics
-from services.common.weightsync import WeightSyncServer, snapshot_of
+from services.common.model.datasets import load_jsonl
+from services.common.observe.events import EventLog
+from services.common.observe.telemetry import TrainerMetrics
+from services.common.transport.storage import open_store
+from services.common.transport.weightsync import WeightSyncServer, snapshot_of
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.intake import Fate, GroupLedger, PromptFeeder
 from services.trainer.learner import Learner

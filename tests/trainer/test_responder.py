@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
-from services.common.events import EventLog
-from services.common.storage import open_store
-from services.common.telemetry import TrainerMetrics
+from services.common.observe.events import EventLog
+from services.common.observe.telemetry import TrainerMetrics
+from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, rng_state
 from services.trainer.control import Control, RunState

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from services.common.messages import Completion, ExperienceGroup
+from services.common.transport.messages import Completion, ExperienceGroup
 from services.trainer.samples import SampleArchive, summarize
 
 pytestmark = pytest.mark.unit

@@ -7,10 +7,10 @@ import time
 
 import pytest
 
-from services.common.bus import EXPERIENCE, PROMPTS, Bus
 from services.common.config import BuildInfo, load_config
-from services.common.events import EventLog
-from services.common.messages import Prompt
+from services.common.observe.events import EventLog
+from services.common.transport.bus import EXPERIENCE, PROMPTS, Bus
+from services.common.transport.messages import Prompt
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger

@@ -11,14 +11,14 @@ import asyncio
 
 import pytest
 
-from services.common.bus import Bus
+from services.cli.healthcheck import check
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.live_config import LiveConfig
 from services.common.pb import weights_pb2_grpc
-from services.common.presence import Presence
 from services.common.service import start_grpc_server, watch_progress
-from services.common.weightsync import WeightSyncServer
-from services.healthcheck import check
+from services.common.transport.bus import Bus
+from services.common.transport.live_config import LiveConfig
+from services.common.transport.presence import Presence
+from services.common.transport.weightsync import WeightSyncServer
 from services.trainer.admin import AdminServicer
 from services.trainer.learner import Learner
 from services.trainer.liveness import LoopHeartbeat

@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.common.config import AdminCredentials
-from services.common.logs import JsonlFollower
+from services.common.observe.logs import JsonlFollower
 from services.common.pb import admin_pb2, admin_pb2_grpc
 
 # Piped output (scripts, logs) gets room for the wide tables instead of rich's 80 columns.

@@ -26,9 +26,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.hardware import GpuFacts, gpu_facts, release_numbers
-from services.common.nats_connect import connect_options
-from services.common.nats_server import nats_server_binary
+from services.common.observe.hardware import GpuFacts, gpu_facts, release_numbers
 from services.common.startup_checks import (
     Check,
     CheckResult,
@@ -45,6 +43,8 @@ from services.common.startup_checks import (
     storage_rows,
     weight_files,
 )
+from services.common.transport.nats_connect import connect_options
+from services.common.transport.nats_server import nats_server_binary
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -178,7 +178,7 @@ def check_packages(lock: Path | None = None, record: dict[str, Any] | None = Non
     return CheckResult("packages", "ok", f"{pinned} pinned packages match {lock}")
 
 
-# GPU checks: pure decisions over the facts services/common/hardware.py gathers, so each branch is
+# GPU checks: pure decisions over the facts services/common/observe/hardware.py gathers, so each branch is
 # tested on a machine without a GPU by handing it the facts of one.
 
 
@@ -335,7 +335,7 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
     import nats
     from nats.js.errors import NotFoundError
 
-    from services.common.bus import EDGES, Bus
+    from services.common.transport.bus import EDGES, Bus
 
     url = cfg.nats.url
     errors: list[BaseException] = []

@@ -10,9 +10,19 @@ from typing import Any
 import nats
 from nats.js.errors import NotFoundError
 
-from services.common.bus import EDGES, H_CLAIM, H_GROUP, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
 from services.common.config import NatsConfig
-from services.common.nats_connect import connect_options
+from services.common.transport.bus import (
+    EDGES,
+    H_CLAIM,
+    H_GROUP,
+    H_REASON,
+    H_SEQ,
+    H_SERVICE,
+    H_STREAM,
+    stream_name,
+    subject,
+)
+from services.common.transport.nats_connect import connect_options
 
 
 @dataclass

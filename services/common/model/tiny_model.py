@@ -7,8 +7,8 @@ start leaves the model only partly right, which gives RL room to improve it.
 
 CLI::
 
-    python -m services.common.tiny_model --out models/tiny-arith --data data/arith --seed 0
-    python -m services.common.tiny_model --task word-problems --data data/word-problems
+    python -m services.common.model.tiny_model --out models/tiny-arith --data data/arith --seed 0
+    python -m services.common.model.tiny_model --task word-problems --data data/word-problems
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenizers import pre_tokenizers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from services.common.datasets import load_jsonl, make_arithmetic_dataset, make_word_problem_dataset
-from services.common.evaluation import greedy_accuracy
+from services.common.model.datasets import load_jsonl, make_arithmetic_dataset, make_word_problem_dataset
+from services.common.model.evaluation import greedy_accuracy
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"

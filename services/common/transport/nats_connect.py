@@ -1,6 +1,6 @@
 """How a process connects to the run's broker: its role's nkey, its reply inbox and the broker's TLS trust.
 
-The identities and permissions themselves are in ``services.common.nats_auth``. The trainer owns the
+The identities and permissions themselves are in ``services.common.transport.nats_auth``. The trainer owns the
 run's broker state: it alone creates and updates the streams and key-value buckets, and every other
 role waits for them (``await_run_state``), whatever order the services start in.
 """
@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 from nats.errors import Error as NatsError
 
 from services.common.config import NatsConfig
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 
 RUN_OWNER = "trainer"
 STAGE_ROLES = ("rollout", "reward", "reference")

@@ -30,7 +30,7 @@ from typing import Any, Protocol
 import yaml
 
 from services.common.config import RunConfig, redacted_dump
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 
 log = logging.getLogger(__name__)
 

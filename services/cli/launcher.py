@@ -43,6 +43,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from services.cli.report import read_jsonl, render_html, render_report
 from services.common.config import (
     AdminCredentials,
     ConfigError,
@@ -52,16 +53,15 @@ from services.common.config import (
     load_config_with,
     parse_overrides,
 )
-from services.common.events import EventLog
-from services.common.live_config import LiveConfig
-from services.common.logs import RotatingLog
-from services.common.nats_auth import RoleKey, server_authorization, write_run_credentials
-from services.common.nats_connect import connect_options
-from services.common.nats_server import embedded_config, nats_server_binary
+from services.common.observe.events import EventLog
+from services.common.observe.logs import RotatingLog
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
-from services.common.storage import write_atomically
-from services.report import read_jsonl, render_html, render_report
+from services.common.transport.live_config import LiveConfig
+from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
+from services.common.transport.nats_connect import connect_options
+from services.common.transport.nats_server import embedded_config, nats_server_binary
+from services.common.transport.storage import write_atomically
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 600.0

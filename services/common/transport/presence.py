@@ -28,10 +28,10 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import BuildInfo, RunConfig
-from services.common.live_config import LiveConfig
-from services.common.logs import log_event
-from services.common.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
-from services.common.telemetry import record_service_starts
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import record_service_starts
+from services.common.transport.live_config import LiveConfig
+from services.common.transport.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0

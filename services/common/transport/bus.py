@@ -12,14 +12,14 @@ repeated publish.
 
 Every published message carries the sender's trace context in its headers, and a
 stage handles each message inside a span that continues it (see
-``services.common.telemetry``), so one group's work across services is one trace.
+``services.common.observe.telemetry``), so one group's work across services is one trace.
 
 Broker state. The trainer owns the streams: its bus creates them (or updates one whose
 settings changed) at connect and again after every reconnect, so a broker that came
 back without its store gets them back. A stage's bus only looks them up, at connect and
 after a reconnect, and waits while one is missing (``await_run_state``: the trainer not
 up yet, or not yet back), whatever order the services start in; its key may not create,
-update or delete a stream (``services.common.nats_auth``). Each stage ensures its own
+update or delete a stream (``services.common.transport.nats_auth``). Each stage ensures its own
 work queue's durable consumer, at first use and after every reconnect. A consumer whose
 settings differ from the config is updated in place (ack_wait, max_deliver,
 max_ack_pending); a difference JetStream cannot update fails the stage's start (and each
@@ -77,11 +77,11 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from services.common.config import NatsConfig, RunConfig
-from services.common.logs import log_event
-from services.common.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
-from services.common.nats_connect import await_run_state, connect_options, creates_run_state
-from services.common.storage import ObjectStore, open_store
-from services.common.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
+from services.common.transport.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
+from services.common.transport.nats_connect import await_run_state, connect_options, creates_run_state
+from services.common.transport.storage import ObjectStore, open_store
 
 PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
 WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role

@@ -1,4 +1,4 @@
-"""``python -m services.healthcheck HOST:PORT [--timeout S] [--service NAME]``: one gRPC health check.
+"""``python -m services.cli.healthcheck HOST:PORT [--timeout S] [--service NAME]``: one gRPC health check.
 
 Exit 0 when the server answers SERVING, 1 otherwise with a one-line reason on stderr.
 Container health checks run it every few seconds, so it imports only grpc (no torch,
@@ -30,7 +30,7 @@ def check(address: str, timeout: float = 3.0, service: str = "") -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck", description=__doc__.splitlines()[0])
     parser.add_argument("address", help="HOST:PORT of a service's gRPC server")
     parser.add_argument("--timeout", type=float, default=3.0, help="seconds to wait for the answer")
     parser.add_argument("--service", default="", help="a registered service name; empty checks the whole server")

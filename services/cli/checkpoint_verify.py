@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import RunConfig
-from services.common.modeling import load_model
-from services.common.storage import ObjectStore, open_store
+from services.common.model.modeling import load_model
+from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpoint import UNREADABLE, CheckpointStore, load_untied
 
 

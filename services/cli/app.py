@@ -6,10 +6,10 @@ from pathlib import Path
 
 import typer
 
-from services.admin_cli import register as register_operator_commands
+from services.cli.admin import register as register_operator_commands
+from services.cli.verify_commands import register as register_verify_commands
 from services.common.config import ConfigError
 from services.tuner.cli import register as register_tune_command
-from services.verify_cli import register as register_verify_commands
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
 
@@ -41,13 +41,13 @@ def run(
     ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
-    from services.launcher import run as launch
+    from services.cli.launcher import run as launch
 
     if smoke and overrides:
         typer.echo("rlpipe run: --smoke runs the config file as it is; drop the KEY=VALUE overrides", err=True)
         raise typer.Exit(2)
     if smoke:
-        from services.verify_cli import smoke_command
+        from services.cli.verify_commands import smoke_command
 
         raise typer.Exit(smoke_command(config))
     try:
@@ -61,7 +61,7 @@ def run(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run directory, or a run id under runs/")) -> None:
     """Render the run's metrics and events to report.png and a self-contained report.html in its directory."""
-    from services.report import render_html, render_report
+    from services.cli.report import render_html, render_report
 
     if not run_dir.is_dir() and (Path("runs") / run_dir).is_dir():
         run_dir = Path("runs") / run_dir
@@ -89,8 +89,8 @@ def dead_letters(
     from rich.console import Console
     from rich.table import Table
 
-    from services.dead_letters import list_dead_letters, nats_url_of, operator_options
-    from services.dead_letters import reinject as send_back
+    from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options
+    from services.cli.dead_letters import reinject as send_back
 
     run_id = run_dir.name
     try:
@@ -137,7 +137,7 @@ def doctor(
 
     Exits 1 naming each failure.
     """
-    from services.doctor import diagnose, print_report
+    from services.cli.doctor import diagnose, print_report
 
     raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
 
@@ -154,7 +154,7 @@ def build_tiny(
     ),
 ) -> None:
     """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, or a word-problem dataset."""
-    from services.common.tiny_model import main as build
+    from services.common.model.tiny_model import main as build
 
     build(["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task])
 
@@ -186,8 +186,8 @@ def import_gguf(
     import json
     from dataclasses import asdict
 
-    from services.common.gguf_import import GGUFImportError
-    from services.common.gguf_import import import_gguf as run_import
+    from services.common.model.gguf_import import GGUFImportError
+    from services.common.model.gguf_import import import_gguf as run_import
 
     try:
         summary = run_import(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)
@@ -203,7 +203,3 @@ register_tune_command(app)
 
 def main() -> None:
     app()
-
-
-if __name__ == "__main__":
-    main()

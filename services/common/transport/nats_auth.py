@@ -2,7 +2,7 @@
 
 Every role connects with its own nkey (``nats.nkey_seed_file``); the broker holds the public keys
 with the permissions below and refuses anything else with a permissions violation. What each role
-may publish follows what it does in ``services.common.bus``, ``live_config`` and ``presence``:
+may publish follows what it does in ``services.common.transport.bus``, ``live_config`` and ``presence``:
 
     role       publishes to                      consumes (durable)   config bucket    other
     rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             presence
@@ -33,11 +33,11 @@ from pathlib import Path
 
 import nkeys
 
-from services.common import live_config, presence
-from services.common.bus import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
-from services.common.bus import stream_name as _stream
-from services.common.bus import subject as _subject
-from services.common.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
+from services.common.transport import live_config, presence
+from services.common.transport.bus import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
+from services.common.transport.bus import stream_name as _stream
+from services.common.transport.bus import subject as _subject
+from services.common.transport.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
 
 # The work queue each stage consumes (its durable consumer is named after the role) and the edge each role feeds.
 CONSUMES = {role: edge for edge, role in WORK_QUEUES.items()}
@@ -75,7 +75,9 @@ def permissions(run_id: str, role: str) -> Permissions:
     publish: list[str] = []
     if role in SERVICE_ROLES:
         publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD), f"$KV.{services}.>"]
-    if role == RUN_OWNER:  # the others wait for what it creates (services.common.nats_connect.await_run_state)
+    if (
+        role == RUN_OWNER
+    ):  # the others wait for what it creates (services.common.transport.nats_connect.await_run_state)
         for edge in EDGES:
             stream = _stream(run_id, edge)
             publish += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
@@ -160,7 +162,7 @@ def _private_folder(folder: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m services.common.nats_auth CONFIG OUT``: the one-shot secrets step of compose and Kubernetes."""
+    """``python -m services.common.transport.nats_auth CONFIG OUT``: the one-shot secrets step of compose and k8s."""
     import argparse
 
     from services.common.config import load_config

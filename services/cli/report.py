@@ -35,7 +35,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from services.common.logs import jsonl_parts
+from services.common.observe.logs import jsonl_parts
 
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),

@@ -28,8 +28,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 
 from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
-from services.common.logs import log_event
-from services.common.nats_connect import await_run_state, connect_options, creates_run_state
+from services.common.observe.logs import log_event
+from services.common.transport.nats_connect import await_run_state, connect_options, creates_run_state
 
 log = logging.getLogger(__name__)
 KEY = "current"

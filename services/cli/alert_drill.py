@@ -24,9 +24,9 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import AlertRule, RunConfig
-from services.common.events import EventLog
-from services.common.logs import JsonlFollower, setup_logging
-from services.common.telemetry import TrainerMetrics, start_telemetry
+from services.common.observe.events import EventLog
+from services.common.observe.logs import JsonlFollower, setup_logging
+from services.common.observe.telemetry import TrainerMetrics, start_telemetry
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.progress import Progress

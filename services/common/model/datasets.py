@@ -2,7 +2,7 @@
 
 Every row is a JSON object with an ``answer`` string and either a plain ``prompt`` string,
 e.g. ``{"id": "add-0037-0045", "prompt": "37+45=", "answer": "82"}``, or ``messages``, a chat
-rendered with the model's chat template (services/common/chat.py), e.g.
+rendered with the model's chat template (services/common/model/chat.py), e.g.
 ``{"id": "word-0-tom-apples-017-025", "messages": [{"role": "user", "content": "Tom has 17 apples and buys
 25 more. How many apples does Tom have now?"}], "answer": "42"}``.
 
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from services.common.config import DataColumns, DataConfig
-from services.common.logs import log_event
+from services.common.observe.logs import log_event
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ stages (rollout, reward, reference)
   rlpipe_consumer_lag{role,edge}                          gauge, messages waiting in the durable consumer
   rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver | timeout
   rlpipe_stage_stalled{role,edge}                         gauge, 1 while the loop has made no progress for
-                                                          2 * nats.max_work_s (services/common/bus.py), else 0
+                                                          2 * nats.max_work_s (services/common/transport/bus.py), else 0
   rlpipe_service_starts{role}                             gauge, starts of this replica's name (presence)
   rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
 reward with a remote service (``reward.http``, services/reward/remote.py)
@@ -93,7 +93,7 @@ from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.config import RunConfig
-from services.common.hardware import HARDWARE_ROW_KEYS
+from services.common.observe.hardware import HARDWARE_ROW_KEYS
 
 SCOPE = "rlpipe"
 # An unreachable collector must not hold up a stopping service for long (the launcher kills after 20 s).
@@ -132,7 +132,7 @@ TRAINER_STEP_KEYS = (
     "staleness_max",
     "dropped_stale",
     "tis_weight_mean",
-    *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/hardware.py
+    *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/observe/hardware.py
 )
 
 

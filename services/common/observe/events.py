@@ -7,7 +7,7 @@ them on its curves; operators read them to line up a metric swing with its cause
 Two processes write it, the launcher (restarts) and the trainer (everything else), each line
 whole: past ``telemetry.jsonl_max_mib`` it rolls to ``events.00001.jsonl`` and so on like
 ``metrics.jsonl`` (``RollingJsonl``, whose lock lets either writer roll it). Readers go through
-``jsonl_parts``: ``services.report.read_jsonl`` for the whole record, ``JsonlFollower`` to follow it.
+``jsonl_parts``: ``services.cli.report.read_jsonl`` for the whole record, ``JsonlFollower`` to follow it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import RunConfig
-from services.common.logs import RollingJsonl
+from services.common.observe.logs import RollingJsonl
 
 
 class EventLog:

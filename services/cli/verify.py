@@ -46,14 +46,14 @@ import grpc
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.alert_drill import run_drill
-from services.checkpoint_verify import stores, verify_checkpoints
+from services.cli.alert_drill import run_drill
+from services.cli.checkpoint_verify import stores, verify_checkpoints
+from services.cli.healthcheck import check as health_check
+from services.cli.launcher import Launcher
+from services.cli.report import read_jsonl
 from services.common.config import ConfigError, RunConfig, load_config, load_config_with
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.startup_checks import StartupCheckError, startup_checks
-from services.healthcheck import check as health_check
-from services.launcher import Launcher
-from services.report import read_jsonl
 from services.trainer.samples import SampleArchive
 
 SMOKE_SUFFIX = "-smoke"

@@ -7,8 +7,8 @@ import contextlib
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from services.common.answers import ends_on_answer
-from services.common.modeling import Precision
+from services.common.model.answers import ends_on_answer
+from services.common.model.modeling import Precision
 
 
 def greedy_generate(

@@ -52,7 +52,7 @@ def _orderly_sigterm() -> None:
 
 def smoke_command(config: Path) -> int:
     """``rlpipe run --smoke CONFIG``: exit 0 only when every role came up and every stage logged a batch."""
-    from services.verify import smoke_only
+    from services.cli.verify import smoke_only
 
     _orderly_sigterm()
     try:
@@ -82,8 +82,8 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
         """The post-deployment checklist: roles, weight sync, a smoke run, a checkpoint written and loaded, an
         alert drill, the training curves. Starts the embedded deployment, or, with the global --address, checks
         the running one behind that trainer admin address (no smoke run). Writes verify.json and verify.md."""
+        from services.cli.verify import verify, verify_live
         from services.common.config import AdminCredentials, parse_overrides
-        from services.verify import verify, verify_live
 
         _orderly_sigterm()
         target = ctx.obj
@@ -118,7 +118,7 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
     ) -> None:
         """Fire a rule (or every rule) once, as a drill, through every sink: log, events, metrics, Prometheus,
         webhook. Only notifies. Exits 1 naming each sink that did not get it."""
-        from services.alert_drill import run_drill, select_rules
+        from services.cli.alert_drill import run_drill, select_rules
 
         cfg = _load(config, "alerts test")
         try:
@@ -150,7 +150,7 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
     ) -> None:
         """Integrity (manifest, hashes) and loadability (weights into the model) of stored checkpoints, on the
         store and its mirror. Exits 1 naming each bad step and file."""
-        from services.checkpoint_verify import verify_checkpoints
+        from services.cli.checkpoint_verify import verify_checkpoints
 
         if step is not None and every:
             _plain("rlpipe checkpoints verify: give STEP or --all, not both")
