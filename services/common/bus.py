@@ -655,6 +655,11 @@ class CircuitBreaker:
         if self._opened_at is not None or self.failures >= self.threshold:
             self._opened_at = now
 
+    def trip(self) -> None:
+        """A failure that retrying soon would only repeat (a refused token, a wrong URL): open now, below threshold."""
+        self.failed()
+        self._opened_at = self._last_failure
+
     def succeeded(self) -> None:
         self.failures = 0
         self.down_since = None
