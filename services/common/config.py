@@ -381,6 +381,12 @@ class NatsConfig(Section):
     claim_check_bytes: int = Field(
         256 * 1024, ge=512, description="a larger group goes to the object store and the message carries its key"
     )
+    max_claim_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="bytes; a claim-checked body declared larger is dead-lettered unread, and a stored one is read "
+        "no further than its declared size",
+    )
 
     @field_validator("nkey_seed_file", "tls_ca_file")
     @classmethod
@@ -395,6 +401,8 @@ class NatsConfig(Section):
             raise ValueError(
                 "claim_check_bytes must be below max_message_bytes, or large groups would be dead-lettered"
             )
+        if self.max_claim_bytes <= self.claim_check_bytes:
+            raise ValueError("max_claim_bytes must be above claim_check_bytes, or every claim-checked group is refused")
         return self
 
     @model_validator(mode="after")
