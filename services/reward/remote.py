@@ -143,8 +143,7 @@ def judge_error(error: BaseException, url: str, timeout_s: float) -> Verdict:
         return Verdict(Fault.PERSISTENT, "tls", f"TLS with {url} failed: {cause!r}")
     if isinstance(cause, socket.gaierror):
         return Verdict(Fault.PERSISTENT, "dns", f"the host of {url} does not resolve: {cause!r}")
-    if isinstance(cause, ConnectionRefusedError):  # nothing listens there (yet: a restarting service refuses too)
-        return Verdict(Fault.TRANSIENT, "refused", f"{url} refused the connection: {cause!r}")
+    # Refused, reset, cut off: nothing listens there yet (a restarting service refuses too) or it went away.
     return Verdict(Fault.TRANSIENT, "connection", f"{url}: {error!r}")
 
 
@@ -182,7 +181,11 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_
         with _OPENER.open(request, timeout=timeout_s) as response:
             answer = response.read(max_response_bytes + 1)  # never the whole of an endless answer
     except urllib.error.HTTPError as error:
-        verdict = judge_status(error.code, error.read(ERROR_BODY_BYTES), url, error.headers.get("Location", ""))
+        try:
+            answer = error.read(ERROR_BODY_BYTES)
+        except (OSError, http.client.HTTPException):  # cut off mid-body: the status alone still judges it
+            answer = b""
+        verdict = judge_status(error.code, answer, url, error.headers.get("Location", ""))
         if verdict.fault == Fault.INPUT:
             raise RemoteRewardRejected(verdict.reason) from None
         raise _RequestFailed(verdict) from None

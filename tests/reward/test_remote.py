@@ -348,7 +348,7 @@ def test_only_a_400_or_422_stating_a_reason_blames_the_input(status, body, fault
         (urllib.error.URLError(ssl.SSLCertVerificationError(1, "certificate verify failed")), Fault.PERSISTENT, "tls"),
         (ssl.SSLError(1, "wrong version number"), Fault.PERSISTENT, "tls"),
         (urllib.error.URLError(socket.gaierror(-2, "Name or service not known")), Fault.PERSISTENT, "dns"),
-        (urllib.error.URLError(ConnectionRefusedError(111, "refused")), Fault.TRANSIENT, "refused"),
+        (urllib.error.URLError(ConnectionRefusedError(111, "refused")), Fault.TRANSIENT, "connection"),
         (urllib.error.URLError(TimeoutError("timed out")), Fault.TRANSIENT, "timeout"),
         (TimeoutError("timed out"), Fault.TRANSIENT, "timeout"),
         (ConnectionResetError(104, "reset"), Fault.TRANSIENT, "connection"),
