@@ -40,6 +40,7 @@ LIVE_FIELDS = (
     "sampling.top_p",
     "sampling.max_new_tokens",
     "reward.functions",
+    "reward.http.token_file",
     "alerts",
     "checkpoint.save_every_steps",
     "checkpoint.keep_last",
@@ -380,6 +381,12 @@ class NatsConfig(Section):
     claim_check_bytes: int = Field(
         256 * 1024, ge=512, description="a larger group goes to the object store and the message carries its key"
     )
+    max_claim_bytes: int = Field(
+        256 << 20,
+        ge=1024,
+        description="bytes; a claim-checked body declared larger is dead-lettered unread, and a stored one is read "
+        "no further than its declared size",
+    )
 
     @field_validator("nkey_seed_file", "tls_ca_file")
     @classmethod
@@ -394,6 +401,8 @@ class NatsConfig(Section):
             raise ValueError(
                 "claim_check_bytes must be below max_message_bytes, or large groups would be dead-lettered"
             )
+        if self.max_claim_bytes <= self.claim_check_bytes:
+            raise ValueError("max_claim_bytes must be above claim_check_bytes, or every claim-checked group is refused")
         return self
 
     @model_validator(mode="after")
@@ -488,12 +497,27 @@ class RewardHttpConfig(Section):
         default_factory=dict,
         description="header name -> environment variable holding its value (a token stays out of the YAML)",
     )
+    token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token sent as 'Authorization: Bearer <token>', read before each batch: "
+        "rewrite it, or point this field at another file (live), to rotate the token without a restart",
+    )
+    max_response_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="bytes; a longer answer is the service's fault (the groups wait) and is never read whole",
+    )
     _headers: dict[str, str] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _headers_set_in_environment(self) -> RewardHttpConfig:
+        if self.token_file is not None and any(name.lower() == "authorization" for name in self.headers_from_env):
+            raise ValueError("token_file and headers_from_env both set the Authorization header: keep one")
         if not _read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
             return self
+        # At start only: a live change is validated by the trainer's admin, on a host where this file need not be.
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ValueError(f"token_file {str(self.token_file)!r} is not a readable file")
         missing = [variable for variable in self.headers_from_env.values() if variable not in os.environ]
         if missing:
             raise ValueError(f"headers_from_env names environment variables that are not set: {missing}")

@@ -148,7 +148,7 @@ def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_de
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
     model_dir, data_dir = tiny_model
     claim = StreamMessage(
-        1, encode(ClaimCheck(key="run/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"}
+        1, encode(ClaimCheck(key="test/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"}
     )
     on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
     with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back

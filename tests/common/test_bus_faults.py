@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import shutil
 import subprocess
@@ -27,9 +28,20 @@ from services.common.transport.bus import (
     DependencyUnavailable,
     Stage,
     StreamGap,
+    check_claim,
+    claim_key_fault,
     stream_name,
 )
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import (
+    ClaimCheck,
+    Completion,
+    DecodeError,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    encode,
+)
 from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration
@@ -99,6 +111,131 @@ def test_circuit_breaker_backs_off_opens_probes_and_closes():
     assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.5
     with pytest.raises(ValueError):
         CircuitBreaker(threshold=0)
+
+
+def test_circuit_breaker_trips_open_at_the_first_failure_that_retrying_would_repeat():
+    now = [100.0]
+    breaker = CircuitBreaker(threshold=3, cooldown_s=10.0, backoff_s=0.5, clock=lambda: now[0])
+    breaker.trip()
+    assert breaker.state is BreakerState.OPEN and breaker.failures == 1 and breaker.retry_in() == 10.0
+    now[0] += 10.0
+    assert breaker.state is BreakerState.HALF_OPEN
+    breaker.succeeded()
+    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0
+
+
+# ------------------------------------------------------------------ claim checks
+
+
+@pytest.mark.parametrize(
+    ("key", "fault"),
+    [
+        ("run/claims/rollouts/g1.rollout-0123", None),
+        ("", "not under the run's claim prefix"),
+        ("/etc/passwd", "not under the run's claim prefix"),
+        ("/run/claims/rollouts/g1", "not under the run's claim prefix"),
+        ("other/claims/rollouts/g1", "not under the run's claim prefix"),
+        ("run/claims/", "not a plain path"),
+        ("run/claims/../../etc/passwd", "not a plain path"),
+        ("run/claims/rollouts/./g1", "not a plain path"),
+        ("run/claims/rollouts//g1", "not a plain path"),
+        ("run/claims/rollouts/g1/", "not a plain path"),
+        ("run/claims/rollouts\\..\\..\\x", "not a plain path"),
+        ("run/claims/rollouts/g1\0", "not a plain path"),
+    ],
+)
+def test_a_claim_key_must_be_a_plain_path_under_the_runs_claim_prefix(key, fault):
+    found = claim_key_fault(key, "run")
+    assert found is None if fault is None else fault in found
+
+
+def test_a_claim_declaring_no_bytes_or_more_than_max_claim_bytes_is_the_messages_fault():
+    claim = ClaimCheck(key="run/claims/rollouts/g1", size=1000, sha256="0" * 64)
+    check_claim(claim, "run", max_bytes=1000)
+    for size in (0, -1, 1001):
+        with pytest.raises(DecodeError, match=rf"declares {size} bytes; allowed 1 to nats.max_claim_bytes=1000"):
+            check_claim(claim.model_copy(update={"size": size}), "run", max_bytes=1000)
+    with pytest.raises(DecodeError, match="not under the run's claim prefix"):
+        check_claim(claim, "another-run", max_bytes=1000)
+
+
+def minimal_config(tmp_path, **nats) -> RunConfig:
+    """A run config with files that exist but no model: a stage over claims needs neither a model nor data."""
+    (tmp_path / "model").mkdir(exist_ok=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    return load_config(
+        None,
+        run_id="faults",
+        runs_dir=str(tmp_path / "runs"),
+        model={"path": str(tmp_path / "model")},
+        data={"train_path": str(tmp_path / "train.jsonl")},
+        nats=nats,
+    )
+
+
+def test_a_claim_with_a_bad_key_or_size_is_dead_lettered_with_the_reason_and_reads_nothing_outside(tmp_path, nats_url):
+    """A claim pointing outside the store (absolute, or up with ..) at a body whose size and hash match would have
+    been read and scored; an empty key read the store's root, failed as a store outage and held the stage forever."""
+    cfg = minimal_config(
+        tmp_path,
+        url=nats_url,
+        ack_wait_s=1,
+        heartbeat_s=0.3,
+        max_deliver=2,
+        fetch_timeout_s=0.3,
+        claim_check_bytes=512,
+        max_claim_bytes=4096,
+    )
+    outside = tmp_path / "outside.msgpack"
+    body = encode(group("planted"))
+    outside.write_bytes(body)
+    store_root = cfg.runs_dir.resolve()
+    (store_root / "faults" / "claims" / "rollouts").mkdir(parents=True)  # as once the run has stored a claim
+    sha256 = hashlib.sha256(body).hexdigest()
+    claims = {
+        "absolute": ClaimCheck(key=str(outside), size=len(body), sha256=sha256),
+        "up": ClaimCheck(key="faults/claims/rollouts/../../../../outside.msgpack", size=len(body), sha256=sha256),
+        "empty": ClaimCheck(key="", size=len(body), sha256=sha256),
+        "huge": ClaimCheck(key="faults/claims/rollouts/huge", size=4097, sha256=sha256),
+    }
+    assert (store_root / claims["up"].key).resolve() == outside.resolve()  # the path the old join would read
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+        for name, claim in claims.items():
+            headers = {H_CLAIM: "1", "Nats-Msg-Id": f"{name}.rollout", "Rlpipe-Group-Id": name}
+            await bus.js.publish(f"rlpipe.faults.{ROLLOUTS}", encode(claim), headers=headers)
+        computed: list[str] = []
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            computed.extend(g.group_id for g in groups)
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 4, "reward")
+        task = asyncio.create_task(stage.run(stop))
+        for _ in range(300):
+            if await stream_messages(bus, DEAD) == len(claims):
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert computed == [] and await stream_messages(bus, SCORED) == 0
+        assert stage.breaker.failures == 0  # a bad key is the message's fault, never a store outage
+        reasons = {}
+        for seq in range(1, len(claims) + 1):
+            letter = await bus.js.get_msg(stream_name("faults", DEAD), seq=seq)
+            reasons[letter.headers["Rlpipe-Group-Id"]] = letter.headers["Rlpipe-Reason"]
+        assert reasons.keys() == claims.keys()
+        assert "not under the run's claim prefix 'faults/claims/'" in reasons["absolute"]
+        assert "not a plain path" in reasons["up"]
+        assert "not under the run's claim prefix" in reasons["empty"]
+        assert "declares 4097 bytes; allowed 1 to nats.max_claim_bytes=4096" in reasons["huge"]
+        await bus.close()
+
+    asyncio.run(scenario())
 
 
 # ------------------------------------------------------------------ consumer settings

@@ -3,15 +3,29 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import itertools
+import json
+import socket
+import ssl
 import subprocess
 import sys
+import urllib.error
 
 import pytest
 
 from services.common.config import RewardHttpConfig
 from services.common.transport.bus import BreakerState, DependencyUnavailable
-from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, _RequestFailed, parse_scores
+from services.reward.remote import (
+    Fault,
+    RemoteItem,
+    RemoteRewardRejected,
+    RemoteScorer,
+    _RequestFailed,
+    judge_error,
+    judge_status,
+    parse_scores,
+)
 from tests.conftest import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
@@ -45,9 +59,6 @@ def test_scores_come_back_in_order_across_concurrent_batches(port):
         client = scorer(port, max_concurrency=2)
         client.headers["Authorization"] = "Bearer s3cret"
         assert asyncio.run(client.score(ITEMS)) == [1.0, 0.0, 1.0, 0.0, 1.0]
-        client.headers.pop("Authorization")
-        with pytest.raises(RemoteRewardRejected, match="HTTP 401"):
-            asyncio.run(client.score(ITEMS[:1]))
     finally:
         server.kill()
         server.wait()
@@ -173,17 +184,196 @@ def test_a_failure_then_an_answer_is_scored_by_the_retry():
         service.close()
 
 
-@pytest.mark.parametrize("status", [400, 404, 413, 422])
-def test_a_client_error_blames_the_input_and_is_not_retried(status):
+@pytest.mark.parametrize("status", [400, 422])
+def test_a_400_or_422_with_a_reason_blames_the_input_and_is_not_retried(status):
     service = ScriptedService([status])
     try:
         client = scorer(service.port, retries=3)
-        with pytest.raises(RemoteRewardRejected, match=f"HTTP {status} from"):
+        with pytest.raises(RemoteRewardRejected, match=f"HTTP {status} from .*: scripted$"):
             asyncio.run(client.score(ITEMS[:1]))
         assert len(service.times) == 1
         assert client.breaker.failures == 0  # bad input says nothing about the service being down
     finally:
         service.close()
+
+
+def alerts(caplog) -> list[dict]:
+    return [getattr(r, "fields", {}) | {"event": r.getMessage()} for r in caplog.records if r.levelname == "ERROR"]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 405, 413])
+def test_an_auth_or_routing_error_is_the_services_outage_opened_at_once_and_alerted_by_status(status, caplog):
+    service = ScriptedService([status])
+    try:
+        client = scorer(service.port, retries=3)
+        with pytest.raises(DependencyUnavailable, match=f"misconfigured or broken: HTTP {status} from"):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert len(service.times) == 1  # the same request again would meet the same answer
+        assert client.breaker.state == BreakerState.OPEN and client.breaker.failures == 1
+        [alert] = alerts(caplog)
+        assert alert["event"] == "reward_service_down" and alert["alert"] is True
+        assert alert["kind"] == f"http_{status}" and f"HTTP {status}" in alert["error"]
+        with pytest.raises(DependencyUnavailable, match="breaker open"):  # the groups wait; nothing is sent
+            asyncio.run(client.score(ITEMS[:1]))
+        assert len(service.times) == 1
+    finally:
+        service.close()
+
+
+class RedirectingService:
+    """A real HTTP server that answers every request with ``status`` and a Location on ``target``, and a target
+    that records the method and Authorization header of every request it gets."""
+
+    def __init__(self, status: int):
+        import http.server
+        import threading
+
+        self.reached: list[tuple[str, str | None]] = []
+        service = self
+
+        class Target(http.server.BaseHTTPRequestHandler):
+            def answer(self) -> None:
+                service.reached.append((self.command, self.headers.get("Authorization")))
+                body = b'{"scores": [1.0]}'
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = answer
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.target = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Target)
+        location = f"http://localhost:{self.target.server_address[1]}/score"
+
+        class Redirect(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(status)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+        self.port = self.server.server_address[1]
+        for server in (self.server, self.target):
+            threading.Thread(target=server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        for server in (self.server, self.target):
+            server.shutdown()
+            server.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_not_followed_so_the_token_never_reaches_another_host(status, tmp_path):
+    service = RedirectingService(status)
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret\n")
+    try:
+        client = scorer(service.port, token_file=str(token_file))
+        redirected = f"HTTP {status} .*redirects to 'http://localhost:.*not followed"
+        with pytest.raises(DependencyUnavailable, match=redirected):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert service.reached == []
+        assert client.breaker.state == BreakerState.OPEN
+    finally:
+        service.close()
+
+
+def test_an_answer_over_max_response_bytes_is_the_services_outage_and_is_not_read_whole(caplog):
+    service = ScriptedService([], ok_body=b'{"scores": [1.0], "padding": "' + b"x" * 5000 + b'"}')
+    try:
+        client = scorer(service.port, retries=2, max_response_bytes=4096)
+        with pytest.raises(DependencyUnavailable, match=r"over reward.http.max_response_bytes=4096"):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert len(service.times) == 1 and client.breaker.state == BreakerState.OPEN
+        assert [alert["kind"] for alert in alerts(caplog)] == ["oversized"]
+        assert asyncio.run(scorer(service.port, max_response_bytes=8192).score(ITEMS[:1])) == [1.0]
+    finally:
+        service.close()
+
+
+def test_the_token_file_is_read_before_each_batch_so_a_rewritten_token_is_used(port, tmp_path):
+    server = start_server(port, "--token", "right")
+    token_file = tmp_path / "token"
+    token_file.write_text("wrong")
+    try:
+        client = scorer(port, token_file=str(token_file))
+        with pytest.raises(DependencyUnavailable, match="HTTP 401"):
+            asyncio.run(client.score(ITEMS[:1]))
+        token_file.write_text("right\n")
+        client.breaker.succeeded()  # past its cool-down
+        assert asyncio.run(client.score(ITEMS[:2])) == [1.0, 0.0]
+        token_file.write_text("")
+        with pytest.raises(DependencyUnavailable, match=r"token_file .* is empty"):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert client.breaker.state == BreakerState.OPEN
+    finally:
+        server.kill()
+        server.wait()
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "fault"),
+    [
+        (400, b'{"error": "items[0] has no completion"}', Fault.INPUT),
+        (422, b'{"error": "answer is not a number"}', Fault.INPUT),
+        (400, b"<html>Bad Request</html>", Fault.PERSISTENT),  # a proxy's or another service's page: no reason
+        (422, b'{"error": ""}', Fault.PERSISTENT),
+        (401, b'{"error": "token expired"}', Fault.PERSISTENT),
+        (403, b"", Fault.PERSISTENT),
+        (404, b'{"error": "no such path"}', Fault.PERSISTENT),
+        (405, b"", Fault.PERSISTENT),
+        (302, b"", Fault.PERSISTENT),
+        (413, b'{"error": "too large"}', Fault.PERSISTENT),
+        (408, b"", Fault.TRANSIENT),
+        (429, b"", Fault.TRANSIENT),
+        (500, b'{"error": "boom"}', Fault.TRANSIENT),
+        (503, b"", Fault.TRANSIENT),
+    ],
+)
+def test_only_a_400_or_422_stating_a_reason_blames_the_input(status, body, fault):
+    verdict = judge_status(status, body, "http://rm/score", location="http://elsewhere/")
+    assert (verdict.fault, verdict.kind) == (fault, f"http_{status}")
+    if fault == Fault.INPUT:
+        assert verdict.reason == f"HTTP {status} from http://rm/score: {json.loads(body)['error']}"
+
+
+@pytest.mark.parametrize(
+    ("error", "fault", "kind"),
+    [
+        (urllib.error.URLError(ssl.SSLCertVerificationError(1, "certificate verify failed")), Fault.PERSISTENT, "tls"),
+        (ssl.SSLError(1, "wrong version number"), Fault.PERSISTENT, "tls"),
+        (urllib.error.URLError(socket.gaierror(-2, "Name or service not known")), Fault.PERSISTENT, "dns"),
+        (urllib.error.URLError(ConnectionRefusedError(111, "refused")), Fault.TRANSIENT, "connection"),
+        (urllib.error.URLError(TimeoutError("timed out")), Fault.TRANSIENT, "timeout"),
+        (TimeoutError("timed out"), Fault.TRANSIENT, "timeout"),
+        (ConnectionResetError(104, "reset"), Fault.TRANSIENT, "connection"),
+        (http.client.RemoteDisconnected("closed"), Fault.TRANSIENT, "connection"),
+    ],
+)
+def test_a_request_without_an_answer_is_the_services_outage_tls_and_dns_persistent(error, fault, kind):
+    verdict = judge_error(error, "https://rm/score", 2.0)
+    assert (verdict.fault, verdict.kind) == (fault, kind)
+    assert "https://rm/score" in verdict.reason
+
+
+def test_a_tls_failure_against_a_real_socket_is_a_persistent_outage(port):
+    server = start_server(port)  # plain HTTP: the TLS handshake fails
+    try:
+        client = RemoteScorer(RewardHttpConfig(url=f"https://127.0.0.1:{port}/score", retries=3))
+        with pytest.raises(DependencyUnavailable, match=r"TLS with https://127\.0\.0\.1"):
+            asyncio.run(client.score(ITEMS[:1]))
+        assert client.breaker.state == BreakerState.OPEN and client.breaker.failures == 1
+    finally:
+        server.kill()
+        server.wait()
 
 
 @pytest.mark.parametrize("limit", [2, 3])

@@ -5,7 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import ConfigError, RewardConfig, load_config
+from services.common.config import ConfigError, RewardConfig, apply_overrides, is_live, load_config
 from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
@@ -105,3 +105,22 @@ def test_http_headers_come_from_the_environment_the_config_names(tiny_model, mon
     cfg = load_config(None, **settings, reward={"http": http})
     assert cfg.reward.http.headers == {"Authorization": "Bearer s3cret"}
     assert "s3cret" not in cfg.model_dump_json()
+
+
+def test_a_token_file_must_exist_at_start_and_is_the_one_source_of_the_authorization_header(tmp_path):
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "train.jsonl").write_text("")
+    settings = {"model": {"path": str(tmp_path / "model")}, "data": {"train_path": str(tmp_path / "train.jsonl")}}
+    http = {"url": "http://127.0.0.1:1/score", "token_file": str(tmp_path / "token")}
+    with pytest.raises(ConfigError, match=r"reward.http: .*token_file '.*/token' is not a readable file"):
+        load_config(None, **settings, reward={"http": http})
+    (tmp_path / "token").write_text("s3cret")
+    both = http | {"headers_from_env": {"authorization": "HOME"}}
+    with pytest.raises(ConfigError, match=r"reward.http: .*token_file and headers_from_env both set the Authoriz"):
+        load_config(None, **settings, reward={"http": both})
+    cfg = load_config(None, **settings, reward={"http": http})
+    assert "s3cret" not in cfg.model_dump_json()  # the path is in the config, the token is not
+    assert is_live("reward.http.token_file") and not is_live("reward.http.url")
+    moved = apply_overrides(cfg, {"reward.http.token_file": str(tmp_path / "on-another-host")})  # as the admin checks
+    assert moved.reward.http.token_file == tmp_path / "on-another-host"

@@ -328,9 +328,11 @@ class Bus:
             raise DecodeError(f"message of {len(msg.data)} bytes exceeds nats.max_message_bytes={limit}")
         if msg.headers and msg.headers.get(H_CLAIM):
             claim = decode(msg.data, ClaimCheck)
+            check_claim(claim, self.run_id, self.cfg.nats.max_claim_bytes)
             try:
-                # Off the event loop: a slow store must not stall acks, heartbeats and admin calls.
-                data = await asyncio.to_thread(lambda: self.claims.get(claim.key))
+                # Off the event loop: a slow store must not stall acks, heartbeats and admin calls. One byte past
+                # the declared size is enough to see that a stored body is longer than its claim.
+                data = await asyncio.to_thread(lambda: self.claims.get(claim.key, limit=claim.size + 1))
             except FileNotFoundError as error:
                 raise DecodeError(f"claim-checked body {claim.key} is missing: {error}") from None
             except Exception as error:  # the store's many failure types: unreachable, refused, timed out
@@ -340,15 +342,16 @@ class Bus:
             return decode(data, kind)
         return decode(msg.data, kind)
 
-    @staticmethod
-    def claim_key(msg: Msg | StreamMessage) -> str | None:
-        """The object-store key of a claim-checked message's body, None for an ordinary message."""
+    def claim_key(self, msg: Msg | StreamMessage) -> str | None:
+        """The object-store key of a claim-checked message's body; None for an ordinary message or a bad key."""
+        run_id = self.run_id
         if not (msg.headers and msg.headers.get(H_CLAIM)):
             return None
         try:
-            return decode(msg.data, ClaimCheck).key
+            claim = decode(msg.data, ClaimCheck)
         except DecodeError:
             return None
+        return claim.key if claim_key_fault(claim.key, run_id) is None else None
 
     async def publish(self, edge: str, message: Message, msg_id: str) -> api.PubAck:
         """Publish and wait for the stream's ack; a repeat of ``msg_id`` inside the window is dropped.
@@ -365,7 +368,7 @@ class Bus:
             sha256 = hashlib.sha256(data).hexdigest()
             # Keyed by content too: a redelivered compute's body (a new sample) must not overwrite the body of
             # the message the stream kept, whose repeat the duplicate window drops.
-            key = f"{self.run_id}/claims/{edge}/{msg_id}-{sha256[:16]}"
+            key = f"{claim_prefix(self.run_id)}{edge}/{msg_id}-{sha256[:16]}"
             try:
                 await asyncio.to_thread(lambda: self.claims.put(key, data))
             except Exception as error:  # S3 errors, refused or timed-out connections: the store, not the message
@@ -568,6 +571,37 @@ async def heartbeat(msgs: Callable[[], list[Msg]], interval_s: float) -> AsyncIt
             await task
 
 
+def claim_prefix(run_id: str) -> str:
+    """Where a run's claim-checked bodies are stored; a claim pointing anywhere else is refused."""
+    return f"{run_id}/claims/"
+
+
+def claim_key_fault(key: str, run_id: str) -> str | None:
+    """What is wrong with a claim's ``key``, which comes from a message and so is trusted with nothing; None if fine.
+
+    It must lie under the run's claim prefix, as plain segments: no absolute path, no ``.`` or ``..``, no empty
+    segment, no backslash or NUL, so that no store (a folder joins root / key) reads or deletes outside it.
+    """
+    prefix = claim_prefix(run_id)
+    if not key.startswith(prefix):
+        return f"claim key {key[:200]!r} is not under the run's claim prefix {prefix!r}"
+    segments = key[len(prefix) :].split("/")
+    if any(segment in ("", ".", "..") for segment in segments) or "\\" in key or "\0" in key:
+        return f"claim key {key[:200]!r} is not a plain path of named segments under {prefix!r}"
+    return None
+
+
+def check_claim(claim: ClaimCheck, run_id: str, max_bytes: int) -> None:
+    """DecodeError unless ``claim`` names a key of this run and a size within ``max_bytes``: the input's fault."""
+    fault = claim_key_fault(claim.key, run_id)
+    if fault is not None:
+        raise DecodeError(fault)
+    if not 0 < claim.size <= max_bytes:
+        raise DecodeError(
+            f"claim-checked body {claim.key} declares {claim.size} bytes; allowed 1 to nats.max_claim_bytes={max_bytes}"
+        )
+
+
 class DependencyUnavailable(Exception):
     """Something the stage depends on (object store, inference engine, broker) failed: the message is fine.
 
@@ -654,6 +688,11 @@ class CircuitBreaker:
         # A failed half-open probe, or the threshold reached: (re)open for a full cool-down.
         if self._opened_at is not None or self.failures >= self.threshold:
             self._opened_at = now
+
+    def trip(self) -> None:
+        """A failure that retrying soon would only repeat (a refused token, a wrong URL): open now, below threshold."""
+        self.failed()
+        self._opened_at = self._last_failure
 
     def succeeded(self) -> None:
         self.failures = 0

@@ -35,8 +35,8 @@ class ObjectStore(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
 
-    def get(self, key: str) -> bytes:
-        """The object's bytes; FileNotFoundError when there is none."""
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes, at most ``limit`` of them when given; FileNotFoundError when there is none."""
         ...
 
     def list(self, prefix: str) -> list[str]: ...
@@ -51,13 +51,24 @@ class FileStore:
         self.root = root
         self.url = root.as_uri()
 
+    def _path(self, key: str) -> Path:
+        """``root / key``, refused for a key that would name the root itself or anything outside it."""
+        parts = Path(key).parts
+        if not parts or Path(key).is_absolute() or ".." in parts:
+            raise ValueError(f"object key {key!r} is not a relative path inside the store")
+        return self.root / key
+
     def put(self, key: str, data: bytes) -> None:
-        path = self.root / key
+        path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, data)
 
-    def get(self, key: str) -> bytes:
-        return (self.root / key).read_bytes()
+    def get(self, key: str, limit: int | None = None) -> bytes:
+        path = self._path(key)
+        if path.is_dir():  # an object store has no folders: a key that names one names no object
+            raise FileNotFoundError(f"no object {key!r}: it is a folder of {self.url}")
+        with path.open("rb") as file:
+            return file.read(-1 if limit is None else limit)
 
     def list(self, prefix: str) -> list[str]:
         # Walk only the prefix's folder: the root may hold unrelated run files. os.walk skips
@@ -76,7 +87,7 @@ class FileStore:
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
-            (self.root / key).unlink(missing_ok=True)
+            self._path(key).unlink(missing_ok=True)
 
 
 class S3Store:
@@ -137,7 +148,7 @@ class S3Store:
             num_parallel_uploads=self.parallel_uploads,
         )
 
-    def get(self, key: str) -> bytes:
+    def get(self, key: str, limit: int | None = None) -> bytes:
         from minio.error import S3Error
 
         try:
@@ -147,7 +158,7 @@ class S3Store:
                 raise FileNotFoundError(f"{self.url.rstrip('/')}/{key}") from error
             raise
         try:
-            return response.read()
+            return response.read() if limit is None else response.read(limit)  # the rest is left unread, closed
         finally:
             response.close()
             response.release_conn()

@@ -1,0 +1,38 @@
+"""The file store keeps every key inside its root and reads no more than it is asked to."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.transport.storage import FileStore
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("key", ["", "/etc/hostname", "../outside", "run/claims/../../../outside"])
+def test_a_key_naming_the_root_or_anything_outside_it_is_refused_by_every_operation(tmp_path, key):
+    store = FileStore(tmp_path / "store")
+    (tmp_path / "store" / "run" / "claims").mkdir(parents=True)
+    (tmp_path / "outside").write_bytes(b"not the store's")
+    with pytest.raises(ValueError, match="is not a relative path inside the store"):
+        store.get(key)
+    with pytest.raises(ValueError, match="is not a relative path inside the store"):
+        store.put(key, b"x")
+    with pytest.raises(ValueError, match="is not a relative path inside the store"):
+        store.delete([key])
+    assert (tmp_path / "outside").read_bytes() == b"not the store's"
+
+
+def test_a_key_naming_a_folder_is_a_missing_object_not_a_store_failure(tmp_path):
+    store = FileStore(tmp_path)
+    store.put("run/claims/rollouts/g1", b"body")
+    with pytest.raises(FileNotFoundError, match="it is a folder"):
+        store.get("run/claims/rollouts")
+
+
+def test_a_limited_get_reads_at_most_the_limit(tmp_path):
+    store = FileStore(tmp_path)
+    store.put("run/claims/rollouts/g1", b"0123456789")
+    assert store.get("run/claims/rollouts/g1", limit=4) == b"0123"
+    assert store.get("run/claims/rollouts/g1", limit=11) == b"0123456789"
+    assert store.get("run/claims/rollouts/g1") == b"0123456789"
