@@ -17,7 +17,7 @@ from services.common.messages import (
     reward_part_means,
 )
 from services.reward.sandbox import RuleSandbox
-from services.reward.service import RewardSources, score_groups
+from services.reward.service import RewardOutOfBounds, RewardSources, score_groups
 
 
 def group(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
@@ -102,3 +102,23 @@ def test_http_headers_come_from_the_environment_the_config_names(tiny_model, mon
     cfg = load_config(None, **settings, reward={"http": http})
     assert cfg.reward.http.headers == {"Authorization": "Bearer s3cret"}
     assert "s3cret" not in cfg.model_dump_json()
+
+
+def test_a_reward_beyond_max_abs_reward_fails_the_group_naming_the_completion_and_its_parts(rules):
+    reward = RewardConfig(functions={"exact_match": 3.0, "format": 1.0}, max_abs_reward=2.0)
+    groups = [group("a", "2", ["3", "x"]), group("b", "2", ["x", "2"])]
+    with pytest.raises(RewardOutOfBounds) as error:
+        asyncio.run(score_groups(groups, reward, rules))
+    assert str(error.value) == (
+        "group b: completion 1 has reward 4, outside [-2, 2] (reward.max_abs_reward); "
+        "its parts: exact_match 1, format 1"
+    )
+    # Within the bound, the same completions are scored as usual.
+    assert len(asyncio.run(score_groups(groups, reward.model_copy(update={"max_abs_reward": 4.0}), rules))) == 2
+
+
+def test_a_non_finite_max_abs_reward_is_refused_naming_the_field(tiny_model):
+    model_dir, data_dir = tiny_model
+    settings = {"model": {"path": str(model_dir)}, "data": {"train_path": str(data_dir / "train.jsonl")}}
+    with pytest.raises(ConfigError, match=r"reward.max_abs_reward"):
+        load_config(None, **settings, reward={"max_abs_reward": float("inf")})
