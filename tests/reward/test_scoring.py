@@ -5,6 +5,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from services.common.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stream_name
 from services.common.config import ConfigError, RewardConfig, load_config
 from services.common.messages import (
     Completion,
@@ -18,6 +19,7 @@ from services.common.messages import (
 )
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardOutOfBounds, RewardSources, score_groups
+from tests.conftest import create_run_state, write_config
 
 
 def group(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
@@ -122,3 +124,42 @@ def test_a_non_finite_max_abs_reward_is_refused_naming_the_field(tiny_model):
     settings = {"model": {"path": str(model_dir)}, "data": {"train_path": str(data_dir / "train.jsonl")}}
     with pytest.raises(ConfigError, match=r"reward.max_abs_reward"):
         load_config(None, **settings, reward={"max_abs_reward": float("inf")})
+
+
+def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_the_rest_is_scored(
+    rules, tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats=nats))
+    reward = RewardConfig(functions={"exact_match": 3.0}, max_abs_reward=2.0)
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+        for item in (group("calm", "2", ["x"]), group("wild", "2", ["2"])):
+            await bus.publish(ROLLOUTS, item, msg_id=f"{item.group_id}.rollout")
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            return await score_groups(groups, reward, rules)
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward").run(stop))
+        dead = stream_name(cfg.run_id, DEAD)
+        for _ in range(300):
+            if (await bus.js.stream_info(dead)).state.messages:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert (await bus.js.stream_info(stream_name(cfg.run_id, SCORED))).state.messages == 1
+        assert (await bus.js.stream_info(dead)).state.messages == 1
+        letter = await bus.js.get_msg(dead, seq=1)
+        assert letter.headers["Rlpipe-Group-Id"] == "wild"
+        assert (
+            "group wild: completion 0 has reward 3, outside [-2, 2] (reward.max_abs_reward)"
+            in (letter.headers["Rlpipe-Reason"])
+        )
+        await bus.close()
+
+    asyncio.run(scenario())
