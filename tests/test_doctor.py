@@ -149,6 +149,13 @@ def test_nats_down_fails_naming_it(tiny_model, tmp_path):
     assert "rlpipe doctor: 1 failed: nats" in done.stdout
 
 
+def test_a_message_limit_above_the_brokers_max_payload_fails_naming_both(tiny_model, tmp_path, nats_url):
+    done = doctor(config_for(tmp_path, tiny_model, nats_url, nats={"url": nats_url, "max_message_bytes": 2 * 2**20}))
+    assert done.returncode == 1
+    assert "nats.max_message_bytes is 2097152 bytes but the broker takes at most 1048576" in done.stdout
+    assert "rlpipe doctor: 1 failed: nats" in done.stdout
+
+
 def test_wrong_stream_settings_fail_naming_stream_and_setting(tiny_model, tmp_path, nats_url):
     config = config_for(tmp_path, tiny_model, nats_url)
     name = stream_name("test", PROMPTS)

@@ -111,7 +111,8 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothin
     again = subprocess.run(
         [*RLPIPE_RUN, str(config), "--overwrite"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
-    assert again.returncode == 1  # the launcher: the trainer refused (exit 2), so the run failed
+    assert again.returncode == 2  # the trainer refused (exit 2): not restarted, the run ends with its reason
+    assert "rlpipe run: trainer refused to run: " in again.stderr and "holds steps [2, 4]" in again.stderr
     trainer_log = (runs / "reuse" / "logs" / "trainer.log").read_text()
     assert '"start_refused"' in trainer_log
     assert "s3://ckpt/prefix/reuse/ holds steps [2, 4]" in trainer_log and "--resume" in trainer_log
@@ -227,8 +228,8 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
         finally:
             os.kill(process.pid, signal.SIGCONT)
         output, _ = process.communicate(timeout=300)
-    # The trainer exits EXIT_REFUSED (2); the launcher does not restart a refusal and ends the run with 1.
-    assert process.returncode == 1, output[-3000:]
+    # The trainer exits EXIT_REFUSED (2); the launcher does not restart a refusal and ends the run with 2.
+    assert process.returncode == 2, output[-3000:]
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     lost = [json.loads(line) for line in trainer_log.splitlines() if '"broker_state_lost"' in line]
     # Whichever of the two streams it reads the trainer checks first after the reconnect names the loss.

@@ -16,8 +16,9 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from services.cli.launcher import Child, Launcher, RestartPolicy, interrupt, stop_or_kill
+from services.cli.launcher import Child, Launcher, RestartPolicy, RoleRefused, interrupt, stop_or_kill
 from services.common.config import ConfigError, SupervisionConfig, load_config
+from services.common.service import EXIT_REFUSED
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
@@ -121,6 +122,67 @@ def test_a_service_dying_too_often_fails_the_run_naming_the_window(config, tmp_p
     assert launcher.restarts == {"reward-0": 1}
 
 
+# A role refusing to run as run_service does: its reason as a start_refused event, exit EXIT_REFUSED.
+REFUSING = """
+import json, sys
+print("loading", flush=True)
+print(json.dumps({"event": "start_refused", "error": "consumer rollout of PROMPTS cannot be updated"}))
+sys.exit(2)
+"""
+
+
+def piped_child(name: str, role: str, code: str, log: Path) -> Child:
+    """A real process whose output the launcher's pump reads, as ``Launcher.spawn`` wires it."""
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = Child(name, role, process, log, log_max_bytes=2**30, log_keep=1)
+    child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
+    child.pump_thread.start()
+    return child
+
+
+def test_a_role_that_refuses_is_not_restarted_and_its_own_reason_ends_the_run(config, tmp_path):
+    cfg = load_config(config, supervision={"max_restarts": 5, "backoff_s": 0.1})
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    child = piped_child("reward-0", "reward", REFUSING, tmp_path / "reward-0.log")
+    assert child.process.wait(timeout=30) == EXIT_REFUSED
+    with pytest.raises(RoleRefused) as refused:
+        launcher.schedule_restart(child, Progress(console=Console(file=io.StringIO())))
+    assert refused.value.name == "reward-0"
+    assert refused.value.reason == "consumer rollout of PROMPTS cannot be updated"
+    assert launcher.restarts == {}
+
+
+# Writes 4 MiB, far past a pipe's buffer, then its last word as an event: it ends only if its output is read.
+CHATTY = """
+import json
+for i in range(4096):
+    print("x" * 1023, flush=False)
+print(json.dumps({"event": "done", "steps": 3}), flush=True)
+"""
+
+
+def test_a_log_that_cannot_be_written_costs_lines_never_the_child(config):
+    # /dev/full refuses every write with ENOSPC, as a full disk does.
+    child = piped_child("trainer", "trainer", CHATTY, Path("/dev/full"))
+    assert child.process.wait(timeout=60) == 0, "the child blocked on a pipe nobody drained"
+    child.pump_thread.join(timeout=30)
+    assert child.dropped_lines == 4097
+    assert child.events.get(timeout=5) == {"event": "done", "steps": 3}  # events still reach the launcher
+
+
+def test_an_admin_token_file_kept_from_an_earlier_start_is_made_owner_only(config, monkeypatch):
+    monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
+    cfg = load_config(config)
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=True)
+    launcher.token_file.write_text("old\n")
+    launcher.token_file.chmod(0o644)
+    launcher.write_admin_token()
+    assert launcher.token_file.stat().st_mode & 0o777 == 0o600
+    assert launcher.token_file.read_text() != "old\n"
+
+
 # Exits 0 `seconds` after SIGTERM, as a service finishing its work (the trainer's final save) would.
 SLOW_TO_STOP = """
 import signal, sys, time
@@ -207,3 +269,22 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
     saved = sorted(path.name for path in run_dir.glob("step-*"))
     assert saved == [f"step-{last_step:08d}"]  # no periodic save came due: this is the stop's own
     assert (run_dir / "report.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_a_role_that_refuses_to_start_ends_the_run_with_2_printing_its_reason_once(tiny_model, tmp_path):
+    """The trainer refuses a message limit its broker would not take (the embedded nats-server's max_payload is
+    1 MiB): ``rlpipe run`` does not restart it, prints its reason and exits 2."""
+    model_dir, data_dir = tiny_model
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"max_message_bytes": 2 * 2**20}
+    )
+    done = rlpipe_run(config)
+    assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
+    reason = (
+        "rlpipe run: trainer refused to run: nats.max_message_bytes is 2097152 bytes but the broker takes at most "
+        "1048576 (its max_payload)"
+    )
+    assert done.stderr.count(reason) == 1, done.stderr[-3000:]
+    trainer_log = (tmp_path / "runs" / "test" / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"start_refused"') == 1 and '"ready"' not in trainer_log

@@ -43,7 +43,7 @@ from services.common.startup_checks import (
     storage_rows,
     weight_files,
 )
-from services.common.transport.nats_connect import connect_options
+from services.common.transport.nats_connect import connect_options, message_limit_refusal
 from services.common.transport.nats_server import nats_server_binary
 
 if TYPE_CHECKING:
@@ -375,6 +375,9 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
                 CheckResult("streams", "skip", "no JetStream to ask"),
             ]
         nats_row = CheckResult("nats", "ok", f"{url}: nats-server {nc.connected_server_version}, JetStream enabled")
+        refusal = message_limit_refusal(cfg.nats.max_message_bytes, nc.max_payload)
+        if refusal:  # every service would refuse to start against this broker
+            nats_row = CheckResult("nats", "fail", f"{url}: {refusal}")
         bus = Bus(cfg, "doctor")
         found, problems = [], []
         for edge in EDGES:

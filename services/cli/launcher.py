@@ -10,7 +10,8 @@ A run directory that already holds checkpoints or metrics is never deleted by ac
 ``--resume`` continues it, ``--overwrite`` deletes it and starts over, and without either
 the launcher refuses (exit 2). A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
-``supervision.restart_window_s``. On stop each service gets its own grace after SIGTERM
+``supervision.restart_window_s``, or refused to run (exit 2, ``services/common/refusal.py``): then the
+run stops, prints the service's reason and exits 2. On stop each service gets its own grace after SIGTERM
 (``supervision.trainer_stop_grace_s`` for the trainer's final save,
 ``supervision.stop_grace_s`` for the others) before SIGKILL.
 """
@@ -18,6 +19,7 @@ unless it died more than ``supervision.max_restarts`` times within
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import json
 import os
@@ -106,6 +108,11 @@ class RestartPolicy:
         return min(self.supervision.backoff_s * 2 ** (len(window) - 1), self.supervision.max_backoff_s)
 
 
+# The events in which a role gives the reason it refuses to run (exit EXIT_REFUSED), in their ``error`` field.
+REFUSAL_EVENTS = ("start_refused", "startup_check_failed", "broker_state_lost")
+OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
+
+
 @dataclass
 class Child:
     name: str
@@ -117,21 +124,74 @@ class Child:
     events: queue.Queue = field(default_factory=queue.Queue)
     ready: dict[str, Any] | None = None
     pump_thread: threading.Thread | None = None
+    refusal: str | None = None  # the reason of the child's last refusal event
+    plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
+    dropped_lines: int = 0  # output lines its log could not take (a full disk): drained all the same
 
     def pump(self, stream: IO[bytes]) -> None:
-        """Copy the child's output to its (rotating) log file and pass its JSON events on."""
-        log = RotatingLog(self.log_path, self.log_max_bytes, self.log_keep)
+        """Copy the child's output to its (rotating) log file and pass its JSON events on.
+
+        The pipe is drained to its end whatever happens to the log: a child whose output stops being read blocks on
+        its next write, so a log that cannot be written (a full disk) costs lines, counted, never the child."""
+        log = self._open_log()
         try:
             for line in stream:
-                log.write(line)
+                self._note(line)
+                if log is None:
+                    log = self._open_log()
                 try:
-                    event = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(event, dict) and "event" in event:
-                    self.events.put(event)
+                    if log is None:
+                        raise OSError(f"cannot open {self.log_path}")
+                    log.write(line)
+                except OSError as error:
+                    self._dropped(error)
         finally:
-            log.close()
+            if log is not None:
+                with contextlib.suppress(OSError):
+                    log.close()
+            if self.dropped_lines:
+                console.log(f"[red]{self.name}: {self.dropped_lines} output line(s) could not be written to its log[/]")
+
+    def _open_log(self) -> RotatingLog | None:
+        try:
+            return RotatingLog(self.log_path, self.log_max_bytes, self.log_keep)
+        except OSError as error:
+            self._dropped(error, lines=0)
+            return None
+
+    def _dropped(self, error: OSError, lines: int = 1) -> None:
+        if not self.dropped_lines:
+            console.log(f"[red]{self.name}: cannot write {self.log_path} ({error}); its output is dropped, counted[/]")
+        self.dropped_lines += lines
+
+    def _note(self, line: bytes) -> None:
+        """Pass a JSON event on (and keep a refusal's reason); keep the tail of the plain output."""
+        try:
+            event = json.loads(line)
+        except ValueError:
+            self.plain_tail.append(line.decode(errors="replace").rstrip())
+            return
+        if not isinstance(event, dict) or "event" not in event:
+            return
+        if event["event"] in REFUSAL_EVENTS:
+            self.refusal = str(event.get("error", ""))
+        self.events.put(event)
+
+    def refusal_reason(self) -> str:
+        """Why the child refused to run: its refusal event's reason, else the end of its plain output."""
+        if self.pump_thread is not None:
+            self.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
+        return self.refusal or "\n".join(line for line in self.plain_tail if line) or "(no reason given)"
+
+
+class RoleRefused(RuntimeError):
+    """A service exited EXIT_REFUSED: it cannot run as configured, so it is not restarted and the run ends with 2."""
+
+    def __init__(self, child: Child):
+        self.name = child.name
+        self.reason = child.refusal_reason()
+        self.log_path = child.log_path
+        super().__init__(f"{child.name} refused to run: {self.reason}")
 
 
 def trainer_command(cfg: RunConfig, command: list[str], cuda_devices: int | None = None) -> list[str]:
@@ -247,6 +307,8 @@ class Launcher:
         """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
         token = AdminCredentials().token or secrets.token_urlsafe(24)
         self.token_file.touch(mode=0o600)
+        # touch's mode applies only to a new file: one kept from an earlier start (--resume) may be readable by all.
+        self.token_file.chmod(0o600)
         self.token_file.write_text(token + "\n")
 
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
@@ -320,6 +382,8 @@ class Launcher:
                         break
                     if event["event"] in ("resumed", "paused"):  # a trainer restores its run before it is ready
                         console.log(f"{child.name} {event['event']}: " + _event_summary(event))
+                if child.ready is None and child.process.poll() == EXIT_REFUSED:
+                    raise RoleRefused(child)
                 if child.ready is None and child.process.poll() is not None:
                     raise RuntimeError(
                         f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}"
@@ -444,7 +508,7 @@ class Launcher:
         refused to run (exit EXIT_REFUSED): restarting it would fail alike, or resume a run it refused."""
         supervision = self.cfg.supervision
         if child.process.returncode == EXIT_REFUSED:
-            raise RuntimeError(f"{child.name} refused to run (exit {EXIT_REFUSED}); see {child.log_path}")
+            raise RoleRefused(child)
         delay = self.restart_policy.next_restart(child.name, time.monotonic())
         if delay is None:
             raise RuntimeError(
@@ -649,6 +713,10 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
             console.log(f"[red]services failed:[/] {failed}")
         _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
         return 128 + interrupted.signum
+    except RoleRefused as refused:
+        stop_or_kill(launcher)
+        _plain(f"rlpipe run: {refused.name} refused to run: {refused.reason}\n  its log: {refused.log_path}")
+        return EXIT_REFUSED
     except RuntimeError as error:
         console.log(f"[red]run failed:[/] {error}")
         stop_or_kill(launcher)

@@ -542,6 +542,13 @@ class RewardConfig(Section):
     http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
     replicas: int = Field(1, ge=1)
     batch: int = Field(64, ge=1)
+    max_abs_reward: float = Field(
+        100.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="largest |reward| a completion may get (reward units: the weighted sum of the parts); a group "
+        "with a larger or non-finite one is an input fault, dead-lettered with the reason instead of trained on",
+    )
 
     @field_validator("functions")
     @classmethod

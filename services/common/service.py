@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.telemetry import current_telemetry, start_telemetry
+from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.bus import Bus, Stage
 from services.common.transport.live_config import LiveConfig, stored_config
@@ -165,6 +166,10 @@ def run_service(role: str, service_main: ServiceMain) -> None:
 
     try:
         asyncio.run(serve())
+    except StartRefused as error:
+        # One event with the reason (the launcher prints it), and the exit code no supervisor restarts.
+        log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
+        sys.exit(EXIT_REFUSED)
     except Exception:
         log.exception("crashed", extra={"fields": {}})
         sys.exit(1)

@@ -9,10 +9,11 @@ A replica scores with up to three sources, each a *part* with a weight:
 
 The reward is the weighted sum of the parts; each part's own scores travel in the group
 (``ScoredGroup.reward_parts``) and reach the trainer's step rows as ``reward/<name>/mean``.
-A rule function that raises, or a remote service that blames the input (400/422 with a reason), fails
-the compute: the stage retries the group and dead-letters it after ``nats.max_deliver``. A remote
-service that is down, refuses the token or is misconfigured raises ``DependencyUnavailable``: the
-stage holds the group and retries, spending no delivery (``services.reward.remote``).
+A rule function that raises, a remote service that blames the input (400/422 with a reason), or a reward that
+is not finite or beyond ``reward.max_abs_reward`` (``check_bounds``) fails the compute: the stage retries the
+group and dead-letters it after ``nats.max_deliver``, with the reason. A remote service that is down, refuses the
+token or is misconfigured raises ``DependencyUnavailable``: the stage holds the group and retries, spending no
+delivery (``services.reward.remote``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,24 @@ def combine(parts: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarr
     return total.astype(np.float32)
 
 
+class RewardOutOfBounds(ValueError):
+    """A completion's reward is not finite or beyond ``reward.max_abs_reward``: its group is not trained on."""
+
+
+def check_bounds(group_id: str, rewards: np.ndarray, parts: dict[str, np.ndarray], bound: float) -> None:
+    """Raise ``RewardOutOfBounds`` naming the first completion of ``group_id`` whose reward is NaN, infinite or
+    beyond ``bound`` in absolute value, with the parts it was made of. A reward of 1e30 (a plugin's overflow, a
+    reward model's raw logit gone wild) would otherwise dominate its batch's advantages and wreck the policy."""
+    outside = np.flatnonzero(~(np.abs(rewards.astype(np.float64)) <= bound))
+    if len(outside):
+        i = int(outside[0])
+        made_of = ", ".join(f"{name} {float(values[i]):g}" for name, values in parts.items())
+        raise RewardOutOfBounds(
+            f"group {group_id}: completion {i} has reward {float(rewards[i]):g}, outside [-{bound:g}, {bound:g}] "
+            f"(reward.max_abs_reward); its parts: {made_of}"
+        )
+
+
 def split(flat: list[float] | np.ndarray, sizes: list[int]) -> list[np.ndarray]:
     """Cut one value per completion of a batch back into one ``[n]`` float32 array per group."""
     return np.split(np.asarray(flat, dtype=np.float32), np.cumsum(sizes)[:-1])
@@ -105,11 +124,13 @@ async def score_groups(
     scored = []
     for index, group in enumerate(groups):
         parts = {name: values[index] for name, values in per_part.items()}
+        rewards = combine(parts, weights)
+        check_bounds(group.group_id, rewards, parts, reward.max_abs_reward)
         scored.append(
             advance(
                 group,
                 ScoredGroup,
-                rewards=combine(parts, weights),
+                rewards=rewards,
                 reward_parts=parts,
                 config_version=config_version,
             )

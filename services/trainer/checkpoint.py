@@ -78,6 +78,7 @@ from safetensors.torch import save as save_safetensors
 from services.common.model.modeling import host_state
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
+from services.common.transport.weightsync import NonFiniteWeights, non_finite
 
 log = logging.getLogger(__name__)
 
@@ -439,6 +440,9 @@ class CheckpointStore:
                 f"step {ckpt.step}: its state names incarnation {ckpt.state.incarnation!r}, "
                 f"the store writes for {self.incarnation!r}"
             )
+        broken = non_finite([*ckpt.model.items(), *(ckpt.critic or {}).items()])
+        if broken:  # a resume or rollback to it would bring the NaN back
+            raise NonFiniteWeights(f"step {ckpt.step} is not saved: NaN or inf in {', '.join(broken[:3])}")
         parts = {
             "model.safetensors": save_safetensors(untied(ckpt.model)),
             "optimizer.pt": _torch_bytes(ckpt.optimizer),

@@ -10,6 +10,11 @@ A step follows the usual recipe (verl, OpenRLHF, TRL):
    clipped surrogate loss (with truncated importance weights against the rollout engine's
    logprobs), entropy bonus, KL loss term and clipped value loss.
 
+Non-finite numbers never reach the weights: an update whose loss or gradient norm is NaN or infinite is not
+applied, nor is any later update of its step, and targets that are not finite (a NaN advantage) skip every update
+of the step. ``skipped`` says why; the step's metrics then carry ``loss`` NaN (which the ``nan_loss`` alert rule
+judges) and ``updates_skipped``.
+
 Micro-batches: an optimizer step's rows are split into ``grad_accum_steps`` equal-count
 chunks, or, with ``micro_batch_tokens``, sorted by length and cut so each micro-batch's
 padded size fits the budget (``split_by_tokens``); each pads only to its own longest
@@ -29,6 +34,7 @@ gradients add up to one process's. Without torchrun (``Mesh()``) nothing of that
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -119,6 +125,26 @@ def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 def _number(value: torch.Tensor) -> float:
     """A scalar that may be a DTensor (a norm over sharded gradients) as a float, the same on every rank."""
     return float(value.full_tensor() if isinstance(value, DTensor) else value)
+
+
+def _non_finite_targets(targets: StepTargets, mask: torch.Tensor) -> str | None:
+    """Why the step's targets cannot be trained on (a NaN or infinite advantage, logprob, return or weight on a
+    response token), or None."""
+    valid = mask.bool()
+    for name in ("advantages", "old_logp", "returns", "tis"):
+        values = getattr(targets, name)
+        if values is not None and not bool(torch.isfinite(values[valid]).all()):
+            return f"{name} are not finite"
+    return None
+
+
+def _non_finite_update(loss: float, grad_norm: float) -> str | None:
+    """Why an optimizer update must not be applied (its loss or gradient norm is NaN or infinite), or None."""
+    if not math.isfinite(loss):
+        return f"loss is {loss}"
+    if not math.isfinite(grad_norm):
+        return f"gradient norm is {grad_norm}"
+    return None
 
 
 @dataclass
@@ -232,6 +258,7 @@ class Learner:
         )
         self.generator = torch.Generator().manual_seed(train.seed)
         self.steps_done = 0
+        self.skipped: str | None = None  # why the last step applied none or only part of its updates
 
     def reconfigure(self, cfg: RunConfig) -> None:
         """Take a live config change. Hyperparameters are read at every step; the learning rate also lives
@@ -424,22 +451,41 @@ class Learner:
 
         self.model.train()
         sums: dict[str, float] = {}
-        updates = 0
+        attempted = applied = 0
         grad_norms = []
+        # Non-finite targets (a NaN advantage) would make every update that touches their rows NaN: none is applied.
+        self.skipped = _non_finite_targets(targets, batch.mask)
+        planned = train.epochs * len(_chunks(torch.arange(len(batch.pairs)), train.mini_batches))
         for _ in range(train.epochs):
             order = torch.randperm(len(batch.pairs), generator=self.generator)
             for mini in _chunks(order, train.mini_batches):
-                for name, value in self.accumulate(batch, mini, targets, critic_only).items():
+                stats = self.accumulate(batch, mini, targets, critic_only)
+                for name, value in stats.items():
                     sums[name] = sums.get(name, 0.0) + value
+                attempted += 1
                 grad_norms.append(_number(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
+                # Summed over the ranks, so every rank takes the same decision.
+                loss = self.mesh.sum_values({"loss": stats["loss"]})["loss"]
+                self.skipped = self.skipped or _non_finite_update(loss, grad_norms[-1])
+                if self.skipped:
+                    # AdamW would write NaN into every weight and its moments: this update and the rest of the
+                    # step's are dropped, and the weights stay those of the last finite update.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    break
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-                updates += 1
+                applied += 1
+            if self.skipped:
+                break
         learning_rate = self.optimizer.param_groups[0]["lr"]
         self.scheduler.step()
         self.steps_done += 1
         sums = self.mesh.sum_values(sums)  # each rank's share of the loss statistics
-        metrics = {name: value / updates for name, value in sums.items()}
+        metrics = {name: value / attempted for name, value in sums.items()}
+        if self.skipped:
+            # The step's loss is not a number whichever part was not: the nan_loss rule sees every skip.
+            metrics["loss"] = math.nan
+        metrics["updates_skipped"] = float(planned - applied)
         metrics |= self._batch_metrics(batch, targets, policy_version)
         elapsed = time.perf_counter() - started
         metrics |= {

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from functools import partial
 from typing import Any
@@ -41,7 +42,7 @@ from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
-from services.common.transport.weightsync import WeightSyncServer
+from services.common.transport.weightsync import NonFiniteWeights, WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
@@ -232,7 +233,14 @@ class Trainer:
             collected.sequence,
         )
         self.samples.record(progress.step, collected.batch)
-        await self.recovery.publish()
+        skipped = self.learner.skipped
+        try:
+            await self.recovery.publish()
+        except NonFiniteWeights as error:
+            skipped = str(error)
+            metrics["loss"] = math.nan  # the nan_loss rule's action (pause, by default) holds the run
+        if skipped:
+            self.skipped_step(skipped)
         row = {
             "step": progress.step,
             "policy_version": progress.version,
@@ -252,6 +260,13 @@ class Trainer:
         if progress.step % self.cfg.train.log_interval == 0:
             log_event(log, "step", total_steps=self.cfg.train.total_steps, **row)
         await self.responder.report(row)
+
+    def skipped_step(self, reason: str) -> None:
+        """A step that left the weights as they were (or kept them from rollouts): non-finite numbers never reach
+        the optimizer, rollouts or the store. Its metrics row carries loss NaN, which the nan_loss rule judges."""
+        step = self.progress.step
+        self.events.write("step_skipped", f"step {step}: updates skipped, {reason}", step=step, reason=reason)
+        log_event(log, "step_skipped", level=logging.ERROR, alert=True, step=step, reason=reason)
 
     async def evaluate(self) -> float | None:
         if not self.eval_rows:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.config import ConfigError, RewardConfig, apply_overrides, is_live, load_config
+from services.common.transport.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stream_name
 from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
@@ -17,7 +18,8 @@ from services.common.transport.messages import (
     reward_part_means,
 )
 from services.reward.sandbox import RuleSandbox
-from services.reward.service import RewardSources, score_groups
+from services.reward.service import RewardOutOfBounds, RewardSources, score_groups
+from tests.conftest import create_run_state, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -124,3 +126,62 @@ def test_a_token_file_must_exist_at_start_and_is_the_one_source_of_the_authoriza
     assert is_live("reward.http.token_file") and not is_live("reward.http.url")
     moved = apply_overrides(cfg, {"reward.http.token_file": str(tmp_path / "on-another-host")})  # as the admin checks
     assert moved.reward.http.token_file == tmp_path / "on-another-host"
+
+
+def test_a_reward_beyond_max_abs_reward_fails_the_group_naming_the_completion_and_its_parts(rules):
+    reward = RewardConfig(functions={"exact_match": 3.0, "format": 1.0}, max_abs_reward=2.0)
+    groups = [group("a", "2", ["3", "x"]), group("b", "2", ["x", "2"])]
+    with pytest.raises(RewardOutOfBounds) as error:
+        asyncio.run(score_groups(groups, reward, rules))
+    assert str(error.value) == (
+        "group b: completion 1 has reward 4, outside [-2, 2] (reward.max_abs_reward); "
+        "its parts: exact_match 1, format 1"
+    )
+    # Within the bound, the same completions are scored as usual.
+    assert len(asyncio.run(score_groups(groups, reward.model_copy(update={"max_abs_reward": 4.0}), rules))) == 2
+
+
+def test_a_non_finite_max_abs_reward_is_refused_naming_the_field(tiny_model):
+    model_dir, data_dir = tiny_model
+    settings = {"model": {"path": str(model_dir)}, "data": {"train_path": str(data_dir / "train.jsonl")}}
+    with pytest.raises(ConfigError, match=r"reward.max_abs_reward"):
+        load_config(None, **settings, reward={"max_abs_reward": float("inf")})
+
+
+def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_the_rest_is_scored(
+    rules, tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats=nats))
+    reward = RewardConfig(functions={"exact_match": 3.0}, max_abs_reward=2.0)
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+        for item in (group("calm", "2", ["x"]), group("wild", "2", ["2"])):
+            await bus.publish(ROLLOUTS, item, msg_id=f"{item.group_id}.rollout")
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            return await score_groups(groups, reward, rules)
+
+        stop = asyncio.Event()
+        task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward").run(stop))
+        dead = stream_name(cfg.run_id, DEAD)
+        for _ in range(300):
+            if (await bus.js.stream_info(dead)).state.messages:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert (await bus.js.stream_info(stream_name(cfg.run_id, SCORED))).state.messages == 1
+        assert (await bus.js.stream_info(dead)).state.messages == 1
+        letter = await bus.js.get_msg(dead, seq=1)
+        assert letter.headers["Rlpipe-Group-Id"] == "wild"
+        assert (
+            "group wild: completion 0 has reward 3, outside [-2, 2] (reward.max_abs_reward)"
+            in (letter.headers["Rlpipe-Reason"])
+        )
+        await bus.close()
+
+    asyncio.run(scenario())

@@ -303,3 +303,38 @@ def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     if algorithm == "ppo":
         for a, b in zip(first.critic.parameters(), resumed.critic.parameters(), strict=False):
             assert torch.equal(a, b)
+
+
+def with_nan(groups, group_index: int, field: str):
+    """``groups`` with one group's rewards (or reference logprobs) NaN: built past the message validation that would
+    refuse it, as a bug upstream of the learner or a numerical blow-up would hand it over."""
+    broken = groups[group_index]
+    if field == "rewards":
+        update = {"rewards": np.full_like(broken.rewards, np.nan)}
+    else:
+        update = {"ref_logprobs": [np.full_like(ref, np.nan) for ref in broken.ref_logprobs]}
+    return [*groups[:group_index], broken.model_copy(update=update), *groups[group_index + 1 :]]
+
+
+def test_a_nan_advantage_skips_every_update_of_the_step_and_the_weights_stay_as_they_were(setup):
+    _, learner, groups = make(setup, algorithm="grpo", epochs=2, mini_batches=2)
+    before = flat(learner)
+    metrics = learner.step(with_nan(groups, 5, "rewards"), policy_version=0)
+    assert learner.skipped == "advantages are not finite"
+    assert torch.equal(before, flat(learner))
+    assert learner.optimizer.state == {}  # AdamW's moments were not fed a NaN gradient either
+    assert math.isnan(metrics["loss"]) and metrics["updates_skipped"] == 4
+    # The next batch, finite, trains as usual.
+    metrics = learner.step(groups, policy_version=1)
+    assert learner.skipped is None and metrics["updates_skipped"] == 0 and math.isfinite(metrics["loss"])
+    assert not torch.equal(before, flat(learner)) and torch.isfinite(flat(learner)).all()
+
+
+def test_an_update_whose_loss_is_nan_is_not_applied_nor_any_later_one_of_its_step(setup):
+    # Advantages and pi_old are finite; the KL term of the loss is NaN through the broken reference logprobs.
+    _, learner, groups = make(setup, algorithm="grpo", kl={"coef": 0.1, "in": "loss"}, mini_batches=1)
+    before = flat(learner)
+    metrics = learner.step(with_nan(groups, 0, "ref_logprobs"), policy_version=0)
+    assert learner.skipped == "loss is nan"
+    assert torch.equal(before, flat(learner))
+    assert math.isnan(metrics["loss"]) and metrics["updates_skipped"] == 1

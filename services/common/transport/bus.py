@@ -22,10 +22,10 @@ up yet, or not yet back), whatever order the services start in; its key may not 
 update or delete a stream (``services.common.transport.nats_auth``). Each stage ensures its own
 work queue's durable consumer, at first use and after every reconnect. A consumer whose
 settings differ from the config is updated in place (ack_wait, max_deliver,
-max_ack_pending); a difference JetStream cannot update fails the stage's start (and each
-restart, until the launcher's restart limit ends the run) with ``ConsumerSettingsConflict``
-naming the field. A broker that lost messages is never
-read past silently: ``StreamReader.next`` raises ``StreamGap`` when
+max_ack_pending); a difference JetStream cannot update refuses the stage's start with
+``ConsumerSettingsConflict`` naming the field (exit 2, which the launcher does not restart). So does a
+``nats.max_message_bytes`` above the broker's ``max_payload``, checked at every connect.
+A broker that lost messages is never read past silently: ``StreamReader.next`` raises ``StreamGap`` when
 the next message present is beyond the expected sequence (EXPERIENCE is purged only
 below its reader, so any jump is a loss) and ``BrokerStateLost`` when the stream was
 re-created or ends below what was already read; ``Bus.check_covers`` makes the same
@@ -79,8 +79,14 @@ from opentelemetry.trace import Span, StatusCode
 from services.common.config import NatsConfig, RunConfig
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import StageMetrics, inject_trace, record_dead_letter, start_span_from_headers
+from services.common.refusal import StartRefused
 from services.common.transport.messages import ClaimCheck, DecodeError, Message, decode, dedupe_id, encode
-from services.common.transport.nats_connect import await_run_state, connect_options, creates_run_state
+from services.common.transport.nats_connect import (
+    await_run_state,
+    connect_options,
+    creates_run_state,
+    message_limit_refusal,
+)
 from services.common.transport.storage import ObjectStore, open_store
 
 PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
@@ -148,7 +154,7 @@ class StreamGap(BrokerStateLost):
         self.found = found
 
 
-class ConsumerSettingsConflict(RuntimeError):
+class ConsumerSettingsConflict(StartRefused):
     """A durable consumer's settings differ from the config in a way JetStream cannot update in place."""
 
     def __init__(self, stream: str, consumer: str, differences: dict[str, tuple[object, object]], detail: str = ""):
@@ -197,6 +203,10 @@ class Bus:
             reconnected_cb=self._reconnected,
             **connect_options(self.cfg.nats, self.service),
         )
+        refusal = message_limit_refusal(self.cfg.nats.max_message_bytes, self.nc.max_payload)
+        if refusal:  # the broker would refuse every message between the two limits, a large group the first
+            await self.nc.close()
+            raise StartRefused(refusal)
         self.js = self.nc.jetstream()
         await self._streams_in_place()
         return self

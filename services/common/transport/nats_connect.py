@@ -44,6 +44,19 @@ def inbox_prefix(role: str) -> str:
     return f"_INBOX_{role}"
 
 
+def message_limit_refusal(max_message_bytes: int, max_payload: int) -> str | None:
+    """Why a service must not run with ``nats.max_message_bytes`` against a broker taking at most ``max_payload``
+    bytes per message (None when it fits): the broker would refuse each message in between, so a group just under
+    the config's limit would fail its publish for ever instead of being claim-checked or dead-lettered."""
+    if max_message_bytes <= max_payload:
+        return None
+    return (
+        f"nats.max_message_bytes is {max_message_bytes} bytes but the broker takes at most {max_payload} "
+        f"(its max_payload): set nats.max_message_bytes to {max_payload} or less, or raise max_payload in the "
+        "nats-server config"
+    )
+
+
 def connect_options(nats_cfg: NatsConfig, role: str) -> dict[str, Any]:
     """``nats.connect`` keywords for ``role`` (a tool that is no service connects as ``operator``)."""
     options: dict[str, Any] = {}

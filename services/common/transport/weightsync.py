@@ -96,6 +96,15 @@ class Snapshot:
         )
 
 
+class NonFiniteWeights(ValueError):
+    """Weights holding NaN or infinite values: never served to rollouts, never saved."""
+
+
+def non_finite(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
+    """The names of the floating-point tensors in ``tensors`` that hold a NaN or an infinite value."""
+    return [name for name, t in tensors if t.is_floating_point() and not bool(torch.isfinite(t).all())]
+
+
 def snapshot_of(model: torch.nn.Module, version: int, step: int) -> Snapshot:
     """A detached CPU copy of ``model``'s parameters and buffers, safe to stream while training goes on.
 
@@ -213,6 +222,15 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
         return tuple(self._members)
 
     async def publish(self, snapshot: Snapshot) -> None:
+        """Serve ``snapshot`` as the newest version; raises ``NonFiniteWeights`` (and keeps serving the previous
+        one) when a tensor holds NaN or inf: a rollout that loaded it would sample garbage for every prompt."""
+        broken = await asyncio.to_thread(non_finite, snapshot.tensors)
+        if broken:
+            raise NonFiniteWeights(
+                f"policy version {snapshot.version} (step {snapshot.step}) is not served: {len(broken)} tensor(s) "
+                f"hold NaN or inf ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); "
+                f"rollouts keep version {self.latest.version}"
+            )
         async with self._changed:
             self.latest = snapshot
             self._plan = tuple(self._members)

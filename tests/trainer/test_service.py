@@ -1,0 +1,92 @@
+"""The trainer's driver on non-finite numbers: a step that would put NaN into the weights is skipped with an event,
+the nan_loss rule's action (pause) runs, and NaN weights are neither served to rollouts nor saved.
+
+A real trainer (tiny learner, real nats-server, its file checkpoint store), driven one step at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+
+import pytest
+import torch
+
+from services.common.config import load_config
+from services.common.model.datasets import load_jsonl
+from services.trainer.control import RunState
+from services.trainer.intake import Collected
+from tests.conftest import write_config
+from tests.trainer.test_learner import experience, with_nan
+from tests.trainer.test_trainer_health import start_trainer
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cfg(tiny_model, tmp_path, nats_url, monkeypatch):
+    monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
+    model_dir, data_dir = tiny_model
+    return load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            nats={"url": nats_url},
+            service={"trainer_grpc_port": 0},
+            admin={"port": 0},
+            data={"eval_path": None},
+        )
+    )
+
+
+def events(cfg, kind: str) -> list[dict]:
+    rows = [json.loads(line) for line in (cfg.run_dir / "events.jsonl").read_text().splitlines()]
+    return [row for row in rows if row["kind"] == kind]
+
+
+def test_a_step_with_nan_rewards_is_skipped_pauses_the_run_and_rollouts_keep_finite_weights(cfg, tiny_model):
+    groups = experience(cfg, load_jsonl(tiny_model[1] / "train.jsonl")[:4])
+
+    async def scenario() -> None:
+        trainer = await start_trainer(cfg)
+        base = dict(trainer.learner.snapshot(version=0, step=0).tensors)
+        try:
+            await trainer.train_step(Collected(batch=with_nan(groups, 1, "rewards"), dropped=[], sequence=4))
+            served = trainer.recovery.weights.latest
+            assert served.version == 1
+            assert all(torch.equal(tensor, base[name]) for name, tensor in served.tensors)
+            [skipped] = events(cfg, "step_skipped")
+            assert skipped["step"] == 1 and skipped["reason"] == "advantages are not finite"
+            assert math.isnan(trainer.progress.last_row["loss"])
+            assert trainer.control.state == RunState.PAUSED
+            assert trainer.control.paused_reason.startswith("alert nan_loss: [critical] nan_loss at step 1")
+        finally:
+            trainer.responder.metrics.close()
+            await trainer.bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_nan_weights_are_neither_served_to_rollouts_nor_saved(cfg, tiny_model):
+    groups = experience(cfg, load_jsonl(tiny_model[1] / "train.jsonl")[:4])
+
+    async def scenario() -> None:
+        trainer = await start_trainer(cfg)
+        try:
+            with torch.no_grad():  # a blow-up the step's own checks cannot undo: the weights are already NaN
+                next(trainer.learner.model.parameters()).fill_(math.nan)
+            await trainer.train_step(Collected(batch=groups, dropped=[], sequence=4))
+            assert trainer.recovery.weights.latest.version == 0  # rollouts keep the base weights
+            [skipped] = events(cfg, "step_skipped")
+            assert "policy version 1 (step 1) is not served" in skipped["reason"]
+            assert trainer.control.state == RunState.PAUSED
+            await trainer.save(wait=True)
+            assert trainer.checkpoints.steps() == []
+            assert trainer.progress.saved_step == 0
+        finally:
+            trainer.responder.metrics.close()
+            await trainer.bus.close()
+
+    asyncio.run(scenario())
