@@ -17,7 +17,19 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps
-from tests.conftest import BIN, StoppableS3, free_port, rlpipe, running_pipeline, wait_for, wait_for_port, write_config
+from tests.conftest import (
+    BIN,
+    RLPIPE_RUN,
+    ROOT,
+    StoppableS3,
+    free_port,
+    rlpipe,
+    run_pipeline,
+    running_pipeline,
+    wait_for,
+    wait_for_port,
+    write_config,
+)
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -223,3 +235,38 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
     assert [r["step"] for r in final] == list(range(1, CLAIM_STEPS + 1))
     applied = [group for r in final for group, _ in r["groups"]]
     assert len(applied) == CLAIM_STEPS * 8 and len(set(applied)) == len(applied)
+
+
+def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_step(tiny_model, tmp_path, s3):
+    """The endpoint answers again, but without the run's checkpoints (a bucket re-created, a volume not mounted):
+    the startup storage probe passes, and the listing is empty. Before, the trainer took that for a run without
+    checkpoints and started again from base weights, writing a restart into the lineage that abandoned every step.
+    Its own record says it saved step 4: it waits checkpoint.resume_wait_s, then refuses (exit 2), writing nothing."""
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="emptied",
+        train={"total_steps": 4},
+        checkpoint=s3.checkpoint(save_every_steps=2, keep_last=5, resume_wait_s=3),
+    )
+    first, _ = run_pipeline(config)
+    assert first.returncode == 0, first.stdout[-3000:]
+    run_dir = runs / "emptied"
+    lineage_before = (run_dir / "lineage.jsonl").read_text()
+    s3.stop()
+    s3.start()  # moto comes back empty
+
+    resume = [*RLPIPE_RUN, str(config), "--resume"]
+    again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 1, again.stdout[-3000:]  # the launcher: the trainer refused (exit 2), so the run failed
+    trainer_log = (run_dir / "logs" / "trainer.log").read_text()
+    assert trainer_log.count('"start_refused"') == 1 and '"resume_waiting"' in trainer_log
+    assert "holds no checkpoint of this run, but step 4" in trainer_log
+    assert "s3://ckpt/prefix/emptied/step-00000004/" in trainer_log
+    assert (run_dir / "lineage.jsonl").read_text() == lineage_before
+    store = CheckpointStore(open_store("s3://ckpt/prefix", CheckpointConfig(**s3.checkpoint())), "emptied", keep_last=5)
+    assert store.steps() == []  # and nothing was written to the store

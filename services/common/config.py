@@ -301,7 +301,18 @@ class CheckpointConfig(Section):
     save_every_steps: int = Field(25, ge=0, description="0 saves only at the end")
     keep_last: int = Field(3, ge=1)
     resume: bool = Field(True, description="a starting trainer continues from the latest valid checkpoint")
-    resume_step: int | None = Field(None, ge=0, description="continue from this step instead of the latest")
+    resume_step: int | None = Field(
+        None,
+        ge=0,
+        description="continue from this step instead of the latest, once: a restart after that resume (the "
+        "launcher's, or a later --resume) continues from the newest step",
+    )
+    resume_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="seconds a resuming trainer waits for a checkpoint store it cannot read (or that lacks the "
+        "step this run's own record says it saved) before it refuses to start; it never starts from base weights",
+    )
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
     s3_secure: bool = True
     s3_region: str = "us-east-1"

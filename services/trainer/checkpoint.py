@@ -5,7 +5,9 @@ step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler;
 then ``manifest.json`` with every part's size and sha256. Nothing is unpickled on load: weights are safetensors, the
 optimizer, scheduler and RNG states load with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
 containers only), and a part holding any other object is refused with ``UnsafeCheckpoint``. A step without a
-manifest, or whose parts do not match it, does not exist for loaders.
+manifest, or whose parts do not match it, does not exist for loaders. The manifest names its ``format``
+(``CHECKPOINT_FORMAT``): a step of a newer format is refused by name (``UnknownCheckpointFormat``), one
+without the field is read as format 1.
 
 Two marker objects sit beside a manifest: ``STABLE`` (an operator or a healthy save
 vouched for the step; pruning keeps it and ``rollback --stable`` goes to the newest)
@@ -79,10 +81,16 @@ from services.common.model.modeling import host_state
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
 from services.common.transport.weightsync import NonFiniteWeights, non_finite
+from services.trainer.resume import CheckpointsMissing, StoreListing, StoreUnreadable, resume_candidates
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+# The layout of a step folder. 1: written before the manifest named its format (read as such: trainer_state.json
+# fields added since default, and a pickled rng.pkl is refused by name). A step of a newer format is refused by
+# name, never skipped for an older step: that would silently abandon the newer one's training.
+CHECKPOINT_FORMAT = 2
+REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "lineage.jsonl")
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
 PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
@@ -165,18 +173,49 @@ def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return host_state(untied(module.state_dict()))
 
 
+@dataclass(frozen=True)
+class ModuleLayout:
+    """What a state dict must hold to load into a module: each tensor's shape and dtype, and which names alias one
+    tensor (tied embeddings: ``untied`` keeps one of them). Taken before the module is sharded, so it describes
+    the whole tensors a checkpoint holds."""
+
+    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    tied: tuple[tuple[str, ...], ...]  # names sharing one storage; each group must be present once
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModuleLayout:
+        by_storage: dict[int, list[str]] = {}
+        specs = {}
+        for name, tensor in module.state_dict().items():
+            by_storage.setdefault(tensor.data_ptr(), []).append(name)
+            specs[name] = (tuple(tensor.shape), tensor.dtype)
+        return cls(specs, tuple(tuple(names) for names in by_storage.values()))
+
+    def check(self, state: dict[str, torch.Tensor], what: str) -> None:
+        """Raise CheckpointMismatch naming every key, shape, dtype or non-finite value of ``state`` that would not
+        load; nothing is changed either way."""
+        problems = [f"missing {names[0]}" for names in self.tied if not any(name in state for name in names)]
+        problems += [f"unexpected {name}" for name in sorted(state.keys() - self.specs.keys())]
+        for name, tensor in state.items():
+            if name not in self.specs:
+                continue
+            shape, dtype = self.specs[name]
+            if tuple(tensor.shape) != shape:
+                problems.append(f"{name} has shape {list(tensor.shape)}, the model {list(shape)}")
+            elif tensor.dtype != dtype:
+                problems.append(f"{name} is {tensor.dtype}, the model {dtype}")
+            elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{name} holds NaN or infinite values")
+        if problems:
+            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+            raise CheckpointMismatch(f"{what} does not fit the model: {shown}")
+
+
 def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a state dict saved by ``untied``: only the aliases of shared tensors may be absent."""
-    ptrs: dict[int, list[str]] = {}
-    for name, tensor in module.state_dict().items():
-        ptrs.setdefault(tensor.data_ptr(), []).append(name)
-    aliases = {name for names in ptrs.values() for name in names[1:]}
-    result = module.load_state_dict(state, strict=False)
-    wrong = set(result.missing_keys) - aliases
-    if wrong or result.unexpected_keys:
-        raise ValueError(
-            f"checkpoint does not fit the model: missing {sorted(wrong)}, unexpected {sorted(result.unexpected_keys)}"
-        )
+    """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
+    values) before the first tensor is copied; only the aliases of shared tensors may be absent."""
+    ModuleLayout.of(module).check(state, "checkpoint")
+    module.load_state_dict(state, strict=False)
 
 
 def new_incarnation() -> str:
@@ -200,6 +239,9 @@ class TrainerState:
     incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
     applied_ids: list[str] = field(default_factory=list)  # groups applied or dropped since the oldest kept step
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
+    # The highest policy version served by the time of the save, abandoned branches included: a restart whose
+    # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
+    version_high_water: int = 0
 
     # Fields every trainer_state.json has carried; the others default when an older file lacks them.
     REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "last_experience_seq")
@@ -247,6 +289,22 @@ class CheckpointCorrupt(RuntimeError):
 
 class UnsafeCheckpoint(CheckpointCorrupt):
     """A part that would need unpickling arbitrary objects to load (a planted payload, or a pre-safetensors format)."""
+
+
+class CheckpointMismatch(CheckpointCorrupt, ValueError):
+    """A checkpoint whose tensors do not fit the model (keys, shapes, dtypes) or hold NaN or infinite values."""
+
+
+class UnknownCheckpointFormat(RuntimeError):
+    """A step written in a format this rlpipe does not read (a newer rlpipe's): refused by name, never skipped."""
+
+
+@dataclass
+class Resumable:
+    """What a resume found: the newest loadable step, and the newer ones it had to pass over (step -> why)."""
+
+    checkpoint: Checkpoint | None
+    skipped: dict[int, str] = field(default_factory=dict)
 
 
 class AbandonedStep(ValueError):
@@ -458,7 +516,9 @@ class CheckpointStore:
         manifest = {
             "step": ckpt.step,
             "incarnation": self.incarnation,
+            "format": CHECKPOINT_FORMAT,
             "policy_version": ckpt.state.policy_version,
+            "version_high_water": max(ckpt.state.version_high_water, ckpt.state.policy_version),
             "last_experience_seq": ckpt.state.last_experience_seq,
             "created": time.time(),
             "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
@@ -714,6 +774,16 @@ class CheckpointStore:
                 f"({manifest['incarnation']}), not to {self.incarnation}",
                 {self.location(store): [step]},
             )
+        written = manifest.get("format", 1)
+        if not isinstance(written, int) or written > CHECKPOINT_FORMAT:
+            raise UnknownCheckpointFormat(
+                f"step {step} at {store.url.rstrip('/')}/{prefix} is in checkpoint format {written!r}, written by a "
+                f"newer rlpipe; this one reads formats 1 to {CHECKPOINT_FORMAT}. Resume with that rlpipe, or name an "
+                "older step (checkpoint.resume_step)"
+            )
+        missing = [name for name in REQUIRED_PARTS if name not in manifest["files"]]
+        if missing:
+            raise CheckpointCorrupt(f"step {step} (checkpoint format {written}): its manifest lists no {missing}")
         parts = {}
         for name, meta in manifest["files"].items():
             data = store.get(prefix + name)
@@ -736,29 +806,61 @@ class CheckpointStore:
             lineage=parts["lineage.jsonl"].decode(),
         )
 
-    def load_latest(self) -> Checkpoint | None:
-        """The newest live step of this incarnation (of any, before it has one) whose parts all match
-        its manifest, from the store or else its mirror.
+    def load_latest(self, saved_step: int | None = None) -> Checkpoint | None:
+        """The newest live step of this incarnation (of any, before it has one) whose parts all match its
+        manifest, from the store or else its mirror; None when the run has never saved. See ``load_newest``."""
+        return self.load_newest(saved_step).checkpoint
 
-        Corrupt or unreadable copies are skipped with a warning.
-        """
-        stores = [store for store in (self.store, self.mirror) if store is not None]
-        listed: dict[int, list[ObjectStore]] = {}
-        for store in stores:
+    def load_newest(self, saved_step: int | None = None) -> Resumable:
+        """The newest loadable live step, and the newer steps passed over because a copy was corrupt.
+
+        ``saved_step``: the step the run's own record says it saved last. Listing is retried with backoff; a
+        store that still cannot be listed is never taken for an empty one (``resume_candidates`` raises
+        StoreUnreadable or CheckpointsMissing). A step in an unknown format raises UnknownCheckpointFormat."""
+        listings = []
+        for store in (self.store, self.mirror):
+            if store is None:
+                continue
             try:
-                for step in self.steps(store):
-                    listed.setdefault(step, []).append(store)
-            except Exception as error:  # an unreachable store: the other one may do
+                listings.append(StoreListing(store.url, self._retried(self.run_id, lambda s=store: self.steps(s))))
+            except Exception as error:  # the store's many failure types: it may hold steps all the same
                 log_event(log, "store_unreadable", level=logging.WARNING, store=store.url, reason=repr(error)[:300])
-        for step in sorted(listed, reverse=True):
-            for store in listed[step]:
+                listings.append(StoreListing(store.url, None, repr(error)[:300]))
+        stores = {store.url: store for store in (self.store, self.mirror) if store is not None}
+        by_step: dict[int, list[str]] = {}
+        for step, url in resume_candidates(listings, saved_step):
+            by_step.setdefault(step, []).append(url)
+        skipped: dict[int, str] = {}
+        for step, urls in by_step.items():  # newest first
+            unreachable = []
+            for url in urls:
                 try:
-                    return self.load(step, store)
-                except UNREADABLE as error:
-                    log_event(
-                        log, "checkpoint_skipped", level=logging.WARNING, step=step, store=store.url, reason=str(error)
-                    )
-        return None
+                    return Resumable(self.load(step, stores[url]), skipped)
+                except UNREADABLE as error:  # this copy is bad: another copy, or an older step, may do
+                    skipped[step] = f"{url}: {error}"[:500]
+                    log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=url, reason=str(error))
+                except (UnknownCheckpointFormat, ForeignCheckpoints):
+                    raise
+                except Exception as error:  # the store failed mid-read: the step may be whole
+                    unreachable.append(f"{url}: {error!r}"[:300])
+            if unreachable:
+                raise StoreUnreadable(f"cannot read step {step} ({'; '.join(unreachable)})")
+        if by_step:  # the run saved, and no copy of any step loads: never a reason to start from base weights
+            why = "; ".join(f"step {step}: {reason}" for step, reason in skipped.items())
+            expected = f"; this run's record says it saved step {saved_step}" if saved_step is not None else ""
+            raise CheckpointsMissing(f"no stored step of this run loads ({why}){expected}")
+        return Resumable(None, skipped)
+
+    def version_high_water(self) -> int:
+        """The highest policy version any stored step of this incarnation (abandoned ones too) says was served."""
+        return max(
+            (
+                max(int(entry.manifest.get("version_high_water") or 0), int(entry.manifest.get("policy_version") or 0))
+                for entry in self._retried(self.run_id, self._scan)
+                if entry.manifest is not None and not self._foreign(entry)
+            ),
+            default=0,
+        )
 
 
 def _note() -> bytes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -125,6 +126,18 @@ class Settled:
     fate: Fate
 
 
+_GROUP_ID = re.compile(r"e(\d+)-i(\d+)")
+
+
+def feeding_order(group_id: str) -> tuple[int, int, str]:
+    """Sort key putting group ids in the order ``PromptFeeder`` fed them (epoch, then position: ``e0-i2`` before
+    ``e0-i10``, which a string sort puts the other way round); an id of another shape goes after, by its text."""
+    match = _GROUP_ID.fullmatch(group_id)
+    if match is None:
+        return (2**63, 2**63, group_id)
+    return (int(match.group(1)), int(match.group(2)), group_id)
+
+
 @dataclass
 class Flight:
     fed_at: float  # monotonic seconds
@@ -153,7 +166,7 @@ class GroupLedger:
         """Fed groups without a fate yet, for a checkpoint: in flight, or read and waiting for their step. A
         resumed trainer counts them all in flight; those already read come again from EXPERIENCE, which keeps
         everything after the checkpoint's sequence."""
-        return sorted(self.in_flight.keys() | self.read)
+        return sorted(self.in_flight.keys() | self.read, key=feeding_order)
 
     def fed(self, group_id: str, now: float) -> None:
         self.fed_count += 1
@@ -195,8 +208,10 @@ class GroupLedger:
         self.settled = {g: s for g, s in self.settled.items() if s.step > step}
 
     def restore(self, in_flight: list[str], applied: list[str], step: int, now: float) -> None:
-        """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now) and the groups it settled."""
-        self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(in_flight, start=1)}
+        """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now, their serials in feeding order,
+        whatever order an older checkpoint listed them in) and the groups it settled."""
+        ordered = sorted(in_flight, key=feeding_order)
+        self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(ordered, start=1)}
         self.read = set()
         self.fed_count, self.newest_arrival = len(in_flight), 0
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied}

@@ -72,7 +72,15 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
-from services.trainer.checkpoint import Checkpoint, detached_copy, load_untied, restore_rng, rng_state, untied
+from services.trainer.checkpoint import (
+    Checkpoint,
+    CheckpointMismatch,
+    ModuleLayout,
+    detached_copy,
+    restore_rng,
+    rng_state,
+    untied,
+)
 from services.trainer.critic import Critic
 from services.trainer.distributed import Mesh, Op, config_payload, evaluate_payload, step_payload
 
@@ -241,6 +249,11 @@ class Learner:
             enable_gradient_checkpointing(self.model)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
+        # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
+        self.model_layout = ModuleLayout.of(self.model)
+        self.critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
+        self.parameter_shapes = [tuple(p.shape) for p in self.model.parameters()]
+        self.parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
         self.mesh.shard(self.model, _layers(self.model))
         if self.critic is not None:
@@ -306,17 +319,54 @@ class Learner:
         with self.mesh.command(Op.EVALUATE, evaluate_payload(rows, max_new_tokens) if self.mesh.leads else b""):
             return greedy_accuracy(self.model, self.tokenizer, rows, max_new_tokens, precision=self.precision)
 
+    def check(self, ckpt: Checkpoint) -> None:
+        """Raise CheckpointMismatch unless ``ckpt`` loads whole: the weights' and the critic's keys, shapes, dtypes
+        and finite values, and the optimizer's parameter groups and moment shapes. Changes nothing, so a caller
+        checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it was."""
+        self.model_layout.check(ckpt.model, f"step {ckpt.step}'s weights")
+        if (self.critic_layout is None) != (ckpt.critic is None):
+            raise CheckpointMismatch(
+                f"step {ckpt.step} {'has no' if ckpt.critic is None else 'has a'} critic; this run's algorithm "
+                f"({self.cfg.train.algorithm}) {'needs' if self.critic_layout is not None else 'has'} none"
+            )
+        if self.critic_layout is not None and ckpt.critic is not None:
+            self.critic_layout.check(ckpt.critic, f"step {ckpt.step}'s critic")
+        groups = [len(group["params"]) for group in ckpt.optimizer.get("param_groups", [])]
+        wanted = [len(group["params"]) for group in self.optimizer.param_groups]
+        if groups != wanted:
+            raise CheckpointMismatch(
+                f"step {ckpt.step}'s optimizer holds parameter groups of {groups} tensors, the model {wanted}"
+            )
+        index = [i for group in ckpt.optimizer["param_groups"] for i in group["params"]]
+        for position, key in enumerate(index):
+            for name, moment in ckpt.optimizer.get("state", {}).get(key, {}).items():
+                if not isinstance(moment, torch.Tensor) or moment.dim() == 0:
+                    continue  # the step count
+                if tuple(moment.shape) != self.parameter_shapes[position]:
+                    raise CheckpointMismatch(
+                        f"step {ckpt.step}'s optimizer {name} of parameter {position} has shape "
+                        f"{list(moment.shape)}, the parameter {list(self.parameter_shapes[position])}"
+                    )
+                if not bool(torch.isfinite(moment).all()):
+                    raise CheckpointMismatch(
+                        f"step {ckpt.step}'s optimizer {name} of parameter {position} holds NaN or infinite values"
+                    )
+
     def load(self, ckpt: Checkpoint | None) -> None:
         """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams.
 
+        Rank 0 checks the checkpoint whole first (``check``): one that does not fit raises before anything changes.
         Across processes rank 0 passes the checkpoint it read and the others None: each keeps its shards."""
+        if ckpt is not None:
+            self.check(ckpt)
         if self.mesh.distributed:
             self._load_sharded(ckpt)
             return
         assert ckpt is not None
-        load_untied(self.model, ckpt.model)
+        # Checked whole above: only the aliases of tied tensors are absent, and they share the storage loaded.
+        self.model.load_state_dict(ckpt.model, strict=False)
         if self.critic is not None and ckpt.critic is not None:
-            load_untied(self.critic, ckpt.critic)
+            self.critic.load_state_dict(ckpt.critic, strict=False)
         self.optimizer.load_state_dict(ckpt.optimizer)
         self.scheduler.load_state_dict(ckpt.scheduler)
         restore_rng(ckpt.rng)

@@ -7,13 +7,20 @@ abandoned, and one line per batch of groups written off as lost. The steps
 that make up the current model are the recorded steps minus the abandoned ones; that
 list is how operators answer "which samples trained step N" and how the tests prove
 that every group was applied exactly once.
+
+Every record is fsynced before ``_append`` returns: the highest policy version in the file is
+the floor for the versions a restarted trainer serves (a rollout holding a version it already
+has never pulls again), so a node crash must not take back a record of a version served.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
+
+from services.common.transport.storage import fsync_folder, write_atomically
 
 TAIL_BYTES = 1 << 20  # longer than any one record: a torn line starts within the file's last MiB
 
@@ -24,6 +31,7 @@ class Lineage:
         path.parent.mkdir(parents=True, exist_ok=True)
 
     def _append(self, record: dict[str, Any]) -> None:
+        created = not self.path.exists()
         with self.path.open("ab+") as out:
             # A crash mid-write leaves a torn last line: cut it off, so the record after it stays readable.
             end = out.tell()
@@ -33,6 +41,10 @@ class Lineage:
                 if not tail.endswith(b"\n"):
                     out.truncate(end - len(tail) + tail.rfind(b"\n") + 1)
             out.write(json.dumps(record).encode() + b"\n")
+            out.flush()
+            os.fsync(out.fileno())
+        if created:
+            fsync_folder(self.path.parent)
 
     def records(self) -> list[dict[str, Any]]:
         """Every complete record; a torn last line (a crash mid-write) was never a record."""
@@ -67,24 +79,32 @@ class Lineage:
         event: str,
         copy_if_missing: str = "",
         abandoned_versions: tuple[int, int] | None = None,
+        requested: bool = False,
     ) -> list[int]:
         """Record that training goes on from checkpoint ``step``; returns the steps this abandons.
 
         A rollback also names the policy versions it disowns (``abandoned_versions``, an
-        inclusive range): groups those versions generated are dropped, never trained on.
+        inclusive range): groups those versions generated are dropped, never trained on. ``requested``: a resume
+        to the step the operator named (``checkpoint.resume_step``), which later restarts do not repeat.
         """
         if not self.path.exists() and copy_if_missing:
-            self.path.write_text(copy_if_missing)
+            write_atomically(self.path, copy_if_missing.encode())
         abandoned = [r["step"] for r in effective_steps(self.records()) if r["step"] > step]
         record = {"event": event, "from_step": step, "policy_version": version, "abandoned_steps": abandoned}
         if abandoned_versions is not None:
             record["abandoned_versions"] = list(abandoned_versions)
+        if requested:
+            record["requested"] = True
         self._append(record)
         return abandoned
 
     def abandoned_versions(self) -> list[tuple[int, int]]:
         """The inclusive policy-version ranges that rollbacks disowned."""
         return [tuple(r["abandoned_versions"]) for r in self.records() if "abandoned_versions" in r]
+
+    def resumed_to(self, step: int) -> bool:
+        """Whether a resume to ``step`` that the operator asked for (``checkpoint.resume_step``) was made."""
+        return any(r.get("event") == "resume" and r.get("requested") and r["from_step"] == step for r in self.records())
 
     def max_version(self) -> int:
         return max((r.get("policy_version", 0) for r in self.records()), default=0)

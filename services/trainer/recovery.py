@@ -6,12 +6,17 @@ bodies) that no kept checkpoint would re-read are purged, and the ledger forgets
 older than the oldest kept step.
 
 Resume and rollback are one operation, ``adopt``: serve a stored step as a new policy
-version. It is all-or-nothing in this order: the checkpoint is read and checked, the
+version. It is all-or-nothing in this order: the checkpoint is read and checked whole
+against the model (keys, shapes, dtypes, finite values: nothing is copied before), the
 store is changed (every later step marked ABANDONED, which is idempotent, so a failure
 here changes nothing in memory and the same call can be made again), and only then is the
 running state replaced, the lineage written, the weights published and EXPERIENCE re-read
 from the step's sequence. Policy versions only grow across restarts: the versions that the
 abandoned steps produced are disowned, and groups they generated are dropped on arrival.
+
+A resume never takes an unreadable store for an empty one (``services/trainer/resume.py``): it
+waits up to ``checkpoint.resume_wait_s`` for the store, and then refuses to start, having
+written nothing to the lineage or the store.
 """
 
 from __future__ import annotations
@@ -37,15 +42,24 @@ from services.trainer.checkpoint import (
     Checkpoint,
     CheckpointCorrupt,
     CheckpointStore,
+    ForeignCheckpoints,
+    Resumable,
     TrainerState,
+    UnknownCheckpointFormat,
     new_incarnation,
 )
 from services.trainer.intake import GroupLedger, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
 from services.trainer.progress import ConfigSource, Progress
+from services.trainer.resume import ResumeBlocked, SavedRecord, StoreUnreadable
 
 log = logging.getLogger(__name__)
+RESUME_RETRY_MAX_S = 30.0  # the longest pause between two looks at an unreadable store
+
+
+class ResumeRefused(RuntimeError):
+    """The checkpoint a resume needs stayed unreadable for ``checkpoint.resume_wait_s``: the trainer does not start."""
 
 
 class Recovery:
@@ -89,18 +103,73 @@ class Recovery:
         """Adopt the configured or newest checkpoint when resuming; returns whether one was adopted.
 
         A fresh start refuses a store that already holds steps of this run id (another run's, or this
-        one's from before): it would prune, purge and later resume from them."""
+        one's from before): it would prune, purge and later resume from them. A resume whose store cannot be
+        read waits for it, then raises ResumeRefused; nothing is written before the checkpoint is in hand."""
+        run_dir = self.settings.cfg.run_dir
         if not resume:
             self.progress.incarnation = await asyncio.to_thread(self.checkpoints.start_fresh)
+            SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
             return False
+        saved = SavedRecord.read(run_dir)
         wanted = self.settings.cfg.checkpoint.resume_step
-        load = self.checkpoints.load_latest if wanted is None else (lambda: self.checkpoints.load(wanted))
-        ckpt = await asyncio.to_thread(load)
-        if ckpt is not None:
-            await self.adopt(ckpt, "resume", reason="trainer start")
-            return True
-        await self._restart_without_checkpoint()
-        return False
+        if wanted is not None and self.lineage.resumed_to(wanted):
+            # Made already: a restart after it continues from the newest step, not from the requested one again.
+            log_event(log, "resume_step_done", step=wanted)
+            wanted = None
+        found = await self._find_checkpoint(saved, wanted)
+        if found.checkpoint is None:
+            await self._restart_without_checkpoint()
+            return False
+        ckpt = found.checkpoint
+        await self.adopt(ckpt, "resume", reason="trainer start", requested=wanted is not None)
+        passed_over = sorted(found.skipped) or ([saved.step] if saved is not None and saved.step > ckpt.step else [])
+        if passed_over and wanted is None:
+            why = "; ".join(found.skipped.values()) or "no longer stored"
+            message = f"resumed from step {ckpt.step}, not from newer step(s) {passed_over}: {why}"
+            self.events.write("checkpoint_fallback", message, step=ckpt.step, skipped_steps=passed_over)
+            log_event(log, "checkpoint_fallback", level=logging.WARNING, alert=True, step=ckpt.step, reason=message)
+        return True
+
+    async def _find_checkpoint(self, saved: SavedRecord | None, wanted: int | None) -> Resumable:
+        """The checkpoint to resume from (``wanted``, or the newest), waiting for a store that cannot be read."""
+        bound = self.settings.cfg.checkpoint.resume_wait_s
+        started = time.monotonic()
+        delay = 1.0
+        while True:
+            try:
+                if wanted is not None:
+                    return Resumable(await asyncio.to_thread(self._load_requested, wanted))
+                return await asyncio.to_thread(self.checkpoints.load_newest, saved.step if saved else None)
+            except ResumeBlocked as error:
+                waited = time.monotonic() - started
+                if waited + delay > bound:
+                    record = f"; this run last saved step {saved.step} at {saved.location}" if saved else ""
+                    raise ResumeRefused(
+                        f"not resuming from {self.checkpoints.location()}: {error}{record}. Waited {waited:.0f} s "
+                        f"(checkpoint.resume_wait_s: {bound:g}); nothing was written. Bring the store back and "
+                        "start the run again; starting it without --resume abandons its training."
+                    ) from error
+                log_event(
+                    log,
+                    "resume_waiting",
+                    level=logging.ERROR,
+                    alert=True,
+                    store=self.checkpoints.location(),
+                    error=str(error)[:500],
+                    waited_s=round(waited, 1),
+                    retry_s=delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RESUME_RETRY_MAX_S)
+
+    def _load_requested(self, step: int) -> Checkpoint:
+        """Step ``step`` (``checkpoint.resume_step``); a store that fails to answer is waited for, not a refusal."""
+        try:
+            return self.checkpoints.load(step)
+        except (CheckpointCorrupt, FileNotFoundError, UnknownCheckpointFormat, ForeignCheckpoints):
+            raise
+        except Exception as error:  # the store's many failure types
+            raise StoreUnreadable(f"cannot read step {step}: {error!r}"[:500]) from error
 
     async def _restart_without_checkpoint(self) -> None:
         """A restart before the run's first checkpoint: a new incarnation, whose policy versions still grow past
@@ -116,16 +185,24 @@ class Recovery:
 
     # -- adopt: resume and rollback -----------------------------------------------------
 
-    async def adopt(self, ckpt: Checkpoint, event: str, reason: str) -> list[int]:
-        """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons."""
+    async def adopt(self, ckpt: Checkpoint, event: str, reason: str, requested: bool = False) -> list[int]:
+        """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
+
+        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
+        # Staging: the checkpoint must fit the model whole before the store or the running state changes.
+        await asyncio.to_thread(self.learner.check, ckpt)
         # The store learns whose steps it keeps first (setting it again on a retry is harmless), so that
         # marking later steps abandoned, which may fail and leaves memory untouched, spares other runs' steps.
         incarnation = self.checkpoints.adopt_incarnation(ckpt)
+        stored_high_water = await asyncio.to_thread(self.checkpoints.version_high_water)
         later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)
         state: TrainerState = ckpt.state
         read_from = await self.read_on_after(state.last_experience_seq)
         progress = self.progress
-        new_version = max(progress.version, self.lineage.max_version(), state.policy_version) + 1
+        # Versions only grow: past any this run served, by what the lineage, this checkpoint and every stored step
+        # say (a lineage.jsonl that lost its tail in a node crash is covered by the checkpoints).
+        served = max(progress.version, self.lineage.max_version(), state.policy_version, state.version_high_water)
+        new_version = max(served, stored_high_water) + 1
         disowned = (state.policy_version + 1, new_version - 1)
         self.learner.load(ckpt)
         self.learner.reconfigure(self.settings.cfg)  # the live hyperparameters stay in force
@@ -150,8 +227,11 @@ class Recovery:
             event,
             copy_if_missing=ckpt.lineage,
             abandoned_versions=disowned if disowned[1] >= disowned[0] else None,
+            requested=requested,
         )
         progress.abandoned_versions = self.lineage.abandoned_versions()
+        # The newest live step is now this one: a later resume expects it (or a newer one saved after).
+        await asyncio.to_thread(self._record_saved, ckpt.step)
         await self.publish()
         self.rewind()
         message = f"{event} to step {ckpt.step} as policy version {new_version} ({reason})"
@@ -169,6 +249,15 @@ class Recovery:
             reason=reason,
         )
         return abandoned
+
+    def _record_saved(self, step: int) -> None:
+        """Note, fsynced in the run folder, that ``step`` is the newest live step stored (``SavedRecord``)."""
+        SavedRecord(
+            step=step,
+            policy_version=max(self.progress.version, self.lineage.max_version()),
+            incarnation=self.progress.incarnation,
+            location=f"{self.checkpoints.location()}step-{step:08d}/",
+        ).write(self.settings.cfg.run_dir)
 
     async def read_on_after(self, seq: int) -> int:
         """Where to read EXPERIENCE on from for a state that read through ``seq``: there, or past this run's purge
@@ -239,6 +328,7 @@ class Recovery:
                 incarnation=progress.incarnation,
                 applied_ids=sorted(self.ledger.settled),
                 claim_keys=sorted((seq, key) for key, seq in self.claim_keys.items()),
+                version_high_water=max(progress.version, self.lineage.max_version()),
             ),
             extras={
                 # What produced these weights, for whoever restores or audits them.
@@ -288,6 +378,10 @@ class Recovery:
         seconds = took()
         self.telemetry.record_checkpoint(seconds, ok=True)
         self.progress.saved_step = max(self.progress.saved_step, ckpt.step)
+        try:
+            await asyncio.to_thread(self._record_saved, self.progress.saved_step)
+        except OSError as error:  # the step is stored; a resume finds it by listing, the record is a second witness
+            log_event(log, "checkpoint_record_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {"step": self.progress.step, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": seconds}

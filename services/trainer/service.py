@@ -45,7 +45,7 @@ from services.common.transport.storage import open_store
 from services.common.transport.weightsync import NonFiniteWeights, WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, ForeignCheckpoints, UnknownCheckpointFormat
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
@@ -53,7 +53,7 @@ from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery
+from services.trainer.recovery import Recovery, ResumeRefused
 from services.trainer.responder import AlertResponder, MetricsLog
 from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
@@ -415,9 +415,9 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
         await trainer.prepare()
-    except ForeignCheckpoints as error:
+    except (ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
-        # resume the other run's steps.
+        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
         log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
         await bus.close()
         raise SystemExit(EXIT_REFUSED) from error

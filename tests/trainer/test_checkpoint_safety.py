@@ -16,7 +16,7 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore, UnsafeCheckpoint, restore_rng
+from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, UnsafeCheckpoint, load_untied, restore_rng
 from tests.trainer.test_checkpoint import checkpoint
 
 pytestmark = pytest.mark.unit
@@ -91,3 +91,23 @@ def test_a_checkpoint_with_a_pickled_rng_file_from_the_old_format_is_refused(tmp
     with pytest.raises(UnsafeCheckpoint, match=r"step 2: rng\.pkl is a Python pickle"):
         store.load(2)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    ("spoil", "reason"),
+    [
+        (lambda state: state.update({"1.bias": torch.zeros(5)}), r"1.bias has shape \[5\], the model \[2\]"),
+        (lambda state: state["1.weight"].__setitem__((0, 0), float("nan")), r"1.weight holds NaN or infinite"),
+        (lambda state: state.update({"1.bias": state["1.bias"].double()}), r"1.bias is torch.float64"),
+        (lambda state: state.pop("0.weight"), r"missing 0.weight"),
+    ],
+)
+def test_a_state_that_does_not_fit_is_refused_before_any_tensor_is_copied(spoil, reason):
+    """Before, tensors that fitted were copied and the misfit raised afterwards (or a NaN was loaded): mixed weights."""
+    module = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 2))
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    state = {name: tensor + 1 for name, tensor in module.state_dict().items()}
+    spoil(state)
+    with pytest.raises(CheckpointMismatch, match=reason):
+        load_untied(module, state)
+    assert all(torch.equal(module.state_dict()[name], tensor) for name, tensor in before.items())

@@ -97,3 +97,14 @@ def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_lat
     assert sorted(ledger.settled) == ["a", "dead", "lost"]
     assert ledger.arrived("b")  # re-read after the rollback: applied again in the new branch
     assert "flying" in ledger.in_flight
+
+
+def test_a_restored_ledger_numbers_in_flight_groups_in_feeding_order_not_string_order():
+    """e0-i2 was fed before e0-i10: a string sort gave e0-i10 the lower serial, so once e0-i9 came back, the
+    younger e0-i10 counted as overtaken and could be written off as lost while the older e0-i2 was spared."""
+    ledger = GroupLedger()
+    ledger.restore(in_flight=["e0-i10", "e0-i2", "e1-i0", "e0-i9"], applied=[], step=5, now=0.0)
+    assert {g: f.serial for g, f in ledger.in_flight.items()} == {"e0-i2": 1, "e0-i9": 2, "e0-i10": 3, "e1-i0": 4}
+    assert ledger.arrived("e0-i9")
+    assert ledger.overdue(now=100.0, max_age_s=60.0) == ["e0-i2"]
+    assert ledger.unsettled() == ["e0-i2", "e0-i9", "e0-i10", "e1-i0"]  # e0-i9 read, not yet applied

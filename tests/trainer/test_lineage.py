@@ -1,5 +1,7 @@
 """lineage.jsonl survives a crash mid-write, and says which steps and groups make up the model."""
 
+import os
+
 import pytest
 
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
@@ -32,3 +34,25 @@ def test_restarts_abandon_later_steps_and_lost_groups_are_listed(tmp_path):
     assert lost_groups(records) == ["e0-i9"]
     assert lineage.abandoned_versions() == [(2, 3)]
     assert lineage.max_version() == 4
+
+
+def test_every_record_is_fsynced_before_append_returns_and_the_new_file_with_its_folder(tmp_path, monkeypatch):
+    """The highest version in the file is the floor for the versions a restart serves: a node crash must not take
+    back a record once written (policy versions only grow)."""
+    synced: list[int] = []
+    fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), fsync(fd))[1])
+    lineage = Lineage(tmp_path / "lineage.jsonl")
+    lineage.record_step(1, 1, [("e0-i0", 0)], [], 5)
+    assert len(synced) == 2  # the record, and the folder that now holds the new file
+    lineage.record_step(2, 2, [("e0-i1", 1)], [], 9)
+    lineage.restart_from(1, 3, "rollback", abandoned_versions=(2, 2))
+    assert len(synced) == 4
+
+
+def test_only_a_resume_to_a_requested_step_counts_as_that_request_made(tmp_path):
+    lineage = Lineage(tmp_path / "lineage.jsonl")
+    lineage.restart_from(20, 21, "resume")  # a resume to the newest step, which happened to be 20
+    assert not lineage.resumed_to(20)
+    lineage.restart_from(20, 22, "resume", requested=True)
+    assert lineage.resumed_to(20) and not lineage.resumed_to(10)

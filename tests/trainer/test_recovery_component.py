@@ -4,24 +4,33 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import re
 from datetime import UTC, datetime
 from typing import Any
 
 import pytest
 import torch
 
-from services.common.config import CheckpointConfig, load_config
+from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.common.transport.weightsync import WeightSyncServer, snapshot_of
-from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint import (
+    CHECKPOINT_FORMAT,
+    CheckpointMismatch,
+    CheckpointStore,
+    ForeignCheckpoints,
+    UnknownCheckpointFormat,
+)
 from services.trainer.intake import Fate, GroupLedger, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery
+from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.resume import SavedRecord
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -59,10 +68,13 @@ class Harness:
         )
         torch.manual_seed(0)
         self.learner = Learner(self.cfg)
+        # A file:// store under tmp_path unless the test names one (an S3 endpoint's).
+        url = self.cfg.checkpoint_url if "store_url" in checkpoint else (tmp_path / "store").as_uri()
         self.checkpoints = CheckpointStore(
-            open_store((tmp_path / "store").as_uri(), CheckpointConfig()),
+            open_store(url, self.cfg.checkpoint),
             "run",
             keep_last=checkpoint.get("keep_last", 10),
+            backoff_s=0.05,  # the store's own retries; the resume's wait is checkpoint.resume_wait_s
         )
         self.stream = stream or ExperienceStream()
         self.lineage = Lineage(tmp_path / "runs" / "lineage.jsonl")
@@ -71,6 +83,7 @@ class Harness:
         self.weights = WeightSyncServer(snapshot_of(self.learner.model, 0, 0))
         self.rows: list[dict[str, Any]] = []
         self.rewinds = 0
+        self.events_path = tmp_path / "runs" / "events.jsonl"
         settings = type("Settings", (), {"cfg": self.cfg, "version": 0})()
         self.recovery = Recovery(
             settings,
@@ -82,7 +95,7 @@ class Harness:
             PromptFeeder(load_jsonl(data_dir / "train.jsonl"), 0, shuffle=False),
             self.weights,
             bus=self.stream,
-            events=EventLog(tmp_path / "runs" / "events.jsonl"),
+            events=EventLog(self.events_path),
             telemetry=TrainerMetrics(),
             report=self.report,
             rewind=self.rewind,
@@ -295,5 +308,184 @@ def test_claim_bodies_read_before_a_restart_are_deleted_once_the_resumed_trainer
         assert first.stream.purged_below == [11, 21]
         assert first.stream.deleted_claims == ["run/claims/experience/g1", "run/claims/experience/g2"]
         assert restarted.recovery.claim_keys == {}
+
+    asyncio.run(scenario())
+
+
+def events_of(run: Harness, kind: str) -> list[dict[str, Any]]:
+    lines = run.events_path.read_text().splitlines() if run.events_path.exists() else []
+    return [event for event in map(json.loads, lines) if event["kind"] == kind]
+
+
+def test_a_resume_whose_store_cannot_be_reached_waits_then_refuses_having_written_nothing(tiny_model, tmp_path, s3):
+    """The issue's case: a run that saved, killed, resumed with its store out of reach. Before, the listing error was
+    swallowed and the trainer restarted from base weights, writing a restart into the lineage that abandoned every
+    step. Now it waits checkpoint.resume_wait_s, then refuses naming the store and the step it expected; and a store
+    that comes back empty (a bucket re-created) is refused the same way: the run's own record says it saved step 2."""
+
+    async def scenario() -> None:
+        settings = s3.checkpoint(resume_wait_s=2)
+        first = Harness(tiny_model, tmp_path, **settings)
+        await first.recovery.start(resume=False)
+        for step in (1, 2):
+            await first.step_and_save(step, [f"e0-i{step}"])
+        lineage_before = first.lineage.text()
+        s3.stop()
+
+        restarted = Harness(tiny_model, tmp_path, **settings)
+        weights_before = first_weights(restarted.learner)
+        with pytest.raises(ResumeRefused, match=r"cannot list the checkpoint store.*step 2 at s3://ckpt/prefix/run/"):
+            await restarted.recovery.start(resume=True)
+        assert (restarted.progress.step, restarted.progress.version) == (0, 0)
+        assert torch.equal(first_weights(restarted.learner), weights_before)
+        assert restarted.weights.latest.version == 0 and restarted.rewinds == 0
+        assert restarted.lineage.text() == lineage_before
+        assert SavedRecord.read(restarted.cfg.run_dir).step == 2
+
+        s3.start()  # moto comes back empty
+        again = Harness(tiny_model, tmp_path, **settings)
+        with pytest.raises(ResumeRefused, match=r"holds no checkpoint of this run, but step 2, which"):
+            await again.recovery.start(resume=True)
+        assert again.lineage.text() == lineage_before
+        assert again.checkpoints.steps() == []  # nothing was written to the store either
+
+    asyncio.run(scenario())
+
+
+def test_a_store_that_comes_back_within_the_wait_is_resumed_from_and_the_lineage_gains_only_the_resume(
+    tiny_model, tmp_path, saved_run
+):
+    """The store's run folder cannot be read for a while (a folder that errors when listed, as a stale mount does);
+    before, the listing skipped it as empty and the trainer restarted from base weights. The run's own record of its
+    saves is gone too (a new node), so the store's answer alone must say "unreadable", not "empty"."""
+    SavedRecord.clear(tmp_path / "runs" / "test")
+    run_folder = tmp_path / "store" / "run"
+    run_folder.rename(tmp_path / "store" / "run.away")
+    run_folder.write_text("not a folder")
+
+    async def store_back_after(seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        run_folder.unlink()
+        (tmp_path / "store" / "run.away").rename(run_folder)
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_wait_s=60)
+        records_before = restarted.lineage.records()
+        back = asyncio.create_task(store_back_after(2.0))
+        assert await restarted.recovery.start(resume=True)
+        await back
+        assert (restarted.progress.step, restarted.progress.version, restarted.progress.applied_seq) == (3, 4, 30)
+        records = restarted.lineage.records()
+        assert records[: len(records_before)] == records_before
+        assert [(r["event"], r["from_step"], r["abandoned_steps"]) for r in records[len(records_before) :]] == [
+            ("resume", 3, [])
+        ]
+
+    asyncio.run(scenario())
+
+
+def test_a_corrupt_newest_step_falls_back_to_the_previous_one_and_says_so_in_the_events(
+    tiny_model, tmp_path, saved_run
+):
+    with (tmp_path / "store" / "run" / "step-00000003" / "model.safetensors").open("ab") as part:
+        part.write(b"bitrot")
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path)
+        assert await restarted.recovery.start(resume=True)
+        assert torch.equal(first_weights(restarted.learner), saved_run)
+        # Step 3's manifest still says version 3 was served: the new one is past it.
+        assert (restarted.progress.step, restarted.progress.version) == (2, 4)
+        [fallback] = events_of(restarted, "checkpoint_fallback")
+        assert fallback["step"] == 2 and fallback["skipped_steps"] == [3]
+        assert "model.safetensors does not match its manifest hash" in fallback["message"]
+
+    asyncio.run(scenario())
+
+
+def test_a_step_in_a_newer_checkpoint_format_is_refused_by_name_and_not_skipped(tiny_model, tmp_path, saved_run):
+    """Skipping it for step 2 would abandon step 3's training because this rlpipe is older than the one that
+    wrote it."""
+    manifest_path = tmp_path / "store" / "run" / "step-00000003" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    assert manifest["format"] == CHECKPOINT_FORMAT
+    manifest_path.write_text(json.dumps({**manifest, "format": 99}))
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path)
+        lineage_before = restarted.lineage.text()
+        with pytest.raises(UnknownCheckpointFormat, match=r"step 3 at .* is in checkpoint format 99, written by"):
+            await restarted.recovery.start(resume=True)
+        assert restarted.lineage.text() == lineage_before
+        assert restarted.checkpoints.steps() == [1, 2, 3]
+        assert (restarted.progress.step, restarted.progress.version) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+def test_a_lineage_that_lost_its_tail_still_serves_a_version_past_every_stored_step(tiny_model, tmp_path, saved_run):
+    """A node crash took lineage.jsonl's last records (steps 2 and 3, versions 2 and 3). A resume to step 2 once
+    served version 3 again, which rollouts holding step 3's weights as version 3 would never pull."""
+    lineage_path = tmp_path / "runs" / "lineage.jsonl"
+    lineage_path.write_text(lineage_path.read_text().splitlines(keepends=True)[0])
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_step=2)
+        assert await restarted.recovery.start(resume=True)
+        assert (restarted.progress.step, restarted.progress.version) == (2, 4)
+        assert restarted.weights.latest.version == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_resume_to_a_named_step_is_made_once_and_a_later_restart_takes_the_newest_step(
+    tiny_model, tmp_path, saved_run
+):
+    async def scenario() -> None:
+        second = Harness(tiny_model, tmp_path, resume_step=2)
+        assert await second.recovery.start(resume=True)
+        assert (second.progress.step, second.progress.version) == (2, 4)
+        second.progress.step, second.progress.version, second.progress.applied_seq = 3, 5, 35
+        second.ledger.settle(["e0-i5"], 3, Fate.APPLIED)
+        second.lineage.record_step(3, 5, [("e0-i5", 4)], [], 35)
+        await second.recovery.save(config_version=0, wait=True)
+
+        # The launcher restarts the trainer with the same config, resume_step still 2.
+        third = Harness(tiny_model, tmp_path, resume_step=2)
+        assert await third.recovery.start(resume=True)
+        assert (third.progress.step, third.progress.version, third.progress.applied_seq) == (3, 6, 35)
+        assert third.lineage.records()[-1]["from_step"] == 3
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("spoil", ["shape", "nan"])
+def test_a_rollback_to_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model, tmp_path, spoil):
+    """Before, the later steps were marked abandoned first, and the weights that fitted were copied before the
+    misfit raised (or the NaN was loaded): training went on with mixed weights."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        for step in (1, 2, 3):
+            await run.step_and_save(step, [f"e0-i{step}"])
+        ckpt = run.checkpoints.load(1)
+        name = sorted(ckpt.model)[len(ckpt.model) // 2]
+        if spoil == "shape":
+            ckpt.model[name] = ckpt.model[name].flatten()[:-1]
+        else:
+            ckpt.model[name] = ckpt.model[name].clone().fill_(float("nan"))
+        weights_before = {k: v.clone() for k, v in run.learner.model.state_dict().items()}
+        progress_before = dataclasses.replace(run.progress, abandoned_versions=list(run.progress.abandoned_versions))
+        lineage_before = run.lineage.text()
+        served_before = run.weights.latest
+
+        with pytest.raises(CheckpointMismatch, match=f"step 1's weights does not fit the model: {re.escape(name)}"):
+            await run.recovery.adopt(ckpt, "rollback", reason="test")
+        assert all(torch.equal(run.learner.model.state_dict()[k], v) for k, v in weights_before.items())
+        assert run.progress == progress_before
+        assert run.checkpoints.steps() == [1, 2, 3]  # nothing marked abandoned
+        assert run.lineage.text() == lineage_before
+        assert run.weights.latest is served_before and run.rewinds == 0
 
     asyncio.run(scenario())

@@ -1,7 +1,7 @@
 """``runs/<run>/events.jsonl``: what happened to a run besides its steps.
 
 One JSON line per event: ``{"time", "step", "kind", "message", ...}`` with kind one of
-config_change, alert, rollback, resume, restart, pause, unpause, stop. The report marks
+config_change, alert, rollback, resume, restart, checkpoint_fallback, pause, unpause, stop. The report marks
 them on its curves; operators read them to line up a metric swing with its cause.
 
 Two processes write it, the launcher (restarts) and the trainer (everything else), each line

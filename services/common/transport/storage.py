@@ -22,12 +22,23 @@ from services.common.config import CheckpointConfig, S3Credentials
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Write-then-rename: a crash never leaves a half-written file under the real name, and a
-    reader sees the old content or the new, never part of it."""
+    reader sees the old content or the new, never part of it. Once it returns, the new content
+    survives a node crash too: the folder is synced after the rename."""
     with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
         tmp.write(data)
         tmp.flush()
         os.fsync(tmp.fileno())
     os.replace(tmp.name, path)
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make a rename or a new file in ``folder`` durable: the entry lives in the folder, not in the file."""
+    descriptor = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
 
 
 class ObjectStore(Protocol):
@@ -71,12 +82,12 @@ class FileStore:
             return file.read(-1 if limit is None else limit)
 
     def list(self, prefix: str) -> list[str]:
-        # Walk only the prefix's folder: the root may hold unrelated run files. os.walk skips
-        # folders that vanish mid-walk (a concurrent prune), where Path.rglob would raise.
+        # Walk only the prefix's folder: the root may hold unrelated run files. Folders that vanish mid-walk
+        # (a concurrent prune) are skipped, where Path.rglob would raise; any other error fails the listing.
         folder = self.root / prefix.rpartition("/")[0]
         keys = (
             (Path(parent) / name).relative_to(self.root).as_posix()
-            for parent, _, names in os.walk(folder)
+            for parent, _, names in os.walk(folder, onerror=_unless_vanished)
             for name in names
             if not name.startswith(".tmp-")
         )
@@ -88,6 +99,12 @@ class FileStore:
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
+
+
+def _unless_vanished(error: OSError) -> None:
+    """A folder that cannot be read fails the listing (unreadable is not empty); one that is gone holds nothing."""
+    if not isinstance(error, FileNotFoundError):
+        raise error
 
 
 class S3Store:
@@ -116,7 +133,8 @@ class S3Store:
         self.part_size = cfg.s3_part_mib << 20
         self.parallel_uploads = cfg.s3_parallel_uploads
         self.url = f"s3://{bucket}/{self.prefix}"
-        self._ensure_bucket()
+        # The bucket is made by the first put (put recreates a missing one): opening a store never needs the
+        # endpoint, so a trainer starts, and a resume waits for an unreachable store instead of crashing.
 
     def _ensure_bucket(self) -> None:
         if not self.client.bucket_exists(self.bucket):

@@ -1,0 +1,103 @@
+"""Which stored step a starting trainer resumes from, and the run's own record that it saved one.
+
+"Unreadable" is never read as "empty". A store that cannot be listed may hold the run's newest step, so a resume
+that meets one waits (``ResumeBlocked``) rather than taking an older step from another store or none at all. And
+a run that has saved before knows it without asking the store: after every save (and every resume or rollback,
+which moves the newest live step) it writes ``runs/<run>/checkpoint-saved.json``, fsynced. A store that lists
+nothing while that record names a step is missing what the run wrote (a bucket re-created empty, a volume not
+mounted), and the resume waits for it too; it never starts again from base weights.
+
+The decision (``resume_candidates``) is pure: what each store listed in, the steps to try out.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from services.common.transport.storage import write_atomically
+
+
+class ResumeBlocked(RuntimeError):
+    """The checkpoint a resume needs cannot be read now; waiting for the store may help."""
+
+
+class StoreUnreadable(ResumeBlocked):
+    """A store could not be listed, and it may hold a newer step than the readable stores offer."""
+
+
+class CheckpointsMissing(ResumeBlocked):
+    """The stores list no step of this run although the run's own record says it saved one."""
+
+
+@dataclass(frozen=True)
+class StoreListing:
+    """One store's answer to "which live steps of this run do you hold"."""
+
+    url: str
+    steps: list[int] | None  # None: the listing failed, after retries
+    error: str = ""
+
+
+def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> list[tuple[int, str]]:
+    """(step, store url) to try loading, newest step first and, for one step, in the order the stores came.
+
+    ``saved_step``: the newest live step the run's own record says it saved (None: no record). Raises
+    StoreUnreadable when an unlisted store may hold a newer step than the listed ones (none listed, or only older
+    than ``saved_step``), CheckpointsMissing when every store listed and none holds a step the record says exists.
+    An empty list means the run never saved: a start without a checkpoint is right."""
+    candidates = [(step, listing.url) for listing in listings if listing.steps is not None for step in listing.steps]
+    candidates.sort(key=lambda candidate: -candidate[0])  # stable: for one step, the stores keep their order
+    newest = candidates[0][0] if candidates else None
+    unreadable = [listing for listing in listings if listing.steps is None]
+    expected = f"step {saved_step}, which this run's record says it saved" if saved_step is not None else None
+    if unreadable and (newest is None or (saved_step is not None and newest < saved_step)):
+        failures = "; ".join(f"{listing.url}: {listing.error}" for listing in unreadable)
+        found = f"the readable stores' newest is step {newest}" if newest is not None else "no store could be read"
+        wanted = expected or "the run's newest step"
+        raise StoreUnreadable(f"cannot list the checkpoint store ({failures}); {found}, and {wanted} may be there")
+    if newest is None and saved_step is not None:
+        stores = ", ".join(listing.url for listing in listings)
+        raise CheckpointsMissing(f"{stores} holds no checkpoint of this run, but {expected}")
+    return candidates
+
+
+@dataclass(frozen=True)
+class SavedRecord:
+    """``checkpoint-saved.json``: the newest live step this run stored, and the highest policy version it served
+    by then."""
+
+    step: int
+    policy_version: int
+    incarnation: str
+    location: str  # where the step was stored, for the operator
+
+    FILE = "checkpoint-saved.json"
+
+    @classmethod
+    def read(cls, run_dir: Path) -> SavedRecord | None:
+        """The record in ``run_dir``; None when the run never saved (or started afresh since)."""
+        path = run_dir / cls.FILE
+        if not path.exists():
+            return None
+        try:
+            raw = json.loads(path.read_text())
+            return cls(
+                step=int(raw["step"]),
+                policy_version=int(raw["policy_version"]),
+                incarnation=str(raw["incarnation"]),
+                location=str(raw["location"]),
+            )
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"{path} is not a checkpoint record ({error!r}); move it away to resume anyway") from None
+
+    def write(self, run_dir: Path) -> None:
+        """Replace the record, fsynced: a node crash leaves the old record or this one."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomically(run_dir / self.FILE, json.dumps(asdict(self)).encode())
+
+    @classmethod
+    def clear(cls, run_dir: Path) -> None:
+        """A fresh start: an earlier run's record under this run id is not this run's."""
+        (run_dir / cls.FILE).unlink(missing_ok=True)
