@@ -1,62 +1,19 @@
-"""The one typed configuration of a run, shared by every service.
-
-Loaded from YAML, then overridden by environment variables named
-``RLPIPE_<SECTION>__<FIELD>`` (for example ``RLPIPE_TRAIN__LEARNING_RATE=1e-5``).
-Environment variables win over the file so that a deployment can change a value
-without editing the file. Every value is validated when a service starts; a bad
-one stops it with the field's dotted name and what is allowed.
-"""
+"""The section models of a run's config and the run config that holds them."""
 
 from __future__ import annotations
 
-import contextvars
 import importlib.util
 import os
 import re
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common import registry
-
-ENV_PREFIX = "RLPIPE_"
-# Off while a live override is validated, so the environment cannot undo an operator's change.
-_read_environment = contextvars.ContextVar("_read_environment", default=True)
-
-# Fields a running service applies between steps or batches; any other change takes effect at its next start.
-LIVE_FIELDS = (
-    "train.learning_rate",
-    "train.kl.coef",
-    "train.entropy_coef",
-    "train.clip",
-    "train.max_grad_norm",
-    "train.max_staleness",
-    "train.log_interval",
-    "sampling.temperature",
-    "sampling.top_p",
-    "sampling.max_new_tokens",
-    "reward.functions",
-    "alerts",
-    "checkpoint.save_every_steps",
-    "checkpoint.keep_last",
-    "data.eval_every_steps",
-)
-# Fields that say which run and broker a service belongs to: set where it is deployed, never through the admin.
-DEPLOY_TIME_FIELDS = ("run_id", "nats.url", "nats.nkey_seed_file", "nats.tls_ca_file")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _one_of(name: str, allowed: list[str]) -> str:
-    if name not in allowed:
-        raise ValueError(f"{name!r} is not one of {allowed}")
-    return name
+from services.common.config.alerts import AlertsConfig
+from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Section, one_of, read_environment
 
 
 class ModelConfig(Section):
@@ -145,7 +102,7 @@ class KLConfig(Section):
     @field_validator("estimator")
     @classmethod
     def _registered(cls, name: str) -> str:
-        return _one_of(name, registry.KL_ESTIMATORS.names())
+        return one_of(name, registry.KL_ESTIMATORS.names())
 
 
 class ClipConfig(Section):
@@ -287,12 +244,12 @@ class TrainConfig(Section):
     @field_validator("loss_agg")
     @classmethod
     def _registered(cls, name: str) -> str:
-        return _one_of(name, registry.AGGREGATIONS.names())
+        return one_of(name, registry.AGGREGATIONS.names())
 
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, name: str) -> str:
-        return _one_of(name, registry.algorithm_names())
+        return one_of(name, registry.algorithm_names())
 
 
 class CheckpointConfig(Section):
@@ -322,10 +279,6 @@ class CheckpointConfig(Section):
         if url and not re.match(r"^(file|s3)://.+", url):
             raise ValueError(f"{url!r} must start with file:// or s3://")
         return url
-
-
-# Docker and Kubernetes secrets mounted as files, one per variable: /run/secrets/RLPIPE_S3_ACCESS_KEY and so on.
-SECRETS_DIRS = [folder for folder in ("/run/secrets",) if Path(folder).is_dir()] or None
 
 
 class S3Credentials(BaseSettings):
@@ -492,7 +445,7 @@ class RewardHttpConfig(Section):
 
     @model_validator(mode="after")
     def _headers_set_in_environment(self) -> RewardHttpConfig:
-        if not _read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
+        if not read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
             return self
         missing = [variable for variable in self.headers_from_env.values() if variable not in os.environ]
         if missing:
@@ -629,183 +582,6 @@ class TelemetryConfig(Section):
         return trackers
 
 
-AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
-AlertAction = Literal["notify", "pause", "stop", "rollback"]
-
-
-class AlertRule(Section):
-    """One rule over a metric of the trainer's step rows (or a status metric such as services_down).
-
-    above/below: every value of the last ``window_steps`` rows is beyond ``threshold``.
-    nan: the newest value is NaN or infinite.
-    absent: no row has carried the metric for ``window_s`` seconds.
-    rises_by/falls_by: the mean of the last ``window_steps`` values differs from the mean
-    of the ``window_steps`` before them by more than ``threshold`` (relative, 1.0 = doubled).
-    """
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    metric: str
-    condition: AlertCondition
-    threshold: float = 0.0
-    window_steps: int = Field(1, ge=1)
-    window_s: float = Field(60.0, gt=0, description="for absent")
-    severity: Literal["info", "warning", "critical"] = "warning"
-    actions: list[AlertAction] = Field(default_factory=lambda: ["notify"])
-
-
-def default_alert_rules() -> list[AlertRule]:
-    """The operator's usual worries, with thresholds loose enough not to fire on a healthy run."""
-    rules = [
-        {"name": "entropy_collapse", "metric": "entropy", "condition": "below", "threshold": 0.02, "window_steps": 5},
-        {"name": "kl_too_high", "metric": "kl_ref", "condition": "above", "threshold": 1.0, "window_steps": 5},
-        {
-            "name": "reward_std_explodes",
-            "metric": "reward_std",
-            "condition": "rises_by",
-            "threshold": 10.0,
-            "window_steps": 10,
-        },
-        {
-            "name": "response_length_runaway",
-            "metric": "response_length_mean",
-            "condition": "rises_by",
-            "threshold": 1.0,
-            "window_steps": 20,
-        },
-        {
-            "name": "termination_rate_falls",
-            "metric": "termination_rate",
-            "condition": "below",
-            "threshold": 0.5,
-            "window_steps": 10,
-        },
-        {
-            "name": "step_time_regression",
-            "metric": "step_time_s",
-            "condition": "rises_by",
-            "threshold": 2.0,
-            "window_steps": 20,
-        },
-        {
-            "name": "checkpoint_failures",
-            "metric": "checkpoint_failed",
-            "condition": "above",
-            "threshold": 0.0,
-            "severity": "critical",
-        },
-        {
-            "name": "nan_loss",
-            "metric": "loss",
-            "condition": "nan",
-            "severity": "critical",
-            "actions": ["notify", "pause"],
-        },
-        {
-            "name": "service_down",
-            "metric": "services_down",
-            "condition": "above",
-            "threshold": 0.0,
-            "window_steps": 3,
-            "severity": "critical",
-        },
-        {
-            # A group neither applied, dropped nor dead-lettered within train.lost_after_s: samples went missing.
-            "name": "groups_lost",
-            "metric": "groups_lost",
-            "condition": "above",
-            "threshold": 0.0,
-            "severity": "critical",
-        },
-        {
-            # Under 5% of the GPU's memory free for 3 steps: the next longer batch is an OOM. Only CUDA runs
-            # carry the metric (services/common/hardware.py), and a rule whose metric is absent is not judged.
-            "name": "gpu_memory_headroom",
-            "metric": "memory/headroom_frac",
-            "condition": "below",
-            "threshold": 0.05,
-            "window_steps": 3,
-        },
-        {
-            # No step for 15 minutes while the run is not paused: a stage stopped, hung or starved the trainer.
-            "name": "steps_absent",
-            "metric": "step_time_s",
-            "condition": "absent",
-            "window_s": 900.0,
-            "severity": "critical",
-        },
-        {
-            # Roles whose every live replica's loop made no progress for 2 * nats.max_work_s (the health rows,
-            # every few seconds, carry the count; services/common/presence.py).
-            "name": "role_stalled",
-            "metric": "roles_stalled",
-            "condition": "above",
-            "threshold": 0.0,
-            "window_steps": 3,
-            "severity": "critical",
-        },
-        {
-            # Every group scored alike for 10 steps: GRPO advantages are all zero and nothing is learned
-            # (a broken reward function, or prompts far too easy or too hard).
-            "name": "zero_reward_variance",
-            "metric": "zero_variance_groups",
-            "condition": "above",
-            "threshold": 0.999,
-            "window_steps": 10,
-        },
-        {
-            # Applied groups come from policies more than 4 versions old on average: rollouts cannot keep up
-            # or do not receive new weights.
-            "name": "staleness_high",
-            "metric": "staleness_mean",
-            "condition": "above",
-            "threshold": 4.0,
-            "window_steps": 10,
-        },
-        {
-            # A role restarted more than 3 times within supervision.restart_window_s: a crash loop.
-            "name": "restart_loop",
-            "metric": "role_restarts",
-            "condition": "above",
-            "threshold": 3.0,
-            "severity": "critical",
-        },
-        {
-            # Free space on the runs directory (and a file:// store) is less than two saves need.
-            "name": "disk_space_low",
-            "metric": "disk_free_saves",
-            "condition": "below",
-            "threshold": 2.0,
-            "severity": "critical",
-        },
-    ]
-    return [AlertRule(**rule) for rule in rules]
-
-
-class AlertsConfig(Section):
-    enabled: bool = True
-    webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
-    webhook_retries: int = Field(
-        3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
-    )
-    webhook_backoff_s: float = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
-    heartbeat_s: float = Field(
-        300.0,
-        ge=0,
-        description="the trainer POSTs a `watchdog` firing to the webhook this often (0 = never), so a dead-man "
-        "receiver notices when alerts could no longer reach anyone",
-    )
-    cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
-    rules: list[AlertRule] = Field(default_factory=default_alert_rules)
-
-    @field_validator("rules")
-    @classmethod
-    def _unique_names(cls, rules: list[AlertRule]) -> list[AlertRule]:
-        names = [rule.name for rule in rules]
-        if len(names) != len(set(names)):
-            raise ValueError(f"rule names must be unique, got {names}")
-        return rules
-
-
 class TrainerConfig(Section):
     nproc: int = Field(
         1,
@@ -893,7 +669,7 @@ class RunConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML arrives as init kwargs; the environment must override it.
-        return (env_settings, init_settings) if _read_environment.get() else (init_settings,)
+        return (env_settings, init_settings) if read_environment.get() else (init_settings,)
 
     @model_validator(mode="after")
     def _lost_only_after_every_delivery(self) -> RunConfig:
@@ -911,7 +687,7 @@ class RunConfig(BaseSettings):
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
         for name in reward.functions:
             if ":" not in name:  # import paths are checked by RewardConfig
-                _one_of(name, registry.REWARD_FUNCTIONS.names())
+                one_of(name, registry.REWARD_FUNCTIONS.names())
         return reward
 
     @property
@@ -968,213 +744,3 @@ class DeploymentEnvironment(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_", extra="ignore")
     env: str = ""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot start a run; the message names every bad field."""
-
-
-def _describe(error: ValidationError) -> list[str]:
-    lines = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "<root>"
-        message = item["msg"].removeprefix("Value error, ")
-        given = item.get("input")
-        shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
-        lines.append(f"  {field}: {message}{shown}")
-    return lines
-
-
-def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
-    """Read the YAML at ``path`` (if any), apply ``overrides`` and the ``RLPIPE_*`` environment."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = _read_yaml(path)
-    data.update(overrides)
-    problems: list[str] = []
-    cfg = None
-    try:
-        cfg = RunConfig(**data)
-    except ValidationError as error:
-        problems = _describe(error)
-    # Checked even when fields failed, so that one run of the command names every problem.
-    environment = cfg.environment if cfg is not None else data.get("environment")
-    deployment = DeploymentEnvironment().env
-    if deployment and isinstance(environment, str) and deployment != environment:
-        problems.append(
-            f"  environment: this config is for {environment!r} "
-            f"but RLPIPE_ENV is {deployment!r}; use the config of this environment or set RLPIPE_ENV to match"
-        )
-    if problems or cfg is None:
-        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
-    return cfg
-
-
-def _yaml_position(error: yaml.MarkedYAMLError) -> str:
-    """Where the parser stopped and what it expected, and where the construct it was reading began."""
-
-    def at(mark: yaml.Mark) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}"
-
-    mark = error.problem_mark or error.context_mark
-    said = f"at {at(mark)}: " if mark is not None else ": "
-    said += error.problem or error.context or "unreadable"
-    if error.problem_mark is not None and error.context_mark is not None and error.context:
-        said += f" ({error.context} that starts at {at(error.context_mark)})"
-    return said
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.MarkedYAMLError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML {_yaml_position(error)}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return data
-
-
-def parse_value(text: str) -> Any:
-    """A setting's value as the operator typed it, read as YAML: ``5e-5``, ``[notify, pause]``, ``{exact_match: 1}``."""
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"value {text!r} is not valid YAML: {error}") from None
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` settings as typed on a command line (``train.learning_rate=5e-5``) as dotted overrides.
-
-    Each value is read as YAML, as `rlpipe config set` reads it. ConfigError, in one line, names the first
-    item that is not ``KEY=VALUE`` or whose value is not YAML.
-    """
-    overrides: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (a dotted key, e.g. train.learning_rate=5e-5)")
-        try:
-            overrides[key.strip()] = parse_value(text)
-        except ConfigError as error:
-            raise ConfigError(f"override {key.strip()}: {' '.join(str(error).split())}") from None
-    return overrides
-
-
-def load_config_with(path: Path | str, overrides: Mapping[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
-    """The run config of the file at ``path`` with dotted ``overrides`` written into it, and that file's data.
-
-    The data is for processes that read a config file (``rlpipe run``'s services): written out as YAML, it
-    loads to the same config. ``RLPIPE_*`` variables still apply on top, as they do over the file, so an
-    override that one of them would undo is refused rather than silently lost. Errors are one-line
-    ConfigErrors naming the override (an unknown key, a value its field refuses).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = _read_yaml(path)
-    for key, value in overrides.items():
-        try:
-            _set_dotted(data, RunConfig, key, value)
-        except ConfigError as error:
-            raise ConfigError(f"override {_one_line(error)}") from None
-    try:
-        cfg = load_config(None, **data)
-    except ConfigError as error:
-        if not overrides:
-            raise  # the file's own problems, one line each as load_config names them
-        raise ConfigError(f"invalid override: {_one_line(error)}") from None
-    token = _read_environment.set(False)
-    try:
-        as_written = RunConfig(**data)
-    finally:
-        _read_environment.reset(token)
-    for key in overrides:
-        if _dotted_value(cfg, key) != _dotted_value(as_written, key):
-            raise ConfigError(
-                f"override {key}: an RLPIPE_* environment variable sets it too and would win; unset it or drop "
-                "the override"
-            )
-    return cfg, data
-
-
-def _one_line(error: ConfigError) -> str:
-    """A ConfigError's field lines joined into one, without the ``invalid configuration:`` heading."""
-    lines = str(error).removeprefix("invalid configuration:").strip().splitlines()
-    return "; ".join(line.strip() for line in lines)
-
-
-def _dotted_value(cfg: RunConfig, key: str) -> Any:
-    node: Any = cfg.model_dump(mode="json")
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-REDACTED = "<redacted>"
-# Credentials never enter the model; a webhook URL often carries a token in its path.
-SECRET_FIELDS = ("alerts.webhook_url",)
-
-
-def redact(key: str, value: Any) -> Any:
-    """``value`` of the dotted field ``key`` ("" for the whole config) as files, logs and operators may see it."""
-    if key in SECRET_FIELDS:
-        return REDACTED if value else value
-    if isinstance(value, dict):
-        return {name: redact(f"{key}.{name}" if key else name, item) for name, item in value.items()}
-    return value
-
-
-def redacted_dump(cfg: RunConfig) -> dict[str, Any]:
-    """The config as plain data for files and operators."""
-    return redact("", cfg.model_dump(mode="json", by_alias=True))
-
-
-def is_live(key: str) -> bool:
-    return any(key == live or key.startswith(live + ".") for live in LIVE_FIELDS)
-
-
-def _set_dotted(data: dict[str, Any], model: type[BaseModel] | None, key: str, value: Any) -> None:
-    """Set ``key`` (dotted, field names or aliases) in a by-alias dump of ``model``; unknown fields are refused."""
-    parts = key.split(".")
-    node: Any = data
-    for depth, part in enumerate(parts):
-        if model is not None:
-            # A field is known by its name or its alias; the dump uses the alias.
-            keys = {name: info.alias or name for name, info in model.model_fields.items()}
-            keys |= {alias: alias for alias in keys.values()}
-            if part not in keys:
-                raise ConfigError(
-                    f"invalid configuration:\n  {key}: no such field (allowed here: {sorted(model.model_fields)})"
-                )
-            field = next(info for name, info in model.model_fields.items() if (info.alias or name) == keys[part])
-            part = keys[part]
-            annotation = field.annotation
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        elif not isinstance(node, dict):
-            raise ConfigError(f"invalid configuration:\n  {key}: {'.'.join(parts[:depth])} holds no fields")
-        if depth == len(parts) - 1:
-            node[part] = value
-        else:
-            node = node.setdefault(part, {})
-
-
-def apply_overrides(base: RunConfig, overrides: dict[str, Any]) -> RunConfig:
-    """``base`` with dotted ``overrides`` (``{"train.learning_rate": 5e-5}``), validated.
-
-    The environment is not read again: an operator's change must not be undone by it.
-    """
-    data = base.model_dump(mode="json", by_alias=True)
-    for key, value in overrides.items():
-        _set_dotted(data, RunConfig, key, value)
-    token = _read_environment.set(False)
-    try:
-        return RunConfig(**data)
-    except ValidationError as error:
-        raise ConfigError("invalid configuration:\n" + "\n".join(_describe(error))) from None
-    finally:
-        _read_environment.reset(token)
