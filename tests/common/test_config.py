@@ -1,11 +1,14 @@
+import math
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.common import registry
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError, Section, apply_overrides, load_config, parse_overrides
 from tests.conftest import ROOT, write_config
 
 
@@ -151,3 +154,68 @@ def test_rlpipe_run_refuses_missing_model_path(tmp_path, model_dir, data_dir):
     )
     assert done.returncode == 2
     assert "model.path" in done.stderr and str(tmp_path / "absent") in done.stderr
+
+
+def every_section(base: type[Section] = Section) -> list[type[Section]]:
+    return [cls for sub in base.__subclasses__() for cls in (sub, *every_section(sub))]
+
+
+FLOAT_FIELDS = sorted(
+    (cls.__name__, name)
+    for cls in set(every_section())
+    for name, info in cls.model_fields.items()
+    # A float, or an optional one; the weights of reward.functions are checked through a config file below.
+    if info.annotation is float
+    or (typing.get_origin(info.annotation) is not dict and float in typing.get_args(info.annotation))
+)
+
+
+def test_the_finite_check_walks_nested_and_optional_sections_and_optional_floats():
+    assert {
+        ("TrainConfig", "learning_rate"),
+        ("ClipConfig", "dual"),  # float | None
+        ("AlertRule", "threshold"),  # a list item of a section
+        ("RewardHttpConfig", "weight"),  # an optional section
+    } <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize(("section", "name"), FLOAT_FIELDS)
+def test_every_float_setting_of_every_section_refuses_infinity_and_nan(section, name, value):
+    cls = next(cls for cls in every_section() if cls.__name__ == section)
+    with pytest.raises(ValidationError) as error:
+        cls(**{name: value})
+    assert {item["type"] for item in error.value.errors() if item["loc"] == (name,)} == {"finite_number"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"train": {"learning_rate": math.inf}}, "train.learning_rate"),
+        ({"train": {"learning_rate": "inf"}}, "train.learning_rate"),
+        ({"reward": {"functions": {"exact_match": math.nan}}}, "reward.functions.exact_match"),
+        ({"sampling": {"temperature": math.inf}}, "sampling.temperature"),
+    ],
+)
+def test_a_config_file_with_an_infinite_or_nan_setting_is_refused_naming_the_field(
+    tmp_path, model_dir, data_dir, change, field
+):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **change)
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.learning_rate=inf", "train.learning_rate"),
+        ("train.learning_rate=.inf", "train.learning_rate"),
+        ("train.kl.coef=.nan", "train.kl.coef"),
+        ("reward.functions={exact_match: .nan}", "reward.functions.exact_match"),
+    ],
+)
+def test_a_live_change_to_infinity_or_nan_is_refused_naming_the_field(tmp_path, model_dir, data_dir, override, field):
+    # apply_overrides is how `rlpipe config set` validates a change on the trainer before storing it.
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        apply_overrides(base, parse_overrides([override]))

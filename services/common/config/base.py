@@ -17,7 +17,8 @@ SECRETS_DIRS = [folder for folder in ("/run/secrets",) if Path(folder).is_dir()]
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # Every float of every section is finite: YAML reads .inf and .nan, and pydantic would take them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 def one_of(name: str, allowed: list[str]) -> str:
