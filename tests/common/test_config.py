@@ -8,7 +8,15 @@ import pytest
 from pydantic import ValidationError
 
 from services.common import registry
-from services.common.config import ConfigError, Section, apply_overrides, load_config, parse_overrides
+from services.common.config import (
+    SECURITY_FIELDS,
+    ConfigError,
+    Section,
+    apply_overrides,
+    load_config,
+    parse_overrides,
+    refuse_unsafe_live_change,
+)
 from tests.conftest import ROOT, write_config
 
 
@@ -219,3 +227,63 @@ def test_a_live_change_to_infinity_or_nan_is_refused_naming_the_field(tmp_path, 
     base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
     with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
         apply_overrides(base, parse_overrides([override]))
+
+
+@pytest.fixture
+def plugin_module(tmp_path, monkeypatch) -> str:
+    """An importable reward plugin that records being imported: the name of its module."""
+    (tmp_path / "live_plugin_probe.py").write_text(
+        "IMPORTED = True\ndef score(prompt, completion, answer):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "live_plugin_probe"
+    sys.modules.pop("live_plugin_probe", None)
+
+
+def parse_nested(dotted: str, value: object) -> dict:
+    """``{"a": {"b": value}}`` for ``"a.b"``: how a whole section is set at once."""
+    head, _, rest = dotted.partition(".")
+    return {head: parse_nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("field", SECURITY_FIELDS)
+def test_a_live_change_of_a_security_setting_is_refused_naming_the_field(tmp_path, model_dir, data_dir, field):
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    section, _, rest = field.partition(".")
+    for settings in ({field: "elsewhere"}, {section: parse_nested(rest, "elsewhere")}):
+        with pytest.raises(ConfigError, match=rf"{field}: is not changeable live \(a security setting\)"):
+            refuse_unsafe_live_change(base, base, settings)
+
+
+def test_a_live_change_may_repeat_a_security_setting_at_the_value_in_force(tmp_path, model_dir, data_dir):
+    base = load_config(
+        write_config(
+            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint={"store_url": "file:///srv/ckpt"}
+        )
+    )
+    # A whole section sent back with one live field changed carries the store URL unchanged.
+    refuse_unsafe_live_change(base, base, {"checkpoint": {"store_url": "file:///srv/ckpt", "keep_last": 5}})
+    refuse_unsafe_live_change(base, base, {"checkpoint.save_every_steps": 5})
+
+
+def test_a_live_change_naming_a_new_plugin_is_refused_before_the_plugin_is_imported(
+    tmp_path, model_dir, data_dir, plugin_module
+):
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    settings = parse_overrides([f"reward.functions={{exact_match: 1.0, {plugin_module}:score: 0.5}}"])
+    with pytest.raises(ConfigError, match=rf"reward.functions: '{plugin_module}:score' is a 'module:function' plugin"):
+        refuse_unsafe_live_change(base, base, settings)
+    with pytest.raises(ConfigError, match="'module:function' plugin"):
+        refuse_unsafe_live_change(base, base, {"reward": {"functions": {f"{plugin_module}:score": 1.0}}})
+    assert plugin_module not in sys.modules
+
+
+def test_a_live_change_may_reweight_a_plugin_the_run_started_with(tmp_path, model_dir, data_dir, plugin_module):
+    plugin = f"{plugin_module}:score"
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", reward={"functions": {plugin: 1.0}}
+    )
+    base = load_config(path)  # imported here, at start
+    settings = {"reward.functions": {plugin: 0.5, "exact_match": 1.0}}
+    refuse_unsafe_live_change(base, base, settings)
+    assert apply_overrides(base, settings).reward.functions == {plugin: 0.5, "exact_match": 1.0}

@@ -1,6 +1,7 @@
 """Live config versions in a real JetStream key-value bucket."""
 
 import asyncio
+import sys
 
 import nats
 import pytest
@@ -91,3 +92,33 @@ def test_values_parse_as_yaml_and_malformed_ones_are_named():
     assert [parse_value(v) for v in ("5e-5", "[notify, pause]", "true", "")] == ["5e-5", ["notify", "pause"], True, ""]
     with pytest.raises(ConfigError, match="is not valid YAML"):
         parse_value("[unclosed")
+
+
+def test_a_running_trainer_refuses_security_settings_and_new_plugins_and_imports_nothing(
+    base, nats_url, tmp_path, monkeypatch
+):
+    (tmp_path / "live_admin_plugin.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    async def scenario():
+        connection = await nats.connect(nats_url)
+        trainer = await LiveConfig(base, connection.jetstream()).start()
+        for settings, refusal in (
+            ({"checkpoint.store_url": "s3://elsewhere/run"}, r"checkpoint\.store_url: is not changeable live"),
+            ({"reward": {"http": {"url": "https://elsewhere/score"}}}, r"reward\.http\.url: is not changeable live"),
+            ({"admin.tls_cert": "/tmp/cert.pem"}, r"admin\.tls_cert: is not changeable live"),
+            (
+                {"reward.functions": {"exact_match": 1.0, "live_admin_plugin:score": 1.0}},
+                r"reward\.functions: 'live_admin_plugin:score' is a 'module:function' plugin",
+            ),
+        ):
+            with pytest.raises(ConfigError, match=refusal):
+                await trainer.propose(settings, author="mallory")
+        assert "live_admin_plugin" not in sys.modules  # validating a change never imported it
+        assert await trainer.history() == []  # nothing was stored
+        await connection.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        sys.modules.pop("live_admin_plugin", None)

@@ -18,7 +18,13 @@ are its layout, not its interface.
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, ConfigError, Section
-from services.common.config.live import DEPLOY_TIME_FIELDS, LIVE_FIELDS, is_live
+from services.common.config.live import (
+    DEPLOY_TIME_FIELDS,
+    LIVE_FIELDS,
+    SECURITY_FIELDS,
+    is_live,
+    refuse_unsafe_live_change,
+)
 from services.common.config.loading import (
     apply_overrides,
     load_config,
@@ -63,6 +69,7 @@ __all__ = [
     "REDACTED",
     "SECRETS_DIRS",
     "SECRET_FIELDS",
+    "SECURITY_FIELDS",
     "AdminConfig",
     "AdminCredentials",
     "AlertAction",
@@ -104,4 +111,5 @@ __all__ = [
     "parse_value",
     "redact",
     "redacted_dump",
+    "refuse_unsafe_live_change",
 ]

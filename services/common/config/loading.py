@@ -133,7 +133,7 @@ def load_config_with(path: Path | str, overrides: Mapping[str, Any]) -> tuple[Ru
     finally:
         read_environment.reset(token)
     for key in overrides:
-        if _dotted_value(cfg, key) != _dotted_value(as_written, key):
+        if dotted_value(cfg, key) != dotted_value(as_written, key):
             raise ConfigError(
                 f"override {key}: an RLPIPE_* environment variable sets it too and would win; unset it or drop "
                 "the override"
@@ -147,7 +147,7 @@ def _one_line(error: ConfigError) -> str:
     return "; ".join(line.strip() for line in lines)
 
 
-def _dotted_value(cfg: RunConfig, key: str) -> Any:
+def dotted_value(cfg: RunConfig, key: str) -> Any:
     node: Any = cfg.model_dump(mode="json")
     for part in key.split("."):
         node = node.get(part) if isinstance(node, dict) else None
