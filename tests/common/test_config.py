@@ -10,11 +10,17 @@ from pydantic import ValidationError
 from services.common import registry
 from services.common.config import (
     SECURITY_FIELDS,
+    AdminCredentials,
+    BuildInfo,
     ConfigError,
+    DeploymentEnvironment,
+    RunConfig,
+    S3Credentials,
     Section,
     apply_overrides,
     load_config,
     parse_overrides,
+    reference,
     refuse_unsafe_live_change,
 )
 from tests.conftest import ROOT, write_config
@@ -287,3 +293,23 @@ def test_a_live_change_may_reweight_a_plugin_the_run_started_with(tmp_path, mode
     settings = {"reward.functions": {plugin: 0.5, "exact_match": 1.0}}
     refuse_unsafe_live_change(base, base, settings)
     assert apply_overrides(base, settings).reward.functions == {plugin: 0.5, "exact_match": 1.0}
+
+
+def test_every_config_field_is_described():
+    models = {*every_section(), RunConfig, S3Credentials, AdminCredentials, BuildInfo, DeploymentEnvironment}
+    fields = [(model.__name__, name, info) for model in models for name, info in model.model_fields.items()]
+    undescribed = sorted(f"{model}.{name}" for model, name, info in fields if not info.description)
+    assert undescribed == []
+
+
+def test_the_checked_in_configuration_reference_is_what_the_models_generate():
+    checked_in = (ROOT / "docs" / "configuration.md").read_text()
+    assert checked_in == reference.render(), "docs/configuration.md is stale: run `make config-reference`"
+
+
+def test_the_configuration_reference_marks_live_restart_and_refused_fields():
+    rows = {line.split("|")[1].strip(" `"): line for line in reference.render().splitlines() if line.startswith("| `")}
+    assert "| live |" in rows["train.learning_rate"]
+    assert "| restart |" in rows["train.batch_size"]
+    assert "| security |" in rows["checkpoint.store_url"]
+    assert "| deploy-time |" in rows["nats.url"]

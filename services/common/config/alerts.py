@@ -22,14 +22,22 @@ class AlertRule(Section):
     of the ``window_steps`` before them by more than ``threshold`` (relative, 1.0 = doubled).
     """
 
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    metric: str
-    condition: AlertCondition
-    threshold: float = 0.0
-    window_steps: int = Field(1, ge=1)
-    window_s: float = Field(60.0, gt=0, description="for absent")
-    severity: Literal["info", "warning", "critical"] = "warning"
-    actions: list[AlertAction] = Field(default_factory=lambda: ["notify"])
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="names the rule in firings and logs (1-64 letters, digits, _ . -)",
+    )
+    metric: str = Field(description="a metric of the trainer's step rows or a status metric (docs/metrics.md)")
+    condition: AlertCondition = Field(description="above | below | nan | absent | rises_by | falls_by (see above)")
+    threshold: float = Field(
+        0.0, description="the bound, in the metric's unit; relative for rises_by/falls_by (1.0 = doubled)"
+    )
+    window_steps: int = Field(1, ge=1, description="step rows the condition is judged over (steps)")
+    window_s: float = Field(60.0, gt=0, description="for absent: how long the metric may be missing (seconds)")
+    severity: Literal["info", "warning", "critical"] = Field("warning", description="carried by the firing")
+    actions: list[AlertAction] = Field(
+        default_factory=lambda: ["notify"],
+        description="notify (log and webhook) | pause | stop | rollback (to the last stable checkpoint), in order",
+    )
 
 
 def default_alert_rules() -> list[AlertRule]:
@@ -161,7 +169,7 @@ def default_alert_rules() -> list[AlertRule]:
 
 
 class AlertsConfig(Section):
-    enabled: bool = True
+    enabled: bool = Field(True, description="judge the rules; false = no alert fires")
     webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
     webhook_retries: int = Field(
         3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
@@ -174,7 +182,10 @@ class AlertsConfig(Section):
         "receiver notices when alerts could no longer reach anyone",
     )
     cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
-    rules: list[AlertRule] = Field(default_factory=default_alert_rules)
+    rules: list[AlertRule] = Field(
+        default_factory=default_alert_rules,
+        description="the rules judged after every step; setting them replaces the defaults (listed below)",
+    )
 
     @field_validator("rules")
     @classmethod

@@ -41,7 +41,7 @@ class ModelConfig(Section):
 
 
 class DataColumns(Section):
-    """Which of a dataset's columns hold what a row needs (docs/configuration.md, Data)."""
+    """Which of a dataset's columns hold what a row needs (docs/configuration.md, data.columns)."""
 
     prompt: str = Field("prompt", min_length=1, description="the plain prompt text")
     messages: str = Field(
@@ -52,7 +52,11 @@ class DataColumns(Section):
 
 
 class DataConfig(Section):
-    task_name: str = "arithmetic"
+    task_name: str = Field(
+        "arithmetic",
+        description="a label for what the data asks (arithmetic, word-problems, ...): kept with the config and in the "
+        "run's records; which rows are read is train_path's, how they are scored reward.functions'",
+    )
     train_path: Path = Field(
         description="JSON Lines file, or a local Hugging Face dataset: a save_to_disk folder, a Parquet, Arrow, "
         "JSON or CSV file, or a folder of them"
@@ -62,7 +66,7 @@ class DataConfig(Section):
     eval_split: str = Field(
         "test", min_length=1, description="the split of eval_path to evaluate on, when it holds several"
     )
-    columns: DataColumns = DataColumns()
+    columns: DataColumns = Field(DataColumns(), description="which dataset columns hold a row's parts (names)")
     streaming: bool = Field(
         False,
         description="read train_path as a stream instead of all at once, for datasets larger than memory: rows are "
@@ -72,8 +76,12 @@ class DataConfig(Section):
         10_000, ge=1, description="rows a streamed dataset is shuffled within (a full shuffle needs them all)"
     )
     eval_every_steps: int = Field(10, ge=0, description="0 disables periodic evaluation")
-    eval_size: int = Field(500, ge=1)
-    shuffle: bool = True
+    eval_size: int = Field(
+        500, ge=1, description="held-out rows one evaluation scores (rows; the first ones of eval_path)"
+    )
+    shuffle: bool = Field(
+        True, description="visit the training rows in a seeded (train.seed) random order each epoch; false = file order"
+    )
 
     @field_validator("train_path", "eval_path")
     @classmethod
@@ -85,18 +93,39 @@ class DataConfig(Section):
 
 class SamplingConfig(Section):
     group_size: int = Field(8, ge=1, description="completions per prompt (n)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="softmax temperature of the rollout's sampling (unitless; 1 = the policy's own distribution)",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling (Holtzman et al. 2020, arXiv:1904.09751): sample from the smallest set of tokens "
+        "whose probability sums to top_p (a probability; 1 = every token)",
+    )
+    max_new_tokens: int = Field(
+        8, ge=1, description="most tokens one completion may generate (tokens); longer ones are truncated"
+    )
 
 
 class KLConfig(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    estimator: str = Field("k3", description="k1 | abs | k2 | k3 (or a registered one)")
-    coef: float = Field(0.0, ge=0)
+    estimator: str = Field(
+        "k3",
+        description="per-token estimator of KL(policy || reference): k1 | abs | k2 | k3 (Schulman 2020, "
+        "'Approximating KL Divergence', joschu.net/blog/kl-approx.html; abs = |k1|), or a registered one",
+    )
+    coef: float = Field(
+        0.0, ge=0, description="weight of the KL penalty (per nat of the estimate, per token); 0 = no penalty"
+    )
     placement: Literal["loss", "reward"] = Field(
-        "loss", alias="in", description="a loss term, or folded into the reward per token"
+        "loss",
+        alias="in",
+        description="loss: a term of the loss, as GRPO does (Shao et al. 2024, arXiv:2402.03300); reward: "
+        "subtracted from the reward per token, as RLHF's PPO does (Ouyang et al. 2022, arXiv:2203.02155)",
     )
 
     @field_validator("estimator")
@@ -106,16 +135,34 @@ class KLConfig(Section):
 
 
 class ClipConfig(Section):
-    low: float = Field(0.2, ge=0, lt=1, description="ratio floor 1 - low")
-    high: float = Field(0.2, gt=0, description="ratio ceiling 1 + high (clip-higher: > low)")
-    dual: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages")
+    low: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="the PPO ratio's floor is 1 - low (a fraction; PPO's clipped objective, Schulman et al. 2017, "
+        "arXiv:1707.06347)",
+    )
+    high: float = Field(
+        0.2,
+        gt=0,
+        description="the PPO ratio's ceiling is 1 + high (a fraction); above low is clip-higher (DAPO, Yu et al. 2025, "
+        "arXiv:2503.14476)",
+    )
+    dual: float | None = Field(
+        None,
+        gt=1,
+        description="dual-clip bound c on the ratio for negative advantages (a ratio; Ye et al. 2020, "
+        "arXiv:1912.09729); null = off",
+    )
 
 
 class TISConfig(Section):
     mode: Literal["off", "token", "sequence"] = Field(
-        "off", description="truncated importance sampling vs rollout logprobs"
+        "off",
+        description="truncated importance sampling of the recomputed logprobs against the rollout's, per token or per "
+        "sequence (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training')",
     )
-    cap: float = Field(2.0, ge=1)
+    cap: float = Field(2.0, ge=1, description="largest importance weight (a ratio); larger ones are truncated to it")
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -128,18 +175,27 @@ class CriticConfig(Section):
     kind: Literal["separate", "head"] = Field(
         "separate", description="its own model, or a value head on the policy backbone"
     )
-    learning_rate: float = Field(1e-4, gt=0)
-    value_clip: float = Field(0.2, gt=0)
-    value_coef: float = Field(0.5, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, description="the critic's AdamW learning rate (per optimizer step)")
+    value_clip: float = Field(
+        0.2,
+        gt=0,
+        description="how far a new value estimate may move from the old one in the clipped value loss (in reward "
+        "units; PPO's value clipping, Schulman et al. 2017, arXiv:1707.06347)",
+    )
+    value_coef: float = Field(0.5, gt=0, description="weight of the value loss beside the policy loss (unitless)")
     warmup_steps: int = Field(0, ge=0, description="steps that train only the critic")
 
 
 class TrainConfig(Section):
     algorithm: str = Field(
-        "grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp, or a registered group estimator"
+        "grpo",
+        description="ppo (Schulman et al. 2017, arXiv:1707.06347) | grpo (Shao et al. 2024, arXiv:2402.03300) | "
+        "grpo_no_std (GRPO without the std normalisation) | dr_grpo (Liu et al. 2025, arXiv:2503.20783) | rloo "
+        "(Ahmadian et al. 2024, arXiv:2402.14740) | reinforce_pp (Hu 2025, arXiv:2501.03262), or a registered group "
+        "estimator",
     )
-    seed: int = 0
-    total_steps: int = Field(100, ge=1)
+    seed: int = Field(0, description="seeds the prompt order, the trainer's randomness and the rollouts' sampling")
+    total_steps: int = Field(100, ge=1, description="trainer steps the run makes before it ends (steps)")
     batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
     epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
@@ -166,24 +222,44 @@ class TrainConfig(Section):
         description="recompute each layer's activations during the backward pass instead of keeping them: "
         "activation memory no longer grows with depth, for about one more forward pass of compute",
     )
-    learning_rate: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
-    weight_decay: float = Field(0.0, ge=0)
+    learning_rate: float = Field(
+        1e-4,
+        gt=0,
+        description="the policy's AdamW learning rate (per optimizer step; Loshchilov & Hutter 2019, arXiv:1711.05101)",
+    )
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant (steps)")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay (per unit of learning rate, per optimizer step)"
+    )
     adam_eps: float = Field(
         1e-8,
         gt=0,
         description="AdamW's epsilon: an update is lr * m / (sqrt(v) + adam_eps), so entries whose gradient is far "
         "below it move by less than the learning rate (larger values damp updates driven by rounding noise)",
     )
-    max_grad_norm: float = Field(1.0, gt=0)
-    max_seq_len: int = Field(64, ge=2)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    kl: KLConfig = KLConfig()
-    clip: ClipConfig = ClipConfig()
-    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="gradients are scaled down to this global L2 norm before each optimizer step (a norm)"
+    )
+    max_seq_len: int = Field(64, ge=2, description="most tokens of prompt plus completion the trainer takes (tokens)")
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="discount per token of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor",
+    )
+    lam: float = Field(
+        0.95, ge=0, le=1, description="lambda of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor"
+    )
+    kl: KLConfig = Field(KLConfig(), description="the KL penalty toward the reference model")
+    clip: ClipConfig = Field(ClipConfig(), description="the PPO ratio's clipping")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="weight of the entropy bonus in the loss (per nat of entropy, per token); 0 = none"
+    )
     loss_agg: str = Field(
-        "token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"
+        "token-mean",
+        description="how per-token losses become one: token-mean (every token alike, DAPO, Yu et al. 2025, "
+        "arXiv:2503.14476) | seq-mean-token-mean (GRPO's, Shao et al. 2024, arXiv:2402.03300) | seq-mean-token-sum | "
+        "seq-mean-token-sum-norm (sums over a constant max_seq_len, Dr. GRPO, Liu et al. 2025, arXiv:2503.20783)",
     )
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout",
@@ -191,8 +267,8 @@ class TrainConfig(Section):
         "that generated the data, right for asynchronous rollouts) or the trainer's own at the start of the step "
         "(verl's default; pair it with tis to correct for the gap)",
     )
-    tis: TISConfig = TISConfig()
-    critic: CriticConfig = CriticConfig()
+    tis: TISConfig = Field(TISConfig(), description="truncated importance sampling against the rollout's logprobs")
+    critic: CriticConfig = Field(CriticConfig(), description="the value model of ppo")
     max_staleness: int | None = Field(
         8,
         ge=0,
@@ -206,7 +282,7 @@ class TrainConfig(Section):
         "the trainer has read all of EXPERIENCE, is recorded as lost and its in-flight slot freed",
     )
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
-    log_interval: int = Field(1, ge=1)
+    log_interval: int = Field(1, ge=1, description="the trainer logs a progress line every this many steps (steps)")
     stall_bound_s: float = Field(
         1800.0,
         ge=60,
@@ -255,14 +331,16 @@ class TrainConfig(Section):
 class CheckpointConfig(Section):
     store_url: str = Field("", description="file:///path or s3://bucket/prefix; empty = file://<runs_dir>")
     save_every_steps: int = Field(25, ge=0, description="0 saves only at the end")
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(
+        3, ge=1, description="newest checkpoints kept; older ones are pruned unless marked stable (count)"
+    )
     resume: bool = Field(True, description="a starting trainer continues from the latest valid checkpoint")
     resume_step: int | None = Field(None, ge=0, description="continue from this step instead of the latest")
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
-    s3_secure: bool = True
-    s3_region: str = "us-east-1"
+    s3_secure: bool = Field(True, description="speak HTTPS to s3_endpoint; false = plain HTTP (a local MinIO)")
+    s3_region: str = Field("us-east-1", description="the S3 region requests are signed for")
     s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
-    s3_parallel_uploads: int = Field(4, ge=1)
+    s3_parallel_uploads: int = Field(4, ge=1, description="multipart parts one upload sends at once (parts)")
     mirror_url: str = Field(
         "", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step"
     )
@@ -285,12 +363,12 @@ class S3Credentials(BaseSettings):
     """Read only from the environment or a secrets file, never from YAML, never logged."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore", secrets_dir=SECRETS_DIRS)
-    access_key: str = Field("", repr=False)
-    secret_key: str = Field("", repr=False)
+    access_key: str = Field("", repr=False, description="S3 access key id (RLPIPE_S3_ACCESS_KEY)")
+    secret_key: str = Field("", repr=False, description="S3 secret access key (RLPIPE_S3_SECRET_KEY)")
 
 
 class NatsConfig(Section):
-    url: str = "nats://127.0.0.1:4222"
+    url: str = Field("nats://127.0.0.1:4222", description="the broker: nats://host:port, or tls://host:port for TLS")
     nkey_seed_file: Path | None = Field(
         None,
         description="file holding this service's NATS nkey seed (SU...), readable by it alone; the broker admits that "
@@ -300,7 +378,9 @@ class NatsConfig(Section):
     tls_ca_file: Path | None = Field(
         None, description="PEM CA bundle the broker's certificate must chain to (a tls:// url); null: system CAs"
     )
-    storage: Literal["file", "memory"] = "file"
+    storage: Literal["file", "memory"] = Field(
+        "file", description="where streams and buckets keep their messages; memory loses them when the broker stops"
+    )
     stream_replicas: int = Field(
         1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)"
     )
@@ -310,9 +390,18 @@ class NatsConfig(Section):
         "interval can lose acknowledged messages on power loss. Production brokers must set it in their own config.",
     )
     ack_wait_s: float = Field(60.0, gt=0, description="time a stage has to finish a message before redelivery")
-    max_deliver: int = Field(5, ge=1)
-    max_ack_pending: int = Field(256, ge=1)
-    duplicate_window_s: float = Field(1800.0, gt=0)
+    max_deliver: int = Field(
+        5, ge=1, description="deliveries of one message before it is dead-lettered with reason max_deliver (count)"
+    )
+    max_ack_pending: int = Field(
+        256, ge=1, description="messages one stage's consumer may hold unacknowledged across its replicas (count)"
+    )
+    duplicate_window_s: float = Field(
+        1800.0,
+        gt=0,
+        description="how long JetStream remembers a message id to drop a repeated publish (seconds); longer than "
+        "ack_wait_s * max_deliver",
+    )
     dead_letter_max_age_s: float = Field(
         14 * 86400.0,
         gt=0,
@@ -326,7 +415,9 @@ class NatsConfig(Section):
         "with backoff (DEAD with reason timeout after max_deliver tries); a loop without progress for twice this "
         "long reports NOT_SERVING on its gRPC health, so liveness probes restart it",
     )
-    fetch_timeout_s: float = Field(1.0, gt=0)
+    fetch_timeout_s: float = Field(
+        1.0, gt=0, description="longest one pull of a stage waits for messages before it looks around again (seconds)"
+    )
     max_message_bytes: int = Field(
         512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)"
     )
@@ -369,8 +460,11 @@ class NatsConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["vllm", "hf"] = "vllm"
-    replicas: int = Field(1, ge=1)
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
+    )
+    replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int | None = Field(
         256,
@@ -469,8 +563,8 @@ class RewardConfig(Section):
     )
     model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
     http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
-    replicas: int = Field(1, ge=1)
-    batch: int = Field(64, ge=1)
+    replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
+    batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
 
     @field_validator("functions")
     @classmethod
@@ -492,20 +586,22 @@ class RewardConfig(Section):
 
 class ReferenceConfig(Section):
     model_path: Path | None = Field(None, description="defaults to model.path")
-    replicas: int = Field(1, ge=1)
-    batch: int = Field(32, ge=1)
+    replicas: int = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
+    batch: int = Field(32, ge=1, description="scored groups one reference replica pulls and runs together (groups)")
 
 
 class ServiceConfig(Section):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
     instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
     trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
     trainer_host: str = Field(
         "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
     )
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
-    torch_threads: int = Field(1, ge=1)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the least severe log records written"
+    )
     log_max_mib: int = Field(
         100, ge=1, description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size"
     )
@@ -516,7 +612,7 @@ class AdminConfig(Section):
     port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
     token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
-    tls_key: Path | None = None
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> AdminConfig:
@@ -532,7 +628,9 @@ class AdminCredentials(BaseSettings):
     """The admin bearer token, only from the environment, a secrets file or admin.token_file, never from YAML."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore", secrets_dir=SECRETS_DIRS)
-    token: str = Field("", repr=False)
+    token: str = Field(
+        "", repr=False, description="the admin bearer token (RLPIPE_ADMIN_TOKEN); empty = admin.token_file"
+    )
 
 
 class TelemetryConfig(Section):
@@ -609,7 +707,9 @@ class SupervisionConfig(Section):
     backoff_s: float = Field(
         1.0, gt=0, description="first restart delay, doubled for each earlier restart still in the window"
     )
-    max_backoff_s: float = Field(30.0, gt=0)
+    max_backoff_s: float = Field(
+        30.0, gt=0, description="longest delay before a restart, however many came before (seconds)"
+    )
     trainer_stop_grace_s: float = Field(
         300.0,
         gt=0,
@@ -637,27 +737,36 @@ class SupervisionConfig(Section):
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
-    run_id: str = Field("run", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    run_id: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="names the run's streams, buckets, checkpoint prefix and run directory (1-64 letters, digits, "
+        "_ or -)",
+    )
     environment: Literal["dev", "test", "prod"] | None = Field(
         None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
     )
-    runs_dir: Path = Path("runs")
+    runs_dir: Path = Field(
+        Path("runs"), description="folder of run directories (logs, metrics, samples; file:// checkpoints by default)"
+    )
     metrics_path: Path | None = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
-    model: ModelConfig
-    data: DataConfig
-    sampling: SamplingConfig = SamplingConfig()
-    train: TrainConfig = TrainConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    nats: NatsConfig = NatsConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    reference: ReferenceConfig = ReferenceConfig()
-    service: ServiceConfig = ServiceConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    supervision: SupervisionConfig = SupervisionConfig()
-    admin: AdminConfig = AdminConfig()
-    telemetry: TelemetryConfig = TelemetryConfig()
-    alerts: AlertsConfig = AlertsConfig()
+    model: ModelConfig = Field(description="the policy model")
+    data: DataConfig = Field(description="the prompts to train and evaluate on")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts sample completions")
+    train: TrainConfig = Field(TrainConfig(), description="the learning algorithm and its optimizer")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="where and how often checkpoints are kept")
+    nats: NatsConfig = Field(NatsConfig(), description="the broker and its streams")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout role and its engine")
+    reward: RewardConfig = Field(RewardConfig(), description="the reward role: functions, a model, a remote service")
+    reference: ReferenceConfig = Field(ReferenceConfig(), description="the reference role")
+    service: ServiceConfig = Field(ServiceConfig(), description="ports, hosts and logs every service shares")
+    trainer: TrainerConfig = Field(TrainerConfig(), description="the trainer's processes")
+    supervision: SupervisionConfig = Field(
+        SupervisionConfig(), description="how `rlpipe run` restarts and stops services"
+    )
+    admin: AdminConfig = Field(AdminConfig(), description="the trainer's Admin gRPC API")
+    telemetry: TelemetryConfig = Field(TelemetryConfig(), description="metrics endpoints, files and trackers")
+    alerts: AlertsConfig = Field(AlertsConfig(), description="alert rules and where firings go")
 
     @classmethod
     def settings_customise_sources(
@@ -715,8 +824,8 @@ class BuildInfo(BaseSettings):
     """What is running: baked into images as RLPIPE_BUILD_VERSION / RLPIPE_BUILD_REVISION, reported by status."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_BUILD_", extra="ignore")
-    version: str = ""
-    revision: str = ""
+    version: str = Field("", description="the package version; empty = the installed rlpipe's")
+    revision: str = Field("", description="the source revision; empty = the git checkout's short hash")
 
     def resolved(self) -> BuildInfo:
         """Fill what the environment left empty from the installed package and the git checkout."""
@@ -743,4 +852,4 @@ class DeploymentEnvironment(BaseSettings):
     """``RLPIPE_ENV``: which deployment this machine belongs to (dev, test or prod)."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_", extra="ignore")
-    env: str = ""
+    env: str = Field("", description="this machine's deployment (dev, test or prod); empty = any")
