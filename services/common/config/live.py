@@ -36,7 +36,8 @@ def is_live(key: str) -> bool:
 
 
 # Settings that decide what a run trusts and where its data goes: certificates and credential files, the checkpoint
-# stores (and the endpoint their credentials are sent to), the endpoints prompts, completions and metrics leave for.
+# stores (and the endpoint their credentials are sent to), the endpoints prompts, completions, metrics and alert
+# firings leave for.
 # An admin token must not be enough to redirect any of them, so they change only where the services are deployed.
 SECURITY_FIELDS = (
     "admin.token_file",
@@ -46,6 +47,7 @@ SECURITY_FIELDS = (
     "checkpoint.mirror_url",
     "checkpoint.s3_endpoint",
     "checkpoint.s3_secure",
+    "alerts.webhook_url",
     "reward.http.url",
     "reward.http.headers_from_env",
     "telemetry.otlp_endpoint",
