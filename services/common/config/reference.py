@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
@@ -61,15 +60,16 @@ def _type_name(annotation: Any) -> str:
 
 
 def _bounds(info: FieldInfo) -> str:
+    """``gt=0, le=1`` as ``> 0, ≤ 1``; pydantic keeps each constraint as a metadata object named by its attribute."""
     said = []
     for item in info.metadata:
         for attribute, sign in (("gt", ">"), ("ge", "≥"), ("lt", "<"), ("le", "≤")):
-            if isinstance(item, getattr(annotated_types, attribute.capitalize())):
+            if getattr(item, attribute, None) is not None:
                 said.append(f"{sign} {getattr(item, attribute):g}")
         if getattr(item, "pattern", None):
             said.append(f"matches `{item.pattern}`")
-        if isinstance(item, annotated_types.MinLen) and item.min_length:
-            said.append("not empty")
+        if getattr(item, "min_length", None):
+            said.append("not empty" if item.min_length == 1 else f"at least {item.min_length} long")
     return ", ".join(said)
 
 
