@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-rm model-smol bench bench-throughput bench-trl bench-trl-smol clean
+.PHONY: install demo test model model-rm model-smol bench bench-throughput bench-trl bench-trl-smol clean config-reference
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
@@ -46,6 +46,10 @@ data/word-problems/train.jsonl: $(STAMP)
 # A demo starts over each time: --overwrite deletes the previous demo run (rlpipe run alone refuses to).
 demo: model
 	$(BIN)/rlpipe run $(CONFIG) --overwrite
+
+# docs/configuration.md is generated from the config models; a unit test fails while it is stale.
+config-reference: $(STAMP)
+	$(BIN)/python -m services.common.config.reference > docs/configuration.md
 
 # Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, the
 # fast ones first so a broken unit fails in a minute: unit (in-process), integration (real brokers, stores, gRPC,

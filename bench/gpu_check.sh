@@ -258,7 +258,7 @@ step_torchrun() {
     # trainer.nproc is issue #10's multi-GPU trainer; until it is in the config there is nothing to run.
     if ! "$python" -c 'import sys; from services.common.config import RunConfig
 f = RunConfig.model_fields.get("trainer"); sys.exit(0 if f and "nproc" in f.annotation.model_fields else 1)'; then
-        echo "MISSING: trainer.nproc is not in this checkout's config (services/common/config.py); not checked"
+        echo "MISSING: trainer.nproc is not in this checkout's config (services/common/config/); not checked"
         return 1
     fi
     derive "$work/bf16.yaml" "$work/torchrun.yaml" run_id=gpu-check-torchrun trainer.nproc=2 train.total_steps=10

@@ -1,11 +1,28 @@
+import math
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from services.common import registry
-from services.common.config import ConfigError, load_config
+from services.common.config import (
+    SECURITY_FIELDS,
+    AdminCredentials,
+    BuildInfo,
+    ConfigError,
+    DeploymentEnvironment,
+    RunConfig,
+    S3Credentials,
+    Section,
+    apply_overrides,
+    load_config,
+    parse_overrides,
+    reference,
+    refuse_unsafe_live_change,
+)
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.unit
@@ -155,3 +172,148 @@ def test_rlpipe_run_refuses_missing_model_path(tmp_path, model_dir, data_dir):
     )
     assert done.returncode == 2
     assert "model.path" in done.stderr and str(tmp_path / "absent") in done.stderr
+
+
+def every_section(base: type[Section] = Section) -> list[type[Section]]:
+    return [cls for sub in base.__subclasses__() for cls in (sub, *every_section(sub))]
+
+
+FLOAT_FIELDS = sorted(
+    (cls.__name__, name)
+    for cls in set(every_section())
+    for name, info in cls.model_fields.items()
+    # A float, or an optional one; the weights of reward.functions are checked through a config file below.
+    if info.annotation is float
+    or (typing.get_origin(info.annotation) is not dict and float in typing.get_args(info.annotation))
+)
+
+
+def test_the_finite_check_walks_nested_and_optional_sections_and_optional_floats():
+    assert {
+        ("TrainConfig", "learning_rate"),
+        ("ClipConfig", "dual"),  # float | None
+        ("AlertRule", "threshold"),  # a list item of a section
+        ("RewardHttpConfig", "weight"),  # an optional section
+    } <= set(FLOAT_FIELDS)
+
+
+@pytest.mark.parametrize("value", [math.inf, -math.inf, math.nan])
+@pytest.mark.parametrize(("section", "name"), FLOAT_FIELDS)
+def test_every_float_setting_of_every_section_refuses_infinity_and_nan(section, name, value):
+    cls = next(cls for cls in every_section() if cls.__name__ == section)
+    with pytest.raises(ValidationError) as error:
+        cls(**{name: value})
+    assert {item["type"] for item in error.value.errors() if item["loc"] == (name,)} == {"finite_number"}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"train": {"learning_rate": math.inf}}, "train.learning_rate"),
+        ({"train": {"learning_rate": "inf"}}, "train.learning_rate"),
+        ({"reward": {"functions": {"exact_match": math.nan}}}, "reward.functions.exact_match"),
+        ({"sampling": {"temperature": math.inf}}, "sampling.temperature"),
+    ],
+)
+def test_a_config_file_with_an_infinite_or_nan_setting_is_refused_naming_the_field(
+    tmp_path, model_dir, data_dir, change, field
+):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **change)
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ("train.learning_rate=inf", "train.learning_rate"),
+        ("train.learning_rate=.inf", "train.learning_rate"),
+        ("train.kl.coef=.nan", "train.kl.coef"),
+        ("reward.functions={exact_match: .nan}", "reward.functions.exact_match"),
+    ],
+)
+def test_a_live_change_to_infinity_or_nan_is_refused_naming_the_field(tmp_path, model_dir, data_dir, override, field):
+    # apply_overrides is how `rlpipe config set` validates a change on the trainer before storing it.
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    with pytest.raises(ConfigError, match=rf"{field}: Input should be a finite number"):
+        apply_overrides(base, parse_overrides([override]))
+
+
+@pytest.fixture
+def plugin_module(tmp_path, monkeypatch) -> str:
+    """An importable reward plugin that records being imported: the name of its module."""
+    (tmp_path / "live_plugin_probe.py").write_text(
+        "IMPORTED = True\ndef score(prompt, completion, answer):\n    return 1.0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "live_plugin_probe"
+    sys.modules.pop("live_plugin_probe", None)
+
+
+def parse_nested(dotted: str, value: object) -> dict:
+    """``{"a": {"b": value}}`` for ``"a.b"``: how a whole section is set at once."""
+    head, _, rest = dotted.partition(".")
+    return {head: parse_nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("field", SECURITY_FIELDS)
+def test_a_live_change_of_a_security_setting_is_refused_naming_the_field(tmp_path, model_dir, data_dir, field):
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    section, _, rest = field.partition(".")
+    for settings in ({field: "elsewhere"}, {section: parse_nested(rest, "elsewhere")}):
+        with pytest.raises(ConfigError, match=rf"{field}: is not changeable live \(a security setting\)"):
+            refuse_unsafe_live_change(base, base, settings)
+
+
+def test_a_live_change_may_repeat_a_security_setting_at_the_value_in_force(tmp_path, model_dir, data_dir):
+    base = load_config(
+        write_config(
+            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint={"store_url": "file:///srv/ckpt"}
+        )
+    )
+    # A whole section sent back with one live field changed carries the store URL unchanged.
+    refuse_unsafe_live_change(base, base, {"checkpoint": {"store_url": "file:///srv/ckpt", "keep_last": 5}})
+    refuse_unsafe_live_change(base, base, {"checkpoint.save_every_steps": 5})
+
+
+def test_a_live_change_naming_a_new_plugin_is_refused_before_the_plugin_is_imported(
+    tmp_path, model_dir, data_dir, plugin_module
+):
+    base = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    settings = parse_overrides([f"reward.functions={{exact_match: 1.0, {plugin_module}:score: 0.5}}"])
+    with pytest.raises(ConfigError, match=rf"reward.functions: '{plugin_module}:score' is a 'module:function' plugin"):
+        refuse_unsafe_live_change(base, base, settings)
+    with pytest.raises(ConfigError, match="'module:function' plugin"):
+        refuse_unsafe_live_change(base, base, {"reward": {"functions": {f"{plugin_module}:score": 1.0}}})
+    assert plugin_module not in sys.modules
+
+
+def test_a_live_change_may_reweight_a_plugin_the_run_started_with(tmp_path, model_dir, data_dir, plugin_module):
+    plugin = f"{plugin_module}:score"
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", reward={"functions": {plugin: 1.0}}
+    )
+    base = load_config(path)  # imported here, at start
+    settings = {"reward.functions": {plugin: 0.5, "exact_match": 1.0}}
+    refuse_unsafe_live_change(base, base, settings)
+    assert apply_overrides(base, settings).reward.functions == {plugin: 0.5, "exact_match": 1.0}
+
+
+def test_every_config_field_is_described():
+    models = {*every_section(), RunConfig, S3Credentials, AdminCredentials, BuildInfo, DeploymentEnvironment}
+    fields = [(model.__name__, name, info) for model in models for name, info in model.model_fields.items()]
+    undescribed = sorted(f"{model}.{name}" for model, name, info in fields if not info.description)
+    assert undescribed == []
+
+
+def test_the_checked_in_configuration_reference_is_what_the_models_generate():
+    checked_in = (ROOT / "docs" / "configuration.md").read_text()
+    assert checked_in == reference.render(), "docs/configuration.md is stale: run `make config-reference`"
+
+
+def test_the_configuration_reference_marks_live_restart_and_refused_fields():
+    rows = {line.split("|")[1].strip(" `"): line for line in reference.render().splitlines() if line.startswith("| `")}
+    assert "| live |" in rows["train.learning_rate"]
+    assert "| restart |" in rows["train.batch_size"]
+    assert "| security |" in rows["checkpoint.store_url"]
+    assert "| deploy-time |" in rows["nats.url"]

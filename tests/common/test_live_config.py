@@ -1,11 +1,12 @@
 """Live config versions in a real JetStream key-value bucket."""
 
 import asyncio
+import sys
 
 import nats
 import pytest
 
-from services.common.config import REDACTED, ConfigError, load_config
+from services.common.config import ConfigError, load_config
 from services.common.transport.live_config import LiveConfig, parse_value, stored_config
 from tests.conftest import write_config
 
@@ -51,15 +52,17 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         assert service.cfg.reward.functions == {"exact_match": 1.0, "format": 0.2}
         assert service.cfg.train.learning_rate == 5e-5  # versions are cumulative
 
-        # A webhook URL (its path often holds a token) is in force but never shown in the history.
+        # A webhook URL decides where alert payloads go (its path often holds a token): not changeable live,
+        # and the refusal does not repeat it.
         hook = "https://hooks.example/T0/SECRET-TOKEN"
-        third = await operator.propose({"alerts.webhook_url": hook}, author="dave")
-        assert await service.refresh() == ["alerts.webhook_url"] and service.cfg.alerts.webhook_url == hook
-        fourth = await operator.propose({"alerts": {"webhook_url": hook + "2", "enabled": True}}, author="dave")
-        assert (
-            set(await service.refresh()) == {"alerts", "alerts.webhook_url"}
-            and service.cfg.alerts.webhook_url == hook + "2"
-        )
+        for settings in ({"alerts.webhook_url": hook}, {"alerts": {"webhook_url": hook, "enabled": True}}):
+            with pytest.raises(ConfigError, match=r"alerts\.webhook_url: is not changeable live") as refused:
+                await operator.propose(settings, author="dave")
+            assert "SECRET-TOKEN" not in str(refused.value)
+        third = await operator.propose({"alerts.enabled": False}, author="dave")
+        assert await service.refresh() == ["alerts.enabled"] and service.cfg.alerts.enabled is False
+        fourth = await operator.propose({"alerts": {"enabled": True, "cooldown_steps": 5}}, author="dave")
+        assert set(await service.refresh()) == {"alerts", "alerts.enabled"} and service.cfg.alerts.cooldown_steps == 5
 
         history = await operator.history()
         assert [(v.version, v.author) for v in history] == [
@@ -69,7 +72,7 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
             (4, "dave"),
         ] and second.version == 2
         assert "SECRET-TOKEN" not in repr([third.changes, fourth.changes, [v.changes for v in history]])
-        assert [(c.old, c.new) for c in third.changes] == [("", REDACTED)]
+        assert [(c.key, c.old, c.new) for c in third.changes] == [("alerts.enabled", True, False)]
         # A service started later takes every stored change, restart-only ones included.
         late = await LiveConfig(base, service_conn.jetstream()).start()
         assert late.cfg.train.batch_size == 4 and late.version == 4
@@ -94,3 +97,33 @@ def test_values_parse_as_yaml_and_malformed_ones_are_named():
     assert [parse_value(v) for v in ("5e-5", "[notify, pause]", "true", "")] == ["5e-5", ["notify", "pause"], True, ""]
     with pytest.raises(ConfigError, match="is not valid YAML"):
         parse_value("[unclosed")
+
+
+def test_a_running_trainer_refuses_security_settings_and_new_plugins_and_imports_nothing(
+    base, nats_url, tmp_path, monkeypatch
+):
+    (tmp_path / "live_admin_plugin.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    async def scenario():
+        connection = await nats.connect(nats_url)
+        trainer = await LiveConfig(base, connection.jetstream()).start()
+        for settings, refusal in (
+            ({"checkpoint.store_url": "s3://elsewhere/run"}, r"checkpoint\.store_url: is not changeable live"),
+            ({"reward": {"http": {"url": "https://elsewhere/score"}}}, r"reward\.http\.url: is not changeable live"),
+            ({"admin.tls_cert": "/tmp/cert.pem"}, r"admin\.tls_cert: is not changeable live"),
+            (
+                {"reward.functions": {"exact_match": 1.0, "live_admin_plugin:score": 1.0}},
+                r"reward\.functions: 'live_admin_plugin:score' is a 'module:function' plugin",
+            ),
+        ):
+            with pytest.raises(ConfigError, match=refusal):
+                await trainer.propose(settings, author="mallory")
+        assert "live_admin_plugin" not in sys.modules  # validating a change never imported it
+        assert await trainer.history() == []  # nothing was stored
+        await connection.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        sys.modules.pop("live_admin_plugin", None)

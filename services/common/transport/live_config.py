@@ -24,9 +24,17 @@ from typing import Any
 
 import nats
 from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
-from services.common.config import DEPLOY_TIME_FIELDS, ConfigError, RunConfig, apply_overrides, is_live, redact
+from services.common.config import (
+    DEPLOY_TIME_FIELDS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    is_live,
+    redact,
+    refuse_unsafe_live_change,
+)
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
 from services.common.observe.logs import log_event
 from services.common.transport.nats_connect import await_run_state, connect_options, creates_run_state
@@ -183,6 +191,7 @@ class LiveConfig:
             )
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
+        refuse_unsafe_live_change(self.base, current, settings)  # before validating them: that imports plugins
         proposed = apply_overrides(self.base, latest.overrides | settings)
         changes = [  # kept for history, logs and events, so secrets are hidden; the overrides hold the values
             ConfigChange(key, redact(key, _value_at(current, key)), redact(key, _value_at(proposed, key)), is_live(key))
@@ -223,7 +232,7 @@ class LiveConfig:
     async def history(self) -> list[ConfigVersion]:
         try:
             entries = await self.kv.history(KEY)
-        except KeyNotFoundError:
+        except (KeyNotFoundError, NoKeysError):  # no version stored yet (nats-py says so with either)
             return []
         return [ConfigVersion.decode(entry.value) for entry in entries if entry.value]
 

@@ -1,63 +1,19 @@
-"""The one typed configuration of a run, shared by every service.
-
-Loaded from YAML, then overridden by environment variables named
-``RLPIPE_<SECTION>__<FIELD>`` (for example ``RLPIPE_TRAIN__LEARNING_RATE=1e-5``).
-Environment variables win over the file so that a deployment can change a value
-without editing the file. Every value is validated when a service starts; a bad
-one stops it with the field's dotted name and what is allowed.
-"""
+"""The section models of a run's config and the run config that holds them."""
 
 from __future__ import annotations
 
-import contextvars
 import importlib.util
 import os
 import re
-from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from services.common import registry
-
-ENV_PREFIX = "RLPIPE_"
-# Off while a live override is validated, so the environment cannot undo an operator's change.
-_read_environment = contextvars.ContextVar("_read_environment", default=True)
-
-# Fields a running service applies between steps or batches; any other change takes effect at its next start.
-LIVE_FIELDS = (
-    "train.learning_rate",
-    "train.kl.coef",
-    "train.entropy_coef",
-    "train.clip",
-    "train.max_grad_norm",
-    "train.max_staleness",
-    "train.log_interval",
-    "sampling.temperature",
-    "sampling.top_p",
-    "sampling.max_new_tokens",
-    "reward.functions",
-    "reward.http.token_file",
-    "alerts",
-    "checkpoint.save_every_steps",
-    "checkpoint.keep_last",
-    "data.eval_every_steps",
-)
-# Fields that say which run and broker a service belongs to: set where it is deployed, never through the admin.
-DEPLOY_TIME_FIELDS = ("run_id", "nats.url", "nats.nkey_seed_file", "nats.tls_ca_file")
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-def _one_of(name: str, allowed: list[str]) -> str:
-    if name not in allowed:
-        raise ValueError(f"{name!r} is not one of {allowed}")
-    return name
+from services.common.config.alerts import AlertsConfig
+from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Section, one_of, read_environment
 
 
 class ModelConfig(Section):
@@ -85,7 +41,7 @@ class ModelConfig(Section):
 
 
 class DataColumns(Section):
-    """Which of a dataset's columns hold what a row needs (docs/configuration.md, Data)."""
+    """Which of a dataset's columns hold what a row needs (docs/configuration.md, data.columns)."""
 
     prompt: str = Field("prompt", min_length=1, description="the plain prompt text")
     messages: str = Field(
@@ -96,7 +52,11 @@ class DataColumns(Section):
 
 
 class DataConfig(Section):
-    task_name: str = "arithmetic"
+    task_name: str = Field(
+        "arithmetic",
+        description="a label for what the data asks (arithmetic, word-problems, ...): kept with the config and in the "
+        "run's records; which rows are read is train_path's, how they are scored reward.functions'",
+    )
     train_path: Path = Field(
         description="JSON Lines file, or a local Hugging Face dataset: a save_to_disk folder, a Parquet, Arrow, "
         "JSON or CSV file, or a folder of them"
@@ -106,7 +66,7 @@ class DataConfig(Section):
     eval_split: str = Field(
         "test", min_length=1, description="the split of eval_path to evaluate on, when it holds several"
     )
-    columns: DataColumns = DataColumns()
+    columns: DataColumns = Field(DataColumns(), description="which dataset columns hold a row's parts (names)")
     streaming: bool = Field(
         False,
         description="read train_path as a stream instead of all at once, for datasets larger than memory: rows are "
@@ -116,8 +76,12 @@ class DataConfig(Section):
         10_000, ge=1, description="rows a streamed dataset is shuffled within (a full shuffle needs them all)"
     )
     eval_every_steps: int = Field(10, ge=0, description="0 disables periodic evaluation")
-    eval_size: int = Field(500, ge=1)
-    shuffle: bool = True
+    eval_size: int = Field(
+        500, ge=1, description="held-out rows one evaluation scores (rows; the first ones of eval_path)"
+    )
+    shuffle: bool = Field(
+        True, description="visit the training rows in a seeded (train.seed) random order each epoch; false = file order"
+    )
 
     @field_validator("train_path", "eval_path")
     @classmethod
@@ -129,37 +93,76 @@ class DataConfig(Section):
 
 class SamplingConfig(Section):
     group_size: int = Field(8, ge=1, description="completions per prompt (n)")
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="softmax temperature of the rollout's sampling (unitless; 1 = the policy's own distribution)",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling (Holtzman et al. 2020, arXiv:1904.09751): sample from the smallest set of tokens "
+        "whose probability sums to top_p (a probability; 1 = every token)",
+    )
+    max_new_tokens: int = Field(
+        8, ge=1, description="most tokens one completion may generate (tokens); longer ones are truncated"
+    )
 
 
 class KLConfig(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    estimator: str = Field("k3", description="k1 | abs | k2 | k3 (or a registered one)")
-    coef: float = Field(0.0, ge=0)
+    estimator: str = Field(
+        "k3",
+        description="per-token estimator of KL(policy || reference): k1 | abs | k2 | k3 (Schulman 2020, "
+        "'Approximating KL Divergence', joschu.net/blog/kl-approx.html; abs = |k1|), or a registered one",
+    )
+    coef: float = Field(
+        0.0, ge=0, description="weight of the KL penalty (per nat of the estimate, per token); 0 = no penalty"
+    )
     placement: Literal["loss", "reward"] = Field(
-        "loss", alias="in", description="a loss term, or folded into the reward per token"
+        "loss",
+        alias="in",
+        description="loss: a term of the loss, as GRPO does (Shao et al. 2024, arXiv:2402.03300); reward: "
+        "subtracted from the reward per token, as RLHF's PPO does (Ouyang et al. 2022, arXiv:2203.02155)",
     )
 
     @field_validator("estimator")
     @classmethod
     def _registered(cls, name: str) -> str:
-        return _one_of(name, registry.KL_ESTIMATORS.names())
+        return one_of(name, registry.KL_ESTIMATORS.names())
 
 
 class ClipConfig(Section):
-    low: float = Field(0.2, ge=0, lt=1, description="ratio floor 1 - low")
-    high: float = Field(0.2, gt=0, description="ratio ceiling 1 + high (clip-higher: > low)")
-    dual: float | None = Field(None, gt=1, description="dual-clip bound c for negative advantages")
+    low: float = Field(
+        0.2,
+        ge=0,
+        lt=1,
+        description="the PPO ratio's floor is 1 - low (a fraction; PPO's clipped objective, Schulman et al. 2017, "
+        "arXiv:1707.06347)",
+    )
+    high: float = Field(
+        0.2,
+        gt=0,
+        description="the PPO ratio's ceiling is 1 + high (a fraction); above low is clip-higher (DAPO, Yu et al. 2025, "
+        "arXiv:2503.14476)",
+    )
+    dual: float | None = Field(
+        None,
+        gt=1,
+        description="dual-clip bound c on the ratio for negative advantages (a ratio; Ye et al. 2020, "
+        "arXiv:1912.09729); null = off",
+    )
 
 
 class TISConfig(Section):
     mode: Literal["off", "token", "sequence"] = Field(
-        "off", description="truncated importance sampling vs rollout logprobs"
+        "off",
+        description="truncated importance sampling of the recomputed logprobs against the rollout's, per token or per "
+        "sequence (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training')",
     )
-    cap: float = Field(2.0, ge=1)
+    cap: float = Field(2.0, ge=1, description="largest importance weight (a ratio); larger ones are truncated to it")
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -172,18 +175,27 @@ class CriticConfig(Section):
     kind: Literal["separate", "head"] = Field(
         "separate", description="its own model, or a value head on the policy backbone"
     )
-    learning_rate: float = Field(1e-4, gt=0)
-    value_clip: float = Field(0.2, gt=0)
-    value_coef: float = Field(0.5, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, description="the critic's AdamW learning rate (per optimizer step)")
+    value_clip: float = Field(
+        0.2,
+        gt=0,
+        description="how far a new value estimate may move from the old one in the clipped value loss (in reward "
+        "units; PPO's value clipping, Schulman et al. 2017, arXiv:1707.06347)",
+    )
+    value_coef: float = Field(0.5, gt=0, description="weight of the value loss beside the policy loss (unitless)")
     warmup_steps: int = Field(0, ge=0, description="steps that train only the critic")
 
 
 class TrainConfig(Section):
     algorithm: str = Field(
-        "grpo", description="ppo | grpo | dr_grpo | rloo | reinforce_pp, or a registered group estimator"
+        "grpo",
+        description="ppo (Schulman et al. 2017, arXiv:1707.06347) | grpo (Shao et al. 2024, arXiv:2402.03300) | "
+        "grpo_no_std (GRPO without the std normalisation) | dr_grpo (Liu et al. 2025, arXiv:2503.20783) | rloo "
+        "(Ahmadian et al. 2024, arXiv:2402.14740) | reinforce_pp (Hu 2025, arXiv:2501.03262), or a registered group "
+        "estimator",
     )
-    seed: int = 0
-    total_steps: int = Field(100, ge=1)
+    seed: int = Field(0, description="seeds the prompt order, the trainer's randomness and the rollouts' sampling")
+    total_steps: int = Field(100, ge=1, description="trainer steps the run makes before it ends (steps)")
     batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
     epochs: int = Field(1, ge=1, description="passes over each batch")
     mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
@@ -210,24 +222,44 @@ class TrainConfig(Section):
         description="recompute each layer's activations during the backward pass instead of keeping them: "
         "activation memory no longer grows with depth, for about one more forward pass of compute",
     )
-    learning_rate: float = Field(1e-4, gt=0)
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant")
-    weight_decay: float = Field(0.0, ge=0)
+    learning_rate: float = Field(
+        1e-4,
+        gt=0,
+        description="the policy's AdamW learning rate (per optimizer step; Loshchilov & Hutter 2019, arXiv:1711.05101)",
+    )
+    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant (steps)")
+    weight_decay: float = Field(
+        0.0, ge=0, description="AdamW's decoupled weight decay (per unit of learning rate, per optimizer step)"
+    )
     adam_eps: float = Field(
         1e-8,
         gt=0,
         description="AdamW's epsilon: an update is lr * m / (sqrt(v) + adam_eps), so entries whose gradient is far "
         "below it move by less than the learning rate (larger values damp updates driven by rounding noise)",
     )
-    max_grad_norm: float = Field(1.0, gt=0)
-    max_seq_len: int = Field(64, ge=2)
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
-    kl: KLConfig = KLConfig()
-    clip: ClipConfig = ClipConfig()
-    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="gradients are scaled down to this global L2 norm before each optimizer step (a norm)"
+    )
+    max_seq_len: int = Field(64, ge=2, description="most tokens of prompt plus completion the trainer takes (tokens)")
+    gamma: float = Field(
+        1.0,
+        ge=0,
+        le=1,
+        description="discount per token of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor",
+    )
+    lam: float = Field(
+        0.95, ge=0, le=1, description="lambda of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor"
+    )
+    kl: KLConfig = Field(KLConfig(), description="the KL penalty toward the reference model")
+    clip: ClipConfig = Field(ClipConfig(), description="the PPO ratio's clipping")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="weight of the entropy bonus in the loss (per nat of entropy, per token); 0 = none"
+    )
     loss_agg: str = Field(
-        "token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"
+        "token-mean",
+        description="how per-token losses become one: token-mean (every token alike, DAPO, Yu et al. 2025, "
+        "arXiv:2503.14476) | seq-mean-token-mean (GRPO's, Shao et al. 2024, arXiv:2402.03300) | seq-mean-token-sum | "
+        "seq-mean-token-sum-norm (sums over a constant max_seq_len, Dr. GRPO, Liu et al. 2025, arXiv:2503.20783)",
     )
     old_logprobs: Literal["rollout", "recompute"] = Field(
         "rollout",
@@ -235,8 +267,8 @@ class TrainConfig(Section):
         "that generated the data, right for asynchronous rollouts) or the trainer's own at the start of the step "
         "(verl's default; pair it with tis to correct for the gap)",
     )
-    tis: TISConfig = TISConfig()
-    critic: CriticConfig = CriticConfig()
+    tis: TISConfig = Field(TISConfig(), description="truncated importance sampling against the rollout's logprobs")
+    critic: CriticConfig = Field(CriticConfig(), description="the value model of ppo")
     max_staleness: int | None = Field(
         8,
         ge=0,
@@ -250,7 +282,7 @@ class TrainConfig(Section):
         "the trainer has read all of EXPERIENCE, is recorded as lost and its in-flight slot freed",
     )
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
-    log_interval: int = Field(1, ge=1)
+    log_interval: int = Field(1, ge=1, description="the trainer logs a progress line every this many steps (steps)")
     stall_bound_s: float = Field(
         1800.0,
         ge=60,
@@ -288,18 +320,20 @@ class TrainConfig(Section):
     @field_validator("loss_agg")
     @classmethod
     def _registered(cls, name: str) -> str:
-        return _one_of(name, registry.AGGREGATIONS.names())
+        return one_of(name, registry.AGGREGATIONS.names())
 
     @field_validator("algorithm")
     @classmethod
     def _known_algorithm(cls, name: str) -> str:
-        return _one_of(name, registry.algorithm_names())
+        return one_of(name, registry.algorithm_names())
 
 
 class CheckpointConfig(Section):
     store_url: str = Field("", description="file:///path or s3://bucket/prefix; empty = file://<runs_dir>")
     save_every_steps: int = Field(25, ge=0, description="0 saves only at the end")
-    keep_last: int = Field(3, ge=1)
+    keep_last: int = Field(
+        3, ge=1, description="newest checkpoints kept; older ones are pruned unless marked stable (count)"
+    )
     resume: bool = Field(True, description="a starting trainer continues from the latest valid checkpoint")
     resume_step: int | None = Field(
         None,
@@ -314,10 +348,10 @@ class CheckpointConfig(Section):
         "step this run's own record says it saved) before it refuses to start; it never starts from base weights",
     )
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
-    s3_secure: bool = True
-    s3_region: str = "us-east-1"
+    s3_secure: bool = Field(True, description="speak HTTPS to s3_endpoint; false = plain HTTP (a local MinIO)")
+    s3_region: str = Field("us-east-1", description="the S3 region requests are signed for")
     s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
-    s3_parallel_uploads: int = Field(4, ge=1)
+    s3_parallel_uploads: int = Field(4, ge=1, description="multipart parts one upload sends at once (parts)")
     mirror_url: str = Field(
         "", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step"
     )
@@ -336,20 +370,16 @@ class CheckpointConfig(Section):
         return url
 
 
-# Docker and Kubernetes secrets mounted as files, one per variable: /run/secrets/RLPIPE_S3_ACCESS_KEY and so on.
-SECRETS_DIRS = [folder for folder in ("/run/secrets",) if Path(folder).is_dir()] or None
-
-
 class S3Credentials(BaseSettings):
     """Read only from the environment or a secrets file, never from YAML, never logged."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore", secrets_dir=SECRETS_DIRS)
-    access_key: str = Field("", repr=False)
-    secret_key: str = Field("", repr=False)
+    access_key: str = Field("", repr=False, description="S3 access key id (RLPIPE_S3_ACCESS_KEY)")
+    secret_key: str = Field("", repr=False, description="S3 secret access key (RLPIPE_S3_SECRET_KEY)")
 
 
 class NatsConfig(Section):
-    url: str = "nats://127.0.0.1:4222"
+    url: str = Field("nats://127.0.0.1:4222", description="the broker: nats://host:port, or tls://host:port for TLS")
     nkey_seed_file: Path | None = Field(
         None,
         description="file holding this service's NATS nkey seed (SU...), readable by it alone; the broker admits that "
@@ -359,7 +389,9 @@ class NatsConfig(Section):
     tls_ca_file: Path | None = Field(
         None, description="PEM CA bundle the broker's certificate must chain to (a tls:// url); null: system CAs"
     )
-    storage: Literal["file", "memory"] = "file"
+    storage: Literal["file", "memory"] = Field(
+        "file", description="where streams and buckets keep their messages; memory loses them when the broker stops"
+    )
     stream_replicas: int = Field(
         1, ge=1, le=5, description="copies of every stream and bucket in a NATS cluster (3 in production)"
     )
@@ -369,9 +401,18 @@ class NatsConfig(Section):
         "interval can lose acknowledged messages on power loss. Production brokers must set it in their own config.",
     )
     ack_wait_s: float = Field(60.0, gt=0, description="time a stage has to finish a message before redelivery")
-    max_deliver: int = Field(5, ge=1)
-    max_ack_pending: int = Field(256, ge=1)
-    duplicate_window_s: float = Field(1800.0, gt=0)
+    max_deliver: int = Field(
+        5, ge=1, description="deliveries of one message before it is dead-lettered with reason max_deliver (count)"
+    )
+    max_ack_pending: int = Field(
+        256, ge=1, description="messages one stage's consumer may hold unacknowledged across its replicas (count)"
+    )
+    duplicate_window_s: float = Field(
+        1800.0,
+        gt=0,
+        description="how long JetStream remembers a message id to drop a repeated publish (seconds); longer than "
+        "ack_wait_s * max_deliver",
+    )
     dead_letter_max_age_s: float = Field(
         14 * 86400.0,
         gt=0,
@@ -385,7 +426,9 @@ class NatsConfig(Section):
         "with backoff (DEAD with reason timeout after max_deliver tries); a loop without progress for twice this "
         "long reports NOT_SERVING on its gRPC health, so liveness probes restart it",
     )
-    fetch_timeout_s: float = Field(1.0, gt=0)
+    fetch_timeout_s: float = Field(
+        1.0, gt=0, description="longest one pull of a stage waits for messages before it looks around again (seconds)"
+    )
     max_message_bytes: int = Field(
         512 * 1024, ge=1024, description="larger messages are dead-lettered (server max is 1 MiB)"
     )
@@ -436,8 +479,11 @@ class NatsConfig(Section):
 
 
 class RolloutConfig(Section):
-    backend: Literal["vllm", "hf"] = "vllm"
-    replicas: int = Field(1, ge=1)
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
+    )
+    replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int | None = Field(
         256,
@@ -524,7 +570,7 @@ class RewardHttpConfig(Section):
     def _headers_set_in_environment(self) -> RewardHttpConfig:
         if self.token_file is not None and any(name.lower() == "authorization" for name in self.headers_from_env):
             raise ValueError("token_file and headers_from_env both set the Authorization header: keep one")
-        if not _read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
+        if not read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
             return self
         # At start only: a live change is validated by the trainer's admin, on a host where this file need not be.
         if self.token_file is not None and not self.token_file.is_file():
@@ -551,12 +597,11 @@ class RewardConfig(Section):
     )
     model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
     http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
-    replicas: int = Field(1, ge=1)
-    batch: int = Field(64, ge=1)
+    replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
+    batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
     max_abs_reward: float = Field(
         100.0,
         gt=0,
-        allow_inf_nan=False,
         description="largest |reward| a completion may get (reward units: the weighted sum of the parts); a group "
         "with a larger or non-finite one is an input fault, dead-lettered with the reason instead of trained on",
     )
@@ -581,20 +626,22 @@ class RewardConfig(Section):
 
 class ReferenceConfig(Section):
     model_path: Path | None = Field(None, description="defaults to model.path")
-    replicas: int = Field(1, ge=1)
-    batch: int = Field(32, ge=1)
+    replicas: int = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
+    batch: int = Field(32, ge=1, description="scored groups one reference replica pulls and runs together (groups)")
 
 
 class ServiceConfig(Section):
-    host: str = "127.0.0.1"
+    host: str = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
     instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
     trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
     trainer_host: str = Field(
         "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
     )
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
-    torch_threads: int = Field(1, ge=1)
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the least severe log records written"
+    )
     log_max_mib: int = Field(
         100, ge=1, description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size"
     )
@@ -605,7 +652,7 @@ class AdminConfig(Section):
     port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
     token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
-    tls_key: Path | None = None
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> AdminConfig:
@@ -621,7 +668,9 @@ class AdminCredentials(BaseSettings):
     """The admin bearer token, only from the environment, a secrets file or admin.token_file, never from YAML."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore", secrets_dir=SECRETS_DIRS)
-    token: str = Field("", repr=False)
+    token: str = Field(
+        "", repr=False, description="the admin bearer token (RLPIPE_ADMIN_TOKEN); empty = admin.token_file"
+    )
 
 
 class TelemetryConfig(Section):
@@ -671,183 +720,6 @@ class TelemetryConfig(Section):
         return trackers
 
 
-AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
-AlertAction = Literal["notify", "pause", "stop", "rollback"]
-
-
-class AlertRule(Section):
-    """One rule over a metric of the trainer's step rows (or a status metric such as services_down).
-
-    above/below: every value of the last ``window_steps`` rows is beyond ``threshold``.
-    nan: the newest value is NaN or infinite.
-    absent: no row has carried the metric for ``window_s`` seconds.
-    rises_by/falls_by: the mean of the last ``window_steps`` values differs from the mean
-    of the ``window_steps`` before them by more than ``threshold`` (relative, 1.0 = doubled).
-    """
-
-    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
-    metric: str
-    condition: AlertCondition
-    threshold: float = 0.0
-    window_steps: int = Field(1, ge=1)
-    window_s: float = Field(60.0, gt=0, description="for absent")
-    severity: Literal["info", "warning", "critical"] = "warning"
-    actions: list[AlertAction] = Field(default_factory=lambda: ["notify"])
-
-
-def default_alert_rules() -> list[AlertRule]:
-    """The operator's usual worries, with thresholds loose enough not to fire on a healthy run."""
-    rules = [
-        {"name": "entropy_collapse", "metric": "entropy", "condition": "below", "threshold": 0.02, "window_steps": 5},
-        {"name": "kl_too_high", "metric": "kl_ref", "condition": "above", "threshold": 1.0, "window_steps": 5},
-        {
-            "name": "reward_std_explodes",
-            "metric": "reward_std",
-            "condition": "rises_by",
-            "threshold": 10.0,
-            "window_steps": 10,
-        },
-        {
-            "name": "response_length_runaway",
-            "metric": "response_length_mean",
-            "condition": "rises_by",
-            "threshold": 1.0,
-            "window_steps": 20,
-        },
-        {
-            "name": "termination_rate_falls",
-            "metric": "termination_rate",
-            "condition": "below",
-            "threshold": 0.5,
-            "window_steps": 10,
-        },
-        {
-            "name": "step_time_regression",
-            "metric": "step_time_s",
-            "condition": "rises_by",
-            "threshold": 2.0,
-            "window_steps": 20,
-        },
-        {
-            "name": "checkpoint_failures",
-            "metric": "checkpoint_failed",
-            "condition": "above",
-            "threshold": 0.0,
-            "severity": "critical",
-        },
-        {
-            "name": "nan_loss",
-            "metric": "loss",
-            "condition": "nan",
-            "severity": "critical",
-            "actions": ["notify", "pause"],
-        },
-        {
-            "name": "service_down",
-            "metric": "services_down",
-            "condition": "above",
-            "threshold": 0.0,
-            "window_steps": 3,
-            "severity": "critical",
-        },
-        {
-            # A group neither applied, dropped nor dead-lettered within train.lost_after_s: samples went missing.
-            "name": "groups_lost",
-            "metric": "groups_lost",
-            "condition": "above",
-            "threshold": 0.0,
-            "severity": "critical",
-        },
-        {
-            # Under 5% of the GPU's memory free for 3 steps: the next longer batch is an OOM. Only CUDA runs
-            # carry the metric (services/common/observe/hardware.py), and a rule whose metric is absent is not judged.
-            "name": "gpu_memory_headroom",
-            "metric": "memory/headroom_frac",
-            "condition": "below",
-            "threshold": 0.05,
-            "window_steps": 3,
-        },
-        {
-            # No step for 15 minutes while the run is not paused: a stage stopped, hung or starved the trainer.
-            "name": "steps_absent",
-            "metric": "step_time_s",
-            "condition": "absent",
-            "window_s": 900.0,
-            "severity": "critical",
-        },
-        {
-            # Roles whose every live replica's loop made no progress for 2 * nats.max_work_s (the health rows,
-            # every few seconds, carry the count; services/common/transport/presence.py).
-            "name": "role_stalled",
-            "metric": "roles_stalled",
-            "condition": "above",
-            "threshold": 0.0,
-            "window_steps": 3,
-            "severity": "critical",
-        },
-        {
-            # Every group scored alike for 10 steps: GRPO advantages are all zero and nothing is learned
-            # (a broken reward function, or prompts far too easy or too hard).
-            "name": "zero_reward_variance",
-            "metric": "zero_variance_groups",
-            "condition": "above",
-            "threshold": 0.999,
-            "window_steps": 10,
-        },
-        {
-            # Applied groups come from policies more than 4 versions old on average: rollouts cannot keep up
-            # or do not receive new weights.
-            "name": "staleness_high",
-            "metric": "staleness_mean",
-            "condition": "above",
-            "threshold": 4.0,
-            "window_steps": 10,
-        },
-        {
-            # A role restarted more than 3 times within supervision.restart_window_s: a crash loop.
-            "name": "restart_loop",
-            "metric": "role_restarts",
-            "condition": "above",
-            "threshold": 3.0,
-            "severity": "critical",
-        },
-        {
-            # Free space on the runs directory (and a file:// store) is less than two saves need.
-            "name": "disk_space_low",
-            "metric": "disk_free_saves",
-            "condition": "below",
-            "threshold": 2.0,
-            "severity": "critical",
-        },
-    ]
-    return [AlertRule(**rule) for rule in rules]
-
-
-class AlertsConfig(Section):
-    enabled: bool = True
-    webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
-    webhook_retries: int = Field(
-        3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
-    )
-    webhook_backoff_s: float = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
-    heartbeat_s: float = Field(
-        300.0,
-        ge=0,
-        description="the trainer POSTs a `watchdog` firing to the webhook this often (0 = never), so a dead-man "
-        "receiver notices when alerts could no longer reach anyone",
-    )
-    cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
-    rules: list[AlertRule] = Field(default_factory=default_alert_rules)
-
-    @field_validator("rules")
-    @classmethod
-    def _unique_names(cls, rules: list[AlertRule]) -> list[AlertRule]:
-        names = [rule.name for rule in rules]
-        if len(names) != len(set(names)):
-            raise ValueError(f"rule names must be unique, got {names}")
-        return rules
-
-
 class TrainerConfig(Section):
     nproc: int = Field(
         1,
@@ -875,7 +747,9 @@ class SupervisionConfig(Section):
     backoff_s: float = Field(
         1.0, gt=0, description="first restart delay, doubled for each earlier restart still in the window"
     )
-    max_backoff_s: float = Field(30.0, gt=0)
+    max_backoff_s: float = Field(
+        30.0, gt=0, description="longest delay before a restart, however many came before (seconds)"
+    )
     trainer_stop_grace_s: float = Field(
         300.0,
         gt=0,
@@ -903,27 +777,36 @@ class SupervisionConfig(Section):
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
-    run_id: str = Field("run", pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    run_id: str = Field(
+        "run",
+        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        description="names the run's streams, buckets, checkpoint prefix and run directory (1-64 letters, digits, "
+        "_ or -)",
+    )
     environment: Literal["dev", "test", "prod"] | None = Field(
         None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
     )
-    runs_dir: Path = Path("runs")
+    runs_dir: Path = Field(
+        Path("runs"), description="folder of run directories (logs, metrics, samples; file:// checkpoints by default)"
+    )
     metrics_path: Path | None = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
-    model: ModelConfig
-    data: DataConfig
-    sampling: SamplingConfig = SamplingConfig()
-    train: TrainConfig = TrainConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    nats: NatsConfig = NatsConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    reward: RewardConfig = RewardConfig()
-    reference: ReferenceConfig = ReferenceConfig()
-    service: ServiceConfig = ServiceConfig()
-    trainer: TrainerConfig = TrainerConfig()
-    supervision: SupervisionConfig = SupervisionConfig()
-    admin: AdminConfig = AdminConfig()
-    telemetry: TelemetryConfig = TelemetryConfig()
-    alerts: AlertsConfig = AlertsConfig()
+    model: ModelConfig = Field(description="the policy model")
+    data: DataConfig = Field(description="the prompts to train and evaluate on")
+    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts sample completions")
+    train: TrainConfig = Field(TrainConfig(), description="the learning algorithm and its optimizer")
+    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="where and how often checkpoints are kept")
+    nats: NatsConfig = Field(NatsConfig(), description="the broker and its streams")
+    rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout role and its engine")
+    reward: RewardConfig = Field(RewardConfig(), description="the reward role: functions, a model, a remote service")
+    reference: ReferenceConfig = Field(ReferenceConfig(), description="the reference role")
+    service: ServiceConfig = Field(ServiceConfig(), description="ports, hosts and logs every service shares")
+    trainer: TrainerConfig = Field(TrainerConfig(), description="the trainer's processes")
+    supervision: SupervisionConfig = Field(
+        SupervisionConfig(), description="how `rlpipe run` restarts and stops services"
+    )
+    admin: AdminConfig = Field(AdminConfig(), description="the trainer's Admin gRPC API")
+    telemetry: TelemetryConfig = Field(TelemetryConfig(), description="metrics endpoints, files and trackers")
+    alerts: AlertsConfig = Field(AlertsConfig(), description="alert rules and where firings go")
 
     @classmethod
     def settings_customise_sources(
@@ -935,7 +818,7 @@ class RunConfig(BaseSettings):
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML arrives as init kwargs; the environment must override it.
-        return (env_settings, init_settings) if _read_environment.get() else (init_settings,)
+        return (env_settings, init_settings) if read_environment.get() else (init_settings,)
 
     @model_validator(mode="after")
     def _lost_only_after_every_delivery(self) -> RunConfig:
@@ -953,7 +836,7 @@ class RunConfig(BaseSettings):
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
         for name in reward.functions:
             if ":" not in name:  # import paths are checked by RewardConfig
-                _one_of(name, registry.REWARD_FUNCTIONS.names())
+                one_of(name, registry.REWARD_FUNCTIONS.names())
         return reward
 
     @property
@@ -981,8 +864,8 @@ class BuildInfo(BaseSettings):
     """What is running: baked into images as RLPIPE_BUILD_VERSION / RLPIPE_BUILD_REVISION, reported by status."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_BUILD_", extra="ignore")
-    version: str = ""
-    revision: str = ""
+    version: str = Field("", description="the package version; empty = the installed rlpipe's")
+    revision: str = Field("", description="the source revision; empty = the git checkout's short hash")
 
     def resolved(self) -> BuildInfo:
         """Fill what the environment left empty from the installed package and the git checkout."""
@@ -1009,214 +892,4 @@ class DeploymentEnvironment(BaseSettings):
     """``RLPIPE_ENV``: which deployment this machine belongs to (dev, test or prod)."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_", extra="ignore")
-    env: str = ""
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot start a run; the message names every bad field."""
-
-
-def _describe(error: ValidationError) -> list[str]:
-    lines = []
-    for item in error.errors():
-        field = ".".join(str(part) for part in item["loc"]) or "<root>"
-        message = item["msg"].removeprefix("Value error, ")
-        given = item.get("input")
-        shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
-        lines.append(f"  {field}: {message}{shown}")
-    return lines
-
-
-def load_config(path: Path | str | None = None, **overrides: Any) -> RunConfig:
-    """Read the YAML at ``path`` (if any), apply ``overrides`` and the ``RLPIPE_*`` environment."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} does not exist")
-        data = _read_yaml(path)
-    data.update(overrides)
-    problems: list[str] = []
-    cfg = None
-    try:
-        cfg = RunConfig(**data)
-    except ValidationError as error:
-        problems = _describe(error)
-    # Checked even when fields failed, so that one run of the command names every problem.
-    environment = cfg.environment if cfg is not None else data.get("environment")
-    deployment = DeploymentEnvironment().env
-    if deployment and isinstance(environment, str) and deployment != environment:
-        problems.append(
-            f"  environment: this config is for {environment!r} "
-            f"but RLPIPE_ENV is {deployment!r}; use the config of this environment or set RLPIPE_ENV to match"
-        )
-    if problems or cfg is None:
-        raise ConfigError("invalid configuration:\n" + "\n".join(problems))
-    return cfg
-
-
-def _yaml_position(error: yaml.MarkedYAMLError) -> str:
-    """Where the parser stopped and what it expected, and where the construct it was reading began."""
-
-    def at(mark: yaml.Mark) -> str:
-        return f"line {mark.line + 1}, column {mark.column + 1}"
-
-    mark = error.problem_mark or error.context_mark
-    said = f"at {at(mark)}: " if mark is not None else ": "
-    said += error.problem or error.context or "unreadable"
-    if error.problem_mark is not None and error.context_mark is not None and error.context:
-        said += f" ({error.context} that starts at {at(error.context_mark)})"
-    return said
-
-
-def _read_yaml(path: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.MarkedYAMLError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML {_yaml_position(error)}") from None
-    except yaml.YAMLError as error:
-        raise ConfigError(f"config file {str(path)!r} is not valid YAML: {error}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
-    return data
-
-
-def parse_value(text: str) -> Any:
-    """A setting's value as the operator typed it, read as YAML: ``5e-5``, ``[notify, pause]``, ``{exact_match: 1}``."""
-    try:
-        return yaml.safe_load(text) if text.strip() else ""
-    except yaml.YAMLError as error:
-        raise ConfigError(f"value {text!r} is not valid YAML: {error}") from None
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
-    """``KEY=VALUE`` settings as typed on a command line (``train.learning_rate=5e-5``) as dotted overrides.
-
-    Each value is read as YAML, as `rlpipe config set` reads it. ConfigError, in one line, names the first
-    item that is not ``KEY=VALUE`` or whose value is not YAML.
-    """
-    overrides: dict[str, Any] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"override {item!r} is not KEY=VALUE (a dotted key, e.g. train.learning_rate=5e-5)")
-        try:
-            overrides[key.strip()] = parse_value(text)
-        except ConfigError as error:
-            raise ConfigError(f"override {key.strip()}: {' '.join(str(error).split())}") from None
-    return overrides
-
-
-def load_config_with(path: Path | str, overrides: Mapping[str, Any]) -> tuple[RunConfig, dict[str, Any]]:
-    """The run config of the file at ``path`` with dotted ``overrides`` written into it, and that file's data.
-
-    The data is for processes that read a config file (``rlpipe run``'s services): written out as YAML, it
-    loads to the same config. ``RLPIPE_*`` variables still apply on top, as they do over the file, so an
-    override that one of them would undo is refused rather than silently lost. Errors are one-line
-    ConfigErrors naming the override (an unknown key, a value its field refuses).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} does not exist")
-    data = _read_yaml(path)
-    for key, value in overrides.items():
-        try:
-            _set_dotted(data, RunConfig, key, value)
-        except ConfigError as error:
-            raise ConfigError(f"override {_one_line(error)}") from None
-    try:
-        cfg = load_config(None, **data)
-    except ConfigError as error:
-        if not overrides:
-            raise  # the file's own problems, one line each as load_config names them
-        raise ConfigError(f"invalid override: {_one_line(error)}") from None
-    token = _read_environment.set(False)
-    try:
-        as_written = RunConfig(**data)
-    finally:
-        _read_environment.reset(token)
-    for key in overrides:
-        if _dotted_value(cfg, key) != _dotted_value(as_written, key):
-            raise ConfigError(
-                f"override {key}: an RLPIPE_* environment variable sets it too and would win; unset it or drop "
-                "the override"
-            )
-    return cfg, data
-
-
-def _one_line(error: ConfigError) -> str:
-    """A ConfigError's field lines joined into one, without the ``invalid configuration:`` heading."""
-    lines = str(error).removeprefix("invalid configuration:").strip().splitlines()
-    return "; ".join(line.strip() for line in lines)
-
-
-def _dotted_value(cfg: RunConfig, key: str) -> Any:
-    node: Any = cfg.model_dump(mode="json")
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return node
-
-
-REDACTED = "<redacted>"
-# Credentials never enter the model; a webhook URL often carries a token in its path.
-SECRET_FIELDS = ("alerts.webhook_url",)
-
-
-def redact(key: str, value: Any) -> Any:
-    """``value`` of the dotted field ``key`` ("" for the whole config) as files, logs and operators may see it."""
-    if key in SECRET_FIELDS:
-        return REDACTED if value else value
-    if isinstance(value, dict):
-        return {name: redact(f"{key}.{name}" if key else name, item) for name, item in value.items()}
-    return value
-
-
-def redacted_dump(cfg: RunConfig) -> dict[str, Any]:
-    """The config as plain data for files and operators."""
-    return redact("", cfg.model_dump(mode="json", by_alias=True))
-
-
-def is_live(key: str) -> bool:
-    return any(key == live or key.startswith(live + ".") for live in LIVE_FIELDS)
-
-
-def _set_dotted(data: dict[str, Any], model: type[BaseModel] | None, key: str, value: Any) -> None:
-    """Set ``key`` (dotted, field names or aliases) in a by-alias dump of ``model``; unknown fields are refused."""
-    parts = key.split(".")
-    node: Any = data
-    for depth, part in enumerate(parts):
-        if model is not None:
-            # A field is known by its name or its alias; the dump uses the alias.
-            keys = {name: info.alias or name for name, info in model.model_fields.items()}
-            keys |= {alias: alias for alias in keys.values()}
-            if part not in keys:
-                raise ConfigError(
-                    f"invalid configuration:\n  {key}: no such field (allowed here: {sorted(model.model_fields)})"
-                )
-            field = next(info for name, info in model.model_fields.items() if (info.alias or name) == keys[part])
-            part = keys[part]
-            annotation = field.annotation
-            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-        elif not isinstance(node, dict):
-            raise ConfigError(f"invalid configuration:\n  {key}: {'.'.join(parts[:depth])} holds no fields")
-        if depth == len(parts) - 1:
-            node[part] = value
-        else:
-            node = node.setdefault(part, {})
-
-
-def apply_overrides(base: RunConfig, overrides: dict[str, Any]) -> RunConfig:
-    """``base`` with dotted ``overrides`` (``{"train.learning_rate": 5e-5}``), validated.
-
-    The environment is not read again: an operator's change must not be undone by it.
-    """
-    data = base.model_dump(mode="json", by_alias=True)
-    for key, value in overrides.items():
-        _set_dotted(data, RunConfig, key, value)
-    token = _read_environment.set(False)
-    try:
-        return RunConfig(**data)
-    except ValidationError as error:
-        raise ConfigError("invalid configuration:\n" + "\n".join(_describe(error))) from None
-    finally:
-        _read_environment.reset(token)
+    env: str = Field("", description="this machine's deployment (dev, test or prod); empty = any")
