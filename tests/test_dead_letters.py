@@ -1,4 +1,5 @@
-"""`rlpipe dead-letters` lists DEAD with reasons and re-injects a fixed message into its origin stream."""
+"""`rlpipe dead-letters` lists DEAD with reasons and re-injects a fixed message into its origin stream, recording
+the re-inject in DEAD beside the letter."""
 
 import asyncio
 import json
@@ -7,7 +8,7 @@ import sys
 
 import msgpack
 
-from services.common.bus import PROMPTS, Bus, stream_name, subject
+from services.common.bus import DEAD, H_GROUP, H_REINJECTED, H_STREAM, PROMPTS, Bus, stream_name, subject
 from services.common.config import load_config
 from services.common.messages import Prompt, decode, encode
 from services.dead_letters import list_dead_letters
@@ -84,4 +85,17 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
         return decode(msg.data, Prompt)
 
     assert asyncio.run(read_back()).group_id == "e0-i0"
-    assert asyncio.run(list_dead_letters(nats_url, "dl")) == []
+    # The letter stays, marked with the record of its re-inject; the record names the fixed body's group, which
+    # the trainer reopens when it reads it.
+    [kept] = asyncio.run(list_dead_letters(nats_url, "dl"))
+    assert (kept.sequence, kept.reinjected_at) == (letter["sequence"], 2)
+
+    async def record() -> dict[str, str]:
+        bus = await Bus(cfg, "test").connect()
+        raw = await bus.js.get_msg(stream_name("dl", DEAD), seq=2)
+        await bus.close()
+        return dict(raw.headers)
+
+    headers = asyncio.run(record())
+    assert headers[H_REINJECTED] == str(letter["sequence"]) and headers[H_GROUP] == "e0-i0"
+    assert headers[H_STREAM] == stream_name("dl", PROMPTS)

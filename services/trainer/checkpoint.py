@@ -197,7 +197,9 @@ class TrainerState:
     baseline_accuracy: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # the last step's metrics row
     incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
-    applied_ids: list[str] = field(default_factory=list)  # groups applied or dropped since the oldest kept step
+    applied_ids: list[str] = field(default_factory=list)  # groups settled (any fate) since the oldest kept step
+    dead_ids: list[str] = field(default_factory=list)  # those of applied_ids settled as dead: a re-inject reopens them
+    dead_seq: int = 0  # the DEAD sequence read through: a resumed trainer reads DEAD on after it
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
 
     # Fields every trainer_state.json has carried; the others default when an older file lacks them.
