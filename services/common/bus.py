@@ -27,7 +27,8 @@ restart, until the launcher's restart limit ends the run) with ``ConsumerSetting
 naming the field. A broker that lost messages is never
 read past silently: ``StreamReader.next`` raises ``StreamGap`` when
 the next message present is beyond the expected sequence (EXPERIENCE is purged only
-below its reader, so any jump is a loss) and ``BrokerStateLost`` when the stream was
+below its reader, so any jump is a loss; DEAD is not: its letters age out and an operator may
+delete one, so its reader steps over holes) and ``BrokerStateLost`` when the stream was
 re-created or ends below what was already read; ``Bus.check_covers`` makes the same
 check for a checkpoint's sequence. Both are meant to stop the reader, not be retried.
 
@@ -71,6 +72,7 @@ from typing import Generic, TypeVar
 import nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import MsgAlreadyAckdError, NotJSMessageError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from opentelemetry import trace
@@ -887,6 +889,8 @@ class Stage(Generic[In, Out]):
         async def attempt() -> T:
             try:
                 return await call()
+            except (MsgAlreadyAckdError, NotJSMessageError):  # our bug, not the broker's: retrying cannot help
+                raise
             except (NatsError, TimeoutError) as error:
                 raise DependencyUnavailable(f"{step} failed: {error!r}") from error
 

@@ -336,11 +336,11 @@ class Intake:
         """Act on one DEAD message: 1 when it settled a group as dead, else 0."""
         headers = msg.headers or {}
         group_id = headers.get(H_GROUP)
-        incarnation = headers.get(H_INCARNATION)
         if not group_id:
             return 0
-        if incarnation and incarnation != self.progress.incarnation:
+        if not self._ours(headers):
             # An abandoned incarnation's group: this one feeds the same ids as its own (see ``collect``).
+            incarnation = headers[H_INCARNATION]
             log_event(log, "foreign_dead_letter_ignored", group_id=group_id, incarnation=incarnation, seq=msg.sequence)
             return 0
         if H_REINJECTED in headers:
@@ -355,6 +355,11 @@ class Intake:
             return 0
         log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
         return 1
+
+    def _ours(self, headers: dict[str, str]) -> bool:
+        """Whether a message is of this incarnation's groups (one from before incarnations were stamped counts)."""
+        incarnation = headers.get(H_INCARNATION)
+        return not incarnation or incarnation == self.progress.incarnation
 
     def _broker_failed(self, step: str, error: BaseException) -> None:
         self.broker.failed()
@@ -406,21 +411,20 @@ class Intake:
                 waiting.add(((await self.bus.js.get_msg(stream, seq)).headers or {}).get(H_GROUP))
         return waiting
 
-    async def _dead_letter(self, msg: StreamMessage, reason: str, stop: asyncio.Event) -> bool:
-        """Copy an EXPERIENCE message to DEAD, retried with backoff while the broker fails it; False if stopped."""
-        while not stop.is_set():
-            if (wait := self.broker.retry_in()) > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=wait)
-                continue
-            try:
-                await self.bus.dead_letter(msg, reason, EXPERIENCE)
-            except (NatsError, TimeoutError) as error:
-                self._broker_failed("dead_letter", error)
-                continue
-            self.broker.succeeded()
-            return True
-        return False
+    async def _dead_letter(self, msg: StreamMessage, reason: str) -> bool:
+        """Copy an EXPERIENCE message to DEAD; False when the broker failed it (or is still backed off from failing),
+        after which the caller drops the partial batch, so the loop goes on beating and takes operator commands,
+        and the message is read again (and its dead letter tried again) by the next ``collect``."""
+        if (wait := self.broker.retry_in()) > 0:
+            await asyncio.sleep(min(wait, 1.0))
+            return False
+        try:
+            await self.bus.dead_letter(msg, reason, EXPERIENCE)
+        except (NatsError, TimeoutError) as error:
+            self._broker_failed("dead_letter", error)
+            return False
+        self.broker.succeeded()
+        return True
 
     async def collect(
         self, cfg: RunConfig, config_version: int, interrupted: Callable[[], Awaitable[bool]], stop: asyncio.Event
@@ -453,10 +457,10 @@ class Intake:
                     if (problem := token_id_problem(group, self.vocab_size)) is not None:
                         raise DecodeError(f"invalid ExperienceGroup: {problem}")
                 except DecodeError as error:
-                    if not await self._dead_letter(msg, str(error), stop):
-                        self.rewind()  # stopped during a broker outage: the message is read again next time
+                    if not await self._dead_letter(msg, str(error)):
+                        self.rewind()  # the broker's failure, not the message's: read it again next time
                         return None
-                    if group_id:
+                    if group_id and self._ours(msg.headers or {}):
                         self.ledger.settle([group_id], self.progress.step, Fate.DEAD)
                     continue
                 except StoreUnavailable as error:  # read it again once the store answers; the partial batch too

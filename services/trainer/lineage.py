@@ -4,7 +4,8 @@ One line per applied step (step, policy version after it, the groups applied wit
 version that generated each, the groups dropped as stale, the last EXPERIENCE sequence
 read), one line per resume, restart or rollback, naming the steps and policy versions it
 abandoned, one line per batch of groups written off as lost, and one line per dead group that
-an operator re-injected (``rlpipe dead-letters --reinject``), which is in flight again. The steps
+an operator re-injected (``rlpipe dead-letters --reinject``), which is in flight again (a trainer
+resumed from a checkpoint older than that line reopens the group again, and writes it again). The steps
 that make up the current model are the recorded steps minus the abandoned ones; that
 list is how operators answer "which samples trained step N" and how the tests prove
 that every group was applied exactly once.

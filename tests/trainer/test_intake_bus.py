@@ -373,15 +373,43 @@ def test_dead_lettering_experience_waits_out_a_broker_that_refuses_the_write(tin
         await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="bad")
         for group_id in ("e0-i1", "e0-i2"):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
-        collecting = asyncio.create_task(intake.collect(cfg, 0, never, asyncio.Event()))
-        await asyncio.sleep(3.0)
-        assert not collecting.done(), "the trainer gave up on (or crashed at) a dead letter the broker refused"
-        assert intake.broker.failures > 0 and ledger.fate("e0-i0") is None
+        # Each try drops the partial batch (the loop goes on) and backs off; the message is not skipped.
+        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert intake.broker.failures == 1 and intake.broker.retry_in() > 0
+        await asyncio.sleep(intake.broker.retry_in())
+        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert intake.broker.failures == 2 and ledger.fate("e0-i0") is None and intake.reader.next_seq == 1
         await bus.js.update_stream(settings)
-        collected = await asyncio.wait_for(collecting, timeout=30)
+        collected = None
+        deadline = time.monotonic() + 30
+        while collected is None and time.monotonic() < deadline:
+            collected = await intake.collect(cfg, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e0-i1", "e0-i2"] and ledger.fate("e0-i0") == Fate.DEAD
+        assert intake.broker.failures == 0
         assert (await bus.js.stream_info(dead)).state.messages == 2
         assert (await bus.js.get_msg(dead, seq=2)).headers[H_GROUP] == "e0-i0"
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_abandoned_incarnations_bad_experience_is_dead_lettered_without_settling_this_incarnations_group(
+    tiny_model, tmp_path, nats_url
+):
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "a"), msg_id="old-bad")
+        for group_id in ("e0-i0", "e0-i1"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
+        collected = await asyncio.wait_for(intake.collect(cfg, 0, never, asyncio.Event()), timeout=30)
+        assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
+        assert (letter.headers[H_GROUP], letter.headers[H_INCARNATION]) == ("e0-i0", "a")
+        assert ledger.dead() == [] and await intake.catch_up_dead() == 0
         await bus.close()
 
     asyncio.run(scenario())
