@@ -115,7 +115,10 @@ async def reinject(
         if payload is not None:  # a fixed body names its group itself (an undecodable letter may name none)
             headers.update(_group_headers(payload))
         record = {key: headers[key] for key in (H_GROUP, H_INCARNATION) if key in headers}
-        record |= {H_REINJECTED: str(sequence), H_STREAM: origin, "Nats-Msg-Id": f"reinjected.{sequence}.record"}
+        # Where the letter's message came from, too: the trainer ignores any later letter for that same message
+        # (a replay of EXPERIENCE after a resume dead-letters it again), which would settle the reopened group.
+        record |= {H_REINJECTED: str(sequence), H_STREAM: origin, H_SEQ: letter.get(H_SEQ, "")}
+        record["Nats-Msg-Id"] = f"reinjected.{sequence}.record"
         await js.publish(subject(run_id, DEAD), b"", headers=record)
         await js.publish(
             subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers

@@ -200,6 +200,7 @@ class TrainerState:
     applied_ids: list[str] = field(default_factory=list)  # groups settled (any fate) since the oldest kept step
     dead_ids: list[str] = field(default_factory=list)  # those of applied_ids settled as dead: a re-inject reopens them
     dead_seq: int = 0  # the DEAD sequence read through: a resumed trainer reads DEAD on after it
+    reinjected: list[str] = field(default_factory=list)  # "<stream>:<sequence>" of each message re-injected from DEAD
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
 
     # Fields every trainer_state.json has carried; the others default when an older file lacks them.

@@ -39,6 +39,8 @@ from services.common.bus import (
     H_GROUP,
     H_INCARNATION,
     H_REINJECTED,
+    H_SEQ,
+    H_STREAM,
     PROMPTS,
     Bus,
     CircuitBreaker,
@@ -150,6 +152,9 @@ class GroupLedger:
         self.read: set[str] = set()
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
+        # "<stream>:<sequence>" of each message an operator re-injected from DEAD: a later dead letter of the same
+        # message is a replay's (EXPERIENCE re-read after a resume), not a new failure of the reopened group.
+        self.reinjected: set[str] = set()
         self.counts: Counter[Fate] = Counter()
         self.fed_count = 0
         self.newest_arrival = 0  # the highest serial that came back: the pipeline has moved past what is below
@@ -221,9 +226,13 @@ class GroupLedger:
         """Drop the fates settled at or before ``step``: no kept checkpoint goes back that far."""
         self.settled = {g: s for g, s in self.settled.items() if s.step > step}
 
-    def restore(self, in_flight: list[str], applied: list[str], dead: list[str], step: int, now: float) -> None:
-        """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now) and the groups it settled
-        (``applied`` lists every settled group; those also in ``dead`` keep that fate, which a re-inject reopens)."""
+    def restore(
+        self, in_flight: list[str], applied: list[str], dead: list[str], reinjected: list[str], step: int, now: float
+    ) -> None:
+        """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now), the groups it settled
+        (``applied`` lists every settled group; those also in ``dead`` keep that fate, which a re-inject reopens)
+        and the messages re-injected."""
+        self.reinjected = set(reinjected)
         self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(in_flight, start=1)}
         self.read = set()
         self.fed_count, self.newest_arrival = len(in_flight), 0
@@ -343,13 +352,18 @@ class Intake:
             incarnation = headers[H_INCARNATION]
             log_event(log, "foreign_dead_letter_ignored", group_id=group_id, incarnation=incarnation, seq=msg.sequence)
             return 0
+        origin = f"{headers.get(H_STREAM, '')}:{headers.get(H_SEQ, '')}"
         if H_REINJECTED in headers:
             letter = int(headers[H_REINJECTED])
+            self.ledger.reinjected.add(origin)
             if self.ledger.reopen(group_id, time.monotonic()):
                 log_event(log, "group_reopened", group_id=group_id, dead_letter=letter)
                 self.on_reopened(group_id, letter)
             else:  # applied, dropped or lost meanwhile, or never dead here: its copy will be refused as a repeat
                 log_event(log, "reopen_refused", level=logging.WARNING, group_id=group_id, dead_letter=letter)
+            return 0
+        if origin in self.ledger.reinjected:  # the re-injected message, dead-lettered again by a replay: not news
+            log_event(log, "dead_letter_of_reinjected_ignored", group_id=group_id, origin=origin, seq=msg.sequence)
             return 0
         if not self.ledger.settle([group_id], self.progress.step, Fate.DEAD):
             return 0
@@ -460,8 +474,8 @@ class Intake:
                     if not await self._dead_letter(msg, str(error)):
                         self.rewind()  # the broker's failure, not the message's: read it again next time
                         return None
-                    if group_id and self._ours(msg.headers or {}):
-                        self.ledger.settle([group_id], self.progress.step, Fate.DEAD)
+                    # Its group is settled when the letter is read back from DEAD, before the next message: in DEAD's
+                    # order, so a letter written again by a replay after a resume cannot undo a re-inject after it.
                     continue
                 except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
                     log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))

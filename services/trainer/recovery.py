@@ -140,7 +140,9 @@ class Recovery:
         if event == "resume":
             # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's.
             self.feeder.seek(state.data_cursor)
-            self.ledger.restore(state.in_flight, state.applied_ids, state.dead_ids, ckpt.step, time.monotonic())
+            self.ledger.restore(
+                state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, ckpt.step, time.monotonic()
+            )
             progress.baseline_eval = state.baseline_accuracy
             progress.last_row = dict(state.metrics)
         else:
@@ -242,6 +244,7 @@ class Recovery:
                 applied_ids=sorted(self.ledger.settled),
                 dead_ids=self.ledger.dead(),
                 dead_seq=progress.dead_seq,
+                reinjected=sorted(self.ledger.reinjected),
                 claim_keys=sorted((seq, key) for key, seq in self.claim_keys.items()),
             ),
             extras={

@@ -40,7 +40,7 @@ def test_a_checkpoint_lists_groups_read_but_not_yet_applied_with_those_in_flight
     # Resumed from such a checkpoint, every unsettled group is in flight again (the read one comes back from
     # EXPERIENCE, past the checkpoint's sequence).
     resumed = GroupLedger()
-    resumed.restore(["e0-i1", "e0-i2", "e0-i3"], applied=[], dead=[], step=4, now=0.0)
+    resumed.restore(["e0-i1", "e0-i2", "e0-i3"], applied=[], dead=[], reinjected=[], step=4, now=0.0)
     assert resumed.unsettled() == ["e0-i1", "e0-i2", "e0-i3"] and resumed.read == set()
 
 
@@ -80,14 +80,14 @@ def test_the_ledger_forgets_fates_older_than_the_oldest_kept_checkpoint():
 def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids_and_keeps_the_dead_ones_dead():
     ledger = GroupLedger()
     ledger.fed("from-before-the-crash", now=0.0)
-    ledger.restore(in_flight=["x", "y"], applied=["a", "b", "c"], dead=["c"], step=5, now=100.0)
+    ledger.restore(in_flight=["x", "y"], applied=["a", "b", "c"], dead=["c"], reinjected=["S:3"], step=5, now=100.0)
     assert {g: f.fed_at for g, f in ledger.in_flight.items()} == {"x": 100.0, "y": 100.0}
     assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {
         "a": (5, Fate.APPLIED),
         "b": (5, Fate.APPLIED),
         "c": (5, Fate.DEAD),
     }
-    assert ledger.dead() == ["c"]
+    assert ledger.dead() == ["c"] and ledger.reinjected == {"S:3"}
     assert ledger.reopen("c", now=101.0)  # a re-inject after the resume still gives it its second chance
 
 

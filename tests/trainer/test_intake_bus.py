@@ -273,9 +273,9 @@ def experience_with_float_ids(group_id: str, incarnation: str) -> ExperienceGrou
     return group
 
 
-def restarted(bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reopened: list) -> Intake:
-    """The intake of a trainer resumed from a checkpoint of ``ledger`` and ``progress`` (through its JSON form)."""
-    state = TrainerState.from_json(
+def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
+    """What a checkpoint of ``ledger`` and ``progress`` keeps of them (through its JSON form)."""
+    return TrainerState.from_json(
         TrainerState(
             step=progress.step,
             policy_version=progress.version,
@@ -285,10 +285,21 @@ def restarted(bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reo
             applied_ids=sorted(ledger.settled),
             dead_ids=ledger.dead(),
             dead_seq=progress.dead_seq,
+            reinjected=sorted(ledger.reinjected),
         ).to_json()
     )
+
+
+def restarted(bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reopened: list) -> Intake:
+    """The intake of a trainer resumed from a checkpoint of ``ledger`` and ``progress``."""
+    return resumed_from(bus, rows, checkpoint(ledger, progress), reopened)
+
+
+def resumed_from(bus: Bus, rows: list, state: TrainerState, reopened: list) -> Intake:
     resumed = GroupLedger()
-    resumed.restore(state.in_flight, state.applied_ids, state.dead_ids, state.step, now=time.monotonic())
+    resumed.restore(
+        state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, state.step, now=time.monotonic()
+    )
     progress = Progress(
         step=state.step,
         version=state.policy_version,
@@ -410,6 +421,43 @@ def test_an_abandoned_incarnations_bad_experience_is_dead_lettered_without_settl
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert (letter.headers[H_GROUP], letter.headers[H_INCARNATION]) == ("e0-i0", "a")
         assert ledger.dead() == [] and await intake.catch_up_dead() == 0
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applies_the_re_injected_copy_once(
+    tiny_model, tmp_path, nats_url
+):
+    """The checkpoint predates the bad message: the resumed trainer reads the letter and the re-inject record from
+    DEAD, then re-reads the bad message from EXPERIENCE and dead-letters it again (a duplicate inside the window; a
+    new letter past it, sent by hand here). Neither settles the reopened group again: its copy is applied once."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        for i in range(4):
+            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        saved = checkpoint(ledger, intake.progress)  # before anything was read
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
+        for group_id in ("e0-i1", "e0-i2"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
+        assert await reinject(nats_url, cfg.run_id, 1, encode(experience("e0-i0", incarnation="b")))
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
+        late = {**letter.headers, "Nats-Msg-Id": "past-the-window"}  # the replay's letter, past the duplicate window
+        await bus.js.publish(subject(cfg.run_id, DEAD), letter.data, headers=late)
+        await bus.publish(EXPERIENCE, experience("e0-i3", incarnation="b"), msg_id="e0-i3.b.reference")
+
+        reopened: list[tuple[str, int]] = []
+        again = resumed_from(bus, rows, saved, reopened)
+        first = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        second = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        assert (first, second) == (["e0-i1", "e0-i2"], ["e0-i0", "e0-i3"])
+        assert reopened == [("e0-i0", 1)] and again.ledger.repeats == 0
+        assert (await bus.js.stream_info(stream_name(cfg.run_id, DEAD))).state.messages == 3  # the replay's deduped
         await bus.close()
 
     asyncio.run(scenario())
