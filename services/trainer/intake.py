@@ -203,11 +203,14 @@ class GroupLedger:
 
     def reopen(self, group_id: str, now: float) -> bool:
         """A dead group re-injected by the operator: in flight again (fed last, its clock starting ``now``), so its
-        copy is applied once when it comes, or written off as lost if it never does. Only a dead fate reopens:
-        a group applied, dropped or lost meanwhile keeps its fate, and a copy of it is refused as a repeat."""
-        if self.fate(group_id) != Fate.DEAD:
+        copy is applied once when it comes, or written off as lost if it never does. A dead fate reopens, and so
+        does no fate at all (forgotten with the checkpoint it was settled before, or a fixed body naming a group
+        never fed), whose copy would be taken anyway: in flight, it is at least accounted for. A group applied,
+        dropped or lost meanwhile keeps its fate, one in flight or read stays so, and a copy of it is refused."""
+        fate = self.fate(group_id)
+        if fate != Fate.DEAD and (fate is not None or group_id in self.in_flight or group_id in self.read):
             return False
-        del self.settled[group_id]
+        self.settled.pop(group_id, None)
         self.fed_count += 1
         self.in_flight[group_id] = Flight(now, self.fed_count)
         return True
@@ -474,8 +477,9 @@ class Intake:
                     if not await self._dead_letter(msg, str(error)):
                         self.rewind()  # the broker's failure, not the message's: read it again next time
                         return None
-                    # Its group is settled when the letter is read back from DEAD, before the next message: in DEAD's
-                    # order, so a letter written again by a replay after a resume cannot undo a re-inject after it.
+                    # Its group is settled by reading the letter back from DEAD, in DEAD's order: a letter written
+                    # again by a replay after a resume then cannot undo a re-inject recorded after the first one.
+                    await self.catch_up_dead()
                     continue
                 except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
                     log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))

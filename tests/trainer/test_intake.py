@@ -107,19 +107,24 @@ def test_a_reopened_dead_group_is_in_flight_again_fed_last_and_its_copy_is_appli
     assert ledger.fate("e0-i0") == Fate.APPLIED and ledger.repeats == 1
 
 
-def test_only_a_dead_fate_reopens():
+def test_a_dead_group_or_one_without_a_fate_reopens_and_no_other():
     ledger = GroupLedger()
-    ledger.settle(["applied"], step=1, fate=Fate.APPLIED)
-    ledger.settle(["dropped"], step=1, fate=Fate.DROPPED)
-    ledger.settle(["lost"], step=1, fate=Fate.LOST)
+    ledger.settle(["forgotten"], step=1, fate=Fate.DEAD)
+    ledger.forget_through(1)  # no kept checkpoint goes back to step 1
+    ledger.settle(["applied"], step=2, fate=Fate.APPLIED)
+    ledger.settle(["dropped"], step=2, fate=Fate.DROPPED)
+    ledger.settle(["lost"], step=2, fate=Fate.LOST)
     ledger.fed("flying", now=0.0)
-    assert [g for g in ("applied", "dropped", "lost", "flying", "never-fed") if ledger.reopen(g, now=1.0)] == []
+    ledger.fed("read", now=0.0)
+    assert ledger.arrived("read")
+    candidates = ("applied", "dropped", "lost", "flying", "read", "forgotten", "never-fed")
+    assert [g for g in candidates if ledger.reopen(g, now=1.0)] == ["forgotten", "never-fed"]
     assert {g: s.fate for g, s in ledger.settled.items()} == {
         "applied": Fate.APPLIED,
         "dropped": Fate.DROPPED,
         "lost": Fate.LOST,
     }
-    assert list(ledger.in_flight) == ["flying"]
+    assert list(ledger.in_flight) == ["flying", "forgotten", "never-fed"] and ledger.read == {"read"}
 
 
 def experience_with(prompt_ids: np.ndarray, token_ids: np.ndarray) -> ExperienceGroup:
