@@ -1,18 +1,45 @@
-"""`rlpipe dead-letters` lists DEAD with reasons and re-injects a fixed message into its origin stream."""
+"""`rlpipe dead-letters` lists DEAD with reasons and re-injects a fixed message into its origin stream, recording
+the re-inject in DEAD beside the letter."""
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import msgpack
+import nats
+import numpy as np
 import pytest
 
-from services.cli.dead_letters import list_dead_letters
+from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options, reinject
 from services.common.config import load_config
-from services.common.transport.bus import PROMPTS, Bus, stream_name, subject
-from services.common.transport.messages import Prompt, decode, encode
-from tests.conftest import ROOT, write_config
+from services.common.transport.bus import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    H_REINJECTED,
+    H_STREAM,
+    PROMPTS,
+    Bus,
+    stream_name,
+    subject,
+)
+from services.common.transport.messages import (
+    Completion,
+    ExperienceGroup,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    decode,
+    encode,
+)
+from services.trainer.lineage import Lineage, effective_steps
+from tests.conftest import ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -87,4 +114,100 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
         return decode(msg.data, Prompt)
 
     assert asyncio.run(read_back()).group_id == "e0-i0"
-    assert asyncio.run(list_dead_letters(nats_url, "dl")) == []
+    # The letter stays, marked with the record of its re-inject; the record names the fixed body's group, which
+    # the trainer reopens when it reads it.
+    [kept] = asyncio.run(list_dead_letters(nats_url, "dl"))
+    assert (kept.sequence, kept.reinjected_at) == (letter["sequence"], 2)
+
+    async def record() -> dict[str, str]:
+        bus = await Bus(cfg, "test").connect()
+        raw = await bus.js.get_msg(stream_name("dl", DEAD), seq=2)
+        await bus.close()
+        return dict(raw.headers)
+
+    headers = asyncio.run(record())
+    assert headers[H_REINJECTED] == str(letter["sequence"]) and headers[H_GROUP] == "e0-i0"
+    assert headers[H_STREAM] == stream_name("dl", PROMPTS)
+
+
+def experience_group(group_id: str, dtype: type) -> bytes:
+    """An EXPERIENCE body that decodes; with float token ids it would break the learner."""
+    ids = np.asarray([5, 2], dtype=dtype)
+    completion = Completion(text="2", token_ids=ids, logprobs=np.full(2, -0.5, np.float32), finish_reason="stop")
+    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
+    prompt_ids = np.asarray([3], np.int32)
+    rollout = advance(prompt, RolloutGroup, prompt_ids=prompt_ids, policy_version=0, completions=[completion])
+    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
+    return encode(advance(scored, ExperienceGroup, ref_logprobs=[np.full(2, -0.5, np.float32)]))
+
+
+@pytest.mark.e2e
+def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_its_dead_letter(tiny_model, tmp_path):
+    """A group whose EXPERIENCE breaks the learner (float token ids) goes to DEAD; the operator re-injects a fixed
+    copy; the trainer reopens the group and applies it. SIGKILLed after that, the trainer comes back (the launcher
+    restarts it: DEAD read at start is no lost broker state) and the group stays applied exactly once in the steps
+    that make up the final model."""
+    model_dir, data_dir = tiny_model
+    runs = tmp_path / "runs"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        runs,
+        run_id="reinj",
+        train={"total_steps": 12, "batch_size": 8, "max_inflight_batches": 2, "max_staleness": None},
+        checkpoint={"save_every_steps": 2, "keep_last": 10},
+        nats={"duplicate_window_s": 600},
+        supervision={"backoff_s": 0.5},
+    )
+    run_dir = runs / "reinj"
+    group_id = "e0-i900"  # past what 12 steps feed: only the copies below ever carry it
+    with running_pipeline(config) as run:
+        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        wait_for(lambda: len(steps()) >= 1, "the first step", run)
+        url, operator = nats_url_of(run_dir), operator_options(run_dir)
+
+        async def send_bad() -> None:
+            nc = await nats.connect(url, **operator)
+            body = experience_group(group_id, np.float32)
+            # Headers as the reference stage sets them (Bus.publish): the group id, and no incarnation (the body has
+            # none either), so the trainer takes the group for one of its own.
+            await nc.jetstream().publish(subject("reinj", EXPERIENCE), body, headers={H_GROUP: group_id})
+            await nc.close()
+
+        asyncio.run(send_bad())
+        letters = lambda: asyncio.run(list_dead_letters(url, "reinj", 100, operator))  # noqa: E731
+        wait_for(lambda: len(letters()) == 1, "the dead letter", run)
+        [letter] = letters()
+        assert letter.group_id == group_id and "token_ids are float32, not integers" in letter.reason
+        fixed = experience_group(group_id, np.int32)
+        assert asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator)) == stream_name("reinj", EXPERIENCE)
+        applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r["groups"] if g == group_id]  # noqa: E731
+        wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)
+        [kept] = letters()  # the letter stays in DEAD, marked as re-injected
+        assert kept.sequence == letter.sequence and kept.reinjected_at == letter.sequence + 1
+        killed_at = time.time()
+        kill(run_dir, "trainer")
+        wait_for(lambda: restarts(run_dir).get("trainer") == 1, "trainer restart", run)
+        wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", run)
+        output, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, output[-4000:]
+    assert restarts(run_dir) == {"trainer": 1}
+    records = Lineage(run_dir / "lineage.jsonl").records()
+    # Once, or again by the resumed trainer when its checkpoint is older than the reopen: either way this letter's.
+    assert {(r["reopened"], r["dead_letter"]) for r in records if "reopened" in r} == {(group_id, letter.sequence)}
+    final = effective_steps(records)
+    assert [r["step"] for r in final] == list(range(1, 13))
+    assert [g for r in final for g, _ in r["groups"]].count(group_id) == 1
+
+
+def steps_in_lineage(run_dir: Path) -> list[dict]:
+    return effective_steps(Lineage(run_dir / "lineage.jsonl").records())
+
+
+def restarts(run_dir: Path) -> dict[str, int]:
+    return json.loads((run_dir / "run.json").read_text())["restarts"]
+
+
+def kill(run_dir: Path, name: str) -> None:
+    os.kill(json.loads((run_dir / "run.json").read_text())["pids"][name], signal.SIGKILL)

@@ -237,7 +237,10 @@ class TrainerState:
     baseline_accuracy: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # the last step's metrics row
     incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
-    applied_ids: list[str] = field(default_factory=list)  # groups applied or dropped since the oldest kept step
+    applied_ids: list[str] = field(default_factory=list)  # groups settled (any fate) since the oldest kept step
+    dead_ids: list[str] = field(default_factory=list)  # those of applied_ids settled as dead: a re-inject reopens them
+    dead_seq: int = 0  # the DEAD sequence read through: a resumed trainer reads DEAD on after it
+    reinjected: list[str] = field(default_factory=list)  # "<stream>:<sequence>" of each message re-injected from DEAD
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
     # The highest policy version served by the time of the save, abandoned branches included: a restart whose
     # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.

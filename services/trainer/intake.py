@@ -9,7 +9,10 @@ without its dedupe entries. The ledger reaches back to the oldest kept checkpoin
 stored in every checkpoint), which is as far back as a resume can go.
 
 Slots are reconciled, not only counted: dead letters are read from the DEAD stream by
-sequence (none is missed while the trainer reconnects or is down), and a group that has
+sequence (none is missed while the trainer reconnects or is down; the sequence read through is
+kept in checkpoints, so a resumed trainer reads on after it), only this incarnation's letters
+settle groups, and a re-inject record there (``rlpipe dead-letters --reinject``) reopens the
+group it names, which is then in flight again until its copy comes back. A group that has
 been in flight for ``train.lost_after_s``, that a group fed after it has overtaken, and
 that is not waiting unread in EXPERIENCE, is recorded as lost and its slot freed.
 """
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
@@ -38,9 +42,15 @@ from services.common.transport.bus import (
     DEAD,
     EXPERIENCE,
     H_GROUP,
+    H_INCARNATION,
+    H_REINJECTED,
+    H_SEQ,
+    H_STREAM,
     PROMPTS,
     Bus,
+    CircuitBreaker,
     StoreUnavailable,
+    StreamMessage,
     StreamReader,
     stream_name,
 )
@@ -155,9 +165,20 @@ class GroupLedger:
         self.read: set[str] = set()
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
+        # "<stream>:<sequence>" of each message an operator re-injected from DEAD: a later dead letter of the same
+        # message is a replay's (EXPERIENCE re-read after a resume), not a new failure of the reopened group.
+        self.reinjected: set[str] = set()
         self.counts: Counter[Fate] = Counter()
         self.fed_count = 0
         self.newest_arrival = 0  # the highest serial that came back: the pipeline has moved past what is below
+
+    def fate(self, group_id: str) -> Fate | None:
+        settled = self.settled.get(group_id)
+        return None if settled is None else settled.fate
+
+    def dead(self) -> list[str]:
+        """The settled groups whose fate is dead, for a checkpoint: a re-inject after a resume may still reopen them."""
+        return sorted(g for g, s in self.settled.items() if s.fate == Fate.DEAD)
 
     def known(self, group_id: str) -> bool:
         return group_id in self.in_flight or group_id in self.read or group_id in self.settled
@@ -193,6 +214,20 @@ class GroupLedger:
             self.counts[fate] += 1
         return new
 
+    def reopen(self, group_id: str, now: float) -> bool:
+        """A dead group re-injected by the operator: in flight again (fed last, its clock starting ``now``), so its
+        copy is applied once when it comes, or written off as lost if it never does. A dead fate reopens, and so
+        does no fate at all (forgotten with the checkpoint it was settled before, or a fixed body naming a group
+        never fed), whose copy would be taken anyway: in flight, it is at least accounted for. A group applied,
+        dropped or lost meanwhile keeps its fate, one in flight or read stays so, and a copy of it is refused."""
+        fate = self.fate(group_id)
+        if fate != Fate.DEAD and (fate is not None or group_id in self.in_flight or group_id in self.read):
+            return False
+        self.settled.pop(group_id, None)
+        self.fed_count += 1
+        self.in_flight[group_id] = Flight(now, self.fed_count)
+        return True
+
     def overdue(self, now: float, max_age_s: float) -> list[str]:
         """Groups in flight longer than ``max_age_s`` that a group fed after them has overtaken. A group nothing
         overtook waits with the rest of a stalled pipeline (a slow start, a role down): the stall alerts report
@@ -207,14 +242,18 @@ class GroupLedger:
         """Drop the fates settled at or before ``step``: no kept checkpoint goes back that far."""
         self.settled = {g: s for g, s in self.settled.items() if s.step > step}
 
-    def restore(self, in_flight: list[str], applied: list[str], step: int, now: float) -> None:
+    def restore(
+        self, in_flight: list[str], applied: list[str], dead: list[str], reinjected: list[str], step: int, now: float
+    ) -> None:
         """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now, their serials in feeding order,
-        whatever order an older checkpoint listed them in) and the groups it settled."""
+        whatever order an older checkpoint listed them in), the groups it settled (``applied`` lists every settled
+        group; those also in ``dead`` keep that fate, which a re-inject reopens) and the messages re-injected."""
+        self.reinjected = set(reinjected)
         ordered = sorted(in_flight, key=feeding_order)
         self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(ordered, start=1)}
         self.read = set()
         self.fed_count, self.newest_arrival = len(in_flight), 0
-        self.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
+        self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | {g: Settled(step, Fate.DEAD) for g in dead}
 
     def rewind(self, applied: list[str], step: int) -> None:
         """A rollback to a checkpoint: only its applied and dropped groups stand. Dead and lost groups stay
@@ -233,6 +272,20 @@ class Collected:
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # claim-checked bodies read, by sequence
 
 
+def token_id_problem(group: ExperienceGroup, vocab_size: int) -> str | None:
+    """Why ``group``'s token ids would break the learner, or None. They index its embedding: each must be an integer
+    in ``[0, vocab_size)``. Decoding cannot tell (it knows no model), and a float or an id past the vocabulary that
+    reached a step would fail it, and every restart's replay of it, instead of going to DEAD."""
+    named = [("prompt_ids", group.prompt_ids)]
+    named += [(f"completion {i} token_ids", c.token_ids) for i, c in enumerate(group.completions)]
+    for name, ids in named:
+        if not np.issubdtype(ids.dtype, np.integer):
+            return f"{name} are {ids.dtype.name}, not integers"
+        if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+            return f"{name} range over {ids.min()}..{ids.max()}, outside the model's vocabulary 0..{vocab_size - 1}"
+    return None
+
+
 class Intake:
     """Feeds prompts up to the in-flight limit and collects batches from EXPERIENCE."""
 
@@ -243,15 +296,22 @@ class Intake:
         ledger: GroupLedger,
         progress: Progress,
         on_lost: Callable[[list[str]], Awaitable[None]],
+        on_reopened: Callable[[str, int], None],
+        vocab_size: int,
     ):
         self.bus = bus
         self.feeder = feeder
         self.ledger = ledger
         self.progress = progress
         self.on_lost = on_lost  # records groups written off as lost (lineage, metrics, alerts)
+        self.on_reopened = on_reopened  # records a re-injected group (its id, the DEAD letter's sequence)
+        self.vocab_size = vocab_size  # the learner's embedding rows: a token id must index one
         self.reader: StreamReader | None = None
-        self.dead: StreamReader | None = None  # from the oldest dead letter DEAD still keeps
+        self.dead: StreamReader | None = None  # DEAD on after progress.dead_seq (or its oldest letter still kept)
         self.lost_checked = 0.0
+        # The broker calls below that nothing else retries (DEAD's first look-up, the write-off's look at
+        # EXPERIENCE, a dead letter): a failure skips or holds that work and backs off before the next try.
+        self.broker = CircuitBreaker()
 
     def rewind(self) -> None:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
@@ -279,17 +339,70 @@ class Intake:
             self.ledger.fed(prompt.group_id, time.monotonic())
 
     async def catch_up_dead(self) -> int:
-        """Settle every group dead-lettered since the last look, as dead; returns how many were new."""
+        """Settle every group this incarnation's dead letters name since the last look, as dead, and reopen those
+        re-injected since; returns how many were newly settled as dead. With the broker away it does nothing and
+        the next look (backed off) goes on from where this one would have."""
         if self.dead is None:
-            info = await self.bus.js.stream_info(stream_name(self.bus.run_id, DEAD))
-            self.dead = self.bus.read_from(DEAD, max(info.state.first_seq, 1))
+            if self.broker.retry_in() > 0:
+                return 0
+            try:
+                info = await self.bus.js.stream_info(stream_name(self.bus.run_id, DEAD))
+            except (NatsError, TimeoutError) as error:
+                self._broker_failed("dead_lookup", error)
+                return 0
+            self.broker.succeeded()
+            self.dead = self.bus.read_from(DEAD, max(info.state.first_seq, self.progress.dead_seq + 1))
         new = 0
         while (msg := await self.dead.next(timeout=0)) is not None:
-            group_id = (msg.headers or {}).get(H_GROUP)
-            if group_id and self.ledger.settle([group_id], self.progress.step, Fate.DEAD):
-                new += 1
-                log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
+            self.progress.dead_seq = msg.sequence
+            new += self._read_dead(msg)
         return new
+
+    def _read_dead(self, msg: StreamMessage) -> int:
+        """Act on one DEAD message: 1 when it settled a group as dead, else 0."""
+        headers = msg.headers or {}
+        group_id = headers.get(H_GROUP)
+        if not group_id:
+            return 0
+        if not self._ours(headers):
+            # An abandoned incarnation's group: this one feeds the same ids as its own (see ``collect``).
+            incarnation = headers[H_INCARNATION]
+            log_event(log, "foreign_dead_letter_ignored", group_id=group_id, incarnation=incarnation, seq=msg.sequence)
+            return 0
+        origin = f"{headers.get(H_STREAM, '')}:{headers.get(H_SEQ, '')}"
+        if H_REINJECTED in headers:
+            letter = int(headers[H_REINJECTED])
+            self.ledger.reinjected.add(origin)
+            if self.ledger.reopen(group_id, time.monotonic()):
+                log_event(log, "group_reopened", group_id=group_id, dead_letter=letter)
+                self.on_reopened(group_id, letter)
+            else:  # applied, dropped or lost meanwhile, or never dead here: its copy will be refused as a repeat
+                log_event(log, "reopen_refused", level=logging.WARNING, group_id=group_id, dead_letter=letter)
+            return 0
+        if origin in self.ledger.reinjected:  # the re-injected message, dead-lettered again by a replay: not news
+            log_event(log, "dead_letter_of_reinjected_ignored", group_id=group_id, origin=origin, seq=msg.sequence)
+            return 0
+        if not self.ledger.settle([group_id], self.progress.step, Fate.DEAD):
+            return 0
+        log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
+        return 1
+
+    def _ours(self, headers: dict[str, str]) -> bool:
+        """Whether a message is of this incarnation's groups (one from before incarnations were stamped counts)."""
+        incarnation = headers.get(H_INCARNATION)
+        return not incarnation or incarnation == self.progress.incarnation
+
+    def _broker_failed(self, step: str, error: BaseException) -> None:
+        self.broker.failed()
+        log_event(
+            log,
+            "broker_call_failed",
+            level=logging.WARNING,
+            step=step,
+            failures=self.broker.failures,
+            retry_s=round(self.broker.retry_in(), 2),
+            error=repr(error)[:300],
+        )
 
     async def write_off_overdue(self, cfg: RunConfig) -> list[str]:
         """Groups in flight past the bound, overtaken by later ones, and not waiting unread in EXPERIENCE: their
@@ -300,22 +413,49 @@ class Intake:
             return []
         self.lost_checked = now
         overdue = self.ledger.overdue(now, cfg.train.lost_after_s)
-        if not overdue:
+        if not overdue or self.broker.retry_in() > 0:
             return []
-        stream = stream_name(self.bus.run_id, EXPERIENCE)
-        last = (await self.bus.js.stream_info(stream)).state.last_seq
-        first_unread = self.reader.next_seq
-        if last - first_unread + 1 > cfg.train.max_inflight_batches * cfg.train.batch_size:
+        try:
+            waiting = await self._waiting_in_experience(cfg)
+        except (NatsError, TimeoutError) as error:  # the broker, not the groups: look again after the backoff
+            self._broker_failed("write_off", error)
             return []
-        waiting = set()
-        for seq in range(first_unread, last + 1):
-            with contextlib.suppress(NotFoundError):
-                waiting.add(((await self.bus.js.get_msg(stream, seq)).headers or {}).get(H_GROUP))
+        self.broker.succeeded()
+        if waiting is None:
+            return []
         lost = self.ledger.settle([g for g in overdue if g not in waiting], self.progress.step, Fate.LOST)
         if lost:
             log_event(log, "groups_lost", level=logging.ERROR, alert=True, count=len(lost), group_ids=lost[:20])
             await self.on_lost(lost)
         return lost
+
+    async def _waiting_in_experience(self, cfg: RunConfig) -> set[str | None] | None:
+        """The groups EXPERIENCE holds unread, or None when it holds more than the in-flight limit (a backlog)."""
+        stream = stream_name(self.bus.run_id, EXPERIENCE)
+        last = (await self.bus.js.stream_info(stream)).state.last_seq
+        first_unread = self.reader.next_seq
+        if last - first_unread + 1 > cfg.train.max_inflight_batches * cfg.train.batch_size:
+            return None
+        waiting = set()
+        for seq in range(first_unread, last + 1):
+            with contextlib.suppress(NotFoundError):
+                waiting.add(((await self.bus.js.get_msg(stream, seq)).headers or {}).get(H_GROUP))
+        return waiting
+
+    async def _dead_letter(self, msg: StreamMessage, reason: str) -> bool:
+        """Copy an EXPERIENCE message to DEAD; False when the broker failed it (or is still backed off from failing),
+        after which the caller drops the partial batch, so the loop goes on beating and takes operator commands,
+        and the message is read again (and its dead letter tried again) by the next ``collect``."""
+        if (wait := self.broker.retry_in()) > 0:
+            await asyncio.sleep(min(wait, 1.0))
+            return False
+        try:
+            await self.bus.dead_letter(msg, reason, EXPERIENCE)
+        except (NatsError, TimeoutError) as error:
+            self._broker_failed("dead_letter", error)
+            return False
+        self.broker.succeeded()
+        return True
 
     async def collect(
         self, cfg: RunConfig, config_version: int, interrupted: Callable[[], Awaitable[bool]], stop: asyncio.Event
@@ -345,10 +485,15 @@ class Intake:
                 sequence = msg.sequence
                 try:
                     group = await self.bus.decode(msg, ExperienceGroup)
+                    if (problem := token_id_problem(group, self.vocab_size)) is not None:
+                        raise DecodeError(f"invalid ExperienceGroup: {problem}")
                 except DecodeError as error:
-                    await self.bus.dead_letter(msg, str(error), EXPERIENCE)
-                    if group_id:
-                        self.ledger.settle([group_id], self.progress.step, Fate.DEAD)
+                    if not await self._dead_letter(msg, str(error)):
+                        self.rewind()  # the broker's failure, not the message's: read it again next time
+                        return None
+                    # Its group is settled by reading the letter back from DEAD, in DEAD's order: a letter written
+                    # again by a replay after a resume then cannot undo a re-inject recorded after the first one.
+                    await self.catch_up_dead()
                     continue
                 except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
                     log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))
@@ -362,6 +507,8 @@ class Intake:
                     # this incarnation feeds the same ids as its own groups, which must not be refused as repeats.
                     log_event(log, "foreign_group_dropped", group_id=group.group_id, incarnation=group.incarnation)
                     continue
+                if self.ledger.fate(group.group_id) == Fate.DEAD:
+                    await self.catch_up_dead()  # a re-injected copy may come before the record that reopens it
                 if group.group_id in in_batch:
                     self.ledger.repeats += 1
                 if group.group_id in in_batch or not self.ledger.arrived(group.group_id):

@@ -3,7 +3,9 @@
 One line per applied step (step, policy version after it, the groups applied with the
 version that generated each, the groups dropped as stale, the last EXPERIENCE sequence
 read), one line per resume, restart or rollback, naming the steps and policy versions it
-abandoned, and one line per batch of groups written off as lost. The steps
+abandoned, one line per batch of groups written off as lost, and one line per dead group that
+an operator re-injected (``rlpipe dead-letters --reinject``), which is in flight again (a trainer
+resumed from a checkpoint older than that line reopens the group again, and writes it again). The steps
 that make up the current model are the recorded steps minus the abandoned ones; that
 list is how operators answer "which samples trained step N" and how the tests prove
 that every group was applied exactly once.
@@ -71,6 +73,10 @@ class Lineage:
     def record_lost(self, step: int, group_ids: list[str]) -> None:
         """Groups that never came back: neither applied, dropped nor dead-lettered within the bound."""
         self._append({"lost": group_ids, "at_step": step})
+
+    def record_reopened(self, step: int, group_id: str, dead_letter: int) -> None:
+        """A dead-lettered group re-injected from DEAD sequence ``dead_letter``: no longer dead, in flight again."""
+        self._append({"reopened": group_id, "dead_letter": dead_letter, "at_step": step})
 
     def restart_from(
         self,

@@ -25,6 +25,7 @@ class Progress:
     step: int = 0
     version: int = 0  # the policy version the trainer serves; only grows, across restarts too
     applied_seq: int = 0  # every EXPERIENCE message up to here is applied, dropped or dead-lettered
+    dead_seq: int = 0  # every DEAD message up to here has been read: its group settled as dead, or reopened
     saved_step: int = 0  # the newest step stored in the checkpoint store
     last_eval: float | None = None
     baseline_eval: float | None = None

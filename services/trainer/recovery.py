@@ -209,13 +209,17 @@ class Recovery:
         progress.step = progress.saved_step = ckpt.step
         progress.version = new_version
         progress.applied_seq = read_from
+        if event == "resume":  # a rollback keeps reading DEAD where it is: dead letters are facts about the pipeline
+            progress.dead_seq = state.dead_seq
         progress.last_eval = state.eval_accuracy
         progress.incarnation = incarnation
         self.claim_keys |= {key: seq for seq, key in state.claim_keys}
         if event == "resume":
             # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's.
             self.feeder.seek(state.data_cursor)
-            self.ledger.restore(state.in_flight, state.applied_ids, ckpt.step, time.monotonic())
+            self.ledger.restore(
+                state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, ckpt.step, time.monotonic()
+            )
             progress.baseline_eval = state.baseline_accuracy
             progress.last_row = dict(state.metrics)
         else:
@@ -327,6 +331,9 @@ class Recovery:
                 metrics=dict(progress.last_row),
                 incarnation=progress.incarnation,
                 applied_ids=sorted(self.ledger.settled),
+                dead_ids=self.ledger.dead(),
+                dead_seq=progress.dead_seq,
+                reinjected=sorted(self.ledger.reinjected),
                 claim_keys=sorted((seq, key) for key, seq in self.claim_keys.items()),
                 version_high_water=max(progress.version, self.lineage.max_version()),
             ),

@@ -91,7 +91,15 @@ class Trainer:
             open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
         )
         self.control = Control(live, events, self.progress)
-        self.intake = Intake(bus, self.feeder, self.ledger, self.progress, on_lost=self.record_lost)
+        self.intake = Intake(
+            bus,
+            self.feeder,
+            self.ledger,
+            self.progress,
+            on_lost=self.record_lost,
+            on_reopened=self.record_reopened,
+            vocab_size=learner.model.config.vocab_size,
+        )
         self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
         self.responder = AlertResponder(
             live,
@@ -200,6 +208,9 @@ class Trainer:
         self.lineage.record_lost(self.progress.step, group_ids)
         self.telemetry.record_groups("lost", len(group_ids))  # now: a stalled pipeline brings no step row
         await self.responder.watch({"step": self.progress.step, "groups_lost": float(len(group_ids))})
+
+    def record_reopened(self, group_id: str, dead_letter: int) -> None:
+        self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
 
     def ledger_row(self) -> dict[str, float]:
         """Groups settled as dead or lost and repeats refused since the last row; the groups in flight now."""

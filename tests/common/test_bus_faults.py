@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import logging
 import shutil
@@ -563,3 +564,49 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
         for process in moto:
             process.terminate()
             process.wait(timeout=10)
+
+
+def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_the_stage(
+    tiny_model, tmp_path, nats_url
+):
+    """Dead-lettering is a broker call like the downstream publish: while DEAD refuses writes (full, here) the stage
+    keeps the bad message, backs off behind its breaker and stays up; once DEAD takes writes the letter lands."""
+    cfg = config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 1, "fetch_timeout_s": 0.3},
+    )
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        owner = await Bus(cfg, "trainer").connect()
+        await owner.js.publish(f"rlpipe.{cfg.run_id}.dead", b"older", headers={"Nats-Msg-Id": "older"})
+        settings = owner.stream_config(DEAD)
+        await owner.js.update_stream(dataclasses.replace(settings, max_msgs=1, discard=api.DiscardPolicy.NEW))
+        bus = await Bus(cfg, "reward").connect()
+        await bus.publish(ROLLOUTS, group("bad"), msg_id="bad.rollout")
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            raise ValueError("no answer can be scored")
+
+        stop = asyncio.Event()
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
+        task = asyncio.create_task(stage.run(stop))
+        await asyncio.sleep(4 * cfg.nats.ack_wait_s)
+        assert not task.done(), "the stage crashed on a dead letter the broker refused"
+        assert stage.breaker.failures > 0 and await stream_messages(bus, DEAD) == 1
+        await owner.js.update_stream(settings)
+        for _ in range(300):
+            if await stream_messages(bus, DEAD) == 2:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await task
+        assert await stream_messages(bus, DEAD) == 2 and await stream_messages(bus, ROLLOUTS) == 0
+        letter = await bus.js.get_msg(stream_name("faults", DEAD), seq=2)
+        assert letter.headers["Rlpipe-Group-Id"] == "bad"
+        assert "no answer can be scored" in letter.headers["Rlpipe-Reason"]
+        await bus.close()
+        await owner.close()
+
+    asyncio.run(scenario())

@@ -1,8 +1,10 @@
 """The group ledger: each fed group gets one fate, repeats are refused, slots are reconciled."""
 
+import numpy as np
 import pytest
 
-from services.trainer.intake import Fate, GroupLedger
+from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.trainer.intake import Fate, GroupLedger, token_id_problem
 
 pytestmark = pytest.mark.unit
 
@@ -41,7 +43,7 @@ def test_a_checkpoint_lists_groups_read_but_not_yet_applied_with_those_in_flight
     # Resumed from such a checkpoint, every unsettled group is in flight again (the read one comes back from
     # EXPERIENCE, past the checkpoint's sequence).
     resumed = GroupLedger()
-    resumed.restore(["e0-i1", "e0-i2", "e0-i3"], applied=[], step=4, now=0.0)
+    resumed.restore(["e0-i1", "e0-i2", "e0-i3"], applied=[], dead=[], reinjected=[], step=4, now=0.0)
     assert resumed.unsettled() == ["e0-i1", "e0-i2", "e0-i3"] and resumed.read == set()
 
 
@@ -78,12 +80,82 @@ def test_the_ledger_forgets_fates_older_than_the_oldest_kept_checkpoint():
     assert sorted(ledger.settled) == ["c"]
 
 
-def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids():
+def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids_and_keeps_the_dead_ones_dead():
     ledger = GroupLedger()
     ledger.fed("from-before-the-crash", now=0.0)
-    ledger.restore(in_flight=["x", "y"], applied=["a", "b"], step=5, now=100.0)
+    ledger.restore(in_flight=["x", "y"], applied=["a", "b", "c"], dead=["c"], reinjected=["S:3"], step=5, now=100.0)
     assert {g: f.fed_at for g, f in ledger.in_flight.items()} == {"x": 100.0, "y": 100.0}
-    assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {"a": (5, Fate.APPLIED), "b": (5, Fate.APPLIED)}
+    assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {
+        "a": (5, Fate.APPLIED),
+        "b": (5, Fate.APPLIED),
+        "c": (5, Fate.DEAD),
+    }
+    assert ledger.dead() == ["c"] and ledger.reinjected == {"S:3"}
+    assert ledger.reopen("c", now=101.0)  # a re-inject after the resume still gives it its second chance
+
+
+def test_a_reopened_dead_group_is_in_flight_again_fed_last_and_its_copy_is_applied_once():
+    ledger = GroupLedger()
+    ledger.fed("e0-i0", now=0.0)
+    ledger.fed("e0-i1", now=0.0)
+    ledger.settle(["e0-i0"], step=2, fate=Fate.DEAD)
+    assert ledger.reopen("e0-i0", now=50.0)
+    assert ledger.fate("e0-i0") is None and ledger.dead() == []
+    assert ledger.in_flight["e0-i0"].fed_at == 50.0
+    assert ledger.in_flight["e0-i0"].serial > ledger.in_flight["e0-i1"].serial  # e0-i1 coming back overtakes nothing
+    assert ledger.arrived("e0-i0")
+    assert ledger.settle(["e0-i0"], step=3, fate=Fate.APPLIED) == ["e0-i0"]
+    assert not ledger.arrived("e0-i0")  # a second copy (a second re-inject past the duplicate window) is refused
+    assert not ledger.reopen("e0-i0", now=60.0)  # and its record reopens nothing: applied is final
+    assert ledger.fate("e0-i0") == Fate.APPLIED and ledger.repeats == 1
+
+
+def test_a_dead_group_or_one_without_a_fate_reopens_and_no_other():
+    ledger = GroupLedger()
+    ledger.settle(["forgotten"], step=1, fate=Fate.DEAD)
+    ledger.forget_through(1)  # no kept checkpoint goes back to step 1
+    ledger.settle(["applied"], step=2, fate=Fate.APPLIED)
+    ledger.settle(["dropped"], step=2, fate=Fate.DROPPED)
+    ledger.settle(["lost"], step=2, fate=Fate.LOST)
+    ledger.fed("flying", now=0.0)
+    ledger.fed("read", now=0.0)
+    assert ledger.arrived("read")
+    candidates = ("applied", "dropped", "lost", "flying", "read", "forgotten", "never-fed")
+    assert [g for g in candidates if ledger.reopen(g, now=1.0)] == ["forgotten", "never-fed"]
+    assert {g: s.fate for g, s in ledger.settled.items()} == {
+        "applied": Fate.APPLIED,
+        "dropped": Fate.DROPPED,
+        "lost": Fate.LOST,
+    }
+    assert list(ledger.in_flight) == ["flying", "forgotten", "never-fed"] and ledger.read == {"read"}
+
+
+def experience_with(prompt_ids: np.ndarray, token_ids: np.ndarray) -> ExperienceGroup:
+    prompt = Prompt(group_id="g", prompt_id="g", prompt="1+1=", answer="2")
+    completion = Completion(
+        text="2", token_ids=token_ids, logprobs=np.zeros(token_ids.shape, np.float32), finish_reason="stop"
+    )
+    rollout = advance(prompt, RolloutGroup, prompt_ids=prompt_ids, policy_version=0, completions=[completion])
+    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
+    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(token_ids.shape, np.float32)])
+
+
+def test_token_ids_must_be_integers_inside_the_models_vocabulary():
+    ids = np.asarray([0, 7, 9], dtype=np.int64)
+    assert token_id_problem(experience_with(ids, ids.astype(np.int32)), vocab_size=10) is None
+    assert token_id_problem(experience_with(ids, np.zeros(0, np.int64)), vocab_size=10) is None  # stopped at once
+    assert token_id_problem(experience_with(ids, ids.astype(np.float32)), vocab_size=10) == (
+        "completion 0 token_ids are float32, not integers"
+    )
+    assert token_id_problem(experience_with(ids.astype(np.float64), ids), vocab_size=10) == (
+        "prompt_ids are float64, not integers"
+    )
+    assert token_id_problem(experience_with(ids, np.asarray([3, 10])), vocab_size=10) == (
+        "completion 0 token_ids range over 3..10, outside the model's vocabulary 0..9"
+    )
+    assert token_id_problem(experience_with(np.asarray([-1, 2]), ids), vocab_size=10) == (
+        "prompt_ids range over -1..2, outside the model's vocabulary 0..9"
+    )
 
 
 def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_later_applications():
@@ -103,7 +175,7 @@ def test_a_restored_ledger_numbers_in_flight_groups_in_feeding_order_not_string_
     """e0-i2 was fed before e0-i10: a string sort gave e0-i10 the lower serial, so once e0-i9 came back, the
     younger e0-i10 counted as overtaken and could be written off as lost while the older e0-i2 was spared."""
     ledger = GroupLedger()
-    ledger.restore(in_flight=["e0-i10", "e0-i2", "e1-i0", "e0-i9"], applied=[], step=5, now=0.0)
+    ledger.restore(in_flight=["e0-i10", "e0-i2", "e1-i0", "e0-i9"], applied=[], dead=[], reinjected=[], step=5, now=0.0)
     assert {g: f.serial for g, f in ledger.in_flight.items()} == {"e0-i2": 1, "e0-i9": 2, "e0-i10": 3, "e1-i0": 4}
     assert ledger.arrived("e0-i9")
     assert ledger.overdue(now=100.0, max_age_s=60.0) == ["e0-i2"]

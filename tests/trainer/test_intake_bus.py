@@ -3,15 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 
 import numpy as np
 import pytest
+from nats.js import api
 
+from services.cli.dead_letters import reinject
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
-from services.common.transport.bus import DEAD, EXPERIENCE, PROMPTS, Bus, stream_name
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
-from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
+from services.common.transport.bus import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    H_INCARNATION,
+    H_REASON,
+    PROMPTS,
+    Bus,
+    stream_name,
+    subject,
+)
+from services.common.transport.messages import (
+    Completion,
+    ExperienceGroup,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    encode,
+)
+from services.trainer.checkpoint import TrainerState
+from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.progress import Progress
 from tests.conftest import write_config
 
@@ -45,6 +68,23 @@ async def lost_nowhere(group_ids: list[str]) -> None:
     raise AssertionError(f"nothing may be written off here: {group_ids}")
 
 
+VOCAB = 64  # the tiny model's vocabulary is larger; the ids these tests send are below 10
+
+
+def intake_of(
+    bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reopened: list[tuple[str, int]] | None = None
+) -> Intake:
+    """An intake feeding ``rows`` in order; re-injected groups it reopens are appended to ``reopened``."""
+
+    def record(group_id: str, dead_letter: int) -> None:
+        if reopened is None:
+            raise AssertionError(f"nothing may be reopened here: {group_id}")
+        reopened.append((group_id, dead_letter))
+
+    feeder = PromptFeeder(rows, 0, shuffle=False)
+    return Intake(bus, feeder, ledger, progress, lost_nowhere, on_reopened=record, vocab_size=VOCAB)
+
+
 def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have_a_fate(tiny_model, tmp_path, nats_url):
     cfg, rows = config(tiny_model, tmp_path, nats_url)
 
@@ -52,7 +92,7 @@ def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have
         bus = await Bus(cfg, "trainer").connect()
         ledger = GroupLedger()
         ledger.settle(["e0-i1"], step=0, fate=Fate.DEAD)  # dead-lettered before a restart
-        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), ledger, Progress(), lost_nowhere)
+        intake = intake_of(bus, rows, ledger, Progress())
         await intake.feed(cfg, config_version=0)
         assert sorted(ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3", "e0-i4"]  # 2 batches of 2, e0-i1 skipped
         prompts = await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))
@@ -60,7 +100,7 @@ def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have
 
         # A restarted trainer at the same cursor inside the duplicate window: the broker says duplicate, and
         # the group stays in flight (it is downstream) instead of being fed twice.
-        again = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), Progress(), lost_nowhere)
+        again = intake_of(bus, rows, GroupLedger(), Progress())
         again.ledger.settle(["e0-i1"], step=0, fate=Fate.DEAD)
         await again.feed(cfg, config_version=0)
         assert sorted(again.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3", "e0-i4"]
@@ -83,7 +123,7 @@ def test_dead_letters_settle_their_groups_even_after_the_oldest_ones_expired(tin
         ledger = GroupLedger()
         for i in range(3):
             ledger.fed(f"e0-i{i}", now=0.0)
-        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), ledger, Progress(step=5), lost_nowhere)
+        intake = intake_of(bus, rows, ledger, Progress(step=5))
         assert await intake.catch_up_dead() == 2
         assert sorted(ledger.in_flight) == ["e0-i0"]
         assert {g: (s.step, s.fate) for g, s in ledger.settled.items()} == {
@@ -105,7 +145,7 @@ def test_a_batch_takes_each_group_once_however_often_experience_holds_it(tiny_mo
         ledger = GroupLedger()
         ledger.settle(["e9-i0"], step=3, fate=Fate.APPLIED)  # applied before the checkpoint
         progress = Progress(step=3, version=3)
-        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), ledger, progress, lost_nowhere)
+        intake = intake_of(bus, rows, ledger, progress)
         # Two copies of e9-i1 (a re-feed past the duplicate window), one of the applied e9-i0, one stale group.
         for n, (group_id, version) in enumerate([("e9-i1", 3), ("e9-i0", 3), ("e9-i1", 3), ("e9-i2", 1), ("e9-i3", 2)]):
             await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"copy-{n}")
@@ -133,12 +173,10 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        first = Intake(
-            bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), Progress(incarnation="a"), lost_nowhere
-        )
+        first = intake_of(bus, rows, GroupLedger(), Progress(incarnation="a"))
         await first.feed(cfg, config_version=0)
         progress = Progress(incarnation="b")
-        again = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        again = intake_of(bus, rows, GroupLedger(), progress)
         await again.feed(cfg, config_version=0)
         assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 8  # 4 + 4, none repeats
 
@@ -171,7 +209,7 @@ def test_a_group_made_by_a_disowned_policy_version_is_dropped_on_arrival(tiny_mo
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         progress = Progress(step=5, version=6, abandoned_versions=[(3, 4)])  # a resume from step 2 abandoned 3-4
-        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        intake = intake_of(bus, rows, GroupLedger(), progress)
         for n, (group_id, version) in enumerate([("e9-i0", 3), ("e9-i1", 2), ("e9-i2", 4), ("e9-i3", 5)]):
             await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"v-{n}")
 
@@ -194,13 +232,243 @@ def test_with_the_default_settings_a_group_nine_versions_old_is_dropped_and_one_
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         progress = Progress(step=10, version=10)
-        intake = Intake(bus, PromptFeeder(rows, 0, shuffle=False), GroupLedger(), progress, lost_nowhere)
+        intake = intake_of(bus, rows, GroupLedger(), progress)
         for n, (group_id, version) in enumerate([("e9-i0", 1), ("e9-i1", 2), ("e9-i2", 10)]):
             await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"s-{n}")
 
         collected = await intake.collect(cfg, 0, never, asyncio.Event())
         assert collected.dropped == ["e9-i0"]  # 10 - 1 = 9 versions old
         assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i2"]  # 8 versions old, and current
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+async def publish_dead_letter(bus: Bus, group_id: str, n: int, incarnation: str | None) -> None:
+    headers = {H_GROUP: group_id, "Nats-Msg-Id": f"d{n}"}
+    if incarnation is not None:
+        headers[H_INCARNATION] = incarnation
+    await bus.js.publish(subject(bus.run_id, DEAD), b"x", headers=headers)
+
+
+def test_a_hole_in_dead_is_stepped_over_and_only_this_incarnations_letters_settle_groups(
+    tiny_model, tmp_path, nats_url
+):
+    """An operator may delete a dead letter: the trainer reads on past the hole instead of taking it for a broker
+    that lost messages. A letter of an abandoned incarnation names a group id this one feeds as its own: it is
+    ignored; a letter from before incarnations were stamped still settles its group."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        for n, (group_id, incarnation) in enumerate([("e0-i0", "b"), ("e0-i1", "b"), ("e0-i2", "a"), ("e0-i3", None)]):
+            await publish_dead_letter(bus, group_id, n, incarnation)
+        await bus.js.delete_msg(stream_name(cfg.run_id, DEAD), 2)  # e0-i1's letter, between two others
+        ledger = GroupLedger()
+        for i in range(4):
+            ledger.fed(f"e0-i{i}", now=0.0)
+        progress = Progress(step=5, incarnation="b")
+        intake = intake_of(bus, rows, ledger, progress)
+        assert await intake.catch_up_dead() == 2
+        assert {g: s.fate for g, s in ledger.settled.items()} == {"e0-i0": Fate.DEAD, "e0-i3": Fate.DEAD}
+        assert sorted(ledger.in_flight) == ["e0-i1", "e0-i2"]
+        assert progress.dead_seq == 4
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def experience_with_float_ids(group_id: str, incarnation: str) -> ExperienceGroup:
+    group = experience(group_id, incarnation=incarnation)
+    group.completions[0].token_ids = group.completions[0].token_ids.astype(np.float32)  # decodes, breaks the learner
+    return group
+
+
+def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
+    """What a checkpoint of ``ledger`` and ``progress`` keeps of them (through its JSON form)."""
+    return TrainerState.from_json(
+        TrainerState(
+            step=progress.step,
+            policy_version=progress.version,
+            last_experience_seq=progress.applied_seq,
+            in_flight=ledger.unsettled(),
+            incarnation=progress.incarnation,
+            applied_ids=sorted(ledger.settled),
+            dead_ids=ledger.dead(),
+            dead_seq=progress.dead_seq,
+            reinjected=sorted(ledger.reinjected),
+        ).to_json()
+    )
+
+
+def restarted(bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reopened: list) -> Intake:
+    """The intake of a trainer resumed from a checkpoint of ``ledger`` and ``progress``."""
+    return resumed_from(bus, rows, checkpoint(ledger, progress), reopened)
+
+
+def resumed_from(bus: Bus, rows: list, state: TrainerState, reopened: list) -> Intake:
+    resumed = GroupLedger()
+    resumed.restore(
+        state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, state.step, now=time.monotonic()
+    )
+    progress = Progress(
+        step=state.step,
+        version=state.policy_version,
+        applied_seq=state.last_experience_seq,
+        dead_seq=state.dead_seq,
+        incarnation=state.incarnation,
+    )
+    return intake_of(bus, rows, resumed, progress, reopened)
+
+
+def applied(intake: Intake, collected: Collected) -> list[str]:
+    """What a train step does with a collected batch, as far as the intake is concerned."""
+    intake.progress.step += 1
+    intake.progress.applied_seq = collected.sequence
+    group_ids = [g.group_id for g in collected.batch]
+    intake.ledger.settle(group_ids, intake.progress.step, Fate.APPLIED)
+    return group_ids
+
+
+def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_once_after_the_restart(
+    tiny_model, tmp_path, nats_url
+):
+    """EXPERIENCE with float token ids goes to DEAD with the reason and the trainer's incarnation; the operator
+    re-injects a fixed copy while the trainer is down; the restarted trainer reopens the group (its checkpoint
+    kept it as dead) and applies the copy once. A later restart reads DEAD on after the record, and another copy
+    of the group is refused as a repeat."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        for i in range(4):
+            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
+        for group_id in ("e0-i1", "e0-i2"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
+        assert letter.headers[H_GROUP] == "e0-i0" and letter.headers[H_INCARNATION] == "b"
+        assert letter.headers[H_REASON] == "invalid ExperienceGroup: completion 0 token_ids are float32, not integers"
+        assert ledger.fate("e0-i0") == Fate.DEAD
+
+        # The trainer stops (its checkpoint is the state now); the operator sends a fixed copy back meanwhile.
+        fixed = encode(experience("e0-i0", incarnation="b"))
+        assert await reinject(nats_url, cfg.run_id, 1, fixed) == stream_name(cfg.run_id, EXPERIENCE)
+        await bus.publish(EXPERIENCE, experience("e0-i3", incarnation="b"), msg_id="e0-i3.b.reference")
+        reopened: list[tuple[str, int]] = []
+        again = restarted(bus, rows, intake.ledger, intake.progress, reopened)
+        assert again.ledger.fate("e0-i0") == Fate.DEAD
+        await again.catch_up_dead()  # as the trainer does at start
+        assert reopened == [("e0-i0", 1)] and "e0-i0" in again.ledger.in_flight
+        assert applied(again, await again.collect(cfg, 0, never, asyncio.Event())) == ["e0-i0", "e0-i3"]
+
+        # A second restart, after that step: the re-inject record is behind it, a further copy is a repeat.
+        third = restarted(bus, rows, again.ledger, again.progress, reopened=[])
+        assert third.progress.dead_seq == 2 and await third.catch_up_dead() == 0
+        await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="b"), msg_id="copy-again")
+        for group_id in ("e0-i4", "e0-i5"):
+            third.ledger.fed(group_id, now=time.monotonic())
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        assert applied(third, await third.collect(cfg, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
+        assert third.ledger.repeats == 1 and third.ledger.fate("e0-i0") == Fate.APPLIED
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_dead_lettering_experience_waits_out_a_broker_that_refuses_the_write(tiny_model, tmp_path, nats_url):
+    """DEAD refusing writes (full, here) is the broker's failure, not the message's: the trainer neither crashes
+    nor skips the message, and dead-letters it once DEAD takes writes again."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        await publish_dead_letter(bus, "older", 0, None)
+        dead = stream_name(cfg.run_id, DEAD)
+        settings = bus.stream_config(DEAD)
+        await bus.js.update_stream(dataclasses.replace(settings, max_msgs=1, discard=api.DiscardPolicy.NEW))
+        ledger = GroupLedger()
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="bad")
+        for group_id in ("e0-i1", "e0-i2"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
+        # Each try drops the partial batch (the loop goes on) and backs off; the message is not skipped.
+        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert intake.broker.failures == 1 and intake.broker.retry_in() > 0
+        await asyncio.sleep(intake.broker.retry_in())
+        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert intake.broker.failures == 2 and ledger.fate("e0-i0") is None and intake.reader.next_seq == 1
+        await bus.js.update_stream(settings)
+        collected = None
+        deadline = time.monotonic() + 30
+        while collected is None and time.monotonic() < deadline:
+            collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        assert [g.group_id for g in collected.batch] == ["e0-i1", "e0-i2"] and ledger.fate("e0-i0") == Fate.DEAD
+        assert intake.broker.failures == 0
+        assert (await bus.js.stream_info(dead)).state.messages == 2
+        assert (await bus.js.get_msg(dead, seq=2)).headers[H_GROUP] == "e0-i0"
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_abandoned_incarnations_bad_experience_is_dead_lettered_without_settling_this_incarnations_group(
+    tiny_model, tmp_path, nats_url
+):
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "a"), msg_id="old-bad")
+        for group_id in ("e0-i0", "e0-i1"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
+        collected = await asyncio.wait_for(intake.collect(cfg, 0, never, asyncio.Event()), timeout=30)
+        assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
+        assert (letter.headers[H_GROUP], letter.headers[H_INCARNATION]) == ("e0-i0", "a")
+        assert ledger.dead() == [] and await intake.catch_up_dead() == 0
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applies_the_re_injected_copy_once(
+    tiny_model, tmp_path, nats_url
+):
+    """The checkpoint predates the bad message: the resumed trainer reads the letter and the re-inject record from
+    DEAD, then re-reads the bad message from EXPERIENCE and dead-letters it again (a duplicate inside the window; a
+    new letter past it, sent by hand here). Neither settles the reopened group again: its copy is applied once."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        for i in range(4):
+            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
+        saved = checkpoint(ledger, intake.progress)  # before anything was read
+        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
+        for group_id in ("e0-i1", "e0-i2"):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
+        assert await reinject(nats_url, cfg.run_id, 1, encode(experience("e0-i0", incarnation="b")))
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
+        late = {**letter.headers, "Nats-Msg-Id": "past-the-window"}  # the replay's letter, past the duplicate window
+        await bus.js.publish(subject(cfg.run_id, DEAD), letter.data, headers=late)
+        await bus.publish(EXPERIENCE, experience("e0-i3", incarnation="b"), msg_id="e0-i3.b.reference")
+
+        reopened: list[tuple[str, int]] = []
+        again = resumed_from(bus, rows, saved, reopened)
+        first = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        second = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        assert (first, second) == (["e0-i1", "e0-i2"], ["e0-i0", "e0-i3"])
+        assert reopened == [("e0-i0", 1)] and again.ledger.repeats == 0
+        assert (await bus.js.stream_info(stream_name(cfg.run_id, DEAD))).state.messages == 3  # the replay's deduped
         await bus.close()
 
     asyncio.run(scenario())

@@ -27,7 +27,8 @@ max_ack_pending); a difference JetStream cannot update refuses the stage's start
 ``nats.max_message_bytes`` above the broker's ``max_payload``, checked at every connect.
 A broker that lost messages is never read past silently: ``StreamReader.next`` raises ``StreamGap`` when
 the next message present is beyond the expected sequence (EXPERIENCE is purged only
-below its reader, so any jump is a loss) and ``BrokerStateLost`` when the stream was
+below its reader, so any jump is a loss; DEAD is not: its letters age out and an operator may
+delete one, so its reader steps over holes) and ``BrokerStateLost`` when the stream was
 re-created or ends below what was already read; ``Bus.check_covers`` makes the same
 check for a checkpoint's sequence. Both are meant to stop the reader, not be retried.
 
@@ -71,6 +72,7 @@ from typing import Generic, TypeVar
 import nats
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
+from nats.errors import MsgAlreadyAckdError, NotJSMessageError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 from opentelemetry import trace
@@ -102,6 +104,12 @@ H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
     "Rlpipe-Group-Id",
 )
 H_CLAIM = "Rlpipe-Claim-Check"  # the body is a ClaimCheck pointing into the object store
+# The trainer incarnation that fed the group (Prompt.incarnation), on every published group and carried into its
+# dead letter, so a trainer settles only its own incarnation's dead letters.
+H_INCARNATION = "Rlpipe-Incarnation"
+# On a DEAD message that is not a dead letter but the record of a re-inject (``rlpipe dead-letters --reinject``):
+# the DEAD sequence of the letter sent back. The trainer reopens the letter's group when it reads it.
+H_REINJECTED = "Rlpipe-Reinjected"
 
 log = logging.getLogger(__name__)
 
@@ -261,15 +269,18 @@ class Bus:
             except Exception as error:
                 log_event(log, "reconnect_listener_failed", level=logging.ERROR, error=repr(error)[:500])
 
-    async def check_covers(self, edge: str, seq: int, created: datetime | None = None) -> api.StreamInfo:
+    async def check_covers(
+        self, edge: str, seq: int, created: datetime | None = None, contiguous: bool = True
+    ) -> api.StreamInfo:
         """Raise ``BrokerStateLost`` unless ``edge``'s stream still holds what reading up to ``seq`` implies.
 
         ``seq`` is the last sequence already read (a checkpoint's last applied EXPERIENCE sequence).
         Lost when the stream is missing, ends below ``seq`` (re-created, or unsynced writes lost),
         or was created at another time than ``created`` (from ``stream_created`` when the reading
         began), and ``StreamGap`` when the messages right after ``seq`` are gone while later ones
-        remain. Connection failures propagate as they are (NatsError, TimeoutError): not a verdict.
-        Returns the stream's info.
+        remain (unless ``contiguous`` is False: DEAD, whose oldest letters age out and from which an
+        operator may delete). Connection failures propagate as they are (NatsError, TimeoutError): not
+        a verdict. Returns the stream's info.
         """
         name = stream_name(self.run_id, edge)
         info = await self._stream_info(name)
@@ -285,7 +296,7 @@ class Bus:
                 name, f"was re-created at {info.created.isoformat()} (read since {created.isoformat()})"
             )
         # After a purge of everything up to seq, first_seq is seq + 1; anything later means lost messages.
-        if state.messages and state.first_seq > seq + 1:
+        if contiguous and state.messages and state.first_seq > seq + 1:
             raise StreamGap(name, seq + 1, state.first_seq)
         return info
 
@@ -373,6 +384,9 @@ class Bus:
         group_id = getattr(message, "group_id", None)
         if group_id:
             headers[H_GROUP] = group_id
+        incarnation = getattr(message, "incarnation", "")
+        if incarnation:
+            headers[H_INCARNATION] = incarnation
         data = encode(message)
         if len(data) > self.cfg.nats.claim_check_bytes:
             sha256 = hashlib.sha256(data).hexdigest()
@@ -394,6 +408,9 @@ class Bus:
     async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str, cause: str = "undecodable") -> None:
         """Copy ``msg`` to DEAD with why and where from; the caller terminates it upstream.
 
+        The group id, claim check and incarnation headers travel with it. Broker failures propagate (NatsError,
+        TimeoutError): a stage retries them as an outage (``Stage._on_broker``), never as the message's fault.
+
         ``cause`` is the reason's class for metrics (``undecodable``, ``max_deliver`` or ``timeout``):
         the free-text reason would give every message its own time series.
         """
@@ -407,7 +424,7 @@ class Bus:
                 "Nats-Msg-Id": f"{edge}.{sequence}.dead",
             }
         )
-        for carried in (H_GROUP, H_CLAIM):
+        for carried in (H_GROUP, H_CLAIM, H_INCARNATION):
             if msg.headers and carried in msg.headers:
                 headers[carried] = msg.headers[carried]
         await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
@@ -506,12 +523,15 @@ class StreamReader:
     the first read, after every reconnect and every ``READER_VERIFY_S`` while idle, and a
     message found beyond the expected sequence raises ``StreamGap``. So it must only read
     streams nothing deletes from ahead of it: EXPERIENCE (purged below the trainer's
-    checkpoints only) and DEAD (never purged).
+    checkpoints only). DEAD is read the same way except that a hole is no loss there: its oldest
+    letters age out (``nats.dead_letter_max_age_s``) and an operator may delete one, so the reader
+    steps over missing sequences and only a stream re-created or ending below what it read stops it.
     """
 
     def __init__(self, bus: Bus, edge: str, start_seq: int):
         self.bus = bus
         self.edge = edge
+        self.holes_allowed = edge == DEAD
         self.stream = stream_name(bus.run_id, edge)
         self.subject = subject(bus.run_id, edge)
         self.next_seq = start_seq
@@ -522,7 +542,9 @@ class StreamReader:
     async def verify(self) -> None:
         """Raise ``BrokerStateLost`` if the stream no longer holds what this reader has read (or starts after)."""
         reconnects = self.bus.reconnects
-        info = await self.bus.check_covers(self.edge, self.next_seq - 1, self.created)
+        info = await self.bus.check_covers(
+            self.edge, self.next_seq - 1, self.created, contiguous=not self.holes_allowed
+        )
         self.created = self.created or info.created
         self._verified_reconnects = reconnects
         self._verified_at = asyncio.get_running_loop().time()
@@ -552,7 +574,7 @@ class StreamReader:
             except (NatsError, TimeoutError) as error:
                 log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
             if raw is not None:
-                if raw.seq != self.next_seq:  # nothing deletes ahead of the reader: the messages between are lost
+                if raw.seq != self.next_seq and not self.holes_allowed:  # the messages between are lost
                     raise StreamGap(self.stream, self.next_seq, raw.seq)
                 self.next_seq = raw.seq + 1
                 return StreamMessage(raw.seq, raw.data or b"", dict(raw.headers) if raw.headers else None)
@@ -832,8 +854,9 @@ class Stage(Generic[In, Out]):
             except (DecodeError, Unsettled) as error:
                 cause = "max_deliver" if isinstance(error, Unsettled) else "undecodable"
                 with trace.use_span(one.span, end_on_exit=False):
-                    await self.bus.dead_letter(one.msg, str(error), self.consumes, cause=cause)
-                    await one.msg.term()
+                    dead_letter = functools.partial(self.bus.dead_letter, one.msg, str(error), self.consumes, cause)
+                    await self._on_broker(dead_letter, "dead_letter", stop)
+                    await self._on_broker(one.msg.term, "term", stop)
                 self._settle(one, "dead", error)
                 continue
             one.span.set_attribute("rlpipe.group_id", one.item.group_id)
@@ -908,6 +931,20 @@ class Stage(Generic[In, Out]):
         else:
             log_event(log, "dependency_recovered", step=step, down_s=down_s)
 
+    async def _on_broker(self, call: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
+        """``call()`` (a dead-letter publish, a term, a nak), retried behind the breaker while the broker fails it:
+        a blip while settling a message is an outage like any other, not a reason to crash the stage."""
+
+        async def attempt() -> T:
+            try:
+                return await call()
+            except (MsgAlreadyAckdError, NotJSMessageError):  # our bug, not the broker's: retrying cannot help
+                raise
+            except (NatsError, TimeoutError) as error:
+                raise DependencyUnavailable(f"{step} failed: {error!r}") from error
+
+        return await self._available(attempt, step, stop)
+
     async def _publish(self, output: Out) -> api.PubAck:
         try:
             return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
@@ -946,11 +983,11 @@ class Stage(Generic[In, Out]):
         except WorkTimedOut as error:  # abandoned whole: splitting would wait max_work_s per message
             log_event(log, "work_timed_out", level=logging.WARNING, error=str(error), size=len(decoded))
             for one in decoded:
-                await self._failed(one, error)
+                await self._failed(one, error, stop)
             return
         except Exception as error:  # the inputs' fault: find the bad one(s)
             if len(decoded) == 1:
-                await self._failed(decoded[0], error)
+                await self._failed(decoded[0], error, stop)
                 return
             log_event(log, "batch_failed", level=logging.WARNING, error=repr(error), size=len(decoded))
             for one in decoded:
@@ -985,7 +1022,7 @@ class Stage(Generic[In, Out]):
             message = f"compute of {len(items)} message(s) took longer than nats.max_work_s={limit:g}s"
             raise WorkTimedOut(message) from None
 
-    async def _failed(self, one: Received[In], error: Exception) -> None:
+    async def _failed(self, one: Received[In], error: Exception, stop: asyncio.Event) -> None:
         msg = one.msg
         delivered = msg.metadata.num_delivered
         with trace.use_span(one.span, end_on_exit=False):
@@ -994,10 +1031,12 @@ class Stage(Generic[In, Out]):
                     reason, cause = f"timeout: {error} on each of {delivered} deliveries", "timeout"
                 else:
                     reason, cause = f"failed {delivered} times, last: {error!r}", "max_deliver"
-                await self.bus.dead_letter(msg, reason, self.consumes, cause=cause)
-                await msg.term()
+                await self._on_broker(
+                    functools.partial(self.bus.dead_letter, msg, reason, self.consumes, cause), "dead_letter", stop
+                )
+                await self._on_broker(msg.term, "term", stop)
                 self._settle(one, "dead", error)
             else:
                 log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
-                await msg.nak(delay=min(2.0**delivered, 30.0))
+                await self._on_broker(functools.partial(msg.nak, delay=min(2.0**delivered, 30.0)), "nak", stop)
                 self._settle(one, "retry", error)

@@ -11,7 +11,7 @@ may publish follows what it does in ``services.common.transport.bus``, ``live_co
     trainer    PROMPTS, DEAD                      reads every stream   read and write   creates and updates the
                                                                                         streams and buckets,
                                                                                         purges EXPERIENCE, presence
-    operator   re-injected dead letters           reads every stream   read             deletes single messages
+    operator   re-injected dead letters, DEAD     reads every stream   read             deletes single messages
 
 Only the trainer, the run's owner, creates and updates the run's streams and buckets (and restores
 the streams after a broker lost its store, see ``Bus.ensure_streams``); it alone, with the admin API
@@ -103,9 +103,10 @@ def permissions(run_id: str, role: str) -> Permissions:
     if role == "operator":
         # Tailing the streams that keep their messages (work queues allow no second consumer anyway).
         publish += ["$JS.API.STREAM.NAMES"] + [rule for e in (EXPERIENCE, DEAD) for rule in _watch(_stream(run_id, e))]
-        # `rlpipe dead-letters --reinject`: a dead letter goes back to the stream it came from and leaves DEAD;
-        # an operator may also take a single bad message out of any stream (never purge one, nor write config).
-        publish += [_subject(run_id, edge) for edge in (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE)]
+        # `rlpipe dead-letters --reinject`: a dead letter goes back to the stream it came from, and a record of
+        # that goes to DEAD (which reopens the group); an operator may also take a single bad message out of any
+        # stream (never purge one, nor write config).
+        publish += [_subject(run_id, edge) for edge in (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD)]
         publish += [f"$JS.API.STREAM.MSG.DELETE.{_stream(run_id, edge)}" for edge in EDGES]
     return Permissions(publish=tuple(publish), subscribe=(f"{inbox_prefix(role)}.>",))
 
