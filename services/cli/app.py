@@ -142,6 +142,33 @@ def doctor(
     raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
 
 
+data_app = typer.Typer(help="Look at a run's data before training on it.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("sample")
+def data_sample(
+    config: Path = typer.Argument(..., help="run config YAML"),
+    rows: int = typer.Option(5, "--rows", "-n", help="how many rows to draw"),
+    seed: int = typer.Option(0, help="the draw's seed: the same seed shows the same rows"),
+    split: str = typer.Option("train", help="train (data.train_path) or eval (data.eval_path)"),
+) -> None:
+    """Print N random dataset rows as the model will see them: the prompt after the chat template, its token
+    count and the answer the reward compares with."""
+    from services.cli.data import format_sample, sample_rows
+    from services.common.config import load_config
+    from services.common.model.datasets import DatasetError
+
+    if split not in ("train", "eval"):
+        typer.echo(f"rlpipe data sample: --split must be train or eval, not {split!r}", err=True)
+        raise typer.Exit(2)
+    try:
+        typer.echo(format_sample(sample_rows(load_config(config), rows, seed, split)))
+    except (ConfigError, DatasetError, ValueError) as error:
+        typer.echo(f"rlpipe data sample: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("build-tiny")
 def build_tiny(
     out: Path = typer.Option(Path("models/tiny-arith"), help="model folder to write"),
