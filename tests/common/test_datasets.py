@@ -181,7 +181,7 @@ def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model
 
 
 def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_path, nats_url):
-    from tests.test_doctor import config_for, doctor
+    from tests.cli.test_doctor import config_for, doctor
 
     rows = their_rows(tiny_model)
     rows[5]["question"] = None

@@ -18,7 +18,7 @@ from services.cli.report import curve, event_steps, read_jsonl, render_html, ren
 
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 T0 = 1_700_000_000.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("config_change", "alert", "rollback", "resume", "restart", "pause", "unpause", "stop")
