@@ -20,11 +20,16 @@ a GPU server or colocation).
 What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
 samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
 logprobs); TRL generates then trains, on-policy. Each rlpipe service runs one torch thread
-(``service.torch_threads``). On the tiny task so does TRL's process by default (``--trl-threads``):
-with torch's default of one thread per core, TRL's step took 36 s instead of 4.5 s on the shared
-2-core machine, its OpenMP threads waiting on each other behind other processes. On smol TRL gets
-both cores by default: its matrices are large enough for two threads to pay on a quiet machine, and
-one thread would leave TRL a core that rlpipe's five processes use.
+(``service.torch_threads``). TRL is compared at its best: it runs once at each of ``--trl-threads``
+(default 1 and 2 torch threads: one thread wins on a shared machine, where OpenMP threads wait on each
+other behind other processes, two on a quiet one for larger matrices) and the ratios are taken against
+the faster run; both TRL runs are printed and recorded.
+
+A busy machine makes any ratio meaningless, so the bench measures how busy the CPUs are (over
+``--load-probe-s`` seconds, from /proc/stat) before it starts and refuses above ``--max-busy`` (the
+fraction of all cores in use; ``--allow-busy`` runs anyway and marks the result). The load before and
+after, the CPU model and the core count go with the results, and ``--write-doc`` puts the table into
+docs/performance.md between the markers ``<!-- vs_trl:TASK -->`` and ``<!-- /vs_trl:TASK -->``.
 
 Compared: wall time per step (median of step-to-step gaps after ``--skip`` steps), completions/s
 over the same steady steps and over the whole run including start-up, the mean reward per step,
@@ -76,7 +81,6 @@ class Task:
     clip: float = 0.2
     kl_coef: float = 0.001
     seed: int = 0
-    trl_threads: int = 1  # torch threads of TRL's one process (see the module docstring)
 
     @property
     def completions_per_step(self) -> int:
@@ -98,7 +102,6 @@ TASKS = {
         temperature=0.7,
         learning_rate=2e-5,
         warmup_steps=2,
-        trl_threads=2,
     ),
 }
 MAKE_TARGET = {"tiny": "make model", "smol": "make model-smol"}
@@ -142,6 +145,63 @@ class Result:
             ),
             "threads": self.threads,
         }
+
+
+# --- the machine -----------------------------------------------------------------------------------
+
+
+def cpu_busy_fraction(seconds: float) -> float:
+    """The fraction of all cores' time spent busy (not idle or waiting on I/O) over ``seconds``, from /proc/stat."""
+
+    def totals() -> tuple[int, int]:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+        idle = fields[3] + fields[4]  # idle + iowait
+        return sum(fields), idle
+
+    total_a, idle_a = totals()
+    time.sleep(seconds)
+    total_b, idle_b = totals()
+    return 1.0 - (idle_b - idle_a) / max(total_b - total_a, 1)
+
+
+def cpu_model() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def write_doc_section(doc: Path, task: str, body: str) -> None:
+    """Replace what stands between ``<!-- vs_trl:TASK -->`` and ``<!-- /vs_trl:TASK -->`` in ``doc`` with ``body``
+    (the markers are appended at the end the first time)."""
+    start, end = f"<!-- vs_trl:{task} -->", f"<!-- /vs_trl:{task} -->"
+    text = doc.read_text()
+    if start not in text:
+        text = text.rstrip("\n") + f"\n\n{start}\n{end}\n"
+    head, rest = text.split(start, 1)
+    tail = rest.split(end, 1)[1]
+    doc.write_text(f"{head}{start}\n{body.rstrip()}\n{end}{tail}")
+
+
+def results_table(summaries: list[dict], ratios: dict, machine: dict, command: str) -> str:
+    """The markdown docs/performance.md gets: the command, the machine, one column per run, the ratios."""
+    keys = [k for k in summaries[0] if k != "system"]
+    lines = [
+        f"`{command}`, {time.strftime('%Y-%m-%d')}: {machine['cpu_model']}, {machine['cpus']} cores, "
+        f"{machine['busy_before']:.0%} busy before the runs (load {machine['load_before']}), "
+        f"load {machine['load_after']} after{' (BUSY: --allow-busy)' if machine['busy'] else ''}.",
+        "",
+        "| | " + " | ".join(f"{s['system']} ({s['threads']})" for s in summaries) + " |",
+        "|---|" + "---|" * len(summaries),
+        *(f"| {key} | " + " | ".join(str(s[key]) for s in summaries) + " |" for key in keys if key != "threads"),
+        "",
+        f"rlpipe / TRL at its faster thread count ({ratios['trl_threads']}): steady completions/s "
+        f"**{ratios['completions_per_s']}x**, whole run including start-up "
+        f"**{ratios['completions_per_s_with_startup']}x**, "
+        f"median step time {ratios['median_step_s']}x, accuracy gain per completion "
+        f"{ratios['accuracy_gain_per_completion']}x.",
+    ]
+    return "\n".join(lines)
 
 
 # --- the TRL side: runs inside build/bench/trl-venv ---------------------------------------------
@@ -276,7 +336,7 @@ def accuracy(model_dir: Path, task: Task) -> float:
 
 
 def run_trl(task: Task, python: Path, threads: int) -> Result:
-    out_dir = OUT / f"trl-run-{task.name}"
+    out_dir = OUT / f"trl-run-{task.name}-t{threads}"
     out_dir.mkdir(parents=True, exist_ok=True)
     command = [str(python), str(Path(__file__).resolve()), "--trl-worker", json.dumps(asdict(task)), str(out_dir)]
     log = out_dir.with_suffix(".log")
@@ -294,7 +354,7 @@ def run_trl(task: Task, python: Path, threads: int) -> Result:
         raise RuntimeError(f"the TRL run exited {code}; see {log}")
     rows = [json.loads(line) for line in (out_dir / "steps.jsonl").read_text().splitlines()]
     return Result(
-        system="trl",
+        system=f"trl-t{threads}",
         wall_s=wall,
         step_times=[row["time"] for row in rows],
         rewards=[row["reward"] for row in rows],
@@ -396,7 +456,17 @@ def main() -> None:
     parser.add_argument(
         "--trl-threads",
         type=int,
-        help="torch threads of the TRL process (default: 1 for tiny, 2 for smol; see the module docstring)",
+        nargs="+",
+        default=[1, 2],
+        help="torch thread counts to run TRL at; the ratios are against the fastest (see the module docstring)",
+    )
+    parser.add_argument("--load-probe-s", type=float, default=5.0, help="seconds the CPUs are watched before starting")
+    parser.add_argument(
+        "--max-busy", type=float, default=0.25, help="refuse to start when the CPUs are busier than this fraction"
+    )
+    parser.add_argument("--allow-busy", action="store_true", help="run on a busy machine anyway (marked in the result)")
+    parser.add_argument(
+        "--write-doc", action="store_true", help="put the table into docs/performance.md (between the task's markers)"
     )
     parser.add_argument("--trl-worker", nargs=3, metavar=("TASK_JSON", "OUT_DIR", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -408,16 +478,29 @@ def main() -> None:
         task = replace(task, steps=args.steps)
     if task.steps < args.skip + 5:
         parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
+    busy = cpu_busy_fraction(args.load_probe_s)
+    if busy > args.max_busy:
+        message = (
+            f"the CPUs are {busy:.0%} busy (over {args.load_probe_s:g}s, above --max-busy {args.max_busy:.0%}): "
+            "a ratio measured now says more about the other work than about rlpipe or TRL"
+        )
+        if not args.allow_busy:
+            parser.exit(2, f"bench.vs_trl: {message}; stop it and retry, or pass --allow-busy\n")
+        print(f"WARNING: {message}; running anyway (--allow-busy), the result is marked busy", file=sys.stderr)
     if not (ROOT / task.model / "config.json").is_file():
         parser.error(f"no model at {task.model}: build it with `{MAKE_TARGET[args.task]}`")
     OUT.mkdir(parents=True, exist_ok=True)
     python = ensure_trl_venv(args.trl_venv)
     load_before = os.getloadavg()[0]
-    results = [run_rlpipe(task), run_trl(task, python, args.trl_threads or task.trl_threads)]
+    rlpipe_result = run_rlpipe(task)
+    trl_results = [run_trl(task, python, threads) for threads in args.trl_threads]
     load_after = os.getloadavg()[0]
+    results = [rlpipe_result, *trl_results]
     summaries = [result.summary(task, args.skip) for result in results]
-    rl, trl = summaries
+    rl = summaries[0]
+    trl = max(summaries[1:], key=lambda s: s["completions_per_s"])  # TRL at its best thread count
     ratios = {
+        "trl_threads": trl["threads"],
         "completions_per_s": round(rl["completions_per_s"] / trl["completions_per_s"], 3),
         "completions_per_s_with_startup": round(
             rl["completions_per_s_with_startup"] / trl["completions_per_s_with_startup"], 3
@@ -429,7 +512,14 @@ def main() -> None:
         if trl["accuracy_gain_per_10k_completions"]
         else None,
     }
-    machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(load_after, 2)}
+    machine = {
+        "cpu_model": cpu_model(),
+        "cpus": os.cpu_count(),
+        "busy_before": round(busy, 3),
+        "busy": busy > args.max_busy,
+        "load_before": round(load_before, 2),
+        "load_after": round(load_after, 2),
+    }
     jsonl, png = OUT / f"vs_trl-{task.name}.jsonl", OUT / f"vs_trl-{task.name}.png"
     with jsonl.open("w") as out:
         for summary in summaries:
@@ -442,12 +532,17 @@ def main() -> None:
                 )
                 out.write("\n")
     plot(results, png)
-    keys = list(rl)
-    print(f"{'':36}{'rlpipe':>22}{'trl':>28}")
-    for key in keys[1:]:
-        print(f"{key:36}{rl[key]!s:>22}{trl[key]!s:>28}")
-    print(f"rlpipe / TRL: {json.dumps(ratios)}")
+    print(f"{'':36}" + "".join(f"{s['system']:>22}" for s in summaries))
+    for key in list(rl)[1:]:
+        print(f"{key:36}" + "".join(f"{s[key]!s:>22}" for s in summaries))
+    print(f"rlpipe / TRL (at its faster thread count): {json.dumps(ratios)}")
     print(f"machine: {json.dumps(machine)}; wrote {jsonl} and {png}")
+    if args.write_doc:
+        command = "python -m bench.vs_trl " + " ".join(sys.argv[1:])
+        write_doc_section(
+            ROOT / "docs" / "performance.md", task.name, results_table(task, summaries, ratios, machine, command)
+        )
+        print("wrote the table into docs/performance.md")
 
 
 if __name__ == "__main__":

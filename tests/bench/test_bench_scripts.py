@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 import time
 from dataclasses import replace
 
@@ -10,6 +12,7 @@ import pytest
 from bench.throughput import CpuSampler, Measurement, ratios
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
 from services.common.config import load_config
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -95,3 +98,71 @@ def test_the_cpu_sampler_reads_a_process_cpu_time_from_proc(tmp_path):
     # The share the process measured itself: however loaded the machine is, /proc must say the same, up to
     # clock ticks and the sampling interval at both ends.
     assert shares["me"] == pytest.approx((cpu_end - cpu_start) / (end - start), abs=0.1)
+
+
+@pytest.mark.unit
+def test_the_doc_section_is_added_once_then_replaced_in_place_leaving_the_rest(tmp_path):
+    from bench.vs_trl import write_doc_section
+
+    doc = tmp_path / "performance.md"
+    doc.write_text("# Performance\n\nkept above\n")
+    write_doc_section(doc, "tiny", "first table")
+    assert (
+        doc.read_text() == "# Performance\n\nkept above\n\n<!-- vs_trl:tiny -->\nfirst table\n<!-- /vs_trl:tiny -->\n"
+    )
+    doc.write_text(doc.read_text() + "\nkept below\n")
+    write_doc_section(doc, "tiny", "second table")
+    write_doc_section(doc, "smol", "smol table")
+    text = doc.read_text()
+    assert text.count("<!-- vs_trl:tiny -->") == 1 and "first table" not in text
+    assert "<!-- vs_trl:tiny -->\nsecond table\n<!-- /vs_trl:tiny -->\n\nkept below\n" in text
+    assert text.endswith("<!-- vs_trl:smol -->\nsmol table\n<!-- /vs_trl:smol -->\n")
+
+
+@pytest.mark.unit
+def test_the_table_names_the_machine_every_run_and_the_ratios_against_trl_at_its_best():
+    from bench.vs_trl import results_table
+
+    rl = {"system": "rlpipe", "steps": 10, "completions_per_s": 600.0, "threads": "5 processes x 1 torch thread"}
+    trl1 = {"system": "trl-t1", "steps": 10, "completions_per_s": 500.0, "threads": "1 process x 1 torch thread(s)"}
+    trl2 = {"system": "trl-t2", "steps": 10, "completions_per_s": 700.0, "threads": "1 process x 2 torch thread(s)"}
+    ratios = {
+        "trl_threads": trl2["threads"],
+        "completions_per_s": 0.857,
+        "completions_per_s_with_startup": 0.7,
+        "median_step_s": 1.1,
+        "accuracy_gain_per_completion": 1.2,
+    }
+    machine = {
+        "cpu_model": "Some CPU",
+        "cpus": 2,
+        "busy_before": 0.04,
+        "busy": False,
+        "load_before": 0.3,
+        "load_after": 2.1,
+    }
+    table = results_table([rl, trl1, trl2], ratios, machine, "python -m bench.vs_trl --steps 10")
+    assert "`python -m bench.vs_trl --steps 10`" in table and "Some CPU, 2 cores, 4% busy before the runs" in table
+    assert "| completions_per_s | 600.0 | 500.0 | 700.0 |" in table
+    assert "(1 process x 2 torch thread(s)): steady completions/s **0.857x**" in table
+    assert "whole run including start-up **0.7x**" in table and "BUSY" not in table
+
+
+@pytest.mark.unit
+def test_the_busy_fraction_of_the_cpus_is_read_from_proc_stat_between_zero_and_one():
+    from bench.vs_trl import cpu_busy_fraction
+
+    assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
+
+
+def test_the_bench_refuses_a_busy_machine_before_it_starts_anything(tmp_path):
+    # --max-busy below zero: any machine is too busy; nothing may be built, run or written.
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.vs_trl", "--max-busy", "-1", "--load-probe-s", "0.2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "busy (over 0.2s, above --max-busy -100%)" in done.stderr and "or pass --allow-busy" in done.stderr
