@@ -92,6 +92,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         data={"eval_every_steps": 5, "eval_size": 200},
         checkpoint={"save_every_steps": 5, "keep_last": 3},
         rollout={"replicas": 2, "prompts_per_batch": 4},
+        cost={"per_device_hour": {"cpu-core": 0.05}},
     )
     run_dir = runs / "pipe"
     with running_pipeline(config) as process:
@@ -157,6 +158,21 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
 
     assert (run_dir / "report.png").stat().st_size > 10_000
     assert "eval accuracy (start -> end)" in output
+
+    # What each role used, from its processes' CPU time, and the cost at the configured price: in usage.json,
+    # the summary and the report. No GPU here, so no GPU-hours.
+    usage = json.loads((run_dir / "usage.json").read_text())
+    assert sorted(usage["device_hours"]) == ["reference", "reward", "rollout", "trainer"]
+    assert all(hours["cpu-core"] > 0 and hours["gpu"] == 0 for hours in usage["device_hours"].values())
+    core_hours = sum(hours["cpu-core"] for hours in usage["device_hours"].values())
+    assert usage["cost"] == pytest.approx(core_hours * 0.05) and usage["steps"] == TOTAL_STEPS
+    assert usage["cost_per_step"] == pytest.approx(usage["cost"] / TOTAL_STEPS)
+    baseline_eval = next(r for r in rows if "eval_accuracy" in r)
+    assert baseline_eval["step"] == 0
+    assert usage["accuracy_gain"] == pytest.approx(final_eval["eval_accuracy"] - baseline_eval["eval_accuracy"])
+    summary = " ".join(output.split())
+    assert "device-hours: trainer" in summary and "cost per step" in summary
+    assert "Devices and cost" in (run_dir / "report.html").read_text()
 
     # Running the same config again by accident must not destroy the run: refused, nothing touched.
     again = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=120)

@@ -57,6 +57,7 @@ from services.common.config import (
 )
 from services.common.observe.events import EventLog
 from services.common.observe.logs import RotatingLog
+from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.live_config import LiveConfig
@@ -239,6 +240,8 @@ class Launcher:
         self.nats_port = 0
         self.nats_keys: dict[str, RoleKey] = {}
         self.events = EventLog.of_run(cfg)
+        self.usage = UsageMeter()
+        self._usage_sampled = 0.0
 
     def start_nats(self, port: int | None = None) -> str:
         """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
@@ -328,6 +331,20 @@ class Launcher:
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]
         return child
+
+    def sample_usage(self, every_s: float = 2.0) -> None:
+        """CPU and GPU time of every running service and its subprocesses, at most every ``every_s`` seconds."""
+        now = time.monotonic()
+        if now - self._usage_sampled < every_s:
+            return
+        self._usage_sampled = now
+        pids = {
+            pid: child.role
+            for child in self.children
+            if child.process.poll() is None
+            for pid in with_descendants(child.process.pid)
+        }
+        self.usage.sample(pids, now)
 
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
@@ -482,6 +499,7 @@ class Launcher:
                     progress.console.log(f"[yellow]nats-server exited with {self.nats.returncode}[/]; restarting it")
                     self.start_nats(self.nats_port)
                     self.write_run_file()
+                self.sample_usage()
                 for child in self.children:
                     if child.process.poll() is not None and child.name not in due:
                         due[child.name] = self.schedule_restart(child, progress)
@@ -534,6 +552,7 @@ class Launcher:
 
     def stop(self) -> list[str]:
         """Stop every process (SIGTERM, then SIGKILL after its own grace); returns the services that failed."""
+        self.sample_usage(every_s=0)  # the last reading of each process before it goes
         running = [child for child in self.children if child.process.poll() is None]
         for child in running:
             child.process.send_signal(signal.SIGTERM)
@@ -578,7 +597,22 @@ def _startup_fields(event: dict[str, Any]) -> str:
     return " ".join(f"{k}={event[k]}" for k in keys if k in event)
 
 
-def summarize(cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], wall_s: float) -> Table:
+def run_cost(cfg: RunConfig, done: dict[str, Any], usage: UsageMeter) -> RunCost:
+    """The run's device-hours and cost, also written to runs/<run>/usage.json for the report."""
+    baseline, final = done.get("baseline_accuracy"), done.get("final_accuracy")
+    cost = RunCost(
+        device_hours=usage.device_hours(),
+        prices=dict(cfg.cost.per_device_hour),
+        steps=int(done.get("steps") or 0),
+        accuracy_gain=None if baseline is None or final is None else final - baseline,
+    )
+    write_atomically(cfg.run_dir / USAGE_FILE, json.dumps(cost.as_record(), indent=2).encode())
+    return cost
+
+
+def summarize(
+    cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], wall_s: float, cost: RunCost | None = None
+) -> Table:
     rows = read_jsonl(cfg.metrics_file)
     steps = [r for r in rows if "reward_mean" in r]
     table = Table(title=f"run {cfg.run_id}")
@@ -596,6 +630,8 @@ def summarize(cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], w
         table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
     table.add_row("wall time", f"{wall_s:.1f}s")
     table.add_row("start-up (s)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    for quantity, value in cost.lines() if cost else ():
+        table.add_row(quantity, value)
     return table
 
 
@@ -708,6 +744,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
     except Interrupted as interrupted:
         console.log(f"{interrupted.name}: stopping every service; the trainer saves the step in hand")
         failed = stop_or_kill(launcher)
+        run_cost(cfg, {}, launcher.usage)
         _write_reports(cfg)
         if failed:
             console.log(f"[red]services failed:[/] {failed}")
@@ -723,8 +760,9 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
         return 1
     failed = stop_or_kill(launcher)
 
+    cost = run_cost(cfg, done, launcher.usage)
     report = _write_reports(cfg)
-    console.print(summarize(cfg, done, launcher.startup, wall_s))
+    console.print(summarize(cfg, done, launcher.startup, wall_s, cost))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:
         console.log(f"[red]services failed:[/] {failed}")

@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
 from services.common.observe.logs import jsonl_parts
+from services.common.observe.usage import USAGE_FILE, RunCost
 
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),
@@ -263,6 +264,16 @@ img { max-width: 100%; }
 """
 
 
+def run_cost_lines(run_dir: Path) -> list[tuple[str, str]]:
+    """The device-hours and cost rows `rlpipe run` recorded in the run's usage.json (none before it wrote one)."""
+    path = run_dir / USAGE_FILE
+    if not path.is_file():
+        return []
+    record = json.loads(path.read_text())
+    cost = RunCost(record["device_hours"], record["prices"], record["steps"], record["accuracy_gain"])
+    return cost.lines()
+
+
 def render_html(run_dir: Path, out: Path | None = None) -> Path:
     """Write one self-contained HTML page for ``run_dir`` (default ``run_dir/report.html``): the
     curves as an embedded PNG, the summary, config versions (when rows carry them) and the events."""
@@ -292,6 +303,9 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
         "<h2>Summary</h2>",
         _table(("quantity", "value"), summary(rows)),
     ]
+    cost = run_cost_lines(run_dir)
+    if cost:
+        parts += ["<h2>Devices and cost</h2>", _table(("quantity", "value"), cost)]
     versions = config_versions(rows)
     if versions:
         parts += ["<h2>Config versions</h2>", _table(("version", "first step", "first seen", "rows"), versions)]

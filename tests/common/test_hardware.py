@@ -18,10 +18,10 @@ from services.common.observe.hardware import (
     HARDWARE_ROW_KEYS,
     HardwareSample,
     HardwareSampler,
-    _nvml,
     cuda_version_of,
     gpu_seen,
     host_rss_bytes,
+    initialized_nvml,
     nvml_uuid,
     release_numbers,
     smi_cuda_version,
@@ -102,7 +102,7 @@ def test_nvml_is_used_only_where_a_gpu_shows_itself():
     # The real bindings (nvidia-ml-py is a test dependency): without a driver nvmlInit fails and NVML counts as absent.
     import pynvml  # noqa: F401  an ImportError here means the test extra is not installed
 
-    assert (_nvml() is None) == (gpu_seen() == "")
+    assert (initialized_nvml() is None) == (gpu_seen() == "")
 
 
 def test_version_parsing():

@@ -730,6 +730,24 @@ class TrainerConfig(Section):
     )
 
 
+class CostConfig(Section):
+    per_device_hour: dict[Literal["cpu-core", "gpu"], float] = Field(
+        default_factory=dict,
+        description="price of one hour of each device kind the run uses (your currency): cpu-core (one core busy "
+        "for an hour, measured from the processes' CPU time) and gpu (one GPU held for an hour, from NVML). With "
+        "both kinds the run used priced, the run summary and report show the cost, per step and per held-out "
+        "accuracy point gained; device-hours per role are shown either way",
+    )
+
+    @field_validator("per_device_hour")
+    @classmethod
+    def _prices_not_negative(cls, prices: dict[str, float]) -> dict[str, float]:
+        negative = sorted(kind for kind, price in prices.items() if price < 0)
+        if negative:
+            raise ValueError(f"a price cannot be negative: {negative}")
+        return prices
+
+
 class SupervisionConfig(Section):
     """How ``rlpipe run`` restarts the services it started, and how long it lets them stop."""
 
@@ -807,6 +825,7 @@ class RunConfig(BaseSettings):
     admin: AdminConfig = Field(AdminConfig(), description="the trainer's Admin gRPC API")
     telemetry: TelemetryConfig = Field(TelemetryConfig(), description="metrics endpoints, files and trackers")
     alerts: AlertsConfig = Field(AlertsConfig(), description="alert rules and where firings go")
+    cost: CostConfig = Field(CostConfig(), description="prices per device-hour, for the run's cost lines")
 
     @classmethod
     def settings_customise_sources(

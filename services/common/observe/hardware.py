@@ -103,7 +103,7 @@ def nvml_uuid(cuda_uuid: str) -> str:
     return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
 
 
-def _nvml() -> Any | None:
+def initialized_nvml() -> Any | None:
     """The initialized ``pynvml`` module, or None without the package or a driver.
 
     NVML is never shut down: the sampler lives as long as the process, and nvmlInit is reference counted.
@@ -140,7 +140,7 @@ class HardwareSampler:
         import torch
 
         self._index = device.index if device.index is not None else torch.cuda.current_device()
-        self._nvml = _nvml()
+        self._nvml = initialized_nvml()
         if self._nvml is not None:
             # By UUID, not ordinal: CUDA's order (and CUDA_VISIBLE_DEVICES) need not match NVML's.
             uuid = nvml_uuid(torch.cuda.get_device_properties(self._index).uuid)
@@ -253,7 +253,7 @@ def gpu_seen() -> str:
     listed = _smi("-L")
     if listed and (count := sum(line.startswith("GPU ") for line in listed.splitlines())):
         return f"nvidia-smi lists {count} GPU{'s' * (count != 1)}"
-    nvml = _nvml()
+    nvml = initialized_nvml()
     if nvml is not None:
         try:
             count = nvml.nvmlDeviceGetCount()
@@ -344,7 +344,7 @@ def gpu_facts() -> GpuFacts:
 
 def _driver() -> dict[str, Any]:
     """driver_version and driver_cuda: from NVML when it loads, else from nvidia-smi."""
-    nvml = _nvml()
+    nvml = initialized_nvml()
     if nvml is not None:
         try:
             version = nvml.nvmlSystemGetDriverVersion()

@@ -17,6 +17,7 @@ counters, ``_total``; histograms come as ``_bucket``/``_sum``/``_count``):
 
 every service
   rlpipe_process_resident_memory_bytes                    gauge, resident set size
+  rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
 stages (rollout, reward, reference)
@@ -94,6 +95,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.config import RunConfig
 from services.common.observe.hardware import HARDWARE_ROW_KEYS
+from services.common.observe.usage import process_cpu_seconds
 
 SCOPE = "rlpipe"
 # An unreachable collector must not hold up a stopping service for long (the launcher kills after 20 s).
@@ -225,6 +227,12 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
             unit="By",
             description="resident set size of this process",
         )
+        meter().create_observable_counter(
+            "rlpipe_process_cpu_seconds",
+            callbacks=[_cpu_seconds],
+            unit="s",
+            description="CPU time (user + system) this process has used: core-hours per role, where no launcher counts",
+        )
         logging.getLogger().addHandler(_LogCounter())
         url = f"http://{_reachable_host(cfg.service.host)}:{server.server_port}/metrics"
         _started = Telemetry(role, instance, url, meter_provider, tracer_provider, server)
@@ -271,6 +279,11 @@ def _resident_memory(options: CallbackOptions) -> Iterable[Observation]:
     except OSError:  # no procfs (not Linux): report nothing rather than a made-up value
         return []
     return [Observation(pages * _PAGE_BYTES)]
+
+
+def _cpu_seconds(options: CallbackOptions) -> Iterable[Observation]:
+    seconds = process_cpu_seconds(os.getpid())
+    return [] if seconds is None else [Observation(seconds)]
 
 
 def meter() -> metrics.Meter:

@@ -1,0 +1,158 @@
+"""What a run used, per role, and what it cost: CPU core-hours and GPU-hours, priced per device-hour.
+
+``rlpipe run`` samples its children while the run goes (``UsageMeter.sample``): each process's CPU time from
+/proc (utime + stime, the kernel's own count, so a sleeping process costs nothing) and, where NVML is present,
+which GPUs hold the process (each GPU a process holds counts its wall time as a GPU-hour, busy or not: a held GPU
+is a paid GPU). A restarted process starts a new count; the role's total is the sum of all its processes.
+
+``RunCost`` turns the totals into what an operator budgets with: device-hours per role and, with
+``cost.per_device_hour`` set, the cost of the run, per training step and per held-out accuracy point gained
+(one point = 0.01 accuracy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.common.observe.hardware import initialized_nvml
+
+CPU_CORE, GPU = "cpu-core", "gpu"  # the device kinds cost.per_device_hour prices
+USAGE_FILE = "usage.json"  # in the run directory: RunCost.as_record(), read by the report
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    # Fields 14 and 15 of stat (utime, stime), counted from the ")" that ends the command name.
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (torchrun's ranks, an engine's workers), as /proc lists them now."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for children in Path(f"/proc/{current}/task").glob("*/children"):
+            with contextlib.suppress(OSError, ValueError):
+                todo += [int(child) for child in children.read_text().split()]
+    return found
+
+
+def gpu_holders() -> dict[int, int]:
+    """pid -> how many GPUs that process holds (compute or graphics contexts); empty without NVML."""
+    nvml = initialized_nvml()
+    if nvml is None:
+        return {}
+    held: dict[int, int] = {}
+    for index in range(nvml.nvmlDeviceGetCount()):
+        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
+        pids |= {p.pid for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
+        for pid in pids:
+            held[pid] = held.get(pid, 0) + 1
+    return held
+
+
+@dataclass
+class _Process:
+    role: str
+    cpu_s: float = 0.0  # as last read
+    gpu_s: float = 0.0  # GPU-seconds held so far
+    seen: float | None = None  # when it was last sampled
+
+
+@dataclass
+class UsageMeter:
+    """Per-role device seconds of a run's processes, from periodic samples."""
+
+    processes: dict[int, _Process] = field(default_factory=dict)  # by pid: a restart is a new process
+
+    def sample(self, pids: dict[int, str], now: float, gpus: dict[int, int] | None = None) -> None:
+        """Read each running process of ``pids`` (pid -> role) at time ``now``; ``gpus`` is ``gpu_holders()``."""
+        gpus = gpu_holders() if gpus is None else gpus
+        for pid, role in pids.items():
+            cpu = process_cpu_seconds(pid)
+            if cpu is None:
+                continue  # exited: its last reading stands
+            process = self.processes.setdefault(pid, _Process(role))
+            process.cpu_s = cpu
+            if process.seen is not None:
+                process.gpu_s += gpus.get(pid, 0) * (now - process.seen)
+            process.seen = now
+
+    def device_hours(self) -> dict[str, dict[str, float]]:
+        """role -> {"cpu-core": core-hours, "gpu": GPU-hours}."""
+        hours: dict[str, dict[str, float]] = {}
+        for process in self.processes.values():
+            role = hours.setdefault(process.role, {CPU_CORE: 0.0, GPU: 0.0})
+            role[CPU_CORE] += process.cpu_s / 3600
+            role[GPU] += process.gpu_s / 3600
+        return hours
+
+
+@dataclass(frozen=True)
+class RunCost:
+    """A run's device-hours per role, and its cost where prices are known."""
+
+    device_hours: dict[str, dict[str, float]]  # role -> device kind -> hours
+    prices: dict[str, float]  # device kind -> cost per hour (cost.per_device_hour)
+    steps: int
+    accuracy_gain: float | None  # final minus baseline held-out accuracy (0..1), None without both
+
+    @property
+    def total(self) -> float | None:
+        """The run's cost, or None when no device kind it used has a price."""
+        used = {kind for kinds in self.device_hours.values() for kind, hours in kinds.items() if hours > 0}
+        if not used or not used <= self.prices.keys():
+            return None
+        return sum(
+            hours * self.prices[kind] for kinds in self.device_hours.values() for kind, hours in kinds.items() if hours
+        )
+
+    @property
+    def per_step(self) -> float | None:
+        return None if self.total is None or self.steps <= 0 else self.total / self.steps
+
+    @property
+    def per_accuracy_point(self) -> float | None:
+        """Cost per held-out accuracy point gained (0.01 accuracy); None without a gain to divide by."""
+        if self.total is None or self.accuracy_gain is None or self.accuracy_gain <= 0:
+            return None
+        return self.total / (self.accuracy_gain * 100)
+
+    def lines(self) -> list[tuple[str, str]]:
+        """(quantity, value) rows for the run summary and the report."""
+        rows = []
+        for role in sorted(self.device_hours):
+            kinds = self.device_hours[role]
+            used = ", ".join(f"{kinds[kind]:.4f} {kind}-h" for kind in (CPU_CORE, GPU) if kinds.get(kind, 0) > 0)
+            rows.append((f"device-hours: {role}", used or "0"))
+        if self.total is None:
+            priced = ", ".join(sorted(self.prices)) or "none"
+            rows.append(("cost", f"not priced (cost.per_device_hour has {priced})"))
+            return rows
+        rows.append(("cost", f"{self.total:.4f}"))
+        if self.per_step is not None:
+            rows.append(("cost per step", f"{self.per_step:.6f}"))
+        gained = "no held-out gain" if self.per_accuracy_point is None else f"{self.per_accuracy_point:.4f}"
+        rows.append(("cost per held-out accuracy point", gained))
+        return rows
+
+    def as_record(self) -> dict:
+        """usage.json in the run directory: what the report reads."""
+        return {
+            "device_hours": self.device_hours,
+            "prices": self.prices,
+            "steps": self.steps,
+            "accuracy_gain": self.accuracy_gain,
+            "cost": self.total,
+            "cost_per_step": self.per_step,
+            "cost_per_accuracy_point": self.per_accuracy_point,
+        }
