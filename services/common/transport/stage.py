@@ -391,7 +391,7 @@ class Stage(Generic[In, Out]):
                         await msg.ack_sync()
                     except (NatsError, TimeoutError) as ack_error:
                         # Unacked, the input is redelivered after AckWait; its repeat publish is deduplicated.
-                        group_id = one.item.group_id if one.item is not None else None
+                        group_id = one.item.group_id  # an acked message was decoded
                         log_event(
                             log, "ack_failed", level=logging.WARNING, group_id=group_id, error=repr(ack_error)[:300]
                         )
