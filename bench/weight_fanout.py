@@ -37,16 +37,11 @@ import torch
 
 from bench.weight_sync import synthetic_model
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import (
-    Relay,
-    Snapshot,
-    WeightSyncClient,
-    WeightSyncServer,
-    add_relay_to_server,
-    dtype_named,
-    snapshot_of,
-    wire_dtype,
-)
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.relay import Relay, add_relay_to_server
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.wire import dtype_named, wire_dtype
 from services.rollout.service import PolicyFollower
 
 SCHEMES = {"direct": 0, "tree": 2, "chain": 1}

@@ -27,15 +27,10 @@ import grpc
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import (
-    PULL_CHUNK_BYTES,
-    Snapshot,
-    WeightSyncClient,
-    WeightSyncServer,
-    dtype_named,
-    snapshot_of,
-    wire_dtype,
-)
+from services.common.transport.weightsync.client import PULL_CHUNK_BYTES, WeightSyncClient
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.wire import dtype_named, wire_dtype
 
 
 @dataclass(frozen=True)

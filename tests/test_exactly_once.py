@@ -24,8 +24,8 @@ import pytest
 
 from services.cli.dead_letters import operator_options
 from services.common.config import CheckpointConfig
-from services.common.transport.bus import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.common.transport.storage import open_store
+from services.common.transport.streams import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from tests.conftest import (

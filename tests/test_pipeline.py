@@ -22,8 +22,17 @@ from services.common.config import CheckpointConfig
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
 from services.common.model.modeling import load_model, load_tokenizer
-from services.common.transport.bus import DEAD, EXPERIENCE, H_REASON, H_SEQ, H_SERVICE, H_STREAM, stream_name, subject
 from services.common.transport.storage import open_store
+from services.common.transport.streams import (
+    DEAD,
+    EXPERIENCE,
+    H_REASON,
+    H_SEQ,
+    H_SERVICE,
+    H_STREAM,
+    stream_name,
+    subject,
+)
 from services.trainer.checkpoint import CheckpointStore
 from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
 

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 
 from services.cli.dead_letters import list_dead_letters, operator_options
-from services.common.transport.bus import stream_name, subject
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
+from services.common.transport.streams import stream_name, subject
 from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).

@@ -22,9 +22,11 @@ from services.cli.report import read_jsonl
 from services.common.config import default_alert_rules
 from services.common.observe.telemetry import DiskWatch
 from services.common.service import serve_stage, start_grpc_server
-from services.common.transport.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stall_bound_s, stream_name
+from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup
 from services.common.transport.presence import Presence, RestartCounter, read_presence, roles_stalled
+from services.common.transport.stage import Stage, stall_bound_s
+from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages

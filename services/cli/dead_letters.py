@@ -20,7 +20,8 @@ import nats
 from nats.js.errors import NotFoundError
 
 from services.common.config import NatsConfig
-from services.common.transport.bus import (
+from services.common.transport.nats_connect import connect_options
+from services.common.transport.streams import (
     DEAD,
     EDGES,
     H_CLAIM,
@@ -34,7 +35,6 @@ from services.common.transport.bus import (
     stream_name,
     subject,
 )
-from services.common.transport.nats_connect import connect_options
 
 
 @dataclass

@@ -335,7 +335,8 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
     import nats
     from nats.js.errors import NotFoundError
 
-    from services.common.transport.bus import EDGES, Bus
+    from services.common.transport.bus import Bus
+    from services.common.transport.streams import EDGES
 
     url = cfg.nats.url
     errors: list[BaseException] = []

@@ -22,9 +22,10 @@ from services.common.observe.logs import bind_log_fields, log_event, setup_loggi
 from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
-from services.common.transport.bus import Bus, Stage
+from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
 from services.common.transport.presence import Presence, instance_name
+from services.common.transport.stage import Stage
 
 log = logging.getLogger(__name__)
 # How often a stage's watchdog compares its loop's progress with the stall bound and updates health and presence.

@@ -17,8 +17,10 @@ from services.common.model.modeling import Precision, load_model, load_tokenizer
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
-from services.common.transport.bus import EXPERIENCE, SCORED, Bus, Stage
+from services.common.transport.bus import Bus
 from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
+from services.common.transport.stage import Stage
+from services.common.transport.streams import EXPERIENCE, SCORED
 
 log = logging.getLogger(__name__)
 

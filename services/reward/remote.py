@@ -49,7 +49,7 @@ from typing import Any
 from services.common.config import RewardHttpConfig
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import LATENCY_BUCKETS_S, meter
-from services.common.transport.bus import BreakerState, CircuitBreaker, DependencyUnavailable
+from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -28,8 +28,10 @@ from services.common.config import RewardConfig, RunConfig
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
-from services.common.transport.bus import ROLLOUTS, SCORED, Bus, Stage
+from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, ScoredGroup, advance
+from services.common.transport.stage import Stage
+from services.common.transport.streams import ROLLOUTS, SCORED
 from services.reward.model import RewardModel
 from services.reward.remote import RemoteItem, RemoteScorer
 from services.reward.sandbox import RuleCall, RuleSandbox

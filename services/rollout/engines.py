@@ -17,7 +17,7 @@ import torch
 
 from services.common.config import RunConfig, SamplingConfig
 from services.common.model.modeling import load_model, load_tokenizer
-from services.common.transport.bus import DependencyUnavailable
+from services.common.transport.breaker import DependencyUnavailable
 
 
 @dataclass

@@ -23,19 +23,13 @@ from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry, record_weight_sync
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
-from services.common.transport.bus import PROMPTS, ROLLOUTS, Bus, Stage
+from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
-from services.common.transport.weightsync import (
-    ChecksumError,
-    Relay,
-    RelayBroken,
-    RelayBuffer,
-    WeightStream,
-    WeightSyncClient,
-    add_relay_to_server,
-    dtype_named,
-    dtype_text,
-)
+from services.common.transport.stage import Stage
+from services.common.transport.streams import PROMPTS, ROLLOUTS
+from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
+from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
+from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
 from services.rollout.engines import Engine, EngineUnavailable, build_engine, serving_dtype
 from services.rollout.handoff import EngineGone, TensorHandoff
 

@@ -80,7 +80,7 @@ from safetensors.torch import save as save_safetensors
 from services.common.model.modeling import host_state
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
-from services.common.transport.weightsync import NonFiniteWeights, non_finite
+from services.common.transport.weightsync.snapshot import NonFiniteWeights, non_finite
 from services.trainer.resume import CheckpointsMissing, StoreListing, StoreUnreadable, resume_candidates
 
 log = logging.getLogger(__name__)

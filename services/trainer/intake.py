@@ -38,7 +38,12 @@ from services.common.config import RunConfig
 from services.common.model.datasets import Fed, PromptSource, RowTable
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import span_from_headers
-from services.common.transport.bus import (
+from services.common.transport.breaker import CircuitBreaker
+from services.common.transport.bus import Bus
+from services.common.transport.claims import StoreUnavailable
+from services.common.transport.messages import DecodeError, ExperienceGroup, Prompt, dedupe_id
+from services.common.transport.reader import StreamReader
+from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
     H_GROUP,
@@ -47,14 +52,9 @@ from services.common.transport.bus import (
     H_SEQ,
     H_STREAM,
     PROMPTS,
-    Bus,
-    CircuitBreaker,
-    StoreUnavailable,
     StreamMessage,
-    StreamReader,
     stream_name,
 )
-from services.common.transport.messages import DecodeError, ExperienceGroup, Prompt, dedupe_id
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)

@@ -57,7 +57,7 @@ from services.common.model.modeling import (
     token_logprobs,
 )
 from services.common.transport.messages import ExperienceGroup
-from services.common.transport.weightsync import Snapshot, snapshot_of
+from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.trainer.algorithms import (
     aggregate,
     entropy_from_logits,

@@ -34,8 +34,9 @@ from services.common.config import BuildInfo, redacted_dump
 from services.common.observe.events import EventLog
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import TrainerMetrics
-from services.common.transport.bus import EXPERIENCE, Bus, stream_name
-from services.common.transport.weightsync import WeightSyncServer
+from services.common.transport.bus import Bus
+from services.common.transport.streams import EXPERIENCE, stream_name
+from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.checkpoint import (
     STABLE,
     UNREADABLE,

@@ -37,12 +37,14 @@ from services.common.observe.telemetry import TrainerMetrics, current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
-from services.common.transport.bus import EXPERIENCE, BrokerStateLost, Bus
+from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
-from services.common.transport.weightsync import NonFiniteWeights, WeightSyncServer
+from services.common.transport.streams import EXPERIENCE, BrokerStateLost
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, ForeignCheckpoints, UnknownCheckpointFormat

@@ -20,8 +20,10 @@ from services.common.config import BuildInfo
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import DiskWatch, StageMetrics
 from services.common.pb import admin_pb2
-from services.common.transport.bus import EXPERIENCE, WORK_QUEUES, Bus, stall_bound_s, stream_name
+from services.common.transport.bus import Bus
 from services.common.transport.presence import RestartCounter, read_presence, roles_down, roles_stalled
+from services.common.transport.stage import stall_bound_s
+from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_name
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger

@@ -17,17 +17,7 @@ import pytest
 
 from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options, reinject
 from services.common.config import load_config
-from services.common.transport.bus import (
-    DEAD,
-    EXPERIENCE,
-    H_GROUP,
-    H_REINJECTED,
-    H_STREAM,
-    PROMPTS,
-    Bus,
-    stream_name,
-    subject,
-)
+from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
@@ -37,6 +27,16 @@ from services.common.transport.messages import (
     advance,
     decode,
     encode,
+)
+from services.common.transport.streams import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    H_REINJECTED,
+    H_STREAM,
+    PROMPTS,
+    stream_name,
+    subject,
 )
 from services.trainer.lineage import Lineage, effective_steps
 from tests.conftest import ROOT, metric_rows, running_pipeline, wait_for, write_config

@@ -27,7 +27,8 @@ from services.common.startup_checks import (
     check_storage,
     startup_checks,
 )
-from services.common.transport.bus import PROMPTS, Bus, stream_name, subject
+from services.common.transport.bus import Bus
+from services.common.transport.streams import PROMPTS, stream_name, subject
 from tests.conftest import ROOT, free_port, write_config
 
 pytestmark = pytest.mark.integration

@@ -6,20 +6,8 @@ import numpy as np
 import pytest
 
 from services.common.config import load_config
-from services.common.transport.bus import (
-    DEAD,
-    H_CLAIM,
-    H_GROUP,
-    H_REASON,
-    ROLLOUTS,
-    SCORED,
-    Bus,
-    Stage,
-    StoreUnavailable,
-    StreamMessage,
-    StreamReader,
-    stream_name,
-)
+from services.common.transport.bus import Bus
+from services.common.transport.claims import StoreUnavailable
 from services.common.transport.messages import (
     ClaimCheck,
     Completion,
@@ -29,6 +17,18 @@ from services.common.transport.messages import (
     advance,
     decode,
     encode,
+)
+from services.common.transport.reader import StreamReader
+from services.common.transport.stage import Stage
+from services.common.transport.streams import (
+    DEAD,
+    H_CLAIM,
+    H_GROUP,
+    H_REASON,
+    ROLLOUTS,
+    SCORED,
+    StreamMessage,
+    stream_name,
 )
 from tests.conftest import create_run_state, free_port, write_config
 

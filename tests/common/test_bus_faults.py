@@ -14,34 +14,28 @@ import pytest
 from nats.js import api
 
 from services.common.config import RunConfig, load_config
-from services.common.transport.bus import (
+from services.common.transport.breaker import BreakerState, DependencyUnavailable
+from services.common.transport.bus import Bus, ConsumerSettingsConflict
+from services.common.transport.messages import (
+    ClaimCheck,
+    Completion,
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    advance,
+    encode,
+)
+from services.common.transport.stage import Stage
+from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
     H_CLAIM,
     ROLLOUTS,
     SCORED,
     WORK_QUEUES,
-    BreakerState,
     BrokerStateLost,
-    Bus,
-    CircuitBreaker,
-    ConsumerSettingsConflict,
-    DependencyUnavailable,
-    Stage,
     StreamGap,
-    check_claim,
-    claim_key_fault,
     stream_name,
-)
-from services.common.transport.messages import (
-    ClaimCheck,
-    Completion,
-    DecodeError,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    encode,
 )
 from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
@@ -77,87 +71,6 @@ def config(tmp_path, tiny_model, name: str = "c.yaml", **sections) -> RunConfig:
 
 async def stream_messages(bus: Bus, edge: str) -> int:
     return (await bus.js.stream_info(stream_name(bus.run_id, edge))).state.messages
-
-
-# ------------------------------------------------------------------ the breaker
-
-
-@pytest.mark.unit
-def test_circuit_breaker_backs_off_opens_probes_and_closes():
-    now = [100.0]
-    breaker = CircuitBreaker(threshold=3, cooldown_s=10.0, backoff_s=0.5, clock=lambda: now[0])
-    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.0 and breaker.down_for() == 0.0
-    breaker.failed()
-    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.5
-    now[0] += 0.5
-    assert breaker.retry_in() == 0.0
-    breaker.failed()
-    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 1.0  # doubled
-    now[0] += 1.0
-    breaker.failed()  # the third in a row: open for a full cool-down
-    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 10.0
-    now[0] += 9.0
-    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 1.0
-    now[0] += 1.0
-    assert breaker.state is BreakerState.HALF_OPEN and breaker.retry_in() == 0.0
-    breaker.failed()  # the probe failed: open again
-    assert breaker.state is BreakerState.OPEN and breaker.retry_in() == 10.0
-    assert breaker.failures == 4 and breaker.down_for() == 11.5
-    now[0] += 10.0
-    assert breaker.state is BreakerState.HALF_OPEN
-    breaker.succeeded()
-    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0 and breaker.retry_in() == 0.0
-    assert breaker.down_for() == 0.0
-    breaker.failed()  # a new streak starts from the short backoff again
-    assert breaker.state is BreakerState.CLOSED and breaker.retry_in() == 0.5
-    with pytest.raises(ValueError):
-        CircuitBreaker(threshold=0)
-
-
-def test_circuit_breaker_trips_open_at_the_first_failure_that_retrying_would_repeat():
-    now = [100.0]
-    breaker = CircuitBreaker(threshold=3, cooldown_s=10.0, backoff_s=0.5, clock=lambda: now[0])
-    breaker.trip()
-    assert breaker.state is BreakerState.OPEN and breaker.failures == 1 and breaker.retry_in() == 10.0
-    now[0] += 10.0
-    assert breaker.state is BreakerState.HALF_OPEN
-    breaker.succeeded()
-    assert breaker.state is BreakerState.CLOSED and breaker.failures == 0
-
-
-# ------------------------------------------------------------------ claim checks
-
-
-@pytest.mark.parametrize(
-    ("key", "fault"),
-    [
-        ("run/claims/rollouts/g1.rollout-0123", None),
-        ("", "not under the run's claim prefix"),
-        ("/etc/passwd", "not under the run's claim prefix"),
-        ("/run/claims/rollouts/g1", "not under the run's claim prefix"),
-        ("other/claims/rollouts/g1", "not under the run's claim prefix"),
-        ("run/claims/", "not a plain path"),
-        ("run/claims/../../etc/passwd", "not a plain path"),
-        ("run/claims/rollouts/./g1", "not a plain path"),
-        ("run/claims/rollouts//g1", "not a plain path"),
-        ("run/claims/rollouts/g1/", "not a plain path"),
-        ("run/claims/rollouts\\..\\..\\x", "not a plain path"),
-        ("run/claims/rollouts/g1\0", "not a plain path"),
-    ],
-)
-def test_a_claim_key_must_be_a_plain_path_under_the_runs_claim_prefix(key, fault):
-    found = claim_key_fault(key, "run")
-    assert found is None if fault is None else fault in found
-
-
-def test_a_claim_declaring_no_bytes_or_more_than_max_claim_bytes_is_the_messages_fault():
-    claim = ClaimCheck(key="run/claims/rollouts/g1", size=1000, sha256="0" * 64)
-    check_claim(claim, "run", max_bytes=1000)
-    for size in (0, -1, 1001):
-        with pytest.raises(DecodeError, match=rf"declares {size} bytes; allowed 1 to nats.max_claim_bytes=1000"):
-            check_claim(claim.model_copy(update={"size": size}), "run", max_bytes=1000)
-    with pytest.raises(DecodeError, match="not under the run's claim prefix"):
-        check_claim(claim, "another-run", max_bytes=1000)
 
 
 def minimal_config(tmp_path, **nats) -> RunConfig:

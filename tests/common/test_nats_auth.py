@@ -15,12 +15,13 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import RunConfig, load_config
 from services.common.transport import live_config, presence
-from services.common.transport.bus import EXPERIENCE, ROLLOUTS, Bus, stream_name, subject
+from services.common.transport.bus import Bus
 from services.common.transport.live_config import KEY, LiveConfig, stored_config
 from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
 from services.common.transport.nats_connect import STAGE_ROLES, connect_options
 from services.common.transport.nats_server import embedded_config, nats_server_binary
 from services.common.transport.presence import Presence, read_presence
+from services.common.transport.streams import EXPERIENCE, ROLLOUTS, stream_name, subject
 from tests.conftest import free_port, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration

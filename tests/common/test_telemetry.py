@@ -136,7 +136,10 @@ def one_value(samples: list[Sample], name: str, **labels: str) -> float:
 DRIVER = r"""
 import asyncio, json, sys, time
 import numpy as np
-from services.common.transport.bus import PROMPTS, ROLLOUTS, Bus, Stage, StreamReader, subject
+from services.common.transport.bus import Bus
+from services.common.transport.reader import StreamReader
+from services.common.transport.stage import Stage
+from services.common.transport.streams import PROMPTS, ROLLOUTS, subject
 from services.common.config import load_config
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
 from services.common.observe.telemetry import TrainerMetrics, record_weight_sync, span_from_headers, start_telemetry

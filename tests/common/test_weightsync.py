@@ -5,16 +5,15 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2, weights_pb2_grpc
-from services.common.transport.weightsync import (
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.wire import (
     CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     ChecksumError,
-    Snapshot,
-    WeightSyncClient,
-    WeightSyncServer,
     assemble,
     chunks_of,
-    snapshot_of,
     split_chunk,
 )
 from tests.conftest import free_port

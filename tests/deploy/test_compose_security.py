@@ -13,8 +13,9 @@ import nats
 import pytest
 
 from services.common.config import load_config
-from services.common.transport.bus import EXPERIENCE, Bus, subject
+from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import connect_options
+from services.common.transport.streams import EXPERIENCE, subject
 from tests.conftest import BIN, free_port, wait_for_port, write_config
 from tests.deploy.conftest import DEPLOY, load_yaml
 

@@ -8,7 +8,7 @@ import copy
 import kubernetes_validate
 import pytest
 
-from services.common.transport.bus import WORK_QUEUES, stream_name
+from services.common.transport.streams import WORK_QUEUES, stream_name
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one
 
 pytestmark = pytest.mark.integration

@@ -25,8 +25,9 @@ import pytest
 import yaml
 
 from services.common.config import load_config
-from services.common.transport.bus import Bus, stream_name
+from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import ROLES, SERVICE_ROLES, connect_options
+from services.common.transport.streams import stream_name
 from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container

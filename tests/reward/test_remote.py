@@ -15,7 +15,7 @@ import urllib.error
 import pytest
 
 from services.common.config import RewardHttpConfig
-from services.common.transport.bus import BreakerState, DependencyUnavailable
+from services.common.transport.breaker import BreakerState, DependencyUnavailable
 from services.reward.remote import (
     Fault,
     RemoteItem,

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from services.common.config import ConfigError, RewardConfig, apply_overrides, is_live, load_config
-from services.common.transport.bus import DEAD, ROLLOUTS, SCORED, Bus, Stage, stream_name
+from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
@@ -17,6 +17,8 @@ from services.common.transport.messages import (
     encode,
     reward_part_means,
 )
+from services.common.transport.stage import Stage
+from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardOutOfBounds, RewardSources, score_groups
 from tests.conftest import create_run_state, write_config

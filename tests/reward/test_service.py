@@ -11,9 +11,11 @@ import yaml
 
 from services.common import service as common_service
 from services.common.config import load_config
-from services.common.transport.bus import DEAD, ROLLOUTS, SCORED, Bus, StreamReader, stream_name
+from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import ScoredGroup
+from services.common.transport.reader import StreamReader
+from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward import service as reward_service
 from tests.conftest import create_run_state, free_port
 from tests.reward.test_remote import start_server

@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from services.common.transport.weightsync import WeightSyncClient
+from services.common.transport.weightsync.client import WeightSyncClient
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
 

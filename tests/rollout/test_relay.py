@@ -9,14 +9,10 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import (
-    Relay,
-    Snapshot,
-    WeightSyncClient,
-    WeightSyncServer,
-    add_relay_to_server,
-    relay_route,
-)
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.relay import Relay, add_relay_to_server
+from services.common.transport.weightsync.server import WeightSyncServer, relay_route
+from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port
 

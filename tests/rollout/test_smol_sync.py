@@ -16,7 +16,7 @@ from services.common.model.chat import prompt_text
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
-from services.common.transport.weightsync import snapshot_of
+from services.common.transport.weightsync.snapshot import snapshot_of
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import VllmEngine
 from tests.conftest import ROOT, write_config

@@ -16,7 +16,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from bench.mmap_threshold import peak_rss_reset, rss_kib
 from services.common.config import load_config
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import WeightSyncClient, WeightSyncServer, snapshot_of
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import HfEngine, VllmEngine
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import Snapshot, WeightSyncClient, WeightSyncServer
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.engines import EngineUnavailable
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port

@@ -10,7 +10,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.transport.weightsync import snapshot_of
+from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import VllmEngine, vllm_engine_args
 from tests.conftest import write_config
 from tests.rollout.grpc_sync import sync_over_grpc

@@ -16,7 +16,10 @@ import torch
 from services.common.config import load_config
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.pb import weights_pb2_grpc
-from services.common.transport.weightsync import Snapshot, WeightSyncClient, WeightSyncServer, dtype_named, snapshot_of
+from services.common.transport.weightsync.client import WeightSyncClient
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.service import PolicyFollower
 from tests.conftest import free_port, write_config

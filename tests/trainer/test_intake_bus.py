@@ -13,17 +13,7 @@ from nats.js import api
 from services.cli.dead_letters import reinject
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
-from services.common.transport.bus import (
-    DEAD,
-    EXPERIENCE,
-    H_GROUP,
-    H_INCARNATION,
-    H_REASON,
-    PROMPTS,
-    Bus,
-    stream_name,
-    subject,
-)
+from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
     ExperienceGroup,
@@ -32,6 +22,16 @@ from services.common.transport.messages import (
     ScoredGroup,
     advance,
     encode,
+)
+from services.common.transport.streams import (
+    DEAD,
+    EXPERIENCE,
+    H_GROUP,
+    H_INCARNATION,
+    H_REASON,
+    PROMPTS,
+    stream_name,
+    subject,
 )
 from services.trainer.checkpoint import TrainerState
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder

@@ -17,7 +17,8 @@ from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.storage import open_store
-from services.common.transport.weightsync import WeightSyncServer, snapshot_of
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import snapshot_of
 from services.trainer.checkpoint import (
     CHECKPOINT_FORMAT,
     CheckpointMismatch,

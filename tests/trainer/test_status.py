@@ -9,8 +9,9 @@ import pytest
 
 from services.common.config import BuildInfo, load_config
 from services.common.observe.events import EventLog
-from services.common.transport.bus import EXPERIENCE, PROMPTS, Bus
+from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
+from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger

@@ -18,7 +18,7 @@ from services.common.service import start_grpc_server, watch_progress
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.presence import Presence
-from services.common.transport.weightsync import WeightSyncServer
+from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer
 from services.trainer.learner import Learner
 from services.trainer.liveness import LoopHeartbeat

@@ -26,7 +26,7 @@ stages (rollout, reward, reference)
   rlpipe_consumer_lag{role,edge}                          gauge, messages waiting in the durable consumer
   rlpipe_dead_letters_total{role,edge,reason}             reason: undecodable | max_deliver | timeout
   rlpipe_stage_stalled{role,edge}                         gauge, 1 while the loop has made no progress for
-                                                          2 * nats.max_work_s (services/common/transport/bus.py), else 0
+                                                          2 * nats.max_work_s (transport/stage.py), else 0
   rlpipe_service_starts{role}                             gauge, starts of this replica's name (presence)
   rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
 reward with a remote service (``reward.http``, services/reward/remote.py)

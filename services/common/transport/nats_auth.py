@@ -2,7 +2,7 @@
 
 Every role connects with its own nkey (``nats.nkey_seed_file``); the broker holds the public keys
 with the permissions below and refuses anything else with a permissions violation. What each role
-may publish follows what it does in ``services.common.transport.bus``, ``live_config`` and ``presence``:
+may publish follows what it does in ``transport.bus`` and ``stage``, ``live_config`` and ``presence``:
 
     role       publishes to                      consumes (durable)   config bucket    other
     rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             presence
@@ -34,10 +34,10 @@ from pathlib import Path
 import nkeys
 
 from services.common.transport import live_config, presence
-from services.common.transport.bus import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
-from services.common.transport.bus import stream_name as _stream
-from services.common.transport.bus import subject as _subject
 from services.common.transport.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
+from services.common.transport.streams import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
+from services.common.transport.streams import stream_name as _stream
+from services.common.transport.streams import subject as _subject
 
 # The work queue each stage consumes (its durable consumer is named after the role) and the edge each role feeds.
 CONSUMES = {role: edge for edge, role in WORK_QUEUES.items()}

@@ -1,0 +1,409 @@
+"""The loop every stateless role runs: fetch a batch from its work queue, decode, compute, publish, settle.
+
+A stage step is always: fetch -> decode -> compute -> publish downstream with
+``Nats-Msg-Id = <group id>.<stage>`` and wait for the ack -> ack upstream.
+A crash anywhere repeats at most the compute, and the duplicate window drops the
+repeated publish. How each message is settled (ack, nak with a delay, dead letter) is decided by
+``services.common.transport.settle``; this module carries the decision out.
+
+Every published message carries the sender's trace context in its headers, and a
+stage handles each message inside a span that continues it (see
+``services.common.observe.telemetry``), so one group's work across services is one trace.
+
+Bad message or dependency down. A message that is itself bad (undecodable, failing
+validation, a compute that raises anything but ``DependencyUnavailable``) spends its
+deliveries and goes to DEAD with the reason. A dependency outage consumes no delivery:
+when reading or storing a claim-checked body fails (``StoreUnavailable``), the compute
+raises ``DependencyUnavailable`` (a dead engine), or the downstream publish fails, the
+stage keeps the messages it holds, tells JetStream they are in progress, and retries
+the failed step with exponential backoff behind a ``CircuitBreaker``. While the stage
+holds them it fetches nothing, so the rest wait in the stream, undelivered; the
+breaker's state is the ``rlpipe_stage_breaker_state`` gauge, and an outage longer than
+``ack_wait_s * max_deliver`` (when it would have dead-lettered before) logs an alert.
+Only a stop during an outage gives the held messages back (nak), which, like a crash,
+costs each one delivery.
+
+Hung work. One compute may take at most ``nats.max_work_s``; past it the stage abandons it
+(cancels the await: a thread it runs in cannot be killed and finishes unheeded) and naks
+the batch's messages with backoff, each spending a delivery, without splitting the batch
+(that would multiply the wait by its size). On its last delivery a message goes to DEAD
+with reason ``timeout``. ``Stage.last_progress`` is the wall time the loop last moved (a
+fetch returned, a message settled, a dependency retried): a loop stuck past
+``stall_bound_s`` is reported NOT_SERVING by the service's health (services/common/service.py)
+and as stalled in its presence entry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
+from nats.errors import MsgAlreadyAckdError, NotJSMessageError
+from nats.js import api
+from opentelemetry import trace
+from opentelemetry.trace import Span, StatusCode
+
+from services.common.config import NatsConfig
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import StageMetrics, start_span_from_headers
+from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
+from services.common.transport.bus import Bus
+from services.common.transport.messages import DecodeError, Message, dedupe_id
+from services.common.transport.settle import Ack, DeadLetter, Decision, Nak, Outcome, settle, unsettled_letter
+from services.common.transport.streams import H_GROUP
+
+log = logging.getLogger(__name__)
+
+In = TypeVar("In", bound=Message)
+Out = TypeVar("Out", bound=Message)
+T = TypeVar("T")
+
+
+def stall_bound_s(nats_cfg: NatsConfig) -> float:
+    """Seconds without progress after which a stage's loop counts as stuck: a compute is abandoned after
+    ``max_work_s``, so twice that (plus a fetch) means even abandoning it did not free the loop."""
+    return 2 * nats_cfg.max_work_s + nats_cfg.fetch_timeout_s
+
+
+class WorkTimedOut(Exception):
+    """A compute ran past ``nats.max_work_s`` and was abandoned."""
+
+
+class Unsettled(Exception):
+    """A message that used up its deliveries without any of them reaching an outcome."""
+
+
+class _Stopping(Exception):
+    """The stage was asked to stop while it waited for a dependency."""
+
+
+@contextlib.asynccontextmanager
+async def heartbeat(msgs: Callable[[], list[Msg]], interval_s: float) -> AsyncIterator[None]:
+    """Tell JetStream that ``msgs()`` (asked anew at each beat) are still being worked on: no redelivery."""
+
+    async def beat() -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            for msg in msgs():
+                with contextlib.suppress(Exception):  # a broker away: the beat after it comes back counts
+                    await msg.in_progress()
+
+    task = asyncio.create_task(beat())
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+def _unsettled(received: list[Received]) -> list[Msg]:
+    return [one.msg for one in received if not one.settled]
+
+
+async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(stop.wait(), timeout=seconds)
+
+
+@dataclass
+class Received(Generic[In]):
+    """One fetched message on its way through a stage, with the span that follows it to settlement."""
+
+    msg: Msg
+    span: Span
+    fetched_at: float  # time.perf_counter() at fetch
+    item: In | None = None
+    settled: bool = False
+
+
+@dataclass
+class Stage(Generic[In, Out]):
+    """A stateless pipeline stage: pulls ``consumes``, computes, publishes ``produces``.
+
+    ``compute`` maps a batch of decoded inputs to one output each. If a batch
+    fails, its items are retried one by one so a single bad input cannot sink
+    the others; an item that keeps failing goes to DEAD after MaxDeliver tries.
+
+    Each message gets its own span ``<role>.<edge>``, continuing the trace in its
+    headers, from fetch until it is acked, nakked or terminated; it is the current
+    span only around that message's own publish, so a batch computed together still
+    sends each group on in its own trace.
+    """
+
+    bus: Bus
+    consumes: str
+    produces: str
+    input_kind: type[In]
+    compute: Callable[[list[In]], Awaitable[list[Out]]]
+    batch: int
+    name: str
+    handled: int = 0
+    metrics: StageMetrics = field(init=False)
+    breaker: CircuitBreaker = field(init=False)  # over every dependency of the stage: claim store, compute, broker
+    _alerted: bool = field(init=False, default=False)  # the current outage has raised its alert
+    _last_error: str = field(init=False, default="")
+    last_progress: float = field(init=False, default_factory=time.time)  # wall time; see the module docstring
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds the loop has gone without progress beyond ``stall_bound_s`` (0 while it is moving)."""
+        return max(0.0, now - self.last_progress - stall_bound_s(self.bus.cfg.nats))
+
+    def __post_init__(self) -> None:
+        self.metrics = StageMetrics(self.bus.service, self.consumes)
+        self.metrics.lag(0)  # until the first fetch says otherwise
+        self.metrics.watch_progress(self.stalled_for)
+        self.breaker = CircuitBreaker()
+        self.metrics.breaker(BreakerState.CLOSED)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        nats_cfg = self.bus.cfg.nats
+        queue = None
+        while not stop.is_set():
+            try:
+                # (Re)created after a broker outage: nats-py does not always revive a pull subscription.
+                queue = queue or await self.bus.work_queue(self.consumes)
+                msgs = await queue.fetch(self.batch, timeout=nats_cfg.fetch_timeout_s)
+            except TimeoutError:  # nats' own TimeoutError subclasses it; fetch raises either
+                self.last_progress = time.time()
+                continue
+            except NatsError as error:
+                log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
+                queue = None
+                await asyncio.sleep(1.0)
+                continue
+            self.last_progress = time.time()
+            if not msgs:  # fetch can also come back empty-handed
+                continue
+            # The newest message says how many still wait behind it. A fetch that finds nothing leaves the
+            # value as it was: either the queue drained (its last message said 0) or the consumer is at
+            # max_ack_pending, when the old value is the better guess.
+            self.metrics.lag(msgs[-1].metadata.num_pending)
+            fetched_at = time.perf_counter()
+            received = [self._receive(msg, fetched_at) for msg in msgs]
+            try:
+                # Held messages stay ours while a dependency is down, however long that takes.
+                async with heartbeat(functools.partial(_unsettled, received), nats_cfg.heartbeat_s):
+                    await self._handle(received, stop)
+            except _Stopping:
+                # Stopped during an outage: hand the held messages back now rather than after AckWait.
+                for one in received:
+                    if not one.settled:
+                        with contextlib.suppress(NatsError, TimeoutError):
+                            await one.msg.nak()
+                        self._settle(one, Nak.label)
+            finally:
+                # Only reached unsettled by an exception (a broker error, cancellation): unacked, it is redelivered.
+                for one in received:
+                    if not one.settled:
+                        self._settle(one, Nak.label)
+
+    async def _handle(self, received: list[Received[In]], stop: asyncio.Event) -> None:
+        nats_cfg = self.bus.cfg.nats
+        decoded: list[Received[In]] = []
+        for one in received:
+            letter = unsettled_letter(one.msg.metadata.num_delivered, nats_cfg.max_deliver, self.bus.service)
+            if letter is not None:
+                await self._carry_out(one, letter, Unsettled(letter.reason), stop)
+                continue
+            try:
+                # A claim store that is down holds the message here (StoreUnavailable), spending no delivery.
+                one.item = await self._available(
+                    functools.partial(self.bus.decode, one.msg, self.input_kind), "claim_read", stop
+                )
+            except DecodeError as error:
+                await self._carry_out(one, self._decide(one, Outcome.UNDECODABLE, error), error, stop)
+                continue
+            one.span.set_attribute("rlpipe.group_id", one.item.group_id)
+            decoded.append(one)
+        if decoded:
+            await self._process(decoded, stop)
+
+    async def _available(self, attempt: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
+        """``attempt()``'s result, retried behind the breaker for as long as it raises ``DependencyUnavailable``.
+
+        Raises ``_Stopping`` when ``stop`` is set while a dependency is down; with every dependency
+        up, a stop lets the current batch finish as before.
+        """
+        while True:
+            # Waits in short slices: the alert is due once the outage passes its bound, not at the next try.
+            while (wait := self.breaker.retry_in()) > 0 and not stop.is_set():
+                await _sleep_unless(stop, min(wait, 1.0))
+                self._maybe_alert(step)
+            self.metrics.breaker(self.breaker.state)
+            self.last_progress = time.time()  # waiting out an outage is the loop at work, not stuck
+            if stop.is_set() and self.breaker.failures:
+                raise _Stopping
+            try:
+                result = await attempt()
+            except DependencyUnavailable as error:
+                self._dependency_failed(step, error)
+                continue
+            if self.breaker.failures:
+                self._dependency_recovered(step)
+            return result
+
+    def _dependency_failed(self, step: str, error: DependencyUnavailable) -> None:
+        self.breaker.failed()
+        state = self.breaker.state
+        self.metrics.breaker(state)
+        log_event(
+            log,
+            "dependency_unavailable",
+            level=logging.WARNING,
+            step=step,
+            breaker=state.name.lower(),
+            failures=self.breaker.failures,
+            retry_s=round(self.breaker.retry_in(), 2),
+            error=repr(error)[:300],
+        )
+        self._last_error = repr(error)[:300]
+        self._maybe_alert(step)
+
+    def _maybe_alert(self, step: str) -> None:
+        nats_cfg = self.bus.cfg.nats
+        # The time after which the old rule (nak, spend a delivery) would have dead-lettered healthy messages.
+        bound = nats_cfg.ack_wait_s * nats_cfg.max_deliver
+        if not self._alerted and self.breaker.failures and self.breaker.down_for() >= bound:
+            self._alerted = True
+            log_event(
+                log,
+                "dependency_down",
+                level=logging.ERROR,
+                alert=True,
+                step=step,
+                down_s=round(self.breaker.down_for(), 1),
+                error=self._last_error,
+            )
+
+    def _dependency_recovered(self, step: str) -> None:
+        down_s = round(self.breaker.down_for(), 1)
+        self.breaker.succeeded()
+        self.metrics.breaker(BreakerState.CLOSED)
+        if self._alerted:
+            self._alerted = False
+            log_event(log, "dependency_recovered", step=step, down_s=down_s, alert=False)
+        else:
+            log_event(log, "dependency_recovered", step=step, down_s=down_s)
+
+    async def _on_broker(self, call: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
+        """``call()`` (a dead-letter publish, a term, a nak), retried behind the breaker while the broker fails it:
+        a blip while settling a message is an outage like any other, not a reason to crash the stage."""
+
+        async def attempt() -> T:
+            try:
+                return await call()
+            except (MsgAlreadyAckdError, NotJSMessageError):  # our bug, not the broker's: retrying cannot help
+                raise
+            except (NatsError, TimeoutError) as error:
+                raise DependencyUnavailable(f"{step} failed: {error!r}") from error
+
+        return await self._available(attempt, step, stop)
+
+    async def _publish(self, output: Out) -> api.PubAck:
+        try:
+            return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
+        except (NatsError, TimeoutError) as error:
+            # The broker, not the message: retried with the output in hand, so the compute is not repeated.
+            raise DependencyUnavailable(f"publish to {self.produces} failed: {error!r}") from error
+
+    def _receive(self, msg: Msg, fetched_at: float) -> Received[In]:
+        headers = msg.headers or {}
+        span = start_span_from_headers(
+            f"{self.bus.service}.{self.consumes}",
+            headers,
+            group_id=headers.get(H_GROUP),
+            delivery=msg.metadata.num_delivered,
+        )
+        return Received(msg, span, fetched_at)
+
+    def _settle(self, one: Received[In], outcome: str, error: BaseException | None = None) -> None:
+        one.settled = True
+        self.last_progress = time.time()
+        self.metrics.settled(outcome, time.perf_counter() - one.fetched_at)
+        one.span.set_attribute("rlpipe.outcome", outcome)
+        if error is not None:
+            one.span.record_exception(error)
+            if outcome == "dead":
+                one.span.set_status(StatusCode.ERROR, repr(error)[:300])
+        one.span.end()
+
+    async def _process(self, decoded: list[Received[In]], stop: asyncio.Event) -> None:
+        try:
+            outputs = await self._available(
+                functools.partial(self._capped_compute, [one.item for one in decoded]), "compute", stop
+            )
+        except _Stopping:
+            raise
+        except WorkTimedOut as error:  # abandoned whole: splitting would wait max_work_s per message
+            log_event(log, "work_timed_out", level=logging.WARNING, error=str(error), size=len(decoded))
+            for one in decoded:
+                await self._carry_out(one, self._decide(one, Outcome.TIMED_OUT, error), error, stop)
+            return
+        except Exception as error:  # the inputs' fault: find the bad one(s)
+            if len(decoded) == 1:
+                await self._carry_out(decoded[0], self._decide(decoded[0], Outcome.FAILED, error), error, stop)
+                return
+            log_event(log, "batch_failed", level=logging.WARNING, error=repr(error), size=len(decoded))
+            for one in decoded:
+                await self._process([one], stop)
+            return
+        for one, output in zip(decoded, outputs, strict=True):
+            one.span.add_event("computed", {"rlpipe.batch_size": len(decoded)})
+            with trace.use_span(one.span, end_on_exit=False):
+                await self._available(functools.partial(self._publish, output), "publish", stop)
+            await self._carry_out(one, self._decide(one, Outcome.COMPUTED), None, stop)
+
+    async def _capped_compute(self, items: list[In]) -> list[Out]:
+        """``compute(items)``, abandoned after ``nats.max_work_s`` with ``WorkTimedOut``."""
+        limit = self.bus.cfg.nats.max_work_s
+        deadline = asyncio.timeout(limit)
+        try:
+            async with deadline:
+                return await self.compute(items)
+        except TimeoutError:
+            if not deadline.expired():  # the compute's own TimeoutError (a slow dependency): not ours to relabel
+                raise
+            message = f"compute of {len(items)} message(s) took longer than nats.max_work_s={limit:g}s"
+            raise WorkTimedOut(message) from None
+
+    def _decide(self, one: Received[In], outcome: Outcome, error: BaseException | None = None) -> Decision:
+        return settle(outcome, one.msg.metadata.num_delivered, self.bus.cfg.nats.max_deliver, error)
+
+    async def _carry_out(
+        self, one: Received[In], decision: Decision, error: BaseException | None, stop: asyncio.Event
+    ) -> None:
+        """Settle ``one`` as ``decision`` says. The broker calls a nak or a dead letter needs are retried behind the
+        breaker like any outage; an ack that fails leaves the input to be redelivered after AckWait."""
+        msg = one.msg
+        with trace.use_span(one.span, end_on_exit=False):
+            match decision:
+                case Ack():
+                    try:
+                        await msg.ack_sync()
+                    except (NatsError, TimeoutError) as ack_error:
+                        # Unacked, the input is redelivered after AckWait; its repeat publish is deduplicated.
+                        group_id = one.item.group_id  # an acked message was decoded
+                        log_event(
+                            log, "ack_failed", level=logging.WARNING, group_id=group_id, error=repr(ack_error)[:300]
+                        )
+                        self._settle(one, Nak.label, ack_error)
+                        return
+                    self.handled += 1
+                case Nak(delay_s=delay_s):
+                    delivered = msg.metadata.num_delivered
+                    log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
+                    await self._on_broker(functools.partial(msg.nak, delay=delay_s), "nak", stop)
+                case DeadLetter(cause=cause, reason=reason):
+                    letter = functools.partial(self.bus.dead_letter, msg, reason, self.consumes, cause.value)
+                    await self._on_broker(letter, "dead_letter", stop)
+                    await self._on_broker(msg.term, "term", stop)
+        self._settle(one, decision.label, error)

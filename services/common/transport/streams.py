@@ -1,0 +1,76 @@
+"""The run's streams by name: edges, subjects, stream names, the headers a message carries, and the errors that say
+the broker lost what a stream held.
+
+PROMPTS, ROLLOUTS and SCORED are work queues, each read by one durable pull consumer that all replicas of the
+consuming role share. EXPERIENCE keeps its messages (limits retention) so the trainer can re-read from a sequence
+after a crash. DEAD collects what a stage could not handle, with the reason in headers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
+WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role
+EDGES = (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD)
+
+# Dead-letter headers, also set on every published group so a dead letter can be traced back.
+H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
+    "Rlpipe-Reason",
+    "Rlpipe-Source-Stream",
+    "Rlpipe-Source-Seq",
+    "Rlpipe-Service",
+    "Rlpipe-Group-Id",
+)
+H_CLAIM = "Rlpipe-Claim-Check"  # the body is a ClaimCheck pointing into the object store
+# The trainer incarnation that fed the group (Prompt.incarnation), on every published group and carried into its
+# dead letter, so a trainer settles only its own incarnation's dead letters.
+H_INCARNATION = "Rlpipe-Incarnation"
+# On a DEAD message that is not a dead letter but the record of a re-inject (``rlpipe dead-letters --reinject``):
+# the DEAD sequence of the letter sent back. The trainer reopens the letter's group when it reads it.
+H_REINJECTED = "Rlpipe-Reinjected"
+
+# JetStream's error codes for "no such stream" (a 404 like "no message at that sequence", which is not a loss).
+STREAM_NOT_FOUND = 10059
+
+
+def subject(run_id: str, edge: str) -> str:
+    return f"rlpipe.{run_id}.{edge}"
+
+
+def stream_name(run_id: str, edge: str) -> str:
+    return f"RLPIPE_{run_id}_{edge.upper()}"
+
+
+@dataclass
+class StreamMessage:
+    """One message read from a stream by sequence (``StreamReader``), not delivered by a consumer."""
+
+    sequence: int
+    data: bytes
+    headers: dict[str, str] | None
+
+
+class BrokerStateLost(RuntimeError):
+    """The broker no longer holds messages this run already wrote or read: stop, do not skip or wait.
+
+    Raised when a stream is missing, was re-created, or ends below a sequence already read
+    (a broker that came back without its store, or lost unsynced writes).
+    """
+
+    def __init__(self, stream: str, detail: str):
+        super().__init__(f"stream {stream}: {detail}")
+        self.stream = stream
+
+
+class StreamGap(BrokerStateLost):
+    """The messages of ``stream`` from ``expected`` up to ``found`` (exclusive) are gone."""
+
+    def __init__(self, stream: str, expected: int, found: int):
+        super().__init__(
+            stream,
+            f"expected sequence {expected} next but the next message present is {found}: "
+            f"sequences {expected}..{found - 1} were lost",
+        )
+        self.expected = expected
+        self.found = found
