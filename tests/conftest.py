@@ -27,6 +27,13 @@ TEST_MODEL_DIR = ROOT / "build" / "test-model"
 TIERS = ("unit", "integration", "e2e")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # The recovery simulation (tests/trainer/test_simulation.py, docs/testing.md): replay one seed, or run more.
+    group = parser.getgroup("rlpipe simulation")
+    group.addoption("--sim-seed", type=int, default=None, help="run only this seed of the recovery simulation")
+    group.addoption("--sim-scenarios", type=int, default=1000, help="how many seeded scenarios to run (long mode)")
+
+
 def tier_of(item: pytest.Item) -> str | None:
     return next((marker.name for marker in item.iter_markers() if marker.name in TIERS), None)
 

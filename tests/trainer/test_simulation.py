@@ -1,0 +1,68 @@
+"""The recovery simulation (tests/trainer/simulation.py, docs/testing.md): seeded scenarios of feeds, deliveries,
+crashes, rollbacks, prunes, store and broker outages and restarts against the real intake, ledger, lineage,
+checkpoint store and recovery, the invariants checked after every op.
+
+Replay one seed: ``pytest tests/trainer/test_simulation.py --sim-seed N``; run more: ``--sim-scenarios 20000``."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.trainer.simulation import KNOWN_HOLES, InvariantBroken, describe, draw_scenario, run_scenario, sim_config
+
+pytestmark = pytest.mark.unit
+
+# The default 1,000 scenarios' cost, in this process's CPU seconds: on a host shared with other work the wall clock
+# measures the neighbours, not the simulation (on an idle one the two agree).
+BUDGET_CPU_S = 60.0
+
+
+@pytest.fixture
+def one_thread():
+    """Torch's intra-op threads only fight over the cores for the simulation's tiny tensors."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def replay_command(seed: int) -> str:
+    return f"pytest tests/trainer/test_simulation.py -k every_fed_group --sim-seed {seed}"
+
+
+def test_every_fed_group_keeps_exactly_one_fate_and_policy_versions_only_grow_in_every_seeded_scenario(
+    tmp_path, request, one_thread
+):
+    chosen = request.config.getoption("--sim-seed")
+    seeds = [chosen] if chosen is not None else range(request.config.getoption("--sim-scenarios"))
+    cfg = sim_config(tmp_path)
+    outcomes: Counter[str] = Counter()
+    started = time.process_time()
+    for seed in seeds:
+        try:
+            outcomes += run_scenario(cfg, seed)
+        except InvariantBroken as broken:
+            pytest.fail(f"{describe(seed, draw_scenario(seed))}\n{broken}\nreplay: {replay_command(seed)}")
+    took = time.process_time() - started
+    if chosen is None and request.config.getoption("--sim-scenarios") == 1000:
+        assert took < BUDGET_CPU_S, f"1,000 scenarios took {took:.0f} CPU seconds"
+        # Not vacuous: the default run reaches every kind of trouble it draws.
+        for outcome in ("steps applied", "resume", "rollback", "restart", "crashed mid-effect", "groups lost"):
+            assert outcomes[outcome] > 0, f"no scenario had {outcome}: {dict(outcomes)}"
+        assert outcomes["dead letters"] > 0 and outcomes["start refused"] > 0, dict(outcomes)
+
+
+@pytest.mark.parametrize("hole", sorted(KNOWN_HOLES))
+@pytest.mark.xfail(strict=True, raises=InvariantBroken, reason="a hole the simulation found (KNOWN_HOLES)")
+def test_a_known_hole_found_by_the_simulation_is_still_open(hole, tmp_path):
+    seed, length = KNOWN_HOLES[hole]
+    run_scenario(sim_config(tmp_path), seed, holes=True, length=length)
+
+
+def test_a_scenario_replays_the_same_way_every_time(tmp_path):
+    cfg = sim_config(tmp_path)
+    assert run_scenario(cfg, 7) == run_scenario(cfg, 7)
