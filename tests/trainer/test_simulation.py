@@ -6,7 +6,6 @@ Replay one seed: ``pytest tests/trainer/test_simulation.py --sim-seed N``; run m
 
 from __future__ import annotations
 
-import time
 from collections import Counter
 
 import pytest
@@ -15,10 +14,6 @@ import torch
 from tests.trainer.simulation import KNOWN_HOLES, InvariantBroken, describe, draw_scenario, run_scenario, sim_config
 
 pytestmark = pytest.mark.unit
-
-# The default 1,000 scenarios' cost, in this process's CPU seconds: on a host shared with other work the wall clock
-# measures the neighbours, not the simulation (on an idle one the two agree).
-BUDGET_CPU_S = 60.0
 
 
 @pytest.fixture
@@ -41,15 +36,13 @@ def test_every_fed_group_keeps_exactly_one_fate_and_policy_versions_only_grow_in
     seeds = [chosen] if chosen is not None else range(request.config.getoption("--sim-scenarios"))
     cfg = sim_config(tmp_path)
     outcomes: Counter[str] = Counter()
-    started = time.process_time()
     for seed in seeds:
         try:
             outcomes += run_scenario(cfg, seed)
         except InvariantBroken as broken:
             pytest.fail(f"{describe(seed, draw_scenario(seed))}\n{broken}\nreplay: {replay_command(seed)}")
-    took = time.process_time() - started
+    # How long the default 1,000 take is a figure for docs/testing.md, not an assertion: speed belongs in bench/.
     if chosen is None and request.config.getoption("--sim-scenarios") == 1000:
-        assert took < BUDGET_CPU_S, f"1,000 scenarios took {took:.0f} CPU seconds"
         # Not vacuous: the default run reaches every kind of trouble it draws.
         for outcome in ("steps applied", "resume", "rollback", "restart", "crashed mid-effect", "groups lost"):
             assert outcomes[outcome] > 0, f"no scenario had {outcome}: {dict(outcomes)}"
