@@ -234,7 +234,9 @@ class Recovery:
             undone = self.ledger.rewind(state.applied_ids, ckpt.step, time.monotonic(), state.settled_through)
             if undone:
                 message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"
-                self.events.write("groups_reopened_by_rollback", message, step=ckpt.step, group_ids=undone[:50])
+                self.events.write(
+                    "groups_reopened_by_rollback", message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
+                )
                 log_event(log, "groups_reopened_by_rollback", step=ckpt.step, count=len(undone), group_ids=undone[:20])
         abandoned = self.lineage.restart_from(
             ckpt.step,
