@@ -171,6 +171,9 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     # The alert fires when the first groups are written off (not a step later: a stall brings no step row).
     first_loss = next(r["at_step"] for r in records if "lost" in r)
     assert next(r["step"] for r in rows if r.get("alert") == "groups_lost") == first_loss
+    # And the run's events record each write-off, as they record a rollback that puts groups back in flight.
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert sum(e["count"] for e in events if e["kind"] == "groups_lost") == len(purged - used)
 
 
 def used_groups(steps: list[dict]) -> set[str]:

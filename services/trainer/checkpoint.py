@@ -237,7 +237,10 @@ class TrainerState:
     baseline_accuracy: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)  # the last step's metrics row
     incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
-    applied_ids: list[str] = field(default_factory=list)  # groups settled (any fate) since the oldest kept step
+    # Every group this incarnation fed at or before this id, in feeding order, has a fate ("" for none yet, and in
+    # files from before it was kept): a copy of one is refused however late it comes.
+    settled_through: str = ""
+    applied_ids: list[str] = field(default_factory=list)  # the groups settled (any fate) above settled_through
     dead_ids: list[str] = field(default_factory=list)  # those of applied_ids settled as dead: a re-inject reopens them
     dead_seq: int = 0  # the DEAD sequence read through: a resumed trainer reads DEAD on after it
     reinjected: list[str] = field(default_factory=list)  # "<stream>:<sequence>" of each message re-injected from DEAD

@@ -6,7 +6,11 @@ fate of every group the current lineage fed: in flight until it is applied, drop
 fate is never fed again and never applied again, whatever the broker delivers: a feed
 after the duplicate window expired, a compute repeated past it, a broker that restarted
 without its dedupe entries. The ledger reaches back to the oldest kept checkpoint (it is
-stored in every checkpoint), which is as far back as a resume can go.
+stored in every checkpoint), which is as far back as a resume can go. It forgets fates without forgetting
+refusals: a group's id, ``e<epoch>-i<position>``, is its place in this incarnation's feeding order, and the
+ledger keeps a "settled through" watermark (every group fed at or before it has a fate) plus the settled
+groups above it, so a copy at or below the watermark is refused however late it comes, after its own fate
+was dropped. The watermark is saved with the weights in every checkpoint and adopted with them.
 
 Slots are reconciled, not only counted: dead letters are read from the DEAD stream by
 sequence (none is missed while the trainer reconnects or is down; the sequence read through is
@@ -25,7 +29,7 @@ import logging
 import re
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -139,6 +143,13 @@ class Settled:
 _GROUP_ID = re.compile(r"e(\d+)-i(\d+)")
 
 
+def feed_position(group_id: str) -> tuple[int, int] | None:
+    """Where ``PromptFeeder`` fed ``group_id`` in its incarnation (epoch, position), or None for an id of another
+    shape. Positions only grow as an incarnation feeds (a resume seeks back only to a cursor its checkpoint saved)."""
+    match = _GROUP_ID.fullmatch(group_id)
+    return None if match is None else (int(match.group(1)), int(match.group(2)))
+
+
 def feeding_order(group_id: str) -> tuple[int, int, str]:
     """Sort key putting group ids in the order ``PromptFeeder`` fed them (epoch, then position: ``e0-i2`` before
     ``e0-i10``, which a string sort puts the other way round); an id of another shape goes after, by its text."""
@@ -171,6 +182,9 @@ class GroupLedger:
         self.counts: Counter[Fate] = Counter()
         self.fed_count = 0
         self.newest_arrival = 0  # the highest serial that came back: the pipeline has moved past what is below
+        # Every group this incarnation fed at or before this feed position has a fate, whether ``settled`` still
+        # holds it or not: a copy of one is refused (unless it was reopened, and so is in flight or read).
+        self.settled_through: tuple[int, int] | None = None
 
     def fate(self, group_id: str) -> Fate | None:
         settled = self.settled.get(group_id)
@@ -181,7 +195,37 @@ class GroupLedger:
         return sorted(g for g, s in self.settled.items() if s.fate == Fate.DEAD)
 
     def known(self, group_id: str) -> bool:
-        return group_id in self.in_flight or group_id in self.read or group_id in self.settled
+        return group_id in self.in_flight or group_id in self.read or group_id in self.settled or self.covered(group_id)
+
+    def covered(self, group_id: str) -> bool:
+        """Whether ``group_id`` is at or below the watermark: fed by this incarnation and given a fate."""
+        position = feed_position(group_id)
+        return position is not None and self.settled_through is not None and position <= self.settled_through
+
+    def advance(self) -> None:
+        """Move the watermark up to the newest settled group below every group still without a fate. A fed group
+        above the watermark has its fate in ``settled`` or none yet, so every one below that bound has a fate.
+        A group reopened below the watermark does not hold it back: it is in flight, which ``arrived`` asks first."""
+
+        floor = self.settled_through
+
+        def above(group_ids: Iterable[str]) -> list[tuple[int, int]]:
+            positions = (feed_position(g) for g in group_ids)
+            return [p for p in positions if p is not None and (floor is None or p > floor)]
+
+        bound = min(above(self.in_flight.keys() | self.read), default=None)
+        below = [p for p in above(self.settled) if bound is None or p < bound]
+        if below:
+            self.settled_through = max(below)
+
+    def exceptions(self) -> list[str]:
+        """The settled groups a checkpoint lists beside the watermark: those above it, and every dead one (a
+        re-inject may reopen it however old it is)."""
+        return sorted(g for g, s in self.settled.items() if s.fate == Fate.DEAD or not self.covered(g))
+
+    def watermark(self) -> str:
+        """The watermark as the id of the group at it, as checkpoints keep it; "" when there is none yet."""
+        return "" if self.settled_through is None else "e{}-i{}".format(*self.settled_through)
 
     def unsettled(self) -> list[str]:
         """Fed groups without a fate yet, for a checkpoint: in flight, or read and waiting for their step. A
@@ -195,7 +239,8 @@ class GroupLedger:
 
     def arrived(self, group_id: str) -> bool:
         """A group came out of EXPERIENCE: True if it may be used, False for a repeat of a settled one."""
-        if group_id in self.settled:
+        unsettled = group_id in self.in_flight or group_id in self.read
+        if group_id in self.settled or (not unsettled and self.covered(group_id)):
             self.repeats += 1
             return False
         flight = self.in_flight.pop(group_id, None)
@@ -221,7 +266,9 @@ class GroupLedger:
         never fed), whose copy would be taken anyway: in flight, it is at least accounted for. A group applied,
         dropped or lost meanwhile keeps its fate, one in flight or read stays so, and a copy of it is refused."""
         fate = self.fate(group_id)
-        if fate != Fate.DEAD and (fate is not None or group_id in self.in_flight or group_id in self.read):
+        unsettled = group_id in self.in_flight or group_id in self.read
+        # Dead fates are never forgotten, so one at or below the watermark with none in ``settled`` was not dead.
+        if fate != Fate.DEAD and (fate is not None or unsettled or self.covered(group_id)):
             return False
         self.settled.pop(group_id, None)
         self.fed_count += 1
@@ -239,27 +286,55 @@ class GroupLedger:
         )
 
     def forget_through(self, step: int) -> None:
-        """Drop the fates settled at or before ``step``: no kept checkpoint goes back that far."""
-        self.settled = {g: s for g, s in self.settled.items() if s.step > step}
+        """Drop the fates settled before ``step`` (the oldest kept checkpoint, which a rollback may go back to and
+        which lists them) that the watermark refuses for them; dead fates stay, for a re-inject to reopen."""
+        self.advance()
+        self.settled = {
+            g: s for g, s in self.settled.items() if s.step >= step or s.fate == Fate.DEAD or not self.covered(g)
+        }
 
     def restore(
-        self, in_flight: list[str], applied: list[str], dead: list[str], reinjected: list[str], step: int, now: float
+        self,
+        in_flight: list[str],
+        applied: list[str],
+        dead: list[str],
+        reinjected: list[str],
+        step: int,
+        now: float,
+        settled_through: str = "",
     ) -> None:
         """Adopt a checkpoint's ledger: its in-flight groups (their clocks start now, their serials in feeding order,
-        whatever order an older checkpoint listed them in), the groups it settled (``applied`` lists every settled
-        group; those also in ``dead`` keep that fate, which a re-inject reopens) and the messages re-injected."""
+        whatever order an older checkpoint listed them in), its watermark, the groups it settled besides (``applied``
+        lists every one; those also in ``dead`` keep that fate, which a re-inject reopens) and the messages
+        re-injected."""
         self.reinjected = set(reinjected)
         ordered = sorted(in_flight, key=feeding_order)
         self.in_flight = {g: Flight(now, serial) for serial, g in enumerate(ordered, start=1)}
         self.read = set()
         self.fed_count, self.newest_arrival = len(in_flight), 0
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | {g: Settled(step, Fate.DEAD) for g in dead}
+        self.settled_through = feed_position(settled_through)
 
-    def rewind(self, applied: list[str], step: int) -> None:
-        """A rollback to a checkpoint: only its applied and dropped groups stand. Dead and lost groups stay
-        settled (they are facts about the pipeline, not the model) and groups in flight stay in flight."""
+    def rewind(self, applied: list[str], step: int, now: float, settled_through: str = "") -> list[str]:
+        """A rollback to a checkpoint: only its watermark and its applied and dropped groups stand. Dead and lost
+        groups stay settled (they are facts about the pipeline, not the model) and groups in flight stay in
+        flight. A group applied or dropped after the checkpoint loses that fate and is in flight again, so it
+        keeps exactly one: applied anew when EXPERIENCE is re-read, or, its message purged, written off as lost
+        once overdue. Their clocks start now, and they count as fed before any group in flight (serial 0): the
+        pipeline already took them through once. Returns them in feeding order."""
+        checkpoint = GroupLedger()
+        checkpoint.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
+        checkpoint.settled_through = feed_position(settled_through)
         kept = {g: s for g, s in self.settled.items() if s.fate in (Fate.DEAD, Fate.LOST)}
-        self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | kept
+        undone = sorted(
+            (g for g in self.settled.keys() - kept.keys() if not checkpoint.known(g)),
+            key=feeding_order,
+        )
+        self.settled = checkpoint.settled | kept
+        self.settled_through = checkpoint.settled_through
+        for group_id in undone:
+            self.in_flight[group_id] = Flight(now, 0)
+        return undone
 
 
 @dataclass

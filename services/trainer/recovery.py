@@ -2,8 +2,9 @@
 
 Saving takes a copy of everything a step depends on between steps and uploads it in the
 background while training goes on; after a save, the EXPERIENCE (and claim-checked
-bodies) that no kept checkpoint would re-read are purged, and the ledger forgets groups
-older than the oldest kept step.
+bodies) that no kept checkpoint would re-read are purged, and the ledger forgets the fates
+settled before the oldest kept step that its watermark refuses for them. The watermark is
+saved in the same checkpoint as the weights and adopted with them.
 
 Resume and rollback are one operation, ``adopt``: serve a stored step as a new policy
 version. It is all-or-nothing in this order: the checkpoint is read and checked whole
@@ -219,13 +220,25 @@ class Recovery:
             # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's.
             self.feeder.seek(state.data_cursor)
             self.ledger.restore(
-                state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, ckpt.step, time.monotonic()
+                state.in_flight,
+                state.applied_ids,
+                state.dead_ids,
+                state.reinjected,
+                ckpt.step,
+                time.monotonic(),
+                state.settled_through,
             )
             progress.baseline_eval = state.baseline_accuracy
             progress.last_row = dict(state.metrics)
         else:
             # The same process goes back: prompts already fed stay in flight and are not fed again.
-            self.ledger.rewind(state.applied_ids, ckpt.step)
+            undone = self.ledger.rewind(state.applied_ids, ckpt.step, time.monotonic(), state.settled_through)
+            if undone:
+                message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"
+                self.events.write(
+                    "groups_reopened_by_rollback", message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
+                )
+                log_event(log, "groups_reopened_by_rollback", step=ckpt.step, count=len(undone), group_ids=undone[:20])
         abandoned = self.lineage.restart_from(
             ckpt.step,
             new_version,
@@ -311,6 +324,7 @@ class Recovery:
     def snapshot(self, config_version: int) -> Checkpoint:
         """A copy of everything to save, taken between steps so the upload can run while training goes on."""
         cfg, progress, learner = self.settings.cfg, self.progress, self.learner
+        self.ledger.advance()  # the newest watermark, so the checkpoint lists as few groups beside it as it can
         state = learner.state()  # in host memory and one process's format, whatever the world size
         return Checkpoint(
             step=progress.step,
@@ -331,7 +345,8 @@ class Recovery:
                 baseline_accuracy=progress.baseline_eval,
                 metrics=dict(progress.last_row),
                 incarnation=progress.incarnation,
-                applied_ids=sorted(self.ledger.settled),
+                settled_through=self.ledger.watermark(),
+                applied_ids=self.ledger.exceptions(),
                 dead_ids=self.ledger.dead(),
                 dead_seq=progress.dead_seq,
                 reinjected=sorted(self.ledger.reinjected),

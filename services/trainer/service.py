@@ -208,6 +208,10 @@ class Trainer:
 
     async def record_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
+        count, step = len(group_ids), self.progress.step
+        self.events.write(
+            "groups_lost", f"{count} group(s) written off as lost", step=step, count=count, group_ids=group_ids[:50]
+        )
         self.telemetry.record_groups("lost", len(group_ids))  # now: a stalled pipeline brings no step row
         await self.responder.watch({"step": self.progress.step, "groups_lost": float(len(group_ids))})
 

@@ -71,13 +71,67 @@ def test_only_groups_past_the_bound_that_a_later_group_overtook_are_overdue():
     assert not ledger.arrived("old")  # a lost group that shows up after all is not applied a second time
 
 
-def test_the_ledger_forgets_fates_older_than_the_oldest_kept_checkpoint():
+def test_the_ledger_forgets_fates_older_than_the_oldest_kept_checkpoint_but_keeps_refusing_their_copies():
     ledger = GroupLedger()
-    ledger.settle(["a"], step=10, fate=Fate.APPLIED)
-    ledger.settle(["b"], step=20, fate=Fate.APPLIED)
-    ledger.settle(["c"], step=30, fate=Fate.DROPPED)
+    for group_id in ("e0-i0", "e0-i1", "e0-i2", "e0-i3", "e0-i4"):
+        ledger.fed(group_id, now=0.0)
+        assert ledger.arrived(group_id)
+    ledger.settle(["e0-i0"], step=10, fate=Fate.APPLIED)
+    ledger.settle(["e0-i1"], step=10, fate=Fate.DEAD)
+    ledger.settle(["e0-i2"], step=20, fate=Fate.DROPPED)
+    ledger.settle(["e0-i4"], step=20, fate=Fate.APPLIED)  # e0-i3 still has no fate: the watermark stops below it
+    ledger.forget_through(30)  # the oldest kept checkpoint is step 30
+    assert ledger.watermark() == "e0-i2"
+    # Dead fates stay for a re-inject; e0-i4 is above the watermark, so only its entry refuses it.
+    assert sorted(ledger.settled) == ["e0-i1", "e0-i4"]
+    assert not ledger.arrived("e0-i0") and not ledger.arrived("e0-i2") and not ledger.arrived("e0-i4")
+    assert ledger.repeats == 3
+    assert ledger.known("e0-i0")  # and a resumed feeder would not feed it again
+    assert ledger.arrived("e0-i3")  # read again after a dropped batch: still without a fate, still usable
+
+
+def test_a_fate_settled_at_the_oldest_kept_step_is_kept_for_a_rollback_to_it():
+    ledger = GroupLedger()
+    ledger.fed("e0-i0", now=0.0)
+    ledger.settle(["e0-i0"], step=20, fate=Fate.LOST)  # written off after step 20 was saved
     ledger.forget_through(20)
-    assert sorted(ledger.settled) == ["c"]
+    assert ledger.fate("e0-i0") == Fate.LOST
+
+
+def test_a_checkpoint_keeps_the_watermark_and_only_the_fates_above_it_and_a_resume_refuses_what_it_covers():
+    ledger = GroupLedger()
+    for group_id in ("e0-i0", "e0-i1", "e0-i2", "e1-i0"):
+        ledger.fed(group_id, now=0.0)
+    ledger.settle(["e0-i0", "e0-i2"], step=1, fate=Fate.APPLIED)
+    ledger.settle(["e0-i1"], step=1, fate=Fate.DEAD)
+    ledger.advance()
+    assert ledger.watermark() == "e0-i2" and ledger.exceptions() == ["e0-i1"]
+    ledger.settle(["e1-i0"], step=2, fate=Fate.DROPPED)  # above the watermark until the next advance
+    assert ledger.exceptions() == ["e0-i1", "e1-i0"]
+
+    resumed = GroupLedger()
+    resumed.restore([], ledger.exceptions(), ledger.dead(), [], step=2, now=0.0, settled_through=ledger.watermark())
+    assert [g for g in ("e0-i0", "e0-i1", "e0-i2", "e1-i0", "e1-i1") if resumed.arrived(g)] == ["e1-i1"]
+    assert resumed.reopen("e0-i1", now=1.0)  # dead, kept by name: a re-inject still reopens it
+    assert not resumed.reopen("e0-i0", now=1.0)  # applied, known only by the watermark: never reopened
+    assert resumed.arrived("e0-i1")  # the reopened copy below the watermark is taken once
+    assert resumed.settle(["e0-i1"], step=3, fate=Fate.APPLIED) == ["e0-i1"]
+    assert not resumed.arrived("e0-i1")
+
+
+def test_the_watermark_waits_below_a_group_without_a_fate_and_ignores_ids_of_another_shape():
+    ledger = GroupLedger()
+    for group_id in ("e0-i5", "e0-i7", "e0-i9", "odd"):
+        ledger.fed(group_id, now=0.0)
+    ledger.settle(["e0-i5", "e0-i9", "odd"], step=1, fate=Fate.APPLIED)
+    ledger.advance()
+    assert ledger.watermark() == "e0-i5"  # e0-i7 is in flight; the positions in between were never fed
+    assert ledger.arrived("e0-i7")
+    ledger.advance()
+    assert ledger.watermark() == "e0-i5"  # read, but not yet applied: still no fate
+    ledger.settle(["e0-i7"], step=2, fate=Fate.APPLIED)
+    ledger.advance()
+    assert ledger.watermark() == "e0-i9" and not ledger.covered("odd") and ledger.fate("odd") == Fate.APPLIED
 
 
 def test_restore_adopts_a_checkpoints_in_flight_groups_and_settled_ids_and_keeps_the_dead_ones_dead():
@@ -165,10 +219,39 @@ def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_lat
     ledger.settle(["dead"], step=3, fate=Fate.DEAD)
     ledger.settle(["lost"], step=3, fate=Fate.LOST)
     ledger.fed("flying", now=0.0)
-    ledger.rewind(applied=["a"], step=2)
+    assert ledger.rewind(applied=["a"], step=2, now=5.0) == ["b"]
     assert sorted(ledger.settled) == ["a", "dead", "lost"]
     assert ledger.arrived("b")  # re-read after the rollback: applied again in the new branch
     assert "flying" in ledger.in_flight
+
+
+def test_a_group_whose_fate_a_rollback_undoes_is_in_flight_again_and_written_off_when_its_message_is_gone():
+    """Rolled back past the purge, a group applied after the checkpoint is not in EXPERIENCE any more: it used to
+    be left with no fate at all, neither settled nor in flight. Now it is in flight, and overdue (to be written
+    off as lost, unless it waits unread in EXPERIENCE) once the bound passes after the rollback."""
+    ledger = GroupLedger()
+    for group_id in ("e0-i0", "e0-i1", "e0-i2", "e0-i3", "e0-i4"):
+        ledger.fed(group_id, now=0.0)
+        if group_id != "e0-i4":
+            assert ledger.arrived(group_id)
+    ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED)
+    ledger.advance()
+    checkpoint_watermark, checkpoint_applied = ledger.watermark(), ledger.exceptions()  # step 1 is saved
+    ledger.settle(["e0-i1"], step=2, fate=Fate.APPLIED)
+    ledger.settle(["e0-i2"], step=2, fate=Fate.DROPPED)
+    ledger.settle(["e0-i3"], step=2, fate=Fate.LOST)
+    ledger.forget_through(2)
+    assert ledger.rewind(checkpoint_applied, step=1, now=100.0, settled_through=checkpoint_watermark) == [
+        "e0-i1",
+        "e0-i2",
+    ]
+    assert ledger.watermark() == "e0-i0" and not ledger.arrived("e0-i0")  # the checkpoint's fates stand
+    assert ledger.fate("e0-i3") == Fate.LOST  # a lost group stays lost: it is not lost twice
+    assert ledger.unsettled() == ["e0-i1", "e0-i2", "e0-i4"]
+    assert ledger.overdue(now=150.0, max_age_s=60.0) == []  # their clocks started at the rollback
+    # Groups fed after them came back before the rollback: the pipeline is past them. e0-i4 waits for one that
+    # was fed after it.
+    assert ledger.overdue(now=200.0, max_age_s=60.0) == ["e0-i1", "e0-i2"]
 
 
 def test_a_restored_ledger_numbers_in_flight_groups_in_feeding_order_not_string_order():

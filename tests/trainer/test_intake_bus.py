@@ -285,7 +285,9 @@ def experience_with_float_ids(group_id: str, incarnation: str) -> ExperienceGrou
 
 
 def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
-    """What a checkpoint of ``ledger`` and ``progress`` keeps of them (through its JSON form)."""
+    """What a checkpoint of ``ledger`` and ``progress`` keeps of them (through its JSON form), as
+    ``Recovery.snapshot`` takes it."""
+    ledger.advance()
     return TrainerState.from_json(
         TrainerState(
             step=progress.step,
@@ -293,7 +295,8 @@ def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
             last_experience_seq=progress.applied_seq,
             in_flight=ledger.unsettled(),
             incarnation=progress.incarnation,
-            applied_ids=sorted(ledger.settled),
+            settled_through=ledger.watermark(),
+            applied_ids=ledger.exceptions(),
             dead_ids=ledger.dead(),
             dead_seq=progress.dead_seq,
             reinjected=sorted(ledger.reinjected),
@@ -309,7 +312,13 @@ def restarted(bus: Bus, rows: list, ledger: GroupLedger, progress: Progress, reo
 def resumed_from(bus: Bus, rows: list, state: TrainerState, reopened: list) -> Intake:
     resumed = GroupLedger()
     resumed.restore(
-        state.in_flight, state.applied_ids, state.dead_ids, state.reinjected, state.step, now=time.monotonic()
+        state.in_flight,
+        state.applied_ids,
+        state.dead_ids,
+        state.reinjected,
+        state.step,
+        now=time.monotonic(),
+        settled_through=state.settled_through,
     )
     progress = Progress(
         step=state.step,
@@ -373,7 +382,8 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
             third.ledger.fed(group_id, now=time.monotonic())
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
         assert applied(third, await third.collect(cfg, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
-        assert third.ledger.repeats == 1 and third.ledger.fate("e0-i0") == Fate.APPLIED
+        assert third.ledger.repeats == 1
+        assert third.ledger.watermark() == "e0-i3"  # the checkpoint keeps the applied e0-i0 under its watermark
         await bus.close()
 
     asyncio.run(scenario())
@@ -469,6 +479,45 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
         assert (first, second) == (["e0-i1", "e0-i2"], ["e0-i0", "e0-i3"])
         assert reopened == [("e0-i0", 1)] and again.ledger.repeats == 0
         assert (await bus.js.stream_info(stream_name(cfg.run_id, DEAD))).state.messages == 3  # the replay's deduped
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_staleness_bound_off(
+    tiny_model, tmp_path, nats_url
+):
+    """A stage cut off from NATS for longer than the duplicate window publishes its copy of an applied group at
+    last. The fate of that group was dropped when the checkpoints that went back to it were pruned, and the
+    staleness bound, which would have dropped so old a group, is off: the watermark alone refuses the copy, in
+    the trainer that applied it and in one resumed from its checkpoint."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url, max_staleness=None)
+    assert cfg.train.max_staleness is None
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        intake = intake_of(bus, rows, GroupLedger(), Progress(incarnation="a"))
+        await intake.feed(cfg, config_version=0)
+        for n, group_id in enumerate(["e0-i0", "e0-i1"]):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="a"), msg_id=f"first-{n}")
+        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i0", "e0-i1"]
+        saved = checkpoint(intake.ledger, intake.progress)
+        assert saved.settled_through == "e0-i1" and saved.applied_ids == []  # the watermark stands for both
+        intake.ledger.forget_through(intake.progress.step + 1)  # the checkpoints back to step 1 were pruned
+        assert intake.ledger.fate("e0-i0") is None and intake.ledger.settled == {}
+
+        intake.progress.version = 50  # many versions later: the copy is 50 versions stale, and nothing bounds it
+        await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="a"), msg_id="late-copy")
+        for n, group_id in enumerate(["e0-i2", "e0-i3"]):
+            await bus.publish(EXPERIENCE, experience(group_id, incarnation="a"), msg_id=f"second-{n}")
+        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
+        assert intake.ledger.repeats == 1
+
+        # Resumed from the step-1 checkpoint, the trainer reads the late copy again: its watermark refuses it.
+        resumed = resumed_from(bus, rows, saved, reopened=[])
+        resumed.feeder.seek(saved.data_cursor or {"epoch": 0, "index": 2})
+        assert applied(resumed, await resumed.collect(cfg, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
+        assert resumed.ledger.repeats == 1
         await bus.close()
 
     asyncio.run(scenario())

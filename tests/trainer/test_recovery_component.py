@@ -149,8 +149,9 @@ def test_a_resume_from_an_older_step_abandons_the_later_ones_and_serves_a_newer_
         assert torch.equal(first_weights(restarted.learner), saved_run)
         assert progress.abandoned_versions == [(3, 3)]  # step 3 made version 3: its groups are dropped
         assert restarted.checkpoints.steps() == [1, 2]  # step 3 is marked ABANDONED
-        # e0-i1's EXPERIENCE was purged after step 1 was saved: no reader meets it again, so step 2 forgot it.
-        assert sorted(restarted.ledger.settled) == ["e0-i2"]
+        # Step 2's checkpoint keeps e0-i1 and e0-i2 under its watermark, by no name: a copy of either is refused.
+        assert restarted.ledger.settled == {} and restarted.ledger.watermark() == "e0-i2"
+        assert not restarted.ledger.arrived("e0-i1") and restarted.ledger.arrived("e0-i3")
         assert restarted.weights.latest.version == 4 and restarted.rewinds == 1
         assert restarted.lineage.records()[-1]["abandoned_steps"] == [3]
 
@@ -216,7 +217,8 @@ def test_a_rollback_that_cannot_mark_the_later_steps_changes_nothing_and_a_retry
         assert torch.equal(first_weights(run.learner), at_one)
         assert run.weights.latest.version == 4 and run.rewinds == 1
         assert run.checkpoints.steps() == [1]
-        assert {g: s.fate for g, s in run.ledger.settled.items()} == {"e0-i1": Fate.APPLIED}
+        assert run.ledger.settled == {} and run.ledger.watermark() == "e0-i1"  # step 1's checkpoint's
+        assert sorted(run.ledger.in_flight) == ["e0-i2", "e0-i3"]  # applied by the abandoned steps: to come again
         assert run.lineage.records()[-1]["event"] == "rollback"
 
     asyncio.run(scenario())
@@ -267,6 +269,32 @@ def test_a_stable_step_older_than_the_kept_window_does_not_hold_experience_back(
         assert run.progress.applied_seq == 30  # read on after the purge, not from step 1's sequence 10
         # A stream created anew (a broker that lost its store) voids the record: the gap is not taken for a purge.
         assert run.checkpoints.purged_through(str(datetime(2026, 2, 1, tzinfo=UTC))) == 0
+
+    asyncio.run(scenario())
+
+
+def test_groups_applied_by_the_steps_a_rollback_abandons_are_in_flight_again_and_the_events_name_them(
+    tiny_model, tmp_path
+):
+    """Rolled back to a STABLE step older than the purge, the groups steps 2-4 applied lose that fate and their
+    EXPERIENCE is gone: they used to be left with no fate at all. They are in flight again (written off as lost
+    once overdue, unless they come back), and the events say so."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, keep_last=2)
+        await run.recovery.start(resume=False)
+        run.ledger.fed("e0-i5", now=0.0)  # still in the pipeline at the rollback: stays in flight as it was
+        await run.step_and_save(1, ["e0-i1"])
+        run.checkpoints.mark(1, "STABLE")
+        for step in (2, 3, 4):
+            await run.step_and_save(step, [f"e0-i{step}"])
+        await run.recovery.rollback(None, reason="test")
+        assert run.progress.applied_seq == 30  # EXPERIENCE through step 3's sequence is purged
+        assert run.ledger.watermark() == "e0-i1" and run.ledger.settled == {}
+        serials = {g: f.serial for g, f in run.ledger.in_flight.items()}
+        assert serials == {"e0-i5": 1, "e0-i2": 0, "e0-i3": 0, "e0-i4": 0}
+        reopened = events_of(run, "groups_reopened_by_rollback")
+        assert [(e["step"], e["group_ids"]) for e in reopened] == [(1, ["e0-i2", "e0-i3", "e0-i4"])]
 
     asyncio.run(scenario())
 
