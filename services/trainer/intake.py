@@ -315,19 +315,27 @@ class GroupLedger:
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | {g: Settled(step, Fate.DEAD) for g in dead}
         self.settled_through = feed_position(settled_through)
 
-    def rewind(self, applied: list[str], step: int, now: float, settled_through: str = "") -> list[str]:
+    def rewind(
+        self, applied: list[str], step: int, now: float, settled_through: str = "", abandoned: Iterable[str] = ()
+    ) -> list[str]:
         """A rollback to a checkpoint: only its watermark and its applied and dropped groups stand. Dead and lost
         groups stay settled (they are facts about the pipeline, not the model) and groups in flight stay in
         flight. A group applied or dropped after the checkpoint loses that fate and is in flight again, so it
         keeps exactly one: applied anew when EXPERIENCE is re-read, or, its message purged, written off as lost
         once overdue. Their clocks start now, and they count as fed before any group in flight (serial 0): the
-        pipeline already took them through once. Returns them in feeding order."""
+        pipeline already took them through once. ``abandoned``: the groups the abandoned steps applied or dropped
+        as the lineage records them, since the ledger may have forgotten their fates below its watermark (the
+        recovery simulation's seed 151). Returns the reopened groups in feeding order."""
         checkpoint = GroupLedger()
         checkpoint.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
         checkpoint.settled_through = feed_position(settled_through)
         kept = {g: s for g, s in self.settled.items() if s.fate in (Fate.DEAD, Fate.LOST)}
         undone = sorted(
-            (g for g in self.settled.keys() - kept.keys() if not checkpoint.known(g)),
+            (
+                g
+                for g in (self.settled.keys() | set(abandoned)) - kept.keys() - self.in_flight.keys()
+                if not checkpoint.known(g)
+            ),
             key=feeding_order,
         )
         self.settled = checkpoint.settled | kept

@@ -127,6 +127,16 @@ def effective_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return steps
 
 
+def settled_after(records: list[dict[str, Any]], step: int) -> list[str]:
+    """The groups the effective steps after ``step`` applied or dropped as stale: what a rollback to ``step`` undoes."""
+    return [
+        group
+        for record in effective_steps(records)
+        if record["step"] > step
+        for group in [*(group_id for group_id, _ in record["groups"]), *record["dropped_stale"]]
+    ]
+
+
 def lost_groups(records: list[dict[str, Any]]) -> list[str]:
     """Every group written off as lost, in the order it was."""
     return [group for record in records for group in record.get("lost", [])]

@@ -52,7 +52,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.intake import GroupLedger, PromptFeeder
 from services.trainer.learner import Learner
-from services.trainer.lineage import Lineage
+from services.trainer.lineage import Lineage, settled_after
 from services.trainer.progress import ConfigSource, Progress
 from services.trainer.resume import ResumeBlocked, SavedRecord, StoreUnreadable
 
@@ -232,7 +232,10 @@ class Recovery:
             progress.last_row = dict(state.metrics)
         else:
             # The same process goes back: prompts already fed stay in flight and are not fed again.
-            undone = self.ledger.rewind(state.applied_ids, ckpt.step, time.monotonic(), state.settled_through)
+            abandoned_groups = settled_after(await asyncio.to_thread(self.lineage.records), ckpt.step)
+            undone = self.ledger.rewind(
+                state.applied_ids, ckpt.step, time.monotonic(), state.settled_through, abandoned_groups
+            )
             if undone:
                 message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"
                 self.events.write(

@@ -36,17 +36,17 @@ from nats.js.errors import NotFoundError
 from services.common.config import RunConfig, load_config
 from services.common.observe.events import EventLog
 from services.common.observe.telemetry import TrainerMetrics
-from services.common.transport.bus import (
+from services.common.transport.breaker import CircuitBreaker
+from services.common.transport.messages import DecodeError
+from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
     H_GROUP,
     H_INCARNATION,
     H_SEQ,
     H_STREAM,
-    CircuitBreaker,
     StreamMessage,
 )
-from services.common.transport.messages import DecodeError
 from services.trainer import intake as intake_module
 from services.trainer import recovery as recovery_module
 from services.trainer.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
@@ -62,19 +62,18 @@ DUPLICATE_WINDOW_S = 30.0  # the simulated broker's duplicate window, on the sim
 LOST_AFTER_S = 20.0  # train.lost_after_s: a tick can carry a group past it, and past the duplicate window
 
 
-# What the simulation found and the default run steps around: an op that would run into one is skipped; with
-# ``holes`` it is made, and the scenario named here, (seed, ops), fails. tests/trainer/test_simulation.py replays
-# each as a strict xfail: the day one is fixed, its test passes, and the hole leaves this list.
 SCENARIO_OPS = 40  # ops in a default scenario
-KNOWN_HOLES = {
-    # GroupLedger.forget_through drops the fates settled at or before the oldest kept checkpoint (at the first save,
-    # every fate so far); a rollout that computes such a group again after the broker's duplicate window gets it
-    # applied (or dropped) a second time. Seed 200 (of 40 ops) runs into it too.
-    "a forgotten group computed again past the duplicate window is applied twice": (26, 60),
-    # A rollback to a step that read less of EXPERIENCE than the run purged (a STABLE step older than the kept
-    # window) reads on from the purge: the groups the abandoned steps applied from the purged part are neither
-    # settled nor in flight, so they are never re-applied, never written off as lost, and have no fate at all.
-    "a rollback behind the purge leaves the abandoned steps' groups without a fate": (151, 60),
+# What the simulation found, each once a hole and now fixed, with a (seed, ops) that ran into it; the tests replay
+# each as a regression case beside the seeded run.
+FOUND_HOLES = {
+    # GroupLedger.forget_through dropped the fates settled at or before the oldest kept checkpoint; a rollout that
+    # computed such a group again after the broker's duplicate window got it applied a second time. Fixed by the
+    # ledger's settled-through watermark (trust item 5).
+    "a forgotten group computed again past the duplicate window was applied twice": (26, 60),
+    # A rollback to a step that read less of EXPERIENCE than the run purged left the groups the abandoned steps had
+    # applied from the purged part (their fates already forgotten) with no fate. Fixed by reopening what the
+    # lineage says the abandoned steps settled (GroupLedger.rewind's ``abandoned``; trust item 6).
+    "a rollback behind the purge left the abandoned steps' groups without a fate": (151, 60),
 }
 
 
@@ -458,10 +457,9 @@ class Trainer:
 class World:
     """Everything that outlives a trainer process: broker, store, run folder, weight server, clock."""
 
-    def __init__(self, cfg: RunConfig, rng: random.Random, holes: bool) -> None:
+    def __init__(self, cfg: RunConfig, rng: random.Random) -> None:
         self.cfg = cfg
         self.rng = rng
-        self.holes = holes  # also draw what runs into KNOWN_HOLES; without it those ops are skipped
         self.clock = Clock()
         self.effects = Effects()
         self.store = SimStore(self.effects)
@@ -494,9 +492,8 @@ class World:
             bus.experience(fed, max(0, self.served_version() - rng.randint(0, 3)))
         elif op.kind == "recompute" and bus.taken:
             fed = rng.choice(bus.taken)
-            # Past the duplicate window a copy is KNOWN_HOLES' first; inside it the broker must drop it.
-            if self.holes or bus.dedupe.get(f"{fed.group_id}.{fed.incarnation}.experience", 0.0) > self.clock.now:
-                bus.experience(fed, max(0, self.served_version() - rng.randint(0, 12)))
+            # Inside the duplicate window the broker drops the copy; past it the trainer must refuse it itself.
+            bus.experience(fed, max(0, self.served_version() - rng.randint(0, 12)))
         elif op.kind == "poison" and bus.prompts:
             bus.experience(bus.prompts.pop(rng.randrange(len(bus.prompts))), 0, poisoned=True)
         elif op.kind == "drop" and bus.prompts:
@@ -529,15 +526,8 @@ class World:
                 step = steps[op.arg % len(steps)]
                 if op.kind == "mark_stable":
                     await trainer.recovery.mark_stable(step)
-                elif self.holes or not await self._behind_the_purge(trainer, step):
+                else:
                     await trainer.recovery.rollback(step, "simulated rollback")
-
-    async def _behind_the_purge(self, trainer: Trainer, step: int) -> bool:
-        """Whether ``step`` read less of EXPERIENCE than the run has purged (a STABLE step older than the kept
-        window): a rollback to it is ``KNOWN_HOLES``' second."""
-        entry = await trainer.recovery.entry(step)
-        purged = await asyncio.to_thread(trainer.checkpoints.purged_through, str(self.bus.created))
-        return entry is not None and entry["last_experience_seq"] < purged
 
     # -- invariants ---------------------------------------------------------------------
 
@@ -656,9 +646,9 @@ class InlineExecutor(ThreadPoolExecutor):
         return future
 
 
-async def _run(cfg: RunConfig, seed: int, ops: list[Op], holes: bool) -> Counter[str]:
+async def _run(cfg: RunConfig, seed: int, ops: list[Op]) -> Counter[str]:
     asyncio.get_running_loop().set_default_executor(InlineExecutor())
-    world = World(cfg, random.Random(seed), holes)
+    world = World(cfg, random.Random(seed))
     with simulated_world(world.clock), quiet():
         await world.start()
         for index, op in enumerate(ops):
@@ -681,11 +671,11 @@ async def _run(cfg: RunConfig, seed: int, ops: list[Op], holes: bool) -> Counter
         return world.outcomes
 
 
-def run_scenario(cfg: RunConfig, seed: int, holes: bool = False, length: int = SCENARIO_OPS) -> Counter[str]:
+def run_scenario(cfg: RunConfig, seed: int, length: int = SCENARIO_OPS) -> Counter[str]:
     """Replay scenario ``seed`` in a clean run folder; returns what happened in it (a ``Counter`` of outcomes:
-    steps applied, resumes, crashes mid-effect...), for the coverage checks. ``holes``: see ``KNOWN_HOLES``."""
+    steps applied, resumes, crashes mid-effect...), for the coverage checks."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return asyncio.run(_run(cfg, seed, draw_scenario(seed, length), holes))
+    return asyncio.run(_run(cfg, seed, draw_scenario(seed, length)))
 
 
 def describe(seed: int, ops: list[Op]) -> str:

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.trainer.simulation import KNOWN_HOLES, InvariantBroken, describe, draw_scenario, run_scenario, sim_config
+from tests.trainer.simulation import FOUND_HOLES, InvariantBroken, describe, draw_scenario, run_scenario, sim_config
 
 pytestmark = pytest.mark.unit
 
@@ -49,11 +49,10 @@ def test_every_fed_group_keeps_exactly_one_fate_and_policy_versions_only_grow_in
         assert outcomes["dead letters"] > 0 and outcomes["start refused"] > 0, dict(outcomes)
 
 
-@pytest.mark.parametrize("hole", sorted(KNOWN_HOLES))
-@pytest.mark.xfail(strict=True, raises=InvariantBroken, reason="a hole the simulation found (KNOWN_HOLES)")
-def test_a_known_hole_found_by_the_simulation_is_still_open(hole, tmp_path):
-    seed, length = KNOWN_HOLES[hole]
-    run_scenario(sim_config(tmp_path), seed, holes=True, length=length)
+@pytest.mark.parametrize("hole", sorted(FOUND_HOLES))
+def test_a_hole_the_simulation_found_stays_closed(hole, tmp_path):
+    seed, length = FOUND_HOLES[hole]
+    run_scenario(sim_config(tmp_path), seed, length=length)
 
 
 def test_a_scenario_replays_the_same_way_every_time(tmp_path):
