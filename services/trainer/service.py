@@ -45,11 +45,19 @@ from services.common.transport.storage import open_store
 from services.common.transport.weightsync import NonFiniteWeights, WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, ForeignCheckpoints, UnknownCheckpointFormat
+from services.trainer.checkpoint import (
+    CheckpointMismatch,
+    CheckpointStore,
+    FencedOut,
+    ForeignCheckpoints,
+    UnknownCheckpointFormat,
+)
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
+from services.trainer.lease import Lease, LeaseLost
+from services.trainer.lease import open_bucket as open_lease_bucket
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
@@ -374,6 +382,18 @@ def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> N
     )
 
 
+async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
+    """The run's lease, at an epoch above the fence already in the checkpoint store (so epochs keep growing when
+    the broker lost the lease bucket); StartRefused naming the holder while another trainer holds it."""
+    fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
+    floor = await asyncio.to_thread(fence.stored_fence)
+    kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
+    lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s)
+    epoch = await lease.acquire(floor)
+    log_event(log, "lease_acquired", epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
+    return lease
+
+
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
     """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
     credentials = None
@@ -413,6 +433,11 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
+    try:
+        lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
+    except BaseException:
+        await bus.close()
+        raise
     live = await LiveConfig(cfg, bus.js).start()
     learner = await asyncio.to_thread(Learner, cfg, mesh)
     model_s = started()
@@ -425,8 +450,11 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
+        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
+        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
+        trainer.checkpoints.guard = lease.check
         await trainer.prepare()
-    except (ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
+    except (FencedOut, ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
         # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
         log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
@@ -439,6 +467,25 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
     )
     watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence))
+    lost: list[LeaseLost] = []
+    held_epoch = lease.epoch
+    running = asyncio.current_task()
+
+    async def on_lease_lost(error: LeaseLost) -> None:
+        # Stop at once, saving nothing: the successor owns the run, and the store refuses this epoch's writes anyway.
+        lost.append(error)
+        log_event(
+            log,
+            "lease_lost",
+            level=logging.CRITICAL,
+            alert=True,
+            epoch=held_epoch,
+            taken_over=error.taken_over,
+            error=str(error),
+        )
+        running.cancel()
+
+    keeper = asyncio.create_task(lease.keep(on_lease_lost))
     log_event(
         log,
         "ready",
@@ -452,6 +499,11 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     try:
         try:
             await trainer.run(stop)
+        except asyncio.CancelledError:
+            if not lost:
+                raise
+            # Taken over: not restarted, another trainer holds the run. Expired unrenewed: a restart may take it again.
+            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
         except BrokerStateLost as error:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).
@@ -473,6 +525,9 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
             raise SystemExit(1)
     finally:
         watchdog.cancel()
+        keeper.cancel()
+        if not lost:
+            await lease.release()
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
         await admin_server.stop(grace=1)
