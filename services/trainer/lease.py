@@ -3,15 +3,17 @@
 The lease is one key (``trainer``) whose value names the holder, its epoch and when it expires. It is taken and
 renewed only by compare-and-set on the key's revision (``kv.create`` when absent, ``kv.update(last=revision)``
 otherwise), so of two trainers racing for it exactly one wins, and a holder whose revision moved on knows at its
-next renewal that another took over. A lease not renewed within ``trainer.lease_ttl_s`` seconds may be taken; a
-taker's epoch is one above the highest it knows (the old lease's and ``floor``, the fence already in the store),
-so epochs only grow even when the bucket was lost with its broker.
+next renewal that another took over. A lease not renewed within ``trainer.lease_ttl_s`` seconds may be taken. A
+starting trainer that finds the lease held watches it: renewed meanwhile, its holder is alive and the start is
+refused; left to expire (a SIGKILLed holder whose restart this is), it is taken then. A taker's epoch is one
+above the highest it knows (the old lease's and ``floor``, the fence already in the store), so epochs only grow
+even when the bucket was lost with its broker.
 
 The epoch is what the store checks (``CheckpointStore.claim_fence``): a holder that was paused past its lease and
 wakes after another took over finds a higher epoch there and writes nothing. Expiry is judged on wall-clock
 times written into the value (one clock per machine; across machines, clocks must agree to well within the TTL).
 
-The decisions are pure functions (``may_take``, ``successor``) and the I/O stays in ``Lease``.
+The decisions are pure functions (``judge``, ``successor``) and the I/O stays in ``Lease``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any
 
 from nats.js import api
@@ -67,9 +70,23 @@ class LeaseRecord:
         return cls(str(fields["holder"]), int(fields["epoch"]), float(fields["expires_at"]))
 
 
-def may_take(current: LeaseRecord | None, now: float) -> bool:
-    """Whether a starting trainer may take the lease: nobody holds it, or its holder let it expire."""
-    return current is None or current.expires_at <= now
+class Verdict(Enum):
+    TAKE = "take"  # nobody holds it, or its holder let it expire
+    REFUSE = "refuse"  # a live trainer holds it: it was written while this one watched
+    WAIT = "wait"  # held, and not yet seen renewed: its holder may be dead (a SIGKILLed trainer being restarted)
+
+
+def judge(current: LeaseRecord | None, revision: int, seen_revision: int | None, now: float) -> Verdict:
+    """What a starting trainer does about the lease it reads at ``revision``, having first read ``seen_revision``.
+
+    A held lease is not proof of a live holder: a trainer killed a moment ago leaves its lease until it expires, and
+    its restart must take over then rather than be refused. A lease written since the first look is: its holder (or
+    a trainer that took it meanwhile) renews it."""
+    if current is None or current.expires_at <= now:
+        return Verdict.TAKE
+    if seen_revision is not None and revision != seen_revision:
+        return Verdict.REFUSE
+    return Verdict.WAIT
 
 
 def successor(current: LeaseRecord | None, holder: str, floor: int, now: float, ttl_s: float) -> LeaseRecord:
@@ -136,24 +153,33 @@ class Lease:
     async def acquire(self, floor: int = 0) -> int:
         """Take the lease, or raise StartRefused naming its holder and when it expires; returns the epoch.
 
-        ``floor`` is the highest epoch already known elsewhere (the store's fence)."""
-        current, revision = await self._read()
-        now = self.clock()
-        if not may_take(current, now):
-            raise StartRefused(held_message(current, self.run_id, now))
-        record = successor(current, self.holder, floor, now, self.ttl_s)
-        try:
-            if revision == 0:
-                self.revision = await self.kv.create(KEY, record.to_json())
-            else:
-                self.revision = await self.kv.update(KEY, record.to_json(), last=revision)
-        except KeyWrongLastSequenceError:  # another trainer took it between our read and write
-            current, _ = await self._read()
-            raise StartRefused(
-                held_message(current, self.run_id, self.clock()) if current else "lost the race for the lease"
-            ) from None
-        self.record = record
-        return record.epoch
+        While the lease is held and not seen renewed, waits (at most until it expires): a live holder renews it
+        within a third of the TTL, a dead one lets it run out. ``floor`` is the highest epoch already known
+        elsewhere (the store's fence)."""
+        seen_revision: int | None = None
+        while True:
+            current, revision = await self._read()
+            now = self.clock()
+            verdict = judge(current, revision, seen_revision, now)
+            if verdict is Verdict.REFUSE:
+                raise StartRefused(held_message(current, self.run_id, now))
+            if verdict is Verdict.WAIT:
+                if seen_revision is None:
+                    seen_revision = revision
+                    log_event(log, "lease_waiting", holder=current.holder, expires_in_s=current.expires_at - now)
+                await asyncio.sleep(min(self.ttl_s / 6, current.expires_at - now))
+                continue
+            record = successor(current, self.holder, floor, now, self.ttl_s)
+            try:
+                if revision == 0:
+                    self.revision = await self.kv.create(KEY, record.to_json())
+                else:
+                    self.revision = await self.kv.update(KEY, record.to_json(), last=revision)
+            except KeyWrongLastSequenceError:  # another trainer took it between our read and write: judge it anew
+                seen_revision = seen_revision if seen_revision is not None else revision
+                continue
+            self.record = record
+            return record.epoch
 
     async def renew(self) -> None:
         """Extend the lease by ``ttl_s``; LeaseLost when it expired unrenewed or its revision moved on."""

@@ -2,16 +2,25 @@
 
 import pytest
 
-from services.trainer.lease import Lease, LeaseLost, LeaseRecord, held_message, may_take, successor
+from services.trainer.lease import Lease, LeaseLost, LeaseRecord, Verdict, held_message, judge, successor
 
 pytestmark = pytest.mark.unit
 
 
-def test_a_lease_nobody_holds_or_whose_holder_let_it_expire_may_be_taken_and_a_live_one_may_not():
-    live = LeaseRecord("host:1", epoch=3, expires_at=100.0)
-    assert may_take(None, now=50.0)
-    assert not may_take(live, now=99.9)
-    assert may_take(live, now=100.0)
+def test_a_lease_nobody_holds_or_whose_holder_let_it_expire_is_taken_at_once():
+    assert judge(None, revision=0, seen_revision=None, now=50.0) is Verdict.TAKE
+    lapsed = LeaseRecord("host:1", epoch=3, expires_at=100.0)
+    assert judge(lapsed, revision=7, seen_revision=None, now=100.0) is Verdict.TAKE
+
+
+def test_a_held_lease_is_waited_on_until_it_is_seen_renewed_which_refuses_or_it_expires_which_takes_it():
+    held = LeaseRecord("host:1", epoch=3, expires_at=100.0)
+    # A killed holder's lease looks like a live one's at first sight: wait rather than refuse its restart.
+    assert judge(held, revision=7, seen_revision=None, now=90.0) is Verdict.WAIT
+    assert judge(held, revision=7, seen_revision=7, now=95.0) is Verdict.WAIT  # not written since: maybe dead
+    renewed = LeaseRecord("host:1", epoch=3, expires_at=105.0)
+    assert judge(renewed, revision=8, seen_revision=7, now=96.0) is Verdict.REFUSE  # renewed: its holder lives
+    assert judge(held, revision=7, seen_revision=7, now=100.0) is Verdict.TAKE  # never renewed: it was dead
 
 
 def test_a_taker_s_epoch_is_one_above_both_the_old_lease_s_and_the_store_s_fence():

@@ -45,15 +45,19 @@ def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_hig
         stale.claim_fence(first.epoch, first.holder)
         incarnation = stale.start_fresh()
         stale.save(checkpoint(1, incarnation), model_dir)
+        lost_by_keeper: list[LeaseLost] = []
 
-        await asyncio.sleep(TTL_S * 2 / 3)
-        await first.renew()  # renewed: still held a whole TTL after it was taken
-        await asyncio.sleep(TTL_S * 2 / 3)
+        async def on_lost(error: LeaseLost) -> None:
+            lost_by_keeper.append(error)
+
+        keeper = asyncio.create_task(first.keep(on_lost))  # a live holder: renewed every third of the TTL
         with pytest.raises(StartRefused, match=rf"run r1 already has a live trainer: {first.holder} holds its lease"):
             await second.acquire()
+        assert second.record is None
 
-        await asyncio.sleep(TTL_S + 0.5)  # the holder stops renewing (paused) and its lease lapses
+        keeper.cancel()  # the holder stops renewing (paused, or killed): its lease lapses and is taken then
         assert await second.acquire(floor=stale.stored_fence()) == 2
+        assert lost_by_keeper == []
         successor = CheckpointStore(open_store(url, CheckpointConfig()), "r1", keep_last=1, incarnation=incarnation)
         successor.claim_fence(second.epoch, second.holder)
         before = stored_objects(stale)

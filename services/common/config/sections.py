@@ -729,11 +729,11 @@ class TrainerConfig(Section):
         "most the GPUs this machine has when the model runs on CUDA. Restart-only",
     )
     lease_ttl_s: float = Field(
-        30.0,
+        15.0,
         gt=0,
         description="seconds the trainer's lease on its run lasts unrenewed (renewed every third of it): a second "
-        "trainer of the run is refused while it holds, and takes over this long after the holder stopped beating; "
-        "a holder paused past it writes nothing more. Restart-only",
+        "trainer of the run is refused while it holds; a restarted one takes over at most this long after its "
+        "killed predecessor stopped renewing; a holder paused past it writes nothing more. Restart-only",
     )
 
 
