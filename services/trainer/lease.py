@@ -1,4 +1,5 @@
-"""One trainer per run: a lease in the key-value bucket ``RLPIPE_<run>_LEASE``, and its fencing epoch.
+"""One trainer per run: a lease in the key-value bucket ``RLPIPE_<run>_LEASE`` (``transport.lease_bucket``), and its
+fencing epoch.
 
 The lease is one key (``trainer``) whose value names the holder, its epoch and when it expires. It is taken and
 renewed only by compare-and-set on the key's revision (``kv.create`` when absent, ``kv.update(last=revision)``
@@ -29,8 +30,7 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any
 
-from nats.js import api
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
 from services.common.observe.logs import log_event
 from services.common.refusal import StartRefused
@@ -38,10 +38,6 @@ from services.common.refusal import StartRefused
 log = logging.getLogger(__name__)
 
 KEY = "trainer"
-
-
-def bucket_name(run_id: str) -> str:
-    return f"RLPIPE_{run_id}_LEASE"
 
 
 class LeaseLost(RuntimeError):
@@ -101,16 +97,6 @@ def held_message(current: LeaseRecord, run_id: str, now: float) -> str:
         f"expires in {max(0.0, current.expires_at - now):.1f}s unless renewed); one trainer per run. "
         f"Stop that trainer first, or start this one under another run_id"
     )
-
-
-async def open_bucket(js: Any, run_id: str, storage: str, replicas: int) -> Any:
-    """The run's lease bucket, created when missing (only the trainer opens it)."""
-    name = bucket_name(run_id)
-    try:
-        return await js.key_value(name)
-    except BucketNotFoundError:
-        kind = api.StorageType.FILE if storage == "file" else api.StorageType.MEMORY
-        return await js.create_key_value(bucket=name, history=1, storage=kind, replicas=replicas)
 
 
 class Lease:

@@ -38,6 +38,7 @@ from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
 from services.common.transport.bus import EXPERIENCE, BrokerStateLost, Bus
+from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
@@ -57,7 +58,6 @@ from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
-from services.trainer.lease import open_bucket as open_lease_bucket
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress

@@ -16,9 +16,10 @@ import pytest
 from services.common.config import CheckpointConfig, load_config
 from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
+from services.common.transport.lease_bucket import open_bucket
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore, FencedOut
-from services.trainer.lease import Lease, LeaseLost, open_bucket
+from services.trainer.lease import Lease, LeaseLost
 from tests.conftest import ROOT, write_config
 from tests.trainer.test_checkpoint import checkpoint, stored_objects
 
