@@ -431,13 +431,49 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
 
 
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
+    """Rank 0 holding the run's lease from before it writes anything until it exits; losing it ends the process at
+    once, saving nothing: exit 2 when another trainer took over (never restarted), 1 when it merely expired (a
+    restart may take it again)."""
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
+    lost: list[LeaseLost] = []
     try:
         lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
-    except BaseException:
+        running = asyncio.current_task()
+
+        async def on_lease_lost(error: LeaseLost) -> None:
+            lost.append(error)
+            log_event(
+                log,
+                "lease_lost",
+                level=logging.CRITICAL,
+                alert=True,
+                epoch=lease.epoch,
+                taken_over=error.taken_over,
+                error=str(error),
+            )
+            running.cancel()
+
+        # Renewed from now: loading the model and a resume that waits for its store can outlast a TTL.
+        keeper = asyncio.create_task(lease.keep(on_lease_lost))
+        try:
+            await lead_holding(cfg, stop, mesh, bus, lease, started)
+        except asyncio.CancelledError:
+            if not lost:
+                raise
+            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
+        finally:
+            keeper.cancel()
+            if not lost:
+                await lease.release()
+    finally:
         await bus.close()
-        raise
+
+
+async def lead_holding(
+    cfg: RunConfig, stop: asyncio.Event, mesh: Mesh, bus: Bus, lease: Lease, started: Stopwatch
+) -> None:
+    """The trainer's life once it holds the lease: start-up, the loop, and an orderly end."""
     live = await LiveConfig(cfg, bus.js).start()
     learner = await asyncio.to_thread(Learner, cfg, mesh)
     model_s = started()
@@ -458,7 +494,6 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
         # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
         log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
-        await bus.close()
         raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)
     servicer = AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
@@ -467,25 +502,6 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
     )
     watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence))
-    lost: list[LeaseLost] = []
-    held_epoch = lease.epoch
-    running = asyncio.current_task()
-
-    async def on_lease_lost(error: LeaseLost) -> None:
-        # Stop at once, saving nothing: the successor owns the run, and the store refuses this epoch's writes anyway.
-        lost.append(error)
-        log_event(
-            log,
-            "lease_lost",
-            level=logging.CRITICAL,
-            alert=True,
-            epoch=held_epoch,
-            taken_over=error.taken_over,
-            error=str(error),
-        )
-        running.cancel()
-
-    keeper = asyncio.create_task(lease.keep(on_lease_lost))
     log_event(
         log,
         "ready",
@@ -499,11 +515,6 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     try:
         try:
             await trainer.run(stop)
-        except asyncio.CancelledError:
-            if not lost:
-                raise
-            # Taken over: not restarted, another trainer holds the run. Expired unrenewed: a restart may take it again.
-            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
         except BrokerStateLost as error:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).
@@ -525,11 +536,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
             raise SystemExit(1)
     finally:
         watchdog.cancel()
-        keeper.cancel()
-        if not lost:
-            await lease.release()
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
         await admin_server.stop(grace=1)
         await server.stop(grace=1)
-        await bus.close()
