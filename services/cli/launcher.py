@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import queue
@@ -684,6 +685,41 @@ def _plain(message: str) -> None:
     console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
+class RunIsLive(RuntimeError):
+    """Another ``rlpipe run`` of this run id is running on this machine."""
+
+
+def launcher_lock(cfg: RunConfig) -> Path:
+    """``runs/<run>.launcher.lock``, beside the run directory: ``--overwrite`` deletes the directory, not the lock."""
+    return cfg.run_dir.with_name(f"{cfg.run_dir.name}.launcher.lock")
+
+
+def hold_run(cfg: RunConfig) -> IO[str]:
+    """Hold this run for this launcher's life (an exclusive ``flock``, which the kernel drops when the process ends,
+    SIGKILL included), or raise RunIsLive naming the launcher that holds it and where its run is served.
+
+    The open file is the hold: closing it lets another launcher in. On one machine only; a trainer on another
+    machine is kept out by the trainer's lease (services/trainer/lease.py)."""
+    path = launcher_lock(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        served = ""
+        with contextlib.suppress(OSError, ValueError):
+            info = json.loads((cfg.run_dir / "run.json").read_text())
+            served = f", its broker at {info['nats_url']}"
+        raise RunIsLive(f"run {cfg.run_id} in {cfg.run_dir} is live: launcher pid {holder} runs it{served}") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
 def run(config_path: Path, resume: bool = False, overwrite: bool = False, overrides: Sequence[str] = ()) -> int:
     """Run the pipeline in ``runs/<run>``; 2 without starting anything when the config or the machine is not fit.
 
@@ -696,6 +732,24 @@ def run(config_path: Path, resume: bool = False, overwrite: bool = False, overri
         _plain("rlpipe run: --resume continues the run in its directory and --overwrite deletes it: choose one")
         return 2
     cfg, config_data = load_config_with(config_path, parse_overrides(overrides))
+    try:
+        hold = hold_run(cfg)  # before anything is touched: --resume and --overwrite of a live run would wreck it
+    except RunIsLive as error:
+        _plain(f"rlpipe run: {error}; nothing was changed. Stop it first (rlpipe stop, or Ctrl-C in its shell)")
+        return 2
+    with hold:
+        return _run_held(cfg, config_data, config_path, resume, overwrite, overrides)
+
+
+def _run_held(
+    cfg: RunConfig,
+    config_data: dict[str, Any],
+    config_path: Path,
+    resume: bool,
+    overwrite: bool,
+    overrides: Sequence[str],
+) -> int:
+    """``run`` once this launcher holds the run."""
     earlier = previous_run(cfg)
     if earlier and not (resume or overwrite):
         command = shlex.join(["rlpipe", "run", str(config_path), *overrides])

@@ -94,6 +94,7 @@ REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
 PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
+FENCE = "FENCE"  # beside the step folders: the highest lease epoch that claimed this prefix (claim_fence)
 _STEP_FILE = re.compile(r"step-(\d+)/(manifest\.json|STABLE|ABANDONED)$")
 MODEL_SIDECARS = (
     "config.json",
@@ -317,6 +318,10 @@ class AbandonedStep(ValueError):
     pass
 
 
+class FencedOut(RuntimeError):
+    """A trainer of a higher lease epoch claimed this run's prefix: this one's writes are refused."""
+
+
 class ForeignCheckpoints(RuntimeError):
     """Checkpoints of another run incarnation are in the way: a fresh start over them, or a save over one."""
 
@@ -374,6 +379,10 @@ class CheckpointStore:
         self.backoff_s = backoff_s
         # None until the trainer has decided: start_fresh() or adopt_incarnation() (or a restart that knows it).
         self.incarnation = incarnation
+        # The lease epoch this writer holds (claim_fence); None: a writer without a lease, never fenced.
+        self.epoch: int | None = None
+        # Raises when the writer's own lease has run out (Lease.check); called before the store's fence is read.
+        self.guard: Callable[[], None] | None = None
 
     # -- incarnations -------------------------------------------------------------------
 
@@ -452,11 +461,55 @@ class CheckpointStore:
                 time.sleep(delay)
 
     def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
+        self._check_fence()
         self._retried(key, lambda: (store or self.store).put(key, data))
 
     def _delete(self, keys: list[str], store: ObjectStore) -> None:
         if keys:
+            self._check_fence()
             self._retried(keys[0], lambda: store.delete(keys))
+
+    # -- fencing --------------------------------------------------------------------------
+
+    @property
+    def _fence_key(self) -> str:
+        return f"{self.run_id}/{FENCE}"
+
+    def stored_fence(self) -> int:
+        """The highest lease epoch that claimed this prefix on the primary store; 0 when none did."""
+        try:
+            data = self._retried(self._fence_key, lambda: self.store.get(self._fence_key))
+        except FileNotFoundError:
+            return 0
+        return int(json.loads(data)["epoch"])
+
+    def claim_fence(self, epoch: int, holder: str) -> None:
+        """Make ``epoch`` this prefix's fence: from then on every write of a lower epoch is refused (FencedOut).
+
+        Raises FencedOut when the store already names a higher epoch. Written before anything else the trainer
+        writes, so a successor's first write is its claim."""
+        self.epoch = epoch
+        self._check_fence()
+        note = json.dumps({"epoch": epoch, "holder": holder, "time": time.time()}).encode()
+        self._retried(self._fence_key, lambda: self.store.put(self._fence_key, note))
+
+    def _check_fence(self) -> None:
+        """Refuse a write when the store's fence is above this writer's epoch (a successor took the run over).
+
+        Checked on the store before each write, not from the writer's belief. Object stores offer no
+        compare-and-set everywhere, so the check and the write are two requests: a writer paused between them
+        can still land that one write; every later one is refused."""
+        if self.guard is not None:
+            self.guard()
+        if self.epoch is None:
+            return
+        stored = self.stored_fence()
+        if stored > self.epoch:
+            log_event(log, "fenced_out", level=logging.CRITICAL, alert=True, epoch=self.epoch, fence=stored)
+            raise FencedOut(
+                f"a trainer of lease epoch {stored} took over run {self.run_id}; this one (epoch {self.epoch}) "
+                f"writes nothing more to {self.location()}"
+            )
 
     def _prefix(self, step: int) -> str:
         return f"{self.run_id}/step-{step:08d}/"
@@ -522,6 +575,7 @@ class CheckpointStore:
         manifest = {
             "step": ckpt.step,
             "incarnation": self.incarnation,
+            "fence_epoch": self.epoch,  # the lease epoch that wrote it (None: a writer without a lease)
             "format": CHECKPOINT_FORMAT,
             "policy_version": ckpt.state.policy_version,
             "version_high_water": max(ckpt.state.version_high_water, ckpt.state.policy_version),

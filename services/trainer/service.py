@@ -38,6 +38,7 @@ from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
 from services.common.transport.bus import Bus
+from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
@@ -47,11 +48,18 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, ForeignCheckpoints, UnknownCheckpointFormat
+from services.trainer.checkpoint import (
+    CheckpointMismatch,
+    CheckpointStore,
+    FencedOut,
+    ForeignCheckpoints,
+    UnknownCheckpointFormat,
+)
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
+from services.trainer.lease import Lease, LeaseLost
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
@@ -380,6 +388,18 @@ def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> N
     )
 
 
+async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
+    """The run's lease, at an epoch above the fence already in the checkpoint store (so epochs keep growing when
+    the broker lost the lease bucket); StartRefused naming the holder while another trainer holds it."""
+    fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
+    floor = await asyncio.to_thread(fence.stored_fence)
+    kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
+    lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s)
+    epoch = await lease.acquire(floor)
+    log_event(log, "lease_acquired", epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
+    return lease
+
+
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
     """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
     credentials = None
@@ -417,8 +437,49 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
 
 
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
+    """Rank 0 holding the run's lease from before it writes anything until it exits; losing it ends the process at
+    once, saving nothing: exit 2 when another trainer took over (never restarted), 1 when it merely expired (a
+    restart may take it again)."""
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
+    lost: list[LeaseLost] = []
+    try:
+        lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
+        running = asyncio.current_task()
+
+        async def on_lease_lost(error: LeaseLost) -> None:
+            lost.append(error)
+            log_event(
+                log,
+                "lease_lost",
+                level=logging.CRITICAL,
+                alert=True,
+                epoch=lease.epoch,
+                taken_over=error.taken_over,
+                error=str(error),
+            )
+            running.cancel()
+
+        # Renewed from now: loading the model and a resume that waits for its store can outlast a TTL.
+        keeper = asyncio.create_task(lease.keep(on_lease_lost))
+        try:
+            await lead_holding(cfg, stop, mesh, bus, lease, started)
+        except asyncio.CancelledError:
+            if not lost:
+                raise
+            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
+        finally:
+            keeper.cancel()
+            if not lost:
+                await lease.release()
+    finally:
+        await bus.close()
+
+
+async def lead_holding(
+    cfg: RunConfig, stop: asyncio.Event, mesh: Mesh, bus: Bus, lease: Lease, started: Stopwatch
+) -> None:
+    """The trainer's life once it holds the lease: start-up, the loop, and an orderly end."""
     live = await LiveConfig(cfg, bus.js).start()
     learner = await asyncio.to_thread(Learner, cfg, mesh)
     model_s = started()
@@ -431,12 +492,14 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
+        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
+        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
+        trainer.checkpoints.guard = lease.check
         await trainer.prepare()
-    except (ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
+    except (FencedOut, ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
         # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
         log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
-        await bus.close()
         raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)
     servicer = AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
@@ -483,4 +546,3 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         await trainer.presence.stop()
         await admin_server.stop(grace=1)
         await server.stop(grace=1)
-        await bus.close()

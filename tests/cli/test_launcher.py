@@ -16,7 +16,16 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from services.cli.launcher import Child, Launcher, RestartPolicy, RoleRefused, interrupt, stop_or_kill
+from services.cli.launcher import (
+    Child,
+    Launcher,
+    RestartPolicy,
+    RoleRefused,
+    hold_run,
+    interrupt,
+    launcher_lock,
+    stop_or_kill,
+)
 from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
@@ -70,6 +79,49 @@ def test_resume_and_overwrite_together_are_refused(config, tmp_path):
     done = rlpipe_run(config, "--resume", "--overwrite")
     assert done.returncode == 2 and "choose one" in done.stderr
     assert (tmp_path / "runs" / "kept" / "step-00000005").is_dir()
+
+
+@pytest.mark.integration
+def test_resume_and_overwrite_of_a_live_run_are_refused_naming_its_launcher_and_a_killed_launcher_frees_it(
+    config, tmp_path
+):
+    run_dir = tmp_path / "runs" / "kept"
+    (run_dir / "step-00000005").mkdir(parents=True)
+    (run_dir / "run.json").write_text('{"nats_url": "nats://127.0.0.1:4999"}')
+    # A live launcher of the run, as far as the hold goes: it holds the run until it dies.
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from services.cli.launcher import hold_run\n"
+            "from services.common.config import load_config\n"
+            f"hold = hold_run(load_config({str(config)!r}))\n"
+            "print('held', flush=True)\n"
+            "time.sleep(600)\n",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for option in ("--resume", "--overwrite"):
+            done = rlpipe_run(config, option)
+            message = " ".join(done.stderr.split())
+            assert done.returncode == 2, message
+            assert (
+                f"run kept in {run_dir} is live: launcher pid {holder.pid} runs it, its broker at "
+                "nats://127.0.0.1:4999; nothing was changed" in message
+            )
+            assert sorted(p.name for p in run_dir.iterdir()) == ["run.json", "step-00000005"]
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    # SIGKILLed, it holds nothing: the kernel dropped its lock with the process.
+    with hold_run(load_config(config)) as hold:
+        assert launcher_lock(load_config(config)).read_text() == str(os.getpid())
+        assert not hold.closed
 
 
 @pytest.mark.unit

@@ -14,7 +14,7 @@ import pytest
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import RunConfig, load_config
-from services.common.transport import live_config, presence
+from services.common.transport import lease_bucket, live_config, presence
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import KEY, LiveConfig, stored_config
 from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
@@ -22,6 +22,7 @@ from services.common.transport.nats_connect import STAGE_ROLES, connect_options
 from services.common.transport.nats_server import embedded_config, nats_server_binary
 from services.common.transport.presence import Presence, read_presence
 from services.common.transport.streams import EXPERIENCE, ROLLOUTS, stream_name, subject
+from services.trainer.lease import Lease
 from tests.conftest import free_port, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration
@@ -244,3 +245,29 @@ def test_a_stage_started_before_the_trainer_waits_for_each_stream_and_bucket_the
     assert len([r for r in caplog.records if r.getMessage() == "trainer_state_found"]) == 3
     # It never tried what its key may not do: the broker refused nothing.
     assert not [r for r in caplog.records if "permissions violation" in str(r.exc_info or r.getMessage()).lower()]
+
+
+def test_the_trainer_key_takes_and_renews_the_run_lease_and_a_stage_key_may_not_write_it(secured):
+    cfg, keys = secured
+    lease_name = lease_bucket.bucket_name("test")
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        trainer_errors: list[str] = []
+        trainer = await connect(as_role(cfg, keys, "trainer"), "trainer", trainer_errors)
+        kv = await lease_bucket.open_bucket(trainer.jetstream(timeout=2), "test", "file", 1)
+        lease = Lease(kv, "test", ttl_s=30.0)
+        epoch = await lease.acquire()
+        await lease.renew()
+        errors: list[str] = []
+        reward = await connect(as_role(cfg, keys, "reward"), "reward", errors)
+        with pytest.raises(nats.errors.TimeoutError):
+            await reward.jetstream(timeout=1).publish(f"$KV.{lease_name}.trainer", b"{}")
+        assert (await kv.get("trainer")).revision == lease.revision  # the stage's write never landed
+        await reward.close()
+        await trainer.close()
+        return trainer_errors, errors, epoch
+
+    trainer_errors, errors, epoch = asyncio.run(scenario())
+
+    assert (trainer_errors, epoch) == ([], 1)
+    assert errors == [violation(f"$KV.{lease_name}.trainer")]

@@ -6,7 +6,8 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, TrainerState, rng_state
+from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, FencedOut, TrainerState, rng_state
+from services.trainer.lease import LeaseLost
 
 pytestmark = pytest.mark.unit
 
@@ -214,3 +215,68 @@ def test_after_a_rollback_the_new_branch_is_kept_on_the_mirror_and_abandoned_ste
     store.save(checkpoint(2, "inc-r", policy_version=7), model_dir)  # the new branch's step 2 replaces the abandoned
     assert store.steps(primary) == store.steps(mirror) == [1, 2]  # one on both stores
     assert store.load(2, mirror).state.policy_version == 7
+
+
+# ------------------------------------------------------------------ fencing: a stale trainer's writes
+
+
+def stored_objects(store: CheckpointStore) -> dict[str, bytes]:
+    """Every object under the run's prefix with its bytes: what a write, prune or purge note would change."""
+    return {key: store.store.get(key) for key in store.store.list(f"{store.run_id}/")}
+
+
+def test_a_writer_whose_epoch_a_successor_passed_is_refused_every_write_and_leaves_the_store_as_it_was(tmp_path):
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    url = f"file://{tmp_path / 'store'}"
+    stale = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=1)
+    stale.claim_fence(1, "host:1")
+    incarnation = stale.start_fresh()
+    stale.save(checkpoint(1, incarnation), model_dir)
+    successor = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=1, incarnation=incarnation)
+    successor.claim_fence(2, "host:2")
+    before = stored_objects(stale)
+
+    with pytest.raises(FencedOut, match=r"a trainer of lease epoch 2 took over run run-a; this one \(epoch 1\)"):
+        stale.save(checkpoint(2, incarnation), model_dir)  # would also have pruned step 1 (keep_last 1)
+    with pytest.raises(FencedOut):
+        stale.record_purge(10, "stream-life")  # the note that precedes an EXPERIENCE purge
+    with pytest.raises(FencedOut):
+        stale.mark(1, "STABLE")
+    with pytest.raises(FencedOut):
+        stale.abandon_after(0)
+    with pytest.raises(FencedOut):
+        stale.claim_fence(1, "host:1")  # nor can it claim the prefix back
+
+    assert stored_objects(stale) == before
+    successor.save(checkpoint(2, incarnation), model_dir)  # the holder of the highest epoch writes on
+    assert successor.steps() == [2]
+    assert json.loads(successor.store.get("run-a/step-00000002/manifest.json"))["fence_epoch"] == 2
+
+
+def test_the_fence_is_read_from_the_store_so_a_writer_that_believes_its_epoch_current_is_still_refused(tmp_path):
+    url = f"file://{tmp_path / 'store'}"
+    writer = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=2)
+    writer.claim_fence(3, "host:1")
+    assert writer.stored_fence() == 3
+    # Another process raised the fence; this writer's own state still says epoch 3.
+    CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=2).claim_fence(4, "host:2")
+    assert writer.epoch == 3
+    with pytest.raises(FencedOut, match="epoch 4"):
+        writer.record_purge(10, "stream-life")
+    assert writer.stored_fence() == 4 and writer.purged_through("stream-life") == 0
+
+
+def test_a_writer_whose_own_lease_ran_out_writes_nothing_even_before_a_successor_raised_the_fence(tmp_path):
+    url = f"file://{tmp_path / 'store'}"
+    writer = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=2)
+    writer.claim_fence(1, "host:1")
+    before = stored_objects(writer)
+
+    def expired() -> None:
+        raise LeaseLost("the lease of epoch 1 expired 2.0s ago", taken_over=False)
+
+    writer.guard = expired
+    with pytest.raises(LeaseLost, match="expired"):
+        writer.record_purge(10, "stream-life")
+    assert stored_objects(writer) == before

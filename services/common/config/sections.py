@@ -728,6 +728,13 @@ class TrainerConfig(Section):
         "under torchrun and FSDP2 shards the policy (and critic) across them (on the CPU: processes on gloo); at "
         "most the GPUs this machine has when the model runs on CUDA. Restart-only",
     )
+    lease_ttl_s: float = Field(
+        15.0,
+        gt=0,
+        description="seconds the trainer's lease on its run lasts unrenewed (renewed every third of it): a second "
+        "trainer of the run is refused while it holds; a restarted one takes over at most this long after its "
+        "killed predecessor stopped renewing; a holder paused past it writes nothing more. Restart-only",
+    )
 
 
 class CostConfig(Section):

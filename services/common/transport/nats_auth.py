@@ -33,7 +33,7 @@ from pathlib import Path
 
 import nkeys
 
-from services.common.transport import live_config, presence
+from services.common.transport import lease_bucket, live_config, presence
 from services.common.transport.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
 from services.common.transport.streams import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
 from services.common.transport.streams import stream_name as _stream
@@ -82,6 +82,9 @@ def permissions(run_id: str, role: str) -> Permissions:
             stream = _stream(run_id, edge)
             publish += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
         publish += [f"$JS.API.STREAM.CREATE.KV_{config}", f"$JS.API.STREAM.CREATE.KV_{services}"]
+        # The run's lease (services/trainer/lease.py): only the trainer takes, renews and reads it.
+        lease = lease_bucket.bucket_name(run_id)
+        publish += [f"$JS.API.STREAM.CREATE.KV_{lease}", f"$KV.{lease}.>", *_bucket_read(lease, watch=False)]
     publish += [f"$JS.API.STREAM.INFO.{_stream(run_id, edge)}" for edge in EDGES]
     watches = role in ("trainer", "operator")
     publish += _bucket_read(config, watches) + _bucket_read(services, watches)

@@ -1,0 +1,170 @@
+"""One trainer per run, on a real nats-server: the lease refuses a second trainer, and a holder paused past its
+lease (SIGSTOP) that wakes after a successor took over stops without writing anything to the checkpoint store."""
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import nats
+import pytest
+
+from services.common.config import CheckpointConfig, load_config
+from services.common.refusal import StartRefused
+from services.common.service import EXIT_REFUSED
+from services.common.transport.lease_bucket import open_bucket
+from services.common.transport.storage import open_store
+from services.trainer.checkpoint import CheckpointStore, FencedOut
+from services.trainer.lease import Lease, LeaseLost
+from tests.conftest import ROOT, write_config
+from tests.trainer.test_checkpoint import checkpoint, stored_objects
+
+pytestmark = pytest.mark.integration
+
+TTL_S = 3.0
+START_TIMEOUT_S = 180.0
+
+
+def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_higher_epoch_once_it_lapses(
+    nats_url, tmp_path
+):
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    url = f"file://{tmp_path / 'store'}"
+
+    async def scenario() -> None:
+        connection = await nats.connect(nats_url)
+        kv = await open_bucket(connection.jetstream(), "r1", "file", 1)
+        first, second = Lease(kv, "r1", TTL_S), Lease(kv, "r1", TTL_S)
+        second.holder = "other-host:2"
+        assert await first.acquire() == 1
+        stale = CheckpointStore(open_store(url, CheckpointConfig()), "r1", keep_last=1)
+        stale.claim_fence(first.epoch, first.holder)
+        incarnation = stale.start_fresh()
+        stale.save(checkpoint(1, incarnation), model_dir)
+        lost_by_keeper: list[LeaseLost] = []
+
+        async def on_lost(error: LeaseLost) -> None:
+            lost_by_keeper.append(error)
+
+        keeper = asyncio.create_task(first.keep(on_lost))  # a live holder: renewed every third of the TTL
+        with pytest.raises(StartRefused, match=rf"run r1 already has a live trainer: {first.holder} holds its lease"):
+            await second.acquire()
+        assert second.record is None
+
+        keeper.cancel()  # the holder stops renewing (paused, or killed): its lease lapses and is taken then
+        assert await second.acquire(floor=stale.stored_fence()) == 2
+        assert lost_by_keeper == []
+        successor = CheckpointStore(open_store(url, CheckpointConfig()), "r1", keep_last=1, incarnation=incarnation)
+        successor.claim_fence(second.epoch, second.holder)
+        before = stored_objects(stale)
+
+        with pytest.raises(LeaseLost, match="expired") as lost:
+            await first.renew()
+        assert lost.value.taken_over is True
+        with pytest.raises(FencedOut, match="epoch 2"):
+            stale.save(checkpoint(2, incarnation), model_dir)
+        assert stored_objects(stale) == before
+        await second.renew()  # the successor's lease is untouched by the stale holder's attempts
+        await connection.close()
+
+    asyncio.run(scenario())
+
+
+class Trainer:
+    """A real trainer process and the events it logs."""
+
+    def __init__(self, config, nats_url: str):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+        env |= {
+            "OMP_NUM_THREADS": "1",
+            "RLPIPE_NATS__URL": nats_url,
+            "RLPIPE_ADMIN_TOKEN": "s3cret",
+            "RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0",
+            "RLPIPE_ADMIN__PORT": "0",
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.trainer", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.events: list[dict] = []
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+
+    def event(self, name: str) -> dict | None:
+        return next((e for e in list(self.events) if e.get("event") == name), None)
+
+    def wait_event(self, name: str) -> dict:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while (found := self.event(name)) is None:
+            assert self.process.poll() is None, "".join(self.output)[-4000:]
+            assert time.monotonic() < deadline, f"no {name} event: " + "".join(self.output)[-4000:]
+            time.sleep(0.2)
+        return found
+
+    def wait_exit(self) -> int:
+        code = self.process.wait(timeout=START_TIMEOUT_S)
+        time.sleep(0.5)  # the reader thread takes the last lines
+        return code
+
+
+def test_a_second_trainer_is_refused_and_a_sigstopped_holder_woken_after_a_takeover_stops_writing_nothing(
+    tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    # The checkpoint store apart from the run directory, where both trainers (on one machine) log their metrics.
+    stored = {"store_url": f"file://{tmp_path / 'store'}"}
+    config = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"lease_ttl_s": TTL_S}, checkpoint=stored
+    )
+    cfg = load_config(config)
+    store = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
+    holder = Trainer(config, nats_url)
+    started = []
+    try:
+        holder.wait_event("ready")
+        assert holder.event("lease_acquired")["epoch"] == 1
+
+        second = Trainer(config, nats_url)
+        started.append(second)
+        assert second.wait_exit() == EXIT_REFUSED
+        refusal = second.event("start_refused")["error"]
+        assert f":{holder.process.pid} holds its lease (epoch 1, expires in" in refusal
+        assert second.event("lease_acquired") is None
+        assert store.stored_fence() == 1  # the refused trainer claimed nothing
+
+        os.kill(holder.process.pid, signal.SIGSTOP)
+        time.sleep(TTL_S + 1.0)  # past its lease: it cannot renew while stopped
+        successor = Trainer(config, nats_url)
+        started.append(successor)
+        successor.wait_event("ready")
+        assert successor.event("lease_acquired")["epoch"] == 2
+        assert store.stored_fence() == 2
+        before = stored_objects(store)
+
+        os.kill(holder.process.pid, signal.SIGCONT)
+        assert holder.wait_exit() == EXIT_REFUSED  # taken over: a supervisor must not restart it
+        lost = holder.event("lease_lost")
+        assert (lost["epoch"], lost["taken_over"]) == (1, True)
+        assert stored_objects(store) == before  # not one object written, replaced or deleted by the woken holder
+        assert successor.process.poll() is None
+    finally:
+        for trainer in [holder, *started]:
+            if trainer.process.poll() is None:
+                os.kill(trainer.process.pid, signal.SIGCONT)
+                trainer.process.kill()
+                trainer.process.wait(timeout=30)
