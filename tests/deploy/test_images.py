@@ -61,7 +61,8 @@ def test_role_image_runs_its_service_and_probes_grpc_health(role):
     stage = stages()[role]
     assert f'CMD ["python", "-m", "services.{role}", "--config", "/etc/rlpipe/config.yaml"]' in stage
     port = "RLPIPE_SERVICE__TRAINER_GRPC_PORT" if role == "trainer" else "RLPIPE_SERVICE__GRPC_PORT"
-    assert re.search(rf'HEALTHCHECK .*CMD python -m services\.healthcheck "127\.0\.0\.1:\$\{{{port}\}}"', stage), stage
+    probe = rf'HEALTHCHECK .*CMD python -m services\.cli\.healthcheck "127\.0\.0\.1:\$\{{{port}\}}"'
+    assert re.search(probe, stage), stage
 
 
 @pytest.mark.parametrize("runtime", ["cpu-runtime", "cuda-runtime"])
