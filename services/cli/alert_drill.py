@@ -24,13 +24,13 @@ from typing import Any
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import AlertRule, RunConfig
-from services.common.observe.events import EventLog
+from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.logs import JsonlFollower, setup_logging
 from services.common.observe.telemetry import TrainerMetrics, start_telemetry
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.progress import Progress
-from services.trainer.responder import AlertResponder, MetricsLog
+from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 
 SINKS = ("log", "events", "metrics", "prometheus", "webhook")
 DRILL_NOTE = "drill: a synthetic firing from `rlpipe alerts test`; no action is taken"
@@ -126,18 +126,17 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
     events_path, metrics_path = cfg.run_dir / "events.jsonl", cfg.metrics_file
     # The trainer may write and roll both files meanwhile: followers read on across rolls, from what is there now.
     new_events, new_metrics = JsonlFollower(events_path).skip_to_end(), JsonlFollower(metrics_path).skip_to_end()
-    progress = Progress()
-    events = EventLog.of_run(cfg)
+    progress, settings, metrics = Progress(), _InForce(cfg), MetricsLog(metrics_path)
+    journal = Journal(EventLog.of_run(cfg), [AlertSink(settings, metrics, TrainerMetrics(), progress)])
     responder = AlertResponder(
-        _InForce(cfg),
+        settings,
         AlertEvaluator(rules, cfg.alerts.cooldown_steps),
-        Control(_NoHolds(), events, progress),
+        Control(_NoHolds(), journal, progress),
         checkpoints=None,  # only a rollback action reads checkpoints, and a drill fires none
         rollback=None,
         progress=progress,
-        metrics=MetricsLog(metrics_path),
-        events=events,
-        telemetry=TrainerMetrics(),
+        metrics=metrics,
+        journal=journal,
     )
 
     async def fire_all() -> None:
@@ -154,8 +153,8 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
     logging.getLogger().removeHandler(records)
 
     names = [rule.name for rule in rules]
-    logged = {fields.get("rule") for event, fields in records.seen if event == "alert"}
-    evented = {row.get("rule") for row in new_events.new_rows() if row.get("kind") == "alert"}
+    logged = {fields.get("rule") for event, fields in records.seen if event == Event.ALERT}
+    evented = {row.get("rule") for row in new_events.new_rows() if row.get("kind") == Event.ALERT}
     rowed = {row.get("alert") for row in new_metrics.new_rows()}
     results = [
         _result("log", names, logged, "alert lines on stderr"),

@@ -56,7 +56,7 @@ from services.common.config import (
     load_config_with,
     parse_overrides,
 )
-from services.common.observe.events import EventLog
+from services.common.observe.events import Event, EventLog
 from services.common.observe.logs import RotatingLog
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
 from services.common.service import EXIT_REFUSED
@@ -111,7 +111,7 @@ class RestartPolicy:
 
 
 # The events in which a role gives the reason it refuses to run (exit EXIT_REFUSED), in their ``error`` field.
-REFUSAL_EVENTS = ("start_refused", "startup_check_failed", "broker_state_lost")
+REFUSAL_EVENTS = (Event.START_REFUSED, Event.STARTUP_CHECK_FAILED, Event.BROKER_STATE_LOST)
 OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
 
 
@@ -389,7 +389,7 @@ class Launcher:
             for child in list(waiting):
                 while not child.events.empty():
                     event = child.events.get()
-                    if event["event"] == "ready":
+                    if event["event"] == Event.READY:
                         child.ready = event
                         self.startup[child.name] = round(time.perf_counter() - started, 3)
                         console.log(
@@ -398,7 +398,7 @@ class Launcher:
                         self.record_startup(child.name, event)
                         waiting.remove(child)
                         break
-                    if event["event"] in ("resumed", "paused"):  # a trainer restores its run before it is ready
+                    if event["event"] in (Event.RESUMED, Event.PAUSED):  # a trainer restores its run before it is ready
                         console.log(f"{child.name} {event['event']}: " + _event_summary(event))
                 if child.ready is None and child.process.poll() == EXIT_REFUSED:
                     raise RoleRefused(child)
@@ -467,24 +467,30 @@ class Launcher:
                         self.note_ready(child)
                 while not trainer.events.empty():
                     event = trainer.events.get()
-                    if event["event"] == "ready":
+                    if event["event"] == Event.READY:
                         trainer.ready = event
                         self.write_run_file()
-                    elif event["event"] == "step":
+                    elif event["event"] == Event.STEP:
                         info = (
                             f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  "
                             f"kl {event['kl_ref']:.4f}"
                         )
                         progress.update(task, completed=event["step"], info=info)
-                    elif event["event"] == "eval":
+                    elif event["event"] == Event.EVAL:
                         progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
-                    elif event["event"] == "resumed":
+                    elif event["event"] == Event.RESUMED:
                         progress.console.log(
                             f"trainer resumed from step {event['step']} as policy version {event['policy_version']}"
                         )
-                    elif event["event"] in ("paused", "unpaused", "rolled_back", "config_applied", "alert"):
+                    elif event["event"] in (
+                        Event.PAUSED,
+                        Event.UNPAUSED,
+                        Event.ROLLED_BACK,
+                        Event.CONFIG_APPLIED,
+                        Event.ALERT,
+                    ):
                         progress.console.log(f"trainer {event['event']}: " + _event_summary(event))
-                    elif event["event"] == "done":
+                    elif event["event"] == Event.DONE:
                         done = event
                 if done:
                     break
@@ -492,7 +498,7 @@ class Launcher:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
                     self.events.write(
-                        "restart",
+                        Event.RESTART,
                         f"nats-server exited with {self.nats.returncode}; restarting it",
                         service="nats",
                         restarts=self.restarts["nats"],
@@ -518,7 +524,7 @@ class Launcher:
         """Drain a worker's events; a restarted one's ``ready`` puts its new endpoints in run.json."""
         while not child.events.empty():
             event = child.events.get()
-            if event["event"] == "ready":
+            if event["event"] == Event.READY:
                 child.ready = event
                 self.write_run_file()
 
@@ -539,7 +545,7 @@ class Launcher:
             f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s"
         )
         self.events.write(
-            "restart",
+            Event.RESTART,
             f"{child.name} exited with {child.process.returncode}; restart {count} in {delay:.1f}s",
             service=child.name,
             restarts=count,
@@ -590,12 +596,16 @@ class Launcher:
 
 def _event_summary(event: dict[str, Any]) -> str:
     keys = ("step", "reason", "policy_version", "config_version", "changed", "rule", "message")
-    return " ".join(f"{k}={event[k]}" for k in keys if k in event)
+    # A journal line carries its message beside the reason it was made of: one of them is enough.
+    said = [k for k in keys if k in event and not (k == "message" and event[k] == event.get("reason"))]
+    return " ".join(f"{k}={event[k]}" for k in said)
 
 
 def _startup_fields(event: dict[str, Any]) -> str:
     keys = ("backend", "engine_load_s", "model_load_s", "grpc", "admin")
-    return " ".join(f"{k}={event[k]}" for k in keys if k in event)
+    # A journal line carries its message beside the reason it was made of: one of them is enough.
+    said = [k for k in keys if k in event and not (k == "message" and event[k] == event.get("reason"))]
+    return " ".join(f"{k}={event[k]}" for k in said)
 
 
 def run_cost(cfg: RunConfig, done: dict[str, Any], usage: UsageMeter) -> RunCost:

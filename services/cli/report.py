@@ -35,6 +35,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
+from services.common.observe.events import Event
 from services.common.observe.logs import jsonl_parts
 from services.common.observe.usage import USAGE_FILE, RunCost
 
@@ -59,14 +60,14 @@ SUMMARY_METRICS = (
     "tokens_per_s",
 )
 EVENT_STYLES = {
-    "config_change": ("tab:blue", "--"),
-    "alert": ("tab:red", "-"),
-    "rollback": ("tab:purple", "-."),
-    "resume": ("tab:green", ":"),
-    "restart": ("tab:orange", ":"),
-    "pause": ("tab:gray", "--"),
-    "unpause": ("tab:olive", "--"),
-    "stop": ("black", "-"),
+    Event.CONFIG_CHANGE: ("tab:blue", "--"),
+    Event.ALERT: ("tab:red", "-"),
+    Event.ROLLBACK: ("tab:purple", "-."),
+    Event.RESUME: ("tab:green", ":"),
+    Event.RESTART: ("tab:orange", ":"),
+    Event.PAUSE: ("tab:gray", "--"),
+    Event.UNPAUSE: ("tab:olive", "--"),
+    Event.STOP: ("black", "-"),
 }
 OTHER_EVENT_STYLE = ("tab:brown", ":")
 

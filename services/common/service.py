@@ -18,8 +18,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ConfigError, RunConfig, load_config
+from services.common.observe.events import Event
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.telemetry import current_telemetry, start_telemetry
+from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.bus import Bus
@@ -102,14 +104,14 @@ async def watch_progress(loop: LoopProgress, servers: list[grpc.aio.Server], pre
             if stuck:
                 log_event(
                     log,
-                    "loop_stalled",
+                    Event.LOOP_STALLED,
                     level=logging.ERROR,
                     alert=True,
                     no_progress_s=round(time.time() - loop.last_progress, 1),
                     health="NOT_SERVING",
                 )
             else:
-                log_event(log, "loop_progressing", health="SERVING")
+                log_event(log, Event.LOOP_PROGRESSING, health="SERVING")
         await asyncio.sleep(WATCHDOG_S)
 
 
@@ -120,7 +122,7 @@ async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server
         await stage.run(stop)
     finally:
         watchdog.cancel()
-        log_event(log, "draining", handled=stage.handled)
+        log_event(log, Event.DRAINING, handled=stage.handled)
         await presence.stop()
         await server.stop(grace=1)
         await stage.bus.close()
@@ -142,7 +144,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     try:
         startup_checks(cfg, role)
     except StartupCheckError as error:
-        log_event(log, "startup_check_failed", level=logging.ERROR, error=str(error))
+        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
     # Before the service's main, so its ready event can name the metrics endpoint and its first spans are kept.
@@ -170,14 +172,15 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         asyncio.run(serve())
     except StartRefused as error:
         # One event with the reason (the launcher prints it), and the exit code no supervisor restarts.
-        log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
+        log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
         sys.exit(EXIT_REFUSED)
     except Exception:
         log.exception("crashed", extra={"fields": {}})
         sys.exit(1)
     finally:
+        close_writers()  # the metrics rows and tracker calls still queued are written: the process ends below
         telemetry.shutdown()  # sends the spans and metrics still queued
-    log_event(log, "stopped")
+    log_event(log, Event.STOPPED)
     # Drained: the stage's work is acked or handed back, its connections closed, telemetry flushed. What is left is
     # the interpreter's teardown (joining library threads, finalizers of torch, vLLM and gRPC), which on a loaded
     # host has outlasted supervision.stop_grace_s after "stopped" was logged, turning a clean stop into a SIGKILL

@@ -14,6 +14,7 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.model.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
@@ -63,7 +64,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
     log_event(
         log,
-        "ready",
+        Event.READY,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         model=str(cfg.reference_model_path),

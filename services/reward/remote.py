@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from services.common.config import RewardHttpConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import LATENCY_BUCKETS_S, meter
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
@@ -293,12 +294,12 @@ class RemoteScorer:
         else:
             self.breaker.failed()
         self.breaker_gauge.set(int(self.breaker.state))
-        log_event(log, "reward_request_failed", level=logging.WARNING, kind=error.kind, error=str(error)[:300])
+        log_event(log, Event.REWARD_REQUEST_FAILED, level=logging.WARNING, kind=error.kind, error=str(error)[:300])
         if (persistent or self.breaker.failures >= BREAKER_THRESHOLD) and not self.down_logged:
             self.down_logged = True
             log_event(
                 log,
-                "reward_service_down",
+                Event.REWARD_SERVICE_DOWN,
                 level=logging.ERROR,
                 alert=True,
                 url=self.cfg.url,
@@ -311,6 +312,6 @@ class RemoteScorer:
         self.latency.record(seconds, {"outcome": "ok"})
         if self.down_logged:
             self.down_logged = False
-            log_event(log, "reward_service_recovered", url=self.cfg.url, down_s=round(self.breaker.down_for(), 1))
+            log_event(log, Event.REWARD_SERVICE_RECOVERED, url=self.cfg.url, down_s=round(self.breaker.down_for(), 1))
         self.breaker.succeeded()
         self.breaker_gauge.set(0)

@@ -17,6 +17,7 @@ import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.registry import reward_function
 
@@ -124,7 +125,7 @@ class RuleSandbox:
         self.close()
         log_event(
             log,
-            "reward_function_timeout",
+            Event.REWARD_FUNCTION_TIMEOUT,
             level=logging.WARNING,
             function=call.function,
             timeout_s=self.timeout_s,

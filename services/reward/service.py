@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.config import RewardConfig, RunConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
@@ -161,7 +162,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, cfg.reward.batch, "reward")
     log_event(
         log,
-        "ready",
+        Event.READY,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         functions=live.cfg.reward.functions,

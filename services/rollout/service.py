@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from services.common.config import RunConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry, record_weight_sync
 from services.common.pb import weights_pb2 as pb
@@ -89,7 +90,7 @@ class PolicyFollower:
                         await self._start_relaying(info)
                     delay = 0.5
             except grpc.aio.AioRpcError as error:
-                log_event(log, "weight_watch_lost", level=logging.WARNING, code=error.code().name, retry_s=delay)
+                log_event(log, Event.WEIGHT_WATCH_LOST, level=logging.WARNING, code=error.code().name, retry_s=delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
 
@@ -111,7 +112,7 @@ class PolicyFollower:
             except grpc.aio.AioRpcError as error:
                 log_event(
                     log,
-                    "weight_relay_pull_failed",
+                    Event.WEIGHT_RELAY_PULL_FAILED,
                     level=logging.WARNING,
                     code=error.code().name,
                     source=source if client is not self.client else "trainer",
@@ -163,7 +164,7 @@ class PolicyFollower:
                 record_weight_sync(seconds, stream.data_bytes, self.loaded)
                 log_event(
                     log,
-                    "weights_loaded",
+                    Event.WEIGHTS_LOADED,
                     version=self.loaded,
                     origin=origin,
                     bytes=stream.data_bytes,
@@ -172,7 +173,7 @@ class PolicyFollower:
                 )
                 return
             if origin != "trainer":
-                log_event(log, "weight_relay_fallback", level=logging.WARNING, origin=origin, torn=self.torn)
+                log_event(log, Event.WEIGHT_RELAY_FALLBACK, level=logging.WARNING, origin=origin, torn=self.torn)
 
     async def _load(self, stream: WeightStream, last: bool) -> bool:
         """Stream one pull into the engine; True once it is loaded. A pull that fails before its first tensor
@@ -211,7 +212,7 @@ class PolicyFollower:
             stream.cancel()
             log_event(
                 log,
-                "weight_sync_torn",
+                Event.WEIGHT_SYNC_TORN,
                 level=logging.ERROR,
                 error=repr(error)[:300],
                 loaded=self.loaded,
@@ -224,7 +225,9 @@ class PolicyFollower:
 
     def _deferred(self, error: BaseException) -> None:
         code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__
-        log_event(log, "weight_sync_deferred", level=logging.WARNING, code=code, loaded=self.loaded, newest=self.newest)
+        log_event(
+            log, Event.WEIGHT_SYNC_DEFERRED, level=logging.WARNING, code=code, loaded=self.loaded, newest=self.newest
+        )
 
     async def close(self) -> None:
         if self._prefetch is not None:
@@ -238,7 +241,7 @@ def relay_address_of(cfg: RunConfig, bound: str) -> str:
     bound gRPC port; "" (no relaying) when only a wildcard bind address is known, as peers cannot dial it."""
     host = cfg.rollout.relay_host or cfg.service.host
     if host in ("0.0.0.0", "::", "[::]", ""):
-        log_event(log, "weight_relay_off", level=logging.WARNING, reason="set rollout.relay_host to this pod's IP")
+        log_event(log, Event.WEIGHT_RELAY_OFF, level=logging.WARNING, reason="set rollout.relay_host to this pod's IP")
         return ""
     return f"{host}:{bound.rsplit(':', 1)[1]}"
 
@@ -303,7 +306,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
     log_event(
         log,
-        "ready",
+        Event.READY,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         backend=cfg.rollout.backend,

@@ -21,6 +21,7 @@ import grpc
 import yaml
 
 from services.common.config import AdminCredentials, ConfigError, RunConfig, redacted_dump
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.live_config import parse_value
@@ -62,13 +63,13 @@ class AdminToken:
                 token = self.path.read_text().strip()
                 self._seen = (stat.st_mtime_ns, stat.st_size)
                 if not token:  # a file being rewritten, or emptied by mistake: keep the token in force
-                    log_event(log, "admin_token_empty", level=logging.WARNING, path=str(self.path))
+                    log_event(log, Event.ADMIN_TOKEN_EMPTY, level=logging.WARNING, path=str(self.path))
                 elif token != self._token:
                     if self._token:
-                        log_event(log, "admin_token_rotated", path=str(self.path))
+                        log_event(log, Event.ADMIN_TOKEN_ROTATED, path=str(self.path))
                     self._token = token
         except OSError as error:  # moved away mid-rotation: the token in force stands until the new file is there
-            log_event(log, "admin_token_unreadable", level=logging.WARNING, path=str(self.path), error=str(error))
+            log_event(log, Event.ADMIN_TOKEN_UNREADABLE, level=logging.WARNING, path=str(self.path), error=str(error))
         return self._token
 
 
@@ -160,7 +161,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if not request.dry_run and version.changes:
             log_event(
                 log,
-                "config_updated",
+                Event.CONFIG_UPDATED,
                 config_version=version.version,
                 author=version.author,
                 changes=[vars(c) for c in version.changes],

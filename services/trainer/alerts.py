@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from services.common.config import AlertRule
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 
 log = logging.getLogger("rlpipe.alerts")
@@ -256,7 +257,7 @@ def post_webhook(
                 if attempt > retries:
                     log_event(
                         log,
-                        "alert_webhook_failed",
+                        Event.ALERT_WEBHOOK_FAILED,
                         level=logging.WARNING,
                         url=where,
                         attempts=attempt,
@@ -265,7 +266,7 @@ def post_webhook(
                     return
                 delay = backoff_s * 2 ** (attempt - 1)
                 log_event(
-                    log, "alert_webhook_retry", url=where, attempt=attempt, retry_s=delay, error=repr(error)[:300]
+                    log, Event.ALERT_WEBHOOK_RETRY, url=where, attempt=attempt, retry_s=delay, error=repr(error)[:300]
                 )
                 time.sleep(delay)
 

@@ -78,6 +78,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from services.common.model.modeling import host_state
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
 from services.common.transport.weightsync.snapshot import NonFiniteWeights, non_finite
@@ -406,7 +407,7 @@ class CheckpointStore:
             except Exception as error:
                 if store is self.store:
                     raise
-                log_event(log, "mirror_failed", level=logging.WARNING, store=store.url, error=repr(error)[:300])
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, store=store.url, error=repr(error)[:300])
                 continue
             if steps:
                 found[self.location(store)] = steps
@@ -451,7 +452,7 @@ class CheckpointStore:
                 delay = self.backoff_s * 2 ** (attempt - 1)
                 log_event(
                     log,
-                    "store_retry",
+                    Event.STORE_RETRY,
                     level=logging.WARNING,
                     key=what,
                     attempt=attempt,
@@ -505,7 +506,7 @@ class CheckpointStore:
             return
         stored = self.stored_fence()
         if stored > self.epoch:
-            log_event(log, "fenced_out", level=logging.CRITICAL, alert=True, epoch=self.epoch, fence=stored)
+            log_event(log, Event.FENCED_OUT, level=logging.CRITICAL, alert=True, epoch=self.epoch, fence=stored)
             raise FencedOut(
                 f"a trainer of lease epoch {stored} took over run {self.run_id}; this one (epoch {self.epoch}) "
                 f"writes nothing more to {self.location()}"
@@ -588,13 +589,13 @@ class CheckpointStore:
         try:
             self._prune(self.store)
         except Exception as error:
-            log_event(log, "prune_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
+            log_event(log, Event.PRUNE_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         if self.mirror is not None:
             try:
                 self._write_step(self.mirror, ckpt.step, parts, manifest, stable=stable)
                 self._prune(self.mirror)
             except Exception as error:  # the primary copy stands; the mirror catches up at the next save
-                log_event(log, "mirror_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         return f"{self.store.url.rstrip('/')}/{self._prefix(ckpt.step)}"
 
     def _write_step(
@@ -629,7 +630,7 @@ class CheckpointStore:
                 # Another branch's live copy: disown it before touching a part, so readers skip it from now on.
                 log_event(
                     log,
-                    "checkpoint_replaced",
+                    Event.CHECKPOINT_REPLACED,
                     level=logging.WARNING,
                     step=step,
                     store=store.url,
@@ -683,7 +684,7 @@ class CheckpointStore:
         for entry in self._scan():
             if entry.manifest is None:
                 log_event(
-                    log, "checkpoint_skipped", level=logging.WARNING, step=entry.step, reason="unreadable manifest"
+                    log, Event.CHECKPOINT_SKIPPED, level=logging.WARNING, step=entry.step, reason="unreadable manifest"
                 )
                 continue
             foreign = self._foreign(entry)
@@ -726,7 +727,7 @@ class CheckpointStore:
                 if step in self.steps(self.mirror, include_abandoned=True):
                     self._put(self._prefix(step) + marker, note, self.mirror)
             except Exception as error:  # the primary holds the truth
-                log_event(log, "mirror_failed", level=logging.WARNING, step=step, error=repr(error)[:300])
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, step=step, error=repr(error)[:300])
 
     def abandon_after(self, step: int) -> list[int]:
         """Mark every live step of this incarnation after ``step`` ABANDONED, on the mirror too; returns the
@@ -742,9 +743,9 @@ class CheckpointStore:
             try:
                 self._abandon_after(self.mirror, step)
             except Exception as error:
-                log_event(log, "mirror_failed", level=logging.WARNING, step=step, error=repr(error)[:300])
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, step=step, error=repr(error)[:300])
         if marked:
-            log_event(log, "checkpoints_abandoned", after_step=step, steps=marked)
+            log_event(log, Event.CHECKPOINTS_ABANDONED, after_step=step, steps=marked)
         return marked
 
     def _abandon_after(self, store: ObjectStore, step: int) -> list[int]:
@@ -780,7 +781,7 @@ class CheckpointStore:
             try:
                 self._put(self._purge_key, data, self.mirror)
             except Exception as error:  # the primary holds the truth
-                log_event(log, "mirror_failed", level=logging.WARNING, key=self._purge_key, error=repr(error)[:300])
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, key=self._purge_key, error=repr(error)[:300])
 
     def purged_through(self, stream: str) -> int:
         """The EXPERIENCE sequence through which this run purged ``stream`` (its life as in ``record_purge``);
@@ -821,7 +822,12 @@ class CheckpointStore:
                 return self.load(step, self.store)
             except UNREADABLE as error:
                 log_event(
-                    log, "checkpoint_skipped", level=logging.WARNING, step=step, store=self.store.url, reason=str(error)
+                    log,
+                    Event.CHECKPOINT_SKIPPED,
+                    level=logging.WARNING,
+                    step=step,
+                    store=self.store.url,
+                    reason=str(error),
                 )
                 return self.load(step, self.mirror)
         prefix = self._prefix(step)
@@ -884,7 +890,7 @@ class CheckpointStore:
             try:
                 listings.append(StoreListing(store.url, self._retried(self.run_id, lambda s=store: self.steps(s))))
             except Exception as error:  # the store's many failure types: it may hold steps all the same
-                log_event(log, "store_unreadable", level=logging.WARNING, store=store.url, reason=repr(error)[:300])
+                log_event(log, Event.STORE_UNREADABLE, level=logging.WARNING, store=store.url, reason=repr(error)[:300])
                 listings.append(StoreListing(store.url, None, repr(error)[:300]))
         stores = {store.url: store for store in (self.store, self.mirror) if store is not None}
         by_step: dict[int, list[str]] = {}
@@ -898,7 +904,9 @@ class CheckpointStore:
                     return Resumable(self.load(step, stores[url]), skipped)
                 except UNREADABLE as error:  # this copy is bad: another copy, or an older step, may do
                     skipped[step] = f"{url}: {error}"[:500]
-                    log_event(log, "checkpoint_skipped", level=logging.WARNING, step=step, store=url, reason=str(error))
+                    log_event(
+                        log, Event.CHECKPOINT_SKIPPED, level=logging.WARNING, step=step, store=url, reason=str(error)
+                    )
                 except (UnknownCheckpointFormat, ForeignCheckpoints):
                     raise
                 except Exception as error:  # the store failed mid-read: the step may be whole

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable
 from enum import StrEnum
 from typing import Any, Protocol
 
-from services.common.observe.events import EventLog
+from services.common.observe.events import Event, Journal
 from services.common.observe.logs import log_event
 from services.trainer.progress import Progress
 
@@ -40,9 +40,9 @@ class HoldStore(Protocol):
 
 
 class Control:
-    def __init__(self, holds: HoldStore, events: EventLog, progress: Progress):
+    def __init__(self, holds: HoldStore, journal: Journal, progress: Progress):
         self.holds = holds
-        self.events = events
+        self.journal = journal
         self.progress = progress
         self.state = RunState.RUNNING
         self.paused_reason = ""
@@ -74,7 +74,7 @@ class Control:
         while not self.commands.empty():
             command, done = self.commands.get_nowait()
             if done.cancelled():  # the caller's deadline passed or it hung up: a retry must not find it done twice
-                log_event(log, "command_skipped", level=logging.WARNING, reason="caller gone")
+                log_event(log, Event.COMMAND_SKIPPED, level=logging.WARNING, reason="caller gone")
                 continue
             try:
                 result = command()
@@ -97,8 +97,7 @@ class Control:
         """Hold training; kept in the run's config bucket so a restarted trainer stays paused."""
         if self.state == RunState.RUNNING:
             self.state, self.paused_reason = RunState.PAUSED, reason
-            self.events.write("pause", reason, step=self.progress.step)
-            log_event(log, "paused", step=self.progress.step, reason=reason)
+            self.journal.emit(Event.PAUSED, reason, step=self.progress.step, reason=reason)
             await self._store_hold()
 
     async def unpause(self) -> None:
@@ -106,15 +105,13 @@ class Control:
             hook()
         if self.state == RunState.PAUSED:
             self.state, self.paused_reason = RunState.RUNNING, ""
-            self.events.write("unpause", "resumed by operator", step=self.progress.step)
-            log_event(log, "unpaused", step=self.progress.step)
+            self.journal.emit(Event.UNPAUSED, "resumed by operator", step=self.progress.step)
             await self._store_hold()
 
     async def request_stop(self, reason: str) -> None:
         """Drain and end the run. An orchestrator that restarts the trainer anyway (Kubernetes) gets it back paused."""
         self.state, self.stop_reason = RunState.STOPPING, reason
-        self.events.write("stop", reason, step=self.progress.step)
-        log_event(log, "stop_requested", step=self.progress.step, reason=reason)
+        self.journal.emit(Event.STOP_REQUESTED, reason, step=self.progress.step, reason=reason)
         await self._store_hold(f"stopped: {reason}")
 
     async def restore_hold(self) -> None:
@@ -123,7 +120,8 @@ class Control:
         if control.get("paused"):
             self.state = RunState.PAUSED
             self.paused_reason = f"{control.get('reason', '')} (still paused after a restart)"
-            log_event(log, "paused", step=self.progress.step, reason=self.paused_reason)
+            # The pause recorded when it began holds on: logged, not recorded again.
+            log_event(log, Event.PAUSED, step=self.progress.step, reason=self.paused_reason)
 
     async def wait_while_held(self, timeout_s: float, on_idle: Callable[[], Awaitable[None]]) -> None:
         """Wait for a command or config change; ``on_idle`` runs when none came within ``timeout_s``."""
@@ -137,4 +135,4 @@ class Control:
         try:
             await self.holds.put_control({"paused": held, "reason": reason or self.paused_reason})
         except Exception as error:  # the broker's failures: the pause holds in this process regardless
-            log_event(log, "control_not_stored", level=logging.WARNING, error=repr(error)[:200])
+            log_event(log, Event.CONTROL_NOT_STORED, level=logging.WARNING, error=repr(error)[:200])

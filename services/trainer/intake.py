@@ -40,6 +40,7 @@ from nats.js.errors import NotFoundError
 
 from services.common.config import RunConfig
 from services.common.model.datasets import Fed, PromptSource, RowTable
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import span_from_headers
 from services.common.transport.breaker import CircuitBreaker
@@ -413,12 +414,14 @@ class Intake:
                 ack = await self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt"))
             except (NatsError, TimeoutError) as error:
                 self.feeder.seek(cursor)  # publish it again later; a copy that did land is deduplicated
-                log_event(log, "feed_failed", level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300])
+                log_event(
+                    log, Event.FEED_FAILED, level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300]
+                )
                 return
             if ack.duplicate:
                 # Fed before a restart inside the duplicate window: it is somewhere downstream (or in DEAD, which
                 # catch_up_dead settles), so it is in flight; the lost-group bound frees the slot if it never comes.
-                log_event(log, "feed_repeated", group_id=prompt.group_id)
+                log_event(log, Event.FEED_REPEATED, group_id=prompt.group_id)
             self.ledger.fed(prompt.group_id, time.monotonic())
 
     async def catch_up_dead(self) -> int:
@@ -450,24 +453,26 @@ class Intake:
         if not self._ours(headers):
             # An abandoned incarnation's group: this one feeds the same ids as its own (see ``collect``).
             incarnation = headers[H_INCARNATION]
-            log_event(log, "foreign_dead_letter_ignored", group_id=group_id, incarnation=incarnation, seq=msg.sequence)
+            log_event(
+                log, Event.FOREIGN_DEAD_LETTER_IGNORED, group_id=group_id, incarnation=incarnation, seq=msg.sequence
+            )
             return 0
         origin = f"{headers.get(H_STREAM, '')}:{headers.get(H_SEQ, '')}"
         if H_REINJECTED in headers:
             letter = int(headers[H_REINJECTED])
             self.ledger.reinjected.add(origin)
             if self.ledger.reopen(group_id, time.monotonic()):
-                log_event(log, "group_reopened", group_id=group_id, dead_letter=letter)
+                log_event(log, Event.GROUP_REOPENED, group_id=group_id, dead_letter=letter)
                 self.on_reopened(group_id, letter)
             else:  # applied, dropped or lost meanwhile, or never dead here: its copy will be refused as a repeat
-                log_event(log, "reopen_refused", level=logging.WARNING, group_id=group_id, dead_letter=letter)
+                log_event(log, Event.REOPEN_REFUSED, level=logging.WARNING, group_id=group_id, dead_letter=letter)
             return 0
         if origin in self.ledger.reinjected:  # the re-injected message, dead-lettered again by a replay: not news
-            log_event(log, "dead_letter_of_reinjected_ignored", group_id=group_id, origin=origin, seq=msg.sequence)
+            log_event(log, Event.DEAD_LETTER_OF_REINJECTED_IGNORED, group_id=group_id, origin=origin, seq=msg.sequence)
             return 0
         if not self.ledger.settle([group_id], self.progress.step, Fate.DEAD):
             return 0
-        log_event(log, "group_lost_to_dead_letters", level=logging.WARNING, group_id=group_id)
+        log_event(log, Event.GROUP_LOST_TO_DEAD_LETTERS, level=logging.WARNING, group_id=group_id)
         return 1
 
     def _ours(self, headers: dict[str, str]) -> bool:
@@ -479,7 +484,7 @@ class Intake:
         self.broker.failed()
         log_event(
             log,
-            "broker_call_failed",
+            Event.BROKER_CALL_FAILED,
             level=logging.WARNING,
             step=step,
             failures=self.broker.failures,
@@ -508,7 +513,6 @@ class Intake:
             return []
         lost = self.ledger.settle([g for g in overdue if g not in waiting], self.progress.step, Fate.LOST)
         if lost:
-            log_event(log, "groups_lost", level=logging.ERROR, alert=True, count=len(lost), group_ids=lost[:20])
             await self.on_lost(lost)
         return lost
 
@@ -579,7 +583,7 @@ class Intake:
                     await self.catch_up_dead()
                     continue
                 except StoreUnavailable as error:  # read it again once the store answers; the partial batch too
-                    log_event(log, "claim_unavailable", level=logging.WARNING, seq=msg.sequence, error=str(error))
+                    log_event(log, Event.CLAIM_UNAVAILABLE, level=logging.WARNING, seq=msg.sequence, error=str(error))
                     await asyncio.sleep(2.0)
                     self.rewind()
                     return None
@@ -588,14 +592,14 @@ class Intake:
                 if group.incarnation and group.incarnation != self.progress.incarnation:
                     # Fed by an incarnation that started over without a checkpoint: its steps are abandoned, and
                     # this incarnation feeds the same ids as its own groups, which must not be refused as repeats.
-                    log_event(log, "foreign_group_dropped", group_id=group.group_id, incarnation=group.incarnation)
+                    log_event(log, Event.FOREIGN_GROUP_DROPPED, group_id=group.group_id, incarnation=group.incarnation)
                     continue
                 if self.ledger.fate(group.group_id) == Fate.DEAD:
                     await self.catch_up_dead()  # a re-injected copy may come before the record that reopens it
                 if group.group_id in in_batch:
                     self.ledger.repeats += 1
                 if group.group_id in in_batch or not self.ledger.arrived(group.group_id):
-                    log_event(log, "repeat_dropped", group_id=group.group_id, seq=msg.sequence)
+                    log_event(log, Event.REPEAT_DROPPED, group_id=group.group_id, seq=msg.sequence)
                     continue
                 in_batch.add(group.group_id)
                 if self._unusable(group, cfg.train.max_staleness):

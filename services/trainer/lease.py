@@ -32,6 +32,7 @@ from typing import Any
 
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.refusal import StartRefused
 
@@ -152,7 +153,7 @@ class Lease:
             if verdict is Verdict.WAIT:
                 if seen_revision is None:
                     seen_revision = revision
-                    log_event(log, "lease_waiting", holder=current.holder, expires_in_s=current.expires_at - now)
+                    log_event(log, Event.LEASE_WAITING, holder=current.holder, expires_in_s=current.expires_at - now)
                 await asyncio.sleep(min(self.ttl_s / 6, current.expires_at - now))
                 continue
             record = successor(current, self.holder, floor, now, self.ttl_s)
@@ -187,7 +188,7 @@ class Lease:
         try:
             _, revision = await self._read()
         except Exception as error:  # the broker away: not known, so not claimed
-            log_event(log, "lease_read_failed", level=logging.WARNING, error=repr(error)[:200])
+            log_event(log, Event.LEASE_READ_FAILED, level=logging.WARNING, error=repr(error)[:200])
             return False
         return revision != self.revision
 
@@ -200,9 +201,9 @@ class Lease:
         try:
             await self.kv.update(KEY, expired.to_json(), last=self.revision)
         except KeyWrongLastSequenceError:
-            log_event(log, "lease_release_skipped", level=logging.WARNING, reason="another trainer holds it now")
+            log_event(log, Event.LEASE_RELEASE_SKIPPED, level=logging.WARNING, reason="another trainer holds it now")
         except Exception as error:  # the broker away: the lease runs out by itself within ttl_s
-            log_event(log, "lease_release_failed", level=logging.WARNING, error=repr(error)[:200])
+            log_event(log, Event.LEASE_RELEASE_FAILED, level=logging.WARNING, error=repr(error)[:200])
 
     async def keep(self, on_lost: Callable[[LeaseLost], Awaitable[None]]) -> None:
         """Renew every third of the TTL until cancelled; ``on_lost`` once it is lost. A broker that does not answer
@@ -215,4 +216,4 @@ class Lease:
                 await on_lost(lost)
                 return
             except Exception as error:  # the broker away for a moment: the next renewal tries again, within the TTL
-                log_event(log, "lease_renew_failed", level=logging.WARNING, error=repr(error)[:200])
+                log_event(log, Event.LEASE_RENEW_FAILED, level=logging.WARNING, error=repr(error)[:200])

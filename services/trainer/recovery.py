@@ -27,12 +27,12 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
 from services.common.config import BuildInfo, redacted_dump
-from services.common.observe.events import EventLog
+from services.common.observe.events import Event, Journal
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.bus import Bus
@@ -76,7 +76,7 @@ class Recovery:
         feeder: PromptFeeder,
         weights: WeightSyncServer,
         bus: Bus,
-        events: EventLog,
+        journal: Journal,
         telemetry: TrainerMetrics,
         report: Callable[[dict[str, Any]], Awaitable[None]],
         rewind: Callable[[], None],
@@ -90,7 +90,7 @@ class Recovery:
         self.feeder = feeder
         self.weights = weights
         self.bus = bus
-        self.events = events
+        self.journal = journal
         self.telemetry = telemetry
         self.report = report  # a metrics row about a save: written and judged by the alert rules
         self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
@@ -116,20 +116,26 @@ class Recovery:
         wanted = self.settings.cfg.checkpoint.resume_step
         if wanted is not None and self.lineage.resumed_to(wanted):
             # Made already: a restart after it continues from the newest step, not from the requested one again.
-            log_event(log, "resume_step_done", step=wanted)
+            log_event(log, Event.RESUME_STEP_DONE, step=wanted)
             wanted = None
         found = await self._find_checkpoint(saved, wanted)
         if found.checkpoint is None:
             await self._restart_without_checkpoint()
             return False
         ckpt = found.checkpoint
-        await self.adopt(ckpt, "resume", reason="trainer start", requested=wanted is not None)
+        await self.adopt(ckpt, Event.RESUME, reason="trainer start", requested=wanted is not None)
         passed_over = sorted(found.skipped) or ([saved.step] if saved is not None and saved.step > ckpt.step else [])
         if passed_over and wanted is None:
             why = "; ".join(found.skipped.values()) or "no longer stored"
             message = f"resumed from step {ckpt.step}, not from newer step(s) {passed_over}: {why}"
-            self.events.write("checkpoint_fallback", message, step=ckpt.step, skipped_steps=passed_over)
-            log_event(log, "checkpoint_fallback", level=logging.WARNING, alert=True, step=ckpt.step, reason=message)
+            self.journal.emit(
+                Event.CHECKPOINT_FALLBACK,
+                message,
+                level=logging.WARNING,
+                alert=True,
+                step=ckpt.step,
+                skipped_steps=passed_over,
+            )
         return True
 
     async def _find_checkpoint(self, saved: SavedRecord | None, wanted: int | None) -> Resumable:
@@ -153,7 +159,7 @@ class Recovery:
                     ) from error
                 log_event(
                     log,
-                    "resume_waiting",
+                    Event.RESUME_WAITING,
                     level=logging.ERROR,
                     alert=True,
                     store=self.checkpoints.location(),
@@ -187,7 +193,9 @@ class Recovery:
 
     # -- adopt: resume and rollback -----------------------------------------------------
 
-    async def adopt(self, ckpt: Checkpoint, event: str, reason: str, requested: bool = False) -> list[int]:
+    async def adopt(
+        self, ckpt: Checkpoint, event: Literal[Event.RESUME, Event.ROLLBACK], reason: str, requested: bool = False
+    ) -> list[int]:
         """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
 
         ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
@@ -238,10 +246,9 @@ class Recovery:
             )
             if undone:
                 message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"
-                self.events.write(
-                    "groups_reopened_by_rollback", message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
+                self.journal.emit(
+                    Event.GROUPS_REOPENED_BY_ROLLBACK, message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
                 )
-                log_event(log, "groups_reopened_by_rollback", step=ckpt.step, count=len(undone), group_ids=undone[:20])
         abandoned = self.lineage.restart_from(
             ckpt.step,
             new_version,
@@ -256,12 +263,9 @@ class Recovery:
         await self.publish()
         self.rewind()
         message = f"{event} to step {ckpt.step} as policy version {new_version} ({reason})"
-        self.events.write(
-            event, message, step=ckpt.step, policy_version=new_version, abandoned_steps=abandoned, reason=reason
-        )
-        log_event(
-            log,
-            "resumed" if event == "resume" else "rolled_back",
+        self.journal.emit(
+            Event.RESUMED if event == Event.RESUME else Event.ROLLED_BACK,
+            message,
             step=ckpt.step,
             policy_version=new_version,
             experience_seq=progress.applied_seq,
@@ -289,7 +293,7 @@ class Recovery:
         purged = await asyncio.to_thread(self.checkpoints.purged_through, str(created))
         if purged <= seq:
             return seq
-        log_event(log, "replay_purged", level=logging.WARNING, read_through=seq, purged_through=purged)
+        log_event(log, Event.REPLAY_PURGED, level=logging.WARNING, read_through=seq, purged_through=purged)
         return purged
 
     async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
@@ -315,7 +319,7 @@ class Recovery:
             raise CheckpointCorrupt(
                 f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed"
             ) from error
-        abandoned = await self.adopt(ckpt, "rollback", reason)
+        abandoned = await self.adopt(ckpt, Event.ROLLBACK, reason)
         return step, self.progress.version, abandoned
 
     async def publish(self) -> None:
@@ -376,7 +380,7 @@ class Recovery:
             if not wait:
                 log_event(
                     log,
-                    "checkpoint_deferred",
+                    Event.CHECKPOINT_DEFERRED,
                     level=logging.WARNING,
                     step=self.progress.step,
                     reason="previous upload still running",
@@ -396,7 +400,7 @@ class Recovery:
         except Exception as error:  # the store's many failure types; training must go on
             self.telemetry.record_checkpoint(took(), ok=False)
             log_event(
-                log, "checkpoint_failed", level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500]
+                log, Event.CHECKPOINT_FAILED, level=logging.ERROR, alert=True, step=ckpt.step, error=repr(error)[:500]
             )
             # The row carries the current step: the save's own step may be behind, and is not one to roll back to.
             await self.report({"step": self.progress.step, "checkpoint_failed": 1, "error": repr(error)[:500]})
@@ -407,12 +411,14 @@ class Recovery:
         try:
             await asyncio.to_thread(self._record_saved, self.progress.saved_step)
         except OSError as error:  # the step is stored; a resume finds it by listing, the record is a second witness
-            log_event(log, "checkpoint_record_failed", level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
+            log_event(
+                log, Event.CHECKPOINT_RECORD_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300]
+            )
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {"step": self.progress.step, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": seconds}
         )
-        log_event(log, "checkpoint", step=ckpt.step, location=location, save_s=seconds)
+        log_event(log, Event.CHECKPOINT, step=ckpt.step, location=location, save_s=seconds)
         await self.purge_consumed()
 
     async def purge_consumed(self) -> None:
@@ -436,14 +442,14 @@ class Recovery:
             await asyncio.to_thread(self.bus.claims.delete, doomed)
             oldest = min(await asyncio.to_thread(self.checkpoints.steps), default=None)
         except Exception as error:  # the broker's or the store's failures; purging can wait for the next save
-            log_event(log, "purge_failed", level=logging.WARNING, error=repr(error)[:300])
+            log_event(log, Event.PURGE_FAILED, level=logging.WARNING, error=repr(error)[:300])
             return
         self.purged_seq = floor
         for key in doomed:
             self.claim_keys.pop(key, None)
         if oldest is not None:
             self.ledger.forget_through(oldest)
-        log_event(log, "purged", experience_below=floor + 1, claims=len(doomed))
+        log_event(log, Event.PURGED, experience_below=floor + 1, claims=len(doomed))
 
     # -- operator calls -------------------------------------------------------------
 
@@ -464,5 +470,5 @@ class Recovery:
         """Run between steps: never beside a save of the same step, which rewrites its folder."""
         await self.wait_for_upload()
         await asyncio.to_thread(self.checkpoints.mark, step, STABLE)
-        log_event(log, "marked_stable", step=step)
+        log_event(log, Event.MARKED_STABLE, step=step)
         return await self.entry(step)

@@ -1,6 +1,7 @@
 """The alert responder: every metrics row is written, judged by the alert rules, and what fires is carried out.
 
-Actions: notify (log, events file, metrics row, Prometheus counter, webhook), pause, stop,
+Actions: notify (one ``Event.ALERT`` in the run's journal: log, events file, and ``AlertSink``'s metrics row,
+Prometheus counter and webhook), pause, stop,
 and rollback — to the newest stable checkpoint, else the newest one saved before the
 rule's window. A rollback is queued to the training loop like an operator's, and nobody
 awaits it, so one that fails pauses the run with the reason instead of raising. A rule
@@ -18,10 +19,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from services.common.observe.events import EventLog
+from services.common.config import AlertsConfig
+from services.common.observe.events import Event, Journal, JournalEntry
 from services.common.observe.logs import RollingJsonl, log_event
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.observe.trackers import TrackerFanout
+from services.common.observe.writer import CAPACITY_ROWS, BackgroundWriter
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control
@@ -34,21 +37,86 @@ Rollback = Callable[[int | None, str], Awaitable[Any]]
 
 class MetricsLog:
     """``metrics.jsonl``: one JSON row per line, whole for readers that follow it, rolled to numbered parts past
-    ``max_bytes`` (``RollingJsonl``); and the same rows to the experiment trackers of ``telemetry.report_to``."""
+    ``max_bytes`` (``RollingJsonl``); and the same rows to the experiment trackers of ``telemetry.report_to``.
 
-    def __init__(self, path: Path, trackers: TrackerFanout | None = None, max_bytes: int | None = None):
+    Both are written by a ``BackgroundWriter``: ``write`` stamps the row and returns at once, so neither a slow
+    disk nor a slow tracker adds to a step; rows it cannot queue are dropped and counted (``dropped``)."""
+
+    def __init__(
+        self,
+        path: Path,
+        trackers: TrackerFanout | None = None,
+        max_bytes: int | None = None,
+        capacity: int = CAPACITY_ROWS,
+    ):
         # Without max_bytes one file grows for ever (a drill's or a test's short record).
         self.file = RollingJsonl(path, max_bytes or sys.maxsize)
         self.trackers = trackers
+        self.writer: BackgroundWriter[dict[str, Any]] = BackgroundWriter("metrics", self._write_rows, capacity)
+
+    @property
+    def dropped(self) -> int:
+        return self.writer.dropped
 
     def write(self, row: dict[str, Any]) -> None:
-        self.file.write(json.dumps({"time": round(time.time(), 3), **row}) + "\n")
-        if self.trackers is not None:
-            self.trackers.write(row)
+        """Queue ``row``, stamped with the time now (not when it is written)."""
+        self.writer.put({"time": round(time.time(), 3), **row})
+
+    def flush(self) -> None:
+        """Wait until every row written so far is in the file and with the trackers."""
+        self.writer.flush()
 
     def close(self) -> None:
+        """Write what is queued, then close the trackers (a W&B run finished)."""
+        self.writer.close()
         if self.trackers is not None:
             self.trackers.close()
+
+    def _write_rows(self, rows: list[dict[str, Any]]) -> None:
+        self.file.write_lines([json.dumps(row) + "\n" for row in rows])
+        if self.trackers is not None:
+            for row in rows:
+                self.trackers.write(row)
+
+
+def post_alert(alerts: AlertsConfig, payload: dict[str, Any]) -> None:
+    """``payload`` to the alert webhook, with its retries, in the background."""
+    post_webhook(alerts.webhook_url, payload, retries=alerts.webhook_retries, backoff_s=alerts.webhook_backoff_s)
+
+
+class AlertSink:
+    """The trainer's sinks of an alert beyond the log and the events file: a metrics row (which the trackers show
+    as a text event), the Prometheus counter, and the webhook when one is configured."""
+
+    def __init__(self, settings: ConfigSource, metrics: MetricsLog, telemetry: TrainerMetrics, progress: Progress):
+        self.settings = settings
+        self.metrics = metrics
+        self.telemetry = telemetry
+        self.progress = progress
+
+    def write(self, entry: JournalEntry) -> None:
+        if entry.event != Event.ALERT:
+            return
+        rule, severity = entry.fields["rule"], entry.fields["severity"]
+        self.telemetry.record_alert(rule, severity)
+        self.metrics.write(
+            {
+                "step": self.progress.step,
+                "alert": rule,
+                "alert_severity": severity,
+                "config_version": self.settings.version,
+            }
+        )
+        cfg = self.settings.cfg
+        if cfg.alerts.webhook_url:
+            payload = {
+                "run_id": cfg.run_id,
+                **entry.fields,
+                "step": entry.step,
+                "time": round(time.time(), 3),
+                "message": entry.message,
+            }
+            post_alert(cfg.alerts, payload)
 
 
 class AlertResponder:
@@ -61,8 +129,7 @@ class AlertResponder:
         rollback: Rollback,
         progress: Progress,
         metrics: MetricsLog,
-        events: EventLog,
-        telemetry: TrainerMetrics,
+        journal: Journal,
     ):
         self.settings = settings
         self.alerts = alerts
@@ -71,8 +138,7 @@ class AlertResponder:
         self.rollback = rollback
         self.progress = progress
         self.metrics = metrics
-        self.events = events
-        self.telemetry = telemetry
+        self.journal = journal
         self.alert_rollbacks: dict[str, int] = {}  # rule -> the step its last rollback went to
         self.heartbeat = Heartbeat()
         control.on_unpause.append(self.operator_resumed)
@@ -93,7 +159,7 @@ class AlertResponder:
         now = time.time()
         alerts_cfg = self.settings.cfg.alerts
         if alerts_cfg.webhook_url and self.heartbeat.due(now, alerts_cfg.heartbeat_s):
-            self.post(Heartbeat.payload(self.settings.cfg.run_id, self.progress.step, now))
+            post_alert(alerts_cfg, Heartbeat.payload(self.settings.cfg.run_id, self.progress.step, now))
         firings = self.alerts.observe(row, now)
         if self.control.running:  # paused or stopping, no step is due: its metrics are not absent
             firings += self.alerts.check_absent(now)
@@ -112,28 +178,10 @@ class AlertResponder:
                 # Between steps, like an operator's rollback: never in the middle of this step's bookkeeping.
                 self.control.submit(lambda: self.rollback_for(firing))
             taken.append(action)
-        details = {**firing.as_dict(), "actions_taken": taken}
-        self.telemetry.record_alert(firing.rule, firing.severity)
-        extra = {k: v for k, v in details.items() if k not in ("message", "step", "time")}
-        self.events.write("alert", firing.message, step=firing.step, **extra)
-        cfg = self.settings.cfg
-        self.metrics.write(
-            {
-                "step": self.progress.step,
-                "alert": firing.rule,
-                "alert_severity": firing.severity,
-                "config_version": self.settings.version,
-            }
-        )
         level = logging.ERROR if firing.severity == "critical" else logging.WARNING
-        log_event(log, "alert", level=level, alert=True, **details)
-        if cfg.alerts.webhook_url:
-            self.post({"run_id": cfg.run_id, **details})
-
-    def post(self, payload: dict[str, Any]) -> None:
-        alerts_cfg = self.settings.cfg.alerts
-        post_webhook(
-            alerts_cfg.webhook_url, payload, retries=alerts_cfg.webhook_retries, backoff_s=alerts_cfg.webhook_backoff_s
+        details = {k: v for k, v in firing.as_dict().items() if k not in ("message", "step", "time")}
+        self.journal.emit(
+            Event.ALERT, firing.message, level=level, step=firing.step, alert=True, **details, actions_taken=taken
         )
 
     async def rollback_for(self, firing: Firing) -> None:
@@ -142,7 +190,12 @@ class AlertResponder:
             await self._rollback_for(firing)
         except Exception as error:
             log_event(
-                log, "alert_rollback_failed", level=logging.ERROR, alert=True, rule=firing.rule, error=repr(error)[:500]
+                log,
+                Event.ALERT_ROLLBACK_FAILED,
+                level=logging.ERROR,
+                alert=True,
+                rule=firing.rule,
+                error=repr(error)[:500],
             )
             await self.control.pause(f"alert {firing.rule}: rollback failed: {error}")
 

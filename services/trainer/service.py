@@ -30,7 +30,7 @@ import yaml
 from services.common.config import BuildInfo, RunConfig, redacted_dump
 from services.common.model.chat import prompt_text, render_rows
 from services.common.model.datasets import open_prompts, read_rows
-from services.common.observe.events import EventLog
+from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.telemetry import TrainerMetrics, current_telemetry
@@ -64,7 +64,7 @@ from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery, ResumeRefused
-from services.trainer.responder import AlertResponder, MetricsLog
+from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
 
@@ -88,11 +88,11 @@ class Trainer:
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
         self.eval_rows = render_rows(eval_rows, learner.tokenizer)
-        events = EventLog.of_run(cfg)
-        self.events = events
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
         self.telemetry = TrainerMetrics()
+        metrics = MetricsLog(cfg.metrics_file, open_trackers(cfg), cfg.telemetry.jsonl_max_mib * 2**20)
+        self.journal = Journal(EventLog.of_run(cfg), [AlertSink(live, metrics, self.telemetry, self.progress)])
         self.ledger = GroupLedger()
         train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
@@ -100,7 +100,7 @@ class Trainer:
         self.checkpoints = CheckpointStore(
             open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
         )
-        self.control = Control(live, events, self.progress)
+        self.control = Control(live, self.journal, self.progress)
         self.intake = Intake(
             bus,
             self.feeder,
@@ -118,9 +118,8 @@ class Trainer:
             self.checkpoints,
             rollback=lambda step, reason: self.recovery.rollback(step, reason),
             progress=self.progress,
-            metrics=MetricsLog(cfg.metrics_file, open_trackers(cfg), cfg.telemetry.jsonl_max_mib * 2**20),
-            events=events,
-            telemetry=self.telemetry,
+            metrics=metrics,
+            journal=self.journal,
         )
         self.recovery = Recovery(
             live,
@@ -132,7 +131,7 @@ class Trainer:
             self.feeder,
             weights,
             bus,
-            events,
+            self.journal,
             self.telemetry,
             report=self.responder.report,
             rewind=self.intake.rewind,
@@ -172,8 +171,8 @@ class Trainer:
         if self.cfg.alerts != previous.alerts:
             self.alerts.replace_rules(self.cfg.alerts.rules, self.cfg.alerts.cooldown_steps)
         version = self.live.current
-        self.events.write(
-            "config_change",
+        self.journal.emit(
+            Event.CONFIG_CHANGE,
             f"config version {version.version} by {version.author}: "
             + ", ".join(f"{c.key}={c.new}" for c in version.changes),
             step=self.progress.step,
@@ -217,8 +216,14 @@ class Trainer:
     async def record_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
         count, step = len(group_ids), self.progress.step
-        self.events.write(
-            "groups_lost", f"{count} group(s) written off as lost", step=step, count=count, group_ids=group_ids[:50]
+        self.journal.emit(
+            Event.GROUPS_LOST,
+            f"{count} group(s) written off as lost",
+            level=logging.ERROR,
+            alert=True,
+            step=step,
+            count=count,
+            group_ids=group_ids[:50],
         )
         self.telemetry.record_groups("lost", len(group_ids))  # now: a stalled pipeline brings no step row
         await self.responder.watch({"step": self.progress.step, "groups_lost": float(len(group_ids))})
@@ -283,15 +288,15 @@ class Trainer:
         if self.presence:
             self.presence.update(policy_version=progress.version, step=progress.step)
         if progress.step % self.cfg.train.log_interval == 0:
-            log_event(log, "step", total_steps=self.cfg.train.total_steps, **row)
+            log_event(log, Event.STEP, total_steps=self.cfg.train.total_steps, **row)
         await self.responder.report(row)
 
     def skipped_step(self, reason: str) -> None:
         """A step that left the weights as they were (or kept them from rollouts): non-finite numbers never reach
         the optimizer, rollouts or the store. Its metrics row carries loss NaN, which the nan_loss rule judges."""
         step = self.progress.step
-        self.events.write("step_skipped", f"step {step}: updates skipped, {reason}", step=step, reason=reason)
-        log_event(log, "step_skipped", level=logging.ERROR, alert=True, step=step, reason=reason)
+        message = f"step {step}: updates skipped, {reason}"
+        self.journal.emit(Event.STEP_SKIPPED, message, level=logging.ERROR, alert=True, step=step, reason=reason)
 
     async def evaluate(self) -> float | None:
         if not self.eval_rows:
@@ -307,7 +312,7 @@ class Trainer:
             "eval_time_s": took(),
         }
         await self.responder.report(row)
-        log_event(log, "eval", step=self.progress.step, eval_accuracy=accuracy, eval_s=took())
+        log_event(log, Event.EVAL, step=self.progress.step, eval_accuracy=accuracy, eval_s=took())
         return accuracy
 
     async def save(self, wait: bool = False) -> None:
@@ -353,16 +358,18 @@ class Trainer:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
             if progress.step > progress.saved_step:
                 await self.save(wait=True)
-            log_event(log, "stopped_early", step=progress.step)
+            log_event(log, Event.STOPPED_EARLY, step=progress.step)
             return
         if not stopped:
             await self.evaluate()  # the run's last word on held-out accuracy, saved with the last step below
         if progress.step > progress.saved_step or not stopped:
             await self.save(wait=True)  # after any upload still running; the last step once, with its evaluation
         control.state = RunState.DONE
+        # Whoever reads "done" (the launcher, then verify and report) finds every row in metrics.jsonl.
+        await asyncio.to_thread(self.responder.metrics.flush)
         log_event(
             log,
-            "done",
+            Event.DONE,
             steps=progress.step,
             policy_version=progress.version,
             baseline_accuracy=progress.baseline_eval,
@@ -380,7 +387,7 @@ def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> N
     )
     log_event(
         log,
-        "build",
+        Event.BUILD,
         version=build.version,
         revision=build.revision,
         config_version=config_version,
@@ -396,7 +403,7 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
     kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
     lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s)
     epoch = await lease.acquire(floor)
-    log_event(log, "lease_acquired", epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
+    log_event(log, Event.LEASE_ACQUIRED, epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
     return lease
 
 
@@ -428,12 +435,12 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
     """A trainer rank other than 0: it holds shards and runs rank 0's commands; rank 0 alone talks to NATS,
     the admin API and weight sync, so nothing else starts here."""
     learner = Learner(cfg, mesh)
-    log_event(log, "follower_ready", rank=mesh.rank, world=mesh.world)
+    log_event(log, Event.FOLLOWER_READY, rank=mesh.rank, world=mesh.world)
     try:
         follow(mesh, learner)
     finally:
         mesh.close()
-    log_event(log, "follower_stopped", rank=mesh.rank)
+    log_event(log, Event.FOLLOWER_STOPPED, rank=mesh.rank)
 
 
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
@@ -451,7 +458,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
             lost.append(error)
             log_event(
                 log,
-                "lease_lost",
+                Event.LEASE_LOST,
                 level=logging.CRITICAL,
                 alert=True,
                 epoch=lease.epoch,
@@ -499,7 +506,7 @@ async def lead_holding(
     except (FencedOut, ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
         # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
-        log_event(log, "start_refused", level=logging.ERROR, alert=True, error=str(error))
+        log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
         raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)
     servicer = AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
@@ -510,7 +517,7 @@ async def lead_holding(
     watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence))
     log_event(
         log,
-        "ready",
+        Event.READY,
         grpc=address,
         admin=admin_address,
         metrics_url=current_telemetry().metrics_url,
@@ -525,7 +532,7 @@ async def lead_holding(
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).
             log_event(
-                log, "broker_state_lost", level=logging.CRITICAL, alert=True, stream=error.stream, error=str(error)
+                log, Event.BROKER_STATE_LOST, level=logging.CRITICAL, alert=True, stream=error.stream, error=str(error)
             )
             raise SystemExit(EXIT_REFUSED) from error
         progress = trainer.progress
@@ -533,7 +540,7 @@ async def lead_holding(
             # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
             log_event(
                 log,
-                "ended_unsaved",
+                Event.ENDED_UNSAVED,
                 level=logging.ERROR,
                 alert=True,
                 step=progress.step,

@@ -17,6 +17,7 @@ from typing import Any
 from nats.errors import Error as NatsError
 
 from services.common.config import BuildInfo
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import DiskWatch, StageMetrics
 from services.common.pb import admin_pb2
@@ -72,7 +73,7 @@ class StatusReporter:
                 self.services_read = time.monotonic()
                 self.experience_lag.lag(self.lag.get("trainer", 0))
             except (NatsError, TimeoutError) as error:
-                log_event(log, "presence_unreadable", level=logging.WARNING, error=repr(error)[:200])
+                log_event(log, Event.PRESENCE_UNREADABLE, level=logging.WARNING, error=repr(error)[:200])
         return self.services
 
     async def consumer_lag(self) -> dict[str, int]:
@@ -123,7 +124,7 @@ class StatusReporter:
         try:
             catalog = await self.catalog()
         except Exception as error:  # the store's own alerts cover its outages; the last size known stays
-            log_event(log, "checkpoint_size_unknown", level=logging.DEBUG, error=repr(error)[:200])
+            log_event(log, Event.CHECKPOINT_SIZE_UNKNOWN, level=logging.DEBUG, error=repr(error)[:200])
             return
         if catalog:
             self.disk.saw_checkpoint(max(catalog, key=lambda entry: entry["step"])["bytes"])

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower
 from services.tuner.procs import (
     GpuMemory,
@@ -237,9 +238,9 @@ class TrialProcess:
                 self.values.append(point)
                 self.new_values.append(point)
         for event in self.events.new_rows():
-            if event.get("kind") == "pause":
+            if event.get("kind") == Event.PAUSE:
                 self.paused = str(event.get("message", ""))
-            elif event.get("kind") == "stop":
+            elif event.get("kind") == Event.STOP:
                 self.stopped_by = str(event.get("message", ""))
 
     def nan_loss(self) -> str | None:

@@ -79,7 +79,9 @@ def test_a_record_rolls_into_numbered_parts_that_every_reader_reads_in_order(tmp
     for step in range(1, 21):
         metrics.write({"step": step, "loss": 0.5})
         if step % 12 == 0:  # several rolls between two polls: the follower reads every part once
+            metrics.flush()  # rows are written on the writer's thread
             followed += [row["step"] for row in follower.new_rows()]
+    metrics.close()
     followed += [row["step"] for row in follower.new_rows()]
     parts = jsonl_parts(path)
     assert len(parts) > 3 and parts[0] == rolled_part(path, 1) and parts[-1] == path

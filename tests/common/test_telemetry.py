@@ -194,6 +194,11 @@ trainer.record_step({**step, "note": "text"})
 trainer.record_checkpoint(1.2, ok=True)
 trainer.record_checkpoint(0.4, ok=False)
 trainer.record_alert("kl_too_high", "warning")
+from services.common.observe.writer import BackgroundWriter
+closed = BackgroundWriter("metrics", lambda rows: None)
+closed.close()
+closed.put({"step": 8})
+closed.put({"step": 9})
 import logging
 logging.getLogger("driver").error("one error for the log error rate")
 print(json.dumps({"metrics_url": telemetry.metrics_url}), flush=True)
@@ -278,6 +283,7 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     assert one_value(samples, "rlpipe_checkpoints_total", outcome="failed") == 1
     assert one_value(samples, "rlpipe_checkpoint_duration_seconds_sum", outcome="failed") == 0.4
     assert one_value(samples, "rlpipe_alerts_fired_total", rule="kl_too_high", severity="warning") == 1
+    assert one_value(samples, "rlpipe_metrics_dropped_total", writer="metrics") == 2
     [target] = [s for s in samples if s.name == "target_info"]
     assert target.labels["service_name"] == "rlpipe-rollout" and target.labels["rlpipe_run_id"] == "tele"
     assert target.labels["service_instance_id"] == "rollout-test"

@@ -34,7 +34,7 @@ import torch
 from nats.js.errors import NotFoundError
 
 from services.common.config import RunConfig, load_config
-from services.common.observe.events import EventLog
+from services.common.observe.events import EventLog, Journal
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.breaker import CircuitBreaker
 from services.common.transport.messages import DecodeError
@@ -413,7 +413,7 @@ class Trainer:
             self.feeder,
             world.weights,
             world.bus,
-            EventLog(world.cfg.run_dir / "events.jsonl"),
+            Journal(EventLog(world.cfg.run_dir / "events.jsonl")),
             world.telemetry,
             self._report,
             self.intake.rewind,

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from services.cli.report import read_jsonl
-from services.common.observe.events import EventLog
+from services.common.observe.events import EventLog, Journal
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 
@@ -28,7 +28,7 @@ class Holds:
 
 def test_a_command_whose_caller_gave_up_is_skipped_and_the_rest_run_in_order(tmp_path):
     async def scenario():
-        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), Progress())
+        control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), Progress())
         ran = []
         futures = []
         for name in ("pause", "rollback", "resume"):
@@ -44,7 +44,7 @@ def test_a_command_whose_caller_gave_up_is_skipped_and_the_rest_run_in_order(tmp
 
 def test_a_call_returns_the_commands_result_or_raises_its_error_once_the_loop_runs_it(tmp_path):
     async def scenario():
-        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), Progress())
+        control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), Progress())
 
         async def failing() -> None:
             raise LookupError("no such step")
@@ -63,7 +63,7 @@ def test_a_call_returns_the_commands_result_or_raises_its_error_once_the_loop_ru
 
 def test_a_pause_is_stored_and_holds_a_restarted_trainer_until_an_operator_resumes(tmp_path):
     async def scenario():
-        holds, events = Holds(), EventLog(tmp_path / "events.jsonl")
+        holds, events = Holds(), Journal(EventLog(tmp_path / "events.jsonl"))
         first = Control(holds, events, Progress(step=3))
         resumed_hooks = []
         first.on_unpause.append(lambda: resumed_hooks.append("clocks"))

@@ -14,7 +14,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
-from services.common.observe.events import EventLog
+from services.common.observe.events import EventLog, Journal
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.common.transport.weightsync.server import WeightSyncServer
@@ -96,7 +96,7 @@ class Harness:
             PromptFeeder(load_jsonl(data_dir / "train.jsonl"), 0, shuffle=False),
             self.weights,
             bus=self.stream,
-            events=EventLog(self.events_path),
+            journal=Journal(EventLog(self.events_path)),
             telemetry=TrainerMetrics(),
             report=self.report,
             rewind=self.rewind,

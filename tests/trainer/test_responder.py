@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
-from services.common.observe.events import EventLog
+from services.common.observe.events import EventLog, Journal
 from services.common.observe.telemetry import TrainerMetrics
+from services.common.observe.trackers import TrackerEntry, TrackerFanout
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, rng_state
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
-from services.trainer.responder import AlertResponder, MetricsLog
+from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 from tests.trainer.test_commands import Holds
 
 pytestmark = pytest.mark.unit
@@ -37,11 +39,11 @@ def responder(tmp_path, store: CheckpointStore, rollback) -> tuple[AlertResponde
     alerts = AlertsConfig(rules=[KL_RULE], cooldown_steps=0)
     settings = SimpleNamespace(cfg=SimpleNamespace(alerts=alerts, run_id="run"), version=3)  # the config in force
     progress = Progress(step=12)
-    events = EventLog(tmp_path / "events.jsonl")
-    control = Control(Holds(), events, progress)
-    evaluator = AlertEvaluator(alerts.rules, alerts.cooldown_steps)
     metrics = MetricsLog(tmp_path / "metrics.jsonl")
-    alert = AlertResponder(settings, evaluator, control, store, rollback, progress, metrics, events, TrainerMetrics())
+    journal = Journal(EventLog(tmp_path / "events.jsonl"), [AlertSink(settings, metrics, TrainerMetrics(), progress)])
+    control = Control(Holds(), journal, progress)
+    evaluator = AlertEvaluator(alerts.rules, alerts.cooldown_steps)
+    alert = AlertResponder(settings, evaluator, control, store, rollback, progress, metrics, journal)
     return alert, control, progress
 
 
@@ -57,6 +59,7 @@ def test_a_rollback_action_runs_between_steps_and_goes_to_the_newest_step_before
         assert calls == []  # queued, not run inside the step's bookkeeping
         await control.run_commands()
         assert calls == [(10, "alert kl_high")]  # window 1 step: the newest step saved before step 12 is 10
+        alert.metrics.flush()  # rows are written on the writer's thread
         rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
         assert [r.get("alert") for r in rows] == [None, "kl_high"]
 
@@ -99,3 +102,37 @@ def test_a_rollback_that_fails_pauses_the_run_with_the_reason(tmp_path):
         assert control.paused_reason == "alert kl_high: rollback failed: store unreachable"
 
     asyncio.run(scenario())
+
+
+class StuckTracker:
+    """A tracker whose ``log`` blocks until released, like a hung tracking server."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.steps: list[int] = []
+
+    def log(self, entry: TrackerEntry) -> None:
+        self.entered.set()
+        assert self.release.wait(10)
+        self.steps.append(entry.step)
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_metrics_row_is_handed_over_while_a_tracker_is_still_blocked_and_reaches_file_and_tracker_at_close(
+    tmp_path,
+):
+    tracker = StuckTracker()
+    metrics = MetricsLog(tmp_path / "metrics.jsonl", TrackerFanout({"stuck": tracker}))
+    metrics.write({"step": 1, "loss": 0.5})
+    assert tracker.entered.wait(10)  # the tracker now holds row 1 in its log call
+    metrics.write({"step": 2, "loss": 0.25})  # returns: a step does not wait for the tracker
+    assert tracker.steps == []
+    tracker.release.set()
+    metrics.close()
+    assert tracker.steps == [1, 2]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["loss"]) for row in rows] == [(1, 0.5), (2, 0.25)]
+    assert metrics.dropped == 0

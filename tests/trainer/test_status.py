@@ -8,7 +8,7 @@ import time
 import pytest
 
 from services.common.config import BuildInfo, load_config
-from services.common.observe.events import EventLog
+from services.common.observe.events import EventLog, Journal
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
 from services.common.transport.streams import EXPERIENCE, PROMPTS
@@ -41,7 +41,7 @@ def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(
         for i in range(5):
             await bus.publish(EXPERIENCE, experience(f"x{i}"), msg_id=f"x{i}")
         progress = Progress(step=4, version=6, applied_seq=2)
-        control = Control(Holds(), EventLog(tmp_path / "events.jsonl"), progress)
+        control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), progress)
         await control.pause("looking at KL")
         ledger = GroupLedger()
         for group in ("a", "b"):

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from services.common.config import DataColumns, DataConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -463,7 +464,7 @@ class RowStream:
                 row = _to_row(self.where, record, self.columns)
             except BadRow as error:
                 log_event(
-                    log, "data_row_skipped", level=logging.WARNING, where=f"{self.where} {index}", error=str(error)
+                    log, Event.DATA_ROW_SKIPPED, level=logging.WARNING, where=f"{self.where} {index}", error=str(error)
                 )
                 yield Fed(position, index, None)
                 continue

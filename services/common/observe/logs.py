@@ -27,9 +27,12 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from opentelemetry import trace
+
+if TYPE_CHECKING:  # events.py builds its journal on log_event
+    from services.common.observe.events import Event
 
 # Fields on every line from now on; written between steps, read by every log call.
 _bound: dict[str, Any] = {}
@@ -78,7 +81,9 @@ def bind_log_fields(**fields: Any) -> None:
             _bound[key] = value
 
 
-def log_event(logger: logging.Logger, event: str, level: int = logging.INFO, **fields: Any) -> None:
+def log_event(logger: logging.Logger, event: Event, level: int = logging.INFO, **fields: Any) -> None:
+    """One JSON log line named by ``event`` (a member of ``Event``, never a free string: the names are a contract).
+    The log sink of the journal (``events.Journal``), and the only sink of components without a run record."""
     logger.log(level, event, extra={"fields": fields})
 
 
@@ -159,17 +164,31 @@ class RollingJsonl:
         self.lock_path = path.with_name(f".{path.name}.lock")
 
     def write(self, line: str) -> None:
-        """Append one line (with its newline) whole, opened per line so a reader never sees a half-rolled file.
+        """Append one line (with its newline) whole; see ``write_lines``."""
+        self.write_lines([line])
 
-        Under the lock the size is read, the file rolled and the line written as one step: another writer's
-        roll can neither reuse a part number (the next one is counted on disk, not remembered) nor leave this
+    def write_lines(self, lines: list[str]) -> None:
+        """Append whole lines (each with its newline) under one lock, the file opened per part so a reader never
+        sees a half-rolled file.
+
+        Under the lock the size is read, the file rolled and each line written as one step: another writer's
+        roll can neither reuse a part number (the next one is counted on disk, not remembered) nor leave a
         line in a part a follower has already read to its end."""
-        data = line.encode()
         with self.lock_path.open("a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
             size = self.path.stat().st_size if self.path.exists() else 0
-            if size and size + len(data) > self.max_bytes:
-                self.path.replace(rolled_part(self.path, len(jsonl_parts(self.path))))
+            pending = b""
+            for line in lines:
+                data = line.encode()
+                if (size or pending) and size + len(pending) + len(data) > self.max_bytes:
+                    self._append(pending)
+                    self.path.replace(rolled_part(self.path, len(jsonl_parts(self.path))))
+                    size, pending = 0, b""
+                pending += data
+            self._append(pending)
+
+    def _append(self, data: bytes) -> None:
+        if data:
             with self.path.open("ab") as out:
                 out.write(data)
 

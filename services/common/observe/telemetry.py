@@ -46,6 +46,8 @@ trainer (``TrainerMetrics``)
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
   rlpipe_checkpoints_total{outcome}
   rlpipe_alerts_fired_total{rule,severity}
+  rlpipe_metrics_dropped_total{writer}                    metrics rows dropped, not written: the background writer's
+                                                          queue was full (observe/writer.py)
   rlpipe_trainer_groups_total{fate}                       fed groups settled: fate dead | lost | repeat (refused)
   rlpipe_disk_free_bytes{path}                            gauge, free space of the runs directory and a file:// store
   rlpipe_disk_free_saves{path}                            gauge, that free space over what one save needs (the newest

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 import yaml
 
 from services.common.config import RunConfig, redacted_dump
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ class TrackerFanout:
                 tracker.log(entry)
             except Exception as error:  # a dashboard's outage must not stop training; metrics.jsonl has the row
                 if name not in self.failing:
-                    log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
+                    log_event(log, Event.TRACKER_FAILED, level=logging.WARNING, tracker=name, error=repr(error)[:300])
                 self.failing.add(name)
             else:
                 self.failing.discard(name)
@@ -283,7 +284,7 @@ class TrackerFanout:
             try:
                 tracker.close()
             except Exception as error:  # closing one must not keep the others from flushing
-                log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
+                log_event(log, Event.TRACKER_FAILED, level=logging.WARNING, tracker=name, error=repr(error)[:300])
 
 
 def _open(name: str, cfg: RunConfig, run_dir: Path, config: Mapping[str, Any]) -> Tracker:
@@ -317,6 +318,6 @@ def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
         except TrackerUnavailable:
             raise
         except Exception as error:  # a tracking server away at start: train without it rather than not at all
-            log_event(log, "tracker_failed", level=logging.WARNING, tracker=name, error=repr(error)[:300])
-    log_event(log, "trackers_open", trackers=list(trackers))
+            log_event(log, Event.TRACKER_FAILED, level=logging.WARNING, tracker=name, error=repr(error)[:300])
+    log_event(log, Event.TRACKERS_OPEN, trackers=list(trackers))
     return TrackerFanout(trackers)

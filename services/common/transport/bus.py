@@ -39,6 +39,7 @@ from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from services.common.config import RunConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import inject_trace, record_dead_letter
 from services.common.refusal import StartRefused
@@ -153,7 +154,7 @@ class Bus:
         # nats-py awaits this inside its reconnection task: JetStream requests made here would hold that task
         # (and a broker still recovering could hang it), so the restore runs as a task of its own.
         self.reconnects += 1
-        log_event(log, "bus_reconnected", reconnects=self.reconnects)
+        log_event(log, Event.BUS_RECONNECTED, reconnects=self.reconnects)
         if self._restore is not None:
             self._restore.cancel()
         self._restore = asyncio.get_running_loop().create_task(self._restore_state())
@@ -169,18 +170,18 @@ class Bus:
                     await self.ensure_consumer(edge)
                 break
             except (NatsError, TimeoutError) as error:  # JetStream may still be recovering: try again
-                log_event(log, "bus_restore_retry", level=logging.WARNING, error=repr(error)[:300], retry_s=delay)
+                log_event(log, Event.BUS_RESTORE_RETRY, level=logging.WARNING, error=repr(error)[:300], retry_s=delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 5.0)
             except ConsumerSettingsConflict as error:  # someone changed the consumer by hand meanwhile
-                log_event(log, "bus_restore_failed", level=logging.ERROR, alert=True, error=str(error))
+                log_event(log, Event.BUS_RESTORE_FAILED, level=logging.ERROR, alert=True, error=str(error))
                 return
-        log_event(log, "bus_restored", streams=len(EDGES), consumers=sorted(self._work_queues))
+        log_event(log, Event.BUS_RESTORED, streams=len(EDGES), consumers=sorted(self._work_queues))
         for listener in self._reconnect_listeners:
             try:
                 await listener()
             except Exception as error:
-                log_event(log, "reconnect_listener_failed", level=logging.ERROR, error=repr(error)[:500])
+                log_event(log, Event.RECONNECT_LISTENER_FAILED, level=logging.ERROR, error=repr(error)[:500])
 
     async def check_covers(
         self, edge: str, seq: int, created: datetime | None = None, contiguous: bool = True
@@ -310,7 +311,7 @@ class Bus:
         )
         await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
         record_dead_letter(self.service, edge, cause)
-        log_event(log, "dead_letter", level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
+        log_event(log, Event.DEAD_LETTER, level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
 
     def consumer_config(self, edge: str) -> api.ConsumerConfig:
         nats_cfg = self.cfg.nats
@@ -357,7 +358,7 @@ class Bus:
             raise ConsumerSettingsConflict(stream, wanted.durable_name, plain, str(error.description)) from error
         log_event(
             log,
-            "consumer_updated",
+            Event.CONSUMER_UPDATED,
             stream=stream,
             consumer=wanted.durable_name,
             changes={name: [_plain(old), _plain(new)] for name, (old, new) in differences.items()},

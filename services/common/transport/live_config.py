@@ -36,6 +36,7 @@ from services.common.config import (
     refuse_unsafe_live_change,
 )
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.nats_connect import await_run_state, connect_options, creates_run_state
 
@@ -158,7 +159,7 @@ class LiveConfig:
         try:
             latest, _ = await self._latest_entry()
         except Exception as error:  # broker away: keep what is in force, try again later
-            log_event(log, "config_poll_failed", level=logging.WARNING, error=repr(error)[:200])
+            log_event(log, Event.CONFIG_POLL_FAILED, level=logging.WARNING, error=repr(error)[:200])
             return []
         if latest.version == self.current.version:
             return []
@@ -169,11 +170,11 @@ class LiveConfig:
         try:
             cfg = apply_overrides(self.started or self.base, overrides)
         except ConfigError as error:
-            log_event(log, "config_rejected", level=logging.ERROR, config_version=latest.version, error=str(error))
+            log_event(log, Event.CONFIG_REJECTED, level=logging.ERROR, config_version=latest.version, error=str(error))
             return []
         changed = [key for key in overrides if _value_at(cfg, key) != _value_at(self.cfg, key)]
         self.cfg, self.current = cfg, latest
-        log_event(log, "config_applied", config_version=latest.version, author=latest.author, changed=changed)
+        log_event(log, Event.CONFIG_APPLIED, config_version=latest.version, author=latest.author, changed=changed)
         return changed
 
     async def propose(self, settings: dict[str, Any], author: str, dry_run: bool = False) -> ConfigVersion:

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from nats.errors import Error as NatsError
 
 from services.common.config import NatsConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 
 RUN_OWNER = "trainer"
@@ -86,14 +87,14 @@ async def await_run_state(what: str, look_up: Callable[[], Awaitable[T]], missin
             reason = f"cannot be looked up: {error!r}"[:300]
         else:
             if logged_at is not None:
-                log_event(log, "trainer_state_found", what=what, waited_s=round(time.monotonic() - started, 1))
+                log_event(log, Event.TRAINER_STATE_FOUND, what=what, waited_s=round(time.monotonic() - started, 1))
             return found
         now = time.monotonic()
         if logged_at is None or now - logged_at >= WAIT_LOG_S:
             logged_at = now
             log_event(
                 log,
-                "waiting_for_trainer",
+                Event.WAITING_FOR_TRAINER,
                 level=logging.WARNING,
                 what=what,
                 reason=reason,

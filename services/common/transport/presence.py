@@ -28,6 +28,7 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import BuildInfo, RunConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import record_service_starts
 from services.common.transport.live_config import LiveConfig
@@ -106,7 +107,7 @@ class Presence:
             try:
                 await self._beat()
             except Exception as error:  # broker away: the next beat tries again
-                log_event(log, "presence_failed", level=logging.DEBUG, error=repr(error)[:200])
+                log_event(log, Event.PRESENCE_FAILED, level=logging.DEBUG, error=repr(error)[:200])
 
     async def stop(self) -> None:
         if self._task is not None:

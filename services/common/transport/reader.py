@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from nats.errors import Error as NatsError
 from nats.js.errors import NotFoundError
 
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.streams import (
     DEAD,
@@ -91,7 +92,7 @@ class StreamReader:
                     with contextlib.suppress(NatsError, TimeoutError):
                         await self.verify()
             except (NatsError, TimeoutError) as error:
-                log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
+                log_event(log, Event.BUS_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
             if raw is not None:
                 if raw.seq != self.next_seq and not self.holes_allowed:  # the messages between are lost
                     raise StreamGap(self.stream, self.next_seq, raw.seq)

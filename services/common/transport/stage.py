@@ -52,6 +52,7 @@ from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
 from services.common.config import NatsConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import StageMetrics, start_span_from_headers
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
@@ -176,7 +177,7 @@ class Stage(Generic[In, Out]):
                 self.last_progress = time.time()
                 continue
             except NatsError as error:
-                log_event(log, "bus_unavailable", level=logging.WARNING, error=repr(error)[:300])
+                log_event(log, Event.BUS_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
                 queue = None
                 await asyncio.sleep(1.0)
                 continue
@@ -257,7 +258,7 @@ class Stage(Generic[In, Out]):
         self.metrics.breaker(state)
         log_event(
             log,
-            "dependency_unavailable",
+            Event.DEPENDENCY_UNAVAILABLE,
             level=logging.WARNING,
             step=step,
             breaker=state.name.lower(),
@@ -276,7 +277,7 @@ class Stage(Generic[In, Out]):
             self._alerted = True
             log_event(
                 log,
-                "dependency_down",
+                Event.DEPENDENCY_DOWN,
                 level=logging.ERROR,
                 alert=True,
                 step=step,
@@ -290,9 +291,9 @@ class Stage(Generic[In, Out]):
         self.metrics.breaker(BreakerState.CLOSED)
         if self._alerted:
             self._alerted = False
-            log_event(log, "dependency_recovered", step=step, down_s=down_s, alert=False)
+            log_event(log, Event.DEPENDENCY_RECOVERED, step=step, down_s=down_s, alert=False)
         else:
-            log_event(log, "dependency_recovered", step=step, down_s=down_s)
+            log_event(log, Event.DEPENDENCY_RECOVERED, step=step, down_s=down_s)
 
     async def _on_broker(self, call: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
         """``call()`` (a dead-letter publish, a term, a nak), retried behind the breaker while the broker fails it:
@@ -344,7 +345,7 @@ class Stage(Generic[In, Out]):
         except _Stopping:
             raise
         except WorkTimedOut as error:  # abandoned whole: splitting would wait max_work_s per message
-            log_event(log, "work_timed_out", level=logging.WARNING, error=str(error), size=len(decoded))
+            log_event(log, Event.WORK_TIMED_OUT, level=logging.WARNING, error=str(error), size=len(decoded))
             for one in decoded:
                 await self._carry_out(one, self._decide(one, Outcome.TIMED_OUT, error), error, stop)
             return
@@ -352,7 +353,7 @@ class Stage(Generic[In, Out]):
             if len(decoded) == 1:
                 await self._carry_out(decoded[0], self._decide(decoded[0], Outcome.FAILED, error), error, stop)
                 return
-            log_event(log, "batch_failed", level=logging.WARNING, error=repr(error), size=len(decoded))
+            log_event(log, Event.BATCH_FAILED, level=logging.WARNING, error=repr(error), size=len(decoded))
             for one in decoded:
                 await self._process([one], stop)
             return
@@ -393,14 +394,14 @@ class Stage(Generic[In, Out]):
                         # Unacked, the input is redelivered after AckWait; its repeat publish is deduplicated.
                         group_id = one.item.group_id  # an acked message was decoded
                         log_event(
-                            log, "ack_failed", level=logging.WARNING, group_id=group_id, error=repr(ack_error)[:300]
+                            log, Event.ACK_FAILED, level=logging.WARNING, group_id=group_id, error=repr(ack_error)[:300]
                         )
                         self._settle(one, Nak.label, ack_error)
                         return
                     self.handled += 1
                 case Nak(delay_s=delay_s):
                     delivered = msg.metadata.num_delivered
-                    log_event(log, "compute_failed", level=logging.WARNING, error=repr(error), delivered=delivered)
+                    log_event(log, Event.COMPUTE_FAILED, level=logging.WARNING, error=repr(error), delivered=delivered)
                     await self._on_broker(functools.partial(msg.nak, delay=delay_s), "nak", stop)
                 case DeadLetter(cause=cause, reason=reason):
                     letter = functools.partial(self.bus.dead_letter, msg, reason, self.consumes, cause.value)
