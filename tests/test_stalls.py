@@ -20,7 +20,7 @@ import pytest
 from services.cli.healthcheck import check
 from services.cli.report import read_jsonl
 from services.common.config import default_alert_rules
-from services.common.observe.telemetry import DiskWatch
+from services.common.observe.instruments import DiskWatch
 from services.common.service import serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup

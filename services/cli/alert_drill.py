@@ -25,8 +25,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.common.config import AlertRule, RunConfig
 from services.common.observe.events import Event, EventLog, Journal
+from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import JsonlFollower, setup_logging
-from services.common.observe.telemetry import TrainerMetrics, start_telemetry
+from services.common.observe.telemetry import start_telemetry
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.progress import Progress

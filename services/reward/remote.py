@@ -48,8 +48,9 @@ from typing import Any
 
 from services.common.config import RewardHttpConfig
 from services.common.observe.events import Event
+from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import LATENCY_BUCKETS_S, meter
+from services.common.observe.telemetry import meter
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,9 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.observe.events import Event
+from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
-from services.common.observe.telemetry import current_telemetry, record_weight_sync
+from services.common.observe.telemetry import current_telemetry
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus

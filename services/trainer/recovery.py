@@ -33,8 +33,8 @@ import yaml
 
 from services.common.config import BuildInfo, redacted_dump
 from services.common.observe.events import Event, Journal
+from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, log_event
-from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.bus import Bus
 from services.common.transport.streams import EXPERIENCE, stream_name
 from services.common.transport.weightsync.server import WeightSyncServer

@@ -21,8 +21,8 @@ from typing import Any
 
 from services.common.config import AlertsConfig
 from services.common.observe.events import Event, Journal, JournalEntry
+from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import RollingJsonl, log_event
-from services.common.observe.telemetry import TrainerMetrics
 from services.common.observe.trackers import TrackerFanout
 from services.common.observe.writer import CAPACITY_ROWS, BackgroundWriter
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook

@@ -32,8 +32,9 @@ from services.common.model.chat import prompt_text, render_rows
 from services.common.model.datasets import open_prompts, read_rows
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
+from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
-from services.common.observe.telemetry import TrainerMetrics, current_telemetry
+from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress

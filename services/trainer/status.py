@@ -18,8 +18,8 @@ from nats.errors import Error as NatsError
 
 from services.common.config import BuildInfo
 from services.common.observe.events import Event
+from services.common.observe.instruments import DiskWatch, StageMetrics
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import DiskWatch, StageMetrics
 from services.common.pb import admin_pb2
 from services.common.transport.bus import Bus
 from services.common.transport.presence import RestartCounter, read_presence, roles_down, roles_stalled

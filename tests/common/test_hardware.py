@@ -26,7 +26,7 @@ from services.common.observe.hardware import (
     release_numbers,
     smi_cuda_version,
 )
-from services.common.observe.telemetry import TRAINER_STEP_KEYS, trainer_gauge_name
+from services.common.observe.instruments import TRAINER_STEP_KEYS, trainer_gauge_name
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.conftest import ROOT
@@ -125,7 +125,8 @@ import json, sys
 import torch
 from services.common.config import load_config
 from services.common.observe.hardware import HardwareSample, HardwareSampler
-from services.common.observe.telemetry import TrainerMetrics, start_telemetry
+from services.common.observe.instruments import TrainerMetrics
+from services.common.observe.telemetry import start_telemetry
 
 telemetry = start_telemetry(load_config(sys.argv[1]), "trainer", "trainer-test")
 trainer = TrainerMetrics()

@@ -142,7 +142,8 @@ from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS, subject
 from services.common.config import load_config
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
-from services.common.observe.telemetry import TrainerMetrics, record_weight_sync, span_from_headers, start_telemetry
+from services.common.observe.instruments import TrainerMetrics, record_weight_sync
+from services.common.observe.telemetry import span_from_headers, start_telemetry
 
 cfg = load_config(sys.argv[1])
 telemetry = start_telemetry(cfg, "rollout", "rollout-test")

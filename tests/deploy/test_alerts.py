@@ -8,7 +8,7 @@ import re
 import pytest
 
 from services.common.config import default_alert_rules
-from services.common.observe import telemetry
+from services.common.observe import instruments
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
 pytestmark = pytest.mark.unit
@@ -29,13 +29,13 @@ METRIC = re.compile(r"\brlpipe_[a-z_]*[a-z]\b")
 
 
 def series(metric: str) -> str:
-    return SERIES.get(metric, telemetry.trainer_gauge_name(metric))
+    return SERIES.get(metric, instruments.trainer_gauge_name(metric))
 
 
 def exported() -> set[str]:
-    """The series the services export, as services/common/observe/telemetry.py documents and defines them."""
-    return set(METRIC.findall(telemetry.__doc__)) | {
-        telemetry.trainer_gauge_name(key) for key in telemetry.TRAINER_STEP_KEYS
+    """The series the services export, as services/common/observe/instruments.py documents and defines them."""
+    return set(METRIC.findall(instruments.__doc__)) | {
+        instruments.trainer_gauge_name(key) for key in instruments.TRAINER_STEP_KEYS
     }
 
 

@@ -35,7 +35,7 @@ from nats.js.errors import NotFoundError
 
 from services.common.config import RunConfig, load_config
 from services.common.observe.events import EventLog, Journal
-from services.common.observe.telemetry import TrainerMetrics
+from services.common.observe.instruments import TrainerMetrics
 from services.common.transport.breaker import CircuitBreaker
 from services.common.transport.messages import DecodeError
 from services.common.transport.streams import (

@@ -15,7 +15,7 @@ import torch
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog, Journal
-from services.common.observe.telemetry import TrainerMetrics
+from services.common.observe.instruments import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of

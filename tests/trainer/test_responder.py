@@ -12,7 +12,7 @@ import pytest
 
 from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
 from services.common.observe.events import EventLog, Journal
-from services.common.observe.telemetry import TrainerMetrics
+from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.trackers import TrackerEntry, TrackerFanout
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator

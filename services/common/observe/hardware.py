@@ -21,7 +21,7 @@ never 0 or NaN, where its source is missing: a CPU run has no CUDA keys, so a ru
 NVML comes from the optional ``nvidia-ml-py`` package (``pip install rlpipe[gpu]``); without it,
 or without a driver, the ``gpu/`` keys are absent.
 
-``gpu_facts()`` gathers what ``rlpipe doctor`` decides on (services/cli/doctor.py, pure functions
+``gpu_facts()`` gathers what ``rlpipe doctor`` decides on (services/cli/doctor_gpu.py, pure functions
 over ``GpuFacts``): whether a GPU is present by means that do not need CUDA (nvidia-smi,
 /proc/driver/nvidia, NVML), whether CUDA initializes and why not, and the versions of torch's
 CUDA, the driver's CUDA, NCCL and vLLM's torch requirement.
@@ -71,7 +71,7 @@ class HardwareSample:
         }
 
 
-# Sample field -> metric-row key. The names with "/" are the issue's; telemetry.trainer_gauge_name
+# Sample field -> metric-row key. The names with "/" are the issue's; instruments.trainer_gauge_name
 # turns each into a Prometheus name (memory/peak_gb -> rlpipe_trainer_memory_peak_gb).
 ROW_KEYS: dict[str, str] = {
     "host_rss_gb": "memory/host_rss_gb",
@@ -190,7 +190,7 @@ class HardwareSampler:
 
 @dataclass(frozen=True)
 class GpuFacts:
-    """What the machine says about its GPUs and its CUDA stack; services/cli/doctor.py decides on these."""
+    """What the machine says about its GPUs and its CUDA stack; services/cli/doctor_gpu.py decides on these."""
 
     torch_version: str
     torch_cuda: str | None = None  # CUDA version torch was built for; None for a CPU-only build

@@ -20,9 +20,11 @@ import weakref
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from opentelemetry.metrics import Counter
+
 from services.common.observe.events import Event
+from services.common.observe.instruments import counter
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import meter
 
 log = logging.getLogger(__name__)
 
@@ -36,10 +38,8 @@ _open: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
 
 
 @functools.cache
-def _dropped_counter():
-    return meter().create_counter(
-        "rlpipe_metrics_dropped", unit="{row}", description="metrics rows dropped because the writer's queue was full"
-    )
+def _dropped_counter() -> Counter:
+    return counter("rlpipe_metrics_dropped", "{row}", "metrics rows dropped because the writer's queue was full")
 
 
 class BackgroundWriter(Generic[Row]):

@@ -40,8 +40,9 @@ from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from services.common.config import RunConfig
 from services.common.observe.events import Event
+from services.common.observe.instruments import record_dead_letter
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import inject_trace, record_dead_letter
+from services.common.observe.telemetry import inject_trace
 from services.common.refusal import StartRefused
 from services.common.transport.claims import (
     check_claim,

@@ -29,8 +29,8 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
 from services.common.config import BuildInfo, RunConfig
 from services.common.observe.events import Event
+from services.common.observe.instruments import record_service_starts
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import record_service_starts
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
 

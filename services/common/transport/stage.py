@@ -53,8 +53,9 @@ from opentelemetry.trace import Span, StatusCode
 
 from services.common.config import NatsConfig
 from services.common.observe.events import Event
+from services.common.observe.instruments import StageMetrics
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import StageMetrics, start_span_from_headers
+from services.common.observe.telemetry import start_span_from_headers
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
 from services.common.transport.bus import Bus
 from services.common.transport.messages import DecodeError, Message, dedupe_id
