@@ -4,19 +4,16 @@ Each check reads the config (or only the machine) and returns rows of (name, sta
 detail). ``rlpipe doctor`` runs them all and prints a table. The cheap subset a service
 runs before it loads anything heavy lives in services/common/startup_checks.py, shared
 with the roles and the launcher; this module adds the machine checks (Python, pinned
-packages, GPU), the broker and stream probes and the disk estimate.
+packages; the GPU rows in doctor_gpu.py), the broker and stream probes (doctor_broker.py)
+and the disk estimate.
 """
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
 import importlib.metadata
 import json
-import math
 import platform
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,26 +22,23 @@ from urllib.parse import unquote, urlparse
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from services.cli.doctor_broker import embedded_broker_rows, nats_rows
+from services.cli.doctor_gpu import gpu_rows
 from services.common.config import ConfigError, RunConfig, load_config
-from services.common.observe.hardware import GpuFacts, gpu_facts, release_numbers
+from services.common.observe.hardware import gpu_facts
 from services.common.startup_checks import (
     Check,
     CheckResult,
-    Status,
     check_admin_token,
     check_ports,
-    cuda_failure,
     dataset_rows,
     human_size,
     model_rows,
     role_ports,
     run_each,
-    shorten,
     storage_rows,
     weight_files,
 )
-from services.common.transport.nats_connect import connect_options, message_limit_refusal
-from services.common.transport.nats_server import nats_server_binary
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -52,7 +46,6 @@ if TYPE_CHECKING:
 LOCK_FILE = Path(__file__).resolve().parents[1] / "requirements.lock"
 # Beside the environment's interpreter prefix: {"extras": [...], "lock": path, "requirements": path or null}.
 INSTALL_RECORD = "rlpipe-install.json"
-NETWORK_TIMEOUT_S = 3.0
 DOCTOR_DATASET_LINES = 100_000
 # Weights plus AdamW's two moments of the same shape.
 CHECKPOINT_WEIGHT_FACTOR = 3
@@ -178,255 +171,7 @@ def check_packages(lock: Path | None = None, record: dict[str, Any] | None = Non
     return CheckResult("packages", "ok", f"{pinned} pinned packages match {lock}")
 
 
-# GPU checks: pure decisions over the facts services/common/observe/hardware.py gathers, so each branch is
-# tested on a machine without a GPU by handing it the facts of one.
-
-
-def gpu_row(facts: GpuFacts) -> CheckResult:
-    """A GPU the driver shows but CUDA cannot open fails, naming why: CUDA code would run on the CPU or not at all."""
-    if not facts.cuda_available:
-        if not facts.gpu_seen:
-            return CheckResult("gpu", "ok", f"no GPU (CPU run), torch {facts.torch_version}")
-        return CheckResult(
-            "gpu", "fail", f"a GPU is present ({facts.gpu_seen}) but CUDA does not initialize: {cuda_failure(facts)}"
-        )
-    names = facts.devices
-    devices = f"{len(names)}x {names[0]}" if len(set(names)) == 1 else ", ".join(names)
-    driver = facts.driver_version or "unknown"
-    return CheckResult("gpu", "ok", f"{devices}; torch {facts.torch_version}, CUDA {facts.torch_cuda}, driver {driver}")
-
-
-def cuda_versions_row(facts: GpuFacts) -> CheckResult:
-    """torch's CUDA against the newest CUDA the driver supports.
-
-    An older driver major cannot run the build at all; an older minor of the same major runs
-    through CUDA's minor-version compatibility, where code JIT-compiled from PTX (Triton's
-    kernels, vLLM's) can still fail, hence a warning.
-    """
-    if not facts.cuda_available and not facts.gpu_seen:
-        return CheckResult("cuda", "skip", "no GPU")
-    if facts.torch_cuda is None:
-        return CheckResult("cuda", "skip", f"torch {facts.torch_version} is a CPU-only build (see gpu)")
-    built = f"torch {facts.torch_version} is built for CUDA {facts.torch_cuda}"
-    if facts.driver_cuda is None:
-        return CheckResult(
-            "cuda", "warn", f"{built}; the driver's CUDA version is unknown (NVML did not load, nvidia-smi did not say)"
-        )
-    driver = f"driver {facts.driver_version or '(version unknown)'} supports CUDA up to {facts.driver_cuda}"
-    want, have = release_numbers(facts.torch_cuda)[:2], release_numbers(facts.driver_cuda)[:2]
-    if have[:1] < want[:1]:
-        return CheckResult(
-            "cuda",
-            "fail",
-            f"{built} but the {driver}: upgrade the driver, or install a torch built for CUDA {have[0]}.x",
-        )
-    if have < want:
-        return CheckResult(
-            "cuda",
-            "warn",
-            f"{built} but the {driver}: it runs by minor-version compatibility, and kernels compiled at run time "
-            "(Triton, vLLM) may fail; upgrade the driver",
-        )
-    return CheckResult("cuda", "ok", f"{built}; {driver}")
-
-
-def nccl_row(facts: GpuFacts) -> CheckResult:
-    """The NCCL torch loaded: present (needed with more than one GPU), for torch's CUDA major, and the wheel's own."""
-    if not facts.cuda_available:
-        return CheckResult("nccl", "skip", "no CUDA")
-    if facts.nccl is None:
-        # One GPU trains without NCCL; more than one cannot share gradients.
-        status: Status = "warn" if len(facts.devices) <= 1 else "fail"
-        return CheckResult("nccl", status, f"NCCL unavailable: {facts.nccl_error[:120]}")
-    if facts.nccl_wheel is None:
-        return CheckResult("nccl", "ok", f"NCCL {facts.nccl} (no nvidia-nccl wheel: linked into torch or the system's)")
-    wheel, wheel_version = facts.nccl_wheel
-    wheel_cuda = int(wheel.removeprefix("nvidia-nccl-cu"))  # gpu_facts matched nvidia-nccl-cu<digits>
-    torch_major = release_numbers(facts.torch_cuda or "")[:1]
-    if torch_major and wheel_cuda != torch_major[0]:
-        return CheckResult(
-            "nccl",
-            "fail",
-            f"{wheel} {wheel_version} is built for CUDA {wheel_cuda} but torch for CUDA {facts.torch_cuda}: "
-            f"install nvidia-nccl-cu{torch_major[0]}",
-        )
-    if release_numbers(wheel_version)[:3] != release_numbers(facts.nccl)[:3]:
-        return CheckResult(
-            "nccl",
-            "warn",
-            f"torch loaded NCCL {facts.nccl} but {wheel} is {wheel_version}: another libnccl "
-            "(LD_LIBRARY_PATH, a system install) shadows the wheel's",
-        )
-    return CheckResult("nccl", "ok", f"NCCL {facts.nccl} ({wheel} {wheel_version})")
-
-
-def vllm_row(facts: GpuFacts) -> CheckResult:
-    """The torch vLLM was built against is the torch installed: its compiled ops load against no other."""
-    from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-    if facts.vllm is None:
-        return CheckResult("vllm", "skip", "vLLM is not installed (the rollout needs it: the vllm extra)")
-    dist, version = facts.vllm
-    if not facts.vllm_torch:
-        return CheckResult("vllm", "ok", f"{dist} {version} names no torch requirement on this platform")
-    try:
-        wanted = SpecifierSet(facts.vllm_torch)
-    except InvalidSpecifier:
-        return CheckResult("vllm", "warn", f"{dist} {version} requires torch {facts.vllm_torch!r}, which is unreadable")
-    if not wanted.contains(facts.torch_version, prereleases=True):
-        return CheckResult(
-            "vllm",
-            "fail",
-            f"{dist} {version} requires torch{facts.vllm_torch} but torch {facts.torch_version} is installed: "
-            "install the torch it pins (requirements.lock; deploy/requirements-cuda.txt on a GPU machine)",
-        )
-    return CheckResult(
-        "vllm", "ok", f"{dist} {version} requires torch{facts.vllm_torch}; torch {facts.torch_version} is installed"
-    )
-
-
-def gpu_rows(facts: GpuFacts) -> list[CheckResult]:
-    return [gpu_row(facts), cuda_versions_row(facts), nccl_row(facts), vllm_row(facts)]
-
-
 # Config checks.
-
-
-def _shown(value: Any) -> str:
-    value = getattr(value, "value", value)  # enums as the server spells them
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
-def _same(want: Any, have: Any) -> bool:
-    if have is None:
-        return False
-    if isinstance(want, (int, float)) and not isinstance(want, bool) and isinstance(have, (int, float)):
-        # Durations travel as nanoseconds and come back as float seconds.
-        return math.isclose(float(want), float(have), rel_tol=1e-9)
-    if isinstance(want, list) and isinstance(have, list):
-        return sorted(map(str, want)) == sorted(map(str, have))
-    if isinstance(want, dict) and isinstance(have, dict):
-        return all(have.get(key) == value for key, value in want.items())  # the server adds its own metadata
-    return want == have
-
-
-def stream_differences(expected: Any, actual: Any) -> list[tuple[str, str, str]]:
-    """(setting, expected, found) for each setting ``Bus.stream_config`` chooses that the live stream does not have.
-
-    A setting the bus leaves at the client default is the server's to choose, so it is not compared.
-    """
-    from nats.js import api
-
-    defaults = api.StreamConfig()
-    differences = []
-    for field in dataclasses.fields(api.StreamConfig):
-        want = getattr(expected, field.name)
-        if want is None or want == getattr(defaults, field.name):
-            continue
-        have = getattr(actual, field.name)
-        if not _same(want, have):
-            differences.append((field.name, _shown(want), _shown(have)))
-    return differences
-
-
-async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
-    import nats
-    from nats.js.errors import NotFoundError
-
-    from services.common.transport.bus import Bus
-    from services.common.transport.streams import EDGES
-
-    url = cfg.nats.url
-    errors: list[BaseException] = []
-
-    async def remember(error: BaseException) -> None:
-        # Reported once in the row, not logged per attempt.
-        errors.append(error)
-
-    try:
-        nc = await asyncio.wait_for(
-            nats.connect(
-                url,
-                connect_timeout=NETWORK_TIMEOUT_S,
-                allow_reconnect=False,
-                max_reconnect_attempts=1,
-                reconnect_time_wait=0.1,
-                error_cb=remember,
-                name="rlpipe-doctor",
-                **connect_options(cfg.nats, "operator"),
-            ),
-            NETWORK_TIMEOUT_S,
-        )
-    except Exception as error:  # refused, unresolvable, timed out: all mean no broker
-        cause = errors[-1] if errors else error
-        hint = "a config for rlpipe run, which starts its own broker, is checked with --embedded"
-        return [
-            CheckResult("nats", "fail", f"cannot connect to {url}: {shorten(cause)} ({hint})"),
-            CheckResult("streams", "skip", "no broker to ask"),
-        ]
-    try:
-        js = nc.jetstream(timeout=NETWORK_TIMEOUT_S)
-        try:
-            await js.account_info()
-        except Exception as error:  # no responders, timeout or an API error: all mean no usable JetStream
-            return [
-                CheckResult("nats", "fail", f"{url}: JetStream is not enabled for this account: {shorten(error)}"),
-                CheckResult("streams", "skip", "no JetStream to ask"),
-            ]
-        nats_row = CheckResult("nats", "ok", f"{url}: nats-server {nc.connected_server_version}, JetStream enabled")
-        refusal = message_limit_refusal(cfg.nats.max_message_bytes, nc.max_payload)
-        if refusal:  # every service would refuse to start against this broker
-            nats_row = CheckResult("nats", "fail", f"{url}: {refusal}")
-        bus = Bus(cfg, "doctor")
-        found, problems = [], []
-        for edge in EDGES:
-            expected = bus.stream_config(edge)
-            try:
-                actual = (await js.stream_info(expected.name)).config
-            except NotFoundError:
-                continue
-            found.append(expected.name)
-            for setting, want, have in stream_differences(expected, actual):
-                problems.append(f"{expected.name}: {setting} expected {want}, found {have}")
-        if problems:
-            streams_row = CheckResult("streams", "fail", "; ".join(problems))
-        elif found:
-            streams_row = CheckResult(
-                "streams", "ok", f"{len(found)} of the run's {len(EDGES)} streams exist and match the config"
-            )
-        else:
-            streams_row = CheckResult(
-                "streams", "ok", f"none of the run's {len(EDGES)} streams exist yet: they are created at start"
-            )
-        return [nats_row, streams_row]
-    finally:
-        await nc.close()
-
-
-def _nats_rows(cfg: RunConfig) -> list[CheckResult]:
-    return asyncio.run(_probe_nats(cfg))
-
-
-def _embedded_broker_rows(cfg: RunConfig) -> list[CheckResult]:
-    streams = CheckResult("streams", "skip", "rlpipe run creates the embedded broker's streams")
-    try:
-        binary = nats_server_binary()
-        out = subprocess.run([binary, "--version"], check=False, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError) as error:
-        return [CheckResult("nats", "fail", f"rlpipe run cannot start its broker: {shorten(error)}"), streams]
-    if out.returncode != 0:
-        return [
-            CheckResult("nats", "fail", f"{binary} --version exited with {out.returncode}: {shorten(out.stderr)}"),
-            streams,
-        ]
-    return [
-        CheckResult(
-            "nats", "ok", f"rlpipe run starts its own broker, {out.stdout.strip()} ({binary}); nats.url is not used"
-        ),
-        streams,
-    ]
 
 
 def _existing_ancestor(path: Path) -> Path:
@@ -466,7 +211,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
         Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True)),
         Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), storage_rows),
-        Check("nats", ("nats",), _embedded_broker_rows if embedded else _nats_rows),
+        Check("nats", ("nats",), embedded_broker_rows if embedded else nats_rows),
         Check(
             "ports",
             ("service", "admin", "telemetry"),

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from services.cli.doctor import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
+from services.cli.doctor_gpu import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
 from services.common.observe.hardware import GpuFacts, gpu_facts
 from services.common.startup_checks import device_result
 from tests.conftest import ROOT
