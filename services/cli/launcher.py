@@ -637,6 +637,9 @@ def summarize(
         first, last = steps[: max(len(steps) // 10, 1)], steps[-max(len(steps) // 10, 1) :]
         for key in ("reward_mean", "entropy", "kl_ref", "response_length_mean", "termination_rate"):
             table.add_row(f"{key} (first -> last 10%)", f"{_mean(first, key):.4f} -> {_mean(last, key):.4f}")
+        filtered = [r["dynamic_sampling/dropped_fraction"] for r in steps if "dynamic_sampling/dropped_fraction" in r]
+        if filtered:
+            table.add_row("groups filtered by dynamic sampling (mean share)", f"{sum(filtered) / len(filtered):.3f}")
         completions = sum(r["completions"] for r in steps)
         table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
     table.add_row("wall time", f"{wall_s:.1f}s")

@@ -58,7 +58,20 @@ SUMMARY_METRICS = (
     "termination_rate",
     "step_time_s",
     "tokens_per_s",
+    "dynamic_sampling/dropped_fraction",
+    "agent/turns_mean",
+    "agent/tool_calls_mean",
+    "agent/tool_errors_mean",
+    "agent/env_seconds_mean",
 )
+# The panels of multi-turn runs, drawn only when step rows carry agent/... keys (services/trainer/episodes.py).
+AGENT_PANELS = (
+    ("agent/turns_mean", "turns per episode"),
+    ("agent/tool_calls_mean", "tool calls per episode"),
+    ("agent/tool_errors_mean", "tool errors per episode"),
+    ("agent/env_seconds_mean", "environment time per episode (s)"),
+)
+OUTCOME_PREFIX = "agent/outcome/"
 EVENT_STYLES = {
     Event.CONFIG_CHANGE: ("tab:blue", "--"),
     Event.ALERT: ("tab:red", "-"),
@@ -190,6 +203,33 @@ def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -
     return buffer.getvalue()
 
 
+def _agent_png(rows: list[dict[str, Any]]) -> bytes | None:
+    """The agent panels (AGENT_PANELS and the share of each episode outcome), or None for a run without episodes."""
+    outcomes = sorted({key for row in rows if _is_step_row(row) for key in row if key.startswith(OUTCOME_PREFIX)})
+    if not outcomes:
+        return None
+    figure, axes = plt.subplots(1, len(AGENT_PANELS) + 1, figsize=(5 * (len(AGENT_PANELS) + 1), 4))
+    for ax, (key, panel_title) in zip(axes, AGENT_PANELS, strict=False):
+        ax.set_title(panel_title)
+        xs, ys, _ = curve(rows, key, None)
+        ax.plot(xs, ys, lw=1.5)
+    outcome_ax = axes[-1]
+    outcome_ax.set_title("episode outcomes (share)")
+    for key in outcomes:
+        xs, ys, _ = curve(rows, key, None)
+        outcome_ax.plot(xs, ys, lw=1.5, label=key.removeprefix(OUTCOME_PREFIX))
+    outcome_ax.set_ylim(-0.02, 1.02)
+    outcome_ax.legend(loc="best")
+    for ax in axes:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
 def render_report(metrics_path: Path, out_path: Path, events_path: Path | None = None) -> Path:
     """Write the curves of ``metrics_path`` with the events of ``events_path`` (default: the
     ``events.jsonl`` beside the metrics) marked on them to ``out_path`` as PNG."""
@@ -304,6 +344,13 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
         "<h2>Summary</h2>",
         _table(("quantity", "value"), summary(rows)),
     ]
+    agents = _agent_png(rows)
+    if agents is not None:
+        encoded = base64.b64encode(agents).decode()
+        parts += [
+            "<h2>Agents</h2>",
+            f"<img alt='multi-turn episodes of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
+        ]
     cost = run_cost_lines(run_dir)
     if cost:
         parts += ["<h2>Devices and cost</h2>", _table(("quantity", "value"), cost)]

@@ -5,7 +5,8 @@ A replica scores with up to three sources, each a *part* with a weight:
 - rule functions (``reward.functions``: built-in names or ``module:function`` plugins), run in a
   child process under ``reward.function_timeout_s`` per call (``services.reward.sandbox``);
 - a reward model (``reward.model``), scored as ``model`` (``services.reward.model``);
-- a remote reward service (``reward.http``), scored as ``http`` (``services.reward.remote``).
+- a remote reward service (``reward.http``), scored as ``http`` (``services.reward.remote``);
+- DAPO's soft overlong penalty (``reward.overlong_penalty``), scored as ``overlong`` (``overlong_scores``).
 
 The reward is the weighted sum of the parts; each part's own scores travel in the group
 (``ScoredGroup.reward_parts``) and reach the trainer's step rows as ``reward/<name>/mean``.
@@ -24,13 +25,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.config import RewardConfig, RunConfig
+from services.common.config import OverlongPenaltyConfig, RewardConfig, RunConfig
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
-from services.common.transport.messages import RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import Completion, RolloutGroup, ScoredGroup, advance
 from services.common.transport.stage import Stage
 from services.common.transport.streams import ROLLOUTS, SCORED
 from services.reward.model import RewardModel
@@ -61,13 +62,28 @@ class RewardSources:
 
 
 def weights_of(reward: RewardConfig) -> dict[str, float]:
-    """Part name -> weight: the rule functions, then ``model`` and ``http`` when configured."""
+    """Part name -> weight: the rule functions, then ``model``, ``http`` and ``overlong`` when configured."""
     weights = dict(reward.functions)
     if reward.model is not None:
         weights["model"] = reward.model.weight
     if reward.http is not None:
         weights["http"] = reward.http.weight
+    if reward.overlong_penalty is not None:
+        weights["overlong"] = reward.overlong_penalty.weight
     return weights
+
+
+def model_tokens(completion: Completion) -> int:
+    """The tokens the model sampled: an episode's observations and tool output are not its length."""
+    return len(completion.token_ids) if completion.loss_mask is None else int(completion.loss_mask.sum())
+
+
+def overlong_scores(lengths: np.ndarray, penalty: OverlongPenaltyConfig) -> np.ndarray:
+    """DAPO's soft overlong punishment of completions of ``lengths`` model tokens, in [-1, 0]: 0 up to
+    ``max_tokens - buffer_tokens``, then falling linearly to -1 at ``max_tokens``, and -1 past it."""
+    soft_start = penalty.max_tokens - penalty.buffer_tokens
+    over = (lengths.astype(np.float64) - soft_start) / penalty.buffer_tokens
+    return (0.0 - np.clip(over, 0.0, 1.0)).astype(np.float32)
 
 
 def combine(parts: dict[str, np.ndarray], weights: dict[str, float]) -> np.ndarray:
@@ -123,6 +139,9 @@ async def score_groups(
             for g, c in completions
         ]
         per_part["http"] = split(await sources.remote.score(items), sizes)
+    if reward.overlong_penalty is not None:
+        lengths = np.asarray([model_tokens(c) for _, c in completions])
+        per_part["overlong"] = split(overlong_scores(lengths, reward.overlong_penalty), sizes)
     weights = weights_of(reward)
     scored = []
     for index, group in enumerate(groups):

@@ -64,6 +64,9 @@ from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
 LOST_CHECK_S = 1.0  # how often groups in flight are checked against train.lost_after_s
+# Dynamic sampling that has filtered this many batches' worth of groups while filling one batch alerts: the task is
+# too easy or too hard for the policy (every group all right or all wrong), and the step may never come.
+FILTERED_ALERT_BATCHES = 10
 
 
 class PromptFeeder:
@@ -131,6 +134,7 @@ class PromptFeeder:
 class Fate(StrEnum):
     APPLIED = "applied"
     DROPPED = "dropped"  # stale, or made by a policy version a resume or rollback disowned
+    FILTERED = "filtered"  # rewards all equal, left out by dynamic sampling (train.dynamic_sampling)
     DEAD = "dead"
     LOST = "lost"
 
@@ -260,6 +264,12 @@ class GroupLedger:
             self.counts[fate] += 1
         return new
 
+    def settle_collected(self, collected: Collected, step: int) -> None:
+        """The fates of a batch that ``step`` trained on: its groups applied, those left out dropped or filtered."""
+        self.settle([g.group_id for g in collected.batch], step, Fate.APPLIED)
+        self.settle(collected.dropped, step, Fate.DROPPED)
+        self.settle(collected.filtered, step, Fate.FILTERED)
+
     def reopen(self, group_id: str, now: float) -> bool:
         """A dead group re-injected by the operator: in flight again (fed last, its clock starting ``now``), so its
         copy is applied once when it comes, or written off as lost if it never does. A dead fate reopens, and so
@@ -348,12 +358,25 @@ class GroupLedger:
 
 @dataclass
 class Collected:
-    """One step's worth of EXPERIENCE: the groups to train on, those dropped, and how far it read."""
+    """One step's worth of EXPERIENCE: the groups to train on, those dropped or filtered, and how far it read."""
 
     batch: list[ExperienceGroup]
     dropped: list[str]
     sequence: int  # the last EXPERIENCE sequence read for this batch
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # claim-checked bodies read, by sequence
+    filtered: list[str] = field(default_factory=list)  # groups without signal, left out by dynamic sampling
+
+    @property
+    def filtered_fraction(self) -> float:
+        """The share of the usable groups read for this batch that dynamic sampling left out."""
+        return len(self.filtered) / max(len(self.batch) + len(self.filtered), 1)
+
+
+def without_signal(group: ExperienceGroup) -> bool:
+    """Whether every completion of ``group`` got the same reward: a group baseline gives each advantage 0, so the
+    group would add tokens to the step and nothing to its gradient (DAPO's dynamic sampling leaves it out). A group
+    of one completion has no group baseline and is kept."""
+    return len(group.rewards) > 1 and bool(np.all(group.rewards == group.rewards[0]))
 
 
 def token_id_problem(group: ExperienceGroup, vocab_size: int) -> str | None:
@@ -552,6 +575,7 @@ class Intake:
         sequence."""
         batch: list[ExperienceGroup] = []
         dropped: list[str] = []
+        filtered: list[str] = []
         claims: list[tuple[int, str]] = []
         in_batch: set[str] = set()
         sequence = self.progress.applied_seq
@@ -605,8 +629,20 @@ class Intake:
                 if self._unusable(group, cfg.train.max_staleness):
                     dropped.append(group.group_id)
                     continue
+                if cfg.train.dynamic_sampling and without_signal(group):
+                    filtered.append(group.group_id)  # the loop reads on: the batch is filled from the stream
+                    if len(filtered) == FILTERED_ALERT_BATCHES * cfg.train.batch_size:
+                        log_event(
+                            log,
+                            Event.DYNAMIC_SAMPLING_FILTERING_MOST,
+                            level=logging.WARNING,
+                            alert=True,
+                            filtered=len(filtered),
+                            kept=len(batch),
+                        )
+                    continue
                 batch.append(group)
-        return Collected(batch, dropped, sequence, claims)
+        return Collected(batch, dropped, sequence, claims, filtered)
 
     def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:
         stale = max_staleness is not None and self.progress.version - group.policy_version > max_staleness

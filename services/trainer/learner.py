@@ -167,10 +167,17 @@ class LearnerState:
 
 @dataclass
 class Batch:
-    """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``."""
+    """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``.
+
+    ``mask`` is what every loss, advantage and statistic reads: 1 on the tokens the model sampled, 0 on padding
+    and on the tokens an environment inserted into a multi-turn episode (``Completion.loss_mask``). ``filled`` is
+    1 on every response token, the model's or the environment's: what the forward pass carries and lengths count.
+    A single-turn completion has both equal, so its loss is exactly what it was before masks.
+    """
 
     pairs: list[tuple[list[int], list[int]]]
     mask: torch.Tensor
+    filled: torch.Tensor
     rollout_logp: torch.Tensor
     ref_logp: torch.Tensor
     rewards: torch.Tensor  # [N] scalar reward per completion
@@ -194,9 +201,15 @@ class Batch:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for _, g, c, _ in rows]
         width = max(max(len(r) for _, r in pairs), 1)
         lengths = torch.tensor([len(r) for _, r in pairs])
+        filled = (torch.arange(width)[None, :] < lengths[:, None]).float()
+        loss_masks = [
+            c.loss_mask if c.loss_mask is not None else np.ones(len(r))
+            for (_, _, c, _), (_, r) in zip(rows, pairs, strict=True)
+        ]
         return cls(
             pairs=pairs,
-            mask=(torch.arange(width)[None, :] < lengths[:, None]).float(),
+            mask=_padded(loss_masks, width),
+            filled=filled,
             rollout_logp=_padded([c.logprobs for _, _, c, _ in rows], width),
             ref_logp=_padded([ref for *_, ref in rows], width),
             rewards=torch.tensor(np.concatenate([g.rewards for g in groups]), dtype=torch.float32),
@@ -206,9 +219,11 @@ class Batch:
         )
 
     def token_rewards(self) -> torch.Tensor:
-        """The scalar reward on each response's last valid token."""
+        """The scalar reward on each response's last token the model sampled (an episode may end on an
+        observation, which no action of the model's follows)."""
         out = torch.zeros_like(self.mask)
-        last = (self.mask.sum(-1).long() - 1).clamp(min=0)
+        positions = torch.arange(self.mask.shape[1], device=self.mask.device, dtype=self.mask.dtype)
+        last = (positions * self.mask).argmax(-1)
         out[torch.arange(len(out), device=out.device), last] = self.rewards * (self.mask.sum(-1) > 0)
         return out
 
@@ -452,9 +467,9 @@ class Learner:
             r = packed.mask.shape[1]
             at = rows.to(self.device)
             if old_logp is not None:
-                old_logp[at, :r] = token_logprobs(logits, packed.targets) * packed.mask
+                old_logp[at, :r] = token_logprobs(logits, packed.targets) * batch.mask[at, :r]
             if values is not None:
-                old_values[at, :r] = values * packed.mask
+                old_values[at, :r] = values * batch.mask[at, :r]
         # Each rank filled its own rows and left the others' zero: the sum is every row.
         if old_logp is not None:
             self.mesh.sum_(old_logp)
@@ -543,7 +558,7 @@ class Learner:
             "learning_rate": learning_rate,
             "critic_only": float(critic_only),
             "step_time_s": elapsed,
-            "tokens_per_s": float(batch.mask.sum()) * train.epochs / max(elapsed, 1e-9),
+            "tokens_per_s": float(batch.filled.sum()) * train.epochs / max(elapsed, 1e-9),
         }
         return metrics
 
@@ -590,11 +605,13 @@ class Learner:
         train = self.cfg.train
         packed, logits, values = self._forward(rows, batch)
         r = packed.mask.shape[1]
-        mask = packed.mask
         at = rows.to(self.device)
 
         def cut(t: torch.Tensor) -> torch.Tensor:
             return t[at, :r]
+
+        # The model's own tokens only: an observation's tokens are context, neither acted on nor scored.
+        mask = cut(batch.mask)
 
         logp = token_logprobs(logits, packed.targets)
         # One horizon for the whole batch, so seq-mean-token-sum-norm does not depend on a micro-batch's width.
@@ -635,7 +652,7 @@ class Learner:
     def _batch_metrics(self, batch: Batch, targets: StepTargets, policy_version: int) -> dict[str, float]:
         advantages, returns, old_values, tis = targets.advantages, targets.returns, targets.old_values, targets.tis
         mask = batch.mask
-        lengths = mask.sum(-1)
+        lengths = batch.filled.sum(-1)
         group_std = torch.stack(
             [batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()]
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,17 +59,24 @@ class Lineage:
         return self.path.read_text() if self.path.exists() else ""
 
     def record_step(
-        self, step: int, version: int, groups: list[tuple[str, int]], dropped: list[str], experience_seq: int
+        self,
+        step: int,
+        version: int,
+        groups: list[tuple[str, int]],
+        dropped: list[str],
+        experience_seq: int,
+        filtered: Sequence[str] = (),
     ) -> None:
-        self._append(
-            {
-                "step": step,
-                "policy_version": version,
-                "groups": groups,
-                "dropped_stale": dropped,
-                "experience_seq": experience_seq,
-            }
-        )
+        record = {
+            "step": step,
+            "policy_version": version,
+            "groups": groups,
+            "dropped_stale": dropped,
+            "experience_seq": experience_seq,
+        }
+        if filtered:  # dynamic sampling's: a rollback undoes them as it does the step's applied and dropped groups
+            record["filtered"] = list(filtered)
+        self._append(record)
 
     def record_lost(self, step: int, group_ids: list[str]) -> None:
         """Groups that never came back: neither applied, dropped nor dead-lettered within the bound."""
@@ -128,12 +136,17 @@ def effective_steps(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def settled_after(records: list[dict[str, Any]], step: int) -> list[str]:
-    """The groups the effective steps after ``step`` applied or dropped as stale: what a rollback to ``step`` undoes."""
+    """The groups the effective steps after ``step`` applied, dropped as stale or filtered: what a rollback to
+    ``step`` undoes."""
     return [
         group
         for record in effective_steps(records)
         if record["step"] > step
-        for group in [*(group_id for group_id, _ in record["groups"]), *record["dropped_stale"]]
+        for group in [
+            *(group_id for group_id, _ in record["groups"]),
+            *record["dropped_stale"],
+            *record.get("filtered", []),
+        ]
     ]
 
 

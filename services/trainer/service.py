@@ -58,6 +58,7 @@ from services.trainer.checkpoint import (
 )
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
+from services.trainer.episodes import episode_metrics
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
@@ -253,8 +254,7 @@ class Trainer:
         progress.step += 1
         progress.version += 1
         progress.applied_seq = collected.sequence
-        self.ledger.settle([g.group_id for g in collected.batch], progress.step, Fate.APPLIED)
-        self.ledger.settle(collected.dropped, progress.step, Fate.DROPPED)
+        self.ledger.settle_collected(collected, progress.step)
         self.recovery.track_claims(collected.claim_keys)
         self.lineage.record_step(
             progress.step,
@@ -262,6 +262,7 @@ class Trainer:
             [(g.group_id, g.policy_version) for g in collected.batch],
             collected.dropped,
             collected.sequence,
+            collected.filtered,
         )
         self.samples.record(progress.step, collected.batch)
         skipped = self.learner.skipped
@@ -277,8 +278,10 @@ class Trainer:
             "policy_version": progress.version,
             "config_version": self.live.version,
             "dropped_stale": len(collected.dropped),
+            **self.dynamic_sampling_row(collected),
             **metrics,
             **reward_part_means(collected.batch),
+            **episode_metrics(collected.batch),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
             **await self.status.health_row(),
@@ -291,6 +294,15 @@ class Trainer:
         if progress.step % self.cfg.train.log_interval == 0:
             log_event(log, Event.STEP, total_steps=self.cfg.train.total_steps, **row)
         await self.responder.report(row)
+
+    def dynamic_sampling_row(self, collected: Collected) -> dict[str, float]:
+        """What dynamic sampling left out of this step's batch; nothing while it is off."""
+        if not self.cfg.train.dynamic_sampling:
+            return {}
+        return {
+            "groups_filtered": float(len(collected.filtered)),
+            "dynamic_sampling/dropped_fraction": collected.filtered_fraction,
+        }
 
     def skipped_step(self, reason: str) -> None:
         """A step that left the weights as they were (or kept them from rollouts): non-finite numbers never reach

@@ -4,6 +4,7 @@ restarts are limited by a rate rather than a lifetime count, and each service ge
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import subprocess
@@ -25,6 +26,7 @@ from services.cli.launcher import (
     interrupt,
     launcher_lock,
     stop_or_kill,
+    summarize,
 )
 from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
@@ -340,3 +342,19 @@ def test_a_role_that_refuses_to_start_ends_the_run_with_2_printing_its_reason_on
     assert done.stderr.count(reason) == 1, done.stderr[-3000:]
     trainer_log = (tmp_path / "runs" / "test" / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"start_refused"') == 1 and '"ready"' not in trainer_log
+
+
+@pytest.mark.unit
+def test_the_run_summary_gives_the_mean_share_of_groups_dynamic_sampling_filtered(config):
+    cfg = load_config(config)
+    cfg.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+    step = {"reward_mean": 0.5, "entropy": 1.0, "kl_ref": 0.0, "response_length_mean": 4.0, "termination_rate": 1.0}
+    rows = [
+        {**step, "step": n, "completions": 8, "dynamic_sampling/dropped_fraction": share}
+        for n, share in enumerate([0.5, 0.25], 1)
+    ]
+    cfg.metrics_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = io.StringIO()
+    Console(file=out, width=200).print(summarize(cfg, {"steps": 2}, {}, 10.0))
+    assert "groups filtered by dynamic sampling (mean share)" in out.getvalue()
+    assert "0.375" in out.getvalue()

@@ -226,3 +226,31 @@ def test_curves_break_where_a_rollback_takes_the_step_back():
     assert math.isnan(xs[3]) and math.isnan(ys[3])
     assert band[0] == 0.5 and math.isnan(band[1]) and band[4] == 0.1
     assert curve(rows, "m", "missing")[2] is None
+
+
+def test_a_run_with_episodes_gets_an_agents_panel_and_its_summary_lists_the_agent_means(tmp_path):
+    run_dir = make_run(tmp_path)
+    rows = synthetic_metrics()
+    for row in rows:
+        if "reward_mean" in row:
+            row |= {
+                "agent/turns_mean": 3.0,
+                "agent/tool_calls_mean": 2.0,
+                "agent/tool_errors_mean": 0.5,
+                "agent/env_seconds_mean": 0.25,
+                "agent/outcome/done": 0.75,
+                "agent/outcome/max_turns": 0.25,
+                "dynamic_sampling/dropped_fraction": 0.4,
+            }
+    write_jsonl(run_dir / "metrics.jsonl", rows)
+    page = render_html(run_dir).read_text()
+    agents = page.split("<h2>Agents</h2>")[1].split("<h2>")[0]
+    [encoded] = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", agents)
+    assert png_size(base64.b64decode(encoded)) == (2500, 400)  # four panels and the outcomes, 5 x 4 inches each
+    pairs = dict(itertools.pairwise(re.findall(r"<td>(.*?)</td>", page)))
+    assert pairs["agent/turns_mean, mean of the last 5 steps"] == "3"
+    assert pairs["dynamic_sampling/dropped_fraction, mean of the last 5 steps"] == "0.4"
+
+
+def test_a_run_without_episodes_has_no_agents_panel(tmp_path):
+    assert "<h2>Agents</h2>" not in render_html(make_run(tmp_path)).read_text()

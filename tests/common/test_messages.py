@@ -5,6 +5,7 @@ import pytest
 from services.common.transport.messages import (
     Completion,
     DecodeError,
+    Episode,
     ExperienceGroup,
     Prompt,
     RolloutGroup,
@@ -13,6 +14,7 @@ from services.common.transport.messages import (
     decode,
     dedupe_id,
     encode,
+    encode_tensor,
 )
 
 pytestmark = pytest.mark.unit
@@ -86,3 +88,32 @@ def test_dedupe_ids_tell_incarnations_and_stages_apart_and_keep_the_old_form_wit
     fed = prompt.model_copy(update={"incarnation": "inc-b"})
     assert dedupe_id(fed, "prompt") == "e0-i3.inc-b.prompt"
     assert dedupe_id(fed, "reward") == "e0-i3.inc-b.reward"
+
+
+@pytest.mark.parametrize(
+    ("loss_mask", "reason"),
+    [
+        (np.array([1, 0, 1], np.int32), r"loss_mask shape \(3,\) must match token_ids \(2,\)"),
+        (np.array([1, 2], np.int32), "loss_mask must be 0/1 with at least one 1"),
+        (np.array([0, 0], np.int32), "loss_mask must be 0/1 with at least one 1"),
+    ],
+)
+def test_a_trainer_side_loss_mask_that_cannot_be_trained_on_is_refused_with_the_reason(loss_mask, reason):
+    raw = msgpack.unpackb(encode(rollout_group()))
+    raw["completions"][0]["loss_mask"] = encode_tensor(loss_mask)
+    with pytest.raises(DecodeError, match=reason):
+        decode(msgpack.packb(raw), RolloutGroup)
+
+
+def test_a_loss_mask_and_an_episode_survive_the_wire():
+    group = rollout_group()
+    completion = group.completions[0].model_copy(
+        update={
+            "loss_mask": np.array([1, 0], np.int32),
+            "episode": Episode(turns=2, tool_calls=1, tool_errors=0, env_seconds=0.5, outcome="done"),
+        }
+    )
+    back = decode(encode(group.model_copy(update={"completions": [completion]})), RolloutGroup).completions[0]
+    assert back.loss_mask.dtype == np.int32 and back.loss_mask.tolist() == [1, 0]
+    assert back.episode == completion.episode
+    assert decode(encode(group), RolloutGroup).completions[0].loss_mask is None

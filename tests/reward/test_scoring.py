@@ -5,7 +5,14 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import ConfigError, RewardConfig, apply_overrides, is_live, load_config
+from services.common.config import (
+    ConfigError,
+    OverlongPenaltyConfig,
+    RewardConfig,
+    apply_overrides,
+    is_live,
+    load_config,
+)
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
@@ -20,7 +27,7 @@ from services.common.transport.messages import (
 from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward.sandbox import RuleSandbox
-from services.reward.service import RewardOutOfBounds, RewardSources, score_groups
+from services.reward.service import RewardOutOfBounds, RewardSources, overlong_scores, score_groups
 from tests.conftest import create_run_state, write_config
 
 pytestmark = pytest.mark.integration
@@ -187,3 +194,43 @@ def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_
         await bus.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.unit
+def test_overlong_scores_are_zero_then_fall_linearly_to_minus_one_at_the_limit_by_hand():
+    penalty = OverlongPenaltyConfig(max_tokens=10, buffer_tokens=4)
+    # Soft zone (6, 10]: 7 tokens is 1/4 of the way to the limit, 8 half, 10 the whole; past it -1.
+    lengths = np.array([0, 6, 7, 8, 10, 11, 100])
+    assert overlong_scores(lengths, penalty).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0, -1.0, -1.0]
+
+
+@pytest.mark.unit
+def test_an_overlong_buffer_past_the_limit_is_refused_naming_both_fields():
+    with pytest.raises(ValueError, match=r"buffer_tokens \(5\) must be at most max_tokens \(4\)"):
+        OverlongPenaltyConfig(max_tokens=4, buffer_tokens=5)
+
+
+def test_the_overlong_penalty_is_a_weighted_part_counting_only_the_model_tokens(rules):
+    def completion(length: int, inserted: int = 0) -> Completion:
+        return Completion(
+            text="2",
+            token_ids=np.arange(length + inserted, dtype=np.int64),
+            logprobs=np.zeros(length + inserted, np.float32),
+            finish_reason="stop",
+            loss_mask=np.array([1] * length + [0] * inserted, np.int32) if inserted else None,
+        )
+
+    # 3 model tokens and 20 an environment inserted: no penalty, however long the episode's text.
+    rollout = group("a", "2", ["2"]).model_copy(
+        update={"completions": [completion(2), completion(5), completion(9), completion(3, inserted=20)]}
+    )
+    reward = RewardConfig(overlong_penalty={"max_tokens": 6, "buffer_tokens": 2, "weight": 0.5})
+    (scored,) = asyncio.run(score_groups([rollout], reward, rules))
+    assert scored.reward_parts["overlong"].tolist() == [0.0, -0.5, -1.0, 0.0]
+    assert scored.rewards.tolist() == [1.0, 0.75, 0.5, 1.0]  # exact_match 1 each, plus 0.5 * overlong
+    assert reward_part_means([scored])["reward/overlong/mean"] == -0.375
+
+
+def test_overlong_may_not_name_a_rule_function(tiny_model):
+    with pytest.raises(ValueError, match="may not use the names \\['overlong'\\]"):
+        RewardConfig(functions={"overlong": 1.0})

@@ -431,3 +431,18 @@ def test_kl_value_entropy_whiten_match_reference(seed):
     got = whiten(lp, torch.tensor(mask, dtype=F64), eps=0.0)
     m = torch.tensor(mask, dtype=torch.bool)
     torch.testing.assert_close(got[m], expected[m], atol=1e-6, rtol=0)
+
+
+def test_gae_and_reinforce_pp_step_over_an_observation_span_as_if_it_were_not_there():
+    """The convention docs/agents-masks.md states: the last model token before an observation bootstraps from the
+    first model token after it, discounted once, not once per observation token."""
+    rewards = torch.tensor([[0.0, 0.0, 7.0, 7.0, 0.0, 1.0]], dtype=F64)
+    values = torch.tensor([[0.5, 0.6, 9.0, 9.0, 0.7, 0.8]], dtype=F64)
+    mask = torch.tensor([[1.0, 1.0, 0.0, 0.0, 1.0, 1.0]], dtype=F64)
+    model = mask[0].bool()
+    adv, ret = gae(rewards, values, mask, 0.9, 0.8)
+    alone_adv, alone_ret = gae(rewards[:, model], values[:, model], torch.ones(1, 4, dtype=F64), 0.9, 0.8)
+    assert torch.equal(adv[:, model], alone_adv) and torch.equal(ret[:, model], alone_ret)
+    assert adv[0, ~model].abs().sum() == 0 and ret[0, ~model].abs().sum() == 0
+    returns = reinforce_pp_returns(rewards, mask, 0.9)
+    assert torch.equal(returns[:, model], reinforce_pp_returns(rewards[:, model], torch.ones(1, 4, dtype=F64), 0.9))

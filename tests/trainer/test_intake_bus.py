@@ -34,7 +34,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpoint import TrainerState
-from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
+from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder, without_signal
 from services.trainer.progress import Progress
 from tests.conftest import write_config
 
@@ -521,3 +521,62 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def rewarded(group_id: str, rewards: list[float]) -> ExperienceGroup:
+    """A group of ``len(rewards)`` completions with those rewards."""
+    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
+    ids = np.asarray([5, 2], dtype=np.int32)
+    completion = Completion(text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop")
+    rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=0, completions=[completion] * len(rewards))
+    scored = advance(rollout, ScoredGroup, rewards=np.asarray(rewards, np.float32))
+    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)] * len(rewards))
+
+
+def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_stream_and_settles_each_once(
+    tiny_model, tmp_path, nats_url
+):
+    cfg, rows = config(tiny_model, tmp_path, nats_url, batch_size=2, dynamic_sampling=True)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        intake = intake_of(bus, rows, ledger, Progress())
+        await intake.feed(cfg, config_version=0)  # e0-i0..e0-i3 in flight
+        # All wrong, all right, a signal, all right again, a signal, and one the next batch takes.
+        sent = [[0, 0, 0], [1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 1, 0], [0, 1, 1]]
+        for n, rewards in enumerate(sent):
+            await bus.publish(EXPERIENCE, rewarded(f"e0-i{n}", rewards), msg_id=f"r-{n}")
+
+        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        assert [g.group_id for g in collected.batch] == ["e0-i2", "e0-i4"]  # full: batch_size 2
+        assert collected.filtered == ["e0-i0", "e0-i1", "e0-i3"]
+        assert collected.dropped == [] and collected.sequence == 5
+        assert collected.filtered_fraction == 3 / 5
+        ledger.settle_collected(collected, step=1)
+        assert {g: s.fate for g, s in ledger.settled.items()} == {
+            "e0-i0": Fate.FILTERED,
+            "e0-i1": Fate.FILTERED,
+            "e0-i2": Fate.APPLIED,
+            "e0-i3": Fate.FILTERED,
+            "e0-i4": Fate.APPLIED,
+        }
+        assert ledger.counts == {Fate.APPLIED: 2, Fate.FILTERED: 3}  # none dead, none lost
+        assert not ledger.read and "e0-i5" not in ledger.settled
+        # A filtered group has its fate: a late copy of it is refused like any settled group's.
+        await bus.publish(EXPERIENCE, rewarded("e0-i1", [1, 1, 1]), msg_id="late-copy")
+        intake.progress.applied_seq = collected.sequence
+        await bus.publish(EXPERIENCE, rewarded("e0-i6", [1, 0, 0]), msg_id="r-6")
+        following = await intake.collect(cfg, 0, never, asyncio.Event())
+        assert [g.group_id for g in following.batch] == ["e0-i5", "e0-i6"] and following.filtered == []
+        assert ledger.repeats == 1
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.unit
+def test_a_group_of_one_completion_is_never_filtered_and_unequal_rewards_are_kept():
+    assert without_signal(rewarded("g", [0.5, 0.5]))
+    assert not without_signal(rewarded("g", [0.5]))
+    assert not without_signal(rewarded("g", [0.5, 0.25]))

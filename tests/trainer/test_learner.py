@@ -18,8 +18,11 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.integration
 
 
-def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
-    """Groups whose completions are right or wrong answers, scored by the base model as the sampler would."""
+def experience(cfg, rows, group_size=4, observation: list[int] | None = None) -> list[ExperienceGroup]:
+    """Groups whose completions are right or wrong answers, scored by the base model as the sampler would.
+
+    With ``observation``, each completion is a two-turn episode: the answer, those tokens inserted by an
+    environment (loss mask 0, sampling logprob 0), then the model's end of sequence."""
     scorer = ReferenceScorer(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     rng = np.random.default_rng(0)
@@ -30,13 +33,18 @@ def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
         for k in range(group_size):
             right = k % 2 == 0
             text = row["answer"] if right else str(int(row["answer"]) + int(rng.integers(1, 9)))
-            ids = [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+            answer = tokenizer.encode(text, add_special_tokens=False)
+            inserted = observation or []
+            ids = [*answer, *inserted, tokenizer.eos_token_id]
             completions.append(
                 Completion(
                     text=text,
                     token_ids=np.asarray(ids, dtype=np.int32),
                     logprobs=np.zeros(len(ids), np.float32),
                     finish_reason="stop",
+                    loss_mask=np.asarray([1] * len(answer) + [0] * len(inserted) + [1], dtype=np.int32)
+                    if observation
+                    else None,
                 )
             )
             rewards.append(float(right))
@@ -55,7 +63,8 @@ def experience(cfg, rows, group_size=4) -> list[ExperienceGroup]:
             g,
             ExperienceGroup,
             completions=[
-                c.model_copy(update={"logprobs": ref}) for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
+                c.model_copy(update={"logprobs": ref if c.loss_mask is None else ref * c.loss_mask})
+                for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
             ],
         )
         for g in scored
@@ -70,13 +79,13 @@ def setup(tiny_model, tmp_path_factory):
     return model_dir, data_dir, tmp, rows
 
 
-def make(setup, **train):
+def make(setup, observation: list[int] | None = None, **train):
     model_dir, data_dir, tmp, rows = setup
     cfg = load_config(
         write_config(tmp / "c.yaml", model_dir, data_dir, tmp / "runs", train={"learning_rate": 1e-4, **train})
     )
     torch.manual_seed(0)
-    return cfg, Learner(cfg), experience(cfg, rows)
+    return cfg, Learner(cfg), experience(cfg, rows, observation=observation)
 
 
 def flat(learner: Learner) -> torch.Tensor:
@@ -172,14 +181,22 @@ def test_split_by_tokens_refuses_a_sequence_longer_than_the_budget():
 
 def step_gradients(learner: Learner, groups, critic_only=False) -> dict[str, torch.Tensor]:
     """The gradient of one optimizer step over the whole batch, without the update."""
+    return step_gradients_and_stats(learner, groups, critic_only)[0]
+
+
+def step_gradients_and_stats(
+    learner: Learner, groups, critic_only=False
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradient and loss statistics of one optimizer step over the whole batch, without the update."""
+    learner.optimizer.zero_grad(set_to_none=True)
     batch = Batch.of(groups).to(learner.device)
     targets = learner.targets(batch)
     learner.model.train()
-    learner.accumulate(batch, torch.arange(len(batch.pairs)), targets, critic_only)
+    stats = learner.accumulate(batch, torch.arange(len(batch.pairs)), targets, critic_only)
     named = [*learner.model.named_parameters()]
     if learner.critic is not None:
         named += [(f"critic.{name}", p) for name, p in learner.critic.named_parameters()]
-    return {name: p.grad.clone() for name, p in named if p.grad is not None}
+    return {name: p.grad.clone() for name, p in named if p.grad is not None}, stats
 
 
 # At least max_seq_len (32). The batch's rows are 9 or 10 tokens long: micro-batches of 4 rows padded to 10, then of 5
@@ -338,3 +355,119 @@ def test_an_update_whose_loss_is_nan_is_not_applied_nor_any_later_one_of_its_ste
     assert learner.skipped == "loss is nan"
     assert torch.equal(before, flat(learner))
     assert math.isnan(metrics["loss"]) and metrics["updates_skipped"] == 1
+
+
+# --- loss masks: multi-turn episodes ------------------------------------------------------------------------------
+
+ALGORITHMS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
+OBSERVATION = [11, 12, 13]  # tokens an environment inserted between the model's answer and its end of sequence
+# Every term of the loss that reads per-token values: the KL loss, the entropy bonus, recomputed pi_old, TIS.
+EVERY_TERM = {"kl": {"coef": 0.1}, "entropy_coef": 0.01, "old_logprobs": "recompute", "tis": {"mode": "token"}}
+
+
+def random_value_head(learner: Learner) -> None:
+    """A zero value head passes no gradient to the critic's backbone: give it a fixed random one."""
+    if learner.critic is not None:
+        torch.nn.init.normal_(learner.critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
+
+
+def with_all_ones_mask(groups: list[ExperienceGroup]) -> list[ExperienceGroup]:
+    return [
+        g.model_copy(
+            update={
+                "completions": [
+                    c.model_copy(update={"loss_mask": np.ones(len(c.token_ids), np.int32)}) for c in g.completions
+                ]
+            }
+        )
+        for g in groups
+    ]
+
+
+@pytest.mark.unit
+def test_a_batch_masks_inserted_tokens_and_puts_the_reward_on_the_last_token_the_model_sampled():
+    def completion(ids: list[int], loss_mask: list[int] | None) -> Completion:
+        mask = None if loss_mask is None else np.asarray(loss_mask, np.int32)
+        logprobs = np.full(len(ids), -0.5, np.float32) * (1 if mask is None else mask)
+        return Completion(
+            text="x", token_ids=np.asarray(ids, np.int32), logprobs=logprobs, finish_reason="stop", loss_mask=mask
+        )
+
+    # A truncated episode ending on an observation (tokens 3..5), and a single-turn completion without a mask.
+    group = ExperienceGroup(
+        group_id="g",
+        prompt_id="p",
+        prompt="q",
+        prompt_ids=np.asarray([7], np.int32),
+        policy_version=0,
+        completions=[completion([1, 2, 3, 4, 5], [1, 1, 0, 0, 0]), completion([1, 2, 3], None)],
+        rewards=np.asarray([2.0, 3.0], np.float32),
+        ref_logprobs=[np.zeros(5, np.float32), np.zeros(3, np.float32)],
+    )
+    batch = Batch.of([group])
+    assert batch.mask.tolist() == [[1, 1, 0, 0, 0], [1, 1, 1, 0, 0]]
+    assert batch.filled.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
+    assert batch.token_rewards().tolist() == [[0, 2, 0, 0, 0], [0, 0, 3, 0, 0]]
+    assert batch.rollout_logp.tolist() == [[-0.5, -0.5, 0, 0, 0], [-0.5, -0.5, -0.5, 0, 0]]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_loss_mask_of_all_ones_gives_exactly_the_gradients_and_statistics_of_no_mask(setup, algorithm):
+    _, learner, groups = make(setup, algorithm=algorithm, **EVERY_TERM)
+    random_value_head(learner)
+    expected_grads, expected_stats = step_gradients_and_stats(learner, groups)
+    got_grads, got_stats = step_gradients_and_stats(learner, with_all_ones_mask(groups))
+    assert expected_grads.keys() == got_grads.keys()
+    for name in expected_grads:
+        assert torch.equal(got_grads[name], expected_grads[name]), name
+    assert got_stats == expected_stats
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [None, BUDGET])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_inserted_tokens_get_exactly_zero_gradient_on_their_logits_and_values(setup, algorithm, micro_batch_tokens):
+    _, learner, groups = make(
+        setup, observation=OBSERVATION, algorithm=algorithm, micro_batch_tokens=micro_batch_tokens, **EVERY_TERM
+    )
+    random_value_head(learner)
+    passes = []
+    forward = learner._forward
+
+    def keeping_gradients(rows, batch):
+        packed, logits, values = forward(rows, batch)
+        if logits.requires_grad:  # the training passes, not pi_old's scoring
+            for output in (logits, values):
+                if output is not None:
+                    output.retain_grad()
+            passes.append((rows, packed, logits, values))
+        return packed, logits, values
+
+    learner._forward = keeping_gradients
+    step_gradients(learner, groups)
+    batch = Batch.of(groups)
+    assert len(passes) == len(learner.micro_batches(torch.arange(len(batch.pairs)), batch))
+    for rows, packed, logits, values in passes:
+        model_tokens = batch.mask[rows, : packed.mask.shape[1]].bool()
+        inserted = packed.mask.bool() & ~model_tokens
+        assert int(inserted.sum()) == len(OBSERVATION) * len(rows)
+        assert torch.count_nonzero(logits.grad[inserted]) == 0
+        assert torch.count_nonzero(logits.grad[model_tokens]) > 0
+        if values is not None:
+            assert torch.count_nonzero(values.grad[inserted]) == 0
+            assert torch.count_nonzero(values.grad[model_tokens]) > 0
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+def test_a_masked_step_split_by_token_budget_has_the_gradients_of_the_unsplit_step(setup, algorithm, loss_agg):
+    train = {"algorithm": algorithm, "loss_agg": loss_agg, **EVERY_TERM}
+    _, whole, groups = make(setup, observation=OBSERVATION, **train)
+    _, split, _ = make(setup, observation=OBSERVATION, **train, micro_batch_tokens=BUDGET)
+    for learner in (whole, split):
+        random_value_head(learner)
+    batch = Batch.of(groups)
+    assert len(split.micro_batches(torch.arange(len(batch.pairs)), batch)) >= 3
+    expected, got = step_gradients(whole, groups), step_gradients(split, groups)
+    assert expected.keys() == got.keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)

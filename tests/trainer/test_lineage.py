@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from services.trainer.lineage import Lineage, effective_steps, lost_groups
+from services.trainer.lineage import Lineage, effective_steps, lost_groups, settled_after
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +56,11 @@ def test_only_a_resume_to_a_requested_step_counts_as_that_request_made(tmp_path)
     assert not lineage.resumed_to(20)
     lineage.restart_from(20, 22, "resume", requested=True)
     assert lineage.resumed_to(20) and not lineage.resumed_to(10)
+
+
+def test_a_rollback_undoes_the_groups_dynamic_sampling_filtered_in_the_abandoned_steps(tmp_path):
+    lineage = Lineage(tmp_path / "lineage.jsonl")
+    lineage.record_step(1, 1, [("e0-i0", 0)], [], 1)
+    lineage.record_step(2, 2, [("e0-i2", 1)], ["e0-i3"], 4, filtered=["e0-i1", "e0-i4"])
+    assert "filtered" not in lineage.records()[0]  # a step without any keeps the record's old shape
+    assert settled_after(lineage.records(), 1) == ["e0-i2", "e0-i3", "e0-i1", "e0-i4"]

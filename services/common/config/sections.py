@@ -281,6 +281,12 @@ class TrainConfig(Section):
         description="a fed group neither applied, dropped nor dead-lettered this long after it was fed, while "
         "the trainer has read all of EXPERIENCE, is recorded as lost and its in-flight slot freed",
     )
+    dynamic_sampling: bool = Field(
+        False,
+        description="DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): a group whose rewards are all equal "
+        "(no signal for a group baseline) is filtered out before the step and the batch filled from the stream "
+        "instead; filtered groups are settled, never retried, and their share is dynamic_sampling/dropped_fraction",
+    )
     max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
     log_interval: int = Field(1, ge=1, description="the trainer logs a progress line every this many steps (steps)")
     stall_bound_s: float = Field(
@@ -587,6 +593,27 @@ class RewardHttpConfig(Section):
         return dict(self._headers)
 
 
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476), scored as the reward part ``overlong``."""
+
+    max_tokens: int = Field(ge=1, description="a completion of more model tokens than this scores -1 (tokens)")
+    buffer_tokens: int = Field(
+        ge=1,
+        description="the soft zone below max_tokens: over max_tokens - buffer_tokens the score falls linearly from 0 "
+        "to -1 at max_tokens (tokens)",
+    )
+    weight: float = Field(1.0, gt=0, description="its score's weight in the reward, beside reward.functions")
+
+    @model_validator(mode="after")
+    def _buffer_inside_the_limit(self) -> OverlongPenaltyConfig:
+        if self.buffer_tokens > self.max_tokens:
+            raise ValueError(
+                f"buffer_tokens ({self.buffer_tokens}) must be at most max_tokens ({self.max_tokens}): the soft zone "
+                "lies below the limit"
+            )
+        return self
+
+
 class RewardConfig(Section):
     functions: dict[str, float] = Field(
         default_factory=lambda: {"exact_match": 1.0},
@@ -597,6 +624,9 @@ class RewardConfig(Section):
     )
     model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
     http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
+    )
     replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
     batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
     max_abs_reward: float = Field(
@@ -618,9 +648,11 @@ class RewardConfig(Section):
     def _some_reward(self) -> RewardConfig:
         if not self.functions and self.model is None and self.http is None:
             raise ValueError("no reward: name reward.functions, a reward.model or a reward.http service")
-        taken = {"model", "http"} & set(self.functions)
+        taken = {"model", "http", "overlong"} & set(self.functions)
         if taken:
-            raise ValueError(f"reward.functions may not use the names {sorted(taken)}: they name the model and http")
+            raise ValueError(
+                f"reward.functions may not use the names {sorted(taken)}: they name the model, http and overlong parts"
+            )
         return self
 
 

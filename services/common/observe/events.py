@@ -86,6 +86,7 @@ class Event(StrEnum):
     DEPENDENCY_UNAVAILABLE = "dependency_unavailable"  # a stage's dependency failed; the batch is retried
     DONE = "done"  # the trainer finished its steps (the launcher ends the run)
     DRAINING = "draining"  # a stage stops taking work and hands back what it holds
+    DYNAMIC_SAMPLING_FILTERING_MOST = "dynamic_sampling_filtering_most"  # filtering ten batches to fill one (alert)
     ENDED_UNSAVED = "ended_unsaved"  # the trainer ended with applied steps not stored
     EVAL = "eval"  # an evaluation finished
     FEED_FAILED = "feed_failed"  # a prompt could not be published; fed again later

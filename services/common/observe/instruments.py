@@ -66,6 +66,17 @@ from services.common.observe.telemetry import meter
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
+# The step-row keys of multi-turn episodes (services/trainer/episodes.py), one per outcome of an episode.
+AGENT_ROW_KEYS = (
+    "agent/turns_mean",
+    "agent/tool_calls_mean",
+    "agent/tool_errors_mean",
+    "agent/env_seconds_mean",
+    *(
+        f"agent/outcome/{outcome}"
+        for outcome in ("done", "max_turns", "max_tokens", "env_error", "timeout", "truncated")
+    ),
+)
 # The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
 GROUP_FATES = ("dead", "lost", "repeat")
 TRAINER_STEP_KEYS = (
@@ -96,6 +107,9 @@ TRAINER_STEP_KEYS = (
     "staleness_max",
     "dropped_stale",
     "tis_weight_mean",
+    "groups_filtered",
+    "dynamic_sampling/dropped_fraction",
+    *AGENT_ROW_KEYS,
     *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/observe/hardware.py
 )
 

@@ -82,6 +82,7 @@ METRIC_NAMES: dict[str, str] = {
     "groups_dead": "pipeline/groups_dead",
     "groups_lost": "pipeline/groups_lost",
     "repeats_dropped": "pipeline/repeats_dropped",
+    "groups_filtered": "pipeline/groups_filtered",
     "in_flight_groups": "pipeline/in_flight_groups",
     "services_down": "pipeline/services_down",
 }
