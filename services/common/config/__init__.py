@@ -61,6 +61,8 @@ from services.common.config.sections import (
     TISConfig,
     TrainConfig,
     TrainerConfig,
+    WeightSyncConfig,
+    WeightSyncCredentials,
 )
 
 __all__ = [
@@ -104,6 +106,8 @@ __all__ = [
     "TelemetryConfig",
     "TrainConfig",
     "TrainerConfig",
+    "WeightSyncConfig",
+    "WeightSyncCredentials",
     "apply_overrides",
     "default_alert_rules",
     "is_live",
