@@ -47,6 +47,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.cli.report import read_jsonl, render_html, render_report
+from services.cli.runs import record_exit
 from services.common.config import (
     AdminCredentials,
     ConfigError,
@@ -791,7 +792,9 @@ def _run_held(
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupt)
     try:
-        return _supervise(cfg, config_path, launcher)
+        code = _supervise(cfg, config_path, launcher)
+        record_exit(cfg.run_dir, code)  # how it ended, for `rlpipe runs`
+        return code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.unit
 RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
 GPU_ROLES = ("trainer", "rollout", "reference")  # each also as <role>-gpu in the gpu profile
 ALWAYS = {"nats", "secrets-init", "minio", "minio-init", "model-init", "reward"}
-ADMIN_PORT = "${RLPIPE_ADMIN_BIND:-127.0.0.1}:50052:50052"
+ADMIN_PORT = "${ADMIN_BIND_ADDRESS:-127.0.0.1}:50052:50052"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
 
@@ -172,7 +172,7 @@ def test_every_port_is_bound_to_this_host_and_only_the_admin_port_can_be_opened_
     }
     assert published == {("trainer", ADMIN_PORT), ("trainer-gpu", ADMIN_PORT)}
     example = (DEPLOY / ".env.example").read_text()
-    assert re.search(r"^# RLPIPE_ADMIN_BIND=0\.0\.0\.0$", example, re.MULTILINE), "the way to open it, commented out"
+    assert re.search(r"^# ADMIN_BIND_ADDRESS=0\.0\.0\.0$", example, re.MULTILINE), "the way to open it, commented out"
 
 
 @pytest.mark.integration
