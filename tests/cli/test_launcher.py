@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from services.cli.launcher import (
+    ROLE_TOKENS,
     Child,
     Launcher,
     RestartPolicy,
@@ -28,6 +29,8 @@ from services.cli.launcher import (
 )
 from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
+from services.common.transport.nats_auth import write_run_credentials
+from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
@@ -340,3 +343,15 @@ def test_a_role_that_refuses_to_start_ends_the_run_with_2_printing_its_reason_on
     assert done.stderr.count(reason) == 1, done.stderr[-3000:]
     trainer_log = (tmp_path / "runs" / "test" / "logs" / "trainer.log").read_text()
     assert trainer_log.count('"start_refused"') == 1 and '"ready"' not in trainer_log
+
+
+@pytest.mark.unit
+def test_the_weight_sync_token_goes_to_the_trainer_and_the_rollouts_alone(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", "from-the-shell")
+    launcher = Launcher(load_config(config), config, resume=False)
+    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.weight_sync_token = "the-runs-token"
+    tokens = {role: launcher.role_env(role).get("RLPIPE_WEIGHTSYNC_TOKEN") for role in SERVICE_ROLES}
+    assert tokens == {"trainer": "the-runs-token", "rollout": "the-runs-token", "reward": None, "reference": None}
+    # Nor does a child inherit one from the launching shell: only role_env hands it out.
+    assert "RLPIPE_WEIGHTSYNC_TOKEN" in ROLE_TOKENS and "RLPIPE_ADMIN_TOKEN" in ROLE_TOKENS
