@@ -18,6 +18,7 @@ import pytest
 
 from services.cli.dead_letters import operator_options
 from services.cli.report import read_jsonl
+from services.cli.runs import read_run
 from services.common.config import CheckpointConfig
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
@@ -115,6 +116,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=expected, timeout=120, options=operator))
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
+    # `rlpipe runs` reads how it ended from the files it left (its exit record, metrics and usage).
+    listed = read_run(run_dir)
+    assert (listed.state, listed.exit_code, listed.step) == ("finished", 0, TOTAL_STEPS)
+    assert listed.resources is not None and listed.resources.cost is not None
 
     # Both bad messages of every stage input are in DEAD, with the reason, origin and service.
     by_stream: dict[str, list[dict]] = {}

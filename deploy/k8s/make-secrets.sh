@@ -7,6 +7,9 @@
 #                        mounted by the NATS pods alone
 #   rlpipe-nats-<role>   nats.nk: that role's seed (trainer, rollout, reward, reference, operator), each
 #                        mounted by its own role alone; operator is for `rlpipe` commands run by a person
+#   rlpipe-weightsync    token: the run's WeightSync token, read by the trainer and the rollouts alone
+# Not made here: rlpipe-store-<role> (RLPIPE_S3_ACCESS_KEY, RLPIPE_S3_SECRET_KEY), one user per role that your
+# object store creates with the policy in deploy/minio/ (docs/operations.md, "Security").
 # The keys exist only in a private temporary folder, removed on exit, and in the manifests on stdout.
 # Running it again makes new keys: that is their rotation (docs/operations.md, "Security").
 # usage: make-secrets.sh CONFIG   (the deployment's run config: its run_id names the subjects)
@@ -19,6 +22,7 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 "${PYTHON:-python3}" - "$1" "$tmp" <<'PY'
 import base64
+import secrets
 import sys
 from pathlib import Path
 
@@ -36,18 +40,19 @@ if not isinstance(run_id, str) or not run_id:
 auth = write_deployment_credentials(run_id, folder)
 
 
-def secret(name: str, key: str, path: Path) -> dict:
+def secret(name: str, key: str, value: bytes) -> dict:
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/part-of": "rlpipe"}},
         "type": "Opaque",
-        "data": {key: base64.b64encode(path.read_bytes()).decode()},
+        "data": {key: base64.b64encode(value).decode()},
     }
 
 
-manifests = [secret("rlpipe-nats-auth", "auth.conf", auth)]
-manifests += [secret(f"rlpipe-nats-{role}", "nats.nk", folder / role / "nats.nk") for role in ROLES]
+manifests = [secret("rlpipe-nats-auth", "auth.conf", auth.read_bytes())]
+manifests += [secret(f"rlpipe-nats-{role}", "nats.nk", (folder / role / "nats.nk").read_bytes()) for role in ROLES]
+manifests.append(secret("rlpipe-weightsync", "token", secrets.token_hex(32).encode()))
 sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False))
-print(f"made the NATS keys of {', '.join(ROLES)} for run {run_id}", file=sys.stderr)
+print(f"made the NATS keys of {', '.join(ROLES)} and the weight-sync token for run {run_id}", file=sys.stderr)
 PY

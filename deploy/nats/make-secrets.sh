@@ -7,6 +7,10 @@
 #   <role>/nats.nk, ca.pem      one folder per role (trainer, rollout, reward, reference, operator):
 #                               each container mounts only its own folder
 #   trainer/admin.pem, .key     the Admin port's certificate (DNS:trainer)
+#   <role>/env/                 that role's secrets as files named like their variable (each service mounts it at
+#                               /run/secrets): RLPIPE_S3_ACCESS_KEY/SECRET_KEY, its own object-store user, which
+#                               minio-init creates (deploy/minio/init.sh), and for the trainer and the rollouts
+#                               RLPIPE_WEIGHTSYNC_TOKEN, the one token of WeightSync
 # Rotation: docs/operations.md, "Security". usage: make-secrets.sh OUT CONFIG
 set -eu
 out=$1
@@ -35,7 +39,16 @@ python -m services.common.transport.nats_auth "$config" "$out"
 for role in trainer rollout reward reference operator; do
     cp "$tls/ca.pem" "$out/$role/ca.pem"
 done
+weight_sync_token=$(openssl rand -hex 32)
+for role in trainer rollout reward reference operator; do
+    mkdir -p "$out/$role/env"
+    printf 'rlpipe-%s' "$role" > "$out/$role/env/RLPIPE_S3_ACCESS_KEY"
+    openssl rand -hex 32 | tr -d '\n' > "$out/$role/env/RLPIPE_S3_SECRET_KEY"
+done
+for role in trainer rollout; do
+    printf '%s' "$weight_sync_token" > "$out/$role/env/RLPIPE_WEIGHTSYNC_TOKEN"
+done
 cp "$tls/trainer.pem" "$out/trainer/admin.pem"
 cp "$tls/trainer.key" "$out/trainer/admin.key"
 touch "$out/.made"
-echo "made the CA, certificates and NATS keys in $out"
+echo "made the CA, certificates, NATS keys, store users' keys and the weight-sync token in $out"

@@ -73,6 +73,32 @@ def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run direct
     typer.echo(render_html(run_dir))
 
 
+@app.command()
+def runs(
+    root: Path | None = typer.Argument(
+        None, metavar="ROOT", help="the runs root (default: runs_dir of --config, else the config's default, runs/)"
+    ),
+    config: Path | None = typer.Option(None, "--config", help="a run config whose runs_dir is the root"),
+) -> None:
+    """List the local runs: each one's state (running, finished, failed, refused, stopped), step and resources."""
+    from rich.console import Console
+
+    from services.cli.runs import list_runs, runs_table
+    from services.common.config import RunConfig, load_config
+
+    if root is None:
+        try:
+            root = load_config(config).runs_dir if config else RunConfig.model_fields["runs_dir"].default
+        except ConfigError as error:
+            typer.echo(f"rlpipe runs: {error}", err=True)
+            raise typer.Exit(2) from None
+    rows = list_runs(root)
+    if not rows:
+        typer.echo(f"no runs in {root}")
+        return
+    Console().print(runs_table(root, rows))
+
+
 @app.command("dead-letters")
 def dead_letters(
     run_dir: Path = typer.Argument(..., help="runs/<run id> of a running `rlpipe run` (its run.json names the broker)"),

@@ -47,12 +47,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.cli.report import read_jsonl, render_html, render_report
+from services.cli.runs import record_exit
 from services.common.config import (
     AdminCredentials,
     ConfigError,
     NatsConfig,
     RunConfig,
     SupervisionConfig,
+    WeightSyncCredentials,
     load_config_with,
     parse_overrides,
 )
@@ -112,6 +114,8 @@ class RestartPolicy:
 
 # The events in which a role gives the reason it refuses to run (exit EXIT_REFUSED), in their ``error`` field.
 REFUSAL_EVENTS = (Event.START_REFUSED, Event.STARTUP_CHECK_FAILED, Event.BROKER_STATE_LOST)
+# Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
+ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
 
 
@@ -240,6 +244,7 @@ class Launcher:
         self.restarts: dict[str, int] = self.restart_policy.total
         self.nats_port = 0
         self.nats_keys: dict[str, RoleKey] = {}
+        self.weight_sync_token = ""
         self.events = EventLog.of_run(cfg)
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
@@ -296,11 +301,14 @@ class Launcher:
         return self.cfg.nats.model_copy(update={"nkey_seed_file": self.nats_keys[role].seed_file})
 
     def role_env(self, role: str) -> dict[str, str]:
-        """What only ``role`` is given: its own NATS key, and the admin token for the trainer alone (as a file it
-        re-reads, so that rewriting runs/<run>/admin.token rotates it)."""
+        """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
+        re-reads, so that rewriting runs/<run>/admin.token rotates it), and the weight-sync token for the trainer and
+        the rollouts, the two ends of WeightSync."""
         env = {"RLPIPE_NATS__NKEY_SEED_FILE": str(self.nats_keys[role].seed_file)}
         if role == "trainer":
             env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
+        if role in ("trainer", "rollout"):
+            env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
         return env
 
     @property
@@ -420,8 +428,10 @@ class Launcher:
             self.forget_pause(nats_url)
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         self.write_admin_token()
-        # Only the trainer is given the token (role_env); no service inherits one from this shell.
-        inherited = {name: value for name, value in os.environ.items() if name != "RLPIPE_ADMIN_TOKEN"}
+        # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
+        self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
+        # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
+        inherited = {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
         self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
         # The trainer first: it creates the run's streams and buckets, which the other roles wait for.
         # The trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin
@@ -795,7 +805,9 @@ def _run_held(
     for signum in STOP_SIGNALS:
         signal.signal(signum, interrupt)
     try:
-        return _supervise(cfg, config_path, launcher)
+        code = _supervise(cfg, config_path, launcher)
+        record_exit(cfg.run_dir, code)  # how it ended, for `rlpipe runs`
+        return code
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 import torch
 
-from services.common.config import RunConfig
+from services.common.config import RunConfig, WeightSyncCredentials
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
@@ -29,6 +29,7 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
 from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS
+from services.common.transport.weightsync.auth import WeightSyncToken, channel_credentials
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
@@ -126,7 +127,10 @@ class PolicyFollower:
     def _peer(self, address: str) -> WeightSyncClient:
         client = self._peers.get(address)
         if client is None:
-            client = self._peers[address] = WeightSyncClient(address, chunk_bytes=self.client.chunk_bytes)
+            # A peer's relay port is plaintext (TLS covers the trainer's port); the token is asked for all the same.
+            client = self._peers[address] = WeightSyncClient(
+                address, chunk_bytes=self.client.chunk_bytes, token=self.client.token
+            )
         return client
 
     def _sources(self) -> list[tuple[str, Callable[[], WeightStream]]]:
@@ -257,14 +261,18 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
     relay = Relay() if cfg.rollout.weight_relay else None
+    token = WeightSyncCredentials().token
     server, address = await start_grpc_server(
-        cfg, cfg.service.grpc_port, register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None
+        cfg,
+        cfg.service.grpc_port,
+        register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None,
+        interceptors=[WeightSyncToken(token)] if token else None,
     )
     relay_address = relay_address_of(cfg, address) if relay else ""
     follower = PolicyFollower(
         engine,
         engine_thread,
-        WeightSyncClient(cfg.trainer_address),
+        WeightSyncClient(cfg.trainer_address, token=token, credentials=channel_credentials(cfg)),
         dtype=dtype_named(serving_dtype(cfg)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,
         relay=relay if relay_address else None,

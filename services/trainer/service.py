@@ -45,6 +45,7 @@ from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, BrokerStateLost
+from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
@@ -509,7 +510,13 @@ async def lead_holding(
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
         return ["rlpipe.v1.WeightSync"]
 
-    server, address = await start_grpc_server(cfg, cfg.service.trainer_grpc_port, register)
+    server, address = await start_grpc_server(
+        cfg,
+        cfg.service.trainer_grpc_port,
+        register,
+        interceptors=weight_sync_auth.server_interceptors(cfg),
+        credentials=weight_sync_auth.server_credentials(cfg),
+    )
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
         # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.

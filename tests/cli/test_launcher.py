@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from services.cli.launcher import (
+    ROLE_TOKENS,
     Child,
     Launcher,
     RestartPolicy,
@@ -30,6 +31,8 @@ from services.cli.launcher import (
 )
 from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
+from services.common.transport.nats_auth import write_run_credentials
+from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
@@ -358,3 +361,15 @@ def test_the_run_summary_gives_the_mean_share_of_groups_dynamic_sampling_filtere
     Console(file=out, width=200).print(summarize(cfg, {"steps": 2}, {}, 10.0))
     assert "groups filtered by dynamic sampling (mean share)" in out.getvalue()
     assert "0.375" in out.getvalue()
+
+
+@pytest.mark.unit
+def test_the_weight_sync_token_goes_to_the_trainer_and_the_rollouts_alone(config, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", "from-the-shell")
+    launcher = Launcher(load_config(config), config, resume=False)
+    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.weight_sync_token = "the-runs-token"
+    tokens = {role: launcher.role_env(role).get("RLPIPE_WEIGHTSYNC_TOKEN") for role in SERVICE_ROLES}
+    assert tokens == {"trainer": "the-runs-token", "rollout": "the-runs-token", "reward": None, "reference": None}
+    # Nor does a child inherit one from the launching shell: only role_env hands it out.
+    assert "RLPIPE_WEIGHTSYNC_TOKEN" in ROLE_TOKENS and "RLPIPE_ADMIN_TOKEN" in ROLE_TOKENS

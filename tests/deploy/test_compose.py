@@ -15,6 +15,9 @@ from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 pytestmark = pytest.mark.unit
 
 RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
+GPU_ROLES = ("trainer", "rollout", "reference")  # each also as <role>-gpu in the gpu profile
+ALWAYS = {"nats", "secrets-init", "minio", "minio-init", "model-init", "reward"}
+ADMIN_PORT = "${ADMIN_BIND_ADDRESS:-127.0.0.1}:50052:50052"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
 
@@ -43,19 +46,78 @@ def test_the_schema_check_catches_a_mistake(compose):
 
 
 def depends(compose: dict, service: str) -> dict[str, str]:
-    return {name: spec["condition"] for name, spec in compose["services"][service]["depends_on"].items()}
+    return {
+        name: spec["condition"] + ("" if spec.get("required", True) else " (optional)")
+        for name, spec in compose["services"][service]["depends_on"].items()
+    }
+
+
+def profile_services(compose: dict, *profiles: str) -> dict[str, dict]:
+    """The services `docker compose --profile P ... config` keeps: those without profiles and those of a P."""
+    return {
+        name: service
+        for name, service in compose["services"].items()
+        if not service.get("profiles") or set(service["profiles"]) & set(profiles)
+    }
 
 
 def test_start_order_waits_on_health(compose):
-    assert depends(compose, "minio-init") == {"minio": "service_healthy"}
+    assert depends(compose, "minio-init") == {
+        "minio": "service_healthy",
+        "secrets-init": "service_completed_successfully",
+    }
     assert depends(compose, "trainer") == {
         "nats": "service_healthy",
         "minio-init": "service_completed_successfully",
         "model-init": "service_completed_successfully",
     }
-    assert depends(compose, "reference") == {"trainer": "service_healthy"}
-    assert depends(compose, "rollout") == {"trainer": "service_healthy"}
-    assert depends(compose, "reward") == {"trainer": "service_healthy"}
+    assert depends(compose, "trainer-gpu") == depends(compose, "trainer")
+    # Whichever trainer the profile runs: the other one is not there, so neither is required.
+    after_trainer = {"trainer": "service_healthy (optional)", "trainer-gpu": "service_healthy (optional)"}
+    for stage in ("reference", "reference-gpu", "rollout", "rollout-gpu", "reward"):
+        assert depends(compose, stage) == after_trainer, stage
+
+
+def test_the_root_compose_file_includes_the_deployment_and_defaults_to_the_cpu_profile():
+    root = load_yaml(ROOT / "compose.yaml")
+    errors = list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(root))
+    assert errors == []
+    assert root == {"include": [{"path": "deploy/compose.yaml", "env_file": "deploy/.env"}]}
+    settings = dict(
+        line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines() if line and not line.startswith("#")
+    )
+    assert settings == {"COMPOSE_PROFILES": "cpu"}
+    tracked = subprocess.run(["git", "check-ignore", "-q", ".env"], cwd=ROOT)
+    assert tracked.returncode == 1, "the root .env holds no secret and must stay committable"
+
+
+@pytest.mark.parametrize("profile", ["cpu", "gpu"])
+def test_each_profile_runs_one_of_each_role_and_resolves_every_dependency(compose, profile):
+    services = profile_services(compose, profile)
+    suffix = "" if profile == "cpu" else "-gpu"
+    assert set(services) == ALWAYS | {role + suffix for role in GPU_ROLES}
+    for name, service in services.items():
+        for needed, spec in service.get("depends_on", {}).items():
+            assert needed in services or spec.get("required") is False, f"{name} needs {needed}, not in {profile}"
+        if "depends_on" in service:
+            started_after = [needed for needed in service["depends_on"] if needed in services]
+            assert started_after, f"{name} would start before anything it waits for"
+    # The roles reach the trainer as trainer:50051 and the cli as trainer:50052 (its certificate's name) in both.
+    trainer = services["trainer" + suffix]
+    assert trainer.get("networks", {"default": {"aliases": ["trainer"]}}) == {"default": {"aliases": ["trainer"]}}
+
+
+def test_the_cpu_profile_needs_no_gpu_and_the_gpu_profile_puts_trainer_rollouts_and_reference_on_one(compose):
+    for name, service in profile_services(compose, "cpu").items():
+        assert "deploy" not in service, name
+    assert compose["services"]["rollout"]["environment"]["RLPIPE_ROLLOUT__BACKEND"] == "hf"
+    gpu = profile_services(compose, "gpu")
+    for name in ("trainer-gpu", "rollout-gpu", "reference-gpu"):
+        devices = gpu[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
+        assert "RLPIPE_ROLLOUT__BACKEND" not in gpu[name]["environment"], name  # the config's (vllm)
+    assert "deploy" not in gpu["reward"]
+    assert gpu["reference-gpu"]["build"]["target"] == "reference-gpu"
 
 
 def test_every_long_running_service_has_a_health_check_and_restart_policy(compose):
@@ -94,30 +156,23 @@ def test_third_party_images_are_pinned_by_digest(compose):
         assert DIGEST.search(compose["services"][name]["image"]), name
 
 
-@pytest.mark.integration
-def test_gpu_roles_reserve_a_gpu_and_cpu_roles_do_not(compose):
-    for name in ("trainer", "rollout"):
-        devices = compose["services"][name]["deploy"]["resources"]["reservations"]["devices"]
-        assert devices == [{"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}], name
-    for name in ("reference", "reward"):
-        assert "deploy" not in compose["services"][name], name
-
-
 def test_stateless_roles_can_be_scaled(compose):
     # --scale needs generated container names and no fixed host ports.
-    for name in ("rollout", "reward", "reference"):
+    for name in ("rollout", "reward", "reference", "rollout-gpu", "reference-gpu"):
         service = compose["services"][name]
         assert "container_name" not in service and "ports" not in service, name
 
 
-def test_only_the_admin_port_is_published_beyond_this_host(compose):
+def test_every_port_is_bound_to_this_host_and_only_the_admin_port_can_be_opened_wider(compose):
     published = {
         (name, port)
         for name, service in compose["services"].items()
         for port in service.get("ports", [])
         if not str(port).startswith("127.0.0.1:")
     }
-    assert published == {("trainer", "50052:50052")}
+    assert published == {("trainer", ADMIN_PORT), ("trainer-gpu", ADMIN_PORT)}
+    example = (DEPLOY / ".env.example").read_text()
+    assert re.search(r"^# ADMIN_BIND_ADDRESS=0\.0\.0\.0$", example, re.MULTILINE), "the way to open it, commented out"
 
 
 @pytest.mark.integration
@@ -126,7 +181,7 @@ def test_secrets_come_from_the_ignored_env_file(compose):
         assert compose["services"][name]["env_file"] == [".env"], name
         assert "RLPIPE_S3_SECRET_KEY" not in compose["services"][name]["environment"]
     example = (DEPLOY / ".env.example").read_text()
-    for secret in ("RLPIPE_S3_ACCESS_KEY", "RLPIPE_S3_SECRET_KEY", "RLPIPE_ADMIN_TOKEN"):
+    for secret in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "RLPIPE_ADMIN_TOKEN"):
         assert re.search(rf"^{secret}=$", example, re.MULTILINE), f"{secret} must be listed, empty, in .env.example"
     ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT)
     assert ignored.returncode == 0, "deploy/.env must be git-ignored"
@@ -154,15 +209,24 @@ def test_model_init_builds_the_tiny_model_into_the_shared_volumes(compose):
 
 @pytest.mark.integration
 def test_images_are_built_from_the_role_targets_of_the_one_dockerfile(compose):
-    for name, target in {**{role: role for role in RLPIPE_SERVICES}, "model-init": "cli"}.items():
+    targets = {
+        **{role: role for role in RLPIPE_SERVICES},
+        "trainer-gpu": "trainer",
+        "rollout-gpu": "rollout",
+        "reference-gpu": "reference-gpu",
+        "model-init": "cli",
+    }
+    for name, target in targets.items():
         build = compose["services"][name]["build"]
         assert (build["context"], build["dockerfile"], build["target"]) == ("..", "deploy/Dockerfile", target), name
         assert set(build["args"]) == {"VERSION", "REVISION"}, name
 
 
-def test_monitoring_and_the_cli_are_optional_profiles(compose):
+def test_monitoring_and_the_cli_are_optional_profiles_and_the_roles_that_want_a_gpu_come_in_two(compose):
     profiles = {name: service.get("profiles") for name, service in compose["services"].items() if "profiles" in service}
     assert profiles == {
+        **{role: ["cpu"] for role in GPU_ROLES},
+        **{f"{role}-gpu": ["gpu"] for role in GPU_ROLES},
         "prometheus": ["monitoring"],
         "alertmanager": ["monitoring"],
         "grafana": ["monitoring"],

@@ -12,7 +12,7 @@ from pathlib import Path
 import nats
 import pytest
 
-from services.common.config import load_config
+from services.common.config import S3Credentials, WeightSyncCredentials, load_config
 from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.streams import EXPERIENCE, subject
@@ -21,7 +21,17 @@ from tests.deploy.conftest import DEPLOY, load_yaml
 
 pytestmark = pytest.mark.unit
 
-ROLES = {"reference": "reference", "trainer": "trainer", "rollout": "rollout", "reward": "reward", "cli": "operator"}
+ROLES = {
+    "reference": "reference",
+    "reference-gpu": "reference",
+    "trainer": "trainer",
+    "trainer-gpu": "trainer",
+    "rollout": "rollout",
+    "rollout-gpu": "rollout",
+    "reward": "reward",
+    "cli": "operator",
+}
+POLICIES = {"trainer": "trainer", "rollout": "stage", "reward": "stage", "reference": "stage", "operator": "operator"}
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +51,37 @@ def test_each_service_mounts_only_its_own_roles_secrets(compose):
                 "target": "/run/rlpipe/secrets",
                 "read_only": True,
                 "volume": {"subpath": role},
-            }
+            },
+            # Its store user and weight-sync token as files named like their variables (config's secrets dir).
+            {
+                "type": "volume",
+                "source": "secrets",
+                "target": "/run/secrets",
+                "read_only": True,
+                "volume": {"subpath": f"{role}/env"},
+            },
         ], service
         environment = compose["services"][service]["environment"]
         assert environment["RLPIPE_NATS__URL"] == "tls://nats:4222"
         assert environment["RLPIPE_NATS__NKEY_SEED_FILE"] == "/run/rlpipe/secrets/nats.nk"
         assert environment["RLPIPE_NATS__TLS_CA_FILE"] == "/run/rlpipe/secrets/ca.pem"
+        # deploy/.env reaches every service; MinIO's root user in it is blanked for all of rlpipe's.
+        assert (environment["MINIO_ROOT_USER"], environment["MINIO_ROOT_PASSWORD"]) == ("", ""), service
+        assert not {"RLPIPE_S3_ACCESS_KEY", "RLPIPE_S3_SECRET_KEY", "RLPIPE_WEIGHTSYNC_TOKEN"} & set(environment)
+
+
+def test_minio_init_makes_one_store_user_per_role_with_its_policy_after_the_secrets_exist(compose):
+    init = compose["services"]["minio-init"]
+    script_and_folders = ["/opt/rlpipe/minio/init.sh", "/var/lib/rlpipe/secrets", "/opt/rlpipe/minio"]
+    assert init["entrypoint"] == ["/bin/sh", *script_and_folders]
+    assert init["volumes"] == ["./minio:/opt/rlpipe/minio:ro", "secrets:/var/lib/rlpipe/secrets:ro"]
+    assert init["depends_on"]["secrets-init"] == {"condition": "service_completed_successfully"}
+    script = (DEPLOY / "minio" / "init.sh").read_text()
+    for policy in set(POLICIES.values()):
+        assert (DEPLOY / "minio" / f"{policy}.json").is_file()
+    assert 'mc admin policy create rlpipe "rlpipe-$policy" "$policies/$policy.json"' in script
+    assert "for role in trainer rollout reward reference operator; do" in script
+    assert "trainer | operator) policy=$role ;;" in script and "*) policy=stage ;;" in script
 
 
 def test_the_admin_token_reaches_the_trainer_and_cli_only_and_the_admin_port_speaks_tls(compose):
@@ -105,6 +140,13 @@ def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own
     assert make_secrets(tmp_path / "secrets", config).stdout.startswith("secrets already in")  # kept at later starts
     for role in ("trainer", "rollout", "reward", "reference", "operator"):
         assert (tmp_path / "secrets" / role / "nats.nk").stat().st_mode & 0o777 == 0o600
+    env_folders = {role: tmp_path / "secrets" / role / "env" for role in POLICIES}
+    store = {role: S3Credentials(_secrets_dir=folder) for role, folder in env_folders.items()}
+    assert {role: creds.access_key for role, creds in store.items()} == {role: f"rlpipe-{role}" for role in POLICIES}
+    assert len({creds.secret_key for creds in store.values()}) == len(POLICIES)  # one key each, none shared
+    tokens = {role: WeightSyncCredentials(_secrets_dir=folder).token for role, folder in env_folders.items()}
+    assert tokens["trainer"] == tokens["rollout"] and len(tokens["trainer"]) == 64
+    assert (tokens["reward"], tokens["reference"], tokens["operator"]) == ("", "", "")
     port = free_port()
     local_compose_conf(tmp_path, port, free_port())
     server = subprocess.Popen(

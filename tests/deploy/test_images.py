@@ -27,6 +27,7 @@ ROLE_TARGETS = {
     "trainer": "cuda-runtime",
     "rollout": "cuda-runtime",
     "reference": "cpu-runtime",
+    "reference-gpu": "cuda-runtime",
     "reward": "cpu-runtime",
     "cli": "cpu-runtime",
 }

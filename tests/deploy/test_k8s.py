@@ -102,6 +102,8 @@ def test_pods_get_config_env_secrets_and_their_name(overlay, rendered):
         sources = spec["envFrom"]
         assert sources[0]["configMapRef"]["name"] in config_maps
         assert sources[1] == {"secretRef": {"name": "rlpipe-secrets"}}
+        # The role's own store user, last so that it wins over store keys rlpipe-secrets may still carry.
+        assert sources[2:] == [{"secretRef": {"name": f"rlpipe-store-{workload['metadata']['name']}"}}]
         assert {"name": "RLPIPE_SERVICE__INSTANCE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in spec[
             "env"
         ]
@@ -130,8 +132,9 @@ def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
         scaled = one(docs, "ScaledObject", role)
         assert scaled["apiVersion"] == "keda.sh/v1alpha1"
         assert scaled["spec"]["scaleTargetRef"] == {"name": role}
-        assert 1 <= scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
-        (trigger,) = scaled["spec"]["triggers"]
+        # Rollouts go to zero when a run has ended (test_rollouts_scale_to_zero_once_the_run_has_ended).
+        assert (0 if role == "rollout" else 1) == scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+        trigger = scaled["spec"]["triggers"][0]
         assert trigger["type"] == "nats-jetstream"
         meta = trigger["metadata"]
         assert set(meta) == {
@@ -141,12 +144,28 @@ def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
             "consumer",
             "lagThreshold",
             "useHttps",
-        }
+        } | ({"activationLagThreshold"} if role == "rollout" else set())
         assert meta["natsServerMonitoringEndpoint"] == f"nats-headless.{namespace}.svc.cluster.local:8222"
         assert meta["account"] == "$G"
         assert (meta["stream"], meta["consumer"]) == (stream_name(run_id, edge), role)
         assert int(meta["lagThreshold"]) > 0
         assert all(isinstance(value, str) for value in meta.values()), "KEDA metadata values are strings"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_rollouts_scale_to_zero_once_the_run_has_ended(overlay, rendered):
+    docs = rendered[overlay]
+    namespace = find(docs, "Namespace")[0]["metadata"]["name"]
+    scaled = one(docs, "ScaledObject", "rollout")["spec"]
+    assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] == 300
+    lag, training = scaled["triggers"]
+    # Woken by the first prompt waiting; kept while prompts wait or the trainer applied groups in the last 5 min.
+    assert lag["metadata"]["activationLagThreshold"] == "0"
+    assert training["type"] == "prometheus"
+    assert training["metadata"]["query"] == f'sum(rate(rlpipe_trainer_groups_total{{namespace="{namespace}"}}[5m]))'
+    assert training["metadata"]["activationThreshold"] == "0"
+    assert float(training["metadata"]["threshold"]) >= 1e6  # one replica at most from this trigger
+    assert "rlpipe_trainer_groups_total" in (DEPLOY / "prometheus" / "alerts.yml").read_text()  # a real series
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -198,6 +217,13 @@ def test_dev_runs_without_gpus_and_builds_the_tiny_model(rendered):
     )
 
 
+def test_prod_runs_the_reference_on_a_gpu_from_the_cuda_image(rendered):
+    reference = container(one(rendered["prod"], "Deployment", "reference"))
+    assert reference["image"] == "rlpipe/reference-gpu:0.1.0"
+    assert reference["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container(one(rendered["dev"], "Deployment", "reference"))["image"] == "rlpipe/reference:dev"
+
+
 def test_nats_is_a_three_node_jetstream_cluster(rendered):
     docs = rendered["prod"]
     nats = one(docs, "StatefulSet", "nats")
@@ -226,7 +252,8 @@ def test_network_policy_opens_only_the_admin_port_to_other_namespaces(overlay, r
     )
     # Platform exceptions, each one port from one named namespace (documented in networkpolicy.yaml).
     platform = {("keda", 8222), ("monitoring", METRICS_PORT)}
-    open_to_all, from_platform = [], set()
+    operators = {"matchLabels": {"rlpipe.dev/admin-access": "true"}}
+    open_to_all, from_platform, from_operators = [], set(), []
     for policy, rule in ingress_rules(docs):
         sources = rule.get("from")
         ports = [p["port"] for p in rule.get("ports", [])]
@@ -234,12 +261,16 @@ def test_network_policy_opens_only_the_admin_port_to_other_namespaces(overlay, r
             assert not ports, "same-namespace traffic is allowed on every port"
         elif sources is None:
             open_to_all.append((policy["spec"]["podSelector"], ports))
+        elif sources == [{"namespaceSelector": operators, "podSelector": operators}]:
+            from_operators.append((policy["spec"]["podSelector"], ports))
         else:
             (source,) = sources
             assert set(source) == {"namespaceSelector"}, policy["metadata"]["name"]
             (port,) = ports
             from_platform.add((source["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"], port))
-    assert open_to_all == [({"matchLabels": {"app.kubernetes.io/name": "trainer"}}, [ADMIN_PORT])]
+    assert open_to_all == []
+    # The admin port, from the operators' labelled pods in their labelled namespace only.
+    assert from_operators == [({"matchLabels": {"app.kubernetes.io/name": "trainer"}}, [ADMIN_PORT])]
     assert from_platform == platform
 
 

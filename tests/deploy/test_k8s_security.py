@@ -39,11 +39,23 @@ PROD_CONFIG = DEPLOY / "config" / "prod.yaml"
 STAGES = tuple(role for role in SERVICE_ROLES if role != "trainer")
 # Every Secret a pod of the default overlays reads, and which keys of it: the whole Secret is "*".
 ROLE_SECRETS = {"rlpipe-secrets": {"*"}, "nats-tls": {"ca.crt"}}
+WEIGHT_SYNC = {"rlpipe-weightsync": {"token"}}  # the trainer's and the rollouts' alone
 EXPECTED_SECRETS = {
     "nats": {"rlpipe-nats-auth": {"auth.conf"}, "nats-tls": {"tls.crt", "tls.key", "ca.crt"}},
     "trainer": ROLE_SECRETS
-    | {"rlpipe-nats-trainer": {"nats.nk"}, "trainer-admin-tls": {"tls.crt", "tls.key"}, "rlpipe-admin": {"token"}},
-    **{role: ROLE_SECRETS | {f"rlpipe-nats-{role}": {"nats.nk"}} for role in STAGES},
+    | WEIGHT_SYNC
+    | {
+        "rlpipe-nats-trainer": {"nats.nk"},
+        "rlpipe-store-trainer": {"*"},
+        "trainer-admin-tls": {"tls.crt", "tls.key"},
+        "rlpipe-admin": {"token"},
+    },
+    **{
+        role: ROLE_SECRETS
+        | (WEIGHT_SYNC if role == "rollout" else {})
+        | {f"rlpipe-nats-{role}": {"nats.nk"}, f"rlpipe-store-{role}": {"*"}}
+        for role in STAGES
+    },
     "model-init": {},
 }
 
@@ -175,6 +187,8 @@ def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(ov
     docs = rendered[overlay]
     for role in STAGES:
         assert env_of(one(docs, "Deployment", role))["RLPIPE_ADMIN_TOKEN"] == "", role  # blanks rlpipe-secrets'
+        if role != "rollout":  # nor the weight-sync token, which rlpipe-secrets might carry too
+            assert env_of(one(docs, "Deployment", role))["RLPIPE_WEIGHTSYNC_TOKEN"] == "", role
     trainer = one(docs, "StatefulSet", "trainer")
     env = env_of(trainer)
     # From its file, which the kubelet refreshes when the Secret changes; never from a variable.
@@ -276,7 +290,8 @@ def decoded(secret: dict) -> dict[str, bytes]:
 
 def test_make_secrets_makes_the_secrets_the_pods_mount_and_keys_the_broker_admits(rendered):
     secrets = {s["metadata"]["name"]: s for s in make_secrets(PROD_CONFIG)}
-    assert set(secrets) == {"rlpipe-nats-auth", *(f"rlpipe-nats-{role}" for role in ROLES)}
+    assert set(secrets) == {"rlpipe-nats-auth", "rlpipe-weightsync", *(f"rlpipe-nats-{role}" for role in ROLES)}
+    assert len(decoded(secrets["rlpipe-weightsync"])["token"]) == 64
     for secret in secrets.values():
         kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
     mounted = {name for pod in pod_templates(rendered["prod"]).values() for name in secrets_read(pod)}
@@ -285,7 +300,8 @@ def test_make_secrets_makes_the_secrets_the_pods_mount_and_keys_the_broker_admit
         for c in find(rendered["prod"], "Certificate")
     }
     # What neither this script nor cert-manager makes, the operator creates (docs/operations.md).
-    assert mounted - set(secrets) - made_by_cert_manager == {"rlpipe-secrets", "rlpipe-admin"}
+    store_users = {f"rlpipe-store-{role}" for role in SERVICE_ROLES}  # one per role, made with the store's own tools
+    assert mounted - set(secrets) - made_by_cert_manager == {"rlpipe-secrets", "rlpipe-admin", *store_users}
     auth = decoded(secrets["rlpipe-nats-auth"])["auth.conf"].decode()
     for role in ROLES:
         seed = decoded(secrets[f"rlpipe-nats-{role}"])["nats.nk"].strip()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from services.common.pb import weights_pb2_grpc
+from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
@@ -59,9 +60,13 @@ def test_relay_route_is_a_complete_tree_under_the_trainer():
     assert relay_route(("a",), "a", 2) == ("", False)  # nobody below it: nothing to keep
 
 
-async def trainer(snap: Snapshot, fanout: int) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
+def token_check(token: str) -> list[grpc.aio.ServerInterceptor]:
+    return [WeightSyncToken(token)] if token else []
+
+
+async def trainer(snap: Snapshot, fanout: int, token: str = "") -> tuple[grpc.aio.Server, WeightSyncServer, str]:
     impl = WeightSyncServer(snap, fanout=fanout)
-    server = grpc.aio.server()
+    server = grpc.aio.server(interceptors=token_check(token))
     weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
     port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
     await server.start()
@@ -71,16 +76,16 @@ async def trainer(snap: Snapshot, fanout: int) -> tuple[grpc.aio.Server, WeightS
 class Replica:
     """A rollout's weight path: its follower, its engine and its relay served on its own gRPC port."""
 
-    def __init__(self, trainer_address: str):
+    def __init__(self, trainer_address: str, token: str = ""):
         self.engine = DictEngine()
         self.relay = Relay()
-        self.server = grpc.aio.server()
+        self.server = grpc.aio.server(interceptors=token_check(token))
         add_relay_to_server(self.relay, self.server)
         self.address = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{free_port()}')}"
         self.follower = PolicyFollower(
             self.engine,
             ThreadPoolExecutor(max_workers=1),
-            WeightSyncClient(trainer_address),
+            WeightSyncClient(trainer_address, token=token),
             relay=self.relay,
             relay_address=self.address,
         )
@@ -152,6 +157,34 @@ def test_a_chain_of_replicas_gets_each_version_out_of_the_trainer_once():
     for weights in engines:
         assert set(weights) == {name for name, _ in second.tensors}
         assert all(torch.equal(weights[name], tensor) for name, tensor in second.tensors)
+
+
+def test_with_the_runs_token_on_every_port_a_version_still_crosses_the_chain_through_the_relays():
+    # A peer's pull carries the follower's token: without it the relay would refuse and each replica fall back
+    # to the trainer, which would then send the version twice.
+    async def scenario():
+        server, weights, address = await trainer(model(1), fanout=1, token="run-token")
+        replicas = [Replica(address, token="run-token") for _ in range(2)]
+        try:
+            for count, replica in enumerate(replicas, 1):
+                await replica.start()
+                await until(lambda count=count: len(weights.members) == count)
+            before = weights.sent_bytes
+            await weights.publish(model(2))
+            await until(lambda: all(r.follower.newest == 2 for r in replicas))
+            await asyncio.gather(*(r.follower.sync() for r in reversed(replicas)))
+            return (
+                weights.sent_bytes - before,
+                [r.follower.last_origin for r in replicas],
+                [r.follower.loaded for r in replicas],
+            )
+        finally:
+            for replica in replicas:
+                await replica.stop()
+            await server.stop(0)
+
+    trainer_sent, origins, loaded = asyncio.run(scenario())
+    assert (trainer_sent, origins, loaded) == (wire_bytes(model(2)), ["relay", "peer"], [2, 2])
 
 
 def test_a_replica_whose_parent_is_gone_pulls_from_the_trainer():

@@ -62,6 +62,8 @@ from services.common.config.sections import (
     TISConfig,
     TrainConfig,
     TrainerConfig,
+    WeightSyncConfig,
+    WeightSyncCredentials,
 )
 
 __all__ = [
@@ -106,6 +108,8 @@ __all__ = [
     "TelemetryConfig",
     "TrainConfig",
     "TrainerConfig",
+    "WeightSyncConfig",
+    "WeightSyncCredentials",
     "apply_overrides",
     "default_alert_rules",
     "is_live",

@@ -705,6 +705,40 @@ class AdminCredentials(BaseSettings):
     )
 
 
+class WeightSyncConfig(Section):
+    """TLS of the trainer's WeightSync port; the run's token (RLPIPE_WEIGHTSYNC_TOKEN) is a credential, not config."""
+
+    tls_cert: Path | None = Field(
+        None, description="PEM certificate chain; with tls_key, the trainer's WeightSync port speaks TLS only"
+    )
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    tls_ca: Path | None = Field(
+        None, description="PEM CA a rollout checks the trainer's WeightSync certificate against; set = connect by TLS"
+    )
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> WeightSyncConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("set both tls_cert and tls_key, or neither")
+        for path in (self.tls_cert, self.tls_key, self.tls_ca):
+            if path is not None and not path.is_file():
+                raise ValueError(f"file {str(path)!r} does not exist")
+        return self
+
+
+class WeightSyncCredentials(BaseSettings):
+    """The run's weight-sync token, only from the environment or a secrets file, never from YAML: the trainer and
+    the rollouts hold it, the other roles do not."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_WEIGHTSYNC_", extra="ignore", secrets_dir=SECRETS_DIRS)
+    token: str = Field(
+        "",
+        repr=False,
+        description="bearer token every WeightSync call must carry (RLPIPE_WEIGHTSYNC_TOKEN); empty = the port is "
+        "open (refused in prod)",
+    )
+
+
 class TelemetryConfig(Section):
     metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)")
     otlp_endpoint: str = Field(
@@ -862,6 +896,9 @@ class RunConfig(BaseSettings):
         SupervisionConfig(), description="how `rlpipe run` restarts and stops services"
     )
     admin: AdminConfig = Field(AdminConfig(), description="the trainer's Admin gRPC API")
+    weight_sync: WeightSyncConfig = Field(
+        WeightSyncConfig(), description="TLS of the trainer's WeightSync port (its token: RLPIPE_WEIGHTSYNC_TOKEN)"
+    )
     telemetry: TelemetryConfig = Field(TelemetryConfig(), description="metrics endpoints, files and trackers")
     alerts: AlertsConfig = Field(AlertsConfig(), description="alert rules and where firings go")
     cost: CostConfig = Field(CostConfig(), description="prices per device-hour, for the run's cost lines")

@@ -155,6 +155,7 @@ class Event(StrEnum):
     WEIGHT_RELAY_OFF = "weight_relay_off"  # the rollout cannot relay weights (no reachable address)
     WEIGHT_RELAY_PULL_FAILED = "weight_relay_pull_failed"  # pulling weights from a relay failed
     WEIGHT_SYNC_DEFERRED = "weight_sync_deferred"  # a rollout keeps its weights; the newer version is loaded later
+    WEIGHT_SYNC_OPEN = "weight_sync_open"  # the trainer serves weights without a token (no RLPIPE_WEIGHTSYNC_TOKEN)
     WEIGHT_SYNC_TORN = "weight_sync_torn"  # a weight transfer was torn off; fetched again
     WEIGHT_WATCH_LOST = "weight_watch_lost"  # a rollout's watch on new weight versions broke; reconnecting
     WORK_TIMED_OUT = "work_timed_out"  # a stage's batch ran past its bound

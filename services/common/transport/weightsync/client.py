@@ -10,6 +10,7 @@ import torch
 
 from services.common.pb import weights_pb2 as pb
 from services.common.pb import weights_pb2_grpc as pb_grpc
+from services.common.transport.weightsync.auth import token_metadata
 from services.common.transport.weightsync.wire import MAX_CHUNK_BYTES, SERVICE_NAME, TensorAssembler, dtype_text
 
 # What our client asks for: big enough that per-message costs vanish, small enough to stay in cache while
@@ -56,8 +57,22 @@ class WeightStream:
 
 
 class WeightSyncClient:
-    def __init__(self, address: str, chunk_bytes: int = PULL_CHUNK_BYTES):
-        self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """Calls carry ``token`` (the run's RLPIPE_WEIGHTSYNC_TOKEN); ``credentials`` make the channel TLS."""
+
+    def __init__(
+        self,
+        address: str,
+        chunk_bytes: int = PULL_CHUNK_BYTES,
+        token: str = "",
+        credentials: grpc.ChannelCredentials | None = None,
+    ):
+        if credentials is not None:
+            self.channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        else:
+            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self.token = token
+        self.credentials = credentials
+        self._metadata = token_metadata(token)
         self.stub = pb_grpc.WeightSyncStub(self.channel)
         self.chunk_bytes = chunk_bytes
         # No deserializer: the raw message bytes come back, for split_chunk to take the data without copies.
@@ -66,13 +81,13 @@ class WeightSyncClient:
         )
 
     async def version(self, timeout: float = 5.0) -> pb.PolicyVersion:
-        return await self.stub.GetVersion(pb.GetVersionRequest(), timeout=timeout)
+        return await self.stub.GetVersion(pb.GetVersionRequest(), timeout=timeout, metadata=self._metadata)
 
     def watch(self, after_version: int, relay_address: str = "") -> AsyncIterator[pb.PolicyVersion]:
         """Announcements of new versions; with ``relay_address``, this replica joins the relay tree while the
         stream is open and each announcement says where to pull from."""
         request = pb.WatchVersionsRequest(after_version=after_version, relay_address=relay_address)
-        return self.stub.WatchVersions(request)
+        return self.stub.WatchVersions(request, metadata=self._metadata)
 
     def raw(
         self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0
@@ -81,7 +96,7 @@ class WeightSyncClient:
         request = pb.PullWeightsRequest(
             version=version, chunk_bytes=self.chunk_bytes, dtype=dtype_text(dtype), accept_aliases=True
         )
-        return self._pull(request, timeout=timeout)
+        return self._pull(request, timeout=timeout, metadata=self._metadata)
 
     def stream(self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0) -> WeightStream:
         """Pull ``version`` (0: the newest), floating-point tensors as ``dtype`` if given."""

@@ -1,0 +1,29 @@
+#!/bin/sh
+# The object store's users, made at every compose start by the one-shot `minio-init` (mc image): the bucket,
+# one policy per kind of role (deploy/minio/*.json) and one user per role with the key secrets-init made into
+# that role's folder of the `secrets` volume (<role>/env/RLPIPE_S3_ACCESS_KEY, RLPIPE_S3_SECRET_KEY), so no
+# rlpipe service holds MinIO's root user:
+#   trainer                       trainer.json   checkpoints, claims and fences under rlpipe/checkpoints/
+#   rollout, reward, reference    stage.json     claim-checked bodies only (rlpipe/checkpoints/<run>/claims/)
+#   operator                      operator.json  reads checkpoints (rlpipe checkpoint verify, report)
+# Re-running it is harmless: policies and users are overwritten with the same content.
+# usage: init.sh SECRETS POLICIES   (MINIO_ROOT_USER and MINIO_ROOT_PASSWORD in the environment)
+set -eu
+secrets=$1
+policies=$2
+mc alias set rlpipe http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"
+mc mb --ignore-existing rlpipe/rlpipe
+for policy in trainer stage operator; do
+    mc admin policy create rlpipe "rlpipe-$policy" "$policies/$policy.json"
+done
+for role in trainer rollout reward reference operator; do
+    case $role in
+        trainer | operator) policy=$role ;;
+        *) policy=stage ;;
+    esac
+    user=$(cat "$secrets/$role/env/RLPIPE_S3_ACCESS_KEY")
+    mc admin user add rlpipe "$user" "$(cat "$secrets/$role/env/RLPIPE_S3_SECRET_KEY")"
+    # attach refuses a policy the user already has: a restart finds it attached, which is what is wanted.
+    mc admin policy attach rlpipe "rlpipe-$policy" --user "$user" || mc admin user info rlpipe "$user" | grep -q "rlpipe-$policy"
+done
+echo "made the bucket, the policies and one user per role"
