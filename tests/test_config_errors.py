@@ -11,7 +11,7 @@ import yaml
 
 from tests.conftest import RLPIPE_RUN, ROOT
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 
 def run_cli(config: Path, **env: str) -> subprocess.CompletedProcess:

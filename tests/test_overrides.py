@@ -11,7 +11,7 @@ from services.common.config import ConfigError, load_config_with, parse_override
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 
 def rlpipe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

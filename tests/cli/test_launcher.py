@@ -35,7 +35,7 @@ from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 
 @pytest.fixture

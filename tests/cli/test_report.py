@@ -183,7 +183,7 @@ def test_missing_events_file_still_renders_both(tmp_path):
     assert "No events recorded." in page and "data:image/png;base64," in page
 
 
-@pytest.mark.e2e
+@pytest.mark.integration
 def test_cli_writes_both_files_for_a_run_dir_or_a_run_id(tmp_path):
     run_dir = make_run(tmp_path)
     rlpipe = Path(sys.executable).parent / "rlpipe"

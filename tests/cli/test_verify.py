@@ -24,7 +24,7 @@ from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerStat
 from services.trainer.lineage import Lineage
 from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.integration
 
 
 def rlpipe(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

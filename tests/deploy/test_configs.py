@@ -181,7 +181,7 @@ def deploy_texts() -> dict[str, str]:
     return {str(p.relative_to(ROOT)): p.read_text() for p in paths}
 
 
-@pytest.mark.e2e
+@pytest.mark.unit
 def test_the_name_check_knows_right_from_wrong():
     assert resolves("RLPIPE_TRAIN__KL__COEF") and resolves("RLPIPE_SERVICE__TRAINER_HOST") and resolves("RLPIPE_RUN_ID")
     assert not resolves("RLPIPE_TRAIN__LEARNINGRATE") and not resolves("RLPIPE_SERVICE__TRAINER_GRPC_PORT__X")

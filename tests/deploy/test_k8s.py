@@ -121,7 +121,6 @@ def test_configs_in_the_config_map_are_the_files_in_deploy_config(rendered):
         assert text == (DEPLOY / "config" / name).read_text(), name
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
     docs = rendered[overlay]
