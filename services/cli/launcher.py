@@ -133,6 +133,7 @@ class Child:
     refusal: str | None = None  # the reason of the child's last refusal event
     plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
     dropped_lines: int = 0  # output lines its log could not take (a full disk): drained all the same
+    lease_holder: str = ""  # a trainer's, from its lease_acquired event: its restart may take that lease at once
 
     def pump(self, stream: IO[bytes]) -> None:
         """Copy the child's output to its (rotating) log file and pass its JSON events on.
@@ -181,6 +182,8 @@ class Child:
             return
         if event["event"] in REFUSAL_EVENTS:
             self.refusal = str(event.get("error", ""))
+        elif event["event"] == Event.LEASE_ACQUIRED:
+            self.lease_holder = str(event.get("holder", ""))
         self.events.put(event)
 
     def refusal_reason(self) -> str:
@@ -524,7 +527,7 @@ class Launcher:
                     if time.monotonic() >= when:
                         del due[name]
                         restarted = self.child(name)
-                        self.spawn(restarted.role, name, env={"RLPIPE_CHECKPOINT__RESUME": "true"})
+                        self.spawn(restarted.role, name, env=restart_env(restarted))
                         self.write_run_file()
                 time.sleep(0.1)
         self.child("trainer").process.wait(timeout=60)
@@ -602,6 +605,17 @@ class Launcher:
                 process.kill()
                 process.wait()
         return killed
+
+
+def restart_env(exited: Child) -> dict[str, str]:
+    """What a child the launcher saw exit is restarted with: resume, and for a trainer, the lease it held.
+
+    The launcher has waited on that process, so it knows it is dead: the restart takes its lease at once instead
+    of waiting up to ``trainer.lease_ttl_s`` for it to run out (see services/trainer/lease.py)."""
+    env = {"RLPIPE_CHECKPOINT__RESUME": "true"}
+    if exited.role == "trainer" and exited.lease_holder:
+        env["RLPIPE_TRAINER__TAKEOVER_FROM"] = exited.lease_holder
+    return env
 
 
 def _event_summary(event: dict[str, Any]) -> str:

@@ -73,13 +73,18 @@ class Verdict(Enum):
     WAIT = "wait"  # held, and not yet seen renewed: its holder may be dead (a SIGKILLed trainer being restarted)
 
 
-def judge(current: LeaseRecord | None, revision: int, seen_revision: int | None, now: float) -> Verdict:
+def judge(
+    current: LeaseRecord | None, revision: int, seen_revision: int | None, now: float, reaped: str = ""
+) -> Verdict:
     """What a starting trainer does about the lease it reads at ``revision``, having first read ``seen_revision``.
 
     A held lease is not proof of a live holder: a trainer killed a moment ago leaves its lease until it expires, and
     its restart must take over then rather than be refused. A lease written since the first look is: its holder (or
-    a trainer that took it meanwhile) renews it."""
+    a trainer that took it meanwhile) renews it. ``reaped`` names a holder known dead (the launcher waited on its
+    process): its lease is taken at once, and only while that holder still has it."""
     if current is None or current.expires_at <= now:
+        return Verdict.TAKE
+    if reaped and current.holder == reaped:
         return Verdict.TAKE
     if seen_revision is not None and revision != seen_revision:
         return Verdict.REFUSE
@@ -103,10 +108,13 @@ def held_message(current: LeaseRecord, run_id: str, now: float) -> str:
 class Lease:
     """The trainer's hold on its run: ``acquire`` at start, ``renew`` on its heartbeat, ``epoch`` for the store."""
 
-    def __init__(self, kv: Any, run_id: str, ttl_s: float, clock: Callable[[], float] = time.time):
+    def __init__(
+        self, kv: Any, run_id: str, ttl_s: float, clock: Callable[[], float] = time.time, reaped_holder: str = ""
+    ):
         self.kv = kv
         self.run_id = run_id
         self.ttl_s = ttl_s
+        self.reaped_holder = reaped_holder
         self.clock = clock
         self.holder = f"{socket.gethostname()}:{os.getpid()}"
         self.record: LeaseRecord | None = None
@@ -147,7 +155,7 @@ class Lease:
         while True:
             current, revision = await self._read()
             now = self.clock()
-            verdict = judge(current, revision, seen_revision, now)
+            verdict = judge(current, revision, seen_revision, now, self.reaped_holder)
             if verdict is Verdict.REFUSE:
                 raise StartRefused(held_message(current, self.run_id, now))
             if verdict is Verdict.WAIT:

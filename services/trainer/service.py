@@ -415,7 +415,7 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
     fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
     floor = await asyncio.to_thread(fence.stored_fence)
     kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
-    lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s)
+    lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s, reaped_holder=cfg.trainer.takeover_from)
     epoch = await lease.acquire(floor)
     log_event(log, Event.LEASE_ACQUIRED, epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
     return lease

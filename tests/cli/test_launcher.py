@@ -26,6 +26,7 @@ from services.cli.launcher import (
     hold_run,
     interrupt,
     launcher_lock,
+    restart_env,
     stop_or_kill,
     summarize,
 )
@@ -373,3 +374,13 @@ def test_the_weight_sync_token_goes_to_the_trainer_and_the_rollouts_alone(config
     assert tokens == {"trainer": "the-runs-token", "rollout": "the-runs-token", "reward": None, "reference": None}
     # Nor does a child inherit one from the launching shell: only role_env hands it out.
     assert "RLPIPE_WEIGHTSYNC_TOKEN" in ROLE_TOKENS and "RLPIPE_ADMIN_TOKEN" in ROLE_TOKENS
+
+
+@pytest.mark.unit
+def test_a_restarted_trainer_is_told_the_lease_holder_of_the_process_the_launcher_reaped():
+    exited = None  # restart_env is asked only about a child whose exit the launcher has seen
+    trainer = Child("trainer", "trainer", exited, Path("/dev/null"), log_max_bytes=1, log_keep=1)
+    trainer._note(b'{"event": "lease_acquired", "epoch": 1, "holder": "host:4242"}')
+    assert restart_env(trainer) == {"RLPIPE_CHECKPOINT__RESUME": "true", "RLPIPE_TRAINER__TAKEOVER_FROM": "host:4242"}
+    rollout = Child("rollout-0", "rollout", exited, Path("/dev/null"), log_max_bytes=1, log_keep=1)
+    assert restart_env(rollout) == {"RLPIPE_CHECKPOINT__RESUME": "true"}

@@ -23,6 +23,16 @@ def test_a_held_lease_is_waited_on_until_it_is_seen_renewed_which_refuses_or_it_
     assert judge(held, revision=7, seen_revision=7, now=100.0) is Verdict.TAKE  # never renewed: it was dead
 
 
+def test_a_lease_whose_holder_is_known_dead_is_taken_at_once_and_no_other_holder_s_is():
+    held = LeaseRecord("host:1", epoch=3, expires_at=100.0)
+    # The launcher waited on host:1's process: its restart takes the lease without waiting out the TTL.
+    assert judge(held, revision=7, seen_revision=None, now=90.0, reaped="host:1") is Verdict.TAKE
+    # Another trainer took the lease since: it lives, and the restart is refused as any second trainer is.
+    taken = LeaseRecord("host:9", epoch=4, expires_at=105.0)
+    assert judge(taken, revision=8, seen_revision=None, now=90.0, reaped="host:1") is Verdict.WAIT
+    assert judge(taken, revision=9, seen_revision=8, now=91.0, reaped="host:1") is Verdict.REFUSE
+
+
 def test_a_taker_s_epoch_is_one_above_both_the_old_lease_s_and_the_store_s_fence():
     old = LeaseRecord("host:1", epoch=3, expires_at=100.0)
     assert successor(old, "host:2", floor=0, now=200.0, ttl_s=5.0) == LeaseRecord("host:2", 4, 205.0)

@@ -75,6 +75,25 @@ def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_hig
     asyncio.run(scenario())
 
 
+def test_a_restarted_trainer_takes_its_reaped_predecessor_s_lease_at_once_at_a_higher_epoch(nats_url):
+    long_ttl_s = 600.0  # far longer than the test may take: only the takeover can end the wait
+
+    async def scenario() -> None:
+        connection = await nats.connect(nats_url)
+        kv = await open_bucket(connection.jetstream(), "r1", "file", 1)
+        killed = Lease(kv, "r1", long_ttl_s)
+        assert await killed.acquire() == 1
+        restarted = Lease(kv, "r1", long_ttl_s, reaped_holder=killed.holder)
+        restarted.holder = "host:restarted"
+        assert await asyncio.wait_for(restarted.acquire(), timeout=long_ttl_s / 10) == 2
+        with pytest.raises(LeaseLost, match="another trainer took over") as lost:
+            await killed.renew()  # had it lived after all, its next renewal finds the lease gone
+        assert lost.value.taken_over is True
+        await connection.close()
+
+    asyncio.run(scenario())
+
+
 class Trainer:
     """A real trainer process and the events it logs."""
 

@@ -801,6 +801,12 @@ class TrainerConfig(Section):
         "trainer of the run is refused while it holds; a restarted one takes over at most this long after its "
         "killed predecessor stopped renewing; a holder paused past it writes nothing more. Restart-only",
     )
+    takeover_from: str = Field(
+        "",
+        description="the lease holder (host:pid) of this run's previous trainer, known dead: its lease is taken at "
+        "once instead of after lease_ttl_s. `rlpipe run` sets it when it restarts a trainer it has waited on; "
+        "set it by hand only for a trainer you know has exited",
+    )
 
 
 class CostConfig(Section):
