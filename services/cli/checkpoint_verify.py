@@ -17,7 +17,8 @@ import torch
 from services.common.config import RunConfig
 from services.common.model.modeling import load_model
 from services.common.transport.storage import ObjectStore, open_store
-from services.trainer.checkpoint import UNREADABLE, CheckpointStore, load_untied
+from services.trainer.checkpoint import UNREADABLE, CheckpointStore
+from services.trainer.checkpoint_state import load_untied
 
 
 @dataclass(frozen=True)

@@ -437,7 +437,7 @@ class Intake:
             self.dead = self.bus.read_from(DEAD, max(info.state.first_seq, self.progress.dead_seq + 1))
         new = 0
         while (msg := await self.dead.next(timeout=0)) is not None:
-            self.progress.dead_seq = msg.sequence
+            self.progress.read_dead(msg.sequence)
             new += self._read_dead(msg)
         return new
 

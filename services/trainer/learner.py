@@ -72,7 +72,7 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
-from services.trainer.checkpoint import (
+from services.trainer.checkpoint_state import (
     Checkpoint,
     CheckpointMismatch,
     ModuleLayout,

@@ -47,14 +47,18 @@ from services.common.transport.streams import (
     H_STREAM,
     StreamMessage,
 )
+from services.trainer import adopter as adopter_module
+from services.trainer import checkpointer as checkpointer_module
 from services.trainer import intake as intake_module
 from services.trainer import recovery as recovery_module
-from services.trainer.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
+from services.trainer.adopter import ResumeRefused
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt
 from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import LearnerState
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.recovery import Recovery
 
 DATASET_ROWS = 400  # more than a scenario feeds: ids stay in epoch 0, and the fed ones are those below the cursor
 DATASET = [{"prompt": f"p{i}", "answer": "1"} for i in range(DATASET_ROWS)]
@@ -439,9 +443,7 @@ class Trainer:
             return
         progress = self.progress
         self.learner.weight += 1
-        progress.step += 1
-        progress.version += 1
-        progress.applied_seq = collected.sequence
+        progress.advance(collected.sequence)
         self.ledger.settle([g.group_id for g in collected.batch], progress.step, Fate.APPLIED)
         self.ledger.settle(collected.dropped, progress.step, Fate.DROPPED)
         self.lineage.record_step(
@@ -613,13 +615,13 @@ def simulated_world(clock: Clock):
     """The intake and recovery read ``clock`` for ``time.monotonic``; the operators' extras in a checkpoint are
     left out (see ``_NoYaml``, ``_Build``). Everything else is as in production."""
     fake_time = SimpleNamespace(monotonic=clock.monotonic)
-    saved = intake_module.time, recovery_module.time, recovery_module.yaml, recovery_module.BuildInfo
-    intake_module.time, recovery_module.time = fake_time, fake_time
-    recovery_module.yaml, recovery_module.BuildInfo = _NoYaml, _Build
+    saved = intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo
+    intake_module.time, adopter_module.time = fake_time, fake_time
+    checkpointer_module.yaml, recovery_module.BuildInfo = _NoYaml, _Build
     try:
         yield
     finally:
-        intake_module.time, recovery_module.time, recovery_module.yaml, recovery_module.BuildInfo = saved
+        intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo = saved
 
 
 @contextlib.contextmanager

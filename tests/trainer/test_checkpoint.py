@@ -6,8 +6,10 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, FencedOut, TrainerState, rng_state
+from services.trainer.checkpoint import AbandonedStep, CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, TrainerState, rng_state
 from services.trainer.lease import LeaseLost
+from services.trainer.step_store import FencedOut
 
 pytestmark = pytest.mark.unit
 
@@ -127,13 +129,13 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
     for step in (3, 4):  # a rollback to step 1 disowns what came after
         store.mark(step, "ABANDONED")
     assert store.load_latest().step == 1 and store.latest_stable() == 1
-    catalog = {entry["step"]: entry for entry in store.catalog()}
-    assert catalog[4]["abandoned"] and catalog[4]["stable"] and catalog[4]["policy_version"] == 104
-    assert catalog[1]["stable"] and not catalog[1]["abandoned"] and catalog[1]["bytes"] > 0
+    catalog = {entry.step: entry for entry in store.catalog()}
+    assert catalog[4].abandoned and catalog[4].stable and catalog[4].policy_version == 104
+    assert catalog[1].stable and not catalog[1].abandoned and catalog[1].bytes > 0
 
     store.save(checkpoint(3, "inc-s", policy_version=200), model_dir)  # the new branch reaches step 3 again:
     assert store.load_latest().state.policy_version == 200  # its own checkpoint replaces the abandoned one
-    assert store.load_latest().step == 3 and not {e["step"]: e for e in store.catalog()}[3]["abandoned"]
+    assert store.load_latest().step == 3 and not {e.step: e for e in store.catalog()}[3].abandoned
     save(5)
     assert store.steps(include_abandoned=True) == [1, 3, 5]  # abandoned steps are pruned first; stable 1 stays
 
@@ -167,7 +169,7 @@ def test_catalog_skips_a_step_pruned_while_it_is_read(tmp_path):
     reader = CheckpointStore(
         PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5, incarnation="inc-p"
     )
-    assert [entry["step"] for entry in reader.catalog()] == [2]
+    assert [entry.step for entry in reader.catalog()] == [2]
 
 
 def test_file_store_lists_while_folders_are_removed(tmp_path):

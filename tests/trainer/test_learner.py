@@ -272,7 +272,8 @@ def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
 def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     from services.common.config import CheckpointConfig
     from services.common.transport.storage import open_store
-    from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
+    from services.trainer.checkpoint import CheckpointStore
+    from services.trainer.checkpoint_state import Checkpoint, TrainerState
 
     model_dir = setup[0]
     cfg, first, groups = make(setup, algorithm=algorithm, epochs=2, mini_batches=2, warmup_steps=3)

@@ -19,18 +19,15 @@ from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
-from services.trainer.checkpoint import (
-    CHECKPOINT_FORMAT,
-    CheckpointMismatch,
-    CheckpointStore,
-    ForeignCheckpoints,
-    UnknownCheckpointFormat,
-)
+from services.trainer.adopter import ResumeRefused
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint_state import CheckpointMismatch
 from services.trainer.intake import Fate, GroupLedger, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
+from services.trainer.manifest import CHECKPOINT_FORMAT, UnknownCheckpointFormat
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.recovery import Recovery
 from services.trainer.resume import SavedRecord
 from tests.conftest import write_config
 

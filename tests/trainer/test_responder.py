@@ -14,7 +14,8 @@ from services.common.observe.events import EventLog
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, rng_state
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, TrainerState, rng_state
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, MetricsLog
