@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 from services.common.observe.events import EventLog
 from services.common.observe.logs import log_event
-from services.trainer.checkpoint import UNREADABLE, CheckpointStore, ForeignCheckpoints, Resumable
+from services.trainer.checkpoint import UNREADABLE, ForeignCheckpoints, Resumable
 from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, new_incarnation
-from services.trainer.intake import GroupLedger, PromptFeeder
-from services.trainer.learner import Learner
-from services.trainer.lineage import Lineage, settled_after
+from services.trainer.lineage import settled_after
 from services.trainer.manifest import UnknownCheckpointFormat
-from services.trainer.progress import Adopted, ConfigSource, ProcessState, Progress
+from services.trainer.progress import Adopted, ProcessState
+from services.trainer.restorable import Restorable
 from services.trainer.resume import ResumeBlocked, SavedRecord, StoreUnreadable
 from services.trainer.retention import Purger
 
@@ -52,23 +51,11 @@ class Adoption:
 class Adopter:
     def __init__(
         self,
-        settings: ConfigSource,
-        learner: Learner,
-        checkpoints: CheckpointStore,
-        lineage: Lineage,
-        progress: Progress,
-        ledger: GroupLedger,
-        feeder: PromptFeeder,
+        parts: Restorable,
         purger: Purger,
         events: EventLog,
     ):
-        self.settings = settings
-        self.learner = learner
-        self.checkpoints = checkpoints
-        self.lineage = lineage
-        self.progress = progress  # read only: recovery.py puts an adoption in force
-        self.ledger = ledger
-        self.feeder = feeder
+        self.parts = parts
         self.purger = purger
         self.events = events
 
@@ -76,20 +63,21 @@ class Adopter:
 
     async def find_checkpoint(self, saved: SavedRecord | None, wanted: int | None) -> Resumable:
         """The checkpoint to resume from (``wanted``, or the newest), waiting for a store that cannot be read."""
-        bound = self.settings.cfg.checkpoint.resume_wait_s
+        checkpoints = self.parts.checkpoints
+        bound = self.parts.settings.cfg.checkpoint.resume_wait_s
         started = time.monotonic()
         delay = 1.0
         while True:
             try:
                 if wanted is not None:
                     return Resumable(await asyncio.to_thread(self._load_requested, wanted))
-                return await asyncio.to_thread(self.checkpoints.load_newest, saved.step if saved else None)
+                return await asyncio.to_thread(self.parts.checkpoints.load_newest, saved.step if saved else None)
             except ResumeBlocked as error:
                 waited = time.monotonic() - started
                 if waited + delay > bound:
                     record = f"; this run last saved step {saved.step} at {saved.location}" if saved else ""
                     raise ResumeRefused(
-                        f"not resuming from {self.checkpoints.location()}: {error}{record}. Waited {waited:.0f} s "
+                        f"not resuming from {checkpoints.location()}: {error}{record}. Waited {waited:.0f} s "
                         f"(checkpoint.resume_wait_s: {bound:g}); nothing was written. Bring the store back and "
                         "start the run again; starting it without --resume abandons its training."
                     ) from error
@@ -98,7 +86,7 @@ class Adopter:
                     "resume_waiting",
                     level=logging.ERROR,
                     alert=True,
-                    store=self.checkpoints.location(),
+                    store=self.parts.checkpoints.location(),
                     error=str(error)[:500],
                     waited_s=round(waited, 1),
                     retry_s=delay,
@@ -109,7 +97,7 @@ class Adopter:
     def _load_requested(self, step: int) -> Checkpoint:
         """Step ``step`` (``checkpoint.resume_step``); a store that fails to answer is waited for, not a refusal."""
         try:
-            return self.checkpoints.load(step)
+            return self.parts.checkpoints.load(step)
         except (CheckpointCorrupt, FileNotFoundError, UnknownCheckpointFormat, ForeignCheckpoints):
             raise
         except Exception as error:  # the store's many failure types
@@ -118,15 +106,15 @@ class Adopter:
     async def rollback_target(self, step: int | None) -> Checkpoint:
         """Stored step ``step`` (None: the newest stable one); LookupError when there is none, CheckpointCorrupt
         when it cannot be loaded. Nothing changes either way."""
-        stored = await asyncio.to_thread(self.checkpoints.steps)
+        stored = await asyncio.to_thread(self.parts.checkpoints.steps)
         if step is None:
-            step = await asyncio.to_thread(self.checkpoints.latest_stable)
+            step = await asyncio.to_thread(self.parts.checkpoints.latest_stable)
             if step is None:
                 raise LookupError("no checkpoint is marked stable (rlpipe mark-stable STEP)")
         elif step not in stored:
             raise LookupError(f"no stored checkpoint at step {step} (stored: {stored})")
         try:
-            return await asyncio.to_thread(self.checkpoints.load, step)
+            return await asyncio.to_thread(self.parts.checkpoints.load, step)
         except UNREADABLE as error:
             raise CheckpointCorrupt(
                 f"the checkpoint of step {step} cannot be loaded ({error}); nothing was changed"
@@ -137,20 +125,20 @@ class Adopter:
     async def restart_without_checkpoint(self) -> Adopted:
         """A restart before the run's first checkpoint: a new incarnation, whose policy versions still grow past
         any this run served (rollouts may hold them), and which abandons the steps taken before."""
-        incarnation = self.checkpoints.incarnation = new_incarnation()
+        incarnation = self.parts.checkpoints.incarnation = new_incarnation()
         applied_seq = await self.purger.read_on_after(0)
-        version = self.progress.version
-        served = self.lineage.max_version()
+        version = self.parts.progress.version
+        served = self.parts.lineage.max_version()
         if served:
             version = served + 1
-            self.lineage.restart_from(0, version, "restart", abandoned_versions=(1, served))
+            self.parts.lineage.restart_from(0, version, "restart", abandoned_versions=(1, served))
         return Adopted(
             step=0,
             version=version,
             applied_seq=applied_seq,
             incarnation=incarnation,
-            last_eval=self.progress.last_eval,
-            abandoned_versions=self.lineage.abandoned_versions(),
+            last_eval=self.parts.progress.last_eval,
+            abandoned_versions=self.parts.lineage.abandoned_versions(),
         )
 
     async def take(self, ckpt: Checkpoint, event: str, requested: bool = False) -> Adoption:
@@ -158,28 +146,40 @@ class Adopter:
 
         ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
         # Staging: the checkpoint must fit the model whole before the store or the running state changes.
-        await asyncio.to_thread(self.learner.check, ckpt)
+        await asyncio.to_thread(self.parts.learner.check, ckpt)
         # The store learns whose steps it keeps first (setting it again on a retry is harmless), so that
         # marking later steps abandoned, which may fail and leaves memory untouched, spares other runs' steps.
-        incarnation = self.checkpoints.adopt_incarnation(ckpt)
-        stored_high_water = await asyncio.to_thread(self.checkpoints.version_high_water)
-        later = await asyncio.to_thread(self.checkpoints.abandon_after, ckpt.step)
+        incarnation = self.parts.checkpoints.adopt_incarnation(ckpt)
+        stored_high_water = await asyncio.to_thread(self.parts.checkpoints.version_high_water)
+        later = await asyncio.to_thread(self.parts.checkpoints.abandon_after, ckpt.step)
         state = ckpt.state
         read_from = await self.purger.read_on_after(state.last_experience_seq)
         # Versions only grow: past any this run served, by what the lineage, this checkpoint and every stored step
         # say (a lineage.jsonl that lost its tail in a node crash is covered by the checkpoints).
-        served = max(self.progress.version, self.lineage.max_version(), state.policy_version, state.version_high_water)
+        served = max(
+            self.parts.progress.version,
+            self.parts.lineage.max_version(),
+            state.policy_version,
+            state.version_high_water,
+        )
         new_version = max(served, stored_high_water) + 1
         disowned = (state.policy_version + 1, new_version - 1)
-        self.learner.load(ckpt)
-        self.learner.reconfigure(self.settings.cfg)  # the live hyperparameters stay in force
+        self.parts.learner.load(ckpt)
+        self.parts.learner.reconfigure(self.parts.settings.cfg)  # the live hyperparameters stay in force
+        if ckpt.optimizer is None:
+            message = (
+                f"step {ckpt.step} was saved without optimizer state (checkpoint.optimizer_every): the optimizer "
+                "starts fresh, its moments at zero"
+            )
+            self.events.write("optimizer_fresh", message, step=ckpt.step)
+            log_event(log, "optimizer_fresh", level=logging.WARNING, step=ckpt.step, reason=message)
         self.purger.track_claims(state.claim_keys)
         process = None
         if event == "resume":
             # A new process: the cursor, the in-flight groups and what the lineage settled are the checkpoint's; a
             # rollback keeps reading DEAD where it is (dead letters are facts about the pipeline).
-            self.feeder.seek(state.data_cursor)
-            self.ledger.restore(
+            self.parts.feeder.seek(state.data_cursor)
+            self.parts.ledger.restore(
                 state.in_flight,
                 state.applied_ids,
                 state.dead_ids,
@@ -191,8 +191,8 @@ class Adopter:
             process = ProcessState(state.dead_seq, state.baseline_accuracy, dict(state.metrics))
         else:
             # The same process goes back: prompts already fed stay in flight and are not fed again.
-            abandoned_groups = settled_after(await asyncio.to_thread(self.lineage.records), ckpt.step)
-            undone = self.ledger.rewind(
+            abandoned_groups = settled_after(await asyncio.to_thread(self.parts.lineage.records), ckpt.step)
+            undone = self.parts.ledger.rewind(
                 state.applied_ids, ckpt.step, time.monotonic(), state.settled_through, abandoned_groups
             )
             if undone:
@@ -201,7 +201,7 @@ class Adopter:
                     "groups_reopened_by_rollback", message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
                 )
                 log_event(log, "groups_reopened_by_rollback", step=ckpt.step, count=len(undone), group_ids=undone[:20])
-        abandoned = self.lineage.restart_from(
+        abandoned = self.parts.lineage.restart_from(
             ckpt.step,
             new_version,
             event,
@@ -215,7 +215,7 @@ class Adopter:
             applied_seq=read_from,
             incarnation=incarnation,
             last_eval=state.eval_accuracy,
-            abandoned_versions=self.lineage.abandoned_versions(),
+            abandoned_versions=self.parts.lineage.abandoned_versions(),
             process=process,
         )
         return Adoption(adopted, abandoned, later)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
 import numpy as np
@@ -101,6 +101,19 @@ class ModuleLayout:
             raise CheckpointMismatch(f"{what} does not fit the model: {shown}")
 
 
+def widened(ckpt: Checkpoint, layout: ModuleLayout) -> Checkpoint:
+    """``ckpt`` with weights saved in the serving dtype (``checkpoint.weights_dtype: serving``) cast back to the
+    dtypes of ``layout`` (the model's); any other checkpoint as it is, so a dtype that does not fit is still refused
+    (``ModuleLayout.check``)."""
+    if not ckpt.state.weights_dtype:
+        return ckpt
+    model = {
+        name: tensor.to(layout.specs[name][1]) if name in layout.specs and tensor.is_floating_point() else tensor
+        for name, tensor in ckpt.model.items()
+    }
+    return replace(ckpt, model=model)
+
+
 def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
     values) before the first tensor is copied; only the aliases of shared tensors may be absent."""
@@ -138,6 +151,9 @@ class TrainerState:
     # The highest policy version served by the time of the save, abandoned branches included: a restart whose
     # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
     version_high_water: int = 0
+    # The dtype the weights were saved in when it is not the master weights' (checkpoint.weights_dtype: serving); a
+    # resume widens them back. "" for master weights, and in files from before it was kept.
+    weights_dtype: str = ""
 
     # Fields every trainer_state.json has carried; the others default when an older file lacks them.
     REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "last_experience_seq")
@@ -165,7 +181,7 @@ class TrainerState:
 class Checkpoint:
     step: int
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None: saved without it (checkpoint.optimizer_every); a resume starts it fresh
     scheduler: dict[str, Any]
     rng: dict[str, Any]
     state: TrainerState

@@ -1,8 +1,10 @@
 """Saving: a copy of everything a step depends on, taken between steps, stored while training goes on.
 
-``snapshot`` runs on the loop between two steps and is the whole stall a save adds to training; ``store`` encodes
-and uploads that copy (on a worker thread) and returns what became of it (``SaveOutcome``). recovery.py runs the
-upload in the background and orders what follows a save (the record, the metrics row, the purge).
+``snapshot`` runs on the loop between two steps and is the whole stall a save adds to training (reported as
+``checkpoint_stall_s``): a host-memory copy of the weights, and of the optimizer state on the saves that keep it
+(``checkpoint.optimizer_every``). ``store`` encodes and uploads that copy on a worker thread and returns what became
+of it (``SaveOutcome``). recovery.py runs the upload in the background and orders what follows a save (the record,
+the metrics row, the purge).
 """
 
 from __future__ import annotations
@@ -12,20 +14,36 @@ import json
 import logging
 from dataclasses import dataclass
 
+import torch
 import yaml
 
 from services.common.config import BuildInfo, redacted_dump
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import TrainerMetrics
-from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint, TrainerState
-from services.trainer.intake import GroupLedger, PromptFeeder
-from services.trainer.learner import Learner
-from services.trainer.lineage import Lineage
-from services.trainer.progress import ConfigSource, Progress
+from services.trainer.restorable import Restorable
 from services.trainer.retention import Purger
 
 log = logging.getLogger(__name__)
+
+
+def holds_optimizer(step: int, save_every: int, optimizer_every: int, final: bool) -> bool:
+    """Whether the save of ``step`` keeps the optimizer state: every ``optimizer_every``-th periodic save, counted by
+    step so that a restart keeps the rhythm, and every ``final`` one (at a stop, at the end, on request)."""
+    if final or optimizer_every == 1 or not save_every:
+        return True
+    return (step // save_every) % optimizer_every == 0
+
+
+def in_saved_dtype(
+    model: dict[str, torch.Tensor], weights_dtype: str, serving: str
+) -> tuple[dict[str, torch.Tensor], str]:
+    """``model``'s tensors as ``checkpoint.weights_dtype`` saves them, and the dtype named in the checkpoint when it
+    is not the master weights' ("" otherwise: a resume is exact)."""
+    target = getattr(torch, serving)
+    if weights_dtype == "master" or all(t.dtype == target for t in model.values() if t.is_floating_point()):
+        return model, ""
+    return {name: t.to(target) if t.is_floating_point() else t for name, t in model.items()}, serving
 
 
 @dataclass(frozen=True)
@@ -39,59 +57,52 @@ class SaveOutcome:
 class Checkpointer:
     def __init__(
         self,
-        settings: ConfigSource,
-        learner: Learner,
-        checkpoints: CheckpointStore,
-        lineage: Lineage,
-        progress: Progress,
-        ledger: GroupLedger,
-        feeder: PromptFeeder,
+        parts: Restorable,
         purger: Purger,
         telemetry: TrainerMetrics,
         build: BuildInfo,
     ):
-        self.settings = settings
-        self.learner = learner
-        self.checkpoints = checkpoints
-        self.lineage = lineage
-        self.progress = progress
-        self.ledger = ledger
-        self.feeder = feeder
+        self.parts = parts
         self.purger = purger
         self.telemetry = telemetry
         self.build = build
 
-    def snapshot(self, config_version: int) -> Checkpoint:
-        """A copy of everything to save, taken between steps so the upload can run while training goes on."""
-        cfg, progress, learner = self.settings.cfg, self.progress, self.learner
-        self.ledger.advance()  # the newest watermark, so the checkpoint lists as few groups beside it as it can
-        state = learner.state()  # in host memory and one process's format, whatever the world size
+    def snapshot(self, config_version: int, final: bool) -> Checkpoint:
+        """A copy of everything to save, taken between steps so the upload can run while training goes on;
+        ``final``: a save at a stop, at the end or on request, which always keeps the optimizer state."""
+        cfg, progress, learner = self.parts.settings.cfg, self.parts.progress, self.parts.learner
+        self.parts.ledger.advance()  # the newest watermark, so the checkpoint lists as few groups beside it as it can
+        ck = cfg.checkpoint
+        optimizer = holds_optimizer(progress.step, ck.save_every_steps, ck.optimizer_every, final)
+        state = learner.state(optimizer=optimizer)  # in host memory and one process's format, whatever the world size
+        model, weights_dtype = in_saved_dtype(state.model, ck.weights_dtype, cfg.model.dtype)
         return Checkpoint(
             step=progress.step,
-            model=state.model,
+            model=model,
             optimizer=state.optimizer,
             scheduler=learner.scheduler.state_dict(),
             rng=learner.rng_state(),
             critic=state.critic,
-            lineage=self.lineage.text(),
+            lineage=self.parts.lineage.text(),
             state=TrainerState(
                 step=progress.step,
                 policy_version=progress.version,
                 config_version=config_version,
-                data_cursor=self.feeder.cursor,
+                data_cursor=self.parts.feeder.cursor,
                 last_experience_seq=progress.applied_seq,
-                in_flight=self.ledger.unsettled(),
+                in_flight=self.parts.ledger.unsettled(),
                 eval_accuracy=progress.last_eval,
                 baseline_accuracy=progress.baseline_eval,
                 metrics=dict(progress.last_row),
                 incarnation=progress.incarnation,
-                settled_through=self.ledger.watermark(),
-                applied_ids=self.ledger.exceptions(),
-                dead_ids=self.ledger.dead(),
+                settled_through=self.parts.ledger.watermark(),
+                applied_ids=self.parts.ledger.exceptions(),
+                dead_ids=self.parts.ledger.dead(),
                 dead_seq=progress.dead_seq,
-                reinjected=sorted(self.ledger.reinjected),
+                reinjected=sorted(self.parts.ledger.reinjected),
                 claim_keys=sorted((seq, key) for key, seq in self.purger.claim_keys.items()),
-                version_high_water=max(progress.version, self.lineage.max_version()),
+                version_high_water=max(progress.version, self.parts.lineage.max_version()),
+                weights_dtype=weights_dtype,
             ),
             extras={
                 # What produced these weights, for whoever restores or audits them.
@@ -104,7 +115,7 @@ class Checkpointer:
         """Encode and upload ``ckpt`` off the loop; a failure is logged and returned, never raised."""
         took = Stopwatch()
         try:
-            location = await asyncio.to_thread(self.checkpoints.save, ckpt, self.settings.cfg.model.path)
+            location = await asyncio.to_thread(self.parts.checkpoints.save, ckpt, self.parts.settings.cfg.model.path)
         except Exception as error:  # the store's many failure types; training must go on
             self.telemetry.record_checkpoint(took(), ok=False)
             log_event(

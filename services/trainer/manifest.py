@@ -34,10 +34,14 @@ from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, Tra
 
 MANIFEST = "manifest.json"
 # The layout of a step folder. 1: written before the manifest named its format (read as such: trainer_state.json
-# fields added since default, and a pickled rng.pkl is refused by name). A step of a newer format is refused by
-# name, never skipped for an older step: that would silently abandon the newer one's training.
-CHECKPOINT_FORMAT = 2
+# fields added since default, and a pickled rng.pkl is refused by name). 2: every part. 3: optimizer.pt may be absent
+# (checkpoint.optimizer_every) and the weights may be in the serving dtype (trainer_state.json's weights_dtype).
+# A step is written in the oldest format that holds it, so an older rlpipe still resumes a full step. A step of a
+# newer format is refused by name, never skipped for an older step: that would silently abandon its training.
+CHECKPOINT_FORMAT = 3
+FULL_FORMAT = 2  # every part, weights in the master dtype
 REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "lineage.jsonl")
+OPTIONAL_FROM_FORMAT_3 = ("optimizer.pt",)
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
 PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
@@ -135,7 +139,8 @@ class Manifest:
                 f"this one reads formats 1 to {CHECKPOINT_FORMAT}. Resume with that rlpipe, or name an older step "
                 "(checkpoint.resume_step)"
             )
-        missing = [name for name in REQUIRED_PARTS if name not in self.files]
+        optional = OPTIONAL_FROM_FORMAT_3 if self.format >= 3 else ()
+        missing = [name for name in REQUIRED_PARTS if name not in self.files and name not in optional]
         if missing:
             raise CheckpointCorrupt(
                 f"step {self.step} (checkpoint format {self.format}): its manifest lists no {missing}"
@@ -217,7 +222,7 @@ def encode_parts(ckpt: Checkpoint, sidecars: dict[str, bytes]) -> dict[str, byte
     """Every part of ``ckpt``'s step folder; ``sidecars``: the model folder's files that make it loadable."""
     parts = {
         "model.safetensors": save_safetensors(untied(ckpt.model)),
-        "optimizer.pt": _torch_bytes(ckpt.optimizer),
+        **({"optimizer.pt": _torch_bytes(ckpt.optimizer)} if ckpt.optimizer is not None else {}),
         "scheduler.pt": _torch_bytes(ckpt.scheduler),
         "rng.pt": _rng_bytes(ckpt.rng),
         "trainer_state.json": ckpt.state.to_json().encode(),
@@ -235,7 +240,7 @@ def describe(ckpt: Checkpoint, parts: dict[str, bytes], incarnation: str, fence_
         step=ckpt.step,
         incarnation=incarnation,
         fence_epoch=fence_epoch,
-        format=CHECKPOINT_FORMAT,
+        format=FULL_FORMAT if ckpt.optimizer is not None and not state.weights_dtype else CHECKPOINT_FORMAT,
         policy_version=state.policy_version,
         version_high_water=max(state.version_high_water, state.policy_version),
         last_experience_seq=state.last_experience_seq,
@@ -254,7 +259,9 @@ def decode_checkpoint(step: int, parts: dict[str, bytes]) -> Checkpoint:
     return Checkpoint(
         step=step,
         model=load_safetensors(parts["model.safetensors"]),
-        optimizer=_safe_torch_load(parts["optimizer.pt"], f"step {step}: optimizer.pt"),
+        optimizer=_safe_torch_load(parts["optimizer.pt"], f"step {step}: optimizer.pt")
+        if "optimizer.pt" in parts
+        else None,
         scheduler=_safe_torch_load(parts["scheduler.pt"], f"step {step}: scheduler.pt"),
         rng=_rng_from_bytes(parts["rng.pt"], f"step {step}: rng.pt"),
         state=TrainerState.from_json(parts["trainer_state.json"]),

@@ -22,7 +22,7 @@ from typing import Any
 
 from services.common.config import BuildInfo
 from services.common.observe.events import EventLog
-from services.common.observe.logs import log_event
+from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import TrainerMetrics
 from services.common.transport.bus import Bus
 from services.common.transport.weightsync.server import WeightSyncServer
@@ -35,6 +35,7 @@ from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
 from services.trainer.manifest import STABLE, CatalogEntry
 from services.trainer.progress import Adopted, ConfigSource, Progress
+from services.trainer.restorable import Restorable
 from services.trainer.resume import SavedRecord
 from services.trainer.retention import Purger
 
@@ -69,10 +70,9 @@ class Recovery:
         self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
         self.build = BuildInfo().resolved()
         self.purger = Purger(settings, checkpoints, progress, ledger, bus)
-        self.checkpointer = Checkpointer(
-            settings, learner, checkpoints, lineage, progress, ledger, feeder, self.purger, telemetry, self.build
-        )
-        self.adopter = Adopter(settings, learner, checkpoints, lineage, progress, ledger, feeder, self.purger, events)
+        parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
+        self.checkpointer = Checkpointer(parts, self.purger, telemetry, self.build)
+        self.adopter = Adopter(parts, self.purger, events)
         self.upload: asyncio.Task | None = None
 
     @property
@@ -200,15 +200,19 @@ class Recovery:
             await self.upload
             if self.progress.saved_step == self.progress.step:
                 return  # that upload was this very step
-        self.upload = asyncio.create_task(self._upload(self.checkpointer.snapshot(config_version)))
+        took = Stopwatch()
+        ckpt = self.checkpointer.snapshot(config_version, final=wait)
+        self.upload = asyncio.create_task(self._upload(ckpt, stall_s=took()))
         if wait:
             await self.upload
 
-    async def _upload(self, ckpt: Checkpoint) -> None:
+    async def _upload(self, ckpt: Checkpoint, stall_s: float) -> None:
+        """Store ``ckpt``; ``stall_s``: how long taking it held the training loop."""
         outcome = await self.checkpointer.store(ckpt)
         if outcome.error:
             # The row carries the current step: the save's own step may be behind, and is not one to roll back to.
-            await self.report({"step": self.progress.step, "checkpoint_failed": 1, "error": outcome.error})
+            row = {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s}
+            await self.report({**row, "error": outcome.error})
             return
         self.progress.saved(ckpt.step)
         try:
@@ -222,9 +226,18 @@ class Recovery:
                 "checkpoint_saved": 1,
                 "checkpoint_failed": 0,
                 "checkpoint_time_s": outcome.seconds,
+                "checkpoint_stall_s": stall_s,
             }
         )
-        log_event(log, "checkpoint", step=ckpt.step, location=outcome.location, save_s=outcome.seconds)
+        log_event(
+            log,
+            "checkpoint",
+            step=ckpt.step,
+            location=outcome.location,
+            save_s=outcome.seconds,
+            stall_s=stall_s,
+            optimizer=ckpt.optimizer is not None,
+        )
         await self.purger.purge_consumed()
 
     # -- operator calls -------------------------------------------------------------

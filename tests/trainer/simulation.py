@@ -321,8 +321,8 @@ class SimLearner:
     def reconfigure(self, cfg: RunConfig) -> None:
         pass
 
-    def state(self) -> LearnerState:
-        return LearnerState(model={"w": self.weight.clone()}, optimizer={}, critic=None)
+    def state(self, optimizer: bool = True) -> LearnerState:
+        return LearnerState(model={"w": self.weight.clone()}, optimizer={} if optimizer else None, critic=None)
 
     def rng_state(self) -> dict[str, Any]:
         # The shape a checkpoint stores (numpy's entry as in ``np.random.get_state()``), a few bytes long.

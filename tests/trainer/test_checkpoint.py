@@ -7,7 +7,7 @@ import torch
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import AbandonedStep, CheckpointStore
-from services.trainer.checkpoint_state import Checkpoint, TrainerState, rng_state
+from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, TrainerState, rng_state
 from services.trainer.lease import LeaseLost
 from services.trainer.step_store import FencedOut
 
@@ -282,3 +282,28 @@ def test_a_writer_whose_own_lease_ran_out_writes_nothing_even_before_a_successor
     with pytest.raises(LeaseLost, match="expired"):
         writer.record_purge(10, "stream-life")
     assert stored_objects(writer) == before
+
+
+def test_a_save_without_optimizer_state_is_format_3_and_loads_without_one_while_a_full_save_stays_format_2(tmp_path):
+    """An older rlpipe refuses the first by name (it cannot resume it exactly) and still resumes the second."""
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    store = CheckpointStore(open_store((tmp_path / "store").as_uri(), CheckpointConfig()), "run", keep_last=5)
+    incarnation = store.start_fresh()
+    weights_only = checkpoint(1, incarnation)
+    weights_only.optimizer = None
+    store.save(weights_only, model_dir)
+    store.save(checkpoint(2, incarnation), model_dir)
+    first = json.loads(store.store.get("run/step-00000001/manifest.json"))
+    second = json.loads(store.store.get("run/step-00000002/manifest.json"))
+    assert (first["format"], "optimizer.pt" in first["files"]) == (3, False)
+    assert (second["format"], "optimizer.pt" in second["files"]) == (2, True)
+    assert store.load(1).optimizer is None
+    assert store.load(2).optimizer["state"].keys() == tiny_state(2)[1].state_dict()["state"].keys()
+    # Only format 3 may lack it: a format 2 step without optimizer.pt is still a corrupt one.
+    del second["files"]["optimizer.pt"]
+    store.store.put("run/step-00000002/manifest.json", json.dumps(second).encode())
+    with pytest.raises(
+        CheckpointCorrupt, match=r"step 2 \(checkpoint format 2\): its manifest lists no \['optimizer.pt'\]"
+    ):
+        store.load(2)
