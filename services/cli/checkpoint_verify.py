@@ -17,7 +17,8 @@ import torch
 from services.common.config import RunConfig
 from services.common.model.modeling import load_model
 from services.common.transport.storage import ObjectStore, open_store
-from services.trainer.checkpoint import UNREADABLE, CheckpointStore, load_untied
+from services.trainer.checkpoint import UNREADABLE, CheckpointStore
+from services.trainer.checkpoint_state import ModuleLayout, load_untied, widened
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,7 @@ def verify_checkpoints(cfg: RunConfig, step: int | None = None, every: bool = Fa
             if model is None:
                 model = load_model(cfg.model.path, "float32")
             try:
-                load_untied(model, ckpt.model)
+                load_untied(model, widened(ckpt, ModuleLayout.of(model)).model)  # serving-dtype weights widened
             except (ValueError, RuntimeError) as error:  # load_state_dict raises RuntimeError on a shape mismatch
                 results.append(StepCheck(store.url, number, False, f"step {number}: weights do not load: {error}"))
                 continue

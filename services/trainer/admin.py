@@ -14,6 +14,7 @@ from __future__ import annotations
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,9 @@ from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.live_config import parse_value
-from services.trainer.checkpoint import AbandonedStep, CheckpointCorrupt
+from services.trainer.checkpoint import AbandonedStep
+from services.trainer.checkpoint_state import CheckpointCorrupt
+from services.trainer.manifest import CatalogEntry
 
 if TYPE_CHECKING:
     from services.common.transport.live_config import LiveConfig
@@ -118,9 +121,9 @@ def _config_version(version: Any) -> admin_pb2.ConfigVersion:
     )
 
 
-def checkpoint_info(entry: dict[str, Any]) -> admin_pb2.CheckpointInfo:
+def checkpoint_info(entry: CatalogEntry) -> admin_pb2.CheckpointInfo:
     return admin_pb2.CheckpointInfo(
-        **{k: v for k, v in entry.items() if k in admin_pb2.CheckpointInfo.DESCRIPTOR.fields_by_name}
+        **{k: v for k, v in asdict(entry).items() if k in admin_pb2.CheckpointInfo.DESCRIPTOR.fields_by_name}
     )
 
 

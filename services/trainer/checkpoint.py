@@ -1,18 +1,4 @@
-"""Trainer checkpoints at ``<store>/<run>/step-<N>/``.
-
-Parts go up first (model as safetensors with its HF config and tokenizer, so a
-step folder is itself a loadable model; the PPO critic; optimizer; LR scheduler; RNG states; trainer state; lineage),
-then ``manifest.json`` with every part's size and sha256. Nothing is unpickled on load: weights are safetensors, the
-optimizer, scheduler and RNG states load with ``torch.load(weights_only=True)`` (tensors, numbers, strings and
-containers only), and a part holding any other object is refused with ``UnsafeCheckpoint``. A step without a
-manifest, or whose parts do not match it, does not exist for loaders. The manifest names its ``format``
-(``CHECKPOINT_FORMAT``): a step of a newer format is refused by name (``UnknownCheckpointFormat``), one
-without the field is read as format 1.
-
-Two marker objects sit beside a manifest: ``STABLE`` (an operator or a healthy save
-vouched for the step; pruning keeps it and ``rollback --stable`` goes to the newest)
-and ``ABANDONED`` (a rollback or a resume went back before it; loaders skip it and pruning
-drops it first, while lineage.jsonl keeps the record of what it trained).
+"""Checkpoint store I/O: a run's steps on its store and mirror (their format is ``manifest.py``'s).
 
 Incarnations
 ------------
@@ -58,253 +44,36 @@ while pruning or copying to the mirror afterwards is logged (``prune_failed``,
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
-import pickle
-import random
-import re
-import time
-import uuid
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
 
-import numpy as np
-import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
-
-from services.common.model.modeling import host_state
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
 from services.common.transport.weightsync.snapshot import NonFiniteWeights, non_finite
+from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, new_incarnation
+from services.trainer.manifest import (
+    ABANDONED,
+    MANIFEST,
+    MODEL_SIDECARS,
+    PURGED,
+    STABLE,
+    CatalogEntry,
+    Manifest,
+    StoredStep,
+    UnknownCheckpointFormat,
+    decode_checkpoint,
+    describe,
+    encode_parts,
+    marker_note,
+)
 from services.trainer.resume import CheckpointsMissing, StoreListing, StoreUnreadable, resume_candidates
+from services.trainer.retention import prunable, replay_floor
+from services.trainer.step_store import StepStore
 
 log = logging.getLogger(__name__)
-
-MANIFEST = "manifest.json"
-# The layout of a step folder. 1: written before the manifest named its format (read as such: trainer_state.json
-# fields added since default, and a pickled rng.pkl is refused by name). A step of a newer format is refused by
-# name, never skipped for an older step: that would silently abandon the newer one's training.
-CHECKPOINT_FORMAT = 2
-REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "lineage.jsonl")
-STABLE = "STABLE"
-ABANDONED = "ABANDONED"
-PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
-FENCE = "FENCE"  # beside the step folders: the highest lease epoch that claimed this prefix (claim_fence)
-_STEP_FILE = re.compile(r"step-(\d+)/(manifest\.json|STABLE|ABANDONED)$")
-MODEL_SIDECARS = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-)
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def _torch_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
-
-
-def _safe_torch_load(data: bytes, what: str) -> Any:
-    """``data`` saved by ``torch.save``, unpickled only as far as tensors, numbers, strings and containers go:
-    a checkpoint is data, and loading one must never run code that a writer of the store planted in it."""
-    try:
-        return torch.load(io.BytesIO(data), weights_only=True)
-    except pickle.UnpicklingError as error:
-        reason = str(error).strip().splitlines()[0][:200]
-        raise UnsafeCheckpoint(
-            f"{what} holds something other than tensors, numbers and containers and is refused unopened "
-            f"(rlpipe never unpickles objects from a checkpoint): {reason}"
-        ) from None
-
-
-def _rng_bytes(state: dict[str, Any]) -> bytes:
-    """The RNG states as ``torch.save`` bytes that load with ``weights_only``: numpy's key array becomes a tensor."""
-    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    stored = {**state, "numpy": (name, torch.from_numpy(keys.astype(np.int64)), position, has_gauss, cached_gaussian)}
-    return _torch_bytes(stored)
-
-
-def _rng_from_bytes(data: bytes, what: str) -> dict[str, Any]:
-    state = _safe_torch_load(data, what)
-    name, keys, position, has_gauss, cached_gaussian = state["numpy"]
-    return {**state, "numpy": (name, keys.numpy().astype(np.uint32), position, has_gauss, cached_gaussian)}
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():  # dropout and sampling on the GPU draw from these, not the CPU generator
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def restore_rng(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The state dict without aliases of shared storage (tied embeddings), as Hugging Face saves it."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        if tensor.data_ptr() not in seen:
-            seen.add(tensor.data_ptr())
-            out[name] = tensor.contiguous()
-    return out
-
-
-def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``module``'s state in host memory that training cannot change, in its own dtypes (exact resume
-    needs the float32 master weights); tensor by tensor, never a second whole copy on a GPU. Tied tensors are
-    copied (and stored) once."""
-    return host_state(untied(module.state_dict()))
-
-
-@dataclass(frozen=True)
-class ModuleLayout:
-    """What a state dict must hold to load into a module: each tensor's shape and dtype, and which names alias one
-    tensor (tied embeddings: ``untied`` keeps one of them). Taken before the module is sharded, so it describes
-    the whole tensors a checkpoint holds."""
-
-    specs: dict[str, tuple[tuple[int, ...], torch.dtype]]
-    tied: tuple[tuple[str, ...], ...]  # names sharing one storage; each group must be present once
-
-    @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleLayout:
-        by_storage: dict[int, list[str]] = {}
-        specs = {}
-        for name, tensor in module.state_dict().items():
-            by_storage.setdefault(tensor.data_ptr(), []).append(name)
-            specs[name] = (tuple(tensor.shape), tensor.dtype)
-        return cls(specs, tuple(tuple(names) for names in by_storage.values()))
-
-    def check(self, state: dict[str, torch.Tensor], what: str) -> None:
-        """Raise CheckpointMismatch naming every key, shape, dtype or non-finite value of ``state`` that would not
-        load; nothing is changed either way."""
-        problems = [f"missing {names[0]}" for names in self.tied if not any(name in state for name in names)]
-        problems += [f"unexpected {name}" for name in sorted(state.keys() - self.specs.keys())]
-        for name, tensor in state.items():
-            if name not in self.specs:
-                continue
-            shape, dtype = self.specs[name]
-            if tuple(tensor.shape) != shape:
-                problems.append(f"{name} has shape {list(tensor.shape)}, the model {list(shape)}")
-            elif tensor.dtype != dtype:
-                problems.append(f"{name} is {tensor.dtype}, the model {dtype}")
-            elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-                problems.append(f"{name} holds NaN or infinite values")
-        if problems:
-            shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-            raise CheckpointMismatch(f"{what} does not fit the model: {shown}")
-
-
-def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
-    values) before the first tensor is copied; only the aliases of shared tensors may be absent."""
-    ModuleLayout.of(module).check(state, "checkpoint")
-    module.load_state_dict(state, strict=False)
-
-
-def new_incarnation() -> str:
-    """A fresh run incarnation id."""
-    return uuid.uuid4().hex
-
-
-@dataclass(kw_only=True)
-class TrainerState:
-    """``trainer_state.json``: what the trainer needs, besides weights, optimizer, schedule and RNG, to go on."""
-
-    step: int
-    policy_version: int
-    config_version: int = 0
-    data_cursor: dict[str, int] = field(default_factory=dict)  # the prompt feeder's position (epoch, index)
-    last_experience_seq: int  # last EXPERIENCE stream sequence applied (or dropped) by this step
-    in_flight: list[str] = field(default_factory=list)  # group ids fed as prompts and not yet applied
-    eval_accuracy: float | None = None
-    baseline_accuracy: float | None = None
-    metrics: dict[str, Any] = field(default_factory=dict)  # the last step's metrics row
-    incarnation: str = ""  # the run incarnation that wrote it; "" in files from before incarnations
-    # Every group this incarnation fed at or before this id, in feeding order, has a fate ("" for none yet, and in
-    # files from before it was kept): a copy of one is refused however late it comes.
-    settled_through: str = ""
-    applied_ids: list[str] = field(default_factory=list)  # the groups settled (any fate) above settled_through
-    dead_ids: list[str] = field(default_factory=list)  # those of applied_ids settled as dead: a re-inject reopens them
-    dead_seq: int = 0  # the DEAD sequence read through: a resumed trainer reads DEAD on after it
-    reinjected: list[str] = field(default_factory=list)  # "<stream>:<sequence>" of each message re-injected from DEAD
-    claim_keys: list[tuple[int, str]] = field(default_factory=list)  # (EXPERIENCE sequence, claim-check key)
-    # The highest policy version served by the time of the save, abandoned branches included: a restart whose
-    # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
-    version_high_water: int = 0
-
-    # Fields every trainer_state.json has carried; the others default when an older file lacks them.
-    REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "last_experience_seq")
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> TrainerState:
-        """Parse a trainer_state.json; ValueError when it is not one. Unknown keys (a newer writer's) are ignored."""
-        raw = json.loads(text)
-        if not isinstance(raw, dict):
-            raise ValueError(f"trainer_state.json holds a {type(raw).__name__}, not an object")
-        missing = [name for name in cls.REQUIRED if name not in raw]
-        if missing:
-            raise ValueError(f"trainer_state.json lacks {missing}")
-        known = {f.name for f in fields(cls)}
-        values = {name: value for name, value in raw.items() if name in known}
-        # JSON has no tuples: pairs come back as lists.
-        values["claim_keys"] = [(int(seq), str(key)) for seq, key in values.get("claim_keys", [])]
-        return cls(**values)
-
-
-@dataclass
-class Checkpoint:
-    step: int
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
-    scheduler: dict[str, Any]
-    rng: dict[str, Any]
-    state: TrainerState
-    critic: dict[str, torch.Tensor] | None = None
-    lineage: str = ""  # lineage.jsonl up to this step
-    extras: dict[str, bytes] | None = None  # kept for operators, not loaded: effective config, build info
-
-    @property
-    def incarnation(self) -> str:
-        """The run incarnation that saved it; "" for a checkpoint from before incarnations."""
-        return self.state.incarnation
-
-
-class CheckpointCorrupt(RuntimeError):
-    pass
-
-
-class UnsafeCheckpoint(CheckpointCorrupt):
-    """A part that would need unpickling arbitrary objects to load (a planted payload, or a pre-safetensors format)."""
-
-
-class CheckpointMismatch(CheckpointCorrupt, ValueError):
-    """A checkpoint whose tensors do not fit the model (keys, shapes, dtypes) or hold NaN or infinite values."""
-
-
-class UnknownCheckpointFormat(RuntimeError):
-    """A step written in a format this rlpipe does not read (a newer rlpipe's): refused by name, never skipped."""
 
 
 @dataclass
@@ -319,10 +88,6 @@ class AbandonedStep(ValueError):
     pass
 
 
-class FencedOut(RuntimeError):
-    """A trainer of a higher lease epoch claimed this run's prefix: this one's writes are refused."""
-
-
 class ForeignCheckpoints(RuntimeError):
     """Checkpoints of another run incarnation are in the way: a fresh start over them, or a save over one."""
 
@@ -335,62 +100,10 @@ class ForeignCheckpoints(RuntimeError):
 UNREADABLE = (CheckpointCorrupt, OSError, KeyError, ValueError)
 
 
-@dataclass
-class _Stored:
-    """One step on one store, as a listing and its manifest show it."""
-
-    step: int
-    names: set[str]  # which of manifest.json, STABLE and ABANDONED it has
-    manifest: dict[str, Any] | None  # None: not read, or unreadable
-
-    @property
-    def owner(self) -> str | None:
-        return self.manifest.get("incarnation") if self.manifest is not None else None
-
-    @property
-    def live(self) -> bool:
-        return ABANDONED not in self.names
-
-
-def _read_manifest(data: bytes) -> dict[str, Any] | None:
-    """The manifest as a dict, or None when it is not one (bitrot): whose step it is cannot be told then."""
-    try:
-        manifest = json.loads(data)
-    except ValueError:
-        return None
-    return manifest if isinstance(manifest, dict) else None
-
-
-class CheckpointStore:
-    def __init__(
-        self,
-        store: ObjectStore,
-        run_id: str,
-        keep_last: int,
-        attempts: int = 4,
-        backoff_s: float = 1.0,
-        mirror: ObjectStore | None = None,
-        incarnation: str | None = None,
-    ):
-        self.store = store
-        self.mirror = mirror
-        self.run_id = run_id
-        self.keep_last = keep_last
-        self.attempts = attempts
-        self.backoff_s = backoff_s
-        # None until the trainer has decided: start_fresh() or adopt_incarnation() (or a restart that knows it).
-        self.incarnation = incarnation
-        # The lease epoch this writer holds (claim_fence); None: a writer without a lease, never fenced.
-        self.epoch: int | None = None
-        # Raises when the writer's own lease has run out (Lease.check); called before the store's fence is read.
-        self.guard: Callable[[], None] | None = None
+class CheckpointStore(StepStore):
+    """Saving, loading, marking and pruning a run's steps (the module docstring says in which order)."""
 
     # -- incarnations -------------------------------------------------------------------
-
-    def location(self, store: ObjectStore | None = None) -> str:
-        """The run's prefix on ``store``: ``<url>/<run_id>/``."""
-        return f"{(store or self.store).url.rstrip('/')}/{self.run_id}/"
-
     def check_fresh_start(self) -> None:
         """Raise ForeignCheckpoints when the run's prefix (on the store or its mirror) holds any checkpoint.
 
@@ -433,115 +146,6 @@ class CheckpointStore:
         self.incarnation = ckpt.incarnation or new_incarnation()
         return self.incarnation
 
-    def _foreign(self, entry: _Stored) -> bool:
-        owner = entry.owner
-        return self.incarnation is not None and owner is not None and owner != self.incarnation
-
-    # -- store access ---------------------------------------------------------------------
-
-    def _retried(self, what: str, call: Callable[[], Any]) -> Any:
-        """``call()`` with retries and exponential backoff: object stores fail transiently."""
-        for attempt in range(1, self.attempts + 1):
-            try:
-                return call()
-            except FileNotFoundError:
-                raise  # an answer, not a transient failure
-            except Exception as error:  # network and S3 errors come in many types
-                if attempt == self.attempts:
-                    raise
-                delay = self.backoff_s * 2 ** (attempt - 1)
-                log_event(
-                    log,
-                    Event.STORE_RETRY,
-                    level=logging.WARNING,
-                    key=what,
-                    attempt=attempt,
-                    retry_s=delay,
-                    error=repr(error)[:300],
-                )
-                time.sleep(delay)
-
-    def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
-        self._check_fence()
-        self._retried(key, lambda: (store or self.store).put(key, data))
-
-    def _delete(self, keys: list[str], store: ObjectStore) -> None:
-        if keys:
-            self._check_fence()
-            self._retried(keys[0], lambda: store.delete(keys))
-
-    # -- fencing --------------------------------------------------------------------------
-
-    @property
-    def _fence_key(self) -> str:
-        return f"{self.run_id}/{FENCE}"
-
-    def stored_fence(self) -> int:
-        """The highest lease epoch that claimed this prefix on the primary store; 0 when none did."""
-        try:
-            data = self._retried(self._fence_key, lambda: self.store.get(self._fence_key))
-        except FileNotFoundError:
-            return 0
-        return int(json.loads(data)["epoch"])
-
-    def claim_fence(self, epoch: int, holder: str) -> None:
-        """Make ``epoch`` this prefix's fence: from then on every write of a lower epoch is refused (FencedOut).
-
-        Raises FencedOut when the store already names a higher epoch. Written before anything else the trainer
-        writes, so a successor's first write is its claim."""
-        self.epoch = epoch
-        self._check_fence()
-        note = json.dumps({"epoch": epoch, "holder": holder, "time": time.time()}).encode()
-        self._retried(self._fence_key, lambda: self.store.put(self._fence_key, note))
-
-    def _check_fence(self) -> None:
-        """Refuse a write when the store's fence is above this writer's epoch (a successor took the run over).
-
-        Checked on the store before each write, not from the writer's belief. Object stores offer no
-        compare-and-set everywhere, so the check and the write are two requests: a writer paused between them
-        can still land that one write; every later one is refused."""
-        if self.guard is not None:
-            self.guard()
-        if self.epoch is None:
-            return
-        stored = self.stored_fence()
-        if stored > self.epoch:
-            log_event(log, Event.FENCED_OUT, level=logging.CRITICAL, alert=True, epoch=self.epoch, fence=stored)
-            raise FencedOut(
-                f"a trainer of lease epoch {stored} took over run {self.run_id}; this one (epoch {self.epoch}) "
-                f"writes nothing more to {self.location()}"
-            )
-
-    def _prefix(self, step: int) -> str:
-        return f"{self.run_id}/step-{step:08d}/"
-
-    def _listing(self, store: ObjectStore | None = None) -> dict[int, set[str]]:
-        """Step -> which of manifest, STABLE and ABANDONED it has."""
-        found: dict[int, set[str]] = {}
-        for key in (store or self.store).list(f"{self.run_id}/step-"):
-            match = _STEP_FILE.search(key)
-            if match:
-                found.setdefault(int(match.group(1)), set()).add(match.group(2))
-        return found
-
-    def _scan(self, store: ObjectStore | None = None, manifests: bool = True) -> list[_Stored]:
-        """The steps with a manifest on ``store``, oldest first; with ``manifests``, each with its manifest read.
-
-        A step pruned between the listing and the read of its manifest is left out."""
-        store = store or self.store
-        entries = []
-        for step, names in sorted(self._listing(store).items()):
-            if MANIFEST not in names:
-                continue
-            manifest = None
-            if manifests:
-                try:
-                    manifest = _read_manifest(store.get(self._prefix(step) + MANIFEST))
-                except FileNotFoundError:
-                    continue
-            entries.append(_Stored(step, names, manifest))
-        return entries
-
     # -- saving -----------------------------------------------------------------------------
 
     def save(self, ckpt: Checkpoint, model_dir: Path) -> str:
@@ -561,29 +165,9 @@ class CheckpointStore:
         broken = non_finite([*ckpt.model.items(), *(ckpt.critic or {}).items()])
         if broken:  # a resume or rollback to it would bring the NaN back
             raise NonFiniteWeights(f"step {ckpt.step} is not saved: NaN or inf in {', '.join(broken[:3])}")
-        parts = {
-            "model.safetensors": save_safetensors(untied(ckpt.model)),
-            "optimizer.pt": _torch_bytes(ckpt.optimizer),
-            "scheduler.pt": _torch_bytes(ckpt.scheduler),
-            "rng.pt": _rng_bytes(ckpt.rng),
-            "trainer_state.json": ckpt.state.to_json().encode(),
-            "lineage.jsonl": ckpt.lineage.encode(),
-        }
-        if ckpt.critic is not None:
-            parts["critic.safetensors"] = save_safetensors(untied(ckpt.critic))
-        parts |= {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
-        parts |= ckpt.extras or {}
-        manifest = {
-            "step": ckpt.step,
-            "incarnation": self.incarnation,
-            "fence_epoch": self.epoch,  # the lease epoch that wrote it (None: a writer without a lease)
-            "format": CHECKPOINT_FORMAT,
-            "policy_version": ckpt.state.policy_version,
-            "version_high_water": max(ckpt.state.version_high_water, ckpt.state.policy_version),
-            "last_experience_seq": ckpt.state.last_experience_seq,
-            "created": time.time(),
-            "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
-        }
+        sidecars = {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
+        parts = encode_parts(ckpt, sidecars)
+        manifest = describe(ckpt, parts, self.incarnation, self.epoch)
         stable = self._write_step(self.store, ckpt.step, parts, manifest, stable=False)
         # From here the step is stored: what follows is housekeeping that the next save redoes.
         try:
@@ -599,21 +183,23 @@ class CheckpointStore:
         return f"{self.store.url.rstrip('/')}/{self._prefix(ckpt.step)}"
 
     def _write_step(
-        self, store: ObjectStore, step: int, parts: dict[str, bytes], manifest: dict[str, Any], stable: bool
+        self, store: ObjectStore, step: int, parts: dict[str, bytes], manifest: Manifest, stable: bool
     ) -> bool:
         """Put one step on ``store`` so that no reader ever meets a mix of two copies; returns whether it is STABLE.
 
         ``stable``: mark the new copy STABLE (the mirror follows the primary's mark)."""
         prefix = self._prefix(step)
         names = {key[len(prefix) :] for key in self._retried(prefix, lambda: store.list(prefix))}
-        old: dict[str, Any] | None = None
+        found_manifest = False
+        old: Manifest | None = None  # None beside a manifest: one that is not a manifest (bitrot)
         if MANIFEST in names:
             try:
-                old = _read_manifest(self._retried(prefix + MANIFEST, lambda: store.get(prefix + MANIFEST))) or {}
+                old = Manifest.parse(self._retried(prefix + MANIFEST, lambda: store.get(prefix + MANIFEST)))
+                found_manifest = True
             except FileNotFoundError:
                 names.discard(MANIFEST)  # pruned since the listing: what is left are stale parts
-        if old is not None:
-            owner = old.get("incarnation")
+        if found_manifest:
+            owner = old.incarnation if old is not None else None
             if owner is not None and owner != self.incarnation:
                 found = {self.location(store): [step]}
                 raise ForeignCheckpoints(
@@ -621,10 +207,9 @@ class CheckpointStore:
                     f"not overwriting it. Continue that run with `rlpipe run --resume`, or use another run_id.",
                     found,
                 )
-            same = all(old.get(key) == manifest[key] for key in ("step", "policy_version", "last_experience_seq"))
-            if same and ABANDONED not in names:
+            if old is not None and old.same_save(manifest) and ABANDONED not in names:
                 if stable and STABLE not in names:
-                    self._put(prefix + STABLE, _note(), store)
+                    self._put(prefix + STABLE, marker_note(), store)
                 return stable or STABLE in names  # saved already: the stored copy stands
             if ABANDONED not in names:
                 # Another branch's live copy: disown it before touching a part, so readers skip it from now on.
@@ -634,19 +219,19 @@ class CheckpointStore:
                     level=logging.WARNING,
                     step=step,
                     store=store.url,
-                    policy_version=old.get("policy_version"),
-                    new_policy_version=manifest["policy_version"],
+                    policy_version=old.policy_version if old is not None else None,
+                    new_policy_version=manifest.policy_version,
                 )
-                self._put(prefix + ABANDONED, _note(), store)
+                self._put(prefix + ABANDONED, marker_note(), store)
                 names.add(ABANDONED)
         keep = set(parts) | {MANIFEST, ABANDONED} | ({STABLE} if stable else set())
         # A step without a manifest, or an abandoned one, may lose parts: no reader uses them.
         self._delete(sorted(prefix + name for name in names - keep), store)
         for name, data in parts.items():
             self._put(prefix + name, data, store)
-        self._put(prefix + MANIFEST, json.dumps(manifest, indent=2).encode(), store)
+        self._put(prefix + MANIFEST, manifest.to_bytes(), store)
         if stable:
-            self._put(prefix + STABLE, _note(), store)
+            self._put(prefix + STABLE, marker_note(), store)
         if ABANDONED in names:
             self._delete([prefix + ABANDONED], store)  # last: the new copy exists from here
         return stable
@@ -656,13 +241,10 @@ class CheckpointStore:
 
         Foreign steps are not this run's to delete: they stay."""
         own = [entry for entry in self._scan(store) if not self._foreign(entry)]
-        live = [entry.step for entry in own if entry.live]
-        keep = set(live[-self.keep_last :]) | {entry.step for entry in own if STABLE in entry.names and entry.live}
-        for entry in own:
-            if entry.step not in keep:
-                prefix = self._prefix(entry.step)
-                self._delete([prefix + MANIFEST], store)  # first: the step is gone at once, never half-deleted
-                self._retried(prefix, lambda prefix=prefix: store.delete_prefix(prefix))
+        for step in prunable(own, self.keep_last):
+            prefix = self._prefix(step)
+            self._delete([prefix + MANIFEST], store)  # first: the step is gone at once, never half-deleted
+            self._retried(prefix, lambda prefix=prefix: store.delete_prefix(prefix))
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -677,7 +259,7 @@ class CheckpointStore:
             if (include_abandoned or entry.live) and not (check_owner and self._foreign(entry))
         ]
 
-    def catalog(self, include_foreign: bool = False) -> list[dict[str, Any]]:
+    def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
         size, policy version and incarnation, oldest first. A step whose manifest cannot be read is left out."""
         entries = []
@@ -692,18 +274,18 @@ class CheckpointStore:
                 continue
             manifest = entry.manifest
             entries.append(
-                {
-                    "step": entry.step,
-                    "policy_version": manifest.get("policy_version") or 0,
-                    "last_experience_seq": manifest.get("last_experience_seq"),
-                    "created": manifest["created"],
-                    "bytes": sum(meta["size"] for meta in manifest["files"].values()),
-                    "stable": STABLE in entry.names,
-                    "abandoned": ABANDONED in entry.names,
-                    "incarnation": entry.owner,
-                    "foreign": foreign,
-                    "location": f"{self.store.url.rstrip('/')}/{self._prefix(entry.step)}",
-                }
+                CatalogEntry(
+                    step=entry.step,
+                    policy_version=manifest.policy_version,
+                    last_experience_seq=manifest.last_experience_seq,
+                    created=manifest.created,
+                    bytes=manifest.size,
+                    stable=STABLE in entry.names,
+                    abandoned=ABANDONED in entry.names,
+                    incarnation=entry.owner,
+                    foreign=foreign,
+                    location=f"{self.store.url.rstrip('/')}/{self._prefix(entry.step)}",
+                )
             )
         return entries
 
@@ -720,7 +302,7 @@ class CheckpointStore:
             raise AbandonedStep(
                 f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})"
             )
-        note = _note()
+        note = marker_note()
         self._put(self._prefix(step) + marker, note)
         if self.mirror is not None:
             try:
@@ -752,22 +334,12 @@ class CheckpointStore:
         entries = self._retried(self.run_id, lambda: self._scan(store, manifests=self.incarnation is not None))
         later = [e.step for e in entries if e.step > step and e.live and not self._foreign(e)]
         for later_step in sorted(later, reverse=True):
-            self._put(self._prefix(later_step) + ABANDONED, _note(), store)
+            self._put(self._prefix(later_step) + ABANDONED, marker_note(), store)
         return sorted(later)
 
     def replay_floor(self, read_seq: int) -> int | None:
-        """The EXPERIENCE sequence at and below which nothing is ever read again, never above ``read_seq`` (what the
-        trainer has read): the lowest sequence applied by the newest ``keep_last`` live steps of this incarnation,
-        the ones a resume or a rollback within the kept window reads on from; ``read_seq`` when there are none.
-
-        A STABLE step older than that window does not hold EXPERIENCE back (a run would keep its stream forever): a
-        rollback to it reads on from the purge (``purged_through``). None when a step of the window has no known
-        sequence."""
-        window = [entry for entry in self._scan() if entry.live and not self._foreign(entry)][-self.keep_last :]
-        seqs = [entry.manifest.get("last_experience_seq") if entry.manifest is not None else None for entry in window]
-        if None in seqs:
-            return None
-        return min([*seqs, read_seq])
+        """``retention.replay_floor`` over this incarnation's stored steps."""
+        return replay_floor([entry for entry in self._scan() if not self._foreign(entry)], self.keep_last, read_seq)
 
     def record_purge(self, seq: int, stream: str) -> None:
         """Note, before EXPERIENCE is purged through ``seq``, that this run purges it: a resume or rollback to a step
@@ -831,46 +403,22 @@ class CheckpointStore:
                 )
                 return self.load(step, self.mirror)
         prefix = self._prefix(step)
-        manifest = _read_manifest(store.get(prefix + MANIFEST))
+        manifest = Manifest.parse(store.get(prefix + MANIFEST))
         if manifest is None:
             raise CheckpointCorrupt(f"step {step}: manifest.json is not a manifest")
-        if self._foreign(_Stored(step, {MANIFEST}, manifest)):
+        if self._foreign(StoredStep(step, frozenset({MANIFEST}), manifest)):
             raise ForeignCheckpoints(
                 f"step {step} at {store.url.rstrip('/')}/{prefix} belongs to another run incarnation "
-                f"({manifest['incarnation']}), not to {self.incarnation}",
+                f"({manifest.incarnation}), not to {self.incarnation}",
                 {self.location(store): [step]},
             )
-        written = manifest.get("format", 1)
-        if not isinstance(written, int) or written > CHECKPOINT_FORMAT:
-            raise UnknownCheckpointFormat(
-                f"step {step} at {store.url.rstrip('/')}/{prefix} is in checkpoint format {written!r}, written by a "
-                f"newer rlpipe; this one reads formats 1 to {CHECKPOINT_FORMAT}. Resume with that rlpipe, or name an "
-                "older step (checkpoint.resume_step)"
-            )
-        missing = [name for name in REQUIRED_PARTS if name not in manifest["files"]]
-        if missing:
-            raise CheckpointCorrupt(f"step {step} (checkpoint format {written}): its manifest lists no {missing}")
+        manifest.check_readable(f"{store.url.rstrip('/')}/{prefix}")
         parts = {}
-        for name, meta in manifest["files"].items():
+        for name in manifest.files:
             data = store.get(prefix + name)
-            if len(data) != meta["size"] or _sha256(data) != meta["sha256"]:
-                raise CheckpointCorrupt(f"step {step}: {name} does not match its manifest hash")
+            manifest.verify(name, data)
             parts[name] = data
-        if "rng.pt" not in parts and "rng.pkl" in parts:
-            raise UnsafeCheckpoint(
-                f"step {step}: rng.pkl is a Python pickle (a checkpoint written before rlpipe stopped unpickling), "
-                "refused unopened; resume from a newer step or start afresh"
-            )
-        return Checkpoint(
-            step=step,
-            model=load_safetensors(parts["model.safetensors"]),
-            optimizer=_safe_torch_load(parts["optimizer.pt"], f"step {step}: optimizer.pt"),
-            scheduler=_safe_torch_load(parts["scheduler.pt"], f"step {step}: scheduler.pt"),
-            rng=_rng_from_bytes(parts["rng.pt"], f"step {step}: rng.pt"),
-            state=TrainerState.from_json(parts["trainer_state.json"]),
-            critic=load_safetensors(parts["critic.safetensors"]) if "critic.safetensors" in parts else None,
-            lineage=parts["lineage.jsonl"].decode(),
-        )
+        return decode_checkpoint(step, parts)
 
     def load_latest(self, saved_step: int | None = None) -> Checkpoint | None:
         """The newest live step of this incarnation (of any, before it has one) whose parts all match its
@@ -923,14 +471,9 @@ class CheckpointStore:
         """The highest policy version any stored step of this incarnation (abandoned ones too) says was served."""
         return max(
             (
-                max(int(entry.manifest.get("version_high_water") or 0), int(entry.manifest.get("policy_version") or 0))
+                max(entry.manifest.version_high_water, entry.manifest.policy_version)
                 for entry in self._retried(self.run_id, self._scan)
                 if entry.manifest is not None and not self._foreign(entry)
             ),
             default=0,
         )
-
-
-def _note() -> bytes:
-    """A marker's content: when it was put."""
-    return json.dumps({"time": time.time()}).encode()

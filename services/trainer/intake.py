@@ -336,9 +336,11 @@ class GroupLedger:
         once overdue. Their clocks start now, and they count as fed before any group in flight (serial 0): the
         pipeline already took them through once. ``abandoned``: the groups the abandoned steps applied or dropped
         as the lineage records them, since the ledger may have forgotten their fates below its watermark (the
-        recovery simulation's seed 151). Returns the reopened groups in feeding order."""
+        recovery simulation's seed 151). A group the checkpoint holds settled that is in flight now was re-injected
+        since (its dead fate reopened by an operator, a fact about the pipeline): it stays in flight (seed 923).
+        Returns the reopened groups in feeding order."""
         checkpoint = GroupLedger()
-        checkpoint.settled = {g: Settled(step, Fate.APPLIED) for g in applied}
+        checkpoint.settled = {g: Settled(step, Fate.APPLIED) for g in applied if g not in self.in_flight}
         checkpoint.settled_through = feed_position(settled_through)
         kept = {g: s for g, s in self.settled.items() if s.fate in (Fate.DEAD, Fate.LOST)}
         undone = sorted(
@@ -463,7 +465,7 @@ class Intake:
             self.dead = self.bus.read_from(DEAD, max(info.state.first_seq, self.progress.dead_seq + 1))
         new = 0
         while (msg := await self.dead.next(timeout=0)) is not None:
-            self.progress.dead_seq = msg.sequence
+            self.progress.read_dead(msg.sequence)
             new += self._read_dead(msg)
         return new
 

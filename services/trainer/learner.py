@@ -72,7 +72,7 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
-from services.trainer.checkpoint import (
+from services.trainer.checkpoint_state import (
     Checkpoint,
     CheckpointMismatch,
     ModuleLayout,
@@ -80,6 +80,7 @@ from services.trainer.checkpoint import (
     restore_rng,
     rng_state,
     untied,
+    widened,
 )
 from services.trainer.critic import Critic
 from services.trainer.distributed import Mesh, Op, config_payload, evaluate_payload, step_payload
@@ -161,7 +162,7 @@ class LearnerState:
     whatever the world size: full tensors by name (tied ones once) and AdamW's ``state_dict``."""
 
     model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]
+    optimizer: dict[str, Any] | None  # None: not asked for (a save without optimizer state)
     critic: dict[str, torch.Tensor] | None
 
 
@@ -314,20 +315,20 @@ class Learner:
             return snapshot_of(self.model, version, step)
         return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
 
-    def state(self) -> LearnerState:
-        """A host-memory copy of weights, critic and optimizer state that training cannot change (rank 0's is
-        complete; the others' empty)."""
+    def state(self, optimizer: bool = True) -> LearnerState:
+        """A host-memory copy of weights, critic and (with ``optimizer``) optimizer state that training cannot
+        change (rank 0's is complete; the others' empty)."""
         if not self.mesh.distributed:
             return LearnerState(
                 model=detached_copy(self.model),
-                optimizer=host_copy(self.optimizer.state_dict()),
+                optimizer=host_copy(self.optimizer.state_dict()) if optimizer else None,
                 critic=detached_copy(self.critic) if self.critic is not None else None,
             )
-        with self.mesh.command(Op.STATE):
+        with self.mesh.command(Op.STATE):  # every rank gathers alike: the followers do not know what is kept
             model = untied(self.mesh.gather_module(self.model))
             critic = untied(self.mesh.gather_module(self.critic)) if self.critic is not None else None
-            optimizer = self.mesh.gather_optimizer(self.optimizer)
-        return LearnerState(model=model, optimizer=optimizer, critic=critic)
+            gathered = self.mesh.gather_optimizer(self.optimizer)
+        return LearnerState(model=model, optimizer=gathered if optimizer else None, critic=critic)
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
         """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
@@ -338,6 +339,7 @@ class Learner:
         """Raise CheckpointMismatch unless ``ckpt`` loads whole: the weights' and the critic's keys, shapes, dtypes
         and finite values, and the optimizer's parameter groups and moment shapes. Changes nothing, so a caller
         checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it was."""
+        ckpt = widened(ckpt, self.model_layout)
         self.model_layout.check(ckpt.model, f"step {ckpt.step}'s weights")
         if (self.critic_layout is None) != (ckpt.critic is None):
             raise CheckpointMismatch(
@@ -346,6 +348,8 @@ class Learner:
             )
         if self.critic_layout is not None and ckpt.critic is not None:
             self.critic_layout.check(ckpt.critic, f"step {ckpt.step}'s critic")
+        if ckpt.optimizer is None:
+            return  # saved without it: load starts the optimizer fresh
         groups = [len(group["params"]) for group in ckpt.optimizer.get("param_groups", [])]
         wanted = [len(group["params"]) for group in self.optimizer.param_groups]
         if groups != wanted:
@@ -373,6 +377,7 @@ class Learner:
         Rank 0 checks the checkpoint whole first (``check``): one that does not fit raises before anything changes.
         Across processes rank 0 passes the checkpoint it read and the others None: each keeps its shards."""
         if ckpt is not None:
+            ckpt = widened(ckpt, self.model_layout)
             self.check(ckpt)
         if self.mesh.distributed:
             self._load_sharded(ckpt)
@@ -382,7 +387,10 @@ class Learner:
         self.model.load_state_dict(ckpt.model, strict=False)
         if self.critic is not None and ckpt.critic is not None:
             self.critic.load_state_dict(ckpt.critic, strict=False)
-        self.optimizer.load_state_dict(ckpt.optimizer)
+        if ckpt.optimizer is not None:
+            self.optimizer.load_state_dict(ckpt.optimizer)
+        else:
+            self.optimizer.state.clear()  # saved without it (checkpoint.optimizer_every): AdamW's moments start at 0
         self.scheduler.load_state_dict(ckpt.scheduler)
         restore_rng(ckpt.rng)
         self.generator.set_state(ckpt.rng["minibatch_order"])
@@ -391,14 +399,23 @@ class Learner:
     def _load_sharded(self, ckpt: Checkpoint | None) -> None:
         with self.mesh.command(Op.LOAD):
             small = self.mesh.share(
-                {"step": ckpt.step, "scheduler": ckpt.scheduler, "rng": ckpt.rng, "critic": ckpt.critic is not None}
+                {
+                    "step": ckpt.step,
+                    "scheduler": ckpt.scheduler,
+                    "rng": ckpt.rng,
+                    "critic": ckpt.critic is not None,
+                    "optimizer": ckpt.optimizer is not None,
+                }
                 if ckpt is not None
                 else None
             )
             self.mesh.load_module(self.model, ckpt.model if ckpt is not None else None)
             if self.critic is not None and small["critic"]:
                 self.mesh.load_module(self.critic, ckpt.critic if ckpt is not None else None)
-            self.mesh.load_optimizer(self.optimizer, ckpt.optimizer if ckpt is not None else None)
+            if small["optimizer"]:
+                self.mesh.load_optimizer(self.optimizer, ckpt.optimizer if ckpt is not None else None)
+            else:
+                self.optimizer.state.clear()
         self.scheduler.load_state_dict(small["scheduler"])
         restore_rng(small["rng"])
         self.generator.set_state(small["rng"]["minibatch_order"])

@@ -49,14 +49,10 @@ from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
+from services.trainer.adopter import ResumeRefused
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import (
-    CheckpointMismatch,
-    CheckpointStore,
-    FencedOut,
-    ForeignCheckpoints,
-    UnknownCheckpointFormat,
-)
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint_state import CheckpointMismatch
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.episodes import episode_metrics
@@ -65,11 +61,13 @@ from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
+from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.recovery import Recovery
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
+from services.trainer.step_store import FencedOut
 
 log = logging.getLogger(__name__)
 HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
@@ -252,9 +250,7 @@ class Trainer:
     async def train_step(self, collected: Collected) -> None:
         progress = self.progress
         metrics = await asyncio.to_thread(self.learner.step, collected.batch, progress.version)
-        progress.step += 1
-        progress.version += 1
-        progress.applied_seq = collected.sequence
+        progress.advance(collected.sequence)
         self.ledger.settle_collected(collected, progress.step)
         self.recovery.track_claims(collected.claim_keys)
         self.lineage.record_step(
@@ -287,7 +283,7 @@ class Trainer:
             **self.ledger_row(),
             **await self.status.health_row(),
         }
-        progress.last_row = row
+        progress.reported(row)
         self.telemetry.record_step(row)
         bind_log_fields(step=progress.step)
         if self.presence:
@@ -317,7 +313,7 @@ class Trainer:
             return None
         took = Stopwatch()
         accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, self.cfg.sampling.max_new_tokens)
-        self.progress.last_eval = accuracy
+        self.progress.evaluated(accuracy)
         row = {
             "step": self.progress.step,
             "policy_version": self.progress.version,
@@ -341,7 +337,7 @@ class Trainer:
         self.intake.rewind()
         await self.intake.catch_up_dead()  # groups dead-lettered while no trainer read DEAD are settled first
         if not self.resumed:
-            progress.baseline_eval = await self.evaluate()
+            progress.evaluated(await self.evaluate(), baseline=True)
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
                 raise self.broker_lost

@@ -28,6 +28,7 @@ from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_na
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
 from services.trainer.intake import GroupLedger
+from services.trainer.manifest import CatalogEntry
 from services.trainer.progress import ConfigSource, Progress
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class StatusReporter:
         control: Control,
         ledger: GroupLedger,
         alerts: AlertEvaluator,
-        catalog: Callable[[], Awaitable[list[dict[str, Any]]]],
+        catalog: Callable[[], Awaitable[list[CatalogEntry]]],
         build: BuildInfo,
     ):
         self.settings = settings
@@ -127,7 +128,7 @@ class StatusReporter:
             log_event(log, Event.CHECKPOINT_SIZE_UNKNOWN, level=logging.DEBUG, error=repr(error)[:200])
             return
         if catalog:
-            self.disk.saw_checkpoint(max(catalog, key=lambda entry: entry["step"])["bytes"])
+            self.disk.saw_checkpoint(max(catalog, key=lambda entry: entry.step).bytes)
 
     async def status(self) -> admin_pb2.Status:
         cfg, progress = self.settings.cfg, self.progress
@@ -137,8 +138,8 @@ class StatusReporter:
             catalog = await self.catalog()
         except Exception as error:  # an operator needs status most while something is down
             catalog, store_error = [], f"{type(error).__name__}: {error}"[:300]
-        live_steps = [e["step"] for e in catalog if not e["abandoned"]]
-        stable = [e["step"] for e in catalog if e["stable"] and not e["abandoned"]]
+        live_steps = [e.step for e in catalog if not e.abandoned]
+        stable = [e.step for e in catalog if e.stable and not e.abandoned]
         return admin_pb2.Status(
             run_id=cfg.run_id,
             state=self.control.state.value,

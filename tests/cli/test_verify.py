@@ -20,7 +20,8 @@ import pytest
 from services.common.config import load_config
 from services.common.model.modeling import load_model
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState, detached_copy, rng_state
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, TrainerState, detached_copy, rng_state
 from services.trainer.lineage import Lineage
 from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
 

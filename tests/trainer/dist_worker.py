@@ -26,7 +26,8 @@ from services.common.config import RunConfig, load_config
 from services.common.model.datasets import load_jsonl
 from services.common.transport.messages import ExperienceGroup, decode
 from services.common.transport.storage import FileStore
-from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, TrainerState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.learner import Learner
 

@@ -43,18 +43,23 @@ from services.common.transport.streams import (
     EXPERIENCE,
     H_GROUP,
     H_INCARNATION,
+    H_REINJECTED,
     H_SEQ,
     H_STREAM,
     StreamMessage,
 )
+from services.trainer import adopter as adopter_module
+from services.trainer import checkpointer as checkpointer_module
 from services.trainer import intake as intake_module
 from services.trainer import recovery as recovery_module
-from services.trainer.checkpoint import Checkpoint, CheckpointCorrupt, CheckpointStore
+from services.trainer.adopter import ResumeRefused
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt
 from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import LearnerState
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.recovery import Recovery
 
 DATASET_ROWS = 400  # more than a scenario feeds: ids stay in epoch 0, and the fed ones are those below the cursor
 DATASET = [{"prompt": f"p{i}", "answer": "1"} for i in range(DATASET_ROWS)]
@@ -63,17 +68,22 @@ LOST_AFTER_S = 20.0  # train.lost_after_s: a tick can carry a group past it, and
 
 
 SCENARIO_OPS = 40  # ops in a default scenario
-# What the simulation found, each once a hole and now fixed, with a (seed, ops) that ran into it; the tests replay
-# each as a regression case beside the seeded run.
+REINJECT_SHARE = 0.08  # how often an operator re-injects a dead letter after an op (rlpipe dead-letters --reinject)
+# What the simulation found, each once a hole and now fixed, with a (seed, ops, re-injects drawn) that ran into it;
+# the tests replay each as a regression case beside the seeded run.
 FOUND_HOLES = {
     # GroupLedger.forget_through dropped the fates settled at or before the oldest kept checkpoint; a rollout that
     # computed such a group again after the broker's duplicate window got it applied a second time. Fixed by the
     # ledger's settled-through watermark (trust item 5).
-    "a forgotten group computed again past the duplicate window was applied twice": (26, 60),
+    "a forgotten group computed again past the duplicate window was applied twice": (26, 60, False),
     # A rollback to a step that read less of EXPERIENCE than the run purged left the groups the abandoned steps had
     # applied from the purged part (their fates already forgotten) with no fate. Fixed by reopening what the
     # lineage says the abandoned steps settled (GroupLedger.rewind's ``abandoned``; trust item 6).
-    "a rollback behind the purge left the abandoned steps' groups without a fate": (151, 60),
+    "a rollback behind the purge left the abandoned steps' groups without a fate": (151, 60, False),
+    # A rollback to a checkpoint that saw a group dead, after an operator re-injected it, settled the group again
+    # while it stayed in flight. Fixed by GroupLedger.rewind leaving groups in flight out of the checkpoint's
+    # settled ones. Found once re-injects were drawn (this round).
+    "a rollback after a re-inject left the reopened group both in flight and settled": (923, 40, True),
 }
 
 
@@ -265,6 +275,21 @@ class SimBus:
         group_id, version, incarnation = msg.data.decode().split("|")
         return SimGroup(group_id, int(version), incarnation)
 
+    def reinject(self, sequence: int, policy_version: int) -> bool:
+        """``rlpipe dead-letters --reinject SEQ`` with a fixed body: the record in DEAD first, then the group back on
+        EXPERIENCE. The same letter again inside the duplicate window is a no-op; returns whether it was published."""
+        letter = self.streams[DEAD].messages.get(sequence)
+        headers = (letter.headers or {}) if letter is not None else {}
+        group_id, incarnation = headers.get(H_GROUP), headers.get(H_INCARNATION, "")
+        if not group_id or H_REINJECTED in headers or self._duplicate(f"reinjected.{sequence}"):
+            return False
+        origin = {H_STREAM: headers.get(H_STREAM, ""), H_SEQ: headers.get(H_SEQ, "")}
+        record = {H_GROUP: group_id, H_INCARNATION: incarnation, H_REINJECTED: str(sequence), **origin}
+        self.streams[DEAD].append(b"", record)
+        body = f"{group_id}|{policy_version}|{incarnation}".encode()
+        self.streams[EXPERIENCE].append(body, {H_GROUP: group_id, H_INCARNATION: incarnation})
+        return True
+
     def claim_key(self, msg: StreamMessage) -> None:
         return None
 
@@ -317,8 +342,8 @@ class SimLearner:
     def reconfigure(self, cfg: RunConfig) -> None:
         pass
 
-    def state(self) -> LearnerState:
-        return LearnerState(model={"w": self.weight.clone()}, optimizer={}, critic=None)
+    def state(self, optimizer: bool = True) -> LearnerState:
+        return LearnerState(model={"w": self.weight.clone()}, optimizer={} if optimizer else None, critic=None)
 
     def rng_state(self) -> dict[str, Any]:
         # The shape a checkpoint stores (numpy's entry as in ``np.random.get_state()``), a few bytes long.
@@ -376,7 +401,9 @@ OP_WEIGHTS = {
 }
 
 
-def draw_scenario(seed: int, length: int = SCENARIO_OPS) -> list[Op]:
+def draw_scenario(seed: int, length: int = SCENARIO_OPS, reinjects: bool = True) -> list[Op]:
+    """``length`` ops drawn from ``seed``; with ``reinjects``, operators' dead-letter re-injects between them, drawn
+    from a stream of their own so that the ops around them (and the ``FOUND_HOLES`` replayed without them) stay."""
     rng = random.Random(seed)
     kinds, weights = zip(*OP_WEIGHTS.items(), strict=True)
     ops = []
@@ -384,7 +411,15 @@ def draw_scenario(seed: int, length: int = SCENARIO_OPS) -> list[Op]:
         kind = rng.choices(kinds, weights)[0]
         arg = {"tick": rng.choice([1, 5, 25, 40]), "store_down": rng.randint(1, 4), "broker_down": rng.randint(1, 3)}
         ops.append(Op(kind, arg.get(kind, rng.randint(0, 12))))
-    return ops
+    if not reinjects:
+        return ops
+    operator = random.Random(f"reinject-{seed}")
+    with_reinjects = []
+    for op in ops:
+        with_reinjects.append(op)
+        if operator.random() < REINJECT_SHARE:
+            with_reinjects.append(Op("reinject", operator.randint(0, 12)))
+    return with_reinjects
 
 
 class Trainer:
@@ -400,7 +435,7 @@ class Trainer:
         self.checkpoints = CheckpointStore(
             world.store, "sim", keep_last=world.cfg.checkpoint.keep_last, attempts=2, backoff_s=0.0
         )
-        self.intake = Intake(world.bus, self.feeder, self.ledger, self.progress, self._on_lost, lambda g, s: None, 100)
+        self.intake = Intake(world.bus, self.feeder, self.ledger, self.progress, self._on_lost, self._on_reopened, 100)
         # On the simulated clock, with waits short enough that the real sleeps they cause cost nothing.
         self.intake.broker = CircuitBreaker(cooldown_s=0.002, backoff_s=0.001, clock=world.clock.monotonic)
         self.recovery = Recovery(
@@ -422,6 +457,9 @@ class Trainer:
     async def _on_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
 
+    def _on_reopened(self, group_id: str, dead_letter: int) -> None:
+        self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
+
     async def _report(self, row: dict[str, Any]) -> None:
         pass
 
@@ -439,9 +477,7 @@ class Trainer:
             return
         progress = self.progress
         self.learner.weight += 1
-        progress.step += 1
-        progress.version += 1
-        progress.applied_seq = collected.sequence
+        progress.advance(collected.sequence)
         self.ledger.settle([g.group_id for g in collected.batch], progress.step, Fate.APPLIED)
         self.ledger.settle(collected.dropped, progress.step, Fate.DROPPED)
         self.lineage.record_step(
@@ -509,6 +545,10 @@ class World:
                 self.trainer = None  # dies now
             else:
                 self.effects.crash_after = op.arg  # dies at that effect, wherever it falls
+        elif op.kind == "reinject":  # an operator's command: it needs no trainer running
+            letters = sorted(bus.streams[DEAD].messages)
+            if letters and bus.reinject(letters[op.arg % len(letters)], self.served_version()):
+                self.outcomes["reinjected"] += 1
         elif trainer is None:
             await self.start()  # every trainer op finds it down: the launcher restarted it
         elif op.kind == "step":
@@ -551,11 +591,13 @@ class World:
             raise InvariantBroken(f"groups both in flight and settled in the ledger: {both}")
         lost = set(lost_groups(records))
         ours = trainer.progress.incarnation
-        dead = {
-            (m.headers or {}).get(H_GROUP)
-            for m in self.bus.streams[DEAD].messages.values()
-            if (m.headers or {}).get(H_INCARNATION) == ours
-        }
+        # A group's newest DEAD message says whether it is dead: a letter, or a re-inject record that reopened it.
+        newest: dict[str, bool] = {}
+        for _, m in sorted(self.bus.streams[DEAD].messages.items()):
+            headers = m.headers or {}
+            if headers.get(H_INCARNATION) == ours:
+                newest[headers.get(H_GROUP)] = H_REINJECTED not in headers
+        dead = {group for group, is_letter in newest.items() if is_letter}
         unread = {
             (m.headers or {}).get(H_GROUP)
             for seq, m in self.bus.streams[EXPERIENCE].messages.items()
@@ -613,13 +655,13 @@ def simulated_world(clock: Clock):
     """The intake and recovery read ``clock`` for ``time.monotonic``; the operators' extras in a checkpoint are
     left out (see ``_NoYaml``, ``_Build``). Everything else is as in production."""
     fake_time = SimpleNamespace(monotonic=clock.monotonic)
-    saved = intake_module.time, recovery_module.time, recovery_module.yaml, recovery_module.BuildInfo
-    intake_module.time, recovery_module.time = fake_time, fake_time
-    recovery_module.yaml, recovery_module.BuildInfo = _NoYaml, _Build
+    saved = intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo
+    intake_module.time, adopter_module.time = fake_time, fake_time
+    checkpointer_module.yaml, recovery_module.BuildInfo = _NoYaml, _Build
     try:
         yield
     finally:
-        intake_module.time, recovery_module.time, recovery_module.yaml, recovery_module.BuildInfo = saved
+        intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo = saved
 
 
 @contextlib.contextmanager
@@ -665,17 +707,18 @@ async def _run(cfg: RunConfig, seed: int, ops: list[Op]) -> Counter[str]:
             records = world.trainer.lineage.records()
             world.outcomes["steps applied"] += len(effective_steps(records))
             world.outcomes["groups lost"] += len(lost_groups(records))
+            world.outcomes["groups reopened"] += sum(1 for record in records if "reopened" in record)
             for record in records:
                 world.outcomes[record.get("event", "")] += 1
         world.outcomes["dead letters"] += len(world.bus.streams[DEAD].messages)
         return world.outcomes
 
 
-def run_scenario(cfg: RunConfig, seed: int, length: int = SCENARIO_OPS) -> Counter[str]:
+def run_scenario(cfg: RunConfig, seed: int, length: int = SCENARIO_OPS, reinjects: bool = True) -> Counter[str]:
     """Replay scenario ``seed`` in a clean run folder; returns what happened in it (a ``Counter`` of outcomes:
     steps applied, resumes, crashes mid-effect...), for the coverage checks."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return asyncio.run(_run(cfg, seed, draw_scenario(seed, length)))
+    return asyncio.run(_run(cfg, seed, draw_scenario(seed, length, reinjects)))
 
 
 def describe(seed: int, ops: list[Op]) -> str:

@@ -6,8 +6,10 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import AbandonedStep, Checkpoint, CheckpointStore, FencedOut, TrainerState, rng_state
+from services.trainer.checkpoint import AbandonedStep, CheckpointStore
+from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, TrainerState, rng_state
 from services.trainer.lease import LeaseLost
+from services.trainer.step_store import FencedOut
 
 pytestmark = pytest.mark.unit
 
@@ -127,13 +129,13 @@ def test_stable_marks_survive_pruning_and_abandoned_steps_are_skipped(tmp_path):
     for step in (3, 4):  # a rollback to step 1 disowns what came after
         store.mark(step, "ABANDONED")
     assert store.load_latest().step == 1 and store.latest_stable() == 1
-    catalog = {entry["step"]: entry for entry in store.catalog()}
-    assert catalog[4]["abandoned"] and catalog[4]["stable"] and catalog[4]["policy_version"] == 104
-    assert catalog[1]["stable"] and not catalog[1]["abandoned"] and catalog[1]["bytes"] > 0
+    catalog = {entry.step: entry for entry in store.catalog()}
+    assert catalog[4].abandoned and catalog[4].stable and catalog[4].policy_version == 104
+    assert catalog[1].stable and not catalog[1].abandoned and catalog[1].bytes > 0
 
     store.save(checkpoint(3, "inc-s", policy_version=200), model_dir)  # the new branch reaches step 3 again:
     assert store.load_latest().state.policy_version == 200  # its own checkpoint replaces the abandoned one
-    assert store.load_latest().step == 3 and not {e["step"]: e for e in store.catalog()}[3]["abandoned"]
+    assert store.load_latest().step == 3 and not {e.step: e for e in store.catalog()}[3].abandoned
     save(5)
     assert store.steps(include_abandoned=True) == [1, 3, 5]  # abandoned steps are pruned first; stable 1 stays
 
@@ -167,7 +169,7 @@ def test_catalog_skips_a_step_pruned_while_it_is_read(tmp_path):
     reader = CheckpointStore(
         PruneAfterListing(files, "run-p/step-00000001/"), "run-p", keep_last=5, incarnation="inc-p"
     )
-    assert [entry["step"] for entry in reader.catalog()] == [2]
+    assert [entry.step for entry in reader.catalog()] == [2]
 
 
 def test_file_store_lists_while_folders_are_removed(tmp_path):
@@ -280,3 +282,28 @@ def test_a_writer_whose_own_lease_ran_out_writes_nothing_even_before_a_successor
     with pytest.raises(LeaseLost, match="expired"):
         writer.record_purge(10, "stream-life")
     assert stored_objects(writer) == before
+
+
+def test_a_save_without_optimizer_state_is_format_3_and_loads_without_one_while_a_full_save_stays_format_2(tmp_path):
+    """An older rlpipe refuses the first by name (it cannot resume it exactly) and still resumes the second."""
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    store = CheckpointStore(open_store((tmp_path / "store").as_uri(), CheckpointConfig()), "run", keep_last=5)
+    incarnation = store.start_fresh()
+    weights_only = checkpoint(1, incarnation)
+    weights_only.optimizer = None
+    store.save(weights_only, model_dir)
+    store.save(checkpoint(2, incarnation), model_dir)
+    first = json.loads(store.store.get("run/step-00000001/manifest.json"))
+    second = json.loads(store.store.get("run/step-00000002/manifest.json"))
+    assert (first["format"], "optimizer.pt" in first["files"]) == (3, False)
+    assert (second["format"], "optimizer.pt" in second["files"]) == (2, True)
+    assert store.load(1).optimizer is None
+    assert store.load(2).optimizer["state"].keys() == tiny_state(2)[1].state_dict()["state"].keys()
+    # Only format 3 may lack it: a format 2 step without optimizer.pt is still a corrupt one.
+    del second["files"]["optimizer.pt"]
+    store.store.put("run/step-00000002/manifest.json", json.dumps(second).encode())
+    with pytest.raises(
+        CheckpointCorrupt, match=r"step 2 \(checkpoint format 2\): its manifest lists no \['optimizer.pt'\]"
+    ):
+        store.load(2)

@@ -11,14 +11,9 @@ import pytest
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import ObjectStore, open_store
-from services.trainer.checkpoint import (
-    ABANDONED,
-    STABLE,
-    CheckpointStore,
-    ForeignCheckpoints,
-    TrainerState,
-    _sha256,
-)
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint_state import TrainerState
+from services.trainer.manifest import ABANDONED, STABLE, sha256
 from tests.trainer.test_checkpoint import checkpoint
 
 pytestmark = pytest.mark.unit
@@ -202,11 +197,11 @@ def test_foreign_steps_are_neither_seen_nor_pruned_nor_overwritten(tmp_path, mod
     assert new.load_latest().step == 3 and new.load_latest().incarnation == "new"
     assert new.latest_stable() is None  # the old run's stable step is not this run's to roll back to
     assert new.replay_floor(read_seq=30) == 20  # the old run's sequences (506, 507) play no part
-    assert [(e["step"], e["incarnation"], e["foreign"]) for e in new.catalog()] == [
+    assert [(e.step, e.incarnation, e.foreign) for e in new.catalog()] == [
         (2, "new", False),
         (3, "new", False),
     ]
-    assert [(e["step"], e["foreign"]) for e in new.catalog(include_foreign=True)] == [
+    assert [(e.step, e.foreign) for e in new.catalog(include_foreign=True)] == [
         (2, False),
         (3, False),
         (6, True),
@@ -240,7 +235,7 @@ def test_legacy_steps_without_an_incarnation_belong_to_whoever_resumes_them(tmp_
         files.put(prefix + "trainer_state.json", data)
         manifest = json.loads(files.get(prefix + "manifest.json"))
         del manifest["incarnation"]
-        manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": _sha256(data)}
+        manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": sha256(data)}
         files.put(prefix + "manifest.json", json.dumps(manifest).encode())
 
     resumer = CheckpointStore(files, "run-l", keep_last=2)
@@ -251,7 +246,7 @@ def test_legacy_steps_without_an_incarnation_belong_to_whoever_resumes_them(tmp_
     assert resumer.steps() == [1, 2]  # still its own
     resumer.save(checkpoint(3, incarnation), model_dir)
     assert resumer.steps() == [2, 3]  # and pruned like its own
-    assert [e["incarnation"] for e in resumer.catalog()] == [None, incarnation]
+    assert [e.incarnation for e in resumer.catalog()] == [None, incarnation]
     # A resume adopts the id of the checkpoint it continues.
     again = CheckpointStore(files, "run-l", keep_last=2)
     assert again.adopt_incarnation(again.load_latest()) == incarnation

@@ -16,7 +16,8 @@ import torch
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointMismatch, CheckpointStore, UnsafeCheckpoint, load_untied, restore_rng
+from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpoint_state import CheckpointMismatch, UnsafeCheckpoint, load_untied, restore_rng
 from tests.trainer.test_checkpoint import checkpoint
 
 pytestmark = pytest.mark.unit

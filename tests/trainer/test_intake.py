@@ -225,6 +225,16 @@ def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_lat
     assert "flying" in ledger.in_flight
 
 
+def test_a_rollback_keeps_a_group_reinjected_since_the_checkpoint_in_flight_and_not_settled_as_well():
+    """The checkpoint saw it dead; an operator re-injected it after: it is in flight, with one fate to come."""
+    ledger = GroupLedger()
+    ledger.settle(["dead"], step=1, fate=Fate.DEAD)
+    checkpoint_settled = ledger.exceptions()  # what a checkpoint of step 1 keeps beside its watermark
+    assert ledger.reopen("dead", now=2.0)
+    assert ledger.rewind(checkpoint_settled, step=1, now=5.0) == []
+    assert "dead" in ledger.in_flight and "dead" not in ledger.settled
+
+
 def test_a_group_whose_fate_a_rollback_undoes_is_in_flight_again_and_written_off_when_its_message_is_gone():
     """Rolled back past the purge, a group applied after the checkpoint is not in EXPERIENCE any more: it used to
     be left with no fate at all, neither settled nor in flight. Now it is in flight, and overdue (to be written

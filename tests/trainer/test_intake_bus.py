@@ -33,7 +33,7 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from services.trainer.checkpoint import TrainerState
+from services.trainer.checkpoint_state import TrainerState
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder, without_signal
 from services.trainer.progress import Progress
 from tests.conftest import write_config

@@ -289,7 +289,8 @@ def test_kl_in_reward_is_subtracted_per_token_before_the_group_baseline(setup):
 def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     from services.common.config import CheckpointConfig
     from services.common.transport.storage import open_store
-    from services.trainer.checkpoint import Checkpoint, CheckpointStore, TrainerState
+    from services.trainer.checkpoint import CheckpointStore
+    from services.trainer.checkpoint_state import Checkpoint, TrainerState
 
     model_dir = setup[0]
     cfg, first, groups = make(setup, algorithm=algorithm, epochs=2, mini_batches=2, warmup_steps=3)
@@ -320,6 +321,55 @@ def test_resume_reproduces_the_next_step_exactly(setup, tmp_path, algorithm):
     if algorithm == "ppo":
         for a, b in zip(first.critic.parameters(), resumed.critic.parameters(), strict=False):
             assert torch.equal(a, b)
+
+
+def test_serving_dtype_weights_load_widened_into_float32_master_weights_and_no_optimizer_state_starts_adamw_fresh(
+    setup, tmp_path
+):
+    """checkpoint.weights_dtype: serving and a save without optimizer state (checkpoint.optimizer_every): the resumed
+    learner holds float32 master weights equal to the bfloat16 ones saved, and AdamW starts again from no moments."""
+    from services.trainer.checkpoint_state import Checkpoint, TrainerState
+    from services.trainer.checkpointer import in_saved_dtype
+
+    model_dir, data_dir, _, rows = setup
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            model={"path": str(model_dir), "dtype": "bfloat16"},
+            train={"learning_rate": 1e-4},
+        )
+    )
+    torch.manual_seed(0)
+    first = Learner(cfg)
+    groups = experience(cfg, rows)
+    first.step(groups[:3], 0)
+    state = first.state(optimizer=False)
+    assert state.optimizer is None
+    weights, dtype = in_saved_dtype(state.model, cfg.checkpoint.weights_dtype, cfg.model.dtype)
+    assert (cfg.checkpoint.weights_dtype, dtype) == ("master", "")  # the default keeps the master weights
+    weights, dtype = in_saved_dtype(state.model, "serving", cfg.model.dtype)
+    ckpt = Checkpoint(
+        1,
+        weights,
+        None,
+        first.scheduler.state_dict(),
+        first.rng_state(),
+        TrainerState(step=1, policy_version=1, last_experience_seq=0, weights_dtype=dtype),
+    )
+    resumed = Learner(cfg)
+    resumed.step(groups[:3], 0)  # moments of its own, which the load must drop
+    assert len(resumed.optimizer.state) > 0
+    resumed.load(ckpt)
+    assert len(resumed.optimizer.state) == 0
+    loaded = resumed.model.state_dict()
+    assert {tensor.dtype for tensor in loaded.values()} == {torch.float32}
+    for name, saved in state.model.items():
+        assert torch.equal(loaded[name], saved.to(torch.bfloat16).float())
+    resumed.step(groups[3:], 1)  # trains on from fresh moments
+    assert len(resumed.optimizer.state) > 0
 
 
 def with_nan(groups, group_index: int, field: str):

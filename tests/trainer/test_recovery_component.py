@@ -19,18 +19,15 @@ from services.common.observe.instruments import TrainerMetrics
 from services.common.transport.storage import open_store
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
-from services.trainer.checkpoint import (
-    CHECKPOINT_FORMAT,
-    CheckpointMismatch,
-    CheckpointStore,
-    ForeignCheckpoints,
-    UnknownCheckpointFormat,
-)
+from services.trainer.adopter import ResumeRefused
+from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpoint_state import CheckpointMismatch
 from services.trainer.intake import Fate, GroupLedger, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lineage import Lineage
+from services.trainer.manifest import FULL_FORMAT, UnknownCheckpointFormat
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery, ResumeRefused
+from services.trainer.recovery import Recovery
 from services.trainer.resume import SavedRecord
 from tests.conftest import write_config
 
@@ -108,14 +105,16 @@ class Harness:
     def rewind(self) -> None:
         self.rewinds += 1
 
-    async def step_and_save(self, step: int, groups: list[str]) -> None:
-        """What the loop does for a step, minus the math: the weights move so each step's are told apart."""
+    async def step_and_save(self, step: int, groups: list[str], final: bool = True) -> None:
+        """What the loop does for a step, minus the math: the weights move so each step's are told apart.
+        ``final``: a save at a stop or an end (waited for); otherwise a periodic one, uploaded in the background."""
         with torch.no_grad():
             next(self.learner.model.parameters()).add_(1.0)
         self.progress.step, self.progress.version, self.progress.applied_seq = step, step, step * 10
         self.ledger.settle(groups, step, Fate.APPLIED)
         self.lineage.record_step(step, step, [(g, step - 1) for g in groups], [], step * 10)
-        await self.recovery.save(config_version=0, wait=True)
+        await self.recovery.save(config_version=0, wait=final)
+        await self.recovery.wait_for_upload()
 
 
 def first_weights(learner: Learner) -> torch.Tensor:
@@ -437,7 +436,7 @@ def test_a_step_in_a_newer_checkpoint_format_is_refused_by_name_and_not_skipped(
     wrote it."""
     manifest_path = tmp_path / "store" / "run" / "step-00000003" / "manifest.json"
     manifest = json.loads(manifest_path.read_text())
-    assert manifest["format"] == CHECKPOINT_FORMAT
+    assert manifest["format"] == FULL_FORMAT  # a full save is written in the oldest format that holds it
     manifest_path.write_text(json.dumps({**manifest, "format": 99}))
 
     async def scenario() -> None:
@@ -516,5 +515,39 @@ def test_a_rollback_to_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model
         assert run.checkpoints.steps() == [1, 2, 3]  # nothing marked abandoned
         assert run.lineage.text() == lineage_before
         assert run.weights.latest is served_before and run.rewinds == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_to_a_save_without_optimizer_state_starts_adamw_fresh_says_so_and_each_save_reports_its_stall(
+    tiny_model, tmp_path
+):
+    """checkpoint.optimizer_every: 2 with a save every step: the periodic save of step 1 holds no optimizer state,
+    step 2's does. Going back to step 2 loads its moments; going back to step 1 drops them and writes
+    optimizer_fresh."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, save_every_steps=1, optimizer_every=2)
+        assert not await run.recovery.start(resume=False)
+        for param in run.learner.parameters():  # moments in the optimizer: what a fresh start must not keep
+            param.grad = torch.ones_like(param)
+        run.learner.optimizer.step()
+        for step in (1, 2):
+            await run.step_and_save(step, [f"e0-i{step}"], final=False)
+        files = {
+            step: json.loads((tmp_path / "store" / "run" / f"step-{step:08d}" / "manifest.json").read_text())["files"]
+            for step in (1, 2)
+        }
+        assert ("optimizer.pt" in files[1], "optimizer.pt" in files[2]) == (False, True)
+        saved = [row for row in run.rows if row.get("checkpoint_saved")]
+        assert [row["step"] for row in saved] == [1, 2]
+        assert all(row["checkpoint_stall_s"] > 0 for row in saved)
+
+        await run.recovery.rollback(2, "test")  # a save that kept the moments brings them back
+        assert len(run.learner.optimizer.state) == len(run.learner.parameters())
+        await run.recovery.rollback(1, "test")
+        assert len(run.learner.optimizer.state) == 0
+        events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
+        assert [event["step"] for event in events if event["kind"] == "optimizer_fresh"] == [1]
 
     asyncio.run(scenario())

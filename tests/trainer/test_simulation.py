@@ -44,15 +44,24 @@ def test_every_fed_group_keeps_exactly_one_fate_and_policy_versions_only_grow_in
     # How long the default 1,000 take is a figure for docs/testing.md, not an assertion: speed belongs in bench/.
     if chosen is None and request.config.getoption("--sim-scenarios") == 1000:
         # Not vacuous: the default run reaches every kind of trouble it draws.
-        for outcome in ("steps applied", "resume", "rollback", "restart", "crashed mid-effect", "groups lost"):
+        for outcome in (
+            "steps applied",
+            "resume",
+            "rollback",
+            "restart",
+            "crashed mid-effect",
+            "groups lost",
+            "reinjected",
+            "groups reopened",
+        ):
             assert outcomes[outcome] > 0, f"no scenario had {outcome}: {dict(outcomes)}"
         assert outcomes["dead letters"] > 0 and outcomes["start refused"] > 0, dict(outcomes)
 
 
 @pytest.mark.parametrize("hole", sorted(FOUND_HOLES))
 def test_a_hole_the_simulation_found_stays_closed(hole, tmp_path):
-    seed, length = FOUND_HOLES[hole]
-    run_scenario(sim_config(tmp_path), seed, length=length)
+    seed, length, reinjects = FOUND_HOLES[hole]
+    run_scenario(sim_config(tmp_path), seed, length=length, reinjects=reinjects)  # as it was found
 
 
 def test_a_scenario_replays_the_same_way_every_time(tmp_path):

@@ -340,6 +340,20 @@ class CheckpointConfig(Section):
     keep_last: int = Field(
         3, ge=1, description="newest checkpoints kept; older ones are pruned unless marked stable (count)"
     )
+    optimizer_every: int = Field(
+        1,
+        ge=1,
+        description="the optimizer state (AdamW's moments, twice the float32 weights' bytes) goes into every K-th "
+        "periodic save (count of saves, by step: step / save_every_steps divisible by K); the others hold weights, "
+        "schedule and RNG only, and a resume or rollback to one starts the optimizer fresh (event optimizer_fresh). "
+        "Saves at a stop, at the end of a run and on request always hold it",
+    )
+    weights_dtype: Literal["master", "serving"] = Field(
+        "master",
+        description="dtype of the saved weights: master = the trainer's own (float32 master weights: a resume is "
+        "exact); serving = model.dtype (half the bytes when it is bfloat16; a resume widens them back to the master "
+        "dtype and is not bit-exact)",
+    )
     resume: bool = Field(True, description="a starting trainer continues from the latest valid checkpoint")
     resume_step: int | None = Field(
         None,

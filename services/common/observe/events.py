@@ -111,6 +111,7 @@ class Event(StrEnum):
     LOOP_STALLED = "loop_stalled"  # a service loop made no progress past its bound: health NOT_SERVING
     MARKED_STABLE = "marked_stable"  # a checkpoint was marked stable
     MIRROR_FAILED = "mirror_failed"  # a write to the checkpoint mirror failed
+    OPTIMIZER_FRESH = "optimizer_fresh"  # a save without optimizer state was adopted: AdamW starts fresh (recorded)
     PAUSE = "pause"  # events.jsonl's kind of PAUSED
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)
     PRESENCE_FAILED = "presence_failed"  # a replica's presence entry could not be written
@@ -169,6 +170,7 @@ RECORDED_AS: dict[Event, Event] = {
     Event.CONFIG_CHANGE: Event.CONFIG_CHANGE,
     Event.GROUPS_LOST: Event.GROUPS_LOST,
     Event.GROUPS_REOPENED_BY_ROLLBACK: Event.GROUPS_REOPENED_BY_ROLLBACK,
+    Event.OPTIMIZER_FRESH: Event.OPTIMIZER_FRESH,
     Event.PAUSED: Event.PAUSE,
     Event.RESTART: Event.RESTART,
     Event.RESUMED: Event.RESUME,

@@ -79,6 +79,7 @@ METRIC_NAMES: dict[str, str] = {
     "checkpoint_saved": "checkpoint/saved",
     "checkpoint_failed": "checkpoint/failed",
     "checkpoint_time_s": "checkpoint/time_s",
+    "checkpoint_stall_s": "checkpoint/stall_s",
     "groups_dead": "pipeline/groups_dead",
     "groups_lost": "pipeline/groups_lost",
     "repeats_dropped": "pipeline/repeats_dropped",
