@@ -76,6 +76,18 @@ class Prompt(Message):
     incarnation: str = ""
 
 
+class Episode(BaseModel):
+    """How a multi-turn episode went (``rollout.environment`` set); absent on single-turn completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    turns: int = Field(ge=1)
+    tool_calls: int = Field(ge=0)
+    tool_errors: int = Field(ge=0)
+    env_seconds: float = Field(ge=0)
+    outcome: Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
+
+
 class Completion(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
@@ -83,6 +95,10 @@ class Completion(BaseModel):
     token_ids: Tensor
     logprobs: Tensor
     finish_reason: Literal["stop", "length"]
+    # 1 on tokens the model sampled, 0 on tokens an environment inserted (observations, tool output); None: all 1.
+    # Logprobs at masked-out positions are 0 and are never used.
+    loss_mask: Tensor | None = None
+    episode: Episode | None = None
 
     @model_validator(mode="after")
     def _aligned_and_finite(self) -> Completion:
@@ -90,6 +106,11 @@ class Completion(BaseModel):
             raise ValueError(f"logprobs shape {self.logprobs.shape} must match token_ids shape {self.token_ids.shape}")
         if not np.isfinite(self.logprobs).all():
             raise ValueError("sampling logprobs contain NaN or inf")
+        if self.loss_mask is not None:
+            if self.loss_mask.shape != self.token_ids.shape:
+                raise ValueError(f"loss_mask shape {self.loss_mask.shape} must match token_ids {self.token_ids.shape}")
+            if not np.isin(self.loss_mask, (0, 1)).all() or not self.loss_mask.any():
+                raise ValueError("loss_mask must be 0/1 with at least one 1")
         return self
 
 
