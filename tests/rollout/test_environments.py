@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
+from services.common.model.datasets import load_jsonl, make_tool_arith_dataset
 from services.rollout.environments import (
     Calculator,
     PythonTool,
@@ -127,3 +128,15 @@ def test_an_environment_config_loads(tmp_path, dirs):
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "max_turns": 3}
     cfg = load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout))
     assert (cfg.rollout.multi_turn, cfg.rollout.turn_stop, cfg.rollout.max_turns) == (True, ["</calc>"], 3)
+
+
+def test_the_tool_arith_rows_hold_transcripts_whose_calls_the_calculator_answers_as_written(tmp_path):
+    paths = make_tool_arith_dataset(tmp_path, seed=1, n_eval=5, n_dev=5, n_train=40)
+    rows = [row for split in ("train", "dev", "eval") for row in load_jsonl(paths[split])]
+    assert (len(rows), len({row["prompt"] for row in rows})) == (50, 50)
+    for row in rows:
+        a, b = map(int, re.fullmatch(r"(\d{3})\*(\d{2})=", row["prompt"]).groups())
+        assert row["answer"] == str(a * b)
+        call, result, answer = re.fullmatch(r"(<calc>.*</calc>)(<result>.*</result>)(\d+)", row["transcript"]).groups()
+        assert Calculator().step(turn(call)).observation == result
+        assert answer == row["answer"]
