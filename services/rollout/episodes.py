@@ -20,6 +20,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -67,6 +68,11 @@ class EpisodeEnvironment(Protocol):
     async def step(self, turn: Turn) -> StepResult: ...
 
 
+# Plugin environments' calls, apart from asyncio's default pool (a few threads on a small machine): a batch's
+# episodes step at once, and a hung step holds one of these, not a thread the rest of the rollout needs.
+ENVIRONMENT_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="environment")
+
+
 class LocalEnvironment:
     """A plugin environment in this process: each call in a worker thread, under the time limit.
 
@@ -92,7 +98,8 @@ class LocalEnvironment:
 
     async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:
         try:
-            return await asyncio.wait_for(asyncio.to_thread(method, argument), self.timeout_s)
+            call = asyncio.get_running_loop().run_in_executor(ENVIRONMENT_THREADS, method, argument)
+            return await asyncio.wait_for(call, self.timeout_s)
         except TimeoutError:
             raise EnvironmentFailed("timeout", f"no answer within {self.timeout_s:g}s") from None
         except Exception as error:  # a plugin may fail in any way: that ends its episode, never the rollout

@@ -13,7 +13,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.model.modeling import load_model
-from services.common.transport.messages import Prompt, RolloutGroup
+from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
 from services.rollout.environments import StepResult, Task, Turn
 from services.rollout.episodes import EpisodeRunner
@@ -86,5 +86,8 @@ def test_episodes_on_the_tiny_model_record_the_policys_own_logprobs_on_its_token
         on_model = completion.loss_mask == 1
         np.testing.assert_allclose(completion.logprobs[on_model], policy[on_model], atol=tolerance)
         assert (completion.logprobs[~on_model] == 0).all()
+    wire = decode(encode(group), RolloutGroup)  # what the reward role receives
+    assert [c.loss_mask.tolist() for c in wire.completions] == [c.loss_mask.tolist() for c in group.completions]
+    assert [c.episode for c in wire.completions] == [c.episode for c in group.completions]
     # Seeded: at two tokens a turn the tiny model never reaches its EOS, so both episodes use every turn.
     assert runner.metrics.outcomes == {"max_turns": 2}
