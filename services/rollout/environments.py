@@ -78,7 +78,7 @@ class Environment(Protocol):
 
 
 class ToolEnvironment:
-    """A tool the model calls inline: ``<tag>input</tag>`` at the end of a turn gets ``<result>output</result>``.
+    """A tool the model calls inline: a turn ending in ``<tag>input</tag>`` gets ``<result>output</result>``.
 
     A turn without a call ends the episode (the model answered). A call whose input the tool rejects is a tool
     error the model sees as ``<result>error: ...</result>``, so it can try again; the episode goes on."""
@@ -89,11 +89,12 @@ class ToolEnvironment:
         return task.prompt
 
     def step(self, turn: Turn) -> StepResult:
-        call = re.search(rf"<{self.tag}>(.*?)</{self.tag}>\s*$", turn.text, re.DOTALL)
-        if call is None:
+        # The turn's last call: a turn ends on the closing tag, though its last token may reach past it.
+        calls = re.findall(rf"<{self.tag}>(.*?)</{self.tag}>", turn.text, re.DOTALL)
+        if not calls:
             return StepResult(done=True)
         try:
-            output = self.run(call.group(1))
+            output = self.run(calls[-1])
         except ToolError as error:
             return StepResult(observation=f"<result>error: {error}</result>", tool_call=True, tool_error=True)
         return StepResult(observation=f"<result>{output}</result>", tool_call=True)

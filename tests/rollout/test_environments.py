@@ -55,9 +55,13 @@ def test_the_evaluator_refuses_anything_but_bounded_arithmetic(expression, reaso
         evaluate_arithmetic(expression)
 
 
-def test_the_calculator_answers_a_call_at_the_end_of_the_turn():
-    result = Calculator().step(turn("First, <calc>123*456</calc>"))
+def test_the_calculator_answers_the_turns_last_call():
+    result = Calculator().step(turn("First, <calc>1+1</calc> then <calc>123*456</calc>"))
     assert result == StepResult(observation="<result>56088</result>", tool_call=True)
+
+
+def test_the_calculator_answers_a_call_whose_last_token_reaches_past_the_closing_tag():
+    assert Calculator().step(turn("<calc>6*7</calc>.\n")).observation == "<result>42</result>"
 
 
 def test_a_malformed_calculator_call_is_a_tool_error_the_model_sees():
