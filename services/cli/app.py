@@ -203,10 +203,12 @@ def build_tiny(
     task: str = typer.Option(
         "arithmetic",
         help="arithmetic: the dataset and the tiny model; word-problems: only a chat-form word-problem dataset "
-        "(for a chat model such as `make model-smol`'s; the tiny model has no chat template)",
+        "(for a chat model such as `make model-smol`'s; the tiny model has no chat template); tool-arith: "
+        "multiplications and a tiny model warm-started on calculator transcripts (examples/tool-arith.yaml)",
     ),
 ) -> None:
-    """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, or a word-problem dataset."""
+    """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, a word-problem dataset, or
+    the calculator-tool dataset and model."""
     from services.common.model.tiny_model import main as build
 
     build(["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task])

@@ -48,6 +48,9 @@ REWARD_FUNCTIONS = Registry(
     ("exact_match", "final_number", "format", "format_penalty", "gsm8k", "length_penalty", "math_verify"),
 )
 
+# rollout.environment's built-in names (services.rollout.environments implements them).
+ENVIRONMENTS = ("calculator", "python")
+
 
 def import_function(path: str) -> Callable[..., Any]:
     """The callable a ``module:function`` path names (a plugin on the Python path); ValueError says what is wrong."""

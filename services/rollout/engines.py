@@ -33,6 +33,13 @@ class Engine(Protocol):
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
     ) -> list[list[Generation]]: ...
 
+    def generate_turns(
+        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+    ) -> list[Generation]:
+        """One turn for each episode: one sample continuing each context, up to its ``max_tokens``, ending early on
+        the end-of-sequence token or once the text holds one of ``stop``."""
+        ...
+
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
@@ -95,22 +102,39 @@ class VllmEngine:
             for ids in prompt_ids
         ]
         results = self.llm.generate(prompts, params, use_tqdm=False)
-        groups = []
-        for result in results:
-            group = []
-            for out in result.outputs:
-                ids = list(out.token_ids)
-                logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids, strict=False)]
-                group.append(
-                    Generation(
-                        text=self.tokenizer.decode(ids, skip_special_tokens=True),
-                        token_ids=np.asarray(ids, dtype=np.int32),
-                        logprobs=np.asarray(logprobs, dtype=np.float32),
-                        finish_reason="length" if out.finish_reason == "length" else "stop",
-                    )
-                )
-            groups.append(group)
-        return groups
+        return [[self._generation(out) for out in result.outputs] for result in results]
+
+    def generate_turns(
+        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+    ) -> list[Generation]:
+        from vllm import SamplingParams, TokensPrompt
+
+        # One call for every live episode: vLLM batches them continuously, whatever their lengths.
+        params = [
+            SamplingParams(
+                n=1,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                max_tokens=limit,
+                logprobs=0,
+                stop=stop or None,
+                include_stop_str_in_output=True,
+            )
+            for limit in max_tokens
+        ]
+        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in contexts]
+        results = self.llm.generate(prompts, params, use_tqdm=False)
+        return [self._generation(result.outputs[0]) for result in results]
+
+    def _generation(self, out: Any) -> Generation:
+        ids = list(out.token_ids)
+        logprobs = [step[token].logprob for step, token in zip(out.logprobs, ids, strict=False)]
+        return Generation(
+            text=self.tokenizer.decode(ids, skip_special_tokens=True),
+            token_ids=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray(logprobs, dtype=np.float32),
+            finish_reason="length" if out.finish_reason == "length" else "stop",
+        )
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Consumes ``tensors`` lazily, so they can still be arriving: vLLM loads layer by layer as each
@@ -141,10 +165,24 @@ class HfEngine:
     ) -> list[list[Generation]]:
         return [self._group(ids, sampling, max_tokens_for(len(ids), sampling, max_seq_len)) for ids in prompt_ids]
 
-    def _group(self, ids: list[int], sampling: SamplingConfig, max_tokens: int) -> list[Generation]:
+    @torch.no_grad()
+    def generate_turns(
+        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+    ) -> list[Generation]:
+        # One context at a time: generate pads a batch, and a padded context would change what the model sees.
+        return [
+            self._group(ids, sampling, limit, samples=1, stop=stop)[0]
+            for ids, limit in zip(contexts, max_tokens, strict=True)
+        ]
+
+    def _group(
+        self, ids: list[int], sampling: SamplingConfig, max_tokens: int, samples: int = 0, stop: list[str] | None = None
+    ) -> list[Generation]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        prompt = torch.tensor([ids] * sampling.group_size)
+        prompt = torch.tensor([ids] * (samples or sampling.group_size))
+        stopping = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
         out = self.model.generate(
+            **stopping,
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             do_sample=True,

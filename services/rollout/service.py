@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import grpc
 import numpy as np
@@ -34,9 +35,11 @@ from services.common.transport.weightsync.client import WeightStream, WeightSync
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
 from services.rollout.engines import Engine, EngineUnavailable, build_engine, serving_dtype
+from services.rollout.episodes import EpisodeRunner
 from services.rollout.handoff import EngineGone, TensorHandoff
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class PolicyFollower:
@@ -284,22 +287,27 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     watcher = asyncio.create_task(follower.watch())
     live, presence = await join_run(cfg, bus, "rollout", grpc=address)
 
-    async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
-        # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
-        await follower.ready()
-        await live.refresh()  # sampling temperature, top-p and max new tokens are live
-        presence.update(policy_version=follower.loaded)
-        prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
+    async def on_engine(call: Callable[..., T], *args: object) -> T:
         try:
-            groups = await loop.run_in_executor(
-                engine_thread, engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len
-            )
+            return await loop.run_in_executor(engine_thread, call, *args)
         except (ValueError, TypeError):
             raise  # the prompts' fault (one too long for max_seq_len, say): their deliveries, then DEAD
         except Exception as error:
             # Anything else is the engine's (a dead engine core, a device error): failing the prompts for it
             # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
+
+    episodes = EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns) if cfg.rollout.multi_turn else None
+
+    async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
+        # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
+        await follower.ready()
+        await live.refresh()  # sampling temperature, top-p and max new tokens are live
+        presence.update(policy_version=follower.loaded)
+        if episodes is not None:
+            return await episodes.groups(prompts, live.cfg.sampling, follower.loaded, live.version)
+        prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
+        groups = await on_engine(engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len)
         return [
             advance(
                 prompt,

@@ -536,6 +536,64 @@ class RolloutConfig(Section):
         "default); lower it when the trainer or reference shares the GPU",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
+    environment: str = Field(
+        "",
+        description="multi-turn episodes (docs/agents.md): a built-in environment (calculator, python) or a "
+        "'module:Class' plugin; empty = single-turn completions",
+    )
+    environment_url: str = Field(
+        "",
+        pattern=r"^(https?://\S+)?$",
+        description="an environment served over HTTP (docs/agents.md) instead of rollout.environment; empty = none",
+    )
+    environment_timeout_s: float = Field(
+        10.0, gt=0, description="seconds one reset or step of the environment may take; past it the episode ends"
+    )
+    environment_retries: int = Field(
+        2, ge=0, description="retries of a failed HTTP environment request before the episode ends as env_error"
+    )
+    max_turns: int = Field(4, ge=1, description="model turns in one episode (turns)")
+    max_tokens_per_turn: int = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")
+    max_total_tokens: int = Field(
+        512, ge=1, description="tokens after the prompt in one episode, model turns and observations together (tokens)"
+    )
+    max_observation_tokens: int = Field(
+        256, ge=1, description="tokens one observation may have; a longer one ends the episode as truncated (tokens)"
+    )
+    turn_stop: list[str] = Field(
+        default_factory=list,
+        description="strings that end a model turn and hand it to the environment, such as a tool call's closing "
+        "tag '</calc>'; the model's end-of-sequence token always ends the episode",
+    )
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_known(cls, environment: str) -> str:
+        if ":" in environment:  # a plugin: imported now, so a typo stops the start rather than the first episode
+            registry.import_function(environment)
+        elif environment and environment not in registry.ENVIRONMENTS:
+            raise ValueError(
+                f"environment {environment!r} is not one of {list(registry.ENVIRONMENTS)} nor a 'module:Class'"
+            )
+        return environment
+
+    @model_validator(mode="after")
+    def _episode_budgets_fit(self) -> RolloutConfig:
+        if self.environment and self.environment_url:
+            raise ValueError("set rollout.environment or rollout.environment_url, not both")
+        if self.max_tokens_per_turn > self.max_total_tokens:
+            raise ValueError(
+                f"rollout.max_tokens_per_turn={self.max_tokens_per_turn} must be at most "
+                f"rollout.max_total_tokens={self.max_total_tokens}"
+            )
+        if any(not stop for stop in self.turn_stop):
+            raise ValueError("rollout.turn_stop may not hold an empty string: it would end every turn at once")
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes with an environment rather than one completion per sample."""
+        return bool(self.environment or self.environment_url)
 
 
 class RewardModelConfig(Section):

@@ -69,6 +69,31 @@ def make_arithmetic_dataset(out_dir: Path, seed: int = 0, n_eval: int = 500, n_d
     return _write_splits(problems, n_eval, n_dev, out_dir)
 
 
+def tool_transcript(a: int, b: int) -> str:
+    """The answer to ``a*b=`` that uses the calculator tool: the call, the tool's result, then the answer."""
+    return f"<calc>{a}*{b}</calc><result>{a * b}</result>{a * b}"
+
+
+def make_tool_arith_dataset(
+    out_dir: Path, seed: int = 0, n_eval: int = 200, n_dev: int = 32, n_train: int = 4000
+) -> dict[str, Path]:
+    """Write 3-digit by 2-digit multiplications (``123*45=`` -> ``5535``) as train/dev/eval JSONL splits.
+
+    Too hard for the tiny model to compute, easy with the calculator environment: each row also carries
+    ``transcript``, the answer that calls the tool (``tool_transcript``), which the tool model's warm start
+    learns the tool's format from. Distinct problems, drawn with ``seed``."""
+    rng = random.Random(seed)
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < n_eval + n_dev + n_train:
+        pairs.add((rng.randint(100, 999), rng.randint(10, 99)))
+    problems = [
+        {"id": f"mul-{a}-{b}", "prompt": f"{a}*{b}=", "answer": str(a * b), "transcript": tool_transcript(a, b)}
+        for a, b in sorted(pairs)
+    ]
+    rng.shuffle(problems)
+    return _write_splits(problems, n_eval, n_dev, out_dir)
+
+
 # Word problems: each template is (question, operation). Operands are drawn so answers stay
 # whole and non-negative; every problem is unique across the three splits.
 NAMES = ("Tom", "Anna", "Ben", "Maria", "Sam", "Lily", "Omar", "Grace", "Leo", "Nina")

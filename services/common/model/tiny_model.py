@@ -25,13 +25,24 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenizers import pre_tokenizers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from services.common.model.datasets import load_jsonl, make_arithmetic_dataset, make_word_problem_dataset
+from services.common.model.datasets import (
+    load_jsonl,
+    make_arithmetic_dataset,
+    make_tool_arith_dataset,
+    make_word_problem_dataset,
+)
 from services.common.model.evaluation import greedy_accuracy
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
 ALPHABET = string.digits + "+-*=" + " " + string.ascii_lowercase
 MAX_POSITIONS = 64
+# The tool model (--task tool-arith) also spells the calculator's tags, and its transcripts are longer.
+TOOL_ALPHABET = ALPHABET + "<>/"
+TOOL_MAX_POSITIONS = 96
+# Its warm start learns the tool's format, not the products (dev accuracy on whole transcripts stays near 0), so it
+# runs a fixed number of steps.
+TOOL_WARM_START_STEPS = 400
 
 # Tuned on 2 shared CPU cores: dev accuracy climbs through 30-60% around step
 # 300 (about 30 s), gradually enough for a 10-step check to stop near the target.
@@ -53,18 +64,18 @@ MODEL_FILES = (
 )
 
 
-def build_char_tokenizer() -> Qwen2Tokenizer:
+def build_char_tokenizer(alphabet: str = ALPHABET, max_positions: int = MAX_POSITIONS) -> Qwen2Tokenizer:
     """Character-level tokenizer: one token per ``ALPHABET`` character, ``<pad>`` = 0, no BOS.
 
     It is a Qwen2 byte-level BPE with a character vocabulary and no merges, not a
     generic ``PreTrainedTokenizerFast``: for ``model_type == "qwen2"``,
     ``AutoTokenizer`` (and therefore vLLM) always rebuilds the Qwen2 pipeline from
     the saved vocabulary and ignores any other pipeline in tokenizer.json.
-    Characters outside ``ALPHABET`` have no token and are dropped when encoding.
+    Characters outside ``alphabet`` have no token and are dropped when encoding.
     """
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     vocab = {PAD_TOKEN: 0, EOS_TOKEN: 1}
-    for char in ALPHABET:
+    for char in alphabet:
         # Byte-level BPE spells some characters differently, e.g. space as "Ġ".
         [(byte_level_char, _)] = byte_level.pre_tokenize_str(char)
         vocab[byte_level_char] = len(vocab)
@@ -75,11 +86,11 @@ def build_char_tokenizer() -> Qwen2Tokenizer:
         unk_token=None,
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
-        model_max_length=MAX_POSITIONS,
+        model_max_length=max_positions,
     )
 
 
-def _new_model(tokenizer: Qwen2Tokenizer, seed: int) -> Qwen2ForCausalLM:
+def _new_model(tokenizer: Qwen2Tokenizer, seed: int, max_positions: int = MAX_POSITIONS) -> Qwen2ForCausalLM:
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         hidden_size=128,
@@ -87,7 +98,7 @@ def _new_model(tokenizer: Qwen2Tokenizer, seed: int) -> Qwen2ForCausalLM:
         num_attention_heads=4,
         num_key_value_heads=2,
         intermediate_size=352,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
         eos_token_id=tokenizer.eos_token_id,
@@ -189,9 +200,10 @@ def _warm_start(
     return step, dev_accuracy
 
 
-def _build_settings(seed: int, target_accuracy: float, max_steps: int) -> dict:
+def _build_settings(seed: int, target_accuracy: float, max_steps: int, task: str) -> dict:
     """Everything that determines the built weights; a folder is reused only if these match."""
     return {
+        **({"task": task} if task != "arithmetic" else {}),  # the arithmetic model's markers predate tasks
         "seed": seed,
         "target_accuracy": target_accuracy,
         "max_steps": max_steps,
@@ -220,6 +232,7 @@ def build_tiny_model(
     seed: int = 0,
     target_accuracy: float = 0.4,
     max_steps: int = DEFAULT_MAX_STEPS,
+    task: str = "arithmetic",
 ) -> dict:
     """Write a warm-started tiny Qwen2 model and its tokenizer to ``out_dir``.
 
@@ -232,9 +245,12 @@ def build_tiny_model(
 
     Returns a summary with ``steps``, ``dev_accuracy``, ``eval_accuracy``,
     ``seconds`` and ``reused``.
+
+    ``task="tool-arith"``: the rows' ``transcript`` (a calculator call, its result, the answer) is what the model
+    learns, with the calculator's tags in its vocabulary (see ``make_tool_arith_dataset``).
     """
     out_dir, data_dir = Path(out_dir), Path(data_dir)
-    settings = _build_settings(seed, target_accuracy, max_steps)
+    settings = _build_settings(seed, target_accuracy, max_steps, task)
     summary = _reusable_summary(out_dir, settings)
     if summary is not None:
         return {**summary, "reused": True}
@@ -244,8 +260,15 @@ def build_tiny_model(
     dev_rows = load_jsonl(data_dir / "dev.jsonl")
     eval_rows = load_jsonl(data_dir / "eval.jsonl")
 
-    tokenizer = build_char_tokenizer()
-    model = _new_model(tokenizer, seed)
+    if task == "tool-arith":
+        train_rows, dev_rows = (
+            [{**row, "answer": row["transcript"]} for row in rows] for rows in (train_rows, dev_rows)
+        )
+        tokenizer = build_char_tokenizer(TOOL_ALPHABET, TOOL_MAX_POSITIONS)
+        model = _new_model(tokenizer, seed, TOOL_MAX_POSITIONS)
+    else:
+        tokenizer = build_char_tokenizer()
+        model = _new_model(tokenizer, seed)
     caller_threads = torch.get_num_threads()
     torch.set_num_threads(TORCH_THREADS)
     try:
@@ -279,9 +302,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
     parser.add_argument(
         "--task",
-        choices=("arithmetic", "word-problems"),
+        choices=("arithmetic", "word-problems", "tool-arith"),
         default="arithmetic",
-        help="word-problems writes only the chat-form dataset: the character-level model cannot read a chat",
+        help="word-problems writes only the chat-form dataset: the character-level model cannot read a chat; "
+        "tool-arith: multiplications and a model warm-started on calculator transcripts (examples/tool-arith.yaml)",
     )
     args = parser.parse_args(argv)
 
@@ -290,7 +314,14 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps({split: str(path) for split, path in paths.items()}))
         return
     if args.out is None:
-        parser.error("--out is required with --task arithmetic")
+        parser.error(f"--out is required with --task {args.task}")
+    if args.task == "tool-arith":
+        make_tool_arith_dataset(args.data, seed=args.seed)
+        summary = build_tiny_model(
+            args.out, args.data, seed=args.seed, target_accuracy=1.0, max_steps=TOOL_WARM_START_STEPS, task=args.task
+        )
+        print(json.dumps(summary))
+        return
     make_arithmetic_dataset(args.data, seed=args.seed)
     summary = build_tiny_model(
         args.out,

@@ -88,6 +88,11 @@ class Event(StrEnum):
     DRAINING = "draining"  # a stage stops taking work and hands back what it holds
     DYNAMIC_SAMPLING_FILTERING_MOST = "dynamic_sampling_filtering_most"  # filtering ten batches to fill one (alert)
     ENDED_UNSAVED = "ended_unsaved"  # the trainer ended with applied steps not stored
+    ENVIRONMENT_REQUEST_FAILED = "environment_request_failed"  # a request to an HTTP environment failed; retried
+    ENVIRONMENT_RESET_FAILED = "environment_reset_failed"  # an environment reset failed; batch retried (alert)
+    ENVIRONMENT_SERVICE_DOWN = "environment_service_down"  # an HTTP environment is down past its bound (alert)
+    ENVIRONMENT_SERVICE_RECOVERED = "environment_service_recovered"  # an HTTP environment answers again
+    ENVIRONMENT_STEP_FAILED = "environment_step_failed"  # an environment step failed; its episode ends, named
     EVAL = "eval"  # an evaluation finished
     FEED_FAILED = "feed_failed"  # a prompt could not be published; fed again later
     FEED_REPEATED = "feed_repeated"  # a prompt was fed again after its first publish was not confirmed

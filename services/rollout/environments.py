@@ -1,0 +1,222 @@
+"""The environment protocol of multi-turn episodes, its built-in environments and how one is chosen.
+
+An environment is a class with ``reset(task) -> str`` (the text the model's first turn continues: the prompt,
+or the prompt with the environment's instructions) and ``step(turn) -> StepResult``. One instance serves one
+episode: the rollout constructs it with no arguments, calls ``reset`` once and ``step`` after every model turn.
+``rollout.environment`` names a built-in (``calculator``, ``python``) or a plugin's ``module:Class``;
+``rollout.environment_url`` an environment served over HTTP (``services.rollout.http_environment``).
+docs/agents.md walks through writing one.
+
+An observation is inserted verbatim after the model's turn and tokenized alone, once: an environment that wants
+its output in a chat role of its own writes the template's markers into the observation text itself.
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+import resource
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from services.common.registry import ENVIRONMENTS, import_function
+
+Info = dict[str, str | int | float | bool]
+
+
+@dataclass(frozen=True)
+class Task:
+    """What an episode is about: the prompt as the trainer fed it and its reference answer."""
+
+    prompt_id: str
+    prompt: str
+    answer: str
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn: the text it sampled and the token ids behind it (never re-tokenized)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the environment answers to a turn.
+
+    ``observation`` is appended to the episode (loss mask 0) unless ``done``; ``reward_part`` is the environment's
+    own score for the turn, summed over the episode and reported (the training reward stays reward.functions').
+    ``tool_call``/``tool_error`` say whether the turn called a tool and whether the call failed (malformed, or
+    the tool raised): they are the episode's tool metrics."""
+
+    observation: str = ""
+    reward_part: float = 0.0
+    done: bool = False
+    tool_call: bool = False
+    tool_error: bool = False
+    info: Info = field(default_factory=dict)
+
+
+class EnvironmentFailed(Exception):
+    """One call of an environment failed; ``outcome`` is how its episode ends (env_error or timeout)."""
+
+    def __init__(self, outcome: Literal["env_error", "timeout"], reason: str):
+        super().__init__(reason)
+        self.outcome = outcome
+
+
+class Environment(Protocol):
+    def reset(self, task: Task) -> str: ...
+
+    def step(self, turn: Turn) -> StepResult: ...
+
+
+class ToolEnvironment:
+    """A tool the model calls inline: a turn ending in ``<tag>input</tag>`` gets ``<result>output</result>``.
+
+    A turn without a call ends the episode (the model answered). A call whose input the tool rejects is a tool
+    error the model sees as ``<result>error: ...</result>``, so it can try again; the episode goes on."""
+
+    tag = ""
+
+    def reset(self, task: Task) -> str:
+        return task.prompt
+
+    def step(self, turn: Turn) -> StepResult:
+        # The turn's last call: a turn ends on the closing tag, though its last token may reach past it.
+        calls = re.findall(rf"<{self.tag}>(.*?)</{self.tag}>", turn.text, re.DOTALL)
+        if not calls:
+            return StepResult(done=True)
+        try:
+            output = self.run(calls[-1])
+        except ToolError as error:
+            return StepResult(observation=f"<result>error: {error}</result>", tool_call=True, tool_error=True)
+        return StepResult(observation=f"<result>{output}</result>", tool_call=True)
+
+    def run(self, source: str) -> str:
+        raise NotImplementedError
+
+
+class ToolError(ValueError):
+    """The tool could not run this input; the text is what the model is shown."""
+
+
+# The safe evaluator's bounds: enough for arithmetic word problems, too little to spend the machine.
+MAX_EXPRESSION_CHARS = 200
+MAX_EXPONENT = 64
+MAX_MAGNITUDE = 1e30
+_BINARY: dict[type[ast.operator], Callable[[float, float], float]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[float], float]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+
+
+def evaluate_arithmetic(expression: str) -> int | float:
+    """The value of an arithmetic expression of numbers, + - * / // % ** and parentheses; ToolError otherwise.
+
+    Parsed with ``ast`` and walked node by node (never ``eval``): names, calls, attributes and every other
+    construct are refused, an exponent above MAX_EXPONENT or a value above MAX_MAGNITUDE too."""
+    if len(expression) > MAX_EXPRESSION_CHARS:
+        raise ToolError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError:
+        raise ToolError(f"not an arithmetic expression: {expression.strip()[:50]!r}") from None
+    value = _evaluate(tree.body)
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _evaluate(node: ast.expr) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if abs(node.value) > MAX_MAGNITUDE:
+            raise ToolError(f"number above {MAX_MAGNITUDE:g}")
+        return node.value
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left), _evaluate(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
+            raise ToolError(f"exponent {right} is above {MAX_EXPONENT}")
+        try:
+            value = _BINARY[type(node.op)](left, right)
+        except ZeroDivisionError:
+            raise ToolError("division by zero") from None
+        except OverflowError:
+            raise ToolError(f"result above {MAX_MAGNITUDE:g}") from None
+        if isinstance(value, complex) or not math.isfinite(value) or abs(value) > MAX_MAGNITUDE:
+            raise ToolError(f"result above {MAX_MAGNITUDE:g} or not a real number")
+        return value
+    raise ToolError(f"only numbers and + - * / // % ** are allowed, not {type(node).__name__}")
+
+
+class Calculator(ToolEnvironment):
+    """``<calc>12*(3+4)</calc>`` -> ``<result>84</result>``."""
+
+    tag = "calc"
+
+    def run(self, source: str) -> str:
+        value = evaluate_arithmetic(source)
+        return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+# The Python tool's limits: a fresh interpreter per call, killed past them.
+PYTHON_TIMEOUT_S = 5.0
+PYTHON_MEMORY_BYTES = 512 << 20
+PYTHON_OUTPUT_CHARS = 500
+
+
+def _limit_child() -> None:
+    """In the child before it runs the code: cap its address space and CPU time (the wall clock caps the rest)."""
+    resource.setrlimit(resource.RLIMIT_AS, (PYTHON_MEMORY_BYTES, PYTHON_MEMORY_BYTES))
+    cpu_s = math.ceil(PYTHON_TIMEOUT_S)
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
+
+
+def run_python(code: str) -> str:
+    """What ``code`` prints, run in an isolated child interpreter with a time and memory limit; ToolError when it
+    fails (its last error line), runs past PYTHON_TIMEOUT_S or needs more than PYTHON_MEMORY_BYTES."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=PYTHON_TIMEOUT_S,
+            preexec_fn=_limit_child,
+            stdin=subprocess.DEVNULL,
+        )
+    except subprocess.TimeoutExpired:
+        raise ToolError(f"the code ran past {PYTHON_TIMEOUT_S:g}s") from None
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        raise ToolError(lines[-1][:PYTHON_OUTPUT_CHARS])
+    return done.stdout.strip()[:PYTHON_OUTPUT_CHARS]
+
+
+class PythonTool(ToolEnvironment):
+    """``<python>print(2**10)</python>`` -> ``<result>1024</result>``, the code run by ``run_python``."""
+
+    tag = "python"
+
+    def run(self, source: str) -> str:
+        return run_python(source)
+
+
+BUILT_IN: dict[str, type[ToolEnvironment]] = {"calculator": Calculator, "python": PythonTool}
+assert set(BUILT_IN) == set(ENVIRONMENTS), "registry.ENVIRONMENTS names exactly the built-in environments"
+
+
+def environment_factory(name: str) -> Callable[[], Environment]:
+    """What makes one episode's environment: a built-in's class, or the plugin class ``module:Class`` names."""
+    return BUILT_IN[name] if name in BUILT_IN else import_function(name)

@@ -1,0 +1,89 @@
+"""The rollout's multi-turn path against a real nats-server (issue 22 item 8): an environment that fails on every
+step ends each episode as env_error, and every group still goes on to ROLLOUTS; none is dead-lettered."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from services.common.config import load_config
+from services.common.transport.bus import Bus
+from services.common.transport.messages import RolloutGroup, decode
+from services.common.transport.streams import DEAD, ROLLOUTS, stream_name
+from services.rollout.engines import Generation
+from services.rollout.environments import StepResult, Task, Turn
+from tests.conftest import free_port, write_config
+from tests.rollout.test_engine_outage import RUN_ID, FakeEngine, messages, run_rollout
+
+pytestmark = pytest.mark.integration
+
+
+class BrokenTool:
+    def reset(self, task: Task) -> str:
+        return task.prompt
+
+    def step(self, turn: Turn) -> StepResult:
+        raise RuntimeError("the tool's own bug")
+
+
+class TurnEngine(FakeEngine):
+    """The outage test's engine, taking turns too: each a fixed tool call."""
+
+    def __init__(self) -> None:
+        super().__init__(fail=lambda text: None)
+        self.tokenizer.eos_token_id = None
+        self.tokenizer.decode = lambda ids, skip_special_tokens=True: "".join(map(chr, ids))
+
+    def generate_turns(self, contexts, max_tokens, sampling, stop) -> list[Generation]:
+        self.calls.append([f"{len(contexts)} turns"])
+        ids = [ord(c) for c in "<calc>1</calc>"]
+        return [Generation("<calc>1</calc>", np.asarray(ids, np.int32), np.zeros(len(ids), np.float32), "stop")] * len(
+            contexts
+        )
+
+
+def test_an_environment_that_fails_every_step_ends_episodes_as_env_error_and_dead_letters_no_group(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    model_dir, data_dir = tiny_model
+    rollout = {
+        "prompts_per_batch": 2,
+        "weight_relay": False,
+        "environment": f"{__name__}:BrokenTool",
+        "turn_stop": ["</calc>"],
+    }
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id=RUN_ID,
+            sampling={"group_size": 2, "max_new_tokens": 4},
+            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+            rollout=rollout,
+            service={"trainer_grpc_port": free_port()},
+        )
+    )
+    engine = TurnEngine()
+
+    async def scenario() -> list[RolloutGroup]:
+        async def done(bus: Bus) -> bool:
+            return await messages(bus, ROLLOUTS) == 2
+
+        bus = await run_rollout(cfg, engine, monkeypatch, done, timeout=60)
+        assert await messages(bus, DEAD) == 0
+        stream = stream_name(RUN_ID, ROLLOUTS)
+        groups = [decode((await bus.js.get_msg(stream, seq=seq)).data, RolloutGroup) for seq in (1, 2)]
+        await bus.close()
+        return groups
+
+    groups = asyncio.run(scenario())
+    assert sorted(group.prompt_id for group in groups) == ["also good", "good"]
+    for group in groups:
+        assert [c.episode.outcome for c in group.completions] == ["env_error", "env_error"]
+        assert [c.episode.turns for c in group.completions] == [1, 1]
+        assert [c.text for c in group.completions] == ["<calc>1</calc>", "<calc>1</calc>"]
+    assert engine.calls == [["4 turns"]]  # one engine call for the batch's four episodes
