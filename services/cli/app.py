@@ -150,7 +150,7 @@ def plan(
     seq_len: int = typer.Option(None, help="most tokens of prompt plus completion"),
     group_size: int = typer.Option(None, help="completions per prompt"),
     gradient_checkpointing: bool = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing"),
-    lora_rank: int = typer.Option(None, help="train rank-R adapters on every projection instead of every weight"),
+    lora_rank: int = typer.Option(None, help="train rank-R LoRA adapters on q, k, v and o instead of every weight"),
     gpus: int = typer.Option(None, min=0, help="GPUs at hand; 0 plans for the CPU (default: the GPUs seen here)"),
     gpu_memory_gib: float = typer.Option(None, min=0.1, help="memory of each GPU in GiB (default: this machine's)"),
 ) -> None:

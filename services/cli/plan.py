@@ -65,8 +65,9 @@ def inputs_from_config(cfg: RunConfig) -> SizingInputs:
         gradient_checkpointing=train.gradient_checkpointing,
         model_dtype=cfg.model.dtype,
         master_dtype="float32" if train.master_weights == "float32" else cfg.model.dtype,
-        # Hook for LoRA: once the config has model.lora, pass its rank here (lora_rank) so only the adapters
-        # are counted as trainable; until then a config plans a full fine-tune and `--lora-rank` sizes adapters.
+        # Hook for LoRA: once model.lora is in the config (branch h-lora), pass lora_rank=cfg.model.lora.r and
+        # lora_targets=tuple(cfg.model.lora.target_modules) when it is set; until then a config plans a full
+        # fine-tune and `rlpipe plan --lora-rank R` sizes adapters on the default targets.
         lora_rank=None,
         kv_cache_bytes=None if kv_mib is None else kv_mib * MIB,
     )

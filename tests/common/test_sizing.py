@@ -135,13 +135,21 @@ def test_ppo_with_a_separate_critic_trains_a_second_model_and_grpo_or_a_value_he
     assert head.trainer.critic == 0
 
 
-def test_lora_trains_only_adapters_over_frozen_model_dtype_weights() -> None:
-    # rank 1 per layer: q, o (4 + 4) * 2 + k, v (4 + 2) * 2 + gate, up, down (4 + 8) * 3 = 64; two layers
-    assert lora_parameters(SMALL, 1) == 128
+def test_lora_trains_only_adapters_beside_the_frozen_base() -> None:
+    # rank 1 per layer, the default targets: q (4 + 4) + k, v (4 + 2) each + o (4 + 4) = 28; two layers
+    assert lora_parameters(SMALL, 1) == 56
+    # and the MLP's three: (4 + 8) * 3 = 36 more per layer
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert lora_parameters(SMALL, 1, every) == 2 * (28 + 36)
     est = estimate(SMALL, SizingInputs(**{**SMALLER_BATCH.__dict__, "lora_rank": 1}))
-    assert est.trainable_parameters == 128
-    assert est.trainer.weights == SMALL_PARAMETERS * 2 + 128 * 4
-    assert (est.trainer.gradients, est.trainer.optimizer) == (128 * 4, 128 * 8)
+    assert est.trainable_parameters == 56
+    assert est.trainer.weights == SMALL_PARAMETERS * 4 + 56 * 4
+    assert (est.trainer.gradients, est.trainer.optimizer) == (56 * 4, 56 * 8)
+
+
+def test_a_lora_target_that_is_not_a_projection_is_refused_naming_the_projections() -> None:
+    with pytest.raises(ValueError, match=r"\['qkv'\] are not among a layer's projections: q_proj, k_proj"):
+        lora_parameters(SMALL, 1, ("qkv",))
 
 
 def test_fsdp2_shards_weights_gradients_and_moments_but_not_activations() -> None:

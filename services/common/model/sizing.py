@@ -70,14 +70,26 @@ class ModelShape:
         return 2 * self.layers * self.kv_width
 
 
-def lora_parameters(shape: ModelShape, rank: int) -> int:
-    """Trainable parameters of rank-``rank`` adapters on every projection of every layer: rank x (in + out) each."""
-    per_layer = (
-        (shape.hidden + shape.q_width) * 2  # q and o
-        + (shape.hidden + shape.kv_width) * 2  # k and v
-        + (shape.hidden + shape.intermediate) * 3  # gate, up and down
-    )
-    return rank * per_layer * shape.layers
+# The projections peft's LoRA can wrap in a decoder layer, and the default it wraps (model.lora.target_modules).
+LORA_DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def lora_parameters(shape: ModelShape, rank: int, targets: tuple[str, ...] = LORA_DEFAULT_TARGETS) -> int:
+    """Trainable parameters of rank-``rank`` adapters on each ``targets`` projection of every layer: rank x (in +
+    out) each; a name that is not a projection of the layer is refused, naming the ones there are."""
+    widths = {
+        "q_proj": shape.hidden + shape.q_width,
+        "k_proj": shape.hidden + shape.kv_width,
+        "v_proj": shape.hidden + shape.kv_width,
+        "o_proj": shape.q_width + shape.hidden,
+        "gate_proj": shape.hidden + shape.intermediate,
+        "up_proj": shape.hidden + shape.intermediate,
+        "down_proj": shape.intermediate + shape.hidden,
+    }
+    unknown = [name for name in targets if name not in widths]
+    if unknown:
+        raise ValueError(f"LoRA targets {unknown} are not among a layer's projections: {', '.join(widths)}")
+    return rank * sum(widths[name] for name in targets) * shape.layers
 
 
 def read_model_shape(folder: Path) -> ModelShape:
@@ -121,6 +133,7 @@ class SizingInputs:
     model_dtype: str = "bfloat16"  # activations, the reference and the rollout's weights
     master_dtype: str = "float32"  # the trainer's parameters, gradients and AdamW moments
     lora_rank: int | None = None  # adapters only are trained; None = every parameter
+    lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS  # the projections that get an adapter
     kv_cache_bytes: int | None = None  # vLLM's KV cache as configured; None = what rollout_sequences need
 
 
@@ -195,9 +208,10 @@ def estimate(shape: ModelShape, inputs: SizingInputs) -> SizingEstimate:
     act = DTYPE_BYTES[inputs.model_dtype]
     master = DTYPE_BYTES[inputs.master_dtype]
     params = shape.parameters
-    trainable = params if inputs.lora_rank is None else lora_parameters(shape, inputs.lora_rank)
-    # With adapters the base weights stay frozen in the model dtype; the adapters train in the master dtype.
-    weights = params * master if inputs.lora_rank is None else params * act + trainable * master
+    lora = inputs.lora_rank is not None
+    trainable = lora_parameters(shape, inputs.lora_rank, inputs.lora_targets) if lora else params
+    # The trainer loads the base in the master dtype either way; with adapters it is frozen and they add to it.
+    weights = params * master + (trainable * master if lora else 0)
     tokens = inputs.micro_batch_tokens
     checkpointed = _trainer_activations(shape, tokens, act, checkpointed=True)
     full = _trainer_activations(shape, tokens, act, checkpointed=False)
