@@ -104,7 +104,11 @@ def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
-    est = estimate(read_model_shape(cfg.model.path), inputs_from_config(cfg))
+    try:
+        shape = read_model_shape(cfg.model.path)
+    except ValueError as error:  # a config.json this estimate cannot read: the model row judges the folder
+        return CheckResult("sizing", "warn", f"no estimate: {error}")
+    est = estimate(shape, inputs_from_config(cfg))
     if gpus.count:
         layouts = placements(est, gpus.count, gpus.memory)
         fitting = [layout for layout in layouts if layout.fits]

@@ -125,6 +125,17 @@ def test_doctor_row_warns_when_no_placement_fits_the_gpus(config_path: Path) -> 
     assert row.detail.startswith("no placement fits 3 GPU(s) of 1.00 GiB")
 
 
+def test_doctor_row_warns_without_failing_when_the_model_config_lacks_a_dimension(config_path: Path) -> None:
+    cfg = load_config(config_path)
+    (cfg.model.path / "config.json").write_text("{}")
+    row = sizing_row(cfg, Gpus(0, 0), None)
+    assert (row.status, row.detail) == (
+        "warn",
+        f"no estimate: {cfg.model.path / 'config.json'} lacks num_hidden_layers, hidden_size, intermediate_size, "
+        "num_attention_heads, vocab_size: not a decoder-only transformer rlpipe can size",
+    )
+
+
 def test_plan_of_a_config_prints_the_critic_and_which_placement_fits(config_path: Path) -> None:
     result = CliRunner().invoke(
         app, ["plan", str(config_path), "--gpus", "3", "--gpu-memory-gib", "6"], env={"COLUMNS": "300"}
