@@ -168,6 +168,45 @@ def doctor(
     raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
 
 
+@app.command()
+def plan(
+    source: Path = typer.Argument(..., metavar="MODEL_OR_CONFIG", help="a model folder or a run config YAML"),
+    algorithm: str = typer.Option(None, help="ppo (adds a critic) | grpo or another critic-free estimator"),
+    micro_batch_tokens: int = typer.Option(None, help="tokens one trainer forward/backward holds"),
+    seq_len: int = typer.Option(None, help="most tokens of prompt plus completion"),
+    group_size: int = typer.Option(None, help="completions per prompt"),
+    gradient_checkpointing: bool = typer.Option(None, "--gradient-checkpointing/--no-gradient-checkpointing"),
+    lora_rank: int = typer.Option(None, help="train rank-R LoRA adapters on q, k, v and o instead of every weight"),
+    gpus: int = typer.Option(None, min=0, help="GPUs at hand; 0 plans for the CPU (default: the GPUs seen here)"),
+    gpu_memory_gib: float = typer.Option(None, min=0.1, help="memory of each GPU in GiB (default: this machine's)"),
+) -> None:
+    """Estimate the memory each role needs (with 25% headroom), which placement fits the GPUs, and swap risk.
+
+    Options override what a run config says; a model folder starts from grpo, 4096 micro-batch tokens,
+    sequences of 1024 and groups of 8 in bfloat16 with float32 master weights.
+    """
+    from rich.console import Console
+
+    from services.cli.plan import gpus_at_hand, plan_command, resolve_gpus
+
+    try:
+        code = plan_command(
+            source,
+            resolve_gpus(gpus, gpu_memory_gib, gpus_at_hand),
+            Console(),
+            algorithm=algorithm,
+            micro_batch_tokens=micro_batch_tokens,
+            max_seq_len=seq_len,
+            group_size=group_size,
+            gradient_checkpointing=gradient_checkpointing,
+            lora_rank=lora_rank,
+        )
+    except (ConfigError, ValueError) as error:
+        typer.echo(f"rlpipe plan: {error}", err=True)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
 data_app = typer.Typer(help="Look at a run's data before training on it.")
 app.add_typer(data_app, name="data")
 

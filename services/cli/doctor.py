@@ -4,8 +4,8 @@ Each check reads the config (or only the machine) and returns rows of (name, sta
 detail). ``rlpipe doctor`` runs them all and prints a table. The cheap subset a service
 runs before it loads anything heavy lives in services/common/startup_checks.py, shared
 with the roles and the launcher; this module adds the machine checks (Python, pinned
-packages; the GPU rows in doctor_gpu.py), the broker and stream probes (doctor_broker.py)
-and the disk estimate.
+packages; the GPU rows in doctor_gpu.py), the broker and stream probes (doctor_broker.py),
+the disk estimate and the memory estimate (services/cli/plan.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli.doctor_broker import embedded_broker_rows, nats_rows
 from services.cli.doctor_gpu import gpu_rows
+from services.cli.plan import gpus_at_hand, sizing_row
 from services.common.config import ConfigError, RunConfig, load_config
+from services.common.model.sizing import read_host_memory
 from services.common.observe.hardware import gpu_facts
 from services.common.startup_checks import (
     Check,
@@ -219,6 +221,11 @@ def _doctor_checks(embedded: bool) -> list[Check]:
         ),
         Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=embedded)]),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
+        Check(
+            "sizing",
+            ("model", "train", "sampling", "rollout", "reference", "trainer"),
+            lambda cfg: [sizing_row(cfg, gpus_at_hand(), read_host_memory())],
+        ),
     ]
 
 

@@ -81,6 +81,7 @@ def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_tok
     assert "5 of the run's 5 streams exist and match the config" in done.stdout
     assert "write, read and delete work" in done.stdout
     assert "admin.token_file" in done.stdout
+    assert "(estimate, +25% headroom)" in done.stdout  # the sizing row of `rlpipe plan`'s estimate
     # The probe leaves nothing behind in the store.
     assert not list((tmp_path / "runs").glob(".rlpipe-doctor-*"))
 

@@ -1,0 +1,207 @@
+"""``rlpipe plan``: the memory each role needs and which placement fits the GPUs at hand, before starting.
+
+The estimate itself is services/common/model/sizing.py (a pure function of the model's shape); this
+module turns a run config or command-line options into its inputs, renders it, and gives ``rlpipe doctor``
+its one "sizing" row for the configured run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from services.common.config import RunConfig, load_config
+from services.common.model.sizing import (
+    GIB,
+    MIB,
+    HostMemory,
+    Placement,
+    SizingEstimate,
+    SizingInputs,
+    estimate,
+    gib,
+    memory_shortfall,
+    placements,
+    read_host_memory,
+    read_model_shape,
+    swap_in_use,
+    with_headroom,
+)
+from services.common.startup_checks import CheckResult
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs a plan is for: how many, and the memory of each (bytes)."""
+
+    count: int
+    memory: int
+
+
+def inputs_from_config(cfg: RunConfig) -> SizingInputs:
+    """The sizing inputs of a run config: its algorithm, batch shape, precision and rollout cache."""
+    train = cfg.train
+    group = cfg.sampling.group_size
+    if train.micro_batch_tokens is not None:
+        tokens = train.micro_batch_tokens
+    else:  # equal-count micro-batches of one optimizer step's rows, each padded to max_seq_len at worst
+        rows = max(train.batch_size * group // (train.mini_batches * train.grad_accum_steps), 1)
+        tokens = rows * train.max_seq_len
+    kv_mib = cfg.rollout.kv_cache_mib
+    return SizingInputs(
+        algorithm=train.algorithm,
+        critic=train.critic.kind,
+        micro_batch_tokens=tokens,
+        max_seq_len=train.max_seq_len,
+        group_size=group,
+        reference_groups=cfg.reference.batch,
+        rollout_sequences=cfg.rollout.prompts_per_batch * group,
+        gradient_checkpointing=train.gradient_checkpointing,
+        model_dtype=cfg.model.dtype,
+        master_dtype="float32" if train.master_weights == "float32" else cfg.model.dtype,
+        # Hook for LoRA: once model.lora is in the config (branch h-lora), pass lora_rank=cfg.model.lora.r and
+        # lora_targets=tuple(cfg.model.lora.target_modules) when it is set; until then a config plans a full
+        # fine-tune and `rlpipe plan --lora-rank R` sizes adapters on the default targets.
+        lora_rank=None,
+        kv_cache_bytes=None if kv_mib is None else kv_mib * MIB,
+    )
+
+
+def gpus_at_hand() -> Gpus:
+    """The CUDA devices this process sees and the smallest one's memory; none on a CPU-only host."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return Gpus(0, 0)
+    count = torch.cuda.device_count()
+    return Gpus(count, min(torch.cuda.get_device_properties(i).total_memory for i in range(count)))
+
+
+def resolve_gpus(count: int | None, memory_gib: float | None, seen: Callable[[], Gpus]) -> Gpus:
+    """The GPUs a plan is for: what the options say, the rest from the GPUs this machine sees (``seen``)."""
+    if count is not None and memory_gib is not None:
+        return Gpus(count, int(memory_gib * GIB))
+    if count == 0:
+        return Gpus(0, 0)
+    here = seen()
+    if memory_gib is not None:
+        return Gpus(count or here.count or 1, int(memory_gib * GIB))
+    if count is not None and not here.memory:
+        raise ValueError(f"--gpus {count} needs --gpu-memory-gib: this machine has no GPU to read the memory from")
+    return Gpus(here.count if count is None else count, here.memory)
+
+
+def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
+    """Host memory when every role runs on this machine's CPU: the trainer's ranks, a reference and a rollout."""
+    return est.trainer.per_rank(trainer_ranks) * trainer_ranks + est.reference.total + est.rollout.total
+
+
+def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
+    """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
+    try:
+        shape = read_model_shape(cfg.model.path)
+    except ValueError as error:  # a config.json this estimate cannot read: the model row judges the folder
+        return CheckResult("sizing", "warn", f"no estimate: {error}")
+    est = estimate(shape, inputs_from_config(cfg))
+    if gpus.count:
+        layouts = placements(est, gpus.count, gpus.memory)
+        fitting = [layout for layout in layouts if layout.fits]
+        if not fitting:
+            return CheckResult(
+                "sizing",
+                "warn",
+                f"no placement fits {gpus.count} GPU(s) of {gib(gpus.memory)} (estimate, +25% headroom): "
+                f"{layouts[-1].detail}; see `rlpipe plan`",
+            )
+        return CheckResult("sizing", "ok", f"{fitting[0].name} fits (estimate, +25% headroom): {fitting[0].detail}")
+    need = host_need(est, cfg.trainer.nproc)
+    shortfall = memory_shortfall(host, need)
+    # Swap already in use elsewhere is worth a note but not a warning: this run may still fit in memory.
+    notes = [note for note in (shortfall, swap_in_use(host)) if note]
+    detail = f"all roles on this CPU: {gib(with_headroom(need))} (estimate, +25% headroom)"
+    return CheckResult("sizing", "warn" if shortfall else "ok", "; ".join([detail, *notes]))
+
+
+def load_plan_source(source: Path) -> tuple[Path, SizingInputs]:
+    """A model folder (the defaults of SizingInputs) or a run config YAML (its model and its inputs)."""
+    if source.is_dir():
+        return source, SizingInputs()
+    cfg = load_config(source)
+    return cfg.model.path, inputs_from_config(cfg)
+
+
+def with_options(inputs: SizingInputs, **options: object) -> SizingInputs:
+    """The inputs with every option the user gave (not None) written over them."""
+    return dataclasses.replace(inputs, **{name: value for name, value in options.items() if value is not None})
+
+
+def render(est: SizingEstimate, gpus: Gpus, host: HostMemory | None, console: Console) -> None:
+    from rich.table import Table
+
+    trainer, reference, rollout = est.trainer, est.reference, est.rollout
+    shape = est.shape
+    console.print(
+        f"model: {shape.parameters / 1e6:.1f}M parameters ({shape.layers} layers, hidden {shape.hidden}, "
+        f"{shape.heads} heads / {shape.kv_heads} kv, vocab {shape.vocab}); "
+        f"trainable {est.trainable_parameters / 1e6:.1f}M; "
+        f"{est.inputs.algorithm}, {est.inputs.micro_batch_tokens} micro-batch tokens, sequences of "
+        f"{est.inputs.max_seq_len}, groups of {est.inputs.group_size}"
+    )
+    table = Table(title="memory per role (estimates; GPU numbers are not measured)")
+    for column in ("role", "weights", "gradients", "optimizer", "activations", "logits / KV cache", "total", "+25%"):
+        table.add_column(column, no_wrap=True)
+    checkpointing = "with" if est.inputs.gradient_checkpointing else "without"
+    table.add_row(
+        "trainer (1 rank)",
+        gib(trainer.weights),
+        gib(trainer.gradients),
+        gib(trainer.optimizer),
+        f"{gib(trainer.activations)} ({checkpointing} checkpointing)",
+        gib(trainer.logits),
+        gib(trainer.total - trainer.critic),
+        gib(with_headroom(trainer.total - trainer.critic)),
+    )
+    if trainer.critic:
+        table.add_row("critic (ppo)", "", "", "", "", "", gib(trainer.critic), gib(with_headroom(trainer.critic)))
+    table.add_row(
+        "reference", gib(reference.weights), "", "", "", gib(reference.working), gib(reference.total),
+        gib(with_headroom(reference.total)),
+    )  # fmt: skip
+    table.add_row(
+        "rollout (vLLM)", gib(rollout.weights), "", "", "", gib(rollout.working), gib(rollout.total),
+        gib(with_headroom(rollout.total)),
+    )  # fmt: skip
+    console.print(table)
+    console.print(
+        f"trainer activations: {gib(trainer.activations_full)} without gradient checkpointing, "
+        f"{gib(trainer.activations_checkpointed)} with it"
+    )
+    if gpus.count:
+        console.print(f"placements on {gpus.count} GPU(s) of {gib(gpus.memory)}:")
+        for layout in placements(est, gpus.count, gpus.memory):
+            console.print(f"  {_placement_line(layout)}", markup=False, highlight=False)
+    else:
+        console.print(f"no GPUs given: every role on this CPU needs {gib(with_headroom(host_need(est, 1)))}")
+    warnings = (swap_in_use(host), None if gpus.count else memory_shortfall(host, host_need(est, 1)))
+    for warning in filter(None, warnings):
+        console.print(f"WARN {warning}", markup=False, highlight=False)
+
+
+def _placement_line(layout: Placement) -> str:
+    verdict = "does not fit"
+    if layout.fits:
+        verdict = f"fits on {layout.gpus_used} GPU(s), trainer world size {layout.trainer_world_size}"
+    return f"{layout.name}: {verdict} ({layout.detail})"
+
+
+def plan_command(source: Path, gpus: Gpus, console: Console, **options: object) -> int:
+    model_path, inputs = load_plan_source(source)
+    inputs = with_options(inputs, **options)
+    render(estimate(read_model_shape(model_path), inputs), gpus, read_host_memory(), console)
+    return 0
