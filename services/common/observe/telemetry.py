@@ -20,6 +20,11 @@ every service
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
+  rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
+                                                          at each scrape; all processes on the GPU count
+  rlpipe_gpu_memory_used_bytes{role,gpu,uuid}             gauge, device memory in use, all processes
+  rlpipe_gpu_memory_total_bytes{role,gpu,uuid}            gauge, device memory
 stages (rollout, reward, reference)
   rlpipe_groups_processed_total{role,edge,outcome}        outcome: ok | retry | dead
   rlpipe_stage_latency_seconds{role,edge,outcome}         histogram, fetch to ack/nak/term of one message
@@ -94,7 +99,7 @@ from opentelemetry.trace import Span, SpanKind
 from prometheus_client import CollectorRegistry, start_http_server
 
 from services.common.config import RunConfig
-from services.common.observe.hardware import HARDWARE_ROW_KEYS
+from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
 from services.common.observe.usage import process_cpu_seconds
 
 SCOPE = "rlpipe"
@@ -292,6 +297,38 @@ def meter() -> metrics.Meter:
 
 def tracer() -> trace.Tracer:
     return trace.get_tracer(SCOPE)
+
+
+def watch_gpus(role: str) -> GpuWatch | None:
+    """Export the GPUs of this process as ``rlpipe_gpu_*{role,gpu,uuid}``, read from NVML at each scrape.
+
+    Without NVML, a driver or a GPU nothing is exported and None is returned. Reading at the scrape, not on the
+    role's loop, keeps the loop free of NVML and the samples as frequent as the scrapes (a rollout's or
+    reference's loop has no step to sample at, unlike the trainer's).
+    """
+    watch = GpuWatch.open()
+    if watch is None:
+        return None
+    gauges = (
+        ("rlpipe_gpu_utilization", "%", "% of NVML's last sample period a kernel ran on the GPU", "util_pct"),
+        ("rlpipe_gpu_memory_used", "By", "GPU memory in use, all processes on the device", "mem_used_bytes"),
+        ("rlpipe_gpu_memory_total", "By", "GPU memory of the device", "mem_total_bytes"),
+    )
+    for name, unit, description, field in gauges:
+        meter().create_observable_gauge(
+            name, callbacks=[_gpu_callback(watch, role, field)], unit=unit, description=description
+        )
+    return watch
+
+
+def _gpu_callback(watch: GpuWatch, role: str, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(getattr(reading, field), {"role": role, "gpu": str(reading.index), "uuid": reading.uuid})
+            for reading in watch.read()
+        ]
+
+    return observe
 
 
 # ---------------------------------------------------------------- trace context in message headers
