@@ -19,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.events import Event
+from services.common.observe.instruments import watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.writer import close_all as close_writers
@@ -155,6 +156,10 @@ def run_service(role: str, service_main: ServiceMain) -> None:
             f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr
         )
         sys.exit(2)
+    # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
+    gpus = watch_gpus(role)
+    if gpus is not None:
+        log_event(log, Event.GPUS_WATCHED, gpus=[reading.uuid for reading in gpus.read()])
 
     import torch
 

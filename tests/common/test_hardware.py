@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,8 @@ from services.common.config import default_alert_rules
 from services.common.observe.hardware import (
     GIB,
     HARDWARE_ROW_KEYS,
+    GpuReading,
+    GpuWatch,
     HardwareSample,
     HardwareSampler,
     cuda_version_of,
@@ -26,7 +30,7 @@ from services.common.observe.hardware import (
     release_numbers,
     smi_cuda_version,
 )
-from services.common.observe.instruments import TRAINER_STEP_KEYS, trainer_gauge_name
+from services.common.observe.instruments import TRAINER_STEP_KEYS, trainer_gauge_name, watch_gpus
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.conftest import ROOT
@@ -103,6 +107,57 @@ def test_nvml_is_used_only_where_a_gpu_shows_itself():
     import pynvml  # noqa: F401  an ImportError here means the test extra is not installed
 
     assert (initialized_nvml() is None) == (gpu_seen() == "")
+
+
+FAKE_NVML = Path(__file__).parent / "fake_nvml" / "pynvml.py"
+GPU_A = GpuReading(0, "GPU-00000000-0000-0000-0000-00000000000a", 87.0, 100 * GIB, 140 * GIB)
+GPU_B = GpuReading(1, "GPU-00000000-0000-0000-0000-00000000000b", 3.0, 7 * GIB, 80 * GIB)
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch):
+    """The fake NVML in place of pynvml for this test: what ``initialized_nvml`` imports."""
+    spec = importlib.util.spec_from_file_location("pynvml", FAKE_NVML)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    return module
+
+
+def test_the_gpu_watch_reads_every_gpu_nvml_shows_with_its_load_and_memory(fake_nvml):
+    watch = GpuWatch.open()
+    assert watch.read() == [GPU_A, GPU_B]
+    fake_nvml.GPUS[1] = (GPU_B.uuid, 64, 70 * GIB, 80 * GIB)  # read again at each call, not cached
+    assert watch.read()[1] == GpuReading(1, GPU_B.uuid, 64.0, 70 * GIB, 80 * GIB)
+
+
+def test_a_gpu_whose_query_fails_is_left_out_of_that_read_and_back_in_the_next(fake_nvml, monkeypatch):
+    watch = GpuWatch.open()
+    answers = fake_nvml.nvmlDeviceGetMemoryInfo
+
+    def lost_second(handle):
+        if handle == 1:
+            raise fake_nvml.NVMLError("GPU is lost")
+        return answers(handle)
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetMemoryInfo", lost_second)
+    assert watch.read() == [GPU_A]
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetMemoryInfo", answers)
+    assert watch.read() == [GPU_A, GPU_B]
+
+
+def test_no_gpu_watch_without_nvml_a_driver_or_a_gpu(fake_nvml, monkeypatch):
+    monkeypatch.setattr(fake_nvml, "GPUS", [])
+    assert GpuWatch.open() is None  # NVML loads but counts no GPU
+
+    def no_driver():
+        raise fake_nvml.NVMLError("Driver Not Loaded")
+
+    monkeypatch.setattr(fake_nvml, "nvmlInit", no_driver)
+    assert GpuWatch.open() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # the package not installed: the import fails
+    assert GpuWatch.open() is None
+    assert watch_gpus("rollout") is None  # and nothing is exported, without an error
 
 
 def test_version_parsing():

@@ -1,6 +1,10 @@
-"""The gRPC servers every service starts: a port is held by one process only."""
+"""What every service process starts: gRPC servers whose port is held by one process only, and its GPU watch."""
 
 import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -8,7 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import load_config
 from services.common.service import start_grpc_server
-from tests.conftest import write_config
+from tests.common.test_telemetry import scrape
+from tests.conftest import ROOT, free_port, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -30,3 +35,53 @@ def test_a_port_another_server_holds_fails_the_bind(tiny_model, tmp_path):
             await first.stop(None)
 
     asyncio.run(scenario())
+
+
+FAKE_NVML_DIR = Path(__file__).parent / "fake_nvml"
+
+
+@pytest.mark.parametrize("role", ["rollout", "reward", "reference"])
+def test_each_role_exports_every_gpu_nvml_shows_it_under_its_role(role, tiny_model, nats_url, tmp_path):
+    """The role's own process, NVML faked at the import (tests/common/fake_nvml first on PYTHONPATH): its metrics
+    endpoint, up before the role waits for the run's streams, carries both GPUs' load and memory, labelled."""
+    model_dir, data_dir = tiny_model
+    port = free_port()
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        model={"path": str(model_dir), "device": "cpu"},  # the fake shows GPUs CUDA cannot open
+        nats={"url": nats_url},
+        telemetry={"metrics_port": port},
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_NVML_DIR), str(ROOT)])}
+    process = subprocess.Popen(
+        [sys.executable, "-m", f"services.{role}", "--config", str(config)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_port(port, process, role, timeout=60)
+        samples = scrape(f"http://127.0.0.1:{port}/metrics")
+    finally:
+        process.kill()
+        _, stderr = process.communicate(timeout=30)
+    gpus = {
+        (sample.name, sample.labels["gpu"], sample.labels["uuid"]): sample.value
+        for sample in samples
+        if sample.name.startswith("rlpipe_gpu_") and sample.labels["role"] == role
+    }
+    a, b = "GPU-00000000-0000-0000-0000-00000000000a", "GPU-00000000-0000-0000-0000-00000000000b"
+    assert gpus == {
+        ("rlpipe_gpu_utilization_percent", "0", a): 87,
+        ("rlpipe_gpu_utilization_percent", "1", b): 3,
+        ("rlpipe_gpu_memory_used_bytes", "0", a): 100 * 2**30,
+        ("rlpipe_gpu_memory_used_bytes", "1", b): 7 * 2**30,
+        ("rlpipe_gpu_memory_total_bytes", "0", a): 140 * 2**30,
+        ("rlpipe_gpu_memory_total_bytes", "1", b): 80 * 2**30,
+    }, stderr[-2000:]
+    assert '"event": "gpus_watched"' in stderr

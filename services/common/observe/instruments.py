@@ -9,6 +9,11 @@ every service (made by ``start_telemetry`` in telemetry.py)
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
+  rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
+                                                          at each scrape; all processes on the GPU count
+  rlpipe_gpu_memory_used_bytes{role,gpu,uuid}             gauge, device memory in use, all processes
+  rlpipe_gpu_memory_total_bytes{role,gpu,uuid}            gauge, device memory
 stages (rollout, reward, reference)
   rlpipe_groups_processed_total{role,edge,outcome}        outcome: ok | retry | dead
   rlpipe_stage_latency_seconds{role,edge,outcome}         histogram, fetch to ack/nak/term of one message
@@ -60,7 +65,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from services.common.observe.hardware import HARDWARE_ROW_KEYS
+from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
 from services.common.observe.telemetry import meter
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -348,3 +353,35 @@ class DiskWatch:
 
     def _observe_saves(self, options: CallbackOptions) -> Iterable[Observation]:
         return [Observation(free_bytes(path) / self.needed_bytes, {"path": str(path)}) for path in self.paths]
+
+
+def watch_gpus(role: str) -> GpuWatch | None:
+    """Export the GPUs of this process as ``rlpipe_gpu_*{role,gpu,uuid}``, read from NVML at each scrape.
+
+    Without NVML, a driver or a GPU nothing is exported and None is returned. Reading at the scrape, not on the
+    role's loop, keeps the loop free of NVML and the samples as frequent as the scrapes (a rollout's or
+    reference's loop has no step to sample at, unlike the trainer's).
+    """
+    watch = GpuWatch.open()
+    if watch is None:
+        return None
+    gauges = (
+        ("rlpipe_gpu_utilization", "%", "% of NVML's last sample period a kernel ran on the GPU", "util_pct"),
+        ("rlpipe_gpu_memory_used", "By", "GPU memory in use, all processes on the device", "mem_used_bytes"),
+        ("rlpipe_gpu_memory_total", "By", "GPU memory of the device", "mem_total_bytes"),
+    )
+    for name, unit, description, field in gauges:
+        meter().create_observable_gauge(
+            name, callbacks=[_gpu_callback(watch, role, field)], unit=unit, description=description
+        )
+    return watch
+
+
+def _gpu_callback(watch: GpuWatch, role: str, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(getattr(reading, field), {"role": role, "gpu": str(reading.index), "uuid": reading.uuid})
+            for reading in watch.read()
+        ]
+
+    return observe

@@ -1,0 +1,48 @@
+"""A stand-in for nvidia-ml-py's ``pynvml``, the NVML boundary: two GPUs with a fixed load and memory use.
+
+Loaded in place of the real bindings (tests/common/test_hardware.py), or put first on PYTHONPATH so a role
+process started by a test imports it (tests/common/test_service.py): there is no GPU on CI, and NVML is the
+one thing faked. Only the calls rlpipe makes are here; tests replace a function to make it fail.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+GIB = 2**30
+# (uuid, utilisation %, memory used, memory total) per device, in NVML's order.
+GPUS = [
+    ("GPU-00000000-0000-0000-0000-00000000000a", 87, 100 * GIB, 140 * GIB),
+    ("GPU-00000000-0000-0000-0000-00000000000b", 3, 7 * GIB, 80 * GIB),
+]
+
+
+class NVMLError(Exception):
+    pass
+
+
+def nvmlInit() -> None:
+    pass
+
+
+def nvmlDeviceGetCount() -> int:
+    return len(GPUS)
+
+
+def nvmlDeviceGetHandleByIndex(index: int) -> int:
+    if not 0 <= index < len(GPUS):
+        raise NVMLError(f"no device {index}")
+    return index
+
+
+def nvmlDeviceGetUUID(handle: int) -> str:
+    return GPUS[handle][0]
+
+
+def nvmlDeviceGetUtilizationRates(handle: int) -> SimpleNamespace:
+    return SimpleNamespace(gpu=GPUS[handle][1], memory=0)
+
+
+def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
+    _, _, used, total = GPUS[handle]
+    return SimpleNamespace(used=used, total=total, free=total - used)
