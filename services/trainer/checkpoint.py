@@ -67,7 +67,7 @@ import random
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, ClassVar
@@ -167,11 +167,12 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``module``'s state in host memory that training cannot change, in its own dtypes (exact resume
-    needs the float32 master weights); tensor by tensor, never a second whole copy on a GPU. Tied tensors are
-    copied (and stored) once."""
-    return host_state(untied(module.state_dict()))
+def detached_copy(module: torch.nn.Module, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s state (with ``only``, of those names: a LoRA policy's adapters) in host memory that
+    training cannot change, in its own dtypes (exact resume needs the float32 master weights); tensor by tensor,
+    never a second whole copy on a GPU. Tied tensors are copied (and stored) once."""
+    state = module.state_dict()
+    return host_state(untied({name: t for name, t in state.items() if only is None or name in only}))
 
 
 @dataclass(frozen=True)
@@ -184,10 +185,13 @@ class ModuleLayout:
     tied: tuple[tuple[str, ...], ...]  # names sharing one storage; each group must be present once
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleLayout:
+    def of(cls, module: torch.nn.Module, only: Collection[str] | None = None) -> ModuleLayout:
+        """``only``: the names a checkpoint holds when not all of them (a LoRA policy's adapters)."""
         by_storage: dict[int, list[str]] = {}
         specs = {}
         for name, tensor in module.state_dict().items():
+            if only is not None and name not in only:
+                continue
             by_storage.setdefault(tensor.data_ptr(), []).append(name)
             specs[name] = (tuple(tensor.shape), tensor.dtype)
         return cls(specs, tuple(tuple(names) for names in by_storage.values()))
@@ -249,6 +253,10 @@ class TrainerState:
     # The highest policy version served by the time of the save, abandoned branches included: a restart whose
     # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
     version_high_water: int = 0
+    # With model.lora the weights saved are adapters only, meaningful over exactly one base model: its path and
+    # content hash (services/common/model/lora.py, base_identity). "" for full weights.
+    base_model_path: str = ""
+    base_model_sha256: str = ""
 
     # Fields every trainer_state.json has carried; the others default when an older file lacks them.
     REQUIRED: ClassVar[tuple[str, ...]] = ("step", "policy_version", "last_experience_seq")
@@ -580,6 +588,10 @@ class CheckpointStore:
             "policy_version": ckpt.state.policy_version,
             "version_high_water": max(ckpt.state.version_high_water, ckpt.state.policy_version),
             "last_experience_seq": ckpt.state.last_experience_seq,
+            # Adapters only (model.lora): the base they were trained over, for whoever restores or exports them.
+            "base_model": {"path": ckpt.state.base_model_path, "sha256": ckpt.state.base_model_sha256}
+            if ckpt.state.base_model_sha256
+            else None,
             "created": time.time(),
             "files": {name: {"size": len(data), "sha256": _sha256(data)} for name, data in parts.items()},
         }

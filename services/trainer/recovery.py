@@ -355,6 +355,8 @@ class Recovery:
                 reinjected=sorted(self.ledger.reinjected),
                 claim_keys=sorted((seq, key) for key, seq in self.claim_keys.items()),
                 version_high_water=max(progress.version, self.lineage.max_version()),
+                base_model_path=learner.base_model[0],
+                base_model_sha256=learner.base_model[1],
             ),
             extras={
                 # What produced these weights, for whoever restores or audits them.

@@ -16,6 +16,24 @@ from services.common.config.alerts import AlertsConfig
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Section, one_of, read_environment
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy (peft): only they train, have optimizer state, sync and are checkpointed."""
+
+    r: int = Field(16, gt=0, description="rank of each adapter: the inner dimension of its A and B matrices (> 0)")
+    alpha: float = Field(
+        32.0, gt=0, description="scale numerator (> 0): an adapter's update B @ A is multiplied by alpha / r"
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="dropout probability on each adapter's input while training (0 to <1)"
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="names of the Linear modules that get an adapter (the last part of a module's path, e.g. "
+        "q_proj); each must name one of the model's Linear modules, or the trainer refuses to start listing them",
+    )
+
+
 class ModelConfig(Section):
     path: Path = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -28,6 +46,11 @@ class ModelConfig(Section):
         "auto",
         description="where the trainer, critic, reference and evaluation run: auto = CUDA when this process sees a "
         "GPU, else CPU; cuda without a GPU stops the service at start",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters instead of every weight (None = full weights); the reference and the "
+        "rollout keep the base model at path",
     )
 
     @field_validator("path")
