@@ -507,6 +507,13 @@ class RolloutConfig(Section):
         description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
     )
     replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
+    lora: Literal["auto", "adapter", "merge"] = Field(
+        "auto",
+        description="with model.lora, how the rollout serves each synced adapter: adapter = vLLM hot-loads it as a "
+        "LoRA adapter over the untouched base; merge = it is merged into the base weights (W + alpha/r * B @ A, from a "
+        "kept copy of the base); auto = adapter where the vLLM engine can serve LoRA, else merge (the hf backend "
+        "always merges). The rollout's ready event names the one in force",
+    )
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int | None = Field(
         256,

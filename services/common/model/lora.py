@@ -79,20 +79,20 @@ def write_adapter(
 
 
 class AdapterMerger:
-    """Merges each received adapter into a model's base weights in place: W = W_base + alpha / r * B @ A.
+    """Merges an adapter into base weights: W = W_base + alpha / r * B @ A, for each targeted Linear weight.
 
     Keeps a copy of the targeted base weights only (not the whole model), so each version is merged onto the base,
     never onto the previous version's merge."""
 
-    def __init__(self, model: torch.nn.Module, lora: LoraConfig):
+    def __init__(self, weights: Mapping[str, torch.Tensor], lora: LoraConfig):
+        """``weights``: the base model's tensors by Hugging Face name (a state dict, or a model's safetensors)."""
         self.scale = lora.alpha / lora.r
         targets = set(lora.target_modules)
-        self.live = {
-            f"{name}.weight": module.weight
-            for name, module in model.named_modules()
-            if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in targets
+        self.base = {
+            name: weight.detach().clone()
+            for name, weight in weights.items()
+            if name.endswith(".weight") and weight.dim() == 2 and name.rsplit(".", 2)[-2] in targets
         }
-        self.base = {name: weight.detach().clone() for name, weight in self.live.items()}
 
     def merged(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The targeted weights with the adapter ``tensors`` (peft's saved names) merged, by base-model name.
@@ -112,12 +112,6 @@ class AdapterMerger:
             delta = pairs[name]["B"].float() @ pairs[name]["A"].float()
             out[name] = (base.float() + self.scale * delta).to(base.dtype)
         return out
-
-    @torch.no_grad()
-    def merge(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Merge the adapter into the model's own weights (nothing is changed when it does not fit)."""
-        for name, weight in self.merged(tensors).items():
-            self.live[name].copy_(weight)
 
 
 def base_identity(path: Path) -> tuple[str, str]:
