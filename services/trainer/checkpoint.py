@@ -216,10 +216,11 @@ class ModuleLayout:
             raise CheckpointMismatch(f"{what} does not fit the model: {shown}")
 
 
-def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor], only: Collection[str] | None = None) -> None:
     """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
-    values) before the first tensor is copied; only the aliases of shared tensors may be absent."""
-    ModuleLayout.of(module).check(state, "checkpoint")
+    values) before the first tensor is copied; only the aliases of shared tensors may be absent. ``only``: the
+    names the state holds when not all (a LoRA policy's adapters)."""
+    ModuleLayout.of(module, only).check(state, "checkpoint")
     module.load_state_dict(state, strict=False)
 
 
