@@ -263,7 +263,9 @@ class Learner:
         self.parameter_shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
         self.parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
-        self.mesh.shard(self.model, _layers(self.model))
+        # With LoRA the root is the transformers model inside peft's wrappers: generation calls it past them.
+        root = self.model.get_base_model() if self.adapter_names is not None else self.model
+        self.mesh.shard(root, _layers(root))
         if self.critic is not None:
             backbone = getattr(self.critic, "backbone", None)
             units = _layers(backbone) if backbone is not None else []
