@@ -2,13 +2,16 @@
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
 from services.common.config import CheckpointConfig, load_config
 from services.common.model.datasets import load_jsonl
+from services.common.model.modeling import pack, response_logits, token_logprobs
 from services.common.refusal import StartRefused
 from services.common.transport.storage import open_store
+from services.reference.service import ReferenceScorer
 from services.trainer.checkpoint import Checkpoint, CheckpointMismatch, CheckpointStore, TrainerState
 from services.trainer.learner import Learner
 from tests.conftest import write_config
@@ -150,3 +153,19 @@ def test_target_modules_matching_no_linear_module_refuse_the_start_naming_the_mo
         Learner(cfg)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
         assert name in str(refused.value)
+
+
+def test_the_reference_scores_with_the_base_which_is_the_lora_policy_with_its_adapters_off(setup, groups):
+    cfg, learner = make(setup)
+    learner.step(groups, 0)
+    learner.model.eval()
+    pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
+    batch = pack(pairs, learner.tokenizer.pad_token_id)
+    with torch.no_grad(), learner.model.disable_adapter():
+        base = token_logprobs(response_logits(learner.model, batch), batch.targets)
+    with torch.no_grad():
+        policy = token_logprobs(response_logits(learner.model, batch), batch.targets)
+    reference = [row for g in ReferenceScorer(cfg)(groups) for row in g.ref_logprobs]
+    assert (policy - base).abs().max() > 1e-3  # the adapters moved the policy away from the base
+    for row, expected, (_, response) in zip(reference, base, pairs, strict=True):
+        np.testing.assert_allclose(row, expected[: len(response)].numpy(), atol=1e-5)
