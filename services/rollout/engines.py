@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,6 +132,8 @@ class VllmEngine:
             self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.path).items()}
             self.merger = AdapterMerger(self.base, cfg.model.lora)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlpipe-lora-")) if self.lora_mode == "adapter" else None
+        if self.adapter_dir is not None:  # the served adapter's folder goes with the engine (vLLM read it at load)
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapters_loaded = 0
         self.tokenizer = self.llm.get_tokenizer()
 
