@@ -99,6 +99,33 @@ def runs(
     Console().print(runs_table(root, rows))
 
 
+@app.command()
+def export(
+    run_dir: Path = typer.Argument(..., metavar="RUN", help="a run directory, or a run id under runs/"),
+    out: Path = typer.Argument(..., metavar="OUT", help="the folder to write (new or empty)"),
+    step: int | None = typer.Option(None, "--step", help="the checkpoint step (default: the newest live one)"),
+    merge: bool = typer.Option(
+        False, "--merge", help="a LoRA run: a plain Hugging Face model folder with the adapter merged into the base"
+    ),
+) -> None:
+    """A stored checkpoint as a model: a Hugging Face model folder (full weights, or LoRA with --merge) or a LoRA
+    run's adapter in peft's format. Exits 2 naming why when the step cannot be exported."""
+    from services.cli.export import ExportFailed, export_step
+    from services.common.config import load_config
+
+    if not run_dir.is_dir() and (Path("runs") / run_dir).is_dir():
+        run_dir = Path("runs") / run_dir
+    config = run_dir / "effective-config.yaml"
+    if not config.is_file():
+        typer.echo(f"rlpipe export: {config} does not exist (not a run directory)", err=True)
+        raise typer.Exit(2)
+    try:
+        typer.echo(export_step(load_config(config), step, out, merge))
+    except (ConfigError, ExportFailed) as error:
+        typer.echo(f"rlpipe export: {error}", err=True)
+        raise typer.Exit(2) from None
+
+
 @app.command("dead-letters")
 def dead_letters(
     run_dir: Path = typer.Argument(..., help="runs/<run id> of a running `rlpipe run` (its run.json names the broker)"),

@@ -5,6 +5,8 @@ Each step is checked on the checkpoint store and on its mirror, with the trainer
 flipped byte in ``model.safetensors`` is reported naming the step and the file). Then the
 weights go into the configured model (``load_untied``, as a resume does), so a checkpoint that
 is whole but does not fit the model (another architecture, a renamed tensor) fails too.
+With ``model.lora`` a step holds adapters only: they go into the base model with adapters attached, and a step
+trained over another base (its content hash differs from model.path's) fails naming both hashes.
 Abandoned steps are not checked: no loader uses them.
 """
 
@@ -15,10 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from services.common.config import RunConfig
+from services.common.model.lora import attach_adapters, base_identity
 from services.common.model.modeling import load_model
 from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpoint import UNREADABLE, CheckpointStore
-from services.trainer.checkpoint_state import ModuleLayout, load_untied, widened
+from services.trainer.checkpoint_state import Checkpoint, ModuleLayout, load_untied, widened
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,37 @@ def stores(cfg: RunConfig) -> list[ObjectStore]:
     return [open_store(url, cfg.checkpoint) for url in urls]
 
 
+class Policy:
+    """The run's policy model as a checkpoint loads into it: the model at model.path, with LoRA adapters attached
+    when the run trains them (then a checkpoint holds those alone, over the base whose hash ``base_sha256`` is)."""
+
+    def __init__(self, cfg: RunConfig):
+        self.model: torch.nn.Module = load_model(cfg.model.path, "float32")
+        self.adapter_names: set[str] | None = None
+        self.base_sha256 = ""
+        if cfg.model.lora is not None:
+            self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
+            self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            self.base_sha256 = base_identity(cfg.model.path)[1]
+
+    def load(self, ckpt: Checkpoint) -> None:
+        """``ckpt``'s weights into the model, all or nothing; ValueError naming both hashes when its adapters were
+        trained over another base model."""
+        if ckpt.state.base_model_sha256 != self.base_sha256:
+            raise ValueError(
+                f"step {ckpt.step} was trained over the base model of sha256 "
+                f"{ckpt.state.base_model_sha256 or 'none (full weights)'}; model.path is sha256 "
+                f"{self.base_sha256 or 'none (full weights)'}"
+            )
+        layout = ModuleLayout.of(self.model, self.adapter_names)
+        load_untied(self.model, widened(ckpt, layout).model, self.adapter_names)  # serving-dtype weights widened
+
+
 def verify_checkpoints(cfg: RunConfig, step: int | None = None, every: bool = False) -> list[StepCheck]:
     """Check ``step``, every live step (``every``), or else the newest live step, on each store.
 
     A store without the step (or without any step) gives a failed row saying so."""
-    model: torch.nn.Module | None = None  # built once, at the first step that needs it
+    policy: Policy | None = None  # built once, at the first step that needs it
     results = []
     for store in stores(cfg):
         # No incarnation: every run incarnation's steps under this run id are listed and readable.
@@ -61,10 +90,10 @@ def verify_checkpoints(cfg: RunConfig, step: int | None = None, every: bool = Fa
             except UNREADABLE as error:
                 results.append(StepCheck(store.url, number, False, str(error)))
                 continue
-            if model is None:
-                model = load_model(cfg.model.path, "float32")
+            if policy is None:
+                policy = Policy(cfg)
             try:
-                load_untied(model, widened(ckpt, ModuleLayout.of(model)).model)  # serving-dtype weights widened
+                policy.load(ckpt)
             except (ValueError, RuntimeError) as error:  # load_state_dict raises RuntimeError on a shape mismatch
                 results.append(StepCheck(store.url, number, False, f"step {number}: weights do not load: {error}"))
                 continue

@@ -3,21 +3,39 @@
 Both return, per prompt, ``n`` completions with their token ids (EOS included when
 generation stopped on it), the sampled tokens' logprobs under the *raw* policy
 (before temperature/top-p, as the trainer computes them) and the finish reason.
+
+With ``model.lora`` a policy version is the adapter tensors alone (services/common/model/lora.py). vLLM hot-loads
+each as a LoRA adapter under a new id and leaves the base weights untouched (``adapter``); where it cannot serve
+LoRA, or ``rollout.lora: merge`` says so, the adapter is merged into the base weights from a kept copy of them
+(``merge``). The hf backend always merges. ``lora_mode`` says which, for the ready event.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import tempfile
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from services.common.config import RunConfig, SamplingConfig
-from services.common.model.modeling import load_model, load_tokenizer
+from services.common.model.lora import AdapterMerger, write_adapter
+from services.common.model.modeling import DTYPES, load_model, load_tokenizer
+from services.common.observe.events import Event
+from services.common.observe.logs import log_event
 from services.common.transport.breaker import DependencyUnavailable
+
+log = logging.getLogger(__name__)
+# The adapter ranks vLLM's max_lora_rank takes (vllm/config/lora.py, MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 @dataclass
@@ -29,6 +47,8 @@ class Generation:
 
 
 class Engine(Protocol):
+    lora_mode: str  # "off" (full weights), "adapter" or "merge"
+
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
     ) -> list[list[Generation]]: ...
@@ -59,9 +79,18 @@ def max_tokens_for(prompt_len: int, sampling: SamplingConfig, max_seq_len: int) 
     return min(sampling.max_new_tokens, room)
 
 
-def vllm_engine_args(cfg: RunConfig) -> dict[str, Any]:
-    """vLLM's ``EngineArgs`` for the rollout's engine (what ``LLM(**...)`` takes)."""
-    return {
+def vllm_lora_rank(r: int) -> int | None:
+    """The smallest rank vLLM accepts as ``max_lora_rank`` that holds an adapter of rank ``r``; None above them."""
+    return next((rank for rank in VLLM_LORA_RANKS if rank >= r), None)
+
+
+def vllm_engine_args(cfg: RunConfig, serve_lora: bool = False) -> dict[str, Any]:
+    """vLLM's ``EngineArgs`` for the rollout's engine (what ``LLM(**...)`` takes); ``serve_lora``: with the LoRA
+    support that hot-loads model.lora's adapters (one at a time: each version replaces the last)."""
+    lora = {}
+    if serve_lora and cfg.model.lora is not None:
+        lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_lora_rank(cfg.model.lora.r)}
+    return lora | {
         "model": str(cfg.model.path),
         "dtype": serving_dtype(cfg),
         "max_model_len": cfg.train.max_seq_len,
@@ -74,15 +103,46 @@ def vllm_engine_args(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def _model_weights(path: Path) -> dict[str, torch.Tensor]:
+    """A Hugging Face model folder's tensors by name, in host memory (its safetensors files)."""
+    return {name: t for file in sorted(Path(path).glob("*.safetensors")) for name, t in load_file(str(file)).items()}
+
+
 class VllmEngine:
-    """An in-process vLLM engine whose weights are replaced in place on each sync."""
+    """An in-process vLLM engine whose weights are replaced in place on each sync, or with LoRA which serves each
+    synced adapter (see the module docstring)."""
 
     def __init__(self, cfg: RunConfig):
         # In-process engine: weight reloads reach the model runner directly, no worker IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        self.llm = LLM(**vllm_engine_args(cfg))
+        self.cfg = cfg
+        self.lora_mode = "off"
+        self.lora_request: Any = None  # the adapter generation runs under; None: the base (version 0)
+        self.merger: AdapterMerger | None = None
+        self.base: dict[str, torch.Tensor] = {}
+        if cfg.model.lora is None:
+            self.llm = LLM(**vllm_engine_args(cfg))
+        elif cfg.rollout.lora != "merge" and vllm_lora_rank(cfg.model.lora.r) is not None:
+            try:
+                self.llm = LLM(**vllm_engine_args(cfg, serve_lora=True))
+                self.lora_mode = "adapter"
+            except Exception as error:  # a platform or model vLLM serves no LoRA on
+                if cfg.rollout.lora == "adapter":
+                    raise
+                log_event(log, Event.LORA_ADAPTER_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
+        if cfg.model.lora is not None and self.lora_mode == "off":
+            self.llm = LLM(**vllm_engine_args(cfg))
+            self.lora_mode = "merge"
+            dtype = DTYPES.get(serving_dtype(cfg), torch.float32)
+            # The whole base in host memory: vLLM reloads every weight at once, the merged ones among them.
+            self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.path).items()}
+            self.merger = AdapterMerger(self.base, cfg.model.lora)
+        self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlpipe-lora-")) if self.lora_mode == "adapter" else None
+        if self.adapter_dir is not None:  # the served adapter's folder goes with the engine (vLLM read it at load)
+            weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
+        self.adapters_loaded = 0
         self.tokenizer = self.llm.get_tokenizer()
 
     def generate(
@@ -101,7 +161,7 @@ class VllmEngine:
             )
             for ids in prompt_ids
         ]
-        results = self.llm.generate(prompts, params, use_tqdm=False)
+        results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [[self._generation(out) for out in result.outputs] for result in results]
 
     def generate_turns(
@@ -123,7 +183,7 @@ class VllmEngine:
             for limit in max_tokens
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in contexts]
-        results = self.llm.generate(prompts, params, use_tqdm=False)
+        results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [self._generation(result.outputs[0]) for result in results]
 
     def _generation(self, out: Any) -> Generation:
@@ -143,11 +203,34 @@ class VllmEngine:
 
         Under tensor parallelism the workers are processes of their own, which get their arguments pickled, and a
         stream cannot be: the tensors are all received first, so the sync holds one more host copy of the model."""
+        if self.lora_mode == "adapter":
+            self._hot_load(tensors)
+            return
         in_other_processes = self.llm.llm_engine.vllm_config.parallel_config.world_size > 1
+        if self.merger is not None:
+            tensors = (self.base | self.merger.merged(tensors)).items()
         weights = list(tensors) if in_other_processes else iter(tensors)
         # reload_weights repacks for the CPU kernels; calling model.load_weights after start-up does not.
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         # Cached KV blocks were computed by the old weights.
+        self.llm.reset_prefix_cache()
+
+    def _hot_load(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Serve the adapter ``tensors`` from the next generation on, under a new adapter id; the last one is
+        removed. The base weights are not touched. An adapter that does not load leaves the previous one served."""
+        from vllm.lora.request import LoRARequest
+
+        number = self.adapters_loaded + 1
+        folder = self.adapter_dir / f"v{number}"
+        write_adapter(folder, self.cfg.model.lora, tensors, self.cfg.model.path)
+        request = LoRARequest(f"policy-{number}", number, str(folder))
+        if not self.llm.llm_engine.add_lora(request):
+            raise RuntimeError(f"vLLM did not load the adapter at {folder}")
+        previous, self.lora_request, self.adapters_loaded = self.lora_request, request, number
+        if previous is not None:
+            self.llm.llm_engine.remove_lora(previous.lora_int_id)
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        # Cached KV blocks were computed under the old adapter.
         self.llm.reset_prefix_cache()
 
 
@@ -158,6 +241,8 @@ class HfEngine:
         self.model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.model.path)
         torch.manual_seed(cfg.train.seed)
+        self.lora_mode = "off" if cfg.model.lora is None else "merge"
+        self.merger = AdapterMerger(self.model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None
 
     @torch.no_grad()
     def generate(
@@ -213,8 +298,13 @@ class HfEngine:
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies each tensor into the model as it arrives (no second copy of the model), as strict as
-        ``load_state_dict``: an unknown name or shape raises at once, a missing name at the end."""
+        ``load_state_dict``: an unknown name or shape raises at once, a missing name at the end. With LoRA the
+        tensors are an adapter, merged into the base weights (all received before the first weight changes)."""
         live = self.model.state_dict()  # shares storage with the parameters
+        if self.merger is not None:
+            for name, weight in self.merger.merged(tensors).items():
+                live[name].copy_(weight)
+            return
         missing = set(live)
         for name, tensor in tensors:
             target = live.get(name)

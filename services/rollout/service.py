@@ -327,6 +327,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         backend=cfg.rollout.backend,
+        # With model.lora: "adapter" (vLLM hot-loads each version's adapter) or "merge" (merged into the base).
+        lora=engine.lora_mode,
         engine_load_s=engine_s,
         policy_version=follower.loaded,
         startup_s=started(),

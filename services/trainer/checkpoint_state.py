@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, ClassVar
 
@@ -56,11 +57,12 @@ def untied(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def detached_copy(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A copy of ``module``'s state in host memory that training cannot change, in its own dtypes (exact resume
-    needs the float32 master weights); tensor by tensor, never a second whole copy on a GPU. Tied tensors are
-    copied (and stored) once."""
-    return host_state(untied(module.state_dict()))
+def detached_copy(module: torch.nn.Module, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+    """A copy of ``module``'s state (with ``only``, of those names: a LoRA policy's adapters) in host memory that
+    training cannot change, in its own dtypes (exact resume needs the float32 master weights); tensor by tensor,
+    never a second whole copy on a GPU. Tied tensors are copied (and stored) once."""
+    state = module.state_dict()
+    return host_state(untied({name: t for name, t in state.items() if only is None or name in only}))
 
 
 @dataclass(frozen=True)
@@ -73,10 +75,13 @@ class ModuleLayout:
     tied: tuple[tuple[str, ...], ...]  # names sharing one storage; each group must be present once
 
     @classmethod
-    def of(cls, module: torch.nn.Module) -> ModuleLayout:
+    def of(cls, module: torch.nn.Module, only: Collection[str] | None = None) -> ModuleLayout:
+        """``only``: the names a checkpoint holds when not all of them (a LoRA policy's adapters)."""
         by_storage: dict[int, list[str]] = {}
         specs = {}
         for name, tensor in module.state_dict().items():
+            if only is not None and name not in only:
+                continue
             by_storage.setdefault(tensor.data_ptr(), []).append(name)
             specs[name] = (tuple(tensor.shape), tensor.dtype)
         return cls(specs, tuple(tuple(names) for names in by_storage.values()))
@@ -114,10 +119,11 @@ def widened(ckpt: Checkpoint, layout: ModuleLayout) -> Checkpoint:
     return replace(ckpt, model=model)
 
 
-def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor], only: Collection[str] | None = None) -> None:
     """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
-    values) before the first tensor is copied; only the aliases of shared tensors may be absent."""
-    ModuleLayout.of(module).check(state, "checkpoint")
+    values) before the first tensor is copied; only the aliases of shared tensors may be absent. ``only``: the
+    names the state holds when not all (a LoRA policy's adapters)."""
+    ModuleLayout.of(module, only).check(state, "checkpoint")
     module.load_state_dict(state, strict=False)
 
 
@@ -151,6 +157,10 @@ class TrainerState:
     # The highest policy version served by the time of the save, abandoned branches included: a restart whose
     # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
     version_high_water: int = 0
+    # With model.lora the weights saved are adapters only, meaningful over exactly one base model: its path and
+    # content hash (services/common/model/lora.py, base_identity). "" for full weights.
+    base_model_path: str = ""
+    base_model_sha256: str = ""
     # The dtype the weights were saved in when it is not the master weights' (checkpoint.weights_dtype: serving); a
     # resume widens them back. "" for master weights, and in files from before it was kept.
     weights_dtype: str = ""

@@ -104,6 +104,8 @@ class Checkpointer:
                 claim_keys=sorted((seq, key) for key, seq in self.purger.claim_keys.items()),
                 version_high_water=max(progress.version, self.parts.lineage.max_version()),
                 weights_dtype=weights_dtype,
+                base_model_path=self.parts.learner.base_model[0],
+                base_model_sha256=self.parts.learner.base_model[1],
             ),
             extras={
                 # What produced these weights, for whoever restores or audits them.

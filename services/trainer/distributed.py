@@ -74,7 +74,7 @@ import os
 import pickle
 import signal
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
@@ -290,17 +290,19 @@ class Mesh:
 
     # -- full state: gather and load ------------------------------------------------------
 
-    def gather_module(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """``module``'s full state dict in host memory on rank 0 (tied names share one tensor, as in the module's
-        own ``state_dict``), ``{}`` elsewhere; gathered one tensor at a time."""
+    def gather_module(self, module: torch.nn.Module, only: Collection[str] | None = None) -> dict[str, torch.Tensor]:
+        """``module``'s full state dict (with ``only``, those names of it) in host memory on rank 0 (tied names
+        share one tensor, as in the module's own ``state_dict``), ``{}`` elsewhere; gathered one tensor at a time."""
         copies: dict[int, torch.Tensor] = {}
-        for _, tensor in _entries(module):
+        entries = _entries(module, only)
+        for _, tensor in entries:
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if self.is_main:
                 copies[id(tensor)] = to_host(full)
         if not self.is_main:
             return {}
-        return {name: copies[id(tensor)] for name, tensor in module.state_dict(keep_vars=True).items()}
+        state = module.state_dict(keep_vars=True).items()
+        return {name: copies[id(tensor)] for name, tensor in state if only is None or name in only}
 
     def gather_optimizer(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The optimizer's ``state_dict()`` as one process would have it (full tensors, in host memory) on rank 0,
@@ -319,12 +321,15 @@ class Mesh:
             return {}
         return {"state": state, "param_groups": local["param_groups"]}
 
-    def load_module(self, module: torch.nn.Module, state: Mapping[str, torch.Tensor] | None) -> None:
-        """Load a full state dict that rank 0 holds (``state``; None elsewhere) into the sharded ``module``.
+    def load_module(
+        self, module: torch.nn.Module, state: Mapping[str, torch.Tensor] | None, only: Collection[str] | None = None
+    ) -> None:
+        """Load a full state dict that rank 0 holds (``state``; None elsewhere) into the sharded ``module``; with
+        ``only``, a state of just those names (a LoRA policy's adapters; the rest stay as they are).
 
         Names may lack the aliases of tied tensors (a checkpoint stores them once). A state that does not fit
         raises ValueError on every rank, before anything is sent."""
-        entries = _entries(module)
+        entries = _entries(module, only)
         problem = None
         if self.is_main:
             assert state is not None, "rank 0 loads the state it read"
@@ -379,14 +384,16 @@ class Mesh:
         optimizer.load_state_dict({"state": local, "param_groups": outline["param_groups"]})
 
 
-def _entries(module: torch.nn.Module) -> list[tuple[list[str], torch.Tensor]]:
-    """``module``'s state-dict tensors, each once with all its names (tied weights have two), in state-dict order.
+def _entries(module: torch.nn.Module, only: Collection[str] | None = None) -> list[tuple[list[str], torch.Tensor]]:
+    """``module``'s state-dict tensors, each once with all its names (tied weights have two), in state-dict order;
+    with ``only``, just those of these names (a LoRA policy's adapters).
 
     Told apart by tensor identity, which is the same on every rank (a shard's storage address is not: an
     empty shard has none), so every rank runs the same collectives in the same order."""
     by_id: dict[int, tuple[list[str], torch.Tensor]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        by_id.setdefault(id(tensor), ([], tensor))[0].append(name)
+        if only is None or name in only:
+            by_id.setdefault(id(tensor), ([], tensor))[0].append(name)
     return list(by_id.values())
 
 

@@ -45,6 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from services.common.config import RunConfig
 from services.common.model.evaluation import greedy_accuracy
+from services.common.model.lora import adapter_tensors, attach_adapters, base_identity
 from services.common.model.modeling import (
     Precision,
     ResponseBatch,
@@ -263,20 +264,30 @@ class Learner:
         self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
+        # With LoRA only the adapters train: the names a checkpoint, the optimizer and weight sync hold (None: all).
+        self.adapter_names: set[str] | None = None
+        self.base_model: tuple[str, str] = ("", "")  # path and content hash of the base the adapters sit on
+        if cfg.model.lora is not None:
+            self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
+            self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
+            self.base_model = base_identity(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
-        self.model_layout = ModuleLayout.of(self.model)
+        self.model_layout = ModuleLayout.of(self.model, self.adapter_names)
         self.critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
-        self.parameter_shapes = [tuple(p.shape) for p in self.model.parameters()]
+        self.parameter_shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
         self.parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
-        self.mesh.shard(self.model, _layers(self.model))
+        # With LoRA the root is the transformers model inside peft's wrappers: generation calls it past them.
+        root = self.model.get_base_model() if self.adapter_names is not None else self.model
+        self.mesh.shard(root, _layers(root))
         if self.critic is not None:
             backbone = getattr(self.critic, "backbone", None)
             units = _layers(backbone) if backbone is not None else []
             self.mesh.shard(self.critic, units, forward_methods=("values",))
-        groups = [{"params": list(self.model.parameters()), "lr": train.learning_rate}]
+        # Frozen base weights get no optimizer state: with LoRA, AdamW's moments exist for the adapters alone.
+        groups = [{"params": [p for p in self.model.parameters() if p.requires_grad], "lr": train.learning_rate}]
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay, eps=train.adam_eps)
@@ -305,13 +316,16 @@ class Learner:
     # --- full state: weight sync, checkpoints, evaluation ------------------------------------
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's full state dict in host memory (tied names share a tensor); ``{}`` on ranks but 0."""
+        """What a policy version is, in host memory: the full state dict (tied names share a tensor), or with LoRA
+        the adapters under peft's saved names; ``{}`` on ranks but 0."""
         with self.mesh.command(Op.WEIGHTS):
-            return self.mesh.gather_module(self.model)
+            state = self.mesh.gather_module(self.model, self.adapter_names)
+        return state if self.adapter_names is None else adapter_tensors(state)
 
     def snapshot(self, version: int, step: int) -> Snapshot:
-        """The policy's weights as weight sync serves them, as ``version`` made at ``step``."""
-        if not self.mesh.distributed:
+        """The policy's weights as weight sync serves them, as ``version`` made at ``step``: with LoRA only the
+        adapters, which the rollout loads over the base it holds."""
+        if not self.mesh.distributed and self.adapter_names is None:
             return snapshot_of(self.model, version, step)
         return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
 
@@ -320,12 +334,12 @@ class Learner:
         change (rank 0's is complete; the others' empty)."""
         if not self.mesh.distributed:
             return LearnerState(
-                model=detached_copy(self.model),
+                model=detached_copy(self.model, self.adapter_names),
                 optimizer=host_copy(self.optimizer.state_dict()) if optimizer else None,
                 critic=detached_copy(self.critic) if self.critic is not None else None,
             )
         with self.mesh.command(Op.STATE):  # every rank gathers alike: the followers do not know what is kept
-            model = untied(self.mesh.gather_module(self.model))
+            model = untied(self.mesh.gather_module(self.model, self.adapter_names))
             critic = untied(self.mesh.gather_module(self.critic)) if self.critic is not None else None
             gathered = self.mesh.gather_optimizer(self.optimizer)
         return LearnerState(model=model, optimizer=gathered if optimizer else None, critic=critic)
@@ -339,6 +353,16 @@ class Learner:
         """Raise CheckpointMismatch unless ``ckpt`` loads whole: the weights' and the critic's keys, shapes, dtypes
         and finite values, and the optimizer's parameter groups and moment shapes. Changes nothing, so a caller
         checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it was."""
+        if ckpt.state.base_model_sha256 != self.base_model[1]:  # the path may differ: a copy of the same weights
+            saved, here = (
+                ckpt.state.base_model_sha256 or "none: full weights",
+                self.base_model[1] or "none: full weights",
+            )
+            raise CheckpointMismatch(
+                f"step {ckpt.step} holds adapters for the base model {ckpt.state.base_model_path or '-'} (sha256 "
+                f"{saved}); this run's model.path {self.base_model[0] or self.cfg.model.path} is sha256 {here}. "
+                "Resume with the base model the run started from, or start a new run"
+            )
         ckpt = widened(ckpt, self.model_layout)
         self.model_layout.check(ckpt.model, f"step {ckpt.step}'s weights")
         if (self.critic_layout is None) != (ckpt.critic is None):
@@ -409,7 +433,7 @@ class Learner:
                 if ckpt is not None
                 else None
             )
-            self.mesh.load_module(self.model, ckpt.model if ckpt is not None else None)
+            self.mesh.load_module(self.model, ckpt.model if ckpt is not None else None, self.adapter_names)
             if self.critic is not None and small["critic"]:
                 self.mesh.load_module(self.critic, ckpt.critic if ckpt is not None else None)
             if small["optimizer"]:

@@ -92,6 +92,8 @@ class Manifest:
     policy_version: int = 0
     version_high_water: int = 0  # the highest policy version served by the time of the save
     last_experience_seq: int | None = None  # None: not recorded, so the replay floor is unknown
+    # Adapters only (model.lora): the base they were trained over, {"path", "sha256"}; None for full weights.
+    base_model: dict[str, str] | None = None
 
     @classmethod
     def parse(cls, data: bytes) -> Manifest | None:
@@ -112,6 +114,7 @@ class Manifest:
                 policy_version=int(raw.get("policy_version") or 0),
                 version_high_water=int(raw.get("version_high_water") or 0),
                 last_experience_seq=None if seq is None else int(seq),
+                base_model=raw.get("base_model"),
             )
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
@@ -244,6 +247,9 @@ def describe(ckpt: Checkpoint, parts: dict[str, bytes], incarnation: str, fence_
         policy_version=state.policy_version,
         version_high_water=max(state.version_high_water, state.policy_version),
         last_experience_seq=state.last_experience_seq,
+        base_model={"path": state.base_model_path, "sha256": state.base_model_sha256}
+        if state.base_model_sha256
+        else None,
         created=time.time(),
         files={name: PartMeta(len(data), sha256(data)) for name, data in parts.items()},
     )

@@ -317,3 +317,33 @@ def test_the_configuration_reference_marks_live_restart_and_refused_fields():
     assert "| restart |" in rows["train.batch_size"]
     assert "| security |" in rows["checkpoint.store_url"]
     assert "| deploy-time |" in rows["nats.url"]
+
+
+@pytest.mark.parametrize(("field", "value"), [("r", 0), ("r", -4), ("alpha", 0), ("alpha", -1.0)])
+def test_a_lora_rank_or_alpha_not_above_zero_is_refused_naming_the_field(tmp_path, model_dir, data_dir, field, value):
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"lora": {field: value}})
+    with pytest.raises(ConfigError, match=rf"model.lora.{field}: .*greater than 0"):
+        load_config(path)
+
+
+def test_lora_is_off_by_default_and_takes_its_documented_defaults_when_named(tmp_path, model_dir, data_dir):
+    assert load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs")).model.lora is None
+    lora = load_config(
+        write_config(tmp_path / "b.yaml", model_dir, data_dir, tmp_path / "runs", model={"lora": {"r": 8}})
+    ).model.lora
+    assert (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (
+        8,
+        32.0,
+        0.0,
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+    )
+
+
+def test_a_live_change_of_model_lora_is_refused_as_restart_only(tmp_path, model_dir, data_dir):
+    base = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"lora": {"r": 8}})
+    )
+    for settings in ({"model.lora": {"r": 16}}, {"model": {"lora": None}}, {"model.lora.r": 4}):
+        with pytest.raises(ConfigError, match=r"model.lora: is restart-only and not changeable live"):
+            refuse_unsafe_live_change(base, base, settings)
+    refuse_unsafe_live_change(base, base, {"model.lora": base.model.lora.model_dump(mode="json")})

@@ -73,7 +73,12 @@ def lead(args: argparse.Namespace, cfg: RunConfig, learner: Learner) -> None:
                     rng=learner.rng_state(),
                     critic=state.critic,
                     state=TrainerState(
-                        step=step, policy_version=step, last_experience_seq=step, incarnation=incarnation
+                        step=step,
+                        policy_version=step,
+                        last_experience_seq=step,
+                        incarnation=incarnation,
+                        base_model_path=learner.base_model[0],  # as the trainer's recovery records it
+                        base_model_sha256=learner.base_model[1],
                     ),
                 ),
                 cfg.model.path,

@@ -330,6 +330,7 @@ class SimLearner:
 
     def __init__(self) -> None:
         self.weight = torch.zeros(2)
+        self.base_model = ("", "")  # full weights: no base model under adapters
         self.scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 0})
 
     def check(self, ckpt: Checkpoint) -> None:

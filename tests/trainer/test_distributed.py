@@ -208,6 +208,30 @@ def test_one_process_resumes_a_two_process_checkpoint(setup, runs):
     assert_same_steps(resumed, runs["one"], range(SAVE_AT + 1, STEPS + 1))
 
 
+def test_two_processes_train_lora_adapters_as_one_process_does_and_resume_their_adapter_checkpoint(setup):
+    """model.lora under FSDP2: the frozen base and the adapters sharded together; only the adapters are gathered
+    for a checkpoint and a policy version, and loaded back shard by shard."""
+    tmp, config, groups = setup
+    lora_config = tmp / "lora.yaml"
+    settings = yaml.safe_load(config.read_text())
+    settings["model"]["lora"] = {"r": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    settings["train"]["learning_rate"] = 2e-3  # adapters start at zero: a larger rate to move them in four steps
+    lora_config.write_text(yaml.safe_dump(settings))
+    lora = (tmp, lora_config, groups)
+    one = alone(lora, "lora-one", "--store", str(tmp / "lora-store-one"), "--save-at", str(SAVE_AT))
+    two = torchrun(lora, "lora-two", "--store", str(tmp / "lora-store-two"), "--save-at", str(SAVE_AT))
+    resumed = torchrun(lora, "lora-resumed", "--store", str(tmp / "lora-store-two"), "--resume", str(SAVE_AT))
+    assert_same_steps(two, one, range(1, STEPS + 1))
+    assert_same_steps(resumed, one, range(SAVE_AT + 1, STEPS + 1))
+    adapters = load_file(str(one / "model.safetensors"))
+    assert len(adapters) == 3 * 3 * 2  # layers x target modules x (A, B): the base is not saved
+    assert all(".lora_B." not in name or tensor.abs().max() > 1e-4 for name, tensor in adapters.items())
+    snapshot = load_file(str(two / "snapshot.safetensors"))
+    assert sorted(snapshot) == sorted(name.replace(".default.", ".") for name in adapters)
+    for name, tensor in adapters.items():
+        torch.testing.assert_close(snapshot[name.replace(".default.", ".")], tensor, **TOLERANCE, msg=name)
+
+
 def test_ranks_with_fewer_micro_batches_pad_with_passes_that_do_not_count(setup):
     """The plan every rank works out for itself: its share's micro-batches, then filler up to the busiest rank."""
     _, config, groups_file = setup

@@ -57,6 +57,9 @@ SECURITY_FIELDS = (
     "telemetry.otlp_endpoint",
     "telemetry.mlflow_tracking_uri",
 )
+# Settings a change to would not take effect even at the next start without breaking the run: the LoRA adapters'
+# shapes decide the optimizer state, the checkpoints and what weight sync sends, so a live change is refused outright.
+RESTART_ONLY_FIELDS = ("model.lora",)
 # The one setting a live change could name code with: a 'module:function' reward plugin.
 PLUGIN_FIELD = "reward.functions"
 _UNSET = object()
@@ -89,6 +92,17 @@ def refuse_unsafe_live_change(started: RunConfig, current: RunConfig, settings: 
             raise ConfigError(
                 f"invalid configuration:\n  {field}: is not changeable live (a security setting); set it in the "
                 "config file or RLPIPE_* environment where the services are deployed, and restart them"
+            )
+    for field in RESTART_ONLY_FIELDS:
+        value = _proposed(settings, field)
+        # A key inside the field (model.lora.r) changes it as much as the whole field does.
+        inside = [key for key in settings if key.startswith(field + ".")]
+        if (value is not _UNSET and value != dotted_value(current, field)) or any(
+            settings[key] != dotted_value(current, key) for key in inside
+        ):
+            raise ConfigError(
+                f"invalid configuration:\n  {field}: is restart-only and not changeable live (the adapters' shapes "
+                "decide the optimizer state, the checkpoints and what weight sync sends); start a new run with it"
             )
     functions = _proposed(settings, PLUGIN_FIELD)
     if isinstance(functions, dict):

@@ -16,6 +16,24 @@ from services.common.config.alerts import AlertsConfig
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Section, one_of, read_environment
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the policy (peft): only they train, have optimizer state, sync and are checkpointed."""
+
+    r: int = Field(16, gt=0, description="rank of each adapter: the inner dimension of its A and B matrices (> 0)")
+    alpha: float = Field(
+        32.0, gt=0, description="scale numerator (> 0): an adapter's update B @ A is multiplied by alpha / r"
+    )
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="dropout probability on each adapter's input while training (0 to <1)"
+    )
+    target_modules: list[str] = Field(
+        ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="names of the Linear modules that get an adapter (the last part of a module's path, e.g. "
+        "q_proj); each must name one of the model's Linear modules, or the trainer refuses to start listing them",
+    )
+
+
 class ModelConfig(Section):
     path: Path = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
     dtype: Literal["float32", "bfloat16"] = Field(
@@ -28,6 +46,11 @@ class ModelConfig(Section):
         "auto",
         description="where the trainer, critic, reference and evaluation run: auto = CUDA when this process sees a "
         "GPU, else CPU; cuda without a GPU stops the service at start",
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="train LoRA adapters instead of every weight (None = full weights); the reference and the "
+        "rollout keep the base model at path",
     )
 
     @field_validator("path")
@@ -504,6 +527,13 @@ class RolloutConfig(Section):
         description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
     )
     replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
+    lora: Literal["auto", "adapter", "merge"] = Field(
+        "auto",
+        description="with model.lora, how the rollout serves each synced adapter: adapter = vLLM hot-loads it as a "
+        "LoRA adapter over the untouched base; merge = it is merged into the base weights (W + alpha/r * B @ A, from a "
+        "kept copy of the base); auto = adapter where the vLLM engine can serve LoRA, else merge (the hf backend "
+        "always merges). The rollout's ready event names the one in force",
+    )
     prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
     kv_cache_mib: int | None = Field(
         256,

@@ -115,6 +115,9 @@ class Event(StrEnum):
     LEASE_WAITING = "lease_waiting"  # another trainer holds the lease; waiting for it to expire
     LOOP_PROGRESSING = "loop_progressing"  # a stalled service loop moves again: health SERVING
     LOOP_STALLED = "loop_stalled"  # a service loop made no progress past its bound: health NOT_SERVING
+    LORA_ADAPTER_UNAVAILABLE = (
+        "lora_adapter_unavailable"  # vLLM cannot serve the LoRA adapter: the rollout merges it into the base instead
+    )
     MARKED_STABLE = "marked_stable"  # a checkpoint was marked stable
     MIRROR_FAILED = "mirror_failed"  # a write to the checkpoint mirror failed
     OPTIMIZER_FRESH = "optimizer_fresh"  # a save without optimizer state was adopted: AdamW starts fresh (recorded)
