@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.cli.report import read_jsonl, render_html, render_report
+from services.cli.report import read_jsonl, render_html, render_report, time_lines
 from services.common.config import (
     AdminCredentials,
     ConfigError,
@@ -631,6 +631,8 @@ def summarize(
         table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
     table.add_row("wall time", f"{wall_s:.1f}s")
     table.add_row("start-up (s)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    for quantity, value in time_lines(rows):
+        table.add_row(quantity, value)
     for quantity, value in cost.lines() if cost else ():
         table.add_row(quantity, value)
     return table

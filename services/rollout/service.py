@@ -21,6 +21,7 @@ import torch
 from services.common.config import RunConfig
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry, record_weight_sync
+from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
@@ -274,7 +275,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
         # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
-        await follower.ready()
+        with stage.time_share.during(StageActivity.BLOCKED):  # waiting for weights, not computing
+            await follower.ready()
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]

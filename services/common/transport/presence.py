@@ -156,6 +156,21 @@ def roles_stalled(entries: list[dict[str, Any]], now: float, bound_s: float) -> 
     return stalled
 
 
+def role_time_shares(entries: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """role -> activity (busy, idle, blocked) -> its fraction of the role's time, summed over the role's replicas
+    (each entry's ``time_s``, the seconds its loop spent in each since it started); roles without any left out."""
+    spent: dict[str, dict[str, float]] = {}
+    for entry in entries:
+        for activity, seconds in (entry.get("time_s") or {}).items():
+            role = spent.setdefault(entry["role"], {})
+            role[activity] = role.get(activity, 0.0) + seconds
+    return {
+        role: {activity: seconds / total for activity, seconds in by_activity.items()}
+        for role, by_activity in spent.items()
+        if (total := sum(by_activity.values())) > 0
+    }
+
+
 class RestartCounter:
     """Restarts of each role within the last ``window_s`` seconds, from the ``starts`` of its presence entries.
 
