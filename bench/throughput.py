@@ -1,6 +1,6 @@
 """rlpipe's data-plane throughput on this machine, stage by stage and end to end.
 
-    python -m bench.throughput [--models tiny,smol] [--repeats 3] [--pipeline-steps 60] [--no-pipeline]
+    python -m bench.throughput [--models tiny,smol] [--repeats 3] [--pipeline-steps 60] [--no-pipeline] [--sync]
 
 For each model that is present (``tiny``: models/tiny-arith with examples/arith-grpo.yaml, ``make model``;
 ``smol``: models/smollm2-135m-instruct with examples/smol-arith.yaml, ``make model-smol``), at the
@@ -16,7 +16,10 @@ example's own batch shapes (prompts per rollout batch, group size, max new token
   the trainer's busy fraction (sum of ``step_time_s`` over the same wall time) and each process's CPU
   share, sampled from /proc, which names the stage that bounds the run. Its baseline is the slower of
   the stages alone (rollout vLLM, learner without micro-batches): the ratio says how near the
-  pipeline gets to its bottleneck stage.
+  pipeline gets to its bottleneck stage. Each step's wall interval split by phase (the trainer's
+  ``time/<phase>_s``) and each role's busy/idle/blocked fractions come with it;
+- **sync** (``--sync``, tiny only): the same run with ``train.synchronous`` (generate, score and train one
+  batch at a time through the same services), run after the asynchronous one; prints async/sync.
 
 Every process here and every rlpipe service runs one torch thread (``service.torch_threads``). The
 variants of a measurement take turns repeat by repeat, so load from the rest of the machine hits them
@@ -288,12 +291,25 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     return rows
 
 
-def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
+def where_the_time_went(steady: list[dict]) -> dict[str, dict[str, float]]:
+    """The mean wall seconds per step by phase, and each role's busy/idle/blocked fractions at the last step."""
+    phases = sorted(key for key in steady[-1] if key.startswith("time/"))
+    shares: dict[str, dict[str, float]] = {}
+    for key, value in steady[-1].items():
+        if key.startswith("share/"):
+            role, _, activity = key.removeprefix("share/").partition("/")
+            shares.setdefault(role, {})[activity] = value
+    split = {key: round(statistics.fmean(row[key] for row in steady), 4) for key in phases}
+    return {"step_wall_s_by_phase": split, "role_time_shares": shares}
+
+
+def bench_pipeline(model: Model, steps: int, skip: int, synchronous: bool = False) -> Measurement:
     """``rlpipe run`` of the example for ``steps`` steps; steady completions/s and where the CPU went."""
-    run_id = f"bench-throughput-{model.name}"
+    run_id = f"bench-throughput-{model.name}{'-sync' if synchronous else ''}"
     run_dir = OUT / "runs" / run_id
     overrides = [f"run_id={run_id}", f"runs_dir={run_dir.parent}", f"train.total_steps={steps}"]
     overrides += [f"data.eval_every_steps={steps}", f"checkpoint.save_every_steps={steps}"]
+    overrides += [f"train.synchronous={str(synchronous).lower()}"]
     (run_dir / "run.json").unlink(missing_ok=True)  # the sampler must not read a previous run's pids
     started = time.time()
     with CpuSampler(run_dir / "run.json") as sampler:
@@ -308,7 +324,7 @@ def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
     return Measurement(
         model=model.name,
         kind="pipeline",
-        variant="rlpipe run",
+        variant="rlpipe run --sync" if synchronous else "rlpipe run",
         baseline="slowest stage alone",
         seconds=[span],
         tokens=round(tokens),
@@ -319,6 +335,7 @@ def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
             "median_step_time_s": round(statistics.median(row["step_time_s"] for row in steady), 4),
             "trainer_busy_fraction": round(trainer_busy, 3),
             "cpu_cores_per_process": sampler.shares(steady[0]["time"], steady[-1]["time"]),
+            **where_the_time_went(steady),
         },
     )
 
@@ -362,6 +379,16 @@ def ratios(measurements: list[Measurement]) -> dict[int, float]:
     return out
 
 
+def async_sync_pairs(measurements: list[Measurement]) -> list[tuple[Measurement, Measurement]]:
+    """(asynchronous, synchronous) pipeline measurements of the same model."""
+    pipelines = {(m.model, m.variant): m for m in measurements if m.kind == "pipeline"}
+    return [
+        (pipelines[(model, "rlpipe run")], synchronous)
+        for (model, variant), synchronous in pipelines.items()
+        if variant == "rlpipe run --sync" and (model, "rlpipe run") in pipelines
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smol", help="comma-separated: tiny, smol (absent ones skipped)")
@@ -369,6 +396,7 @@ def main() -> None:
     parser.add_argument("--pipeline-steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=5, help="first pipeline steps left out (start-up)")
     parser.add_argument("--no-pipeline", action="store_true", help="stages alone only")
+    parser.add_argument("--sync", action="store_true", help="also the synchronous baseline (train.synchronous)")
     args = parser.parse_args()
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
@@ -390,6 +418,8 @@ def main() -> None:
         measurements += bench_learner(model, cfg, experience(cfg, rows, prompt_ids, groups), args.repeats)
         if name == "tiny" and not args.no_pipeline:
             measurements.append(bench_pipeline(model, args.pipeline_steps, args.skip))
+            if args.sync:
+                measurements.append(bench_pipeline(model, args.pipeline_steps, args.skip, synchronous=True))
     machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
     ratio = ratios(measurements)
     with (OUT / "throughput.jsonl").open("w") as out:
@@ -406,6 +436,11 @@ def main() -> None:
         )
         if m.kind == "pipeline":
             print(f"{'':17}{json.dumps(m.extra)}")
+    for asynchronous, synchronous in async_sync_pairs(measurements):
+        print(
+            f"{asynchronous.model}: async/sync {asynchronous.completions_per_s / synchronous.completions_per_s:.2f}x "
+            f"steady completions/s ({asynchronous.completions_per_s:.1f} vs {synchronous.completions_per_s:.1f})"
+        )
     print(f"machine: {json.dumps(machine)}; wrote {OUT / 'throughput.jsonl'} and {OUT / 'throughput.png'}")
 
 

@@ -141,6 +141,13 @@ class PolicyFollower:
         sources.append(("trainer", lambda: self.client.stream(dtype=self.dtype)))
         return sources
 
+    async def catch_up(self, version: int) -> None:
+        """Learn of ``version`` before its announcement arrives: a prompt that asks for it (train.synchronous) was
+        fed after the trainer published it, and may overtake the watch stream's announcement."""
+        if self.newest < version:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the trainer away: the loaded version, judged by it
+                self.newest = max(self.newest, (await self.client.version()).version)
+
     async def ready(self) -> int:
         """Sync, then the loaded version; raises EngineUnavailable while the engine is torn (a sync broke off
         after loading began), so the stage holds its prompts instead of tagging half-loaded weights."""
@@ -276,6 +283,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
         # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
         with stage.time_share.during(StageActivity.BLOCKED):  # waiting for weights, not computing
+            await follower.catch_up(max(prompt.min_policy_version for prompt in prompts))
             await follower.ready()
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from bench.throughput import CpuSampler, Measurement, ratios
+from bench.throughput import CpuSampler, Measurement, async_sync_pairs, ratios, where_the_time_went
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
 from services.common.config import load_config
 from tests.conftest import ROOT
@@ -82,6 +82,24 @@ def test_each_variant_is_compared_with_its_baseline_and_the_pipeline_with_its_sl
         m("pipeline", "rlpipe run", "slowest stage alone", 2.5),  # 40/s
     ]
     assert ratios(measurements) == {0: 1.0, 1: 4.0, 2: 1.0, 3: 0.5, 4: pytest.approx(0.8)}
+
+
+@pytest.mark.unit
+def test_the_sync_baseline_is_paired_with_the_async_run_of_its_model_and_the_time_split_is_averaged():
+    def pipeline(variant, seconds):
+        return Measurement("tiny", "pipeline", variant, "slowest stage alone", [seconds], completions=100)
+
+    asynchronous, synchronous = pipeline("rlpipe run", 2.0), pipeline("rlpipe run --sync", 3.0)
+    assert async_sync_pairs([synchronous, asynchronous]) == [(asynchronous, synchronous)]
+    assert async_sync_pairs([synchronous]) == []
+    steady = [
+        {"time/wait_s": 0.1, "time/compute_s": 0.5, "share/rollout/busy": 0.5},
+        {"time/wait_s": 0.3, "time/compute_s": 0.7, "share/rollout/busy": 0.6, "share/rollout/idle": 0.4},
+    ]
+    assert where_the_time_went(steady) == {
+        "step_wall_s_by_phase": {"time/compute_s": 0.6, "time/wait_s": 0.2},
+        "role_time_shares": {"rollout": {"busy": 0.6, "idle": 0.4}},
+    }
 
 
 @pytest.mark.unit
