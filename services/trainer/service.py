@@ -347,6 +347,9 @@ class Trainer:
         self.intake.rewind()
         await self.intake.catch_up_dead()  # groups dead-lettered while no trainer read DEAD are settled first
         if not self.resumed:
+            # The first prompts go out before the baseline evaluation, so the rollouts generate while it runs
+            # instead of after it: the evaluation overlaps the wait for the first batch.
+            await self.intake.feed(self.cfg, self.live.version)
             progress.baseline_eval = await self.evaluate()
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
