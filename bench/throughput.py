@@ -191,6 +191,71 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
     return out
 
 
+def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> dict[str, float]:
+    """One group's trips over the bus, on a nats-server of its own: per message the stage publishes (waiting for
+    the ack), the next one fetches, decodes, validates and acks. A group travels three hops (the rollout's
+    RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
+    EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes."""
+    import asyncio
+    import socket
+    import tempfile
+
+    from services.common.transport.bus import Bus
+    from services.common.transport.nats_server import nats_server_binary
+    from services.common.transport.streams import EXPERIENCE, ROLLOUTS, SCORED
+
+    def only(group: ExperienceGroup, kind: type) -> object:
+        return kind.model_validate({name: getattr(group, name) for name in kind.model_fields if name != "kind"})
+
+    hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))
+
+    async def passes(url: str) -> list[float]:
+        nats_cfg = cfg.nats.model_copy(update={"url": url, "claim_check_bytes": cfg.nats.max_message_bytes})
+        bus = await Bus(cfg.model_copy(update={"run_id": "bench-bus", "nats": nats_cfg}), "trainer").connect()
+        await bus.ensure_streams()
+        queues = {edge: await bus.work_queue(edge) for edge, _ in hops}
+        reader, seconds = bus.read_from(EXPERIENCE, 1), []
+        for repeat in range(repeats):
+            started = time.perf_counter()
+            for n, group in enumerate(groups):
+                for edge, kind in hops:
+                    await bus.publish(edge, only(group, kind), msg_id=f"{repeat}-{n}-{edge}")
+                    [msg] = await queues[edge].fetch(1, timeout=10)
+                    await bus.decode(msg, kind)
+                    await msg.ack_sync()
+                await bus.publish(EXPERIENCE, group, msg_id=f"{repeat}-{n}-experience")
+                await bus.decode(await reader.next(timeout=10), ExperienceGroup)
+            seconds.append((time.perf_counter() - started) / len(groups))
+        await bus.close()
+        return seconds
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as store:
+        server = subprocess.Popen(
+            [nats_server_binary(), "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(1.0)  # the server's start: a few ms here
+            seconds = asyncio.run(passes(f"nats://127.0.0.1:{port}"))
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    return {"bus_s_per_group": statistics.median(seconds), "group_size": len(groups[0].completions)}
+
+
+def bus_overhead(bus: dict[str, float], rollout: list[Measurement], learner: list[Measurement]) -> dict[str, float]:
+    """The bus's seconds per group against the group's compute: the vLLM rollout's and the whole-batch learner
+    step's median seconds, each over the groups it handled (completions / group size)."""
+    generate = next(m for m in rollout if m.variant == "vllm")
+    train = next(m for m in learner if m.variant == "whole batch")
+    compute = sum(m.median_s / (m.completions / bus["group_size"]) for m in (generate, train))
+    return {**bus, "compute_s_per_group": compute, "bus_fraction_of_compute": bus["bus_s_per_group"] / compute}
+
+
 def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> list[Measurement]:
     """``Learner.step`` on one trainer batch (``train.batch_size`` groups, the rollout batch repeated to fill it),
     micro-batches by token budget off and on."""
@@ -407,6 +472,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     measurements: list[Measurement] = []
+    bus_rows: list[dict] = []
     for name in args.models.split(","):
         model = MODELS[name]
         if not model.present:
@@ -415,7 +481,10 @@ def main() -> None:
         cfg = config_for(model)
         rollout, (rows, prompt_ids, groups) = bench_rollout(model, cfg, args.repeats)
         measurements += rollout
-        measurements += bench_learner(model, cfg, experience(cfg, rows, prompt_ids, groups), args.repeats)
+        trained = experience(cfg, rows, prompt_ids, groups)
+        learner = bench_learner(model, cfg, trained, args.repeats)
+        measurements += learner
+        bus_rows.append({"model": name, **bus_overhead(bench_bus(cfg, trained, args.repeats), rollout, learner)})
         if name == "tiny" and not args.no_pipeline:
             measurements.append(bench_pipeline(model, args.pipeline_steps, args.skip))
             if args.sync:
@@ -426,6 +495,8 @@ def main() -> None:
         for i, m in enumerate(measurements):
             row = {**m.row(), "ratio_to_baseline": round(ratio[i], 3) if i in ratio else None, "machine": machine}
             out.write(json.dumps(row) + "\n")
+        for row in bus_rows:
+            out.write(json.dumps({"kind": "bus", **row, "machine": machine}) + "\n")
     plot(measurements, OUT / "throughput.png")
     print(f"{'model':6} {'kind':9} {'variant':26} {'median s':>9} {'tokens/s':>10} {'compl./s':>9} {'x baseline':>11}")
     for i, m in enumerate(measurements):
@@ -436,6 +507,12 @@ def main() -> None:
         )
         if m.kind == "pipeline":
             print(f"{'':17}{json.dumps(m.extra)}")
+    for row in bus_rows:
+        print(
+            f"{row['model']}: the bus costs {row['bus_s_per_group'] * 1000:.2f} ms per group over its three hops, "
+            f"{row['bus_fraction_of_compute']:.1%} of the group's compute ({row['compute_s_per_group'] * 1000:.2f} ms: "
+            "vLLM rollout + learner step, per group)"
+        )
     for asynchronous, synchronous in async_sync_pairs(measurements):
         print(
             f"{asynchronous.model}: async/sync {asynchronous.completions_per_s / synchronous.completions_per_s:.2f}x "
