@@ -1,8 +1,8 @@
 """``rlpipe run CONFIG``: the whole pipeline on one machine.
 
 Starts a local NATS server with JetStream in the run directory, then one OS process
-per service: the trainer, reference and reward at once, the rollouts once the trainer
-is ready (they pull weights from the port it got), each waited on until it logs
+per service, all at once (the others wait for the streams the trainer creates; a
+rollout reads the trainer's port from its presence entry), each waited on until it logs
 ``ready``; runs/<run>/startup.jsonl records when each was ready, and the first step, in
 seconds after the launch. Shows a progress bar over training steps, and at
 the end writes the report plot and a summary, stops every process and exits
@@ -426,21 +426,25 @@ class Launcher:
         # Only the trainer is given the token (role_env); no service inherits one from this shell.
         inherited = {name: value for name, value in os.environ.items() if name != "RLPIPE_ADMIN_TOKEN"}
         self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
-        # Every role at once but the rollouts: the trainer creates the run's streams and buckets, which the
-        # reference and reward wait for (any start order works, docs/architecture.md), so their model loads
-        # overlap the trainer's. The trainer binds ports the OS picks (two local runs must not collide on the
-        # defaults), or the admin port the config names; the rollouts, which pull weights from it, and a
-        # restarted trainer then use the ports it got.
+        # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
+        # start order works, docs/architecture.md), so their model and engine loads overlap the trainer's. The
+        # trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin port
+        # the config names; restarted services then use the ports it got.
         admin_port = self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set else 0
         ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
         # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
         trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
         others = [self.spawn("reference", f"reference-{i}") for i in range(self.cfg.reference.replicas)]
         others += [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
+        others += [
+            self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
+            for i in range(self.cfg.rollout.replicas)
+        ]
         self.wait_ready([trainer])
+        # A restarted rollout or trainer is given the port the trainer got.
         self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
         self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
-        others += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
         self.wait_ready(others)
         self.write_run_file()
         console.log(

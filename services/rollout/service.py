@@ -26,6 +26,7 @@ from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.transport.presence import await_trainer_port
 from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
@@ -252,7 +253,7 @@ def relay_address_of(cfg: RunConfig, bound: str) -> str:
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
-    started = Stopwatch()
+    started, launched = Stopwatch(), time.time()
     # Every engine call runs on this one thread: vLLM's CPU kernels bind their OpenMP threads to it.
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
@@ -260,6 +261,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     engine_s = started()
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
+    if cfg.service.trainer_grpc_port == 0:  # started with the trainer (rlpipe run): its port is in its presence
+        port = await await_trainer_port(bus.js, cfg, since=launched)
+        cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if cfg.rollout.weight_relay else None
     server, address = await start_grpc_server(
         cfg, cfg.service.grpc_port, register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None

@@ -1,6 +1,7 @@
 """Service presence in a real JetStream key-value bucket."""
 
 import asyncio
+import json
 import time
 
 import nats
@@ -8,7 +9,15 @@ import pytest
 
 from services.common.config import load_config
 from services.common.service import watch_progress
-from services.common.transport.presence import HEARTBEAT_S, Presence, read_presence, role_time_shares, roles_down
+from services.common.transport.presence import (
+    HEARTBEAT_S,
+    Presence,
+    await_trainer_port,
+    open_bucket,
+    read_presence,
+    role_time_shares,
+    roles_down,
+)
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -92,6 +101,33 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
             task.cancel()
         for replica in replicas:
             await replica.stop()
+        await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_started_never_an_older_one(
+    tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="port", nats={"url": nats_url})
+    )
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        since = time.time()
+        waiting = asyncio.create_task(await_trainer_port(js, cfg, since))
+        await asyncio.sleep(1.0)  # no bucket yet: it waits for the trainer to create it
+        kv = await open_bucket(js, cfg)
+        dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
+        await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start
+        await asyncio.sleep(1.5)
+        assert not waiting.done()
+        trainer = await Presence(js, cfg, "trainer").start(grpc="127.0.0.1:4567")
+        assert await asyncio.wait_for(waiting, 10) == 4567
+        await trainer.stop()
         await nc.close()
 
     asyncio.run(scenario())

@@ -640,7 +640,13 @@ class ReferenceConfig(Section):
 class ServiceConfig(Section):
     host: str = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
     instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
-    trainer_grpc_port: int = Field(50051, ge=0, le=65535, description="WeightSync server")
+    trainer_grpc_port: int = Field(
+        50051,
+        ge=0,
+        le=65535,
+        description="WeightSync server; 0: the trainer binds a free port and a rollout reads it from the trainer's "
+        "presence entry (how rlpipe run starts the rollouts together with the trainer)",
+    )
     trainer_host: str = Field(
         "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
     )
