@@ -557,8 +557,12 @@ class Launcher:
         return time.monotonic() + delay
 
     def stop_grace_s(self, child: Child) -> float:
-        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first."""
+        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first. A stage
+        not ready yet gets none: it holds no work, and while it waits for the trainer's streams it does not heed
+        SIGTERM (docs/architecture.md), so a start cut short (a trainer that refused) would wait out its grace."""
         supervision = self.cfg.supervision
+        if child.role != "trainer" and child.ready is None:
+            return 0.0
         return supervision.trainer_stop_grace_s if child.role == "trainer" else supervision.stop_grace_s
 
     def stop(self) -> list[str]:
