@@ -1,6 +1,6 @@
 """rlpipe's data-plane throughput on this machine, stage by stage and end to end.
 
-    python -m bench.throughput [--models tiny,smol] [--repeats 3] [--pipeline-steps 60] [--no-pipeline]
+    python -m bench.throughput [--models tiny,smol] [--repeats 3] [--pipeline-steps 60] [--no-pipeline] [--sync]
 
 For each model that is present (``tiny``: models/tiny-arith with examples/arith-grpo.yaml, ``make model``;
 ``smol``: models/smollm2-135m-instruct with examples/smol-arith.yaml, ``make model-smol``), at the
@@ -16,7 +16,10 @@ example's own batch shapes (prompts per rollout batch, group size, max new token
   the trainer's busy fraction (sum of ``step_time_s`` over the same wall time) and each process's CPU
   share, sampled from /proc, which names the stage that bounds the run. Its baseline is the slower of
   the stages alone (rollout vLLM, learner without micro-batches): the ratio says how near the
-  pipeline gets to its bottleneck stage.
+  pipeline gets to its bottleneck stage. Each step's wall interval split by phase (the trainer's
+  ``time/<phase>_s``) and each role's busy/idle/blocked fractions come with it;
+- **sync** (``--sync``, tiny only): the same run with ``train.synchronous`` (generate, score and train one
+  batch at a time through the same services), run after the asynchronous one; prints async/sync.
 
 Every process here and every rlpipe service runs one torch thread (``service.torch_threads``). The
 variants of a measurement take turns repeat by repeat, so load from the rest of the machine hits them
@@ -188,6 +191,71 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
     return out
 
 
+def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> dict[str, float]:
+    """One group's trips over the bus, on a nats-server of its own: per message the stage publishes (waiting for
+    the ack), the next one fetches, decodes, validates and acks. A group travels three hops (the rollout's
+    RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
+    EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes."""
+    import asyncio
+    import socket
+    import tempfile
+
+    from services.common.transport.bus import Bus
+    from services.common.transport.nats_server import nats_server_binary
+    from services.common.transport.streams import EXPERIENCE, ROLLOUTS, SCORED
+
+    def only(group: ExperienceGroup, kind: type) -> object:
+        return kind.model_validate({name: getattr(group, name) for name in kind.model_fields if name != "kind"})
+
+    hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))
+
+    async def passes(url: str) -> list[float]:
+        nats_cfg = cfg.nats.model_copy(update={"url": url, "claim_check_bytes": cfg.nats.max_message_bytes})
+        bus = await Bus(cfg.model_copy(update={"run_id": "bench-bus", "nats": nats_cfg}), "trainer").connect()
+        await bus.ensure_streams()
+        queues = {edge: await bus.work_queue(edge) for edge, _ in hops}
+        reader, seconds = bus.read_from(EXPERIENCE, 1), []
+        for repeat in range(repeats):
+            started = time.perf_counter()
+            for n, group in enumerate(groups):
+                for edge, kind in hops:
+                    await bus.publish(edge, only(group, kind), msg_id=f"{repeat}-{n}-{edge}")
+                    [msg] = await queues[edge].fetch(1, timeout=10)
+                    await bus.decode(msg, kind)
+                    await msg.ack_sync()
+                await bus.publish(EXPERIENCE, group, msg_id=f"{repeat}-{n}-experience")
+                await bus.decode(await reader.next(timeout=10), ExperienceGroup)
+            seconds.append((time.perf_counter() - started) / len(groups))
+        await bus.close()
+        return seconds
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as store:
+        server = subprocess.Popen(
+            [nats_server_binary(), "-js", "-sd", store, "-a", "127.0.0.1", "-p", str(port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            time.sleep(1.0)  # the server's start: a few ms here
+            seconds = asyncio.run(passes(f"nats://127.0.0.1:{port}"))
+        finally:
+            server.terminate()
+            server.wait(timeout=10)
+    return {"bus_s_per_group": statistics.median(seconds), "group_size": len(groups[0].completions)}
+
+
+def bus_overhead(bus: dict[str, float], rollout: list[Measurement], learner: list[Measurement]) -> dict[str, float]:
+    """The bus's seconds per group against the group's compute: the vLLM rollout's and the whole-batch learner
+    step's median seconds, each over the groups it handled (completions / group size)."""
+    generate = next(m for m in rollout if m.variant == "vllm")
+    train = next(m for m in learner if m.variant == "whole batch")
+    compute = sum(m.median_s / (m.completions / bus["group_size"]) for m in (generate, train))
+    return {**bus, "compute_s_per_group": compute, "bus_fraction_of_compute": bus["bus_s_per_group"] / compute}
+
+
 def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> list[Measurement]:
     """``Learner.step`` on one trainer batch (``train.batch_size`` groups, the rollout batch repeated to fill it),
     micro-batches by token budget off and on."""
@@ -288,12 +356,25 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     return rows
 
 
-def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
+def where_the_time_went(steady: list[dict]) -> dict[str, dict[str, float]]:
+    """The mean wall seconds per step by phase, and each role's busy/idle/blocked fractions at the last step."""
+    phases = sorted(key for key in steady[-1] if key.startswith("time/"))
+    shares: dict[str, dict[str, float]] = {}
+    for key, value in steady[-1].items():
+        if key.startswith("share/"):
+            role, _, activity = key.removeprefix("share/").partition("/")
+            shares.setdefault(role, {})[activity] = value
+    split = {key: round(statistics.fmean(row[key] for row in steady), 4) for key in phases}
+    return {"step_wall_s_by_phase": split, "role_time_shares": shares}
+
+
+def bench_pipeline(model: Model, steps: int, skip: int, synchronous: bool = False) -> Measurement:
     """``rlpipe run`` of the example for ``steps`` steps; steady completions/s and where the CPU went."""
-    run_id = f"bench-throughput-{model.name}"
+    run_id = f"bench-throughput-{model.name}{'-sync' if synchronous else ''}"
     run_dir = OUT / "runs" / run_id
     overrides = [f"run_id={run_id}", f"runs_dir={run_dir.parent}", f"train.total_steps={steps}"]
     overrides += [f"data.eval_every_steps={steps}", f"checkpoint.save_every_steps={steps}"]
+    overrides += [f"train.synchronous={str(synchronous).lower()}"]
     (run_dir / "run.json").unlink(missing_ok=True)  # the sampler must not read a previous run's pids
     started = time.time()
     with CpuSampler(run_dir / "run.json") as sampler:
@@ -308,7 +389,7 @@ def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
     return Measurement(
         model=model.name,
         kind="pipeline",
-        variant="rlpipe run",
+        variant="rlpipe run --sync" if synchronous else "rlpipe run",
         baseline="slowest stage alone",
         seconds=[span],
         tokens=round(tokens),
@@ -319,6 +400,7 @@ def bench_pipeline(model: Model, steps: int, skip: int) -> Measurement:
             "median_step_time_s": round(statistics.median(row["step_time_s"] for row in steady), 4),
             "trainer_busy_fraction": round(trainer_busy, 3),
             "cpu_cores_per_process": sampler.shares(steady[0]["time"], steady[-1]["time"]),
+            **where_the_time_went(steady),
         },
     )
 
@@ -362,6 +444,16 @@ def ratios(measurements: list[Measurement]) -> dict[int, float]:
     return out
 
 
+def async_sync_pairs(measurements: list[Measurement]) -> list[tuple[Measurement, Measurement]]:
+    """(asynchronous, synchronous) pipeline measurements of the same model."""
+    pipelines = {(m.model, m.variant): m for m in measurements if m.kind == "pipeline"}
+    return [
+        (pipelines[(model, "rlpipe run")], synchronous)
+        for (model, variant), synchronous in pipelines.items()
+        if variant == "rlpipe run --sync" and (model, "rlpipe run") in pipelines
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smol", help="comma-separated: tiny, smol (absent ones skipped)")
@@ -369,6 +461,7 @@ def main() -> None:
     parser.add_argument("--pipeline-steps", type=int, default=60)
     parser.add_argument("--skip", type=int, default=5, help="first pipeline steps left out (start-up)")
     parser.add_argument("--no-pipeline", action="store_true", help="stages alone only")
+    parser.add_argument("--sync", action="store_true", help="also the synchronous baseline (train.synchronous)")
     args = parser.parse_args()
     unknown = set(args.models.split(",")) - set(MODELS)
     if unknown:
@@ -379,6 +472,7 @@ def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
     measurements: list[Measurement] = []
+    bus_rows: list[dict] = []
     for name in args.models.split(","):
         model = MODELS[name]
         if not model.present:
@@ -387,15 +481,22 @@ def main() -> None:
         cfg = config_for(model)
         rollout, (rows, prompt_ids, groups) = bench_rollout(model, cfg, args.repeats)
         measurements += rollout
-        measurements += bench_learner(model, cfg, experience(cfg, rows, prompt_ids, groups), args.repeats)
+        trained = experience(cfg, rows, prompt_ids, groups)
+        learner = bench_learner(model, cfg, trained, args.repeats)
+        measurements += learner
+        bus_rows.append({"model": name, **bus_overhead(bench_bus(cfg, trained, args.repeats), rollout, learner)})
         if name == "tiny" and not args.no_pipeline:
             measurements.append(bench_pipeline(model, args.pipeline_steps, args.skip))
+            if args.sync:
+                measurements.append(bench_pipeline(model, args.pipeline_steps, args.skip, synchronous=True))
     machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
     ratio = ratios(measurements)
     with (OUT / "throughput.jsonl").open("w") as out:
         for i, m in enumerate(measurements):
             row = {**m.row(), "ratio_to_baseline": round(ratio[i], 3) if i in ratio else None, "machine": machine}
             out.write(json.dumps(row) + "\n")
+        for row in bus_rows:
+            out.write(json.dumps({"kind": "bus", **row, "machine": machine}) + "\n")
     plot(measurements, OUT / "throughput.png")
     print(f"{'model':6} {'kind':9} {'variant':26} {'median s':>9} {'tokens/s':>10} {'compl./s':>9} {'x baseline':>11}")
     for i, m in enumerate(measurements):
@@ -406,6 +507,17 @@ def main() -> None:
         )
         if m.kind == "pipeline":
             print(f"{'':17}{json.dumps(m.extra)}")
+    for row in bus_rows:
+        print(
+            f"{row['model']}: the bus costs {row['bus_s_per_group'] * 1000:.2f} ms per group over its three hops, "
+            f"{row['bus_fraction_of_compute']:.1%} of the group's compute ({row['compute_s_per_group'] * 1000:.2f} ms: "
+            "vLLM rollout + learner step, per group)"
+        )
+    for asynchronous, synchronous in async_sync_pairs(measurements):
+        print(
+            f"{asynchronous.model}: async/sync {asynchronous.completions_per_s / synchronous.completions_per_s:.2f}x "
+            f"steady completions/s ({asynchronous.completions_per_s:.1f} vs {synchronous.completions_per_s:.1f})"
+        )
     print(f"machine: {json.dumps(machine)}; wrote {OUT / 'throughput.jsonl'} and {OUT / 'throughput.png'}")
 
 

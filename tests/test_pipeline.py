@@ -141,6 +141,12 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     # Completions generated after a weight sync carry the new policy version.
     assert steps[-1]["generated_by_version_max"] >= 1
     assert [r["policy_version"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+    # Each row splits the wall time since the previous one by phase; the learner's own step is inside compute.
+    split = [f"time/{phase}_s" for phase in ("wait", "compute", "publish", "eval", "bookkeeping")]
+    assert all(math.isfinite(row[key]) and row[key] >= 0 for row in steps for key in split)
+    assert all(row["time/compute_s"] >= row["step_time_s"] for row in steps)
+    assert steps[0]["time/eval_s"] > 0  # the step-0 evaluation comes before the first step
+    assert "wall s per step" in output and "Where the time goes" in (run_dir / "report.html").read_text()
 
     # Every stage handled groups, and both rollout replicas shared the prompts.
     handled = {}
@@ -195,13 +201,15 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000005", "step-00000010"]
     assert len(read_jsonl(run_dir / "metrics.jsonl")) == len(rows)
     # --overwrite (what `make demo` passes) starts over in the same directory: the old steps and rows are gone.
+    # It runs synchronously (train.synchronous): each step trains only on groups the weights just published
+    # generated, and the rollouts wait for those weights rather than have their groups dropped as stale.
     short = write_config(
         tmp_path / "short.yaml",
         model_dir,
         data_dir,
         runs,
         run_id="pipe",
-        train={"total_steps": 2, "batch_size": 8, "learning_rate": 2e-5},
+        train={"total_steps": 2, "batch_size": 8, "learning_rate": 2e-5, "synchronous": True},
         checkpoint={"save_every_steps": 2, "keep_last": 3},
     )
     redone = subprocess.run(
@@ -209,4 +217,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     )
     assert redone.returncode == 0, redone.stderr[-3000:]
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000002"]
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r] == [1, 2]
+    redone_steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    assert [r["step"] for r in redone_steps] == [1, 2]
+    assert [(r["generated_by_version_min"], r["generated_by_version_max"]) for r in redone_steps] == [(0, 0), (1, 1)]
+    assert [r["dropped_stale"] for r in redone_steps] == [0, 0]

@@ -1,8 +1,10 @@
 """``rlpipe run CONFIG``: the whole pipeline on one machine.
 
 Starts a local NATS server with JetStream in the run directory, then one OS process
-per service in the order storage -> trainer -> reference -> rollout/reward, each
-waited on until it logs ``ready``. Shows a progress bar over training steps, and at
+per service, all at once (the others wait for the streams the trainer creates; a
+rollout reads the trainer's port from its presence entry), each waited on until it logs
+``ready``; runs/<run>/startup.jsonl records when each was ready, and the first step, in
+seconds after the launch. Shows a progress bar over training steps, and at
 the end writes the report plot and a summary, stops every process and exits
 non-zero if any service failed.
 
@@ -46,7 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from services.cli.report import read_jsonl, render_html, render_report
+from services.cli.report import read_jsonl, render_html, render_report, time_lines
 from services.cli.runs import record_exit
 from services.common.config import (
     AdminCredentials,
@@ -241,7 +243,9 @@ class Launcher:
         self.children: list[Child] = []
         self.nats: subprocess.Popen | None = None
         self.env: dict[str, str] = {}
+        # component (nats, each service, "first step") -> seconds after the launch it was ready; startup.jsonl
         self.startup: dict[str, float] = {}
+        self.launched = time.perf_counter()
         self.restart_policy = RestartPolicy(cfg.supervision)
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
@@ -262,7 +266,6 @@ class Launcher:
         conf = self.run_dir / "nats.conf"
         authorization = server_authorization(self.cfg.run_id, list(self.nats_keys.values()))
         conf.write_text(embedded_config(port, store, self.cfg.nats.sync_always, authorization))
-        started = time.perf_counter()
         self.nats = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
             stdout=log,
@@ -277,7 +280,6 @@ class Launcher:
                 )
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    self.startup["nats"] = round(time.perf_counter() - started, 3)
                     return f"nats://127.0.0.1:{port}"
             time.sleep(0.05)
         raise RuntimeError("nats-server did not accept connections within 30 s")
@@ -383,7 +385,9 @@ class Launcher:
         write_atomically(self.run_dir / "run.json", json.dumps(info, indent=2).encode())
 
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
-        """One JSON line per component in runs/<run>/startup.jsonl: what it loaded and how long it took."""
+        """One JSON line per component in runs/<run>/startup.jsonl: what it loaded, and when it was ready, in
+        seconds after the launch (the phases of a start-up: every service, then the first step)."""
+        self.startup[name] = round(time.perf_counter() - self.launched, 3)
         row = {
             "component": name,
             "ready_after_s": self.startup[name],
@@ -393,7 +397,6 @@ class Launcher:
             out.write(json.dumps(row) + "\n")
 
     def wait_ready(self, children: list[Child]) -> None:
-        started = time.perf_counter()
         deadline = time.monotonic() + READY_TIMEOUT_S
         waiting = list(children)
         while waiting:
@@ -402,11 +405,11 @@ class Launcher:
                     event = child.events.get()
                     if event["event"] == Event.READY:
                         child.ready = event
-                        self.startup[child.name] = round(time.perf_counter() - started, 3)
-                        console.log(
-                            f"[green]{child.name} ready[/] in {self.startup[child.name]:.1f}s {_startup_fields(event)}"
-                        )
                         self.record_startup(child.name, event)
+                        console.log(
+                            f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
+                            + _startup_fields(event)
+                        )
                         waiting.remove(child)
                         break
                     if event["event"] in (Event.RESUMED, Event.PAUSED):  # a trainer restores its run before it is ready
@@ -426,31 +429,36 @@ class Launcher:
         # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
         self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
         nats_url = self.start_nats()
-        console.log(f"[green]nats ready[/] at {nats_url} in {self.startup['nats']:.1f}s")
+        self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
+        console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume:
             self.forget_pause(nats_url)
-        self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         self.write_admin_token()
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
         inherited = {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
         self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
-        # The trainer first: it creates the run's streams and buckets, which the other roles wait for.
-        # The trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin
-        # port the config names; rollouts and a restarted trainer then use the ports it got.
+        # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
+        # start order works, docs/architecture.md), so their model and engine loads overlap the trainer's. The
+        # trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin port
+        # the config names; restarted services then use the ports it got.
         admin_port = self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set else 0
         ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
         # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
         trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
+        others = [self.spawn("reference", f"reference-{i}") for i in range(self.cfg.reference.replicas)]
+        others += [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
+        others += [
+            self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
+            for i in range(self.cfg.rollout.replicas)
+        ]
         self.wait_ready([trainer])
+        # A restarted rollout or trainer is given the port the trainer got.
         self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
         self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
-        for i in range(self.cfg.reference.replicas):
-            self.wait_ready([self.spawn("reference", f"reference-{i}")])
-        workers = [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
-        workers += [self.spawn("rollout", f"rollout-{i}") for i in range(self.cfg.rollout.replicas)]
-        self.wait_ready(workers)
+        self.wait_ready(others)
         self.write_run_file()
         console.log(
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
@@ -484,6 +492,8 @@ class Launcher:
                         trainer.ready = event
                         self.write_run_file()
                     elif event["event"] == Event.STEP:
+                        if "first step" not in self.startup:
+                            self.record_startup("first step", {"step": event["step"]})
                         info = (
                             f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  "
                             f"kl {event['kl_ref']:.4f}"
@@ -566,8 +576,12 @@ class Launcher:
         return time.monotonic() + delay
 
     def stop_grace_s(self, child: Child) -> float:
-        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first."""
+        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first. A stage
+        not ready yet gets none: it holds no work, and while it waits for the trainer's streams it does not heed
+        SIGTERM (docs/architecture.md), so a start cut short (a trainer that refused) would wait out its grace."""
         supervision = self.cfg.supervision
+        if child.role != "trainer" and child.ready is None:
+            return 0.0
         return supervision.trainer_stop_grace_s if child.role == "trainer" else supervision.stop_grace_s
 
     def stop(self) -> list[str]:
@@ -667,7 +681,9 @@ def summarize(
         completions = sum(r["completions"] for r in steps)
         table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
     table.add_row("wall time", f"{wall_s:.1f}s")
-    table.add_row("start-up (s)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    table.add_row("ready (s after launch)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
+    for quantity, value in time_lines(rows):
+        table.add_row(quantity, value)
     for quantity, value in cost.lines() if cost else ():
         table.add_row(quantity, value)
     return table

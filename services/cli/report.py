@@ -37,6 +37,7 @@ from matplotlib.lines import Line2D
 
 from services.common.observe.events import Event
 from services.common.observe.logs import jsonl_parts
+from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
 
 PANELS = (
@@ -46,8 +47,12 @@ PANELS = (
     ("kl_ref", "KL to reference (k3)", None),
     ("response_length_mean", "response length (tokens)", None),
     ("termination_rate", "termination rate (EOS)", None),
-    ("step_time_s", "step time (s)", None),
+    ("step_time_s", "wall time per step by phase (s); line: learner step", None),
 )
+# The trainer's split of the wall time between two step rows (services/trainer/service.py), stacked in the
+# step-time panel; together they are the step's whole interval, of which step_time_s is the learner's part.
+TIME_SPLIT_KEYS = ("time/wait_s", "time/compute_s", "time/publish_s", "time/eval_s", "time/bookkeeping_s")
+SHARE_PREFIX = "share/"  # share/<role>/<busy|idle|blocked>: each role's fractions since it started
 # The step-row statistics whose recent means the HTML summary lists.
 SUMMARY_METRICS = (
     "reward_mean",
@@ -167,6 +172,8 @@ def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str
             color, style = EVENT_STYLES.get(kind, OTHER_EVENT_STYLE)
             ax.axvline(step, color=color, linestyle=style, lw=1, alpha=0.7)
         xs, ys, spread = curve(rows, key, band)
+        if key == "step_time_s":
+            _stack_time_split(ax, rows)
         if not xs:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             continue
@@ -193,6 +200,43 @@ def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str
     figure.suptitle(title)
     figure.tight_layout()
     return figure
+
+
+def _stack_time_split(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """The step's wall interval, stacked by phase, under the learner's own step-time line."""
+    steps = [row for row in rows if _is_step_row(row) and all(_number(row.get(key)) for key in TIME_SPLIT_KEYS)]
+    if not steps:
+        return
+    xs = [row["step"] for row in steps]
+    labels = [key.removeprefix("time/").removesuffix("_s") for key in TIME_SPLIT_KEYS]
+    ax.stackplot(xs, *[[row[key] for row in steps] for key in TIME_SPLIT_KEYS], labels=labels, alpha=0.5)
+    ax.legend(loc="upper right", fontsize="small")
+
+
+def time_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(quantity, value) rows for the run summary and the report: the mean split of a step's wall interval by
+    phase, and each role's busy/idle/blocked fractions as the last step row carries them."""
+    steps = [row for row in rows if _is_step_row(row)]
+    lines = []
+    split = [row for row in steps if all(_number(row.get(key)) for key in TIME_SPLIT_KEYS)]
+    if split:
+        means = {key: sum(row[key] for row in split) / len(split) for key in TIME_SPLIT_KEYS}
+        wall = max(sum(means.values()), 1e-9)
+        parts = ", ".join(
+            f"{key.removeprefix('time/').removesuffix('_s')} {value:.3f} ({value / wall:.0%})"
+            for key, value in means.items()
+        )
+        lines.append((f"wall s per step {wall:.3f}, by phase (mean of {len(split)} steps)", parts))
+    shares: dict[str, dict[str, float]] = {}
+    for key, value in (steps[-1] if steps else {}).items():
+        if key.startswith(SHARE_PREFIX) and _number(value):
+            role, _, activity = key.removeprefix(SHARE_PREFIX).partition("/")
+            shares.setdefault(role, {})[activity] = value
+    for role in sorted(shares):
+        fractions = shares[role]
+        known = [activity for activity in StageActivity if activity in fractions]
+        lines.append((f"time share: {role}", ", ".join(f"{a} {fractions[a]:.0%}" for a in known)))
+    return lines
 
 
 def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> bytes:
@@ -351,6 +395,9 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
             "<h2>Agents</h2>",
             f"<img alt='multi-turn episodes of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
         ]
+    timing = time_lines(rows)
+    if timing:
+        parts += ["<h2>Where the time goes</h2>", _table(("quantity", "value"), timing)]
     cost = run_cost_lines(run_dir)
     if cost:
         parts += ["<h2>Devices and cost</h2>", _table(("quantity", "value"), cost)]

@@ -10,7 +10,7 @@ import signal
 import sys
 import time
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 import grpc
@@ -89,13 +89,21 @@ class LoopProgress(Protocol):
         ...
 
 
-async def watch_progress(loop: LoopProgress, servers: list[grpc.aio.Server], presence: Presence) -> None:
-    """For ever: the loop's progress into its presence entry, and the gRPC health of ``servers`` NOT_SERVING while
-    the loop is stuck past its bound (SERVING again once it moves), so a liveness probe restarts the service."""
+async def watch_progress(
+    loop: LoopProgress,
+    servers: list[grpc.aio.Server],
+    presence: Presence,
+    time_spent: Callable[[], Mapping[str, float]] | None = None,
+) -> None:
+    """For ever: the loop's progress (and ``time_spent()``, its seconds per busy/idle/blocked) into its presence
+    entry, and the gRPC health of ``servers`` NOT_SERVING while the loop is stuck past its bound (SERVING again
+    once it moves), so a liveness probe restarts the service."""
     health_servicers = [_health_servicers[server] for server in servers]
     stuck = False
     while True:
         presence.update(progress_time=loop.last_progress)
+        if time_spent is not None:
+            presence.update(time_s={str(activity): round(seconds, 3) for activity, seconds in time_spent().items()})
         stalled_s = loop.stalled_for(time.time())
         if (stalled_s > 0) != stuck:
             stuck = not stuck
@@ -118,7 +126,7 @@ async def watch_progress(loop: LoopProgress, servers: list[grpc.aio.Server], pre
 
 async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
     """Run a stage until ``stop``, then close its health server and NATS connection."""
-    watchdog = asyncio.create_task(watch_progress(stage, [server], presence))
+    watchdog = asyncio.create_task(watch_progress(stage, [server], presence, stage.time_share.seconds))
     try:
         await stage.run(stop)
     finally:

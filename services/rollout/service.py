@@ -24,10 +24,12 @@ from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
+from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
+from services.common.transport.presence import await_trainer_port
 from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS
 from services.common.transport.weightsync.auth import WeightSyncToken, channel_credentials
@@ -149,6 +151,13 @@ class PolicyFollower:
         sources.append(("trainer", lambda: self.client.stream(dtype=self.dtype)))
         return sources
 
+    async def catch_up(self, version: int) -> None:
+        """Learn of ``version`` before its announcement arrives: a prompt that asks for it (train.synchronous) was
+        fed after the trainer published it, and may overtake the watch stream's announcement."""
+        if self.newest < version:
+            with contextlib.suppress(grpc.aio.AioRpcError):  # the trainer away: the loaded version, judged by it
+                self.newest = max(self.newest, (await self.client.version()).version)
+
     async def ready(self) -> int:
         """Sync, then the loaded version; raises EngineUnavailable while the engine is torn (a sync broke off
         after loading began), so the stage holds its prompts instead of tagging half-loaded weights."""
@@ -255,7 +264,7 @@ def relay_address_of(cfg: RunConfig, bound: str) -> str:
 
 
 async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
-    started = Stopwatch()
+    started, launched = Stopwatch(), time.time()
     # Every engine call runs on this one thread: vLLM's CPU kernels bind their OpenMP threads to it.
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
     loop = asyncio.get_running_loop()
@@ -263,6 +272,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     engine_s = started()
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
+    if cfg.service.trainer_grpc_port == 0:  # started with the trainer (rlpipe run): its port is in its presence
+        port = await await_trainer_port(bus.js, cfg, since=launched)
+        cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if cfg.rollout.weight_relay else None
     token = WeightSyncCredentials().token
     server, address = await start_grpc_server(
@@ -301,7 +313,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
 
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
         # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
-        await follower.ready()
+        with stage.time_share.during(StageActivity.BLOCKED):  # waiting for weights, not computing
+            await follower.catch_up(max(prompt.min_policy_version for prompt in prompts))
+            await follower.ready()
         await live.refresh()  # sampling temperature, top-p and max new tokens are live
         presence.update(policy_version=follower.loaded)
         if episodes is not None:

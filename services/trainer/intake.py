@@ -426,15 +426,21 @@ class Intake:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
         self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
 
-    async def feed(self, cfg: RunConfig, config_version: int) -> None:
-        limit = cfg.train.max_inflight_batches * cfg.train.batch_size
-        while len(self.ledger.in_flight) < limit:
+    async def feed(self, cfg: RunConfig, config_version: int, accepted: int = 0) -> None:
+        """Top PROMPTS up to the in-flight bound. Synchronous (``train.synchronous``), the bound is one batch
+        counting the ``accepted`` groups of the batch being collected, so nothing is fed for the next step until
+        this one is trained (a group dropped as stale frees its slot for a fresh one), and each prompt asks for
+        the version just published."""
+        synchronous = cfg.train.synchronous
+        limit = cfg.train.batch_size if synchronous else cfg.train.max_inflight_batches * cfg.train.batch_size
+        while len(self.ledger.in_flight) + (accepted if synchronous else 0) < limit:
             cursor = self.feeder.cursor
             prompt = self.feeder.next()
             if self.ledger.known(prompt.group_id):
                 continue  # settled before a restart (dead-lettered, say): feeding it again would apply it twice
             prompt.config_version = config_version
             prompt.incarnation = self.progress.incarnation
+            prompt.min_policy_version = self.progress.version if synchronous else 0
             try:
                 ack = await self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt"))
             except (NatsError, TimeoutError) as error:
@@ -588,7 +594,7 @@ class Intake:
                 self.rewind()
                 return None
             await self.catch_up_dead()
-            await self.feed(cfg, config_version)
+            await self.feed(cfg, config_version, accepted=len(batch))
             msg = await self.reader.next(timeout=1.0)
             await self.write_off_overdue(cfg)
             if msg is None:
@@ -628,7 +634,8 @@ class Intake:
                     log_event(log, Event.REPEAT_DROPPED, group_id=group.group_id, seq=msg.sequence)
                     continue
                 in_batch.add(group.group_id)
-                if self._unusable(group, cfg.train.max_staleness):
+                # Synchronous, only the policy being trained may have generated a group (staleness 0).
+                if self._unusable(group, 0 if cfg.train.synchronous else cfg.train.max_staleness):
                     dropped.append(group.group_id)
                     continue
                 if cfg.train.dynamic_sampling and without_signal(group):

@@ -35,6 +35,7 @@ from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.telemetry import current_telemetry
+from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
@@ -70,6 +71,14 @@ from services.trainer.status import StatusReporter
 from services.trainer.step_store import FencedOut
 
 log = logging.getLogger(__name__)
+# The trainer's phases as the stages' activities: waiting for experience is idle, offering weights is blocked.
+PHASE_ACTIVITY = {
+    StepPhase.WAIT: StageActivity.IDLE,
+    StepPhase.COMPUTE: StageActivity.BUSY,
+    StepPhase.PUBLISH: StageActivity.BLOCKED,
+    StepPhase.EVAL: StageActivity.BUSY,
+    StepPhase.BOOKKEEPING: StageActivity.BUSY,
+}
 HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
 # Without periodic checkpoints nothing else purges EXPERIENCE; a purge costs a store listing and a write.
 PURGE_EVERY_STEPS_UNSAVED = 10
@@ -147,6 +156,10 @@ class Trainer:
         self.health_checked = 0.0
         self.broker_lost: BrokerStateLost | None = None  # found by the check after a reconnect
         self.reported: dict[str, int] = {}  # the ledger's counts as of the last metrics row
+        # Where the time between two step rows goes (time/<phase>_s in each row), and its sum over the run as
+        # busy/idle/blocked in the presence entry, as the stages report theirs.
+        self.step_time = TimeShare(StepPhase.BOOKKEEPING)
+        self.time_spent = dict.fromkeys(StageActivity, 0.0)
 
     async def prepare(self) -> None:
         """Restore the latest checkpoint and any operator hold before the trainer says it is ready:
@@ -247,9 +260,17 @@ class Trainer:
 
     # -- a step ------------------------------------------------------------------------
 
+    def step_time_row(self) -> dict[str, float]:
+        """``time/<phase>_s`` for each phase since the last step row: together the wall time between the two rows."""
+        split = self.step_time.take()
+        for phase, seconds in split.items():
+            self.time_spent[PHASE_ACTIVITY[phase]] += seconds
+        return {f"time/{phase}_s": round(seconds, 4) for phase, seconds in split.items()}
+
     async def train_step(self, collected: Collected) -> None:
         progress = self.progress
-        metrics = await asyncio.to_thread(self.learner.step, collected.batch, progress.version)
+        with self.step_time.during(StepPhase.COMPUTE):
+            metrics = await asyncio.to_thread(self.learner.step, collected.batch, progress.version)
         progress.advance(collected.sequence)
         self.ledger.settle_collected(collected, progress.step)
         self.recovery.track_claims(collected.claim_keys)
@@ -264,7 +285,8 @@ class Trainer:
         self.samples.record(progress.step, collected.batch)
         skipped = self.learner.skipped
         try:
-            await self.recovery.publish()
+            with self.step_time.during(StepPhase.PUBLISH):
+                await self.recovery.publish()
         except NonFiniteWeights as error:
             skipped = str(error)
             metrics["loss"] = math.nan  # the nan_loss rule's action (pause, by default) holds the run
@@ -283,6 +305,7 @@ class Trainer:
             **self.ledger_row(),
             **await self.status.health_row(),
         }
+        row.update(self.step_time_row())  # last: the row's own assembly counts in this step's bookkeeping
         progress.reported(row)
         self.telemetry.record_step(row)
         bind_log_fields(step=progress.step)
@@ -312,7 +335,8 @@ class Trainer:
         if not self.eval_rows:
             return None
         took = Stopwatch()
-        accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, self.cfg.sampling.max_new_tokens)
+        with self.step_time.during(StepPhase.EVAL):
+            accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, self.cfg.sampling.max_new_tokens)
         self.progress.evaluated(accuracy)
         row = {
             "step": self.progress.step,
@@ -333,10 +357,14 @@ class Trainer:
     async def run(self, stop: asyncio.Event) -> None:
         progress, control = self.progress, self.control
         self.heartbeat.beat()  # restoring a checkpoint before (prepare) is start-up, not a stalled loop
+        self.step_time = TimeShare(StepPhase.BOOKKEEPING)  # the first step's interval starts with the loop
         await self.watch_broker()
         self.intake.rewind()
         await self.intake.catch_up_dead()  # groups dead-lettered while no trainer read DEAD are settled first
         if not self.resumed:
+            # The first prompts go out before the baseline evaluation, so the rollouts generate while it runs
+            # instead of after it: the evaluation overlaps the wait for the first batch.
+            await self.intake.feed(self.cfg, self.live.version)
             progress.evaluated(await self.evaluate(), baseline=True)
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
@@ -346,7 +374,8 @@ class Trainer:
             if not control.running:
                 await control.wait_while_held(1.0, on_idle=self.check_health)
                 continue
-            collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
+            with self.step_time.during(StepPhase.WAIT):
+                collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
             if collected is None:
                 continue
             if len(collected.batch) < self.cfg.train.batch_size:
@@ -530,7 +559,9 @@ async def lead_holding(
     trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(
         grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
     )
-    watchdog = asyncio.create_task(watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence))
+    watchdog = asyncio.create_task(
+        watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence, lambda: trainer.time_spent)
+    )
     log_event(
         log,
         Event.READY,

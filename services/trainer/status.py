@@ -22,7 +22,13 @@ from services.common.observe.instruments import DiskWatch, StageMetrics
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2
 from services.common.transport.bus import Bus
-from services.common.transport.presence import RestartCounter, read_presence, roles_down, roles_stalled
+from services.common.transport.presence import (
+    RestartCounter,
+    read_presence,
+    role_time_shares,
+    roles_down,
+    roles_stalled,
+)
 from services.common.transport.stage import stall_bound_s
 from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_name
 from services.trainer.alerts import AlertEvaluator, Firing
@@ -116,6 +122,12 @@ class StatusReporter:
             "roles_stalled": float(len(roles_stalled(services, now, stall_bound_s(cfg.nats)))),
             "role_restarts": float(max(restarts.values(), default=0)),
             "disk_free_saves": round(free_saves, 3),
+            # Each role's busy/idle/blocked fractions since its replicas started, from their presence entries.
+            **{
+                f"share/{role}/{activity}": round(fraction, 4)
+                for role, fractions in role_time_shares(services).items()
+                for activity, fraction in fractions.items()
+            },
         }
 
     async def refresh_checkpoint_size(self) -> None:

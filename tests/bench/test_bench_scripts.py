@@ -7,12 +7,22 @@ import sys
 import time
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from bench.throughput import CpuSampler, Measurement, ratios
+from bench.throughput import (
+    CpuSampler,
+    Measurement,
+    async_sync_pairs,
+    bench_bus,
+    bus_overhead,
+    ratios,
+    where_the_time_went,
+)
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
 from services.common.config import load_config
-from tests.conftest import ROOT
+from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
+from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +92,24 @@ def test_each_variant_is_compared_with_its_baseline_and_the_pipeline_with_its_sl
         m("pipeline", "rlpipe run", "slowest stage alone", 2.5),  # 40/s
     ]
     assert ratios(measurements) == {0: 1.0, 1: 4.0, 2: 1.0, 3: 0.5, 4: pytest.approx(0.8)}
+
+
+@pytest.mark.unit
+def test_the_sync_baseline_is_paired_with_the_async_run_of_its_model_and_the_time_split_is_averaged():
+    def pipeline(variant, seconds):
+        return Measurement("tiny", "pipeline", variant, "slowest stage alone", [seconds], completions=100)
+
+    asynchronous, synchronous = pipeline("rlpipe run", 2.0), pipeline("rlpipe run --sync", 3.0)
+    assert async_sync_pairs([synchronous, asynchronous]) == [(asynchronous, synchronous)]
+    assert async_sync_pairs([synchronous]) == []
+    steady = [
+        {"time/wait_s": 0.1, "time/compute_s": 0.5, "share/rollout/busy": 0.5},
+        {"time/wait_s": 0.3, "time/compute_s": 0.7, "share/rollout/busy": 0.6, "share/rollout/idle": 0.4},
+    ]
+    assert where_the_time_went(steady) == {
+        "step_wall_s_by_phase": {"time/compute_s": 0.6, "time/wait_s": 0.2},
+        "role_time_shares": {"rollout": {"busy": 0.6, "idle": 0.4}},
+    }
 
 
 @pytest.mark.unit
@@ -166,3 +194,23 @@ def test_the_bench_refuses_a_busy_machine_before_it_starts_anything(tmp_path):
     )
     assert done.returncode == 2
     assert "busy (over 0.2s, above --max-busy -100%)" in done.stderr and "or pass --allow-busy" in done.stderr
+
+
+@pytest.mark.unit
+def test_the_bus_overhead_is_taken_against_the_compute_of_one_group():
+    rollout = [Measurement("tiny", "rollout", "vllm", "hf", [0.32], completions=64)]  # 8 groups of 8: 40 ms each
+    learner = [Measurement("tiny", "learner", "whole batch", "whole batch", [0.8], completions=128)]  # 16: 50 ms
+    overhead = bus_overhead({"bus_s_per_group": 0.0045, "group_size": 8}, rollout, learner)
+    assert overhead["compute_s_per_group"] == pytest.approx(0.09)
+    assert overhead["bus_fraction_of_compute"] == pytest.approx(0.05)
+
+
+def test_one_groups_three_hops_are_timed_through_a_real_broker(tiny_model, tmp_path):
+    from tests.common.test_stage import rollout
+
+    model_dir, data_dir = tiny_model
+    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    scored = [advance(rollout(f"g{n}"), ScoredGroup, rewards=np.zeros(2, np.float32)) for n in range(3)]
+    groups = [advance(g, ExperienceGroup, ref_logprobs=[c.logprobs for c in g.completions]) for g in scored]
+    timed = bench_bus(cfg, groups, repeats=2)
+    assert timed["group_size"] == 2 and 0 < timed["bus_s_per_group"] < 5

@@ -266,6 +266,7 @@ def test_each_service_gets_its_own_stop_grace(config, tmp_path):
     # Both take 4 s to stop: the trainer is within its grace, the rollout is not.
     trainer = slow_child("trainer", "trainer", 4, tmp_path / "trainer.log")
     rollout = slow_child("rollout-0", "rollout", 4, tmp_path / "rollout.log")
+    rollout.ready = trainer.ready = {"event": "ready"}
     launcher.children = [trainer, rollout]
 
     started = time.monotonic()
@@ -275,6 +276,19 @@ def test_each_service_gets_its_own_stop_grace(config, tmp_path):
     assert rollout.process.returncode == -9, "the rollout outlived its grace and should have been killed"
     assert failed == ["rollout-0"]
     assert 3.5 < time.monotonic() - started < 20
+
+
+@pytest.mark.integration
+def test_a_stage_still_starting_is_killed_at_once_on_stop_as_it_holds_no_work(config, tmp_path):
+    cfg = load_config(config, supervision={"stop_grace_s": 20})
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    reward = slow_child("reward-0", "reward", 30, tmp_path / "reward.log")  # never logged ready
+    launcher.children = [reward]
+    started = time.monotonic()
+    assert launcher.stop() == ["reward-0"]
+    assert reward.process.returncode == -signal.SIGKILL
+    assert time.monotonic() - started < 10  # not its 20 s grace
 
 
 @pytest.mark.integration

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report
+from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report, time_lines
 
 pytestmark = pytest.mark.unit
 
@@ -254,3 +254,30 @@ def test_a_run_with_episodes_gets_an_agents_panel_and_its_summary_lists_the_agen
 
 def test_a_run_without_episodes_has_no_agents_panel(tmp_path):
     assert "<h2>Agents</h2>" not in render_html(make_run(tmp_path)).read_text()
+
+
+def test_the_report_shows_the_mean_split_of_a_steps_wall_time_and_each_roles_time_share(tmp_path):
+    split = {"time/wait_s": 0.2, "time/compute_s": 0.5, "time/publish_s": 0.05, "time/eval_s": 0.0}
+    rows = [
+        {"time": T0 + step, "step": step, "reward_mean": 0.1, **split, "time/bookkeeping_s": 0.05 * step}
+        for step in (1, 3)
+    ]
+    rows[-1] |= {"share/rollout/busy": 0.7, "share/rollout/idle": 0.2, "share/rollout/blocked": 0.1}
+    rows[-1] |= {"share/trainer/busy": 0.6, "share/trainer/idle": 0.35, "share/trainer/blocked": 0.05}
+    assert time_lines(rows) == [
+        (
+            "wall s per step 0.850, by phase (mean of 2 steps)",
+            "wait 0.200 (24%), compute 0.500 (59%), publish 0.050 (6%), eval 0.000 (0%), bookkeeping 0.100 (12%)",
+        ),
+        ("time share: rollout", "busy 70%, idle 20%, blocked 10%"),
+        ("time share: trainer", "busy 60%, idle 35%, blocked 5%"),
+    ]
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    write_jsonl(run_dir / "metrics.jsonl", rows)
+    section = render_html(run_dir).read_text().split("<h2>Where the time goes</h2>")[1].split("<h2>")[0]
+    assert "<td>time share: rollout</td><td>busy 70%, idle 20%, blocked 10%</td>" in section
+
+
+def test_a_run_without_the_time_split_has_no_time_lines():
+    assert time_lines(synthetic_metrics()) == []

@@ -1,12 +1,23 @@
 """Service presence in a real JetStream key-value bucket."""
 
 import asyncio
+import json
+import time
 
 import nats
 import pytest
 
 from services.common.config import load_config
-from services.common.transport.presence import Presence, read_presence, roles_down
+from services.common.service import watch_progress
+from services.common.transport.presence import (
+    HEARTBEAT_S,
+    Presence,
+    await_trainer_port,
+    open_bucket,
+    read_presence,
+    role_time_shares,
+    roles_down,
+)
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -46,6 +57,77 @@ def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, 
         assert roles_down(entries) == ["reference"] and roles_down(entries, count_unseen=False) == []
         for replica in (*replicas, again):
             await replica.stop()
+        await nc.close()
+
+    asyncio.run(scenario())
+
+
+class MovingLoop:
+    """A loop that always just moved, for the watchdog."""
+
+    last_progress = time.time()
+
+    def stalled_for(self, now: float) -> float:
+        return 0.0
+
+
+def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_fractions(tiny_model, tmp_path, nats_url):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="shares", nats={"url": nats_url}
+        )
+    )
+    spent = {
+        "reward-0": {"busy": 3.0, "idle": 1.0, "blocked": 0.0},
+        "reward-1": {"busy": 1.0, "idle": 2.0, "blocked": 1.0},
+    }
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await read_presence(js, cfg)  # creates the bucket
+        replicas, watchdogs = [], []
+        for name, seconds in spent.items():
+            named = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": name})})
+            presence = await Presence(js, named, "reward").start()
+            replicas.append(presence)
+            watchdogs.append(asyncio.create_task(watch_progress(MovingLoop(), [], presence, lambda s=seconds: s)))
+        await asyncio.sleep(HEARTBEAT_S + 1)  # the next beat carries what the watchdog put in the entry
+        entries = await read_presence(js, cfg)
+        assert {e["instance"]: e["time_s"] for e in entries} == spent
+        assert role_time_shares(entries) == {"reward": {"busy": 0.5, "idle": 0.375, "blocked": 0.125}}
+        for task in watchdogs:
+            task.cancel()
+        for replica in replicas:
+            await replica.stop()
+        await nc.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_started_never_an_older_one(
+    tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="port", nats={"url": nats_url})
+    )
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        since = time.time()
+        waiting = asyncio.create_task(await_trainer_port(js, cfg, since))
+        await asyncio.sleep(1.0)  # no bucket yet: it waits for the trainer to create it
+        kv = await open_bucket(js, cfg)
+        dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
+        await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start
+        await asyncio.sleep(1.5)
+        assert not waiting.done()
+        trainer = await Presence(js, cfg, "trainer").start(grpc="127.0.0.1:4567")
+        assert await asyncio.wait_for(waiting, 10) == 4567
+        await trainer.stop()
         await nc.close()
 
     asyncio.run(scenario())

@@ -23,6 +23,7 @@ from services.common.transport.messages import (
     advance,
     encode,
 )
+from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
@@ -580,3 +581,43 @@ def test_a_group_of_one_completion_is_never_filtered_and_unequal_rewards_are_kep
     assert without_signal(rewarded("g", [0.5, 0.5]))
     assert not without_signal(rewarded("g", [0.5]))
     assert not without_signal(rewarded("g", [0.5, 0.25]))
+
+
+def test_synchronous_feeding_holds_one_batch_asks_for_the_current_version_and_refills_only_a_dropped_slot(
+    tiny_model, tmp_path, nats_url
+):
+    cfg, rows = config(tiny_model, tmp_path, nats_url, synchronous=True)
+
+    async def prompts_fed(bus: Bus) -> list[Prompt]:
+        reader = StreamReader(bus, PROMPTS, 1)
+        count = (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages
+        return [await bus.decode(await reader.next(5), Prompt) for _ in range(count)]
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        intake = intake_of(bus, rows, ledger, Progress(step=3, version=3))
+        await intake.feed(cfg, config_version=0)
+        first, second = sorted(ledger.in_flight)
+        fed = await prompts_fed(bus)
+        assert len(fed) == cfg.train.batch_size  # one batch, not max_inflight_batches of them
+        assert [p.min_policy_version for p in fed] == [3, 3]  # made by the weights step 3 published
+
+        # One group comes back made by version 2 (a rollout that had not synced): dropped, its slot fed again.
+        await bus.publish(EXPERIENCE, experience(first, 3), msg_id="s-0")
+        await bus.publish(EXPERIENCE, experience(second, 2), msg_id="s-1")
+        collecting = asyncio.create_task(intake.collect(cfg, 0, never, asyncio.Event()))
+        for _ in range(100):
+            if len(await prompts_fed(bus)) == 3:
+                break
+            await asyncio.sleep(0.1)
+        [refill] = [p for p in await prompts_fed(bus) if p.group_id not in (first, second)]
+        assert refill.min_policy_version == 3
+        await bus.publish(EXPERIENCE, experience(refill.group_id, 3), msg_id="s-2")
+        collected = await asyncio.wait_for(collecting, 30)
+        assert collected.dropped == [second]
+        assert [g.group_id for g in collected.batch] == [first, refill.group_id]
+        assert len(await prompts_fed(bus)) == 3  # nothing fed for the next step while this one is collected
+        await bus.close()
+
+    asyncio.run(scenario())

@@ -8,12 +8,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 
 import pytest
 import torch
 
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
+from services.common.observe.timeshare import StepPhase, TimeShare
 from services.trainer.control import RunState
 from services.trainer.intake import Collected
 from tests.conftest import write_config
@@ -85,6 +87,33 @@ def test_nan_weights_are_neither_served_to_rollouts_nor_saved(cfg, tiny_model):
             await trainer.save(wait=True)
             assert trainer.checkpoints.steps() == []
             assert trainer.progress.saved_step == 0
+        finally:
+            trainer.responder.metrics.close()
+            await trainer.bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_step_rows_time_split_covers_the_whole_interval_since_the_previous_row(cfg, tiny_model):
+    groups = experience(cfg, load_jsonl(tiny_model[1] / "train.jsonl")[:4])
+
+    async def scenario() -> None:
+        trainer = await start_trainer(cfg)
+        try:
+            trainer.step_time = TimeShare(StepPhase.BOOKKEEPING)
+            started = time.monotonic()
+            await trainer.train_step(Collected(batch=groups, dropped=[], sequence=4))
+            wall = time.monotonic() - started
+            row = trainer.progress.last_row
+            split = {phase: row[f"time/{phase}_s"] for phase in StepPhase}
+            assert sum(split.values()) == pytest.approx(wall, abs=0.01)  # every second of the interval, once
+            assert split[StepPhase.WAIT] == 0.0 and split[StepPhase.EVAL] == 0.0  # no collect, no evaluation here
+            assert split[StepPhase.COMPUTE] >= row["step_time_s"]  # the learner's own step is inside compute
+            assert split[StepPhase.PUBLISH] > 0.0
+            [written] = [json.loads(line) for line in cfg.metrics_file.read_text().splitlines() if '"loss"' in line]
+            assert {key: written[key] for key in row if key.startswith("time/")} == {
+                key: value for key, value in row.items() if key.startswith("time/")
+            }
         finally:
             trainer.responder.metrics.close()
             await trainer.bus.close()

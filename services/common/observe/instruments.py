@@ -23,6 +23,9 @@ stages (rollout, reward, reference)
                                                           2 * nats.max_work_s (transport/stage.py), else 0
   rlpipe_service_starts{role}                             gauge, starts of this replica's name (presence)
   rlpipe_stage_breaker_state{role,edge}                   gauge, dependency breaker: 0 closed, 1 half-open, 2 open
+  rlpipe_stage_time_seconds_total{role,edge,activity}     counter, the loop's wall time by activity: busy | idle |
+                                                          blocked (observe/timeshare.py); rate() of each over the
+                                                          sum of the three is its fraction
 reward with a remote service (``reward.http``, services/reward/remote.py)
   rlpipe_reward_http_latency_seconds{outcome}             histogram, one request to the remote reward service
   rlpipe_reward_http_errors_total{kind}                   failed requests, by kind
@@ -107,6 +110,12 @@ TRAINER_STEP_KEYS = (
     "grad_norm",
     "learning_rate",
     "step_time_s",
+    # Where the wall time since the previous step row went (together that whole interval): trainer/service.py.
+    "time/wait_s",
+    "time/compute_s",
+    "time/publish_s",
+    "time/eval_s",
+    "time/bookkeeping_s",
     "tokens_per_s",
     "staleness_mean",
     "staleness_max",
@@ -179,6 +188,13 @@ class _Instruments:
         self.starts = m.create_gauge(
             "rlpipe_service_starts", description="starts of this replica's instance name, restarts included"
         )
+        self.stage_time = m.create_observable_counter(
+            "rlpipe_stage_time",
+            callbacks=[_observe_stage_time],
+            unit="s",
+            description="the stage loop's wall time by activity: busy (computing), idle (waiting for input), "
+            "blocked (publishing, waiting for weights or a dependency)",
+        )
 
 
 @functools.cache
@@ -207,6 +223,18 @@ def _observe_stalled(options: CallbackOptions) -> Iterable[Observation]:
     ]
 
 
+# (role, edge) -> seconds per activity so far (Stage.time_share.seconds), read at each scrape.
+_stage_times: dict[tuple[str, str], Callable[[], Mapping[str, float]]] = {}
+
+
+def _observe_stage_time(options: CallbackOptions) -> Iterable[Observation]:
+    return [
+        Observation(seconds, {"role": role, "edge": edge, "activity": str(activity)})
+        for (role, edge), spent in list(_stage_times.items())
+        for activity, seconds in spent().items()
+    ]
+
+
 class StageMetrics:
     """What one stage (``role`` consuming ``edge``) records."""
 
@@ -221,6 +249,10 @@ class StageMetrics:
     def watch_progress(self, stalled_for: Callable[[float], float]) -> None:
         """Export ``rlpipe_stage_stalled`` from ``stalled_for(now)``, asked at each scrape."""
         _stall_clocks[self.key] = stalled_for
+
+    def watch_time(self, spent: Callable[[], Mapping[str, float]]) -> None:
+        """Export ``rlpipe_stage_time_seconds_total{activity}`` from ``spent()``, asked at each scrape."""
+        _stage_times[self.key] = spent
 
     def breaker(self, state: int) -> None:
         self.instruments.breaker.set(int(state), self.attributes)

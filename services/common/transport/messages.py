@@ -74,6 +74,9 @@ class Prompt(Message):
     config_version: int = 0
     # The trainer incarnation that fed it (see dedupe_id); empty in messages from before incarnations.
     incarnation: str = ""
+    # The rollout generates it with this policy version or a newer one (train.synchronous: the version the
+    # trainer has just published); 0 for whatever version the rollout holds.
+    min_policy_version: int = Field(0, ge=0)
 
 
 class Episode(BaseModel):

@@ -136,6 +136,19 @@ async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
     return sorted(entries, key=lambda e: (e["role"], e["instance"]))
 
 
+async def await_trainer_port(js: Any, cfg: RunConfig, since: float) -> int:
+    """The weight-sync port the live trainer's presence entry names, waited for: ``rlpipe run`` starts the
+    rollouts with the trainer, before it has bound the port the OS gives it (``service.trainer_grpc_port: 0``).
+    Only an entry written at or after ``since`` (wall time) counts, so the entry of a trainer that died before
+    this start is never taken; a live trainer rewrites its entry every ``HEARTBEAT_S``."""
+    await open_bucket(js, cfg, create=False)  # waits for the trainer to create the bucket
+    while True:
+        for entry in await read_presence(js, cfg):
+            if entry["role"] == "trainer" and entry.get("grpc") and entry["time"] >= since:
+                return int(entry["grpc"].rpartition(":")[2])
+        await asyncio.sleep(0.5)
+
+
 def roles_down(entries: list[dict[str, Any]], count_unseen: bool = True) -> list[str]:
     """Pipeline roles with no live replica; ``count_unseen=False`` leaves out roles no replica of
     which has registered yet (still starting: images to pull, engines to load)."""
@@ -155,6 +168,21 @@ def roles_stalled(entries: list[dict[str, Any]], now: float, bound_s: float) -> 
         if times and now - max(times) > bound_s:
             stalled.append(role)
     return stalled
+
+
+def role_time_shares(entries: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """role -> activity (busy, idle, blocked) -> its fraction of the role's time, summed over the role's replicas
+    (each entry's ``time_s``, the seconds its loop spent in each since it started); roles without any left out."""
+    spent: dict[str, dict[str, float]] = {}
+    for entry in entries:
+        for activity, seconds in (entry.get("time_s") or {}).items():
+            role = spent.setdefault(entry["role"], {})
+            role[activity] = role.get(activity, 0.0) + seconds
+    return {
+        role: {activity: seconds / total for activity, seconds in by_activity.items()}
+        for role, by_activity in spent.items()
+        if (total := sum(by_activity.values())) > 0
+    }
 
 
 class RestartCounter:

@@ -31,6 +31,12 @@ with reason ``timeout``. ``Stage.last_progress`` is the wall time the loop last 
 fetch returned, a message settled, a dependency retried): a loop stuck past
 ``stall_bound_s`` is reported NOT_SERVING by the service's health (services/common/service.py)
 and as stalled in its presence entry.
+
+Where the time goes. ``Stage.time_share`` counts the loop's wall time as idle (fetching: waiting for input),
+busy (decoding, computing, settling) or blocked (publishing downstream, waiting out a dependency's outage, or,
+in the rollout, pulling new weights); the three sum to the time since the loop started. They are exported as
+``rlpipe_stage_time_seconds{activity}`` and written into the replica's presence entry, from which the trainer
+puts each role's fractions into its metrics rows (``share/<role>/<activity>``).
 """
 
 from __future__ import annotations
@@ -56,6 +62,7 @@ from services.common.observe.events import Event
 from services.common.observe.instruments import StageMetrics
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import start_span_from_headers
+from services.common.observe.timeshare import StageActivity, TimeShare
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
 from services.common.transport.bus import Bus
 from services.common.transport.messages import DecodeError, Message, dedupe_id
@@ -154,6 +161,7 @@ class Stage(Generic[In, Out]):
     _alerted: bool = field(init=False, default=False)  # the current outage has raised its alert
     _last_error: str = field(init=False, default="")
     last_progress: float = field(init=False, default_factory=time.time)  # wall time; see the module docstring
+    time_share: TimeShare[StageActivity] = field(init=False)  # see "Where the time goes" in the module docstring
 
     def stalled_for(self, now: float) -> float:
         """Seconds the loop has gone without progress beyond ``stall_bound_s`` (0 while it is moving)."""
@@ -165,11 +173,14 @@ class Stage(Generic[In, Out]):
         self.metrics.watch_progress(self.stalled_for)
         self.breaker = CircuitBreaker()
         self.metrics.breaker(BreakerState.CLOSED)
+        self.time_share = TimeShare(StageActivity.IDLE)
+        self.metrics.watch_time(self.time_share.seconds)
 
     async def run(self, stop: asyncio.Event) -> None:
         nats_cfg = self.bus.cfg.nats
         queue = None
         while not stop.is_set():
+            self.time_share.enter(StageActivity.IDLE)
             try:
                 # (Re)created after a broker outage: nats-py does not always revive a pull subscription.
                 queue = queue or await self.bus.work_queue(self.consumes)
@@ -180,11 +191,13 @@ class Stage(Generic[In, Out]):
             except NatsError as error:
                 log_event(log, Event.BUS_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
                 queue = None
-                await asyncio.sleep(1.0)
+                with self.time_share.during(StageActivity.BLOCKED):
+                    await asyncio.sleep(1.0)
                 continue
             self.last_progress = time.time()
             if not msgs:  # fetch can also come back empty-handed
                 continue
+            self.time_share.enter(StageActivity.BUSY)
             # The newest message says how many still wait behind it. A fetch that finds nothing leaves the
             # value as it was: either the queue drained (its last message said 0) or the consumer is at
             # max_ack_pending, when the old value is the better guess.
@@ -238,7 +251,8 @@ class Stage(Generic[In, Out]):
         while True:
             # Waits in short slices: the alert is due once the outage passes its bound, not at the next try.
             while (wait := self.breaker.retry_in()) > 0 and not stop.is_set():
-                await _sleep_unless(stop, min(wait, 1.0))
+                with self.time_share.during(StageActivity.BLOCKED):
+                    await _sleep_unless(stop, min(wait, 1.0))
                 self._maybe_alert(step)
             self.metrics.breaker(self.breaker.state)
             self.last_progress = time.time()  # waiting out an outage is the loop at work, not stuck
@@ -312,7 +326,8 @@ class Stage(Generic[In, Out]):
 
     async def _publish(self, output: Out) -> api.PubAck:
         try:
-            return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
+            with self.time_share.during(StageActivity.BLOCKED):
+                return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
         except (NatsError, TimeoutError) as error:
             # The broker, not the message: retried with the output in hand, so the compute is not repeated.
             raise DependencyUnavailable(f"publish to {self.produces} failed: {error!r}") from error

@@ -1,0 +1,88 @@
+"""A real stage's loop against a real broker: where its wall time goes (busy, idle, blocked)."""
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from services.common.config import load_config
+from services.common.observe.timeshare import StageActivity
+from services.common.transport.bus import Bus
+from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.stage import Stage
+from services.common.transport.streams import ROLLOUTS, SCORED
+from tests.conftest import create_run_state, write_config
+
+pytestmark = pytest.mark.integration
+
+COMPUTE_S = 0.4
+
+
+def rollout(group_id: str) -> RolloutGroup:
+    completion = Completion(
+        text="2",
+        token_ids=np.arange(3, dtype=np.int32),
+        logprobs=np.full(3, -0.5, np.float32),
+        finish_reason="stop",
+    )
+    return advance(
+        Prompt(group_id=group_id, prompt_id="p", prompt="1+1=", answer="2"),
+        RolloutGroup,
+        prompt_ids=np.array([1, 2], np.int32),
+        policy_version=0,
+        completions=[completion] * 2,
+    )
+
+
+def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fractions_sum_to_one(
+    tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id="timeshare",
+            nats={"url": nats_url, "fetch_timeout_s": 0.2},
+        )
+    )
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            await asyncio.sleep(COMPUTE_S)
+            return [advance(g, ScoredGroup, rewards=np.zeros(len(g.completions), np.float32)) for g in groups]
+
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
+        started = time.monotonic()
+        stop = asyncio.Event()
+        loop = asyncio.create_task(stage.run(stop))
+        await asyncio.sleep(1.5)  # nothing to do: every second of it is spent waiting for input
+        quiet = stage.time_share.seconds()
+        assert quiet[StageActivity.BUSY] == 0.0 and quiet[StageActivity.BLOCKED] == 0.0
+        assert stage.time_share.fractions()[StageActivity.IDLE] == 1.0
+
+        for name in ("a", "b"):
+            await bus.publish(ROLLOUTS, rollout(name), msg_id=f"{name}.rollout")
+        for _ in range(100):
+            if stage.handled == 2:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await loop
+        wall = time.monotonic() - started
+        spent = stage.time_share.seconds()
+        assert stage.handled == 2
+        assert spent[StageActivity.BUSY] >= 2 * COMPUTE_S  # each compute is busy time, never idle
+        assert spent[StageActivity.BLOCKED] > 0  # each publish waited for the broker's ack
+        assert sum(spent.values()) == pytest.approx(wall, abs=0.05)  # no second of the loop unaccounted for
+        assert sum(stage.time_share.fractions().values()) == pytest.approx(1.0)
+        assert spent[StageActivity.IDLE] > spent[StageActivity.BUSY]  # mostly waiting: idle dominates
+        await bus.close()
+
+    asyncio.run(scenario())
