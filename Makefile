@@ -53,13 +53,11 @@ config-reference: $(STAMP)
 
 # Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, the
 # fast ones first so a broken unit fails in a minute: unit (in-process), integration (real brokers, stores, gRPC,
-# vLLM, processes), e2e (whole runs). The integration tier runs on TEST_WORKERS pytest-xdist workers, a file per
-# worker at a time (tests in one file share their fixtures): most of its time is spent waiting on processes,
-# brokers and stores rather than on the cores. The e2e tier runs on E2E_WORKERS (1): each test is a whole run of
-# five processes with timing bounds (stop grace, lease TTL, outage windows), and two at once on this 2-core
-# machine failed some of them under load (docs/testing.md has the measurements).
+# vLLM, processes), e2e (whole runs). The integration and e2e tiers run on pytest-xdist workers, a file per worker at
+# a time (tests in one file share their fixtures): most of their time is spent waiting on processes, brokers, stores
+# and start-up rather than on the cores (docs/testing.md has the measurements).
 TEST_WORKERS ?= 2
-E2E_WORKERS ?= 1
+E2E_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
