@@ -434,7 +434,7 @@ def test_kl_value_entropy_whiten_match_reference(seed):
 
 
 def test_gae_and_reinforce_pp_step_over_an_observation_span_as_if_it_were_not_there():
-    """The convention docs/agents-masks.md states: the last model token before an observation bootstraps from the
+    """The convention docs/agents.md states: the last model token before an observation bootstraps from the
     first model token after it, discounted once, not once per observation token."""
     rewards = torch.tensor([[0.0, 0.0, 7.0, 7.0, 0.0, 1.0]], dtype=F64)
     values = torch.tensor([[0.5, 0.6, 9.0, 9.0, 0.7, 0.8]], dtype=F64)
