@@ -69,8 +69,9 @@ def _unit_tests_stay_in_process(request: pytest.FixtureRequest, monkeypatch: pyt
     monkeypatch.setattr(socket.socket, "connect", refuse("opened a network connection"))
     monkeypatch.setattr(socket.socket, "connect_ex", refuse("opened a network connection"))
     monkeypatch.setattr(socket.socket, "listen", refuse("listened on a socket"))
-    # subprocess and multiprocessing both start children through fork_exec.
+    # subprocess and multiprocessing both start children through fork_exec (subprocess under a name of its own).
     monkeypatch.setattr(_posixsubprocess, "fork_exec", refuse("started a process"))
+    monkeypatch.setattr(subprocess, "_fork_exec", refuse("started a process"))  # subprocess's own name for it
     monkeypatch.setattr(os, "fork", refuse("forked a process"))
     monkeypatch.setattr(os, "posix_spawn", refuse("started a process"))
 

@@ -78,6 +78,7 @@ def test_start_order_waits_on_health(compose):
         assert depends(compose, stage) == after_trainer, stage
 
 
+@pytest.mark.integration
 def test_the_root_compose_file_includes_the_deployment_and_defaults_to_the_cpu_profile():
     root = load_yaml(ROOT / "compose.yaml")
     errors = list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(root))

@@ -74,15 +74,18 @@ def test_a_turn_without_a_call_ends_the_episode():
     assert Calculator().step(turn("The answer is 42.")) == StepResult(done=True)
 
 
+@pytest.mark.integration
 def test_the_python_tool_runs_code_in_a_child_and_shows_its_output():
     assert PythonTool().step(turn("<python>print(sum(range(10)))</python>")).observation == "<result>45</result>"
 
 
+@pytest.mark.integration
 def test_the_python_tool_stops_code_that_takes_too_much_memory():
     result = PythonTool().step(turn("<python>x = bytearray(2 << 30)</python>"))
     assert (result.tool_error, result.observation) == (True, "<result>error: MemoryError</result>")
 
 
+@pytest.mark.integration
 def test_the_python_tool_stops_code_that_runs_too_long():
     result = PythonTool().step(turn("<python>while True: pass</python>"))
     assert (result.tool_error, result.observation) == (True, "<result>error: the code ran past 5s</result>")
