@@ -8,16 +8,21 @@ one stops it with the field's dotted name and what is allowed. Every field, its
 unit, default and bounds: docs/configuration.md, generated from these models by
 ``python -m services.common.config.reference``.
 
-One module per concern: ``base`` (the section base and error type), ``sections``
-(the section models and ``RunConfig``), ``alerts`` (alert rules and their defaults),
-``loading`` (YAML, environment and dotted overrides), ``live`` (what a running
-service may change), ``redaction`` (what operators and files may see) and
-``reference`` (the generated reference). Import from this package; the modules
-are its layout, not its interface.
+One module per concern: ``base`` (the section base and error type); the section
+models by what they configure: ``model`` (model, LoRA, data), ``generation``
+(sampling, rollout and its environments), ``scoring`` (reward, reference),
+``training`` (train, KL, clipping, TIS, critic, trainer), ``transport``
+(checkpoint storage, NATS, weight sync), ``operations`` (service, admin,
+telemetry, cost, supervision); ``sections`` (``RunConfig``, the credentials and
+build info), ``alerts`` (alert rules and their defaults), ``loading`` (YAML,
+environment and dotted overrides), ``live`` (what a running service may change),
+``redaction`` (what operators and files may see) and ``reference`` (the generated
+reference). Import from this package; the modules are its layout, not its interface.
 """
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, ConfigError, Section
+from services.common.config.generation import RolloutConfig, SamplingConfig
 from services.common.config.live import (
     DEPLOY_TIME_FIELDS,
     LIVE_FIELDS,
@@ -32,40 +37,32 @@ from services.common.config.loading import (
     parse_overrides,
     parse_value,
 )
-from services.common.config.redaction import REDACTED, SECRET_FIELDS, redact, redacted_dump
-from services.common.config.sections import (
+from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig
+from services.common.config.operations import (
     AdminConfig,
-    AdminCredentials,
-    BuildInfo,
-    CheckpointConfig,
-    ClipConfig,
     CostConfig,
-    CriticConfig,
-    DataColumns,
-    DataConfig,
-    DeploymentEnvironment,
-    KLConfig,
-    LoraConfig,
-    ModelConfig,
-    NatsConfig,
+    ServiceConfig,
+    SupervisionConfig,
+    TelemetryConfig,
+)
+from services.common.config.redaction import REDACTED, SECRET_FIELDS, redact, redacted_dump
+from services.common.config.scoring import (
     OverlongPenaltyConfig,
     ReferenceConfig,
     RewardConfig,
     RewardHttpConfig,
     RewardModelConfig,
-    RolloutConfig,
+)
+from services.common.config.sections import (
+    AdminCredentials,
+    BuildInfo,
+    DeploymentEnvironment,
     RunConfig,
     S3Credentials,
-    SamplingConfig,
-    ServiceConfig,
-    SupervisionConfig,
-    TelemetryConfig,
-    TISConfig,
-    TrainConfig,
-    TrainerConfig,
-    WeightSyncConfig,
     WeightSyncCredentials,
 )
+from services.common.config.training import ClipConfig, CriticConfig, KLConfig, TISConfig, TrainConfig, TrainerConfig
+from services.common.config.transport import CheckpointConfig, NatsConfig, WeightSyncConfig
 
 __all__ = [
     "DEPLOY_TIME_FIELDS",

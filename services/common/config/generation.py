@@ -1,0 +1,134 @@
+"""The generation sections: how completions are sampled, and the rollout role, its engine and its environments."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from services.common import registry
+from services.common.config.base import Section
+
+
+class SamplingConfig(Section):
+    group_size: int = Field(8, ge=1, description="completions per prompt (n)")
+    temperature: float = Field(
+        1.0,
+        gt=0,
+        description="softmax temperature of the rollout's sampling (unitless; 1 = the policy's own distribution)",
+    )
+    top_p: float = Field(
+        1.0,
+        gt=0,
+        le=1,
+        description="nucleus sampling (Holtzman et al. 2020, arXiv:1904.09751): sample from the smallest set of tokens "
+        "whose probability sums to top_p (a probability; 1 = every token)",
+    )
+    max_new_tokens: int = Field(
+        8, ge=1, description="most tokens one completion may generate (tokens); longer ones are truncated"
+    )
+
+
+class RolloutConfig(Section):
+    backend: Literal["vllm", "hf"] = Field(
+        "vllm",
+        description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
+    )
+    replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
+    lora: Literal["auto", "adapter", "merge"] = Field(
+        "auto",
+        description="with model.lora, how the rollout serves each synced adapter: adapter = vLLM hot-loads it as a "
+        "LoRA adapter over the untouched base; merge = it is merged into the base weights (W + alpha/r * B @ A, from a "
+        "kept copy of the base); auto = adapter where the vLLM engine can serve LoRA, else merge (the hf backend "
+        "always merges). The rollout's ready event names the one in force",
+    )
+    prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
+    kv_cache_mib: int | None = Field(
+        256,
+        ge=16,
+        description="vLLM KV-cache memory; null = what gpu_memory_utilization leaves after weights and activations "
+        "(on a GPU; vLLM's CPU backend reads it as a share of host memory)",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="dtype the rollout serves and pulls weights in; auto = model.dtype, the trainer's"
+    )
+    weight_buffer_mib: int = Field(
+        64, ge=1, description="tensors received but not yet loaded during a weight sync (plus one larger tensor)"
+    )
+    weight_relay: bool = Field(
+        True,
+        description="join the trainer's relay tree: pull each version from a peer or the trainer as told, and serve "
+        "it to peers (a relaying replica holds one host copy of the model in the wire dtype)",
+    )
+    relay_host: str = Field(
+        "", description="host peers reach this replica's gRPC port at (the pod IP in k8s); empty = service.host"
+    )
+    relay_fanout: int = Field(
+        2, ge=0, description="replicas the trainer, and each relaying replica, send a version to; 0 = all from trainer"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of each GPU's memory vLLM may take for weights, activations and KV cache (vLLM's own "
+        "default); lower it when the trainer or reference shares the GPU",
+    )
+    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
+    environment: str = Field(
+        "",
+        description="multi-turn episodes (docs/agents.md): a built-in environment (calculator, python) or a "
+        "'module:Class' plugin; empty = single-turn completions",
+    )
+    environment_url: str = Field(
+        "",
+        pattern=r"^(https?://\S+)?$",
+        description="an environment served over HTTP (docs/agents.md) instead of rollout.environment; empty = none",
+    )
+    environment_timeout_s: float = Field(
+        10.0, gt=0, description="seconds one reset or step of the environment may take; past it the episode ends"
+    )
+    environment_retries: int = Field(
+        2, ge=0, description="retries of a failed HTTP environment request before the episode ends as env_error"
+    )
+    max_turns: int = Field(4, ge=1, description="model turns in one episode (turns)")
+    max_tokens_per_turn: int = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")
+    max_total_tokens: int = Field(
+        512, ge=1, description="tokens after the prompt in one episode, model turns and observations together (tokens)"
+    )
+    max_observation_tokens: int = Field(
+        256, ge=1, description="tokens one observation may have; a longer one ends the episode as truncated (tokens)"
+    )
+    turn_stop: list[str] = Field(
+        default_factory=list,
+        description="strings that end a model turn and hand it to the environment, such as a tool call's closing "
+        "tag '</calc>'; the model's end-of-sequence token always ends the episode",
+    )
+
+    @field_validator("environment")
+    @classmethod
+    def _environment_known(cls, environment: str) -> str:
+        if ":" in environment:  # a plugin: imported now, so a typo stops the start rather than the first episode
+            registry.import_function(environment)
+        elif environment and environment not in registry.ENVIRONMENTS:
+            raise ValueError(
+                f"environment {environment!r} is not one of {list(registry.ENVIRONMENTS)} nor a 'module:Class'"
+            )
+        return environment
+
+    @model_validator(mode="after")
+    def _episode_budgets_fit(self) -> RolloutConfig:
+        if self.environment and self.environment_url:
+            raise ValueError("set rollout.environment or rollout.environment_url, not both")
+        if self.max_tokens_per_turn > self.max_total_tokens:
+            raise ValueError(
+                f"rollout.max_tokens_per_turn={self.max_tokens_per_turn} must be at most "
+                f"rollout.max_total_tokens={self.max_total_tokens}"
+            )
+        if any(not stop for stop in self.turn_stop):
+            raise ValueError("rollout.turn_stop may not hold an empty string: it would end every turn at once")
+        return self
+
+    @property
+    def multi_turn(self) -> bool:
+        """Episodes with an environment rather than one completion per sample."""
+        return bool(self.environment or self.environment_url)

@@ -1,0 +1,160 @@
+"""The operations sections: ports, hosts and logs, the admin API, telemetry and trackers, cost, and supervision."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from services.common.config.base import Section
+
+
+class ServiceConfig(Section):
+    host: str = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
+    instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
+    trainer_grpc_port: int = Field(
+        50051,
+        ge=0,
+        le=65535,
+        description="WeightSync server; 0: the trainer binds a free port and a rollout reads it from the trainer's "
+        "presence entry (how rlpipe run starts the rollouts together with the trainer)",
+    )
+    trainer_host: str = Field(
+        "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
+    )
+    grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
+    torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+        "INFO", description="the least severe log records written"
+    )
+    log_max_mib: int = Field(
+        100, ge=1, description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size"
+    )
+    log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
+
+
+class AdminConfig(Section):
+    port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
+    token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
+    tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
+    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+
+    @model_validator(mode="after")
+    def _cert_and_key_together(self) -> AdminConfig:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("set both tls_cert and tls_key, or neither")
+        for path in (self.tls_cert, self.tls_key, self.token_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"file {str(path)!r} does not exist")
+        return self
+
+
+class TelemetryConfig(Section):
+    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)")
+    otlp_endpoint: str = Field(
+        "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
+    )
+    export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
+    jsonl_max_mib: int = Field(
+        256,
+        ge=1,
+        description="metrics.jsonl and events.jsonl roll to numbered parts (metrics.00001.jsonl, ...) past this "
+        "size; every part is kept and every reader (report, metrics --follow, tune, alert drill, tests) reads them "
+        "in order",
+    )
+    samples_keep_steps: int = Field(
+        50,
+        ge=0,
+        description="steps whose applied groups the trainer keeps in runs/<run>/samples/step_<N>.jsonl for "
+        "`rlpipe samples` (prompts, completions, rewards, logprob and KL summaries); 0 keeps none",
+    )
+    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers the trainer sends every metrics row, config version, alert and checkpoint "
+        "to, under the run id, metric names in the actor/ critic/ reward/ response_length/ namespaces "
+        "(docs/metrics.md); each needs the `trackers` extra",
+    )
+    mlflow_tracking_uri: str = Field(
+        "", description="MLflow store or server; empty = sqlite:///<run dir>/mlflow.db, a local store without a server"
+    )
+    mlflow_experiment: str = Field("rlpipe", min_length=1, description="MLflow experiment the run is logged under")
+    wandb_project: str = Field("rlpipe", min_length=1, description="W&B project the run is logged under")
+    wandb_mode: Literal["offline", "online"] = Field(
+        "offline",
+        description="offline writes <run dir>/wandb for `wandb sync`; online needs W&B credentials (WANDB_API_KEY)",
+    )
+
+    @field_validator("report_to")
+    @classmethod
+    def _each_tracker_once_and_installed(cls, trackers: list[str]) -> list[str]:
+        if len(trackers) != len(set(trackers)):
+            raise ValueError(f"names a tracker twice: {trackers}")
+        # Looked up, not imported: the trainer imports them when it opens the trackers.
+        missing = [name for name in trackers if importlib.util.find_spec(name) is None]
+        if missing:
+            raise ValueError(f"{missing} not installed: pip install 'rlpipe[trackers]'")
+        return trackers
+
+
+class CostConfig(Section):
+    per_device_hour: dict[Literal["cpu-core", "gpu"], float] = Field(
+        default_factory=dict,
+        description="price of one hour of each device kind the run uses (your currency): cpu-core (one core busy "
+        "for an hour, measured from the processes' CPU time) and gpu (one GPU held for an hour, from NVML). With "
+        "both kinds the run used priced, the run summary and report show the cost, per step and per held-out "
+        "accuracy point gained; device-hours per role are shown either way",
+    )
+
+    @field_validator("per_device_hour")
+    @classmethod
+    def _prices_not_negative(cls, prices: dict[str, float]) -> dict[str, float]:
+        negative = sorted(kind for kind, price in prices.items() if price < 0)
+        if negative:
+            raise ValueError(f"a price cannot be negative: {negative}")
+        return prices
+
+
+class SupervisionConfig(Section):
+    """How ``rlpipe run`` restarts the services it started, and how long it lets them stop."""
+
+    max_restarts: int = Field(
+        10,
+        ge=0,
+        description="restarts of one service within restart_window_s; one more and the run is declared failed",
+    )
+    restart_window_s: float = Field(
+        3600.0,
+        gt=0,
+        description="the sliding window max_restarts counts over: a service that crashes once a day runs for ever, "
+        "one in a crash loop fails the run",
+    )
+    backoff_s: float = Field(
+        1.0, gt=0, description="first restart delay, doubled for each earlier restart still in the window"
+    )
+    max_backoff_s: float = Field(
+        30.0, gt=0, description="longest delay before a restart, however many came before (seconds)"
+    )
+    trainer_stop_grace_s: float = Field(
+        300.0,
+        gt=0,
+        description="on stop, how long the trainer may take after SIGTERM before SIGKILL: it saves a final "
+        "checkpoint, which for a large model takes minutes",
+    )
+    stop_grace_s: float = Field(
+        20.0, gt=0, description="on stop, how long every other service may take after SIGTERM before SIGKILL"
+    )
+
+    @model_validator(mode="after")
+    def _window_outlasts_the_backoff(self) -> SupervisionConfig:
+        # The restarts of a crash loop are spaced by their backoff; if max_restarts of them cannot fit in the
+        # window, the count in the window never exceeds max_restarts and the loop goes on for ever.
+        backoff = sum(min(self.backoff_s * 2**k, self.max_backoff_s) for k in range(self.max_restarts))
+        if self.restart_window_s <= backoff:
+            raise ValueError(
+                f"restart_window_s ({self.restart_window_s:g}) must be longer than the backoff of max_restarts "
+                f"restarts ({backoff:g}s with backoff_s={self.backoff_s:g}, max_backoff_s={self.max_backoff_s:g}), "
+                "or a service in a crash loop is restarted for ever"
+            )
+        return self

@@ -1,0 +1,150 @@
+"""The scoring sections: the reward role (functions, a model, a remote service, the overlong penalty), the reference."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from services.common import registry
+from services.common.config.base import Section, read_environment
+
+
+class RewardModelConfig(Section):
+    """A Hugging Face sequence classifier scoring (prompt, completion) pairs; see docs/rewards.md."""
+
+    path: Path = Field(description="AutoModelForSequenceClassification folder (config.json, weights, tokenizer)")
+    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    batch_size: int = Field(16, ge=1, description="pairs per forward pass")
+    max_length: int = Field(512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA when this replica sees a GPU; cuda without one stops the replica at start"
+    )
+    normalize: bool = Field(
+        True, description="score = sigmoid(logit), in (0, 1) like the rule functions; false = the raw logit"
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _folder_with_config(cls, path: Path) -> Path:
+        if not (path / "config.json").is_file():
+            raise ValueError(f"reward model folder {str(path)!r} does not exist or has no config.json")
+        return path
+
+
+class RewardHttpConfig(Section):
+    """A remote reward service: batched JSON POSTs of (prompt, completion, answer, metadata) -> scores."""
+
+    url: str = Field(pattern=r"^https?://\S+$", description="the endpoint taking the POST (docs/rewards.md)")
+    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    timeout_s: float = Field(10.0, gt=0, description="one request's limit; a slower answer counts as a failure")
+    retries: int = Field(2, ge=0, description="retries of a failed request before the group waits for the service")
+    backoff_s: float = Field(0.5, gt=0, description="wait before the first retry, doubled for each next one")
+    max_concurrency: int = Field(4, ge=1, description="requests in flight at once from one replica")
+    batch_size: int = Field(64, ge=1, description="completions per request")
+    headers_from_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="header name -> environment variable holding its value (a token stays out of the YAML)",
+    )
+    token_file: Path | None = Field(
+        None,
+        description="file holding the bearer token sent as 'Authorization: Bearer <token>', read before each batch: "
+        "rewrite it, or point this field at another file (live), to rotate the token without a restart",
+    )
+    max_response_bytes: int = Field(
+        1 << 20,
+        ge=1024,
+        description="bytes; a longer answer is the service's fault (the groups wait) and is never read whole",
+    )
+    _headers: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _headers_set_in_environment(self) -> RewardHttpConfig:
+        if self.token_file is not None and any(name.lower() == "authorization" for name in self.headers_from_env):
+            raise ValueError("token_file and headers_from_env both set the Authorization header: keep one")
+        if not read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
+            return self
+        # At start only: a live change is validated by the trainer's admin, on a host where this file need not be.
+        if self.token_file is not None and not self.token_file.is_file():
+            raise ValueError(f"token_file {str(self.token_file)!r} is not a readable file")
+        missing = [variable for variable in self.headers_from_env.values() if variable not in os.environ]
+        if missing:
+            raise ValueError(f"headers_from_env names environment variables that are not set: {missing}")
+        self._headers = {header: os.environ[variable] for header, variable in self.headers_from_env.items()}
+        return self
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """The request headers, their values read from the environment when the config was loaded."""
+        return dict(self._headers)
+
+
+class OverlongPenaltyConfig(Section):
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476), scored as the reward part ``overlong``."""
+
+    max_tokens: int = Field(ge=1, description="a completion of more model tokens than this scores -1 (tokens)")
+    buffer_tokens: int = Field(
+        ge=1,
+        description="the soft zone below max_tokens: over max_tokens - buffer_tokens the score falls linearly from 0 "
+        "to -1 at max_tokens (tokens)",
+    )
+    weight: float = Field(1.0, gt=0, description="its score's weight in the reward, beside reward.functions")
+
+    @model_validator(mode="after")
+    def _buffer_inside_the_limit(self) -> OverlongPenaltyConfig:
+        if self.buffer_tokens > self.max_tokens:
+            raise ValueError(
+                f"buffer_tokens ({self.buffer_tokens}) must be at most max_tokens ({self.max_tokens}): the soft zone "
+                "lies below the limit"
+            )
+        return self
+
+
+class RewardConfig(Section):
+    functions: dict[str, float] = Field(
+        default_factory=lambda: {"exact_match": 1.0},
+        description="name or 'module:function' import path -> weight (docs/rewards.md)",
+    )
+    function_timeout_s: float = Field(
+        10.0, gt=0, description="one function on one completion; past it that score is 0 and the call is killed"
+    )
+    model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
+    http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
+    overlong_penalty: OverlongPenaltyConfig | None = Field(
+        None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
+    )
+    replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
+    batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
+    max_abs_reward: float = Field(
+        100.0,
+        gt=0,
+        description="largest |reward| a completion may get (reward units: the weighted sum of the parts); a group "
+        "with a larger or non-finite one is an input fault, dead-lettered with the reason instead of trained on",
+    )
+
+    @field_validator("functions")
+    @classmethod
+    def _plugins_import(cls, functions: dict[str, float]) -> dict[str, float]:
+        for name in functions:
+            if ":" in name:  # a plugin: imported now, so a typo stops the start rather than the first group
+                registry.import_function(name)
+        return functions
+
+    @model_validator(mode="after")
+    def _some_reward(self) -> RewardConfig:
+        if not self.functions and self.model is None and self.http is None:
+            raise ValueError("no reward: name reward.functions, a reward.model or a reward.http service")
+        taken = {"model", "http", "overlong"} & set(self.functions)
+        if taken:
+            raise ValueError(
+                f"reward.functions may not use the names {sorted(taken)}: they name the model, http and overlong parts"
+            )
+        return self
+
+
+class ReferenceConfig(Section):
+    model_path: Path | None = Field(None, description="defaults to model.path")
+    replicas: int = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
+    batch: int = Field(32, ge=1, description="scored groups one reference replica pulls and runs together (groups)")
