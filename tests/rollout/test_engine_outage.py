@@ -41,6 +41,8 @@ class Tokenizer:
 class FakeEngine:
     """Generates one fixed completion per prompt, unless ``fail(prompt_text)`` raises."""
 
+    lora_mode = "off"  # full weights, as the Engine protocol's other engines say at start
+
     def __init__(self, fail: Callable[[str], None]):
         self.tokenizer = Tokenizer()
         self.fail = fail

@@ -110,6 +110,7 @@ def test_a_step_rows_time_split_covers_the_whole_interval_since_the_previous_row
             assert split[StepPhase.WAIT] == 0.0 and split[StepPhase.EVAL] == 0.0  # no collect, no evaluation here
             assert split[StepPhase.COMPUTE] >= row["step_time_s"]  # the learner's own step is inside compute
             assert split[StepPhase.PUBLISH] > 0.0
+            trainer.responder.metrics.flush()  # the row is written by the metrics writer's thread
             [written] = [json.loads(line) for line in cfg.metrics_file.read_text().splitlines() if '"loss"' in line]
             assert {key: written[key] for key in row if key.startswith("time/")} == {
                 key: value for key, value in row.items() if key.startswith("time/")
