@@ -28,8 +28,12 @@ from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wai
 pytestmark = pytest.mark.e2e
 
 
+# The operator's own weight-sync token: `rlpipe run` hands the one it finds in its environment to the trainer.
+WEIGHT_SYNC_TOKEN = "operator-chosen-token"
+
+
 async def pull_weights(address: str) -> tuple[int, dict]:
-    client = WeightSyncClient(address)
+    client = WeightSyncClient(address, token=WEIGHT_SYNC_TOKEN)
     try:
         return await client.pull()
     finally:
@@ -59,7 +63,8 @@ def start(tiny_model, tmp_path: Path, run_id: str, **sections) -> tuple[Path, Pa
     return config, runs / run_id
 
 
-def test_operator_controls_a_live_run(tiny_model, tmp_path):
+def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
+    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", WEIGHT_SYNC_TOKEN)  # read by rlpipe run below, as an operator sets it
     config, run_dir = start(tiny_model, tmp_path, "ops")
     with running_pipeline(config) as process:
         wait_for(lambda: (run_dir / "run.json").exists() and len(metric_rows(run_dir)) > 3, "first steps", process)

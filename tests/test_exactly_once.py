@@ -104,7 +104,7 @@ def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothin
     assert first.returncode == 0, first.stdout[-3000:]
     store = CheckpointStore(open_store("s3://ckpt/prefix", CheckpointConfig(**s3.checkpoint())), "reuse", keep_last=5)
     before = store.catalog()
-    assert [e["step"] for e in before] == [2, 4]
+    assert [e.step for e in before] == [2, 4]
 
     # Started afresh (the local run folder deleted on purpose), the same run id on the same S3 prefix: the old run's
     # steps would be pruned against the new ones, and a crash would resume the old run.
