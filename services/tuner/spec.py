@@ -35,6 +35,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from services.common.config import ConfigError, RunConfig, apply_overrides, load_config
+from services.common.observe.usage import PRICED_QUANTITIES, RUN_QUANTITIES
 
 Scalar = str | int | float | bool
 
@@ -117,10 +118,16 @@ def _check_range(low: float, high: float, log: bool) -> None:
         raise ValueError(f"a log range must be positive, got low={low}")
 
 
+USAGE_PREFIX = "usage."  # a metric named usage.<quantity> is read from the trial's usage.json once it has ended
+
+
 class MetricConstraint(Spec):
     """A trial is feasible only if ``reduce`` over the metric's values stays below / above a bound."""
 
-    metric: str
+    metric: str = Field(
+        description="a key of the run's metrics.jsonl rows, or usage.<quantity> (cost, cost_per_step, "
+        "cost_per_accuracy_point, cpu_core_hours, gpu_hours) from the finished run's usage.json"
+    )
     reduce: Literal["final", "max", "min", "mean"] = "max"
     below: float | None = None
     above: float | None = None
@@ -139,7 +146,11 @@ class AlertConstraint(Spec):
 
 
 class Objective(Spec):
-    metric: str = Field("eval_accuracy", description="a key of the run's metrics.jsonl rows")
+    metric: str = Field(
+        "eval_accuracy",
+        description="a key of the run's metrics.jsonl rows, or usage.<quantity> from the finished run's usage.json "
+        "(e.g. usage.cost_per_accuracy_point, direction minimize; known only at a trial's end, so pruner.kind: none)",
+    )
     reduce: Literal["final", "best", "mean_last_k"] = Field(
         "final", description="final: the last value; best: the best by direction; mean_last_k: mean of the last k"
     )
@@ -368,6 +379,32 @@ def _check_space(spec: TuneSpec, base: RunConfig) -> list[str]:
     return problems
 
 
+def _check_usage_metrics(spec: TuneSpec, base: RunConfig) -> list[str]:
+    """Problems of the objective's and constraints' ``usage.`` metrics, each naming its key."""
+    named = [("objective.metric", spec.objective.metric)]
+    named += [
+        (f"objective.constraints[{i}].metric", c.metric)
+        for i, c in enumerate(spec.objective.constraints)
+        if isinstance(c, MetricConstraint)
+    ]
+    problems = []
+    for key, metric in named:
+        if not metric.startswith(USAGE_PREFIX):
+            continue
+        quantity = metric.removeprefix(USAGE_PREFIX)
+        if quantity not in RUN_QUANTITIES:
+            problems.append(f"{key}: {metric} is not a usage quantity (allowed: {', '.join(RUN_QUANTITIES)})")
+        elif quantity in PRICED_QUANTITIES and not base.cost.per_device_hour:
+            problems.append(f"{key}: {metric} needs prices: set cost.per_device_hour in the base config")
+    objective = spec.objective.metric
+    if objective.startswith(USAGE_PREFIX) and spec.pruner.kind != "none":
+        problems.append(
+            f"pruner.kind: {spec.pruner.kind} cannot prune on {objective}, which is known only when a trial has "
+            "ended; set pruner.kind: none"
+        )
+    return problems
+
+
 def _describe(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
@@ -403,7 +440,7 @@ def load_tune_file(path: Path | str, storage: str | None = None) -> tuple[TuneSp
         base = load_config(spec.base_config)
     except ConfigError as error:
         raise TuneFileError(f"invalid tune file {path}:\n  base_config: {error}") from None
-    problems = _check_space(spec, base)
+    problems = _check_space(spec, base) + _check_usage_metrics(spec, base)
     if problems:
         raise TuneFileError(f"invalid tune file {path}:\n  " + "\n  ".join(problems))
     return spec, base

@@ -21,6 +21,7 @@ before the trial is recorded.
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -35,6 +36,7 @@ from typing import Any, Literal
 
 from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower
+from services.common.observe.usage import USAGE_FILE, run_quantities
 from services.tuner.procs import (
     GpuMemory,
     die_with_parent,
@@ -44,7 +46,7 @@ from services.tuner.procs import (
     kill_group,
     signal_group,
 )
-from services.tuner.spec import Objective, TrialLimits
+from services.tuner.spec import USAGE_PREFIX, Objective, TrialLimits
 
 Status = Literal["complete", "pruned", "timeout", "oom", "failed"]
 GB = 1024**3
@@ -196,6 +198,7 @@ class TrialProcess:
                 break
             time.sleep(self.limits.poll_s)
         process.wait()
+        self.read_usage()
         leftovers = group_members(pgid)
         if leftovers:
             kill_group(pgid)
@@ -242,6 +245,28 @@ class TrialProcess:
                 self.paused = str(event.get("message", ""))
             elif event.get("kind") == Event.STOP:
                 self.stopped_by = str(event.get("message", ""))
+
+    def read_usage(self) -> None:
+        """Add the ``usage.`` quantities the objective and constraints name, from the ended run's usage.json.
+
+        The launcher writes the file as it exits; a run that never got that far has none, and a quantity it
+        could not price (no held-out gain, say) stays unmeasured: a missing objective fails the trial, a missing
+        constraint value makes it infeasible.
+        """
+        try:
+            quantities = run_quantities(json.loads((self.run_dir / USAGE_FILE).read_text()))
+        except (OSError, ValueError, KeyError):
+            return
+
+        def measured(metric: str) -> float | None:
+            value = quantities.get(metric.removeprefix(USAGE_PREFIX)) if metric.startswith(USAGE_PREFIX) else None
+            return None if value is None else float(value)
+
+        for name, series in self.series.items():
+            if (value := measured(name)) is not None:
+                series.append(value)
+        if (value := measured(self.objective.metric)) is not None:
+            self.values.append((self.steps, value))
 
     def nan_loss(self) -> str | None:
         loss = self.last_step_row.get("loss")

@@ -93,12 +93,37 @@ def test_every_problem_of_the_space_is_named_at_once(tmp_path, base):
         ({"parallel": {"device_slots": ["0,1", "1"]}}, "parallel.device_slots: slot '1' shares devices ['1']"),
         ({"parallel": {"device_slots": ["0 1"]}}, "parallel.device_slots: '0 1' is not a CUDA_VISIBLE_DEVICES"),
         ({"parallel": {"heartbeat_s": 10, "stale_after_s": 10}}, "parallel: stale_after_s (10) must exceed"),
+        (
+            {"objective": {"metric": "usage.price"}, "pruner": {"kind": "none"}},
+            "objective.metric: usage.price is not a usage quantity (allowed: cost, cost_per_step,",
+        ),
+        (
+            {"objective": {"metric": "usage.cost", "direction": "minimize"}, "pruner": {"kind": "none"}},
+            "objective.metric: usage.cost needs prices: set cost.per_device_hour in the base config",
+        ),
+        (
+            {"objective": {"metric": "usage.cpu_core_hours", "direction": "minimize"}},
+            "pruner.kind: median cannot prune on usage.cpu_core_hours, which is known only when a trial has ended",
+        ),
+        (
+            {"objective": {"constraints": [{"no_alert": "critical"}, {"metric": "usage.cost_per_step", "below": 1}]}},
+            "objective.constraints[1].metric: usage.cost_per_step needs prices",
+        ),
     ],
 )
 def test_a_bad_tune_file_is_refused_naming_the_key(tmp_path, base, fields, expected):
     with pytest.raises(TuneFileError) as refused:
         load_tune_file(tune_file(tmp_path, base, **fields))
     assert expected in str(refused.value), str(refused.value)
+
+
+def test_a_priced_base_config_may_tune_for_cost_per_accuracy_point(tmp_path, tiny_model):
+    priced = write_config(
+        tmp_path / "priced.yaml", *tiny_model, tmp_path / "runs", cost={"per_device_hour": {"cpu-core": 0.04}}
+    )
+    objective = {"metric": "usage.cost_per_accuracy_point", "direction": "minimize"}
+    spec, base = load_tune_file(tune_file(tmp_path, priced, objective=objective, pruner={"kind": "none"}))
+    assert spec.objective.metric == "usage.cost_per_accuracy_point" and base.cost.per_device_hour == {"cpu-core": 0.04}
 
 
 def test_rlpipe_tune_refuses_a_bad_file_before_any_trial_with_exit_2(tmp_path, base):

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from services.common.config import load_config
+from services.common.observe.usage import USAGE_FILE, run_quantities
 from services.tuner.procs import group_members
 from services.tuner.records import TrialRecord, records
 from services.tuner.spec import load_tune_file
@@ -81,6 +82,8 @@ def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(
         space={"model.path": {"type": "categorical", "choices": [broken, good]}},
         enqueue=[{"model.path": broken}, {"model.path": good}],
         budget={"max_trials": 2},
+        # A usage. constraint: read from the complete trial's usage.json once its run has ended.
+        objective={"metric": "eval_accuracy", "constraints": [{"metric": "usage.cpu_core_hours", "below": 1.0}]},
     )
     done = subprocess.run([*TUNE, str(path)], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -97,7 +100,10 @@ def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(
     assert end.steps == 2 and end.reason == ""
     assert end.objective == end.final_metrics["eval_accuracy"]
     assert 0.0 <= end.objective <= 1.0
-    assert end.peak_rss_gb > 0.2 and end.wall_s > 0 and end.exit_code == 0 and end.constraints == [0.0]
+    assert end.peak_rss_gb > 0.2 and end.wall_s > 0 and end.exit_code == 0
+    used = run_quantities(json.loads((Path(complete.start.run_dir) / USAGE_FILE).read_text()))["cpu_core_hours"]
+    assert 0 < used < 1.0 and end.constraints == [0.0, pytest.approx(used - 1.0)]
+    assert crashed.end.constraints == [0.0, 1.0]  # no usage.json: never measured, so infeasible
     assert start.run_id == "s-t1" and start.run_dir == str(tmp_path / "tune" / "runs" / "s-t1")
     trial_cfg = load_config(start.config_path)
     assert trial_cfg.run_id == "s-t1" and str(trial_cfg.model.path) == good

@@ -16,11 +16,16 @@ import contextlib
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from services.common.observe.hardware import initialized_nvml
 
 CPU_CORE, GPU = "cpu-core", "gpu"  # the device kinds cost.per_device_hour prices
-USAGE_FILE = "usage.json"  # in the run directory: RunCost.as_record(), read by the report
+USAGE_FILE = "usage.json"  # in the run directory: RunCost.as_record(), read by the report and the tuner
+# What a finished run's usage.json says as single numbers, by name (a tune file names them "usage.<name>"); the
+# priced ones exist only with cost.per_device_hour set.
+PRICED_QUANTITIES = ("cost", "cost_per_step", "cost_per_accuracy_point")
+RUN_QUANTITIES = (*PRICED_QUANTITIES, "cpu_core_hours", "gpu_hours")
 
 
 def process_cpu_seconds(pid: int) -> float | None:
@@ -156,3 +161,13 @@ class RunCost:
             "cost_per_step": self.per_step,
             "cost_per_accuracy_point": self.per_accuracy_point,
         }
+
+
+def run_quantities(record: dict[str, Any]) -> dict[str, float | None]:
+    """``RUN_QUANTITIES`` of a usage.json record: None where the run had no price or no held-out gain."""
+    hours = record["device_hours"]
+    return {
+        **{name: record.get(name) for name in PRICED_QUANTITIES},
+        "cpu_core_hours": sum(kinds.get(CPU_CORE, 0.0) for kinds in hours.values()),
+        "gpu_hours": sum(kinds.get(GPU, 0.0) for kinds in hours.values()),
+    }
