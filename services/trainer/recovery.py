@@ -26,7 +26,7 @@ from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.transport.bus import Bus
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.trainer.adopter import Adopter
+from services.trainer.adopter import Adopter, ResumeRefused
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint
 from services.trainer.checkpointer import Checkpointer
@@ -99,7 +99,12 @@ class Recovery:
             self.progress.started(await asyncio.to_thread(self.checkpoints.start_fresh))
             SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
             return False
-        saved = SavedRecord.read(run_dir)
+        try:
+            saved = SavedRecord.read(run_dir)
+        except ValueError as error:
+            # Refused, not crashed: a restart would meet the same file, and guessing past it could resume a step
+            # older than the one the run last saved.
+            raise ResumeRefused(str(error)) from None
         wanted = self.settings.cfg.checkpoint.resume_step
         if wanted is not None and self.lineage.resumed_to(wanted):
             # Made already: a restart after it continues from the newest step, not from the requested one again.

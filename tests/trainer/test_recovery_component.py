@@ -380,6 +380,26 @@ def test_a_resume_whose_store_cannot_be_reached_waits_then_refuses_having_writte
     asyncio.run(scenario())
 
 
+def test_a_resume_over_a_damaged_saved_record_is_refused_naming_the_file_and_writes_nothing(
+    tiny_model, tmp_path, saved_run
+):
+    """A torn or hand-edited checkpoint-saved.json is refused (exit 2 in the trainer, never restarted into the same
+    file), naming it and what to do; before, the ValueError crashed the trainer with exit 1, and a supervisor
+    restarted it into the same file."""
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path)
+        record = restarted.cfg.run_dir / SavedRecord.FILE
+        record.write_text('{"step": 3, "policy_ver')
+        lineage_before = restarted.lineage.text()
+        with pytest.raises(ResumeRefused, match=r"checkpoint-saved.json is not a checkpoint record .*move it away"):
+            await restarted.recovery.start(resume=True)
+        assert (restarted.progress.step, restarted.progress.version) == (0, 0)
+        assert restarted.lineage.text() == lineage_before and restarted.rewinds == 0
+
+    asyncio.run(scenario())
+
+
 def test_a_store_that_comes_back_within_the_wait_is_resumed_from_and_the_lineage_gains_only_the_resume(
     tiny_model, tmp_path, saved_run
 ):
