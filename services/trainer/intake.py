@@ -181,6 +181,10 @@ class GroupLedger:
         self.read: set[str] = set()
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
+        # Groups given a second chance by a re-inject. ``counts`` keeps each dead fate it recorded (a dead letter
+        # happened), so a group dead, reopened and then applied is in both: fed = applied + dropped + filtered +
+        # lost + (dead - reopened) + in flight + read.
+        self.reopened = 0
         # "<stream>:<sequence>" of each message an operator re-injected from DEAD: a later dead letter of the same
         # message is a replay's (EXPERIENCE re-read after a resume), not a new failure of the reopened group.
         self.reinjected: set[str] = set()
@@ -284,6 +288,7 @@ class GroupLedger:
         self.settled.pop(group_id, None)
         self.fed_count += 1
         self.in_flight[group_id] = Flight(now, self.fed_count)
+        self.reopened += 1
         return True
 
     def overdue(self, now: float, max_age_s: float) -> list[str]:

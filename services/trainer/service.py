@@ -246,15 +246,18 @@ class Trainer:
         self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
 
     def ledger_row(self) -> dict[str, float]:
-        """Groups settled as dead or lost and repeats refused since the last row; the groups in flight now."""
+        """Groups settled as dead or lost, reopened by a re-inject, and repeats refused since the last row; the
+        groups in flight now."""
         counts = {
             "groups_dead": self.ledger.counts[Fate.DEAD],
+            "groups_reopened": self.ledger.reopened,
             "groups_lost": self.ledger.counts[Fate.LOST],
             "repeats_dropped": self.ledger.repeats,
         }
         row = {name: float(n - self.reported.get(name, 0)) for name, n in counts.items()}
         self.reported = counts
         self.telemetry.record_groups("dead", int(row["groups_dead"]))
+        self.telemetry.record_groups("reopened", int(row["groups_reopened"]))
         self.telemetry.record_groups("repeat", int(row["repeats_dropped"]))
         return {**row, "in_flight_groups": float(len(self.ledger.in_flight))}
 

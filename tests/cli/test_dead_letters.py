@@ -184,6 +184,10 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         assert asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator)) == stream_name("reinj", EXPERIENCE)
         applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r["groups"] if g == group_id]  # noqa: E731
         wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)
+        # The ledger's metrics count the group dead once and reopened once (so the fates still add up to the fed).
+        counted = lambda key: sum(r.get(key, 0) for r in steps())  # noqa: E731
+        wait_for(lambda: counted("groups_reopened") == 1, "the reopen in the metrics", run)
+        assert counted("groups_dead") == 1
         [kept] = letters()  # the letter stays in DEAD, marked as re-injected
         assert kept.sequence == letter.sequence and kept.reinjected_at == letter.sequence + 1
         killed_at = time.time()

@@ -162,6 +162,8 @@ def test_a_reopened_dead_group_is_in_flight_again_fed_last_and_its_copy_is_appli
     assert not ledger.arrived("e0-i0")  # a second copy (a second re-inject past the duplicate window) is refused
     assert not ledger.reopen("e0-i0", now=60.0)  # and its record reopens nothing: applied is final
     assert ledger.fate("e0-i0") == Fate.APPLIED and ledger.repeats == 1
+    # Counted once dead and once applied, and once reopened, so the fates still add up to what was fed.
+    assert (ledger.counts[Fate.DEAD], ledger.counts[Fate.APPLIED], ledger.reopened) == (1, 1, 1)
 
 
 def test_a_dead_group_or_one_without_a_fate_reopens_and_no_other():

@@ -86,7 +86,7 @@ AGENT_ROW_KEYS = (
     ),
 )
 # The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
-GROUP_FATES = ("dead", "lost", "repeat")
+GROUP_FATES = ("dead", "reopened", "lost", "repeat")  # "reopened": a dead group re-injected, still counted dead
 TRAINER_STEP_KEYS = (
     "step",
     "policy_version",

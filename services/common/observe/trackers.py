@@ -81,6 +81,7 @@ METRIC_NAMES: dict[str, str] = {
     "checkpoint_time_s": "checkpoint/time_s",
     "checkpoint_stall_s": "checkpoint/stall_s",
     "groups_dead": "pipeline/groups_dead",
+    "groups_reopened": "pipeline/groups_reopened",
     "groups_lost": "pipeline/groups_lost",
     "repeats_dropped": "pipeline/repeats_dropped",
     "groups_filtered": "pipeline/groups_filtered",
