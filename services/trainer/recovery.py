@@ -30,8 +30,9 @@ from services.trainer.adopter import Adopter, ResumeRefused
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint
 from services.trainer.checkpointer import Checkpointer
-from services.trainer.intake import GroupLedger, PromptFeeder
+from services.trainer.feeder import PromptFeeder
 from services.trainer.learner import Learner
+from services.trainer.ledger import GroupLedger
 from services.trainer.lineage import Lineage
 from services.trainer.manifest import STABLE, CatalogEntry
 from services.trainer.progress import Adopted, ConfigSource, Progress

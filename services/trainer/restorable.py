@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.intake import GroupLedger, PromptFeeder
+from services.trainer.feeder import PromptFeeder
 from services.trainer.learner import Learner
+from services.trainer.ledger import GroupLedger
 from services.trainer.lineage import Lineage
 from services.trainer.progress import ConfigSource, Progress
 

@@ -16,7 +16,7 @@ from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.bus import Bus
 from services.common.transport.streams import EXPERIENCE, stream_name
-from services.trainer.intake import GroupLedger
+from services.trainer.ledger import GroupLedger
 from services.trainer.manifest import STABLE, StoredStep
 from services.trainer.progress import ConfigSource, Progress
 

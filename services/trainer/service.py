@@ -57,9 +57,11 @@ from services.trainer.checkpoint_state import CheckpointMismatch
 from services.trainer.control import Control, RunState
 from services.trainer.distributed import Mesh, follow
 from services.trainer.episodes import episode_metrics
-from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
+from services.trainer.feeder import PromptFeeder
+from services.trainer.intake import Collected, Intake
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
+from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.manifest import UnknownCheckpointFormat

@@ -33,7 +33,7 @@ from services.common.transport.stage import stall_bound_s
 from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_name
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
-from services.trainer.intake import GroupLedger
+from services.trainer.ledger import GroupLedger
 from services.trainer.manifest import CatalogEntry
 from services.trainer.progress import ConfigSource, Progress
 

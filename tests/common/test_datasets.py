@@ -11,7 +11,7 @@ import yaml
 
 from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
-from services.trainer.intake import PromptFeeder
+from services.trainer.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
 
@@ -69,7 +69,7 @@ import json, sys
 import yaml
 from services.common.config import DataConfig
 from services.common.model.datasets import open_prompts
-from services.trainer.intake import PromptFeeder
+from services.trainer.feeder import PromptFeeder
 data = DataConfig(**yaml.safe_load(open(sys.argv[1])))
 feeder = PromptFeeder(open_prompts(data), seed=11, shuffle=True)
 if sys.argv[2]:

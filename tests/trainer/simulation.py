@@ -55,8 +55,10 @@ from services.trainer import recovery as recovery_module
 from services.trainer.adopter import ResumeRefused
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt
-from services.trainer.intake import Fate, GroupLedger, Intake, PromptFeeder
+from services.trainer.feeder import PromptFeeder
+from services.trainer.intake import Intake
 from services.trainer.learner import LearnerState
+from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.lineage import Lineage, effective_steps, lost_groups
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery

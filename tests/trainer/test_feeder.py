@@ -1,6 +1,6 @@
 import pytest
 
-from services.trainer.intake import PromptFeeder
+from services.trainer.feeder import PromptFeeder
 
 pytestmark = pytest.mark.unit
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
-from services.trainer.intake import Fate, GroupLedger, token_id_problem
+from services.trainer.intake import token_id_problem
+from services.trainer.ledger import Fate, GroupLedger
 
 pytestmark = pytest.mark.unit
 

@@ -35,7 +35,9 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpoint_state import TrainerState
-from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder, without_signal
+from services.trainer.feeder import PromptFeeder
+from services.trainer.intake import Collected, Intake, without_signal
+from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.progress import Progress
 from tests.conftest import write_config
 

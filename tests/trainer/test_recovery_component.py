@@ -22,8 +22,9 @@ from services.common.transport.weightsync.snapshot import snapshot_of
 from services.trainer.adopter import ResumeRefused
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.checkpoint_state import CheckpointMismatch
-from services.trainer.intake import Fate, GroupLedger, PromptFeeder
+from services.trainer.feeder import PromptFeeder
 from services.trainer.learner import Learner
+from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.lineage import Lineage
 from services.trainer.manifest import FULL_FORMAT, UnknownCheckpointFormat
 from services.trainer.progress import Progress

@@ -14,7 +14,7 @@ from services.common.transport.messages import Prompt
 from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.control import Control
-from services.trainer.intake import GroupLedger
+from services.trainer.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
 from tests.conftest import write_config
