@@ -23,6 +23,27 @@ def test_a_key_naming_the_root_or_anything_outside_it_is_refused_by_every_operat
     assert (tmp_path / "outside").read_bytes() == b"not the store's"
 
 
+@pytest.mark.parametrize("prefix", ["/etc/", "../outside", "run/../../outside/"])
+def test_a_prefix_reaching_outside_the_root_is_refused_by_listing_and_deleting(tmp_path, prefix):
+    store = FileStore(tmp_path / "store")
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "kept").write_bytes(b"not the store's")
+    with pytest.raises(ValueError, match="is not a relative path inside the store"):
+        store.list(prefix)
+    with pytest.raises(ValueError, match="is not a relative path inside the store"):
+        store.delete_prefix(prefix)
+    assert (tmp_path / "outside" / "kept").read_bytes() == b"not the store's"
+
+
+@pytest.mark.parametrize("prefix", ["", "/"])
+def test_deleting_the_empty_prefix_is_refused_and_the_store_is_kept(tmp_path, prefix):
+    store = FileStore(tmp_path / "store")
+    store.put("run/step-1/weights", b"w")
+    with pytest.raises(ValueError, match="names the whole store"):
+        store.delete_prefix(prefix)
+    assert store.list("run/") == ["run/step-1/weights"]
+
+
 def test_a_key_naming_a_folder_is_a_missing_object_not_a_store_failure(tmp_path):
     store = FileStore(tmp_path)
     store.put("run/claims/rollouts/g1", b"body")

@@ -82,6 +82,17 @@ def test_s3_store_round_trip(tmp_path, s3_env):
     round_trip("s3://rlpipe-test/ckpts", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False), tmp_path)
 
 
+@pytest.mark.integration
+@pytest.mark.parametrize("prefix", ["", "/"])
+def test_an_s3_store_refuses_to_delete_the_empty_prefix_and_keeps_every_run(tmp_path, s3_env, prefix):
+    store = open_store("s3://rlpipe-test/ckpts", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))
+    store.put("run-a/step-1/weights", b"a")
+    store.put("run-b/step-1/weights", b"b")
+    with pytest.raises(ValueError, match="names the whole store"):
+        store.delete_prefix(prefix)
+    assert store.list("run-") == ["run-a/step-1/weights", "run-b/step-1/weights"]
+
+
 def test_s3_without_endpoint_is_a_clear_error():
     with pytest.raises(ValueError, match="s3_endpoint"):
         open_store("s3://bucket/x", CheckpointConfig())

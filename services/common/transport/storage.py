@@ -84,7 +84,7 @@ class FileStore:
     def list(self, prefix: str) -> list[str]:
         # Walk only the prefix's folder: the root may hold unrelated run files. Folders that vanish mid-walk
         # (a concurrent prune) are skipped, where Path.rglob would raise; any other error fails the listing.
-        folder = self.root / prefix.rpartition("/")[0]
+        folder = self.root / self._inside(prefix).rpartition("/")[0]
         keys = (
             (Path(parent) / name).relative_to(self.root).as_posix()
             for parent, _, names in os.walk(folder, onerror=_unless_vanished)
@@ -94,11 +94,26 @@ class FileStore:
         return sorted(k for k in keys if k.startswith(prefix))
 
     def delete_prefix(self, prefix: str) -> None:
-        shutil.rmtree(self.root / prefix, ignore_errors=True)
+        refuse_whole_store(prefix)
+        shutil.rmtree(self.root / self._inside(prefix), ignore_errors=True)
+
+    @staticmethod
+    def _inside(prefix: str) -> str:
+        """``prefix``, refused when it would reach outside the root (absolute, or climbing with ``..``)."""
+        if Path(prefix).is_absolute() or ".." in Path(prefix).parts:
+            raise ValueError(f"prefix {prefix!r} is not a relative path inside the store")
+        return prefix
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
+
+
+def refuse_whole_store(prefix: str) -> None:
+    """Deleting by an empty prefix would empty the store (every run's checkpoints, and on a file store whatever
+    else shares its root folder): no caller means that, so it is refused rather than done."""
+    if not prefix.strip("/"):
+        raise ValueError("an empty prefix names the whole store; delete_prefix refuses it")
 
 
 def _unless_vanished(error: OSError) -> None:
@@ -196,6 +211,7 @@ class S3Store:
             raise
 
     def delete_prefix(self, prefix: str) -> None:
+        refuse_whole_store(prefix)
         self.delete(self.list(prefix))
 
     def delete(self, keys: list[str]) -> None:
