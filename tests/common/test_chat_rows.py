@@ -12,13 +12,8 @@ from typer.testing import CliRunner
 from services.cli.app import app
 from services.common.model.answers import ends_on_answer, last_number, parse_number
 from services.common.model.chat import ChatTemplateMissing, prompt_text, render_rows
-from services.common.model.datasets import (
-    WORD_SYSTEM,
-    WORD_TEMPLATES,
-    load_jsonl,
-    make_word_problem_dataset,
-    row_problem,
-)
+from services.common.model.datasets import load_jsonl, row_problem
+from services.common.model.tasks import WORD_SYSTEM, WORD_TEMPLATES, make_word_problem_dataset
 from services.common.model.tiny_model import build_char_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
-from services.common.model.datasets import load_jsonl, make_tool_arith_dataset
+from services.common.model.datasets import load_jsonl
+from services.common.model.tasks import make_tool_arith_dataset
 from services.rollout.environments import (
     Calculator,
     PythonTool,

@@ -25,13 +25,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from tokenizers import pre_tokenizers
 from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2Tokenizer
 
-from services.common.model.datasets import (
-    load_jsonl,
-    make_arithmetic_dataset,
-    make_tool_arith_dataset,
-    make_word_problem_dataset,
-)
+from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
+from services.common.model.tasks import make_arithmetic_dataset, make_tool_arith_dataset, make_word_problem_dataset
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
