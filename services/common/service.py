@@ -169,9 +169,11 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     if gpus is not None:
         log_event(log, Event.GPUS_WATCHED, gpus=[reading.uuid for reading in gpus.read()])
 
-    import torch
-
-    torch.set_num_threads(cfg.service.torch_threads)
+    # Every role that computes with torch has imported it by now; a rule-only reward replica has not, and importing
+    # it only to cap its threads would cost that replica ~5 CPU seconds of start-up (the reward model caps its own).
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(cfg.service.torch_threads)
 
     async def serve() -> None:
         stop = asyncio.Event()

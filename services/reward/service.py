@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -34,9 +35,11 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, RolloutGroup, ScoredGroup, advance
 from services.common.transport.stage import Stage
 from services.common.transport.streams import ROLLOUTS, SCORED
-from services.reward.model import RewardModel
 from services.reward.remote import RemoteItem, RemoteScorer
 from services.reward.sandbox import RuleCall, RuleSandbox
+
+if TYPE_CHECKING:  # importing it pulls in torch and transformers, ~5 CPU seconds a rule-only replica never needs
+    from services.reward.model import RewardModel
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +53,18 @@ class RewardSources:
     remote: RemoteScorer | None = None
 
     @classmethod
-    def of(cls, reward: RewardConfig) -> RewardSources:
+    def of(cls, reward: RewardConfig, torch_threads: int = 1) -> RewardSources:
+        model = None
+        if reward.model is not None:
+            import torch  # only a reward model needs it (and transformers), so only then is it imported
+
+            from services.reward.model import RewardModel
+
+            torch.set_num_threads(torch_threads)  # run_service caps it only where the role imported torch already
+            model = RewardModel(reward.model)
         return cls(
             rules=RuleSandbox(reward.function_timeout_s),
-            model=RewardModel(reward.model) if reward.model is not None else None,
+            model=model,
             remote=RemoteScorer(reward.http) if reward.http is not None else None,
         )
 
@@ -167,7 +178,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
     # The model and the remote service are set at start, but for the service's token file; the functions and their
     # weights are live.
-    sources = RewardSources.of(cfg.reward)
+    sources = RewardSources.of(cfg.reward, cfg.service.torch_threads)
     await asyncio.to_thread(sources.rules.start)  # the child's imports now, not in the first batch's time
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:

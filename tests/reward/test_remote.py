@@ -16,16 +16,8 @@ import pytest
 
 from services.common.config import RewardHttpConfig
 from services.common.transport.breaker import BreakerState, DependencyUnavailable
-from services.reward.remote import (
-    Fault,
-    RemoteItem,
-    RemoteRewardRejected,
-    RemoteScorer,
-    _RequestFailed,
-    judge_error,
-    judge_status,
-    parse_scores,
-)
+from services.common.transport.http_dependency import Fault, RequestFailed, judge_error
+from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, judge_status, parse_scores
 from tests.conftest import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
@@ -112,7 +104,7 @@ def test_a_slow_answer_counts_as_a_failure(port):
     ],
 )
 def test_an_answer_that_does_not_fit_the_schema_is_the_services_failure(body, reason):
-    with pytest.raises(_RequestFailed, match=reason) as failure:
+    with pytest.raises(RequestFailed, match=reason) as failure:
         parse_scores(body, 1)
     assert failure.value.kind == "malformed"
     assert parse_scores(b'{"scores": [0.5]}', 1) == [0.5]

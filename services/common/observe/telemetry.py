@@ -33,8 +33,6 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from opentelemetry import metrics, propagate, trace
-from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
@@ -114,6 +112,11 @@ def start_telemetry(cfg: RunConfig, role: str, instance: str) -> Telemetry:
         readers: list[MetricReader] = [PrometheusMetricReader(registry=registry)]
         tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
         if telemetry_cfg.otlp_endpoint:
+            # Imported only here: the exporters and their protobuf messages cost every process start that exports
+            # nothing (most runs) about 0.07 CPU seconds.
+            from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
             readers.append(
                 PeriodicExportingMetricReader(
                     OTLPMetricExporter(endpoint=telemetry_cfg.otlp_endpoint, insecure=True, timeout=EXPORT_TIMEOUT_S),
