@@ -3,7 +3,9 @@ consumed, kept where a dead letter, a re-inject's letter or a lapsed delivery's 
 the bucket's lifecycle rule."""
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,3 +184,22 @@ def test_a_delivery_that_went_half_an_ack_wait_without_a_beat_leaves_its_body_to
         await producer.close()
 
     asyncio.run(scenario())
+
+
+def test_an_s3_endpoint_accepts_the_compose_buckets_lifecycle_rule_as_written(s3_env):
+    # The same document `aws s3api put-bucket-lifecycle-configuration` takes (docs/operations.md).
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://{s3_env}",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+        region_name="us-east-1",
+    )
+    client.create_bucket(Bucket="lifecycle-rule")
+    document = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "minio" / "lifecycle.json").read_text())
+    client.put_bucket_lifecycle_configuration(Bucket="lifecycle-rule", LifecycleConfiguration=document)
+    (rule,) = client.get_bucket_lifecycle_configuration(Bucket="lifecycle-rule")["Rules"]
+    assert rule["Filter"]["Tag"] == {"Key": TRANSIENT_TAG[0], "Value": TRANSIENT_TAG[1]}
+    assert rule["Expiration"]["Days"] == 21
