@@ -63,6 +63,7 @@ from services.common.config import (
 from services.common.observe.events import Event, EventLog
 from services.common.observe.logs import RotatingLog
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
+from services.common.run_archive import archive_and_describe
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.live_config import LiveConfig
@@ -855,6 +856,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
         failed = stop_or_kill(launcher)
         run_cost(cfg, {}, launcher.usage)
         _write_reports(cfg)
+        console.log(archive_and_describe(cfg))
         if failed:
             console.log(f"[red]services failed:[/] {failed}")
         _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
@@ -871,6 +873,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
 
     cost = run_cost(cfg, done, launcher.usage)
     report = _write_reports(cfg)
+    console.log(archive_and_describe(cfg))
     console.print(summarize(cfg, done, launcher.startup, wall_s, cost))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:
