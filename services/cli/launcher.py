@@ -49,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.cli.report import read_jsonl, render_html, render_report, time_lines
+from services.cli.run_archive import archive_and_describe
 from services.cli.runs import record_exit
 from services.common.config import (
     AdminCredentials,
@@ -63,7 +64,6 @@ from services.common.config import (
 from services.common.observe.events import Event, EventLog
 from services.common.observe.logs import RotatingLog
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
-from services.common.run_archive import archive_and_describe
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.live_config import LiveConfig

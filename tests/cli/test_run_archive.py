@@ -1,4 +1,4 @@
-"""A finished run's record goes to the object store under <run>/archive/ (services/common/run_archive.py)."""
+"""A finished run's record goes to the object store under <run>/archive/ (services/cli/run_archive.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.run_archive import archive_and_describe, archive_run
 from services.common.config import load_config
-from services.common.run_archive import archive_and_describe, archive_run
 from services.common.transport.storage import open_store
 from tests.conftest import free_port, write_config
 
