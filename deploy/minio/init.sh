@@ -6,13 +6,19 @@
 #   trainer                       trainer.json   checkpoints, claims and fences under rlpipe/checkpoints/
 #   rollout, reward, reference    stage.json     claim-checked bodies only (rlpipe/checkpoints/<run>/claims/)
 #   operator                      operator.json  reads checkpoints (rlpipe checkpoint verify, report)
-# Re-running it is harmless: policies and users are overwritten with the same content.
+# The bucket's lifecycle rules (deploy/minio/lifecycle.json, imported whole, replacing any before): work-queue
+# claim-checked bodies a stage could not delete once consumed (tagged rlpipe-claim=work-queue, see
+# services/common/transport/claim_lifecycle.py) expire after 21 days, a week past DEAD's 14-day
+# nats.dead_letter_max_age_s, so a dead letter's body outlives its letter. Checkpoints and EXPERIENCE bodies
+# are untagged: the trainer prunes and purges them.
+# Re-running it is harmless: policies, users and the lifecycle are overwritten with the same content.
 # usage: init.sh SECRETS POLICIES   (MINIO_ROOT_USER and MINIO_ROOT_PASSWORD in the environment)
 set -eu
 secrets=$1
 policies=$2
 mc alias set rlpipe http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"
 mc mb --ignore-existing rlpipe/rlpipe
+mc ilm rule import rlpipe/rlpipe <"$policies/lifecycle.json"
 for policy in trainer stage operator; do
     mc admin policy create rlpipe "rlpipe-$policy" "$policies/$policy.json"
 done
@@ -26,4 +32,4 @@ for role in trainer rollout reward reference operator; do
     # attach refuses a policy the user already has: a restart finds it attached, which is what is wanted.
     mc admin policy attach rlpipe "rlpipe-$policy" --user "$user" || mc admin user info rlpipe "$user" | grep -q "rlpipe-$policy"
 done
-echo "made the bucket, the policies and one user per role"
+echo "made the bucket, its lifecycle rules, the policies and one user per role"

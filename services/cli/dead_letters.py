@@ -20,6 +20,7 @@ import nats
 from nats.js.errors import NotFoundError
 
 from services.common.config import NatsConfig
+from services.common.transport.claim_lifecycle import REINJECT_ID_PREFIX
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.streams import (
     DEAD,
@@ -108,7 +109,7 @@ async def reinject(
         origin = letter.get(H_STREAM, "")
         if origin not in by_stream:
             raise ValueError(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
-        headers = {"Nats-Msg-Id": f"reinjected.{sequence}"}
+        headers = {"Nats-Msg-Id": f"{REINJECT_ID_PREFIX}{sequence}"}
         for carried in (H_GROUP, H_INCARNATION) if payload is not None else (H_GROUP, H_INCARNATION, H_CLAIM):
             if carried in letter:
                 headers[carried] = letter[carried]
@@ -118,7 +119,7 @@ async def reinject(
         # Where the letter's message came from, too: the trainer ignores any later letter for that same message
         # (a replay of EXPERIENCE after a resume dead-letters it again), which would settle the reopened group.
         record |= {H_REINJECTED: str(sequence), H_STREAM: origin, H_SEQ: letter.get(H_SEQ, "")}
-        record["Nats-Msg-Id"] = f"reinjected.{sequence}.record"
+        record["Nats-Msg-Id"] = f"{REINJECT_ID_PREFIX}{sequence}.record"
         await js.publish(subject(run_id, DEAD), b"", headers=record)
         await js.publish(
             subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers

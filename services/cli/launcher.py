@@ -49,6 +49,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from services.cli.report import read_jsonl, render_html, render_report, time_lines
+from services.cli.run_archive import archive_and_describe
 from services.cli.runs import record_exit
 from services.common.config import (
     AdminCredentials,
@@ -855,6 +856,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
         failed = stop_or_kill(launcher)
         run_cost(cfg, {}, launcher.usage)
         _write_reports(cfg)
+        console.log(archive_and_describe(cfg))
         if failed:
             console.log(f"[red]services failed:[/] {failed}")
         _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
@@ -871,6 +873,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
 
     cost = run_cost(cfg, done, launcher.usage)
     report = _write_reports(cfg)
+    console.log(archive_and_describe(cfg))
     console.print(summarize(cfg, done, launcher.startup, wall_s, cost))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:

@@ -18,13 +18,17 @@ is never touched; services/cli/smoke.py), and checks, in order:
 5. ``alert-drill``: a synthetic firing of every rule reaches every configured sink.
 6. ``metrics``: entropy, reward mean and std, KL, response length and termination rate are
    in every step row, as finite numbers.
+7. ``first-step``, ``ranges``, ``jumps``, ``resources``, ``remote-services``: how the steps went (the first
+   one's time, the loss and value ranges, no abnormal jumps, memory and GPU stability) and whether the remote
+   reward and environment services answer; pure functions of the step rows in services/cli/verify_health.py.
 
 Against a running deployment (``rlpipe --address ADMIN verify``, ``verify_live``) nothing is started:
 the roles and rollout versions come from the trainer's status, the rest from the run's own files and
 stores, and the smoke run is skipped.
 
 A check whose evidence never came (the deployment did not start) is ``skip``. The record,
-``verify.json`` and a short ``verify.md``, goes into the smoke run's directory; the exit code
+``verify.json`` (with the build and library versions, the redacted config, the first metrics and the
+conclusion: services/cli/verify_record.py) and a short ``verify.md``, goes into the smoke run's directory; the exit code
 is 1 when any check failed, and each failed check is named.
 """
 
@@ -35,15 +39,27 @@ import math
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from services.cli.alert_drill import run_drill
 from services.cli.checkpoint_verify import verify_checkpoints
 from services.cli.healthcheck import check as health_check
 from services.cli.report import read_jsonl
 from services.cli.smoke import PROBE_TIMEOUT_S, STAGE_OF_ROLE, SmokeRun, smoke, trainer_status
+from services.cli.verify_check import Check
+from services.cli.verify_health import (
+    FIRST_STEP_MAX_S,
+    first_step_check,
+    jumps_check,
+    probe_remote,
+    ranges_check,
+    remote_services,
+    remote_services_check,
+    resources_check,
+)
+from services.cli.verify_record import record_extras
 from services.common.config import RunConfig, load_config_with
 from services.trainer.samples import SampleArchive
 
@@ -51,16 +67,6 @@ from services.trainer.samples import SampleArchive
 # the same weights in two engines differ by rounding (~1e-4 in float32), a missed or torn sync by far more.
 LOGPROB_TOLERANCE = 0.02
 CURVES = ("entropy", "reward_mean", "reward_std", "kl_ref", "response_length_mean", "termination_rate")
-
-Status = Literal["pass", "fail", "skip"]
-
-
-@dataclass(frozen=True)
-class Check:
-    name: str
-    status: Status
-    detail: str  # the evidence, or what failed
-
 
 # -- the checks ---------------------------------------------------------------------------------
 
@@ -181,9 +187,17 @@ def _finite(value: Any) -> bool:
 
 
 def write_record(
-    cfg: RunConfig, config_path: Path, checks: list[Check], took_s: float, settings: Mapping[str, Any] | None = None
+    cfg: RunConfig,
+    config_path: Path,
+    checks: list[Check],
+    took_s: float,
+    settings: Mapping[str, Any] | None = None,
+    rows: list[dict[str, Any]] | None = None,
 ) -> tuple[Path, Path]:
+    """``verify.json`` (the checks, and ``verify_record.record_extras``: versions, config, first metrics, conclusion)
+    and ``verify.md``; ``rows`` are the step rows the checks judged."""
     failed = [c.name for c in checks if c.status == "fail"]
+    extras = record_extras(cfg, rows or [], checks)
     record = {
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "config": str(config_path),
@@ -193,6 +207,7 @@ def write_record(
         "failed": failed,
         "took_s": round(took_s, 1),
         "checks": [asdict(c) for c in checks],
+        **extras,
     }
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     as_json, as_md = cfg.run_dir / "verify.json", cfg.run_dir / "verify.md"
@@ -204,6 +219,9 @@ def write_record(
         f"{record['time']}, smoke run `{cfg.run_id}`, {record['took_s']} s: "
         + ("**passed**" if not failed else f"**failed**: {', '.join(failed)}"),
         "",
+        f"Conclusion: {extras['conclusion']}. Build {extras['build']['version']} ({extras['build']['revision']}); "
+        + ", ".join(f"{name} {version}" for name, version in extras["libraries"].items()),
+        "",
         "| check | result | evidence |",
         "|---|---|---|",
         *(f"| {c.name} | {c.status} | {c.detail.replace('|', '/')} |" for c in checks),
@@ -212,12 +230,24 @@ def write_record(
     return as_json, as_md
 
 
+def run_health_checks(cfg: RunConfig, rows: list[dict[str, Any]]) -> list[Check]:
+    """How the steps went (services/cli/verify_health.py): ranges, jumps, resources; then the remote services."""
+    probed = {label: (url, probe_remote(url)) for label, url in remote_services(cfg).items()}
+    return [
+        ranges_check(rows, cfg.reward.max_abs_reward, with_critic=cfg.train.algorithm == "ppo"),
+        jumps_check(rows),
+        resources_check(rows),
+        remote_services_check(probed),
+    ]
+
+
 def verify(
-    config_path: Path, settings: Mapping[str, Any] | None = None
+    config_path: Path, settings: Mapping[str, Any] | None = None, first_step_max_s: float = FIRST_STEP_MAX_S
 ) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
     """Run the checklist against the embedded deployment, the config file with ``settings`` (dotted overrides)
-    over it; raises ConfigError for a config that cannot start."""
-    started = time.monotonic()
+    over it; raises ConfigError for a config that cannot start. The first step row must come within
+    ``first_step_max_s`` of the start."""
+    started, started_at = time.monotonic(), time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-verify-") as folder:
         run = smoke(config_path, Path(folder), settings)
     rows = step_rows(run.cfg)
@@ -228,8 +258,11 @@ def verify(
         checkpoint_check(run),
         drill_check(run.cfg),
         metrics_check(run, rows),
+        first_step_check(rows, started_at, first_step_max_s),
+        *run_health_checks(run.cfg, rows),
     ]
-    return checks, run.cfg, write_record(run.cfg, config_path, checks, time.monotonic() - started, settings)
+    took_s = time.monotonic() - started
+    return checks, run.cfg, write_record(run.cfg, config_path, checks, took_s, settings, rows)
 
 
 def smoke_only(config_path: Path) -> list[Check]:
@@ -287,5 +320,6 @@ def verify_live(
         Check("metrics", "skip", f"{cfg.metrics_file} is not on this machine")
         if not cfg.metrics_file.is_file()
         else metrics_of(cfg, rows),
+        *run_health_checks(cfg, rows),
     ]
-    return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started, settings)
+    return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started, settings, rows)

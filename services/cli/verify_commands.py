@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from services.cli.verify_health import FIRST_STEP_MAX_S
 from services.common.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path("examples/arith-grpo.yaml")
@@ -78,10 +79,17 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
             show_default=False,
         ),
         config: Path = typer.Option(DEFAULT_CONFIG, "--config", help="the deployment's run config YAML"),
+        first_step_max_s: float = typer.Option(
+            FIRST_STEP_MAX_S,
+            "--first-step-max-s",
+            min=1.0,
+            help="seconds from the smoke run's start to its first step row that still pass (model loads included)",
+        ),
     ) -> None:
         """The post-deployment checklist: roles, weight sync, a smoke run, a checkpoint written and loaded, an
-        alert drill, the training curves. Starts the embedded deployment, or, with the global --address, checks
-        the running one behind that trainer admin address (no smoke run). Writes verify.json and verify.md."""
+        alert drill, the training curves, their ranges and jumps, the first step's time, resources, remote
+        services. Starts the embedded deployment, or, with the global --address, checks the running one behind
+        that trainer admin address (no smoke run). Writes verify.json and verify.md."""
         from services.cli.verify import verify, verify_live
         from services.common.config import AdminCredentials, parse_overrides
 
@@ -97,7 +105,7 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
                     config, target.given_address, token, target.tls_ca, settings
                 )
             else:
-                checks, cfg, (as_json, as_md) = verify(config, settings)
+                checks, cfg, (as_json, as_md) = verify(config, settings, first_step_max_s)
         except ConfigError as error:
             _plain(f"rlpipe verify: {error}")
             raise typer.Exit(2) from None

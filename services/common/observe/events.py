@@ -68,6 +68,9 @@ class Event(StrEnum):
     CHECKPOINT_REPLACED = "checkpoint_replaced"  # a torn or foreign checkpoint at a step was replaced
     CHECKPOINT_SIZE_UNKNOWN = "checkpoint_size_unknown"  # the status could not size the newest checkpoint
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a checkpoint that cannot be read was passed over
+    CLAIM_DELETE_FAILED = "claim_delete_failed"  # a consumed claim body could not be deleted (lifecycle rule's now)
+    CLAIM_KEPT = "claim_kept"  # a consumed claim body was left to the lifecycle rule: a letter or a twin may read it
+    CLAIM_MISSING_AFTER_LAPSE = "claim_missing_after_lapse"  # a lapsed delivery's body is gone: handed back, not DEAD
     CLAIM_UNAVAILABLE = "claim_unavailable"  # a claim-checked body cannot be read yet
     COMMAND_SKIPPED = "command_skipped"  # an admin command was dropped: its caller went away
     COMPUTE_FAILED = "compute_failed"  # a stage's compute failed for one message

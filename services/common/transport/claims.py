@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 
 from services.common.transport.breaker import DependencyUnavailable
+from services.common.transport.claim_lifecycle import body_tags
 from services.common.transport.messages import ClaimCheck, DecodeError, decode
 from services.common.transport.storage import ObjectStore
 from services.common.transport.streams import H_CLAIM
@@ -18,6 +19,11 @@ from services.common.transport.streams import H_CLAIM
 
 class StoreUnavailable(DependencyUnavailable):
     """The object store holding a claim-checked body did not answer: the message is fine, try it again later."""
+
+
+class ClaimMissing(DecodeError):
+    """The claim-checked body is not in the store: the message's fault, unless a twin delivery consumed it and
+    deleted the body (``claim_lifecycle.missing_body_is_stale``)."""
 
 
 def claim_prefix(run_id: str) -> str:
@@ -75,7 +81,7 @@ async def read_claimed(store: ObjectStore, claim: ClaimCheck) -> bytes:
         # the declared size is enough to see that a stored body is longer than its claim.
         data = await asyncio.to_thread(lambda: store.get(claim.key, limit=claim.size + 1))
     except FileNotFoundError as error:
-        raise DecodeError(f"claim-checked body {claim.key} is missing: {error}") from None
+        raise ClaimMissing(f"claim-checked body {claim.key} is missing: {error}") from None
     except Exception as error:  # the store's many failure types: unreachable, refused, timed out
         raise StoreUnavailable(f"claim-checked body {claim.key} could not be read: {error!r}"[:500]) from error
     if len(data) != claim.size or hashlib.sha256(data).hexdigest() != claim.sha256:
@@ -90,7 +96,7 @@ async def store_claimed(store: ObjectStore, run_id: str, edge: str, msg_id: str,
     # the message the stream kept, whose repeat the duplicate window drops.
     key = f"{claim_prefix(run_id)}{edge}/{msg_id}-{sha256[:16]}"
     try:
-        await asyncio.to_thread(lambda: store.put(key, data))
+        await asyncio.to_thread(lambda: store.put(key, data, tags=body_tags(edge)))
     except Exception as error:  # S3 errors, refused or timed-out connections: the store, not the message
         raise StoreUnavailable(f"claim-checked body {key} could not be stored: {error!r}"[:500]) from error
     return ClaimCheck(key=key, size=len(data), sha256=sha256)

@@ -65,6 +65,8 @@ from services.common.observe.telemetry import start_span_from_headers
 from services.common.observe.timeshare import StageActivity, TimeShare
 from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
 from services.common.transport.bus import Bus
+from services.common.transport.claim_lifecycle import deletable_after_ack, missing_body_is_stale
+from services.common.transport.claims import ClaimMissing
 from services.common.transport.messages import DecodeError, Message, dedupe_id
 from services.common.transport.settle import Ack, DeadLetter, Decision, Nak, Outcome, settle, unsettled_letter
 from services.common.transport.streams import H_GROUP
@@ -95,15 +97,17 @@ class _Stopping(Exception):
 
 
 @contextlib.asynccontextmanager
-async def heartbeat(msgs: Callable[[], list[Msg]], interval_s: float) -> AsyncIterator[None]:
-    """Tell JetStream that ``msgs()`` (asked anew at each beat) are still being worked on: no redelivery."""
+async def heartbeat(held: Callable[[], list[Received]], interval_s: float) -> AsyncIterator[None]:
+    """Tell JetStream that ``held()`` (asked anew at each beat) are still being worked on: no redelivery. Each beat
+    that lands is ``touch``ed: how long a message went without one says whether it may have a twin."""
 
     async def beat() -> None:
         while True:
             await asyncio.sleep(interval_s)
-            for msg in msgs():
+            for one in held():
                 with contextlib.suppress(Exception):  # a broker away: the beat after it comes back counts
-                    await msg.in_progress()
+                    await one.msg.in_progress()
+                    one.touch()
 
     task = asyncio.create_task(beat())
     try:
@@ -114,8 +118,8 @@ async def heartbeat(msgs: Callable[[], list[Msg]], interval_s: float) -> AsyncIt
             await task
 
 
-def _unsettled(received: list[Received]) -> list[Msg]:
-    return [one.msg for one in received if not one.settled]
+def _unsettled(received: list[Received]) -> list[Received]:
+    return [one for one in received if not one.settled]
 
 
 async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
@@ -132,6 +136,20 @@ class Received(Generic[In]):
     fetched_at: float  # time.perf_counter() at fetch
     item: In | None = None
     settled: bool = False
+    last_touch: float = 0.0  # time.perf_counter() of the fetch or the last beat that landed
+    longest_gap_s: float = 0.0  # the longest the broker went without hearing of this delivery so far
+
+    def __post_init__(self) -> None:
+        self.last_touch = self.fetched_at
+
+    def touch(self) -> None:
+        now = time.perf_counter()
+        self.longest_gap_s = max(self.longest_gap_s, now - self.last_touch)
+        self.last_touch = now
+
+    def gap_until_now(self) -> float:
+        """``longest_gap_s`` counting the time since the last touch."""
+        return max(self.longest_gap_s, time.perf_counter() - self.last_touch)
 
 
 @dataclass
@@ -234,6 +252,16 @@ class Stage(Generic[In, Out]):
                 one.item = await self._available(
                     functools.partial(self.bus.decode, one.msg, self.input_kind), "claim_read", stop
                 )
+            except ClaimMissing as error:
+                if missing_body_is_stale(one.gap_until_now(), nats_cfg.ack_wait_s):
+                    # A twin delivery may have consumed it and deleted the body (claim_lifecycle): not this
+                    # message's fault to judge here. If it is still queued, the next delivery decides.
+                    log_event(log, Event.CLAIM_MISSING_AFTER_LAPSE, level=logging.WARNING, error=str(error)[:300])
+                    await self._on_broker(functools.partial(one.msg.nak, delay=0), "nak", stop)
+                    self._settle(one, Nak.label, error)
+                    continue
+                await self._carry_out(one, self._decide(one, Outcome.UNDECODABLE, error), error, stop)
+                continue
             except DecodeError as error:
                 await self._carry_out(one, self._decide(one, Outcome.UNDECODABLE, error), error, stop)
                 continue
@@ -415,6 +443,8 @@ class Stage(Generic[In, Out]):
                         self._settle(one, Nak.label, ack_error)
                         return
                     self.handled += 1
+                    one.touch()
+                    await self._drop_consumed_body(one)
                 case Nak(delay_s=delay_s):
                     delivered = msg.metadata.num_delivered
                     log_event(log, Event.COMPUTE_FAILED, level=logging.WARNING, error=repr(error), delivered=delivered)
@@ -424,3 +454,18 @@ class Stage(Generic[In, Out]):
                     await self._on_broker(letter, "dead_letter", stop)
                     await self._on_broker(msg.term, "term", stop)
         self._settle(one, decision.label, error)
+
+    async def _drop_consumed_body(self, one: Received[In]) -> None:
+        """Delete the claim-checked body of an input this delivery acked, when nobody can read it again
+        (``claim_lifecycle.deletable_after_ack``: no twin delivery, no dead letter, no re-inject's letter holds it).
+        A failure leaves it to the bucket's lifecycle rule: the message is done either way."""
+        key = self.bus.claim_key(one.msg)
+        if key is None:
+            return
+        if not deletable_after_ack(one.msg.headers, one.longest_gap_s, self.bus.cfg.nats.ack_wait_s):
+            log_event(log, Event.CLAIM_KEPT, key=key, longest_gap_s=round(one.longest_gap_s, 3))
+            return
+        try:
+            await asyncio.to_thread(self.bus.claims.delete, [key])
+        except Exception as error:  # the store's many failure types; the lifecycle rule is the backstop
+            log_event(log, Event.CLAIM_DELETE_FAILED, level=logging.WARNING, key=key, error=repr(error)[:300])

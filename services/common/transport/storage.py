@@ -10,6 +10,7 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 from urllib.parse import unquote, urlparse
@@ -44,7 +45,10 @@ def fsync_folder(folder: Path) -> None:
 class ObjectStore(Protocol):
     url: str
 
-    def put(self, key: str, data: bytes) -> None: ...
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
+        """Store ``data`` under ``key``; ``tags`` become S3 object tags (what a bucket's lifecycle rule can select
+        on) and mean nothing to a folder."""
+        ...
 
     def get(self, key: str, limit: int | None = None) -> bytes:
         """The object's bytes, at most ``limit`` of them when given; FileNotFoundError when there is none."""
@@ -69,7 +73,7 @@ class FileStore:
             raise ValueError(f"object key {key!r} is not a relative path inside the store")
         return self.root / key
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomically(path, data)
@@ -158,19 +162,25 @@ class S3Store:
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
         from minio.error import S3Error
 
         try:
-            self._upload(key, data)
+            self._upload(key, data, tags)
         except S3Error as error:
             if error.code != "NoSuchBucket":
                 raise
             # An endpoint that came back empty (or a bucket removed by hand): recreate and write again.
             self._ensure_bucket()
-            self._upload(key, data)
+            self._upload(key, data, tags)
 
-    def _upload(self, key: str, data: bytes) -> None:
+    def _upload(self, key: str, data: bytes, tags: Mapping[str, str] | None) -> None:
+        from minio.commonconfig import Tags
+
+        object_tags = None
+        if tags:
+            object_tags = Tags(for_object=True)
+            object_tags.update(tags)
         # Above part_size the SDK sends a multipart upload, parallel_uploads parts at a time.
         self.client.put_object(
             self.bucket,
@@ -179,6 +189,7 @@ class S3Store:
             len(data),
             part_size=self.part_size,
             num_parallel_uploads=self.parallel_uploads,
+            tags=object_tags,
         )
 
     def get(self, key: str, limit: int | None = None) -> bytes:
