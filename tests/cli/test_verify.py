@@ -3,6 +3,7 @@ as an operator runs them: real processes, a real webhook receiver, moto_server S
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 import os
@@ -210,7 +211,14 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert record["passed"] is True and record["failed"] == [] and record["run_id"] == "deploy-smoke"
     assert record["overrides"] == {"train.learning_rate": VERIFY_LEARNING_RATE}
     names = ["roles", "weight-sync", "smoke-run", "checkpoint", "alert-drill", "metrics"]
-    assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names]
+    names += ["first-step", "ranges", "jumps", "resources"]  # how the smoke run's steps went
+    assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names] + [
+        ("remote-services", "skip")  # the config names no remote reward or environment service
+    ]
+    assert record["conclusion"] == f"passed all {len(names)} checks that ran; skipped: remote-services; keep this " + (
+        "record as the baseline"
+    )
+    assert record["libraries"]["torch"] == importlib.metadata.version("torch") and record["config"]["run_id"] == "deploy-smoke"
     assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
     assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
     rows = metric_rows(run_dir)
@@ -321,5 +329,9 @@ def test_verify_checks_a_live_deployment_through_its_admin_address_without_a_smo
         ("checkpoint", "pass"),
         ("alert-drill", "pass"),
         ("metrics", "pass"),
+        ("ranges", "pass"),
+        ("jumps", "pass"),
+        ("resources", "pass"),
+        ("remote-services", "skip"),
     ]
     assert not (tmp_path / "runs" / "deploy-smoke").exists()
