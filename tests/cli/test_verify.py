@@ -218,7 +218,8 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert record["conclusion"] == f"passed all {len(names)} checks that ran; skipped: remote-services; keep this " + (
         "record as the baseline"
     )
-    assert record["libraries"]["torch"] == importlib.metadata.version("torch") and record["config"]["run_id"] == "deploy-smoke"
+    assert record["libraries"]["torch"] == importlib.metadata.version("torch")
+    assert record["config"]["run_id"] == "deploy-smoke"
     assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
     assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
     rows = metric_rows(run_dir)
