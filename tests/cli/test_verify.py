@@ -215,9 +215,8 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names] + [
         ("remote-services", "skip")  # the config names no remote reward or environment service
     ]
-    assert record["conclusion"] == f"passed all {len(names)} checks that ran; skipped: remote-services; keep this " + (
-        "record as the baseline"
-    )
+    concluded = f"passed all {len(names)} checks that ran; skipped: remote-services; keep this record as the baseline"
+    assert record["conclusion"] == concluded
     assert record["libraries"]["torch"] == importlib.metadata.version("torch")
     assert record["config"]["run_id"] == "deploy-smoke"
     assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
