@@ -60,7 +60,7 @@ from services.trainer.episodes import episode_metrics
 from services.trainer.intake import Collected, Fate, GroupLedger, Intake, PromptFeeder
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
-from services.trainer.lineage import Lineage
+from services.trainer.lineage import Lineage, LineageError
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.progress import Progress
@@ -548,9 +548,17 @@ async def lead_holding(
         await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
         trainer.checkpoints.guard = lease.check
         await trainer.prepare()
-    except (FencedOut, ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
+    except (
+        FencedOut,
+        ForeignCheckpoints,
+        ResumeRefused,
+        UnknownCheckpointFormat,
+        CheckpointMismatch,
+        LineageError,
+    ) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
-        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
+        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint
+        # or the same unreadable lineage.jsonl line.
         log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
         raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)
