@@ -32,7 +32,8 @@ from services.common.transport.messages import Completion, Prompt, RolloutGroup,
 from services.common.transport.presence import await_trainer_port
 from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS
-from services.common.transport.weightsync.auth import WeightSyncToken, channel_credentials
+from services.common.transport.weight_sync_tls import channel_credentials
+from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text

@@ -39,6 +39,7 @@ from services.common.observe.timeshare import StageActivity, StepPhase, TimeShar
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
+from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.live_config import LiveConfig
@@ -540,7 +541,7 @@ async def lead_holding(
         cfg.service.trainer_grpc_port,
         register,
         interceptors=weight_sync_auth.server_interceptors(cfg),
-        credentials=weight_sync_auth.server_credentials(cfg),
+        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
     )
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
