@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from services.cli.report import read_jsonl
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
-from services.trainer.lineage import effective_steps
+from services.trainer.lineage import Lineage, RestartRecord, effective_steps
 from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
@@ -183,17 +183,13 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
         assert rlpipe(run_dir, "stop").returncode == 0
         process.wait(timeout=120)
         assert process.returncode == 0, process.stdout.read()[-3000:]
-    lineage = [json.loads(line) for line in (run_dir / "lineage.jsonl").read_text().splitlines()]
-    rollback = next(r for r in lineage if r.get("event") == "rollback")
-    assert (
-        rollback["from_step"] == target
-        and rollback["abandoned_steps"]
-        and min(rollback["abandoned_steps"]) == target + 1
-    )
+    lineage = Lineage(run_dir / "lineage.jsonl").records()
+    rollback = next(r for r in lineage if isinstance(r, RestartRecord) and r.event == "rollback")
+    assert rollback.from_step == target and rollback.abandoned_steps and min(rollback.abandoned_steps) == target + 1
     # Steps after the rollback re-read what the abandoned steps had consumed: still no group twice.
     effective = effective_steps(lineage)
-    accounted = [g for r in effective for g, _ in r["groups"]] + [g for r in effective for g in r["dropped_stale"]]
-    assert len(accounted) == len(set(accounted)) and max(r["step"] for r in effective) > target
+    accounted = [g for r in effective for g, _ in r.groups] + [g for r in effective for g in r.dropped_stale]
+    assert len(accounted) == len(set(accounted)) and max(r.step for r in effective) > target
     # What ran is on record: the effective config and build at start and inside each checkpoint.
     assert (run_dir / "effective-config.yaml").read_text().startswith("# config version 0, rlpipe 0.1.0")
     assert json.loads((run_dir / f"step-{target:08d}" / "build.json").read_text())["version"] == "0.1.0"

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from services.trainer.lineage import Lineage, effective_steps
+from services.trainer.lineage import Lineage, RestartRecord, effective_steps
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
 
@@ -65,9 +65,9 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     assert restarts == {"reward-0": 2, "rollout-0": 2, "reference-0": 2, "trainer": 2}, restarts
     records = Lineage(run_dir / "lineage.jsonl").records()
-    assert len([r for r in records if r.get("event") == "resume"]) == 2
+    assert len([r for r in records if isinstance(r, RestartRecord) and r.event == "resume"]) == 2
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
+    assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
     assert_every_fed_prompt_accounted_once(runs, "chaos-all", final)
 
     evals = [r["eval_accuracy"] for r in metric_rows(run_dir) if "eval_accuracy" in r]

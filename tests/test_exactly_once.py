@@ -27,7 +27,7 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.common.transport.streams import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, effective_steps, lost_groups
+from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
 from tests.conftest import (
     RLPIPE_RUN,
     ROOT,
@@ -78,10 +78,10 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
     records = Lineage(run_dir / "lineage.jsonl").records()
-    resumes = [r for r in records if r.get("event") == "resume"]
-    assert [r["from_step"] for r in resumes] == [SAVE_EVERY]
+    resumes = [r for r in records if isinstance(r, RestartRecord) and r.event == "resume"]
+    assert [r.from_step for r in resumes] == [SAVE_EVERY]
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
+    assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
     assert_every_fed_prompt_accounted_once(runs, "late", final)
     # The repeats reached the trainer (the broker no longer filtered them) and were refused there.
     refused = sum(r.get("repeats_dropped", 0) for r in metric_rows(run_dir) if "pg_loss" in r)
@@ -160,7 +160,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
 
     records = Lineage(run_dir / "lineage.jsonl").records()
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, len(final) + 1))
+    assert [r.step for r in final] == list(range(1, len(final) + 1))
     used = used_groups(final)
     # A purged prompt the stopped rollout had already fetched still came back; every other one is lost.
     assert set(lost_groups(records)) == purged - used
@@ -169,7 +169,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     rows = metric_rows(run_dir)
     assert sum(r.get("groups_lost", 0) for r in rows if "pg_loss" in r) == len(purged - used)
     # The alert fires when the first groups are written off (not a step later: a stall brings no step row).
-    first_loss = next(r["at_step"] for r in records if "lost" in r)
+    first_loss = next(r.at_step for r in records if isinstance(r, LostRecord))
     assert next(r["step"] for r in rows if r.get("alert") == "groups_lost") == first_loss
     # And the run's events record each write-off, as they record a rollback that puts groups back in flight.
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
@@ -178,7 +178,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
 
 def used_groups(steps: list[dict]) -> set[str]:
     """Groups the lineage's steps applied or dropped as stale."""
-    return {g for r in steps for g, _ in r["groups"]} | {g for r in steps for g in r["dropped_stale"]}
+    return {g for r in steps for g, _ in r.groups} | {g for r in steps for g in r.dropped_stale}
 
 
 def fated_groups(run_dir: Path) -> set[str]:
@@ -240,8 +240,8 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
     assert lost[0]["stream"] in {stream_name("lostvol", EXPERIENCE), stream_name("lostvol", DEAD)}, lost[0]
     assert lost[0]["stream"] in lost[0]["error"]
     assert '"resumed"' not in trainer_log  # not restarted into the same broker
-    steps = [r for r in Lineage(run_dir / "lineage.jsonl").records() if "step" in r]
-    seqs = [r["experience_seq"] for r in steps]
+    steps = [r for r in Lineage(run_dir / "lineage.jsonl").records() if isinstance(r, StepRecord)]
+    seqs = [r.experience_seq for r in steps]
     assert seqs == sorted(set(seqs))  # nothing re-read from the re-created stream's sequence 1
 
 
@@ -291,7 +291,7 @@ def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_train
     assert (replay["read_through"], replay["purged_through"]) == (0, purges[-1] - 1)
     records = Lineage(run_dir / "lineage.jsonl").records()
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, 31))
+    assert [r.step for r in final] == list(range(1, 31))
     assert_every_fed_prompt_accounted_once(runs, "nosave", final)
     # What the abandoned incarnation left in flight came back and was set aside, not trained on nor counted.
     assert sum(e["event"] == "foreign_group_dropped" for e in events) > 0

@@ -23,7 +23,7 @@ import yaml
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, effective_steps, lost_groups
+from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
 from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
@@ -81,14 +81,14 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     assert restarts == {"trainer": 1, "rollout-0": 1}
     records = Lineage(run_dir / "lineage.jsonl").records()
-    resume = [r for r in records if r.get("event") == "resume"]
-    assert len(resume) == 1 and resume[0]["from_step"] % 3 == 0  # a checkpointed step
-    before_kill = [r["step"] for r in records[: records.index(resume[0])]]
-    assert resume[0]["abandoned_steps"] == [s for s in before_kill if s > resume[0]["from_step"]]
+    resume = [r for r in records if isinstance(r, RestartRecord) and r.event == "resume"]
+    assert len(resume) == 1 and resume[0].from_step % 3 == 0  # a checkpointed step
+    before_kill = [r.step for r in records[: records.index(resume[0])] if isinstance(r, StepRecord)]
+    assert resume[0].abandoned_steps == [s for s in before_kill if s > resume[0].from_step]
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
-    versions = [r["policy_version"] for r in records if "step" in r]
-    assert resume[0]["policy_version"] > max(versions[: len(before_kill)])  # versions keep growing across the restart
+    assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
+    versions = [r.policy_version for r in records if isinstance(r, StepRecord)]
+    assert resume[0].policy_version > max(versions[: len(before_kill)])  # versions keep growing across the restart
 
     assert_every_fed_prompt_accounted_once(runs, "chaos", final)
     # While the trainer was away, rollouts generated with the weights they held instead of failing
@@ -100,7 +100,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
 def assert_every_fed_prompt_accounted_once(
     runs: Path,
     run_id: str,
-    final: list[dict],
+    final: list[StepRecord],
     dead: frozenset[str] = frozenset(),
     allow_lost: bool = False,
 ) -> None:
@@ -108,15 +108,15 @@ def assert_every_fed_prompt_accounted_once(
     dead-lettered (``dead``), written off as lost (only with ``allow_lost``: a run whose broker kept every
     message loses none), or still in flight at the end; and only the newest
     ``max_inflight_batches * batch_size`` fed groups may still be in flight (no slot leaked)."""
-    applied = [group for r in final for group, _ in r["groups"]]
-    dropped = [group for r in final for group in r["dropped_stale"]]
+    applied = [group for r in final for group, _ in r.groups]
+    dropped = [group for r in final for group in r.dropped_stale]
     assert len(applied) == len(set(applied)), "a group was applied twice"
     assert not set(applied) & set(dropped) and len(dropped) == len(set(dropped))
     lost = set(lost_groups(Lineage(runs / run_id / "lineage.jsonl").records()))
     assert allow_lost or not lost, f"groups written off as lost: {sorted(lost)}"
     train = yaml.safe_load((runs / run_id / "effective-config.yaml").read_text())["train"]
     store = CheckpointStore(open_store(runs.resolve().as_uri(), CheckpointConfig()), run_id, keep_last=10)
-    state = store.load(final[-1]["step"]).state
+    state = store.load(final[-1].step).state
     assert state.data_cursor["epoch"] == 0
     fed = [f"e0-i{i}" for i in range(state.data_cursor["index"])]
     in_flight = set(state.in_flight)
@@ -163,12 +163,14 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
     assert restarts == {"nats": 1}  # no service crashed over it
     assert "sync_interval: always" in (run_dir / "nats.conf").read_text()
     records = Lineage(run_dir / "lineage.jsonl").records()
-    assert not [r for r in records if "event" in r or "lost" in r], "the trainer resumed or wrote groups off"
+    assert not [r for r in records if isinstance(r, RestartRecord | LostRecord)], (
+        "the trainer resumed or wrote groups off"
+    )
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, TOTAL_STEPS + 1))
+    assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
     # The trainer read EXPERIENCE straight on across the restart: the broker kept every acknowledged
     # message at its sequence (a lost one would have stopped it with BrokerStateLost / StreamGap).
-    sequences = [r["experience_seq"] for r in final]
+    sequences = [r.experience_seq for r in final]
     assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
     for log in (run_dir / "logs").glob("*.log"):
         text = log.read_text()

@@ -24,7 +24,7 @@ from services.common.observe.instruments import DiskWatch
 from services.common.service import serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup
-from services.common.transport.presence import Presence, RestartCounter, read_presence, roles_stalled
+from services.common.transport.presence import Presence, RestartCounter, SeenService, read_presence, roles_stalled
 from services.common.transport.stage import Stage, stall_bound_s
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.trainer.alerts import AlertEvaluator
@@ -72,8 +72,10 @@ def test_fifteen_minutes_without_a_step_fires_steps_absent():
 # ------------------------------------------------------------------ presence: stalled roles and restart loops
 
 
-def entry(role: str, instance: str, up: bool = True, starts: int = 1, **fields) -> dict:
-    return {"role": role, "instance": instance, "up": up, "starts": starts, **fields}
+def entry(role: str, instance: str, up: bool = True, starts: int = 1, **fields) -> SeenService:
+    return SeenService(
+        role=role, instance=instance, time=0.0, up=up, starts=starts, last_seen_s=0.0, restarts=starts - 1, **fields
+    )
 
 
 def test_a_role_is_stalled_when_no_live_replica_made_progress_within_the_bound():

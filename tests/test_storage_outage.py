@@ -232,8 +232,8 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
     for name, text in logs.items():
         assert '"dead_letter"' not in text and '"group_lost_to_dead_letters"' not in text, name
     final = effective_steps(Lineage(run_dir / "lineage.jsonl").records())
-    assert [r["step"] for r in final] == list(range(1, CLAIM_STEPS + 1))
-    applied = [group for r in final for group, _ in r["groups"]]
+    assert [r.step for r in final] == list(range(1, CLAIM_STEPS + 1))
+    applied = [group for r in final for group, _ in r.groups]
     assert len(applied) == CLAIM_STEPS * 8 and len(set(applied)) == len(applied)
 
 

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli.doctor_broker import embedded_broker_rows, nats_rows
 from services.cli.doctor_gpu import gpu_rows
+from services.cli.doctor_weightsync import weight_sync_rows
 from services.cli.plan import gpus_at_hand, sizing_row
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.model.sizing import read_host_memory
@@ -220,6 +221,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
             lambda cfg: [check_ports(cfg.service.host, role_ports(cfg, ports_of))],
         ),
         Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=embedded)]),
+        Check("weight-sync token", ("weight_sync", "service"), lambda cfg: weight_sync_rows(cfg, embedded)),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
         Check(
             "sizing",

@@ -27,12 +27,13 @@ from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
 from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
 from services.common.transport.presence import await_trainer_port
 from services.common.transport.stage import Stage
 from services.common.transport.streams import PROMPTS, ROLLOUTS
-from services.common.transport.weightsync.auth import WeightSyncToken, channel_credentials
+from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
@@ -132,9 +133,13 @@ class PolicyFollower:
     def _peer(self, address: str) -> WeightSyncClient:
         client = self._peers.get(address)
         if client is None:
-            # A peer's relay port is plaintext (TLS covers the trainer's port); the token is asked for all the same.
+            # A peer's relay port speaks what the trainer's does (weight_sync_tls), and asks for the same token.
             client = self._peers[address] = WeightSyncClient(
-                address, chunk_bytes=self.client.chunk_bytes, token=self.client.token
+                address,
+                chunk_bytes=self.client.chunk_bytes,
+                token=self.client.token,
+                credentials=self.client.credentials,
+                options=self.client.options,
             )
         return client
 
@@ -253,6 +258,19 @@ class PolicyFollower:
             await client.close()
 
 
+def relays(cfg: RunConfig) -> bool:
+    """Whether this replica relays weights: ``rollout.weight_relay``, unless peers would dial its relay by TLS
+    (``weight_sync.tls_ca``) while it has no certificate to serve it with (``tls_cert``/``tls_key``): each of their
+    pulls would fail and go to the trainer."""
+    if not cfg.rollout.weight_relay:
+        return False
+    if cfg.weight_sync.tls_ca is not None and cfg.weight_sync.tls_cert is None:
+        reason = "weight_sync.tls_ca is set without tls_cert/tls_key: peers would dial this relay by TLS"
+        log_event(log, Event.WEIGHT_RELAY_OFF, level=logging.WARNING, reason=reason)
+        return False
+    return True
+
+
 def relay_address_of(cfg: RunConfig, bound: str) -> str:
     """Where peers reach this replica's relay: rollout.relay_host (the pod IP in k8s) or service.host, at the
     bound gRPC port; "" (no relaying) when only a wildcard bind address is known, as peers cannot dial it."""
@@ -275,19 +293,25 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     if cfg.service.trainer_grpc_port == 0:  # started with the trainer (rlpipe run): its port is in its presence
         port = await await_trainer_port(bus.js, cfg, since=launched)
         cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
-    relay = Relay() if cfg.rollout.weight_relay else None
+    relay = Relay() if relays(cfg) else None
     token = WeightSyncCredentials().token
     server, address = await start_grpc_server(
         cfg,
         cfg.service.grpc_port,
         register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None,
         interceptors=[WeightSyncToken(token)] if token else None,
+        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.ROLLOUT) if relay else None,
     )
     relay_address = relay_address_of(cfg, address) if relay else ""
     follower = PolicyFollower(
         engine,
         engine_thread,
-        WeightSyncClient(cfg.trainer_address, token=token, credentials=channel_credentials(cfg)),
+        WeightSyncClient(
+            cfg.trainer_address,
+            token=token,
+            credentials=weight_sync_tls.channel_credentials(cfg),
+            options=weight_sync_tls.name_override(cfg),
+        ),
         dtype=dtype_named(serving_dtype(cfg)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,
         relay=relay if relay_address else None,

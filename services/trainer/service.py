@@ -39,6 +39,7 @@ from services.common.observe.timeshare import StageActivity, StepPhase, TimeShar
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
+from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.live_config import LiveConfig
@@ -62,7 +63,7 @@ from services.trainer.intake import Collected, Intake
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
 from services.trainer.ledger import Fate, GroupLedger
-from services.trainer.lineage import Lineage
+from services.trainer.lineage import Lineage, LineageError
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.progress import Progress
@@ -545,7 +546,7 @@ async def lead_holding(
         cfg.service.trainer_grpc_port,
         register,
         interceptors=weight_sync_auth.server_interceptors(cfg),
-        credentials=weight_sync_auth.server_credentials(cfg),
+        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
     )
     trainer = Trainer(cfg, bus, learner, weights, live)
     try:
@@ -553,9 +554,17 @@ async def lead_holding(
         await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
         trainer.checkpoints.guard = lease.check
         await trainer.prepare()
-    except (FencedOut, ForeignCheckpoints, ResumeRefused, UnknownCheckpointFormat, CheckpointMismatch) as error:
+    except (
+        FencedOut,
+        ForeignCheckpoints,
+        ResumeRefused,
+        UnknownCheckpointFormat,
+        CheckpointMismatch,
+        LineageError,
+    ) as error:
         # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
-        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint.
+        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint
+        # or the same unreadable lineage.jsonl line.
         log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
         raise SystemExit(EXIT_REFUSED) from error
     record_run_start(cfg, trainer.build, live.version)

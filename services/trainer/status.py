@@ -24,6 +24,7 @@ from services.common.pb import admin_pb2
 from services.common.transport.bus import Bus
 from services.common.transport.presence import (
     RestartCounter,
+    SeenService,
     read_presence,
     role_time_shares,
     roles_down,
@@ -63,7 +64,7 @@ class StatusReporter:
         self.catalog = catalog
         self.build = build
         self.experience_lag = StageMetrics("trainer", EXPERIENCE)
-        self.services: list[dict[str, Any]] = []
+        self.services: list[SeenService] = []
         self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
         self.services_read = 0.0
         self.created = time.monotonic()
@@ -72,7 +73,7 @@ class StatusReporter:
         self.disk = DiskWatch(save_paths(cfg.run_dir, cfg.checkpoint_url), cfg.checkpoint.min_free_mib * 2**20)
         self.checkpoint_size_read = -CHECKPOINT_SIZE_MAX_AGE_S
 
-    async def refresh_services(self, max_age_s: float = 5.0) -> list[dict[str, Any]]:
+    async def refresh_services(self, max_age_s: float = 5.0) -> list[SeenService]:
         if time.monotonic() - self.services_read > max_age_s:
             try:
                 self.services = await read_presence(self.bus.js, self.settings.cfg)
@@ -101,7 +102,7 @@ class StatusReporter:
             pass
         return lag
 
-    def roles_down(self, services: list[dict[str, Any]]) -> list[str]:
+    def roles_down(self, services: list[SeenService]) -> list[str]:
         """Roles without a live replica; one that has never registered counts once the start-up grace is over."""
         return roles_down(services, count_unseen=time.monotonic() - self.created > ROLE_STARTUP_GRACE_S)
 
@@ -172,21 +173,21 @@ class StatusReporter:
             checkpoint_store_error=store_error,
         )
 
-    def _service(self, entry: dict[str, Any]) -> admin_pb2.ServiceStatus:
+    def _service(self, entry: SeenService) -> admin_pb2.ServiceStatus:
         return admin_pb2.ServiceStatus(
-            instance=entry["instance"],
-            role=entry["role"],
-            grpc_address=entry.get("grpc", ""),
-            metrics_url=entry.get("metrics_url", ""),
-            pid=entry.get("pid", 0),
-            config_version=entry.get("config_version", 0),
-            policy_version=entry.get("policy_version", 0),
-            restarts=entry["restarts"],
-            consumer_lag=self.lag.get(entry["role"], 0),
-            last_seen_s=entry["last_seen_s"],
-            up=entry["up"],
-            build_version=entry.get("build_version", ""),
-            build_revision=entry.get("build_revision", ""),
+            instance=entry.instance,
+            role=entry.role,
+            grpc_address=entry.grpc,
+            metrics_url=entry.metrics_url,
+            pid=entry.pid,
+            config_version=entry.config_version,
+            policy_version=entry.policy_version,
+            restarts=entry.restarts,
+            consumer_lag=self.lag.get(entry.role, 0),
+            last_seen_s=entry.last_seen_s,
+            up=entry.up,
+            build_version=entry.build_version,
+            build_revision=entry.build_revision,
         )
 
 

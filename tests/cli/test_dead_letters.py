@@ -38,7 +38,7 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from services.trainer.lineage import Lineage, effective_steps
+from services.trainer.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
 from tests.conftest import ROOT, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
@@ -182,7 +182,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         assert letter.group_id == group_id and "token_ids are float32, not integers" in letter.reason
         fixed = experience_group(group_id, np.int32)
         assert asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator)) == stream_name("reinj", EXPERIENCE)
-        applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r["groups"] if g == group_id]  # noqa: E731
+        applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r.groups if g == group_id]  # noqa: E731
         wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)
         # The ledger's metrics count the group dead once and reopened once (so the fates still add up to the fed).
         counted = lambda key: sum(r.get(key, 0) for r in steps())  # noqa: E731
@@ -199,13 +199,15 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     assert restarts(run_dir) == {"trainer": 1}
     records = Lineage(run_dir / "lineage.jsonl").records()
     # Once, or again by the resumed trainer when its checkpoint is older than the reopen: either way this letter's.
-    assert {(r["reopened"], r["dead_letter"]) for r in records if "reopened" in r} == {(group_id, letter.sequence)}
+    assert {(r.reopened, r.dead_letter) for r in records if isinstance(r, ReopenedRecord)} == {
+        (group_id, letter.sequence)
+    }
     final = effective_steps(records)
-    assert [r["step"] for r in final] == list(range(1, 13))
-    assert [g for r in final for g, _ in r["groups"]].count(group_id) == 1
+    assert [r.step for r in final] == list(range(1, 13))
+    assert [g for r in final for g, _ in r.groups].count(group_id) == 1
 
 
-def steps_in_lineage(run_dir: Path) -> list[dict]:
+def steps_in_lineage(run_dir: Path) -> list[StepRecord]:
     return effective_steps(Lineage(run_dir / "lineage.jsonl").records())
 
 

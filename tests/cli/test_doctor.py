@@ -14,12 +14,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import nats
 import pytest
+import torch
 from nats.js import api
 
-from services.cli.doctor import check_packages
+from services.cli.doctor import _doctor_checks, check_packages
+from services.cli.doctor_weightsync import weight_sync_rows
 from services.common.config import CheckpointConfig, load_config
+from services.common.pb import weights_pb2_grpc
 from services.common.startup_checks import (
     StartupCheckError,
     check_admin_token,
@@ -29,6 +33,9 @@ from services.common.startup_checks import (
 )
 from services.common.transport.bus import Bus
 from services.common.transport.streams import PROMPTS, stream_name, subject
+from services.common.transport.weightsync.auth import WeightSyncToken
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import Snapshot
 from tests.conftest import ROOT, free_port, write_config
 
 pytestmark = pytest.mark.integration
@@ -291,3 +298,74 @@ def test_startup_checks_name_each_failure_for_the_roles_that_need_them(tiny_mode
     with pytest.raises(StartupCheckError) as raised:
         startup_checks(cfg, "run")
     assert {result.name for result in raised.value.failures} == {"dataset data.train_path", "storage"}
+
+
+WEIGHT_SYNC_TOKEN = "the-runs-weight-sync-token"
+
+
+def test_the_weight_sync_token_is_required_where_the_trainer_needs_one(tiny_model, tmp_path, monkeypatch):
+    model_dir, data_dir = tiny_model
+    monkeypatch.delenv("RLPIPE_WEIGHTSYNC_TOKEN", raising=False)
+    monkeypatch.delenv("RLPIPE_ENV", raising=False)
+    dev = load_config(write_config(tmp_path / "d.yaml", model_dir, data_dir, tmp_path / "runs"))
+    prod = load_config(write_config(tmp_path / "p.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    assert [(r.status, r.detail) for r in weight_sync_rows(prod, embedded=False)[:1]] == [
+        ("fail", "RLPIPE_WEIGHTSYNC_TOKEN is not set: a prod trainer refuses to start without one")
+    ]
+    assert weight_sync_rows(dev, embedded=False)[0].status == "warn"  # an open port: weight_sync_open at start
+    assert [r.status for r in weight_sync_rows(prod, embedded=True)] == ["ok"]  # rlpipe run makes one
+    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", WEIGHT_SYNC_TOKEN)
+    assert weight_sync_rows(prod, embedded=False)[0].detail == "set by RLPIPE_WEIGHTSYNC_TOKEN"
+    assert "weight-sync token" in [check.name for check in _doctor_checks(embedded=False)]
+
+
+def test_a_serving_trainers_port_must_refuse_a_call_without_the_token_and_take_the_runs(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Against real WeightSync servers: one checking the token, one open, and none at all."""
+    model_dir, data_dir = tiny_model
+    monkeypatch.delenv("RLPIPE_ENV", raising=False)
+
+    def rows_for(port: int, token: str) -> list[tuple[str, str]]:
+        monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", token)
+        cfg = load_config(
+            write_config(
+                tmp_path / f"c{port}.yaml",
+                model_dir,
+                data_dir,
+                tmp_path / "runs",
+                service={"host": "127.0.0.1", "trainer_grpc_port": port},
+            )
+        )
+        return [(r.status, r.detail) for r in weight_sync_rows(cfg, embedded=False)[1:]]
+
+    async def serving(interceptors: list) -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server(interceptors=interceptors)
+        snapshot = Snapshot(1, 1, (("w", torch.zeros(4)),))
+        weights_pb2_grpc.add_WeightSyncServicer_to_server(WeightSyncServer(snapshot), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    async def scenario() -> dict[str, list[tuple[str, str]]]:
+        guarded, guarded_port = await serving([WeightSyncToken(WEIGHT_SYNC_TOKEN)])
+        open_, open_port = await serving([])
+        try:
+            return {
+                "right": await asyncio.to_thread(rows_for, guarded_port, WEIGHT_SYNC_TOKEN),
+                "wrong": await asyncio.to_thread(rows_for, guarded_port, "not-the-runs"),
+                "open": await asyncio.to_thread(rows_for, open_port, WEIGHT_SYNC_TOKEN),
+                "none": await asyncio.to_thread(rows_for, free_port(), WEIGHT_SYNC_TOKEN),
+            }
+        finally:
+            await guarded.stop(0)
+            await open_.stop(0)
+
+    found = asyncio.run(scenario())
+    assert [status for status, _ in found["right"]] == ["ok"]
+    assert found["right"][0][1].endswith("refuses a call without the token and takes this one")
+    assert found["wrong"] == [("fail", found["wrong"][0][1])]
+    assert "refuses RLPIPE_WEIGHTSYNC_TOKEN (UNAUTHENTICATED): not the run's token" in found["wrong"][0][1]
+    assert found["open"] == [("fail", found["open"][0][1])]
+    assert found["open"][0][1].endswith("serves weights to a caller without the token")
+    assert [status for status, _ in found["none"]] == ["skip"]

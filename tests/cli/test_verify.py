@@ -23,7 +23,7 @@ from services.common.model.modeling import load_model
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint, TrainerState, detached_copy, rng_state
-from services.trainer.lineage import Lineage
+from services.trainer.lineage import Lineage, StepRecord
 from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
@@ -235,13 +235,13 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
 def test_samples_show_exactly_the_groups_and_rewards_the_trainer_applied(verified):
     done, run_dir, _ = verified
     assert done.returncode == 0, done.stderr[-3000:]
-    applied = {r["step"]: r for r in Lineage(run_dir / "lineage.jsonl").records() if "groups" in r}
+    applied = {r.step: r for r in Lineage(run_dir / "lineage.jsonl").records() if isinstance(r, StepRecord)}
     rows = {r["step"]: r for r in metric_rows(run_dir) if "reward_mean" in r}
     for step in (1, 2, 3):
         shown = rlpipe("--run-dir", str(run_dir), "samples", "--step", str(step), "--n", "100", "--json")
         assert shown.returncode == 0, shown.stderr
         groups = [json.loads(line) for line in shown.stdout.splitlines()]
-        assert sorted(g["group_id"] for g in groups) == sorted(group_id for group_id, _ in applied[step]["groups"])
+        assert sorted(g["group_id"] for g in groups) == sorted(group_id for group_id, _ in applied[step].groups)
         rewards = [c["reward"] for g in groups for c in g["completions"]]
         assert sum(rewards) / len(rewards) == pytest.approx(rows[step]["reward_mean"], abs=1e-6)
     table = rlpipe("samples", "--run", str(run_dir), "--n", "1")  # the newest step, as a table

@@ -236,7 +236,7 @@ def test_a_stage_started_before_the_trainer_waits_for_each_stream_and_bucket_the
 
     entries = asyncio.run(scenario())
 
-    assert sorted(entry["role"] for entry in entries) == ["reward", "trainer"]
+    assert sorted(entry.role for entry in entries) == ["reward", "trainer"]
     waits = waited_for()
     assert waits[:2] == [f"bucket {live_config.bucket_name('test')}", f"stream {stream_name('test', 'prompts')}"]
     assert waits[-1] == f"bucket {presence.bucket_name('test')}"

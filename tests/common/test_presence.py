@@ -47,12 +47,12 @@ def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, 
         # Read many times over: kv.keys() sometimes answered "no keys" here, making every replica look gone.
         for _ in range(40):
             entries = await read_presence(js, cfg)
-            assert [(e["instance"], e["up"]) for e in entries] == [
+            assert [(e.instance, e.up) for e in entries] == [
                 ("reward-0", True),
                 ("rollout-0", True),
                 ("rollout-1", True),
             ]
-        assert {e["instance"]: e["restarts"] for e in entries}["reward-0"] == 1
+        assert {e.instance: e.restarts for e in entries}["reward-0"] == 1
         # Roles never seen: down, unless they may still be starting.
         assert roles_down(entries) == ["reference"] and roles_down(entries, count_unseen=False) == []
         for replica in (*replicas, again):
@@ -95,7 +95,7 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
             watchdogs.append(asyncio.create_task(watch_progress(MovingLoop(), [], presence, lambda s=seconds: s)))
         await asyncio.sleep(HEARTBEAT_S + 1)  # the next beat carries what the watchdog put in the entry
         entries = await read_presence(js, cfg)
-        assert {e["instance"]: e["time_s"] for e in entries} == spent
+        assert {e.instance: e.time_s for e in entries} == spent
         assert role_time_shares(entries) == {"reward": {"busy": 0.5, "idle": 0.375, "blocked": 0.125}}
         for task in watchdogs:
             task.cancel()
@@ -131,3 +131,41 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
         await nc.close()
 
     asyncio.run(scenario())
+
+
+def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_newer_builds_fields_are_ignored(
+    tiny_model, tmp_path, nats_url, caplog
+):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="typed", nats={"url": nats_url}
+        )
+    )
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        kv = await open_bucket(js, cfg)
+        now = time.time()
+        newer = {"role": "reward", "instance": "reward-1", "time": now, "starts": 3, "gpu_util": 0.5}
+        await kv.put("reward-1", json.dumps(newer).encode())
+        await kv.put("reward-2", json.dumps({"role": "reward", "instance": "reward-2", "time": "now"}).encode())
+        await kv.put("rollout-0", b"not json")
+        # A replica restarting over the unreadable entry of its instance name starts counting again.
+        named = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": "rollout-0"})})
+        rollout = await Presence(js, named, "rollout").start(grpc="127.0.0.1:1234")
+        with pytest.raises(ValueError, match=r"no field\(s\) \['grcp'\]"):
+            rollout.update(grcp="127.0.0.1:1")
+        entries = await read_presence(js, cfg)
+        await rollout.stop()
+        await nc.close()
+        return entries
+
+    caplog.set_level("WARNING")
+    entries = asyncio.run(scenario())
+    assert [(e.instance, e.up, e.restarts) for e in entries] == [("reward-1", True, 2), ("rollout-0", True, 1)]
+    assert entries[1].grpc == "127.0.0.1:1234" and entries[1].pid > 0
+    malformed = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "presence_malformed"]
+    assert [m["key"] for m in malformed] == ["rollout-0", "reward-2"]
+    assert "time" in malformed[1]["error"]

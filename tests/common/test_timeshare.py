@@ -3,7 +3,7 @@
 import pytest
 
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
-from services.common.transport.presence import role_time_shares
+from services.common.transport.presence import SeenService, role_time_shares
 
 pytestmark = pytest.mark.unit
 
@@ -78,11 +78,12 @@ def test_each_take_covers_exactly_the_wall_time_since_the_last_and_starts_the_co
 
 
 def test_a_roles_fractions_are_taken_over_the_seconds_of_all_its_replicas():
+    seen = {"time": 0.0, "last_seen_s": 0.0, "up": True, "restarts": 0}
     entries = [
-        {"role": "reward", "instance": "reward-0", "time_s": {"busy": 3.0, "idle": 1.0, "blocked": 0.0}},
-        {"role": "reward", "instance": "reward-1", "time_s": {"busy": 1.0, "idle": 3.0, "blocked": 0.0}},
-        {"role": "rollout", "instance": "rollout-0", "time_s": {"busy": 6.0, "idle": 0.0, "blocked": 2.0}},
-        {"role": "reference", "instance": "reference-0"},  # still starting: no loop time yet
+        SeenService(role="reward", instance="reward-0", time_s={"busy": 3.0, "idle": 1.0, "blocked": 0.0}, **seen),
+        SeenService(role="reward", instance="reward-1", time_s={"busy": 1.0, "idle": 3.0, "blocked": 0.0}, **seen),
+        SeenService(role="rollout", instance="rollout-0", time_s={"busy": 6.0, "idle": 0.0, "blocked": 2.0}, **seen),
+        SeenService(role="reference", instance="reference-0", **seen),  # still starting: no loop time yet
     ]
     assert role_time_shares(entries) == {
         "reward": {"busy": 0.5, "idle": 0.5, "blocked": 0.0},

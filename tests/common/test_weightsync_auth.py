@@ -13,10 +13,9 @@ from services.common.config import load_config
 from services.common.pb import weights_pb2_grpc
 from services.common.refusal import StartRefused
 from services.common.service import start_grpc_server
+from services.common.transport.weight_sync_tls import TRAINER, channel_credentials, server_credentials
 from services.common.transport.weightsync.auth import (
     WeightSyncToken,
-    channel_credentials,
-    server_credentials,
     server_interceptors,
 )
 from services.common.transport.weightsync.client import WeightSyncClient
@@ -135,7 +134,7 @@ def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_
             return ["rlpipe.v1.WeightSync"]
 
         server, address = await start_grpc_server(
-            cfg, 0, register, interceptors=server_interceptors(cfg), credentials=server_credentials(cfg)
+            cfg, 0, register, interceptors=server_interceptors(cfg), credentials=server_credentials(cfg, TRAINER)
         )
         plaintext = WeightSyncClient(address, token=TOKEN)
         secure = WeightSyncClient(address, token=TOKEN, credentials=channel_credentials(cfg))

@@ -133,11 +133,13 @@ def test_every_long_running_service_has_a_health_check_and_restart_policy(compos
 @pytest.mark.integration
 def test_rlpipe_services_probe_grpc_health_on_their_configured_port(compose):
     services = compose["services"]
-    assert (
-        "services.cli.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__TRAINER_GRPC_PORT}"
-        in services["trainer"]["healthcheck"]["test"][1]
-    )
-    for name in ("reference", "rollout", "reward"):
+    # The ports that carry weights speak TLS with weight_sync.tls_*: their probes take port and TLS from the config.
+    for role in ("trainer", "rollout"):
+        assert services[role]["healthcheck"]["test"] == [
+            "CMD",
+            *("python", "-m", "services.cli.healthcheck", "--config", "/etc/rlpipe/config.yaml", "--role", role),
+        ], role
+    for name in ("reference", "reward"):
         assert (
             "services.cli.healthcheck 127.0.0.1:$${RLPIPE_SERVICE__GRPC_PORT}"
             in services[name]["healthcheck"]["test"][1]

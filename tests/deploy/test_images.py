@@ -61,9 +61,15 @@ def test_one_target_per_role_on_the_right_base():
 def test_role_image_runs_its_service_and_probes_grpc_health(role):
     stage = stages()[role]
     assert f'CMD ["python", "-m", "services.{role}", "--config", "/etc/rlpipe/config.yaml"]' in stage
-    port = "RLPIPE_SERVICE__TRAINER_GRPC_PORT" if role == "trainer" else "RLPIPE_SERVICE__GRPC_PORT"
-    probe = rf'HEALTHCHECK .*CMD python -m services\.cli\.healthcheck "127\.0\.0\.1:\$\{{{port}\}}"'
-    assert re.search(probe, stage), stage
+    # The ports that carry weights speak TLS with weight_sync.tls_*: their probes take port and TLS from the config.
+    if role in ("trainer", "rollout"):
+        probe = (
+            r'HEALTHCHECK .*CMD \["python", "-m", "services\.cli\.healthcheck", '
+            rf'"--config", "/etc/rlpipe/config\.yaml", "--role", "{role}"\]'
+        )
+    else:
+        probe = r'HEALTHCHECK .*CMD python -m services\.cli\.healthcheck "127\.0\.0\.1:\$\{RLPIPE_SERVICE__GRPC_PORT\}"'
+    assert re.search(probe, stage, re.DOTALL), stage
 
 
 @pytest.mark.parametrize("runtime", ["cpu-runtime", "cuda-runtime"])

@@ -34,7 +34,7 @@ def test_core_resources_match_the_kubernetes_schemas(overlay, rendered):
 
 
 def test_schema_validation_rejects_an_unknown_field(rendered):
-    deployment = copy.deepcopy(one(rendered["prod"], "Deployment", "rollout"))
+    deployment = copy.deepcopy(one(rendered["prod"], "Deployment", "reward"))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["grpc"]["prot"] = HEALTH_PORT
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(deployment, KUBERNETES_VERSION, strict=True)
@@ -78,6 +78,13 @@ def env_map(docs: list[dict]) -> dict[str, str]:
     return config_map["data"]
 
 
+def config_probe(role: str) -> dict:
+    """The exec probe of a role whose port carries weights (TLS with weight_sync.tls_*; the kubelet's grpc probe
+    speaks plaintext only): port and TLS from the run's config."""
+    command = f'exec python -m services.cli.healthcheck --config "/etc/rlpipe/${{RLPIPE_ENV}}.yaml" --role {role}'
+    return {"command": ["sh", "-c", command]}
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_each_stateless_role_is_a_deployment_probed_over_grpc(overlay, rendered):
     for role in STATELESS:
@@ -86,7 +93,10 @@ def test_each_stateless_role_is_a_deployment_probed_over_grpc(overlay, rendered)
         assert "replicas" not in deployment["spec"], "KEDA owns the replica count"
         assert spec["args"] == ["python", "-m", f"services.{role}", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-            assert spec[probe]["grpc"] == {"port": HEALTH_PORT}, (role, probe)
+            if role == "rollout":  # its port carries the weight relay
+                assert spec[probe] == {**spec[probe], "exec": config_probe(role)} and "grpc" not in spec[probe]
+            else:
+                assert spec[probe]["grpc"] == {"port": HEALTH_PORT}, (role, probe)
         assert {p["containerPort"] for p in spec["ports"]} == {HEALTH_PORT, METRICS_PORT}
     assert int(env_map(rendered[overlay])["RLPIPE_SERVICE__GRPC_PORT"]) == HEALTH_PORT
     assert int(env_map(rendered[overlay])["RLPIPE_TELEMETRY__METRICS_PORT"]) == METRICS_PORT
@@ -192,7 +202,7 @@ def test_trainer_is_one_gpu_pod_started_by_torchrun_through_the_wrapper(rendered
         == 1
     )
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert spec[probe]["grpc"] == {"port": TRAINER_PORT}
+        assert spec[probe]["exec"] == config_probe("trainer") and "grpc" not in spec[probe]
     assert {p["name"]: p["containerPort"] for p in spec["ports"]} == {
         "weights": TRAINER_PORT,
         "admin": ADMIN_PORT,

@@ -157,6 +157,14 @@ def test_the_tuner_is_an_indexed_job_of_workers_on_one_study(tuning_overlay):
     (container,) = pod["containers"]
     assert container["args"] == ["rlpipe", "tune", "--worker", "/etc/rlpipe/tune/tune.yaml"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # Its trials read the deployment's secrets as the trainer does: rlpipe-secrets, and the trainer's store user
+    # last (it wins over store keys an older rlpipe-secrets carries); the same objects, as rendered, as its envFrom.
+    trainer = one(tuning_overlay, "StatefulSet", "trainer")["spec"]["template"]["spec"]["containers"][0]
+    assert container["envFrom"] == trainer["envFrom"]
+    assert container["envFrom"][1:] == [
+        {"secretRef": {"name": "rlpipe-secrets"}},
+        {"secretRef": {"name": "rlpipe-store-trainer"}},
+    ]
     env = {e["name"]: e["valueFrom"] for e in container["env"]}
     assert env["RLPIPE_TUNE_STORAGE"] == {"secretKeyRef": {"name": "rlpipe-tune", "key": "RLPIPE_TUNE_STORAGE"}}
     # The deployment's own run config, chosen by the overlay's RLPIPE_ENV, is the study's base config.

@@ -8,14 +8,17 @@ import grpc
 import pytest
 import torch
 
+from services.common.config import RunConfig, load_config
 from services.common.pb import weights_pb2_grpc
+from services.common.transport import weight_sync_tls
 from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
-from services.rollout.service import PolicyFollower
-from tests.conftest import free_port
+from services.rollout.service import PolicyFollower, relays
+from tests.conftest import free_port, write_config
+from tests.trainer.test_admin_transport import self_signed
 
 pytestmark = pytest.mark.integration
 
@@ -64,11 +67,18 @@ def token_check(token: str) -> list[grpc.aio.ServerInterceptor]:
     return [WeightSyncToken(token)] if token else []
 
 
-async def trainer(snap: Snapshot, fanout: int, token: str = "") -> tuple[grpc.aio.Server, WeightSyncServer, str]:
+def bind(server: grpc.aio.Server, tls: grpc.ServerCredentials | None) -> int:
+    where = f"127.0.0.1:{free_port()}"
+    return server.add_secure_port(where, tls) if tls is not None else server.add_insecure_port(where)
+
+
+async def trainer(
+    snap: Snapshot, fanout: int, token: str = "", tls: grpc.ServerCredentials | None = None
+) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
     impl = WeightSyncServer(snap, fanout=fanout)
     server = grpc.aio.server(interceptors=token_check(token))
     weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
+    port = bind(server, tls)
     await server.start()
     return server, impl, f"127.0.0.1:{port}"
 
@@ -76,16 +86,20 @@ async def trainer(snap: Snapshot, fanout: int, token: str = "") -> tuple[grpc.ai
 class Replica:
     """A rollout's weight path: its follower, its engine and its relay served on its own gRPC port."""
 
-    def __init__(self, trainer_address: str, token: str = ""):
+    def __init__(self, trainer_address: str, token: str = "", cfg: RunConfig | None = None):
+        """With ``cfg``, TLS as a rollout of that run has it (weight_sync_tls): on its port and to every peer."""
         self.engine = DictEngine()
         self.relay = Relay()
         self.server = grpc.aio.server(interceptors=token_check(token))
         add_relay_to_server(self.relay, self.server)
-        self.address = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{free_port()}')}"
+        tls = weight_sync_tls.server_credentials(cfg, weight_sync_tls.ROLLOUT) if cfg is not None else None
+        self.address = f"127.0.0.1:{bind(self.server, tls)}"
+        credentials = weight_sync_tls.channel_credentials(cfg) if cfg is not None else None
+        options = weight_sync_tls.name_override(cfg) if cfg is not None else ()
         self.follower = PolicyFollower(
             self.engine,
             ThreadPoolExecutor(max_workers=1),
-            WeightSyncClient(trainer_address, token=token),
+            WeightSyncClient(trainer_address, token=token, credentials=credentials, options=options),
             relay=self.relay,
             relay_address=self.address,
         )
@@ -187,6 +201,63 @@ def test_with_the_runs_token_on_every_port_a_version_still_crosses_the_chain_thr
     assert (trainer_sent, origins, loaded) == (wire_bytes(model(2)), ["relay", "peer"], [2, 2])
 
 
+def test_under_tls_a_version_crosses_the_chain_through_the_relays_and_a_plaintext_peer_gets_nothing(
+    tiny_model, tmp_path
+):
+    """The relay ports speak TLS with the trainer's certificate (weight_sync.tls_*), checked under the trainer's
+    name though each is dialled at 127.0.0.1; a relay that served plaintext would make every peer pull fail and
+    fall back to the trainer, which would then send the version twice."""
+    model_dir, data_dir = tiny_model
+    cert, key = self_signed(tmp_path)  # names localhost
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            service={"host": "0.0.0.0", "trainer_host": "localhost"},
+            weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
+        )
+    )
+
+    async def scenario():
+        tls = weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER)
+        server, weights, address = await trainer(model(1), fanout=1, token="run-token", tls=tls)
+        replicas = [Replica(address, token="run-token", cfg=cfg) for _ in range(3)]
+        plaintext = WeightSyncClient(replicas[0].address, token="run-token")
+        try:
+            for count, replica in enumerate(replicas, 1):
+                await replica.start()
+                await until(lambda count=count: len(weights.members) == count)
+            before = weights.sent_bytes
+            await weights.publish(model(2))
+            await until(lambda: all(r.follower.newest == 2 for r in replicas))
+            await asyncio.gather(*(r.follower.sync() for r in reversed(replicas)))
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await plaintext.pull(version=2)
+            return (
+                weights.sent_bytes - before,
+                [r.follower.last_origin for r in replicas],
+                [r.follower.loaded for r in replicas],
+                [r.relay.sent_bytes for r in replicas],
+                refused.value.code(),
+                [r.engine.weights for r in replicas],
+            )
+        finally:
+            await plaintext.close()
+            for replica in replicas:
+                await replica.stop()
+            await server.stop(0)
+
+    trainer_sent, origins, loaded, relayed, plaintext_code, engines = asyncio.run(scenario())
+    assert trainer_sent == wire_bytes(model(2))  # once: the others came through the TLS relays
+    assert (origins, loaded) == (["relay", "relay", "peer"], [2, 2, 2])
+    assert relayed == [wire_bytes(model(2)), wire_bytes(model(2)), 0]  # nothing to the plaintext client
+    assert plaintext_code == grpc.StatusCode.UNAVAILABLE
+    for got in engines:
+        assert all(torch.equal(got[name], tensor) for name, tensor in model(2).tensors)
+
+
 def test_a_replica_whose_parent_is_gone_pulls_from_the_trainer():
     first, second = model(1), model(2)
 
@@ -253,3 +324,18 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
     members, routes = asyncio.run(scenario())
     assert members == ("10.0.0.0:1", "10.0.0.2:1", "10.0.0.3:1")
     assert routes == [("", True), ("10.0.0.0:1", True), ("10.0.0.2:1", False)]
+
+
+@pytest.mark.unit
+def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_does_not_relay(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    cert, key = self_signed(tmp_path)
+
+    def rollout_config(**weight_sync: str) -> RunConfig:
+        return load_config(
+            write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", weight_sync=weight_sync)
+        )
+
+    assert not relays(rollout_config(tls_ca=str(cert)))  # its pulls from the trainer are TLS all the same
+    assert relays(rollout_config(tls_ca=str(cert), tls_cert=str(cert), tls_key=str(key)))
+    assert relays(rollout_config())  # no TLS anywhere: a plaintext relay, as before

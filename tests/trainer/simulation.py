@@ -59,7 +59,14 @@ from services.trainer.feeder import PromptFeeder
 from services.trainer.intake import Intake
 from services.trainer.learner import LearnerState
 from services.trainer.ledger import Fate, GroupLedger
-from services.trainer.lineage import Lineage, effective_steps, lost_groups
+from services.trainer.lineage import (
+    Lineage,
+    LineageRecord,
+    ReopenedRecord,
+    RestartRecord,
+    effective_steps,
+    lost_groups,
+)
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery
 
@@ -373,8 +380,8 @@ class CountingLineage(Lineage):
         super().__init__(path)
         self.effects = effects
 
-    def _append(self, record: dict[str, Any]) -> None:
-        self.effects.effect(f"lineage {sorted(record)}")
+    def _append(self, record: LineageRecord) -> None:
+        self.effects.effect(f"lineage {type(record).__name__}")
         super()._append(record)
 
 
@@ -583,8 +590,8 @@ class World:
             return
         records = trainer.lineage.records()
         steps = effective_steps(records)
-        applied = Counter(group for record in steps for group, _ in record["groups"])
-        dropped = Counter(group for record in steps for group in record["dropped_stale"])
+        applied = Counter(group for record in steps for group, _ in record.groups)
+        dropped = Counter(group for record in steps for group in record.dropped_stale)
         twice = sorted(g for g, n in (applied + dropped).items() if n > 1)
         if twice:
             raise InvariantBroken(f"groups applied or dropped more than once in the model's steps: {twice}")
@@ -710,9 +717,9 @@ async def _run(cfg: RunConfig, seed: int, ops: list[Op]) -> Counter[str]:
             records = world.trainer.lineage.records()
             world.outcomes["steps applied"] += len(effective_steps(records))
             world.outcomes["groups lost"] += len(lost_groups(records))
-            world.outcomes["groups reopened"] += sum(1 for record in records if "reopened" in record)
+            world.outcomes["groups reopened"] += sum(1 for record in records if isinstance(record, ReopenedRecord))
             for record in records:
-                world.outcomes[record.get("event", "")] += 1
+                world.outcomes[record.event if isinstance(record, RestartRecord) else ""] += 1
         world.outcomes["dead letters"] += len(world.bus.streams[DEAD].messages)
         return world.outcomes
 

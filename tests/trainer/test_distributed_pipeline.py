@@ -34,7 +34,7 @@ def test_a_two_rank_trainer_trains_saves_and_stops_cleanly_in_the_pipeline(tiny_
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     run_dir = runs / "ranks"
     final = effective_steps(Lineage(run_dir / "lineage.jsonl").records())
-    assert [r["step"] for r in final] == [1, 2, 3, 4]
+    assert [r.step for r in final] == [1, 2, 3, 4]
     assert_every_fed_prompt_accounted_once(runs, "ranks", final)
     store = CheckpointStore(open_store(runs.resolve().as_uri(), CheckpointConfig()), "ranks", keep_last=5)
     assert store.steps() == [2, 4]

@@ -153,7 +153,7 @@ def test_a_resume_from_an_older_step_abandons_the_later_ones_and_serves_a_newer_
         assert restarted.ledger.settled == {} and restarted.ledger.watermark() == "e0-i2"
         assert not restarted.ledger.arrived("e0-i1") and restarted.ledger.arrived("e0-i3")
         assert restarted.weights.latest.version == 4 and restarted.rewinds == 1
-        assert restarted.lineage.records()[-1]["abandoned_steps"] == [3]
+        assert restarted.lineage.records()[-1].abandoned_steps == [3]
 
     asyncio.run(scenario())
 
@@ -219,7 +219,7 @@ def test_a_rollback_that_cannot_mark_the_later_steps_changes_nothing_and_a_retry
         assert run.checkpoints.steps() == [1]
         assert run.ledger.settled == {} and run.ledger.watermark() == "e0-i1"  # step 1's checkpoint's
         assert sorted(run.ledger.in_flight) == ["e0-i2", "e0-i3"]  # applied by the abandoned steps: to come again
-        assert run.lineage.records()[-1]["event"] == "rollback"
+        assert run.lineage.records()[-1].event == "rollback"
 
     asyncio.run(scenario())
 
@@ -234,7 +234,7 @@ def test_a_trainer_restarted_before_its_first_checkpoint_serves_versions_past_th
         assert not await restarted.recovery.start(resume=True)
         assert restarted.progress.version == 4 and restarted.weights.latest.version == 4
         assert restarted.progress.abandoned_versions == [(1, 3)]
-        assert restarted.lineage.records()[-1]["abandoned_steps"] == [1, 2, 3]
+        assert restarted.lineage.records()[-1].abandoned_steps == [1, 2, 3]
         assert restarted.progress.incarnation not in ("", first.progress.incarnation)
 
     asyncio.run(scenario())
@@ -426,7 +426,7 @@ def test_a_store_that_comes_back_within_the_wait_is_resumed_from_and_the_lineage
         assert (restarted.progress.step, restarted.progress.version, restarted.progress.applied_seq) == (3, 4, 30)
         records = restarted.lineage.records()
         assert records[: len(records_before)] == records_before
-        assert [(r["event"], r["from_step"], r["abandoned_steps"]) for r in records[len(records_before) :]] == [
+        assert [(r.event, r.from_step, r.abandoned_steps) for r in records[len(records_before) :]] == [
             ("resume", 3, [])
         ]
 
@@ -503,7 +503,7 @@ def test_a_resume_to_a_named_step_is_made_once_and_a_later_restart_takes_the_new
         third = Harness(tiny_model, tmp_path, resume_step=2)
         assert await third.recovery.start(resume=True)
         assert (third.progress.step, third.progress.version, third.progress.applied_seq) == (3, 6, 35)
-        assert third.lineage.records()[-1]["from_step"] == 3
+        assert third.lineage.records()[-1].from_step == 3
 
     asyncio.run(scenario())
 

@@ -11,6 +11,7 @@ from services.common.config import BuildInfo, load_config
 from services.common.observe.events import EventLog, Journal
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
+from services.common.transport.presence import SeenService
 from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.control import Control
@@ -77,7 +78,7 @@ def test_a_role_that_never_registered_counts_as_down_only_after_the_start_up_gra
     reporter = StatusReporter(
         settings, None, progress, None, GroupLedger(), AlertEvaluator([], 0), no_catalog, BuildInfo()
     )
-    trainer_only = [{"role": "trainer", "up": True}]
+    trainer_only = [SeenService(role="trainer", instance="trainer", time=0.0, last_seen_s=0.0, up=True, restarts=0)]
     assert reporter.roles_down(trainer_only) == []  # rollouts may still be loading their engines
     reporter.created = time.monotonic() - ROLE_STARTUP_GRACE_S - 1
     assert reporter.roles_down(trainer_only) == ["rollout", "reward", "reference"]

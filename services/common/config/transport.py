@@ -168,10 +168,13 @@ class NatsConfig(Section):
 
 
 class WeightSyncConfig(Section):
-    """TLS of the trainer's WeightSync port; the run's token (RLPIPE_WEIGHTSYNC_TOKEN) is a credential, not config."""
+    """TLS of the trainer's WeightSync port and of relaying rollouts' ports; the run's token (RLPIPE_WEIGHTSYNC_TOKEN)
+    is a credential, not config."""
 
     tls_cert: Path | None = Field(
-        None, description="PEM certificate chain; with tls_key, the trainer's WeightSync port speaks TLS only"
+        None,
+        description="PEM certificate chain; with tls_key, the trainer's WeightSync port (and a relaying rollout's "
+        "gRPC port) speaks TLS only",
     )
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
     tls_ca: Path | None = Field(

@@ -127,6 +127,7 @@ class Event(StrEnum):
     PAUSE = "pause"  # events.jsonl's kind of PAUSED
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)
     PRESENCE_FAILED = "presence_failed"  # a replica's presence entry could not be written
+    PRESENCE_MALFORMED = "presence_malformed"  # a presence entry is not one this build reads: left out, key named
     PRESENCE_UNREADABLE = "presence_unreadable"  # the trainer's status could not read the presence bucket
     PRUNE_FAILED = "prune_failed"  # deleting an old checkpoint failed
     PURGED = "purged"  # consumed experience and its claim-checked bodies were deleted

@@ -10,6 +10,11 @@ stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is d
 whose loop is stuck beats on but its progress time stands still), and restart loops
 (``RestartCounter``: restarts per role within a window). The trainer creates the bucket;
 a replica of another role started before it waits for the bucket (``await_run_state``).
+
+An entry is a ``ServiceEntry`` in JSON; read back it is a ``SeenService`` (the entry, whether it is up and its
+restarts). Fields a newer build's replica adds are ignored on read, so replicas of two builds can share a bucket
+during a rolling upgrade; an entry that is not a valid ``ServiceEntry`` is logged (``presence_malformed``, naming
+the key) and left out, so its role counts as down rather than hiding the others.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Any
 
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.common.config import BuildInfo, RunConfig
 from services.common.observe.events import Event
@@ -37,6 +43,38 @@ from services.common.transport.nats_connect import STAGE_ROLES, await_run_state,
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 UP_WITHIN_S = 3 * HEARTBEAT_S
+
+
+class ServiceEntry(BaseModel):
+    """What a replica writes under its instance name, rewritten every ``HEARTBEAT_S`` seconds."""
+
+    # Ignored, not refused: a replica of a newer build may report more than this build reads.
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    role: str
+    instance: str
+    time: float  # wall time of the beat that wrote it, seconds since the epoch
+    pid: int = 0
+    host: str = ""
+    build_version: str = ""
+    build_revision: str = ""
+    starts: int = 1  # processes of this instance name so far: 1 + its restarts
+    grpc: str = ""  # host:port of its gRPC server (the trainer's weight sync, a stage's health)
+    admin: str = ""  # the trainer's Admin service, host:port
+    metrics_url: str = ""
+    config_version: int = 0  # the live config version it runs
+    policy_version: int = 0  # trainer and rollout: the policy version it holds
+    step: int = 0  # trainer: the last applied step
+    progress_time: float | None = None  # stages: wall time its loop last moved; None until it reports
+    time_s: dict[str, float] = {}  # stages: seconds its loop spent per activity (busy, idle, blocked)
+
+
+class SeenService(ServiceEntry):
+    """An entry as the trainer read it at one moment."""
+
+    last_seen_s: float  # since its last beat
+    up: bool  # beat within UP_WITHIN_S
+    restarts: int
 
 
 def bucket_name(run_id: str) -> str:
@@ -68,15 +106,15 @@ class Presence:
         self.live = live
         self.instance = instance_name(cfg, role)
         build = BuildInfo().resolved()
-        self.info: dict[str, Any] = {
-            "role": role,
-            "instance": self.instance,
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "build_version": build.version,
-            "build_revision": build.revision,
-            "starts": 1,
-        }
+        self.entry = ServiceEntry(
+            role=role,
+            instance=self.instance,
+            time=time.time(),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            build_version=build.version,
+            build_revision=build.revision,
+        )
         self.kv: Any = None
         self._task: asyncio.Task | None = None
 
@@ -84,22 +122,30 @@ class Presence:
         self.kv = await open_bucket(self.js, self.cfg, create=creates_run_state(self.role))
         try:
             earlier = json.loads((await self.kv.get(self.instance)).value)
-            self.info["starts"] = earlier.get("starts", 0) + 1
+            # An earlier entry this build cannot read counts as one start: the restart count starts over.
+            self.update(starts=int(earlier.get("starts", 0)) + 1 if isinstance(earlier, dict) else 2)
         except KeyNotFoundError:
             pass
+        except (ValueError, TypeError) as error:
+            log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=self.instance, error=str(error)[:300])
+            self.update(starts=2)
         self.update(**info)
-        record_service_starts(self.role, self.info["starts"])
+        record_service_starts(self.role, self.entry.starts)
         await self._beat()
         self._task = asyncio.create_task(self._beat_forever())
         return self
 
     def update(self, **info: Any) -> None:
-        """Change what the next heartbeat reports (endpoints, versions)."""
-        self.info.update(info)
+        """Change what the next heartbeat reports (endpoints, versions); a name ``ServiceEntry`` lacks is refused."""
+        unknown = sorted(info.keys() - ServiceEntry.model_fields.keys())
+        if unknown:
+            raise ValueError(f"presence entries have no field(s) {unknown}; known: {sorted(ServiceEntry.model_fields)}")
+        self.entry = ServiceEntry.model_validate({**self.entry.model_dump(), **info})
 
     async def _beat(self) -> None:
         versions = {"config_version": self.live.version} if self.live else {}
-        await self.kv.put(self.instance, json.dumps({**self.info, **versions, "time": time.time()}).encode())
+        self.entry = ServiceEntry.model_validate({**self.entry.model_dump(), **versions, "time": time.time()})
+        await self.kv.put(self.instance, self.entry.model_dump_json().encode())
 
     async def _beat_forever(self) -> None:
         while True:
@@ -114,7 +160,7 @@ class Presence:
             self._task.cancel()
 
 
-async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
+async def read_presence(js: Any, cfg: RunConfig) -> list[SeenService]:
     """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out."""
     kv = await open_bucket(js, cfg)
     # The keys from the stream's subject index: kv.keys() goes through a watcher that can report
@@ -126,14 +172,19 @@ async def read_presence(js: Any, cfg: RunConfig) -> list[dict[str, Any]]:
     entries = []
     for key in keys:
         try:
-            entry = json.loads((await kv.get(key)).value)
+            entry = ServiceEntry.model_validate_json((await kv.get(key)).value)
         except KeyNotFoundError:
             continue
-        entry["last_seen_s"] = now - entry["time"]
-        entry["up"] = entry["last_seen_s"] <= UP_WITHIN_S
-        entry["restarts"] = entry.get("starts", 1) - 1
-        entries.append(entry)
-    return sorted(entries, key=lambda e: (e["role"], e["instance"]))
+        except ValidationError as error:
+            log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=key, error=str(error)[:300])
+            continue
+        last_seen_s = now - entry.time
+        entries.append(
+            SeenService(
+                **entry.model_dump(), last_seen_s=last_seen_s, up=last_seen_s <= UP_WITHIN_S, restarts=entry.starts - 1
+            )
+        )
+    return sorted(entries, key=lambda e: (e.role, e.instance))
 
 
 async def await_trainer_port(js: Any, cfg: RunConfig, since: float) -> int:
@@ -144,39 +195,39 @@ async def await_trainer_port(js: Any, cfg: RunConfig, since: float) -> int:
     await open_bucket(js, cfg, create=False)  # waits for the trainer to create the bucket
     while True:
         for entry in await read_presence(js, cfg):
-            if entry["role"] == "trainer" and entry.get("grpc") and entry["time"] >= since:
-                return int(entry["grpc"].rpartition(":")[2])
+            if entry.role == "trainer" and entry.grpc and entry.time >= since:
+                return int(entry.grpc.rpartition(":")[2])
         await asyncio.sleep(0.5)
 
 
-def roles_down(entries: list[dict[str, Any]], count_unseen: bool = True) -> list[str]:
+def roles_down(entries: list[SeenService], count_unseen: bool = True) -> list[str]:
     """Pipeline roles with no live replica; ``count_unseen=False`` leaves out roles no replica of
     which has registered yet (still starting: images to pull, engines to load)."""
-    up = {entry["role"] for entry in entries if entry["up"]}
-    seen = {entry["role"] for entry in entries}
+    up = {entry.role for entry in entries if entry.up}
+    seen = {entry.role for entry in entries}
     return [role for role in STAGE_ROLES if role not in up and (count_unseen or role in seen)]
 
 
-def roles_stalled(entries: list[dict[str, Any]], now: float, bound_s: float) -> list[str]:
+def roles_stalled(entries: list[SeenService], now: float, bound_s: float) -> list[str]:
     """Pipeline roles with live replicas none of which has made progress within ``bound_s`` seconds.
 
     Only stages report ``progress_time``; a role whose live replicas do not (still starting) is not judged.
     """
     stalled = []
     for role in STAGE_ROLES:
-        times = [e["progress_time"] for e in entries if e["role"] == role and e["up"] and "progress_time" in e]
+        times = [e.progress_time for e in entries if e.role == role and e.up and e.progress_time is not None]
         if times and now - max(times) > bound_s:
             stalled.append(role)
     return stalled
 
 
-def role_time_shares(entries: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def role_time_shares(entries: list[SeenService]) -> dict[str, dict[str, float]]:
     """role -> activity (busy, idle, blocked) -> its fraction of the role's time, summed over the role's replicas
     (each entry's ``time_s``, the seconds its loop spent in each since it started); roles without any left out."""
     spent: dict[str, dict[str, float]] = {}
     for entry in entries:
-        for activity, seconds in (entry.get("time_s") or {}).items():
-            role = spent.setdefault(entry["role"], {})
+        for activity, seconds in entry.time_s.items():
+            role = spent.setdefault(entry.role, {})
             role[activity] = role.get(activity, 0.0) + seconds
     return {
         role: {activity: seconds / total for activity, seconds in by_activity.items()}
@@ -196,15 +247,15 @@ class RestartCounter:
         self.window_s = window_s
         self._samples: dict[str, deque[tuple[float, int]]] = {}  # instance -> (time, starts) at each change
 
-    def observe(self, entries: list[dict[str, Any]], now: float) -> dict[str, int]:
+    def observe(self, entries: list[SeenService], now: float) -> dict[str, int]:
         per_role: dict[str, int] = {}
         for entry in entries:
-            samples = self._samples.setdefault(entry["instance"], deque())
-            starts = int(entry.get("starts", 1))
+            samples = self._samples.setdefault(entry.instance, deque())
+            starts = entry.starts
             if not samples or samples[-1][1] != starts:
                 samples.append((now, starts))
             # Keep one sample from before the window: the baseline the count is taken against.
             while len(samples) > 1 and samples[1][0] <= now - self.window_s:
                 samples.popleft()
-            per_role[entry["role"]] = per_role.get(entry["role"], 0) + starts - samples[0][1]
+            per_role[entry.role] = per_role.get(entry.role, 0) + starts - samples[0][1]
         return per_role

@@ -3,8 +3,8 @@
 The token (RLPIPE_WEIGHTSYNC_TOKEN) is given to the trainer and the rollouts only: a reward or reference replica, or
 anything else on the network, can neither pull the policy's weights nor join the relay tree with an address of its
 choosing (a relay address arrives on ``WatchVersions``, so it is taken from authenticated rollouts alone). Health and
-reflection stay open for probes. TLS, when ``weight_sync.tls_*`` is set, is the transport's business (the channel and
-server credentials below); the token is checked either way.
+reflection stay open for probes. TLS, when ``weight_sync.tls_*`` is set, is the transport's business
+(services/common/transport/weight_sync_tls.py); the token is checked either way.
 """
 
 from __future__ import annotations
@@ -74,17 +74,3 @@ def server_interceptors(cfg: RunConfig) -> list[grpc.aio.ServerInterceptor]:
         raise StartRefused("RLPIPE_WEIGHTSYNC_TOKEN is not set: a prod trainer does not serve its weights to anyone")
     log_event(log, Event.WEIGHT_SYNC_OPEN, level=logging.WARNING, reason="RLPIPE_WEIGHTSYNC_TOKEN is not set")
     return []
-
-
-def server_credentials(cfg: RunConfig) -> grpc.ServerCredentials | None:
-    """TLS for the trainer's WeightSync port when ``weight_sync.tls_cert`` is set: a plaintext client then fails."""
-    tls = cfg.weight_sync
-    if tls.tls_cert is None or tls.tls_key is None:
-        return None
-    return grpc.ssl_server_credentials([(tls.tls_key.read_bytes(), tls.tls_cert.read_bytes())])
-
-
-def channel_credentials(cfg: RunConfig) -> grpc.ChannelCredentials | None:
-    """TLS to the trainer's WeightSync port when ``weight_sync.tls_ca`` is set."""
-    ca = cfg.weight_sync.tls_ca
-    return grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()) if ca is not None else None

@@ -57,7 +57,8 @@ class WeightStream:
 
 
 class WeightSyncClient:
-    """Calls carry ``token`` (the run's RLPIPE_WEIGHTSYNC_TOKEN); ``credentials`` make the channel TLS."""
+    """Calls carry ``token`` (the run's RLPIPE_WEIGHTSYNC_TOKEN); ``credentials`` make the channel TLS, ``options``
+    add channel options (the certificate name to check, weight_sync_tls.name_override)."""
 
     def __init__(
         self,
@@ -65,13 +66,15 @@ class WeightSyncClient:
         chunk_bytes: int = PULL_CHUNK_BYTES,
         token: str = "",
         credentials: grpc.ChannelCredentials | None = None,
+        options: tuple[tuple[str, str], ...] = (),
     ):
         if credentials is not None:
-            self.channel = grpc.aio.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *options])
         else:
-            self.channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+            self.channel = grpc.aio.insecure_channel(address, options=[*CHANNEL_OPTIONS, *options])
         self.token = token
         self.credentials = credentials
+        self.options = options
         self._metadata = token_metadata(token)
         self.stub = pb_grpc.WeightSyncStub(self.channel)
         self.chunk_bytes = chunk_bytes
