@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
-# 8 Mi float32 logits (32 MiB) per chunk: large enough that the per-chunk loop costs nothing next to the
-# matrix products that made the logits, small enough to be noise beside a 135M-parameter model.
-CHUNK_ELEMENTS = 1 << 23
+# 2 Mi float32 logits (8 MiB) per chunk: enough rows (42 of SmolLM2's) that the loop costs nothing next to the
+# matrix products that made the logits. 32 MiB chunks measured a higher peak (bench/logit_memory.py: 1.6x
+# the logits over them against 1.25x), as each chunk's temporaries then left the heap larger.
+CHUNK_ELEMENTS = 1 << 21
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
