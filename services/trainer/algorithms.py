@@ -15,6 +15,7 @@ from typing import Literal
 
 import torch
 
+from services.common.model import logit_math
 from services.common.registry import ADVANTAGE_ESTIMATORS, AGGREGATIONS, KL_ESTIMATORS
 
 # The tables live in common, where config validates names against them without importing the trainer.
@@ -299,8 +300,9 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str = "k3"
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """H = logsumexp(z) - sum(softmax(z) * z), per position."""
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    """H = logsumexp(z) - sum(softmax(z) * z), per position, in float32 at least, a few rows at a time
+    (``logit_math.entropy``: no float32 copy of the whole ``[B, R, V]`` logits, in the forward or backward)."""
+    return logit_math.entropy(logits)
 
 
 def truncated_importance_weights(

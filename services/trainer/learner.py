@@ -669,7 +669,9 @@ class Learner:
             weights=cut(targets.tis) if targets.tis is not None else None,
             horizon=horizon,
         )
-        entropy = aggregate(entropy_from_logits(logits.float()), mask, train.loss_agg, horizon)
+        # Without an entropy bonus the entropy is a statistic only: no graph, so no backward pass over the vocab.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and train.entropy_coef > 0):
+            entropy = aggregate(entropy_from_logits(logits), mask, train.loss_agg, horizon)
         kl = aggregate(kl_penalty(logp, cut(batch.ref_logp), train.kl.estimator), mask, train.loss_agg, horizon)
         loss = pg_loss - train.entropy_coef * entropy
         if train.kl.placement == "loss":

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from services.common.config import ConfigError, ModelConfig
+from services.common.model import logit_math
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -168,5 +169,6 @@ def response_logits(model: PreTrainedModel, batch: ResponseBatch) -> torch.Tenso
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log p(target) per position, computed in float32 for stability."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    """log p(target) per position, computed in float32 for stability, a few rows at a time
+    (``logit_math.token_logprobs``: no float32 copy of the whole ``[B, R, V]`` logits)."""
+    return logit_math.token_logprobs(logits, targets)
