@@ -141,9 +141,11 @@ def greedy_turns(
     max_tokens: list[int],
     stop: list[str],
     precision: Precision | None = None,
+    temperature: float = 0.0,
 ) -> list[Generation]:
     """One greedy turn continuing each context (left-padded into one batch), cut as ``turn_end`` says. A row's own
-    limit cuts the batch's longest run: greedy decoding of a prefix does not depend on how long it goes on."""
+    limit cuts the batch's longest run: decoding a prefix does not depend on how long it goes on. ``temperature``
+    above 0 samples instead (bench/tool_sampled_eval.py: held-out episodes as the rollouts sample them)."""
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     width = max(len(ids) for ids in contexts)
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in contexts])  # (B, width)
@@ -158,7 +160,11 @@ def greedy_turns(
                 **stopping,
                 input_ids=input_ids.to(model.device),
                 attention_mask=attention_mask.to(model.device),
-                do_sample=False,
+                **(
+                    {"do_sample": True, "temperature": temperature, "top_k": 0}
+                    if temperature > 0
+                    else {"do_sample": False}
+                ),
                 max_new_tokens=max(max_tokens),
                 pad_token_id=pad_id,
                 eos_token_id=eos_id,

@@ -110,7 +110,10 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     ("rollout", "message"),
     [
-        ({"environment": "abacus"}, "rollout.environment: environment 'abacus' is not one of ['calculator', 'python', 'no-tool']"),
+        (
+            {"environment": "abacus"},
+            "rollout.environment: environment 'abacus' is not one of ['calculator', 'python', 'no-tool']",
+        ),
         ({"environment": "no_such_module:Env"}, "'no_such_module:Env': module 'no_such_module' cannot be imported"),
         (
             {"environment": "calculator", "environment_url": "http://env:8000"},

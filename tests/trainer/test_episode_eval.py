@@ -7,6 +7,7 @@ import pytest
 
 from services.rollout.environments import Calculator, NoTool
 from services.rollout.episodes import EpisodeLimits, LocalEnvironment
+from services.trainer.distributed import Op, evaluate_payload, follow
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
 from tests.rollout.test_episodes import CharTokenizer, ScriptedEngine
 
@@ -101,3 +102,38 @@ def test_a_greedy_rows_turn_ends_where_the_rollouts_would(text, limit, expected)
     tokens = [0 if c == "\0" else ord(c) for c in text]
 
     assert turn_end(tokens, limit, 0, ["</calc>"], CharTokenizer().decode) == expected
+
+
+class ScriptedMesh:
+    def __init__(self, commands):
+        self.commands = list(commands)
+
+    def receive(self):
+        return self.commands.pop(0)
+
+
+class RecordingReplica:
+    def __init__(self):
+        self.calls = []
+
+    def evaluate(self, rows, max_new_tokens):
+        self.calls.append(("evaluate", rows, max_new_tokens))
+
+    def evaluate_episodes(self, rows):
+        self.calls.append(("evaluate_episodes", rows))
+
+
+def test_a_follower_rank_plays_the_episodes_when_the_leader_evaluates_episodes_and_greedy_rows_otherwise():
+    rows = [{"prompt": "1+1=", "answer": "2"}]
+    mesh = ScriptedMesh(
+        [
+            (Op.EVALUATE, evaluate_payload(rows, 0, episodes=True)),
+            (Op.EVALUATE, evaluate_payload(rows, 6)),
+            (Op.STOP, b""),
+        ]
+    )
+    replica = RecordingReplica()
+
+    follow(mesh, replica)
+
+    assert replica.calls == [("evaluate_episodes", rows), ("evaluate", rows, 6)]
