@@ -69,7 +69,7 @@ class RuleReward:
         if not any(weight > 0 for weight in weights.values()):
             raise ValueError(
                 "the held-out evaluation of episodes scores them with reward.functions, which has no positive "
-                "weight here; name one (such as final_number: 1.0) or set data.eval_every_steps: 0"
+                "weight here; name one (such as final_number: 1.0) or leave data.eval_path empty"
             )
         self.rules = [(reward_function(name), weight) for name, weight in weights.items()]
 

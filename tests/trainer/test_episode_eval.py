@@ -80,7 +80,7 @@ def test_right_means_a_positive_reward_so_a_penalty_can_outweigh_a_right_answer(
 
 @pytest.mark.parametrize("weights", [{}, {"final_number": 0.0, "length_penalty": -1.0}])
 def test_reward_functions_without_a_positive_weight_are_refused_naming_the_fields(weights):
-    with pytest.raises(ValueError, match=r"reward.functions.*data.eval_every_steps: 0"):
+    with pytest.raises(ValueError, match=r"reward.functions.*data.eval_path empty"):
         RuleReward(weights)
 
 
