@@ -49,7 +49,7 @@ REWARD_FUNCTIONS = Registry(
 )
 
 # rollout.environment's built-in names (services.rollout.environments implements them).
-ENVIRONMENTS = ("calculator", "python")
+ENVIRONMENTS = ("calculator", "python", "no-tool")
 
 
 def import_function(path: str) -> Callable[..., Any]:

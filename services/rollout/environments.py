@@ -219,7 +219,19 @@ class PythonTool(ToolEnvironment):
         return run_python(source)
 
 
-BUILT_IN: dict[str, type[ToolEnvironment]] = {"calculator": Calculator, "python": PythonTool}
+class NoTool:
+    """No tool at all: the episode ends after the model's first turn, whatever it wrote. With ``max_turns: 1`` and
+    no ``turn_stop`` it is the single-turn run of a tool task, measured by the same episode evaluation and reward as
+    the run with the tool (examples/tool-arith-no-tool.yaml): the fair baseline of an ablation."""
+
+    def reset(self, task: Task) -> str:
+        return task.prompt
+
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+
+BUILT_IN: dict[str, Callable[[], Environment]] = {"calculator": Calculator, "python": PythonTool, "no-tool": NoTool}
 assert set(BUILT_IN) == set(ENVIRONMENTS), "registry.ENVIRONMENTS names exactly the built-in environments"
 
 

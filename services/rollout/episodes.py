@@ -311,6 +311,15 @@ class EpisodeMetrics:
             self.env_reward.record(episode.env_reward)
 
 
+def environment_maker(cfg: RunConfig) -> Callable[[], EpisodeEnvironment]:
+    """What makes one episode's environment for ``cfg``: the HTTP service's client, or the named class in this
+    process under the time limit (the rollout's episodes and the trainer's held-out evaluation alike)."""
+    if cfg.rollout.environment_url:
+        return HttpEnvironmentClient(cfg.rollout).episode
+    plugin, timeout_s = environment_factory(cfg.rollout.environment), cfg.rollout.environment_timeout_s
+    return lambda: LocalEnvironment(plugin(), timeout_s)
+
+
 class EpisodeRunner:
     """The rollout's multi-turn path: prompts in, one group of episodes per prompt out."""
 
@@ -327,11 +336,7 @@ class EpisodeRunner:
         self.on_engine = on_engine  # runs an engine method on the engine's thread, judging its failures
         self.generate_turns = generate_turns
         self.metrics = EpisodeMetrics()
-        if cfg.rollout.environment_url:
-            self.make_environment: Callable[[], EpisodeEnvironment] = HttpEnvironmentClient(cfg.rollout).episode
-        else:
-            plugin, timeout_s = environment_factory(cfg.rollout.environment), cfg.rollout.environment_timeout_s
-            self.make_environment = lambda: LocalEnvironment(plugin(), timeout_s)
+        self.make_environment = environment_maker(cfg)
 
     async def groups(
         self, prompts: list[Prompt], sampling: SamplingConfig, policy_version: int, config_version: int

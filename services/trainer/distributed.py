@@ -109,7 +109,7 @@ class Op(IntEnum):
     WEIGHTS = 3  # gather the policy's full weights (weight sync)
     STATE = 4  # gather model, critic and optimizer state (a checkpoint)
     LOAD = 5  # load a checkpoint that rank 0 read
-    EVALUATE = 6  # payload: held-out rows and the generation budget
+    EVALUATE = 6  # payload: held-out rows, the generation budget and whether they are episodes
 
 
 @dataclass(frozen=True)
@@ -426,6 +426,7 @@ class Replica(Protocol):
     def state(self) -> Any: ...
     def load(self, ckpt: Any) -> None: ...
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float: ...
+    def evaluate_episodes(self, rows: list[dict[str, Any]]) -> Any: ...
 
 
 def step_payload(groups: list[ExperienceGroup], policy_version: int) -> bytes:
@@ -437,8 +438,9 @@ def config_payload(cfg: RunConfig) -> bytes:
     return pickle.dumps(cfg.model_dump(mode="python"))
 
 
-def evaluate_payload(rows: list[dict[str, Any]], max_new_tokens: int) -> bytes:
-    return msgpack.packb({"rows": rows, "max_new_tokens": max_new_tokens}, use_bin_type=True)
+def evaluate_payload(rows: list[dict[str, Any]], max_new_tokens: int, episodes: bool = False) -> bytes:
+    """``episodes``: a multi-turn run's evaluation, whose budgets are the config's, not ``max_new_tokens``."""
+    return msgpack.packb({"rows": rows, "max_new_tokens": max_new_tokens, "episodes": episodes}, use_bin_type=True)
 
 
 def follow(mesh: Mesh, replica: Replica) -> None:
@@ -461,7 +463,10 @@ def follow(mesh: Mesh, replica: Replica) -> None:
             replica.load(None)
         elif op is Op.EVALUATE:
             raw = msgpack.unpackb(payload, raw=False)
-            replica.evaluate(raw["rows"], raw["max_new_tokens"])
+            if raw["episodes"]:
+                replica.evaluate_episodes(raw["rows"])
+            else:
+                replica.evaluate(raw["rows"], raw["max_new_tokens"])
         else:  # pragma: no cover - an Op added without a case here
             raise ValueError(f"no follower action for {op!r}")
 

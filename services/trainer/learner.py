@@ -85,6 +85,7 @@ from services.trainer.checkpoint_state import (
 )
 from services.trainer.critic import Critic
 from services.trainer.distributed import Mesh, Op, config_payload, evaluate_payload, step_payload
+from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
 
 ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
 
@@ -348,6 +349,12 @@ class Learner:
         """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
         with self.mesh.command(Op.EVALUATE, evaluate_payload(rows, max_new_tokens) if self.mesh.leads else b""):
             return greedy_accuracy(self.model, self.tokenizer, rows, max_new_tokens, precision=self.precision)
+
+    def evaluate_episodes(self, rows: list[dict[str, Any]]) -> EpisodeEvaluation:
+        """Greedy held-out episodes of ``rows`` with the run's environment (a multi-turn run's evaluation)."""
+        payload = evaluate_payload(rows, 0, episodes=True) if self.mesh.leads else b""
+        with self.mesh.command(Op.EVALUATE, payload):
+            return evaluate_episodes(self.model, self.tokenizer, rows, self.cfg, precision=self.precision)
 
     def check(self, ckpt: Checkpoint) -> None:
         """Raise CheckpointMismatch unless ``ckpt`` loads whole: the weights' and the critic's keys, shapes, dtypes

@@ -341,14 +341,21 @@ class Trainer:
         if not self.eval_rows:
             return None
         took = Stopwatch()
+        episode_metrics: dict[str, float] = {}
         with self.step_time.during(StepPhase.EVAL):
-            accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, self.cfg.sampling.max_new_tokens)
+            if self.cfg.rollout.multi_turn:  # measured as it is trained: episodes with the run's environment
+                episodes = await asyncio.to_thread(self.learner.evaluate_episodes, self.eval_rows)
+                accuracy, episode_metrics = episodes.accuracy, episodes.metrics()
+            else:
+                max_new_tokens = self.cfg.sampling.max_new_tokens
+                accuracy = await asyncio.to_thread(self.learner.evaluate, self.eval_rows, max_new_tokens)
         self.progress.evaluated(accuracy)
         row = {
             "step": self.progress.step,
             "policy_version": self.progress.version,
             "config_version": self.live.version,
             "eval_accuracy": accuracy,
+            **episode_metrics,
             "eval_time_s": took(),
         }
         await self.responder.report(row)

@@ -111,7 +111,10 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
 @pytest.mark.parametrize(
     ("rollout", "message"),
     [
-        ({"environment": "abacus"}, "rollout.environment: environment 'abacus' is not one of ['calculator', 'python']"),
+        (
+            {"environment": "abacus"},
+            "rollout.environment: environment 'abacus' is not one of ['calculator', 'python', 'no-tool']",
+        ),
         ({"environment": "no_such_module:Env"}, "'no_such_module:Env': module 'no_such_module' cannot be imported"),
         (
             {"environment": "calculator", "environment_url": "http://env:8000"},
@@ -136,6 +139,21 @@ def test_an_environment_config_loads(tmp_path, dirs):
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "max_turns": 3}
     cfg = load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout))
     assert (cfg.rollout.multi_turn, cfg.rollout.turn_stop, cfg.rollout.max_turns) == (True, ["</calc>"], 3)
+
+
+def test_a_multi_turn_run_whose_held_out_episodes_no_rule_could_score_is_refused_at_load(tmp_path, dirs):
+    rollout = {"environment": "calculator", "turn_stop": ["</calc>"]}
+    reward = {"functions": {"exact_match": -1.0}}  # a weight that only ever takes away
+    with pytest.raises(ConfigError) as error:
+        load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout, reward=reward))
+    assert "reward.functions, which has no positive weight here" in str(error.value)
+    assert "leave data.eval_path empty" in str(error.value)
+
+    without_eval = {"train_path": str(dirs[1] / "train.jsonl"), "eval_path": None}
+    config = write_config(
+        tmp_path / "d.yaml", *dirs, tmp_path / "runs", rollout=rollout, reward=reward, data=without_eval
+    )
+    assert load_config(config).rollout.multi_turn
 
 
 def test_the_tool_arith_rows_hold_transcripts_whose_calls_the_calculator_answers_as_written(tmp_path):

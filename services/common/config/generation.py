@@ -76,7 +76,7 @@ class RolloutConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
     environment: str = Field(
         "",
-        description="multi-turn episodes (docs/agents.md): a built-in environment (calculator, python) or a "
+        description="multi-turn episodes (docs/agents.md): a built-in environment (calculator, python, no-tool) or a "
         "'module:Class' plugin; empty = single-turn completions",
     )
     environment_url: str = Field(

@@ -119,6 +119,17 @@ class RunConfig(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _episodes_evaluated_by_a_rule(self) -> RunConfig:
+        # A multi-turn run's held-out episodes are scored by reward.functions (docs/agents.md): with no positive
+        # weight no episode could count as right, so the run would report 0 whatever the model does.
+        if self.rollout.multi_turn and self.data.eval_path and not any(w > 0 for w in self.reward.functions.values()):
+            raise ValueError(
+                "a multi-turn run's held-out evaluation scores episodes with reward.functions, which has no positive "
+                "weight here: name one (such as final_number: 1.0) or leave data.eval_path empty"
+            )
+        return self
+
     @field_validator("reward")
     @classmethod
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:

@@ -1,0 +1,83 @@
+"""Held-out accuracy of runs side by side, against steps and wall time: does the tool matter (docs/agents.md).
+
+    python -m bench.tool_curve runs/tool-arith runs/tool-arith-no-tool --out docs/images/tool-arith-curve.png
+
+Reads each run's metrics.jsonl (its ``eval_accuracy`` rows; wall time counts from the run's first metrics row),
+writes one PNG with two panels and prints each evaluation as a Markdown table row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    step: int
+    minutes: float  # since the run's first metrics row
+    accuracy: float
+    tool_calls_mean: float | None
+
+
+def evaluations(run_dir: Path) -> list[Evaluation]:
+    """The run's held-out evaluations in order; ValueError when it has none."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
+    start = min(row["time"] for row in rows)
+    found = [
+        Evaluation(
+            step=row["step"],
+            minutes=(row["time"] - start) / 60,
+            accuracy=row["eval_accuracy"],
+            tool_calls_mean=row.get("eval/tool_calls_mean"),
+        )
+        for row in rows
+        if row.get("eval_accuracy") is not None
+    ]
+    if not found:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no eval_accuracy row: was data.eval_every_steps 0?")
+    return found
+
+
+def plot(curves: dict[str, list[Evaluation]], out: Path) -> None:
+    figure, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for name, curve in curves.items():
+        by_step.plot([e.step for e in curve], [e.accuracy for e in curve], marker="o", label=name)
+        by_time.plot([e.minutes for e in curve], [e.accuracy for e in curve], marker="o", label=name)
+    by_step.set_xlabel("step")
+    by_time.set_xlabel("wall minutes since the first metrics row")
+    by_step.set_ylabel("held-out accuracy (greedy episodes)")
+    for axes in (by_step, by_time):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=100)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (runs/<run_id>)")
+    parser.add_argument("--out", type=Path, required=True, help="PNG to write")
+    args = parser.parse_args(argv)
+    curves = {run.name: evaluations(run) for run in args.runs}
+    plot(curves, args.out)
+    print("| run | step | minutes | held-out accuracy | tool calls per episode |")
+    print("|---|---|---|---|---|")
+    for name, curve in curves.items():
+        for e in curve:
+            calls = "" if e.tool_calls_mean is None else f"{e.tool_calls_mean:.2f}"
+            print(f"| {name} | {e.step} | {e.minutes:.1f} | {e.accuracy:.3f} | {calls} |")
+
+
+if __name__ == "__main__":
+    main()
