@@ -26,6 +26,13 @@ TEST_MODEL_DIR = ROOT / "build" / "test-model"
 # its tests; a test that differs carries its own marker, and the marker closest to the test wins.
 TIERS = ("unit", "integration", "e2e")
 
+# vLLM's sampler compiles two small helpers with torch.compile on its first batch (the per-token logprob ranks; the
+# model itself runs eager, enforce_eager). On the CPU backend that is an inductor C++ build in every rollout process:
+# about 3 CPU s and 7 to 40 s of wall time before the first group of every run on this machine, for kernels that a
+# 3-layer model does not need. rlpipe itself compiles nothing, so the tests and every process they start (which
+# inherits this environment) run those helpers eagerly: the same results, without the build.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     # The recovery simulation (tests/trainer/test_simulation.py, docs/testing.md): replay one seed, or run more.

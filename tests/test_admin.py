@@ -57,7 +57,9 @@ def start(tiny_model, tmp_path: Path, run_id: str, **sections) -> tuple[Path, Pa
         run_id=run_id,
         train={"total_steps": 1000, "batch_size": 8, "learning_rate": 1e-4, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 2, "keep_last": 20},
-        rollout={"prompts_per_batch": 8},
+        # Operating the run is under test, not the engine: the transformers rollout starts without vLLM's cost.
+        rollout={"backend": "hf", "prompts_per_batch": 8},
+        supervision={"stop_grace_s": 60},  # a loaded machine can take longer than 20 s to stop a stage
         **sections,
     )
     return config, runs / run_id

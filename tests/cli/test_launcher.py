@@ -327,7 +327,8 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
         run_id="ctrlc",
         train={"total_steps": 10_000, "batch_size": 4},
         checkpoint={"save_every_steps": 1000, "keep_last": 2},
-        rollout={"prompts_per_batch": 4},
+        # The launcher's stop is under test, not the engine: the transformers rollout starts without vLLM's cost.
+        rollout={"backend": "hf", "prompts_per_batch": 4},
     )
     run_dir = tmp_path / "runs" / "ctrlc"
     with running_pipeline(config) as process:

@@ -29,6 +29,9 @@ def test_a_two_rank_trainer_trains_saves_and_stops_cleanly_in_the_pipeline(tiny_
         trainer={"nproc": 2},
         train={"total_steps": 4, "batch_size": 8},
         checkpoint={"save_every_steps": 2, "keep_last": 5},
+        # The trainer's ranks are under test, not the engine: the transformers rollout starts without vLLM's cost.
+        rollout={"backend": "hf", "prompts_per_batch": 16},
+        supervision={"stop_grace_s": 60},  # a loaded machine can take longer than 20 s to stop a stage
     )
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
