@@ -116,6 +116,15 @@ class VllmEngine:
         # In-process engine: weight reloads reach the model runner directly, no worker IPC.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
+        from vllm.platforms import current_platform
+
+        if current_platform.is_cpu():
+            # vLLM's sampler compiles two small helpers (logprob ranks, top-k/top-p masking) with torch.compile on
+            # its first batch. On the CPU backend that is an inductor C++ build inside this process before a run's
+            # first group: 2.6-3.5 s on a quiet 2-core machine with inductor's cache warm (0.1 s eager), tens of
+            # seconds cold or loaded, for a few element-wise ops. The model runs eager (enforce_eager) and nothing
+            # else in a rollout compiles, so dynamo is turned off for the process: those helpers run eager.
+            torch._dynamo.config.disable = True
 
         self.cfg = cfg
         self.lora_mode = "off"
