@@ -1,5 +1,6 @@
 import json
 import threading
+import uuid
 
 import pytest
 import torch
@@ -85,7 +86,9 @@ def test_s3_store_round_trip(tmp_path, s3_env):
 @pytest.mark.integration
 @pytest.mark.parametrize("prefix", ["", "/"])
 def test_an_s3_store_refuses_to_delete_the_empty_prefix_and_keeps_every_run(tmp_path, s3_env, prefix):
-    store = open_store("s3://rlpipe-test/ckpts", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))
+    # A prefix of its own: the moto server is shared by the session's tests, which write their own steps.
+    url = f"s3://rlpipe-test/empty-prefix-{uuid.uuid4().hex}"
+    store = open_store(url, CheckpointConfig(s3_endpoint=s3_env, s3_secure=False))
     store.put("run-a/step-1/weights", b"a")
     store.put("run-b/step-1/weights", b"b")
     with pytest.raises(ValueError, match="names the whole store"):
