@@ -41,6 +41,10 @@ ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 # run, a broker that lost this run's messages) exits with this code: restarting it would fail the same way, or
 # worse (a trainer restarted with resume on would adopt the other run's steps), so supervisors must not.
 EXIT_REFUSED = 2
+# A fixed port (a restarted trainer keeps its admin port, so the CLI's run.json stays right) can be held for a
+# moment after its last owner died: an outgoing connection of another process may have drawn it from the same
+# ephemeral range. Binding is tried again for this long before the service gives up.
+BIND_WAIT_S = 20.0
 
 
 async def start_grpc_server(
@@ -49,23 +53,31 @@ async def start_grpc_server(
     register: Callable[[grpc.aio.Server], list[str]] | None = None,
     interceptors: list[grpc.aio.ServerInterceptor] | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    bind_wait_s: float = BIND_WAIT_S,
 ) -> tuple[grpc.aio.Server, str]:
     """A gRPC server with health and reflection, plus whatever ``register`` adds (it returns service names);
-    TLS with ``credentials``."""
-    # No SO_REUSEPORT: a port another process holds must fail the bind, not be shared with it silently.
-    server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+    TLS with ``credentials``. A fixed ``port`` that is taken is tried again for ``bind_wait_s``."""
+    where = f"{cfg.service.host}:{port}"
+    deadline, delay = time.monotonic() + bind_wait_s, 0.25
+    while True:
+        # No SO_REUSEPORT: a port another process holds must fail the bind, not be shared with it silently.
+        server = grpc.aio.server(interceptors=interceptors, options=[("grpc.so_reuseport", 0)])
+        try:
+            bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
+        except RuntimeError:  # grpcio raises this where older releases returned 0
+            bound = 0
+        if bound:
+            break
+        if port == 0 or time.monotonic() >= deadline:
+            raise OSError(f"cannot bind gRPC port {where}: in use or not allowed")
+        log_event(log, Event.PORT_BUSY, level=logging.WARNING, address=where, retry_in_s=delay)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 2.0)
     names = register(server) if register else []
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names.append(health.SERVICE_NAME)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
-    where = f"{cfg.service.host}:{port}"
-    try:
-        bound = server.add_secure_port(where, credentials) if credentials else server.add_insecure_port(where)
-    except RuntimeError as error:  # grpcio raises this where older releases returned 0
-        raise OSError(f"cannot bind gRPC port {where}: in use or not allowed") from error
-    if bound == 0:
-        raise OSError(f"cannot bind gRPC port {where}: in use or not allowed")
     await server.start()
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     _health_servicers[server] = health_servicer

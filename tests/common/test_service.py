@@ -27,7 +27,7 @@ def test_a_port_another_server_holds_fails_the_bind(tiny_model, tmp_path):
         try:
             # gRPC's default SO_REUSEPORT would let this bind succeed and split the calls between two processes.
             with pytest.raises(OSError, match="cannot bind gRPC port"):
-                await start_grpc_server(cfg, int(address.rpartition(":")[2]))
+                await start_grpc_server(cfg, int(address.rpartition(":")[2]), bind_wait_s=0.5)
             async with grpc.aio.insecure_channel(address) as channel:
                 reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
             assert reply.status == health_pb2.HealthCheckResponse.SERVING

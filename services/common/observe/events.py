@@ -126,6 +126,7 @@ class Event(StrEnum):
     OPTIMIZER_FRESH = "optimizer_fresh"  # a save without optimizer state was adopted: AdamW starts fresh (recorded)
     PAUSE = "pause"  # events.jsonl's kind of PAUSED
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)
+    PORT_BUSY = "port_busy"  # a fixed gRPC port is still held by another socket: binding is tried again
     PRESENCE_FAILED = "presence_failed"  # a replica's presence entry could not be written
     PRESENCE_MALFORMED = "presence_malformed"  # a presence entry is not one this build reads: left out, key named
     PRESENCE_UNREADABLE = "presence_unreadable"  # the trainer's status could not read the presence bucket
