@@ -14,8 +14,8 @@ error status (``judge_status``: pure, no socket):
   stage retries and dead-letters like any failing compute. Without a reason it is a proxy's or another service's
   answer, which would refuse every input: persistent.
 
-``BREAKER_THRESHOLD`` transient failures in a row, or one persistent one, open the breaker, and while it is open no
-request is sent. When a batch cannot be scored the scorer raises ``DependencyUnavailable``: the stage holds the
+``http_dependency.BREAKER_THRESHOLD`` transient failures in a row, or one persistent one, open the breaker, and
+while it is open no request is sent. When a batch cannot be scored the scorer raises ``DependencyUnavailable``: the stage holds the
 groups (no delivery spent, nothing dead-lettered, nothing scored 0) and tries again behind its own breaker. The
 breaker opening logs ``reward_service_down`` (an alert) and its closing ``reward_service_recovered``; latency,
 errors and the breaker's state are metrics (``rlpipe_reward_http_*``).
@@ -51,8 +51,6 @@ from services.common.transport.http_dependency import (
     judge_error,
 )
 
-BREAKER_THRESHOLD = 3  # transient failures in a row that open the breaker
-BREAKER_COOLDOWN_S = 5.0  # while open, one request is let through this often
 ERROR_BODY_BYTES = 4096  # of a failed answer's body, enough for its reason
 EVENTS = DependencyEvents(Event.REWARD_REQUEST_FAILED, Event.REWARD_SERVICE_DOWN, Event.REWARD_SERVICE_RECOVERED)
 
@@ -182,8 +180,6 @@ class RemoteScorer:
             "the remote reward service",
             "rlpipe_reward_http",
             EVENTS,
-            BREAKER_THRESHOLD,
-            BREAKER_COOLDOWN_S,
             cfg.backoff_s,
         )
         self.limit = asyncio.Semaphore(cfg.max_concurrency)

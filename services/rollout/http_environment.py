@@ -42,8 +42,6 @@ from services.rollout.environments import EnvironmentFailed, StepResult, Task, T
 
 R = TypeVar("R")
 
-BREAKER_THRESHOLD = 3  # transient failures in a row that open the breaker
-BREAKER_COOLDOWN_S = 5.0  # while open, one request is let through this often
 BACKOFF_S = 0.25  # before the first retry, doubled for each next one
 MAX_RESPONSE_BYTES = 1 << 20
 EVENTS = DependencyEvents(
@@ -118,8 +116,6 @@ class HttpEnvironmentClient:
             "the HTTP environment",
             "rlpipe_rollout_env_http",
             EVENTS,
-            BREAKER_THRESHOLD,
-            BREAKER_COOLDOWN_S,
             BACKOFF_S,
         )
 

@@ -33,7 +33,7 @@ THRESHOLD = 3
 
 
 def dependency() -> HttpDependency:
-    return HttpDependency("http://svc/x", "the test service", "rlpipe_test_http", EVENTS, THRESHOLD, 5.0, 0.001)
+    return HttpDependency("http://svc/x", "the test service", "rlpipe_test_http", EVENTS, 0.001, THRESHOLD, 5.0)
 
 
 class Scripted:

@@ -13,9 +13,10 @@ import pytest
 
 from services.common.config import RolloutConfig
 from services.common.transport.breaker import BreakerState
+from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
 from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
-from services.rollout.http_environment import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD, HttpEnvironmentClient
+from services.rollout.http_environment import HttpEnvironmentClient
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.integration

@@ -44,6 +44,10 @@ T = TypeVar("T")
 TRANSIENT_STATUS = (408, 429)  # and every 5xx: the service is busy or down for now
 INPUT_FAULT_STATUS = (400, 422)  # the only answers that blame the input
 LOGGED_ERROR_CHARS = 300
+# The breaker of every HTTP dependency (the remote reward, an HTTP environment): this many transient failures in a
+# row open it, and while it is open one request is let through every BREAKER_COOLDOWN_S.
+BREAKER_THRESHOLD = 3
+BREAKER_COOLDOWN_S = 5.0
 
 
 class Fault(Enum):
@@ -134,9 +138,9 @@ class HttpDependency:
         what: str,
         metric_prefix: str,
         events: DependencyEvents,
-        breaker_threshold: int,
-        breaker_cooldown_s: float,
         backoff_s: float,
+        breaker_threshold: int = BREAKER_THRESHOLD,
+        breaker_cooldown_s: float = BREAKER_COOLDOWN_S,
     ):
         self.url = url
         self.what = what
