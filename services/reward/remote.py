@@ -15,10 +15,10 @@ error status (``judge_status``: pure, no socket):
   answer, which would refuse every input: persistent.
 
 ``http_dependency.BREAKER_THRESHOLD`` transient failures in a row, or one persistent one, open the breaker, and
-while it is open no request is sent. When a batch cannot be scored the scorer raises ``DependencyUnavailable``: the stage holds the
-groups (no delivery spent, nothing dead-lettered, nothing scored 0) and tries again behind its own breaker. The
-breaker opening logs ``reward_service_down`` (an alert) and its closing ``reward_service_recovered``; latency,
-errors and the breaker's state are metrics (``rlpipe_reward_http_*``).
+while it is open no request is sent. When a batch cannot be scored the scorer raises ``DependencyUnavailable``: the
+stage holds the groups (no delivery spent, nothing dead-lettered, nothing scored 0) and tries again behind its own
+breaker. The breaker opening logs ``reward_service_down`` (an alert) and its closing ``reward_service_recovered``;
+latency, errors and the breaker's state are metrics (``rlpipe_reward_http_*``).
 
 Redirects are not followed: a POST cannot be replayed safely as the GET that 301/302/303 turn it
 into, and following one would send the bearer token to whatever host the answer names. A moved
