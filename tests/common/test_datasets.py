@@ -11,6 +11,7 @@ import yaml
 
 from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
+from services.common.model.tasks import make_arithmetic_dataset
 from services.trainer.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
@@ -68,6 +69,7 @@ FEEDING = """
 import json, sys
 import yaml
 from services.common.config import DataConfig
+from services.common.model.tasks import make_arithmetic_dataset
 from services.common.model.datasets import open_prompts
 from services.trainer.feeder import PromptFeeder
 data = DataConfig(**yaml.safe_load(open(sys.argv[1])))
@@ -140,6 +142,22 @@ def test_columns_are_mapped_and_rendered_by_the_given_function(tiny_model, tmp_p
         "Q: " + expected["question"],
         expected["solution"],
     )
+
+
+@pytest.mark.unit
+def test_rewriting_the_built_in_splits_leaves_a_reader_of_the_old_file_whole_lines(tmp_path):
+    """pytest workers share build/test-model: one rebuilding the data must not tear a file another is reading."""
+    paths = make_arithmetic_dataset(tmp_path, seed=0)
+    before = paths["train"].stat().st_ino
+    make_arithmetic_dataset(tmp_path, seed=0)
+    assert paths["train"].stat().st_ino == before, "identical splits were written again"
+
+    with paths["train"].open("rb") as reader:
+        make_arithmetic_dataset(tmp_path, seed=1)
+        old_rows = [json.loads(line) for line in reader]
+    assert paths["train"].stat().st_ino != before
+    assert len(old_rows) == 10_000 - 500 - 300
+    assert [row["id"] for row in old_rows] != [row["id"] for row in load_jsonl(paths["train"])]
 
 
 @pytest.mark.unit

@@ -8,6 +8,8 @@ import json
 import random
 from pathlib import Path
 
+from services.common.transport.storage import write_atomically
+
 MAX_OPERAND = 99
 SPLIT_NAMES = ("train", "dev", "eval")
 
@@ -17,9 +19,12 @@ def _addition_problem(a: int, b: int) -> dict:
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
-    with path.open("w", encoding="utf-8") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+    """Write ``rows`` whole under ``path`` (write-then-rename): a reader of the same file, such as a test on another
+    pytest worker while this one rebuilds the shared test data, sees the old content or the new, never a torn line."""
+    data = "".join(json.dumps(row) + "\n" for row in rows).encode("utf-8")
+    if path.is_file() and path.read_bytes() == data:
+        return
+    write_atomically(path, data)
 
 
 def make_arithmetic_dataset(out_dir: Path, seed: int = 0, n_eval: int = 500, n_dev: int = 300) -> dict[str, Path]:
