@@ -35,6 +35,7 @@ from rich.console import Console
 
 from services.common.config import RunConfig
 from services.tuner import records
+from services.tuner.constraints import constraint_names, constraint_values, feasible
 from services.tuner.procs import GpuMemory, group_cmdlines, kill_group
 from services.tuner.records import FINISHED, TrialEnd, TrialRecord, TrialStart
 from services.tuner.sharing import Heartbeat, beats, claim_lock, open_storage
@@ -43,7 +44,6 @@ from services.tuner.trial import TrialOutcome, TrialProcess, reduce_values
 
 __all__ = ["Tuner", "open_storage", "open_study"]
 
-SEVERITY = {"info": 0, "warning": 1, "critical": 2}
 # A sampler that keeps proposing parameters already run has exhausted the space.
 MAX_DUPLICATES_IN_A_ROW = 50
 
@@ -150,7 +150,7 @@ class Tuner:
                 status="failed",
                 reason=f"interrupted: the tuner (pid {start.worker_pid if start else '?'}) died mid-trial; "
                 f"{len(killed)} leftover processes killed",
-                constraints=self.feasible_constraints(),
+                constraints=feasible(self.spec.objective),
             )
             records.save(self.storage, self.trial_id(trial.number), end)
             self.study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
@@ -311,7 +311,7 @@ class Tuner:
             status="duplicate",
             reason=f"same parameters as trial {earlier.number} ({before.status}); not run again",
             objective=before.end.objective if before.end else None,
-            constraints=before.end.constraints if before.end else self.feasible_constraints(),
+            constraints=before.end.constraints if before.end else feasible(self.spec.objective),
             duplicate_of=earlier.number,
         )
         records.save(self.storage, self.trial_id(trial.number), end)
@@ -405,40 +405,9 @@ class Tuner:
         )
         self.keep_best_checkpoints()
 
-    def constraint_names(self) -> list[str]:
-        names = ["oom"]
-        for i, c in enumerate(self.spec.objective.constraints):
-            names.append(f"{i}:no_alert_{c.no_alert}" if isinstance(c, AlertConstraint) else f"{i}:{c.metric}")
-        return names
-
     def tell_constraints(self, trial: optuna.Trial, values: list[float]) -> None:
-        # TPE puts every trial with a positive constraint below every feasible one, whatever its value.
-        for name, value in zip(self.constraint_names(), values, strict=True):
+        for name, value in zip(constraint_names(self.spec.objective), values, strict=True):
             trial.set_constraint(name, value)
-
-    def feasible_constraints(self) -> list[float]:
-        return [0.0] * (1 + len(self.spec.objective.constraints))
-
-    def constraint_values(self, outcome: TrialOutcome) -> list[float]:
-        """<= 0 where a rule holds; [0] is out of memory, then the tune file's constraints in order."""
-        values = [1.0 if outcome.status == "oom" else 0.0]
-        for c in self.spec.objective.constraints:
-            if isinstance(c, AlertConstraint):
-                worst = SEVERITY[c.no_alert]
-                values.append(float(sum(1 for a in outcome.alerts if SEVERITY.get(a.severity, 0) >= worst)))
-                continue
-            series = outcome.series.get(c.metric, [])
-            if not series:
-                values.append(1.0)  # never measured: cannot be shown to hold
-                continue
-            reduced = {
-                "final": series[-1],
-                "max": max(series),
-                "min": min(series),
-                "mean": sum(series) / len(series),
-            }[c.reduce]
-            values.append(reduced - c.below if c.below is not None else c.above - reduced)
-        return values
 
     def record(self, trial: optuna.Trial, outcome: TrialOutcome, gpus: int) -> TrialEnd:
         objective = reduce_values([v for _, v in outcome.values], self.spec.objective)
@@ -454,7 +423,7 @@ class Tuner:
             device_hours=round(outcome.wall_s / 3600 * max(gpus, 1), 6),
             exit_code=outcome.exit_code,
             alerts=[f"{a.rule} ({a.severity})" for a in outcome.alerts],
-            constraints=self.constraint_values(outcome),
+            constraints=constraint_values(self.spec.objective, outcome),
         )
         records.save(self.storage, self.trial_id(trial.number), end)
         if outcome.status == "complete" and objective is None:
