@@ -61,6 +61,7 @@ from services.common.config import (
     load_config_with,
     parse_overrides,
 )
+from services.common.files import write_atomically
 from services.common.observe.events import Event, EventLog
 from services.common.observe.logs import RotatingLog
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
@@ -70,7 +71,6 @@ from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.nats_server import embedded_config, nats_server_binary
-from services.common.transport.storage import write_atomically
 
 console = Console(stderr=True)
 READY_TIMEOUT_S = 600.0

@@ -23,10 +23,10 @@ from pathlib import Path
 
 from rich.table import Table
 
+from services.common.files import write_atomically
 from services.common.observe.logs import jsonl_parts
 from services.common.observe.usage import USAGE_FILE
 from services.common.service import EXIT_REFUSED
-from services.common.transport.storage import write_atomically
 
 EXIT_FILE = "exit.json"
 RUN_FILES = ("run.json", "metrics.jsonl", EXIT_FILE, USAGE_FILE)  # any of them makes a folder a run's

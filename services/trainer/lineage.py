@@ -30,7 +30,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from services.common.transport.storage import fsync_folder, write_atomically
+from services.common.files import fsync_folder, write_atomically
 
 TAIL_BYTES = 1 << 20  # longer than any one record: a torn line starts within the file's last MiB
 LINEAGE_VERSION = 1

@@ -16,7 +16,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from services.common.transport.storage import write_atomically
+from services.common.files import write_atomically
 
 
 class ResumeBlocked(RuntimeError):

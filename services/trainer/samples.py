@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from services.common.files import write_atomically
 from services.common.transport.messages import ExperienceGroup
-from services.common.transport.storage import write_atomically
 
 _STEP_FILE = re.compile(r"^step_(\d+)\.jsonl$")
 

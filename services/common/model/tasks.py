@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-from services.common.transport.storage import write_atomically
+from services.common.files import write_atomically
 
 MAX_OPERAND = 99
 SPLIT_NAMES = ("train", "dev", "eval")

@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import shutil
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
@@ -19,27 +18,7 @@ import certifi
 import urllib3
 
 from services.common.config import CheckpointConfig, S3Credentials
-
-
-def write_atomically(path: Path, data: bytes) -> None:
-    """Write-then-rename: a crash never leaves a half-written file under the real name, and a
-    reader sees the old content or the new, never part of it. Once it returns, the new content
-    survives a node crash too: the folder is synced after the rename."""
-    with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".tmp-", delete=False) as tmp:
-        tmp.write(data)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    os.replace(tmp.name, path)
-    fsync_folder(path.parent)
-
-
-def fsync_folder(folder: Path) -> None:
-    """Make a rename or a new file in ``folder`` durable: the entry lives in the folder, not in the file."""
-    descriptor = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
+from services.common.files import write_atomically
 
 
 class ObjectStore(Protocol):
