@@ -26,19 +26,15 @@ import math
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
-
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
+from typing import TYPE_CHECKING, Any
 
 from services.common.observe.events import Event
 from services.common.observe.logs import jsonl_parts
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 PANELS = (
     ("reward_mean", "reward mean (band: ±std)", "reward_std"),
@@ -157,8 +153,21 @@ def curve(
     return xs, ys, spread if has_band else None
 
 
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend (files only, no display). Imported when a report is drawn, not with
+    this module: the launcher and ``rlpipe verify`` import it at start and draw only at the end of a run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> Figure:
-    figure, axes = plt.subplots(2, 4, figsize=(20, 8))
+    from matplotlib.lines import Line2D  # deferred with pyplot: see _pyplot
+
+    figure, axes = _pyplot().subplots(2, 4, figsize=(20, 8))
     marks = [
         (step, event.get("kind", "?"))
         for event, (step, _) in zip(events, event_steps(events, rows), strict=False)
@@ -243,7 +252,7 @@ def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -
     figure = _figure(rows, events, title)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
-    plt.close(figure)
+    _pyplot().close(figure)
     return buffer.getvalue()
 
 
@@ -252,6 +261,7 @@ def _agent_png(rows: list[dict[str, Any]]) -> bytes | None:
     outcomes = sorted({key for row in rows if _is_step_row(row) for key in row if key.startswith(OUTCOME_PREFIX)})
     if not outcomes:
         return None
+    plt = _pyplot()
     figure, axes = plt.subplots(1, len(AGENT_PANELS) + 1, figsize=(5 * (len(AGENT_PANELS) + 1), 4))
     for ax, (key, panel_title) in zip(axes, AGENT_PANELS, strict=False):
         ax.set_title(panel_title)

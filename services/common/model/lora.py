@@ -11,15 +11,18 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig as PeftLoraConfig
-from peft import PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from services.common.config import LoraConfig
 from services.common.refusal import StartRefused
+
+if TYPE_CHECKING:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftModel
 
 ADAPTER = "default"  # peft's name for the one adapter a policy has
 PREFIX = "base_model.model."  # what peft puts before a module's path in the base model
@@ -33,6 +36,9 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
 
 
 def peft_config(lora: LoraConfig, base_path: Path | str = "") -> PeftLoraConfig:
+    # peft only here and in attach_adapters: a full-weights policy's trainer and rollout never pay its import
+    from peft import LoraConfig as PeftLoraConfig
+
     return PeftLoraConfig(
         r=lora.r,
         lora_alpha=lora.alpha,
@@ -54,6 +60,8 @@ def attach_adapters(model: PreTrainedModel, lora: LoraConfig, base_path: Path | 
             f"invalid configuration:\n  model.lora.target_modules: {unknown} match no Linear module of the model at "
             f"{str(base_path)!r}; its Linear modules are named {names}"
         )
+    from peft import get_peft_model  # deferred: see peft_config
+
     return get_peft_model(model, peft_config(lora, base_path))
 
 
