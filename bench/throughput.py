@@ -259,7 +259,8 @@ def bus_overhead(bus: dict[str, float], rollout: list[Measurement], learner: lis
 def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> list[Measurement]:
     """``Learner.step`` on one trainer batch (``train.batch_size`` groups, the rollout batch repeated to fill it),
     micro-batches by token budget off and on."""
-    from services.trainer.learner import Batch, Learner
+    from services.trainer.batch import Batch
+    from services.trainer.learner import Learner
 
     batch = [groups[i % len(groups)] for i in range(cfg.train.batch_size)]
     on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_tokens": model.micro_batch_tokens})})

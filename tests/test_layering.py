@@ -4,7 +4,8 @@
 drag in the trainer's math (and torch), and an edit to the launcher could break every role.
 Inside ``common``, each concern package imports only what lies below it:
 
-- base: ``config``, ``registry`` and the generated ``pb`` stubs; they import nothing else of common;
+- base: ``config``, ``registry``, ``files``, ``refusal`` and the generated ``pb`` stubs; they import nothing
+  else of common;
 - ``observe`` (telemetry, logs, events, trackers, hardware): base only;
 - ``transport`` (bus, messages, weight sync, storage, NATS, live config, presence) and ``model`` (modeling,
   datasets, chat, evaluation, the model builders): base and observe, never each other;

@@ -41,7 +41,7 @@ def run(
     ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
-    from services.cli.launcher import run as launch
+    from services.cli.run_command import run as launch
 
     if smoke and overrides:
         typer.echo("rlpipe run: --smoke runs the config file as it is; drop the KEY=VALUE overrides", err=True)

@@ -1,16 +1,12 @@
-"""``rlpipe run CONFIG``: the whole pipeline on one machine.
+"""The Launcher behind ``rlpipe run`` (services/cli/run_command.py): the whole pipeline on one machine.
 
 Starts a local NATS server with JetStream in the run directory, then one OS process
-per service, all at once (the others wait for the streams the trainer creates; a
+per service (services/cli/children.py), all at once (the others wait for the streams the trainer creates; a
 rollout reads the trainer's port from its presence entry), each waited on until it logs
 ``ready``; runs/<run>/startup.jsonl records when each was ready, and the first step, in
-seconds after the launch. Shows a progress bar over training steps, and at
-the end writes the report plot and a summary, stops every process and exits
-non-zero if any service failed.
+seconds after the launch. Shows a progress bar over training steps until the trainer is done.
 
-A run directory that already holds checkpoints or metrics is never deleted by accident:
-``--resume`` continues it, ``--overwrite`` deletes it and starts over, and without either
-the launcher refuses (exit 2). A service that dies is restarted with exponential backoff,
+A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
 ``supervision.restart_window_s``, or refused to run (exit 2, ``services/common/refusal.py``): then the
 run stops, prints the service's reason and exits 2. On stop each service gets its own grace after SIGTERM
@@ -21,221 +17,56 @@ run stops, prints the service's reason and exits 2. On stop each service gets it
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import fcntl
 import json
 import os
-import queue
 import secrets
-import shlex
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections import deque
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import nats
-import yaml
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
 
-from services.cli.report import read_jsonl, render_html, render_report, time_lines
-from services.cli.run_archive import archive_and_describe
-from services.cli.runs import record_exit
+from services.cli.children import (
+    Child,
+    RestartPolicy,
+    RoleRefused,
+    die_with_parent,
+    free_port,
+    restart_env,
+    trainer_command,
+    trainer_env,
+)
 from services.common.config import (
     AdminCredentials,
-    ConfigError,
     NatsConfig,
     RunConfig,
-    SupervisionConfig,
     WeightSyncCredentials,
-    load_config_with,
-    parse_overrides,
 )
 from services.common.files import write_atomically
 from services.common.observe.events import Event, EventLog
-from services.common.observe.logs import RotatingLog
-from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter, with_descendants
+from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.service import EXIT_REFUSED
-from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.nats_server import embedded_config, nats_server_binary
 
 console = Console(stderr=True)
-READY_TIMEOUT_S = 600.0
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
-_PR_SET_PDEATHSIG = 1
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    # Linux: a child is killed when the launcher dies, even by SIGKILL, so nothing is orphaned.
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-@dataclass
-class RestartPolicy:
-    """As a container restart policy would: back off exponentially, give up on a service that dies too often too fast.
-
-    Counted per service over a sliding window, so a service that crashes now and then in a
-    week-long run is always restarted, while one in a crash loop fails the run.
-    """
-
-    supervision: SupervisionConfig
-    # name -> monotonic times of its restarts within the window, oldest first
-    recent: dict[str, deque[float]] = field(default_factory=dict)
-    # name -> restarts over the whole run, for run.json and the report
-    total: dict[str, int] = field(default_factory=dict)
-
-    def next_restart(self, name: str, now: float) -> float | None:
-        """Delay before ``name`` is restarted, or None when it has used up its restarts in the window."""
-        window = self.recent.setdefault(name, deque())
-        while window and now - window[0] >= self.supervision.restart_window_s:
-            window.popleft()
-        if len(window) >= self.supervision.max_restarts:
-            return None
-        window.append(now)
-        self.total[name] = self.total.get(name, 0) + 1
-        return min(self.supervision.backoff_s * 2 ** (len(window) - 1), self.supervision.max_backoff_s)
-
-
-# The events in which a role gives the reason it refuses to run (exit EXIT_REFUSED), in their ``error`` field.
-REFUSAL_EVENTS = (Event.START_REFUSED, Event.STARTUP_CHECK_FAILED, Event.BROKER_STATE_LOST)
 # Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
 ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
-OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
-
-
-@dataclass
-class Child:
-    name: str
-    role: str
-    process: subprocess.Popen
-    log_path: Path
-    log_max_bytes: int
-    log_keep: int
-    events: queue.Queue = field(default_factory=queue.Queue)
-    ready: dict[str, Any] | None = None
-    pump_thread: threading.Thread | None = None
-    refusal: str | None = None  # the reason of the child's last refusal event
-    plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
-    dropped_lines: int = 0  # output lines its log could not take (a full disk): drained all the same
-    lease_holder: str = ""  # a trainer's, from its lease_acquired event: its restart may take that lease at once
-
-    def pump(self, stream: IO[bytes]) -> None:
-        """Copy the child's output to its (rotating) log file and pass its JSON events on.
-
-        The pipe is drained to its end whatever happens to the log: a child whose output stops being read blocks on
-        its next write, so a log that cannot be written (a full disk) costs lines, counted, never the child."""
-        log = self._open_log()
-        try:
-            for line in stream:
-                self._note(line)
-                if log is None:
-                    log = self._open_log()
-                try:
-                    if log is None:
-                        raise OSError(f"cannot open {self.log_path}")
-                    log.write(line)
-                except OSError as error:
-                    self._dropped(error)
-        finally:
-            if log is not None:
-                with contextlib.suppress(OSError):
-                    log.close()
-            if self.dropped_lines:
-                console.log(f"[red]{self.name}: {self.dropped_lines} output line(s) could not be written to its log[/]")
-
-    def _open_log(self) -> RotatingLog | None:
-        try:
-            return RotatingLog(self.log_path, self.log_max_bytes, self.log_keep)
-        except OSError as error:
-            self._dropped(error, lines=0)
-            return None
-
-    def _dropped(self, error: OSError, lines: int = 1) -> None:
-        if not self.dropped_lines:
-            console.log(f"[red]{self.name}: cannot write {self.log_path} ({error}); its output is dropped, counted[/]")
-        self.dropped_lines += lines
-
-    def _note(self, line: bytes) -> None:
-        """Pass a JSON event on (and keep a refusal's reason); keep the tail of the plain output."""
-        try:
-            event = json.loads(line)
-        except ValueError:
-            self.plain_tail.append(line.decode(errors="replace").rstrip())
-            return
-        if not isinstance(event, dict) or "event" not in event:
-            return
-        if event["event"] in REFUSAL_EVENTS:
-            self.refusal = str(event.get("error", ""))
-        elif event["event"] == Event.LEASE_ACQUIRED:
-            self.lease_holder = str(event.get("holder", ""))
-        self.events.put(event)
-
-    def refusal_reason(self) -> str:
-        """Why the child refused to run: its refusal event's reason, else the end of its plain output."""
-        if self.pump_thread is not None:
-            self.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
-        return self.refusal or "\n".join(line for line in self.plain_tail if line) or "(no reason given)"
-
-
-class RoleRefused(RuntimeError):
-    """A service exited EXIT_REFUSED: it cannot run as configured, so it is not restarted and the run ends with 2."""
-
-    def __init__(self, child: Child):
-        self.name = child.name
-        self.reason = child.refusal_reason()
-        self.log_path = child.log_path
-        super().__init__(f"{child.name} refused to run: {self.reason}")
-
-
-def trainer_command(cfg: RunConfig, command: list[str], cuda_devices: int | None = None) -> list[str]:
-    """``command`` (``python -m services.trainer ...``) under torchrun when ``trainer.nproc`` > 1: one process per
-    device on this machine (``--standalone``: a rendezvous on localhost, on a free port).
-
-    Raises ConfigError naming trainer.nproc when the model runs on CUDA and this machine has fewer GPUs
-    (``cuda_devices``: torch's count by default). On the CPU any count runs, as processes on gloo."""
-    nproc = cfg.trainer.nproc
-    if nproc == 1:
-        return command
-    import torch  # only a launch that shards needs it
-
-    count = torch.cuda.device_count() if cuda_devices is None else cuda_devices
-    on_cuda = cfg.model.device == "cuda" or (cfg.model.device == "auto" and count > 0)
-    if on_cuda and nproc > count:
-        raise ConfigError(
-            f"invalid configuration:\n  trainer.nproc: {nproc} trainer processes, one per GPU, but this machine has "
-            f"{count} CUDA device(s): set trainer.nproc to at most {count}, or model.device: cpu"
-        )
-    # torchrun through services.trainer.distributed, which keeps a rank's EXIT_REFUSED (torchrun's own exit is 1).
-    launch = [sys.executable, "-m", "services.trainer.distributed"]
-    return [*launch, "--standalone", f"--nproc-per-node={nproc}", *command[1:]]
-
-
-def trainer_env(cfg: RunConfig) -> dict[str, str]:
-    """torchrun passes SIGTERM on to its processes and kills them after TORCH_ELASTIC_SHUTDOWN_TIMEOUT (30 s by
-    default): as long as the trainer may take for its final save."""
-    return {"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": str(int(cfg.supervision.trainer_stop_grace_s))}
+READY_TIMEOUT_S = 600.0
 
 
 class Launcher:
+    """One run's broker and service processes: started, followed (restarted as the policy allows), stopped."""
+
     def __init__(self, cfg: RunConfig, config_path: Path, resume: bool):
         self.cfg = cfg
         self.config_path = config_path
@@ -271,7 +102,7 @@ class Launcher:
             [nats_server_binary(), "-c", str(conf)],
             stdout=log,
             stderr=subprocess.STDOUT,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -339,7 +170,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})},
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
@@ -622,17 +453,6 @@ class Launcher:
         return killed
 
 
-def restart_env(exited: Child) -> dict[str, str]:
-    """What a child the launcher saw exit is restarted with: resume, and for a trainer, the lease it held.
-
-    The launcher has waited on that process, so it knows it is dead: the restart takes its lease at once instead
-    of waiting up to ``trainer.lease_ttl_s`` for it to run out (see services/trainer/lease.py)."""
-    env = {"RLPIPE_CHECKPOINT__RESUME": "true"}
-    if exited.role == "trainer" and exited.lease_holder:
-        env["RLPIPE_TRAINER__TAKEOVER_FROM"] = exited.lease_holder
-    return env
-
-
 def _event_summary(event: dict[str, Any]) -> str:
     keys = ("step", "reason", "policy_version", "config_version", "changed", "rule", "message")
     # A journal line carries its message beside the reason it was made of: one of them is enough.
@@ -645,238 +465,3 @@ def _startup_fields(event: dict[str, Any]) -> str:
     # A journal line carries its message beside the reason it was made of: one of them is enough.
     said = [k for k in keys if k in event and not (k == "message" and event[k] == event.get("reason"))]
     return " ".join(f"{k}={event[k]}" for k in said)
-
-
-def run_cost(cfg: RunConfig, done: dict[str, Any], usage: UsageMeter) -> RunCost:
-    """The run's device-hours and cost, also written to runs/<run>/usage.json for the report."""
-    baseline, final = done.get("baseline_accuracy"), done.get("final_accuracy")
-    cost = RunCost(
-        device_hours=usage.device_hours(),
-        prices=dict(cfg.cost.per_device_hour),
-        steps=int(done.get("steps") or 0),
-        accuracy_gain=None if baseline is None or final is None else final - baseline,
-    )
-    write_atomically(cfg.run_dir / USAGE_FILE, json.dumps(cost.as_record(), indent=2).encode())
-    return cost
-
-
-def summarize(
-    cfg: RunConfig, done: dict[str, Any], startup: dict[str, float], wall_s: float, cost: RunCost | None = None
-) -> Table:
-    rows = read_jsonl(cfg.metrics_file)
-    steps = [r for r in rows if "reward_mean" in r]
-    table = Table(title=f"run {cfg.run_id}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    baseline, final = done.get("baseline_accuracy"), done.get("final_accuracy")
-    if baseline is not None and final is not None:
-        table.add_row("eval accuracy (start -> end)", f"{baseline:.3f} -> {final:.3f}  ({final - baseline:+.3f})")
-    table.add_row("steps", str(done.get("steps")))
-    if steps:
-        first, last = steps[: max(len(steps) // 10, 1)], steps[-max(len(steps) // 10, 1) :]
-        for key in ("reward_mean", "entropy", "kl_ref", "response_length_mean", "termination_rate"):
-            table.add_row(f"{key} (first -> last 10%)", f"{_mean(first, key):.4f} -> {_mean(last, key):.4f}")
-        filtered = [r["dynamic_sampling/dropped_fraction"] for r in steps if "dynamic_sampling/dropped_fraction" in r]
-        if filtered:
-            table.add_row("groups filtered by dynamic sampling (mean share)", f"{sum(filtered) / len(filtered):.3f}")
-        completions = sum(r["completions"] for r in steps)
-        table.add_row("completions/s (training wall time)", f"{completions / max(wall_s, 1e-9):.1f}")
-    table.add_row("wall time", f"{wall_s:.1f}s")
-    table.add_row("ready (s after launch)", ", ".join(f"{k} {v:.1f}" for k, v in startup.items()))
-    for quantity, value in time_lines(rows):
-        table.add_row(quantity, value)
-    for quantity, value in cost.lines() if cost else ():
-        table.add_row(quantity, value)
-    return table
-
-
-def _mean(rows: list[dict[str, Any]], key: str) -> float:
-    return sum(r[key] for r in rows) / len(rows)
-
-
-def previous_run(cfg: RunConfig) -> list[str]:
-    """What of an earlier run under this run id a fresh start would destroy: local checkpoints, metrics."""
-    found = []
-    steps = sorted(path.name for path in cfg.run_dir.glob("step-*") if path.is_dir())
-    if steps:
-        found.append(f"{len(steps)} checkpoint{'s' if len(steps) > 1 else ''} ({steps[0]} to {steps[-1]})")
-    if cfg.metrics_file.is_file() and cfg.metrics_file.stat().st_size > 0:
-        found.append(f"metrics in {cfg.metrics_file}")
-    return found
-
-
-class Interrupted(Exception):
-    """Ctrl-C or SIGTERM: the operator (or a supervisor) ends the run; it stops in order, it did not fail."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-        self.name = signal.Signals(signum).name
-        super().__init__(self.name)
-
-
-def interrupt(signum: int, _frame: Any) -> None:
-    raise Interrupted(signum)
-
-
-def stop_or_kill(launcher: Launcher) -> list[str]:
-    """Every service stopped in order (``Launcher.stop``); a second Ctrl-C or SIGTERM meanwhile kills them now."""
-    try:
-        return launcher.stop()
-    except Interrupted as again:
-        console.log(f"[red]{again.name} again: killing every service now[/]")
-        return launcher.kill()
-
-
-def _write_reports(cfg: RunConfig) -> Path:
-    """The run's PNG report (returned) and its HTML page, from whatever metrics it has."""
-    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png", cfg.run_dir / "events.jsonl")
-    render_html(cfg.run_dir)
-    return report
-
-
-def _plain(message: str) -> None:
-    """Unstyled and unwrapped, so a script or a person can grep it."""
-    console.print(message, markup=False, highlight=False, soft_wrap=True)
-
-
-class RunIsLive(RuntimeError):
-    """Another ``rlpipe run`` of this run id is running on this machine."""
-
-
-def launcher_lock(cfg: RunConfig) -> Path:
-    """``runs/<run>.launcher.lock``, beside the run directory: ``--overwrite`` deletes the directory, not the lock."""
-    return cfg.run_dir.with_name(f"{cfg.run_dir.name}.launcher.lock")
-
-
-def hold_run(cfg: RunConfig) -> IO[str]:
-    """Hold this run for this launcher's life (an exclusive ``flock``, which the kernel drops when the process ends,
-    SIGKILL included), or raise RunIsLive naming the launcher that holds it and where its run is served.
-
-    The open file is the hold: closing it lets another launcher in. On one machine only; a trainer on another
-    machine is kept out by the trainer's lease (services/trainer/lease.py)."""
-    path = launcher_lock(cfg)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle = path.open("a+")
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "unknown"
-        handle.close()
-        served = ""
-        with contextlib.suppress(OSError, ValueError):
-            info = json.loads((cfg.run_dir / "run.json").read_text())
-            served = f", its broker at {info['nats_url']}"
-        raise RunIsLive(f"run {cfg.run_id} in {cfg.run_dir} is live: launcher pid {holder} runs it{served}") from None
-    handle.truncate(0)
-    handle.write(str(os.getpid()))
-    handle.flush()
-    return handle
-
-
-def run(config_path: Path, resume: bool = False, overwrite: bool = False, overrides: Sequence[str] = ()) -> int:
-    """Run the pipeline in ``runs/<run>``; 2 without starting anything when the config or the machine is not fit.
-
-    ``resume`` continues the run there (its streams and checkpoints); ``overwrite`` deletes it
-    first. With neither, a directory holding an earlier run's checkpoints or metrics is refused,
-    so re-running a config by accident cannot destroy a run. ``overrides`` are command-line
-    ``KEY=VALUE`` settings over the file; the services then read ``runs/<run>/run-config.yaml``.
-    """
-    if resume and overwrite:
-        _plain("rlpipe run: --resume continues the run in its directory and --overwrite deletes it: choose one")
-        return 2
-    cfg, config_data = load_config_with(config_path, parse_overrides(overrides))
-    try:
-        hold = hold_run(cfg)  # before anything is touched: --resume and --overwrite of a live run would wreck it
-    except RunIsLive as error:
-        _plain(f"rlpipe run: {error}; nothing was changed. Stop it first (rlpipe stop, or Ctrl-C in its shell)")
-        return 2
-    with hold:
-        return _run_held(cfg, config_data, config_path, resume, overwrite, overrides)
-
-
-def _run_held(
-    cfg: RunConfig,
-    config_data: dict[str, Any],
-    config_path: Path,
-    resume: bool,
-    overwrite: bool,
-    overrides: Sequence[str],
-) -> int:
-    """``run`` once this launcher holds the run."""
-    earlier = previous_run(cfg)
-    if earlier and not (resume or overwrite):
-        command = shlex.join(["rlpipe", "run", str(config_path), *overrides])
-        _plain(
-            f"rlpipe run: {cfg.run_dir} already holds a run ({', '.join(earlier)}); nothing was changed.\n"
-            f"  continue it:               {command} --resume\n"
-            f"  delete it and start over:  {command} --overwrite"
-        )
-        return 2
-    try:
-        startup_checks(cfg, "run")
-    except StartupCheckError as error:
-        console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
-        return 2
-    if not resume:
-        if cfg.run_dir.exists():
-            console.log(f"starting afresh: removing the previous {cfg.run_dir}")
-            shutil.rmtree(cfg.run_dir)
-        # A metrics_path outside the run directory would otherwise carry the old run's rows into the new one's.
-        cfg.metrics_file.unlink(missing_ok=True)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    # Until this run's services are ready, run.json must not point the CLI at the ports of the previous one.
-    (cfg.run_dir / "run.json").unlink(missing_ok=True)
-    if overrides:  # the services read a file: the one they get has the overrides written in
-        config_path = cfg.run_dir / "run-config.yaml"
-        config_path.write_text(yaml.safe_dump(config_data, sort_keys=False))
-    launcher = Launcher(cfg, config_path, resume)
-    # Ctrl-C and SIGTERM (a supervisor, `timeout`) get the same orderly shutdown.
-    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    for signum in STOP_SIGNALS:
-        signal.signal(signum, interrupt)
-    try:
-        code = _supervise(cfg, config_path, launcher)
-        record_exit(cfg.run_dir, code)  # how it ended, for `rlpipe runs`
-        return code
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
-    """Start the services, follow the run to its end, stop them; the run's exit code."""
-    try:
-        launcher.start()
-        training_started = time.perf_counter()
-        done = launcher.follow()
-        wall_s = time.perf_counter() - training_started
-    except Interrupted as interrupted:
-        console.log(f"{interrupted.name}: stopping every service; the trainer saves the step in hand")
-        failed = stop_or_kill(launcher)
-        run_cost(cfg, {}, launcher.usage)
-        _write_reports(cfg)
-        console.log(archive_and_describe(cfg))
-        if failed:
-            console.log(f"[red]services failed:[/] {failed}")
-        _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
-        return 128 + interrupted.signum
-    except RoleRefused as refused:
-        stop_or_kill(launcher)
-        _plain(f"rlpipe run: {refused.name} refused to run: {refused.reason}\n  its log: {refused.log_path}")
-        return EXIT_REFUSED
-    except RuntimeError as error:
-        console.log(f"[red]run failed:[/] {error}")
-        stop_or_kill(launcher)
-        return 1
-    failed = stop_or_kill(launcher)
-
-    cost = run_cost(cfg, done, launcher.usage)
-    report = _write_reports(cfg)
-    console.log(archive_and_describe(cfg))
-    console.print(summarize(cfg, done, launcher.startup, wall_s, cost))
-    console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
-    if failed:
-        console.log(f"[red]services failed:[/] {failed}")
-        return 1
-    return 0

@@ -4,7 +4,7 @@ from services.common.config import load_config
 from services.common.observe.logs import setup_logging
 from services.common.service import run_service
 from services.trainer.distributed import Mesh
-from services.trainer.service import follower_main, main
+from services.trainer.role import follower_main, main
 
 mesh = Mesh.from_env()
 if mesh.is_main:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -73,6 +73,14 @@ from services.trainer.algorithms import (
     value_loss,
     whiten,
 )
+from services.trainer.batch import (
+    Batch,
+    StepTargets,
+    chunks_of,
+    non_finite_targets,
+    non_finite_update,
+    split_by_tokens,
+)
 from services.trainer.checkpoint_state import (
     Checkpoint,
     CheckpointMismatch,
@@ -90,42 +98,6 @@ from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
 ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
 
 
-def _padded(rows: list[np.ndarray], width: int) -> torch.Tensor:
-    out = torch.zeros((len(rows), width), dtype=torch.float32)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.from_numpy(np.asarray(row, dtype=np.float32))
-    return out
-
-
-def _chunks(indices: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    return [chunk for chunk in torch.tensor_split(indices, min(parts, len(indices))) if len(chunk)]
-
-
-def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """Length-sorted micro-batches of ``rows`` whose padded size fits ``budget`` tokens.
-
-    ``lengths[i]`` is row ``rows[i]``'s prompt + response length. Rows are sorted longest first
-    (a stable sort: the split depends only on the rows and their lengths) and cut greedily: a
-    micro-batch whose first, longest row has length L takes rows while n * L <= budget. Each
-    micro-batch pads to its own longest row, so short sequences stop padding to the step's longest.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True)
-    longest_first, sorted_lengths = rows[order], lengths[order].tolist()
-    if sorted_lengths and sorted_lengths[0] > budget:
-        raise ValueError(
-            f"train.micro_batch_tokens ({budget}) is smaller than one sequence of {sorted_lengths[0]} tokens "
-            "(prompt + response): it must hold the longest sequence, max_seq_len"
-        )
-    micro_batches, start = [], 0
-    for i in range(1, len(sorted_lengths)):
-        if (i - start + 1) * sorted_lengths[start] > budget:
-            micro_batches.append(longest_first[start:i])
-            start = i
-    if sorted_lengths:
-        micro_batches.append(longest_first[start:])
-    return micro_batches
-
-
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face model (its ``_no_split_modules``): FSDP's units, gathered one at a
     time."""
@@ -138,26 +110,6 @@ def _number(value: torch.Tensor) -> float:
     return float(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
-def _non_finite_targets(targets: StepTargets, mask: torch.Tensor) -> str | None:
-    """Why the step's targets cannot be trained on (a NaN or infinite advantage, logprob, return or weight on a
-    response token), or None."""
-    valid = mask.bool()
-    for name in ("advantages", "old_logp", "returns", "tis"):
-        values = getattr(targets, name)
-        if values is not None and not bool(torch.isfinite(values[valid]).all()):
-            return f"{name} are not finite"
-    return None
-
-
-def _non_finite_update(loss: float, grad_norm: float) -> str | None:
-    """Why an optimizer update must not be applied (its loss or gradient norm is NaN or infinite), or None."""
-    if not math.isfinite(loss):
-        return f"loss is {loss}"
-    if not math.isfinite(grad_norm):
-        return f"gradient norm is {grad_norm}"
-    return None
-
-
 @dataclass
 class LearnerState:
     """What a checkpoint takes from the learner besides schedule and RNG, in host memory and one process's format
@@ -166,80 +118,6 @@ class LearnerState:
     model: dict[str, torch.Tensor]
     optimizer: dict[str, Any] | None  # None: not asked for (a save without optimizer state)
     critic: dict[str, torch.Tensor] | None
-
-
-@dataclass
-class Batch:
-    """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``.
-
-    ``mask`` is what every loss, advantage and statistic reads: 1 on the tokens the model sampled, 0 on padding
-    and on the tokens an environment inserted into a multi-turn episode (``Completion.loss_mask``). ``filled`` is
-    1 on every response token, the model's or the environment's: what the forward pass carries and lengths count.
-    A single-turn completion has both equal, so its loss is exactly what it was before masks.
-    """
-
-    pairs: list[tuple[list[int], list[int]]]
-    mask: torch.Tensor
-    filled: torch.Tensor
-    rollout_logp: torch.Tensor
-    ref_logp: torch.Tensor
-    rewards: torch.Tensor  # [N] scalar reward per completion
-    group_index: torch.Tensor
-    stopped: torch.Tensor  # 1.0 where generation ended on EOS
-    policy_versions: torch.Tensor
-
-    @property
-    def lengths(self) -> torch.Tensor:
-        """``[N]`` prompt + response length of each row, on the CPU (it only decides how rows are grouped)."""
-        return torch.tensor([len(prompt) + len(response) for prompt, response in self.pairs])
-
-    def to(self, device: torch.device) -> Batch:
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "pairs"})
-
-    @classmethod
-    def of(cls, groups: list[ExperienceGroup]) -> Batch:
-        rows = [
-            (i, g, c, ref) for i, g in enumerate(groups) for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
-        ]
-        pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for _, g, c, _ in rows]
-        width = max(max(len(r) for _, r in pairs), 1)
-        lengths = torch.tensor([len(r) for _, r in pairs])
-        filled = (torch.arange(width)[None, :] < lengths[:, None]).float()
-        loss_masks = [
-            c.loss_mask if c.loss_mask is not None else np.ones(len(r))
-            for (_, _, c, _), (_, r) in zip(rows, pairs, strict=True)
-        ]
-        return cls(
-            pairs=pairs,
-            mask=_padded(loss_masks, width),
-            filled=filled,
-            rollout_logp=_padded([c.logprobs for _, _, c, _ in rows], width),
-            ref_logp=_padded([ref for *_, ref in rows], width),
-            rewards=torch.tensor(np.concatenate([g.rewards for g in groups]), dtype=torch.float32),
-            group_index=torch.tensor([i for i, *_ in rows]),
-            stopped=torch.tensor([c.finish_reason == "stop" for _, _, c, _ in rows], dtype=torch.float32),
-            policy_versions=torch.tensor([float(g.policy_version) for _, g, _, _ in rows]),
-        )
-
-    def token_rewards(self) -> torch.Tensor:
-        """The scalar reward on each response's last token the model sampled (an episode may end on an
-        observation, which no action of the model's follows)."""
-        out = torch.zeros_like(self.mask)
-        positions = torch.arange(self.mask.shape[1], device=self.mask.device, dtype=self.mask.dtype)
-        last = (positions * self.mask).argmax(-1)
-        out[torch.arange(len(out), device=out.device), last] = self.rewards * (self.mask.sum(-1) > 0)
-        return out
-
-
-@dataclass
-class StepTargets:
-    """What a step's loss is measured against, fixed before its first update; per-token ``[N, R]``."""
-
-    old_logp: torch.Tensor  # pi_old of the ratio
-    advantages: torch.Tensor
-    old_values: torch.Tensor | None = None  # PPO: the critic before the update, for value clipping
-    returns: torch.Tensor | None = None  # PPO: value targets
-    tis: torch.Tensor | None = None  # truncated importance weights toward the rollout's logprobs
 
 
 class Learner:
@@ -461,7 +339,7 @@ class Learner:
         """``rows`` (one optimizer step's, or all for scoring) in the micro-batches one forward pass takes."""
         train = self.cfg.train
         if train.micro_batch_tokens is None:
-            return _chunks(rows, train.grad_accum_steps)
+            return chunks_of(rows, train.grad_accum_steps)
         return split_by_tokens(rows, batch.lengths[rows], train.micro_batch_tokens)
 
     def _passes(self, rows: torch.Tensor, batch: Batch) -> list[tuple[torch.Tensor, bool]]:
@@ -567,11 +445,11 @@ class Learner:
         attempted = applied = 0
         grad_norms = []
         # Non-finite targets (a NaN advantage) would make every update that touches their rows NaN: none is applied.
-        self.skipped = _non_finite_targets(targets, batch.mask)
-        planned = train.epochs * len(_chunks(torch.arange(len(batch.pairs)), train.mini_batches))
+        self.skipped = non_finite_targets(targets, batch.mask)
+        planned = train.epochs * len(chunks_of(torch.arange(len(batch.pairs)), train.mini_batches))
         for _ in range(train.epochs):
             order = torch.randperm(len(batch.pairs), generator=self.generator)
-            for mini in _chunks(order, train.mini_batches):
+            for mini in chunks_of(order, train.mini_batches):
                 stats = self.accumulate(batch, mini, targets, critic_only)
                 for name, value in stats.items():
                     sums[name] = sums.get(name, 0.0) + value
@@ -579,7 +457,7 @@ class Learner:
                 grad_norms.append(_number(torch.nn.utils.clip_grad_norm_(self.parameters(), train.max_grad_norm)))
                 # Summed over the ranks, so every rank takes the same decision.
                 loss = self.mesh.sum_values({"loss": stats["loss"]})["loss"]
-                self.skipped = self.skipped or _non_finite_update(loss, grad_norms[-1])
+                self.skipped = self.skipped or non_finite_update(loss, grad_norms[-1])
                 if self.skipped:
                     # AdamW would write NaN into every weight and its moments: this update and the rest of the
                     # step's are dropped, and the weights stay those of the last finite update.

@@ -1,7 +1,7 @@
 """Trainer: feeds PROMPTS, reads EXPERIENCE in stream order, updates the policy, serves its weights.
 
-It is the only stateful role, and this module is only its driver: the components do the
-work and never reference the loop that drives them.
+It is the only stateful role, and this module is only its loop (``role.py`` starts the process, takes the lease
+and wires it): the components do the work and never reference the loop that drives them.
 
 - ``intake``: feeding prompts, the ledger of what became of each group, reading EXPERIENCE;
 - ``control``: operator commands and the running/paused/stopping state;
@@ -22,56 +22,39 @@ import logging
 import math
 import time
 from functools import partial
-from typing import Any
 
-import grpc
-import yaml
-
-from services.common.config import BuildInfo, RunConfig, redacted_dump
+from services.common.config import RunConfig
 from services.common.model.chat import prompt_text, render_rows
 from services.common.model.datasets import open_prompts, read_rows
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
-from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import open_trackers
-from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
-from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
-from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
-from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, BrokerStateLost
-from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
-from services.trainer.admin import AdminServicer, AdminToken, BearerToken
-from services.trainer.adopter import ResumeRefused
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
-from services.trainer.checkpoint_state import CheckpointMismatch
+from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control, RunState
-from services.trainer.distributed import Mesh, follow
 from services.trainer.episodes import episode_metrics
 from services.trainer.feeder import PromptFeeder
 from services.trainer.intake import Collected, Intake
 from services.trainer.learner import Learner
-from services.trainer.lease import Lease, LeaseLost
 from services.trainer.ledger import Fate, GroupLedger
-from services.trainer.lineage import Lineage, LineageError
+from services.trainer.lineage import Lineage
 from services.trainer.liveness import LoopHeartbeat
-from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.progress import Progress
 from services.trainer.recovery import Recovery
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
-from services.trainer.step_store import FencedOut
 
 log = logging.getLogger(__name__)
 # The trainer's phases as the stages' activities: waiting for experience is idle, offering weights is blocked.
@@ -428,196 +411,3 @@ class Trainer:
             final_accuracy=progress.last_eval,
             **({"stopped_by": control.stop_reason} if stopped else {}),
         )
-
-
-def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> None:
-    """What this trainer runs with, beside the run's metrics: the effective config (secrets redacted) and the build."""
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
-    (cfg.run_dir / "effective-config.yaml").write_text(
-        f"# config version {config_version}, rlpipe {build.version} ({build.revision})\n"
-        + yaml.safe_dump(redacted_dump(cfg), sort_keys=False)
-    )
-    log_event(
-        log,
-        Event.BUILD,
-        version=build.version,
-        revision=build.revision,
-        config_version=config_version,
-        environment=cfg.environment,
-    )
-
-
-async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
-    """The run's lease, at an epoch above the fence already in the checkpoint store (so epochs keep growing when
-    the broker lost the lease bucket); StartRefused naming the holder while another trainer holds it."""
-    fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
-    floor = await asyncio.to_thread(fence.stored_fence)
-    kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
-    lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s, reaped_holder=cfg.trainer.takeover_from)
-    epoch = await lease.acquire(floor)
-    log_event(log, Event.LEASE_ACQUIRED, epoch=epoch, holder=lease.holder, ttl_s=lease.ttl_s)
-    return lease
-
-
-async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
-    """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
-    credentials = None
-    if cfg.admin.tls_cert is not None:
-        credentials = grpc.ssl_server_credentials([(cfg.admin.tls_key.read_bytes(), cfg.admin.tls_cert.read_bytes())])
-
-    def register(server: Any) -> list[str]:
-        admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)
-        return ["rlpipe.v1.Admin"]
-
-    return await start_grpc_server(
-        cfg, cfg.admin.port, register, interceptors=[BearerToken(AdminToken.from_config(cfg))], credentials=credentials
-    )
-
-
-async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
-    """Rank 0's trainer (the only one when not under torchrun); ``follower_main`` runs the other ranks."""
-    mesh = Mesh.from_env()
-    try:
-        await lead(cfg, stop, mesh)
-    finally:
-        mesh.close()  # followers stop with it, also when it exits refusing to start
-
-
-def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
-    """A trainer rank other than 0: it holds shards and runs rank 0's commands; rank 0 alone talks to NATS,
-    the admin API and weight sync, so nothing else starts here."""
-    learner = Learner(cfg, mesh)
-    log_event(log, Event.FOLLOWER_READY, rank=mesh.rank, world=mesh.world)
-    try:
-        follow(mesh, learner)
-    finally:
-        mesh.close()
-    log_event(log, Event.FOLLOWER_STOPPED, rank=mesh.rank)
-
-
-async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
-    """Rank 0 holding the run's lease from before it writes anything until it exits; losing it ends the process at
-    once, saving nothing: exit 2 when another trainer took over (never restarted), 1 when it merely expired (a
-    restart may take it again)."""
-    started = Stopwatch()
-    bus = await Bus(cfg, "trainer").connect()
-    lost: list[LeaseLost] = []
-    try:
-        lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
-        running = asyncio.current_task()
-
-        async def on_lease_lost(error: LeaseLost) -> None:
-            lost.append(error)
-            log_event(
-                log,
-                Event.LEASE_LOST,
-                level=logging.CRITICAL,
-                alert=True,
-                epoch=lease.epoch,
-                taken_over=error.taken_over,
-                error=str(error),
-            )
-            running.cancel()
-
-        # Renewed from now: loading the model and a resume that waits for its store can outlast a TTL.
-        keeper = asyncio.create_task(lease.keep(on_lease_lost))
-        try:
-            await lead_holding(cfg, stop, mesh, bus, lease, started)
-        except asyncio.CancelledError:
-            if not lost:
-                raise
-            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
-        finally:
-            keeper.cancel()
-            if not lost:
-                await lease.release()
-    finally:
-        await bus.close()
-
-
-async def lead_holding(
-    cfg: RunConfig, stop: asyncio.Event, mesh: Mesh, bus: Bus, lease: Lease, started: Stopwatch
-) -> None:
-    """The trainer's life once it holds the lease: start-up, the loop, and an orderly end."""
-    live = await LiveConfig(cfg, bus.js).start()
-    learner = await asyncio.to_thread(Learner, cfg, mesh)
-    model_s = started()
-    weights = WeightSyncServer(learner.snapshot(version=0, step=0), fanout=cfg.rollout.relay_fanout)
-
-    def register(server: Any) -> list[str]:
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        return ["rlpipe.v1.WeightSync"]
-
-    server, address = await start_grpc_server(
-        cfg,
-        cfg.service.trainer_grpc_port,
-        register,
-        interceptors=weight_sync_auth.server_interceptors(cfg),
-        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
-    )
-    trainer = Trainer(cfg, bus, learner, weights, live)
-    try:
-        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
-        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
-        trainer.checkpoints.guard = lease.check
-        await trainer.prepare()
-    except (
-        FencedOut,
-        ForeignCheckpoints,
-        ResumeRefused,
-        UnknownCheckpointFormat,
-        CheckpointMismatch,
-        LineageError,
-    ) as error:
-        # Exit 2, refused at start like a bad config: a supervisor that restarted it with resume on would
-        # resume the other run's steps, wait out the same unreadable store again, or meet the same checkpoint
-        # or the same unreadable lineage.jsonl line.
-        log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
-        raise SystemExit(EXIT_REFUSED) from error
-    record_run_start(cfg, trainer.build, live.version)
-    servicer = AdminServicer(trainer.control, trainer.status, live, trainer.recovery)
-    admin_server, admin_address = await start_admin_server(cfg, servicer)
-    trainer.presence = await Presence(bus.js, cfg, "trainer", live).start(
-        grpc=address, admin=admin_address, metrics_url=current_telemetry().metrics_url
-    )
-    watchdog = asyncio.create_task(
-        watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence, lambda: trainer.time_spent)
-    )
-    log_event(
-        log,
-        Event.READY,
-        grpc=address,
-        admin=admin_address,
-        metrics_url=current_telemetry().metrics_url,
-        model=str(cfg.model.path),
-        model_load_s=model_s,
-        startup_s=started(),
-    )
-    try:
-        try:
-            await trainer.run(stop)
-        except BrokerStateLost as error:
-            # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
-            # or start the run again from its checkpoints under a new run id).
-            log_event(
-                log, Event.BROKER_STATE_LOST, level=logging.CRITICAL, alert=True, stream=error.stream, error=str(error)
-            )
-            raise SystemExit(EXIT_REFUSED) from error
-        progress = trainer.progress
-        if progress.saved_step < progress.step:
-            # Ending now would lose applied steps without a trace in the exit code; a restart re-does them.
-            log_event(
-                log,
-                Event.ENDED_UNSAVED,
-                level=logging.ERROR,
-                alert=True,
-                step=progress.step,
-                saved_step=progress.saved_step,
-            )
-            raise SystemExit(1)
-    finally:
-        watchdog.cancel()
-        trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
-        await trainer.presence.stop()
-        await admin_server.stop(grace=1)
-        await server.stop(grace=1)

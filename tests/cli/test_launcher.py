@@ -17,19 +17,11 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from services.cli.launcher import (
-    ROLE_TOKENS,
-    Child,
-    Launcher,
-    RestartPolicy,
-    RoleRefused,
-    hold_run,
-    interrupt,
-    launcher_lock,
-    restart_env,
-    stop_or_kill,
-    summarize,
-)
+from services.cli.children import Child, RestartPolicy, RoleRefused, restart_env
+from services.cli.launcher import ROLE_TOKENS, Launcher
+from services.cli.run_command import interrupt, stop_or_kill
+from services.cli.run_lock import hold_run, launcher_lock
+from services.cli.run_summary import summarize
 from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
@@ -100,7 +92,7 @@ def test_resume_and_overwrite_of_a_live_run_are_refused_naming_its_launcher_and_
             sys.executable,
             "-c",
             "import sys, time\n"
-            "from services.cli.launcher import hold_run\n"
+            "from services.cli.run_lock import hold_run\n"
             "from services.common.config import load_config\n"
             f"hold = hold_run(load_config({str(config)!r}))\n"
             "print('held', flush=True)\n"

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from services.cli.launcher import Child
+from services.cli.children import Child
 from services.cli.report import read_jsonl
 from services.common.observe.logs import JsonlFollower, RotatingLog, jsonl_parts, rolled_part
 from services.trainer.responder import MetricsLog

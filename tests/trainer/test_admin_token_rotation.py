@@ -11,7 +11,7 @@ import pytest
 from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer
-from services.trainer.service import start_admin_server
+from services.trainer.role import start_admin_server
 from tests.conftest import write_config
 from tests.trainer.test_admin_transport import StatusOnly
 

@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer
-from services.trainer.service import start_admin_server
+from services.trainer.role import start_admin_server
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration

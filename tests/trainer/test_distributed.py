@@ -23,9 +23,10 @@ from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.transport.messages import ExperienceGroup, decode, encode
 from services.common.transport.storage import FileStore
+from services.trainer.batch import Batch
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.distributed import Mesh
-from services.trainer.learner import Batch, Learner
+from services.trainer.learner import Learner
 from tests.conftest import ROOT, write_config
 from tests.trainer import dist_worker
 from tests.trainer.test_learner import experience
@@ -252,7 +253,7 @@ def test_ranks_with_fewer_micro_batches_pad_with_passes_that_do_not_count(setup)
 
 
 def test_trainer_nproc_launches_torchrun_and_more_than_the_gpus_is_refused_naming_the_field(setup):
-    from services.cli.launcher import trainer_command
+    from services.cli.children import trainer_command
     from services.common.config import ConfigError
 
     _, config, _ = setup

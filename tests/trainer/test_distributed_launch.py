@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.launcher import trainer_command
+from services.cli.children import trainer_command
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
 from tests.conftest import ROOT, write_config

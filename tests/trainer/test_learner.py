@@ -12,7 +12,8 @@ from services.common.model.modeling import load_tokenizer
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.trainer.algorithms import group_advantages
-from services.trainer.learner import Batch, Learner, split_by_tokens
+from services.trainer.batch import Batch, split_by_tokens
+from services.trainer.learner import Learner
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,8 @@ from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_generate
 from services.common.model.modeling import Precision, host_copy, host_state, load_tokenizer, resolve_device
 from services.reference.service import ReferenceScorer
-from services.trainer.learner import Batch, Learner
+from services.trainer.batch import Batch
+from services.trainer.learner import Learner
 from tests.conftest import write_config
 from tests.trainer.test_learner import experience
 

@@ -22,7 +22,8 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer
 from services.trainer.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
-from services.trainer.service import Trainer, start_admin_server
+from services.trainer.role import start_admin_server
+from services.trainer.service import Trainer
 from tests.conftest import create_run_state, write_config
 
 pytestmark = pytest.mark.integration
