@@ -61,8 +61,14 @@ class TelemetryConfig(Section):
         256,
         ge=1,
         description="metrics.jsonl and events.jsonl roll to numbered parts (metrics.00001.jsonl, ...) past this "
-        "size; every part is kept and every reader (report, metrics --follow, tune, alert drill, tests) reads them "
-        "in order",
+        "size (MiB); every reader (report, metrics --follow, tune, alert drill, tests) reads the parts kept in order",
+    )
+    jsonl_keep_parts: int = Field(
+        20,
+        ge=0,
+        description="rolled parts of metrics.jsonl and of events.jsonl kept (count); at each roll past it the "
+        "oldest part is deleted, so a record holds at most (jsonl_keep_parts + 1) x jsonl_max_mib MiB on disk and "
+        "in the run archive; 0 keeps every part",
     )
     samples_keep_steps: int = Field(
         50,
