@@ -64,11 +64,36 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def setup_logging(service: str, run_id: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service, run_id))
+class RotatingLogHandler(logging.Handler):
+    """Log records as lines of a ``RotatingLog``: a service's own log file beside its stderr (``service.log_dir``)."""
+
+    def __init__(self, log: RotatingLog):
+        super().__init__()
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.write((self.format(record) + "\n").encode())
+        except Exception:  # a full disk must not stop the service: logging's own report, on stderr
+            self.handleError(record)
+
+    def close(self) -> None:
+        self.log.close()
+        super().close()
+
+
+def setup_logging(
+    service: str, run_id: str, level: str = "INFO", log_file: Path | None = None, max_bytes: int = 0, keep: int = 0
+) -> None:
+    """JSON lines to stderr, and with ``log_file`` to that file too, rotated past ``max_bytes`` keeping ``keep``."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(RotatingLogHandler(RotatingLog(log_file, max_bytes, keep)))
+    for handler in handlers:
+        handler.setFormatter(JsonFormatter(service, run_id))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(level)
     # Third-party chatter (vLLM, transformers, nats) stays out of our event stream unless it matters.
     for noisy in ("vllm", "transformers", "nats", "urllib3", "filelock", "httpx"):
