@@ -26,7 +26,8 @@ def embedded_config(
 
     With ``log`` (a file and the service settings) the server writes its log to the file and rotates it itself
     past ``log_max_mib``, keeping ``log_keep`` rotated files (``<file>.<time>``) beside it, as ``RotatingLog``
-    does for the services: a broker up for days logs every client's connect and reconnect."""
+    does for the services: a broker up for days keeps logging its warnings and errors (refused clients, slow
+    consumers, lost routes)."""
     # Quoted: bare 2m is the number 2,000,000 to the server's parser, which takes it as seconds (23 days).
     sync = '"always"' if sync_always else '"2m"'
     logging = ""
