@@ -41,7 +41,10 @@ def test_the_compose_archiver_reads_the_runs_and_logs_and_outlives_the_trainer(c
     # The trainer's store user: the archive goes under the trainer's checkpoints prefix.
     (credentials,) = [v for v in archive["volumes"] if isinstance(v, dict) and v["target"] == "/run/secrets"]
     assert credentials["volume"] == {"subpath": "trainer/env"} and credentials["read_only"] is True
-    assert archive["environment"]["RLPIPE_ADMIN_TOKEN"] == ""  # no admin rights
+    environment = archive["environment"]
+    assert environment["RLPIPE_ADMIN_TOKEN"] == environment["MINIO_ROOT_PASSWORD"] == ""  # no admin, no root
+    # No file the container lacks: the config refuses a NATS key or CA it names and cannot find.
+    assert "RLPIPE_NATS__NKEY_SEED_FILE" not in environment and "RLPIPE_NATS__TLS_CA_FILE" not in environment
     assert "profiles" not in archive  # in every profile, beside whichever trainer runs
     for trainer in ("trainer", "trainer-gpu"):
         # Compose stops a service before those it depends on: the archiver's last pass follows the trainer's end.
