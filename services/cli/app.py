@@ -176,6 +176,55 @@ def dead_letters(
 
 
 @app.command()
+def archive(
+    config: Path = typer.Option(..., "--config", help="the run's config: its run directory and checkpoint store"),
+    logs: Path | None = typer.Option(
+        None, "--logs", help="the services' log folder (service.log_dir), archived under logs/ (default: that field)"
+    ),
+    every: float = typer.Option(
+        0.0,
+        "--every",
+        min=0.0,
+        help="seconds between passes, until SIGTERM or SIGINT, then one last pass; 0 (default): one pass and exit",
+    ),
+) -> None:
+    """Copy the run's record (metrics and events parts, lineage, configs, logs) to <store>/<run>/archive/.
+
+    What `rlpipe run` does when a run ends, for the deployments without it: beside the trainer, with --every.
+    Exits 1 when a single pass could not store the record.
+    """
+    import signal
+    import threading
+
+    from services.cli.run_archive import RunArchiver, archive_prefix, archive_until_stopped, not_stored, summary
+    from services.common.config import load_config
+
+    try:
+        cfg = load_config(config)
+    except ConfigError as error:
+        typer.echo(f"rlpipe archive: {error}", err=True)
+        raise typer.Exit(2) from None
+    try:
+        archiver = RunArchiver(cfg, logs_dir=logs or cfg.service.log_dir)
+    except Exception as error:  # the store's many failure types
+        typer.echo(not_stored(cfg, error), err=True)
+        raise typer.Exit(1) from None
+    if not every:
+        try:
+            archived = archiver.archive()
+        except Exception as error:  # the store's many failure types
+            typer.echo(not_stored(cfg, error), err=True)
+            raise typer.Exit(1) from None
+        typer.echo(summary(cfg, archived))
+        return
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    typer.echo(f"archive: a pass every {every:g} s to {archive_prefix(cfg.run_id)}, and a last one when stopped")
+    archive_until_stopped(archiver, every, stop, typer.echo)
+
+
+@app.command()
 def doctor(
     config: Path = typer.Option(
         Path("examples/arith-grpo.yaml"), "--config", help="run config YAML (default: the one `make demo` runs)"

@@ -94,22 +94,25 @@ class Launcher:
         self.nats_port = port
         store = self.run_dir / "nats"
         store.mkdir(parents=True, exist_ok=True)
-        log = (self.run_dir / "logs" / "nats.log").open("ab")
+        logs = self.run_dir / "logs"
+        # The server's own log rotates (service.log_max_mib, service.log_keep); what it prints before that log
+        # opens (a config error) or when it crashes goes to nats.out, which a healthy server never writes to.
+        out = (logs / "nats.out").open("ab")
         conf = self.run_dir / "nats.conf"
         authorization = server_authorization(self.cfg.run_id, list(self.nats_keys.values()))
-        conf.write_text(embedded_config(port, store, self.cfg.nats.sync_always, authorization))
+        log = ((logs / "nats.log").resolve(), self.cfg.service)
+        conf.write_text(embedded_config(port, store, self.cfg.nats.sync_always, authorization, log))
         self.nats = subprocess.Popen(
             [nats_server_binary(), "-c", str(conf)],
-            stdout=log,
+            stdout=out,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
         )
+        out.close()  # the child holds its own copy
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if self.nats.poll() is not None:
-                raise RuntimeError(
-                    f"nats-server exited with {self.nats.returncode}; see {self.run_dir / 'logs' / 'nats.log'}"
-                )
+                raise RuntimeError(f"nats-server exited with {self.nats.returncode}; see {logs}/nats.out and nats.log")
             with socket.socket() as sock:
                 if sock.connect_ex(("127.0.0.1", port)) == 0:
                     return f"nats://127.0.0.1:{port}"

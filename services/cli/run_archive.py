@@ -8,10 +8,18 @@ left out (they are per-step copies of groups, kept for ``rlpipe samples`` on the
 
 A ``file://`` store whose folder for the run is the run directory itself (the embedded default) already holds all
 of it: nothing is copied. The archive has no lifecycle rule: keep it as long as the checkpoints.
+
+In compose and Kubernetes no launcher outlives the run: ``rlpipe archive --every`` runs beside the trainer (a
+compose service, a container in the trainer's pod), sharing its runs volume and the folder the services write
+their logs to (``service.log_dir``, archived under ``logs/``), and copies the record every period and once more
+when it is stopped. A pass stores only the files that changed since the one before, so a long run's rolled parts
+go once.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +42,9 @@ class Archived:
     skipped: str = ""  # why nothing was copied, if so
 
 
-def archived_files(run_dir: Path, metrics_file: Path) -> dict[str, Path]:
-    """Archive key (under the prefix) -> file, for what ``run_dir`` holds now."""
+def archived_files(run_dir: Path, metrics_file: Path, logs_dir: Path | None = None) -> dict[str, Path]:
+    """Archive key (under the prefix) -> file, for what ``run_dir`` holds now, and the logs in ``logs_dir`` (the
+    services' own, ``service.log_dir``) under ``logs/``."""
     files: dict[str, Path] = {}
 
     def add(path: Path) -> None:
@@ -55,6 +64,10 @@ def archived_files(run_dir: Path, metrics_file: Path) -> dict[str, Path]:
         for path in sorted(logs.rglob("*")):
             if path.is_file():
                 add(path)
+    if logs_dir is not None and logs_dir.is_dir() and logs_dir.resolve() != logs.resolve():
+        for path in sorted(logs_dir.rglob("*")):
+            if path.is_file():
+                files[f"logs/{path.relative_to(logs_dir).as_posix()}"] = path
     return files
 
 
@@ -63,28 +76,81 @@ def same_folder(store: ObjectStore, run_id: str, run_dir: Path) -> bool:
     return isinstance(store, FileStore) and (store.root / run_id).resolve() == run_dir.resolve()
 
 
+class RunArchiver:
+    """Copies the run's record to ``store`` (the run's checkpoint store by default); each ``archive`` stores the
+    files whose size or change time differ from the last pass's. Store errors propagate."""
+
+    def __init__(self, cfg: RunConfig, store: ObjectStore | None = None, logs_dir: Path | None = None):
+        self.cfg = cfg
+        self.store = store or open_store(cfg.checkpoint_url, cfg.checkpoint)
+        self.logs_dir = logs_dir
+        self._stored: dict[str, tuple[int, int]] = {}  # key -> (size, mtime_ns) of the copy stored
+
+    def archive(self) -> Archived:
+        cfg = self.cfg
+        if same_folder(self.store, cfg.run_id, cfg.run_dir):
+            return Archived([], 0, skipped=f"the store keeps the run in {cfg.run_dir} already")
+        keys, nbytes = [], 0
+        for name, path in archived_files(cfg.run_dir, cfg.metrics_file, self.logs_dir).items():
+            try:
+                stat = path.stat()
+                if self._stored.get(name) == (stat.st_size, stat.st_mtime_ns):
+                    continue
+                data = path.read_bytes()
+            except FileNotFoundError:  # rotated or pruned since it was listed: the next pass has its new name
+                continue
+            self.store.put(archive_prefix(cfg.run_id) + name, data)
+            self._stored[name] = (stat.st_size, stat.st_mtime_ns)
+            keys.append(name)
+            nbytes += len(data)
+        return Archived(keys, nbytes)
+
+
 def archive_run(cfg: RunConfig, store: ObjectStore | None = None) -> Archived:
     """Copy the run's record to ``store`` (the run's checkpoint store by default). Store errors propagate."""
-    store = store or open_store(cfg.checkpoint_url, cfg.checkpoint)
-    if same_folder(store, cfg.run_id, cfg.run_dir):
-        return Archived([], 0, skipped=f"the store keeps the run in {cfg.run_dir} already")
-    keys, nbytes = [], 0
-    for name, path in archived_files(cfg.run_dir, cfg.metrics_file).items():
-        data = path.read_bytes()
-        store.put(archive_prefix(cfg.run_id) + name, data)
-        keys.append(name)
-        nbytes += len(data)
-    return Archived(keys, nbytes)
+    return RunArchiver(cfg, store).archive()
 
 
-def archive_and_describe(cfg: RunConfig) -> str:
-    """``archive_run`` once every service has stopped, as one line for the operator. A store that fails loses
-    nothing (the files stay in the run directory) and fails nothing: the run itself is over."""
+def archive_until_stopped(
+    archiver: RunArchiver, every_s: float, stop: threading.Event, report: Callable[[str], None]
+) -> None:
+    """``archiver.archive`` every ``every_s`` seconds and once more when ``stop`` is set, each pass reported as
+    ``describe`` does; a pass the store fails is reported and the next one tries again."""
+    while True:
+        stop.wait(every_s)
+        stopping = stop.is_set()
+        report(describe(archiver))
+        if stopping:
+            return
+
+
+def describe(archiver: RunArchiver) -> str:
+    """One ``archive`` pass as one line for the operator. A store that fails loses nothing (the files stay in the
+    run directory) and fails nothing: the run itself goes on or is over."""
+    cfg = archiver.cfg
     try:
-        archived = archive_run(cfg)
+        archived = archiver.archive()
     except Exception as error:  # the store's many failure types
-        return f"archive: the run's record could not be stored ({error!r}); it stays in {cfg.run_dir}"
+        return not_stored(cfg, error)
+    return summary(cfg, archived)
+
+
+def summary(cfg: RunConfig, archived: Archived) -> str:
     if archived.skipped:
         return f"archive: not copied: {archived.skipped}"
     where = f"{cfg.checkpoint_url.rstrip('/')}/{archive_prefix(cfg.run_id)}"
     return f"archive: {len(archived.keys)} files ({archived.nbytes / 2**20:.1f} MiB) in {where}"
+
+
+def archive_and_describe(cfg: RunConfig) -> str:
+    """``archive_run`` once every service has stopped, as one line (``describe``); a store that cannot even be
+    opened is reported the same way."""
+    try:
+        archiver = RunArchiver(cfg)
+    except Exception as error:  # the store's many failure types
+        return not_stored(cfg, error)
+    return describe(archiver)
+
+
+def not_stored(cfg: RunConfig, error: Exception) -> str:
+    return f"archive: the run's record could not be stored ({error!r}); it stays in {cfg.run_dir}"

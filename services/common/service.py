@@ -159,8 +159,11 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     except ConfigError as error:
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
-    setup_logging(role, cfg.run_id, cfg.service.log_level)
     instance = instance_name(cfg, role)
+    own = cfg.service
+    # In a container the runtime keeps stderr; the file is what `rlpipe archive` copies into the run's archive.
+    log_file = own.log_dir / f"{instance}.log" if own.log_dir else None
+    setup_logging(role, cfg.run_id, own.log_level, log_file, own.log_max_mib * 2**20, own.log_keep)
     bind_log_fields(instance=instance)
     try:
         startup_checks(cfg, role)

@@ -48,9 +48,10 @@ class MetricsLog:
         trackers: TrackerFanout | None = None,
         max_bytes: int | None = None,
         capacity: int = CAPACITY_ROWS,
+        keep_parts: int = 0,
     ):
         # Without max_bytes one file grows for ever (a drill's or a test's short record).
-        self.file = RollingJsonl(path, max_bytes or sys.maxsize)
+        self.file = RollingJsonl(path, max_bytes or sys.maxsize, keep_parts)
         self.trackers = trackers
         self.writer: BackgroundWriter[dict[str, Any]] = BackgroundWriter("metrics", self._write_rows, capacity)
 

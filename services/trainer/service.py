@@ -87,7 +87,10 @@ class Trainer:
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
         self.telemetry = TrainerMetrics()
-        metrics = MetricsLog(cfg.metrics_file, open_trackers(cfg), cfg.telemetry.jsonl_max_mib * 2**20)
+        rolling = cfg.telemetry
+        metrics = MetricsLog(
+            cfg.metrics_file, open_trackers(cfg), rolling.jsonl_max_mib * 2**20, keep_parts=rolling.jsonl_keep_parts
+        )
         self.journal = Journal(EventLog.of_run(cfg), [AlertSink(live, metrics, self.telemetry, self.progress)])
         self.ledger = GroupLedger()
         train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import subprocess
 import sys
 
@@ -9,7 +11,8 @@ import pytest
 
 from services.cli.children import Child
 from services.cli.report import read_jsonl
-from services.common.observe.logs import JsonlFollower, RotatingLog, jsonl_parts, rolled_part
+from services.common.observe.events import Event
+from services.common.observe.logs import JsonlFollower, RotatingLog, jsonl_parts, log_event, rolled_part, setup_logging
 from services.trainer.responder import MetricsLog
 
 pytestmark = pytest.mark.unit
@@ -104,3 +107,23 @@ def test_a_follower_of_a_rotating_log_reads_each_line_once_across_rotations(tmp_
     seen += follower.new_lines()
     log.close()
     assert seen == [line(n).rstrip(b"\n") for n in range(20)]
+
+
+def test_a_service_with_a_log_dir_also_writes_its_lines_to_a_rotating_file(tmp_path):
+    path = tmp_path / "logs" / "reward-host.log"  # the folder is made
+    root = logging.getLogger()
+    kept = root.handlers[:], root.level
+    try:
+        setup_logging("reward", "run-a", "INFO", path, max_bytes=400, keep=1)
+        for n in range(12):
+            log_event(logging.getLogger("test"), Event.READY, n=n)
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], root.level = kept
+    files = (path.with_name("reward-host.log.1"), path)
+    lines = [json.loads(line) for part in files for line in part.read_text().splitlines()]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["reward-host.log", "reward-host.log.1"]
+    # Only the newest lines survive the rotation, each whole, with the service's and the run's names.
+    assert [row["n"] for row in lines] == list(range(12 - len(lines), 12)) and len(lines) < 12
+    assert {(row["service"], row["run_id"], row["event"]) for row in lines} == {("reward", "run-a", "ready")}

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.unit
 
 RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
 GPU_ROLES = ("trainer", "rollout", "reference")  # each also as <role>-gpu in the gpu profile
-ALWAYS = {"nats", "secrets-init", "minio", "minio-init", "model-init", "reward"}
+ALWAYS = {"nats", "secrets-init", "minio", "minio-init", "model-init", "reward", "archive"}
 ADMIN_PORT = "${ADMIN_BIND_ADDRESS:-127.0.0.1}:50052:50052"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
@@ -67,6 +67,7 @@ def test_start_order_waits_on_health(compose):
         "secrets-init": "service_completed_successfully",
     }
     assert depends(compose, "trainer") == {
+        "archive": "service_started",  # so stopped after the trainer
         "nats": "service_healthy",
         "minio-init": "service_completed_successfully",
         "model-init": "service_completed_successfully",
@@ -125,6 +126,9 @@ def test_every_long_running_service_has_a_health_check_and_restart_policy(compos
     for name, service in compose["services"].items():
         if name in ("minio-init", "model-init", "secrets-init", "cli"):
             assert service["restart"] == "no", name
+            continue
+        if name == "archive":  # no port to probe: a loop of store writes, each pass logged
+            assert service["restart"] == "unless-stopped"
             continue
         assert service["healthcheck"]["test"], name
         assert service["restart"] in ("unless-stopped", "on-failure"), name

@@ -30,9 +30,19 @@ class ServiceConfig(Section):
         "INFO", description="the least severe log records written"
     )
     log_max_mib: int = Field(
-        100, ge=1, description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size"
+        100,
+        ge=1,
+        description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size (MiB), as "
+        "do the embedded broker and a service with log_dir",
     )
     log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
+    log_dir: Path | None = Field(
+        None,
+        description="a folder each service also writes its JSON log lines to, as <instance>.log (service.instance; "
+        "by default <role>-<hostname>) rotated by log_max_mib and log_keep, for `rlpipe archive` to copy into the "
+        "run archive (compose and Kubernetes, where stdout belongs to the container runtime); unset: stderr only "
+        "(`rlpipe run` keeps its children's logs itself)",
+    )
 
 
 class AdminConfig(Section):
@@ -61,8 +71,14 @@ class TelemetryConfig(Section):
         256,
         ge=1,
         description="metrics.jsonl and events.jsonl roll to numbered parts (metrics.00001.jsonl, ...) past this "
-        "size; every part is kept and every reader (report, metrics --follow, tune, alert drill, tests) reads them "
-        "in order",
+        "size (MiB); every reader (report, metrics --follow, tune, alert drill, tests) reads the parts kept in order",
+    )
+    jsonl_keep_parts: int = Field(
+        20,
+        ge=0,
+        description="rolled parts of metrics.jsonl and of events.jsonl kept (count); at each roll past it the "
+        "oldest part is deleted, so a record holds at most (jsonl_keep_parts + 1) x jsonl_max_mib MiB on disk and "
+        "in the run archive; 0 keeps every part",
     )
     samples_keep_steps: int = Field(
         50,

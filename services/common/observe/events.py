@@ -19,7 +19,8 @@ what it keeps. ``events.jsonl`` holds one JSON line per recorded event: ``{"time
 
 Two processes write it, the launcher (restarts) and the trainer (everything else), each line
 whole: past ``telemetry.jsonl_max_mib`` it rolls to ``events.00001.jsonl`` and so on like
-``metrics.jsonl`` (``RollingJsonl``, whose lock lets either writer roll it). Readers go through
+``metrics.jsonl`` (``RollingJsonl``, whose lock lets either writer roll it), the oldest part deleted
+past ``telemetry.jsonl_keep_parts``. Readers go through
 ``jsonl_parts``: ``services.cli.report.read_jsonl`` for the whole record, ``JsonlFollower`` to follow it.
 """
 
@@ -198,15 +199,16 @@ RECORDED_AS: dict[Event, Event] = {
 class EventLog:
     """``events.jsonl``: the run's record of what happened to it besides its steps."""
 
-    def __init__(self, path: Path, max_bytes: int | None = None):
+    def __init__(self, path: Path, max_bytes: int | None = None, keep_parts: int = 0):
         self.path = path
         # Without max_bytes one file grows for ever (a drill's or a test's short record).
-        self.file = RollingJsonl(path, max_bytes or sys.maxsize)
+        self.file = RollingJsonl(path, max_bytes or sys.maxsize, keep_parts)
 
     @classmethod
     def of_run(cls, cfg: RunConfig) -> EventLog:
-        """The run's ``events.jsonl``, rolled at ``telemetry.jsonl_max_mib`` like its metrics."""
-        return cls(cfg.run_dir / "events.jsonl", cfg.telemetry.jsonl_max_mib * 2**20)
+        """The run's ``events.jsonl``, rolled at ``telemetry.jsonl_max_mib`` and pruned to
+        ``telemetry.jsonl_keep_parts`` parts like its metrics."""
+        return cls(cfg.run_dir / "events.jsonl", cfg.telemetry.jsonl_max_mib * 2**20, cfg.telemetry.jsonl_keep_parts)
 
     def write(self, kind: Event, message: str, step: int | None = None, **extra: Any) -> None:
         row = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message, **extra}

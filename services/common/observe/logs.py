@@ -9,9 +9,11 @@ span ids, so logs and traces can be joined.
 of those stay, so a week-long run cannot fill its disk with logs. In containers the runtime
 rotates stderr instead (compose's logging options, the kubelet's containerLogMaxSize).
 
-``RollingJsonl`` does the same for a run's record (``metrics.jsonl``, ``events.jsonl``) but
-keeps every part: past its size the file becomes ``metrics.00001.jsonl`` (then ``.00002``...),
-never renamed again, and a fresh ``metrics.jsonl`` goes on. Several processes may write one
+``RollingJsonl`` does the same for a run's record (``metrics.jsonl``, ``events.jsonl``): past
+its size the file becomes ``metrics.00001.jsonl`` (then ``.00002``...), never renamed again, and
+a fresh ``metrics.jsonl`` goes on. With ``keep_parts`` only the newest that many rolled parts stay
+(the oldest is deleted at each roll past it, so the numbers of those left go on from where they
+were); without it every part is kept. Several processes may write one
 record (the launcher and the trainer both write ``events.jsonl``): each line is appended under
 an exclusive lock on ``.<name>.lock`` beside it, so no two writers roll at once or write into a
 part after it was rolled. ``jsonl_parts`` lists the parts in order for readers of the whole
@@ -21,6 +23,7 @@ record; ``JsonlFollower`` follows the record across rolls.
 from __future__ import annotations
 
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -61,11 +64,36 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(payload, default=str)
 
 
-def setup_logging(service: str, run_id: str, level: str = "INFO") -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(service, run_id))
+class RotatingLogHandler(logging.Handler):
+    """Log records as lines of a ``RotatingLog``: a service's own log file beside its stderr (``service.log_dir``)."""
+
+    def __init__(self, log: RotatingLog):
+        super().__init__()
+        self.log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.log.write((self.format(record) + "\n").encode())
+        except Exception:  # a full disk must not stop the service: logging's own report, on stderr
+            self.handleError(record)
+
+    def close(self) -> None:
+        self.log.close()
+        super().close()
+
+
+def setup_logging(
+    service: str, run_id: str, level: str = "INFO", log_file: Path | None = None, max_bytes: int = 0, keep: int = 0
+) -> None:
+    """JSON lines to stderr, and with ``log_file`` to that file too, rotated past ``max_bytes`` keeping ``keep``."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(RotatingLogHandler(RotatingLog(log_file, max_bytes, keep)))
+    for handler in handlers:
+        handler.setFormatter(JsonFormatter(service, run_id))
     root = logging.getLogger()
-    root.handlers[:] = [handler]
+    root.handlers[:] = handlers
     root.setLevel(level)
     # Third-party chatter (vLLM, transformers, nats) stays out of our event stream unless it matters.
     for noisy in ("vllm", "transformers", "nats", "urllib3", "filelock", "httpx"):
@@ -145,22 +173,34 @@ def rolled_part(path: Path, number: int) -> Path:
     return path.with_name(f"{path.stem}.{number:05d}{path.suffix}")
 
 
+def _rolled_parts(path: Path) -> dict[int, Path]:
+    """Number -> rolled part of the record ``path`` (``metrics.00012.jsonl`` is 12), in number order."""
+    parts = {}
+    for part in path.parent.glob(f"{glob.escape(path.stem)}.*{glob.escape(path.suffix)}"):
+        middle = part.name.removeprefix(f"{path.stem}.").removesuffix(path.suffix)
+        if middle.isdigit() and part.name == rolled_part(path, int(middle)).name:
+            parts[int(middle)] = part
+    return dict(sorted(parts.items()))
+
+
 def jsonl_parts(path: Path) -> list[Path]:
-    """The parts of the record ``path`` in the order they were written: rolled parts, then ``path`` itself."""
-    parts = []
-    while (part := rolled_part(path, len(parts) + 1)).exists():
-        parts.append(part)
-    return parts + ([path] if path.is_file() else [])
+    """The parts of the record ``path`` in the order they were written: rolled parts, then ``path`` itself.
+    The oldest parts may have been pruned (``RollingJsonl``'s ``keep_parts``): the first one left comes first."""
+    return list(_rolled_parts(path).values()) + ([path] if path.is_file() else [])
 
 
 class RollingJsonl:
     """Appends JSON lines to ``path``, rolling it to its next numbered part past ``max_bytes``; safe for several
     writing processes (see the module docstring)."""
 
-    def __init__(self, path: Path, max_bytes: int):
+    def __init__(self, path: Path, max_bytes: int, keep_parts: int = 0):
+        """``keep_parts``: the newest rolled parts kept, older ones deleted as the record rolls; 0 keeps all."""
+        if max_bytes < 1 or keep_parts < 0:
+            raise ValueError("max_bytes must be >= 1 and keep_parts >= 0")
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.max_bytes = max_bytes
+        self.keep_parts = keep_parts
         self.lock_path = path.with_name(f".{path.name}.lock")
 
     def write(self, line: str) -> None:
@@ -182,10 +222,19 @@ class RollingJsonl:
                 data = line.encode()
                 if (size or pending) and size + len(pending) + len(data) > self.max_bytes:
                     self._append(pending)
-                    self.path.replace(rolled_part(self.path, len(jsonl_parts(self.path))))
+                    self._roll()
                     size, pending = 0, b""
                 pending += data
             self._append(pending)
+
+    def _roll(self) -> None:
+        """The file becomes the part after the newest (counted on disk), then the oldest parts past
+        ``keep_parts`` go. Called under the lock."""
+        rolled = _rolled_parts(self.path)
+        self.path.replace(rolled_part(self.path, max(rolled, default=0) + 1))
+        if self.keep_parts:
+            for old in list(rolled.values())[: max(len(rolled) + 1 - self.keep_parts, 0)]:
+                old.unlink(missing_ok=True)
 
     def _append(self, data: bytes) -> None:
         if data:
@@ -237,7 +286,11 @@ class JsonlFollower:
         if inode is None:
             return rolled
         inodes = [part.stat().st_ino for part in rolled]
-        return rolled[inodes.index(inode) + 1 :] if inode in inodes else []
+        if inode in inodes:
+            return rolled[inodes.index(inode) + 1 :]
+        # Not a rolled part: a rotated log's file (its record has no parts), or a part pruned since it was read,
+        # which goes oldest first, so every part left is newer than it.
+        return rolled
 
     def new_rows(self) -> list[dict[str, Any]]:
         """``new_lines`` that are JSON objects (a torn line from a killed writer is skipped)."""
