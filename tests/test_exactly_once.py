@@ -60,7 +60,8 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": SAVE_EVERY, "keep_last": 10},
         nats={"ack_wait_s": 2, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": WINDOW_S},
-        rollout={"prompts_per_batch": 4},
+        # The ledger is under test, not the engine: the transformers rollout is enough (docs/testing.md).
+        rollout={"backend": "hf", "prompts_per_batch": 4},
     )
     run_dir = runs / "late"
     with running_pipeline(config) as process:

@@ -3,6 +3,8 @@
 Counts are exact: DEAD deduplicates on ``<edge>.<origin sequence>.dead``, so a message handled twice
 (a trainer re-reading EXPERIENCE, a redelivery) still has one dead letter, and a healthy group that
 landed there would be a bug, not noise.
+
+The rollouts generate with transformers (``rollout.backend: hf``): the engine is not what is under test here.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
         tmp_path / "runs",
         run_id="poison",
         train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5},
+        rollout={"backend": "hf"},
     )
     run_dir = tmp_path / "runs" / "poison"
     with running_pipeline(config) as run:

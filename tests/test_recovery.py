@@ -6,6 +6,8 @@ checkpoint, re-reads EXPERIENCE after the checkpoint's sequence and re-feeds pro
 from the checkpoint's cursor (their repeats are dropped by the stream's duplicate
 window). The lineage of the steps that make up the final model must then account for
 every fed prompt exactly once: applied, dropped as stale, or still in flight.
+
+The rollouts generate with transformers (``rollout.backend: hf``): the engine is not what is under test here.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         },
         checkpoint={"save_every_steps": 3, "keep_last": 10},
         nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
-        rollout={"prompts_per_batch": 4},
+        rollout={"backend": "hf", "prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )
     run_dir = runs / "chaos"
@@ -139,7 +141,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
         nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600, "sync_always": True},
-        rollout={"prompts_per_batch": 4},
+        rollout={"backend": "hf", "prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )
     run_dir = runs / "broker"
