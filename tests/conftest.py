@@ -25,6 +25,7 @@ TEST_MODEL_DIR = ROOT / "build" / "test-model"
 # Every test belongs to exactly one tier (pyproject.toml describes them). A module's `pytestmark` sets the tier of
 # its tests; a test that differs carries its own marker, and the marker closest to the test wins.
 TIERS = ("unit", "integration", "e2e")
+MODEL_BUILDS = {"tiny_model", "tiny_reward_model"}  # session fixtures that train a model: never in the unit tier
 
 # vLLM's sampler compiles two small helpers with torch.compile on its first batch (the per-token logprob ranks; the
 # model itself runs eager, enforce_eager). On the CPU backend that is an inductor C++ build in every rollout process:
@@ -49,6 +50,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     untiered = [item.nodeid for item in items if tier_of(item) is None]
     if untiered:
         raise pytest.UsageError(f"tests without a tier marker ({', '.join(TIERS)}): {', '.join(untiered[:10])}")
+    # Caught here, before a session fixture would build the model (tens of seconds on a fresh clone) for them.
+    building = [item.nodeid for item in items if tier_of(item) == "unit" and MODEL_BUILDS & set(item.fixturenames)]
+    if building:
+        raise pytest.UsageError(
+            f"unit tests that build a model ({', '.join(sorted(MODEL_BUILDS))}): {', '.join(building[:10])}; "
+            "mark them integration, or give them a folder the config loader accepts (config_only_model)"
+        )
     # `-m unit` selects by any marker on the way up; keep only the tests whose own tier was asked for.
     selected = config.getoption("markexpr")
     if selected in TIERS:
@@ -162,6 +170,19 @@ def tiny_model() -> tuple[Path, Path]:
     model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
     with one_builder("tiny-model"):
         build(["--out", str(model_dir), "--data", str(data_dir), "--seed", "0"])
+    return model_dir, data_dir
+
+
+@pytest.fixture
+def config_only_model(tmp_path: Path) -> tuple[Path, Path]:
+    """A model folder and data files the config loader accepts, for a test that only reads a config: nothing to
+    load or build (the unit tier may not build the tiny model)."""
+    model_dir, data_dir = tmp_path / "config-only-model", tmp_path / "config-only-data"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "llama"}')
+    data_dir.mkdir()
+    for split in ("train", "eval"):
+        (data_dir / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
     return model_dir, data_dir
 
 

@@ -99,14 +99,8 @@ def test_resources_flag_a_gpu_out_of_headroom_or_never_busy_and_skip_rows_withou
     assert resources_check([row(1), row(2)]).status == "skip"
 
 
-def test_remote_services_come_from_the_config_and_each_unreachable_one_is_named(tmp_path):
-    # Only the config is read: a model folder and data files the loader accepts, not a model to build.
-    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    data_dir.mkdir()
-    for split in ("train", "eval"):
-        (data_dir / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+def test_remote_services_come_from_the_config_and_each_unreachable_one_is_named(tmp_path, config_only_model):
+    model_dir, data_dir = config_only_model
     cfg = load_config(
         write_config(
             tmp_path / "c.yaml",

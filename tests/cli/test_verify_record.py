@@ -43,11 +43,11 @@ def test_library_versions_name_python_and_say_absent_for_a_library_not_installed
 
 
 def test_the_record_holds_build_versions_the_redacted_config_first_metrics_and_conclusion(
-    tmp_path, tiny_model, monkeypatch
+    tmp_path, config_only_model, monkeypatch
 ):
     monkeypatch.setenv("RLPIPE_BUILD_VERSION", "1.2.3")  # as an image bakes them in
     monkeypatch.setenv("RLPIPE_BUILD_REVISION", "abc1234")
-    model_dir, data_dir = tiny_model
+    model_dir, data_dir = config_only_model
     config = write_config(
         tmp_path / "c.yaml",
         model_dir,

@@ -152,8 +152,8 @@ def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_
 
 
 @pytest.mark.unit
-def test_a_prod_trainer_without_a_weight_sync_token_refuses_to_start(tiny_model, tmp_path, monkeypatch):
-    model_dir, data_dir = tiny_model
+def test_a_prod_trainer_without_a_weight_sync_token_refuses_to_start(config_only_model, tmp_path, monkeypatch):
+    model_dir, data_dir = config_only_model
     monkeypatch.delenv("RLPIPE_WEIGHTSYNC_TOKEN", raising=False)
     monkeypatch.delenv("RLPIPE_ENV", raising=False)
     cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))

@@ -327,8 +327,10 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
 
 
 @pytest.mark.unit
-def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_does_not_relay(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
+def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_does_not_relay(
+    config_only_model, tmp_path
+):
+    model_dir, data_dir = config_only_model
     cert, key = self_signed(tmp_path)
 
     def rollout_config(**weight_sync: str) -> RunConfig:
