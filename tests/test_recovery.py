@@ -163,7 +163,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     print(f"broker kill -> longest gap between steps: {recovery_s:.1f}s; restarts {restarts}")
     assert restarts == {"nats": 1}  # no service crashed over it
-    assert "sync_interval: always" in (run_dir / "nats.conf").read_text()
+    assert 'sync_interval: "always"' in (run_dir / "nats.conf").read_text()  # quoted: nats_server.py says why
     records = Lineage(run_dir / "lineage.jsonl").records()
     assert not [r for r in records if isinstance(r, RestartRecord | LostRecord)], (
         "the trainer resumed or wrote groups off"
