@@ -182,7 +182,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     # What each role used, from its processes' CPU time, and the cost at the configured price: in usage.json,
     # the summary and the report. No GPU here, so no GPU-hours.
     usage = json.loads((run_dir / "usage.json").read_text())
-    assert sorted(usage["device_hours"]) == ["reference", "reward", "rollout", "trainer"]
+    assert sorted(usage["device_hours"]) == ["reference", "reward", "rollout", "trainer", "warm-start"]
     assert all(hours["cpu-core"] > 0 and hours["gpu"] == 0 for hours in usage["device_hours"].values())
     core_hours = sum(hours["cpu-core"] for hours in usage["device_hours"].values())
     assert usage["cost"] == pytest.approx(core_hours * 0.05) and usage["steps"] == TOTAL_STEPS

@@ -26,12 +26,15 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
-from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
 
 TOTAL_STEPS = 14
+BATCH = 8
+INFLIGHT_BATCHES = 2
+ACK_WAIT_S = 10
 
 
 def kill(run_dir: Path, name: str) -> int:
@@ -50,14 +53,14 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         runs,
         run_id="chaos",
         train={
-            "total_steps": TOTAL_STEPS,
-            "batch_size": 8,
+            "total_steps": 10_000,  # stopped by the test once the killed rollout's prompts came back
+            "batch_size": BATCH,
             "learning_rate": 2e-5,
-            "max_inflight_batches": 2,
+            "max_inflight_batches": INFLIGHT_BATCHES,
             "max_staleness": 3,
         },
         checkpoint={"save_every_steps": 3, "keep_last": 10},
-        nats={"ack_wait_s": 10, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
+        nats={"ack_wait_s": ACK_WAIT_S, "heartbeat_s": 3, "max_deliver": 5, "duplicate_window_s": 600},
         rollout={"backend": "hf", "prompts_per_batch": 4},
         supervision={"backoff_s": 0.5},
     )
@@ -76,6 +79,16 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", process)
         trainer_recovery_s = min(r["time"] for r in steps() if r["time"] > killed_at) - killed_at
         kill(run_dir, "rollout-0")
+        rollout_killed_at = time.monotonic()
+        # The prompts the killed rollout held come back once their ack wait runs out, to the restarted rollout. A
+        # run that ended before that would leave them in flight (a fate, but no proof); one whose groups never come
+        # back has leaked their slots, and this wait times out on it.
+        wait_for(
+            lambda: time.monotonic() > rollout_killed_at + ACK_WAIT_S and not unsettled_behind(run_dir),
+            "the killed rollout's prompts to come back and be used",
+            process,
+        )
+        assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
     print(f"trainer kill -> next applied step: {trainer_recovery_s:.1f}s")
@@ -88,7 +101,8 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     before_kill = [r.step for r in records[: records.index(resume[0])] if isinstance(r, StepRecord)]
     assert resume[0].abandoned_steps == [s for s in before_kill if s > resume[0].from_step]
     final = effective_steps(records)
-    assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
+    assert [r.step for r in final] == list(range(1, len(final) + 1))
+    assert len(final) > max(before_kill)
     versions = [r.policy_version for r in records if isinstance(r, StepRecord)]
     assert resume[0].policy_version > max(versions[: len(before_kill)])  # versions keep growing across the restart
 
@@ -97,6 +111,20 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     # batches (each failure spends a delivery; a long outage would dead-letter healthy prompts).
     for log in (run_dir / "logs").glob("rollout-*.log"):
         assert '"compute_failed"' not in log.read_text(), log
+
+
+def unsettled_behind(run_dir: Path) -> set[str]:
+    """Groups older than the in-flight window behind the newest group the final model used, with no fate yet:
+    held by a killed rollout until their ack wait runs out, or leaked."""
+    if not (run_dir / "lineage.jsonl").exists():
+        return set()
+    final = effective_steps(Lineage(run_dir / "lineage.jsonl").records())
+    used = {g for r in final for g, _ in r.groups} | {g for r in final for g in r.dropped_stale}
+    indices = [int(g.rpartition("-i")[2]) for g in used]
+    if not indices:
+        return set()
+    behind = max(indices) - INFLIGHT_BATCHES * BATCH
+    return {f"e0-i{i}" for i in range(behind)} - used
 
 
 def assert_every_fed_prompt_accounted_once(

@@ -43,6 +43,7 @@ from services.cli.children import (
     trainer_command,
     trainer_env,
 )
+from services.cli.warm_start import WarmProcess, WarmStarter, WarmStartError, preload_modules
 from services.common.config import (
     AdminCredentials,
     NatsConfig,
@@ -87,6 +88,7 @@ class Launcher:
         self.events = EventLog.of_run(cfg)
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
+        self.warm_starter: WarmStarter | None = None
 
     def start_nats(self, port: int | None = None) -> str:
         """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
@@ -168,11 +170,12 @@ class Launcher:
         command = [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)]
         if role == "trainer" and self.cfg.trainer.nproc > 1:
             command, env = trainer_command(self.cfg, command), {**trainer_env(self.cfg), **(env or {})}
-        process = subprocess.Popen(
+        child_env = {**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})}
+        process = self.warm_start(command, child_env) or subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            env={**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})},
+            env=child_env,
             preexec_fn=die_with_parent,
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
@@ -180,6 +183,36 @@ class Launcher:
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]
         return child
+
+    def start_warm_starter(self) -> None:
+        """The process the roles are forked from (service.warm_start), importing while the broker starts."""
+        if not self.cfg.service.warm_start:
+            return
+        env = {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
+        modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
+        self.warm_starter = WarmStarter(modules, env, self.run_dir / "logs" / "warm-start.log", die_with_parent)
+
+    def warm_start(self, command: list[str], env: dict[str, str]) -> WarmProcess | None:
+        """``command`` forked from the warm starter (a new one if it died); None where it cannot be: torchrun,
+        warm starts off, or a warm starter that fails, which is said once, and every role then starts cold."""
+        if self.warm_starter is None or command[:2] != [sys.executable, "-m"]:
+            return None
+        try:
+            if not self.warm_starter.alive:
+                self.warm_starter.close()
+                self.start_warm_starter()
+            return self.warm_starter.spawn(command, env)
+        except WarmStartError as error:
+            console.log(f"[yellow]warm start failed, starting every role cold from now on:[/] {error}")
+            self.events.write(Event.WARM_START_FAILED, str(error), service="warm-start")
+            self.warm_starter.close()
+            self.warm_starter = None
+            return None
+
+    def close_warm_starter(self) -> None:
+        if self.warm_starter is not None:
+            self.warm_starter.close()
+            self.warm_starter = None
 
     def sample_usage(self, every_s: float = 2.0) -> None:
         """CPU and GPU time of every running service and its subprocesses, at most every ``every_s`` seconds."""
@@ -193,6 +226,8 @@ class Launcher:
             if child.process.poll() is None
             for pid in with_descendants(child.process.pid)
         }
+        if self.warm_starter is not None and self.warm_starter.alive:  # the imports it spent for every role
+            pids[self.warm_starter.process.pid] = "warm-start"
         self.usage.sample(pids, now)
 
     def child(self, name: str) -> Child:
@@ -261,6 +296,7 @@ class Launcher:
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.start_warm_starter()
         # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
         self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
         nats_url = self.start_nats()
@@ -440,6 +476,7 @@ class Launcher:
         for child in self.children:
             if child.pump_thread:
                 child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
+        self.close_warm_starter()  # only now: its children die with it
         if self.nats and self.nats.poll() is None:
             self.nats.terminate()
             self.nats.wait(timeout=20)
@@ -453,6 +490,9 @@ class Launcher:
             if process.poll() is None:
                 process.kill()
                 process.wait()
+        if self.warm_starter is not None:
+            self.warm_starter.process.kill()
+            self.close_warm_starter()
         return killed
 
 

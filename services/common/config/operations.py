@@ -26,6 +26,12 @@ class ServiceConfig(Section):
     )
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    warm_start: bool = Field(
+        True,
+        description="`rlpipe run` forks each role (and each restart) from one process that imported torch, "
+        "transformers and vLLM once, instead of starting a fresh interpreter per role, which spends 6 to 10 CPU s "
+        "importing them (services/cli/warm_start.py); false: every role a fresh interpreter",
+    )
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
         "INFO", description="the least severe log records written"
     )

@@ -166,6 +166,7 @@ class Event(StrEnum):
     UNPAUSE = "unpause"  # events.jsonl's kind of UNPAUSED
     UNPAUSED = "unpaused"  # an operator resumed training
     WAITING_FOR_TRAINER = "waiting_for_trainer"  # a role waits for the trainer to create the streams
+    WARM_START_FAILED = "warm_start_failed"  # the launcher could not fork a role warm; every role starts cold
     WEIGHTS_LOADED = "weights_loaded"  # a rollout loaded a new policy version
     WEIGHT_RELAY_FALLBACK = "weight_relay_fallback"  # a rollout pulled weights from the trainer, not a relay
     WEIGHT_RELAY_OFF = "weight_relay_off"  # the rollout cannot relay weights (no reachable address)
