@@ -62,6 +62,9 @@ E2E_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
+# Every process a test starts imports rlpipe's own modules; compiled once here (nothing writes .pyc files at
+# import under PYTHONDONTWRITEBYTECODE), each of them saves about 0.2 CPU s.
+	$(BIN)/python -m compileall -q -j 0 services tests bench > /dev/null
 	$(BIN)/python -m pytest -q --durations=10 -m unit tests
 	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m integration tests
 	$(BIN)/python -m pytest -q --durations=15 -n $(E2E_WORKERS) --dist loadfile -m e2e tests
