@@ -123,7 +123,7 @@ def unsettled_behind(run_dir: Path) -> set[str]:
     indices = [int(g.rpartition("-i")[2]) for g in used]
     if not indices:
         return set()
-    behind = max(indices) - INFLIGHT_BATCHES * BATCH
+    behind = max(indices) - (INFLIGHT_BATCHES + 1) * BATCH
     return {f"e0-i{i}" for i in range(behind)} - used
 
 
@@ -137,7 +137,9 @@ def assert_every_fed_prompt_accounted_once(
     """Every fed group has exactly one fate in the lineage of the final model: applied, dropped as stale,
     dead-lettered (``dead``), written off as lost (only with ``allow_lost``: a run whose broker kept every
     message loses none), or still in flight at the end; and only the newest
-    ``max_inflight_batches * batch_size`` fed groups may still be in flight (no slot leaked)."""
+    ``(max_inflight_batches + 1) * batch_size`` fed groups may still be in flight (no slot leaked): the feed keeps
+    ``max_inflight_batches * batch_size`` groups in flight besides those already taken into the batch being
+    collected, which a run stopped mid-batch leaves unapplied too."""
     applied = [group for r in final for group, _ in r.groups]
     dropped = [group for r in final for group in r.dropped_stale]
     assert len(applied) == len(set(applied)), "a group was applied twice"
@@ -153,7 +155,7 @@ def assert_every_fed_prompt_accounted_once(
     fates = [set(applied), set(dropped), set(dead), lost, in_flight]
     assert set().union(*fates) == set(fed), "a fed prompt's group was lost"
     assert sum(len(f) for f in fates) == len(fed), "a group has two fates"
-    newest = set(fed[-train["max_inflight_batches"] * train["batch_size"] :])
+    newest = set(fed[-(train["max_inflight_batches"] + 1) * train["batch_size"] :])
     assert in_flight <= newest, f"in-flight slots leaked: {sorted(in_flight - newest)}"
 
 
