@@ -188,9 +188,9 @@ class Launcher:
         """The process the roles are forked from (service.warm_start), importing while the broker starts."""
         if not self.cfg.service.warm_start:
             return
-        env = {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
         modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
-        self.warm_starter = WarmStarter(modules, env, self.run_dir / "logs" / "warm-start.log", die_with_parent)
+        log = self.run_dir / "logs" / "warm-start.log"
+        self.warm_starter = WarmStarter(modules, inherited_env(), log, die_with_parent)
 
     def warm_start(self, command: list[str], env: dict[str, str]) -> WarmProcess | None:
         """``command`` forked from the warm starter (a new one if it died); None where it cannot be: torchrun,
@@ -308,8 +308,7 @@ class Launcher:
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
-        inherited = {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
-        self.env = {**inherited, "RLPIPE_NATS__URL": nats_url}
+        self.env = {**inherited_env(), "RLPIPE_NATS__URL": nats_url}
         # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
         # start order works, docs/architecture.md), so their model and engine loads overlap the trainer's. The
         # trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin port
@@ -494,6 +493,11 @@ class Launcher:
             self.warm_starter.process.kill()
             self.close_warm_starter()
         return killed
+
+
+def inherited_env() -> dict[str, str]:
+    """This shell's environment without the tokens only some roles are given (Launcher.role_env)."""
+    return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
 
 
 def _event_summary(event: dict[str, Any]) -> str:

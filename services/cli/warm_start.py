@@ -123,7 +123,6 @@ class WarmStarter:
         theirs.close()
         self.log_path = log_path
         self.exits: dict[int, int] = {}  # pid -> exit code, as reported
-        self.spawned: list[int] = []
         self.gone = False  # the warm starter died: its children died with it
         self.lock = threading.Lock()
 
@@ -150,7 +149,6 @@ class WarmStarter:
             raise
         finally:
             os.close(write_end)
-        self.spawned.append(pid)
         return WarmProcess(self, pid, command, os.fdopen(read_end, "rb"))
 
     def _await_spawned(self, deadline: float) -> int:
