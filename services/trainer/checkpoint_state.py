@@ -119,6 +119,66 @@ def widened(ckpt: Checkpoint, layout: ModuleLayout) -> Checkpoint:
     return replace(ckpt, model=model)
 
 
+@dataclass(frozen=True)
+class LearnerLayout:
+    """What a checkpoint must hold to load into a learner whole: the base model its adapters sit on (LoRA), the
+    policy's and critic's tensors, and AdamW's parameter groups and moment shapes. Taken when the learner is built,
+    before sharding splits its tensors."""
+
+    base_model: tuple[str, str]  # path and sha256 of the base under the adapters; ("", "") for full weights
+    model_path: str  # the run's model.path, named when the base differs
+    algorithm: str
+    model: ModuleLayout
+    critic: ModuleLayout | None  # None: the algorithm has no critic
+    optimizer_groups: tuple[int, ...]  # tensors per parameter group
+    parameter_shapes: tuple[tuple[int, ...], ...]  # the trained parameters' shapes, in the optimizer's order
+
+    def check(self, ckpt: Checkpoint) -> None:
+        """Raise CheckpointMismatch naming what of ``ckpt`` would not load: another base model, the weights' and the
+        critic's keys, shapes, dtypes and finite values, the optimizer's parameter groups and moment shapes."""
+        if ckpt.state.base_model_sha256 != self.base_model[1]:  # the path may differ: a copy of the same weights
+            saved = ckpt.state.base_model_sha256 or "none: full weights"
+            here = self.base_model[1] or "none: full weights"
+            raise CheckpointMismatch(
+                f"step {ckpt.step} holds adapters for the base model {ckpt.state.base_model_path or '-'} (sha256 "
+                f"{saved}); this run's model.path {self.base_model[0] or self.model_path} is sha256 {here}. "
+                "Resume with the base model the run started from, or start a new run"
+            )
+        ckpt = widened(ckpt, self.model)
+        self.model.check(ckpt.model, f"step {ckpt.step}'s weights")
+        if (self.critic is None) != (ckpt.critic is None):
+            raise CheckpointMismatch(
+                f"step {ckpt.step} {'has no' if ckpt.critic is None else 'has a'} critic; this run's algorithm "
+                f"({self.algorithm}) {'needs' if self.critic is not None else 'has'} none"
+            )
+        if self.critic is not None and ckpt.critic is not None:
+            self.critic.check(ckpt.critic, f"step {ckpt.step}'s critic")
+        if ckpt.optimizer is not None:  # saved without it: load starts the optimizer fresh
+            self._check_optimizer(ckpt.step, ckpt.optimizer)
+
+    def _check_optimizer(self, step: int, optimizer: dict[str, Any]) -> None:
+        groups = tuple(len(group["params"]) for group in optimizer.get("param_groups", []))
+        if groups != self.optimizer_groups:
+            raise CheckpointMismatch(
+                f"step {step}'s optimizer holds parameter groups of {list(groups)} tensors, the model "
+                f"{list(self.optimizer_groups)}"
+            )
+        index = [i for group in optimizer["param_groups"] for i in group["params"]]
+        for position, key in enumerate(index):
+            for name, moment in optimizer.get("state", {}).get(key, {}).items():
+                if not isinstance(moment, torch.Tensor) or moment.dim() == 0:
+                    continue  # the step count
+                if tuple(moment.shape) != self.parameter_shapes[position]:
+                    raise CheckpointMismatch(
+                        f"step {step}'s optimizer {name} of parameter {position} has shape "
+                        f"{list(moment.shape)}, the parameter {list(self.parameter_shapes[position])}"
+                    )
+                if not bool(torch.isfinite(moment).all()):
+                    raise CheckpointMismatch(
+                        f"step {step}'s optimizer {name} of parameter {position} holds NaN or infinite values"
+                    )
+
+
 def load_untied(module: torch.nn.Module, state: dict[str, torch.Tensor], only: Collection[str] | None = None) -> None:
     """Load a state dict saved by ``untied``, all or nothing: it is checked whole (keys, shapes, dtypes, finite
     values) before the first tensor is copied; only the aliases of shared tensors may be absent. ``only``: the

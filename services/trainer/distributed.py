@@ -2,7 +2,7 @@
 
 Roles. Rank 0, the *leader*, is the trainer a single process knows: it alone talks to NATS, serves
 Admin and WeightSync, and reads and writes checkpoints. Every other rank, a *follower*, holds its
-shard of the policy (and critic) and of their AdamW state and runs ``follow``: it waits for the
+shard of the policy (and critic) and of their AdamW state and runs ``follower.follow``: it waits for the
 leader's next command and does its part of it. Every command is collective, so the ranks go from
 command to command in lockstep; the ``Learner`` issues them (``Mesh.command``) from the same
 methods the leader's driver already calls, so the driver barely knows the trainer is sharded.
@@ -71,16 +71,14 @@ from __future__ import annotations
 import ctypes
 import datetime
 import os
-import pickle
 import signal
 import sys
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, Protocol
+from typing import Any
 
-import msgpack
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -90,7 +88,6 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from services.common.config import RunConfig
 from services.common.model.modeling import to_host
 from services.common.service import EXIT_REFUSED
-from services.common.transport.messages import ExperienceGroup, decode, encode
 
 # A follower waits for the leader's next command as long as the leader goes without one (paused, no
 # experience); a year stands for "forever" in a timeout that must be finite.
@@ -412,63 +409,6 @@ def _load_into(target: torch.Tensor, source: torch.Tensor) -> None:
     whole = source.to(target.device, target.dtype)
     dist.broadcast(whole, src=0)
     target.copy_(whole)
-
-
-# -- the follower ------------------------------------------------------------------------
-
-
-class Replica(Protocol):
-    """What a follower runs for each command: the Learner's methods, called with what the leader sent."""
-
-    def step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]: ...
-    def reconfigure(self, cfg: RunConfig) -> None: ...
-    def weights(self) -> dict[str, torch.Tensor]: ...
-    def state(self) -> Any: ...
-    def load(self, ckpt: Any) -> None: ...
-    def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float: ...
-    def evaluate_episodes(self, rows: list[dict[str, Any]]) -> Any: ...
-
-
-def step_payload(groups: list[ExperienceGroup], policy_version: int) -> bytes:
-    return msgpack.packb({"groups": [encode(g) for g in groups], "policy_version": policy_version}, use_bin_type=True)
-
-
-def config_payload(cfg: RunConfig) -> bytes:
-    # pickle keeps Paths and tuples as they are; msgpack would need a schema for every field type.
-    return pickle.dumps(cfg.model_dump(mode="python"))
-
-
-def evaluate_payload(rows: list[dict[str, Any]], max_new_tokens: int, episodes: bool = False) -> bytes:
-    """``episodes``: a multi-turn run's evaluation, whose budgets are the config's, not ``max_new_tokens``."""
-    return msgpack.packb({"rows": rows, "max_new_tokens": max_new_tokens, "episodes": episodes}, use_bin_type=True)
-
-
-def follow(mesh: Mesh, replica: Replica) -> None:
-    """A follower's life: run the leader's commands until it says STOP. An exception ends the process (and so,
-    through torchrun, the job): a rank that missed its part of a collective cannot go on."""
-    while True:
-        op, payload = mesh.receive()
-        if op is Op.STOP:
-            return
-        if op is Op.STEP:
-            raw = msgpack.unpackb(payload, raw=False)
-            replica.step([decode(g, ExperienceGroup) for g in raw["groups"]], raw["policy_version"])
-        elif op is Op.RECONFIGURE:
-            replica.reconfigure(RunConfig.model_validate(pickle.loads(payload)))
-        elif op is Op.WEIGHTS:
-            replica.weights()
-        elif op is Op.STATE:
-            replica.state()
-        elif op is Op.LOAD:
-            replica.load(None)
-        elif op is Op.EVALUATE:
-            raw = msgpack.unpackb(payload, raw=False)
-            if raw["episodes"]:
-                replica.evaluate_episodes(raw["rows"])
-            else:
-                replica.evaluate(raw["rows"], raw["max_new_tokens"])
-        else:  # pragma: no cover - an Op added without a case here
-            raise ValueError(f"no follower action for {op!r}")
 
 
 # -- launching ---------------------------------------------------------------------------

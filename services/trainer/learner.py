@@ -10,6 +10,10 @@ A step follows the usual recipe (verl, OpenRLHF, TRL):
    clipped surrogate loss (with truncated importance weights against the rollout engine's
    logprobs), entropy bonus, KL loss term and clipped value loss.
 
+The advantages, each micro-batch's loss and the batch's metrics are ``objective.py``'s functions of the batch and
+the config; what a checkpoint must hold to load is ``checkpoint_state.LearnerLayout``'s. This class holds the
+model and optimizer, runs the forward passes and applies the updates.
+
 Non-finite numbers never reach the weights: an update whose loss or gradient norm is NaN or infinite is not
 applied, nor is any later update of its step, and targets that are not finite (a NaN advantage) skip every update
 of the step. ``skipped`` says why; the step's metrics then carry ``loss`` NaN (which the ``nan_loss`` alert rule
@@ -59,20 +63,8 @@ from services.common.model.modeling import (
 )
 from services.common.transport.messages import ExperienceGroup
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
-from services.trainer.algorithms import (
-    aggregate,
-    entropy_from_logits,
-    gae,
-    group_advantages,
-    kl_penalty,
-    masked_mean,
-    micro_batch_weight,
-    policy_loss,
-    reinforce_pp_returns,
-    truncated_importance_weights,
-    value_loss,
-    whiten,
-)
+from services.trainer import objective
+from services.trainer.algorithms import micro_batch_weight, truncated_importance_weights
 from services.trainer.batch import (
     Batch,
     StepTargets,
@@ -83,7 +75,7 @@ from services.trainer.batch import (
 )
 from services.trainer.checkpoint_state import (
     Checkpoint,
-    CheckpointMismatch,
+    LearnerLayout,
     ModuleLayout,
     detached_copy,
     restore_rng,
@@ -92,10 +84,9 @@ from services.trainer.checkpoint_state import (
     widened,
 )
 from services.trainer.critic import Critic
-from services.trainer.distributed import Mesh, Op, config_payload, evaluate_payload, step_payload
+from services.trainer.distributed import Mesh, Op
 from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
-
-ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
+from services.trainer.follower import config_payload, evaluate_payload, step_payload
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -129,7 +120,7 @@ class Learner:
     on every rank), ``steps_done``.
 
     With a distributed ``mesh`` every rank constructs one (it joins the process group and takes rank 0's
-    config); rank 0 then calls the methods below and the others run ``distributed.follow``.
+    config); rank 0 then calls the methods below and the others run ``follower.follow``.
     """
 
     def __init__(self, cfg: RunConfig, mesh: Mesh | None = None):
@@ -153,10 +144,10 @@ class Learner:
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
-        self.model_layout = ModuleLayout.of(self.model, self.adapter_names)
-        self.critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
-        self.parameter_shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
-        self.parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
+        model_layout = ModuleLayout.of(self.model, self.adapter_names)
+        critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
+        parameter_shapes = [tuple(p.shape) for p in self.model.parameters() if p.requires_grad]
+        parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
         # With LoRA the root is the transformers model inside peft's wrappers: generation calls it past them.
         root = self.model.get_base_model() if self.adapter_names is not None else self.model
@@ -170,6 +161,15 @@ class Learner:
         if self.critic is not None:
             groups.append({"params": list(self.critic.parameters()), "lr": train.critic.learning_rate})
         self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay, eps=train.adam_eps)
+        self.layout = LearnerLayout(
+            base_model=self.base_model,
+            model_path=cfg.model.path,
+            algorithm=train.algorithm,
+            model=model_layout,
+            critic=critic_layout,
+            optimizer_groups=tuple(len(group["params"]) for group in groups),
+            parameter_shapes=tuple(parameter_shapes),
+        )
         warmup = train.warmup_steps
         # Adam's first updates are full-size whatever the gradient; warm-up keeps them from jolting the policy.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -235,50 +235,10 @@ class Learner:
             return evaluate_episodes(self.model, self.tokenizer, rows, self.cfg, precision=self.precision)
 
     def check(self, ckpt: Checkpoint) -> None:
-        """Raise CheckpointMismatch unless ``ckpt`` loads whole: the weights' and the critic's keys, shapes, dtypes
-        and finite values, and the optimizer's parameter groups and moment shapes. Changes nothing, so a caller
-        checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it was."""
-        if ckpt.state.base_model_sha256 != self.base_model[1]:  # the path may differ: a copy of the same weights
-            saved, here = (
-                ckpt.state.base_model_sha256 or "none: full weights",
-                self.base_model[1] or "none: full weights",
-            )
-            raise CheckpointMismatch(
-                f"step {ckpt.step} holds adapters for the base model {ckpt.state.base_model_path or '-'} (sha256 "
-                f"{saved}); this run's model.path {self.base_model[0] or self.cfg.model.path} is sha256 {here}. "
-                "Resume with the base model the run started from, or start a new run"
-            )
-        ckpt = widened(ckpt, self.model_layout)
-        self.model_layout.check(ckpt.model, f"step {ckpt.step}'s weights")
-        if (self.critic_layout is None) != (ckpt.critic is None):
-            raise CheckpointMismatch(
-                f"step {ckpt.step} {'has no' if ckpt.critic is None else 'has a'} critic; this run's algorithm "
-                f"({self.cfg.train.algorithm}) {'needs' if self.critic_layout is not None else 'has'} none"
-            )
-        if self.critic_layout is not None and ckpt.critic is not None:
-            self.critic_layout.check(ckpt.critic, f"step {ckpt.step}'s critic")
-        if ckpt.optimizer is None:
-            return  # saved without it: load starts the optimizer fresh
-        groups = [len(group["params"]) for group in ckpt.optimizer.get("param_groups", [])]
-        wanted = [len(group["params"]) for group in self.optimizer.param_groups]
-        if groups != wanted:
-            raise CheckpointMismatch(
-                f"step {ckpt.step}'s optimizer holds parameter groups of {groups} tensors, the model {wanted}"
-            )
-        index = [i for group in ckpt.optimizer["param_groups"] for i in group["params"]]
-        for position, key in enumerate(index):
-            for name, moment in ckpt.optimizer.get("state", {}).get(key, {}).items():
-                if not isinstance(moment, torch.Tensor) or moment.dim() == 0:
-                    continue  # the step count
-                if tuple(moment.shape) != self.parameter_shapes[position]:
-                    raise CheckpointMismatch(
-                        f"step {ckpt.step}'s optimizer {name} of parameter {position} has shape "
-                        f"{list(moment.shape)}, the parameter {list(self.parameter_shapes[position])}"
-                    )
-                if not bool(torch.isfinite(moment).all()):
-                    raise CheckpointMismatch(
-                        f"step {ckpt.step}'s optimizer {name} of parameter {position} holds NaN or infinite values"
-                    )
+        """Raise CheckpointMismatch unless ``ckpt`` loads whole (``LearnerLayout.check``). Changes nothing, so a
+        caller checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it
+        was."""
+        self.layout.check(ckpt)
 
     def load(self, ckpt: Checkpoint | None) -> None:
         """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams.
@@ -286,7 +246,7 @@ class Learner:
         Rank 0 checks the checkpoint whole first (``check``): one that does not fit raises before anything changes.
         Across processes rank 0 passes the checkpoint it read and the others None: each keeps its shards."""
         if ckpt is not None:
-            ckpt = widened(ckpt, self.model_layout)
+            ckpt = widened(ckpt, self.layout.model)
             self.check(ckpt)
         if self.mesh.distributed:
             self._load_sharded(ckpt)
@@ -403,29 +363,6 @@ class Learner:
             self.mesh.sum_(old_values)
         return old_logp, old_values
 
-    # --- advantages -------------------------------------------------------------------------
-
-    def advantages(
-        self, batch: Batch, old_logp: torch.Tensor, old_values: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Per-token advantages ``[N, R]`` and, for PPO, the value targets."""
-        train = self.cfg.train
-        mask = batch.mask
-        token_rewards = batch.token_rewards()
-        if train.kl.placement == "reward" and train.kl.coef > 0:
-            token_rewards = (
-                token_rewards - train.kl.coef * kl_penalty(old_logp, batch.ref_logp, train.kl.estimator) * mask
-            )
-        if train.algorithm == "ppo":
-            advantages, returns = gae(token_rewards, old_values, mask, train.gamma, train.lam)
-            return whiten(advantages, mask) * mask, returns
-        if train.algorithm == "reinforce_pp":
-            return whiten(reinforce_pp_returns(token_rewards, mask, train.gamma), mask) * mask, None
-        scores = token_rewards.sum(-1)
-        return group_advantages(scores, batch.group_index, ALIASES.get(train.algorithm, train.algorithm))[
-            :, None
-        ] * mask, None
-
     # --- the step ---------------------------------------------------------------------------
 
     def step(self, groups: list[ExperienceGroup], policy_version: int) -> dict[str, float]:
@@ -477,7 +414,7 @@ class Learner:
             # The step's loss is not a number whichever part was not: the nan_loss rule sees every skip.
             metrics["loss"] = math.nan
         metrics["updates_skipped"] = float(planned - applied)
-        metrics |= self._batch_metrics(batch, targets, policy_version)
+        metrics |= objective.batch_metrics(batch, targets, policy_version)
         elapsed = time.perf_counter() - started
         metrics |= {
             "grad_norm": float(np.mean(grad_norms)),
@@ -498,7 +435,7 @@ class Learner:
         )
         if not recompute:
             old_logp = batch.rollout_logp
-        advantages, returns = self.advantages(batch, old_logp, old_values)
+        advantages, returns = objective.advantages(train, batch, old_logp, old_values)
         tis = None
         if train.tis.mode != "off":
             tis = truncated_importance_weights(old_logp, batch.rollout_logp, batch.mask, train.tis.mode, train.tis.cap)
@@ -518,94 +455,12 @@ class Learner:
         stats: dict[str, float] = {}
         for micro, counts in self._passes(rows, batch):
             weight = micro_batch_weight(batch.mask[micro.to(self.device)], step_mask, loss_agg) if counts else 0.0
-            loss, micro_stats = self._loss(batch, micro, targets, critic_only)
+            packed, logits, values = self._forward(micro, batch)
+            loss, micro_stats = objective.micro_batch_loss(
+                self.cfg.train, batch, micro, packed, logits, values, targets, critic_only
+            )
             (loss * weight).backward()
             for name, value in micro_stats.items():
                 # A pass that does not count still names every statistic: the ranks sum them key by key.
                 stats[name] = stats.get(name, 0.0) + (float(value) * weight if counts else 0.0)
         return stats
-
-    def _loss(
-        self, batch: Batch, rows: torch.Tensor, targets: StepTargets, critic_only: bool
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        train = self.cfg.train
-        packed, logits, values = self._forward(rows, batch)
-        r = packed.mask.shape[1]
-        at = rows.to(self.device)
-
-        def cut(t: torch.Tensor) -> torch.Tensor:
-            return t[at, :r]
-
-        # The model's own tokens only: an observation's tokens are context, neither acted on nor scored.
-        mask = cut(batch.mask)
-
-        logp = token_logprobs(logits, packed.targets)
-        # One horizon for the whole batch, so seq-mean-token-sum-norm does not depend on a micro-batch's width.
-        horizon = batch.mask.shape[1]
-        pg_loss, stats = policy_loss(
-            logp,
-            cut(targets.old_logp),
-            cut(targets.advantages),
-            mask,
-            train.clip.low,
-            train.clip.high,
-            train.clip.dual,
-            train.loss_agg,
-            weights=cut(targets.tis) if targets.tis is not None else None,
-            horizon=horizon,
-        )
-        # Without an entropy bonus the entropy is a statistic only: no graph, so no backward pass over the vocab.
-        with torch.set_grad_enabled(torch.is_grad_enabled() and train.entropy_coef > 0):
-            entropy = aggregate(entropy_from_logits(logits), mask, train.loss_agg, horizon)
-        kl = aggregate(kl_penalty(logp, cut(batch.ref_logp), train.kl.estimator), mask, train.loss_agg, horizon)
-        loss = pg_loss - train.entropy_coef * entropy
-        if train.kl.placement == "loss":
-            loss = loss + train.kl.coef * kl
-        stats |= {"pg_loss": pg_loss.detach(), "entropy": entropy.detach(), "kl_ref": kl.detach()}
-        if values is not None:
-            v_loss, v_clipfrac = value_loss(
-                values,
-                cut(targets.old_values),
-                cut(targets.returns),
-                mask,
-                train.critic.value_clip,
-                train.loss_agg,
-                horizon,
-            )
-            loss = train.critic.value_coef * v_loss if critic_only else loss + train.critic.value_coef * v_loss
-            stats |= {"value_loss": v_loss.detach(), "value_clipfrac": v_clipfrac}
-        stats["loss"] = loss.detach()
-        return loss, stats
-
-    def _batch_metrics(self, batch: Batch, targets: StepTargets, policy_version: int) -> dict[str, float]:
-        advantages, returns, old_values, tis = targets.advantages, targets.returns, targets.old_values, targets.tis
-        mask = batch.mask
-        lengths = batch.filled.sum(-1)
-        group_std = torch.stack(
-            [batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()]
-        )
-        valid = mask.bool()
-        metrics = {
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()),
-            "advantage_mean": float(advantages[valid].mean()),
-            "advantage_std": float(advantages[valid].std()),
-            "zero_variance_groups": float((group_std == 0).float().mean()),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "termination_rate": float(batch.stopped.mean()),
-            "truncation_rate": float(1 - batch.stopped.mean()),
-            "generated_by_version_min": float(batch.policy_versions.min()),
-            "generated_by_version_max": float(batch.policy_versions.max()),
-            "staleness_mean": float((policy_version - batch.policy_versions).mean()),
-            "staleness_max": float((policy_version - batch.policy_versions).max()),
-            "groups": float(batch.group_index.max() + 1),
-            "completions": float(len(batch.pairs)),
-        }
-        if tis is not None:
-            metrics |= {"tis_weight_mean": float(masked_mean(tis, mask)), "tis_weight_max": float(tis[valid].max())}
-        if returns is not None and old_values is not None:
-            residual_var = (returns - old_values)[valid].var()
-            metrics["explained_variance"] = float(1 - residual_var / returns[valid].var().clamp(min=1e-8))
-            metrics["value_mean"] = float(old_values[valid].mean())
-        return metrics

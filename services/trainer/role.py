@@ -35,7 +35,8 @@ from services.trainer.admin import AdminServicer, AdminToken, BearerToken
 from services.trainer.adopter import ResumeRefused
 from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
 from services.trainer.checkpoint_state import CheckpointMismatch
-from services.trainer.distributed import Mesh, follow
+from services.trainer.distributed import Mesh
+from services.trainer.follower import follow
 from services.trainer.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
 from services.trainer.lineage import LineageError

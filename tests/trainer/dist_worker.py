@@ -28,7 +28,8 @@ from services.common.transport.messages import ExperienceGroup, decode
 from services.common.transport.storage import FileStore
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint, TrainerState
-from services.trainer.distributed import Mesh, follow
+from services.trainer.distributed import Mesh
+from services.trainer.follower import follow
 from services.trainer.learner import Learner
 
 RECORDED = ("loss", "pg_loss", "kl_ref", "entropy", "grad_norm", "clipfrac", "approx_kl", "learning_rate")

@@ -7,8 +7,9 @@ import pytest
 
 from services.rollout.environments import Calculator, NoTool
 from services.rollout.episodes import EpisodeLimits, LocalEnvironment
-from services.trainer.distributed import Op, evaluate_payload, follow
+from services.trainer.distributed import Op
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
+from services.trainer.follower import evaluate_payload, follow
 from tests.rollout.test_episodes import CharTokenizer, ScriptedEngine
 
 pytestmark = pytest.mark.unit
