@@ -51,13 +51,14 @@ demo: model
 config-reference: $(STAMP)
 	$(BIN)/python -m services.common.config.reference > docs/configuration.md
 
-# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, the
-# fast ones first so a broken unit fails in a minute: unit (in-process), integration (real brokers, stores, gRPC,
-# vLLM, processes), e2e (whole runs). The integration and e2e tiers run on pytest-xdist workers, a file per worker at
-# a time (tests in one file share their fixtures): most of their time is spent waiting on processes, brokers, stores
-# and start-up rather than on the cores (docs/testing.md has the measurements).
-TEST_WORKERS ?= 2
-E2E_WORKERS ?= 2
+# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three: the
+# unit tier first (in-process, about a minute), so a broken unit fails early; then the integration and e2e tiers
+# (real brokers, stores, gRPC, vLLM, processes; whole runs) in one pytest-xdist session, a file per worker at a time
+# (tests in one file share their fixtures), the longest files first (tests/conftest.py: LONGEST_FIRST). One session
+# over both lets the integration tests' waits on brokers, timeouts and processes overlap the runs' CPU work; the
+# three workers keep both cores busy (docs/testing.md has the measurements).
+TEST_WORKERS ?= 3
+UNIT_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
@@ -65,9 +66,9 @@ test: $(STAMP)
 # Every process a test starts imports rlpipe's own modules; compiled once here (nothing writes .pyc files at
 # import under PYTHONDONTWRITEBYTECODE), each of them saves about 0.2 CPU s.
 	$(BIN)/python -m compileall -q -j 0 services tests bench > /dev/null
-	$(BIN)/python -m pytest -q --durations=10 -m unit tests
-	$(BIN)/python -m pytest -q --durations=15 -n $(TEST_WORKERS) --dist loadfile -m integration tests
-	$(BIN)/python -m pytest -q --durations=15 -n $(E2E_WORKERS) --dist loadfile -m e2e tests
+	$(BIN)/python -m pytest -q --durations=10 -n $(UNIT_WORKERS) -m unit tests
+	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "integration or e2e" tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync

@@ -7,9 +7,11 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,12 +59,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             f"unit tests that build a model ({', '.join(sorted(MODEL_BUILDS))}): {', '.join(building[:10])}; "
             "mark them integration, or give them a folder the config loader accepts (config_only_model)"
         )
-    # `-m unit` selects by any marker on the way up; keep only the tests whose own tier was asked for.
-    selected = config.getoption("markexpr")
-    if selected in TIERS:
-        kept = [item for item in items if tier_of(item) == selected]
-        config.hook.pytest_deselected(items=[item for item in items if tier_of(item) != selected])
-        items[:] = kept
+    # `-m unit` selects by any marker on the way up; keep only the tests whose own tier was asked for (one tier, or
+    # several joined by "or").
+    asked = {name.strip() for name in config.getoption("markexpr").split(" or ")}
+    if asked <= set(TIERS):
+        config.hook.pytest_deselected(items=[item for item in items if tier_of(item) not in asked])
+        items[:] = [item for item in items if tier_of(item) in asked]
+    items.sort(key=scheduling_rank)
+
+
+# The files that take longest, longest first (CPU seconds measured at stop 30, docs/testing.md). pytest-xdist hands
+# out whole files (--dist loadfile) in collection order (--no-loadscope-reorder): the longest started first leave
+# short files to fill the end, where a long one last would run on one core while the others idle.
+LONGEST_FIRST = (
+    "tests/trainer/test_algorithms_pipeline.py",
+    "tests/test_exactly_once.py",
+    "tests/test_admin.py",
+    "tests/trainer/test_distributed.py",
+    "tests/test_storage_outage.py",
+    "tests/cli/test_verify.py",
+    "tests/tuner/test_shared_study.py",
+    "tests/test_chaos.py",
+    "tests/tuner/test_tune.py",
+    "tests/trainer/test_learner.py",
+    "tests/test_pipeline.py",
+    "tests/test_recovery.py",
+    "tests/reward/test_reward_pipeline.py",
+    "tests/test_overrides.py",
+    "tests/trainer/test_distributed_launch.py",
+    "tests/common/test_datasets.py",
+    "tests/common/test_trackers.py",
+    "tests/cli/test_launcher.py",
+    "tests/cli/test_doctor.py",
+)
+
+
+def scheduling_rank(item: pytest.Item) -> tuple[int, int]:
+    """Where ``item``'s file goes in the run: the listed longest files first, then whole runs (e2e) before the
+    rest; a stable sort keeps each file's tests in their order."""
+    path = item.nodeid.partition("::")[0]
+    if path in LONGEST_FIRST:
+        return (0, LONGEST_FIRST.index(path))
+    return (1, 0 if tier_of(item) == "e2e" else 1)
 
 
 class UnitTierViolation(RuntimeError):
@@ -162,9 +200,47 @@ def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
     return s3_endpoint
 
 
+# The runs a test worker starts over the tiny model fork their roles from one warm-start pool of that worker
+# (service.warm_start_pool, docs/testing.md), which imports torch, transformers and vLLM once rather than once per
+# run (about 10 CPU s a run). write_config names it in every config it writes while it runs.
+WARM_POOL: list[Path] = []
+
+
 @pytest.fixture(scope="session")
-def tiny_model() -> tuple[Path, Path]:
-    """The project's own tiny model and data, built once (reused while its build settings match)."""
+def warm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This worker's warm-start pool: its socket, once the pool listens (it imports after, and a run joining
+    meanwhile waits for it)."""
+    from services.cli.children import die_with_parent
+    from services.cli.warm_start import preload_modules
+
+    folder = tmp_path_factory.mktemp("warm-pool")
+    # A socket's path must fit in 108 bytes, which a deep --basetemp may not.
+    socket_path = Path(tempfile.mkdtemp(prefix="rlpipe-pool-")) / "pool.sock"
+    command = [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path)]
+    with open(folder / "pool.log", "ab") as log:
+        process = subprocess.Popen(
+            [*command, *preload_modules(vllm_rollout=True)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=die_with_parent,
+        )
+    deadline = time.monotonic() + 60
+    while not socket_path.exists():
+        assert process.poll() is None and time.monotonic() < deadline, (folder / "pool.log").read_text()
+        time.sleep(0.05)
+    WARM_POOL.append(socket_path)
+    yield socket_path
+    WARM_POOL.remove(socket_path)
+    process.kill()
+    process.wait()
+    shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(warm_pool: Path) -> tuple[Path, Path]:
+    """The project's own tiny model and data, built once (reused while its build settings match); the runs over it
+    fork from this worker's warm-start pool."""
     from services.common.model.tiny_model import main as build
 
     model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
@@ -222,6 +298,8 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
         "nats": {"ack_wait_s": 30, "max_deliver": 3, "duplicate_window_s": 600, "fetch_timeout_s": 0.5},
         "rollout": {"prompts_per_batch": 16},
     }
+    if WARM_POOL:
+        config["service"] = {"warm_start_pool": str(WARM_POOL[0])}
     for name, values in sections.items():
         config[name] = {**config.get(name, {}), **values} if isinstance(values, dict) else values
     path.write_text(yaml.safe_dump(config))

@@ -103,6 +103,9 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         checkpoint={"save_every_steps": 5, "keep_last": 3},
         rollout={"replicas": 2, "prompts_per_batch": 4},
         cost={"per_device_hour": {"cpu-core": 0.05}},
+        # A warm starter of the run's own, as `rlpipe run` starts by default (not the test worker's pool): the
+        # imports it spent for every role are its own line in the run's device-hours.
+        service={"warm_start_pool": None},
     )
     run_dir = runs / "pipe"
     with running_pipeline(config) as process:

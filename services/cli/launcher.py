@@ -1,6 +1,6 @@
 """The Launcher behind ``rlpipe run`` (services/cli/run_command.py): the whole pipeline on one machine.
 
-Starts a local NATS server with JetStream in the run directory, then one OS process
+Starts a local NATS server with JetStream in the run directory (services/cli/run_broker.py), then one OS process
 per service (services/cli/children.py), all at once (the others wait for the streams the trainer creates; a
 rollout reads the trainer's port from its presence entry), each waited on until it logs
 ``ready``; runs/<run>/startup.jsonl records when each was ready, and the first step, in
@@ -16,12 +16,10 @@ run stops, prints the service's reason and exits 2. On stop each service gets it
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,7 +27,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import nats
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -38,15 +35,14 @@ from services.cli.children import (
     RestartPolicy,
     RoleRefused,
     die_with_parent,
-    free_port,
     restart_env,
     trainer_command,
     trainer_env,
 )
+from services.cli.run_broker import RunBroker
 from services.cli.warm_start import WarmProcess, WarmStarter, WarmStartError, preload_modules
 from services.common.config import (
     AdminCredentials,
-    NatsConfig,
     RunConfig,
     WeightSyncCredentials,
 )
@@ -54,10 +50,7 @@ from services.common.files import write_atomically
 from services.common.observe.events import Event, EventLog
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.service import EXIT_REFUSED
-from services.common.transport.live_config import LiveConfig
-from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
-from services.common.transport.nats_connect import connect_options
-from services.common.transport.nats_server import embedded_config, nats_server_binary
+from services.common.transport.nats_auth import RoleKey, write_run_credentials
 
 console = Console(stderr=True)
 # Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
@@ -74,7 +67,7 @@ class Launcher:
         self.resume = resume
         self.run_dir = cfg.run_dir
         self.children: list[Child] = []
-        self.nats: subprocess.Popen | None = None
+        self.broker: RunBroker | None = None
         self.env: dict[str, str] = {}
         # component (nats, each service, "first step") -> seconds after the launch it was ready; startup.jsonl
         self.startup: dict[str, float] = {}
@@ -82,65 +75,12 @@ class Launcher:
         self.restart_policy = RestartPolicy(cfg.supervision)
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
-        self.nats_port = 0
         self.nats_keys: dict[str, RoleKey] = {}
         self.weight_sync_token = ""
         self.events = EventLog.of_run(cfg)
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
         self.warm_starter: WarmStarter | None = None
-
-    def start_nats(self, port: int | None = None) -> str:
-        """nats-server with JetStream on ``port`` (a free one by default), its store in the run directory."""
-        port = port or free_port()
-        self.nats_port = port
-        store = self.run_dir / "nats"
-        store.mkdir(parents=True, exist_ok=True)
-        logs = self.run_dir / "logs"
-        # The server's own log rotates (service.log_max_mib, service.log_keep); what it prints before that log
-        # opens (a config error) or when it crashes goes to nats.out, which a healthy server never writes to.
-        out = (logs / "nats.out").open("ab")
-        conf = self.run_dir / "nats.conf"
-        authorization = server_authorization(self.cfg.run_id, list(self.nats_keys.values()))
-        log = ((logs / "nats.log").resolve(), self.cfg.service)
-        conf.write_text(embedded_config(port, store, self.cfg.nats.sync_always, authorization, log))
-        self.nats = subprocess.Popen(
-            [nats_server_binary(), "-c", str(conf)],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
-        )
-        out.close()  # the child holds its own copy
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            if self.nats.poll() is not None:
-                raise RuntimeError(f"nats-server exited with {self.nats.returncode}; see {logs}/nats.out and nats.log")
-            with socket.socket() as sock:
-                if sock.connect_ex(("127.0.0.1", port)) == 0:
-                    return f"nats://127.0.0.1:{port}"
-            time.sleep(0.05)
-        raise RuntimeError("nats-server did not accept connections within 30 s")
-
-    def forget_pause(self, nats_url: str) -> None:
-        """``--resume`` continues on purpose: a pause or stop recorded before must not hold the new start."""
-
-        async def clear() -> dict[str, Any]:
-            nc = await nats.connect(nats_url, **connect_options(self.nats_cfg("trainer"), "trainer"))
-            try:
-                live = await LiveConfig(self.cfg, nc.jetstream()).start()
-                earlier = await live.get_control()
-                await live.clear_control()
-                return earlier
-            finally:
-                await nc.close()
-
-        earlier = asyncio.run(clear())
-        if earlier.get("paused"):
-            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
-
-    def nats_cfg(self, role: str) -> NatsConfig:
-        """The broker settings of ``role``: this run's broker with that role's key."""
-        return self.cfg.nats.model_copy(update={"nkey_seed_file": self.nats_keys[role].seed_file})
 
     def role_env(self, role: str) -> dict[str, str]:
         """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
@@ -185,12 +125,20 @@ class Launcher:
         return child
 
     def start_warm_starter(self) -> None:
-        """The process the roles are forked from (service.warm_start), importing while the broker starts."""
+        """The process the roles are forked from (service.warm_start), importing while the broker starts: a warm
+        starter of this run's own, or a session of the machine's pool (service.warm_start_pool)."""
         if not self.cfg.service.warm_start:
             return
-        modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
-        log = self.run_dir / "logs" / "warm-start.log"
-        self.warm_starter = WarmStarter(modules, inherited_env(), log, die_with_parent)
+        pool = self.cfg.service.warm_start_pool
+        try:
+            if pool is not None:
+                self.warm_starter = WarmStarter.join(pool)
+                return
+            modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
+            log = self.run_dir / "logs" / "warm-start.log"
+            self.warm_starter = WarmStarter.start(modules, inherited_env(), log, die_with_parent)
+        except WarmStartError as error:
+            self.warm_start_failed(error)
 
     def warm_start(self, command: list[str], env: dict[str, str]) -> WarmProcess | None:
         """``command`` forked from the warm starter (a new one if it died); None where it cannot be: torchrun,
@@ -199,15 +147,19 @@ class Launcher:
             return None
         try:
             if not self.warm_starter.alive:
-                self.warm_starter.close()
+                self.close_warm_starter()
                 self.start_warm_starter()
+                if self.warm_starter is None:
+                    return None
             return self.warm_starter.spawn(command, env)
         except WarmStartError as error:
-            console.log(f"[yellow]warm start failed, starting every role cold from now on:[/] {error}")
-            self.events.write(Event.WARM_START_FAILED, str(error), service="warm-start")
-            self.warm_starter.close()
-            self.warm_starter = None
+            self.warm_start_failed(error)
             return None
+
+    def warm_start_failed(self, error: WarmStartError) -> None:
+        console.log(f"[yellow]warm start failed, starting every role cold from now on:[/] {error}")
+        self.events.write(Event.WARM_START_FAILED, str(error), service="warm-start")
+        self.close_warm_starter()  # none from now on: warm_start finds no warm starter
 
     def close_warm_starter(self) -> None:
         if self.warm_starter is not None:
@@ -240,7 +192,7 @@ class Launcher:
             "nats_url": self.env["RLPIPE_NATS__URL"],
             "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
             "admin": self.child("trainer").ready["admin"] if self.child("trainer").ready else None,
-            "pids": {"nats": self.nats.pid, **{c.name: c.process.pid for c in self.children}},
+            "pids": {"nats": self.broker.process.pid, **{c.name: c.process.pid for c in self.children}},
             "restarts": self.restarts,
             "services": {
                 c.name: {
@@ -299,11 +251,12 @@ class Launcher:
         self.start_warm_starter()
         # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
         self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
-        nats_url = self.start_nats()
+        self.broker = RunBroker(self.cfg, self.nats_keys)
+        nats_url = self.broker.start()
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
-        if self.resume:
-            self.forget_pause(nats_url)
+        if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
+            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
         self.write_admin_token()
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
@@ -387,17 +340,17 @@ class Launcher:
                         done = event
                 if done:
                     break
-                if self.nats.poll() is not None:
+                if (broker_exit := self.broker.exit_code()) is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
                     self.events.write(
                         Event.RESTART,
-                        f"nats-server exited with {self.nats.returncode}; restarting it",
+                        f"nats-server exited with {broker_exit}; restarting it",
                         service="nats",
                         restarts=self.restarts["nats"],
                     )
-                    progress.console.log(f"[yellow]nats-server exited with {self.nats.returncode}[/]; restarting it")
-                    self.start_nats(self.nats_port)
+                    progress.console.log(f"[yellow]nats-server exited with {broker_exit}[/]; restarting it")
+                    self.broker.start()
                     self.write_run_file()
                 self.sample_usage()
                 for child in self.children:
@@ -476,19 +429,20 @@ class Launcher:
             if child.pump_thread:
                 child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
         self.close_warm_starter()  # only now: its children die with it
-        if self.nats and self.nats.poll() is None:
-            self.nats.terminate()
-            self.nats.wait(timeout=20)
+        if self.broker is not None:
+            self.broker.stop()
         # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
         return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
 
     def kill(self) -> list[str]:
         """SIGKILL every process at once (a stop cut short); returns the services it killed."""
         killed = [child.name for child in self.children if child.process.poll() is None]
-        for process in [child.process for child in self.children] + ([self.nats] if self.nats else []):
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        if self.broker is not None:
+            self.broker.kill()
         if self.warm_starter is not None:
             self.warm_starter.process.kill()
             self.close_warm_starter()

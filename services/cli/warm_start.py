@@ -14,7 +14,14 @@ op, so no OpenMP pool exists to be lost across the fork), and it refuses to fork
 it. Only imports run before a fork; the roles' own state (config, logging, connections, models) is built after it.
 ``service.warm_start: false`` starts every role as a fresh interpreter instead.
 
-Protocol, over a SOCK_SEQPACKET socket pair (one JSON message per packet): the launcher sends
+A warm-start pool (``service.warm_start_pool``) shares the imports between runs on one machine: tuning trials
+one after another, a test suite's runs. ``python -m services.cli.warm_start --listen SOCKET MODULES...`` imports
+once and forks a *session* for each launcher that connects; the session is what a run's own warm starter would
+be (it forks that run's roles, reports their exits, and ends when its launcher closes the channel or dies, its
+roles with it). Sessions and roles die with the pool too, and a run whose pool is gone starts its roles cold.
+
+Protocol, over a SOCK_SEQPACKET socket pair (one JSON message per packet): a pool's session first says
+``{"session": pid}``; then the launcher sends
 ``{"module", "args", "env", "cwd"}`` with the write end of the child's output pipe attached (SCM_RIGHTS); the warm
 starter answers ``{"spawned": pid}``, and later ``{"exited": pid, "code": c}`` (``c`` negative for a signal, as
 subprocess reports it) when it has reaped the child.
@@ -108,10 +115,20 @@ class WarmProcess:
 class WarmStarter:
     """The launcher's end: starts the warm starter, asks it for children, learns their exits."""
 
-    def __init__(self, modules: list[str], env: dict[str, str], log_path: Path, on_start=None):
-        self.channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    def __init__(self, channel: socket.socket, process: subprocess.Popen | PoolSession, where: str):
+        self.channel = channel
+        self.process = process  # the warm starter, or this run's session of a pool
+        self.where = where  # where to look when it fails: its log, or the pool's socket
+        self.exits: dict[int, int] = {}  # pid -> exit code, as reported
+        self.gone = False  # the warm starter died: its children died with it
+        self.lock = threading.Lock()
+
+    @classmethod
+    def start(cls, modules: list[str], env: dict[str, str], log_path: Path, on_start=None) -> WarmStarter:
+        """A warm starter of this run's own, importing ``modules`` (its output in ``log_path``)."""
+        channel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
+            process = subprocess.Popen(
                 [sys.executable, "-m", "services.cli.warm_start", str(theirs.fileno()), *modules],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -121,10 +138,29 @@ class WarmStarter:
                 preexec_fn=on_start,
             )
         theirs.close()
-        self.log_path = log_path
-        self.exits: dict[int, int] = {}  # pid -> exit code, as reported
-        self.gone = False  # the warm starter died: its children died with it
-        self.lock = threading.Lock()
+        return cls(channel, process, f"see {log_path}")
+
+    @classmethod
+    def join(cls, pool: Path) -> WarmStarter:
+        """A session of the warm-start pool listening at ``pool``; WarmStartError if there is none."""
+        where = f"the warm-start pool at {pool}"
+        channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            channel.connect(str(pool))
+            # The pool may still be importing: it accepts once it is done.
+            if not select.select([channel], [], [], SPAWN_TIMEOUT_S)[0]:
+                raise WarmStartError(f"{where} did not answer within {SPAWN_TIMEOUT_S:.0f} s")
+            hello = json.loads(channel.recv(MESSAGE_BYTES) or b"{}")
+        except (OSError, ValueError) as error:
+            channel.close()
+            raise WarmStartError(f"cannot join {where}: {error}") from error
+        except WarmStartError:
+            channel.close()
+            raise
+        if "session" not in hello:
+            channel.close()
+            raise WarmStartError(f"{where} closed the connection before starting a session")
+        return cls(channel, PoolSession(int(hello["session"])), where)
 
     @property
     def alive(self) -> bool:
@@ -142,7 +178,7 @@ class WarmStarter:
                 try:
                     socket.send_fds(self.channel, [json.dumps(request.__dict__).encode()], [write_end])
                 except OSError as error:
-                    raise WarmStartError(f"the warm starter is gone ({error}); see {self.log_path}") from error
+                    raise WarmStartError(f"the warm starter is gone ({error}); {self.where}") from error
                 pid = self._await_spawned(time.monotonic() + SPAWN_TIMEOUT_S)
         except BaseException:
             os.close(read_end)
@@ -160,7 +196,7 @@ class WarmStarter:
                 code = self.process.poll()
                 raise WarmStartError(
                     f"the warm starter {'exited with ' + str(code) if code is not None else 'did not answer'} "
-                    f"before starting a role; see {self.log_path}"
+                    f"before starting a role; {self.where}"
                 )
 
     def _receive(self, timeout: float) -> list[dict]:
@@ -210,6 +246,33 @@ class WarmStarter:
             self.process.wait()
 
 
+class PoolSession:
+    """A pool's session serving this run: not this process's child (the pool reaps it), so what the launcher needs
+    of a Popen is read from /proc."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not _running(self.pid):
+            self.returncode = 0  # its status is the pool's to reap; a session has no result of its own
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise subprocess.TimeoutExpired(["warm-start session", str(self.pid)], timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
+
+
 def _running(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -219,6 +282,36 @@ def _running(pid: int) -> bool:
 
 
 # The warm starter's side.
+
+
+def listening(path: str) -> socket.socket:
+    """The pool's socket, listening before the imports so that a launcher connecting meanwhile waits for them.
+    A socket file left at ``path`` by a pool that died is replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    server.bind(path)
+    server.listen(16)
+    return server
+
+
+def sessions(server: socket.socket) -> socket.socket:
+    """Fork a session per launcher that connects, for as long as the pool lives. Returns in a session only, with
+    its launcher's channel; the session dies with the pool (and its roles with it)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished sessions
+    while True:
+        channel, _ = server.accept()
+        _check_fork_safe()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            die_with_parent()
+            with contextlib.suppress(OSError):  # a launcher gone already: serve sees the channel closed
+                channel.send(json.dumps({"session": os.getpid()}).encode())
+            return channel
+        channel.close()
 
 
 def serve(channel: socket.socket) -> tuple[SpawnRequest, int] | None:
@@ -298,10 +391,13 @@ def become(request: SpawnRequest, output: int) -> None:
 
 
 def main() -> None:
-    channel = socket.socket(fileno=int(sys.argv[1]))
+    """``warm_start FD MODULES...`` (a run's own, on the socket pair end FD) or ``warm_start --listen SOCKET
+    MODULES...`` (a pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-c is the launcher's to handle, stopping roles in order
-    for module in sys.argv[2:]:
+    pool = listening(sys.argv[2]) if sys.argv[1] == "--listen" else None
+    for module in sys.argv[3:] if pool is not None else sys.argv[2:]:
         importlib.import_module(module)
+    channel = sessions(pool) if pool is not None else socket.socket(fileno=int(sys.argv[1]))
     forked = serve(channel)
     if forked is None:
         return

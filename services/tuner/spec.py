@@ -469,4 +469,7 @@ def trial_config_data(
         total = params.get("train.total_steps", spec.fixed.get("train.total_steps", base.train.total_steps))
         set_dotted(data, "train.total_steps", min(int(total), spec.trial.max_steps))
     set_dotted(data, "admin.port", 0)
+    # A trial's roles stay in its own process group, the unit the tuner measures and kills: none is forked from a
+    # warm-start pool, whose processes live in the pool's group.
+    set_dotted(data, "service.warm_start_pool", None)
     return data

@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from services.cli.children import Child, RestartPolicy, RoleRefused, restart_env
 from services.cli.launcher import ROLE_TOKENS, Launcher
+from services.cli.report import read_jsonl
 from services.cli.run_command import interrupt, stop_or_kill
 from services.cli.run_lock import hold_run, launcher_lock
 from services.cli.run_summary import summarize
@@ -26,7 +27,7 @@ from services.common.config import ConfigError, SupervisionConfig, load_config
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -334,6 +335,32 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
     saved = sorted(path.name for path in run_dir.glob("step-*"))
     assert saved == [f"step-{last_step:08d}"]  # no periodic save came due: this is the stop's own
     assert (run_dir / "report.png").stat().st_size > 0
+
+
+@pytest.mark.e2e
+def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_once(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    missing = tmp_path / "no-pool.sock"
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="cold",
+        train={"total_steps": 2, "batch_size": 4},
+        checkpoint={"save_every_steps": 0},
+        rollout={"backend": "hf", "prompts_per_batch": 4},
+        service={"warm_start_pool": str(missing)},
+    )
+    done, rows = run_pipeline(config)
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "runs" / "cold"
+    failed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "warm_start_failed"]
+    assert len(failed) == 1 and f"cannot join the warm-start pool at {missing}" in failed[0]["message"]
+    assert max(r["step"] for r in rows if "pg_loss" in r) == 2
+    # Every role a fresh interpreter: no warm starter's imports in the run's device-hours.
+    usage = json.loads((run_dir / "usage.json").read_text())
+    assert sorted(usage["device_hours"]) == ["reference", "reward", "rollout", "trainer"]
 
 
 @pytest.mark.e2e

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.warm_start import WarmStarter
+from services.cli.warm_start import WarmStarter, WarmStartError
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -23,7 +23,7 @@ CHILD = [sys.executable, "-m", "tests.cli.warm.child"]
 def starter(tmp_path, monkeypatch):
     monkeypatch.chdir(ROOT)  # the folder a child is given: the launcher's
     env = {**os.environ, "HOME_SHOULD_GO": "1"}
-    starter = WarmStarter(["tests.cli.warm.marker"], env, tmp_path / "warm-start.log")
+    starter = WarmStarter.start(["tests.cli.warm.marker"], env, tmp_path / "warm-start.log")
     yield starter
     starter.process.kill()
     starter.close()
@@ -83,3 +83,72 @@ def test_children_die_with_the_warm_starter_and_report_killed(starter):
     wait_exited(child.pid)
     assert child.wait(timeout=10) == -signal.SIGKILL
     assert not starter.alive
+
+
+@pytest.fixture
+def pool(tmp_path, monkeypatch):
+    """A warm-start pool listening at a socket in tmp_path; yields (its process, the socket)."""
+    monkeypatch.chdir(ROOT)
+    socket_path = tmp_path / "pool.sock"
+    with open(tmp_path / "pool.log", "ab") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path), "tests.cli.warm.marker"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 30
+    while not socket_path.exists():  # bound before its imports: a launcher joining now waits for them
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "pool.log").read_text()
+        time.sleep(0.05)
+    yield process, socket_path
+    process.kill()
+    process.wait()
+
+
+def test_runs_joining_one_pool_get_sessions_of_their_own_whose_roles_use_the_pools_imports(pool):
+    process, socket_path = pool
+    first, second = WarmStarter.join(socket_path), WarmStarter.join(socket_path)
+    assert len({first.process.pid, second.process.pid, process.pid}) == 3
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(ROOT), "WARM_TEST": "pooled"}
+    mine, theirs = first.spawn([*CHILD, "report", "4"], env), second.spawn([*CHILD, "report", "5"], env)
+    seen_mine, seen_theirs = json.loads(mine.stdout.readline()), json.loads(theirs.stdout.readline())
+    # Imported once, by the pool: neither the sessions nor the roles imported the preloaded module again.
+    assert seen_mine["imported_by"] == seen_theirs["imported_by"] == process.pid
+    assert (seen_mine["env"], seen_mine["cwd"]) == ("pooled", str(ROOT))
+    assert mine.wait(timeout=30) == 4 and theirs.wait(timeout=30) == 5
+    # Each session reports the exits of its own roles only.
+    assert set(first.exits) == {mine.pid} and set(second.exits) == {theirs.pid}
+    first.close()
+    second.close()
+
+
+def test_a_session_ends_with_its_launcher_taking_its_roles_while_the_pool_serves_the_next(pool):
+    process, socket_path = pool
+    starter = WarmStarter.join(socket_path)
+    sleeper = starter.spawn([*CHILD, "sleep"], dict(os.environ))
+    assert sleeper.stdout.readline() == b"sleeping\n"
+    session = starter.process.pid
+    starter.channel.close()  # the launcher gone: its session ends and its roles die with it
+    wait_exited(session)
+    wait_exited(sleeper.pid)
+    assert process.poll() is None
+    again = WarmStarter.join(socket_path)
+    child = again.spawn([*CHILD, "report", "0"], dict(os.environ))
+    assert json.loads(child.stdout.readline())["imported_by"] == process.pid
+    assert child.wait(timeout=30) == 0
+    again.close()
+
+
+def test_roles_die_with_the_pool_and_a_missing_pool_is_refused_naming_its_socket(pool):
+    process, socket_path = pool
+    starter = WarmStarter.join(socket_path)
+    child = starter.spawn([*CHILD, "sleep"], dict(os.environ))
+    assert child.stdout.readline() == b"sleeping\n"
+    process.kill()
+    process.wait()
+    wait_exited(child.pid)
+    assert child.wait(timeout=10) == -signal.SIGKILL
+    assert not starter.alive
+    starter.close()
+    with pytest.raises(WarmStartError, match=f"cannot join the warm-start pool at {socket_path}"):
+        WarmStarter.join(socket_path)
