@@ -206,35 +206,44 @@ def s3_env(s3_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> str:
 WARM_POOL: list[Path] = []
 
 
-@pytest.fixture(scope="session")
-def warm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """This worker's warm-start pool: its socket, once the pool listens (it imports after, and a run joining
-    meanwhile waits for it)."""
+@contextlib.contextmanager
+def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """`python -m services.cli.warm_start --listen SOCKET MODULES...` from the repository root, yielding its process
+    and socket once it listens (it imports after, and a launcher joining meanwhile waits for them); killed after.
+    The socket is in a short temporary folder: its path must fit in 108 bytes, which a deep --basetemp may not."""
     from services.cli.children import die_with_parent
-    from services.cli.warm_start import preload_modules
 
-    folder = tmp_path_factory.mktemp("warm-pool")
-    # A socket's path must fit in 108 bytes, which a deep --basetemp may not.
     socket_path = Path(tempfile.mkdtemp(prefix="rlpipe-pool-")) / "pool.sock"
-    command = [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path)]
-    with open(folder / "pool.log", "ab") as log:
+    with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            [*command, *preload_modules(vllm_rollout=True)],
+            [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path), *modules],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
             preexec_fn=die_with_parent,
         )
-    deadline = time.monotonic() + 60
-    while not socket_path.exists():
-        assert process.poll() is None and time.monotonic() < deadline, (folder / "pool.log").read_text()
-        time.sleep(0.05)
-    WARM_POOL.append(socket_path)
-    yield socket_path
-    WARM_POOL.remove(socket_path)
-    process.kill()
-    process.wait()
-    shutil.rmtree(socket_path.parent, ignore_errors=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not socket_path.exists():
+            assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        yield process, socket_path
+    finally:
+        process.kill()
+        process.wait()
+        shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def warm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """This worker's warm-start pool: its socket, once the pool listens."""
+    from services.cli.warm_start import preload_modules
+
+    log_path = tmp_path_factory.mktemp("warm-pool") / "pool.log"
+    with running_warm_pool(preload_modules(vllm_rollout=True), log_path) as (_, socket_path):
+        WARM_POOL.append(socket_path)
+        yield socket_path
+        WARM_POOL.remove(socket_path)
 
 
 @pytest.fixture(scope="session")

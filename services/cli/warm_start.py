@@ -148,18 +148,15 @@ class WarmStarter:
         try:
             channel.connect(str(pool))
             # The pool may still be importing: it accepts once it is done.
-            if not select.select([channel], [], [], SPAWN_TIMEOUT_S)[0]:
-                raise WarmStartError(f"{where} did not answer within {SPAWN_TIMEOUT_S:.0f} s")
-            hello = json.loads(channel.recv(MESSAGE_BYTES) or b"{}")
+            answered = select.select([channel], [], [], SPAWN_TIMEOUT_S)[0]
+            hello = json.loads(channel.recv(MESSAGE_BYTES) or b"{}") if answered else {}
         except (OSError, ValueError) as error:
             channel.close()
             raise WarmStartError(f"cannot join {where}: {error}") from error
-        except WarmStartError:
-            channel.close()
-            raise
         if "session" not in hello:
             channel.close()
-            raise WarmStartError(f"{where} closed the connection before starting a session")
+            why = "closed the connection" if answered else f"did not answer within {SPAWN_TIMEOUT_S:.0f} s"
+            raise WarmStartError(f"{where} {why} before starting a session")
         return cls(channel, PoolSession(int(hello["session"])), where)
 
     @property

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from services.cli.warm_start import WarmStarter, WarmStartError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, running_warm_pool
 
 pytestmark = pytest.mark.integration
 
@@ -87,22 +87,10 @@ def test_children_die_with_the_warm_starter_and_report_killed(starter):
 
 @pytest.fixture
 def pool(tmp_path, monkeypatch):
-    """A warm-start pool listening at a socket in tmp_path; yields (its process, the socket)."""
-    monkeypatch.chdir(ROOT)
-    socket_path = tmp_path / "pool.sock"
-    with open(tmp_path / "pool.log", "ab") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path), "tests.cli.warm.marker"],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 30
-    while not socket_path.exists():  # bound before its imports: a launcher joining now waits for them
-        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "pool.log").read_text()
-        time.sleep(0.05)
-    yield process, socket_path
-    process.kill()
-    process.wait()
+    """A warm-start pool preloading the marker module; yields (its process, its socket)."""
+    monkeypatch.chdir(ROOT)  # the folder a child is given: the launcher's
+    with running_warm_pool(["tests.cli.warm.marker"], tmp_path / "pool.log") as started:
+        yield started
 
 
 def test_runs_joining_one_pool_get_sessions_of_their_own_whose_roles_use_the_pools_imports(pool):
