@@ -3,8 +3,9 @@
 Every whole-pipeline test starts a trainer, a rollout and the launcher, and the recovery tests restart them, so
 an import paid on a path that never uses it is paid at every start. Deferred here: peft (LoRA only) in the trainer
 and the transformers rollout, vLLM (backend vllm only) in the transformers rollout, matplotlib (the end-of-run
-report only) in the launcher. Each check runs in a fresh interpreter, since this test process may have imported
-any of them already; the reward role has its own check in tests/reward/test_import_cost.py.
+report only) in the launcher, torch and transformers in the launcher's start-up checks. Each check runs in a
+fresh interpreter, since this test process may have imported any of them already; the reward role has its own
+check in tests/reward/test_import_cost.py.
 """
 
 from __future__ import annotations
@@ -78,3 +79,25 @@ def test_the_launcher_imports_matplotlib_only_when_it_draws_the_report(tmp_path)
         "print(json.dumps({'before': before, 'after': after, 'png': png.read_bytes()[:4].hex()}))\n"
     )
     assert found == {"before": False, "after": True, "png": b"\x89PNG".hex()}
+
+
+def test_the_launchers_start_up_checks_import_neither_torch_nor_transformers_where_no_gpu_shows(tiny_model, tmp_path):
+    """The checks read the model's config and tokenizer files and ask torch about CUDA only where a GPU shows:
+    importing torch and transformers would cost each run's launcher seconds of CPU before anything starts."""
+    from services.common.observe.hardware import gpu_seen
+
+    model_dir, data_dir = tiny_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    found = modules_after(
+        "import json, sys\n"
+        "import services.cli.app, services.cli.run_command\n"
+        "from services.common.config import load_config\n"
+        "from services.common.startup_checks import startup_checks\n"
+        f"rows = startup_checks(load_config({str(config)!r}), 'run')\n"
+        "print(json.dumps({'checks': sorted({row.name for row in rows if row.status != 'fail'}),\n"
+        "                  'loaded': [name for name in ('torch', 'transformers') if name in sys.modules]}))\n"
+    )
+    assert found["checks"] == sorted(
+        ["model", "device", "dataset data.train_path", "dataset data.eval_path", "storage", "admin token", "ports"]
+    )
+    assert found["loaded"] == (["torch"] if gpu_seen() else [])

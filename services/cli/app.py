@@ -61,7 +61,7 @@ def run(
 @app.command()
 def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run directory, or a run id under runs/")) -> None:
     """Render the run's metrics and events to report.png and a self-contained report.html in its directory."""
-    from services.cli.report import render_html, render_report
+    from services.cli.report import write_run_report
 
     if not run_dir.is_dir() and (Path("runs") / run_dir).is_dir():
         run_dir = Path("runs") / run_dir
@@ -69,8 +69,8 @@ def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run direct
     if not metrics.is_file():
         typer.echo(f"rlpipe report: {metrics} does not exist", err=True)
         raise typer.Exit(2)
-    typer.echo(render_report(metrics, run_dir / "report.png"))
-    typer.echo(render_html(run_dir))
+    for written in write_run_report(run_dir):
+        typer.echo(written)
 
 
 @app.command()

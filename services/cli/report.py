@@ -369,13 +369,18 @@ def run_cost_lines(run_dir: Path) -> list[tuple[str, str]]:
     return cost.lines()
 
 
-def render_html(run_dir: Path, out: Path | None = None) -> Path:
+def render_html(
+    run_dir: Path, out: Path | None = None, *, metrics_path: Path | None = None, curves_png: bytes | None = None
+) -> Path:
     """Write one self-contained HTML page for ``run_dir`` (default ``run_dir/report.html``): the
-    curves as an embedded PNG, the summary, config versions (when rows carry them) and the events."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    curves as an embedded PNG, the summary, config versions (when rows carry them) and the events.
+
+    ``metrics_path``: the run's metrics (default ``run_dir/metrics.jsonl``); ``curves_png``: the curves already
+    drawn from them (drawing them is most of a report's CPU), else drawn here."""
+    rows = read_jsonl(metrics_path or run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     name = run_dir.resolve().name
-    image = base64.b64encode(_png(rows, events, f"rlpipe run: {name}")).decode()
+    image = base64.b64encode(curves_png or _png(rows, events, f"rlpipe run: {name}")).decode()
     event_rows = [
         (
             _when(event.get("time")),
@@ -425,3 +430,11 @@ def render_html(run_dir: Path, out: Path | None = None) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(parts), encoding="utf-8")
     return out
+
+
+def write_run_report(run_dir: Path, metrics_path: Path | None = None) -> tuple[Path, Path]:
+    """``run_dir``'s report.png and report.html, the curves drawn once for both; ``metrics_path`` defaults to
+    ``run_dir/metrics.jsonl``."""
+    metrics_path = metrics_path or run_dir / "metrics.jsonl"
+    png = render_report(metrics_path, run_dir / "report.png", run_dir / "events.jsonl")
+    return png, render_html(run_dir, metrics_path=metrics_path, curves_png=png.read_bytes())

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.table import Table
 
-from services.cli.report import read_jsonl, render_html, render_report, time_lines
+from services.cli.report import read_jsonl, time_lines, write_run_report
 from services.common.config import RunConfig
 from services.common.files import write_atomically
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter
@@ -64,6 +64,5 @@ def _mean(rows: list[dict[str, Any]], key: str) -> float:
 
 def write_reports(cfg: RunConfig) -> Path:
     """The run's PNG report (returned) and its HTML page, from whatever metrics it has."""
-    report = render_report(cfg.metrics_file, cfg.run_dir / "report.png", cfg.run_dir / "events.jsonl")
-    render_html(cfg.run_dir)
+    report, _ = write_run_report(cfg.run_dir, cfg.metrics_file)
     return report

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from services.cli import report
 from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report, time_lines
 
 pytestmark = pytest.mark.unit
@@ -181,6 +182,24 @@ def test_missing_events_file_still_renders_both(tmp_path):
     assert png_size(png.read_bytes()) == (2000, 800)
     page = render_html(run_dir, tmp_path / "elsewhere.html").read_text()
     assert "No events recorded." in page and "data:image/png;base64," in page
+
+
+def test_a_runs_report_draws_its_curves_once_for_the_png_and_the_page_from_the_runs_metrics_file(tmp_path, monkeypatch):
+    run_dir = make_run(tmp_path)
+    elsewhere = tmp_path / "metrics-elsewhere.jsonl"  # a run's metrics_path may lie outside its directory
+    (run_dir / "metrics.jsonl").rename(elsewhere)
+    drawn = []
+    figure = report._figure
+    monkeypatch.setattr(report, "_figure", lambda *args: drawn.append(args) or figure(*args))
+
+    png, page = report.write_run_report(run_dir, elsewhere)
+
+    assert (png, page) == (run_dir / "report.png", run_dir / "report.html")
+    assert len(drawn) == 1
+    html_text = page.read_text()
+    [encoded] = re.findall(r"alt='training curves of demo' src='data:image/png;base64,([^']+)'", html_text)
+    assert base64.b64decode(encoded) == png.read_bytes()
+    assert "<td>step rows</td><td>55</td>" in html_text  # the summary read the metrics where they are
 
 
 @pytest.mark.integration

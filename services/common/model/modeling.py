@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from services.common.config import ConfigError, ModelConfig
+from services.common.config import ModelConfig
 from services.common.model import logit_math
+from services.common.model.device import device_name
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,23 +39,9 @@ def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
 
 
 def resolve_device(name: str, cuda_available: bool | None = None) -> torch.device:
-    """``model.device`` as a torch device: ``auto`` is CUDA when this process sees a GPU, else the CPU.
-
-    ``cuda_available`` defaults to ``torch.cuda.is_available()``. Checked where the model is
-    loaded, not at config load: the launcher that validates a config may run on a machine
-    without the GPU its services get.
-    """
-    available = torch.cuda.is_available() if cuda_available is None else cuda_available
-    if name == "auto":
-        return torch.device("cuda" if available else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise ConfigError(f"invalid configuration:\n  model.device: {name!r} is not one of ['auto', 'cpu', 'cuda']")
-    if name == "cuda" and not available:
-        raise ConfigError(
-            "invalid configuration:\n  model.device: 'cuda' but this process sees no CUDA device "
-            "(torch.cuda.is_available() is False); use auto or cpu, or run it where a GPU is visible"
-        )
-    return torch.device(name)
+    """``model.device`` as a torch device (``device_name``); ``cuda_available`` defaults to
+    ``torch.cuda.is_available()``."""
+    return torch.device(device_name(name, torch.cuda.is_available() if cuda_available is None else cuda_available))
 
 
 @dataclass(frozen=True)
