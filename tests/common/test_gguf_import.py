@@ -157,6 +157,23 @@ def test_the_saved_folder_loads_with_plain_from_pretrained_and_gives_the_gguf_mo
     assert torch.equal(got, expected)
 
 
+def test_an_import_parses_the_gguf_file_once_and_leaves_the_reader_class_as_it_was(
+    tiny_gguf: tuple[Path, LlamaForCausalLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    parsed = []
+    parse = gguf.GGUFReader
+
+    def counted(path, mode="r"):
+        parsed.append(Path(path))
+        return parse(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    import_gguf(tiny_gguf[0], tmp_path / "imported")
+
+    assert parsed == [tiny_gguf[0]]  # metadata check, config, weights and tokenizer: one parse
+    assert gguf.GGUFReader is counted
+
+
 @pytest.mark.integration
 def test_the_gguf_weights_are_the_source_models_up_to_q4_1_rounding(
     tiny_gguf: tuple[Path, LlamaForCausalLM], imported: Path

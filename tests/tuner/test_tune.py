@@ -152,11 +152,20 @@ def test_a_trial_past_its_memory_limit_is_oom_infeasible_and_the_study_goes_on(t
     assert [t.constraints for t in tuner.study.trials] == [{"oom": 1.0}, {"oom": 1.0}]
 
 
-def test_the_tuner_killed_mid_trial_and_restarted_keeps_finished_trials_and_leaves_no_orphan(tmp_path, base):
-    # Every trial ends at its time limit, so each takes a known time; trial 1 is the one the tuner dies in. The
-    # limit is the window in which the poll below must see trial 1 under way: on a loaded host (another test
-    # worker beside this one) its start alone took most of 12 s, so the window is 20 s.
-    path = tune_file(tmp_path, base, budget={"max_trials": 3}, trial={"max_wall_s": 20, "stop_grace_s": 5})
+def test_the_tuner_killed_mid_trial_and_restarted_keeps_finished_trials_and_leaves_no_orphan(tmp_path, tiny_model):
+    # Every trial ends at its time limit (it has steps for far longer), so each takes a known time; trial 1 is the
+    # one the tuner dies in. The limit is the window in which the poll below must see trial 1 under way: on a
+    # loaded host (another test worker beside this one) its start alone took most of 12 s, so the window is 20 s.
+    endless = write_config(
+        tmp_path / "endless.yaml",
+        *tiny_model,
+        tmp_path / "runs",
+        rollout={"backend": "hf", "prompts_per_batch": 16},
+        train={"total_steps": 100_000},
+    )
+    path = tune_file(
+        tmp_path, endless, budget={"max_trials": 3}, trial={"max_steps": None, "max_wall_s": 20, "stop_grace_s": 5}
+    )
     tuner = subprocess.Popen([*TUNE, str(path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
