@@ -51,14 +51,14 @@ demo: model
 config-reference: $(STAMP)
 	$(BIN)/python -m services.common.config.reference > docs/configuration.md
 
-# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three: the
-# unit tier first (in-process, about a minute), so a broken unit fails early; then the integration and e2e tiers
-# (real brokers, stores, gRPC, vLLM, processes; whole runs) in one pytest-xdist session, a file per worker at a time
-# (tests in one file share their fixtures), the longest files first (tests/conftest.py: LONGEST_FIRST). One session
-# over both lets the integration tests' waits on brokers, timeouts and processes overlap the runs' CPU work; the
-# three workers keep both cores busy (docs/testing.md has the measurements).
+# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, in
+# one pytest-xdist session, a file per worker at a time (tests in one file share their fixtures): the longest files
+# first, then those that mostly wait, then the other whole runs (e2e), the other integration files (real brokers,
+# stores, gRPC, vLLM, processes), and the unit tier last (tests/conftest.py: scheduling_rank). The waits of some
+# files overlap the runs' CPU work of others, and the unit tier's small in-process files fill the cores at the end,
+# where the last long files would leave them idle; the three workers keep both cores busy (docs/testing.md has the
+# measurements). `pytest` alone runs the unit tier.
 TEST_WORKERS ?= 3
-UNIT_WORKERS ?= 2
 
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
@@ -66,9 +66,8 @@ test: $(STAMP)
 # Every process a test starts imports rlpipe's own modules; compiled once here (nothing writes .pyc files at
 # import under PYTHONDONTWRITEBYTECODE), each of them saves about 0.2 CPU s.
 	$(BIN)/python -m compileall -q -j 0 services tests bench > /dev/null
-	$(BIN)/python -m pytest -q --durations=10 -n $(UNIT_WORKERS) -m unit tests
-	$(BIN)/python -m pytest -q --durations=20 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		-m "integration or e2e" tests
+	$(BIN)/python -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		-m "unit or integration or e2e" tests
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.weight_sync
