@@ -11,6 +11,7 @@ import importlib.metadata
 import re
 import subprocess
 import sys
+import sysconfig
 
 import pytest
 from packaging.requirements import Requirement
@@ -156,7 +157,12 @@ def lock_pins() -> dict[str, str]:
 
 
 def test_installed_packages_are_the_locks_pins():
-    installed = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions()}
+    # What pip installed into this environment, not whatever sys.path shows: once anything imports setuptools (vLLM
+    # does), its vendored copies of packaging, zipp and others are on sys.path too, at older versions.
+    site_packages = sysconfig.get_paths()["purelib"]
+    installed = {
+        canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=[site_packages])
+    }
     wrong = {
         name: (version, installed.get(name))
         for name, version in lock_pins().items()
