@@ -1,17 +1,18 @@
-"""The launcher's children: one OS process per service, its output pumped to a rotating log and its JSON events
-passed on, the restart policy a supervisor would apply, and the command and environment a trainer starts with."""
+"""The launcher's children: one OS process per service, its output pumped to a rotating log (a refusal's reason and
+a trainer's lease kept from its JSON events), the restart policy a supervisor would apply, and the command and
+environment a trainer starts with."""
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import json
-import queue
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,8 +78,8 @@ class Child:
     log_path: Path
     log_max_bytes: int
     log_keep: int
-    events: queue.Queue = field(default_factory=queue.Queue)
-    ready: dict[str, Any] | None = None
+    spawned_at: float = field(default_factory=time.time)  # wall time: its presence entry is newer (run_watch.py)
+    ready: dict[str, Any] | None = None  # its start-up report and endpoints, once its presence entry has them
     pump_thread: threading.Thread | None = None
     refusal: str | None = None  # the reason of the child's last refusal event
     plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
@@ -86,7 +87,7 @@ class Child:
     lease_holder: str = ""  # a trainer's, from its lease_acquired event: its restart may take that lease at once
 
     def pump(self, stream: IO[bytes]) -> None:
-        """Copy the child's output to its (rotating) log file and pass its JSON events on.
+        """Copy the child's output to its (rotating) log file, noting a refusal's reason and a trainer's lease.
 
         The pipe is drained to its end whatever happens to the log: a child whose output stops being read blocks on
         its next write, so a log that cannot be written (a full disk) costs lines, counted, never the child."""
@@ -122,7 +123,7 @@ class Child:
         self.dropped_lines += lines
 
     def _note(self, line: bytes) -> None:
-        """Pass a JSON event on (and keep a refusal's reason); keep the tail of the plain output."""
+        """Keep a refusal's reason and a trainer's lease from its JSON events, and the tail of the plain output."""
         try:
             event = json.loads(line)
         except ValueError:
@@ -134,7 +135,6 @@ class Child:
             self.refusal = str(event.get("error", ""))
         elif event["event"] == Event.LEASE_ACQUIRED:
             self.lease_holder = str(event.get("holder", ""))
-        self.events.put(event)
 
     def refusal_reason(self) -> str:
         """Why the child refused to run: its refusal event's reason, else the end of its plain output."""

@@ -2,9 +2,10 @@
 
 Starts a local NATS server with JetStream in the run directory (services/cli/run_broker.py), then one OS process
 per service (services/cli/children.py), all at once (the others wait for the streams the trainer creates; a
-rollout reads the trainer's port from its presence entry), each waited on until it logs
-``ready``; runs/<run>/startup.jsonl records when each was ready, and the first step, in
-seconds after the launch. Shows a progress bar over training steps until the trainer is done.
+rollout reads the trainer's port from its presence entry), each waited on until its presence entry says it is
+ready (services/cli/run_watch.py); runs/<run>/startup.jsonl records when each was ready, and the first step, in
+seconds after the launch. Shows a progress bar over training steps, read from the metrics file, until
+``events.jsonl`` records the trainer's ``done``.
 
 A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
@@ -40,6 +41,7 @@ from services.cli.children import (
     trainer_env,
 )
 from services.cli.run_broker import RunBroker
+from services.cli.run_watch import PresenceWatch, RunRecord
 from services.cli.warm_start import WarmProcess, WarmStarter, WarmStartError, preload_modules
 from services.common.config import (
     AdminCredentials,
@@ -81,6 +83,8 @@ class Launcher:
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
         self.warm_starter: WarmStarter | None = None
+        self.presence: PresenceWatch | None = None
+        self.record = RunRecord.of_run(cfg)
 
     def role_env(self, role: str) -> dict[str, str]:
         """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
@@ -161,6 +165,11 @@ class Launcher:
         self.events.write(Event.WARM_START_FAILED, str(error), service="warm-start")
         self.close_warm_starter()  # none from now on: warm_start finds no warm starter
 
+    def close_presence(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
+
     def close_warm_starter(self) -> None:
         if self.warm_starter is not None:
             self.warm_starter.close()
@@ -222,29 +231,45 @@ class Launcher:
         deadline = time.monotonic() + READY_TIMEOUT_S
         waiting = list(children)
         while waiting:
+            self.log_run_events(console)  # a trainer restores its run (resume, a hold) before it is ready
             for child in list(waiting):
-                while not child.events.empty():
-                    event = child.events.get()
-                    if event["event"] == Event.READY:
-                        child.ready = event
-                        self.record_startup(child.name, event)
-                        console.log(
-                            f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
-                            + _startup_fields(event)
-                        )
-                        waiting.remove(child)
-                        break
-                    if event["event"] in (Event.RESUMED, Event.PAUSED):  # a trainer restores its run before it is ready
-                        console.log(f"{child.name} {event['event']}: " + _event_summary(event))
-                if child.ready is None and child.process.poll() == EXIT_REFUSED:
+                if self.note_ready(child):
+                    console.log(
+                        f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
+                        + _startup_fields(child.ready)
+                    )
+                    waiting.remove(child)
+                    continue
+                if child.process.poll() == EXIT_REFUSED:
                     raise RoleRefused(child)
-                if child.ready is None and child.process.poll() is not None:
+                if child.process.poll() is not None:
                     raise RuntimeError(
                         f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}"
                     )
             if time.monotonic() > deadline:
                 raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}")
             time.sleep(0.05)
+
+    def note_ready(self, child: Child) -> bool:
+        """Whether ``child`` became ready just now: its presence entry carries its start-up report (then its
+        endpoints and load times are kept, recorded in startup.jsonl the first time, and put in run.json)."""
+        if child.ready is not None or self.presence is None:
+            return False
+        entry = self.presence.ready_entry(child.name, child.process.pid, child.spawned_at)
+        if entry is None:
+            return False
+        endpoints = {name: getattr(entry, name) for name in ("grpc", "admin", "metrics_url") if getattr(entry, name)}
+        child.ready = {**entry.startup, **endpoints}
+        if child.name not in self.startup:
+            self.record_startup(child.name, child.ready)
+        return True
+
+    def log_run_events(self, out: Console) -> None:
+        """What happened to the run since the last call (operators' actions, alerts), from ``events.jsonl``;
+        the launcher's own restarts it has said already."""
+        for event in self.record.new_events():
+            if event.get("kind") not in (Event.RESTART, Event.DONE):
+                out.log(f"{event.get('kind')}: {_event_summary(event)}")
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -253,6 +278,7 @@ class Launcher:
         self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
         self.broker = RunBroker(self.cfg, self.nats_keys)
         nats_url = self.broker.start()
+        self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
         self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
@@ -290,7 +316,6 @@ class Launcher:
 
     def follow(self) -> dict[str, Any]:
         """Progress over training steps until the trainer is done, restarting services that die."""
-        done: dict[str, Any] = {}
         due: dict[str, float] = {}  # name -> when to restart it
         columns = (
             TextColumn("[bold]training"),
@@ -302,44 +327,25 @@ class Launcher:
         )
         with Progress(*columns, console=console, transient=False) as progress:
             task = progress.add_task("steps", total=self.cfg.train.total_steps, info="")
-            while not done:
-                trainer = self.child("trainer")
-                if trainer.process.poll() is not None and trainer.pump_thread:
-                    trainer.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
+            while True:
+                # Whether the trainer had exited before its record is read: a trainer that is done wrote so first.
+                trainer_exited = self.child("trainer").process.poll() is not None
                 for child in self.children:
-                    if child is not trainer:
-                        self.note_ready(child)
-                while not trainer.events.empty():
-                    event = trainer.events.get()
-                    if event["event"] == Event.READY:
-                        trainer.ready = event
-                        self.write_run_file()
-                    elif event["event"] == Event.STEP:
-                        if "first step" not in self.startup:
-                            self.record_startup("first step", {"step": event["step"]})
-                        info = (
-                            f"reward {event['reward_mean']:.3f}  entropy {event['entropy']:.3f}  "
-                            f"kl {event['kl_ref']:.4f}"
-                        )
-                        progress.update(task, completed=event["step"], info=info)
-                    elif event["event"] == Event.EVAL:
-                        progress.console.log(f"eval at step {event['step']}: accuracy {event['eval_accuracy']:.3f}")
-                    elif event["event"] == Event.RESUMED:
-                        progress.console.log(
-                            f"trainer resumed from step {event['step']} as policy version {event['policy_version']}"
-                        )
-                    elif event["event"] in (
-                        Event.PAUSED,
-                        Event.UNPAUSED,
-                        Event.ROLLED_BACK,
-                        Event.CONFIG_APPLIED,
-                        Event.ALERT,
-                    ):
-                        progress.console.log(f"trainer {event['event']}: " + _event_summary(event))
-                    elif event["event"] == Event.DONE:
-                        done = event
-                if done:
+                    if self.note_ready(child):
+                        self.write_run_file()  # a restarted service's new endpoints
+                steps, evaluations = self.record.new_steps()
+                for row in steps:
+                    if "first step" not in self.startup:
+                        self.record_startup("first step", {"step": row["step"]})
+                    info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
+                    progress.update(task, completed=row["step"], info=info)
+                for row in evaluations:
+                    progress.console.log(f"eval at step {row['step']}: accuracy {row['eval_accuracy']:.3f}")
+                self.log_run_events(progress.console)
+                if self.record.done:
                     break
+                if trainer_exited and self.child("trainer").pump_thread:
+                    self.child("trainer").pump_thread.join(timeout=5)  # its last lines (a refusal) may be in the pipe
                 if (broker_exit := self.broker.exit_code()) is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
@@ -364,15 +370,7 @@ class Launcher:
                         self.write_run_file()
                 time.sleep(0.1)
         self.child("trainer").process.wait(timeout=60)
-        return done
-
-    def note_ready(self, child: Child) -> None:
-        """Drain a worker's events; a restarted one's ``ready`` puts its new endpoints in run.json."""
-        while not child.events.empty():
-            event = child.events.get()
-            if event["event"] == Event.READY:
-                child.ready = event
-                self.write_run_file()
+        return self.record.done
 
     def schedule_restart(self, child: Child, progress: Progress) -> float:
         """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast, or
@@ -429,6 +427,7 @@ class Launcher:
             if child.pump_thread:
                 child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
         self.close_warm_starter()  # only now: its children die with it
+        self.close_presence()
         if self.broker is not None:
             self.broker.stop()
         # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
@@ -441,6 +440,7 @@ class Launcher:
             if child.process.poll() is None:
                 child.process.kill()
                 child.process.wait()
+        self.close_presence()
         if self.broker is not None:
             self.broker.kill()
         if self.warm_starter is not None:
@@ -455,14 +455,11 @@ def inherited_env() -> dict[str, str]:
 
 
 def _event_summary(event: dict[str, Any]) -> str:
-    keys = ("step", "reason", "policy_version", "config_version", "changed", "rule", "message")
-    # A journal line carries its message beside the reason it was made of: one of them is enough.
-    said = [k for k in keys if k in event and not (k == "message" and event[k] == event.get("reason"))]
-    return " ".join(f"{k}={event[k]}" for k in said)
+    """An ``events.jsonl`` row in a line: its message, and the step and rule where it names them."""
+    said = [f"{key}={event[key]}" for key in ("step", "rule") if event.get(key) is not None]
+    return " ".join([str(event.get("message", "")), *said]).strip()
 
 
-def _startup_fields(event: dict[str, Any]) -> str:
+def _startup_fields(ready: dict[str, Any]) -> str:
     keys = ("backend", "engine_load_s", "model_load_s", "grpc", "admin")
-    # A journal line carries its message beside the reason it was made of: one of them is enough.
-    said = [k for k in keys if k in event and not (k == "message" and event[k] == event.get("reason"))]
-    return " ".join(f"{k}={event[k]}" for k in said)
+    return " ".join(f"{k}={ready[k]}" for k in keys if k in ready)

@@ -16,6 +16,7 @@ from typing import Protocol
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+from pydantic import JsonValue
 
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.events import Event
@@ -27,7 +28,7 @@ from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
-from services.common.transport.presence import Presence, instance_name
+from services.common.transport.presence import Presence, ServiceEntry, instance_name
 from services.common.transport.stage import Stage
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,14 @@ async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tup
     live = await LiveConfig(cfg, bus.js, creates_bucket=bus.creates_streams).start()
     presence = await Presence(bus.js, cfg, role, live).start(metrics_url=current_telemetry().metrics_url, **endpoints)
     return live, presence
+
+
+async def announce_ready(presence: Presence, **facts: JsonValue) -> None:
+    """The replica is ready: its ``ready`` event in the log, and the same facts in its presence entry at once
+    (endpoints and versions in their fields, the rest under ``startup``), which is where the launcher learns it."""
+    log_event(log, Event.READY, **facts)
+    fields = {name: value for name, value in facts.items() if name in ServiceEntry.model_fields}
+    await presence.announce(**fields, startup={name: value for name, value in facts.items() if name not in fields})
 
 
 class LoopProgress(Protocol):

@@ -14,10 +14,9 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.model.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.observe.events import Event
-from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.logs import Stopwatch
 from services.common.observe.telemetry import current_telemetry
-from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
 from services.common.transport.stage import Stage
@@ -62,9 +61,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         return await asyncio.to_thread(scorer, groups)
 
     stage = Stage(bus, SCORED, EXPERIENCE, ScoredGroup, compute, cfg.reference.batch, "reference")
-    log_event(
-        log,
-        Event.READY,
+    await announce_ready(
+        presence,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         model=str(cfg.reference_model_path),

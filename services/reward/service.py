@@ -27,10 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from services.common.config import OverlongPenaltyConfig, RewardConfig, RunConfig
-from services.common.observe.events import Event
-from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.logs import Stopwatch
 from services.common.observe.telemetry import current_telemetry
-from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, RolloutGroup, ScoredGroup, advance
 from services.common.transport.stage import Stage
@@ -190,9 +189,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         return await score_groups(groups, reward, sources, live.version)
 
     stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, cfg.reward.batch, "reward")
-    log_event(
-        log,
-        Event.READY,
+    await announce_ready(
+        presence,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         functions=live.cfg.reward.functions,

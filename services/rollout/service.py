@@ -26,7 +26,7 @@ from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
-from services.common.service import join_run, serve_stage, start_grpc_server
+from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
 from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, advance
@@ -359,9 +359,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         ]
 
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
-    log_event(
-        log,
-        Event.READY,
+    await announce_ready(
+        presence,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
         backend=cfg.rollout.backend,

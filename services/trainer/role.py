@@ -21,7 +21,7 @@ from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
-from services.common.service import EXIT_REFUSED, start_grpc_server, watch_progress
+from services.common.service import EXIT_REFUSED, announce_ready, start_grpc_server, watch_progress
 from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
@@ -200,9 +200,8 @@ async def lead_holding(
     watchdog = asyncio.create_task(
         watch_progress(trainer.heartbeat, [server, admin_server], trainer.presence, lambda: trainer.time_spent)
     )
-    log_event(
-        log,
-        Event.READY,
+    await announce_ready(
+        trainer.presence,
         grpc=address,
         admin=admin_address,
         metrics_url=current_telemetry().metrics_url,

@@ -405,9 +405,10 @@ class Trainer:
         control.state = RunState.DONE
         # Whoever reads "done" (the launcher, then verify and report) finds every row in metrics.jsonl.
         await asyncio.to_thread(self.responder.metrics.flush)
-        log_event(
-            log,
+        self.journal.emit(
             Event.DONE,
+            f"stopped ({control.stop_reason}) at step {progress.step}" if stopped else f"{progress.step} steps done",
+            step=progress.step,
             steps=progress.step,
             policy_version=progress.version,
             baseline_accuracy=progress.baseline_eval,

@@ -209,7 +209,7 @@ CHATTY = """
 import json
 for i in range(4096):
     print("x" * 1023, flush=False)
-print(json.dumps({"event": "done", "steps": 3}), flush=True)
+print(json.dumps({"event": "start_refused", "error": "its last word"}), flush=True)
 """
 
 
@@ -219,7 +219,7 @@ def test_a_log_that_cannot_be_written_costs_lines_never_the_child(config):
     assert child.process.wait(timeout=60) == 0, "the child blocked on a pipe nobody drained"
     child.pump_thread.join(timeout=30)
     assert child.dropped_lines == 4097
-    assert child.events.get(timeout=5) == {"event": "done", "steps": 3}  # events still reach the launcher
+    assert child.refusal == "its last word"  # its events are still read
 
 
 def test_an_admin_token_file_kept_from_an_earlier_start_is_made_owner_only(config, monkeypatch):

@@ -1,9 +1,10 @@
 """The run's event journal: every event name is an ``Event``, and one ``Journal.emit`` writes an event to each sink.
 
-Event names are a contract: the launcher reads ``ready``, ``done``, ``step`` and the refusals from its children's
-log lines, ``rlpipe verify`` and ``report`` read ``events.jsonl``, the default alert rules and Loki queries match
-them, tests and docs/operations.md name them. So they are members of one ``StrEnum`` (a member is its string:
-the JSON is unchanged), and ``log_event`` takes nothing else (tests/common/test_events.py scans every call).
+Event names are a contract: the launcher reads ``done`` and the operators' actions from ``events.jsonl`` (and the
+refusals from its children's log lines), so do ``rlpipe verify`` and ``report``; the default alert rules and Loki
+queries match them, tests and docs/operations.md name them. So they are members of one ``StrEnum`` (a member is
+its string: the JSON is unchanged), and ``log_event`` takes nothing else (tests/common/test_events.py scans every
+call).
 
 The sinks of one event:
 
@@ -88,7 +89,7 @@ class Event(StrEnum):
     DEPENDENCY_DOWN = "dependency_down"  # a stage's dependency has been unavailable past its bound (alert)
     DEPENDENCY_RECOVERED = "dependency_recovered"  # a stage's dependency answers again
     DEPENDENCY_UNAVAILABLE = "dependency_unavailable"  # a stage's dependency failed; the batch is retried
-    DONE = "done"  # the trainer finished its steps (the launcher ends the run)
+    DONE = "done"  # the trainer finished its steps or was stopped (the launcher ends the run)
     DRAINING = "draining"  # a stage stops taking work and hands back what it holds
     DYNAMIC_SAMPLING_FILTERING_MOST = "dynamic_sampling_filtering_most"  # filtering ten batches to fill one (alert)
     ENDED_UNSAVED = "ended_unsaved"  # the trainer ended with applied steps not stored
@@ -134,7 +135,7 @@ class Event(StrEnum):
     PRUNE_FAILED = "prune_failed"  # deleting an old checkpoint failed
     PURGED = "purged"  # consumed experience and its claim-checked bodies were deleted
     PURGE_FAILED = "purge_failed"  # purging consumed experience failed; tried at the next save
-    READY = "ready"  # a role is serving (the launcher starts the next one)
+    READY = "ready"  # a role is serving (its presence entry says so too: services.common.service.announce_ready)
     RECONNECT_LISTENER_FAILED = "reconnect_listener_failed"  # a callback after a reconnect raised
     REOPEN_REFUSED = "reopen_refused"  # a re-injected dead letter's group cannot be reopened
     REPEAT_DROPPED = "repeat_dropped"  # a copy of a settled group was dropped
@@ -184,6 +185,7 @@ RECORDED_AS: dict[Event, Event] = {
     Event.ALERT: Event.ALERT,
     Event.CHECKPOINT_FALLBACK: Event.CHECKPOINT_FALLBACK,
     Event.CONFIG_CHANGE: Event.CONFIG_CHANGE,
+    Event.DONE: Event.DONE,
     Event.GROUPS_LOST: Event.GROUPS_LOST,
     Event.GROUPS_REOPENED_BY_ROLLBACK: Event.GROUPS_REOPENED_BY_ROLLBACK,
     Event.OPTIMIZER_FRESH: Event.OPTIMIZER_FRESH,

@@ -31,7 +31,7 @@ from typing import Any
 
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from services.common.config import BuildInfo, RunConfig
 from services.common.observe.events import Event
@@ -67,6 +67,9 @@ class ServiceEntry(BaseModel):
     step: int = 0  # trainer: the last applied step
     progress_time: float | None = None  # stages: wall time its loop last moved; None until it reports
     time_s: dict[str, float] = {}  # stages: seconds its loop spent per activity (busy, idle, blocked)
+    # What its ``ready`` event reported (its load times, what it serves: backend, model, reward functions); empty
+    # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/run_watch.py).
+    startup: dict[str, JsonValue] = {}
 
 
 class SeenService(ServiceEntry):
@@ -141,6 +144,11 @@ class Presence:
         if unknown:
             raise ValueError(f"presence entries have no field(s) {unknown}; known: {sorted(ServiceEntry.model_fields)}")
         self.entry = ServiceEntry.model_validate({**self.entry.model_dump(), **info})
+
+    async def announce(self, **info: Any) -> None:
+        """``update`` and write the entry now, not at the next heartbeat."""
+        self.update(**info)
+        await self._beat()
 
     async def _beat(self) -> None:
         versions = {"config_version": self.live.version} if self.live else {}

@@ -1,0 +1,123 @@
+"""What the launcher knows of its run, read where any other tool of the run reads it, never from its children's
+log lines (whose format is theirs to change):
+
+- ``PresenceWatch``: each replica's presence entry, the one ``rlpipe status`` shows. A replica is ready when its
+  entry carries its start-up report (``ServiceEntry.startup``, written by ``services.common.service.announce_ready``)
+  and was written by the process the launcher started (its pid, or a descendant's for a torchrun trainer).
+- ``RunRecord``: the trainer's steps and evaluations in the metrics file, and what happened to the run (operators'
+  actions, alerts, ``done``) in ``events.jsonl``, both followed from the launch on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import nats
+
+from services.common.config import RunConfig
+from services.common.observe.logs import JsonlFollower
+from services.common.observe.usage import with_descendants
+from services.common.transport.nats_connect import connect_options
+from services.common.transport.presence import SeenService, bucket_name, read_presence
+
+log = logging.getLogger(__name__)
+POLL_S = 0.5  # how often the presence bucket is read: a replica's readiness reaches run.json within this
+
+
+class PresenceWatch:
+    """The run's presence entries, read every ``POLL_S`` on a thread of its own (with the operator's NATS key) for
+    as long as the run lasts; a broker restart only delays the next reading."""
+
+    def __init__(self, cfg: RunConfig, nats_url: str, seed_file: Path):
+        self.cfg = cfg
+        self.nats_url = nats_url
+        self.nats = cfg.nats.model_copy(update={"nkey_seed_file": seed_file})
+        self._entries: dict[str, SeenService] = {}
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=asyncio.run, args=(self._watch(),), name="presence-watch", daemon=True)
+
+    def start(self) -> PresenceWatch:
+        self._thread.start()
+        return self
+
+    def entry(self, instance: str) -> SeenService | None:
+        with self._lock:
+            return self._entries.get(instance)
+
+    def ready_entry(self, instance: str, pid: int, since: float) -> SeenService | None:
+        """``instance``'s entry if the process ``pid`` (or one it started) wrote it at or after ``since`` (wall time)
+        and it carries its start-up report: the entry of a predecessor that died is never taken."""
+        entry = self.entry(instance)
+        if entry is None or not entry.startup or entry.time < since:
+            return None
+        return entry if entry.pid in with_descendants(pid) else None
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=5)
+
+    async def _watch(self) -> None:
+        client = None
+        try:
+            while not self._closed.is_set():
+                try:
+                    if client is None:
+                        client = await nats.connect(
+                            self.nats_url,
+                            **connect_options(self.nats, "operator"),
+                            max_reconnect_attempts=-1,
+                            error_cb=_unheard,  # a broker restart is the launcher's to report, not the client's
+                        )
+                    js = client.jetstream()
+                    await js.key_value(bucket_name(self.cfg.run_id))  # only the trainer creates it: until then, wait
+                    entries = await read_presence(js, self.cfg)
+                except Exception as error:  # no bucket yet, or the broker away: read again at the next poll
+                    log.debug("presence not read: %r", error)
+                else:
+                    with self._lock:
+                        self._entries = {entry.instance: entry for entry in entries}
+                await asyncio.sleep(POLL_S)
+        finally:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await client.close()
+
+
+async def _unheard(error: Exception) -> None:
+    log.debug("presence watch: %r", error)
+
+
+@dataclass
+class RunRecord:
+    """The rows the trainer appends to the metrics file and the run's ``events.jsonl``, from the launch on (a
+    resumed run's earlier rows are not news)."""
+
+    metrics: JsonlFollower
+    events: JsonlFollower
+    done: dict[str, Any] = field(default_factory=dict)  # the ``done`` event, once it is written
+
+    @classmethod
+    def of_run(cls, cfg: RunConfig) -> RunRecord:
+        return cls(
+            JsonlFollower(cfg.metrics_file).skip_to_end(), JsonlFollower(cfg.run_dir / "events.jsonl").skip_to_end()
+        )
+
+    def new_steps(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """The new training-step rows and evaluation rows of the metrics file."""
+        rows = self.metrics.new_rows()
+        return [row for row in rows if "reward_mean" in row], [row for row in rows if "eval_accuracy" in row]
+
+    def new_events(self) -> list[dict[str, Any]]:
+        """The new rows of ``events.jsonl``; a ``done`` row is also kept in ``done``."""
+        rows = self.events.new_rows()
+        for row in rows:
+            if row.get("kind") == "done":
+                self.done = row
+        return rows

@@ -1,0 +1,117 @@
+"""What the launcher reads of its run: readiness from presence entries on a real broker with the run's keys, steps
+and ``done`` from the files the trainer appends to."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from services.cli.run_watch import PresenceWatch, RunRecord
+from services.common.config import RunConfig, load_config
+from services.common.service import announce_ready
+from services.common.transport.bus import Bus
+from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
+from services.common.transport.nats_server import embedded_config, nats_server_binary
+from services.common.transport.presence import Presence, open_bucket
+from tests.conftest import free_port, wait_for_port, write_config
+
+
+@pytest.fixture
+def secured(config_only_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict[str, RoleKey]]]:
+    """A broker with the run's per-role keys, as the launcher starts it, and the config of a reward replica."""
+    keys = write_run_credentials(tmp_path / "nats-auth")
+    port = free_port()
+    conf = tmp_path / "nats.conf"
+    conf.write_text(embedded_config(port, tmp_path / "store", False, server_authorization("test", list(keys.values()))))
+    server = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    wait_for_port(port, server, "nats-server")
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs"),
+        nats={"url": f"nats://127.0.0.1:{port}"},
+        service={"instance": "reward-0"},
+    )
+    yield cfg, keys
+    server.terminate()
+    server.wait(timeout=10)
+
+
+def seen_within(watch: PresenceWatch, condition, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.integration
+def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secured):
+    cfg, keys = secured
+    as_trainer = cfg.model_copy(
+        update={"nats": cfg.nats.model_copy(update={"nkey_seed_file": keys["trainer"].seed_file})}
+    )
+    spawned_at = time.time()
+    watch = PresenceWatch(cfg, cfg.nats.url, keys["operator"].seed_file).start()
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+
+        async def starting() -> tuple[Bus, Presence]:
+            bus = await Bus(as_trainer, "trainer").connect()
+            await open_bucket(bus.js, as_trainer)  # the trainer creates the bucket, as at a run's start
+            return bus, await Presence(bus.js, as_trainer, "reward").start(grpc="127.0.0.1:1")
+
+        loop = asyncio.new_event_loop()
+        bus, presence = loop.run_until_complete(starting())
+        # Registered, serving nothing yet: an entry without its start-up report is not ready.
+        assert seen_within(watch, lambda: watch.entry("reward-0") is not None)
+        assert watch.ready_entry("reward-0", os.getpid(), spawned_at) is None
+
+        loop.run_until_complete(announce_ready(presence, grpc="127.0.0.1:1", model_load_s=1.5, backend="hf"))
+        assert seen_within(watch, lambda: watch.ready_entry("reward-0", os.getpid(), spawned_at) is not None)
+        entry = watch.ready_entry("reward-0", os.getpid(), spawned_at)
+        assert entry.startup == {"model_load_s": 1.5, "backend": "hf"} and entry.grpc == "127.0.0.1:1"
+        # Written by another process than the one asked about, or before it started: a predecessor's entry.
+        assert watch.ready_entry("reward-0", other.pid, spawned_at) is None
+        assert watch.ready_entry("reward-0", os.getpid(), time.time() + 60) is None
+        loop.run_until_complete(presence.stop())
+        loop.run_until_complete(bus.close())
+        loop.close()
+    finally:
+        other.kill()
+        other.wait()
+        watch.close()
+
+
+@pytest.mark.unit
+def test_the_record_reads_only_what_is_written_after_the_launch(config_only_model, tmp_path):
+    run_dir = tmp_path / "runs" / "r"
+    run_dir.mkdir(parents=True)
+    metrics, events = run_dir / "metrics.jsonl", run_dir / "events.jsonl"
+    # A resumed run's earlier rows, done included: not news to this launch.
+    metrics.write_text(json.dumps({"step": 3, "reward_mean": 0.1, "entropy": 1.0, "kl_ref": 0.0}) + "\n")
+    events.write_text(json.dumps({"kind": "done", "step": 3, "steps": 3}) + "\n")
+    cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="r"))
+    record = RunRecord.of_run(cfg)
+    assert record.new_steps() == ([], []) and record.new_events() == [] and record.done == {}
+
+    with metrics.open("a") as out:
+        out.write(json.dumps({"step": 4, "reward_mean": 0.5, "entropy": 0.9, "kl_ref": 0.01}) + "\n")
+        out.write(json.dumps({"step": 4, "eval_accuracy": 0.6}) + "\n")
+        out.write(json.dumps({"step": 4, "checkpoint_saved": 1}) + "\n")
+    with events.open("a") as out:
+        out.write(json.dumps({"kind": "pause", "step": 4, "message": "operator"}) + "\n")
+        out.write(json.dumps({"kind": "done", "step": 4, "steps": 4}) + "\n")
+    steps, evaluations = record.new_steps()
+    assert [row["step"] for row in steps] == [4] and evaluations == [{"step": 4, "eval_accuracy": 0.6}]
+    assert [row["kind"] for row in record.new_events()] == ["pause", "done"]
+    assert record.done == {"kind": "done", "step": 4, "steps": 4}
