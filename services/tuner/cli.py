@@ -53,8 +53,9 @@ def register(app: typer.Typer) -> None:
 
         from services.common.config import ConfigError, load_config_with, parse_overrides
         from services.tuner import records
-        from services.tuner.spec import TuneFileError, load_tune_file
+        from services.tuner.spec import TuneFileError
         from services.tuner.study import open_storage, open_study
+        from services.tuner.tune_file import load_tune_file
 
         words = [arg for arg in args if "=" not in arg]
         settings = [arg for arg in args if "=" in arg]

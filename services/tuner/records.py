@@ -20,7 +20,8 @@ from typing import Any
 import optuna
 import yaml
 
-from services.tuner.spec import TuneSpec, base_config_data
+from services.tuner.spec import TuneSpec
+from services.tuner.tune_file import base_config_data
 
 FINISHED = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED, optuna.trial.TrialState.FAIL)
 

@@ -39,8 +39,9 @@ from services.tuner.constraints import constraint_names, constraint_values, feas
 from services.tuner.procs import GpuMemory, group_cmdlines, kill_group
 from services.tuner.records import FINISHED, TrialEnd, TrialRecord, TrialStart
 from services.tuner.sharing import Heartbeat, beats, claim_lock, open_storage
-from services.tuner.spec import AlertConstraint, CategoricalParam, FloatParam, TuneSpec, get_dotted, trial_config_data
+from services.tuner.spec import AlertConstraint, CategoricalParam, FloatParam, TuneSpec
 from services.tuner.trial import TrialOutcome, TrialProcess, reduce_values
+from services.tuner.tune_file import get_dotted, trial_config_data
 
 __all__ = ["Tuner", "open_storage", "open_study"]
 

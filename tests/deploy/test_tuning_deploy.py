@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from services.tuner.spec import load_tune_file
+from services.tuner.tune_file import load_tune_file
 from tests.deploy.conftest import DEPLOY, ROOT, kubectl, load_yaml, one
 from tests.deploy.test_compose import compose_schema
 from tests.deploy.test_k8s import KUBERNETES_VERSION

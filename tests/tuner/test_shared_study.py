@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from services.tuner.records import TrialStart, records, save
-from services.tuner.spec import load_tune_file
 from services.tuner.study import Tuner, open_storage, open_study
+from services.tuner.tune_file import load_tune_file
 from tests.conftest import ROOT, write_config
 from tests.tuner.test_tune import TUNE, alive, tune_file
 

@@ -21,8 +21,8 @@ from services.common.config import load_config
 from services.common.observe.usage import USAGE_FILE, run_quantities
 from services.tuner.procs import group_members
 from services.tuner.records import TrialRecord, records
-from services.tuner.spec import load_tune_file
 from services.tuner.study import Tuner, open_storage, open_study
+from services.tuner.tune_file import load_tune_file
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration

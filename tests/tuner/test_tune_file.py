@@ -10,7 +10,8 @@ import pytest
 import yaml
 
 from services.common.config import load_config
-from services.tuner.spec import TuneFileError, load_tune_file, trial_config_data
+from services.tuner.spec import TuneFileError
+from services.tuner.tune_file import load_tune_file, trial_config_data
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.integration
