@@ -317,6 +317,10 @@ def test_verify_checks_a_live_deployment_through_its_admin_address_without_a_smo
         wait_for(lambda: (run_dir / "step-00000002" / "manifest.json").is_file(), "a checkpoint", pipeline, 600)
         wait_for(lambda: (run_dir / "run.json").is_file(), "run.json", pipeline)
         admin = json.loads((run_dir / "run.json").read_text())["admin"]
+        # Held between steps, as an operator may hold it to check it: its 200 steps would only compete for the
+        # cores with the checks (verify of a deployment that trains on is the smoke run's own test above).
+        held = rlpipe("--address", admin, "--run-dir", str(run_dir), "pause", "--reason", "verify")
+        assert held.returncode == 0, held.stderr
         done = rlpipe("--address", admin, "--run-dir", str(run_dir), "verify", "--config", str(config), timeout=600)
         assert pipeline.poll() is None  # checked, not stopped
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
