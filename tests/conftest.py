@@ -178,6 +178,27 @@ def start_nats(store: Path, port: int | None = None) -> tuple[subprocess.Popen, 
     return process, f"nats://127.0.0.1:{port}"
 
 
+@contextlib.contextmanager
+def keyed_nats(folder: Path, run_id: str = "test") -> Iterator[tuple[str, dict]]:
+    """A broker with the run's per-role keys, started as the launcher starts it: (its URL, each role's key)."""
+    from services.common.transport.nats_auth import server_authorization, write_run_credentials
+    from services.common.transport.nats_server import embedded_config, nats_server_binary
+
+    keys = write_run_credentials(folder / "nats-auth")
+    port = free_port()
+    conf = folder / "nats.conf"
+    conf.write_text(embedded_config(port, folder / "store", False, server_authorization(run_id, list(keys.values()))))
+    server = subprocess.Popen(
+        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        wait_for_port(port, server, "nats-server")
+        yield f"nats://127.0.0.1:{port}", keys
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
 @pytest.fixture
 def nats_url(tmp_path: Path) -> Iterator[str]:
     """A fresh JetStream server per test, so streams never leak between tests."""

@@ -58,6 +58,8 @@ console = Console(stderr=True)
 # Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
 ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 READY_TIMEOUT_S = 600.0
+# events.jsonl rows the launcher does not echo: its own (said when written) and the trainer's done (the summary).
+LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.DONE)
 
 
 class Launcher:
@@ -74,6 +76,7 @@ class Launcher:
         # component (nats, each service, "first step") -> seconds after the launch it was ready; startup.jsonl
         self.startup: dict[str, float] = {}
         self.launched = time.perf_counter()
+        self.launched_at = time.time()
         self.restart_policy = RestartPolicy(cfg.supervision)
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
@@ -218,7 +221,12 @@ class Launcher:
     def record_startup(self, name: str, event: dict[str, Any]) -> None:
         """One JSON line per component in runs/<run>/startup.jsonl: what it loaded, and when it was ready, in
         seconds after the launch (the phases of a start-up: every service, then the first step)."""
-        self.startup[name] = round(time.perf_counter() - self.launched, 3)
+        # The replica's own clock where it says when it was ready; else the moment this launcher learned it.
+        ready_at = event.get("ready_at")
+        after = (
+            ready_at - self.launched_at if isinstance(ready_at, (int, float)) else time.perf_counter() - self.launched
+        )
+        self.startup[name] = round(after, 3)
         row = {
             "component": name,
             "ready_after_s": self.startup[name],
@@ -232,7 +240,13 @@ class Launcher:
         waiting = list(children)
         while waiting:
             self.log_run_events(console)  # a trainer restores its run (resume, a hold) before it is ready
+            if self.record.done and all(child.role != "trainer" for child in waiting):
+                return  # the trainer finished already (a resumed run at its last step): no stage is needed
             for child in list(waiting):
+                if child.process.poll() is not None and self.presence is not None:
+                    # What it wrote before it exited may not have been read yet: a process that became ready and
+                    # then exited (a stage crashing on its first batch) is follow()'s to restart, not a failed start.
+                    self.presence.await_reading(timeout_s=5.0)
                 if self.note_ready(child):
                     console.log(
                         f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
@@ -247,7 +261,12 @@ class Launcher:
                         f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}"
                     )
             if time.monotonic() > deadline:
-                raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}")
+                unread = (
+                    f"; presence not read: {self.presence.last_error}"
+                    if self.presence and self.presence.last_error
+                    else ""
+                )
+                raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}{unread}")
             time.sleep(0.05)
 
     def note_ready(self, child: Child) -> bool:
@@ -268,7 +287,7 @@ class Launcher:
         """What happened to the run since the last call (operators' actions, alerts), from ``events.jsonl``;
         the launcher's own restarts it has said already."""
         for event in self.record.new_events():
-            if event.get("kind") not in (Event.RESTART, Event.DONE):
+            if event.get("kind") not in LAUNCHER_SAYS:
                 out.log(f"{event.get('kind')}: {_event_summary(event)}")
 
     def start(self) -> None:
@@ -333,6 +352,9 @@ class Launcher:
                 for child in self.children:
                     if self.note_ready(child):
                         self.write_run_file()  # a restarted service's new endpoints
+                # The events first: the trainer wrote every metrics row before its done, so the rows read after it
+                # include the last step's.
+                self.log_run_events(progress.console)
                 steps, evaluations = self.record.new_steps()
                 for row in steps:
                     if "first step" not in self.startup:
@@ -341,7 +363,6 @@ class Launcher:
                     progress.update(task, completed=row["step"], info=info)
                 for row in evaluations:
                     progress.console.log(f"eval at step {row['step']}: accuracy {row['eval_accuracy']:.3f}")
-                self.log_run_events(progress.console)
                 if self.record.done:
                     break
                 if trainer_exited and self.child("trainer").pump_thread:
@@ -360,7 +381,9 @@ class Launcher:
                     self.write_run_file()
                 self.sample_usage()
                 for child in self.children:
-                    if child.process.poll() is not None and child.name not in due:
+                    # A trainer that exited after its record was read may have written done: read it first.
+                    exited = trainer_exited if child.role == "trainer" else child.process.poll() is not None
+                    if exited and child.name not in due:
                         due[child.name] = self.schedule_restart(child, progress)
                 for name, when in list(due.items()):
                     if time.monotonic() >= when:

@@ -171,7 +171,7 @@ def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str
     marks = [
         (step, event.get("kind", "?"))
         for event, (step, _) in zip(events, event_steps(events, rows), strict=False)
-        if step is not None
+        if step is not None and event.get("kind") != "done"  # the curves' own end; the events table lists it
     ]
     for ax, (key, panel_title, band) in zip(axes.flat, PANELS, strict=False):
         ax.set_title(panel_title)

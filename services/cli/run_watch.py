@@ -28,6 +28,7 @@ from services.common.transport.presence import SeenService, bucket_name, read_pr
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often the presence bucket is read: a replica's readiness reaches run.json within this
+CONNECT_ATTEMPTS = 10  # tries of a connection (and of each reconnect) before it is made anew at the next poll
 
 
 class PresenceWatch:
@@ -38,8 +39,10 @@ class PresenceWatch:
         self.cfg = cfg
         self.nats_url = nats_url
         self.nats = cfg.nats.model_copy(update={"nkey_seed_file": seed_file})
+        self.last_error = ""  # why the last reading failed; empty once one succeeds (said when a start times out)
         self._entries: dict[str, SeenService] = {}
-        self._lock = threading.Lock()
+        self._readings = 0  # completed readings so far
+        self._read = threading.Condition()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=asyncio.run, args=(self._watch(),), name="presence-watch", daemon=True)
 
@@ -48,7 +51,7 @@ class PresenceWatch:
         return self
 
     def entry(self, instance: str) -> SeenService | None:
-        with self._lock:
+        with self._read:
             return self._entries.get(instance)
 
     def ready_entry(self, instance: str, pid: int, since: float) -> SeenService | None:
@@ -59,6 +62,13 @@ class PresenceWatch:
             return None
         return entry if entry.pid in with_descendants(pid) else None
 
+    def await_reading(self, timeout_s: float) -> bool:
+        """Wait for a reading that starts after this call (what a process wrote before it exited is in it);
+        False when none came within ``timeout_s``."""
+        with self._read:
+            wanted = self._readings + 2  # the one under way may have begun before the call
+            return self._read.wait_for(lambda: self._readings >= wanted, timeout=timeout_s)
+
     def close(self) -> None:
         self._closed.set()
         self._thread.join(timeout=5)
@@ -68,21 +78,27 @@ class PresenceWatch:
         try:
             while not self._closed.is_set():
                 try:
-                    if client is None:
+                    if client is None or client.is_closed:
                         client = await nats.connect(
                             self.nats_url,
                             **connect_options(self.nats, "operator"),
-                            max_reconnect_attempts=-1,
+                            # Bounded, so that a close is heeded: a client given up on is made again.
+                            max_reconnect_attempts=CONNECT_ATTEMPTS,
                             error_cb=_unheard,  # a broker restart is the launcher's to report, not the client's
                         )
                     js = client.jetstream()
                     await js.key_value(bucket_name(self.cfg.run_id))  # only the trainer creates it: until then, wait
                     entries = await read_presence(js, self.cfg)
                 except Exception as error:  # no bucket yet, or the broker away: read again at the next poll
+                    self.last_error = repr(error)[:300]
                     log.debug("presence not read: %r", error)
                 else:
-                    with self._lock:
+                    with self._read:
                         self._entries = {entry.instance: entry for entry in entries}
+                        self.last_error = ""
+                with self._read:
+                    self._readings += 1
+                    self._read.notify_all()
                 await asyncio.sleep(POLL_S)
         finally:
             if client is not None:

@@ -94,10 +94,11 @@ async def join_run(cfg: RunConfig, bus: Bus, role: str, **endpoints: str) -> tup
 
 async def announce_ready(presence: Presence, **facts: JsonValue) -> None:
     """The replica is ready: its ``ready`` event in the log, and the same facts in its presence entry at once
-    (endpoints and versions in their fields, the rest under ``startup``), which is where the launcher learns it."""
+    (under ``startup``, with ``ready_at``, the wall time; endpoints and versions in their own fields too), which is
+    where the launcher learns it."""
     log_event(log, Event.READY, **facts)
     fields = {name: value for name, value in facts.items() if name in ServiceEntry.model_fields}
-    await presence.announce(**fields, startup={name: value for name, value in facts.items() if name not in fields})
+    await presence.announce(**fields, startup={**facts, "ready_at": round(time.time(), 3)})
 
 
 class LoopProgress(Protocol):

@@ -18,31 +18,21 @@ from services.cli.run_watch import PresenceWatch, RunRecord
 from services.common.config import RunConfig, load_config
 from services.common.service import announce_ready
 from services.common.transport.bus import Bus
-from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
-from services.common.transport.nats_server import embedded_config, nats_server_binary
+from services.common.transport.nats_auth import RoleKey
 from services.common.transport.presence import Presence, open_bucket
-from tests.conftest import free_port, wait_for_port, write_config
+from tests.conftest import keyed_nats, write_config
 
 
 @pytest.fixture
 def secured(config_only_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict[str, RoleKey]]]:
     """A broker with the run's per-role keys, as the launcher starts it, and the config of a reward replica."""
-    keys = write_run_credentials(tmp_path / "nats-auth")
-    port = free_port()
-    conf = tmp_path / "nats.conf"
-    conf.write_text(embedded_config(port, tmp_path / "store", False, server_authorization("test", list(keys.values()))))
-    server = subprocess.Popen(
-        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    wait_for_port(port, server, "nats-server")
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs"),
-        nats={"url": f"nats://127.0.0.1:{port}"},
-        service={"instance": "reward-0"},
-    )
-    yield cfg, keys
-    server.terminate()
-    server.wait(timeout=10)
+    with keyed_nats(tmp_path) as (url, keys):
+        cfg = load_config(
+            write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs"),
+            nats={"url": url},
+            service={"instance": "reward-0"},
+        )
+        yield cfg, keys
 
 
 def seen_within(watch: PresenceWatch, condition, seconds: float = 10.0) -> bool:
@@ -77,9 +67,14 @@ def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secure
         assert watch.ready_entry("reward-0", os.getpid(), spawned_at) is None
 
         loop.run_until_complete(announce_ready(presence, grpc="127.0.0.1:1", model_load_s=1.5, backend="hf"))
-        assert seen_within(watch, lambda: watch.ready_entry("reward-0", os.getpid(), spawned_at) is not None)
+        assert watch.await_reading(timeout_s=10)  # one that began after the announcement
         entry = watch.ready_entry("reward-0", os.getpid(), spawned_at)
-        assert entry.startup == {"model_load_s": 1.5, "backend": "hf"} and entry.grpc == "127.0.0.1:1"
+        assert entry is not None and entry.grpc == "127.0.0.1:1"
+        startup = dict(entry.startup)
+        assert startup.pop("ready_at") >= spawned_at
+        assert startup == {"grpc": "127.0.0.1:1", "model_load_s": 1.5, "backend": "hf"}
+        # Written by a process the launched one started (a torchrun trainer's rank): this one, below its parent.
+        assert watch.ready_entry("reward-0", os.getppid(), spawned_at) is not None
         # Written by another process than the one asked about, or before it started: a predecessor's entry.
         assert watch.ready_entry("reward-0", other.pid, spawned_at) is None
         assert watch.ready_entry("reward-0", os.getpid(), time.time() + 60) is None

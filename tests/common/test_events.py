@@ -119,3 +119,17 @@ def test_an_alert_flag_marks_only_the_log_line():
     sink = Collected()
     Journal(None, [sink]).emit(Event.STEP_SKIPPED, "step 3: updates skipped", level=logging.ERROR, alert=True, step=3)
     assert sink.entries[0].fields == {}
+
+
+def test_an_events_file_that_cannot_be_written_costs_its_line_never_the_caller(tmp_path, caplog):
+    """The trainer's done goes through the journal at the end of a run: a full or unwritable run folder must not
+    turn a finished run into a crashed trainer (the log line and the sinks still have it)."""
+    sink = Collected()
+    journal = Journal(EventLog(tmp_path / "events.jsonl"), [sink])
+    (tmp_path / "events.jsonl").mkdir()  # opening it to append fails as a full disk's write would: an OSError
+    with caplog.at_level(logging.INFO, logger="rlpipe.journal"):
+        journal.emit(Event.DONE, "4 steps done", step=4, steps=4)
+    logged = [(record.getMessage(), record.fields) for record in caplog.records if record.name == "rlpipe.journal"]
+    assert [message for message, _ in logged] == ["done", "event_record_failed"]
+    assert logged[1][1]["kind"] == "done" and "IsADirectoryError" in logged[1][1]["error"]
+    assert [entry.event for entry in sink.entries] == [Event.DONE]

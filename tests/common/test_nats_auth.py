@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,13 +16,12 @@ from services.common.config import RunConfig, load_config
 from services.common.transport import lease_bucket, live_config, presence
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import KEY, LiveConfig, stored_config
-from services.common.transport.nats_auth import RoleKey, server_authorization, write_run_credentials
+from services.common.transport.nats_auth import RoleKey, write_run_credentials
 from services.common.transport.nats_connect import STAGE_ROLES, connect_options
-from services.common.transport.nats_server import embedded_config, nats_server_binary
 from services.common.transport.presence import Presence, read_presence
 from services.common.transport.streams import EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, stream_name, subject
 from services.trainer.lease import Lease
-from tests.conftest import free_port, wait_for_port, write_config
+from tests.conftest import keyed_nats, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -31,22 +29,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def secured(tiny_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict[str, RoleKey]]]:
     """A broker with the run's per-role keys, as the launcher starts it, and the run's config."""
-    keys = write_run_credentials(tmp_path / "nats-auth")
-    port = free_port()
-    conf = tmp_path / "nats.conf"
-    conf.write_text(embedded_config(port, tmp_path / "store", False, server_authorization("test", list(keys.values()))))
-    server = subprocess.Popen(
-        [nats_server_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    wait_for_port(port, server, "nats-server")
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"),
-        nats={"url": f"nats://127.0.0.1:{port}"},
-    )
-    yield cfg, keys
-    server.terminate()
-    server.wait(timeout=10)
+    with keyed_nats(tmp_path) as (url, keys):
+        model_dir, data_dir = tiny_model
+        cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"), nats={"url": url})
+        yield cfg, keys
 
 
 def as_role(cfg: RunConfig, keys: dict[str, RoleKey], role: str) -> RunConfig:

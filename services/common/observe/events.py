@@ -99,6 +99,7 @@ class Event(StrEnum):
     ENVIRONMENT_SERVICE_RECOVERED = "environment_service_recovered"  # an HTTP environment answers again
     ENVIRONMENT_STEP_FAILED = "environment_step_failed"  # an environment step failed; its episode ends, named
     EVAL = "eval"  # an evaluation finished
+    EVENT_RECORD_FAILED = "event_record_failed"  # an event could not be written to events.jsonl (the log has it)
     FEED_FAILED = "feed_failed"  # a prompt could not be published; fed again later
     FEED_REPEATED = "feed_repeated"  # a prompt was fed again after its first publish was not confirmed
     FENCED_OUT = "fenced_out"  # a newer trainer's epoch is in the store: this one stops writing
@@ -262,6 +263,16 @@ class Journal:
         log_event(self.log, event, level=level, **at, **said, **({"alert": True} if alert else {}), **fields)
         kind = RECORDED_AS.get(event)
         if self.record is not None and kind is not None:
-            self.record.write(kind, message, step=step, **fields)
+            try:
+                self.record.write(kind, message, step=step, **fields)
+            except OSError as error:  # a full or unwritable run folder: the log line above still says it
+                log_event(
+                    self.log,
+                    Event.EVENT_RECORD_FAILED,
+                    level=logging.ERROR,
+                    alert=True,
+                    kind=kind,
+                    error=repr(error)[:300],
+                )
         for sink in self.sinks:
             sink.write(entry)

@@ -146,9 +146,12 @@ class Presence:
         self.entry = ServiceEntry.model_validate({**self.entry.model_dump(), **info})
 
     async def announce(self, **info: Any) -> None:
-        """``update`` and write the entry now, not at the next heartbeat."""
+        """``update`` and write the entry now, not at the next heartbeat (which writes it if this cannot)."""
         self.update(**info)
-        await self._beat()
+        try:
+            await self._beat()
+        except Exception as error:  # broker away: the next beat carries it
+            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, error=repr(error)[:200])
 
     async def _beat(self) -> None:
         versions = {"config_version": self.live.version} if self.live else {}
