@@ -20,6 +20,7 @@ from services.common.config import BuildInfo, RunConfig, redacted_dump
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
+from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
 from services.common.service import EXIT_REFUSED, announce_ready, start_grpc_server, watch_progress
 from services.common.transport import weight_sync_tls
@@ -172,7 +173,9 @@ async def lead_holding(
         interceptors=weight_sync_auth.server_interceptors(cfg),
         credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
     )
-    trainer = Trainer(cfg, bus, learner, weights, live)
+    # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
+    trackers = await asyncio.to_thread(open_trackers, cfg)
+    trainer = Trainer(cfg, bus, learner, weights, live, trackers)
     try:
         # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
         await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)

@@ -31,7 +31,7 @@ from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
-from services.common.observe.trackers import open_trackers
+from services.common.observe.trackers import TrackerFanout
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
@@ -73,7 +73,17 @@ PURGE_EVERY_STEPS_UNSAVED = 10
 class Trainer:
     """Wires the components and drives them: collect a batch, train on it, publish, save, evaluate."""
 
-    def __init__(self, cfg: RunConfig, bus: Bus, learner: Learner, weights: WeightSyncServer, live: LiveConfig):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        bus: Bus,
+        learner: Learner,
+        weights: WeightSyncServer,
+        live: LiveConfig,
+        trackers: TrackerFanout | None = None,
+    ):
+        """``trackers``: telemetry.report_to's, opened by the caller (``open_trackers``, off the event loop: MLflow
+        creates its database there, which can outlast the lease's TTL)."""
         self.cfg = cfg
         self.bus = bus
         self.learner = learner
@@ -89,7 +99,7 @@ class Trainer:
         self.telemetry = TrainerMetrics()
         rolling = cfg.telemetry
         metrics = MetricsLog(
-            cfg.metrics_file, open_trackers(cfg), rolling.jsonl_max_mib * 2**20, keep_parts=rolling.jsonl_keep_parts
+            cfg.metrics_file, trackers, rolling.jsonl_max_mib * 2**20, keep_parts=rolling.jsonl_keep_parts
         )
         self.journal = Journal(EventLog.of_run(cfg), [AlertSink(live, metrics, self.telemetry, self.progress)])
         self.ledger = GroupLedger()
