@@ -137,7 +137,7 @@ def test_a_claim_with_a_bad_key_or_size_is_dead_lettered_with_the_reason_and_rea
         stop.set()
         await task
         assert computed == [] and await stream_messages(bus, SCORED) == 0
-        assert stage.breaker.failures == 0  # a bad key is the message's fault, never a store outage
+        assert stage.outage.breaker.failures == 0  # a bad key is the message's fault, never a store outage
         reasons = {}
         for seq in range(1, len(claims) + 1):
             letter = await bus.js.get_msg(stream_name("faults", DEAD), seq=seq)
@@ -357,7 +357,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
         await asyncio.sleep(outage_s * 0.8)
         # Mid-outage: the breaker is open, the stage holds one batch and fetches nothing more; the rest waits
         # in the stream undelivered, and nothing was redelivered.
-        assert stage.breaker.state is not BreakerState.CLOSED
+        assert stage.outage.breaker.state is not BreakerState.CLOSED
         consumer = await bus.js.consumer_info(stream_name("faults", ROLLOUTS), WORK_QUEUES[ROLLOUTS])
         assert (consumer.num_ack_pending, consumer.num_pending, consumer.num_redelivered) == (2, 3, 0)
         while await stream_messages(bus, SCORED) < len(ids):
@@ -367,7 +367,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
         await task
         assert sorted(computed) == ids  # each exactly once
         assert await stream_messages(bus, SCORED) == len(ids) and await stream_messages(bus, DEAD) == 0
-        assert stage.handled == len(ids) and stage.breaker.state is BreakerState.CLOSED
+        assert stage.handled == len(ids) and stage.outage.breaker.state is BreakerState.CLOSED
         await bus.close()
 
     asyncio.run(scenario())
@@ -447,7 +447,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
         task = asyncio.create_task(stage.run(stop))
         await asyncio.sleep(3 * stage_cfg.nats.ack_wait_s * stage_cfg.nats.max_deliver)
         assert not task.done(), "the stage crashed on the store outage"
-        assert stage.breaker.failures > 0 and await stream_messages(bus, SCORED) == 0
+        assert stage.outage.breaker.failures > 0 and await stream_messages(bus, SCORED) == 0
         moto.append(
             subprocess.Popen(
                 [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
@@ -507,7 +507,7 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
         task = asyncio.create_task(stage.run(stop))
         await asyncio.sleep(4 * cfg.nats.ack_wait_s)
         assert not task.done(), "the stage crashed on a dead letter the broker refused"
-        assert stage.breaker.failures > 0 and await stream_messages(bus, DEAD) == 1
+        assert stage.outage.breaker.failures > 0 and await stream_messages(bus, DEAD) == 1
         await owner.js.update_stream(settings)
         for _ in range(300):
             if await stream_messages(bus, DEAD) == 2:

@@ -16,10 +16,9 @@ deliveries and goes to DEAD with the reason. A dependency outage consumes no del
 when reading or storing a claim-checked body fails (``StoreUnavailable``), the compute
 raises ``DependencyUnavailable`` (a dead engine), or the downstream publish fails, the
 stage keeps the messages it holds, tells JetStream they are in progress, and retries
-the failed step with exponential backoff behind a ``CircuitBreaker``. While the stage
-holds them it fetches nothing, so the rest wait in the stream, undelivered; the
-breaker's state is the ``rlpipe_stage_breaker_state`` gauge, and an outage longer than
-``ack_wait_s * max_deliver`` (when it would have dead-lettered before) logs an alert.
+the failed step with exponential backoff behind a ``CircuitBreaker`` (``OutageGate``,
+services/common/transport/outage.py, which also alerts on a long outage). While the stage
+holds them it fetches nothing, so the rest wait in the stream, undelivered.
 Only a stop during an outage gives the held messages back (nak), which, like a crash,
 costs each one delivery.
 
@@ -63,11 +62,12 @@ from services.common.observe.instruments import StageMetrics
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import start_span_from_headers
 from services.common.observe.timeshare import StageActivity, TimeShare
-from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
+from services.common.transport.breaker import DependencyUnavailable
 from services.common.transport.bus import Bus
 from services.common.transport.claim_lifecycle import deletable_after_ack, missing_body_is_stale
 from services.common.transport.claims import ClaimMissing
 from services.common.transport.messages import DecodeError, Message, dedupe_id
+from services.common.transport.outage import OutageGate, StoppedDuringOutage
 from services.common.transport.settle import Ack, DeadLetter, Decision, Nak, Outcome, settle, unsettled_letter
 from services.common.transport.streams import H_GROUP
 
@@ -90,10 +90,6 @@ class WorkTimedOut(Exception):
 
 class Unsettled(Exception):
     """A message that used up its deliveries without any of them reaching an outcome."""
-
-
-class _Stopping(Exception):
-    """The stage was asked to stop while it waited for a dependency."""
 
 
 @contextlib.asynccontextmanager
@@ -120,11 +116,6 @@ async def heartbeat(held: Callable[[], list[Received]], interval_s: float) -> As
 
 def _unsettled(received: list[Received]) -> list[Received]:
     return [one for one in received if not one.settled]
-
-
-async def _sleep_unless(stop: asyncio.Event, seconds: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        await asyncio.wait_for(stop.wait(), timeout=seconds)
 
 
 @dataclass
@@ -175,9 +166,8 @@ class Stage(Generic[In, Out]):
     name: str
     handled: int = 0
     metrics: StageMetrics = field(init=False)
-    breaker: CircuitBreaker = field(init=False)  # over every dependency of the stage: claim store, compute, broker
-    _alerted: bool = field(init=False, default=False)  # the current outage has raised its alert
-    _last_error: str = field(init=False, default="")
+    # Over every dependency of the stage (claim store, compute, broker): services/common/transport/outage.py
+    outage: OutageGate = field(init=False)
     last_progress: float = field(init=False, default_factory=time.time)  # wall time; see the module docstring
     time_share: TimeShare[StageActivity] = field(init=False)  # see "Where the time goes" in the module docstring
 
@@ -189,10 +179,13 @@ class Stage(Generic[In, Out]):
         self.metrics = StageMetrics(self.bus.service, self.consumes)
         self.metrics.lag(0)  # until the first fetch says otherwise
         self.metrics.watch_progress(self.stalled_for)
-        self.breaker = CircuitBreaker()
-        self.metrics.breaker(BreakerState.CLOSED)
         self.time_share = TimeShare(StageActivity.IDLE)
         self.metrics.watch_time(self.time_share.seconds)
+        nats_cfg = self.bus.cfg.nats
+        self.outage = OutageGate(self.metrics, self.time_share, nats_cfg.ack_wait_s * nats_cfg.max_deliver, self._moved)
+
+    def _moved(self) -> None:
+        self.last_progress = time.time()
 
     async def run(self, stop: asyncio.Event) -> None:
         nats_cfg = self.bus.cfg.nats
@@ -226,7 +219,7 @@ class Stage(Generic[In, Out]):
                 # Held messages stay ours while a dependency is down, however long that takes.
                 async with heartbeat(functools.partial(_unsettled, received), nats_cfg.heartbeat_s):
                     await self._handle(received, stop)
-            except _Stopping:
+            except StoppedDuringOutage:
                 # Stopped during an outage: hand the held messages back now rather than after AckWait.
                 for one in received:
                     if not one.settled:
@@ -249,7 +242,7 @@ class Stage(Generic[In, Out]):
                 continue
             try:
                 # A claim store that is down holds the message here (StoreUnavailable), spending no delivery.
-                one.item = await self._available(
+                one.item = await self.outage.available(
                     functools.partial(self.bus.decode, one.msg, self.input_kind), "claim_read", stop
                 )
             except ClaimMissing as error:
@@ -270,74 +263,6 @@ class Stage(Generic[In, Out]):
         if decoded:
             await self._process(decoded, stop)
 
-    async def _available(self, attempt: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
-        """``attempt()``'s result, retried behind the breaker for as long as it raises ``DependencyUnavailable``.
-
-        Raises ``_Stopping`` when ``stop`` is set while a dependency is down; with every dependency
-        up, a stop lets the current batch finish as before.
-        """
-        while True:
-            # Waits in short slices: the alert is due once the outage passes its bound, not at the next try.
-            while (wait := self.breaker.retry_in()) > 0 and not stop.is_set():
-                with self.time_share.during(StageActivity.BLOCKED):
-                    await _sleep_unless(stop, min(wait, 1.0))
-                self._maybe_alert(step)
-            self.metrics.breaker(self.breaker.state)
-            self.last_progress = time.time()  # waiting out an outage is the loop at work, not stuck
-            if stop.is_set() and self.breaker.failures:
-                raise _Stopping
-            try:
-                result = await attempt()
-            except DependencyUnavailable as error:
-                self._dependency_failed(step, error)
-                continue
-            if self.breaker.failures:
-                self._dependency_recovered(step)
-            return result
-
-    def _dependency_failed(self, step: str, error: DependencyUnavailable) -> None:
-        self.breaker.failed()
-        state = self.breaker.state
-        self.metrics.breaker(state)
-        log_event(
-            log,
-            Event.DEPENDENCY_UNAVAILABLE,
-            level=logging.WARNING,
-            step=step,
-            breaker=state.name.lower(),
-            failures=self.breaker.failures,
-            retry_s=round(self.breaker.retry_in(), 2),
-            error=repr(error)[:300],
-        )
-        self._last_error = repr(error)[:300]
-        self._maybe_alert(step)
-
-    def _maybe_alert(self, step: str) -> None:
-        nats_cfg = self.bus.cfg.nats
-        # The time after which the old rule (nak, spend a delivery) would have dead-lettered healthy messages.
-        bound = nats_cfg.ack_wait_s * nats_cfg.max_deliver
-        if not self._alerted and self.breaker.failures and self.breaker.down_for() >= bound:
-            self._alerted = True
-            log_event(
-                log,
-                Event.DEPENDENCY_DOWN,
-                level=logging.ERROR,
-                alert=True,
-                step=step,
-                down_s=round(self.breaker.down_for(), 1),
-                error=self._last_error,
-            )
-
-    def _dependency_recovered(self, step: str) -> None:
-        down_s = round(self.breaker.down_for(), 1)
-        self.breaker.succeeded()
-        self.metrics.breaker(BreakerState.CLOSED)
-        if self._alerted:
-            self._alerted = False
-            log_event(log, Event.DEPENDENCY_RECOVERED, step=step, down_s=down_s, alert=False)
-        else:
-            log_event(log, Event.DEPENDENCY_RECOVERED, step=step, down_s=down_s)
-
     async def _on_broker(self, call: Callable[[], Awaitable[T]], step: str, stop: asyncio.Event) -> T:
         """``call()`` (a dead-letter publish, a term, a nak), retried behind the breaker while the broker fails it:
         a blip while settling a message is an outage like any other, not a reason to crash the stage."""
@@ -350,7 +275,7 @@ class Stage(Generic[In, Out]):
             except (NatsError, TimeoutError) as error:
                 raise DependencyUnavailable(f"{step} failed: {error!r}") from error
 
-        return await self._available(attempt, step, stop)
+        return await self.outage.available(attempt, step, stop)
 
     async def _publish(self, output: Out) -> api.PubAck:
         try:
@@ -383,10 +308,10 @@ class Stage(Generic[In, Out]):
 
     async def _process(self, decoded: list[Received[In]], stop: asyncio.Event) -> None:
         try:
-            outputs = await self._available(
+            outputs = await self.outage.available(
                 functools.partial(self._capped_compute, [one.item for one in decoded]), "compute", stop
             )
-        except _Stopping:
+        except StoppedDuringOutage:
             raise
         except WorkTimedOut as error:  # abandoned whole: splitting would wait max_work_s per message
             log_event(log, Event.WORK_TIMED_OUT, level=logging.WARNING, error=str(error), size=len(decoded))
@@ -404,7 +329,7 @@ class Stage(Generic[In, Out]):
         for one, output in zip(decoded, outputs, strict=True):
             one.span.add_event("computed", {"rlpipe.batch_size": len(decoded)})
             with trace.use_span(one.span, end_on_exit=False):
-                await self._available(functools.partial(self._publish, output), "publish", stop)
+                await self.outage.available(functools.partial(self._publish, output), "publish", stop)
             await self._carry_out(one, self._decide(one, Outcome.COMPUTED), None, stop)
 
     async def _capped_compute(self, items: list[In]) -> list[Out]:
