@@ -44,7 +44,6 @@ while pruning or copying to the mirror afterwards is logged (``prune_failed``,
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +57,6 @@ from services.trainer.manifest import (
     ABANDONED,
     MANIFEST,
     MODEL_SIDECARS,
-    PURGED,
     STABLE,
     CatalogEntry,
     Manifest,
@@ -340,41 +338,6 @@ class CheckpointStore(StepStore):
     def replay_floor(self, read_seq: int) -> int | None:
         """``retention.replay_floor`` over this incarnation's stored steps."""
         return replay_floor([entry for entry in self._scan() if not self._foreign(entry)], self.keep_last, read_seq)
-
-    def record_purge(self, seq: int, stream: str) -> None:
-        """Note, before EXPERIENCE is purged through ``seq``, that this run purges it: a resume or rollback to a step
-        that read less then reads on after ``seq`` instead of taking the gap for a broker that lost messages.
-
-        ``stream`` names the stream's life (its creation time): a stream re-created since voids the note. Written to
-        the mirror too, as a checkpoint is, so that a resume from the mirror knows it."""
-        data = json.dumps({"experience_seq": seq, "stream": stream}).encode()
-        self._put(self._purge_key, data)
-        if self.mirror is not None:
-            try:
-                self._put(self._purge_key, data, self.mirror)
-            except Exception as error:  # the primary holds the truth
-                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, key=self._purge_key, error=repr(error)[:300])
-
-    def purged_through(self, stream: str) -> int:
-        """The EXPERIENCE sequence through which this run purged ``stream`` (its life as in ``record_purge``);
-        0 when it never did. Read from the primary store, or from the mirror while the primary is unreachable."""
-        stores = [self.store] if self.mirror is None else [self.store, self.mirror]
-        for store in stores:
-            try:
-                data = self._retried(self._purge_key, lambda store=store: store.get(self._purge_key))
-            except FileNotFoundError:
-                return 0
-            except Exception:
-                if store is stores[-1]:
-                    raise
-                continue
-            record = json.loads(data)
-            return int(record["experience_seq"]) if record.get("stream") == stream else 0
-        return 0
-
-    @property
-    def _purge_key(self) -> str:
-        return f"{self.run_id}/{PURGED}"
 
     def latest_stable(self) -> int | None:
         """The newest live STABLE step of this incarnation."""

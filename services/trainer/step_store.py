@@ -1,5 +1,6 @@
 """A run's prefix on an object store, as every checkpoint operation reaches it: retried calls, the lease fence
-checked before each write, and the listing of step folders with their manifests.
+checked before each write, the listing of step folders with their manifests, and the note of how far the run
+purged EXPERIENCE, kept beside them.
 
 ``CheckpointStore`` (checkpoint.py) builds saving, loading and marking on it.
 """
@@ -15,7 +16,7 @@ from typing import Any
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
-from services.trainer.manifest import FENCE, MANIFEST, STEP_FILE, Manifest, StoredStep, step_prefix
+from services.trainer.manifest import FENCE, MANIFEST, PURGED, STEP_FILE, Manifest, StoredStep, step_prefix
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,41 @@ class StepStore:
         self._check_fence()
         note = json.dumps({"epoch": epoch, "holder": holder, "time": time.time()}).encode()
         self._retried(self._fence_key, lambda: self.store.put(self._fence_key, note))
+
+    def record_purge(self, seq: int, stream: str) -> None:
+        """Note, before EXPERIENCE is purged through ``seq``, that this run purges it: a resume or rollback to a step
+        that read less then reads on after ``seq`` instead of taking the gap for a broker that lost messages.
+
+        ``stream`` names the stream's life (its creation time): a stream re-created since voids the note. Written to
+        the mirror too, as a checkpoint is, so that a resume from the mirror knows it."""
+        data = json.dumps({"experience_seq": seq, "stream": stream}).encode()
+        self._put(self._purge_key, data)
+        if self.mirror is not None:
+            try:
+                self._put(self._purge_key, data, self.mirror)
+            except Exception as error:  # the primary holds the truth
+                log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, key=self._purge_key, error=repr(error)[:300])
+
+    def purged_through(self, stream: str) -> int:
+        """The EXPERIENCE sequence through which this run purged ``stream`` (its life as in ``record_purge``);
+        0 when it never did. Read from the primary store, or from the mirror while the primary is unreachable."""
+        stores = [self.store] if self.mirror is None else [self.store, self.mirror]
+        for store in stores:
+            try:
+                data = self._retried(self._purge_key, lambda store=store: store.get(self._purge_key))
+            except FileNotFoundError:
+                return 0
+            except Exception:
+                if store is stores[-1]:
+                    raise
+                continue
+            record = json.loads(data)
+            return int(record["experience_seq"]) if record.get("stream") == stream else 0
+        return 0
+
+    @property
+    def _purge_key(self) -> str:
+        return f"{self.run_id}/{PURGED}"
 
     def _check_fence(self) -> None:
         """Refuse a write when the store's fence is above this writer's epoch (a successor took the run over).
