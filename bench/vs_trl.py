@@ -38,8 +38,8 @@ and held-out greedy accuracy after the last step (the first ``data.eval_size`` r
 consumed is comparable. Writes ``build/bench/vs_trl-<task>.jsonl`` (one row per system, then one per
 step) and ``build/bench/vs_trl-<task>.png``; prints the table and the rlpipe/TRL ratios.
 
-This file also runs inside the TRL environment (``--trl-worker``), so it imports nothing from rlpipe
-at module level.
+The TRL side is ``bench/trl_worker.py``, which runs inside the TRL environment and imports this file for its
+``Task``: so this file imports nothing from rlpipe at module level.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -204,103 +203,6 @@ def results_table(summaries: list[dict], ratios: dict, machine: dict, command: s
     return "\n".join(lines)
 
 
-# --- the TRL side: runs inside build/bench/trl-venv ---------------------------------------------
-
-_FINAL_INTEGER = re.compile(r"-?\d+")
-
-
-def trl_rows(task: Task) -> list[dict]:
-    """The training rows as TRL takes them: a chat row's ``messages`` become a conversational ``prompt``, which
-    TRL renders with the tokenizer's chat template and ``add_generation_prompt``, as rlpipe does."""
-    rows = [json.loads(line) for line in (ROOT / task.train_path).read_text().splitlines() if line.strip()]
-    return [{"prompt": row.get("messages", row.get("prompt")), "answer": row["answer"]} for row in rows]
-
-
-def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
-    """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
-    import torch
-
-    torch.set_num_threads(threads)
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    rows = trl_rows(task)
-    dataset = Dataset.from_list(rows)
-    chat = isinstance(rows[0]["prompt"], list)
-    # answers.py needs only the standard library, so this environment can import it; the rest of rlpipe it
-    # cannot (math-verify et al.).
-    sys.path.insert(0, str(ROOT))
-    from services.common.model.answers import ends_on_answer
-
-    # rlpipe's exact_match reward restated here, for the same reason.
-    def exact_match(completions: list[str], answer: list[str], **_: object) -> list[float]:
-        scores = []
-        for text, expected in zip(completions, answer, strict=True):
-            found = _FINAL_INTEGER.findall(text)
-            scores.append(float(bool(found) and found[-1].lstrip("0") == expected.strip().lstrip("0")))
-        return scores
-
-    # rlpipe's final_number: a conversational completion is one assistant message.
-    def final_number(completions: list[list[dict]], answer: list[str], **_: object) -> list[float]:
-        return [
-            float(ends_on_answer(c[0]["content"], expected)) for c, expected in zip(completions, answer, strict=True)
-        ]
-
-    started = time.perf_counter()
-    steps = (out_dir / "steps.jsonl").open("w")
-
-    class StepClock(TrainerCallback):
-        """Writes each logged step's end time and mean reward (logging_steps=1: one log per step)."""
-
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and "reward" in logs:
-                row = {"step": state.global_step, "time": time.perf_counter() - started, "reward": logs["reward"]}
-                steps.write(json.dumps(row) + "\n")
-                steps.flush()
-
-    args = GRPOConfig(
-        output_dir=str(out_dir / "trainer"),
-        max_steps=task.steps,
-        per_device_train_batch_size=task.completions_per_step,
-        gradient_accumulation_steps=1,
-        num_generations=task.group_size,
-        max_completion_length=task.max_new_tokens,
-        temperature=task.temperature,
-        top_p=1.0,
-        learning_rate=task.learning_rate,
-        lr_scheduler_type="constant_with_warmup",
-        warmup_steps=task.warmup_steps,
-        weight_decay=0.0,
-        max_grad_norm=task.max_grad_norm,
-        epsilon=task.clip,
-        beta=task.kl_coef,
-        loss_type="dapo",  # token-mean over the step's tokens: rlpipe's loss_agg token-mean
-        scale_rewards="group",
-        num_iterations=1,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        seed=task.seed,
-        use_cpu=True,
-        bf16=False,
-        dataloader_num_workers=0,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
-    trainer = GRPOTrainer(
-        model=str(ROOT / task.model),
-        reward_funcs=final_number if chat else exact_match,
-        args=args,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[StepClock()],
-    )
-    trainer.train()
-    steps.close()
-    trainer.model.save_pretrained(str(out_dir / "final"))
-    tokenizer.save_pretrained(str(out_dir / "final"))
-
-
 # --- the rlpipe side and the comparison: runs in .venv ------------------------------------------
 
 
@@ -338,7 +240,12 @@ def accuracy(model_dir: Path, task: Task) -> float:
 def run_trl(task: Task, python: Path, threads: int) -> Result:
     out_dir = OUT / f"trl-run-{task.name}-t{threads}"
     out_dir.mkdir(parents=True, exist_ok=True)
-    command = [str(python), str(Path(__file__).resolve()), "--trl-worker", json.dumps(asdict(task)), str(out_dir)]
+    command = [
+        str(python),
+        str(Path(__file__).resolve().parent / "trl_worker.py"),
+        json.dumps(asdict(task)),
+        str(out_dir),
+    ]
     log = out_dir.with_suffix(".log")
     started = time.perf_counter()
     with log.open("w") as out:
@@ -468,11 +375,7 @@ def main() -> None:
     parser.add_argument(
         "--write-doc", action="store_true", help="put the table into docs/performance.md (between the task's markers)"
     )
-    parser.add_argument("--trl-worker", nargs=3, metavar=("TASK_JSON", "OUT_DIR", "THREADS"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.trl_worker:
-        trl_worker(Task(**json.loads(args.trl_worker[0])), Path(args.trl_worker[1]), int(args.trl_worker[2]))
-        return
     task = TASKS[args.task]
     if args.steps is not None:
         task = replace(task, steps=args.steps)

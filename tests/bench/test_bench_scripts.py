@@ -19,7 +19,8 @@ from bench.throughput import (
     ratios,
     where_the_time_went,
 )
-from bench.vs_trl import TASKS, Result, Task, rlpipe_config, trl_rows
+from bench.trl_worker import trl_rows
+from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
 from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
 from tests.conftest import ROOT, write_config
