@@ -48,6 +48,7 @@ class ServiceScrape:
 @dataclass
 class SmokeRun:
     cfg: RunConfig
+    config_path: Path  # the smoke config the services read, in the verification's folder
     started: bool = False
     finished: bool = False
     error: str = ""  # why the deployment did not start, or stopped short
@@ -125,7 +126,7 @@ def smoke(config_path: Path, folder: Path, settings: Mapping[str, Any] | None = 
 
     The smoke config lives in ``folder`` for the run's duration (services read it again when restarted)."""
     smoke_path, cfg = write_smoke_config(config_path, folder, settings)
-    outcome = SmokeRun(cfg)
+    outcome = SmokeRun(cfg, smoke_path)
     try:
         startup_checks(cfg, "run")
     except StartupCheckError as error:

@@ -21,10 +21,12 @@ is never touched; services/cli/smoke.py), and checks, in order:
 7. ``first-step``, ``ranges``, ``jumps``, ``resources``, ``remote-services``: how the steps went (the first
    one's time, the loss and value ranges, no abnormal jumps, memory and GPU stability) and whether the remote
    reward and environment services answer; pure functions of the step rows in services/cli/verify_health.py.
+8. ``tuning``: one trial of a one-parameter study over the smoke config, run, scored and recorded as
+   ``rlpipe tune`` does (services/cli/verify_tuning.py).
 
 Against a running deployment (``rlpipe --address ADMIN verify``, ``verify_live``) nothing is started:
 the roles and rollout versions come from the trainer's status, the rest from the run's own files and
-stores, and the smoke run is skipped.
+stores, and the smoke run and the tuning trial are skipped.
 
 A check whose evidence never came (the deployment did not start) is ``skip``. The record,
 ``verify.json`` (with the build and library versions, the redacted config, the first metrics and the
@@ -60,6 +62,7 @@ from services.cli.verify_health import (
     resources_check,
 )
 from services.cli.verify_record import record_extras
+from services.cli.verify_tuning import tuning_check
 from services.common.config import RunConfig, load_config_with
 from services.trainer.samples import SampleArchive
 
@@ -250,17 +253,21 @@ def verify(
     started, started_at = time.monotonic(), time.time()
     with tempfile.TemporaryDirectory(prefix="rlpipe-verify-") as folder:
         run = smoke(config_path, Path(folder), settings)
-    rows = step_rows(run.cfg)
-    checks = [
-        roles_check(run),
-        weight_sync_check(run, rows),
-        smoke_check(run, rows),
-        checkpoint_check(run),
-        drill_check(run.cfg),
-        metrics_check(run, rows),
-        first_step_check(rows, started_at, first_step_max_s),
-        *run_health_checks(run.cfg, rows),
-    ]
+        rows = step_rows(run.cfg)
+        checks = [
+            roles_check(run),
+            weight_sync_check(run, rows),
+            smoke_check(run, rows),
+            checkpoint_check(run),
+            drill_check(run.cfg),
+            metrics_check(run, rows),
+            first_step_check(rows, started_at, first_step_max_s),
+            *run_health_checks(run.cfg, rows),
+            # After the smoke run, whose deployment is stopped by now: a trial is a run of its own.
+            tuning_check(run.config_path, run.cfg, Path(folder))
+            if run.finished
+            else Check("tuning", "skip", "the smoke run did not finish"),
+        ]
     took_s = time.monotonic() - started
     return checks, run.cfg, write_record(run.cfg, config_path, checks, took_s, settings, rows)
 
@@ -321,5 +328,6 @@ def verify_live(
         if not cfg.metrics_file.is_file()
         else metrics_of(cfg, rows),
         *run_health_checks(cfg, rows),
+        Check("tuning", "skip", "a live deployment runs no trial: `rlpipe verify --config CONFIG` runs one"),
     ]
     return checks, cfg, write_record(cfg, config_path, checks, time.monotonic() - started, settings, rows)

@@ -213,9 +213,12 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     names = ["roles", "weight-sync", "smoke-run", "checkpoint", "alert-drill", "metrics"]
     names += ["first-step", "ranges", "jumps", "resources"]  # how the smoke run's steps went
     assert [(c["name"], c["status"]) for c in record["checks"]] == [(name, "pass") for name in names] + [
-        ("remote-services", "skip")  # the config names no remote reward or environment service
+        ("remote-services", "skip"),  # the config names no remote reward or environment service
+        ("tuning", "pass"),
     ]
-    concluded = f"passed all {len(names)} checks that ran; skipped: remote-services; keep this record as the baseline"
+    concluded = (
+        f"passed all {len(names) + 1} checks that ran; skipped: remote-services; keep this record as the baseline"
+    )
     assert record["conclusion"] == concluded
     assert record["libraries"]["torch"] == importlib.metadata.version("torch")
     assert record["config"]["run_id"] == "deploy-smoke"
@@ -229,6 +232,19 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert sorted(e["rule"] for e in events if e["kind"] == "alert" and "drill" in e["message"]) == rules
     # The trainer posts its heartbeats to the same receiver; the drill's firings say they are one.
     assert sorted(body["rule"] for body in receiver.received if "drill" in body.get("message", "")) == rules
+
+
+@pytest.mark.e2e
+def test_verify_runs_one_tuning_trial_of_the_smoke_config_and_leaves_nothing_beside_the_deployment(verified):
+    _, run_dir, _ = verified
+    [tuning] = [c for c in json.loads((run_dir / "verify.json").read_text())["checks"] if c["name"] == "tuning"]
+    evidence = tuning["detail"]
+    assert evidence.startswith("trial deploy-smoke-tune-t0 (train.learning_rate ") and "after 3 steps" in evidence
+    # Sampled within a factor of two of the configured rate, as the study's one parameter.
+    rate = float(evidence.removeprefix("trial deploy-smoke-tune-t0 (train.learning_rate ").partition(")")[0])
+    assert VERIFY_LEARNING_RATE / 2 <= rate <= VERIFY_LEARNING_RATE * 2
+    # Its run and checkpoints were the check's own, in the verification's temporary folder.
+    assert sorted(path.name for path in run_dir.parent.iterdir()) == ["deploy-smoke"]
 
 
 @pytest.mark.e2e
@@ -337,5 +353,6 @@ def test_verify_checks_a_live_deployment_through_its_admin_address_without_a_smo
         ("jumps", "pass"),
         ("resources", "pass"),
         ("remote-services", "skip"),
+        ("tuning", "skip"),
     ]
     assert not (tmp_path / "runs" / "deploy-smoke").exists()
