@@ -321,12 +321,18 @@ def build_tiny(
         "(for a chat model such as `make model-smol`'s; the tiny model has no chat template); tool-arith: "
         "multiplications and a tiny model warm-started on calculator transcripts (examples/tool-arith.yaml)",
     ),
+    tool_share: float = typer.Option(
+        1.0,
+        help="tool-arith: the share of warm-start transcripts that call the calculator, the others stating the "
+        "product outright (0.1: a model that has to learn to call it, docs/agents.md)",
+    ),
 ) -> None:
     """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, a word-problem dataset, or
     the calculator-tool dataset and model."""
     from services.common.model.tiny_model import main as build
 
-    build(["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task])
+    options = ["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task]
+    build([*options, "--tool-share", str(tool_share)])
 
 
 @app.command("build-reward-model")

@@ -166,3 +166,17 @@ def test_the_tool_arith_rows_hold_transcripts_whose_calls_the_calculator_answers
         call, result, answer = re.fullmatch(r"(<calc>.*</calc>)(<result>.*</result>)(\d+)", row["transcript"]).groups()
         assert Calculator().step(turn(call)).observation == result
         assert answer == row["answer"]
+
+
+def test_a_tool_share_keeps_the_problems_and_splits_and_states_the_other_answers_outright(tmp_path):
+    every = make_tool_arith_dataset(tmp_path / "every", seed=1, n_eval=5, n_dev=5, n_train=400)
+    some = make_tool_arith_dataset(tmp_path / "some", seed=1, n_eval=5, n_dev=5, n_train=400, tool_share=0.25)
+    for split in ("train", "dev", "eval"):
+        pairs = zip(load_jsonl(every[split]), load_jsonl(some[split]), strict=True)
+        for with_tool, mixed in pairs:
+            assert (mixed["prompt"], mixed["answer"]) == (with_tool["prompt"], with_tool["answer"])
+            assert mixed["transcript"] in (with_tool["transcript"], with_tool["answer"])
+    called = [row["transcript"].startswith("<calc>") for split in ("train", "dev") for row in load_jsonl(some[split])]
+    assert 0.15 < sum(called) / len(called) < 0.35  # 405 rows drawn at 0.25: about 0.02 either way
+    with pytest.raises(ValueError, match=r"tool_share must be within \[0, 1\], got 1.5"):
+        make_tool_arith_dataset(tmp_path / "bad", tool_share=1.5)

@@ -56,19 +56,29 @@ def tool_transcript(a: int, b: int) -> str:
 
 
 def make_tool_arith_dataset(
-    out_dir: Path, seed: int = 0, n_eval: int = 200, n_dev: int = 32, n_train: int = 4000
+    out_dir: Path, seed: int = 0, n_eval: int = 200, n_dev: int = 32, n_train: int = 4000, tool_share: float = 1.0
 ) -> dict[str, Path]:
     """Write 3-digit by 2-digit multiplications (``123*45=`` -> ``5535``) as train/dev/eval JSONL splits.
 
     Too hard for the tiny model to compute, easy with the calculator environment: each row also carries
-    ``transcript``, the answer that calls the tool (``tool_transcript``), which the tool model's warm start
-    learns the tool's format from. Distinct problems, drawn with ``seed``."""
+    ``transcript``, the answer the tool model's warm start learns from. A share ``tool_share`` of the rows (all by
+    default) answer by calling the tool (``tool_transcript``); the others state the product outright, as a model
+    that never learned the tool would, so a model warm-started on them rarely calls it and has to learn to.
+    Distinct problems, drawn with ``seed``; the share does not change which problems or splits they are."""
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"tool_share must be within [0, 1], got {tool_share}")
     rng = random.Random(seed)
     pairs: set[tuple[int, int]] = set()
     while len(pairs) < n_eval + n_dev + n_train:
         pairs.add((rng.randint(100, 999), rng.randint(10, 99)))
+    calls = random.Random(f"{seed}-tool-share")  # its own draws: the problems and splits stay the share-1 ones
     problems = [
-        {"id": f"mul-{a}-{b}", "prompt": f"{a}*{b}=", "answer": str(a * b), "transcript": tool_transcript(a, b)}
+        {
+            "id": f"mul-{a}-{b}",
+            "prompt": f"{a}*{b}=",
+            "answer": str(a * b),
+            "transcript": tool_transcript(a, b) if calls.random() < tool_share else str(a * b),
+        }
         for a, b in sorted(pairs)
     ]
     rng.shuffle(problems)

@@ -196,10 +196,11 @@ def _warm_start(
     return step, dev_accuracy
 
 
-def _build_settings(seed: int, target_accuracy: float, max_steps: int, task: str) -> dict:
+def _build_settings(seed: int, target_accuracy: float, max_steps: int, task: str, tool_share: float = 1.0) -> dict:
     """Everything that determines the built weights; a folder is reused only if these match."""
     return {
         **({"task": task} if task != "arithmetic" else {}),  # the arithmetic model's markers predate tasks
+        **({"tool_share": tool_share} if tool_share != 1.0 else {}),  # so do the all-tool model's
         "seed": seed,
         "target_accuracy": target_accuracy,
         "max_steps": max_steps,
@@ -229,6 +230,7 @@ def build_tiny_model(
     target_accuracy: float = 0.4,
     max_steps: int = DEFAULT_MAX_STEPS,
     task: str = "arithmetic",
+    tool_share: float = 1.0,
 ) -> dict:
     """Write a warm-started tiny Qwen2 model and its tokenizer to ``out_dir``.
 
@@ -243,10 +245,11 @@ def build_tiny_model(
     ``seconds`` and ``reused``.
 
     ``task="tool-arith"``: the rows' ``transcript`` (a calculator call, its result, the answer) is what the model
-    learns, with the calculator's tags in its vocabulary (see ``make_tool_arith_dataset``).
+    learns, with the calculator's tags in its vocabulary (see ``make_tool_arith_dataset``); ``tool_share`` is the
+    share of those transcripts that call the tool, as the dataset in ``data_dir`` was written with it.
     """
     out_dir, data_dir = Path(out_dir), Path(data_dir)
-    settings = _build_settings(seed, target_accuracy, max_steps, task)
+    settings = _build_settings(seed, target_accuracy, max_steps, task, tool_share)
     summary = _reusable_summary(out_dir, settings)
     if summary is not None:
         return {**summary, "reused": True}
@@ -303,6 +306,13 @@ def main(argv: list[str] | None = None) -> None:
         help="word-problems writes only the chat-form dataset: the character-level model cannot read a chat; "
         "tool-arith: multiplications and a model warm-started on calculator transcripts (examples/tool-arith.yaml)",
     )
+    parser.add_argument(
+        "--tool-share",
+        type=float,
+        default=1.0,
+        help="tool-arith: the share of warm-start transcripts that call the calculator (the others state the "
+        "product outright); below about 0.2 the model rarely calls it at first and has to learn to",
+    )
     args = parser.parse_args(argv)
 
     if args.task == "word-problems":
@@ -312,9 +322,15 @@ def main(argv: list[str] | None = None) -> None:
     if args.out is None:
         parser.error(f"--out is required with --task {args.task}")
     if args.task == "tool-arith":
-        make_tool_arith_dataset(args.data, seed=args.seed)
+        make_tool_arith_dataset(args.data, seed=args.seed, tool_share=args.tool_share)
         summary = build_tiny_model(
-            args.out, args.data, seed=args.seed, target_accuracy=1.0, max_steps=TOOL_WARM_START_STEPS, task=args.task
+            args.out,
+            args.data,
+            seed=args.seed,
+            target_accuracy=1.0,
+            max_steps=TOOL_WARM_START_STEPS,
+            task=args.task,
+            tool_share=args.tool_share,
         )
         print(json.dumps(summary))
         return
