@@ -5,12 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import mmap
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -76,10 +76,13 @@ def test_a_cpu_sampler_reports_only_this_process_rss_and_follows_it():
     before = sampler.row()
     assert list(before) == ["memory/host_rss_gb"]
     assert abs(before["memory/host_rss_gb"] * GIB - host_rss_bytes()) < 64 * 2**20
-    block = np.ones(256 * 2**20, dtype=np.uint8)  # written, so resident
+    # A mapping of its own: a heap block could reuse pages an earlier test in this worker freed, resident already.
+    block = mmap.mmap(-1, 256 * 2**20)
+    for offset in range(0, len(block), mmap.PAGESIZE):
+        block[offset] = 1  # written, so resident
     grown = sampler.row()["memory/host_rss_gb"] - before["memory/host_rss_gb"]
     assert 0.2 < grown < 0.5, grown
-    del block
+    block.close()
 
 
 def test_every_hardware_key_is_a_trainer_gauge_with_a_valid_unique_prometheus_name():

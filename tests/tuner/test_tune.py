@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from services.common.config import load_config
 from services.common.observe.usage import USAGE_FILE, run_quantities
@@ -24,6 +23,7 @@ from services.tuner.records import TrialRecord, records
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
 from tests.conftest import ROOT, write_config
+from tests.tuner.test_tune_file import tune_file as any_tune_file
 
 pytestmark = pytest.mark.integration
 
@@ -42,19 +42,13 @@ def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
 
 
 def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
-    data = {
-        "study": "s",
-        "base_config": str(base),
-        "workdir": str(tmp_path / "tune"),
-        "space": {"train.learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
+    """A tune file whose trials run: two steps each, scored on the final evaluation, none pruned."""
+    runnable = {
         "objective": {"metric": "eval_accuracy", "reduce": "final", "direction": "maximize"},
         "pruner": {"kind": "none"},
         "trial": {"max_steps": 2, "max_wall_s": 300, "stop_grace_s": 10, "poll_s": 0.2},
-        **fields,
     }
-    path = tmp_path / "tune.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return any_tune_file(tmp_path, base, **{**runnable, **fields})
 
 
 def study_records(path: Path) -> list[TrialRecord]:
