@@ -9,6 +9,7 @@ import typer
 from services.cli.admin import register as register_operator_commands
 from services.cli.verify_commands import register as register_verify_commands
 from services.common.config import ConfigError
+from services.common.model.tasks import TOOL_SHARE
 from services.tuner.cli import register as register_tune_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
@@ -322,9 +323,12 @@ def build_tiny(
         "multiplications and a tiny model warm-started on calculator transcripts (examples/tool-arith.yaml)",
     ),
     tool_share: float = typer.Option(
-        1.0,
+        TOOL_SHARE,
         help="tool-arith: the share of warm-start transcripts that call the calculator, the others stating the "
-        "product outright (0.1: a model that has to learn to call it, docs/agents.md)",
+        "product outright (1.0: a model that calls it from the start; docs/agents.md)",
+    ),
+    max_steps: int | None = typer.Option(
+        None, help="warm-start steps (arithmetic: at most, default 1500; tool-arith: exactly, default 800)"
     ),
 ) -> None:
     """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, a word-problem dataset, or
@@ -332,7 +336,7 @@ def build_tiny(
     from services.common.model.tiny_model import main as build
 
     options = ["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task]
-    build([*options, "--tool-share", str(tool_share)])
+    build([*options, "--tool-share", str(tool_share), *(["--max-steps", str(max_steps)] if max_steps else [])])
 
 
 @app.command("build-reward-model")

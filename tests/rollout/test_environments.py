@@ -157,7 +157,7 @@ def test_a_multi_turn_run_whose_held_out_episodes_no_rule_could_score_is_refused
 
 
 def test_the_tool_arith_rows_hold_transcripts_whose_calls_the_calculator_answers_as_written(tmp_path):
-    paths = make_tool_arith_dataset(tmp_path, seed=1, n_eval=5, n_dev=5, n_train=40)
+    paths = make_tool_arith_dataset(tmp_path, seed=1, n_eval=5, n_dev=5, n_train=40, tool_share=1.0)
     rows = [row for split in ("train", "dev", "eval") for row in load_jsonl(paths[split])]
     assert (len(rows), len({row["prompt"] for row in rows})) == (50, 50)
     for row in rows:
@@ -169,7 +169,7 @@ def test_the_tool_arith_rows_hold_transcripts_whose_calls_the_calculator_answers
 
 
 def test_a_tool_share_keeps_the_problems_and_splits_and_states_the_other_answers_outright(tmp_path):
-    every = make_tool_arith_dataset(tmp_path / "every", seed=1, n_eval=5, n_dev=5, n_train=400)
+    every = make_tool_arith_dataset(tmp_path / "every", seed=1, n_eval=5, n_dev=5, n_train=400, tool_share=1.0)
     some = make_tool_arith_dataset(tmp_path / "some", seed=1, n_eval=5, n_dev=5, n_train=400, tool_share=0.25)
     for split in ("train", "dev", "eval"):
         pairs = zip(load_jsonl(every[split]), load_jsonl(some[split]), strict=True)

@@ -55,15 +55,27 @@ def tool_transcript(a: int, b: int) -> str:
     return f"<calc>{a}*{b}</calc><result>{a * b}</result>{a * b}"
 
 
+# The share of the tool task's warm-start transcripts that call the calculator. At 1.0 the warm-started model calls
+# it greedily from the start (held-out 1.0 before any RL, nothing left to learn); at 0.1 it learns the call's format
+# too poorly to get a result right; at 0.25 it calls it on 13% of held-out problems under greedy decoding and on a
+# quarter of its samples, enough signal for GRPO to learn to call it (docs/agents.md, "A model that has to learn").
+TOOL_SHARE = 0.25
+
+
 def make_tool_arith_dataset(
-    out_dir: Path, seed: int = 0, n_eval: int = 200, n_dev: int = 32, n_train: int = 4000, tool_share: float = 1.0
+    out_dir: Path,
+    seed: int = 0,
+    n_eval: int = 200,
+    n_dev: int = 32,
+    n_train: int = 4000,
+    tool_share: float = TOOL_SHARE,
 ) -> dict[str, Path]:
     """Write 3-digit by 2-digit multiplications (``123*45=`` -> ``5535``) as train/dev/eval JSONL splits.
 
     Too hard for the tiny model to compute, easy with the calculator environment: each row also carries
-    ``transcript``, the answer the tool model's warm start learns from. A share ``tool_share`` of the rows (all by
-    default) answer by calling the tool (``tool_transcript``); the others state the product outright, as a model
-    that never learned the tool would, so a model warm-started on them rarely calls it and has to learn to.
+    ``transcript``, the answer the tool model's warm start learns from. A share ``tool_share`` of the rows answer by
+    calling the tool (``tool_transcript``); the others state the product outright, as a model that never learned
+    the tool would, so a model warm-started on them seldom calls it and has to learn to (``TOOL_SHARE``).
     Distinct problems, drawn with ``seed``; the share does not change which problems or splits they are."""
     if not 0.0 <= tool_share <= 1.0:
         raise ValueError(f"tool_share must be within [0, 1], got {tool_share}")

@@ -27,7 +27,12 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2T
 
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
-from services.common.model.tasks import make_arithmetic_dataset, make_tool_arith_dataset, make_word_problem_dataset
+from services.common.model.tasks import (
+    TOOL_SHARE,
+    make_arithmetic_dataset,
+    make_tool_arith_dataset,
+    make_word_problem_dataset,
+)
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -37,8 +42,9 @@ MAX_POSITIONS = 64
 TOOL_ALPHABET = ALPHABET + "<>/"
 TOOL_MAX_POSITIONS = 96
 # Its warm start learns the tool's format, not the products (dev accuracy on whole transcripts stays near 0), so it
-# runs a fixed number of steps.
-TOOL_WARM_START_STEPS = 400
+# runs a fixed number of steps: 800 at TOOL_SHARE, where a quarter of the transcripts teach the format (400 did with
+# every transcript calling the tool).
+TOOL_WARM_START_STEPS = 800
 
 # Tuned on 2 shared CPU cores: dev accuracy climbs through 30-60% around step
 # 300 (about 30 s), gradually enough for a 10-step check to stop near the target.
@@ -196,11 +202,11 @@ def _warm_start(
     return step, dev_accuracy
 
 
-def _build_settings(seed: int, target_accuracy: float, max_steps: int, task: str, tool_share: float = 1.0) -> dict:
+def _build_settings(seed: int, target_accuracy: float, max_steps: int, task: str, tool_share: float) -> dict:
     """Everything that determines the built weights; a folder is reused only if these match."""
     return {
         **({"task": task} if task != "arithmetic" else {}),  # the arithmetic model's markers predate tasks
-        **({"tool_share": tool_share} if tool_share != 1.0 else {}),  # so do the all-tool model's
+        **({"tool_share": tool_share} if task == "tool-arith" else {}),
         "seed": seed,
         "target_accuracy": target_accuracy,
         "max_steps": max_steps,
@@ -230,7 +236,7 @@ def build_tiny_model(
     target_accuracy: float = 0.4,
     max_steps: int = DEFAULT_MAX_STEPS,
     task: str = "arithmetic",
-    tool_share: float = 1.0,
+    tool_share: float = TOOL_SHARE,
 ) -> dict:
     """Write a warm-started tiny Qwen2 model and its tokenizer to ``out_dir``.
 
@@ -298,7 +304,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data", type=Path, required=True, help="folder for the JSONL splits")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--target-accuracy", type=float, default=0.4)
-    parser.add_argument("--max-steps", type=int, default=DEFAULT_MAX_STEPS)
+    parser.add_argument(
+        "--max-steps",
+        type=int,
+        help=f"warm-start steps at most (default {DEFAULT_MAX_STEPS}; tool-arith: exactly, default "
+        f"{TOOL_WARM_START_STEPS})",
+    )
     parser.add_argument(
         "--task",
         choices=("arithmetic", "word-problems", "tool-arith"),
@@ -309,9 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--tool-share",
         type=float,
-        default=1.0,
+        default=TOOL_SHARE,
         help="tool-arith: the share of warm-start transcripts that call the calculator (the others state the "
-        "product outright); below about 0.2 the model rarely calls it at first and has to learn to",
+        f"product outright; default {TOOL_SHARE}: a model that seldom calls it at first and has to learn to)",
     )
     args = parser.parse_args(argv)
 
@@ -328,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
             args.data,
             seed=args.seed,
             target_accuracy=1.0,
-            max_steps=TOOL_WARM_START_STEPS,
+            max_steps=args.max_steps or TOOL_WARM_START_STEPS,
             task=args.task,
             tool_share=args.tool_share,
         )
@@ -340,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
         args.data,
         seed=args.seed,
         target_accuracy=args.target_accuracy,
-        max_steps=args.max_steps,
+        max_steps=args.max_steps or DEFAULT_MAX_STEPS,
     )
     print(json.dumps(summary))
 
