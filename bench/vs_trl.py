@@ -54,6 +54,8 @@ import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from bench.pipeline_run import cpu_busy_fraction, cpu_model, run_pipeline
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
 TRL_VENV = OUT / "trl-venv"
@@ -144,30 +146,6 @@ class Result:
             ),
             "threads": self.threads,
         }
-
-
-# --- the machine -----------------------------------------------------------------------------------
-
-
-def cpu_busy_fraction(seconds: float) -> float:
-    """The fraction of all cores' time spent busy (not idle or waiting on I/O) over ``seconds``, from /proc/stat."""
-
-    def totals() -> tuple[int, int]:
-        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-        idle = fields[3] + fields[4]  # idle + iowait
-        return sum(fields), idle
-
-    total_a, idle_a = totals()
-    time.sleep(seconds)
-    total_b, idle_b = totals()
-    return 1.0 - (idle_b - idle_a) / max(total_b - total_a, 1)
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown"
 
 
 def write_doc_section(doc: Path, task: str, body: str) -> None:
@@ -309,8 +287,6 @@ def rlpipe_config(task: Task, runs_dir: Path) -> dict:
 
 def run_rlpipe(task: Task) -> Result:
     import yaml
-
-    from bench.throughput import run_pipeline
 
     runs_dir = OUT / "runs"
     config = OUT / f"vs_trl-{task.name}-rlpipe.yaml"

@@ -3,9 +3,9 @@
 Starts a local NATS server with JetStream in the run directory (services/cli/run_broker.py), then one OS process
 per service (services/cli/children.py), all at once (the others wait for the streams the trainer creates; a
 rollout reads the trainer's port from its presence entry), each waited on until its presence entry says it is
-ready (services/cli/run_watch.py); runs/<run>/startup.jsonl records when each was ready, and the first step, in
-seconds after the launch. Shows a progress bar over training steps, read from the metrics file, until
-``events.jsonl`` records the trainer's ``done``.
+ready (services/cli/run_watch.py); runs/<run>/startup.jsonl (services/cli/run_files.py) records when each was
+ready, and the first step, in seconds after the launch. Shows a progress bar over training steps, read from the
+metrics file, until ``events.jsonl`` records the trainer's ``done``.
 
 A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
@@ -17,7 +17,6 @@ run stops, prints the service's reason and exits 2. On stop each service gets it
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import signal
@@ -41,6 +40,7 @@ from services.cli.children import (
     trainer_env,
 )
 from services.cli.run_broker import RunBroker
+from services.cli.run_files import StartupRecord, write_run_file
 from services.cli.run_watch import PresenceWatch, RunRecord
 from services.cli.warm_start import WarmProcess, WarmStarter, WarmStartError, preload_modules
 from services.common.config import (
@@ -48,7 +48,6 @@ from services.common.config import (
     RunConfig,
     WeightSyncCredentials,
 )
-from services.common.files import write_atomically
 from services.common.observe.events import Event, EventLog
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.service import EXIT_REFUSED
@@ -73,10 +72,7 @@ class Launcher:
         self.children: list[Child] = []
         self.broker: RunBroker | None = None
         self.env: dict[str, str] = {}
-        # component (nats, each service, "first step") -> seconds after the launch it was ready; startup.jsonl
-        self.startup: dict[str, float] = {}
-        self.launched = time.perf_counter()
-        self.launched_at = time.time()
+        self.startup = StartupRecord(self.run_dir, launched_at=time.time())
         self.restart_policy = RestartPolicy(cfg.supervision)
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
@@ -198,42 +194,14 @@ class Launcher:
         return next(c for c in self.children if c.name == name)
 
     def write_run_file(self) -> None:
-        """runs/<run>/run.json: where things are, for tests and tools (and, later, the admin CLI)."""
-        info = {
-            "run_id": self.cfg.run_id,
-            "nats_url": self.env["RLPIPE_NATS__URL"],
-            "trainer": self.child("trainer").ready["grpc"] if self.child("trainer").ready else None,
-            "admin": self.child("trainer").ready["admin"] if self.child("trainer").ready else None,
-            "pids": {"nats": self.broker.process.pid, **{c.name: c.process.pid for c in self.children}},
-            "restarts": self.restarts,
-            "services": {
-                c.name: {
-                    "role": c.role,
-                    "pid": c.process.pid,
-                    **{k: c.ready[k] for k in ("grpc", "admin", "metrics_url") if c.ready and k in c.ready},
-                }
-                for c in self.children
-            },
-        }
-        # Atomically: the CLI and tests read it while the run goes on.
-        write_atomically(self.run_dir / "run.json", json.dumps(info, indent=2).encode())
-
-    def record_startup(self, name: str, event: dict[str, Any]) -> None:
-        """One JSON line per component in runs/<run>/startup.jsonl: what it loaded, and when it was ready, in
-        seconds after the launch (the phases of a start-up: every service, then the first step)."""
-        # The replica's own clock where it says when it was ready; else the moment this launcher learned it.
-        ready_at = event.get("ready_at")
-        after = (
-            ready_at - self.launched_at if isinstance(ready_at, (int, float)) else time.perf_counter() - self.launched
+        write_run_file(
+            self.run_dir,
+            self.cfg.run_id,
+            self.env["RLPIPE_NATS__URL"],
+            self.broker.process.pid,
+            self.children,
+            self.restarts,
         )
-        self.startup[name] = round(after, 3)
-        row = {
-            "component": name,
-            "ready_after_s": self.startup[name],
-            **{k: v for k, v in event.items() if k not in ("level", "event")},
-        }
-        with (self.run_dir / "startup.jsonl").open("a") as out:
-            out.write(json.dumps(row) + "\n")
 
     def wait_ready(self, children: list[Child]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -280,7 +248,7 @@ class Launcher:
         endpoints = {name: getattr(entry, name) for name in ("grpc", "admin", "metrics_url") if getattr(entry, name)}
         child.ready = {**entry.startup, **endpoints}
         if child.name not in self.startup:
-            self.record_startup(child.name, child.ready)
+            self.startup.record(child.name, child.ready)
         return True
 
     def log_run_events(self, out: Console) -> None:
@@ -298,7 +266,7 @@ class Launcher:
         self.broker = RunBroker(self.cfg, self.nats_keys)
         nats_url = self.broker.start()
         self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
-        self.record_startup("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
+        self.startup.record("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
             console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
@@ -358,7 +326,7 @@ class Launcher:
                 steps, evaluations = self.record.new_steps()
                 for row in steps:
                     if "first step" not in self.startup:
-                        self.record_startup("first step", {"step": row["step"]})
+                        self.startup.record("first step", {"step": row["step"]})
                     info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
                     progress.update(task, completed=row["step"], info=info)
                 for row in evaluations:

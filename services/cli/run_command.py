@@ -159,7 +159,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
     cost = run_cost(cfg, done, launcher.usage)
     report = write_reports(cfg)
     console.log(archive_and_describe(cfg))
-    console.print(summarize(cfg, done, launcher.startup, wall_s, cost))
+    console.print(summarize(cfg, done, launcher.startup.ready_after_s, wall_s, cost))
     console.log(f"metrics: {cfg.metrics_file}  report: {report}  logs: {cfg.run_dir / 'logs'}")
     if failed:
         console.log(f"[red]services failed:[/] {failed}")

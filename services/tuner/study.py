@@ -35,6 +35,7 @@ from rich.console import Console
 
 from services.common.config import RunConfig
 from services.tuner import records
+from services.tuner.budget import StudyBudget
 from services.tuner.constraints import constraint_names, constraint_values, feasible
 from services.tuner.procs import GpuMemory, group_cmdlines, kill_group
 from services.tuner.records import FINISHED, TrialEnd, TrialRecord, TrialStart
@@ -107,6 +108,7 @@ class Tuner:
         self.console = console or Console(stderr=True)
         self.storage = open_storage(spec, on_stale=self.on_stale)
         self.study = open_study(spec, self.storage)
+        self.budget = StudyBudget(spec, self.study)
         if worker:
             # Workers seeded alike would all propose the same parameters; Optuna reseeds its parallel jobs so too.
             self.study.sampler.reseed_rng()
@@ -179,50 +181,13 @@ class Tuner:
 
     # -- budget ----------------------------------------------------------------------------------------
 
-    def study_started_at(self) -> float:
-        """When the study's first trial was claimed, by any worker: the start of ``budget.max_wall_s``."""
-        started = self.study.user_attrs.get("started_at")
-        if started is None:
-            started = time.time()
-            self.study.set_user_attr("started_at", started)
-        return float(started)
-
-    def device_hours_spent(self, all_records: list[TrialRecord]) -> float:
-        """Ended trials' device-hours, and what running ones reserved (their deadline times their GPUs)."""
-        spent = 0.0
-        for r in all_records:
-            if r.end is not None:
-                spent += r.end.device_hours
-            elif r.status == "running" and r.start is not None:
-                spent += r.start.reserved_device_hours
-        return spent
-
     def stop_reason(self) -> str:
         """Why no further trial may start (empty while one may); called under the claim lock."""
-        all_records = records.records(self.study)
-        # Every trial claimed, running or ended, by any worker; not enqueued ones still waiting, nor duplicates.
-        counted = sum(1 for r in all_records if r.state != "WAITING" and r.status != "duplicate")
-        b = self.spec.budget
-        if counted >= b.max_trials:
-            return f"budget.max_trials ({b.max_trials}) reached"
-        if b.max_wall_s is not None and time.time() - self.study_started_at() >= b.max_wall_s:
-            return f"budget.max_wall_s ({b.max_wall_s:g}s) reached"
-        if b.max_device_hours is not None and self.device_hours_spent(all_records) >= b.max_device_hours:
-            return f"budget.max_device_hours ({b.max_device_hours:g}) reached"
+        if why := self.budget.spent():
+            return why
         if self.duplicates_in_a_row >= MAX_DUPLICATES_IN_A_ROW:
             return f"the sampler proposed only already-run parameters {MAX_DUPLICATES_IN_A_ROW} times"
         return ""
-
-    def deadline(self, gpus: int) -> tuple[float, str]:
-        """Wall seconds the next trial may run, and which limit that is; called under the claim lock."""
-        options = [(self.spec.trial.max_wall_s, "trial.max_wall_s")]
-        b = self.spec.budget
-        if b.max_wall_s is not None:
-            options.append((b.max_wall_s - (time.time() - self.study_started_at()), "budget.max_wall_s"))
-        if b.max_device_hours is not None:
-            left_h = b.max_device_hours - self.device_hours_spent(records.records(self.study))
-            options.append((left_h * 3600 / max(gpus, 1), "budget.max_device_hours"))
-        return min(options)
 
     # -- the loop --------------------------------------------------------------------------------------
 
@@ -335,7 +300,7 @@ class Tuner:
             f"# trial {trial.number} of study {spec.study}: {params}\n" + yaml.safe_dump(data, sort_keys=False)
         )
         gpus = self.gpus(slot)
-        deadline_s, deadline_reason = self.deadline(gpus)
+        deadline_s, deadline_reason = self.budget.deadline(gpus)
         start = TrialStart(
             run_id=run_id,
             run_dir=str(runs_dir / run_id),

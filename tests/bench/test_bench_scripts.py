@@ -10,14 +10,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from bench.pipeline_run import CpuSampler, where_the_time_went
 from bench.throughput import (
-    CpuSampler,
     Measurement,
     async_sync_pairs,
     bench_bus,
     bus_overhead,
     ratios,
-    where_the_time_went,
 )
 from bench.trl_worker import trl_rows
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config
@@ -179,7 +178,7 @@ def test_the_table_names_the_machine_every_run_and_the_ratios_against_trl_at_its
 
 @pytest.mark.unit
 def test_the_busy_fraction_of_the_cpus_is_read_from_proc_stat_between_zero_and_one():
-    from bench.vs_trl import cpu_busy_fraction
+    from bench.pipeline_run import cpu_busy_fraction
 
     assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
 
