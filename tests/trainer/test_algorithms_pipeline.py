@@ -9,6 +9,10 @@ from tests.conftest import run_pipeline, write_config
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
 
+# GRPO's held-out accuracy is as high after 30 steps as after 60 (docs/testing.md), PPO's nearly so with 5 critic-only
+# steps instead of 10: the second half of a longer run costs as much as the first and proves nothing more.
+HELDOUT_STEPS = 30
+
 
 @pytest.mark.parametrize(
     ("algorithm", "train"),
@@ -83,12 +87,12 @@ def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
         sampling={"group_size": 8, "max_new_tokens": 6},
         train={
             "algorithm": algorithm,
-            "total_steps": 60,
+            "total_steps": HELDOUT_STEPS,
             "batch_size": 64,
             "learning_rate": 1e-4,
             "warmup_steps": 10,
             "kl": {"coef": 0.001},
-            "critic": {"warmup_steps": 10},
+            "critic": {"warmup_steps": 5},
         },
         data={"eval_every_steps": 0, "eval_size": 500},
         checkpoint={"save_every_steps": 0},
@@ -98,8 +102,11 @@ def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     evals = [r for r in rows if "eval_accuracy" in r]
     # Once before the first step and once after the last (docs/testing.md: every eval is all 500 held-out rows).
-    assert [r["step"] for r in evals] == [0, 60]
+    assert [r["step"] for r in evals] == [0, HELDOUT_STEPS]
     before, after = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
     assert after >= before + 0.05, (before, after)
     if algorithm == "ppo":
-        assert max(r["explained_variance"] for r in rows if "explained_variance" in r) > 0
+        # The critic learns: over the last ten steps its values explain some of the returns' variance (small on this
+        # model, 0.002 here, but a critic that learned nothing scatters around 0 and fails half the time).
+        explained = [r["explained_variance"] for r in rows if "explained_variance" in r]
+        assert sum(explained[-10:]) / 10 > 0, explained
