@@ -3,7 +3,8 @@
 # one policy per kind of role (deploy/minio/*.json) and one user per role with the key secrets-init made into
 # that role's folder of the `secrets` volume (<role>/env/RLPIPE_S3_ACCESS_KEY, RLPIPE_S3_SECRET_KEY), so no
 # rlpipe service holds MinIO's root user:
-#   trainer                       trainer.json   checkpoints, claims and fences under rlpipe/checkpoints/
+#   trainer                       trainer.json   checkpoints, claims and fences under rlpipe/checkpoints/, and
+#                                                the checkpoint mirror under rlpipe-mirror/checkpoints/
 #   rollout, reward, reference    stage.json     claim-checked bodies only (rlpipe/checkpoints/<run>/claims/)
 #   operator                      operator.json  reads checkpoints (rlpipe checkpoint verify, report)
 # The bucket's lifecycle rules (deploy/minio/lifecycle.json, imported whole, replacing any before): work-queue
@@ -18,6 +19,7 @@ secrets=$1
 policies=$2
 mc alias set rlpipe http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"
 mc mb --ignore-existing rlpipe/rlpipe
+mc mb --ignore-existing rlpipe/rlpipe-mirror  # checkpoint.mirror_url of deploy/config/prod.yaml
 mc ilm rule import rlpipe/rlpipe <"$policies/lifecycle.json"
 for policy in trainer stage operator; do
     mc admin policy create rlpipe "rlpipe-$policy" "$policies/$policy.json"

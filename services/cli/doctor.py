@@ -26,6 +26,7 @@ from services.cli.doctor_broker import embedded_broker_rows, nats_rows
 from services.cli.doctor_gpu import gpu_rows
 from services.cli.doctor_weightsync import weight_sync_rows
 from services.cli.plan import gpus_at_hand, sizing_row
+from services.cli.verify_health import probe_remote, remote_services
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.model.sizing import read_host_memory
 from services.common.observe.hardware import gpu_facts
@@ -208,6 +209,21 @@ def check_disk(cfg: RunConfig) -> CheckResult:
     return CheckResult("disk", "ok" if enough else "fail", detail)
 
 
+def remote_rows(cfg: RunConfig) -> list[CheckResult]:
+    """Whether each remote service the config names (``reward.http``, ``rollout.environment_url``) accepts a
+    connection from here: a reward or environment service out of reach holds every group until it answers."""
+    named = remote_services(cfg)
+    if not named:
+        return [CheckResult("remote services", "skip", "the config names no remote reward or environment service")]
+    rows = []
+    for label, url in named.items():
+        why = probe_remote(url)
+        rows.append(
+            CheckResult("remote services", "ok" if why is None else "fail", f"{label} {url}: {why or 'reachable'}")
+        )
+    return rows
+
+
 def _doctor_checks(embedded: bool) -> list[Check]:
     ports_of = "run" if embedded else "doctor"
     return [
@@ -223,6 +239,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
         Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=embedded)]),
         Check("weight-sync token", ("weight_sync", "service"), lambda cfg: weight_sync_rows(cfg, embedded)),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
+        Check("remote services", ("reward", "rollout"), remote_rows),
         Check(
             "sizing",
             ("model", "train", "sampling", "rollout", "reference", "trainer"),

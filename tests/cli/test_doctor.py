@@ -151,6 +151,19 @@ def test_s3_storage_probe(s3_env):
     assert result.status == "fail" and result.detail.startswith("s3://doctor/ckpt: write failed:")
 
 
+def test_a_remote_reward_out_of_reach_fails_naming_its_url_and_one_that_answers_passes(tiny_model, tmp_path, nats_url):
+    with socket.create_server(("127.0.0.1", 0)) as listening:
+        up = f"http://127.0.0.1:{listening.getsockname()[1]}/score"
+        done = doctor(config_for(tmp_path, tiny_model, nats_url, reward={"http": {"url": up}}))
+    assert done.returncode == 0, done.stdout
+    assert f"reward.http.url {up}: reachable" in done.stdout
+    down = f"http://127.0.0.1:{free_port()}/score"
+    done = doctor(config_for(tmp_path, tiny_model, nats_url, reward={"http": {"url": down}}))
+    assert done.returncode == 1
+    assert f"FAIL remote services: reward.http.url {down}: 127.0.0.1:" in done.stdout
+    assert "rlpipe doctor: 1 failed: remote services" in done.stdout
+
+
 def test_nats_down_fails_naming_it(tiny_model, tmp_path):
     url = f"nats://127.0.0.1:{free_port()}"
     done = doctor(config_for(tmp_path, tiny_model, url))

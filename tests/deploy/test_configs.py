@@ -46,6 +46,7 @@ ALLOWED = {
     "checkpoint.save_every_steps",
     "checkpoint.keep_last",
     "checkpoint.s3_secure",
+    "checkpoint.mirror_url",
     "service.log_level",
     "alerts.webhook_url",
 }
@@ -130,6 +131,14 @@ def test_production_broker_is_durable(tiny_model, clean_env):
     cfg = load_with_test_model(DEPLOY / "config" / "prod.yaml", tiny_model)
     assert cfg.nats.storage == "file"
     assert cfg.nats.sync_always is True
+
+
+def test_production_mirrors_every_checkpoint_into_another_bucket(tiny_model, clean_env):
+    clean_env.setenv("RLPIPE_ENV", "prod")
+    cfg = load_with_test_model(DEPLOY / "config" / "prod.yaml", tiny_model)
+    store_bucket = cfg.checkpoint.store_url.removeprefix("s3://").partition("/")[0]
+    mirror_bucket = cfg.checkpoint.mirror_url.removeprefix("s3://").partition("/")[0]
+    assert cfg.checkpoint.mirror_url.startswith("s3://") and mirror_bucket != store_bucket
 
 
 @pytest.mark.unit

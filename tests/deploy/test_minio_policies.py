@@ -79,6 +79,24 @@ def test_the_trainer_owns_checkpoints_and_claims_under_the_store_prefix_only():
         assert not allowed("trainer", action), action
 
 
+def test_the_trainer_writes_the_production_checkpoint_mirror_and_stages_do_not():
+    mirror = load_yaml(DEPLOY / "config" / "prod.yaml")["checkpoint"]["mirror_url"]
+    bucket, _, prefix = mirror.removeprefix("s3://").partition("/")
+    key = f"arn:aws:s3:::{bucket}/{prefix}/{CHECKPOINT}"
+
+    def grants(policy: str, action: str, resource: str) -> bool:
+        return any(
+            any(fnmatchcase(action, a) for a in statement["Action"])
+            and any(fnmatchcase(resource, r) for r in statement["Resource"])
+            for statement in json.loads((DEPLOY / "minio" / f"{policy}.json").read_text())["Statement"]
+        )
+
+    for action in ("s3:PutObject", "s3:GetObject", "s3:DeleteObject"):
+        assert grants("trainer", action, key), action
+        assert not grants("stage", action, key), action
+    assert grants("trainer", "s3:ListBucket", f"arn:aws:s3:::{bucket}")
+
+
 def test_the_operator_reads_checkpoints_and_writes_nothing():
     assert allowed("operator", "s3:GetObject", MANIFEST)
     assert allowed("operator", "s3:ListBucket", list_prefix=f"{RUN}/")
