@@ -311,10 +311,23 @@ def data_sample(
         raise typer.Exit(2) from None
 
 
+# Where each task's build goes unless told otherwise: the paths its example config reads (examples/arith-grpo.yaml,
+# smol-arith.yaml, tool-arith.yaml), so that no task's build overwrites another's. word-problems writes no model.
+BUILD_TINY_PATHS: dict[str, tuple[Path | None, Path]] = {
+    "arithmetic": (Path("models/tiny-arith"), Path("data/arith")),
+    "word-problems": (None, Path("data/word-problems")),
+    "tool-arith": (Path("models/tiny-tool-arith"), Path("data/tool-arith")),
+}
+
+
 @app.command("build-tiny")
 def build_tiny(
-    out: Path = typer.Option(Path("models/tiny-arith"), help="model folder to write"),
-    data: Path = typer.Option(Path("data/arith"), help="dataset folder to write"),
+    out: Path | None = typer.Option(
+        None, help="model folder to write (default: models/tiny-arith, or models/tiny-tool-arith for tool-arith)"
+    ),
+    data: Path | None = typer.Option(
+        None, help="dataset folder to write (default: data/arith, data/word-problems or data/tool-arith by task)"
+    ),
     seed: int = typer.Option(0),
     task: str = typer.Option(
         "arithmetic",
@@ -335,8 +348,14 @@ def build_tiny(
     the calculator-tool dataset and model."""
     from services.common.model.tiny_model import main as build
 
-    options = ["--out", str(out), "--data", str(data), "--seed", str(seed), "--task", task]
-    build([*options, "--tool-share", str(tool_share), *(["--max-steps", str(max_steps)] if max_steps else [])])
+    if task not in BUILD_TINY_PATHS:
+        typer.echo(f"rlpipe build-tiny: --task must be one of {', '.join(BUILD_TINY_PATHS)}, not {task!r}", err=True)
+        raise typer.Exit(2)
+    default_out, default_data = BUILD_TINY_PATHS[task]
+    out = out or default_out
+    options = [*(["--out", str(out)] if out else []), "--data", str(data or default_data), "--seed", str(seed)]
+    options += ["--task", task, "--tool-share", str(tool_share)]
+    build([*options, *(["--max-steps", str(max_steps)] if max_steps else [])])
 
 
 @app.command("build-reward-model")

@@ -7,6 +7,7 @@ from fractions import Fraction
 from pathlib import Path
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
 from services.cli.app import app
@@ -15,6 +16,7 @@ from services.common.model.chat import ChatTemplateMissing, prompt_text, render_
 from services.common.model.datasets import load_jsonl, row_problem
 from services.common.model.tasks import WORD_SYSTEM, WORD_TEMPLATES, make_word_problem_dataset
 from services.common.model.tiny_model import build_char_tokenizer
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
 
@@ -111,13 +113,30 @@ def test_word_problems_are_valid_disjoint_reproducible_and_right(tmp_path: Path)
         assert f" {int(a)} " in row["messages"][1]["content"]
 
 
-def test_build_tiny_writes_the_word_problem_variant(tmp_path: Path) -> None:
-    done = CliRunner().invoke(app, ["build-tiny", "--task", "word-problems", "--data", str(tmp_path / "wp")])
+def test_build_tiny_writes_the_word_problem_variant_where_smol_arith_reads_it(tmp_path: Path, monkeypatch) -> None:
+    # No --data: the default is the task's own folder (examples/smol-arith.yaml's), never the arithmetic data.
+    monkeypatch.chdir(tmp_path)
+    done = CliRunner().invoke(app, ["build-tiny", "--task", "word-problems"])
     assert done.exit_code == 0, done.output
-    assert json.loads(done.stdout)["eval"] == str(tmp_path / "wp" / "eval.jsonl")
-    rows = load_jsonl(tmp_path / "wp" / "train.jsonl")
+    assert json.loads(done.stdout)["eval"] == "data/word-problems/eval.jsonl"
+    rows = load_jsonl(tmp_path / "data" / "word-problems" / "train.jsonl")
     assert len(rows) == 4000 and all(row_problem(line(row)) is None for row in rows)
-    assert not (tmp_path / "models").exists()
+    assert not (tmp_path / "models").exists() and not (tmp_path / "data" / "arith").exists()
+
+
+def test_each_build_tiny_task_writes_where_its_example_config_reads(monkeypatch) -> None:
+    import services.common.model.tiny_model as tiny_model
+
+    built = []
+    monkeypatch.setattr(tiny_model, "main", built.append)  # the arguments only: the tool build takes minutes
+    for task, example in (("arithmetic", "arith-grpo.yaml"), ("tool-arith", "tool-arith.yaml")):
+        assert CliRunner().invoke(app, ["build-tiny", "--task", task]).exit_code == 0
+        argv = built.pop()
+        config = yaml.safe_load((ROOT / "examples" / example).read_text())
+        assert argv[argv.index("--out") + 1] == config["model"]["path"], task
+        assert str(Path(argv[argv.index("--data") + 1]) / "train.jsonl") == config["data"]["train_path"], task
+    done = CliRunner().invoke(app, ["build-tiny", "--task", "tool-arithmetic"])
+    assert done.exit_code == 2 and "--task must be one of arithmetic, word-problems, tool-arith" in done.output
 
 
 @pytest.mark.parametrize(
