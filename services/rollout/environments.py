@@ -64,6 +64,22 @@ class StepResult:
     info: Info = field(default_factory=dict)
 
 
+def off_schema(result: StepResult) -> str | None:
+    """Why ``result`` cannot be used (a field of another type, a reward part that is not a finite number), else
+    None: a plugin's StepResult is built by code the rollout does not control, an HTTP answer by another service."""
+    reward_part = result.reward_part
+    if not isinstance(result.observation, str):
+        return f"observation is {type(result.observation).__name__}, not text"
+    if isinstance(reward_part, bool) or not isinstance(reward_part, (int, float)) or not math.isfinite(reward_part):
+        return f"reward_part is {reward_part!r}, not a finite number"
+    for name in ("done", "tool_call", "tool_error"):
+        if not isinstance(getattr(result, name), bool):
+            return f"{name} is {getattr(result, name)!r}, not true or false"
+    if not isinstance(result.info, dict):
+        return f"info is {type(result.info).__name__}, not a mapping"
+    return None
+
+
 class EnvironmentFailed(Exception):
     """One call of an environment failed; ``outcome`` is how its episode ends (env_error or timeout)."""
 

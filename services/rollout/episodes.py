@@ -41,6 +41,7 @@ from services.rollout.environments import (
     Task,
     Turn,
     environment_factory,
+    off_schema,
 )
 from services.rollout.http_environment import HttpEnvironmentClient
 
@@ -96,6 +97,8 @@ class LocalEnvironment:
         result = await self._call(self.environment.step, turn)
         if not isinstance(result, StepResult):
             raise EnvironmentFailed("env_error", f"step returned {type(result).__name__}, not a StepResult")
+        if why := off_schema(result):
+            raise EnvironmentFailed("env_error", f"step returned a StepResult off the schema: {why}")
         return result
 
     async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:

@@ -18,11 +18,11 @@ episode has spent tokens on yet, holds the batch instead: see ``episodes.start_e
 from __future__ import annotations
 
 import json
-import math
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from services.common.config import RolloutConfig
@@ -38,7 +38,7 @@ from services.common.transport.http_dependency import (
     fault_of_status,
     judge_error,
 )
-from services.rollout.environments import EnvironmentFailed, StepResult, Task, Turn
+from services.rollout.environments import EnvironmentFailed, StepResult, Task, Turn, off_schema
 
 R = TypeVar("R")
 
@@ -89,19 +89,17 @@ def parse_reset(answer: dict[str, Any]) -> str:
 
 def parse_step(answer: dict[str, Any]) -> StepResult:
     """A StepResult from a /step answer; ``RequestFailed`` (malformed) when it is off the schema."""
-    observation, reward_part = answer.get("observation", ""), answer.get("reward_part", 0.0)
-    flags = {name: answer.get(name, False) for name in ("done", "tool_call", "tool_error")}
-    info = answer.get("info", {})
-    if (
-        not isinstance(observation, str)
-        or isinstance(reward_part, bool)
-        or not isinstance(reward_part, (int, float))
-        or not math.isfinite(reward_part)
-        or not all(isinstance(flag, bool) for flag in flags.values())
-        or not isinstance(info, dict)
-    ):
+    result = StepResult(
+        observation=answer.get("observation", ""),
+        reward_part=answer.get("reward_part", 0.0),
+        done=answer.get("done", False),
+        tool_call=answer.get("tool_call", False),
+        tool_error=answer.get("tool_error", False),
+        info=answer.get("info", {}),
+    )
+    if off_schema(result):
         raise malformed(f"a /step answer off the schema: {json.dumps(answer)[:200]}")
-    return StepResult(observation=observation, reward_part=float(reward_part), info=info, **flags)
+    return replace(result, reward_part=float(result.reward_part))
 
 
 class HttpEnvironmentClient:

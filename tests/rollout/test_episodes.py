@@ -183,11 +183,23 @@ class ReturnsNonsense(Raises):
         return {"observation": "not a StepResult"}
 
 
+class ReturnsNoObservation(Raises):
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation=None)  # a StepResult whose fields are off the schema
+
+
+class ReturnsNanReward(Raises):
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(observation="<result>2</result>", reward_part=float("nan"))
+
+
 @pytest.mark.parametrize(
     ("environment", "limits", "outcome", "turns"),
     [
         (Raises(), LIMITS, "env_error", 1),
         (ReturnsNonsense(), LIMITS, "env_error", 1),
+        (ReturnsNoObservation(), LIMITS, "env_error", 1),
+        (ReturnsNanReward(), LIMITS, "env_error", 1),
         (Hangs(), LIMITS, "timeout", 1),
         (Floods(), LIMITS, "truncated", 1),
         (NeverDone(), LIMITS, "max_turns", 4),
