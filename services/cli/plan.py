@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from services.common.config import RunConfig, load_config
 from services.common.model.sizing import (
     GIB,
+    LORA_DEFAULT_TARGETS,
     MIB,
     HostMemory,
     Placement,
@@ -54,6 +55,7 @@ def inputs_from_config(cfg: RunConfig) -> SizingInputs:
         rows = max(train.batch_size * group // (train.mini_batches * train.grad_accum_steps), 1)
         tokens = rows * train.max_seq_len
     kv_mib = cfg.rollout.kv_cache_mib
+    lora = cfg.model.lora
     return SizingInputs(
         algorithm=train.algorithm,
         critic=train.critic.kind,
@@ -65,10 +67,10 @@ def inputs_from_config(cfg: RunConfig) -> SizingInputs:
         gradient_checkpointing=train.gradient_checkpointing,
         model_dtype=cfg.model.dtype,
         master_dtype="float32" if train.master_weights == "float32" else cfg.model.dtype,
-        # Hook for LoRA: once model.lora is in the config (branch h-lora), pass lora_rank=cfg.model.lora.r and
-        # lora_targets=tuple(cfg.model.lora.target_modules) when it is set; until then a config plans a full
-        # fine-tune and `rlpipe plan --lora-rank R` sizes adapters on the default targets.
-        lora_rank=None,
+        # A LoRA run trains (and keeps AdamW moments for) its adapters only; `rlpipe plan --lora-rank R` sizes
+        # adapters on the default targets for a model folder or a config without model.lora.
+        lora_rank=lora.r if lora is not None else None,
+        lora_targets=tuple(lora.target_modules) if lora is not None else LORA_DEFAULT_TARGETS,
         kv_cache_bytes=None if kv_mib is None else kv_mib * MIB,
     )
 
@@ -106,9 +108,11 @@ def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResu
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
     try:
         shape = read_model_shape(cfg.model.path)
-    except ValueError as error:  # a config.json this estimate cannot read: the model row judges the folder
+        est = estimate(shape, inputs_from_config(cfg))
+    except ValueError as error:
+        # A config.json this estimate cannot read (the model row judges the folder), or a LoRA target that is no
+        # projection of a decoder layer (the trainer, which sees the model's modules, refuses it by name).
         return CheckResult("sizing", "warn", f"no estimate: {error}")
-    est = estimate(shape, inputs_from_config(cfg))
     if gpus.count:
         layouts = placements(est, gpus.count, gpus.memory)
         fitting = [layout for layout in layouts if layout.fits]

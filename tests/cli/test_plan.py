@@ -76,6 +76,23 @@ def test_a_configured_kv_cache_and_micro_batch_tokens_are_taken_as_set(tmp_path:
     assert (inputs.micro_batch_tokens, inputs.kv_cache_bytes) == (512, 300 * MIB)
 
 
+def test_a_lora_config_plans_its_adapters_not_a_full_fine_tune(config_path: Path) -> None:
+    full = load_config(config_path, train={"algorithm": "grpo"})
+    model = {"path": str(full.model.path), "dtype": "bfloat16"}
+    adapters = {"r": 8, "target_modules": ["q_proj", "v_proj"]}
+    lora = load_config(config_path, train={"algorithm": "grpo"}, model={**model, "lora": adapters})
+    inputs = inputs_from_config(lora)
+    assert (inputs.lora_rank, inputs.lora_targets) == (8, ("q_proj", "v_proj"))
+    shape = read_model_shape(lora.model.path)
+    # 8 x (576 + 576 and 576 + 192) per layer of 30, against all 134.5M parameters (SmolLM2's shape).
+    assert estimate(shape, inputs).trainable_parameters == 8 * (576 + 576 + 576 + 192) * 30
+    assert estimate(shape, inputs_from_config(full)).trainable_parameters > 100_000_000
+    # A target the estimate cannot size is a warning of the doctor's row, never a crash of the doctor.
+    odd = load_config(config_path, model={**model, "lora": {"target_modules": ["lm_head"]}})
+    row = sizing_row(odd, Gpus(0, 0), None)
+    assert row.status == "warn" and "LoRA targets ['lm_head'] are not among a layer's projections" in row.detail
+
+
 def nothing_seen() -> Gpus:
     return Gpus(0, 0)
 
