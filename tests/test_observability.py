@@ -184,6 +184,10 @@ def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_pat
     assert one_value(trainer, "rlpipe_checkpoints_total", outcome="ok") >= 1
     assert one_value(trainer, "rlpipe_checkpoints_total", outcome="failed") == 0
     assert 0 < one_value(trainer, "rlpipe_checkpoint_duration_seconds_sum", outcome="ok") < 600
+    # Every save's snapshot held the loop for a moment, counted when taken: one may still be uploading when scraped.
+    saves = one_value(trainer, "rlpipe_checkpoint_stall_seconds_count")
+    assert saves >= one_value(trainer, "rlpipe_checkpoints_total", outcome="ok") >= 1
+    assert 0 < one_value(trainer, "rlpipe_checkpoint_stall_seconds_sum") < 600
     assert one_value(trainer, "rlpipe_dead_letters_total", role="trainer", edge=EXPERIENCE, reason="undecodable") == 1
 
     # OTLP got the same metrics as the endpoints.

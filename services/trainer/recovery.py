@@ -67,6 +67,7 @@ class Recovery:
         self.progress = progress
         self.weights = weights
         self.journal = journal
+        self.telemetry = telemetry
         self.report = report  # a metrics row about a save: written and judged by the alert rules
         self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
         self.build = BuildInfo().resolved()
@@ -211,7 +212,9 @@ class Recovery:
                 return  # that upload was this very step
         took = Stopwatch()
         ckpt = self.checkpointer.snapshot(config_version, final=wait)
-        self.upload = asyncio.create_task(self._upload(ckpt, stall_s=took()))
+        stall_s = took()
+        self.telemetry.record_checkpoint_stall(stall_s)
+        self.upload = asyncio.create_task(self._upload(ckpt, stall_s=stall_s))
         if wait:
             await self.upload
 

@@ -194,6 +194,7 @@ step = {"step": 7, "entropy": 1.5, "reward_mean": 0.25, "grad_norm": np.float32(
 trainer.record_step({**step, "note": "text"})
 trainer.record_checkpoint(1.2, ok=True)
 trainer.record_checkpoint(0.4, ok=False)
+trainer.record_checkpoint_stall(0.03)
 trainer.record_alert("kl_too_high", "warning")
 from services.common.observe.writer import BackgroundWriter
 closed = BackgroundWriter("metrics", lambda rows: None)
@@ -283,6 +284,7 @@ def test_stage_metrics_scrape_and_one_trace_across_the_bus(tmp_path, nats_url):
     assert one_value(samples, "rlpipe_checkpoints_total", outcome="ok") == 1
     assert one_value(samples, "rlpipe_checkpoints_total", outcome="failed") == 1
     assert one_value(samples, "rlpipe_checkpoint_duration_seconds_sum", outcome="failed") == 0.4
+    assert one_value(samples, "rlpipe_checkpoint_stall_seconds_sum") == 0.03
     assert one_value(samples, "rlpipe_alerts_fired_total", rule="kl_too_high", severity="warning") == 1
     assert one_value(samples, "rlpipe_metrics_dropped_total", writer="metrics") == 2
     [target] = [s for s in samples if s.name == "target_info"]

@@ -41,6 +41,8 @@ trainer (``TrainerMetrics``)
                                                           memory/peak_gb -> rlpipe_trainer_memory_peak_gb
   rlpipe_trainer_nonfinite_metrics_total{metric}          step values left out because they were NaN or infinite
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
+  rlpipe_checkpoint_stall_seconds                         histogram, how long taking a checkpoint's snapshot held
+                                                          the training loop (its upload runs in the background)
   rlpipe_checkpoints_total{outcome}
   rlpipe_alerts_fired_total{rule,severity}
   rlpipe_metrics_dropped_total{writer}                    metrics rows dropped, not written: the background writer's
@@ -296,6 +298,9 @@ class TrainerMetrics:
         self.checkpoint_duration = seconds_histogram(
             "rlpipe_checkpoint_duration", "time to store one checkpoint", SLOW_BUCKETS_S
         )
+        self.checkpoint_stall = seconds_histogram(
+            "rlpipe_checkpoint_stall", "time a checkpoint's snapshot held the training loop", LATENCY_BUCKETS_S
+        )
         self.checkpoints = counter(
             "rlpipe_checkpoints",
             "{checkpoint}",
@@ -329,6 +334,9 @@ class TrainerMetrics:
         outcome = "ok" if ok else "failed"
         self.checkpoint_duration.record(seconds, {"outcome": outcome})
         self.checkpoints.add(1, {"outcome": outcome})
+
+    def record_checkpoint_stall(self, seconds: float) -> None:
+        self.checkpoint_stall.record(seconds)
 
     def record_groups(self, fate: str, count: int) -> None:
         self.groups.add(count, {"fate": fate})
