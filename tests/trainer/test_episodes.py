@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.config import AlertRule
+from services.common.config import AlertRule, default_alert_rules
 from services.common.observe.instruments import AGENT_ROW_KEYS, TRAINER_STEP_KEYS
 from services.common.transport.messages import Completion, Episode, ExperienceGroup
 from services.trainer.alerts import AlertEvaluator
@@ -64,6 +64,26 @@ def test_every_agent_key_is_a_prometheus_gauge_of_the_trainer():
     keys |= {f"agent/outcome/{outcome}" for outcome in OUTCOMES}
     assert set(AGENT_ROW_KEYS) == keys
     assert keys <= set(TRAINER_STEP_KEYS)
+
+
+def test_the_default_rules_alert_when_most_episodes_end_in_environment_errors_for_three_steps():
+    evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=0, now=0.0)
+    healthy = group([episode(2, 1, 0, 0.1, "done")] * 2)
+    failing = group([episode(1, 1, 1, 0.1, "env_error"), episode(1, 1, 1, 0.1, "timeout")] * 2)
+    timing_out = group([episode(1, 1, 0, 5.0, "timeout")] * 2)
+    fired = [
+        [f.rule for f in evaluator.observe({"step": step, **episode_metrics([batch])}, now=float(step))]
+        for step, batch in enumerate([healthy, failing, failing, healthy, *[timing_out] * 3], start=1)
+    ]
+    # Half of them env_error is not over half; three steps of all-timeout are.
+    assert fired == [[], [], [], [], [], [], ["environment_timeouts"]]
+    evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=0, now=0.0)
+    erring = group([episode(1, 1, 1, 0.1, "env_error")] * 2)
+    fired = [
+        [f.rule for f in evaluator.observe({"step": step, **episode_metrics([erring])}, now=float(step))]
+        for step in range(1, 4)
+    ]
+    assert fired == [[], [], ["environment_errors"]]
 
 
 def test_an_alert_rule_on_an_episode_outcome_fires_from_the_step_rows():

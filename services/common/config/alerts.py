@@ -157,6 +157,24 @@ def default_alert_rules() -> list[AlertRule]:
             "severity": "critical",
         },
         {
+            # Most of a multi-turn run's episodes ended because the environment raised or answered off the schema,
+            # for 3 steps: a broken plugin or environment service (its episodes still train, on what they got).
+            # Single-turn runs carry no agent/ keys, and a rule whose metric is absent is not judged.
+            "name": "environment_errors",
+            "metric": "agent/outcome/env_error",
+            "condition": "above",
+            "threshold": 0.5,
+            "window_steps": 3,
+        },
+        {
+            # Most episodes ended waiting on the environment past rollout.environment_timeout_s, for 3 steps.
+            "name": "environment_timeouts",
+            "metric": "agent/outcome/timeout",
+            "condition": "above",
+            "threshold": 0.5,
+            "window_steps": 3,
+        },
+        {
             # Free space on the runs directory (and a file:// store) is less than two saves need.
             "name": "disk_space_low",
             "metric": "disk_free_saves",

@@ -34,6 +34,9 @@ rollout
   rlpipe_weight_sync_duration_seconds                     histogram, pull + load of one policy version
   rlpipe_weight_sync_bytes_total                          bytes of weights pulled
   rlpipe_rollout_policy_version                           gauge, version loaded in the engine
+  rlpipe_rollout_env_http_latency_seconds{outcome}        histogram, one request to an HTTP environment service
+  rlpipe_rollout_env_http_errors_total{kind}              its failed requests, by kind
+  rlpipe_rollout_env_http_breaker_state                   gauge, 0 closed, 1 half-open, 2 open (batches wait)
 trainer (``TrainerMetrics``)
   rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS``
                                                           (rlpipe_trainer_entropy, ...); a "/" in a key
