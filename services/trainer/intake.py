@@ -30,7 +30,7 @@ from services.common.observe.telemetry import span_from_headers
 from services.common.transport.breaker import CircuitBreaker
 from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
-from services.common.transport.messages import DecodeError, ExperienceGroup, dedupe_id
+from services.common.transport.messages import DecodeError, Episode, ExperienceGroup, dedupe_id
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
@@ -44,6 +44,7 @@ from services.common.transport.streams import (
     StreamMessage,
     stream_name,
 )
+from services.trainer.episodes import episodes_of
 from services.trainer.feeder import PromptFeeder
 from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.progress import Progress
@@ -64,6 +65,7 @@ class Collected:
     sequence: int  # the last EXPERIENCE sequence read for this batch
     claim_keys: list[tuple[int, str]] = field(default_factory=list)  # claim-checked bodies read, by sequence
     filtered: list[str] = field(default_factory=list)  # groups without signal, left out by dynamic sampling
+    filtered_episodes: list[Episode] = field(default_factory=list)  # their episodes, for the agent metrics
 
     @property
     def filtered_fraction(self) -> float:
@@ -281,6 +283,7 @@ class Intake:
         batch: list[ExperienceGroup] = []
         dropped: list[str] = []
         filtered: list[str] = []
+        filtered_episodes: list[Episode] = []
         claims: list[tuple[int, str]] = []
         in_batch: set[str] = set()
         sequence = self.progress.applied_seq
@@ -337,6 +340,7 @@ class Intake:
                     continue
                 if cfg.train.dynamic_sampling and without_signal(group):
                     filtered.append(group.group_id)  # the loop reads on: the batch is filled from the stream
+                    filtered_episodes.extend(episodes_of([group]))
                     if len(filtered) == FILTERED_ALERT_BATCHES * cfg.train.batch_size:
                         log_event(
                             log,
@@ -348,7 +352,7 @@ class Intake:
                         )
                     continue
                 batch.append(group)
-        return Collected(batch, dropped, sequence, claims, filtered)
+        return Collected(batch, dropped, sequence, claims, filtered, filtered_episodes)
 
     def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:
         stale = max_staleness is not None and self.progress.version - group.policy_version > max_staleness

@@ -302,7 +302,7 @@ class Trainer:
             **self.dynamic_sampling_row(collected),
             **metrics,
             **reward_part_means(collected.batch),
-            **episode_metrics(collected.batch),
+            **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
             **await self.status.health_row(),

@@ -66,6 +66,16 @@ def test_every_agent_key_is_a_prometheus_gauge_of_the_trainer():
     assert keys <= set(TRAINER_STEP_KEYS)
 
 
+def test_the_episodes_of_groups_dynamic_sampling_left_out_count_in_the_agent_metrics():
+    # A group whose every episode failed scores all alike and is filtered: its failures still show.
+    trained = group([episode(2, 1, 0, 0.1, "done")] * 2)
+    failed = [episode(1, 1, 1, 0.1, "env_error")] * 6
+    row = episode_metrics([trained], failed)
+    assert row["agent/outcome/env_error"] == 6 / 8 and row["agent/outcome/done"] == 2 / 8
+    assert row["agent/turns_mean"] == (2 * 2 + 6 * 1) / 8
+    assert episode_metrics([trained])["agent/outcome/env_error"] == 0.0
+
+
 def test_the_default_rules_alert_when_most_episodes_end_in_environment_errors_for_three_steps():
     evaluator = AlertEvaluator(default_alert_rules(), cooldown_steps=0, now=0.0)
     healthy = group([episode(2, 1, 0, 0.1, "done")] * 2)

@@ -16,6 +16,7 @@ from services.common.model.datasets import load_jsonl
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
+    Episode,
     ExperienceGroup,
     Prompt,
     RolloutGroup,
@@ -526,11 +527,13 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
     asyncio.run(scenario())
 
 
-def rewarded(group_id: str, rewards: list[float]) -> ExperienceGroup:
-    """A group of ``len(rewards)`` completions with those rewards."""
+def rewarded(group_id: str, rewards: list[float], episode: Episode | None = None) -> ExperienceGroup:
+    """A group of ``len(rewards)`` completions with those rewards (each ``episode``, if given)."""
     prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
     ids = np.asarray([5, 2], dtype=np.int32)
-    completion = Completion(text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop")
+    completion = Completion(
+        text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop", episode=episode
+    )
     rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=0, completions=[completion] * len(rewards))
     scored = advance(rollout, ScoredGroup, rewards=np.asarray(rewards, np.float32))
     return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)] * len(rewards))
@@ -548,12 +551,16 @@ def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_s
         await intake.feed(cfg, config_version=0)  # e0-i0..e0-i3 in flight
         # All wrong, all right, a signal, all right again, a signal, and one the next batch takes.
         sent = [[0, 0, 0], [1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 1, 0], [0, 1, 1]]
+        # The first one's episodes all failed in the environment: filtered, they still count in the agent metrics.
+        failed = Episode(turns=1, tool_calls=1, tool_errors=1, env_seconds=0.1, outcome="env_error")
         for n, rewards in enumerate(sent):
-            await bus.publish(EXPERIENCE, rewarded(f"e0-i{n}", rewards), msg_id=f"r-{n}")
+            group = rewarded(f"e0-i{n}", rewards, episode=failed if n == 0 else None)
+            await bus.publish(EXPERIENCE, group, msg_id=f"r-{n}")
 
         collected = await intake.collect(cfg, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e0-i2", "e0-i4"]  # full: batch_size 2
         assert collected.filtered == ["e0-i0", "e0-i1", "e0-i3"]
+        assert [episode.outcome for episode in collected.filtered_episodes] == ["env_error"] * 3
         assert collected.dropped == [] and collected.sequence == 5
         assert collected.filtered_fraction == 3 / 5
         ledger.settle_collected(collected, step=1)
