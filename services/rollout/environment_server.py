@@ -3,7 +3,9 @@
     python -m services.rollout.environment_server --environment calculator --port 8090
 
 Any environment works, a plugin's ``module:Class`` too: one instance per ``episode_id``, made at its reset and
-forgotten when a step answers ``done``. A reference for writing one's own service, and what the tests run against.
+forgotten when a step answers ``done``, or when the client ends the episode itself (a turn or token budget, a
+failure, the model's own end of answer) and POSTs ``/close``. A reference for writing one's own service, and
+what the tests run against.
 """
 
 from __future__ import annotations
@@ -47,6 +49,10 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
                 with self.server.lock:
                     self.server.episodes[episode_id] = environment
                 self.answer(200, {"prompt": prompt})
+            elif self.path == "/close":
+                with self.server.lock:
+                    self.server.episodes.pop(episode_id, None)
+                self.answer(200, {})
             elif self.path == "/step":
                 with self.server.lock:
                     environment = self.server.episodes[episode_id]

@@ -70,6 +70,9 @@ class EpisodeEnvironment(Protocol):
 
     async def step(self, turn: Turn) -> StepResult: ...
 
+    async def close(self) -> None:
+        """The episode is over, however it ended: what the environment holds for it may go. Never raises."""
+
 
 # Plugin environments' calls, apart from asyncio's default pool (a few threads on a small machine): a batch's
 # episodes step at once, and a hung step holds one of these, not a thread the rest of the rollout needs.
@@ -100,6 +103,9 @@ class LocalEnvironment:
         if why := off_schema(result):
             raise EnvironmentFailed("env_error", f"step returned a StepResult off the schema: {why}")
         return result
+
+    async def close(self) -> None:
+        pass  # the plugin instance is the episode's own: it goes with the episode
 
     async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:
         try:
@@ -231,6 +237,9 @@ async def run_episodes(
     finally:  # the engine failed (the batch is held and retried): no step of this batch may outlive it
         for task in stepping:
             task.cancel()
+        # Ended by a budget, a failure or the model rather than by the environment, an episode is still held by an
+        # environment service until it is told.
+        await asyncio.gather(*(episode.environment.close() for episode in episodes))
 
 
 async def _after_turn(

@@ -4,6 +4,7 @@
     POST <url>/step   {"episode_id", "text", "token_ids"}
                       ->  {"observation": "...", "reward_part": 0.0, "done": false, "tool_call": false,
                            "tool_error": false, "info": {}}
+    POST <url>/close  {"episode_id"}  ->  {}   (an episode that ended without the service's done; best effort)
 
 docs/agents.md has the schema. Failure policy: ``services.common.transport.http_dependency``'s, which the remote
 reward shares. No connection, no answer within ``rollout.environment_timeout_s``, a 5xx, 408 or 429, or an answer off
@@ -17,7 +18,9 @@ episode has spent tokens on yet, holds the batch instead: see ``episodes.start_e
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 import urllib.error
 import urllib.request
 import uuid
@@ -41,6 +44,7 @@ from services.common.transport.http_dependency import (
 from services.rollout.environments import EnvironmentFailed, StepResult, Task, Turn, off_schema
 
 R = TypeVar("R")
+log = logging.getLogger(__name__)
 
 BACKOFF_S = 0.25  # before the first retry, doubled for each next one
 MAX_RESPONSE_BYTES = 1 << 20
@@ -142,11 +146,28 @@ class HttpEnvironment:
     def __init__(self, client: HttpEnvironmentClient, episode_id: str):
         self.client = client
         self.episode_id = episode_id
+        self.open = False  # reset and not yet ended by the service itself (a step answered done)
 
     async def reset(self, task: Task) -> str:
         payload = {"episode_id": self.episode_id, "prompt_id": task.prompt_id, "prompt": task.prompt}
-        return await self.client.request("reset", payload | {"answer": task.answer}, parse_reset)
+        prompt = await self.client.request("reset", payload | {"answer": task.answer}, parse_reset)
+        self.open = True
+        return prompt
 
     async def step(self, turn: Turn) -> StepResult:
         payload = {"episode_id": self.episode_id, "text": turn.text, "token_ids": list(turn.token_ids)}
-        return await self.client.request("step", payload, parse_step)
+        result = await self.client.request("step", payload, parse_step)
+        self.open = not result.done  # a service forgets an episode it ended
+        return result
+
+    async def close(self) -> None:
+        """One POST to ``/close`` for an episode that ended without the service's ``done``: not retried, and a
+        failure is only logged (the service loses some memory, not the episode)."""
+        if not self.open:
+            return
+        self.open = False
+        url, payload = f"{self.client.url}/close", {"episode_id": self.episode_id}
+        try:
+            await asyncio.to_thread(_post, url, payload, self.client.timeout_s)
+        except Exception as error:  # best effort: a service that cannot be told now is no reason to fail the batch
+            log.debug("environment close failed", extra={"fields": {"error": repr(error)[:200]}})

@@ -135,6 +135,9 @@ class SlowOnce:
         self.delay_s = 0.0
         return StepResult(observation="<result>1</result>", tool_call=True)
 
+    async def close(self) -> None:
+        pass
+
 
 def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_turns():
     tokenizer = CharTokenizer()

@@ -16,8 +16,10 @@ from services.common.transport.breaker import BreakerState
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
 from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
+from services.rollout.episodes import EpisodeLimits, EpisodeState, run_episodes, start_episodes
 from services.rollout.http_environment import HttpEnvironmentClient
 from tests.conftest import free_port
+from tests.rollout.test_episodes import CharTokenizer, ScriptedEngine
 
 pytestmark = pytest.mark.integration
 
@@ -76,6 +78,30 @@ def test_an_http_environment_runs_an_episode_as_the_local_one_would(server):
     assert call == StepResult(observation="<result>408</result>", tool_call=True)
     assert answer == StepResult(done=True)
     assert server.episodes == {}  # the episode ended: the server forgot it
+
+
+def test_an_episode_the_client_ends_itself_is_closed_on_the_service_and_one_the_service_ended_is_not(server):
+    tokenizer = CharTokenizer()
+    client = client_of(server)
+    # The model calls the tool at every turn: max_turns ends both episodes, the service never says done.
+    engine = ScriptedEngine(["<calc>1+1</calc>"], tokenizer)
+
+    async def episodes() -> list[EpisodeState]:
+        [group] = await start_episodes([TASK], client.episode, 2, tokenizer)
+        assert len(server.episodes) == 2
+        await run_episodes(group, engine.generate, EpisodeLimits(2, 20, 80, 40, 400), tokenizer)
+        return group
+
+    group = asyncio.run(episodes())
+    assert [state.outcome for state in group] == ["max_turns", "max_turns"]
+    assert server.episodes == {}  # each told to /close once
+    requests = server.requests
+    # Ended by the service (done), an episode is not closed again: no request is sent.
+    environment = client.episode()
+    asyncio.run(environment.reset(TASK))
+    asyncio.run(environment.step(Turn("It is 408.", (4,))))
+    asyncio.run(environment.close())
+    assert server.requests == requests + 2 and server.episodes == {}
 
 
 def test_a_slow_environment_ends_the_episode_as_timeout_after_its_retries(server):
