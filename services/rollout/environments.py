@@ -14,16 +14,19 @@ its output in a chat role of its own writes the template's markers into the obse
 from __future__ import annotations
 
 import ast
+import contextlib
 import math
 import operator
+import os
 import re
-import resource
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import BinaryIO, Literal, Protocol
 
 from services.common.registry import ENVIRONMENTS, import_function
 
@@ -188,42 +191,72 @@ class Calculator(ToolEnvironment):
         return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
-# The Python tool's limits: a fresh interpreter per call, killed past them.
+# The Python tool's limits: a fresh interpreter per call, in a folder of its own, killed past them.
 PYTHON_TIMEOUT_S = 5.0
 PYTHON_MEMORY_BYTES = 512 << 20
 PYTHON_OUTPUT_CHARS = 500
+# What the code may write, to its output and to files (RLIMIT_FSIZE): read back whole, so it must stay small.
+PYTHON_WRITE_BYTES = 1 << 20
+PYTHON_OPEN_FILES = 64
 # CPU seconds past the wall clock's limit: a busy single thread meets the wall clock first and is reported as
 # running too long; threads burning several cores at once meet this one first.
 PYTHON_CPU_S = math.ceil(PYTHON_TIMEOUT_S) + 1
-
-
-def _limit_child() -> None:
-    """In the child before it runs the code: cap its address space and CPU time (the wall clock caps the rest)."""
-    resource.setrlimit(resource.RLIMIT_AS, (PYTHON_MEMORY_BYTES, PYTHON_MEMORY_BYTES))
-    resource.setrlimit(resource.RLIMIT_CPU, (PYTHON_CPU_S, PYTHON_CPU_S))
+# Run by the child before the code: its own limits, set from inside (no preexec_fn, which is unsafe in a threaded
+# process such as the rollout), then the code from argv, compiled as "<tool>".
+_PYTHON_BOOT = (
+    "import resource as r, sys\n"
+    f"r.setrlimit(r.RLIMIT_AS, ({PYTHON_MEMORY_BYTES}, {PYTHON_MEMORY_BYTES}))\n"
+    f"r.setrlimit(r.RLIMIT_CPU, ({PYTHON_CPU_S}, {PYTHON_CPU_S}))\n"
+    f"r.setrlimit(r.RLIMIT_FSIZE, ({PYTHON_WRITE_BYTES}, {PYTHON_WRITE_BYTES}))\n"
+    f"r.setrlimit(r.RLIMIT_NOFILE, ({PYTHON_OPEN_FILES}, {PYTHON_OPEN_FILES}))\n"
+    "code = sys.argv.pop(1)\n"
+    "exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__'})\n"
+)
 
 
 def run_python(code: str) -> str:
-    """What ``code`` prints, run in an isolated child interpreter with a time and memory limit; ToolError when it
-    fails (its last error line), runs past PYTHON_TIMEOUT_S or needs more than PYTHON_MEMORY_BYTES."""
-    try:
-        done = subprocess.run(
-            [sys.executable, "-I", "-c", code],
-            capture_output=True,
-            text=True,
-            timeout=PYTHON_TIMEOUT_S,
-            preexec_fn=_limit_child,
-            stdin=subprocess.DEVNULL,
+    """What ``code`` prints, run in an isolated child interpreter (``-I``) in an empty folder of its own, with a
+    time, memory, CPU, write and open-file limit; ToolError when it fails (its last error line), runs past
+    PYTHON_TIMEOUT_S, needs more than PYTHON_MEMORY_BYTES or writes more than PYTHON_WRITE_BYTES. The child leads a
+    process group of its own: at the time limit the whole group is killed, processes it started too. The network
+    is not closed to it (that takes a namespace or a container: docs/agents.md, limits)."""
+    with tempfile.TemporaryDirectory(prefix="rlpipe-python-") as folder:
+        out, err = (open(Path(folder) / name, "w+b") for name in (".stdout", ".stderr"))  # noqa: SIM115
+        with out, err:
+            child = subprocess.Popen(
+                [sys.executable, "-I", "-c", _PYTHON_BOOT, code],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=folder,
+                start_new_session=True,
+            )
+            try:
+                returncode = child.wait(timeout=PYTHON_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                returncode = None
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)  # whatever it started is in its group
+                child.wait()
+            stdout, stderr = (_read_back(stream) for stream in (out, err))
+    if returncode is None:
+        raise ToolError(f"the code ran past {PYTHON_TIMEOUT_S:g}s")
+    if returncode < 0:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), a write past its limit
+        killed = signal.Signals(-returncode).name
+        raise ToolError(
+            f"the code was killed ({killed}): past {PYTHON_CPU_S}s of CPU time, {PYTHON_WRITE_BYTES} bytes written "
+            "or out of memory"
         )
-    except subprocess.TimeoutExpired:
-        raise ToolError(f"the code ran past {PYTHON_TIMEOUT_S:g}s") from None
-    if done.returncode < 0:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL) or out of memory
-        killed = signal.Signals(-done.returncode).name
-        raise ToolError(f"the code was killed ({killed}): past {PYTHON_CPU_S}s of CPU time or out of memory")
-    if done.returncode != 0:
-        lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+    if returncode != 0:
+        lines = stderr.strip().splitlines() or [f"exit status {returncode}"]
         raise ToolError(lines[-1][:PYTHON_OUTPUT_CHARS])
-    return done.stdout.strip()[:PYTHON_OUTPUT_CHARS]
+    return stdout.strip()[:PYTHON_OUTPUT_CHARS]
+
+
+def _read_back(stream: BinaryIO) -> str:
+    stream.seek(0)
+    return stream.read(PYTHON_WRITE_BYTES).decode(errors="replace")
 
 
 class PythonTool(ToolEnvironment):

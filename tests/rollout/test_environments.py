@@ -2,6 +2,7 @@
 Python tools, and rollout.environment's config refused at load naming the field."""
 
 import re
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -87,9 +88,30 @@ def test_the_python_tool_stops_code_that_takes_too_much_memory():
 
 
 @pytest.mark.integration
-def test_the_python_tool_stops_code_that_runs_too_long():
-    result = PythonTool().step(turn("<python>while True: pass</python>"))
+def test_the_python_tool_stops_code_that_runs_too_long_and_every_process_it_started(tmp_path):
+    pid_file = tmp_path / "grandchild.pid"
+    code = (
+        "import subprocess, sys\n"
+        f"child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "while True: pass"
+    )
+    result = PythonTool().step(turn(f"<python>{code}</python>"))
     assert (result.tool_error, result.observation) == (True, "<result>error: the code ran past 5s</result>")
+    grandchild = Path(f"/proc/{pid_file.read_text()}/stat")
+    # Gone, or a zombie waiting for its reaper: not sleeping on.
+    assert not grandchild.exists() or grandchild.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+@pytest.mark.integration
+def test_the_python_tool_stops_code_that_writes_too_much_and_runs_in_a_folder_of_its_own(tmp_path):
+    result = PythonTool().step(turn("<python>print('x' * 3_000_000)</python>"))
+    assert (result.tool_error, result.observation) == (
+        True,
+        "<result>error: OSError: [Errno 27] File too large</result>",
+    )
+    where = PythonTool().step(turn("<python>import os; print(os.getcwd())</python>")).observation
+    assert where.startswith(f"<result>{tempfile.gettempdir()}/rlpipe-python-") and Path.cwd().name not in where
 
 
 def test_a_plugin_environment_is_found_by_its_import_path():
