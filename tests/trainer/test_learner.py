@@ -1,18 +1,20 @@
 """Trainer steps on real tiny-model experience, for every algorithm, without the bus."""
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
+from services.common.config import TrainConfig, load_config
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_tokenizer
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.trainer.batch import Batch, split_by_tokens
 from services.trainer.learner import Learner
+from services.trainer.objective import advantages
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -450,6 +452,56 @@ def test_a_batch_masks_inserted_tokens_and_puts_the_reward_on_the_last_token_the
     assert batch.filled.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]]
     assert batch.token_rewards().tolist() == [[0, 2, 0, 0, 0], [0, 0, 3, 0, 0]]
     assert batch.rollout_logp.tolist() == [[-0.5, -0.5, 0, 0, 0], [-0.5, -0.5, -0.5, 0, 0]]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_with_the_kl_in_the_reward_inserted_tokens_kl_moves_no_advantage(algorithm):
+    """Each token's reward is r_t - coef * KL_t: on the tokens an environment inserted the reference may differ
+    from the policy without bound, and none of that may reach an advantage or a value target."""
+
+    def group(group_id: str, rewards: list[float]) -> ExperienceGroup:
+        mask = np.asarray([1, 1, 0, 0, 1, 1], np.int32)  # a model turn, a tool's result, a model turn
+        completions = [
+            Completion(
+                text="x",
+                token_ids=np.arange(1, 7, dtype=np.int32),
+                logprobs=np.full(6, -0.5, np.float32) * mask,
+                finish_reason="stop",
+                loss_mask=mask,
+            )
+            for _ in rewards
+        ]
+        ref = [np.full(6, -0.7, np.float32) for _ in rewards]
+        return ExperienceGroup(
+            group_id=group_id,
+            prompt_id=group_id,
+            prompt="q",
+            prompt_ids=np.asarray([7], np.int32),
+            policy_version=0,
+            completions=completions,
+            rewards=np.asarray(rewards, np.float32),
+            ref_logprobs=ref,
+        )
+
+    train = TrainConfig(algorithm=algorithm, kl={"coef": 0.5, "in": "reward", "estimator": "k1"})
+    batch = Batch.of([group("a", [1.0, 0.0, 1.0]), group("b", [0.0, 0.0, 1.0])])
+    old_logp = torch.where(batch.mask.bool(), torch.full_like(batch.ref_logp, -0.5), torch.zeros_like(batch.ref_logp))
+    values = torch.linspace(-0.2, 0.3, batch.mask.numel()).reshape(batch.mask.shape) * batch.mask
+    expected = advantages(train, batch, old_logp, values if algorithm == "ppo" else None)
+    inserted = batch.filled.bool() & ~batch.mask.bool()
+    assert int(inserted.sum()) == 2 * 6
+    far = batch.ref_logp.clone()
+    far[inserted] = -30.0  # a reference that finds the tool's output wildly unlikely
+    got = advantages(train, replace(batch, ref_logp=far), old_logp, values if algorithm == "ppo" else None)
+    assert torch.equal(got[0], expected[0])
+    if algorithm == "ppo":
+        assert torch.equal(got[1], expected[1])
+    # The KL of the model's own tokens does count: a reference that differs there moves the advantages.
+    near_model = batch.ref_logp.clone()
+    near_model[batch.mask.bool()] = -5.0
+    moved = advantages(train, replace(batch, ref_logp=near_model), old_logp, values if algorithm == "ppo" else None)
+    assert not torch.equal(moved[0], expected[0])
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
