@@ -147,6 +147,25 @@ def test_heartbeat_must_come_before_the_ack_wait_ends(tmp_path, model_dir, data_
         load_config(path)
 
 
+def test_a_multi_turn_run_that_may_wait_on_its_environment_past_max_work_s_is_refused(tmp_path, model_dir, data_dir):
+    rollout = {"environment_url": "http://envs:8090", "environment_timeout_s": 30, "environment_retries": 2}
+    path = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout=rollout)
+    with pytest.raises(ConfigError, match=r"= 5 x 3 x 30 = 450s, not below nats.max_work_s \(300s\)"):
+        load_config(path, nats={"max_work_s": 300})
+    assert load_config(path, nats={"max_work_s": 451}).rollout.max_turns == 4
+    # A plugin in the rollout's process is tried once per call.
+    local = write_config(
+        tmp_path / "l.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        rollout={"environment": "calculator", "environment_timeout_s": 30},
+    )
+    assert load_config(local, nats={"max_work_s": 151}).rollout.multi_turn
+    with pytest.raises(ConfigError, match=r"= 5 x 1 x 30 = 150s"):
+        load_config(local, nats={"max_work_s": 150})
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("role", ["trainer", "rollout", "reward", "reference"])
 def test_service_refuses_bad_config_at_startup(tmp_path, model_dir, data_dir, role):

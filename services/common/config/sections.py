@@ -120,6 +120,25 @@ class RunConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _episodes_waited_on_within_the_work_limit(self) -> RunConfig:
+        # A batch's episodes may each wait on the environment at its reset and every turn, each call up to its
+        # timeout on every try: a batch that waits past nats.max_work_s is abandoned and, after max_deliver tries,
+        # dead-lettered as a timeout, which would blame the prompts for a slow environment.
+        r = self.rollout
+        if not r.multi_turn:
+            return self
+        tries = r.environment_retries + 1 if r.environment_url else 1
+        waited_s = (r.max_turns + 1) * tries * r.environment_timeout_s
+        if waited_s >= self.nats.max_work_s:
+            raise ValueError(
+                f"an episode may wait on its environment (rollout.max_turns + 1) x tries x "
+                f"rollout.environment_timeout_s = {r.max_turns + 1} x {tries} x {r.environment_timeout_s:g} = "
+                f"{waited_s:g}s, not below nats.max_work_s ({self.nats.max_work_s:g}s): a slow environment would get "
+                "batches dead-lettered as timeouts; raise nats.max_work_s or lower those"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _episodes_evaluated_by_a_rule(self) -> RunConfig:
         # A multi-turn run's held-out episodes are scored by reward.functions (docs/agents.md): with no positive
         # weight no episode could count as right, so the run would report 0 whatever the model does.
