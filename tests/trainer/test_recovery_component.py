@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import json
 import re
+import time
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +18,8 @@ from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
-from services.common.transport.storage import open_store
+from services.common.observe.logs import Stopwatch
+from services.common.transport.storage import FileStore, ObjectStore, open_store
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.trainer.adopter import ResumeRefused
@@ -60,7 +63,14 @@ class ExperienceStream:
 class Harness:
     """One trainer process's recovery and what it touches; a second Harness on the same folder is a restart."""
 
-    def __init__(self, tiny_model, tmp_path, stream: ExperienceStream | None = None, **checkpoint: Any):
+    def __init__(
+        self,
+        tiny_model,
+        tmp_path,
+        stream: ExperienceStream | None = None,
+        store: ObjectStore | None = None,
+        **checkpoint: Any,
+    ):
         model_dir, data_dir = tiny_model
         self.cfg = load_config(
             write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
@@ -70,7 +80,7 @@ class Harness:
         # A file:// store under tmp_path unless the test names one (an S3 endpoint's).
         url = self.cfg.checkpoint_url if "store_url" in checkpoint else (tmp_path / "store").as_uri()
         self.checkpoints = CheckpointStore(
-            open_store(url, self.cfg.checkpoint),
+            store or open_store(url, self.cfg.checkpoint),
             "run",
             keep_last=checkpoint.get("keep_last", 10),
             backoff_s=0.05,  # the store's own retries; the resume's wait is checkpoint.resume_wait_s
@@ -536,6 +546,46 @@ def test_a_rollback_to_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model
         assert run.checkpoints.steps() == [1, 2, 3]  # nothing marked abandoned
         assert run.lineage.text() == lineage_before
         assert run.weights.latest is served_before and run.rewinds == 0
+
+    asyncio.run(scenario())
+
+
+class FarStore(FileStore):
+    """A file store whose every write takes a while, as an object store across a slow link does."""
+
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
+        time.sleep(0.2)
+        super().put(key, data, tags)
+
+
+def test_steps_go_on_while_a_periodic_save_uploads_and_the_save_holds_the_weights_of_its_own_step(tiny_model, tmp_path):
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, store=FarStore(tmp_path / "store"), save_every_steps=1)
+        assert not await run.recovery.start(resume=False)
+        await run.step_and_save(1, ["e0-i1"], final=False)
+        with torch.no_grad():
+            next(run.learner.model.parameters()).add_(1.0)
+        run.progress.step, run.progress.version = 2, 2
+        at_two = first_weights(run.learner)
+        took = Stopwatch()
+        await run.recovery.save(config_version=0)  # periodic: the snapshot only, the upload in the background
+        held_s = took()
+        # The loop is free while the upload (a dozen writes of 0.2 s each) goes on: three more steps change the
+        # weights in the meantime.
+        assert run.recovery.upload is not None and not run.recovery.upload.done()
+        for step in (3, 4, 5):
+            with torch.no_grad():
+                next(run.learner.model.parameters()).add_(1.0)
+            run.progress.step = step
+            await asyncio.sleep(0)
+        assert not run.recovery.upload.done()
+        await run.recovery.wait_for_upload()
+        *_, row = [row for row in run.rows if row.get("checkpoint_saved")]
+        assert row["step"] == 5  # reported once stored, at the step the loop had reached
+        assert held_s < row["checkpoint_time_s"] / 5 and row["checkpoint_stall_s"] <= held_s
+        # What was stored is step 2 as it was when the save was asked for, not the weights the loop moved on to.
+        name, live = next(iter(run.learner.model.named_parameters()))
+        assert torch.equal(run.checkpoints.load(2).model[name], at_two) and not torch.equal(live, at_two)
 
     asyncio.run(scenario())
 
