@@ -64,10 +64,11 @@ LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.DONE)
 class Launcher:
     """One run's broker and service processes: started, followed (restarted as the policy allows), stopped."""
 
-    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool):
+    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = ""):
         self.cfg = cfg
         self.config_path = config_path
         self.resume = resume
+        self.hold = hold  # a reason to start the run paused (its stages ready, no step) until resumed; "" = none
         self.run_dir = cfg.run_dir
         self.children: list[Child] = []
         self.broker: RunBroker | None = None
@@ -270,6 +271,8 @@ class Launcher:
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
             console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
+        if self.hold:
+            self.broker.hold(self.hold)
         self.write_admin_token()
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)

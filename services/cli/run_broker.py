@@ -79,19 +79,28 @@ class RunBroker:
     def forget_pause(self) -> dict[str, Any]:
         """Clear the run's recorded pause or stop (``--resume`` continues on purpose: it must not hold the new
         start); returns what was recorded."""
+        return self._set_control({})
 
-        async def clear() -> dict[str, Any]:
+    def hold(self, reason: str) -> None:
+        """Record the run as paused before its trainer starts: it starts held (``Control.restore_hold``), its stages
+        ready and idle, until an operator (or the tool that asked) resumes it."""
+        self._set_control({"paused": True, "reason": reason})
+
+    def _set_control(self, control: dict[str, Any]) -> dict[str, Any]:
+        """Store ``control`` as the run's operator state, as the trainer would; returns what was recorded before."""
+
+        async def put() -> dict[str, Any]:
             as_trainer = self.cfg.nats.model_copy(update={"nkey_seed_file": self.keys["trainer"].seed_file})
             nc = await nats.connect(self.url, **connect_options(as_trainer, "trainer"))
             try:
                 live = await LiveConfig(self.cfg, nc.jetstream()).start()
                 earlier = await live.get_control()
-                await live.clear_control()
+                await live.put_control(control)
                 return earlier
             finally:
                 await nc.close()
 
-        return asyncio.run(clear())
+        return asyncio.run(put())
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

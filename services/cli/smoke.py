@@ -142,7 +142,9 @@ def smoke(config_path: Path, folder: Path, settings: Mapping[str, Any] | None = 
         outcome.error = f"not started: checkpoint store: {error!r}"[:500]
         return outcome
     cfg.run_dir.mkdir(parents=True)
-    launcher = Launcher(cfg, smoke_path, resume=False)
+    # Held until its roles are checked: a few steps of a tiny batch can be done before every stage has been seen
+    # ready, and the roles must be probed while they are up.
+    launcher = Launcher(cfg, smoke_path, resume=False, hold="rlpipe verify checks the roles first")
     previous = signal.signal(signal.SIGALRM, _timed_out)
     signal.alarm(int(SMOKE_TIMEOUT_S))
     try:
@@ -150,6 +152,8 @@ def smoke(config_path: Path, folder: Path, settings: Mapping[str, Any] | None = 
         outcome.started = True
         outcome.role_problems, outcome.role_evidence = check_roles(cfg.run_dir)
         if not outcome.role_problems:  # a role down would stall the run: do not wait for it
+            if isinstance(resumed := resume_trainer(cfg.run_dir), str):
+                raise RuntimeError(f"the held smoke run could not be resumed: {resumed}")
             launcher.follow()
             outcome.finished = True
             outcome.scraped = scrape_stages(cfg.run_dir)
@@ -196,6 +200,18 @@ def check_roles(run_dir: Path) -> tuple[list[str], str]:
 
 def trainer_status(address: str, token: str, tls_ca: Path | None = None) -> admin_pb2.Status | str:
     """The trainer's Admin status (over TLS with ``tls_ca``), or why it could not be had."""
+    return _admin_call(address, token, "GetStatus", admin_pb2.GetStatusRequest(), tls_ca)
+
+
+def resume_trainer(run_dir: Path) -> admin_pb2.Status | str:
+    """Resume the smoke run's trainer (``rlpipe resume``), or why it could not be."""
+    info = json.loads((run_dir / "run.json").read_text())
+    return _admin_call(
+        info["admin"], (run_dir / "admin.token").read_text().strip(), "Resume", admin_pb2.ResumeRequest()
+    )
+
+
+def _admin_call(address: str, token: str, method: str, request: Any, tls_ca: Path | None = None) -> Any:
     channel = (
         grpc.secure_channel(address, grpc.ssl_channel_credentials(tls_ca.read_bytes()))
         if tls_ca
@@ -203,9 +219,8 @@ def trainer_status(address: str, token: str, tls_ca: Path | None = None) -> admi
     )
     with channel:
         try:
-            return admin_pb2_grpc.AdminStub(channel).GetStatus(
-                admin_pb2.GetStatusRequest(), timeout=PROBE_TIMEOUT_S, metadata=[("authorization", f"Bearer {token}")]
-            )
+            call = getattr(admin_pb2_grpc.AdminStub(channel), method)
+            return call(request, timeout=PROBE_TIMEOUT_S, metadata=[("authorization", f"Bearer {token}")])
         except grpc.RpcError as error:
             return f"{address}: {error.code().name}: {error.details()}"
 

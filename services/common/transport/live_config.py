@@ -220,10 +220,6 @@ class LiveConfig:
         """The run's operator state (paused or not), beside its config so it survives any restart."""
         await self.kv.put(CONTROL_KEY, json.dumps(control).encode())
 
-    async def clear_control(self) -> None:
-        """Forget a pause or stop: the run is being continued on purpose (``rlpipe run --resume``)."""
-        await self.kv.put(CONTROL_KEY, json.dumps({}).encode())
-
     async def get_control(self) -> dict[str, Any]:
         try:
             return json.loads((await self.kv.get(CONTROL_KEY)).value)
