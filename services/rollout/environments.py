@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import math
+import numbers
 import operator
 import os
 import re
@@ -24,9 +25,11 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import BinaryIO, Literal, Protocol
+
+import numpy as np
 
 from services.common.registry import ENVIRONMENTS, import_function
 
@@ -69,18 +72,29 @@ class StepResult:
 
 def off_schema(result: StepResult) -> str | None:
     """Why ``result`` cannot be used (a field of another type, a reward part that is not a finite number), else
-    None: a plugin's StepResult is built by code the rollout does not control, an HTTP answer by another service."""
+    None: a plugin's StepResult is built by code the rollout does not control, an HTTP answer by another service.
+    NumPy's numbers and booleans pass (``as_plain`` makes them Python's)."""
     reward_part = result.reward_part
     if not isinstance(result.observation, str):
         return f"observation is {type(result.observation).__name__}, not text"
-    if isinstance(reward_part, bool) or not isinstance(reward_part, (int, float)) or not math.isfinite(reward_part):
+    if _is_flag(reward_part) or not isinstance(reward_part, numbers.Real) or not math.isfinite(reward_part):
         return f"reward_part is {reward_part!r}, not a finite number"
     for name in ("done", "tool_call", "tool_error"):
-        if not isinstance(getattr(result, name), bool):
+        if not _is_flag(getattr(result, name)):
             return f"{name} is {getattr(result, name)!r}, not true or false"
     if not isinstance(result.info, dict):
         return f"info is {type(result.info).__name__}, not a mapping"
     return None
+
+
+def as_plain(result: StepResult) -> StepResult:
+    """``result`` (on the schema) with Python's float and bools in place of NumPy's."""
+    flags = {name: bool(getattr(result, name)) for name in ("done", "tool_call", "tool_error")}
+    return replace(result, reward_part=float(result.reward_part), **flags)
+
+
+def _is_flag(value: object) -> bool:
+    return isinstance(value, (bool, np.bool_))
 
 
 class EnvironmentFailed(Exception):
@@ -195,12 +209,14 @@ class Calculator(ToolEnvironment):
 PYTHON_TIMEOUT_S = 5.0
 PYTHON_MEMORY_BYTES = 512 << 20
 PYTHON_OUTPUT_CHARS = 500
-# What the code may write, to its output and to files (RLIMIT_FSIZE): read back whole, so it must stay small.
+# What the code may write to any one file, its output included (RLIMIT_FSIZE, a per-file bound): read back whole,
+# so it must stay small.
 PYTHON_WRITE_BYTES = 1 << 20
 PYTHON_OPEN_FILES = 64
 # CPU seconds past the wall clock's limit: a busy single thread meets the wall clock first and is reported as
 # running too long; threads burning several cores at once meet this one first.
 PYTHON_CPU_S = math.ceil(PYTHON_TIMEOUT_S) + 1
+PYTHON_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # Run by the child before the code: its own limits, set from inside (no preexec_fn, which is unsafe in a threaded
 # process such as the rollout), then the code from argv, compiled as "<tool>".
 _PYTHON_BOOT = (
@@ -215,9 +231,10 @@ _PYTHON_BOOT = (
 
 
 def run_python(code: str) -> str:
-    """What ``code`` prints, run in an isolated child interpreter (``-I``) in an empty folder of its own, with a
-    time, memory, CPU, write and open-file limit; ToolError when it fails (its last error line), runs past
-    PYTHON_TIMEOUT_S, needs more than PYTHON_MEMORY_BYTES or writes more than PYTHON_WRITE_BYTES. The child leads a
+    """What ``code`` prints, run in an isolated child interpreter (``-I``, without the rollout's environment
+    variables) in an empty folder of its own, with a time, memory, CPU, per-file write and open-file limit;
+    ToolError when it fails (its last error line), runs past PYTHON_TIMEOUT_S, needs more than PYTHON_MEMORY_BYTES or
+    writes more than PYTHON_WRITE_BYTES to one file. The child leads a
     process group of its own: at the time limit the whole group is killed, processes it started too. The network
     is not closed to it (that takes a namespace or a container: docs/agents.md, limits)."""
     with tempfile.TemporaryDirectory(prefix="rlpipe-python-") as folder:
@@ -229,6 +246,7 @@ def run_python(code: str) -> str:
                 stdout=out,
                 stderr=err,
                 cwd=folder,
+                env=PYTHON_ENV,  # none of the rollout's own variables (tokens, key files)
                 start_new_session=True,
             )
             try:
@@ -242,12 +260,9 @@ def run_python(code: str) -> str:
             stdout, stderr = (_read_back(stream) for stream in (out, err))
     if returncode is None:
         raise ToolError(f"the code ran past {PYTHON_TIMEOUT_S:g}s")
-    if returncode < 0:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), a write past its limit
+    if returncode < 0:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), or out of memory
         killed = signal.Signals(-returncode).name
-        raise ToolError(
-            f"the code was killed ({killed}): past {PYTHON_CPU_S}s of CPU time, {PYTHON_WRITE_BYTES} bytes written "
-            "or out of memory"
-        )
+        raise ToolError(f"the code was killed ({killed}): past {PYTHON_CPU_S}s of CPU time or out of memory")
     if returncode != 0:
         lines = stderr.strip().splitlines() or [f"exit status {returncode}"]
         raise ToolError(lines[-1][:PYTHON_OUTPUT_CHARS])

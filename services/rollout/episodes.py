@@ -40,6 +40,7 @@ from services.rollout.environments import (
     StepResult,
     Task,
     Turn,
+    as_plain,
     environment_factory,
     off_schema,
 )
@@ -102,7 +103,7 @@ class LocalEnvironment:
             raise EnvironmentFailed("env_error", f"step returned {type(result).__name__}, not a StepResult")
         if why := off_schema(result):
             raise EnvironmentFailed("env_error", f"step returned a StepResult off the schema: {why}")
-        return result
+        return as_plain(result)
 
     async def close(self) -> None:
         pass  # the plugin instance is the episode's own: it goes with the episode
@@ -198,12 +199,18 @@ async def start_episodes(
             raise DependencyUnavailable(f"the environment's reset failed ({error.outcome}): {error}") from error
         return environment, text, time.perf_counter() - started
 
-    resets = await asyncio.gather(*(reset(task) for task in tasks for _ in range(samples)))
+    outcomes = await asyncio.gather(*(reset(task) for task in tasks for _ in range(samples)), return_exceptions=True)
+    resets = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failed:  # the batch is held: the episodes that did reset are over before they began
+        await asyncio.gather(*(environment.close() for environment, _, _ in resets))
+        raise failed[0]
     groups = []
     for index, task in enumerate(tasks):
         group = resets[index * samples : (index + 1) * samples]
         texts = {text for _, text, _ in group}
         if len(texts) != 1:
+            await asyncio.gather(*(environment.close() for environment, _, _ in resets))
             raise DependencyUnavailable(f"the environment's resets of prompt {task.prompt_id!r} gave different prompts")
         prompt_ids = tokenizer.encode(texts.pop(), add_special_tokens=False)
         groups.append(

@@ -18,19 +18,18 @@ episode has spent tokens on yet, holds the batch instead: see ``episodes.start_e
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable
-from dataclasses import replace
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from services.common.config import RolloutConfig
 from services.common.observe.events import Event
-from services.common.transport.breaker import CircuitBreaker
+from services.common.transport.breaker import BreakerState, CircuitBreaker
 from services.common.transport.http_dependency import (
     BreakerOpen,
     DependencyEvents,
@@ -41,10 +40,13 @@ from services.common.transport.http_dependency import (
     fault_of_status,
     judge_error,
 )
-from services.rollout.environments import EnvironmentFailed, StepResult, Task, Turn, off_schema
+from services.rollout.environments import EnvironmentFailed, StepResult, Task, Turn, as_plain, off_schema
 
 R = TypeVar("R")
 log = logging.getLogger(__name__)
+# Closing episodes: a few threads of their own, and a short wait for each answer.
+CLOSE_THREADS = ThreadPoolExecutor(max_workers=4, thread_name_prefix="environment-close")
+CLOSE_TIMEOUT_S = 2.0
 
 BACKOFF_S = 0.25  # before the first retry, doubled for each next one
 MAX_RESPONSE_BYTES = 1 << 20
@@ -103,7 +105,7 @@ def parse_step(answer: dict[str, Any]) -> StepResult:
     )
     if off_schema(result):
         raise malformed(f"a /step answer off the schema: {json.dumps(answer)[:200]}")
-    return replace(result, reward_part=float(result.reward_part))
+    return as_plain(result)
 
 
 class HttpEnvironmentClient:
@@ -161,13 +163,21 @@ class HttpEnvironment:
         return result
 
     async def close(self) -> None:
-        """One POST to ``/close`` for an episode that ended without the service's ``done``: not retried, and a
-        failure is only logged (the service loses some memory, not the episode)."""
+        """Tell the service an episode it did not end itself is over: one POST to ``/close``, sent in the
+        background on a few threads of its own with a short timeout and never retried, so closing never holds the
+        batch (nor the threads its steps use); skipped while the breaker is open. A failure costs the service some
+        memory, not the episode."""
         if not self.open:
             return
         self.open = False
-        url, payload = f"{self.client.url}/close", {"episode_id": self.episode_id}
-        try:
-            await asyncio.to_thread(_post, url, payload, self.client.timeout_s)
-        except Exception as error:  # best effort: a service that cannot be told now is no reason to fail the batch
-            log.debug("environment close failed", extra={"fields": {"error": repr(error)[:200]}})
+        if self.client.breaker.state is not BreakerState.CLOSED:
+            return
+        payload = {"episode_id": self.episode_id}
+        CLOSE_THREADS.submit(_close, f"{self.client.url}/close", payload)
+
+
+def _close(url: str, payload: dict[str, Any]) -> None:
+    try:
+        _post(url, payload, CLOSE_TIMEOUT_S)
+    except Exception as error:  # best effort: a service that cannot be told now only keeps the episode longer
+        log.debug("environment close failed", extra={"fields": {"error": repr(error)[:200]}})

@@ -10,7 +10,7 @@ import pytest
 
 from services.common.transport.breaker import DependencyUnavailable
 from services.rollout.engines import Generation
-from services.rollout.environments import Calculator, StepResult, Task, Turn
+from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
 from services.rollout.episodes import EpisodeLimits, EpisodeState, LocalEnvironment, run_episodes, start_episodes
 
 pytestmark = pytest.mark.unit
@@ -189,6 +189,50 @@ class ReturnsNonsense(Raises):
 class ReturnsNoObservation(Raises):
     def step(self, turn: Turn) -> StepResult:
         return StepResult(observation=None)  # a StepResult whose fields are off the schema
+
+
+class ReturnsNumpy(Raises):
+    def step(self, turn: Turn) -> StepResult:
+        return StepResult(reward_part=np.float32(0.5), done=np.bool_(True), tool_call=np.bool_(False))
+
+
+def test_a_plugin_may_answer_with_numpy_numbers_and_booleans():
+    tokenizer = CharTokenizer()
+
+    async def episode() -> EpisodeState:
+        [[state]] = await start_episodes(
+            [Task("p0", "Q", "2")], lambda: LocalEnvironment(ReturnsNumpy(), 1.0), 1, tokenizer
+        )
+        await run_episodes([state], ScriptedEngine(["2"], tokenizer).generate, LIMITS, tokenizer)
+        return state
+
+    state = run(episode())
+    assert (state.outcome, state.env_reward, type(state.env_reward)) == ("done", 0.5, float)
+
+
+class ClosesCounted(Raises):
+    """An episode environment (async) whose second reset fails; counts the closes it is sent."""
+
+    resets = 0
+    closed = 0
+
+    async def reset(self, task: Task) -> str:
+        ClosesCounted.resets += 1
+        if ClosesCounted.resets == 2:
+            raise EnvironmentFailed("env_error", "the second reset fails")
+        return task.prompt
+
+    async def step(self, turn: Turn) -> StepResult:
+        return StepResult(done=True)
+
+    async def close(self) -> None:
+        ClosesCounted.closed += 1
+
+
+def test_a_held_batch_closes_the_episodes_that_did_reset():
+    with pytest.raises(DependencyUnavailable, match="the second reset fails"):
+        run(start_episodes([Task("p0", "Q", "")], ClosesCounted, 3, CharTokenizer()))
+    assert (ClosesCounted.resets, ClosesCounted.closed) == (3, 2)
 
 
 class ReturnsNanReward(Raises):

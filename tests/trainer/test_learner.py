@@ -491,17 +491,20 @@ def test_with_the_kl_in_the_reward_inserted_tokens_kl_moves_no_advantage(algorit
     expected = advantages(train, batch, old_logp, values if algorithm == "ppo" else None)
     inserted = batch.filled.bool() & ~batch.mask.bool()
     assert int(inserted.sum()) == 2 * 6
+    # One completion of each group only: a shift the whole group shared would cancel in a group baseline.
+    first = torch.zeros_like(inserted)
+    first[[0, 3]] = True
     far = batch.ref_logp.clone()
-    far[inserted] = -30.0  # a reference that finds the tool's output wildly unlikely
+    far[inserted & first] = -30.0  # a reference that finds the tool's output wildly unlikely
     got = advantages(train, replace(batch, ref_logp=far), old_logp, values if algorithm == "ppo" else None)
     assert torch.equal(got[0], expected[0])
     if algorithm == "ppo":
         assert torch.equal(got[1], expected[1])
-    # The KL of the model's own tokens does count: a reference that differs there moves the advantages.
+    # The KL of the model's own tokens does count: the same reference there moves those completions' advantages.
     near_model = batch.ref_logp.clone()
-    near_model[batch.mask.bool()] = -5.0
+    near_model[batch.mask.bool() & first] = -30.0
     moved = advantages(train, replace(batch, ref_logp=near_model), old_logp, values if algorithm == "ppo" else None)
-    assert not torch.equal(moved[0], expected[0])
+    assert (moved[0] - expected[0]).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
