@@ -6,7 +6,7 @@
 #   trainer                       trainer.json   checkpoints, claims and fences under rlpipe/checkpoints/, and
 #                                                the checkpoint mirror under rlpipe-mirror/checkpoints/
 #   rollout, reward, reference    stage.json     claim-checked bodies only (rlpipe/checkpoints/<run>/claims/)
-#   operator                      operator.json  reads checkpoints (rlpipe checkpoint verify, report)
+#   operator                      operator.json  reads checkpoints and their mirror (rlpipe checkpoint verify, report)
 # The bucket's lifecycle rules (deploy/minio/lifecycle.json, imported whole, replacing any before): work-queue
 # claim-checked bodies a stage could not delete once consumed (tagged rlpipe-claim=work-queue, see
 # services/common/transport/claim_lifecycle.py) expire after 21 days, a week past DEAD's 14-day

@@ -79,7 +79,7 @@ def test_the_trainer_owns_checkpoints_and_claims_under_the_store_prefix_only():
         assert not allowed("trainer", action), action
 
 
-def test_the_trainer_writes_the_production_checkpoint_mirror_and_stages_do_not():
+def test_the_trainer_writes_the_production_checkpoint_mirror_the_operator_reads_it_and_stages_do_not():
     mirror = load_yaml(DEPLOY / "config" / "prod.yaml")["checkpoint"]["mirror_url"]
     bucket, _, prefix = mirror.removeprefix("s3://").partition("/")
     key = f"arn:aws:s3:::{bucket}/{prefix}/{CHECKPOINT}"
@@ -95,6 +95,9 @@ def test_the_trainer_writes_the_production_checkpoint_mirror_and_stages_do_not()
         assert grants("trainer", action, key), action
         assert not grants("stage", action, key), action
     assert grants("trainer", "s3:ListBucket", f"arn:aws:s3:::{bucket}")
+    # The operator's `rlpipe checkpoints verify --all` reads the mirror too, and writes nothing there.
+    assert grants("operator", "s3:GetObject", key) and grants("operator", "s3:ListBucket", f"arn:aws:s3:::{bucket}")
+    assert not grants("operator", "s3:PutObject", key) and not grants("operator", "s3:DeleteObject", key)
 
 
 def test_the_operator_reads_checkpoints_and_writes_nothing():
