@@ -34,7 +34,7 @@ from services.cli.children import (
     Child,
     RestartPolicy,
     RoleRefused,
-    die_with_parent,
+    dies_with_this_process,
     restart_env,
     trainer_command,
     trainer_env,
@@ -120,7 +120,7 @@ class Launcher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env=child_env,
-            preexec_fn=die_with_parent,
+            preexec_fn=dies_with_this_process(),
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
@@ -140,7 +140,7 @@ class Launcher:
                 return
             modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
             log = self.run_dir / "logs" / "warm-start.log"
-            self.warm_starter = WarmStarter.start(modules, inherited_env(), log, die_with_parent)
+            self.warm_starter = WarmStarter.start(modules, inherited_env(), log, dies_with_this_process())
         except WarmStartError as error:
             self.warm_start_failed(error)
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import nats
 
-from services.cli.children import die_with_parent, free_port
+from services.cli.children import dies_with_this_process, free_port
 from services.common.config import RunConfig
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_auth import RoleKey, server_authorization
@@ -57,7 +57,7 @@ class RunBroker:
             [nats_server_binary(), "-c", str(conf)],
             stdout=out,
             stderr=subprocess.STDOUT,
-            preexec_fn=die_with_parent,
+            preexec_fn=dies_with_this_process(),
         )
         out.close()  # the child holds its own copy
         deadline = time.monotonic() + ACCEPT_TIMEOUT_S

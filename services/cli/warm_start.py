@@ -303,10 +303,11 @@ def sessions(server: socket.socket) -> socket.socket:
         _check_fork_safe()
         sys.stdout.flush()
         sys.stderr.flush()
+        pool = os.getpid()
         if os.fork() == 0:
             server.close()
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            die_with_parent()
+            die_with_parent(pool)
             with contextlib.suppress(OSError):  # a launcher gone already: serve sees the channel closed
                 channel.send(json.dumps({"session": os.getpid()}).encode())
             return channel
@@ -339,8 +340,10 @@ def serve(channel: socket.socket) -> tuple[SpawnRequest, int] | None:
         _check_fork_safe()
         sys.stdout.flush()
         sys.stderr.flush()
+        starter = os.getpid()
         pid = os.fork()
         if pid == 0:
+            die_with_parent(starter)  # at once: a launcher killed now takes this warm starter, and so this role, along
             channel.close()
             signal.set_wakeup_fd(-1)
             os.close(wake_read)
@@ -376,7 +379,6 @@ def become(request: SpawnRequest, output: int) -> None:
     for sig in (signal.SIGCHLD, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the warm starter ignores ctrl-c; a role heeds it
-    die_with_parent()  # with the warm starter, which dies with the launcher
     devnull = os.open(os.devnull, os.O_RDONLY)
     os.dup2(devnull, 0)
     os.close(devnull)
