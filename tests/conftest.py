@@ -252,7 +252,7 @@ def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subp
     """`python -m services.cli.warm_start --listen SOCKET MODULES...` from the repository root, yielding its process
     and socket once it listens (it imports after, and a launcher joining meanwhile waits for them); killed after.
     The socket is in a short temporary folder: its path must fit in 108 bytes, which a deep --basetemp may not."""
-    from services.cli.children import die_with_parent
+    from services.common.parent_death import die_with_parent
 
     socket_path = Path(tempfile.mkdtemp(prefix="rlpipe-pool-")) / "pool.sock"
     with open(log_path, "ab") as log:

@@ -5,18 +5,13 @@ environment a trainer starts with."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import json
-import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -28,27 +23,12 @@ from services.common.observe.events import Event
 from services.common.observe.logs import RotatingLog
 
 console = Console(stderr=True)
-_PR_SET_PDEATHSIG = 1
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def die_with_parent(parent: int | None = None) -> None:
-    """Linux: this process is killed when its parent dies, even by SIGKILL, so nothing is orphaned. ``parent``: the
-    pid the parent had before the fork; a parent that died between the fork and this call re-parented the process
-    before it could ask for the signal, so it kills itself now (a tuner killed while its trial's roles were forked)."""
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def dies_with_this_process() -> Callable[[], None]:
-    """A ``preexec_fn`` for a child that must die with this process (``die_with_parent`` with this pid)."""
-    return functools.partial(die_with_parent, os.getpid())
 
 
 @dataclass

@@ -34,7 +34,6 @@ from services.cli.children import (
     Child,
     RestartPolicy,
     RoleRefused,
-    dies_with_this_process,
     restart_env,
     trainer_command,
     trainer_env,
@@ -50,6 +49,7 @@ from services.common.config import (
 )
 from services.common.observe.events import Event, EventLog
 from services.common.observe.usage import UsageMeter, with_descendants
+from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 

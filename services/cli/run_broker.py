@@ -15,8 +15,9 @@ from typing import Any
 
 import nats
 
-from services.cli.children import dies_with_this_process, free_port
+from services.cli.children import free_port
 from services.common.config import RunConfig
+from services.common.parent_death import dies_with_this_process
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_auth import RoleKey, server_authorization
 from services.common.transport.nats_connect import connect_options

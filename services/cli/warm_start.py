@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from services.cli.children import die_with_parent
+from services.common.parent_death import die_with_parent
 
 # Imported before the first fork: every role's own modules and the libraries they pull in. vLLM only where a
 # rollout runs on it (``preload_modules``); a rule-reward replica that never imports torch costs nothing more

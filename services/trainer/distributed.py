@@ -68,7 +68,6 @@ and atexit run, while a peer may still be sending (see tests/trainer/test_distri
 
 from __future__ import annotations
 
-import ctypes
 import datetime
 import os
 import signal
@@ -87,6 +86,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from services.common.config import RunConfig
 from services.common.model.modeling import to_host
+from services.common.parent_death import die_with_parent
 from services.common.service import EXIT_REFUSED
 
 # A follower waits for the leader's next command as long as the leader goes without one (paused, no
@@ -94,7 +94,6 @@ from services.common.service import EXIT_REFUSED
 COMMAND_WAIT = datetime.timedelta(days=365)
 # torchrun's pid, which ``launch`` gives the ranks it starts (see the module docstring).
 TORCHRUN_PID_ENV = "RLPIPE_TORCHRUN_PID"
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 class Op(IntEnum):
@@ -412,18 +411,6 @@ def _load_into(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 # -- launching ---------------------------------------------------------------------------
-
-
-def die_with_parent(parent: int | None) -> None:
-    """Linux: this process gets SIGKILL when its parent dies, however the parent dies. ``parent``: the pid the
-    parent had, when known; a process whose parent is already gone (it was re-parented) kills itself now."""
-    if not sys.platform.startswith("linux"):
-        return
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if parent is not None and os.getppid() != parent:
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def launch(argv: list[str]) -> int:

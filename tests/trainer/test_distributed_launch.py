@@ -152,7 +152,7 @@ def test_a_rank_whose_parent_died_before_it_could_bind_to_it_kills_itself():
     it goes on; told of a parent that is not its own (it was adopted), it is SIGKILLed on the spot."""
     check = (
         "import os\n"
-        "from services.trainer.distributed import die_with_parent\n"
+        "from services.common.parent_death import die_with_parent\n"
         "die_with_parent(os.getppid())\n"
         "print('alive', flush=True)\n"
         "die_with_parent(os.getppid() + 1)\n"
