@@ -8,6 +8,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -377,6 +378,21 @@ def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 3
         assert process.poll() is None, f"run ended while waiting for {what}"
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.2)
+
+
+def run_info(run_dir: Path, process: subprocess.Popen, timeout: float = 300) -> dict:
+    """``runs/<run>/run.json`` once it is there: the launcher writes it when it has seen every service ready, which
+    can come after the first steps (a role may work before the launcher has read its presence entry)."""
+    path = run_dir / "run.json"
+    wait_for(path.is_file, "run.json (every service ready)", process, timeout)
+    return json.loads(path.read_text())
+
+
+def kill_service(run_dir: Path, name: str, process: subprocess.Popen) -> int:
+    """SIGKILL the service ``name`` (or "nats") of the run ``process`` launched; its pid."""
+    pid = run_info(run_dir, process)["pids"][name]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from services.trainer.lineage import Lineage, RestartRecord, effective_steps
-from tests.conftest import metric_rows, running_pipeline, wait_for, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
+from tests.conftest import kill_service, metric_rows, running_pipeline, wait_for, write_config
+from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +54,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
         for victim in VICTIMS:
             seen = len(steps())
             time.sleep(rng.uniform(0.0, 2.0))
-            kill(run_dir, victim)
+            kill_service(run_dir, victim, process)
             # Let the pipeline apply steps after each kill, so every outage is recovered from.
             wait_for(
                 lambda seen=seen: len(steps()) > seen + 1, f"progress after killing {victim}", process, timeout=300

@@ -31,15 +31,17 @@ from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRec
 from tests.conftest import (
     RLPIPE_RUN,
     ROOT,
+    kill_service,
     metric_rows,
     rlpipe,
+    run_info,
     run_pipeline,
     running_pipeline,
     service_events,
     wait_for,
     write_config,
 )
-from tests.test_recovery import assert_every_fed_prompt_accounted_once, kill
+from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 
@@ -69,7 +71,7 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
         # Three steps past the checkpoint of step 10: steps 13 on trained on groups fed after its cursor, which
         # the resume feeds again. (Steps take a fraction of a second; the next checkpoint is far enough away.)
         wait_for(lambda: len(steps()) >= SAVE_EVERY + 3, "three steps past a checkpoint", process)
-        pids = json.loads((run_dir / "run.json").read_text())["pids"]
+        pids = run_info(run_dir, process)["pids"]
         os.kill(pids["trainer"], signal.SIGKILL)  # no final save: the resume goes back to step 10
         process.kill()  # the launcher; its children die with it
         process.wait()
@@ -143,10 +145,10 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     run_dir = runs / "leak"
     with running_pipeline(config) as process:
         wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "step 1", process)
-        pids = json.loads((run_dir / "run.json").read_text())["pids"]
+        pids = run_info(run_dir, process)["pids"]
         os.kill(pids["rollout-0"], signal.SIGSTOP)  # nothing fetches PROMPTS while we look and purge
         try:
-            nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+            nats_url = run_info(run_dir, process)["nats_url"]
             purged = asyncio.run(purge_prompts(nats_url, operator_options(run_dir)))
         finally:
             os.kill(pids["rollout-0"], signal.SIGCONT)
@@ -224,9 +226,10 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
     run_dir = runs / "lostvol"
     with running_pipeline(config) as process:
         wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "step 3", process)
+        broker = run_info(run_dir, process)["pids"]["nats"]
         os.kill(process.pid, signal.SIGSTOP)  # the launcher must not restart the broker before its store is gone
         try:
-            broker = kill(run_dir, "nats")
+            os.kill(broker, signal.SIGKILL)
             wait_for_exit(broker)
             shutil.rmtree(run_dir / "nats")
         finally:
@@ -282,7 +285,7 @@ def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_train
     trainer_events = lambda: service_events(run_dir, "trainer")  # noqa: E731
     with running_pipeline(config) as process:
         wait_for(lambda: any(e["event"] == "purged" for e in trainer_events()), "a purge without checkpoints", process)
-        kill(run_dir, "trainer")
+        kill_service(run_dir, "trainer", process)
         purges = [e["experience_below"] for e in trainer_events() if e["event"] == "purged"]
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-3000:]

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -26,7 +24,7 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
-from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.conftest import kill_service, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -35,12 +33,6 @@ TOTAL_STEPS = 14
 BATCH = 8
 INFLIGHT_BATCHES = 2
 ACK_WAIT_S = 10
-
-
-def kill(run_dir: Path, name: str) -> int:
-    pid = json.loads((run_dir / "run.json").read_text())["pids"][name]
-    os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_model, tmp_path):
@@ -70,7 +62,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         # Kill the trainer after step 5: the last checkpoint is 3 or 6, the steps after it must be redone.
         wait_for(lambda: len(steps()) >= 5, "step 5", process)
         killed_at = time.time()
-        kill(run_dir, "trainer")
+        kill_service(run_dir, "trainer", process)
         wait_for(
             lambda: json.loads((run_dir / "run.json").read_text())["restarts"].get("trainer") == 1,
             "trainer restart",
@@ -78,7 +70,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
         )
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", process)
         trainer_recovery_s = min(r["time"] for r in steps() if r["time"] > killed_at) - killed_at
-        kill(run_dir, "rollout-0")
+        kill_service(run_dir, "rollout-0", process)
         rollout_killed_at = time.monotonic()
         # The prompts the killed rollout held come back once their ack wait runs out, to the restarted rollout. A
         # run that ended before that would leave them in flight (a fate, but no proof); one whose groups never come
@@ -180,7 +172,8 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         wait_for(lambda: len(steps()) >= 4, "step 4", process)
         killed_at = time.time()
-        killed_pid = kill(run_dir, "nats")  # SIGKILL: no shutdown, only what the broker fsynced survives
+        # SIGKILL: no shutdown, only what the broker fsynced survives
+        killed_pid = kill_service(run_dir, "nats", process)
         steps_at_kill = len(steps())
         # The launcher starts a new nats-server on the same port and store; the services reconnect to it.
         wait_for(lambda: broker_pid() != killed_pid, "the broker restart", process)

@@ -3,8 +3,6 @@ the re-inject in DEAD beside the letter."""
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,7 +13,7 @@ import nats
 import numpy as np
 import pytest
 
-from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options, reinject
+from services.cli.dead_letters import list_dead_letters, operator_options, reinject
 from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
@@ -39,7 +37,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.conftest import ROOT, metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import ROOT, kill_service, metric_rows, run_info, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -165,7 +163,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     with running_pipeline(config) as run:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         wait_for(lambda: len(steps()) >= 1, "the first step", run)
-        url, operator = nats_url_of(run_dir), operator_options(run_dir)
+        url, operator = run_info(run_dir, run)["nats_url"], operator_options(run_dir)
 
         async def send_bad() -> None:
             nc = await nats.connect(url, **operator)
@@ -191,7 +189,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         [kept] = letters()  # the letter stays in DEAD, marked as re-injected
         assert kept.sequence == letter.sequence and kept.reinjected_at == letter.sequence + 1
         killed_at = time.time()
-        kill(run_dir, "trainer")
+        kill_service(run_dir, "trainer", run)
         wait_for(lambda: restarts(run_dir).get("trainer") == 1, "trainer restart", run)
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", run)
         output, _ = run.communicate(timeout=600)
@@ -213,7 +211,3 @@ def steps_in_lineage(run_dir: Path) -> list[StepRecord]:
 
 def restarts(run_dir: Path) -> dict[str, int]:
     return json.loads((run_dir / "run.json").read_text())["restarts"]
-
-
-def kill(run_dir: Path, name: str) -> None:
-    os.kill(json.loads((run_dir / "run.json").read_text())["pids"][name], signal.SIGKILL)
