@@ -23,6 +23,7 @@ from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer
 from services.rollout.engines import Generation
 from services.rollout.episodes import EpisodeLimits, environment_maker
+from services.rollout.observations import observation_format
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
 
 
@@ -40,8 +41,8 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
 
     repeated = [{**row, "id": f"{row.get('id', i)}-{k}"} for i, row in enumerate(rows) for k in range(samples)]
     reward = RuleReward(dict(cfg.reward.functions))
-    limits = EpisodeLimits.of(cfg)
-    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokenizer, reward))
+    limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
+    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokenizer, observations, reward))
     return {"model": str(model_dir), "episodes": len(repeated), "accuracy": result.accuracy, **result.metrics()}
 
 

@@ -7,8 +7,8 @@ episode: the rollout constructs it with no arguments, calls ``reset`` once and `
 ``rollout.environment_url`` an environment served over HTTP (``services.rollout.http_environment``).
 docs/agents.md walks through writing one.
 
-An observation is inserted verbatim after the model's turn and tokenized alone, once: an environment that wants
-its output in a chat role of its own writes the template's markers into the observation text itself.
+An observation is tokenized alone, once, and inserted after the model's turn: verbatim, or wrapped as a chat
+message of ``rollout.observation_role`` by the model's own template (``observations.py``).
 """
 
 from __future__ import annotations

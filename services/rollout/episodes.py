@@ -3,14 +3,15 @@
 Each turn, one engine call continues every episode that is ready (continuous batching); an episode whose
 environment is still stepping waits outside the engine and joins the next call after it answers, so a slow tool
 holds only its own episode. Token in, token out: the model's tokens are kept exactly as sampled (loss mask 1,
-their sampling logprobs) and an observation is tokenized once, alone, and appended (loss mask 0, logprob 0);
-nothing earlier is ever re-tokenized.
+their sampling logprobs) and an observation is tokenized once, alone, and appended (loss mask 0, logprob 0),
+verbatim or as a chat message (``observations.py``); nothing earlier is ever re-tokenized.
 
 An episode ends with a named outcome (``Episode.outcome``): ``done`` (the environment said so, or the model
-ended its answer), ``max_turns``, ``max_tokens`` (no room left for another turn), ``truncated`` (an observation
-over ``rollout.max_observation_tokens`` or the room left), ``env_error`` (the environment raised or answered
-nonsense) or ``timeout`` (a step past ``rollout.environment_timeout_s``). None of them fails the group: the
-environment's fault is the episode's outcome, counted in the metrics, and the completion is trained on as it is.
+ended its answer with EOS where EOS does not just end a chat message), ``max_turns``, ``max_tokens`` (no room
+left for another turn), ``truncated`` (an observation over ``rollout.max_observation_tokens`` or the room left),
+``env_error`` (the environment raised or answered nonsense) or ``timeout`` (a step past
+``rollout.environment_timeout_s``). None of them fails the group: the environment's fault is the episode's
+outcome, counted in the metrics, and the completion is trained on as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from services.common.observe.events import Event
 from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import meter
+from services.common.refusal import StartRefused
 from services.common.transport.breaker import DependencyUnavailable
 from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
 from services.rollout.engines import Generation
@@ -45,6 +47,7 @@ from services.rollout.environments import (
     off_schema,
 )
 from services.rollout.http_environment import HttpEnvironmentClient
+from services.rollout.observations import ObservationFormat, Tokenizer, observation_format
 
 log = logging.getLogger(__name__)
 
@@ -54,14 +57,6 @@ CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
 
 # (contexts, max new tokens for each) -> one turn each: the engine call, on the engine's thread.
 TurnGenerator = Callable[[list[list[int]], list[int]], Awaitable[list[Generation]]]
-
-
-class Tokenizer(Protocol):
-    eos_token_id: int | None
-
-    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
-
-    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
 class EpisodeEnvironment(Protocol):
@@ -223,10 +218,14 @@ async def start_episodes(
 
 
 async def run_episodes(
-    episodes: list[EpisodeState], generate: TurnGenerator, limits: EpisodeLimits, tokenizer: Tokenizer
+    episodes: list[EpisodeState],
+    generate: TurnGenerator,
+    limits: EpisodeLimits,
+    tokenizer: Tokenizer,
+    observations: ObservationFormat,
 ) -> None:
-    """Run every episode to its end (each gets an ``outcome``). A prompt that leaves no room for a first turn is
-    the prompt's fault: ValueError, as in single-turn generation."""
+    """Run every episode to its end (each gets an ``outcome``), observations appended as ``observations`` says.
+    A prompt that leaves no room for a first turn is the prompt's fault: ValueError, as in single-turn generation."""
     for episode in episodes:
         if limits.max_seq_len - episode.prompt_len < 1:
             raise ValueError(f"prompt of {episode.prompt_len} tokens leaves no room under {limits.max_seq_len=}")
@@ -238,7 +237,8 @@ async def run_episodes(
                 turn_of, ready = ready, []
                 generations = await generate([e.context for e in turn_of], [e.room(limits) for e in turn_of])
                 for episode, generation in zip(turn_of, generations, strict=True):
-                    stepping.add(asyncio.create_task(_after_turn(episode, generation, limits, tokenizer)))
+                    after = _after_turn(episode, generation, limits, tokenizer, observations)
+                    stepping.add(asyncio.create_task(after))
             finished, stepping = await asyncio.wait(stepping, return_when=asyncio.FIRST_COMPLETED)
             ready = [episode for task in finished if (episode := task.result()).outcome is None]
     finally:  # the engine failed (the batch is held and retried): no step of this batch may outlive it
@@ -250,7 +250,11 @@ async def run_episodes(
 
 
 async def _after_turn(
-    episode: EpisodeState, generation: Generation, limits: EpisodeLimits, tokenizer: Tokenizer
+    episode: EpisodeState,
+    generation: Generation,
+    limits: EpisodeLimits,
+    tokenizer: Tokenizer,
+    observations: ObservationFormat,
 ) -> EpisodeState:
     """Record the model's turn, let the environment answer it, and either end the episode or append the answer."""
     ids = generation.token_ids.tolist()
@@ -258,7 +262,9 @@ async def _after_turn(
     episode.logprobs += generation.logprobs.tolist()
     episode.mask += [1] * len(ids)
     episode.turns += 1
-    answered = not ids or ids[-1] == tokenizer.eos_token_id  # the model ended its answer: nothing to continue
+    ended_with_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id
+    # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
+    answered = not ids or (ended_with_eos and observations.eos_ends_episode)
     started = time.perf_counter()
     try:
         result = await episode.environment.step(Turn(text=generation.text, token_ids=tuple(ids)))
@@ -278,7 +284,7 @@ async def _after_turn(
     elif episode.room(limits) < 1:
         episode.outcome = "max_tokens"
     else:
-        observation = tokenizer.encode(result.observation, add_special_tokens=False)
+        observation = observations.tokens(result.observation, ended_with_eos)
         # The observation must leave the model room to answer it: one token at least.
         left = min(limits.max_total_tokens - episode.generated, limits.max_seq_len - len(episode.context))
         fits = min(limits.max_observation_tokens, left - 1)
@@ -356,6 +362,10 @@ class EpisodeRunner:
         self.generate_turns = generate_turns
         self.metrics = EpisodeMetrics()
         self.make_environment = environment_maker(cfg)
+        try:
+            self.observations = observation_format(tokenizer, cfg.rollout.observation_role)
+        except ValueError as error:  # the model cannot take this config: restarting would refuse alike
+            raise StartRefused(str(error)) from None
 
     async def groups(
         self, prompts: list[Prompt], sampling: SamplingConfig, policy_version: int, config_version: int
@@ -366,7 +376,8 @@ class EpisodeRunner:
         async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
             return await self.on_engine(self.generate_turns, contexts, max_tokens, sampling, self.stop)
 
-        await run_episodes([episode for group in groups for episode in group], generate, self.limits, self.tokenizer)
+        episodes = [episode for group in groups for episode in group]
+        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations)
         for group in groups:
             self.metrics.record(group)
         return [

@@ -32,12 +32,12 @@ from services.rollout.environments import Task
 from services.rollout.episodes import (
     EpisodeEnvironment,
     EpisodeLimits,
-    Tokenizer,
     TurnGenerator,
     environment_maker,
     run_episodes,
     start_episodes,
 )
+from services.rollout.observations import ObservationFormat, Tokenizer, observation_format
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ async def play(
     generate: TurnGenerator,
     limits: EpisodeLimits,
     tokenizer: Tokenizer,
+    observations: ObservationFormat,
     reward: RuleReward,
 ) -> EpisodeEvaluation:
     """One episode per row (its ``prompt`` rendered, its ``answer``), all run to their end, then scored."""
@@ -98,7 +99,7 @@ async def play(
     ]
     groups = await start_episodes(tasks, make_environment, 1, tokenizer)
     episodes = [group[0] for group in groups]
-    await run_episodes(episodes, generate, limits, tokenizer)
+    await run_episodes(episodes, generate, limits, tokenizer, observations)
     completions = [episode.completion(tokenizer) for episode in episodes]
     rewards = [reward(c.text, task.answer, c.finish_reason) for c, task in zip(completions, tasks, strict=True)]
     return EpisodeEvaluation(
@@ -200,5 +201,5 @@ def evaluate_episodes(
     async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
         return greedy_turns(model, tokenizer, contexts, max_tokens, stop, precision)
 
-    limits = EpisodeLimits.of(cfg)
-    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokenizer, reward))
+    limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
+    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokenizer, observations, reward))

@@ -12,6 +12,7 @@ from services.common.config import RolloutConfig
 from services.rollout.engines import Generation
 from services.rollout.environments import Task, environment_factory
 from services.rollout.episodes import LocalEnvironment, run_episodes, start_episodes
+from services.rollout.observations import VerbatimObservations
 from tests.conftest import ROOT
 from tests.rollout.test_episodes import LIMITS, CharTokenizer
 
@@ -43,7 +44,7 @@ def test_the_docs_example_environment_runs_an_episode_to_the_right_guess(docs_pl
         [[state]] = await start_episodes(
             [Task("p0", "Find the number: ", "31")], lambda: LocalEnvironment(make(), 1.0), 1, tokenizer
         )
-        await run_episodes([state], engine, LIMITS, tokenizer)
+        await run_episodes([state], engine, LIMITS, tokenizer, VerbatimObservations(tokenizer))
         return state
 
     state = asyncio.run(episode())

@@ -159,6 +159,7 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
             "rollout.max_tokens_per_turn=600 must be at most rollout.max_total_tokens=512",
         ),
         ({"turn_stop": ["</calc>", ""]}, "rollout.turn_stop may not hold an empty string"),
+        ({"observation_role": "tool reply"}, "rollout.observation_role: String should match pattern"),
         ({"max_turns": 0}, "rollout.max_turns: Input should be greater than or equal to 1"),
     ],
 )

@@ -12,6 +12,7 @@ from services.common.transport.breaker import DependencyUnavailable
 from services.rollout.engines import Generation
 from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
 from services.rollout.episodes import EpisodeLimits, EpisodeState, LocalEnvironment, run_episodes, start_episodes
+from services.rollout.observations import VerbatimObservations
 
 pytestmark = pytest.mark.unit
 
@@ -80,7 +81,7 @@ def test_a_tool_episode_keeps_the_models_tokens_masked_in_and_the_tools_masked_o
         [[state]] = await start_episodes(
             [Task("p0", "Q: 123*456=", "56088")], lambda: LocalEnvironment(Calculator(), 5.0), 1, tokenizer
         )
-        await run_episodes([state], engine.generate, LIMITS, tokenizer)
+        await run_episodes([state], engine.generate, LIMITS, tokenizer, VerbatimObservations(tokenizer))
         return state
 
     state = run(episode())
@@ -107,7 +108,7 @@ def test_earlier_turns_are_never_re_tokenized():
         [[state]] = await start_episodes(
             [Task("p0", "Q", "6")], lambda: LocalEnvironment(Calculator(), 5.0), 1, tokenizer
         )
-        await run_episodes([state], engine.generate, LIMITS, tokenizer)
+        await run_episodes([state], engine.generate, LIMITS, tokenizer, VerbatimObservations(tokenizer))
         return state
 
     state = run(episode())
@@ -147,7 +148,7 @@ def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_turns():
 
     async def both() -> list[EpisodeState]:
         [group] = await start_episodes([Task("p0", "Q", "1")], lambda: next(environments), 2, tokenizer)
-        await run_episodes(group, engine.generate, LIMITS, tokenizer)
+        await run_episodes(group, engine.generate, LIMITS, tokenizer, VerbatimObservations(tokenizer))
         return group
 
     group = run(both())
@@ -203,7 +204,9 @@ def test_a_plugin_may_answer_with_numpy_numbers_and_booleans():
         [[state]] = await start_episodes(
             [Task("p0", "Q", "2")], lambda: LocalEnvironment(ReturnsNumpy(), 1.0), 1, tokenizer
         )
-        await run_episodes([state], ScriptedEngine(["2"], tokenizer).generate, LIMITS, tokenizer)
+        await run_episodes(
+            [state], ScriptedEngine(["2"], tokenizer).generate, LIMITS, tokenizer, VerbatimObservations(tokenizer)
+        )
         return state
 
     state = run(episode())
@@ -261,7 +264,7 @@ def test_a_bad_environment_ends_the_episode_with_a_named_outcome(environment, li
         [[state]] = await start_episodes(
             [Task("p0", "Q", "2")], lambda: LocalEnvironment(environment, 0.3), 1, tokenizer
         )
-        await run_episodes([state], engine.generate, limits, tokenizer)
+        await run_episodes([state], engine.generate, limits, tokenizer, VerbatimObservations(tokenizer))
         return state
 
     state = run(episode())

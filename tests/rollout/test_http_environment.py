@@ -18,6 +18,7 @@ from services.rollout.environment_server import EnvironmentHandler, EnvironmentS
 from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
 from services.rollout.episodes import EpisodeLimits, EpisodeState, run_episodes, start_episodes
 from services.rollout.http_environment import HttpEnvironmentClient
+from services.rollout.observations import VerbatimObservations
 from tests.conftest import free_port
 from tests.rollout.test_episodes import CharTokenizer, ScriptedEngine
 
@@ -89,7 +90,9 @@ def test_an_episode_the_client_ends_itself_is_closed_on_the_service_and_one_the_
     async def episodes() -> list[EpisodeState]:
         [group] = await start_episodes([TASK], client.episode, 2, tokenizer)
         assert len(server.episodes) == 2
-        await run_episodes(group, engine.generate, EpisodeLimits(2, 20, 80, 40, 400), tokenizer)
+        await run_episodes(
+            group, engine.generate, EpisodeLimits(2, 20, 80, 40, 400), tokenizer, VerbatimObservations(tokenizer)
+        )
         return group
 
     group = asyncio.run(episodes())

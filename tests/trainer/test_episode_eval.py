@@ -7,6 +7,7 @@ import pytest
 
 from services.rollout.environments import Calculator, NoTool
 from services.rollout.episodes import EpisodeLimits, LocalEnvironment
+from services.rollout.observations import VerbatimObservations
 from services.trainer.distributed import Op
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
 from services.trainer.follower import evaluate_payload, follow
@@ -28,7 +29,15 @@ def evaluate(script: list[str], environment, weights=None, rows=ROWS) -> Episode
     engine = ScriptedEngine(script, tokenizer)
     reward = RuleReward(weights or {"final_number": 1.0})
     return asyncio.run(
-        play(rows, lambda: LocalEnvironment(environment(), 5.0), engine.generate, LIMITS, tokenizer, reward)
+        play(
+            rows,
+            lambda: LocalEnvironment(environment(), 5.0),
+            engine.generate,
+            LIMITS,
+            tokenizer,
+            VerbatimObservations(tokenizer),
+            reward,
+        )
     )
 
 

@@ -101,7 +101,15 @@ class RolloutConfig(Section):
     turn_stop: list[str] = Field(
         default_factory=list,
         description="strings that end a model turn and hand it to the environment, such as a tool call's closing "
-        "tag '</calc>'; the model's end-of-sequence token always ends the episode",
+        "tag '</calc>'; the model's end-of-sequence token ends the episode too, unless rollout.observation_role "
+        "is set",
+    )
+    observation_role: str = Field(
+        "",
+        pattern=r"^([A-Za-z_][A-Za-z0-9_-]*)?$",
+        description="the chat role observations are sent in ('tool', 'user'), each wrapped by the model's chat "
+        "template after the model's message and followed by the next assistant message's opening; the model's "
+        "end-of-sequence token then ends its message, not the episode. Empty = observations appended verbatim",
     )
 
     @field_validator("environment")
