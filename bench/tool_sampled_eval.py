@@ -40,7 +40,7 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
         return greedy_turns(model, tokenizer, contexts, max_tokens, stop, temperature=cfg.sampling.temperature)
 
     repeated = [{**row, "id": f"{row.get('id', i)}-{k}"} for i, row in enumerate(rows) for k in range(samples)]
-    reward = RuleReward(dict(cfg.reward.functions))
+    reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
     result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokenizer, observations, reward))
     return {"model": str(model_dir), "episodes": len(repeated), "accuracy": result.accuracy, **result.metrics()}

@@ -6,7 +6,9 @@ A replica scores with up to three sources, each a *part* with a weight:
   child process under ``reward.function_timeout_s`` per call (``services.reward.sandbox``);
 - a reward model (``reward.model``), scored as ``model`` (``services.reward.model``);
 - a remote reward service (``reward.http``), scored as ``http`` (``services.reward.remote``);
-- DAPO's soft overlong penalty (``reward.overlong_penalty``), scored as ``overlong`` (``overlong_scores``).
+- DAPO's soft overlong penalty (``reward.overlong_penalty``), scored as ``overlong`` (``overlong_scores``);
+- an environment's own reward (``reward.environment_weight``), scored as ``environment``: the episode's
+  ``env_reward``, its environment's reward parts summed (0 for a completion that is not an episode).
 
 The reward is the weighted sum of the parts; each part's own scores travel in the group
 (``ScoredGroup.reward_parts``) and reach the trainer's step rows as ``reward/<name>/mean``.
@@ -72,7 +74,8 @@ class RewardSources:
 
 
 def weights_of(reward: RewardConfig) -> dict[str, float]:
-    """Part name -> weight: the rule functions, then ``model``, ``http`` and ``overlong`` when configured."""
+    """Part name -> weight: the rule functions, then ``model``, ``http``, ``overlong`` and ``environment`` when
+    configured."""
     weights = dict(reward.functions)
     if reward.model is not None:
         weights["model"] = reward.model.weight
@@ -80,6 +83,8 @@ def weights_of(reward: RewardConfig) -> dict[str, float]:
         weights["http"] = reward.http.weight
     if reward.overlong_penalty is not None:
         weights["overlong"] = reward.overlong_penalty.weight
+    if reward.environment_weight:
+        weights["environment"] = reward.environment_weight
     return weights
 
 
@@ -152,6 +157,8 @@ async def score_groups(
     if reward.overlong_penalty is not None:
         lengths = np.asarray([model_tokens(c) for _, c in completions])
         per_part["overlong"] = split(overlong_scores(lengths, reward.overlong_penalty), sizes)
+    if reward.environment_weight:
+        per_part["environment"] = split([c.episode.env_reward if c.episode else 0.0 for _, c in completions], sizes)
     weights = weights_of(reward)
     scored = []
     for index, group in enumerate(groups):

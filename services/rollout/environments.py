@@ -58,7 +58,8 @@ class StepResult:
     """What the environment answers to a turn.
 
     ``observation`` is appended to the episode (loss mask 0) unless ``done``; ``reward_part`` is the environment's
-    own score for the turn, summed over the episode and reported (the training reward stays reward.functions').
+    own score for the turn, summed over the episode: reported, and trained on as the reward part ``environment``
+    with ``reward.environment_weight``.
     ``tool_call``/``tool_error`` say whether the turn called a tool and whether the call failed (malformed, or
     the tool raised): they are the episode's tool metrics."""
 

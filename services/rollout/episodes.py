@@ -143,7 +143,7 @@ class EpisodeState:
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0
-    env_reward: float = 0.0  # the environment's own reward parts, summed: reported, not trained on
+    env_reward: float = 0.0  # the environment's own reward parts, summed: trained on with reward.environment_weight
     outcome: Outcome | None = None
 
     @property
@@ -172,6 +172,7 @@ class EpisodeState:
                 tool_calls=self.tool_calls,
                 tool_errors=self.tool_errors,
                 env_seconds=round(self.env_seconds, 6),
+                env_reward=self.env_reward,
                 outcome=self.outcome,
             ),
         )

@@ -61,20 +61,23 @@ class EpisodeEvaluation:
 
 
 class RuleReward:
-    """``reward.functions``' weighted sum, and what counts as right: a positive reward. With a correctness rule
-    (1 or 0) and penalties (0 or below) beside it, the usual mix, that is the answer right and no penalty that
-    outweighs it."""
+    """``reward.functions``' weighted sum plus ``reward.environment_weight`` times the episode's own reward, and
+    what counts as right: a positive reward. With a correctness rule (1 or 0) and penalties (0 or below) beside it,
+    the usual mix, that is the answer right and no penalty that outweighs it."""
 
-    def __init__(self, weights: dict[str, float]):
-        if not any(weight > 0 for weight in weights.values()):
+    def __init__(self, weights: dict[str, float], environment_weight: float = 0.0):
+        if not any(weight > 0 for weight in weights.values()) and environment_weight <= 0:
             raise ValueError(
-                "the held-out evaluation of episodes scores them with reward.functions, which has no positive "
-                "weight here; name one (such as final_number: 1.0) or leave data.eval_path empty"
+                "the held-out evaluation of episodes scores them with reward.functions and "
+                "reward.environment_weight, none of which has a positive weight here; name one (such as "
+                "final_number: 1.0) or leave data.eval_path empty"
             )
         self.rules = [(reward_function(name), weight) for name, weight in weights.items()]
+        self.environment_weight = environment_weight
 
-    def __call__(self, text: str, answer: str, finish_reason: str) -> float:
-        return sum(weight * rule(text, answer, finish_reason) for rule, weight in self.rules)
+    def __call__(self, text: str, answer: str, finish_reason: str, env_reward: float = 0.0) -> float:
+        rules = sum(weight * rule(text, answer, finish_reason) for rule, weight in self.rules)
+        return rules + self.environment_weight * env_reward
 
     @staticmethod
     def right(reward: float) -> bool:
@@ -101,7 +104,10 @@ async def play(
     episodes = [group[0] for group in groups]
     await run_episodes(episodes, generate, limits, tokenizer, observations)
     completions = [episode.completion(tokenizer) for episode in episodes]
-    rewards = [reward(c.text, task.answer, c.finish_reason) for c, task in zip(completions, tasks, strict=True)]
+    rewards = [
+        reward(c.text, task.answer, c.finish_reason, c.episode.env_reward)
+        for c, task in zip(completions, tasks, strict=True)
+    ]
     return EpisodeEvaluation(
         accuracy=sum(reward.right(r) for r in rewards) / len(rows),
         reward_mean=float(np.mean(rewards)),
@@ -196,7 +202,7 @@ def evaluate_episodes(
     """Greedy held-out episodes of ``rows`` as ``cfg``'s rollout plays them, scored by its ``reward.functions``.
     Runs its own event loop: the trainer calls it from a worker thread."""
     stop = list(cfg.rollout.turn_stop)
-    reward = RuleReward(dict(cfg.reward.functions))
+    reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
 
     async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
         return greedy_turns(model, tokenizer, contexts, max_tokens, stop, precision)

@@ -16,6 +16,7 @@ from services.common.config import (
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
+    Episode,
     ExperienceGroup,
     RolloutGroup,
     ScoredGroup,
@@ -234,3 +235,42 @@ def test_the_overlong_penalty_is_a_weighted_part_counting_only_the_model_tokens(
 def test_overlong_may_not_name_a_rule_function(tiny_model):
     with pytest.raises(ValueError, match="may not use the names \\['overlong'\\]"):
         RewardConfig(functions={"overlong": 1.0})
+
+
+def test_the_environments_own_reward_is_a_weighted_part_when_given_a_weight(rules):
+    def episode(env_reward: float) -> Completion:
+        return Completion(
+            text="2",
+            token_ids=np.arange(3, dtype=np.int64),
+            logprobs=np.zeros(3, np.float32),
+            finish_reason="stop",
+            loss_mask=np.array([1, 0, 1], np.int32),
+            episode=Episode(
+                turns=2, tool_calls=1, tool_errors=0, env_seconds=0.1, env_reward=env_reward, outcome="done"
+            ),
+        )
+
+    rollout = group("a", "2", ["2"]).model_copy(update={"completions": [episode(1.0), episode(-0.5), episode(0.0)]})
+    reported_only = asyncio.run(score_groups([rollout], RewardConfig(), rules))[0]
+    assert "environment" not in reported_only.reward_parts and reported_only.rewards.tolist() == [1.0, 1.0, 1.0]
+
+    (scored,) = asyncio.run(score_groups([rollout], RewardConfig(environment_weight=0.5), rules))
+    assert scored.reward_parts["environment"].tolist() == [1.0, -0.5, 0.0]
+    assert scored.rewards.tolist() == [1.5, 0.75, 1.0]  # exact_match 1 each, plus 0.5 * the environment's
+    # An environment's reward alone is a reward.
+    alone = asyncio.run(score_groups([rollout], RewardConfig(functions={}, environment_weight=1.0), rules))[0]
+    assert alone.rewards.tolist() == [1.0, -0.5, 0.0]
+
+
+def test_an_environment_weight_without_an_environment_is_refused_naming_the_field(tmp_path):
+    model, data = tmp_path / "model", tmp_path / "data"
+    model.mkdir()
+    data.mkdir()
+    (model / "config.json").write_text("{}")
+    for split in ("train", "eval"):
+        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", reward={"environment_weight": 1.0})
+    with pytest.raises(ConfigError, match=r"reward\.environment_weight=1 weighs an environment's reward"):
+        load_config(config)
+    with pytest.raises(ValueError, match=r"may not use the names \['environment'\]"):
+        RewardConfig(functions={"environment": 1.0})

@@ -180,7 +180,7 @@ def test_a_multi_turn_run_whose_held_out_episodes_no_rule_could_score_is_refused
     reward = {"functions": {"exact_match": -1.0}}  # a weight that only ever takes away
     with pytest.raises(ConfigError) as error:
         load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout, reward=reward))
-    assert "reward.functions, which has no positive weight here" in str(error.value)
+    assert "reward.functions and reward.environment_weight, none of which has a positive weight" in str(error.value)
     assert "leave data.eval_path empty" in str(error.value)
 
     without_eval = {"train_path": str(dirs[1] / "train.jsonl"), "eval_path": None}

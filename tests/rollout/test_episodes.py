@@ -95,6 +95,7 @@ def test_a_tool_episode_keeps_the_models_tokens_masked_in_and_the_tools_masked_o
         "turns": 2,
         "tool_calls": 1,
         "tool_errors": 0,
+        "env_reward": 0.0,
         "outcome": "done",
     }
     assert completion.finish_reason == "stop"
@@ -211,6 +212,7 @@ def test_a_plugin_may_answer_with_numpy_numbers_and_booleans():
 
     state = run(episode())
     assert (state.outcome, state.env_reward, type(state.env_reward)) == ("done", 0.5, float)
+    assert state.completion(tokenizer).episode.env_reward == 0.5  # what the reward role weighs as 'environment'
 
 
 class ClosesCounted(Raises):

@@ -2,6 +2,7 @@
 environment through the rollout's loop, scored by reward.functions, with turns and tool calls beside accuracy."""
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -24,10 +25,10 @@ ROWS = [
 ]
 
 
-def evaluate(script: list[str], environment, weights=None, rows=ROWS) -> EpisodeEvaluation:
+def evaluate(script: list[str], environment, weights=None, rows=ROWS, environment_weight=0.0) -> EpisodeEvaluation:
     tokenizer = CharTokenizer()
     engine = ScriptedEngine(script, tokenizer)
-    reward = RuleReward(weights or {"final_number": 1.0})
+    reward = RuleReward({"final_number": 1.0} if weights is None else weights, environment_weight)
     return asyncio.run(
         play(
             rows,
@@ -147,3 +148,20 @@ def test_a_follower_rank_plays_the_episodes_when_the_leader_evaluates_episodes_a
     follow(mesh, replica)
 
     assert replica.calls == [("evaluate_episodes", rows), ("evaluate", rows, 6)]
+
+
+class PaysForCalls(Calculator):
+    """The calculator, whose every answered call earns the episode an environment reward of 1."""
+
+    def step(self, turn):
+        result = super().step(turn)
+        return replace(result, reward_part=float(result.tool_call and not result.tool_error))
+
+
+def test_the_environments_own_reward_counts_with_its_weight_in_the_held_out_reward():
+    # The second row's answer is wrong, but both episodes made one good call: 0.5 each from the environment.
+    script = ["<calc>123*456</calc>", "56088\0"]
+    result = evaluate(script, PaysForCalls, weights={"final_number": 1.0}, environment_weight=0.5)
+    assert (result.accuracy, result.reward_mean) == (1.0, 1.0)  # (1 + 0.5) and (0 + 0.5): both positive
+    assert evaluate(script, PaysForCalls).reward_mean == 0.5  # weight 0: reported only
+    assert evaluate(script, PaysForCalls, weights={}, environment_weight=1.0).reward_mean == 1.0

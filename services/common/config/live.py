@@ -22,6 +22,7 @@ LIVE_FIELDS = (
     "sampling.top_p",
     "sampling.max_new_tokens",
     "reward.functions",
+    "reward.environment_weight",
     "reward.http.token_file",
     "alerts",
     "checkpoint.save_every_steps",

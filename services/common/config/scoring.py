@@ -115,6 +115,11 @@ class RewardConfig(Section):
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
     )
+    environment_weight: float = Field(
+        0.0,
+        description="weight of the environment's own reward, its StepResult.reward_part summed over an episode, "
+        "scored as 'environment' (multi-turn runs; docs/agents.md); 0 = reported only, not trained on",
+    )
     replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
     batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
     max_abs_reward: float = Field(
@@ -134,12 +139,15 @@ class RewardConfig(Section):
 
     @model_validator(mode="after")
     def _some_reward(self) -> RewardConfig:
-        if not self.functions and self.model is None and self.http is None:
-            raise ValueError("no reward: name reward.functions, a reward.model or a reward.http service")
-        taken = {"model", "http", "overlong"} & set(self.functions)
+        if not self.functions and self.model is None and self.http is None and not self.environment_weight:
+            raise ValueError(
+                "no reward: name reward.functions, a reward.model, a reward.http service or a reward.environment_weight"
+            )
+        taken = {"model", "http", "overlong", "environment"} & set(self.functions)
         if taken:
             raise ValueError(
-                f"reward.functions may not use the names {sorted(taken)}: they name the model, http and overlong parts"
+                f"reward.functions may not use the names {sorted(taken)}: they name the model, http, overlong and "
+                "environment parts"
             )
         return self
 

@@ -140,12 +140,21 @@ class RunConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _episodes_evaluated_by_a_rule(self) -> RunConfig:
-        # A multi-turn run's held-out episodes are scored by reward.functions (docs/agents.md): with no positive
-        # weight no episode could count as right, so the run would report 0 whatever the model does.
-        if self.rollout.multi_turn and self.data.eval_path and not any(w > 0 for w in self.reward.functions.values()):
+        # A multi-turn run's held-out episodes are scored by reward.functions and the environment's reward
+        # (docs/agents.md): with no positive weight no episode could count as right, so the run would report 0
+        # whatever the model does.
+        r = self.reward
+        scored = any(w > 0 for w in r.functions.values()) or r.environment_weight > 0
+        if self.rollout.multi_turn and self.data.eval_path and not scored:
             raise ValueError(
-                "a multi-turn run's held-out evaluation scores episodes with reward.functions, which has no positive "
-                "weight here: name one (such as final_number: 1.0) or leave data.eval_path empty"
+                "a multi-turn run's held-out evaluation scores episodes with reward.functions and "
+                "reward.environment_weight, none of which has a positive weight here: name one (such as "
+                "final_number: 1.0) or leave data.eval_path empty"
+            )
+        if r.environment_weight and not self.rollout.multi_turn:
+            raise ValueError(
+                f"reward.environment_weight={r.environment_weight:g} weighs an environment's reward, and this run "
+                "has no environment: set rollout.environment or rollout.environment_url, or leave it 0"
             )
         return self
 

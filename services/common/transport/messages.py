@@ -88,6 +88,8 @@ class Episode(BaseModel):
     tool_calls: int = Field(ge=0)
     tool_errors: int = Field(ge=0)
     env_seconds: float = Field(ge=0)
+    # The environment's reward parts summed (StepResult.reward_part): the reward part 'environment'.
+    env_reward: float = Field(0.0, allow_inf_nan=False)
     outcome: Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
 
 
