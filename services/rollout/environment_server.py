@@ -45,7 +45,8 @@ class EnvironmentHandler(BaseHTTPRequestHandler):
             episode_id = str(request["episode_id"])
             if self.path == "/reset":
                 environment = self.server.make_environment()
-                prompt = environment.reset(Task(str(request["prompt_id"]), request["prompt"], request["answer"]))
+                task = Task(str(request["prompt_id"]), request["prompt"], request["answer"], request.get("info", {}))
+                prompt = environment.reset(task)
                 with self.server.lock:
                     self.server.episodes[episode_id] = environment
                 self.answer(200, {"prompt": prompt})

@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, Literal, Protocol
+from typing import Any, BinaryIO, Literal, Protocol
 
 import numpy as np
 
@@ -38,11 +38,13 @@ Info = dict[str, str | int | float | bool]
 
 @dataclass(frozen=True)
 class Task:
-    """What an episode is about: the prompt as the trainer fed it and its reference answer."""
+    """What an episode is about: the prompt as the trainer fed it, its reference answer, and the row's ``info``
+    (``data.columns.info``: a JSON object, empty when the row has none)."""
 
     prompt_id: str
     prompt: str
     answer: str
+    info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -371,7 +371,7 @@ class EpisodeRunner:
     async def groups(
         self, prompts: list[Prompt], sampling: SamplingConfig, policy_version: int, config_version: int
     ) -> list[RolloutGroup]:
-        tasks = [Task(prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer) for p in prompts]
+        tasks = [Task(prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer, info=p.info) for p in prompts]
         groups = await start_episodes(tasks, self.make_environment, sampling.group_size, self.tokenizer)
 
         async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:

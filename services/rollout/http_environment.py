@@ -1,6 +1,6 @@
 """An environment served over HTTP (``rollout.environment_url``): JSON POSTs to ``<url>/reset`` and ``<url>/step``.
 
-    POST <url>/reset  {"episode_id", "prompt_id", "prompt", "answer"}  ->  {"prompt": "..."}
+    POST <url>/reset  {"episode_id", "prompt_id", "prompt", "answer", "info"}  ->  {"prompt": "..."}
     POST <url>/step   {"episode_id", "text", "token_ids"}
                       ->  {"observation": "...", "reward_part": 0.0, "done": false, "tool_call": false,
                            "tool_error": false, "info": {}}
@@ -152,7 +152,8 @@ class HttpEnvironment:
 
     async def reset(self, task: Task) -> str:
         payload = {"episode_id": self.episode_id, "prompt_id": task.prompt_id, "prompt": task.prompt}
-        prompt = await self.client.request("reset", payload | {"answer": task.answer}, parse_reset)
+        payload |= {"answer": task.answer, "info": task.info}
+        prompt = await self.client.request("reset", payload, parse_reset)
         self.open = True
         return prompt
 

@@ -97,7 +97,7 @@ async def play(
     if not rows:
         raise ValueError("the held-out evaluation needs at least one row")
     tasks = [
-        Task(prompt_id=str(row.get("id", index)), prompt=row["prompt"], answer=row["answer"])
+        Task(prompt_id=str(row.get("id", index)), prompt=row["prompt"], answer=row["answer"], info=row.get("info", {}))
         for index, row in enumerate(rows)
     ]
     groups = await start_episodes(tasks, make_environment, 1, tokenizer)

@@ -56,6 +56,7 @@ class PromptFeeder:
             prompt_id=str(fed.row.get("id", fed.index)),
             prompt=fed.row["prompt"],
             answer=str(fed.row.get("answer", "")),
+            info=fed.row.get("info", {}),
         )
 
     @property

@@ -12,6 +12,7 @@ import yaml
 from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
 from services.common.model.tasks import make_arithmetic_dataset
+from services.common.transport.messages import Prompt, decode, encode
 from services.trainer.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
@@ -169,6 +170,26 @@ def test_chat_rows_from_a_messages_column(tmp_path):
     datasets.Dataset.from_list([{"conversation": chat, "gold": "5"}]).to_parquet(str(path))
     columns = DataColumns(messages="conversation", answer="gold")
     assert read_rows(path, columns) == [{"answer": "5", "messages": chat}]
+
+
+@pytest.mark.unit
+def test_a_rows_info_column_reaches_the_prompt_its_environment_resets_from(tmp_path):
+    import datasets
+
+    rows = [
+        {"question": "Guess the number.", "gold": "7", "setup": {"seed": 11, "hint": "odd"}},
+        {"question": "Guess the number.", "gold": "4", "setup": {"seed": 12, "hint": "even"}},
+    ]
+    path = tmp_path / "games.parquet"
+    datasets.Dataset.from_list(rows).to_parquet(str(path))
+    columns = DataColumns(prompt="question", answer="gold", info="setup")
+    assert [row["info"] for row in read_rows(path, columns)] == [r["setup"] for r in rows]
+    prompt = PromptFeeder(read_rows(path, columns), seed=0, shuffle=False).next()
+    assert decode(encode(prompt), Prompt).info == {"seed": 11, "hint": "odd"}  # on the wire to the rollout
+
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "Guess.", "answer": "7", "info": [11, "odd"]}\n')
+    with pytest.raises(ValueError, match="field 'info' must be a JSON object"):
+        load_jsonl(tmp_path / "bad.jsonl")
 
 
 def test_unusable_rows_are_reported_at_start_with_their_index_and_reason(tiny_model, tmp_path):

@@ -177,3 +177,22 @@ def test_a_step_for_an_episode_the_server_does_not_know_is_rejected_not_retried(
     with pytest.raises(EnvironmentFailed, match="rejected the turn with 400"):
         asyncio.run(client.episode().step(CALL))
     assert server.requests == 1
+
+
+class SeededPuzzle(Calculator):
+    """Needs its row's info to start: the puzzle's seed and level, written into the first prompt."""
+
+    def reset(self, task: Task) -> str:
+        return f"{task.prompt} [seed {task.info['seed']}, level {task.info['level']['name']}]"
+
+
+def test_a_rows_info_reaches_the_reset_of_a_served_environment_as_of_a_local_one():
+    task = Task("p1", "Solve:", "7", info={"seed": 42, "level": {"name": "hard"}})
+    server = EnvironmentServer(free_port(), SeededPuzzle)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        served = asyncio.run(client_of(server).episode().reset(task))
+    finally:
+        server.shutdown()
+    assert served == SeededPuzzle().reset(task) == "Solve: [seed 42, level hard]"

@@ -66,6 +66,12 @@ class DataColumns(Section):
     )
     answer: str = Field("answer", min_length=1, description="the reference answer the reward compares with")
     id: str = Field("id", min_length=1, description="a row's stable id (optional; the row's index otherwise)")
+    info: str = Field(
+        "info",
+        min_length=1,
+        description="a JSON object with what the row's environment needs (test cases, a game's seed), given to its "
+        "reset as Task.info (optional; multi-turn runs, docs/agents.md)",
+    )
 
 
 class DataConfig(Section):

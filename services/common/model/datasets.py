@@ -111,6 +111,11 @@ def prompt_row(record: Mapping[str, Any], columns: DataColumns) -> dict[str, Any
     row: dict[str, Any] = {"answer": answer}
     if record.get(columns.id) is not None:
         row["id"] = str(record[columns.id])
+    if record.get(columns.info) is not None:
+        info = record[columns.info]
+        if not isinstance(info, dict) or not all(isinstance(key, str) for key in info):
+            raise BadRow(f"field {columns.info!r} must be a JSON object (what the row's environment needs)")
+        row["info"] = info
     has_messages = record.get(columns.messages) is not None
     if has_messages and record.get(columns.prompt) is not None:
         raise BadRow(f"has both {columns.prompt!r} and {columns.messages!r}; give one")

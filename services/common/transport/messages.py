@@ -20,7 +20,16 @@ from typing import Annotated, Any, Literal, TypeVar
 
 import msgpack
 import numpy as np
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    JsonValue,
+    PlainSerializer,
+    ValidationError,
+    model_validator,
+)
 
 SCHEMA_VERSION = 1
 _DTYPES = {"float32", "float64", "int32", "int64"}
@@ -71,6 +80,8 @@ class Prompt(Message):
     prompt_id: str
     prompt: str
     answer: str = ""
+    # The row's info column (data.columns.info): what its environment's reset needs, for a multi-turn run.
+    info: dict[str, JsonValue] = Field(default_factory=dict)
     config_version: int = 0
     # The trainer incarnation that fed it (see dedupe_id); empty in messages from before incarnations.
     incarnation: str = ""
