@@ -54,7 +54,8 @@ class Policy:
     def load(self, ckpt: Checkpoint) -> None:
         """``ckpt``'s weights into the model, all or nothing; ValueError naming both hashes when its adapters were
         trained over another base model."""
-        if ckpt.state.base_model_sha256 != self.base_sha256:
+        # A full-weight checkpoint loads whole whatever model.path holds now; adapters only over their base.
+        if self.adapter_names is not None and ckpt.state.base_model_sha256 != self.base_sha256:
             raise ValueError(
                 f"step {ckpt.step} was trained over the base model of sha256 "
                 f"{ckpt.state.base_model_sha256 or 'none (full weights)'}; model.path is sha256 "

@@ -121,11 +121,12 @@ def widened(ckpt: Checkpoint, layout: ModuleLayout) -> Checkpoint:
 
 @dataclass(frozen=True)
 class LearnerLayout:
-    """What a checkpoint must hold to load into a learner whole: the base model its adapters sit on (LoRA), the
-    policy's and critic's tensors, and AdamW's parameter groups and moment shapes. Taken when the learner is built,
-    before sharding splits its tensors."""
+    """What a checkpoint must hold to load into a learner whole: the model the run started from (the base its
+    adapters sit on, with LoRA), the policy's and critic's tensors, and AdamW's parameter groups and moment shapes.
+    Taken when the learner is built, before sharding splits its tensors."""
 
-    base_model: tuple[str, str]  # path and sha256 of the base under the adapters; ("", "") for full weights
+    base_model: tuple[str, str]  # path and sha256 (lora.base_identity) of model.path
+    adapters: bool  # LoRA: the checkpoint holds adapters over that base, which must match exactly
     model_path: str  # the run's model.path, named when the base differs
     algorithm: str
     model: ModuleLayout
@@ -136,13 +137,20 @@ class LearnerLayout:
     def check(self, ckpt: Checkpoint) -> None:
         """Raise CheckpointMismatch naming what of ``ckpt`` would not load: another base model, the weights' and the
         critic's keys, shapes, dtypes and finite values, the optimizer's parameter groups and moment shapes."""
-        if ckpt.state.base_model_sha256 != self.base_model[1]:  # the path may differ: a copy of the same weights
-            saved = ckpt.state.base_model_sha256 or "none: full weights"
-            here = self.base_model[1] or "none: full weights"
+        saved = ckpt.state.base_model_sha256
+        # The path may differ: a copy of the same weights. A full-weight checkpoint saved before the hash was
+        # recorded has none to compare.
+        if saved != self.base_model[1] and (self.adapters or saved):
+            holds = "adapters for the base model" if self.adapters else "weights trained from the model"
+            why = (
+                ""
+                if self.adapters
+                else " (the run's tokenizer and, unless reference.model_path is set, its KL reference come from it)"
+            )
             raise CheckpointMismatch(
-                f"step {ckpt.step} holds adapters for the base model {ckpt.state.base_model_path or '-'} (sha256 "
-                f"{saved}); this run's model.path {self.base_model[0] or self.model_path} is sha256 {here}. "
-                "Resume with the base model the run started from, or start a new run"
+                f"step {ckpt.step} holds {holds} {ckpt.state.base_model_path or '-'} (sha256 {saved or 'none'}); "
+                f"this run's model.path {self.base_model[0] or self.model_path} is sha256 {self.base_model[1]}{why}. "
+                "Resume with the model the run started from, or start a new run"
             )
         ckpt = widened(ckpt, self.model)
         self.model.check(ckpt.model, f"step {ckpt.step}'s weights")

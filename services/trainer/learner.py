@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -131,16 +132,20 @@ class Learner:
         train = cfg.train
         self.precision = replace(Precision.of(cfg.model, train.master_weights), device=device)
         self.device = self.precision.device
+        # The base model's content hash, read beside the load (hashlib lets go of the GIL): a checkpoint records it,
+        # and a resume over other weights or another tokenizer's model is refused (LearnerLayout.check).
+        hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="base-hash")
+        base_hash = hashing.submit(base_identity, cfg.model.path)
+        hashing.shutdown(wait=False)
         self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         # With LoRA only the adapters train: the names a checkpoint, the optimizer and weight sync hold (None: all).
         self.adapter_names: set[str] | None = None
-        self.base_model: tuple[str, str] = ("", "")  # path and content hash of the base the adapters sit on
+        self.base_model: tuple[str, str] = base_hash.result()  # path and content hash of the model the run started
         if cfg.model.lora is not None:
             self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
-            self.base_model = base_identity(cfg.model.path)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
@@ -163,6 +168,7 @@ class Learner:
         self.optimizer = torch.optim.AdamW(groups, weight_decay=train.weight_decay, eps=train.adam_eps)
         self.layout = LearnerLayout(
             base_model=self.base_model,
+            adapters=self.adapter_names is not None,
             model_path=cfg.model.path,
             algorithm=train.algorithm,
             model=model_layout,

@@ -1,6 +1,7 @@
 """LoRA adapters in the trainer (model.lora): what trains, what is synced, what a checkpoint holds and refuses."""
 
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -132,20 +133,33 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_the_next_step_exactly
         assert torch.equal(adapters(resumed)[name], tensor), name
 
 
-def test_a_resume_over_another_base_model_is_refused_naming_both_hashes(setup, groups, tmp_path):
+@pytest.mark.parametrize(
+    ("lora", "holds"),
+    [
+        (LORA, "holds adapters for the base model"),
+        # Full weights load whole, but the run's tokenizer and KL reference come from model.path.
+        (None, "holds weights trained from the model"),
+    ],
+)
+def test_a_resume_over_another_base_model_is_refused_naming_both_hashes(setup, tmp_path, lora, holds):
     model_dir = setup[0]
-    _, learner = make(setup)
+    torch.manual_seed(0)
+    learner = Learner(config(setup, lora=lora))
     ckpt = save_and_load(learner, tmp_path / "store", model_dir)
+    assert ckpt.state.base_model_sha256 == learner.base_model[1] != ""
     other = tmp_path / "other-base"
     shutil.copytree(model_dir, other)
     weights = other / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-4] + b"\x00\x00\x80\x3f")  # the last float32 weight becomes 1.0
-    moved = Learner(config(setup, model_dir=other))
+    moved = Learner(config(setup, model_dir=other, lora=lora))
     with pytest.raises(CheckpointMismatch) as refused:
         moved.check(ckpt)
+    assert holds in str(refused.value)
     assert ckpt.state.base_model_sha256 in str(refused.value)
     assert moved.base_model[1] in str(refused.value)
     assert moved.base_model[1] != ckpt.state.base_model_sha256
+    if lora is None:  # a full-weight checkpoint saved before the hash was recorded has nothing to compare
+        moved.check(replace(ckpt, state=replace(ckpt.state, base_model_path="", base_model_sha256="")))
 
 
 def test_target_modules_matching_no_linear_module_refuse_the_start_naming_the_models_modules(setup):
