@@ -7,11 +7,13 @@
 #                                                the checkpoint mirror under rlpipe-mirror/checkpoints/
 #   rollout, reward, reference    stage.json     claim-checked bodies only (rlpipe/checkpoints/<run>/claims/)
 #   operator                      operator.json  reads checkpoints and their mirror (rlpipe checkpoint verify, report)
-# The bucket's lifecycle rules (deploy/minio/lifecycle.json, imported whole, replacing any before): work-queue
-# claim-checked bodies a stage could not delete once consumed (tagged rlpipe-claim=work-queue, see
-# services/common/transport/claim_lifecycle.py) expire after 21 days, a week past DEAD's 14-day
-# nats.dead_letter_max_age_s, so a dead letter's body outlives its letter. Checkpoints and EXPERIENCE bodies
-# are untagged: the trainer prunes and purges them.
+# The buckets' lifecycle rules (deploy/minio/lifecycle.json, imported whole into both, replacing any before; the
+# tags are services/common/transport/lifecycle_tags.py's): work-queue claim-checked bodies a stage could not
+# delete once consumed (rlpipe-claim=work-queue) expire after 21 days, a week past DEAD's 14-day
+# nats.dead_letter_max_age_s, so a dead letter's body outlives its letter; checkpoint objects
+# (rlpipe-kind=checkpoint), which the trainer prunes to checkpoint.keep_last while a run goes on, expire 180 days
+# after they were written, so what a run left idle goes (export a model to keep it: docs/operations.md); a run's
+# archived record (rlpipe-kind=archive) after a year. EXPERIENCE bodies are untagged: the trainer purges them.
 # Re-running it is harmless: policies, users and the lifecycle are overwritten with the same content.
 # usage: init.sh SECRETS POLICIES   (MINIO_ROOT_USER and MINIO_ROOT_PASSWORD in the environment)
 set -eu
@@ -20,7 +22,9 @@ policies=$2
 mc alias set rlpipe http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"
 mc mb --ignore-existing rlpipe/rlpipe
 mc mb --ignore-existing rlpipe/rlpipe-mirror  # checkpoint.mirror_url of deploy/config/prod.yaml
-mc ilm rule import rlpipe/rlpipe <"$policies/lifecycle.json"
+for bucket in rlpipe rlpipe-mirror; do
+    mc ilm rule import "rlpipe/$bucket" <"$policies/lifecycle.json"
+done
 for policy in trainer stage operator; do
     mc admin policy create rlpipe "rlpipe-$policy" "$policies/$policy.json"
 done

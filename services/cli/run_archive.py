@@ -7,7 +7,8 @@ elsewhere (``metrics_path``) goes under ``metrics/``. Checkpoints are already in
 left out (they are per-step copies of groups, kept for ``rlpipe samples`` on the machine).
 
 A ``file://`` store whose folder for the run is the run directory itself (the embedded default) already holds all
-of it: nothing is copied. The archive has no lifecycle rule: keep it as long as the checkpoints.
+of it: nothing is copied. Each archived object is tagged ``ARCHIVE_TAG``: the bucket's lifecycle rule expires it after
+a year (deploy/minio/lifecycle.json).
 
 In compose and Kubernetes no launcher outlives the run: ``rlpipe archive --every`` runs beside the trainer (a
 compose service, a container in the trainer's pod), sharing its runs volume and the folder the services write
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from services.common.config import RunConfig
 from services.common.observe.logs import jsonl_parts
+from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import FileStore, ObjectStore, open_store
 
 RECORDS = ("events.jsonl", "lineage.jsonl")  # JSON-lines records beside the metrics, each with its rolled parts
@@ -99,7 +101,7 @@ class RunArchiver:
                 data = path.read_bytes()
             except FileNotFoundError:  # rotated or pruned since it was listed: the next pass has its new name
                 continue
-            self.store.put(archive_prefix(cfg.run_id) + name, data)
+            self.store.put(archive_prefix(cfg.run_id) + name, data, dict([ARCHIVE_TAG]))
             self._stored[name] = (stat.st_size, stat.st_mtime_ns)
             keys.append(name)
             nbytes += len(data)

@@ -207,7 +207,7 @@ class CheckpointStore(StepStore):
                 )
             if old is not None and old.same_save(manifest) and ABANDONED not in names:
                 if stable and STABLE not in names:
-                    self._put(prefix + STABLE, marker_note(), store)
+                    self._put_in_step(prefix + STABLE, marker_note(), store)
                 return stable or STABLE in names  # saved already: the stored copy stands
             if ABANDONED not in names:
                 # Another branch's live copy: disown it before touching a part, so readers skip it from now on.
@@ -220,16 +220,16 @@ class CheckpointStore(StepStore):
                     policy_version=old.policy_version if old is not None else None,
                     new_policy_version=manifest.policy_version,
                 )
-                self._put(prefix + ABANDONED, marker_note(), store)
+                self._put_in_step(prefix + ABANDONED, marker_note(), store)
                 names.add(ABANDONED)
         keep = set(parts) | {MANIFEST, ABANDONED} | ({STABLE} if stable else set())
         # A step without a manifest, or an abandoned one, may lose parts: no reader uses them.
         self._delete(sorted(prefix + name for name in names - keep), store)
         for name, data in parts.items():
-            self._put(prefix + name, data, store)
-        self._put(prefix + MANIFEST, manifest.to_bytes(), store)
+            self._put_in_step(prefix + name, data, store)
+        self._put_in_step(prefix + MANIFEST, manifest.to_bytes(), store)
         if stable:
-            self._put(prefix + STABLE, marker_note(), store)
+            self._put_in_step(prefix + STABLE, marker_note(), store)
         if ABANDONED in names:
             self._delete([prefix + ABANDONED], store)  # last: the new copy exists from here
         return stable
@@ -301,11 +301,11 @@ class CheckpointStore(StepStore):
                 f"step {step} was abandoned by a rollback and cannot be marked stable (live steps: {self.steps()})"
             )
         note = marker_note()
-        self._put(self._prefix(step) + marker, note)
+        self._put_in_step(self._prefix(step) + marker, note)
         if self.mirror is not None:
             try:
                 if step in self.steps(self.mirror, include_abandoned=True):
-                    self._put(self._prefix(step) + marker, note, self.mirror)
+                    self._put_in_step(self._prefix(step) + marker, note, self.mirror)
             except Exception as error:  # the primary holds the truth
                 log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, step=step, error=repr(error)[:300])
 
@@ -332,7 +332,7 @@ class CheckpointStore(StepStore):
         entries = self._retried(self.run_id, lambda: self._scan(store, manifests=self.incarnation is not None))
         later = [e.step for e in entries if e.step > step and e.live and not self._foreign(e)]
         for later_step in sorted(later, reverse=True):
-            self._put(self._prefix(later_step) + ABANDONED, marker_note(), store)
+            self._put_in_step(self._prefix(later_step) + ABANDONED, marker_note(), store)
         return sorted(later)
 
     def replay_floor(self, read_seq: int) -> int | None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
+from services.common.transport.lifecycle_tags import CHECKPOINT_TAG
 from services.common.transport.storage import ObjectStore
 from services.trainer.manifest import FENCE, MANIFEST, PURGED, STEP_FILE, Manifest, StoredStep, step_prefix
 
@@ -83,9 +84,9 @@ class StepStore:
                 )
                 time.sleep(delay)
 
-    def _put(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
+    def _put(self, key: str, data: bytes, store: ObjectStore | None = None, tags: dict[str, str] | None = None) -> None:
         self._check_fence()
-        self._retried(key, lambda: (store or self.store).put(key, data))
+        self._retried(key, lambda: (store or self.store).put(key, data, tags))
 
     def _delete(self, keys: list[str], store: ObjectStore) -> None:
         if keys:
@@ -171,6 +172,10 @@ class StepStore:
 
     def _prefix(self, step: int) -> str:
         return step_prefix(self.run_id, step)
+
+    def _put_in_step(self, key: str, data: bytes, store: ObjectStore | None = None) -> None:
+        """Put an object of a step (a part, the manifest, a marker), tagged for the bucket's checkpoint rule."""
+        self._put(key, data, store, dict([CHECKPOINT_TAG]))
 
     def _listing(self, store: ObjectStore | None = None) -> dict[int, set[str]]:
         """Step -> which of manifest, STABLE and ABANDONED it has."""

@@ -12,6 +12,7 @@ import pytest
 
 from services.cli.run_archive import RunArchiver, archive_and_describe, archive_run, archive_until_stopped
 from services.common.config import load_config
+from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import open_store
 from tests.conftest import ROOT, free_port, write_config
 
@@ -45,7 +46,9 @@ def run_with_record(tmp_path: Path, tiny_model, checkpoint: dict) -> tuple:
     return cfg
 
 
-def test_the_record_of_a_finished_run_is_stored_under_its_archive_prefix_whole(tmp_path, tiny_model, s3_env):
+def test_the_record_of_a_finished_run_is_stored_under_its_archive_prefix_whole_tagged_for_the_archive_rule(
+    tmp_path, tiny_model, s3_env
+):
     s3 = {"store_url": "s3://archive/runs", "s3_endpoint": s3_env, "s3_secure": False}
     cfg = run_with_record(tmp_path, tiny_model, s3)
     archived = archive_run(cfg)
@@ -55,6 +58,8 @@ def test_the_record_of_a_finished_run_is_stored_under_its_archive_prefix_whole(t
     assert store.list("archived/archive/") == sorted(f"archived/archive/{name}" for name in RECORD)
     for name, data in RECORD.items():
         assert store.get(f"archived/archive/{name}") == data
+        tags = store.client.get_object_tags(store.bucket, store._key(f"archived/archive/{name}"))
+        assert dict(tags) == dict([ARCHIVE_TAG]), name  # what the bucket's lifecycle rule selects
     assert archive_and_describe(cfg).startswith(f"archive: {len(RECORD)} files (0.0 MiB) in s3://archive/runs/")
 
 

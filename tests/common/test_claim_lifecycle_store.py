@@ -13,7 +13,7 @@ import pytest
 from services.cli.dead_letters import list_dead_letters, reinject
 from services.common.config import load_config
 from services.common.transport.bus import Bus
-from services.common.transport.claim_lifecycle import TRANSIENT_TAG
+from services.common.transport.lifecycle_tags import TRANSIENT_TAG
 from services.common.transport.messages import (
     ClaimCheck,
     Completion,
@@ -186,8 +186,9 @@ def test_a_delivery_that_went_half_an_ack_wait_without_a_beat_leaves_its_body_to
     asyncio.run(scenario())
 
 
-def test_an_s3_endpoint_accepts_the_compose_buckets_lifecycle_rule_as_written(s3_env):
-    # The same document `aws s3api put-bucket-lifecycle-configuration` takes (docs/operations.md).
+@pytest.mark.parametrize("where", ["minio", "s3"])
+def test_an_s3_endpoint_accepts_the_buckets_lifecycle_rules_as_written(s3_env, where):
+    # The same documents `aws s3api put-bucket-lifecycle-configuration` takes (docs/operations.md).
     import boto3
 
     client = boto3.client(
@@ -197,9 +198,11 @@ def test_an_s3_endpoint_accepts_the_compose_buckets_lifecycle_rule_as_written(s3
         aws_secret_access_key="testing",
         region_name="us-east-1",
     )
-    client.create_bucket(Bucket="lifecycle-rule")
-    document = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "minio" / "lifecycle.json").read_text())
-    client.put_bucket_lifecycle_configuration(Bucket="lifecycle-rule", LifecycleConfiguration=document)
-    (rule,) = client.get_bucket_lifecycle_configuration(Bucket="lifecycle-rule")["Rules"]
-    assert rule["Filter"]["Tag"] == {"Key": TRANSIENT_TAG[0], "Value": TRANSIENT_TAG[1]}
-    assert rule["Expiration"]["Days"] == 21
+    bucket = f"lifecycle-rule-{where}"
+    client.create_bucket(Bucket=bucket)
+    document = json.loads((Path(__file__).resolve().parents[2] / "deploy" / where / "lifecycle.json").read_text())
+    client.put_bucket_lifecycle_configuration(Bucket=bucket, LifecycleConfiguration=document)
+    stored = {rule["ID"]: rule for rule in client.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+    assert set(stored) == {rule["ID"] for rule in document["Rules"]}
+    assert stored["rlpipe-work-queue-claims"]["Filter"]["Tag"] == {"Key": TRANSIENT_TAG[0], "Value": TRANSIENT_TAG[1]}
+    assert stored["rlpipe-work-queue-claims"]["Expiration"]["Days"] == 21

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from services.common.config import CheckpointConfig
+from services.common.transport.lifecycle_tags import CHECKPOINT_TAG
 from services.common.transport.storage import open_store
 from services.trainer.checkpoint import AbandonedStep, CheckpointStore
 from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt, TrainerState, rng_state
 from services.trainer.lease import LeaseLost
+from services.trainer.manifest import FENCE, MANIFEST, STABLE
 from services.trainer.step_store import FencedOut
 
 pytestmark = pytest.mark.unit
@@ -321,3 +323,27 @@ def test_a_save_without_optimizer_state_is_format_3_and_loads_without_one_while_
         CheckpointCorrupt, match=r"step 2 \(checkpoint format 2\): its manifest lists no \['optimizer.pt'\]"
     ):
         store.load(2)
+
+
+@pytest.mark.integration
+def test_every_object_of_a_step_on_s3_is_tagged_for_the_checkpoint_rule_and_the_fence_is_not(tmp_path, s3_env):
+    raw = open_store(
+        f"s3://rlpipe-test/tagged-{uuid.uuid4().hex}", CheckpointConfig(s3_endpoint=s3_env, s3_secure=False)
+    )
+    store = CheckpointStore(raw, "run-t", keep_last=2)
+    incarnation = store.start_fresh()
+    store.claim_fence(1, "test")
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text('{"model_type": "tiny"}')
+    store.save(checkpoint(1, incarnation), model_dir)
+    store.mark(1, STABLE)  # a marker written later is the step's too
+
+    def tags(key: str) -> dict[str, str]:
+        return dict(raw.client.get_object_tags(raw.bucket, raw._key(key)) or {})
+
+    keys = raw.list("run-t/")
+    in_step = [key for key in keys if key.startswith("run-t/step-00000001/")]
+    assert {key.rsplit("/", 1)[1] for key in in_step} >= {MANIFEST, STABLE, "model.safetensors", "config.json"}
+    assert {key: tags(key) for key in in_step} == {key: dict([CHECKPOINT_TAG]) for key in in_step}
+    assert tags(f"run-t/{FENCE}") == {}  # the run's bookkeeping is no rule's to expire

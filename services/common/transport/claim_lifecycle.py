@@ -26,11 +26,10 @@ the duplicate window dropped) without touching EXPERIENCE's or the checkpoints.
 
 from __future__ import annotations
 
+from services.common.transport.lifecycle_tags import TRANSIENT_TAG
 from services.common.transport.streams import WORK_QUEUES
 
 REINJECT_ID_PREFIX = "reinjected."  # the Nats-Msg-Id of a message `rlpipe dead-letters --reinject` sent back
-# The object tag a lifecycle rule selects; its value names the kind, so one rule covers every run under the bucket.
-TRANSIENT_TAG = ("rlpipe-claim", "work-queue")
 
 
 def body_tags(edge: str) -> dict[str, str]:
