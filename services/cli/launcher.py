@@ -330,6 +330,7 @@ class Launcher:
                 for row in steps:
                     if "first step" not in self.startup:
                         self.startup.record("first step", {"step": row["step"]})
+                        self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
                     info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
                     progress.update(task, completed=row["step"], info=info)
                 for row in evaluations:

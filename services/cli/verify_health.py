@@ -1,18 +1,19 @@
 """The checks of ``rlpipe verify`` that judge how the smoke run went, beyond whether it ran (services/cli/verify.py).
 
-Each is a pure function of the smoke run's step rows (``metrics.jsonl``: one row per step) and a few numbers, so
-each is tested on crafted rows; ``verify`` feeds them. The bounds are deliberately loose: a smoke run is a few
-steps at a tiny batch, so they catch what is broken (a loss of 1e6, entropy blown up tenfold, memory doubling
-in three steps), not what is merely noisy.
+Each is a pure function of the smoke run's step rows (``metrics.jsonl``: one row per step) and a few numbers (the
+launcher's memory readings of every role's processes), so each is tested on crafted rows; ``verify`` feeds them.
+The bounds are deliberately loose: a smoke run is a few steps at a tiny batch, so they catch what is broken (a loss
+of 1e6, entropy blown up tenfold, memory doubling in three steps), not what is merely noisy.
 
 - ``ranges``: the loss (and, with a critic, the value loss and mean value) finite and within bounds.
 - ``first-step``: the first step's row came within a bound of the deployment's start (the operator's
   ``--first-step-max-s``), and the step's own update time is shown.
 - ``jumps``: entropy, reward mean and KL to the reference never move between two steps by more than
   ``floor + rel * min(|before|, |after|)``, plus a multiple of the reward's spread for the reward (``JUMP_RULES``).
-- ``resources``: host memory (and GPU memory where the rows have it) did not grow past ``GROWTH_ALLOWED`` from
-  the second step to the last (the first allocates the optimizer and warms caches), device memory kept some
-  headroom, and a GPU the rows show was busy at some step.
+- ``resources``: the trainer's host memory (and GPU memory where the rows have it) did not grow past
+  ``GROWTH_ALLOWED`` from the second step to the last (the first allocates the optimizer and warms caches), nor did
+  any process of any role (rollout, reward, reference: ``UsageMeter.memory_trends``) from its first reading after
+  the first step to its last; device memory kept some headroom, and a GPU the rows show was busy at some step.
 - ``remote-services``: every remote service the config names (``reward.http.url``, ``rollout.environment_url``)
   answered a TCP connect; ``probe_remote`` makes the connections, the check only reads the results.
 """
@@ -28,6 +29,7 @@ from urllib.parse import urlparse
 
 from services.cli.verify_check import Check
 from services.common.config import RunConfig
+from services.common.observe.usage import MemoryTrend
 
 LOSS_BOUND = 1e3  # |policy loss| per token; a working update stays orders of magnitude below
 VALUE_SLACK = 2.0  # |mean value| may reach this many times reward.max_abs_reward (a return of rewards and KL)
@@ -134,8 +136,15 @@ def jumps_check(rows: list[dict[str, Any]]) -> Check:
     return Check("jumps", "pass", "; ".join(seen))
 
 
-def resources_check(rows: list[dict[str, Any]]) -> Check:
-    """Memory did not grow like a leak, device memory kept headroom, and a GPU in the rows was used."""
+def leaked(before_gib: float, after_gib: float) -> bool:
+    """Memory that grew past both of ``GROWTH_ALLOWED`` (GiB and fraction) once the first step was done."""
+    grew = after_gib - before_gib
+    return grew > GROWTH_ALLOWED[0] and grew > GROWTH_ALLOWED[1] * before_gib
+
+
+def resources_check(rows: list[dict[str, Any]], processes: list[MemoryTrend] | None = None) -> Check:
+    """Memory did not grow like a leak, in the trainer's rows or in any role's ``processes``, device memory kept
+    headroom, and a GPU in the rows was used."""
     settled = rows[1:] if len(rows) > 2 else rows  # the first step allocates the optimizer and warms caches
     if not settled:
         return Check("resources", "skip", "no step rows")
@@ -144,10 +153,20 @@ def resources_check(rows: list[dict[str, Any]]) -> Check:
         series = [v for v in (_number(row.get(key)) for row in settled) if v is not None]
         if len(series) < 2:
             continue
-        grew = series[-1] - series[0]
         evidence.append(f"{key} {series[0]:.2f} -> {series[-1]:.2f} GiB")
-        if grew > GROWTH_ALLOWED[0] and grew > GROWTH_ALLOWED[1] * series[0]:
+        if leaked(series[0], series[-1]):
+            grew = series[-1] - series[0]
             problems.append(f"{key} grew {grew:.2f} GiB over {len(series)} steps ({series[0]:.2f} -> {series[-1]:.2f})")
+    by_role = itertools.groupby(sorted(processes or [], key=lambda t: (t.role, t.pid)), key=lambda t: t.role)
+    for role, trends in ((role, list(trends)) for role, trends in by_role):
+        before, after = sum(t.settled_gib for t in trends), sum(t.last_gib for t in trends)
+        evidence.append(f"{role} host RSS {before:.2f} -> {after:.2f} GiB")
+        problems += [
+            f"{role} (pid {t.pid}) host RSS grew {t.last_gib - t.settled_gib:.2f} GiB after the first step "
+            f"({t.settled_gib:.2f} -> {t.last_gib:.2f})"
+            for t in trends
+            if leaked(t.settled_gib, t.last_gib)
+        ]
     headroom = [v for v in (_number(row.get("memory/headroom_frac")) for row in rows) if v is not None]
     if headroom:
         evidence.append(f"least device headroom {min(headroom):.0%}")

@@ -216,6 +216,9 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
         ("remote-services", "skip"),  # the config names no remote reward or environment service
         ("tuning", "pass"),
     ]
+    # Every role's processes were judged, not the trainer's rows alone.
+    resources = next(c["detail"] for c in record["checks"] if c["name"] == "resources")
+    assert [f"{role} host RSS" in resources for role in ("reference", "reward", "rollout", "trainer")] == [True] * 4
     concluded = (
         f"passed all {len(names) + 1} checks that ran; skipped: remote-services; keep this record as the baseline"
     )

@@ -17,6 +17,7 @@ from services.cli.verify_health import (
     resources_check,
 )
 from services.common.config import load_config
+from services.common.observe.usage import MemoryTrend
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
@@ -84,6 +85,23 @@ def test_resources_flag_memory_that_grows_like_a_leak_after_the_first_step():
     leaking = [row(1, memory__host_rss_gb=1.0), row(2, memory__host_rss_gb=2.0), row(3, memory__host_rss_gb=3.0)]
     failed = resources_check(leaking)
     assert (failed.status, failed.detail) == ("fail", "memory/host_rss_gb grew 1.00 GiB over 2 steps (2.00 -> 3.00)")
+
+
+def test_resources_flag_a_process_of_any_role_whose_memory_grew_like_a_leak_after_the_first_step():
+    rows = [row(1), row(2), row(3)]
+    steady = [MemoryTrend("rollout", 11, 1.20, 1.25), MemoryTrend("reward", 12, 0.30, 0.31)]
+    passed = resources_check(rows, steady)
+    assert (passed.status, passed.detail) == (
+        "pass",
+        "reward host RSS 0.30 -> 0.31 GiB; rollout host RSS 1.20 -> 1.25 GiB",
+    )
+    # Two rollout replicas: one leaks 0.8 GiB (past 0.5 GiB and 25%); the role's line sums both.
+    leaking = [*steady, MemoryTrend("rollout", 13, 1.20, 2.00)]
+    failed = resources_check(rows, leaking)
+    assert (failed.status, failed.detail) == (
+        "fail",
+        "rollout (pid 13) host RSS grew 0.80 GiB after the first step (1.20 -> 2.00)",
+    )
 
 
 def test_resources_flag_a_gpu_out_of_headroom_or_never_busy_and_skip_rows_without_samples():

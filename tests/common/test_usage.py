@@ -15,6 +15,7 @@ from services.common.observe.usage import (
     RunCost,
     UsageMeter,
     process_cpu_seconds,
+    process_rss_gib,
     with_descendants,
 )
 
@@ -66,6 +67,35 @@ def test_the_meter_sums_every_process_of_a_role_and_counts_held_gpus_by_wall_tim
     assert hours["trainer"][CPU_CORE] == pytest.approx(process_cpu_seconds(me) / 3600, rel=0.05)
     meter.sample({2**22 + 7: "rollout"}, now=170.0, gpus={})  # no such process: nothing is counted
     assert "rollout" not in meter.device_hours()
+
+
+@pytest.mark.integration
+def test_memory_is_judged_from_the_first_reading_after_the_first_step_of_the_processes_up_then():
+    # The child holds 64 MiB more once told to (a line on stdin): after settle, as a leak would.
+    grow = 'import sys\nprint(1, flush=True)\nsys.stdin.readline()\nheld = b"x" * (64 << 20)\nprint(2, flush=True)\n'
+    child = subprocess.Popen(
+        [sys.executable, "-c", grow + "sys.stdin.readline()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout.readline() == "1\n"
+        meter = UsageMeter()
+        meter.sample({child.pid: "rollout"}, now=0.0, gpus={})
+        assert meter.memory_trends() == []  # loading: nothing is judged before the first step
+        meter.settle()
+        settled = process_rss_gib(child.pid)
+        assert [(t.settled_gib, t.last_gib) for t in meter.memory_trends()] == [(settled, settled)]
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "2\n"
+        meter.sample({child.pid: "rollout"}, now=2.0, gpus={})
+        meter.sample({os.getpid(): "reward"}, now=2.0, gpus={})  # first seen after the first step: a restart
+        [trend] = meter.memory_trends()
+        assert (trend.role, trend.pid) == ("rollout", child.pid)
+        assert trend.settled_gib == pytest.approx(settled, abs=2 / 1024)
+        assert trend.last_gib - trend.settled_gib == pytest.approx(64 / 1024, abs=4 / 1024)
+    finally:
+        child.kill()
+        child.wait()
 
 
 @pytest.mark.integration

@@ -5,6 +5,11 @@
 which GPUs hold the process (each GPU a process holds counts its wall time as a GPU-hour, busy or not: a held GPU
 is a paid GPU). A restarted process starts a new count; the role's total is the sum of all its processes.
 
+Each sample also reads every process's resident memory. Once the run's first step is done (``settle``: the
+optimizer, the engines' caches and the first batch's buffers are allocated), each running process's memory then is
+its settled memory; ``memory_trends`` gives it beside the last reading, for ``rlpipe verify`` to tell a leak in any
+role.
+
 ``RunCost`` turns the totals into what an operator budgets with: device-hours per role and, with
 ``cost.per_device_hour`` set, the cost of the run, per training step and per held-out accuracy point gained
 (one point = 0.01 accuracy).
@@ -36,6 +41,15 @@ def process_cpu_seconds(pid: int) -> float | None:
         return None
     # Fields 14 and 15 of stat (utime, stime), counted from the ")" that ends the command name.
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_rss_gib(pid: int) -> float | None:
+    """Resident memory of process ``pid`` in GiB; None once it is gone."""
+    try:
+        resident_pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return resident_pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 def with_descendants(pid: int) -> list[int]:
@@ -71,6 +85,18 @@ class _Process:
     cpu_s: float = 0.0  # as last read
     gpu_s: float = 0.0  # GPU-seconds held so far
     seen: float | None = None  # when it was last sampled
+    rss_gib: float | None = None  # as last read
+    settled_rss_gib: float | None = None  # read when the run's first step was done
+
+
+@dataclass(frozen=True)
+class MemoryTrend:
+    """One process's resident memory from the first reading after the run's first step to the last."""
+
+    role: str
+    pid: int
+    settled_gib: float
+    last_gib: float
 
 
 @dataclass
@@ -91,6 +117,22 @@ class UsageMeter:
             if process.seen is not None:
                 process.gpu_s += gpus.get(pid, 0) * (now - process.seen)
             process.seen = now
+            process.rss_gib = process_rss_gib(pid)
+
+    def settle(self) -> None:
+        """The run's first step is done: each process sampled so far and still running has its memory read now as
+        its settled memory. One started later (a restart) is still loading then, so it has none."""
+        for pid, process in self.processes.items():
+            if process.settled_rss_gib is None and (rss := process_rss_gib(pid)) is not None:
+                process.settled_rss_gib = process.rss_gib = rss
+
+    def memory_trends(self) -> list[MemoryTrend]:
+        """Every process with a settled reading, from it to its last."""
+        return [
+            MemoryTrend(p.role, pid, p.settled_rss_gib, p.rss_gib)
+            for pid, p in self.processes.items()
+            if p.settled_rss_gib is not None and p.rss_gib is not None
+        ]
 
     def device_hours(self) -> dict[str, dict[str, float]]:
         """role -> {"cpu-core": core-hours, "gpu": GPU-hours}."""
