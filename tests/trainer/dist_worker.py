@@ -33,6 +33,7 @@ from services.trainer.follower import follow
 from services.trainer.learner import Learner
 
 RECORDED = ("loss", "pg_loss", "kl_ref", "entropy", "grad_norm", "clipfrac", "approx_kl", "learning_rate")
+RECORDED += ("value_loss", "value_mean", "explained_variance")  # PPO's critic, where the algorithm has one
 EVAL_ROWS = 8
 
 

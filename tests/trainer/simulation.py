@@ -22,6 +22,7 @@ import logging
 import random
 import shutil
 from collections import Counter
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -145,8 +146,8 @@ class SimStore:
             self.fail_next -= 1
             raise OSError("simulated store outage")
 
-    def put(self, key: str, data: bytes) -> None:
-        self._call()
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
+        self._call()  # tags select lifecycle rules, which the simulation has none of
         self.effects.effect(f"store put {key}")
         self.objects[key] = bytes(data)
 

@@ -6,6 +6,7 @@ after the manifest landed failed the save, and the re-save deleted the good copy
 
 import json
 import logging
+from collections.abc import Mapping
 
 import pytest
 
@@ -57,10 +58,10 @@ class Observed:
     def __init__(self, store: ObjectStore, look):
         self.store, self.url, self.look, self.writes = store, store.url, look, []
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
         self.look()
         self.writes.append(("put", key))
-        self.store.put(key, data)
+        self.store.put(key, data, tags)
 
     def delete(self, keys: list[str]) -> None:
         self.look()
@@ -82,11 +83,11 @@ class PutsFailAfter:
     def __init__(self, store: ObjectStore, allowed: int):
         self.store, self.url, self.allowed, self.puts = store, store.url, allowed, []
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
         if len(self.puts) == self.allowed:
             raise OSError("store went away")
         self.puts.append(key)
-        self.store.put(key, data)
+        self.store.put(key, data, tags)
 
     def __getattr__(self, name):
         return getattr(self.store, name)

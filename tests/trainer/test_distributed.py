@@ -152,9 +152,10 @@ def test_two_processes_take_the_steps_of_one(tiny_model, runs):
     assert (final["model.embed_tokens.weight"] - base["model.embed_tokens.weight"]).abs().max() > 1e-3
 
 
-def test_two_processes_take_the_steps_of_one_on_episodes_with_inserted_tokens(setup):
-    """Multi-turn trajectories (three inserted tokens masked out of every completion): the loss masks travel to
-    every rank and the sharded steps match one process's."""
+def test_two_processes_take_the_steps_of_one_on_ppo_episodes_with_inserted_tokens(setup):
+    """Multi-turn trajectories (three inserted tokens masked out of every completion) under PPO, whose critic is
+    sharded too and whose values and GAE must skip the inserted tokens: the loss masks travel to every rank and the
+    sharded steps (policy and value losses alike) match one process's. GRPO's sharded steps are the tests above."""
     tmp, config, _ = setup
     cfg = load_config(config)
     groups = experience(cfg, load_jsonl(cfg.data.train_path)[:6], observation=[11, 12, 13])
@@ -164,12 +165,14 @@ def test_two_processes_take_the_steps_of_one_on_episodes_with_inserted_tokens(se
     # the summation-order difference grow to 1e-4 in the loss): at half the rate it stays near 1e-6, as on one turn.
     slower = yaml.safe_load(config.read_text())
     slower["train"]["learning_rate"] = 1e-4
+    slower["train"]["algorithm"] = "ppo"
     masked_config = tmp / "masked-config.yaml"
     masked_config.write_text(yaml.safe_dump(slower))
     masked_setup = (tmp, masked_config, masked)
     two = torchrun(masked_setup, "two-masked", "--store", str(tmp / "store-two-masked"))
     one = alone(masked_setup, "one-masked", "--store", str(tmp / "store-one-masked"))
     assert_same_steps(two, one, range(1, STEPS + 1))
+    assert {"pg_loss", "value_loss", "explained_variance"} <= run_of(one)["steps"]["1"].keys()  # the critic trained
 
 
 def test_weight_sync_serves_the_gathered_full_weights_under_every_name(runs):
