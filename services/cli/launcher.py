@@ -404,6 +404,12 @@ class Launcher:
         """Stop every process (SIGTERM, then SIGKILL after its own grace); returns the services that failed."""
         self.sample_usage(every_s=0)  # the last reading of each process before it goes
         running = [child for child in self.children if child.process.poll() is None]
+        # A stage seen not ready would be killed at once. A short run can be done before the launcher has read a
+        # stage's ready entry (wait_ready stops waiting once the trainer is done): read the entries first.
+        unseen = [child for child in running if child.ready is None and child.role != "trainer"]
+        if unseen and self.presence is not None and self.presence.await_reading(timeout_s=3.0):
+            for child in unseen:
+                self.note_ready(child)
         for child in running:
             child.process.send_signal(signal.SIGTERM)
         started = time.monotonic()

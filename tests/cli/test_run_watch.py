@@ -14,13 +14,15 @@ from pathlib import Path
 
 import pytest
 
+from services.cli.children import Child
+from services.cli.launcher import Launcher
 from services.cli.run_watch import PresenceWatch, RunRecord
 from services.common.config import RunConfig, load_config
 from services.common.service import announce_ready
 from services.common.transport.bus import Bus
 from services.common.transport.nats_auth import RoleKey
 from services.common.transport.presence import Presence, open_bucket
-from tests.conftest import keyed_nats, write_config
+from tests.conftest import ROOT, keyed_nats, write_config
 
 
 @pytest.fixture
@@ -110,3 +112,67 @@ def test_the_record_reads_only_what_is_written_after_the_launch(config_only_mode
     assert [row["step"] for row in steps] == [4] and evaluations == [{"step": 4, "eval_accuracy": 0.6}]
     assert [row["kind"] for row in record.new_events()] == ["pause", "done"]
     assert record.done == {"kind": "done", "step": 4, "steps": 4}
+
+
+# A stage that reports itself ready on the run's broker (with the reward role's key) and drains for half a second
+# after SIGTERM, exiting 0, as a stage does.
+READY_THEN_DRAINS = """
+import asyncio, signal, sys
+from services.common.config import load_config
+from services.common.service import announce_ready
+from services.common.transport.bus import Bus
+from services.common.transport.presence import Presence
+
+nats = {"url": sys.argv[2], "nkey_seed_file": sys.argv[3]}
+cfg = load_config(sys.argv[1], nats=nats, service={"instance": "reward-0"})
+
+async def main():
+    bus = await Bus(cfg, "reward").connect()
+    presence = await Presence(bus.js, cfg, "reward").start(grpc="127.0.0.1:1")
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await announce_ready(presence, grpc="127.0.0.1:1")
+    print("ready", flush=True)
+    await stop.wait()
+    await asyncio.sleep(0.5)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.integration
+def test_a_stage_ready_before_the_launcher_read_it_gets_its_stop_grace_instead_of_a_kill(secured, tmp_path):
+    """A run done before the launcher read a stage's ready entry (wait_ready stops waiting once the trainer is done)
+    stops that stage as a ready one: it drains and exits 0, and the run reports no failed service."""
+    cfg, keys = secured
+    as_trainer = cfg.model_copy(
+        update={"nats": cfg.nats.model_copy(update={"nkey_seed_file": keys["trainer"].seed_file})}
+    )
+
+    async def create_bucket() -> None:  # the trainer's part at a run's start
+        bus = await Bus(as_trainer, "trainer").connect()
+        await open_bucket(bus.js, as_trainer)
+        await bus.close()
+
+    asyncio.run(create_bucket())
+    config = tmp_path / "c.yaml"
+    stage = subprocess.Popen(
+        [sys.executable, "-c", READY_THEN_DRAINS, str(config), cfg.nats.url, str(keys["reward"].seed_file)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    launcher = Launcher(cfg, config, resume=False)
+    try:
+        assert stage.stdout.readline() == "ready\n"
+        child = Child("reward-0", "reward", stage, tmp_path / "reward-0.log", log_max_bytes=2**20, log_keep=1)
+        child.spawned_at = 0.0  # the entry was written after the launch
+        launcher.children = [child]
+        launcher.presence = PresenceWatch(cfg, cfg.nats.url, keys["operator"].seed_file).start()
+        assert child.ready is None  # never seen ready: killed at once without a fresh reading
+        assert launcher.stop() == []
+        assert stage.returncode == 0
+    finally:
+        if stage.poll() is None:
+            stage.kill()
+            stage.wait()
