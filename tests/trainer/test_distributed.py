@@ -105,7 +105,9 @@ def worker(setup, name: str, launcher: list[str], *options: str) -> Path:
         text=True,
         timeout=TORCHRUN_TIMEOUT_S,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    # torchrun interleaves the ranks' output: the first rank to fail says why, the others only that it went.
+    first_error = next((line for line in done.stderr.splitlines() if "Error" in line), "")
+    assert done.returncode == 0, f"first error: {first_error}\n" + done.stdout[-3000:] + done.stderr[-6000:]
     return out
 
 
