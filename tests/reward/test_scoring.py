@@ -262,14 +262,10 @@ def test_the_environments_own_reward_is_a_weighted_part_when_given_a_weight(rule
     assert alone.rewards.tolist() == [1.0, -0.5, 0.0]
 
 
-def test_an_environment_weight_without_an_environment_is_refused_naming_the_field(tmp_path):
-    model, data = tmp_path / "model", tmp_path / "data"
-    model.mkdir()
-    data.mkdir()
-    (model / "config.json").write_text("{}")
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    config = write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", reward={"environment_weight": 1.0})
+def test_an_environment_weight_without_an_environment_is_refused_naming_the_field(tmp_path, config_only_model):
+    config = write_config(
+        tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", reward={"environment_weight": 1.0}
+    )
     with pytest.raises(ConfigError, match=r"reward\.environment_weight=1 weighs an environment's reward"):
         load_config(config)
     with pytest.raises(ValueError, match=r"may not use the names \['environment'\]"):

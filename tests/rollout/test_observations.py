@@ -126,14 +126,8 @@ def test_a_turn_cut_by_its_stop_string_gets_its_eos_before_the_message_masked_ou
     assert state.mask.count(1) == first + 2  # the model's tokens only: its two turns, the second with EOS
 
 
-def test_a_rollout_whose_model_cannot_wrap_observations_refuses_to_start(tmp_path):
-    model, data = tmp_path / "model", tmp_path / "data"
-    model.mkdir()
-    data.mkdir()
-    (model / "config.json").write_text("{}")
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+def test_a_rollout_whose_model_cannot_wrap_observations_refuses_to_start(tmp_path, config_only_model):
     rollout = {"environment": "calculator", "observation_role": "tool"}
-    cfg = load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", rollout=rollout))
+    cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", rollout=rollout))
     with pytest.raises(StartRefused, match=r"rollout\.observation_role='tool' wraps observations in the model's chat"):
         EpisodeRunner(cfg, build_char_tokenizer(), on_engine=None, generate_turns=None)
