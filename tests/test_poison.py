@@ -20,7 +20,7 @@ import pytest
 from services.cli.dead_letters import list_dead_letters, operator_options
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
 from services.common.transport.streams import stream_name, subject
-from tests.conftest import metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.conftest import metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -110,7 +110,7 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
     run_dir = tmp_path / "runs" / "poison"
     with running_pipeline(config) as run:
         wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "the first step", run)
-        nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+        nats_url = run_info(run_dir, run)["nats_url"]
         operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
         flooded = asyncio.run(flood(nats_url, "poison", operator))
         wait_for(

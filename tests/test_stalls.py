@@ -8,7 +8,6 @@ real pipeline.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
 import subprocess
@@ -30,7 +29,7 @@ from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_nam
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
-from tests.conftest import create_run_state, metric_rows, running_pipeline, wait_for, write_config
+from tests.conftest import create_run_state, metric_rows, run_info, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.unit
 
@@ -227,7 +226,7 @@ def test_a_sigstopped_rollout_fires_steps_absent_and_service_down(tiny_model, tm
     run_dir = runs / "stall"
     with running_pipeline(config) as process:
         wait_for(lambda: len([r for r in metric_rows(run_dir) if "pg_loss" in r]) >= 2, "the first steps", process)
-        rollout = json.loads((run_dir / "run.json").read_text())["pids"]["rollout-0"]
+        rollout = run_info(run_dir, process)["pids"]["rollout-0"]
         stopped_at = time.time()
         os.kill(rollout, signal.SIGSTOP)
         try:

@@ -1,6 +1,6 @@
 """Reward: ROLLOUTS -> SCORED, one scalar reward per completion and the parts it is made of.
 
-A replica scores with up to three sources, each a *part* with a weight:
+A replica scores with up to five sources, each a *part* with a weight:
 
 - rule functions (``reward.functions``: built-in names or ``module:function`` plugins), run in a
   child process under ``reward.function_timeout_s`` per call (``services.reward.sandbox``);

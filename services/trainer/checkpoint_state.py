@@ -142,11 +142,7 @@ class LearnerLayout:
         # recorded has none to compare.
         if saved != self.base_model[1] and (self.adapters or saved):
             holds = "adapters for the base model" if self.adapters else "weights trained from the model"
-            why = (
-                ""
-                if self.adapters
-                else " (the run's tokenizer and, unless reference.model_path is set, its KL reference come from it)"
-            )
+            why = "" if self.adapters else " (unless reference.model_path is set, the run's KL reference is that model)"
             raise CheckpointMismatch(
                 f"step {ckpt.step} holds {holds} {ckpt.state.base_model_path or '-'} (sha256 {saved or 'none'}); "
                 f"this run's model.path {self.base_model[0] or self.model_path} is sha256 {self.base_model[1]}{why}. "
@@ -225,8 +221,9 @@ class TrainerState:
     # The highest policy version served by the time of the save, abandoned branches included: a restart whose
     # lineage.jsonl lost its tail still serves versions past it. 0 in files from before it was kept.
     version_high_water: int = 0
-    # With model.lora the weights saved are adapters only, meaningful over exactly one base model: its path and
-    # content hash (services/common/model/lora.py, base_identity). "" for full weights.
+    # The model the run started from: its path and content hash (services/common/model/lora.py, base_identity).
+    # With model.lora the weights saved are adapters only, meaningful over exactly that base; "" in a full-weight
+    # step saved before the hash was recorded.
     base_model_path: str = ""
     base_model_sha256: str = ""
     # The dtype the weights were saved in when it is not the master weights' (checkpoint.weights_dtype: serving); a

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import math
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from services.common.config import RunConfig
 from services.common.model.evaluation import greedy_accuracy
-from services.common.model.lora import adapter_tensors, attach_adapters, base_identity
+from services.common.model.lora import adapter_tensors, attach_adapters, base_identity_in_background
 from services.common.model.modeling import (
     Precision,
     ResponseBatch,
@@ -132,17 +131,15 @@ class Learner:
         train = cfg.train
         self.precision = replace(Precision.of(cfg.model, train.master_weights), device=device)
         self.device = self.precision.device
-        # The base model's content hash, read beside the load (hashlib lets go of the GIL): a checkpoint records it,
-        # and a resume over other weights or another tokenizer's model is refused (LearnerLayout.check).
-        hashing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="base-hash")
-        base_hash = hashing.submit(base_identity, cfg.model.path)
-        hashing.shutdown(wait=False)
+        # model.path's content hash, read beside the load: a checkpoint records it, and a resume over other weights
+        # is refused (LearnerLayout.check).
+        base_hash = base_identity_in_background(cfg.model.path)
         self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         # With LoRA only the adapters train: the names a checkpoint, the optimizer and weight sync hold (None: all).
         self.adapter_names: set[str] | None = None
-        self.base_model: tuple[str, str] = base_hash.result()  # path and content hash of the model the run started
+        self.base_model: tuple[str, str] = base_hash()  # path and content hash of the model the run started from
         if cfg.model.lora is not None:
             self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}

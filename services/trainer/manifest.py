@@ -92,7 +92,8 @@ class Manifest:
     policy_version: int = 0
     version_high_water: int = 0  # the highest policy version served by the time of the save
     last_experience_seq: int | None = None  # None: not recorded, so the replay floor is unknown
-    # Adapters only (model.lora): the base they were trained over, {"path", "sha256"}; None for full weights.
+    # The model the run started from (model.lora: the base the adapters sit on), {"path", "sha256"}; None in a
+    # full-weight step saved before the hash was recorded.
     base_model: dict[str, str] | None = None
 
     @classmethod

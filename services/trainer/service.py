@@ -32,6 +32,7 @@ from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
+from services.common.refusal import StartRefused
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.messages import reward_part_means
@@ -40,6 +41,7 @@ from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, BrokerStateLost
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
+from services.rollout.observations import observation_format
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.control import Control, RunState
@@ -94,6 +96,11 @@ class Trainer:
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
         self.eval_rows = render_rows(eval_rows, learner.tokenizer)
+        if self.eval_rows and cfg.rollout.multi_turn:
+            try:  # the held-out episodes wrap observations as the rollouts do: a model that cannot is refused now
+                observation_format(learner.tokenizer, cfg.rollout.observation_role)
+            except ValueError as error:
+                raise StartRefused(str(error)) from None
         self.lineage = Lineage(cfg.run_dir / "lineage.jsonl")
         self.samples = SampleArchive(cfg.run_dir / "samples", cfg.telemetry.samples_keep_steps)
         self.telemetry = TrainerMetrics()

@@ -418,3 +418,23 @@ def test_a_restarted_trainer_is_told_the_lease_holder_of_the_process_the_launche
     assert restart_env(trainer) == {"RLPIPE_CHECKPOINT__RESUME": "true", "RLPIPE_TRAINER__TAKEOVER_FROM": "host:4242"}
     rollout = Child("rollout-0", "rollout", exited, Path("/dev/null"), log_max_bytes=1, log_keep=1)
     assert restart_env(rollout) == {"RLPIPE_CHECKPOINT__RESUME": "true"}
+
+
+@pytest.mark.e2e
+def test_an_observation_role_the_models_template_cannot_wrap_ends_the_run_with_2_naming_the_field(tiny_model, tmp_path):
+    """The tiny model has no chat template: the rollout (and the trainer, for its held-out episodes) refuse at start
+    rather than run episodes they cannot render; whichever refuses first, the reason is the field's."""
+    model_dir, data_dir = tiny_model
+    rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "observation_role": "tool"}
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        rollout=rollout,
+        reward={"functions": {"final_number": 1.0}},
+    )
+    done = rlpipe_run(config)
+    assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
+    reason = "rollout.observation_role='tool' wraps observations in the model's chat template, and the model has none"
+    assert done.stderr.count(reason) == 1, done.stderr[-3000:]

@@ -187,9 +187,16 @@ def test_a_rows_info_column_reaches_the_prompt_its_environment_resets_from(tmp_p
     prompt = PromptFeeder(read_rows(path, columns), seed=0, shuffle=False).next()
     assert decode(encode(prompt), Prompt).info == {"seed": 11, "hint": "odd"}  # on the wire to the rollout
 
-    (tmp_path / "bad.jsonl").write_text('{"prompt": "Guess.", "answer": "7", "info": [11, "odd"]}\n')
-    with pytest.raises(ValueError, match="field 'info' must be a JSON object"):
-        load_jsonl(tmp_path / "bad.jsonl")
+    # Text holding an object (a CSV cell) is one; under the default name anything else is no environment's info
+    # and is left out, so a dataset with an unrelated "info" column still loads.
+    lines = [{"info": '{"seed": 3}'}, {"info": [11, "odd"]}, {"info": "easy"}]
+    (tmp_path / "mixed.jsonl").write_text(
+        "".join(json.dumps({"prompt": "Guess.", "answer": "7"} | r) + "\n" for r in lines)
+    )
+    assert [row.get("info") for row in read_rows(tmp_path / "mixed.jsonl", DataColumns())] == [{"seed": 3}, None, None]
+    # Under a name the config sets, a value that is not an object is the row's fault, reported at start.
+    with pytest.raises(DatasetError, match="2 bad of 3 lines: line 2: field 'info' must be a JSON object"):
+        read_rows(tmp_path / "mixed.jsonl", DataColumns(info="info"))
 
 
 def test_unusable_rows_are_reported_at_start_with_their_index_and_reason(tiny_model, tmp_path):

@@ -347,3 +347,12 @@ def test_every_object_of_a_step_on_s3_is_tagged_for_the_checkpoint_rule_and_the_
     assert {key.rsplit("/", 1)[1] for key in in_step} >= {MANIFEST, STABLE, "model.safetensors", "config.json"}
     assert {key: tags(key) for key in in_step} == {key: dict([CHECKPOINT_TAG]) for key in in_step}
     assert tags(f"run-t/{FENCE}") == {}  # the run's bookkeeping is no rule's to expire
+
+
+@pytest.mark.integration
+def test_a_store_told_it_has_no_object_tagging_stores_what_would_be_tagged_untagged(s3_env):
+    cfg = CheckpointConfig(s3_endpoint=s3_env, s3_secure=False, s3_object_tags=False)
+    raw = open_store(f"s3://rlpipe-test/untagged-{uuid.uuid4().hex}", cfg)
+    raw.put("run-u/step-00000001/manifest.json", b"{}", dict([CHECKPOINT_TAG]))
+    assert raw.get("run-u/step-00000001/manifest.json") == b"{}"
+    assert dict(raw.client.get_object_tags(raw.bucket, raw._key("run-u/step-00000001/manifest.json")) or {}) == {}

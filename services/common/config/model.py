@@ -69,8 +69,9 @@ class DataColumns(Section):
     info: str = Field(
         "info",
         min_length=1,
-        description="a JSON object with what the row's environment needs (test cases, a game's seed), given to its "
-        "reset as Task.info (optional; multi-turn runs, docs/agents.md)",
+        description="a JSON object (or text holding one) with what the row's environment needs (test cases, a "
+        "game's seed), given to its reset as Task.info (optional; multi-turn runs, docs/agents.md). Under the "
+        "default name a value that is not one is left out; under a name you set it is a bad row",
     )
 
 

@@ -49,6 +49,12 @@ class CheckpointConfig(Section):
     s3_region: str = Field("us-east-1", description="the S3 region requests are signed for")
     s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
     s3_parallel_uploads: int = Field(4, ge=1, description="multipart parts one upload sends at once (parts)")
+    s3_object_tags: bool = Field(
+        True,
+        description="tag what is stored (claim bodies, checkpoint steps, run archives) for the bucket's lifecycle "
+        "rules (docs/operations.md), which needs s3:PutObjectTagging; false for an S3-compatible store without "
+        "object tagging (then no rule can select them)",
+    )
     mirror_url: str = Field(
         "", description="a second store (file:// or s3:// on the same endpoint) that gets a copy of every step"
     )

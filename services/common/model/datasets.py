@@ -112,10 +112,12 @@ def prompt_row(record: Mapping[str, Any], columns: DataColumns) -> dict[str, Any
     if record.get(columns.id) is not None:
         row["id"] = str(record[columns.id])
     if record.get(columns.info) is not None:
-        info = record[columns.info]
-        if not isinstance(info, dict) or not all(isinstance(key, str) for key in info):
+        info = json_object(record[columns.info])
+        if info is not None:
+            row["info"] = info
+        elif "info" in columns.model_fields_set:  # named for the environment: a value it cannot take is the row's fault
             raise BadRow(f"field {columns.info!r} must be a JSON object (what the row's environment needs)")
-        row["info"] = info
+        # A column that merely happens to be called "info" holds something else: no environment's, left out.
     has_messages = record.get(columns.messages) is not None
     if has_messages and record.get(columns.prompt) is not None:
         raise BadRow(f"has both {columns.prompt!r} and {columns.messages!r}; give one")
@@ -130,6 +132,22 @@ def prompt_row(record: Mapping[str, Any], columns: DataColumns) -> dict[str, Any
         raise BadRow(f"missing or non-string field {columns.prompt!r} (or give {columns.messages!r})")
     row["prompt"] = record[columns.prompt]
     return row
+
+
+def json_object(value: Any) -> dict[str, Any] | None:
+    """``value`` as a JSON object of plain values (a dict, or text holding one, as a CSV cell does); None when it is
+    not one (another type, or values JSON cannot hold, such as a timestamp)."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(value, dict):
+        return None
+    try:
+        return json.loads(json.dumps(value))  # plain values only: what a message and an HTTP body carry
+    except (TypeError, ValueError):
+        return None
 
 
 def _jsonl_record(raw: bytes) -> dict[str, Any]:

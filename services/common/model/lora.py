@@ -9,7 +9,8 @@ weight sync, exports and vLLM's adapter folders use peft's saved form, ``base_mo
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -133,3 +134,27 @@ def base_identity(path: Path) -> tuple[str, str]:
             while chunk := stream.read(1 << 24):
                 digest.update(chunk)
     return str(path), digest.hexdigest()
+
+
+def base_identity_in_background(path: Path) -> Callable[[], tuple[str, str]]:
+    """``base_identity(path)`` on a thread of its own (hashlib lets go of the GIL, so it overlaps the model's load);
+    the call returned waits for it and gives its result or raises its error. A daemon thread: a start that fails
+    meanwhile exits without waiting out the hash of a large model."""
+    outcome: list[tuple[str, str] | BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(base_identity(path))
+        except BaseException as error:  # handed to the caller, which raises it where the learner is built
+            outcome.append(error)
+
+    thread = threading.Thread(target=run, name="base-hash", daemon=True)
+    thread.start()
+
+    def result() -> tuple[str, str]:
+        thread.join()
+        if isinstance(found := outcome[0], BaseException):
+            raise found
+        return found
+
+    return result

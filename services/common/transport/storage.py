@@ -130,6 +130,7 @@ class S3Store:
         self.prefix = prefix.strip("/")
         self.part_size = cfg.s3_part_mib << 20
         self.parallel_uploads = cfg.s3_parallel_uploads
+        self.object_tags = cfg.s3_object_tags
         self.url = f"s3://{bucket}/{self.prefix}"
         # The bucket is made by the first put (put recreates a missing one): opening a store never needs the
         # endpoint, so a trainer starts, and a resume waits for an unreachable store instead of crashing.
@@ -157,7 +158,7 @@ class S3Store:
         from minio.commonconfig import Tags
 
         object_tags = None
-        if tags:
+        if tags and self.object_tags:
             object_tags = Tags(for_object=True)
             object_tags.update(tags)
         # Above part_size the SDK sends a multipart upload, parallel_uploads parts at a time.
