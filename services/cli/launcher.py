@@ -209,6 +209,8 @@ class Launcher:
         waiting = list(children)
         while waiting:
             self.log_run_events(console)  # a trainer restores its run (resume, a hold) before it is ready
+            # Starting counts too, and a short run's trainer can be done before follow() samples it.
+            self.sample_usage()
             if self.record.done and all(child.role != "trainer" for child in waiting):
                 return  # the trainer finished already (a resumed run at its last step): no stage is needed
             for child in list(waiting):
