@@ -419,7 +419,7 @@ def main() -> None:
     if args.write_doc:
         command = "python -m bench.vs_trl " + " ".join(sys.argv[1:])
         write_doc_section(
-            ROOT / "docs" / "performance.md", task.name, results_table(task, summaries, ratios, machine, command)
+            ROOT / "docs" / "performance.md", task.name, results_table(summaries, ratios, machine, command)
         )
         print("wrote the table into docs/performance.md")
 
