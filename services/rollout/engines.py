@@ -12,6 +12,7 @@ LoRA, or ``rollout.lora: merge`` says so, the adapter is merged into the base we
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -48,6 +49,7 @@ class Generation:
 
 class Engine(Protocol):
     lora_mode: str  # "off" (full weights), "adapter" or "merge"
+    end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
@@ -70,6 +72,17 @@ class EngineUnavailable(DependencyUnavailable):
 def serving_dtype(cfg: RunConfig) -> str:
     """The dtype the rollout's engine holds its weights in, and so the one to pull them in."""
     return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+
+
+def end_token_ids(model_path: Path, eos_token_id: int | None) -> frozenset[int]:
+    """The tokens vLLM ends a generation on: the tokenizer's EOS and every ``eos_token_id`` of the model's
+    generation_config.json (a chat model may list its end-of-message token beside the end of text)."""
+    ids = {eos_token_id} if eos_token_id is not None else set()
+    config = Path(model_path) / "generation_config.json"
+    if config.is_file():
+        listed = json.loads(config.read_text()).get("eos_token_id")
+        ids.update(listed if isinstance(listed, list) else [] if listed is None else [listed])
+    return frozenset(ids)
 
 
 def max_tokens_for(prompt_len: int, sampling: SamplingConfig, max_seq_len: int) -> int:
@@ -153,6 +166,7 @@ class VllmEngine:
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapters_loaded = 0
         self.tokenizer = self.llm.get_tokenizer()
+        self.end_tokens = end_token_ids(cfg.model.path, self.tokenizer.eos_token_id)
 
     def generate(
         self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
@@ -249,6 +263,7 @@ class HfEngine:
     def __init__(self, cfg: RunConfig):
         self.model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.end_tokens = frozenset({self.tokenizer.eos_token_id})  # _group stops on the tokenizer's EOS alone
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
         self.merger = AdapterMerger(self.model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None

@@ -2,16 +2,20 @@
 
 Each turn, one engine call continues every episode that is ready (continuous batching); an episode whose
 environment is still stepping waits outside the engine and joins the next call after it answers, so a slow tool
-holds only its own episode. Token in, token out: the model's tokens are kept exactly as sampled (loss mask 1,
-their sampling logprobs) and an observation is tokenized once, alone, and appended (loss mask 0, logprob 0),
-verbatim or as a chat message (``observations.py``); nothing earlier is ever re-tokenized.
+holds only its own episode. The call is shared across the batches a replica has in hand
+(``rollout.episode_batches``, the rollout stage's lanes): ``TurnBatcher`` gathers the ready turns of all of them,
+so a batch whose last episodes wait on their environment holds neither the engine nor the next batch.
+
+Token in, token out: the model's tokens are kept exactly as sampled (loss mask 1, their sampling logprobs) and an
+observation is tokenized once, alone, and appended (loss mask 0, logprob 0), verbatim or as a chat message
+(``observations.py``); nothing earlier is ever re-tokenized.
 
 An episode ends with a named outcome (``Episode.outcome``): ``done`` (the environment said so, or the model
-ended its answer with EOS where EOS does not just end a chat message), ``max_turns``, ``max_tokens`` (no room
-left for another turn), ``truncated`` (an observation over ``rollout.max_observation_tokens`` or the room left),
-``env_error`` (the environment raised or answered nonsense) or ``timeout`` (a step past
-``rollout.environment_timeout_s``). None of them fails the group: the environment's fault is the episode's
-outcome, counted in the metrics, and the completion is trained on as it is.
+ended its answer with an end token, ``Engine.end_tokens``, where that does not just end a chat message),
+``max_turns``, ``max_tokens`` (no room left for another turn), ``truncated`` (an observation over
+``rollout.max_observation_tokens`` or the room left), ``env_error`` (the environment raised or answered nonsense)
+or ``timeout`` (a step past ``rollout.environment_timeout_s``). None of them fails the group: the environment's
+fault is the episode's outcome, counted in the metrics, and the completion is trained on as it is.
 """
 
 from __future__ import annotations
@@ -224,9 +228,13 @@ async def run_episodes(
     limits: EpisodeLimits,
     tokenizer: Tokenizer,
     observations: ObservationFormat,
+    end_tokens: frozenset[int] | None = None,
 ) -> None:
     """Run every episode to its end (each gets an ``outcome``), observations appended as ``observations`` says.
-    A prompt that leaves no room for a first turn is the prompt's fault: ValueError, as in single-turn generation."""
+    ``end_tokens``: what the engine ends a generation on (``Engine.end_tokens``; default the tokenizer's EOS),
+    read as the model ending its message. A prompt that leaves no room for a first turn is the prompt's fault:
+    ValueError, as in single-turn generation."""
+    ends = end_tokens if end_tokens is not None else frozenset({tokenizer.eos_token_id})
     for episode in episodes:
         if limits.max_seq_len - episode.prompt_len < 1:
             raise ValueError(f"prompt of {episode.prompt_len} tokens leaves no room under {limits.max_seq_len=}")
@@ -238,7 +246,7 @@ async def run_episodes(
                 turn_of, ready = ready, []
                 generations = await generate([e.context for e in turn_of], [e.room(limits) for e in turn_of])
                 for episode, generation in zip(turn_of, generations, strict=True):
-                    after = _after_turn(episode, generation, limits, tokenizer, observations)
+                    after = _after_turn(episode, generation, limits, ends, observations)
                     stepping.add(asyncio.create_task(after))
             finished, stepping = await asyncio.wait(stepping, return_when=asyncio.FIRST_COMPLETED)
             ready = [episode for task in finished if (episode := task.result()).outcome is None]
@@ -254,7 +262,7 @@ async def _after_turn(
     episode: EpisodeState,
     generation: Generation,
     limits: EpisodeLimits,
-    tokenizer: Tokenizer,
+    end_tokens: frozenset[int],
     observations: ObservationFormat,
 ) -> EpisodeState:
     """Record the model's turn, let the environment answer it, and either end the episode or append the answer."""
@@ -263,7 +271,7 @@ async def _after_turn(
     episode.logprobs += generation.logprobs.tolist()
     episode.mask += [1] * len(ids)
     episode.turns += 1
-    ended_with_eos = bool(ids) and ids[-1] == tokenizer.eos_token_id
+    ended_with_eos = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
     # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
     answered = not ids or (ended_with_eos and observations.eos_ends_episode)
     started = time.perf_counter()
@@ -296,6 +304,79 @@ async def _after_turn(
         episode.logprobs += [0.0] * len(observation)
         episode.mask += [0] * len(observation)
     return episode
+
+
+@dataclass
+class _TurnRequest:
+    contexts: list[list[int]]
+    max_tokens: list[int]
+    sampling: SamplingConfig
+    answer: asyncio.Future[list[Generation]]
+
+
+# (contexts, max new tokens for each, sampling) -> one turn each: one engine call.
+EngineTurns = Callable[[list[list[int]], list[int], SamplingConfig], Awaitable[list[Generation]]]
+
+
+class TurnBatcher:
+    """One engine call at a time, each taking every turn asked for since the last began, of every batch in hand.
+
+    A batch's ``generate`` waits while the engine serves a call; the turns asked for meanwhile, by it and by the
+    other batches, go together into the next call (those sampled alike: a live sampling change between batches
+    makes two calls). When a shared call fails, each batch's turns are tried alone, so one batch's bad context
+    costs only its own deliveries; a batch whose compute was abandoned has its answer dropped."""
+
+    def __init__(self, engine_turns: EngineTurns):
+        self.engine_turns = engine_turns
+        self.calls = 0  # engine calls made: fewer than the batches' requests when turns were shared
+        self._waiting: list[_TurnRequest] = []
+        self._serving: asyncio.Task[None] | None = None
+
+    async def generate(
+        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+    ) -> list[Generation]:
+        answer: asyncio.Future[list[Generation]] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_TurnRequest(contexts, max_tokens, sampling, answer))
+        if self._serving is None or self._serving.done():
+            self._serving = asyncio.create_task(self._serve())
+        return await answer
+
+    async def _serve(self) -> None:
+        try:
+            while self._waiting:
+                sampling = self._waiting[0].sampling
+                taken = [r for r in self._waiting if r.sampling == sampling and not r.answer.done()]
+                self._waiting = [r for r in self._waiting if r.sampling != sampling and not r.answer.done()]
+                if taken:
+                    await self._call(taken, sampling)
+        finally:  # cancelled with the rollout: nobody may wait for an answer that will not come
+            for request in self._waiting:
+                request.answer.cancel()
+
+    async def _call(self, taken: list[_TurnRequest], sampling: SamplingConfig) -> None:
+        contexts = [context for request in taken for context in request.contexts]
+        max_tokens = [tokens for request in taken for tokens in request.max_tokens]
+        self.calls += 1
+        try:
+            generations = await self.engine_turns(contexts, max_tokens, sampling)
+        except asyncio.CancelledError:
+            for request in taken:
+                request.answer.cancel()
+            raise
+        except Exception as error:
+            if len(taken) == 1:
+                if not taken[0].answer.done():
+                    taken[0].answer.set_exception(error)
+                return
+            for request in taken:  # whose turns failed it: each batch alone
+                await self._call([request], sampling)
+            return
+        start = 0
+        for request in taken:
+            end = start + len(request.contexts)
+            if not request.answer.done():
+                request.answer.set_result(generations[start:end])
+            start = end
 
 
 class EpisodeMetrics:
@@ -355,12 +436,20 @@ class EpisodeRunner:
         tokenizer: Tokenizer,
         on_engine: Callable[..., Awaitable[list[Generation]]],
         generate_turns: Callable[..., list[Generation]],
+        end_tokens: frozenset[int] | None = None,
     ):
         self.tokenizer = tokenizer
+        self.end_tokens = end_tokens
         self.limits = EpisodeLimits.of(cfg)
-        self.stop = list(cfg.rollout.turn_stop)
-        self.on_engine = on_engine  # runs an engine method on the engine's thread, judging its failures
-        self.generate_turns = generate_turns
+        stop = list(cfg.rollout.turn_stop)
+
+        async def engine_turns(
+            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+        ) -> list[Generation]:
+            # on_engine runs the call on the engine's thread and judges its failures
+            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+
+        self.turns = TurnBatcher(engine_turns)
         self.metrics = EpisodeMetrics()
         self.make_environment = environment_maker(cfg)
         try:
@@ -375,10 +464,10 @@ class EpisodeRunner:
         groups = await start_episodes(tasks, self.make_environment, sampling.group_size, self.tokenizer)
 
         async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
-            return await self.on_engine(self.generate_turns, contexts, max_tokens, sampling, self.stop)
+            return await self.turns.generate(contexts, max_tokens, sampling)
 
         episodes = [episode for group in groups for episode in group]
-        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations)
+        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens)
         for group in groups:
             self.metrics.record(group)
         return [

@@ -2,7 +2,9 @@
 
 Weights follow the trainer: a background task watches the trainer's versions over
 gRPC; before each batch the newest version is pulled and loaded into the engine in
-place, so every completion of a batch comes from one known version.
+place, so every completion of a batch comes from one known version. (Multi-turn with
+``rollout.episode_batches`` over 1: a sync may come between one batch's turns; the batch keeps the version it
+started under, and its later turns carry the newer policy's own sampling logprobs.)
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ class PolicyFollower:
         self.last_origin = ""  # where the last loaded version came from: "relay", "peer" or "trainer"
         self._peers: dict[str, WeightSyncClient] = {}
         self._prefetch: asyncio.Task[None] | None = None
+        self._syncing = asyncio.Lock()  # batches in hand at once (the stage's lanes) pull a version once
 
     async def watch(self) -> None:
         delay = 0.5
@@ -175,8 +178,11 @@ class PolicyFollower:
         """Load the newest version if it is not loaded yet. With the trainer away (restarting), keep the
         loaded one: the batch is tagged with it and the trainer judges its staleness, whereas failing the
         batch would spend its deliveries and, in a long outage, dead-letter healthy prompts."""
-        if self.newest == self.loaded and not self.torn:
-            return
+        async with self._syncing:
+            if self.newest != self.loaded or self.torn:
+                await self._sync()
+
+    async def _sync(self) -> None:
         started = time.perf_counter()
         for origin, open_stream in self._sources():
             stream = open_stream()
@@ -333,7 +339,11 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
 
-    episodes = EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns) if cfg.rollout.multi_turn else None
+    episodes = (
+        EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
+        if cfg.rollout.multi_turn
+        else None
+    )
 
     async def compute(prompts: list[Prompt]) -> list[RolloutGroup]:
         # Generating from half-loaded weights would tag wrong logprobs with a version: ready() holds the prompts.
@@ -358,7 +368,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             for prompt, ids, group in zip(prompts, prompt_ids, groups, strict=False)
         ]
 
-    stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout")
+    # Multi-turn: several batches in hand at once, their turns sharing the engine's calls (episodes.TurnBatcher).
+    lanes = cfg.rollout.episode_batches if episodes is not None else 1
+    stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout", lanes=lanes)
     await announce_ready(
         presence,
         grpc=address,

@@ -86,3 +86,53 @@ def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fr
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def test_a_stage_with_two_lanes_computes_a_second_batch_while_the_first_is_still_in_hand(
+    tiny_model, tmp_path, nats_url
+):
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id="lanes",
+            nats={"url": nats_url, "fetch_timeout_s": 0.2},
+        )
+    )
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+        other_done = asyncio.Event()
+        finished: list[str] = []
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            [group] = groups
+            if group.group_id == "a":  # held until the other batch is through: one lane alone would wait for ever
+                await asyncio.wait_for(other_done.wait(), timeout=20)
+            else:
+                other_done.set()
+            finished.append(group.group_id)
+            return [advance(group, ScoredGroup, rewards=np.zeros(len(group.completions), np.float32))]
+
+        stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward", lanes=2)
+        stop = asyncio.Event()
+        loop = asyncio.create_task(stage.run(stop))
+        await bus.publish(ROLLOUTS, rollout("a"), msg_id="a.rollout")
+        await asyncio.sleep(0.5)  # a is in one lane's hands before b is published
+        await bus.publish(ROLLOUTS, rollout("b"), msg_id="b.rollout")
+        for _ in range(100):
+            if stage.handled == 2:
+                break
+            await asyncio.sleep(0.1)
+        stop.set()
+        await loop
+        assert finished == ["b", "a"]
+        assert stage.handled == 2
+        assert sum(stage.time_share.fractions().values()) == pytest.approx(1.0)
+        await bus.close()
+
+    asyncio.run(scenario())

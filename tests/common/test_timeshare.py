@@ -1,8 +1,10 @@
 """The accounting of a loop's wall time by activity, on a clock the test moves by hand."""
 
+import asyncio
+
 import pytest
 
-from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
+from services.common.observe.timeshare import STAGE_PRECEDENCE, StageActivity, StepPhase, TimeShare, in_lane
 from services.common.transport.presence import SeenService, role_time_shares
 
 pytestmark = pytest.mark.unit
@@ -89,3 +91,35 @@ def test_a_roles_fractions_are_taken_over_the_seconds_of_all_its_replicas():
         "reward": {"busy": 0.5, "idle": 0.5, "blocked": 0.0},
         "rollout": {"busy": 0.75, "idle": 0.0, "blocked": 0.25},
     }
+
+
+def test_with_lanes_the_share_is_busy_while_any_lane_computes_and_blocked_only_while_none_does():
+    clock = FakeClock()
+    share = TimeShare(StageActivity.IDLE, clock, precedence=STAGE_PRECEDENCE)
+
+    async def lanes() -> None:
+        first_computing, second_done = asyncio.Event(), asyncio.Event()
+
+        async def first() -> None:
+            in_lane(0)
+            share.enter(StageActivity.BUSY)
+            first_computing.set()
+            await second_done.wait()
+            clock.advance(1.0)  # lane 0 computes alone
+            share.enter(StageActivity.IDLE)
+
+        async def second() -> None:
+            in_lane(1)
+            await first_computing.wait()
+            with share.during(StageActivity.BLOCKED):  # publishing while lane 0 computes: the stage is busy
+                clock.advance(2.0)
+            assert share.current == StageActivity.BUSY
+            second_done.set()
+
+        await asyncio.gather(first(), second())
+        assert share.current == StageActivity.IDLE  # both lanes idle
+        with share.during(StageActivity.BLOCKED):  # lane 0 (this task) held, the other idle: blocked
+            clock.advance(0.5)
+
+    asyncio.run(lanes())
+    assert share.seconds() == {StageActivity.BUSY: 3.0, StageActivity.IDLE: 0.0, StageActivity.BLOCKED: 0.5}

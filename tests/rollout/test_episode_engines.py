@@ -51,7 +51,7 @@ def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engi
     async def on_engine(call, *args):
         return await asyncio.get_running_loop().run_in_executor(engine_thread, call, *args)
 
-    runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns)
+    runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
     prompt = Prompt(group_id="g0", prompt_id="p0", prompt="12+34=", answer="46")
     [group] = asyncio.run(runner.groups([prompt], cfg.sampling.model_copy(update={"group_size": 2}), 0, 0))
     return group, engine, runner

@@ -8,11 +8,19 @@ import time
 import numpy as np
 import pytest
 
+from services.common.config import SamplingConfig
 from services.common.transport.breaker import DependencyUnavailable
 from services.rollout.engines import Generation
 from services.rollout.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
-from services.rollout.episodes import EpisodeLimits, EpisodeState, LocalEnvironment, run_episodes, start_episodes
-from services.rollout.observations import VerbatimObservations
+from services.rollout.episodes import (
+    EpisodeLimits,
+    EpisodeState,
+    LocalEnvironment,
+    TurnBatcher,
+    run_episodes,
+    start_episodes,
+)
+from services.rollout.observations import ChatObservations, VerbatimObservations
 
 pytestmark = pytest.mark.unit
 
@@ -159,6 +167,125 @@ def test_an_episode_waiting_on_its_tool_does_not_hold_the_others_turns():
     assert [state.turns for state in group] == [3, 3]
 
 
+def test_two_batches_in_hand_share_the_engines_calls_and_the_second_ends_while_the_firsts_tool_still_works():
+    tokenizer = CharTokenizer()
+    engine = ScriptedEngine(["<calc>1</calc>", "done\0"], tokenizer)
+    sampling = SamplingConfig(group_size=2)
+    batcher = TurnBatcher(lambda contexts, max_tokens, _: engine.generate(contexts, max_tokens))
+    ended: list[str] = []
+
+    async def batch(name: str, delay_s: float) -> list[EpisodeState]:
+        [group] = await start_episodes([Task(name, "Q", "1")], lambda: SlowOnce(delay_s), 2, tokenizer)
+
+        async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
+            return await batcher.generate(contexts, max_tokens, sampling)
+
+        await run_episodes(group, generate, LIMITS, tokenizer, VerbatimObservations(tokenizer))
+        ended.append(name)
+        return group
+
+    async def both() -> tuple[list[EpisodeState], list[EpisodeState]]:
+        return await asyncio.gather(batch("slow", 1.0), batch("fast", 0.0))
+
+    slow, fast = run(both())
+    # One call takes both batches' first turns; the fast batch's second turns go while the slow tool works, and
+    # the fast batch ends first; the slow batch's second turns take a call of their own.
+    assert [len(call) for call in engine.calls] == [4, 2, 2]
+    assert ended == ["fast", "slow"]
+    assert batcher.calls == 3
+    assert [state.outcome for state in slow + fast] == ["done"] * 4
+
+
+def generation(token: int) -> Generation:
+    return Generation(
+        text=chr(token),
+        token_ids=np.asarray([token], np.int32),
+        logprobs=np.zeros(1, np.float32),
+        finish_reason="length",
+    )
+
+
+class CountingEngine:
+    """Answers each context with its own first token; raises for a context that starts with ``bad``."""
+
+    def __init__(self, bad: int | None = None):
+        self.bad = bad
+        self.calls: list[tuple[list[int], float]] = []
+
+    async def turns(self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig):
+        self.calls.append(([c[0] for c in contexts], sampling.temperature))
+        await asyncio.sleep(0.05)  # the engine is busy: asks made meanwhile wait for the next call
+        if any(c[0] == self.bad for c in contexts):
+            raise ValueError("a context the engine refuses")
+        return [generation(c[0]) for c in contexts]
+
+
+def test_turns_asked_while_the_engine_is_busy_go_together_into_its_next_call_and_each_gets_its_own_answers():
+    engine = CountingEngine()
+    batcher = TurnBatcher(engine.turns)
+    sampling = SamplingConfig()
+
+    async def scenario() -> list[list[int]]:
+        first = asyncio.create_task(batcher.generate([[1]], [4], sampling))
+        await asyncio.sleep(0.01)  # the engine is now on the first call
+        later = [asyncio.create_task(batcher.generate([[t], [t + 1]], [4, 4], sampling)) for t in (10, 20)]
+        answers = await asyncio.gather(first, *later)
+        return [[int(g.token_ids[0]) for g in answer] for answer in answers]
+
+    assert run(scenario()) == [[1], [10, 11], [20, 21]]
+    assert engine.calls == [([1], 1.0), ([10, 11, 20, 21], 1.0)]
+
+
+def test_turns_sampled_differently_take_separate_calls():
+    engine = CountingEngine()
+    batcher = TurnBatcher(engine.turns)
+
+    async def scenario() -> None:
+        await asyncio.gather(
+            batcher.generate([[1]], [4], SamplingConfig(temperature=1.0)),
+            batcher.generate([[2]], [4], SamplingConfig(temperature=0.5)),
+            batcher.generate([[3]], [4], SamplingConfig(temperature=1.0)),
+        )
+
+    run(scenario())
+    assert engine.calls == [([1, 3], 1.0), ([2], 0.5)]
+
+
+def test_a_shared_call_that_fails_is_tried_per_batch_so_only_the_batch_at_fault_gets_the_error():
+    engine = CountingEngine(bad=7)
+    batcher = TurnBatcher(engine.turns)
+    sampling = SamplingConfig()
+
+    async def scenario() -> list[object]:
+        return await asyncio.gather(
+            batcher.generate([[7]], [4], sampling), batcher.generate([[8]], [4], sampling), return_exceptions=True
+        )
+
+    failed, served = run(scenario())
+    assert isinstance(failed, ValueError)
+    assert [int(g.token_ids[0]) for g in served] == [8]
+    assert engine.calls == [([7, 8], 1.0), ([7], 1.0), ([8], 1.0)]
+
+
+def test_an_abandoned_batchs_turns_are_dropped_and_the_others_still_served():
+    engine = CountingEngine()
+    batcher = TurnBatcher(engine.turns)
+    sampling = SamplingConfig()
+
+    async def scenario() -> list[int]:
+        first = asyncio.create_task(batcher.generate([[1]], [4], sampling))
+        await asyncio.sleep(0.01)
+        abandoned = asyncio.create_task(batcher.generate([[2]], [4], sampling))
+        kept = asyncio.create_task(batcher.generate([[3]], [4], sampling))
+        await asyncio.sleep(0)
+        abandoned.cancel()  # the stage gave up on its batch (nats.max_work_s) while it waited for the engine
+        await first
+        return [int(g.token_ids[0]) for g in await kept]
+
+    assert run(scenario()) == [3]
+    assert engine.calls == [([1], 1.0), ([3], 1.0)]
+
+
 class Raises:
     def reset(self, task: Task) -> str:
         return task.prompt
@@ -295,3 +422,38 @@ def test_episodes_of_one_prompt_whose_resets_disagree_hold_the_batch():
 
     with pytest.raises(DependencyUnavailable, match="gave different prompts"):
         run(start_episodes([Task("p0", "Q", "")], lambda: LocalEnvironment(Counter(), 1.0), 2, CharTokenizer()))
+
+
+OTHER_END = 2  # an end token of the model's generation config that is not the tokenizer's EOS
+
+
+def test_a_turn_the_engine_ended_on_another_end_token_ends_a_verbatim_episode_as_its_eos_does():
+    tokenizer = CharTokenizer()
+    engine = ScriptedEngine(["answer 1\x02", "never asked"], tokenizer)
+
+    async def play(end_tokens: frozenset[int] | None) -> EpisodeState:
+        [[episode]] = await start_episodes([Task("p0", "Q", "1")], lambda: SlowOnce(0.0), 1, tokenizer)
+        await run_episodes([episode], engine.generate, LIMITS, tokenizer, VerbatimObservations(tokenizer), end_tokens)
+        return episode
+
+    ended = run(play(frozenset({EOS, OTHER_END})))
+    assert (ended.outcome, ended.turns) == ("done", 1)
+    assert ended.context[-1] == OTHER_END
+
+
+def test_in_chat_mode_a_turn_ended_on_another_end_token_gets_no_second_eos_before_the_observation():
+    tokenizer = CharTokenizer()
+    engine = ScriptedEngine(["<calc>1</calc>\x02", "done\x02"], tokenizer)
+    chat = ChatObservations(tokenizer, EOS, before="[t]", after="[/t][a]")
+
+    async def play() -> EpisodeState:
+        [[episode]] = await start_episodes([Task("p0", "Q", "1")], lambda: SlowOnce(0.0), 1, tokenizer)
+        await run_episodes([episode], engine.generate, LIMITS, tokenizer, chat, frozenset({EOS, OTHER_END}))
+        return episode
+
+    episode = run(play())
+    first_turn = [ord(c) for c in "<calc>1</calc>"] + [OTHER_END]
+    observation = [ord(c) for c in "[t]<result>1</result>[/t][a]"]
+    assert episode.context[1 : 1 + len(first_turn) + len(observation)] == first_turn + observation
+    assert EOS not in episode.context
+    assert (episode.outcome, episode.turns) == ("done", 2)

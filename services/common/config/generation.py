@@ -90,6 +90,16 @@ class RolloutConfig(Section):
     environment_retries: int = Field(
         2, ge=0, description="retries of a failed HTTP environment request before the episode ends as env_error"
     )
+    episode_batches: int = Field(
+        2,
+        ge=1,
+        le=16,
+        description="multi-turn: prompt batches a rollout replica runs at once (count). Each engine call takes every "
+        "episode ready for a turn, of all of them, so the next batch's episodes use the engine while the last "
+        "episodes of a batch wait on their environment; a batch is tagged with the policy version it started "
+        "under, and a sync between its turns makes its later turns the newer policy's, with their own sampling "
+        "logprobs. 1 = one batch at a time, every token from one version",
+    )
     max_turns: int = Field(4, ge=1, description="model turns in one episode (turns)")
     max_tokens_per_turn: int = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")
     max_total_tokens: int = Field(

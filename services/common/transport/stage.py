@@ -61,7 +61,7 @@ from services.common.observe.events import Event
 from services.common.observe.instruments import StageMetrics
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import start_span_from_headers
-from services.common.observe.timeshare import StageActivity, TimeShare
+from services.common.observe.timeshare import STAGE_PRECEDENCE, StageActivity, TimeShare, in_lane
 from services.common.transport.breaker import DependencyUnavailable
 from services.common.transport.bus import Bus
 from services.common.transport.claim_lifecycle import deletable_after_ack, missing_body_is_stale
@@ -164,6 +164,9 @@ class Stage(Generic[In, Out]):
     compute: Callable[[list[In]], Awaitable[list[Out]]]
     batch: int
     name: str
+    # Batches in hand at once, each fetched, computed and settled by a loop of its own on one consumer: the
+    # rollout's episodes of one batch may wait on their environments while the next batch's use the engine.
+    lanes: int = 1
     handled: int = 0
     metrics: StageMetrics = field(init=False)
     # Over every dependency of the stage (claim store, compute, broker): services/common/transport/outage.py
@@ -179,7 +182,7 @@ class Stage(Generic[In, Out]):
         self.metrics = StageMetrics(self.bus.service, self.consumes)
         self.metrics.lag(0)  # until the first fetch says otherwise
         self.metrics.watch_progress(self.stalled_for)
-        self.time_share = TimeShare(StageActivity.IDLE)
+        self.time_share = TimeShare(StageActivity.IDLE, precedence=STAGE_PRECEDENCE)
         self.metrics.watch_time(self.time_share.seconds)
         nats_cfg = self.bus.cfg.nats
         self.outage = OutageGate(self.metrics, self.time_share, nats_cfg.ack_wait_s * nats_cfg.max_deliver, self._moved)
@@ -188,6 +191,24 @@ class Stage(Generic[In, Out]):
         self.last_progress = time.time()
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Fetch, compute and settle batches until ``stop``: ``lanes`` loops at once, each with its own
+        subscription to the stage's consumer (JetStream hands each fetch different messages)."""
+        if self.lanes == 1:
+            await self._loop(stop)
+            return
+        loops = [asyncio.create_task(self._loop(stop, lane)) for lane in range(self.lanes)]
+        try:
+            await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
+        finally:  # one loop's crash (or the caller's cancellation) ends the others: their batches are redelivered
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+        for loop in loops:
+            if not loop.cancelled() and (error := loop.exception()) is not None:
+                raise error
+
+    async def _loop(self, stop: asyncio.Event, lane: int = 0) -> None:
+        in_lane(lane)  # each loop runs in a task of its own: the lane is that task's
         nats_cfg = self.bus.cfg.nats
         queue = None
         while not stop.is_set():
