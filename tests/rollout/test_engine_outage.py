@@ -42,6 +42,7 @@ class FakeEngine:
     """Generates one fixed completion per prompt, unless ``fail(prompt_text)`` raises."""
 
     lora_mode = "off"  # full weights, as the Engine protocol's other engines say at start
+    end_tokens: frozenset[int] = frozenset()  # its completions are fixed: none ends on a token of its own
 
     def __init__(self, fail: Callable[[str], None]):
         self.tokenizer = Tokenizer()
