@@ -8,10 +8,11 @@ CONFIG ?= examples/arith-grpo.yaml
 .PHONY: install demo test model model-rm model-smol model-tool bench bench-throughput bench-trl bench-trl-smol clean config-reference
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
-# kubectl (kustomize) is for tests/deploy only, so it stays out of the images.
-$(STAMP): pyproject.toml requirements.lock deploy/install-python.sh deploy/install-kubectl.sh
+# kubectl (kustomize) and Compose (`docker compose config`) are for tests/deploy only, so they stay out of the images.
+$(STAMP): pyproject.toml requirements.lock deploy/install-python.sh deploy/install-kubectl.sh deploy/install-compose.sh
 	PYTHON=$(PYTHON) sh deploy/install-python.sh $(VENV) vllm,test
 	sh deploy/install-kubectl.sh build/tools/bin
+	sh deploy/install-compose.sh build/tools/bin
 	touch $(STAMP)
 
 install: $(STAMP)
