@@ -369,7 +369,8 @@ class TurnBatcher:
                     taken[0].answer.set_exception(error)
                 return
             for request in taken:  # whose turns failed it: each batch alone
-                await self._call([request], sampling)
+                if not request.answer.done():
+                    await self._call([request], sampling)
             return
         start = 0
         for request in taken:

@@ -31,6 +31,10 @@ fetch returned, a message settled, a dependency retried): a loop stuck past
 ``stall_bound_s`` is reported NOT_SERVING by the service's health (services/common/service.py)
 and as stalled in its presence entry.
 
+Lanes. ``Stage.lanes`` loops run at once, each fetching, computing and settling a batch of its own on the same
+consumer (the rollout's multi-turn path: one batch's episodes wait on their environments while the next batch's
+use the engine). They share the breaker, the metrics and the time share; a crash of one loop ends the others.
+
 Where the time goes. ``Stage.time_share`` counts the loop's wall time as idle (fetching: waiting for input),
 busy (decoding, computing, settling) or blocked (publishing downstream, waiting out a dependency's outage, or,
 in the rollout, pulling new weights); the three sum to the time since the loop started. They are exported as
