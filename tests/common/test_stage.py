@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from services.common.config import load_config
+from services.common.config import RunConfig, load_config
 from services.common.observe.timeshare import StageActivity
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
@@ -35,20 +35,18 @@ def rollout(group_id: str) -> RolloutGroup:
     )
 
 
+def stage_config(tiny_model, tmp_path, nats_url: str, run_id: str) -> RunConfig:
+    model_dir, data_dir = tiny_model
+    nats = {"url": nats_url, "fetch_timeout_s": 0.2}
+    return load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id=run_id, nats=nats)
+    )
+
+
 def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fractions_sum_to_one(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="timeshare",
-            nats={"url": nats_url, "fetch_timeout_s": 0.2},
-        )
-    )
+    cfg = stage_config(tiny_model, tmp_path, nats_url, "timeshare")
 
     async def scenario() -> None:
         await create_run_state(cfg)
@@ -91,17 +89,7 @@ def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fr
 def test_a_stage_with_two_lanes_computes_a_second_batch_while_the_first_is_still_in_hand(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="lanes",
-            nats={"url": nats_url, "fetch_timeout_s": 0.2},
-        )
-    )
+    cfg = stage_config(tiny_model, tmp_path, nats_url, "lanes")
 
     async def scenario() -> None:
         await create_run_state(cfg)
