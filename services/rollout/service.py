@@ -368,7 +368,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             for prompt, ids, group in zip(prompts, prompt_ids, groups, strict=False)
         ]
 
-    # Multi-turn: several batches in hand at once, their turns sharing the engine's calls (episodes.TurnBatcher).
+    # Multi-turn: several batches in hand at once, their turns sharing the engine's calls (turns.TurnBatcher).
     lanes = cfg.rollout.episode_batches if episodes is not None else 1
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout", lanes=lanes)
     await announce_ready(
