@@ -272,9 +272,9 @@ async def _after_turn(
     episode.logprobs += generation.logprobs.tolist()
     episode.mask += [1] * len(ids)
     episode.turns += 1
-    ended_with_eos = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
+    ended_on_end_token = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
     # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
-    answered = not ids or (ended_with_eos and observations.eos_ends_episode)
+    answered = not ids or (ended_on_end_token and observations.eos_ends_episode)
     started = time.perf_counter()
     try:
         result = await episode.environment.step(Turn(text=generation.text, token_ids=tuple(ids)))
@@ -294,7 +294,7 @@ async def _after_turn(
     elif episode.room(limits) < 1:
         episode.outcome = "max_tokens"
     else:
-        observation = observations.tokens(result.observation, ended_with_eos)
+        observation = observations.tokens(result.observation, ended_on_end_token)
         # The observation must leave the model room to answer it: one token at least.
         left = min(limits.max_total_tokens - episode.generated, limits.max_seq_len - len(episode.context))
         fits = min(limits.max_observation_tokens, left - 1)
