@@ -53,6 +53,8 @@ def test_an_environment_that_fails_every_step_ends_episodes_as_env_error_and_dea
         "weight_relay": False,
         "environment": f"{__name__}:BrokenTool",
         "turn_stop": ["</calc>"],
+        # One batch in hand: with two, each lane may fetch one prompt and the engine calls below split in two.
+        "episode_batches": 1,
     }
     cfg = load_config(
         write_config(
