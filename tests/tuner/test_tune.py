@@ -118,16 +118,24 @@ def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(
     assert status.returncode == 0 and "│ 1 │ complete" in status.stdout and "│ 0 │ failed" in status.stdout
 
 
-def test_a_trial_past_its_time_limit_is_a_timeout_and_the_study_goes_on(tmp_path, base):
-    spec, cfg = load_tune_file(
-        tune_file(tmp_path, base, budget={"max_trials": 2}, trial={"max_wall_s": 6, "stop_grace_s": 5})
+def test_a_trial_past_its_time_limit_is_a_timeout_and_the_study_goes_on(tmp_path, tiny_model):
+    # Trials far longer than their limit: however fast the machine, none ends on its own within 6 s.
+    long = write_config(
+        tmp_path / "base.yaml",
+        *tiny_model,
+        tmp_path / "runs",
+        rollout={"backend": "hf", "prompts_per_batch": 16},
+        train={"total_steps": 10_000},
     )
+    trial = {"max_steps": 10_000, "max_wall_s": 6, "stop_grace_s": 5, "poll_s": 0.2}
+    spec, cfg = load_tune_file(tune_file(tmp_path, long, budget={"max_trials": 2}, trial=trial))
     tuner = Tuner(spec, cfg)
     assert tuner.run() == "budget.max_trials (2) reached"
     found = records(tuner.study)
     assert [(r.number, r.status, r.state) for r in found] == [(0, "timeout", "FAIL"), (1, "timeout", "FAIL")]
     for r in found:
-        assert r.end.reason.startswith("trial.max_wall_s (6s) at step 0"), r.end.reason
+        assert r.end.reason.startswith(f"trial.max_wall_s (6s) at step {r.end.steps}"), r.end.reason
+        assert r.end.steps < 10_000
         assert 6 <= r.end.wall_s < 6 + 5 + 5  # the limit, then at most the grace
         assert alive(r.start.pgid) == []
 
