@@ -53,13 +53,14 @@ from services.common.model.lora import adapter_tensors, attach_adapters, base_id
 from services.common.model.modeling import (
     Precision,
     ResponseBatch,
-    at_response,
     enable_gradient_checkpointing,
     host_copy,
     load_model,
     load_tokenizer,
     pack,
+    response_window,
     token_logprobs,
+    window_logits,
 )
 from services.common.transport.messages import ExperienceGroup
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
@@ -331,9 +332,10 @@ class Learner:
                 attention_mask=packed.attention_mask,
                 output_hidden_states=want_hidden,
                 use_cache=False,  # no generation here; a KV cache is only memory
+                logits_to_keep=response_window(packed),
             )
             values = self.critic.values(packed, output) if self.critic is not None else None
-        logits = at_response(output.logits, packed)
+        logits = window_logits(output.logits, packed)
         return packed, logits, values
 
     @torch.no_grad()

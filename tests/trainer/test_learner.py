@@ -9,7 +9,14 @@ import torch
 
 from services.common.config import TrainConfig, load_config
 from services.common.model.datasets import load_jsonl
-from services.common.model.modeling import load_tokenizer
+from services.common.model.modeling import (
+    at_response,
+    load_model,
+    load_tokenizer,
+    pack,
+    response_logits,
+    response_window,
+)
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.trainer.batch import Batch, split_by_tokens
@@ -92,6 +99,26 @@ def make(setup, observation: list[int] | None = None, **train):
 
 def flat(learner: Learner) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in learner.model.parameters()])
+
+
+def test_response_logits_project_only_the_last_positions_and_equal_the_full_forwards_at_the_responses(setup):
+    model_dir, _, _, rows = setup
+    tokenizer = load_tokenizer(model_dir)
+    model = load_model(model_dir, torch.float32).eval()
+    # Prompts of different lengths, responses of different lengths: every row's predictions sit at its own columns.
+    pairs = [
+        (tokenizer.encode(row["prompt"] * repeat, add_special_tokens=False), tokenizer.encode(row["answer"] * width))
+        for row, repeat, width in zip(rows, (1, 3, 2), (2, 1, 3), strict=False)
+    ]
+    batch = pack(pairs, tokenizer.pad_token_id)
+    shortest = min(len(prompt) for prompt, _ in pairs)
+    assert response_window(batch) == batch.input_ids.shape[1] - shortest + 1 < batch.input_ids.shape[1]
+    with torch.no_grad():
+        full = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        windowed = response_logits(model, batch)
+    assert windowed.shape == (len(pairs), batch.targets.shape[1], full.shape[-1])
+    mask = batch.mask.bool()
+    torch.testing.assert_close(windowed[mask], at_response(full, batch)[mask], rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"])

@@ -137,22 +137,42 @@ def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch
     return ResponseBatch(input_ids, attention, prompt_lens, targets, mask)
 
 
-def at_response(per_position: torch.Tensor, batch: ResponseBatch) -> torch.Tensor:
-    """``[B, L, ...]`` outputs taken at the positions that predict each response token: ``[B, R, ...]``."""
+def at_response(per_position: torch.Tensor, batch: ResponseBatch, first_position: int = 0) -> torch.Tensor:
+    """``[B, L, ...]`` outputs taken at the positions that predict each response token: ``[B, R, ...]``.
+
+    ``first_position``: the sequence position ``per_position``'s first column holds (its last columns only, as
+    ``response_window`` keeps them)."""
     width = batch.targets.shape[1]
     steps = torch.arange(width, device=per_position.device)
-    positions = (batch.prompt_lens.to(per_position.device)[:, None] - 1 + steps[None, :]).clamp(
+    positions = (batch.prompt_lens.to(per_position.device)[:, None] - 1 - first_position + steps[None, :]).clamp(
         max=per_position.shape[1] - 1
     )
     index = positions.view(*positions.shape, *([1] * (per_position.dim() - 2)))
     return per_position.gather(1, index.expand(-1, -1, *per_position.shape[2:]))
 
 
+def response_window(batch: ResponseBatch) -> int:
+    """How many of the last positions hold every prediction of a response token: from the shortest prompt's last
+    token to the end. A causal LM asked for ``logits_to_keep`` of them projects only those onto the vocabulary,
+    so no ``[B, L, V]`` logits are made for the prompts (most of the positions with a chat template, and the
+    vocabulary projection is a fifth of SmolLM2's per-token work)."""
+    return batch.input_ids.shape[1] - int(batch.prompt_lens.min()) + 1
+
+
+def window_logits(logits: torch.Tensor, batch: ResponseBatch) -> torch.Tensor:
+    """The response's logits ``[B, R, V]`` out of a forward pass asked for ``response_window(batch)`` positions."""
+    return at_response(logits, batch, first_position=batch.input_ids.shape[1] - logits.shape[1])
+
+
 def response_logits(model: PreTrainedModel, batch: ResponseBatch) -> torch.Tensor:
     """Logits that predict each response token: ``[B, R, vocab]``."""
-    return at_response(
-        model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits, batch
+    output = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        use_cache=False,
+        logits_to_keep=response_window(batch),
     )
+    return window_logits(output.logits, batch)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
