@@ -13,7 +13,15 @@ import numpy as np
 import torch
 
 from services.common.config import RunConfig
-from services.common.model.modeling import Precision, load_model, load_tokenizer, pack, response_logits, token_logprobs
+from services.common.model.modeling import (
+    Precision,
+    load_model,
+    load_tokenizer,
+    pack,
+    response_logits,
+    split_by_tokens,
+    token_logprobs,
+)
 from services.common.observe.logs import Stopwatch
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
@@ -31,15 +39,29 @@ class ReferenceScorer:
         self.precision = Precision.of(cfg.model)
         self.model = load_model(path, self.precision.param_dtype).to(self.precision.device).eval().requires_grad_(False)
         self.pad_id = load_tokenizer(path).pad_token_id
+        self.micro_batch_tokens = cfg.reference.micro_batch_tokens
+
+    def passes(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+        """The indices into ``pairs`` each forward pass takes: all at once, or length-sorted within the token budget."""
+        if self.micro_batch_tokens is None:
+            return [list(range(len(pairs)))]
+        lengths = torch.tensor([len(prompt) + len(response) for prompt, response in pairs])
+        return [
+            rows.tolist()
+            for rows in split_by_tokens(
+                torch.arange(len(pairs)), lengths, self.micro_batch_tokens, "reference.micro_batch_tokens"
+            )
+        ]
 
     @torch.no_grad()
     def __call__(self, groups: list[ScoredGroup]) -> list[ExperienceGroup]:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
-        batch = pack(pairs, self.pad_id).to(self.precision.device)
-        logprobs = token_logprobs(response_logits(self.model, batch), batch.targets).cpu()
-        flat = [
-            row[: len(response)].numpy().astype(np.float32) for row, (_, response) in zip(logprobs, pairs, strict=False)
-        ]
+        flat: list[np.ndarray] = [np.empty(0, np.float32)] * len(pairs)
+        for rows in self.passes(pairs):
+            batch = pack([pairs[i] for i in rows], self.pad_id).to(self.precision.device)
+            logprobs = token_logprobs(response_logits(self.model, batch), batch.targets).cpu()
+            for i, row in zip(rows, logprobs, strict=True):
+                flat[i] = row[: len(pairs[i][1])].numpy().astype(np.float32)
         out, start = [], 0
         for group in groups:
             n = len(group.completions)

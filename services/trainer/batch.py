@@ -26,31 +26,6 @@ def chunks_of(indices: torch.Tensor, parts: int) -> list[torch.Tensor]:
     return [chunk for chunk in torch.tensor_split(indices, min(parts, len(indices))) if len(chunk)]
 
 
-def split_by_tokens(rows: torch.Tensor, lengths: torch.Tensor, budget: int) -> list[torch.Tensor]:
-    """Length-sorted micro-batches of ``rows`` whose padded size fits ``budget`` tokens.
-
-    ``lengths[i]`` is row ``rows[i]``'s prompt + response length. Rows are sorted longest first
-    (a stable sort: the split depends only on the rows and their lengths) and cut greedily: a
-    micro-batch whose first, longest row has length L takes rows while n * L <= budget. Each
-    micro-batch pads to its own longest row, so short sequences stop padding to the step's longest.
-    """
-    order = torch.argsort(lengths, descending=True, stable=True)
-    longest_first, sorted_lengths = rows[order], lengths[order].tolist()
-    if sorted_lengths and sorted_lengths[0] > budget:
-        raise ValueError(
-            f"train.micro_batch_tokens ({budget}) is smaller than one sequence of {sorted_lengths[0]} tokens "
-            "(prompt + response): it must hold the longest sequence, max_seq_len"
-        )
-    micro_batches, start = [], 0
-    for i in range(1, len(sorted_lengths)):
-        if (i - start + 1) * sorted_lengths[start] > budget:
-            micro_batches.append(longest_first[start:i])
-            start = i
-    if sorted_lengths:
-        micro_batches.append(longest_first[start:])
-    return micro_batches
-
-
 @dataclass
 class Batch:
     """A batch of groups flattened to one row per completion, per-token tensors ``[N, R]``.

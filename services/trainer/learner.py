@@ -59,6 +59,7 @@ from services.common.model.modeling import (
     load_tokenizer,
     pack,
     response_window,
+    split_by_tokens,
     token_logprobs,
     window_logits,
 )
@@ -72,7 +73,6 @@ from services.trainer.batch import (
     chunks_of,
     non_finite_targets,
     non_finite_update,
-    split_by_tokens,
 )
 from services.trainer.checkpoint_state import (
     Checkpoint,

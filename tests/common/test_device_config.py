@@ -71,6 +71,11 @@ def test_the_new_fields_load(tmp_path, dirs):
             "train: micro_batch_tokens and grad_accum_steps both split the optimizer step",
         ),
         ({"train": {"micro_batch_tokens": 0}}, "train.micro_batch_tokens: Input should be greater than or equal to 1"),
+        (
+            {"train": {"max_seq_len": 32}, "reference": {"micro_batch_tokens": 31}},
+            "reference.micro_batch_tokens (31) is smaller than one sequence of train.max_seq_len (32) tokens: "
+            "set it to at least 32, or null",
+        ),
         ({"rollout": {"gpu_memory_utilization": 0}}, "rollout.gpu_memory_utilization: Input should be greater than 0"),
         (
             {"rollout": {"gpu_memory_utilization": 1.5}},

@@ -12,10 +12,20 @@ from tests.conftest import write_config
 pytestmark = pytest.mark.integration
 
 
-def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model, tmp_path):
+# None: one pass over the batch; 32 (max_seq_len): length-sorted passes of a few sequences each.
+@pytest.mark.parametrize("micro_batch_tokens", [None, 32])
+def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model, tmp_path, micro_batch_tokens):
     model_dir, data_dir = tiny_model
     cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"backend": "hf"})
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            rollout={"backend": "hf"},
+            train={"max_seq_len": 32},
+            reference={"micro_batch_tokens": micro_batch_tokens},
+        )
     )
     engine = HfEngine(cfg)
     prompts = ["37+45=", "9+9="]
@@ -37,7 +47,17 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
         )
         groups.append(advance(rollout, ScoredGroup, rewards=np.zeros(len(group), dtype=np.float32)))
 
-    experience = ReferenceScorer(cfg)(groups)
+    scorer = ReferenceScorer(cfg)
+    pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
+    passes = scorer.passes(pairs)
+    assert sorted(i for rows in passes for i in rows) == list(range(len(pairs)))
+    if micro_batch_tokens is None:
+        assert len(passes) == 1
+    else:
+        longest = [max(len(pairs[i][0]) + len(pairs[i][1]) for i in rows) for rows in passes]
+        assert len(passes) > 1 and longest == sorted(longest, reverse=True)
+        assert all(len(rows) * most <= micro_batch_tokens for rows, most in zip(passes, longest, strict=True))
+    experience = scorer(groups)
     for group in experience:
         assert group.kind == "experience"
         for completion, ref in zip(group.completions, group.ref_logprobs, strict=False):

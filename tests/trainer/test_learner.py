@@ -16,10 +16,11 @@ from services.common.model.modeling import (
     pack,
     response_logits,
     response_window,
+    split_by_tokens,
 )
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
-from services.trainer.batch import Batch, split_by_tokens
+from services.trainer.batch import Batch
 from services.trainer.learner import Learner
 from services.trainer.objective import advantages
 from tests.conftest import write_config

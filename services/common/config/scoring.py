@@ -156,3 +156,11 @@ class ReferenceConfig(Section):
     model_path: Path | None = Field(None, description="defaults to model.path")
     replicas: int = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
     batch: int = Field(32, ge=1, description="scored groups one reference replica pulls and runs together (groups)")
+    micro_batch_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="most tokens one reference forward pass holds, padding included: a pulled batch's sequences are "
+        "sorted by length and cut into passes of n sequences padded to their longest L with n * L <= "
+        "micro_batch_tokens (as train.micro_batch_tokens), so short sequences stop padding to the batch's longest. "
+        "At least train.max_seq_len (tokens); null: one pass over the whole pulled batch",
+    )

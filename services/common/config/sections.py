@@ -120,6 +120,16 @@ class RunConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _reference_passes_hold_a_sequence(self) -> RunConfig:
+        budget, longest = self.reference.micro_batch_tokens, self.train.max_seq_len
+        if budget is not None and budget < longest:
+            raise ValueError(
+                f"reference.micro_batch_tokens ({budget}) is smaller than one sequence of train.max_seq_len "
+                f"({longest}) tokens: set it to at least {longest}, or null"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _episodes_waited_on_within_the_work_limit(self) -> RunConfig:
         # A batch's episodes may each wait on the environment at its reset and every turn, each call up to its
         # timeout on every try: a batch that waits past nats.max_work_s is abandoned and, after max_deliver tries,

@@ -137,6 +137,34 @@ def pack(pairs: list[tuple[list[int], list[int]]], pad_id: int) -> ResponseBatch
     return ResponseBatch(input_ids, attention, prompt_lens, targets, mask)
 
 
+def split_by_tokens(
+    rows: torch.Tensor, lengths: torch.Tensor, budget: int, setting: str = "train.micro_batch_tokens"
+) -> list[torch.Tensor]:
+    """Length-sorted micro-batches of ``rows`` whose padded size fits ``budget`` tokens.
+
+    ``lengths[i]`` is row ``rows[i]``'s prompt + response length. Rows are sorted longest first
+    (a stable sort: the split depends only on the rows and their lengths) and cut greedily: a
+    micro-batch whose first, longest row has length L takes rows while n * L <= budget. Each
+    micro-batch pads to its own longest row, so short sequences stop padding to the step's longest. ``setting``
+    names the budget in the error a sequence longer than it gets.
+    """
+    order = torch.argsort(lengths, descending=True, stable=True)
+    longest_first, sorted_lengths = rows[order], lengths[order].tolist()
+    if sorted_lengths and sorted_lengths[0] > budget:
+        raise ValueError(
+            f"{setting} ({budget}) is smaller than one sequence of {sorted_lengths[0]} tokens "
+            "(prompt + response): it must hold the longest sequence, max_seq_len"
+        )
+    micro_batches, start = [], 0
+    for i in range(1, len(sorted_lengths)):
+        if (i - start + 1) * sorted_lengths[start] > budget:
+            micro_batches.append(longest_first[start:i])
+            start = i
+    if sorted_lengths:
+        micro_batches.append(longest_first[start:])
+    return micro_batches
+
+
 def at_response(per_position: torch.Tensor, batch: ResponseBatch, first_position: int = 0) -> torch.Tensor:
     """``[B, L, ...]`` outputs taken at the positions that predict each response token: ``[B, R, ...]``.
 
