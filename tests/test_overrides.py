@@ -1,5 +1,6 @@
 """`rlpipe run CONFIG KEY=VALUE ...` and `rlpipe tune FILE KEY=VALUE ...`: dotted overrides on the command line."""
 
+import json
 import os
 import subprocess
 import sys
@@ -91,7 +92,14 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
     model_dir, data_dir = tiny_model
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **LIGHT_RUN)
     done = subprocess.run(
-        [*RLPIPE_RUN, str(config), "run_id=variant", "train.total_steps=2", "train.learning_rate=2e-4"],
+        [
+            *RLPIPE_RUN,
+            str(config),
+            "run_id=variant",
+            "train.total_steps=2",
+            "train.learning_rate=2e-4",
+            "service.role_torch_threads={trainer: 2}",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -110,6 +118,10 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
         2e-4,
     )
     assert yaml.safe_load((run_dir / "run-config.yaml").read_text())["train"]["total_steps"] == 2
+    # The trainer computes with the threads its role was given; the other roles keep service.torch_threads.
+    startup = [json.loads(line) for line in (run_dir / "startup.jsonl").read_text().splitlines()]
+    threads = {row["component"]: row["torch_threads"] for row in startup if "torch_threads" in row}
+    assert threads == {"trainer": 2, "reference-0": 1, "rollout-0": 1, "reward-0": 1}, startup
 
 
 def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tiny_model, tmp_path):

@@ -96,6 +96,9 @@ async def announce_ready(presence: Presence, **facts: JsonValue) -> None:
     """The replica is ready: its ``ready`` event in the log, and the same facts in its presence entry at once
     (under ``startup``, with ``ready_at``, the wall time; endpoints and versions in their own fields too), which is
     where the launcher learns it."""
+    torch = sys.modules.get("torch")
+    if torch is not None:  # the threads it computes with (service.torch_threads / role_torch_threads)
+        facts = {**facts, "torch_threads": torch.get_num_threads()}
     log_event(log, Event.READY, **facts)
     fields = {name: value for name, value in facts.items() if name in ServiceEntry.model_fields}
     await presence.announce(**fields, startup={**facts, "ready_at": round(time.time(), 3)})
@@ -198,7 +201,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     # it only to cap its threads would cost that replica ~5 CPU seconds of start-up (the reward model caps its own).
     torch = sys.modules.get("torch")
     if torch is not None:
-        torch.set_num_threads(cfg.service.torch_threads)
+        torch.set_num_threads(cfg.service.threads_for(role))
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -184,7 +184,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
     # The model and the remote service are set at start, but for the service's token file; the functions and their
     # weights are live.
-    sources = RewardSources.of(cfg.reward, cfg.service.torch_threads)
+    sources = RewardSources.of(cfg.reward, cfg.service.threads_for("reward"))
     await asyncio.to_thread(sources.rules.start)  # the child's imports now, not in the first batch's time
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:

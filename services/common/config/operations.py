@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -26,6 +26,18 @@ class ServiceConfig(Section):
     )
     grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
     torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    role_torch_threads: dict[Literal["trainer", "rollout", "reward", "reference"], Annotated[int, Field(ge=1)]] = Field(
+        default_factory=dict,
+        description="torch_threads for the named roles' processes, the others keeping torch_threads (threads per "
+        "process). Where one role sets the pace and the others mostly wait, as the trainer does on SmolLM2 on a "
+        "few cores, giving it the cores the others leave speeds the run up; where every role computes most of the "
+        "time, their OpenMP threads contend and more threads slow it (docs/performance.md)",
+    )
+
+    def threads_for(self, role: str) -> int:
+        """The torch threads of ``role``'s processes."""
+        return self.role_torch_threads.get(role, self.torch_threads)
+
     warm_start: bool = Field(
         True,
         description="`rlpipe run` forks each role (and each restart) from one process that imported torch, "
