@@ -41,6 +41,20 @@ def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
     )
 
 
+ENDLESS_STEPS = 100_000
+
+
+def endless_base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
+    """A base config whose runs have steps for far longer than any test waits: its trials end at their limits."""
+    return write_config(
+        tmp_path / "endless.yaml",
+        *tiny_model,
+        tmp_path / "runs",
+        rollout={"backend": "hf", "prompts_per_batch": 16},
+        train={"total_steps": ENDLESS_STEPS},
+    )
+
+
 def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
     """A tune file whose trials run: two steps each, scored on the final evaluation, none pruned."""
     runnable = {
@@ -119,23 +133,18 @@ def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(
 
 
 def test_a_trial_past_its_time_limit_is_a_timeout_and_the_study_goes_on(tmp_path, tiny_model):
-    # Trials far longer than their limit: however fast the machine, none ends on its own within 6 s.
-    long = write_config(
-        tmp_path / "base.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 10_000},
+    # However fast the machine, no trial ends on its own within 6 s.
+    trial = {"max_steps": None, "max_wall_s": 6, "stop_grace_s": 5, "poll_s": 0.2}
+    spec, cfg = load_tune_file(
+        tune_file(tmp_path, endless_base(tmp_path, tiny_model), budget={"max_trials": 2}, trial=trial)
     )
-    trial = {"max_steps": 10_000, "max_wall_s": 6, "stop_grace_s": 5, "poll_s": 0.2}
-    spec, cfg = load_tune_file(tune_file(tmp_path, long, budget={"max_trials": 2}, trial=trial))
     tuner = Tuner(spec, cfg)
     assert tuner.run() == "budget.max_trials (2) reached"
     found = records(tuner.study)
     assert [(r.number, r.status, r.state) for r in found] == [(0, "timeout", "FAIL"), (1, "timeout", "FAIL")]
     for r in found:
         assert r.end.reason.startswith(f"trial.max_wall_s (6s) at step {r.end.steps}"), r.end.reason
-        assert r.end.steps < 10_000
+        assert r.end.steps < ENDLESS_STEPS
         assert 6 <= r.end.wall_s < 6 + 5 + 5  # the limit, then at most the grace
         assert alive(r.start.pgid) == []
 
@@ -158,15 +167,11 @@ def test_the_tuner_killed_mid_trial_and_restarted_keeps_finished_trials_and_leav
     # Every trial ends at its time limit (it has steps for far longer), so each takes a known time; trial 1 is the
     # one the tuner dies in. The limit is the window in which the poll below must see trial 1 under way: on a
     # loaded host (another test worker beside this one) its start alone took most of 12 s, so the window is 20 s.
-    endless = write_config(
-        tmp_path / "endless.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 100_000},
-    )
     path = tune_file(
-        tmp_path, endless, budget={"max_trials": 3}, trial={"max_steps": None, "max_wall_s": 20, "stop_grace_s": 5}
+        tmp_path,
+        endless_base(tmp_path, tiny_model),
+        budget={"max_trials": 3},
+        trial={"max_steps": None, "max_wall_s": 20, "stop_grace_s": 5},
     )
     tuner = subprocess.Popen([*TUNE, str(path)], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
