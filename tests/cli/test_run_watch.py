@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.cli.children import Child
 from services.cli.launcher import Launcher
@@ -74,6 +75,8 @@ def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secure
         assert entry is not None and entry.grpc == "127.0.0.1:1"
         startup = dict(entry.startup)
         assert startup.pop("ready_at") >= spawned_at
+        # The process computes with torch (imported here), so its report names the threads torch uses.
+        assert startup.pop("torch_threads") == torch.get_num_threads()
         assert startup == {"grpc": "127.0.0.1:1", "model_load_s": 1.5, "backend": "hf"}
         # Written by a process the launched one started (a torchrun trainer's rank): this one, below its parent.
         assert watch.ready_entry("reward-0", os.getppid(), spawned_at) is not None
