@@ -34,10 +34,6 @@ class ServiceConfig(Section):
         "time, their OpenMP threads contend and more threads slow it (docs/performance.md)",
     )
 
-    def threads_for(self, role: str) -> int:
-        """The torch threads of ``role``'s processes."""
-        return self.role_torch_threads.get(role, self.torch_threads)
-
     warm_start: bool = Field(
         True,
         description="`rlpipe run` forks each role (and each restart) from one process that imported torch, "
@@ -68,6 +64,10 @@ class ServiceConfig(Section):
         "run archive (compose and Kubernetes, where stdout belongs to the container runtime); unset: stderr only "
         "(`rlpipe run` keeps its children's logs itself)",
     )
+
+    def threads_for(self, role: str) -> int:
+        """The torch threads of ``role``'s processes."""
+        return self.role_torch_threads.get(role, self.torch_threads)
 
 
 class AdminConfig(Section):
