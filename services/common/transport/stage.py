@@ -1,7 +1,8 @@
 """The loop every stateless role runs: fetch a batch from its work queue, decode, compute, publish, settle.
 
 A stage step is always: fetch -> decode -> compute -> publish downstream with
-``Nats-Msg-Id = <group id>.<stage>`` and wait for the ack -> ack upstream.
+``Nats-Msg-Id = <group id>.<stage>`` and wait for the ack -> ack upstream. A batch's outputs are published
+together and its inputs acked together once every output is in: two round trips a batch, not two a message.
 A crash anywhere repeats at most the compute, and the duplicate window drops the
 repeated publish. How each message is settled (ack, nak with a delay, dead letter) is decided by
 ``services.common.transport.settle``; this module carries the decision out.
@@ -56,7 +57,6 @@ from typing import Generic, TypeVar
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
 from nats.errors import MsgAlreadyAckdError, NotJSMessageError
-from nats.js import api
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
@@ -130,6 +130,7 @@ class Received(Generic[In]):
     span: Span
     fetched_at: float  # time.perf_counter() at fetch
     item: In | None = None
+    published: bool = False  # its output is in the downstream stream
     settled: bool = False
     last_touch: float = 0.0  # time.perf_counter() of the fetch or the last beat that landed
     longest_gap_s: float = 0.0  # the longest the broker went without hearing of this delivery so far
@@ -302,13 +303,25 @@ class Stage(Generic[In, Out]):
 
         return await self.outage.available(attempt, step, stop)
 
-    async def _publish(self, output: Out) -> api.PubAck:
-        try:
-            with self.time_share.during(StageActivity.BLOCKED):
-                return await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
-        except (NatsError, TimeoutError) as error:
-            # The broker, not the message: retried with the output in hand, so the compute is not repeated.
-            raise DependencyUnavailable(f"publish to {self.produces} failed: {error!r}") from error
+    async def _publish_all(self, decoded: list[Received[In]], outputs: list[Out]) -> None:
+        """Publish each output not yet in the stream, all at once (one flush, the PubAcks awaited together rather
+        than a round trip each), each inside its input's span. An output whose publish failed is tried again by
+        the next attempt; those that landed are not sent twice (and would be deduplicated if they were)."""
+
+        async def publish(one: Received[In], output: Out) -> None:
+            with trace.use_span(one.span, end_on_exit=False):
+                await self.bus.publish(self.produces, output, msg_id=dedupe_id(output, self.name))
+            one.published = True
+
+        pending = [(one, output) for one, output in zip(decoded, outputs, strict=True) if not one.published]
+        with self.time_share.during(StageActivity.BLOCKED):
+            results = await asyncio.gather(*(publish(one, output) for one, output in pending), return_exceptions=True)
+        for error in results:
+            if isinstance(error, NatsError | TimeoutError):
+                # The broker, not the message: retried with the outputs in hand, so the compute is not repeated.
+                raise DependencyUnavailable(f"publish to {self.produces} failed: {error!r}") from error
+            if isinstance(error, BaseException):
+                raise error
 
     def _receive(self, msg: Msg, fetched_at: float) -> Received[In]:
         headers = msg.headers or {}
@@ -351,11 +364,12 @@ class Stage(Generic[In, Out]):
             for one in decoded:
                 await self._process([one], stop)
             return
-        for one, output in zip(decoded, outputs, strict=True):
+        for one in decoded:
             one.span.add_event("computed", {"rlpipe.batch_size": len(decoded)})
-            with trace.use_span(one.span, end_on_exit=False):
-                await self.outage.available(functools.partial(self._publish, output), "publish", stop)
-            await self._carry_out(one, self._decide(one, Outcome.COMPUTED), None, stop)
+        await self.outage.available(functools.partial(self._publish_all, decoded, outputs), "publish", stop)
+        # Every output is in the stream: the inputs are acked together, one round trip for the batch.
+        acks = (self._carry_out(one, self._decide(one, Outcome.COMPUTED), None, stop) for one in decoded)
+        await asyncio.gather(*acks)
 
     async def _capped_compute(self, items: list[In]) -> list[Out]:
         """``compute(items)``, abandoned after ``nats.max_work_s`` with ``WorkTimedOut``."""
