@@ -30,7 +30,7 @@ from services.common.observe.telemetry import span_from_headers
 from services.common.transport.breaker import CircuitBreaker
 from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
-from services.common.transport.messages import DecodeError, Episode, ExperienceGroup, dedupe_id
+from services.common.transport.messages import DecodeError, Episode, ExperienceGroup, Prompt, dedupe_id
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
@@ -46,7 +46,7 @@ from services.common.transport.streams import (
 )
 from services.trainer.episodes import episodes_of
 from services.trainer.feeder import PromptFeeder
-from services.trainer.ledger import Fate, GroupLedger
+from services.trainer.ledger import Fate, GroupLedger, cursor_position
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -129,10 +129,16 @@ class Intake:
         """Top PROMPTS up to the in-flight bound. Synchronous (``train.synchronous``), the bound is one batch
         counting the ``accepted`` groups of the batch being collected, so nothing is fed for the next step until
         this one is trained (a group dropped as stale frees its slot for a fresh one), and each prompt asks for
-        the version just published."""
+        the version just published.
+
+        The prompts go out together, their PubAcks awaited at once rather than a round trip each. Those that
+        landed are in flight; at the first that failed the feeder seeks back, so it and any after it that failed
+        are fed again later (one that did land is known and skipped then), and the ledger's watermark stays below
+        the feeder's cursor (``GroupLedger.unfed_from``) until they are."""
         synchronous = cfg.train.synchronous
         limit = cfg.train.batch_size if synchronous else cfg.train.max_inflight_batches * cfg.train.batch_size
-        while len(self.ledger.in_flight) + (accepted if synchronous else 0) < limit:
+        batch: list[tuple[dict[str, int], Prompt]] = []
+        while len(self.ledger.in_flight) + len(batch) + (accepted if synchronous else 0) < limit:
             cursor = self.feeder.cursor
             prompt = self.feeder.next()
             if self.ledger.known(prompt.group_id):
@@ -140,19 +146,27 @@ class Intake:
             prompt.config_version = config_version
             prompt.incarnation = self.progress.incarnation
             prompt.min_policy_version = self.progress.version if synchronous else 0
-            try:
-                ack = await self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt"))
-            except (NatsError, TimeoutError) as error:
-                self.feeder.seek(cursor)  # publish it again later; a copy that did land is deduplicated
+            batch.append((cursor, prompt))
+        publishes = (self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt")) for _, prompt in batch)
+        results = await asyncio.gather(*publishes, return_exceptions=True)
+        first_failed: dict[str, int] | None = None
+        for (cursor, prompt), result in zip(batch, results, strict=True):
+            if isinstance(result, NatsError | TimeoutError):
+                first_failed = first_failed or cursor
                 log_event(
-                    log, Event.FEED_FAILED, level=logging.WARNING, group_id=prompt.group_id, error=repr(error)[:300]
+                    log, Event.FEED_FAILED, level=logging.WARNING, group_id=prompt.group_id, error=repr(result)[:300]
                 )
-                return
-            if ack.duplicate:
+                continue
+            if isinstance(result, BaseException):
+                raise result
+            if result.duplicate:
                 # Fed before a restart inside the duplicate window: it is somewhere downstream (or in DEAD, which
                 # catch_up_dead settles), so it is in flight; the lost-group bound frees the slot if it never comes.
                 log_event(log, Event.FEED_REPEATED, group_id=prompt.group_id)
             self.ledger.fed(prompt.group_id, time.monotonic())
+        if first_failed is not None:
+            self.feeder.seek(first_failed)  # publish them again later; a copy that did land is deduplicated
+        self.ledger.unfed_from = cursor_position(self.feeder.cursor)
 
     async def catch_up_dead(self) -> int:
         """Settle every group this incarnation's dead letters name since the last look, as dead, and reopen those

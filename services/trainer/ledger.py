@@ -50,6 +50,11 @@ def feed_position(group_id: str) -> tuple[int, int] | None:
     return None if match is None else (int(match.group(1)), int(match.group(2)))
 
 
+def cursor_position(cursor: dict[str, int]) -> tuple[int, int]:
+    """The feed position ``PromptFeeder``'s ``cursor`` feeds next (``feed_position``'s terms)."""
+    return (cursor["epoch"], cursor["index"])
+
+
 def feeding_order(group_id: str) -> tuple[int, int, str]:
     """Sort key putting group ids in the order ``PromptFeeder`` fed them (epoch, then position: ``e0-i2`` before
     ``e0-i10``, which a string sort puts the other way round); an id of another shape goes after, by its text."""
@@ -89,6 +94,11 @@ class GroupLedger:
         # Every group this incarnation fed at or before this feed position has a fate, whether ``settled`` still
         # holds it or not: a copy of one is refused (unless it was reopened, and so is in flight or read).
         self.settled_through: tuple[int, int] | None = None
+        # The feeder's cursor as a feed position (``Intake.feed`` sets it after each feed): no group at or past it
+        # was fed unless it is in flight or read, so the watermark stays below it. A feed whose publishes landed
+        # out of order seeks back to the first that failed; one after it that landed may settle before the failed
+        # one is fed again, and a watermark past the failed one would skip it as known.
+        self.unfed_from: tuple[int, int] | None = None
 
     def fate(self, group_id: str) -> Fate | None:
         settled = self.settled.get(group_id)
@@ -117,7 +127,8 @@ class GroupLedger:
             positions = (feed_position(g) for g in group_ids)
             return [p for p in positions if p is not None and (floor is None or p > floor)]
 
-        bound = min(above(self.in_flight.keys() | self.read), default=None)
+        unfed = [] if self.unfed_from is None else [self.unfed_from]
+        bound = min(above(self.in_flight.keys() | self.read) + unfed, default=None)
         below = [p for p in above(self.settled) if bound is None or p < bound]
         if below:
             self.settled_through = max(below)
@@ -225,6 +236,7 @@ class GroupLedger:
         self.fed_count, self.newest_arrival = len(in_flight), 0
         self.settled = {g: Settled(step, Fate.APPLIED) for g in applied} | {g: Settled(step, Fate.DEAD) for g in dead}
         self.settled_through = feed_position(settled_through)
+        self.unfed_from = None  # until the next feed says where the feeder, sought to the checkpoint, goes on from
 
     def rewind(
         self, applied: list[str], step: int, now: float, settled_through: str = "", abandoned: Iterable[str] = ()

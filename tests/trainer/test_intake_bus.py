@@ -630,3 +630,40 @@ def test_synchronous_feeding_holds_one_batch_asks_for_the_current_version_and_re
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it_though_later_ones_landed(
+    tiny_model, tmp_path, nats_url
+):
+    """A feed publishes its prompts together. The broker refuses the second (too large for the stream) and takes
+    the others: they are in flight, the feeder goes back to the refused one, and the watermark stays below it
+    when every group around it is settled, so the next feed publishes it and only it."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url)
+    rows = [dict(row) for row in rows]
+    rows[1]["prompt"] = "1+1=" * 500  # ~2 KB, over the stream's limit below
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        name = stream_name(cfg.run_id, PROMPTS)
+        limits = (await bus.js.stream_info(name)).config
+        await bus.js.update_stream(dataclasses.replace(limits, max_msg_size=1024))
+        intake = intake_of(bus, rows, GroupLedger(), Progress())
+        await intake.feed(cfg, config_version=0)
+        assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
+        assert (await bus.js.stream_info(name)).state.messages == 3
+        assert intake.feeder.cursor == {"epoch": 0, "index": 1}
+
+        # Every group that landed comes back and settles before the refused one is fed again.
+        intake.ledger.settle(["e0-i0", "e0-i2", "e0-i3"], step=1, fate=Fate.APPLIED)
+        intake.ledger.advance()
+        assert intake.ledger.watermark() == "e0-i0"  # not e0-i3: that would cover e0-i1, never fed
+        assert not intake.ledger.known("e0-i1")
+
+        await bus.js.update_stream(dataclasses.replace(limits, max_msg_size=-1))
+        await intake.feed(cfg, config_version=0)
+        assert sorted(intake.ledger.in_flight) == ["e0-i1", "e0-i4", "e0-i5", "e0-i6"]  # e0-i2, e0-i3 skipped
+        assert intake.ledger.fed_count == 7
+        assert (await bus.js.stream_info(name)).state.messages == 7
+        await bus.close()
+
+    asyncio.run(scenario())
