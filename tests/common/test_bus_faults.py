@@ -25,11 +25,13 @@ from services.common.transport.messages import (
     advance,
     encode,
 )
+from services.common.transport.reader import DIRECT_GET_HEADERS
 from services.common.transport.stage import Stage
 from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
     H_CLAIM,
+    H_GROUP,
     ROLLOUTS,
     SCORED,
     WORK_QUEUES,
@@ -196,10 +198,12 @@ def test_a_reader_stops_at_a_gap_instead_of_skipping_it(tiny_model, tmp_path, na
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        for i in range(5):
+        for i in range(2):
             await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
         reader = bus.read_from(EXPERIENCE, 1)
         assert [(await reader.next(2)).sequence for _ in range(2)] == [1, 2]
+        for i in range(2, 5):  # after the reader's last read-ahead: it holds none of them
+            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
         await bus.js.delete_msg(stream_name("faults", EXPERIENCE), 3)  # the message the reader needs next is gone
         with pytest.raises(StreamGap) as gap:
             await reader.next(2)
@@ -218,6 +222,32 @@ def test_a_reader_stops_at_a_gap_instead_of_skipping_it(tiny_model, tmp_path, na
         # The trainer purges everything it checkpointed: an empty stream still covers its sequence.
         await bus.js.purge_stream(stream_name("faults", EXPERIENCE), seq=6)
         await bus.check_covers(EXPERIENCE, 5)
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reader_reads_ahead_in_one_request_and_hands_out_each_message_with_its_own_headers(
+    tiny_model, tmp_path, nats_url
+):
+    cfg = config(tmp_path, tiny_model, nats={"url": nats_url})
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        for i in range(5):
+            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        reader = bus.read_from(EXPERIENCE, 1)
+        first = await reader.next(2)
+        # The four after it came with the first in one batched direct get: gone from the broker, still handed out.
+        for sequence in range(2, 6):
+            await bus.js.delete_msg(stream_name("faults", EXPERIENCE), sequence)
+        rest = [await reader.next(2) for _ in range(4)]
+        assert [m.sequence for m in [first, *rest]] == [1, 2, 3, 4, 5]
+        assert [m.headers[H_GROUP] for m in [first, *rest]] == [f"g{i}" for i in range(5)]
+        assert [m.headers["Nats-Msg-Id"] for m in [first, *rest]] == [f"g{i}.reference" for i in range(5)]
+        assert not any(key in m.headers for m in [first, *rest] for key in DIRECT_GET_HEADERS)  # the broker's own
+        assert [(await bus.decode(m, RolloutGroup)).group_id for m in rest] == ["g1", "g2", "g3", "g4"]
+        assert reader.next_seq == 6 and await reader.next(0.2) is None
         await bus.close()
 
     asyncio.run(scenario())

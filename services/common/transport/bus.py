@@ -236,6 +236,8 @@ class Bus:
             num_replicas=nats_cfg.stream_replicas,
             # DEAD is the only stream nothing else purges; EXPERIENCE is purged by the trainer after each save.
             max_age=nats_cfg.dead_letter_max_age_s if edge == DEAD else None,
+            # StreamReader reads ahead in batched direct gets (services/common/transport/reader.py).
+            allow_direct=True,
         )
 
     async def _streams_in_place(self) -> None:

@@ -102,6 +102,7 @@ def permissions(run_id: str, role: str) -> Permissions:
         publish += [f"$KV.{config}.>", f"$JS.API.STREAM.PURGE.{_stream(run_id, EXPERIENCE)}"]
     if role in ("trainer", "operator"):  # status, lag and dead-letter counts: reading any stream and consumer
         publish += [f"$JS.API.STREAM.MSG.GET.{_stream(run_id, edge)}" for edge in EDGES]
+        publish += [f"$JS.API.DIRECT.GET.{_stream(run_id, edge)}" for edge in (EXPERIENCE, DEAD)]  # StreamReader
         publish += [f"$JS.API.CONSUMER.INFO.{_stream(run_id, edge)}.{r}" for r, edge in CONSUMES.items()]
     if role == "operator":
         # Tailing the streams that keep their messages (work queues allow no second consumer anyway).

@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections import deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
 
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.streams import (
     DEAD,
-    STREAM_NOT_FOUND,
-    BrokerStateLost,
     StreamGap,
     StreamMessage,
     stream_name,
@@ -30,6 +29,18 @@ log = logging.getLogger(__name__)
 
 # How often an idle StreamReader re-checks that its stream is still the one it has been reading.
 READER_VERIFY_S = 2.0
+# Messages one direct get reads ahead (a trainer's batch of groups in one round trip), and the bytes it may bring.
+READ_AHEAD = 64
+READ_AHEAD_BYTES = 16 * 1024 * 1024
+REPLY_TIMEOUT_S = 5.0  # the longest a direct get waits for each reply, as nats-py's own requests do
+# A batched direct get's replies: a message carries these besides its own headers, which are all a reader keeps;
+# a status reply ends the batch (204), says there is nothing (404) or that nothing could answer (503).
+SEQUENCE_HEADER = "Nats-Sequence"
+DIRECT_GET_HEADERS = frozenset(
+    {"Nats-Stream", "Nats-Subject", SEQUENCE_HEADER, "Nats-Time-Stamp", "Nats-Num-Pending", "Nats-Last-Sequence"}
+)
+STATUS_HEADER, DESCRIPTION = "Status", "Description"
+END_OF_BATCH, NO_MESSAGE = "204", "404"
 
 
 class StreamReader:
@@ -58,6 +69,7 @@ class StreamReader:
         self.created: datetime | None = None  # the stream's creation time when this reader first checked it
         self._verified_reconnects: int | None = None  # bus.reconnects at the last check; None: never checked
         self._verified_at = 0.0
+        self._ahead: deque[StreamMessage] = deque()  # read from the broker, not yet handed out
 
     async def verify(self) -> None:
         """Raise ``BrokerStateLost`` if the stream no longer holds what this reader has read (or starts after)."""
@@ -78,26 +90,60 @@ class StreamReader:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            raw = None
-            try:
-                if self._verified_reconnects != self.bus.reconnects:
-                    await self.verify()
-                raw = await self.bus.js.get_msg(self.stream, seq=self.next_seq, subject=self.subject, next=True)
-            except NotFoundError as error:
-                if error.err_code == STREAM_NOT_FOUND:
-                    raise BrokerStateLost(self.stream, "does not exist on the broker") from None
-                # No message at or after next_seq yet. A stream re-created and refilled past next_seq would hand
-                # out other messages under the sequences expected, so the idle reader re-checks it now and then.
-                if loop.time() - self._verified_at >= READER_VERIFY_S:
-                    with contextlib.suppress(NatsError, TimeoutError):
+            if not self._ahead:
+                try:
+                    if self._verified_reconnects != self.bus.reconnects:
                         await self.verify()
-            except (NatsError, TimeoutError) as error:
-                log_event(log, Event.BUS_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
-            if raw is not None:
-                if raw.seq != self.next_seq and not self.holes_allowed:  # the messages between are lost
-                    raise StreamGap(self.stream, self.next_seq, raw.seq)
-                self.next_seq = raw.seq + 1
-                return StreamMessage(raw.seq, raw.data or b"", dict(raw.headers) if raw.headers else None)
+                    self._ahead = await self._read_ahead()
+                    # Nothing at or after next_seq yet. A stream re-created and refilled past next_seq would hand
+                    # out other messages under the sequences expected, so the idle reader re-checks it now and then.
+                    if not self._ahead and loop.time() - self._verified_at >= READER_VERIFY_S:
+                        with contextlib.suppress(NatsError, TimeoutError):
+                            await self.verify()
+                except (NatsError, TimeoutError) as error:
+                    log_event(log, Event.BUS_UNAVAILABLE, level=logging.WARNING, error=repr(error)[:300])
+            if self._ahead:
+                message = self._ahead.popleft()
+                self.next_seq = message.sequence + 1
+                return message
             if loop.time() >= deadline:
                 return None
             await asyncio.sleep(0.05)
+
+    async def _read_ahead(self) -> deque[StreamMessage]:
+        """The messages from ``next_seq`` on, up to ``READ_AHEAD`` of them (or ``READ_AHEAD_BYTES``), in one batched
+        direct get: the broker sends each to an inbox of this call's, then an end-of-batch status (204), or 404 when
+        there is none yet. Checked for holes as they come; a batch cut short (the connection lost) keeps the
+        messages that came."""
+        nc = self.bus.nc
+        inbox = nc.new_inbox()
+        replies = await nc.subscribe(inbox)
+        request = {"seq": self.next_seq, "next_by_subj": self.subject, "batch": READ_AHEAD}
+        request["max_bytes"] = READ_AHEAD_BYTES
+        ahead: deque[StreamMessage] = deque()
+        expected = self.next_seq
+        try:
+            await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=inbox)
+            while True:
+                try:
+                    reply = await replies.next_msg(timeout=REPLY_TIMEOUT_S)
+                except TimeoutError:
+                    if ahead:
+                        return ahead
+                    raise
+                headers = reply.headers or {}
+                status = headers.get(STATUS_HEADER)
+                if status in (END_OF_BATCH, NO_MESSAGE):
+                    return ahead
+                if status is not None:  # 503: no stream answers (gone, or one that allows no direct gets)
+                    await self.verify()  # BrokerStateLost if it is gone
+                    raise NatsError(f"direct get from {self.stream} answered {status} {headers.get(DESCRIPTION)}")
+                sequence = int(headers[SEQUENCE_HEADER])
+                if sequence != expected and not self.holes_allowed:  # the messages between are lost
+                    raise StreamGap(self.stream, expected, sequence)
+                expected = sequence + 1
+                kept = {k: v for k, v in headers.items() if k not in DIRECT_GET_HEADERS}
+                ahead.append(StreamMessage(sequence, reply.data or b"", kept or None))
+        finally:
+            with contextlib.suppress(NatsError):
+                await replies.unsubscribe()

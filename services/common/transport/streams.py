@@ -30,9 +30,6 @@ H_INCARNATION = "Rlpipe-Incarnation"
 # the DEAD sequence of the letter sent back. The trainer reopens the letter's group when it reads it.
 H_REINJECTED = "Rlpipe-Reinjected"
 
-# JetStream's error codes for "no such stream" (a 404 like "no message at that sequence", which is not a loss).
-STREAM_NOT_FOUND = 10059
-
 
 def subject(run_id: str, edge: str) -> str:
     return f"rlpipe.{run_id}.{edge}"
