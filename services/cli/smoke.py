@@ -23,7 +23,7 @@ from services.cli.checkpoint_verify import stores
 from services.cli.healthcheck import check as health_check
 from services.cli.launcher import Launcher
 from services.common.config import ConfigError, RunConfig, load_config, load_config_with
-from services.common.observe.usage import MemoryTrend
+from services.common.observe.usage import ResourceTrend
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.startup_checks import StartupCheckError, startup_checks
 
@@ -56,7 +56,7 @@ class SmokeRun:
     role_problems: list[str] = field(default_factory=list)
     role_evidence: str = ""
     scraped: dict[str, ServiceScrape] = field(default_factory=dict)  # service name -> its metrics
-    memory: list[MemoryTrend] = field(default_factory=list)  # every role's processes, after the first step
+    resources: list[ResourceTrend] = field(default_factory=list)  # every role's processes, after the first step
     failed_services: list[str] = field(default_factory=list)
 
 
@@ -158,7 +158,7 @@ def smoke(config_path: Path, folder: Path, settings: Mapping[str, Any] | None = 
                 raise RuntimeError(f"the held smoke run could not be resumed: {resumed}")
             launcher.follow()
             outcome.finished = True
-            outcome.memory = launcher.usage.memory_trends()
+            outcome.resources = launcher.usage.resource_trends()
             outcome.scraped = scrape_stages(cfg.run_dir)
     except (RuntimeError, TimeoutError, KeyboardInterrupt) as error:
         outcome.error = str(error) or type(error).__name__

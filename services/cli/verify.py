@@ -64,7 +64,7 @@ from services.cli.verify_health import (
 from services.cli.verify_record import record_extras
 from services.cli.verify_tuning import tuning_check
 from services.common.config import RunConfig, load_config_with
-from services.common.observe.usage import MemoryTrend
+from services.common.observe.usage import ResourceTrend
 from services.trainer.samples import SampleArchive
 
 # Mean per-token |log pi_sampler - log pi_trainer| allowed on groups the trainer's current version generated:
@@ -235,7 +235,7 @@ def write_record(
 
 
 def run_health_checks(
-    cfg: RunConfig, rows: list[dict[str, Any]], processes: list[MemoryTrend] | None = None
+    cfg: RunConfig, rows: list[dict[str, Any]], processes: list[ResourceTrend] | None = None
 ) -> list[Check]:
     """How the steps went (services/cli/verify_health.py): ranges, jumps, resources (the trainer's rows, and every
     role's ``processes`` where this machine launched them); then the remote services."""
@@ -266,7 +266,7 @@ def verify(
             drill_check(run.cfg),
             metrics_check(run, rows),
             first_step_check(rows, started_at, first_step_max_s),
-            *run_health_checks(run.cfg, rows, run.memory),
+            *run_health_checks(run.cfg, rows, run.resources),
             # After the smoke run, whose deployment is stopped by now: a trial is a run of its own.
             tuning_check(run.config_path, run.cfg, Path(folder))
             if run.finished

@@ -12,8 +12,9 @@ of 1e6, entropy blown up tenfold, memory doubling in three steps), not what is m
   ``floor + rel * min(|before|, |after|)``, plus a multiple of the reward's spread for the reward (``JUMP_RULES``).
 - ``resources``: the trainer's host memory (and GPU memory where the rows have it) did not grow past
   ``GROWTH_ALLOWED`` from the second step to the last (the first allocates the optimizer and warms caches), nor did
-  any process of any role (rollout, reward, reference: ``UsageMeter.memory_trends``) from its first reading after
-  the first step to its last; device memory kept some headroom, and a GPU the rows show was busy at some step.
+  the host or GPU memory of any process of any role (rollout, reward, reference: ``UsageMeter.resource_trends``,
+  GPU memory as NVML counts it per process) from its first reading after the first step to its last; device memory
+  kept some headroom, a GPU the trainer's rows show was busy at some step, and so was each role's GPU at some sample.
 - ``remote-services``: every remote service the config names (``reward.http.url``, ``rollout.environment_url``)
   answered a TCP connect; ``probe_remote`` makes the connections, the check only reads the results.
 """
@@ -29,7 +30,7 @@ from urllib.parse import urlparse
 
 from services.cli.verify_check import Check
 from services.common.config import RunConfig
-from services.common.observe.usage import MemoryTrend
+from services.common.observe.usage import ResourceTrend
 
 LOSS_BOUND = 1e3  # |policy loss| per token; a working update stays orders of magnitude below
 VALUE_SLACK = 2.0  # |mean value| may reach this many times reward.max_abs_reward (a return of rewards and KL)
@@ -142,7 +143,7 @@ def leaked(before_gib: float, after_gib: float) -> bool:
     return grew > GROWTH_ALLOWED[0] and grew > GROWTH_ALLOWED[1] * before_gib
 
 
-def resources_check(rows: list[dict[str, Any]], processes: list[MemoryTrend] | None = None) -> Check:
+def resources_check(rows: list[dict[str, Any]], processes: list[ResourceTrend] | None = None) -> Check:
     """Memory did not grow like a leak, in the trainer's rows or in any role's ``processes``, device memory kept
     headroom, and a GPU in the rows was used."""
     settled = rows[1:] if len(rows) > 2 else rows  # the first step allocates the optimizer and warms caches
@@ -159,14 +160,9 @@ def resources_check(rows: list[dict[str, Any]], processes: list[MemoryTrend] | N
             problems.append(f"{key} grew {grew:.2f} GiB over {len(series)} steps ({series[0]:.2f} -> {series[-1]:.2f})")
     by_role = itertools.groupby(sorted(processes or [], key=lambda t: (t.role, t.pid)), key=lambda t: t.role)
     for role, trends in ((role, list(trends)) for role, trends in by_role):
-        before, after = sum(t.settled_gib for t in trends), sum(t.last_gib for t in trends)
-        evidence.append(f"{role} host RSS {before:.2f} -> {after:.2f} GiB")
-        problems += [
-            f"{role} (pid {t.pid}) host RSS grew {t.last_gib - t.settled_gib:.2f} GiB after the first step "
-            f"({t.settled_gib:.2f} -> {t.last_gib:.2f})"
-            for t in trends
-            if leaked(t.settled_gib, t.last_gib)
-        ]
+        role_evidence, role_problems = role_resources(role, trends)
+        evidence += role_evidence
+        problems += role_problems
     headroom = [v for v in (_number(row.get("memory/headroom_frac")) for row in rows) if v is not None]
     if headroom:
         evidence.append(f"least device headroom {min(headroom):.0%}")
@@ -182,6 +178,35 @@ def resources_check(rows: list[dict[str, Any]], processes: list[MemoryTrend] | N
     if not evidence:
         return Check("resources", "skip", "the step rows carry no memory or GPU samples")
     return Check("resources", "pass", "; ".join(evidence))
+
+
+def role_resources(role: str, trends: list[ResourceTrend]) -> tuple[list[str], list[str]]:
+    """(evidence, problems) for one role's processes: host memory that grew like a leak and, where they hold GPUs,
+    device memory that did, or GPUs that never ran a kernel after the first step."""
+    before, after = sum(t.settled_gib for t in trends), sum(t.last_gib for t in trends)
+    evidence = [f"{role} host RSS {before:.2f} -> {after:.2f} GiB"]
+    problems = [
+        f"{role} (pid {t.pid}) host RSS grew {t.last_gib - t.settled_gib:.2f} GiB after the first step "
+        f"({t.settled_gib:.2f} -> {t.last_gib:.2f})"
+        for t in trends
+        if leaked(t.settled_gib, t.last_gib)
+    ]
+    on_gpu = [t for t in trends if t.settled_gpu_gib is not None and t.last_gpu_gib is not None]
+    if on_gpu:
+        gpu_before, gpu_after = sum(t.settled_gpu_gib for t in on_gpu), sum(t.last_gpu_gib for t in on_gpu)
+        evidence.append(f"{role} GPU memory {gpu_before:.2f} -> {gpu_after:.2f} GiB")
+        problems += [
+            f"{role} (pid {t.pid}) GPU memory grew {t.last_gpu_gib - t.settled_gpu_gib:.2f} GiB after the first step "
+            f"({t.settled_gpu_gib:.2f} -> {t.last_gpu_gib:.2f})"
+            for t in on_gpu
+            if leaked(t.settled_gpu_gib, t.last_gpu_gib)
+        ]
+    peaks = [t.gpu_util_peak_pct for t in trends if t.gpu_util_peak_pct is not None]
+    if peaks:
+        evidence.append(f"{role} GPU utilisation up to {max(peaks):.0f}%")
+        if max(peaks) <= 0:
+            problems.append(f"{role}'s GPUs never ran a kernel after the first step (utilisation 0 at every sample)")
+    return evidence, problems
 
 
 def remote_services(cfg: RunConfig) -> dict[str, str]:

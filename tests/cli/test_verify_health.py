@@ -17,7 +17,7 @@ from services.cli.verify_health import (
     resources_check,
 )
 from services.common.config import load_config
-from services.common.observe.usage import MemoryTrend
+from services.common.observe.usage import ResourceTrend
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
@@ -89,18 +89,44 @@ def test_resources_flag_memory_that_grows_like_a_leak_after_the_first_step():
 
 def test_resources_flag_a_process_of_any_role_whose_memory_grew_like_a_leak_after_the_first_step():
     rows = [row(1), row(2), row(3)]
-    steady = [MemoryTrend("rollout", 11, 1.20, 1.25), MemoryTrend("reward", 12, 0.30, 0.31)]
+    steady = [ResourceTrend("rollout", 11, 1.20, 1.25), ResourceTrend("reward", 12, 0.30, 0.31)]
     passed = resources_check(rows, steady)
     assert (passed.status, passed.detail) == (
         "pass",
         "reward host RSS 0.30 -> 0.31 GiB; rollout host RSS 1.20 -> 1.25 GiB",
     )
     # Two rollout replicas: one leaks 0.8 GiB (past 0.5 GiB and 25%); the role's line sums both.
-    leaking = [*steady, MemoryTrend("rollout", 13, 1.20, 2.00)]
+    leaking = [*steady, ResourceTrend("rollout", 13, 1.20, 2.00)]
     failed = resources_check(rows, leaking)
     assert (failed.status, failed.detail) == (
         "fail",
         "rollout (pid 13) host RSS grew 0.80 GiB after the first step (1.20 -> 2.00)",
+    )
+
+
+def test_resources_flag_a_role_whose_gpu_memory_grew_like_a_leak_or_whose_gpu_never_ran_a_kernel():
+    rows = [row(1), row(2), row(3)]
+    # Two rollout replicas on GPUs and a reference on one; the reward holds none (no GPU line for it).
+    steady = [
+        ResourceTrend("rollout", 11, 1.2, 1.2, settled_gpu_gib=30.0, last_gpu_gib=30.5, gpu_util_peak_pct=91.0),
+        ResourceTrend("rollout", 12, 1.2, 1.2, settled_gpu_gib=30.0, last_gpu_gib=30.0, gpu_util_peak_pct=0.0),
+        ResourceTrend("reference", 13, 0.9, 0.9, settled_gpu_gib=2.0, last_gpu_gib=2.0, gpu_util_peak_pct=40.0),
+        ResourceTrend("reward", 14, 0.3, 0.3),
+    ]
+    passed = resources_check(rows, steady)
+    assert (passed.status, passed.detail) == (
+        "pass",
+        "reference host RSS 0.90 -> 0.90 GiB; reference GPU memory 2.00 -> 2.00 GiB; reference GPU utilisation up "
+        "to 40%; reward host RSS 0.30 -> 0.30 GiB; rollout host RSS 2.40 -> 2.40 GiB; rollout GPU memory 60.00 -> "
+        "60.50 GiB; rollout GPU utilisation up to 91%",
+    )
+    # The reference's GPU memory grows 1.5 GiB past its settled 2 GiB, and its GPU never ran a kernel.
+    failing = [*steady[:2], ResourceTrend("reference", 13, 0.9, 0.9, 2.0, 3.5, 0.0), steady[3]]
+    failed = resources_check(rows, failing)
+    assert (failed.status, failed.detail) == (
+        "fail",
+        "reference (pid 13) GPU memory grew 1.50 GiB after the first step (2.00 -> 3.50); reference's GPUs never "
+        "ran a kernel after the first step (utilisation 0 at every sample)",
     )
 
 

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import mmap
+import os
 import re
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from services.common.observe.hardware import (
     smi_cuda_version,
 )
 from services.common.observe.instruments import TRAINER_STEP_KEYS, trainer_gauge_name, watch_gpus
+from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.conftest import ROOT
@@ -216,3 +218,31 @@ def test_hardware_keys_reach_prometheus_under_their_mapped_names(tmp_path):
     for key, value in FULL.row().items():
         assert math.isclose(one_value(samples, trainer_gauge_name(key)), value), key
     assert one_value(samples, "rlpipe_trainer_step") == 2
+
+
+def test_each_process_holding_gpus_is_read_with_its_device_memory_and_its_busiest_gpu(fake_nvml):
+    rollout, reference, blind = 101, 202, 303
+    fake_nvml.PROCESSES = {
+        0: [(rollout, 30 * GIB), (reference, 2 * GIB), (blind, None)],
+        1: [(rollout, 5 * GIB)],
+    }
+    assert gpu_holders() == {
+        rollout: GpuHold(devices=2, mem_gib=35.0, util_pct=87.0),  # both GPUs, the busier one's utilisation
+        reference: GpuHold(devices=1, mem_gib=2.0, util_pct=87.0),
+        blind: GpuHold(devices=1, mem_gib=None, util_pct=87.0),  # NVML could not say: no figure rather than 0
+    }
+
+    # The meter keeps what a process held at the first step and at its last sample, and the busiest since.
+    meter = UsageMeter()
+    me = os.getpid()
+    fake_nvml.PROCESSES = {1: [(me, 7 * GIB)]}
+    meter.sample({me: "reference"}, now=0.0)
+    meter.settle()
+    fake_nvml.PROCESSES = {1: [(me, 9 * GIB)]}
+    fake_nvml.GPUS[1] = (GPU_B.uuid, 64, 70 * GIB, 80 * GIB)
+    meter.sample({me: "reference"}, now=10.0)
+    fake_nvml.GPUS[1] = (GPU_B.uuid, 0, 70 * GIB, 80 * GIB)
+    meter.sample({me: "reference"}, now=20.0)
+    [trend] = meter.resource_trends()
+    assert (trend.settled_gpu_gib, trend.last_gpu_gib, trend.gpu_util_peak_pct) == (7.0, 9.0, 64.0)
+    assert meter.device_hours()["reference"][GPU] == pytest.approx(20 / 3600)

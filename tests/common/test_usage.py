@@ -12,6 +12,7 @@ import pytest
 from services.common.observe.usage import (
     CPU_CORE,
     GPU,
+    GpuHold,
     RunCost,
     UsageMeter,
     process_cpu_seconds,
@@ -59,8 +60,9 @@ def test_no_held_out_gain_leaves_the_cost_per_point_undefined():
 def test_the_meter_sums_every_process_of_a_role_and_counts_held_gpus_by_wall_time():
     meter = UsageMeter()
     me = os.getpid()
-    meter.sample({me: "trainer"}, now=100.0, gpus={me: 2})
-    meter.sample({me: "trainer"}, now=130.0, gpus={me: 2})
+    two = GpuHold(devices=2, mem_gib=10.0, util_pct=50.0)
+    meter.sample({me: "trainer"}, now=100.0, gpus={me: two})
+    meter.sample({me: "trainer"}, now=130.0, gpus={me: two})
     meter.sample({me: "trainer"}, now=160.0, gpus={})  # released its GPUs in between: the last 30 s not counted
     hours = meter.device_hours()
     assert hours["trainer"][GPU] == pytest.approx(2 * 30 / 3600)
@@ -80,16 +82,16 @@ def test_memory_is_judged_from_the_first_reading_after_the_first_step_of_the_pro
         assert child.stdout.readline() == "1\n"
         meter = UsageMeter()
         meter.sample({child.pid: "rollout"}, now=0.0, gpus={})
-        assert meter.memory_trends() == []  # loading: nothing is judged before the first step
+        assert meter.resource_trends() == []  # loading: nothing is judged before the first step
         meter.settle()
         settled = process_rss_gib(child.pid)
-        assert [(t.settled_gib, t.last_gib) for t in meter.memory_trends()] == [(settled, settled)]
+        assert [(t.settled_gib, t.last_gib) for t in meter.resource_trends()] == [(settled, settled)]
         child.stdin.write("go\n")
         child.stdin.flush()
         assert child.stdout.readline() == "2\n"
         meter.sample({child.pid: "rollout"}, now=2.0, gpus={})
         meter.sample({os.getpid(): "reward"}, now=2.0, gpus={})  # first seen after the first step: a restart
-        [trend] = meter.memory_trends()
+        [trend] = meter.resource_trends()
         assert (trend.role, trend.pid) == ("rollout", child.pid)
         assert trend.settled_gib == pytest.approx(settled, abs=2 / 1024)
         assert trend.last_gib - trend.settled_gib == pytest.approx(64 / 1024, abs=4 / 1024)

@@ -5,10 +5,11 @@
 which GPUs hold the process (each GPU a process holds counts its wall time as a GPU-hour, busy or not: a held GPU
 is a paid GPU). A restarted process starts a new count; the role's total is the sum of all its processes.
 
-Each sample also reads every process's resident memory. Once the run's first step is done (``settle``: the
-optimizer, the engines' caches and the first batch's buffers are allocated), each running process's memory then is
-its settled memory; ``memory_trends`` gives it beside the last reading, for ``rlpipe verify`` to tell a leak in any
-role.
+Each sample also reads every process's resident memory and, where it holds GPUs, the device memory NVML says it
+uses and how busy those GPUs are. Once the run's first step is done (``settle``: the optimizer, the engines' caches
+and the first batch's buffers are allocated), each running process's memory then is its settled memory;
+``resource_trends`` gives it beside the last reading, with the busiest its GPUs were since, for ``rlpipe verify`` to
+tell a leak or an idle GPU in any role.
 
 ``RunCost`` turns the totals into what an operator budgets with: device-hours per role and, with
 ``cost.per_device_hour`` set, the cost of the run, per training step and per held-out accuracy point gained
@@ -64,19 +65,40 @@ def with_descendants(pid: int) -> list[int]:
     return found
 
 
-def gpu_holders() -> dict[int, int]:
-    """pid -> how many GPUs that process holds (compute or graphics contexts); empty without NVML."""
+@dataclass(frozen=True)
+class GpuHold:
+    """What one process holds on the GPUs, as NVML shows it at one sample."""
+
+    devices: int  # GPUs it holds (compute or graphics contexts)
+    mem_gib: float | None  # device memory it uses over them; None where NVML does not say (some vGPUs, containers)
+    util_pct: float  # the busiest of those GPUs over NVML's last sample period
+
+
+def gpu_holders() -> dict[int, GpuHold]:
+    """pid -> what that process holds on the GPUs; empty without NVML."""
     nvml = initialized_nvml()
     if nvml is None:
         return {}
-    held: dict[int, int] = {}
+    held: dict[int, GpuHold] = {}
     for index in range(nvml.nvmlDeviceGetCount()):
         handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        pids = {p.pid for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle)}
-        pids |= {p.pid for p in nvml.nvmlDeviceGetGraphicsRunningProcesses(handle)}
-        for pid in pids:
-            held[pid] = held.get(pid, 0) + 1
+        used: dict[int, int | None] = {}
+        for process in [
+            *nvml.nvmlDeviceGetComputeRunningProcesses(handle),
+            *nvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
+        ]:
+            used[process.pid] = _plus(used.get(process.pid, 0), process.usedGpuMemory)
+        util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) if used else 0.0
+        for pid, memory in used.items():
+            before = held.get(pid, GpuHold(0, 0.0, 0.0))
+            gib = None if memory is None or before.mem_gib is None else before.mem_gib + memory / 2**30
+            held[pid] = GpuHold(before.devices + 1, gib, max(before.util_pct, util))
     return held
+
+
+def _plus(total: int | None, more: int | None) -> int | None:
+    """Bytes added up, None as soon as one reading is missing (NVML gives None where it cannot tell)."""
+    return None if total is None or more is None else total + more
 
 
 @dataclass
@@ -87,16 +109,23 @@ class _Process:
     seen: float | None = None  # when it was last sampled
     rss_gib: float | None = None  # as last read
     settled_rss_gib: float | None = None  # read when the run's first step was done
+    gpu_gib: float | None = None  # device memory as last read; None while it holds no GPU or NVML cannot tell
+    settled_gpu_gib: float | None = None  # device memory when the run's first step was done
+    gpu_util_peak_pct: float | None = None  # the busiest its GPUs were at a sample since then; None: no GPU held
 
 
 @dataclass(frozen=True)
-class MemoryTrend:
-    """One process's resident memory from the first reading after the run's first step to the last."""
+class ResourceTrend:
+    """One process's resident memory from the first reading after the run's first step to the last, and where it
+    holds GPUs their memory over the same span and how busy they were."""
 
     role: str
     pid: int
     settled_gib: float
     last_gib: float
+    settled_gpu_gib: float | None = None  # None: no GPU held when the first step was done, or NVML cannot tell
+    last_gpu_gib: float | None = None
+    gpu_util_peak_pct: float | None = None  # None: no GPU held at any sample after the first step
 
 
 @dataclass
@@ -105,7 +134,7 @@ class UsageMeter:
 
     processes: dict[int, _Process] = field(default_factory=dict)  # by pid: a restart is a new process
 
-    def sample(self, pids: dict[int, str], now: float, gpus: dict[int, int] | None = None) -> None:
+    def sample(self, pids: dict[int, str], now: float, gpus: dict[int, GpuHold] | None = None) -> None:
         """Read each running process of ``pids`` (pid -> role) at time ``now``; ``gpus`` is ``gpu_holders()``."""
         gpus = gpu_holders() if gpus is None else gpus
         for pid, role in pids.items():
@@ -114,22 +143,31 @@ class UsageMeter:
                 continue  # exited: its last reading stands
             process = self.processes.setdefault(pid, _Process(role))
             process.cpu_s = cpu
-            if process.seen is not None:
-                process.gpu_s += gpus.get(pid, 0) * (now - process.seen)
+            hold = gpus.get(pid)
+            if process.seen is not None and hold is not None:
+                process.gpu_s += hold.devices * (now - process.seen)
             process.seen = now
             process.rss_gib = process_rss_gib(pid)
+            process.gpu_gib = None if hold is None else hold.mem_gib
+            if hold is not None and process.settled_rss_gib is not None:
+                process.gpu_util_peak_pct = max(process.gpu_util_peak_pct or 0.0, hold.util_pct)
 
-    def settle(self) -> None:
-        """The run's first step is done: each process sampled so far and still running has its memory read now as
-        its settled memory. One started later (a restart) is still loading then, so it has none."""
+    def settle(self, gpus: dict[int, GpuHold] | None = None) -> None:
+        """The run's first step is done: each process sampled so far and still running has its memory (host, and
+        device where it holds GPUs) read now as its settled memory. One started later (a restart) is still loading
+        then, so it has none."""
+        gpus = gpu_holders() if gpus is None else gpus
         for pid, process in self.processes.items():
             if process.settled_rss_gib is None and (rss := process_rss_gib(pid)) is not None:
                 process.settled_rss_gib = process.rss_gib = rss
+                if (hold := gpus.get(pid)) is not None:
+                    process.settled_gpu_gib = process.gpu_gib = hold.mem_gib
+                    process.gpu_util_peak_pct = hold.util_pct
 
-    def memory_trends(self) -> list[MemoryTrend]:
+    def resource_trends(self) -> list[ResourceTrend]:
         """Every process with a settled reading, from it to its last."""
         return [
-            MemoryTrend(p.role, pid, p.settled_rss_gib, p.rss_gib)
+            ResourceTrend(p.role, pid, p.settled_rss_gib, p.rss_gib, p.settled_gpu_gib, p.gpu_gib, p.gpu_util_peak_pct)
             for pid, p in self.processes.items()
             if p.settled_rss_gib is not None and p.rss_gib is not None
         ]

@@ -46,3 +46,16 @@ def nvmlDeviceGetUtilizationRates(handle: int) -> SimpleNamespace:
 def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
     _, _, used, total = GPUS[handle]
     return SimpleNamespace(used=used, total=total, free=total - used)
+
+
+# Per device index: (pid, device memory it uses in bytes, or None where NVML cannot tell) of each compute process.
+# Empty unless a test puts processes there; no process ever holds a graphics context here.
+PROCESSES: dict[int, list[tuple[int, int | None]]] = {}
+
+
+def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[SimpleNamespace]:
+    return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in PROCESSES.get(handle, [])]
+
+
+def nvmlDeviceGetGraphicsRunningProcesses(handle: int) -> list[SimpleNamespace]:
+    return []
