@@ -16,10 +16,12 @@ import torch
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.timeshare import StepPhase, TimeShare
+from services.common.observe.trackers import TrackerFanout
 from services.trainer.control import RunState
 from services.trainer.intake import Collected
 from tests.conftest import write_config
 from tests.trainer.test_learner import experience, with_nan
+from tests.trainer.test_responder import StuckTracker
 from tests.trainer.test_trainer_health import start_trainer
 
 pytestmark = pytest.mark.integration
@@ -118,5 +120,30 @@ def test_a_step_rows_time_split_covers_the_whole_interval_since_the_previous_row
         finally:
             trainer.responder.metrics.close()
             await trainer.bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_steps_go_on_while_an_experiment_tracker_is_stuck_and_it_gets_every_row_once_it_answers(cfg, tiny_model):
+    """A tracker that does not return (an MLflow or W&B server that hangs) holds none of the trainer's steps: three
+    steps complete while it is stuck in the first row's call, and once it answers it receives every step's row."""
+    groups = experience(cfg, load_jsonl(tiny_model[1] / "train.jsonl")[:4])
+
+    async def scenario() -> None:
+        trainer = await start_trainer(cfg)
+        tracker = StuckTracker()
+        trainer.responder.metrics.trackers = TrackerFanout({"stuck": tracker})
+        try:
+            for sequence in (4, 8, 12):
+                await trainer.train_step(Collected(batch=groups, dropped=[], sequence=sequence))
+                assert await asyncio.to_thread(tracker.entered.wait, 10)  # stuck in the first row's log call
+            assert trainer.progress.step == 3 and tracker.steps == []
+            tracker.release.set()
+        finally:
+            tracker.release.set()
+            trainer.responder.metrics.close()
+            await trainer.bus.close()
+        assert tracker.steps == [1, 2, 3]
+        assert trainer.responder.metrics.dropped == 0
 
     asyncio.run(scenario())
