@@ -28,6 +28,7 @@ from services.common.model.sizing import (
     placements,
     read_host_memory,
     read_model_shape,
+    rollout_on_cpu,
     swap_in_use,
     with_headroom,
 )
@@ -101,7 +102,7 @@ def resolve_gpus(count: int | None, memory_gib: float | None, seen: Callable[[],
 
 def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
     """Host memory when every role runs on this machine's CPU: the trainer's ranks, a reference and a rollout."""
-    return est.trainer.per_rank(trainer_ranks) * trainer_ranks + est.reference.total + est.rollout.total
+    return est.trainer.per_rank(trainer_ranks) * trainer_ranks + est.reference.total + rollout_on_cpu(est)
 
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:

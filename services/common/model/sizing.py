@@ -255,6 +255,13 @@ class Placement:
     detail: str
 
 
+def rollout_on_cpu(est: SizingEstimate) -> int:
+    """The rollout's need on vLLM's CPU backend, which packs each linear layer's weight for oneDNN's kernels and
+    keeps the original beside it: its weights count twice (bench/plan_check.py measured SmolLM2's engine at 0.50x
+    the one-copy estimate, 1.0x with both)."""
+    return est.rollout.total + est.rollout.weights
+
+
 def placements(est: SizingEstimate, gpus: int, gpu_bytes: int) -> list[Placement]:
     """Everything on one GPU, the reference on the trainer's first rank, or the reference on its own GPU; each
     with the smallest FSDP2 world size whose per-rank need (with headroom) fits. One rollout engine per GPU."""
