@@ -123,7 +123,10 @@ class Intake:
 
     def rewind(self) -> None:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
-        self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
+        if self.reader is None:
+            self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
+        else:  # the same reader, and so the same reply subscription
+            self.reader.seek(self.progress.applied_seq + 1)
 
     async def feed(self, cfg: RunConfig, config_version: int, accepted: int = 0) -> None:
         """Top PROMPTS up to the in-flight bound. Synchronous (``train.synchronous``), the bound is one batch

@@ -208,6 +208,9 @@ class SimReader:
 
     def __init__(self, stream: Stream, start_seq: int) -> None:
         self.stream = stream
+        self.seek(start_seq)
+
+    def seek(self, start_seq: int) -> None:
         self.next_seq = start_seq
         self.empty = False  # the last read found nothing: the simulated loop takes that as an interrupt
 

@@ -10,6 +10,7 @@ from collections import deque
 from datetime import datetime
 from typing import TYPE_CHECKING
 
+from nats.aio.subscription import Subscription
 from nats.errors import Error as NatsError
 
 from services.common.observe.events import Event
@@ -65,6 +66,14 @@ class StreamReader:
         self.holes_allowed = edge == DEAD
         self.stream = stream_name(bus.run_id, edge)
         self.subject = subject(bus.run_id, edge)
+        self._replies: Subscription | None = None  # where the broker answers this reader's direct gets
+        self._inbox = ""
+        self._requests = 0
+        self.seek(start_seq)
+
+    def seek(self, start_seq: int) -> None:
+        """Read from ``start_seq`` on, as a new reader would: what was read ahead is dropped and the stream is
+        checked again before the next read (a restore or a rollback may follow a stream re-created)."""
         self.next_seq = start_seq
         self.created: datetime | None = None  # the stream's creation time when this reader first checked it
         self._verified_reconnects: int | None = None  # bus.reconnects at the last check; None: never checked
@@ -112,38 +121,41 @@ class StreamReader:
 
     async def _read_ahead(self) -> deque[StreamMessage]:
         """The messages from ``next_seq`` on, up to ``READ_AHEAD`` of them (or ``READ_AHEAD_BYTES``), in one batched
-        direct get: the broker sends each to an inbox of this call's, then an end-of-batch status (204), or 404 when
-        there is none yet. Checked for holes as they come; a batch cut short (the connection lost) keeps the
-        messages that came."""
+        direct get: the broker sends each to this request's reply subject, then an end-of-batch status (204), or 404
+        when there is none yet. Checked for holes as they come: the messages before a hole are handed out first,
+        the hole raises on the next read. A batch cut short (the connection lost) keeps the messages that came."""
         nc = self.bus.nc
-        inbox = nc.new_inbox()
-        replies = await nc.subscribe(inbox)
+        if self._replies is None:  # one subscription for every request of this reader, each on its own subject
+            self._inbox = nc.new_inbox()
+            self._replies = await nc.subscribe(f"{self._inbox}.*")
+        self._requests += 1
+        reply_to = f"{self._inbox}.{self._requests}"
         request = {"seq": self.next_seq, "next_by_subj": self.subject, "batch": READ_AHEAD}
         request["max_bytes"] = READ_AHEAD_BYTES
+        await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=reply_to)
         ahead: deque[StreamMessage] = deque()
         expected = self.next_seq
-        try:
-            await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=inbox)
-            while True:
-                try:
-                    reply = await replies.next_msg(timeout=REPLY_TIMEOUT_S)
-                except TimeoutError:
-                    if ahead:
-                        return ahead
-                    raise
-                headers = reply.headers or {}
-                status = headers.get(STATUS_HEADER)
-                if status in (END_OF_BATCH, NO_MESSAGE):
+        while True:
+            try:
+                reply = await self._replies.next_msg(timeout=REPLY_TIMEOUT_S)
+            except TimeoutError:
+                if ahead:
                     return ahead
-                if status is not None:  # 503: no stream answers (gone, or one that allows no direct gets)
-                    await self.verify()  # BrokerStateLost if it is gone
-                    raise NatsError(f"direct get from {self.stream} answered {status} {headers.get(DESCRIPTION)}")
-                sequence = int(headers[SEQUENCE_HEADER])
-                if sequence != expected and not self.holes_allowed:  # the messages between are lost
-                    raise StreamGap(self.stream, expected, sequence)
-                expected = sequence + 1
-                kept = {k: v for k, v in headers.items() if k not in DIRECT_GET_HEADERS}
-                ahead.append(StreamMessage(sequence, reply.data or b"", kept or None))
-        finally:
-            with contextlib.suppress(NatsError):
-                await replies.unsubscribe()
+                raise
+            if reply.subject != reply_to:  # a late answer to an earlier request that timed out
+                continue
+            headers = reply.headers or {}
+            status = headers.get(STATUS_HEADER)
+            if status in (END_OF_BATCH, NO_MESSAGE):
+                return ahead
+            if status is not None:  # 503: no stream answers (gone, or one that allows no direct gets)
+                await self.verify()  # BrokerStateLost if it is gone
+                raise NatsError(f"direct get from {self.stream} answered {status} {headers.get(DESCRIPTION)}")
+            sequence = int(headers[SEQUENCE_HEADER])
+            if sequence != expected and not self.holes_allowed:  # the messages between are lost
+                if ahead:
+                    return ahead
+                raise StreamGap(self.stream, expected, sequence)
+            expected = sequence + 1
+            kept = {k: v for k, v in headers.items() if k not in DIRECT_GET_HEADERS}
+            ahead.append(StreamMessage(sequence, reply.data or b"", kept or None))
