@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -52,7 +52,8 @@ class GroupSample:
         return float(np.mean([c.reward for c in self.completions]))
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        # vars, not dataclasses.asdict, which deep-copies every field on the way (most of the archive's cost).
+        return json.dumps({**vars(self), "completions": [vars(c) for c in self.completions]})
 
     @classmethod
     def from_json(cls, line: str) -> GroupSample:
@@ -61,24 +62,38 @@ class GroupSample:
 
 
 def summarize(step: int, group: ExperienceGroup) -> GroupSample:
-    """One applied group as the archive keeps it."""
-    completions = []
-    for completion, reward, ref in zip(group.completions, group.rewards, group.ref_logprobs, strict=True):
-        logprobs = completion.logprobs.astype(np.float64)  # (T,)
-        log_ratio = logprobs - ref.astype(np.float64)  # (T,)
-        empty = logprobs.size == 0  # a completion that stopped at once has no tokens to summarise
-        completions.append(
-            CompletionSample(
-                text=completion.text,
-                reward=float(reward),
-                finish_reason=completion.finish_reason,
-                tokens=int(logprobs.size),
-                logprob_mean=0.0 if empty else float(logprobs.mean()),
-                logprob_min=0.0 if empty else float(logprobs.min()),
-                kl_mean=0.0 if empty else float(log_ratio.mean()),
-                kl_max=0.0 if empty else float(log_ratio.max()),
-            )
+    """One applied group as the archive keeps it. Each statistic is one numpy reduction over the group's
+    completions laid end to end (a step archives hundreds of completions; per-completion calls cost more than
+    the arithmetic)."""
+    lengths = np.array([c.logprobs.size for c in group.completions])
+    logprobs = np.concatenate([c.logprobs for c in group.completions] + [np.zeros(0)]).astype(np.float64)  # (T,)
+    log_ratio = logprobs - np.concatenate([*group.ref_logprobs, np.zeros(0)]).astype(np.float64)  # (T,)
+    # A completion that stopped at once has no tokens: its statistics are 0, and the reductions skip it (reduceat
+    # over the non-empty ones only, each segment running to the next one's start).
+    filled = lengths > 0
+    starts = (np.cumsum(lengths) - lengths)[filled]
+    stats = np.zeros((4, len(lengths)))
+    if starts.size:
+        stats[:, filled] = [
+            np.add.reduceat(logprobs, starts) / lengths[filled],
+            np.minimum.reduceat(logprobs, starts),
+            np.add.reduceat(log_ratio, starts) / lengths[filled],
+            np.maximum.reduceat(log_ratio, starts),
+        ]
+    logprob_mean, logprob_min, kl_mean, kl_max = stats.tolist()
+    completions = [
+        CompletionSample(
+            text=completion.text,
+            reward=float(reward),
+            finish_reason=completion.finish_reason,
+            tokens=int(tokens),
+            logprob_mean=logprob_mean[n],
+            logprob_min=logprob_min[n],
+            kl_mean=kl_mean[n],
+            kl_max=kl_max[n],
         )
+        for n, (completion, reward, tokens) in enumerate(zip(group.completions, group.rewards, lengths, strict=True))
+    ]
     return GroupSample(step, group.group_id, group.policy_version, group.prompt, group.answer, completions)
 
 

@@ -48,6 +48,15 @@ def test_summary_carries_rewards_and_per_token_logprob_and_kl_statistics():
     assert sample.reward_mean == 0.5
 
 
+def test_an_empty_completion_between_two_others_leaves_their_statistics_their_own():
+    applied = group("g1", [1.0, 0.0, 1.0], [[-0.5, -1.5], [], [-2.0, -4.0, -3.0]], [[-1.0, -1.0], [], [-2.0] * 3])
+    first, empty, last = summarize(3, applied).completions
+    assert (first.tokens, first.logprob_mean, first.logprob_min, first.kl_max) == (2, -1.0, -1.5, 0.5)
+    assert (empty.tokens, empty.logprob_mean, empty.logprob_min, empty.kl_mean, empty.kl_max) == (0, 0.0, 0.0, 0.0, 0.0)
+    assert (last.tokens, last.logprob_mean, last.logprob_min) == (3, -3.0, -4.0)
+    assert (last.kl_mean, last.kl_max) == (-1.0, 0.0)  # log ratios 0, -2 and -1
+
+
 def test_a_step_reads_back_exactly_the_groups_recorded(tmp_path):
     archive = SampleArchive(tmp_path / "samples", keep_steps=5)
     applied = [
