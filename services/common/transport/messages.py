@@ -15,6 +15,7 @@ at the door and dead-lettered instead of crashing a stage.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -32,7 +33,12 @@ from pydantic import (
 )
 
 SCHEMA_VERSION = 1
-_DTYPES = {"float32", "float64", "int32", "int64"}
+# The dtypes a tensor may travel in: each as sent (little-endian) and as this machine holds it. Built once: a
+# message carries a few tensors per completion, and decoding them is most of a message's decoding.
+_DTYPES = {
+    name: (np.dtype(name).newbyteorder("<"), np.dtype(name)) for name in ("float32", "float64", "int32", "int64")
+}
+_TENSOR_KEYS = {"dtype", "shape", "data"}
 
 
 class DecodeError(ValueError):
@@ -40,28 +46,25 @@ class DecodeError(ValueError):
 
 
 def encode_tensor(array: np.ndarray) -> dict[str, Any]:
-    array = np.ascontiguousarray(array)
-    return {
-        "dtype": array.dtype.name,
-        "shape": list(array.shape),
-        "data": array.astype(array.dtype.newbyteorder("<")).tobytes(),
-    }
+    # Little-endian and contiguous: no copy beyond tobytes' own when the array already is (this machine's case).
+    wire = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    return {"dtype": array.dtype.name, "shape": list(array.shape), "data": wire.tobytes()}
 
 
 def decode_tensor(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
-    if not isinstance(value, dict) or set(value) != {"dtype", "shape", "data"}:
+    if not isinstance(value, dict) or value.keys() != _TENSOR_KEYS:
         raise ValueError("tensor must be a map with dtype, shape and data")
     if value["dtype"] not in _DTYPES:
         raise ValueError(f"tensor dtype {value['dtype']!r} not in {sorted(_DTYPES)}")
-    dtype = np.dtype(value["dtype"]).newbyteorder("<")
+    wire, native = _DTYPES[value["dtype"]]
     shape = tuple(int(d) for d in value["shape"])
-    if len(value["data"]) != dtype.itemsize * int(np.prod(shape)):
+    if len(value["data"]) != wire.itemsize * math.prod(shape):
         raise ValueError(
-            f"tensor data has {len(value['data'])} bytes, shape {shape} of {dtype.name} needs more or fewer"
+            f"tensor data has {len(value['data'])} bytes, shape {shape} of {wire.name} needs more or fewer"
         )
-    return np.frombuffer(value["data"], dtype=dtype).reshape(shape).astype(dtype.newbyteorder("="))
+    return np.frombuffer(value["data"], dtype=wire).reshape(shape).astype(native)
 
 
 Tensor = Annotated[np.ndarray, BeforeValidator(decode_tensor), PlainSerializer(encode_tensor)]
