@@ -310,7 +310,10 @@ class Intake:
             if await interrupted():
                 self.rewind()
                 return None
-            await self.catch_up_dead()
+            if not self.reader.buffered:
+                # DEAD is looked at before each read that goes to the broker, not before every message read ahead:
+                # a letter settles a group whichever comes first, and one a read group needs is read at once below.
+                await self.catch_up_dead()
             await self.feed(cfg, config_version, accepted=len(batch))
             msg = await self.reader.next(timeout=1.0)
             await self.write_off_overdue(cfg)

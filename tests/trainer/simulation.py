@@ -210,6 +210,8 @@ class SimReader:
         self.stream = stream
         self.seek(start_seq)
 
+    buffered = 0  # nothing is read ahead: the intake looks at DEAD before every read, its most searching order
+
     def seek(self, start_seq: int) -> None:
         self.next_seq = start_seq
         self.empty = False  # the last read found nothing: the simulated loop takes that as an interrupt

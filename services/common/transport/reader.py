@@ -80,6 +80,11 @@ class StreamReader:
         self._verified_at = 0.0
         self._ahead: deque[StreamMessage] = deque()  # read from the broker, not yet handed out
 
+    @property
+    def buffered(self) -> int:
+        """Messages read ahead and not handed out yet: as many ``next`` calls that need no broker."""
+        return len(self._ahead)
+
     async def verify(self) -> None:
         """Raise ``BrokerStateLost`` if the stream no longer holds what this reader has read (or starts after)."""
         reconnects = self.bus.reconnects
