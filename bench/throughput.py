@@ -191,10 +191,13 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
 
 
 def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> dict[str, float]:
-    """One group's trips over the bus, on a nats-server of its own: per message the stage publishes (waiting for
-    the ack), the next one fetches, decodes, validates and acks. A group travels three hops (the rollout's
-    RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
-    EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes."""
+    """A rollout batch's trips over the bus, on a nats-server of its own, two ways: each message on its own (the
+    stage publishes it, waiting for the ack, the next stage fetches, decodes, validates and acks it, as stages did
+    before stop 37) and batched (a stage publishes its batch's outputs together, the next fetches the batch,
+    decodes and validates each, and acks them together, as ``Stage`` does now). A group travels three hops (the
+    rollout's RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
+    EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes, the
+    two ways taking turns."""
     import asyncio
     import socket
     import tempfile
@@ -208,23 +211,47 @@ def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> di
 
     hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))
 
-    async def passes(url: str) -> list[float]:
+    async def one_at_a_time(bus: Bus, queues: dict, reader, tag: str) -> None:
+        for n, group in enumerate(groups):
+            for edge, kind in hops:
+                await bus.publish(edge, only(group, kind), msg_id=f"{tag}-{n}-{edge}")
+                [msg] = await queues[edge].fetch(1, timeout=10)
+                await bus.decode(msg, kind)
+                await msg.ack_sync()
+            await bus.publish(EXPERIENCE, group, msg_id=f"{tag}-{n}-experience")
+            await bus.decode(await reader.next(timeout=10), ExperienceGroup)
+
+    async def batched(bus: Bus, queues: dict, reader, tag: str) -> None:
+        for edge, kind in hops:
+            await asyncio.gather(
+                *(bus.publish(edge, only(g, kind), msg_id=f"{tag}-{n}-{edge}") for n, g in enumerate(groups))
+            )
+            msgs = []
+            while len(msgs) < len(groups):
+                msgs += await queues[edge].fetch(len(groups) - len(msgs), timeout=10)
+            for msg in msgs:
+                await bus.decode(msg, kind)
+            await asyncio.gather(*(msg.ack_sync() for msg in msgs))
+        await asyncio.gather(
+            *(bus.publish(EXPERIENCE, g, msg_id=f"{tag}-{n}-experience") for n, g in enumerate(groups))
+        )
+        for _ in groups:
+            await bus.decode(await reader.next(timeout=10), ExperienceGroup)
+
+    async def passes(url: str) -> dict[str, list[float]]:
         nats_cfg = cfg.nats.model_copy(update={"url": url, "claim_check_bytes": cfg.nats.max_message_bytes})
         bus = await Bus(cfg.model_copy(update={"run_id": "bench-bus", "nats": nats_cfg}), "trainer").connect()
         await bus.ensure_streams()
         queues = {edge: await bus.work_queue(edge) for edge, _ in hops}
-        reader, seconds = bus.read_from(EXPERIENCE, 1), []
-        for repeat in range(repeats):
-            started = time.perf_counter()
-            for n, group in enumerate(groups):
-                for edge, kind in hops:
-                    await bus.publish(edge, only(group, kind), msg_id=f"{repeat}-{n}-{edge}")
-                    [msg] = await queues[edge].fetch(1, timeout=10)
-                    await bus.decode(msg, kind)
-                    await msg.ack_sync()
-                await bus.publish(EXPERIENCE, group, msg_id=f"{repeat}-{n}-experience")
-                await bus.decode(await reader.next(timeout=10), ExperienceGroup)
-            seconds.append((time.perf_counter() - started) / len(groups))
+        reader = bus.read_from(EXPERIENCE, 1)
+        ways = {"one_at_a_time": one_at_a_time, "batched": batched}
+        seconds: dict[str, list[float]] = {name: [] for name in ways}
+        for repeat in range(repeats + 1):  # the first pass of each warms up
+            for name, way in ways.items():
+                started = time.perf_counter()
+                await way(bus, queues, reader, f"{repeat}-{name}")
+                if repeat:
+                    seconds[name].append((time.perf_counter() - started) / len(groups))
         await bus.close()
         return seconds
 
@@ -243,7 +270,12 @@ def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> di
         finally:
             server.terminate()
             server.wait(timeout=10)
-    return {"bus_s_per_group": statistics.median(seconds), "group_size": len(groups[0].completions)}
+    return {
+        "bus_s_per_group": statistics.median(seconds["batched"]),
+        "bus_s_per_group_one_at_a_time": statistics.median(seconds["one_at_a_time"]),
+        "batch_groups": len(groups),
+        "group_size": len(groups[0].completions),
+    }
 
 
 def bus_overhead(bus: dict[str, float], rollout: list[Measurement], learner: list[Measurement]) -> dict[str, float]:
@@ -433,9 +465,10 @@ def main() -> None:
             print(f"{'':17}{json.dumps(m.extra)}")
     for row in bus_rows:
         print(
-            f"{row['model']}: the bus costs {row['bus_s_per_group'] * 1000:.2f} ms per group over its three hops, "
-            f"{row['bus_fraction_of_compute']:.1%} of the group's compute ({row['compute_s_per_group'] * 1000:.2f} ms: "
-            "vLLM rollout + learner step, per group)"
+            f"{row['model']}: the bus costs {row['bus_s_per_group'] * 1000:.2f} ms per group over its three hops in "
+            f"batches of {row['batch_groups']} ({row['bus_s_per_group_one_at_a_time'] * 1000:.2f} ms a message at a "
+            f"time), {row['bus_fraction_of_compute']:.1%} of the group's compute "
+            f"({row['compute_s_per_group'] * 1000:.2f} ms: vLLM rollout + learner step, per group)"
         )
     for asynchronous, synchronous in async_sync_pairs(measurements):
         print(

@@ -205,7 +205,7 @@ def test_the_bus_overhead_is_taken_against_the_compute_of_one_group():
     assert overhead["bus_fraction_of_compute"] == pytest.approx(0.05)
 
 
-def test_one_groups_three_hops_are_timed_through_a_real_broker(tiny_model, tmp_path):
+def test_a_batchs_three_hops_are_timed_through_a_real_broker_one_message_at_a_time_and_batched(tiny_model, tmp_path):
     from tests.common.test_stage import rollout
 
     model_dir, data_dir = tiny_model
@@ -213,4 +213,5 @@ def test_one_groups_three_hops_are_timed_through_a_real_broker(tiny_model, tmp_p
     scored = [advance(rollout(f"g{n}"), ScoredGroup, rewards=np.zeros(2, np.float32)) for n in range(3)]
     groups = [advance(g, ExperienceGroup, ref_logprobs=[c.logprobs for c in g.completions]) for g in scored]
     timed = bench_bus(cfg, groups, repeats=2)
-    assert timed["group_size"] == 2 and 0 < timed["bus_s_per_group"] < 5
+    assert (timed["group_size"], timed["batch_groups"]) == (2, 3)
+    assert 0 < timed["bus_s_per_group"] < 5 and 0 < timed["bus_s_per_group_one_at_a_time"] < 5
