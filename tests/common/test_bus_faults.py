@@ -193,17 +193,21 @@ def test_changed_consumer_settings_reach_the_broker(tiny_model, tmp_path, nats_u
 # ------------------------------------------------------------------ lost broker state
 
 
+async def to_experience(bus: Bus, numbers: range) -> None:
+    """Groups g<n> on EXPERIENCE, as the reference publishes them."""
+    for n in numbers:
+        await bus.publish(EXPERIENCE, group(f"g{n}"), msg_id=f"g{n}.reference")
+
+
 def test_a_reader_stops_at_a_gap_instead_of_skipping_it(tiny_model, tmp_path, nats_url):
     cfg = config(tmp_path, tiny_model, nats={"url": nats_url})
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        for i in range(2):
-            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        await to_experience(bus, range(2))
         reader = bus.read_from(EXPERIENCE, 1)
         assert [(await reader.next(2)).sequence for _ in range(2)] == [1, 2]
-        for i in range(2, 5):  # after the reader's last read-ahead: it holds none of them
-            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        await to_experience(bus, range(2, 5))  # after the reader's last read-ahead: it holds none of them
         await bus.js.delete_msg(stream_name("faults", EXPERIENCE), 3)  # the message the reader needs next is gone
         with pytest.raises(StreamGap) as gap:
             await reader.next(2)
@@ -239,8 +243,7 @@ def test_a_reader_reads_ahead_in_one_request_and_hands_out_each_message_with_its
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        for i in range(5):
-            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+        await to_experience(bus, range(5))
         reader = bus.read_from(EXPERIENCE, 1)
         first = await reader.next(2)
         # The four after it came with the first in one batched direct get: gone from the broker, still handed out.
