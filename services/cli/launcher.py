@@ -4,7 +4,8 @@ Starts a local NATS server with JetStream in the run directory (services/cli/run
 per service (services/cli/children.py), all at once (the others wait for the streams the trainer creates; a
 rollout reads the trainer's port from its presence entry), each waited on until its presence entry says it is
 ready (services/cli/run_watch.py); runs/<run>/startup.jsonl (services/cli/run_files.py) records when each was
-ready, and the first step, in seconds after the launch. Shows a progress bar over training steps, read from the
+ready, and the first step, in seconds after the launch; the roles are forked warm where they can be
+(services/cli/warm_forks.py). Shows a progress bar over training steps, read from the
 metrics file, until ``events.jsonl`` records the trainer's ``done``.
 
 A service that dies is restarted with exponential backoff,
@@ -41,7 +42,7 @@ from services.cli.children import (
 from services.cli.run_broker import RunBroker
 from services.cli.run_files import StartupRecord, write_run_file
 from services.cli.run_watch import PresenceWatch, RunRecord
-from services.cli.warm_start import WarmProcess, WarmStarter, WarmStartError, preload_modules
+from services.cli.warm_forks import WarmForks
 from services.common.config import (
     AdminCredentials,
     RunConfig,
@@ -82,7 +83,7 @@ class Launcher:
         self.events = EventLog.of_run(cfg)
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
-        self.warm_starter: WarmStarter | None = None
+        self.warm = WarmForks(cfg, self.events, console, inherited_env)
         self.presence: PresenceWatch | None = None
         self.record = RunRecord.of_run(cfg)
 
@@ -115,7 +116,7 @@ class Launcher:
         if role == "trainer" and self.cfg.trainer.nproc > 1:
             command, env = trainer_command(self.cfg, command), {**trainer_env(self.cfg), **(env or {})}
         child_env = {**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})}
-        process = self.warm_start(command, child_env) or subprocess.Popen(
+        process = self.warm.spawn(command, child_env) or subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -128,52 +129,10 @@ class Launcher:
         self.children = [c for c in self.children if c.name != name] + [child]
         return child
 
-    def start_warm_starter(self) -> None:
-        """The process the roles are forked from (service.warm_start), importing while the broker starts: a warm
-        starter of this run's own, or a session of the machine's pool (service.warm_start_pool)."""
-        if not self.cfg.service.warm_start:
-            return
-        pool = self.cfg.service.warm_start_pool
-        try:
-            if pool is not None:
-                self.warm_starter = WarmStarter.join(pool)
-                return
-            modules = preload_modules(vllm_rollout=self.cfg.rollout.backend == "vllm")
-            log = self.run_dir / "logs" / "warm-start.log"
-            self.warm_starter = WarmStarter.start(modules, inherited_env(), log, dies_with_this_process())
-        except WarmStartError as error:
-            self.warm_start_failed(error)
-
-    def warm_start(self, command: list[str], env: dict[str, str]) -> WarmProcess | None:
-        """``command`` forked from the warm starter (a new one if it died); None where it cannot be: torchrun,
-        warm starts off, or a warm starter that fails, which is said once, and every role then starts cold."""
-        if self.warm_starter is None or command[:2] != [sys.executable, "-m"]:
-            return None
-        try:
-            if not self.warm_starter.alive:
-                self.close_warm_starter()
-                self.start_warm_starter()
-                if self.warm_starter is None:
-                    return None
-            return self.warm_starter.spawn(command, env)
-        except WarmStartError as error:
-            self.warm_start_failed(error)
-            return None
-
-    def warm_start_failed(self, error: WarmStartError) -> None:
-        console.log(f"[yellow]warm start failed, starting every role cold from now on:[/] {error}")
-        self.events.write(Event.WARM_START_FAILED, str(error), service="warm-start")
-        self.close_warm_starter()  # none from now on: warm_start finds no warm starter
-
     def close_presence(self) -> None:
         if self.presence is not None:
             self.presence.close()
             self.presence = None
-
-    def close_warm_starter(self) -> None:
-        if self.warm_starter is not None:
-            self.warm_starter.close()
-            self.warm_starter = None
 
     def sample_usage(self, every_s: float = 2.0) -> None:
         """CPU and GPU time of every running service and its subprocesses, at most every ``every_s`` seconds."""
@@ -187,8 +146,8 @@ class Launcher:
             if child.process.poll() is None
             for pid in with_descendants(child.process.pid)
         }
-        if self.warm_starter is not None and self.warm_starter.alive:  # the imports it spent for every role
-            pids[self.warm_starter.process.pid] = "warm-start"
+        if (warm := self.warm.pid) is not None:  # the imports it spent for every role
+            pids[warm] = "warm-start"
         self.usage.sample(pids, now)
 
     def child(self, name: str) -> Child:
@@ -263,7 +222,7 @@ class Launcher:
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        self.start_warm_starter()
+        self.warm.start()
         # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
         self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
         self.broker = RunBroker(self.cfg, self.nats_keys)
@@ -429,7 +388,7 @@ class Launcher:
         for child in self.children:
             if child.pump_thread:
                 child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
-        self.close_warm_starter()  # only now: its children die with it
+        self.warm.close()  # only now: its children die with it
         self.close_presence()
         if self.broker is not None:
             self.broker.stop()
@@ -446,9 +405,7 @@ class Launcher:
         self.close_presence()
         if self.broker is not None:
             self.broker.kill()
-        if self.warm_starter is not None:
-            self.warm_starter.process.kill()
-            self.close_warm_starter()
+        self.warm.kill()
         return killed
 
 
