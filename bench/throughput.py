@@ -292,6 +292,7 @@ def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], r
     micro-batches by token budget off and on."""
     from services.trainer.batch import Batch
     from services.trainer.learner import Learner
+    from services.trainer.passes import micro_batches
 
     batch = [groups[i % len(groups)] for i in range(cfg.train.batch_size)]
     on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_tokens": model.micro_batch_tokens})})
@@ -308,7 +309,7 @@ def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], r
     tokens = sum(len(c.token_ids) for g in batch for c in g.completions)
     completions = sum(len(g.completions) for g in batch)
     micro = learners[f"micro_batch_tokens {model.micro_batch_tokens}"]
-    micro_batches = len(micro.micro_batches(torch.arange(completions), Batch.of(batch)))
+    passes = len(micro_batches(torch.arange(completions), Batch.of(batch).lengths, micro.cfg.train))
     return [
         Measurement(
             model=model.name,
@@ -318,7 +319,7 @@ def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], r
             seconds=seconds[name],
             tokens=tokens,
             completions=completions,
-            extra={"micro_batches": micro_batches if learners[name] is micro else 1},
+            extra={"micro_batches": passes if learners[name] is micro else 1},
         )
         for name in learners
     ]

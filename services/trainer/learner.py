@@ -19,10 +19,9 @@ applied, nor is any later update of its step, and targets that are not finite (a
 of the step. ``skipped`` says why; the step's metrics then carry ``loss`` NaN (which the ``nan_loss`` alert rule
 judges) and ``updates_skipped``.
 
-Micro-batches: an optimizer step's rows are split into ``grad_accum_steps`` equal-count
-chunks, or, with ``micro_batch_tokens``, sorted by length and cut so each micro-batch's
-padded size fits the budget (``split_by_tokens``); each pads only to its own longest
-sequence. Each micro-batch's loss is weighted by its share of the step's tokens or
+Micro-batches (planned in services/trainer/passes.py): an optimizer step's rows are split into
+``grad_accum_steps`` equal-count chunks, or by the ``micro_batch_tokens`` budget; each pads only to its own
+longest sequence. Each micro-batch's loss is weighted by its share of the step's tokens or
 sequences (``micro_batch_weight``), so the accumulated gradient is the unsplit step's.
 
 Device and precision (``Precision``): the policy and critic live on ``model.device``; with
@@ -32,7 +31,7 @@ forward runs under autocast to ``model.dtype``.
 Across processes (``services/trainer/distributed.py``, under torchrun): the policy and critic are
 sharded with FSDP2; every method that runs a collective is a command rank 0 sends first, so the
 other ranks, in ``follow``, run the same method with what it sent. Each rank scores and trains on
-its share of every optimizer step's rows (``_passes``), weighted against the whole step, and the
+its share of every optimizer step's rows (``passes.rank_passes``), weighted against the whole step, and the
 gradients add up to one process's. Without torchrun (``Mesh()``) nothing of that runs.
 """
 
@@ -59,7 +58,6 @@ from services.common.model.modeling import (
     load_tokenizer,
     pack,
     response_window,
-    split_by_tokens,
     token_logprobs,
     window_logits,
 )
@@ -88,6 +86,7 @@ from services.trainer.critic import Critic
 from services.trainer.distributed import Mesh, Op
 from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
 from services.trainer.follower import config_payload, evaluate_payload, step_payload
+from services.trainer.passes import rank_passes
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -299,25 +298,6 @@ class Learner:
 
     # --- forward passes ---------------------------------------------------------------------
 
-    def micro_batches(self, rows: torch.Tensor, batch: Batch) -> list[torch.Tensor]:
-        """``rows`` (one optimizer step's, or all for scoring) in the micro-batches one forward pass takes."""
-        train = self.cfg.train
-        if train.micro_batch_tokens is None:
-            return chunks_of(rows, train.grad_accum_steps)
-        return split_by_tokens(rows, batch.lengths[rows], train.micro_batch_tokens)
-
-    def _passes(self, rows: torch.Tensor, batch: Batch) -> list[tuple[torch.Tensor, bool]]:
-        """This rank's forward passes over ``rows``: its share's micro-batches, each with whether it counts.
-
-        Alone, that is every micro-batch of ``rows``. Across processes, each rank takes its share of ``rows``;
-        since every forward and backward of a sharded model is collective, a rank with fewer micro-batches than
-        the busiest adds passes over a row that count for nothing. Every rank holds the whole batch, so each
-        works out every share's micro-batches itself, and they all agree without asking each other."""
-        plans = [self.micro_batches(share, batch) if len(share) else [] for share in self.mesh.shares(rows)]
-        mine = plans[self.mesh.rank]
-        busiest = max(len(plan) for plan in plans)
-        return [(micro, True) for micro in mine] + [(rows[:1], False)] * (busiest - len(mine))
-
     def _pack(self, rows: torch.Tensor, batch: Batch) -> ResponseBatch:
         # Padded to these rows' own longest sequence: a length-sorted micro-batch of short rows stays short.
         return pack([batch.pairs[i] for i in rows.tolist()], self.tokenizer.pad_token_id).to(self.device)
@@ -346,7 +326,7 @@ class Learner:
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
         values_only = not policy and self.critic is not None and self.critic.kind == "separate"
-        for rows, counts in self._passes(torch.arange(len(batch.pairs)), batch):
+        for rows, counts in rank_passes(torch.arange(len(batch.pairs)), batch.lengths, self.cfg.train, self.mesh):
             if values_only:
                 packed = self._pack(rows, batch)
                 with self.precision.autocast():
@@ -458,7 +438,7 @@ class Learner:
         loss_agg = self.cfg.train.loss_agg
         step_mask = batch.mask[rows.to(self.device)]
         stats: dict[str, float] = {}
-        for micro, counts in self._passes(rows, batch):
+        for micro, counts in rank_passes(rows, batch.lengths, self.cfg.train, self.mesh):
             weight = micro_batch_weight(batch.mask[micro.to(self.device)], step_mask, loss_agg) if counts else 0.0
             packed, logits, values = self._forward(micro, batch)
             loss, micro_stats = objective.micro_batch_loss(

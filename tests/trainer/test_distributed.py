@@ -26,7 +26,7 @@ from services.common.transport.storage import FileStore
 from services.trainer.batch import Batch
 from services.trainer.checkpoint import CheckpointStore
 from services.trainer.distributed import Mesh
-from services.trainer.learner import Learner
+from services.trainer.passes import rank_passes
 from tests.conftest import ROOT, write_config
 from tests.trainer import dist_worker
 from tests.trainer.test_learner import experience
@@ -241,13 +241,11 @@ def test_two_processes_train_lora_adapters_as_one_process_does_and_resume_their_
 def test_ranks_with_fewer_micro_batches_pad_with_passes_that_do_not_count(setup):
     """The plan every rank works out for itself: its share's micro-batches, then filler up to the busiest rank."""
     _, config, groups_file = setup
-    learner = Learner(load_config(config))
+    train = load_config(config).train
     batch = Batch.of([decode(g, ExperienceGroup) for g in msgpack.unpackb(groups_file.read_bytes(), raw=False)])
     rows = torch.arange(len(batch.pairs))
-    plans = []
-    for rank in range(2):
-        learner.mesh = Mesh(rank, 2)  # not started: planning asks no other process
-        plans.append(learner._passes(rows, batch))
+    # Mesh(rank, 2) not started: planning asks no other process.
+    plans = [rank_passes(rows, batch.lengths, train, Mesh(rank, 2)) for rank in range(2)]
     shares = torch.tensor_split(rows, 2)
     for rank, plan in enumerate(plans):
         counted = [micro for micro, counts in plan if counts]

@@ -23,6 +23,7 @@ from services.reference.service import ReferenceScorer
 from services.trainer.batch import Batch
 from services.trainer.learner import Learner
 from services.trainer.objective import advantages
+from services.trainer.passes import micro_batches
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -178,7 +179,7 @@ EQUAL_UPDATES = {"adam_eps": 1e-5}
 def test_gradient_accumulation_gives_the_same_gradients_and_update(setup):
     _, one, groups = make(setup, algorithm="grpo", grad_accum_steps=1, **EQUAL_UPDATES)
     _, four, _ = make(setup, algorithm="grpo", grad_accum_steps=4, **EQUAL_UPDATES)
-    assert len(four.micro_batches(torch.arange(len(Batch.of(groups).pairs)), Batch.of(groups))) == 4
+    assert len(micro_batches(torch.arange(len(Batch.of(groups).pairs)), Batch.of(groups).lengths, four.cfg.train)) == 4
     expected, got = step_gradients(one, groups), step_gradients(four, groups)
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-6, msg=name)
@@ -248,7 +249,7 @@ def test_a_step_split_by_token_budget_has_the_gradients_of_the_unsplit_step(setu
             torch.nn.init.normal_(learner.critic.head.weight, std=0.1, generator=torch.Generator().manual_seed(1))
 
     batch = Batch.of(groups)
-    micro = split.micro_batches(torch.arange(len(batch.pairs)), batch)
+    micro = micro_batches(torch.arange(len(batch.pairs)), batch.lengths, split.cfg.train)
     assert sorted(torch.cat(micro).tolist()) == list(range(len(batch.pairs)))
     # Several micro-batches of unequal sizes, so a mean of micro-batch means would differ from the step's mean.
     assert len(micro) >= 3 and len({len(m) for m in micro}) > 1 and len({int(batch.mask[m].sum()) for m in micro}) > 1
@@ -569,7 +570,7 @@ def test_inserted_tokens_get_exactly_zero_gradient_on_their_logits_and_values(se
     learner._forward = keeping_gradients
     step_gradients(learner, groups)
     batch = Batch.of(groups)
-    assert len(passes) == len(learner.micro_batches(torch.arange(len(batch.pairs)), batch))
+    assert len(passes) == len(micro_batches(torch.arange(len(batch.pairs)), batch.lengths, learner.cfg.train))
     for rows, packed, logits, values in passes:
         model_tokens = batch.mask[rows, : packed.mask.shape[1]].bool()
         inserted = packed.mask.bool() & ~model_tokens
@@ -590,7 +591,7 @@ def test_a_masked_step_split_by_token_budget_has_the_gradients_of_the_unsplit_st
     for learner in (whole, split):
         random_value_head(learner)
     batch = Batch.of(groups)
-    assert len(split.micro_batches(torch.arange(len(batch.pairs)), batch)) >= 3
+    assert len(micro_batches(torch.arange(len(batch.pairs)), batch.lengths, split.cfg.train)) >= 3
     expected, got = step_gradients(whole, groups), step_gradients(split, groups)
     assert expected.keys() == got.keys()
     for name in expected:
