@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import yaml
 
+from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig, redacted_dump
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
@@ -44,6 +45,8 @@ from services.trainer.lineage import LineageError
 from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.service import Trainer
 from services.trainer.step_store import FencedOut
+
+LEASE_LOST_CANCEL_AGAIN_S = 5.0
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +138,9 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
                 taken_over=error.taken_over,
                 error=str(error),
             )
-            running.cancel()
+            # Repeated until it ends (this keeper is cancelled by then): one cancellation can be dropped
+            # (services/common/cancel.py). Spaced past the servers' graceful stops, which a repeat would cut short.
+            await cancel_until_done(running, every_s=LEASE_LOST_CANCEL_AGAIN_S)
 
         # Renewed from now: loading the model and a resume that waits for its store can outlast a TTL.
         keeper = asyncio.create_task(lease.keep(on_lease_lost))

@@ -60,6 +60,7 @@ from nats.errors import MsgAlreadyAckdError, NotJSMessageError
 from opentelemetry import trace
 from opentelemetry.trace import Span, StatusCode
 
+from services.common.cancel import cancel_until_done
 from services.common.config import NatsConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import StageMetrics
@@ -113,9 +114,7 @@ async def heartbeat(held: Callable[[], list[Received]], interval_s: float) -> As
     try:
         yield
     finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        await cancel_until_done(task)
 
 
 def _unsettled(received: list[Received]) -> list[Received]:
@@ -205,9 +204,7 @@ class Stage(Generic[In, Out]):
         try:
             await asyncio.wait(loops, return_when=asyncio.FIRST_EXCEPTION)
         finally:  # one loop's crash (or the caller's cancellation) ends the others: their batches are redelivered
-            for loop in loops:
-                loop.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            await cancel_until_done(*loops)
         for loop in loops:
             if not loop.cancelled() and (error := loop.exception()) is not None:
                 raise error
