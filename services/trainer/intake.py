@@ -153,15 +153,21 @@ class Intake:
         publishes = (self.bus.publish(PROMPTS, prompt, msg_id=dedupe_id(prompt, "prompt")) for _, prompt in batch)
         results = await asyncio.gather(*publishes, return_exceptions=True)
         first_failed: dict[str, int] | None = None
+        unexpected: BaseException | None = None
         for (cursor, prompt), result in zip(batch, results, strict=True):
-            if isinstance(result, NatsError | TimeoutError):
-                first_failed = first_failed or cursor
-                log_event(
-                    log, Event.FEED_FAILED, level=logging.WARNING, group_id=prompt.group_id, error=repr(result)[:300]
-                )
-                continue
             if isinstance(result, BaseException):
-                raise result
+                first_failed = first_failed or cursor
+                if isinstance(result, NatsError | TimeoutError | StoreUnavailable):  # the broker or claim store
+                    log_event(
+                        log,
+                        Event.FEED_FAILED,
+                        level=logging.WARNING,
+                        group_id=prompt.group_id,
+                        error=repr(result)[:300],
+                    )
+                else:  # a bug rather than an outage: raised once the prompts that landed are recorded
+                    unexpected = unexpected or result
+                continue
             if result.duplicate:
                 # Fed before a restart inside the duplicate window: it is somewhere downstream (or in DEAD, which
                 # catch_up_dead settles), so it is in flight; the lost-group bound frees the slot if it never comes.
@@ -170,6 +176,8 @@ class Intake:
         if first_failed is not None:
             self.feeder.seek(first_failed)  # publish them again later; a copy that did land is deduplicated
         self.ledger.unfed_from = cursor_position(self.feeder.cursor)
+        if unexpected is not None:
+            raise unexpected
 
     async def catch_up_dead(self) -> int:
         """Settle every group this incarnation's dead letters name since the last look, as dead, and reopen those

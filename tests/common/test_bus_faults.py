@@ -11,6 +11,7 @@ import subprocess
 
 import numpy as np
 import pytest
+from nats.aio.subscription import Subscription
 from nats.js import api
 
 from services.common.config import RunConfig, load_config
@@ -38,6 +39,7 @@ from services.common.transport.streams import (
     BrokerStateLost,
     StreamGap,
     stream_name,
+    subject,
 )
 from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
 
@@ -256,6 +258,75 @@ def test_a_reader_reads_ahead_in_one_request_and_hands_out_each_message_with_its
         assert not any(key in m.headers for m in [first, *rest] for key in DIRECT_GET_HEADERS)  # the broker's own
         assert [(await bus.decode(m, RolloutGroup)).group_id for m in rest] == ["g1", "g2", "g3", "g4"]
         assert reader.next_seq == 6 and await reader.next(0.2) is None
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_reply_lost_on_the_way_is_asked_for_again_neither_taken_for_a_hole_nor_stepped_over(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    """A reply the broker sent and the reader never got (a reconnect mid-batch) is no hole in the stream: the
+    first of an EXPERIENCE batch lost must not stop the trainer with StreamGap, and one lost inside a DEAD batch
+    must not be skipped as if aged out (its group's fate would be lost). Each reply names the one before it."""
+    cfg = config(tmp_path, tiny_model, nats={"url": nats_url})
+    lost = {stream_name("faults", EXPERIENCE): {1}, stream_name("faults", DEAD): {3}}
+    receive = Subscription.next_msg
+
+    async def losing_replies(self, timeout=1.0):
+        while True:
+            reply = await receive(self, timeout)
+            headers = reply.headers or {}
+            to_lose = lost.get(headers.get("Nats-Stream"), set())
+            if int(headers.get("Nats-Sequence", 0)) not in to_lose:
+                return reply
+            to_lose.remove(int(headers["Nats-Sequence"]))  # lost once: the broker's next answer carries it
+
+    monkeypatch.setattr(Subscription, "next_msg", losing_replies)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        await to_experience(bus, range(4))
+        for letter in range(5):
+            await bus.js.publish(subject("faults", DEAD), b"letter", headers={"letter": str(letter)})
+        experience = bus.read_from(EXPERIENCE, 1)
+        assert [(await experience.next(2)).sequence for _ in range(4)] == [1, 2, 3, 4]
+        dead = bus.read_from(DEAD, 1)
+        letters = [await dead.next(2) for _ in range(5)]
+        assert [(m.sequence, m.headers["letter"]) for m in letters] == [(i + 1, str(i)) for i in range(5)]
+        assert lost == {stream_name("faults", EXPERIENCE): set(), stream_name("faults", DEAD): set()}
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_read_across_a_reconnect_is_handed_out_only_once_the_stream_is_checked(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    """The connection came back while a batch was read, and the stream with it was re-created empty: the batch
+    (the lost stream's messages) is not handed out; the check that follows every reconnect stops the reader."""
+    cfg = config(tmp_path, tiny_model, nats={"url": nats_url})
+    receive = Subscription.next_msg
+    name = stream_name("faults", EXPERIENCE)
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+
+        async def reconnecting_mid_batch(self, timeout=1.0):
+            reply = await receive(self, timeout)
+            if (reply.headers or {}).get("Nats-Sequence") == "1":
+                kept = (await bus.js.stream_info(name)).config
+                await bus.js.delete_stream(name)
+                await bus.js.add_stream(kept)
+                bus.reconnects += 1  # as Bus._reconnected counts a reconnect
+            return reply
+
+        await to_experience(bus, range(3))
+        reader = bus.read_from(EXPERIENCE, 1)
+        monkeypatch.setattr(Subscription, "next_msg", reconnecting_mid_batch)
+        with pytest.raises(BrokerStateLost, match="was re-created"):
+            await reader.next(2)
+        assert reader.next_seq == 1 and reader.buffered == 0
         await bus.close()
 
     asyncio.run(scenario())

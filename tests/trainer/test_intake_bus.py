@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import subprocess
 import time
 
 import numpy as np
@@ -28,6 +29,7 @@ from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
+    H_CLAIM,
     H_GROUP,
     H_INCARNATION,
     H_REASON,
@@ -40,7 +42,7 @@ from services.trainer.feeder import PromptFeeder
 from services.trainer.intake import Collected, Intake, without_signal
 from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.progress import Progress
-from tests.conftest import write_config
+from tests.conftest import BIN, free_port, wait_for_port, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -667,3 +669,61 @@ def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it
         await bus.close()
 
     asyncio.run(scenario())
+
+
+def test_a_long_prompt_whose_claim_store_is_down_is_fed_again_once_it_is_back_while_the_others_go_on(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    """A prompt past ``nats.claim_check_bytes`` travels by claim check: with the object store down its publish fails
+    as an outage (not a crash of the trainer), the prompts around it are fed, and it is fed once the store is back."""
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    s3_port = free_port()  # nothing listens on it until the store comes back
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(
+            tmp_path / "c.yaml",
+            model_dir,
+            data_dir,
+            tmp_path / "runs",
+            run_id="intake",
+            nats={"url": nats_url, "claim_check_bytes": 512},
+            train={"batch_size": 2, "max_inflight_batches": 2},
+            checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{s3_port}", "s3_secure": False},
+        )
+    )
+    rows = [dict(row) for row in load_jsonl(data_dir / "train.jsonl")]
+    rows[1]["prompt"] = "1+1=" * 200  # ~800 bytes: claim-checked
+    moto: list[subprocess.Popen] = []
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        intake = intake_of(bus, rows, GroupLedger(), Progress())
+        await intake.feed(cfg, config_version=0)
+        assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
+        assert intake.feeder.cursor == {"epoch": 0, "index": 1}
+
+        moto.append(
+            subprocess.Popen(
+                [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+        )
+        await asyncio.to_thread(wait_for_port, s3_port, moto[0], "moto_server")
+        intake.ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED)
+        await intake.feed(cfg, config_version=0)
+        assert sorted(intake.ledger.in_flight) == ["e0-i1", "e0-i2", "e0-i3", "e0-i4"]
+        later = [await bus.js.get_msg(stream_name(cfg.run_id, PROMPTS), seq=seq) for seq in (4, 5)]
+        assert sorted(m.headers[H_GROUP] for m in later) == ["e0-i1", "e0-i4"]  # published together: either order
+        [fed] = [m for m in later if m.headers[H_GROUP] == "e0-i1"]
+        assert fed.headers[H_CLAIM] == "1"
+        assert (await bus.decode(fed, Prompt)).prompt == rows[1]["prompt"]
+        await bus.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for process in moto:
+            process.terminate()
+            process.wait(timeout=10)

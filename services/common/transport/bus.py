@@ -55,6 +55,7 @@ from services.common.transport.dead_letters import dead_letter_id, letter_header
 from services.common.transport.messages import ClaimCheck, DecodeError, Message, decode, encode
 from services.common.transport.nats_connect import (
     await_run_state,
+    broker_version_refusal,
     connect_options,
     creates_run_state,
     message_limit_refusal,
@@ -126,7 +127,9 @@ class Bus:
             reconnected_cb=self._reconnected,
             **connect_options(self.cfg.nats, self.service),
         )
-        refusal = message_limit_refusal(self.cfg.nats.max_message_bytes, self.nc.max_payload)
+        refusal = broker_version_refusal(self.nc.connected_server_version) or message_limit_refusal(
+            self.cfg.nats.max_message_bytes, self.nc.max_payload
+        )
         if refusal:  # the broker would refuse every message between the two limits, a large group the first
             await self.nc.close()
             raise StartRefused(refusal)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from nats.aio.client import ServerVersion
 from nats.errors import Error as NatsError
 
 from services.common.config import NatsConfig
@@ -55,6 +56,23 @@ def message_limit_refusal(max_message_bytes: int, max_payload: int) -> str | Non
         f"nats.max_message_bytes is {max_message_bytes} bytes but the broker takes at most {max_payload} "
         f"(its max_payload): set nats.max_message_bytes to {max_payload} or less, or raise max_payload in the "
         "nats-server config"
+    )
+
+
+# Batched direct gets (``StreamReader``) came with 2.11: an older server answers one message a request and never
+# ends the batch, so each read would wait out its reply timeout.
+MIN_BROKER_VERSION = (2, 11)
+
+
+def broker_version_refusal(version: ServerVersion) -> str | None:
+    """Why a service must not run against this nats-server ``version`` (None when it is recent enough)."""
+    if (version.major, version.minor) >= MIN_BROKER_VERSION:
+        return None
+    found = f"{version.major}.{version.minor}.{version.patch}"
+    wanted = ".".join(map(str, MIN_BROKER_VERSION))
+    return (
+        f"the broker is nats-server {found}; rlpipe needs {wanted} or later (its trainer reads streams in batched "
+        "direct gets): upgrade the server (deploy/compose.yaml pins the tested image)"
     )
 
 

@@ -36,9 +36,11 @@ READ_AHEAD_BYTES = 16 * 1024 * 1024
 REPLY_TIMEOUT_S = 5.0  # the longest a direct get waits for each reply, as nats-py's own requests do
 # A batched direct get's replies: a message carries these besides its own headers, which are all a reader keeps;
 # a status reply ends the batch (204), says there is nothing (404) or that nothing could answer (503).
-SEQUENCE_HEADER = "Nats-Sequence"
+# Each reply names the sequence of the one sent before it in the same batch (0 before the first): a reply lost on
+# the way (a reconnect mid-batch) shows as a mismatch, a hole in the stream as a jump the broker made itself.
+SEQUENCE_HEADER, PREVIOUS_HEADER = "Nats-Sequence", "Nats-Last-Sequence"
 DIRECT_GET_HEADERS = frozenset(
-    {"Nats-Stream", "Nats-Subject", SEQUENCE_HEADER, "Nats-Time-Stamp", "Nats-Num-Pending", "Nats-Last-Sequence"}
+    {"Nats-Stream", "Nats-Subject", SEQUENCE_HEADER, "Nats-Time-Stamp", "Nats-Num-Pending", PREVIOUS_HEADER}
 )
 STATUS_HEADER, DESCRIPTION = "Status", "Description"
 END_OF_BATCH, NO_MESSAGE = "204", "404"
@@ -128,8 +130,11 @@ class StreamReader:
         """The messages from ``next_seq`` on, up to ``READ_AHEAD`` of them (or ``READ_AHEAD_BYTES``), in one batched
         direct get: the broker sends each to this request's reply subject, then an end-of-batch status (204), or 404
         when there is none yet. Checked for holes as they come: the messages before a hole are handed out first,
-        the hole raises on the next read. A batch cut short (the connection lost) keeps the messages that came."""
+        the hole raises on the next read. A batch cut short (the connection lost, a reply lost with it) keeps the
+        messages that came before the loss; the next read asks again from there. A reconnect while it was read
+        has the stream checked before the batch is handed out, as the first read after a reconnect would."""
         nc = self.bus.nc
+        reconnects = self.bus.reconnects
         if self._replies is None:  # one subscription for every request of this reader, each on its own subject
             self._inbox = nc.new_inbox()
             self._replies = await nc.subscribe(f"{self._inbox}.*")
@@ -138,8 +143,14 @@ class StreamReader:
         request = {"seq": self.next_seq, "next_by_subj": self.subject, "batch": READ_AHEAD}
         request["max_bytes"] = READ_AHEAD_BYTES
         await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=reply_to)
+        ahead = await self._replies_to(reply_to)
+        if ahead and self.bus.reconnects != reconnects:
+            await self.verify()
+        return ahead
+
+    async def _replies_to(self, reply_to: str) -> deque[StreamMessage]:
         ahead: deque[StreamMessage] = deque()
-        expected = self.next_seq
+        expected, previous = self.next_seq, 0
         while True:
             try:
                 reply = await self._replies.next_msg(timeout=REPLY_TIMEOUT_S)
@@ -156,8 +167,12 @@ class StreamReader:
             if status is not None:  # 503: no stream answers (gone, or one that allows no direct gets)
                 await self.verify()  # BrokerStateLost if it is gone
                 raise NatsError(f"direct get from {self.stream} answered {status} {headers.get(DESCRIPTION)}")
-            sequence = int(headers[SEQUENCE_HEADER])
-            if sequence != expected and not self.holes_allowed:  # the messages between are lost
+            if int(headers[PREVIOUS_HEADER]) != previous:  # the broker sent one in between that never came
+                if ahead:
+                    return ahead
+                raise NatsError(f"a direct get reply from {self.stream} was lost on the way; asking again")
+            sequence = previous = int(headers[SEQUENCE_HEADER])
+            if sequence != expected and not self.holes_allowed:  # the broker skipped them: they are gone
                 if ahead:
                     return ahead
                 raise StreamGap(self.stream, expected, sequence)
