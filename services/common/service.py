@@ -18,6 +18,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import JsonValue
 
+from services.common.cancel import cancel_until_done
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpus
@@ -208,8 +209,13 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # Restart-only changes stored through the admin take effect now, for every role alike.
-        await service_main(await stored_config(cfg, role), stop)
+        try:
+            # Restart-only changes stored through the admin take effect now, for every role alike.
+            await service_main(await stored_config(cfg, role), stop)
+        finally:
+            # What a crash left running (a presence heartbeat, a bus restore) ends here: asyncio.run's own clean-up
+            # cancels each leftover task once and waits for it, which one dropped cancellation would hang.
+            await cancel_until_done(*(asyncio.all_tasks() - {asyncio.current_task()}))
 
     try:
         asyncio.run(serve())

@@ -151,7 +151,9 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
                 raise
             raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
         finally:
-            keeper.cancel()
+            # Ended before the release: a renewal it finished after a dropped cancellation would move the lease's
+            # revision under the release, which would then find the lease "taken" and leave it to run out.
+            await cancel_until_done(keeper)
             if not lost:
                 await lease.release()
     finally:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -630,5 +631,34 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
         assert "no answer can be scored" in letter.headers["Rlpipe-Reason"]
         await bus.close()
         await owner.close()
+
+    asyncio.run(scenario())
+
+
+def test_closing_ends_every_restore_even_one_that_drops_cancellations(tmp_path, monkeypatch):
+    """A stage's restore waits while the trainer has not re-created the streams; stopped then, the service closes
+    its bus. A restore that dropped its cancellation (Python 3.11's wait_for under nats-py) held that close, and
+    the service's exit, up for as long as the streams stayed away; a superseded restore was never awaited at all."""
+    cfg = minimal_config(tmp_path)
+    ended: list[str] = []
+
+    async def waiting_for_the_streams(bus: Bus) -> None:
+        with contextlib.suppress(asyncio.CancelledError):  # dropped once, as wait_for does when a reply lands
+            await asyncio.sleep(3600)
+        try:
+            await asyncio.sleep(3600)
+        finally:
+            ended.append("restore")
+
+    monkeypatch.setattr(Bus, "_restore_state", waiting_for_the_streams)
+
+    async def scenario() -> None:
+        bus = Bus(cfg, "reward")
+        await bus._reconnected()
+        await asyncio.sleep(0)
+        await bus._reconnected()  # a second reconnect supersedes the first restore
+        await asyncio.sleep(0)
+        await asyncio.wait_for(bus.close(), timeout=10)
+        assert ended == ["restore", "restore"]  # both over when close returns, not left to asyncio.run's clean-up
 
     asyncio.run(scenario())

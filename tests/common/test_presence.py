@@ -1,6 +1,7 @@
 """Service presence in a real JetStream key-value bucket."""
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -9,6 +10,7 @@ import pytest
 
 from services.common.config import load_config
 from services.common.service import watch_progress
+from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
     HEARTBEAT_S,
     Presence,
@@ -169,3 +171,39 @@ def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_new
     malformed = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "presence_malformed"]
     assert [m["key"] for m in malformed] == ["rollout-0", "reward-2"]
     assert "time" in malformed[1]["error"]
+
+
+def test_a_stopped_presence_beats_no_more_even_when_a_beat_dropped_its_cancellation(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    """A beat is a KV put: on Python 3.11 a cancellation landing as its reply comes in is dropped. Stopped once
+    and left so, the heartbeat would go on telling the run the replica is up after it stopped."""
+    model_dir, data_dir = tiny_model
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="b", nats={"url": nats_url})
+    )
+    monkeypatch.setattr(presence_module, "HEARTBEAT_S", 0.05)
+    beats = []
+    beat = Presence._beat
+
+    async def beat_dropping_one_cancellation(self) -> None:
+        await beat(self)
+        beats.append(time.monotonic())
+        if len(beats) == 3:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.sleep(3600)  # stopped here: the cancellation is dropped, as wait_for drops it
+
+    monkeypatch.setattr(Presence, "_beat", beat_dropping_one_cancellation)
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        presence = await Presence(nc.jetstream(), cfg, "trainer").start()  # the trainer creates the bucket
+        while len(beats) < 3:
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(presence.stop(), timeout=10)
+        stopped_at = len(beats)
+        await asyncio.sleep(0.5)  # ten heartbeats' time
+        assert len(beats) == stopped_at
+        await nc.close()
+
+    asyncio.run(scenario())

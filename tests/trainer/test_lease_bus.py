@@ -13,6 +13,7 @@ import time
 import nats
 import pytest
 
+from services.common.cancel import cancel_until_done
 from services.common.config import CheckpointConfig, load_config
 from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
@@ -57,7 +58,8 @@ def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_hig
             await second.acquire()
         assert second.record is None
 
-        keeper.cancel()  # the holder stops renewing (paused, or killed): its lease lapses and is taken then
+        # The holder stops renewing (paused, or killed): its lease lapses and is taken then.
+        await cancel_until_done(keeper)
         assert await second.acquire(floor=stale.stored_fence()) == 2
         assert lost_by_keeper == []
         successor = CheckpointStore(open_store(url, CheckpointConfig()), "r1", keep_last=1, incarnation=incarnation)

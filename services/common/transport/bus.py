@@ -24,7 +24,6 @@ check for a checkpoint's sequence. Both are meant to stop the reader, not be ret
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable
@@ -38,6 +37,7 @@ from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
+from services.common.cancel import cancel_until_done
 from services.common.config import RunConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_dead_letter
@@ -115,7 +115,7 @@ class Bus:
         self.reconnects = 0
         self._work_queues: set[str] = set()  # edges whose durable consumer this bus made, restored on reconnect
         self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
-        self._restore: asyncio.Task[None] | None = None
+        self._restores: set[asyncio.Task[None]] = set()  # after each reconnect; a newer one supersedes the others
 
     async def connect(self) -> Bus:
         self.nc = await nats.connect(
@@ -138,10 +138,9 @@ class Bus:
         return self
 
     async def close(self) -> None:
-        if self._restore is not None:
-            self._restore.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._restore
+        # Ended before the connection closes, each cancelled until it ends: a restore retries while a stream is
+        # missing, so one that dropped a single cancellation would hold this close (and the service's exit) up.
+        await cancel_until_done(*self._restores)
         if self.nc is not None and not self.nc.is_closed:
             # Not drain(): unacked work simply redelivers, and a pending pull would stall the drain.
             await self.nc.close()
@@ -159,9 +158,16 @@ class Bus:
         # (and a broker still recovering could hang it), so the restore runs as a task of its own.
         self.reconnects += 1
         log_event(log, Event.BUS_RECONNECTED, reconnects=self.reconnects)
-        if self._restore is not None:
-            self._restore.cancel()
-        self._restore = asyncio.get_running_loop().create_task(self._restore_state())
+        for superseded in self._restores:
+            superseded.cancel()  # once is enough here: close() makes sure every one has ended
+        restore = asyncio.get_running_loop().create_task(self._restore_state())
+        self._restores.add(restore)
+        restore.add_done_callback(self._restore_ended)
+
+    def _restore_ended(self, restore: asyncio.Task[None]) -> None:
+        self._restores.discard(restore)
+        if not restore.cancelled() and (error := restore.exception()) is not None:
+            log_event(log, Event.BUS_RESTORE_FAILED, level=logging.ERROR, alert=True, error=repr(error)[:300])
 
     async def _restore_state(self) -> None:
         """Streams and consumers back in place after a reconnect: a broker that lost its store has none (the trainer

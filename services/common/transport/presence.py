@@ -33,6 +33,7 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_service_starts
@@ -168,7 +169,7 @@ class Presence:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
+            await cancel_until_done(self._task)
 
 
 async def read_presence(js: Any, cfg: RunConfig) -> list[SeenService]:
