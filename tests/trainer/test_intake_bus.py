@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import subprocess
 import time
 
 import numpy as np
@@ -42,12 +41,12 @@ from services.trainer.feeder import PromptFeeder
 from services.trainer.intake import Collected, Intake, without_signal
 from services.trainer.ledger import Fate, GroupLedger
 from services.trainer.progress import Progress
-from tests.conftest import BIN, free_port, wait_for_port, write_config
+from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
 
 
-def config(tiny_model, tmp_path, nats_url, **train):
+def config(tiny_model, tmp_path, nats_url, nats: dict | None = None, checkpoint: dict | None = None, **train):
     model_dir, data_dir = tiny_model
     path = write_config(
         tmp_path / "c.yaml",
@@ -55,8 +54,9 @@ def config(tiny_model, tmp_path, nats_url, **train):
         data_dir,
         tmp_path / "runs",
         run_id="intake",
-        nats={"url": nats_url},
+        nats={"url": nats_url, **(nats or {})},
         train={"batch_size": 2, "max_inflight_batches": 2, **train},
+        **({"checkpoint": checkpoint} if checkpoint else {}),
     )
     return load_config(path), load_jsonl(data_dir / "train.jsonl")
 
@@ -672,45 +672,23 @@ def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it
 
 
 def test_a_long_prompt_whose_claim_store_is_down_is_fed_again_once_it_is_back_while_the_others_go_on(
-    tiny_model, tmp_path, nats_url, monkeypatch
+    tiny_model, tmp_path, nats_url, s3
 ):
     """A prompt past ``nats.claim_check_bytes`` travels by claim check: with the object store down its publish fails
     as an outage (not a crash of the trainer), the prompts around it are fed, and it is fed once the store is back."""
-    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
-    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
-    s3_port = free_port()  # nothing listens on it until the store comes back
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="intake",
-            nats={"url": nats_url, "claim_check_bytes": 512},
-            train={"batch_size": 2, "max_inflight_batches": 2},
-            checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{s3_port}", "s3_secure": False},
-        )
-    )
-    rows = [dict(row) for row in load_jsonl(data_dir / "train.jsonl")]
+    cfg, rows = config(tiny_model, tmp_path, nats_url, nats={"claim_check_bytes": 512}, checkpoint=s3.checkpoint())
+    rows = [dict(row) for row in rows]
     rows[1]["prompt"] = "1+1=" * 200  # ~800 bytes: claim-checked
-    moto: list[subprocess.Popen] = []
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         intake = intake_of(bus, rows, GroupLedger(), Progress())
+        s3.stop()
         await intake.feed(cfg, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
         assert intake.feeder.cursor == {"epoch": 0, "index": 1}
 
-        moto.append(
-            subprocess.Popen(
-                [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(s3_port)],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-        )
-        await asyncio.to_thread(wait_for_port, s3_port, moto[0], "moto_server")
+        await asyncio.to_thread(s3.start)
         intake.ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED)
         await intake.feed(cfg, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i1", "e0-i2", "e0-i3", "e0-i4"]
@@ -721,9 +699,4 @@ def test_a_long_prompt_whose_claim_store_is_down_is_fed_again_once_it_is_back_wh
         assert (await bus.decode(fed, Prompt)).prompt == rows[1]["prompt"]
         await bus.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        for process in moto:
-            process.terminate()
-            process.wait(timeout=10)
+    asyncio.run(scenario())
