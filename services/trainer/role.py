@@ -147,17 +147,28 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
         try:
             await lead_holding(cfg, stop, mesh, bus, lease, started)
         except asyncio.CancelledError:
-            if not lost:
-                raise
-            raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
+            raise_if_lost(lost)
+            raise
         finally:
-            # Ended before the release: a renewal it finished after a dropped cancellation would move the lease's
-            # revision under the release, which would then find the lease "taken" and leave it to run out.
-            await cancel_until_done(keeper)
+            try:
+                # Ended before the release: a renewal it finished after a dropped cancellation would move the
+                # lease's revision under the release, which would then find the lease "taken" and leave it to run
+                # out. Such a renewal may also find the lease lost and cancel this task on its way out.
+                await cancel_until_done(keeper)
+            except asyncio.CancelledError:
+                raise_if_lost(lost)
+                raise
             if not lost:
                 await lease.release()
     finally:
         await bus.close()
+
+
+def raise_if_lost(lost: list[LeaseLost]) -> None:
+    """The trainer's exit once its lease is lost: 2 when another trainer took over (a supervisor must not restart
+    it), 1 when the lease merely expired (a restart may take it again)."""
+    if lost:
+        raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
 
 
 async def lead_holding(

@@ -29,3 +29,6 @@ def test_a_broker_older_than_2_11_is_refused_naming_its_version_and_the_one_need
         "gets): upgrade the server (deploy/compose.yaml pins the tested image)"
     )
     assert "nats-server 0.0.0;" in broker_version_refusal(ServerVersion("0.0.0-unknown"))
+    assert broker_version_refusal(ServerVersion("2.11")) == (
+        "the broker's version <nats server v2.11> cannot be read; rlpipe needs nats-server 2.11 or later"
+    )

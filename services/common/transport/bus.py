@@ -110,7 +110,7 @@ class Bus:
         self.creates_streams = creates_run_state(service)  # the trainer; a stage waits for them instead
         self.nc: nats.NATS | None = None
         self.js: nats.js.JetStreamContext | None = None
-        # Bumped the moment the connection comes back, before streams are restored: a reader seeing it
+        # Bumped once nats-py calls back after a reconnect, before streams are restored: a reader seeing it
         # change re-checks its stream before trusting what it reads next.
         self.reconnects = 0
         self._work_queues: set[str] = set()  # edges whose durable consumer this bus made, restored on reconnect
@@ -140,10 +140,17 @@ class Bus:
     async def close(self) -> None:
         # Ended before the connection closes, each cancelled until it ends: a restore retries while a stream is
         # missing, so one that dropped a single cancellation would hold this close (and the service's exit) up.
-        await cancel_until_done(*self._restores)
+        while self._restores:  # a reconnect while they end starts another
+            await cancel_until_done(*self._restores)
         if self.nc is not None and not self.nc.is_closed:
             # Not drain(): unacked work simply redelivers, and a pending pull would stall the drain.
             await self.nc.close()
+
+    @property
+    def connections(self) -> int:
+        """Reconnects as nats-py counts them the moment one happens, before it replays subscriptions and so before
+        any reply arrives over the new connection (``reconnects`` follows only after a round trip)."""
+        return self.nc.stats["reconnects"]
 
     def on_reconnect(self, listener: Callable[[], Awaitable[None]]) -> None:
         """Call ``listener`` after each reconnect, once streams and consumers are restored (e.g. to ``check_covers``).

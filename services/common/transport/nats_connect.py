@@ -66,10 +66,13 @@ MIN_BROKER_VERSION = (2, 11)
 
 def broker_version_refusal(version: ServerVersion) -> str | None:
     """Why a service must not run against this nats-server ``version`` (None when it is recent enough)."""
-    if (version.major, version.minor) >= MIN_BROKER_VERSION:
-        return None
-    found = f"{version.major}.{version.minor}.{version.patch}"
     wanted = ".".join(map(str, MIN_BROKER_VERSION))
+    try:
+        if (version.major, version.minor) >= MIN_BROKER_VERSION:
+            return None
+        found = f"{version.major}.{version.minor}.{version.patch}"
+    except ValueError:  # not semantic versioning: no nats-server release
+        return f"the broker's version {version!r} cannot be read; rlpipe needs nats-server {wanted} or later"
     return (
         f"the broker is nats-server {found}; rlpipe needs {wanted} or later (its trainer reads streams in batched "
         "direct gets): upgrade the server (deploy/compose.yaml pins the tested image)"

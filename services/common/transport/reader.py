@@ -134,7 +134,7 @@ class StreamReader:
         messages that came before the loss; the next read asks again from there. A reconnect while it was read
         has the stream checked before the batch is handed out, as the first read after a reconnect would."""
         nc = self.bus.nc
-        reconnects = self.bus.reconnects
+        connections = self.bus.connections
         if self._replies is None:  # one subscription for every request of this reader, each on its own subject
             self._inbox = nc.new_inbox()
             self._replies = await nc.subscribe(f"{self._inbox}.*")
@@ -144,7 +144,7 @@ class StreamReader:
         request["max_bytes"] = READ_AHEAD_BYTES
         await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=reply_to)
         ahead = await self._replies_to(reply_to)
-        if ahead and self.bus.reconnects != reconnects:
+        if ahead and self.bus.connections != connections:
             await self.verify()
         return ahead
 
