@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from nats.errors import Error as NatsError
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from services.common.config import RunConfig
 from services.common.observe.events import Event
@@ -120,6 +120,7 @@ class Intake:
         # The broker calls below that nothing else retries (DEAD's first look-up, the write-off's look at
         # EXPERIENCE, a dead letter): a failure skips or holds that work and backs off before the next try.
         self.broker = CircuitBreaker()
+        self.refused: set[str] = set()  # prompts the broker refused for themselves, alerted once each
 
     def rewind(self) -> None:
         """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
@@ -157,7 +158,9 @@ class Intake:
         for (cursor, prompt), result in zip(batch, results, strict=True):
             if isinstance(result, BaseException):
                 first_failed = first_failed or cursor
-                if isinstance(result, NatsError | TimeoutError | StoreUnavailable):  # the broker or claim store
+                if isinstance(result, BadRequestError):
+                    self._refused(prompt.group_id, result)
+                elif isinstance(result, NatsError | TimeoutError | StoreUnavailable):  # the broker or claim store
                     log_event(
                         log,
                         Event.FEED_FAILED,
@@ -178,6 +181,21 @@ class Intake:
         self.ledger.unfed_from = cursor_position(self.feeder.cursor)
         if unexpected is not None:
             raise unexpected
+
+    def _refused(self, group_id: str, error: BadRequestError) -> None:
+        """The broker refused the prompt itself (400: over the stream's max_msg_size, which only a stream changed by
+        hand has below ``nats.max_message_bytes``). Fed again each step, as an outage's would be, so nothing is
+        lost once the cause is fixed; meanwhile the ledger's watermark waits below it, so the operator is alerted."""
+        first = group_id not in self.refused
+        self.refused.add(group_id)
+        log_event(
+            log,
+            Event.FEED_REFUSED,
+            level=logging.ERROR if first else logging.DEBUG,
+            **({"alert": True} if first else {}),
+            group_id=group_id,
+            error=f"{error.description} (err_code {error.err_code})",
+        )
 
     async def catch_up_dead(self) -> int:
         """Settle every group this incarnation's dead letters name since the last look, as dead, and reopen those

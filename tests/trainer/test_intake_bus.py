@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 
 import numpy as np
@@ -635,11 +636,12 @@ def test_synchronous_feeding_holds_one_batch_asks_for_the_current_version_and_re
 
 
 def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it_though_later_ones_landed(
-    tiny_model, tmp_path, nats_url
+    tiny_model, tmp_path, nats_url, caplog
 ):
     """A feed publishes its prompts together. The broker refuses the second (too large for the stream) and takes
     the others: they are in flight, the feeder goes back to the refused one, and the watermark stays below it
     when every group around it is settled, so the next feed publishes it and only it."""
+    caplog.set_level(logging.DEBUG, logger="services.trainer.intake")
     cfg, rows = config(tiny_model, tmp_path, nats_url)
     rows = [dict(row) for row in rows]
     rows[1]["prompt"] = "1+1=" * 500  # ~2 KB, over the stream's limit below
@@ -654,6 +656,14 @@ def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it
         assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
         assert (await bus.js.stream_info(name)).state.messages == 3
         assert intake.feeder.cursor == {"epoch": 0, "index": 1}
+        await intake.feed(cfg, config_version=0)  # refused again: alerted once, not at every feed
+        assert intake.feeder.cursor == {"epoch": 0, "index": 1}
+        refusals = [r for r in caplog.records if r.getMessage() == "feed_refused"]
+        assert [(r.levelno, r.fields.get("alert"), r.fields["group_id"]) for r in refusals] == [
+            (logging.ERROR, True, "e0-i1"),
+            (logging.DEBUG, None, "e0-i1"),
+        ]
+        assert "message size exceeds maximum allowed (err_code 10054)" in refusals[0].fields["error"]
 
         # Every group that landed comes back and settles before the refused one is fed again.
         intake.ledger.settle(["e0-i0", "e0-i2", "e0-i3"], step=1, fate=Fate.APPLIED)

@@ -101,6 +101,7 @@ class Event(StrEnum):
     EVAL = "eval"  # an evaluation finished
     EVENT_RECORD_FAILED = "event_record_failed"  # an event could not be written to events.jsonl (the log has it)
     FEED_FAILED = "feed_failed"  # a prompt could not be published; fed again later
+    FEED_REFUSED = "feed_refused"  # the broker refuses a prompt itself (too large for PROMPTS): fed again, alert
     FEED_REPEATED = "feed_repeated"  # a prompt was fed again after its first publish was not confirmed
     FENCED_OUT = "fenced_out"  # a newer trainer's epoch is in the store: this one stops writing
     FOLLOWER_READY = "follower_ready"  # a distributed trainer's follower rank is ready
