@@ -130,7 +130,7 @@ class Bus:
         refusal = broker_version_refusal(self.nc.connected_server_version) or message_limit_refusal(
             self.cfg.nats.max_message_bytes, self.nc.max_payload
         )
-        if refusal:  # the broker would refuse every message between the two limits, a large group the first
+        if refusal:  # too old for batched reads, or it would refuse every message between the two size limits
             await self.nc.close()
             raise StartRefused(refusal)
         self.js = self.nc.jetstream()
@@ -140,8 +140,10 @@ class Bus:
     async def close(self) -> None:
         # Ended before the connection closes, each cancelled until it ends: a restore retries while a stream is
         # missing, so one that dropped a single cancellation would hold this close (and the service's exit) up.
-        while self._restores:  # a reconnect while they end starts another
-            await cancel_until_done(*self._restores)
+        # Asked anew each round: a reconnect while they end starts another. Done ones are left out here rather than
+        # trusted to have been discarded by their callback already.
+        while running := [restore for restore in self._restores if not restore.done()]:
+            await cancel_until_done(*running)
         if self.nc is not None and not self.nc.is_closed:
             # Not drain(): unacked work simply redelivers, and a pending pull would stall the drain.
             await self.nc.close()
