@@ -357,7 +357,8 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
     return path
 
 
-RLPIPE_RUN = [sys.executable, "-m", "services.cli", "run"]
+RLPIPE = [sys.executable, "-m", "services.cli"]
+RLPIPE_RUN = [*RLPIPE, "run"]
 
 
 def metric_rows(run_dir: Path) -> list[dict]:

@@ -1,7 +1,7 @@
 """The whole pipeline as a user runs it: `rlpipe run` with real NATS, vLLM, gRPC and one process per service.
 
-While it trains, garbage and wrong-schema messages are pushed into every stage's
-input; they must land in DEAD with reasons while training goes on to the end.
+Started held (`--paused`), it takes garbage and wrong-schema messages into every stage's input; they must land
+in DEAD with reasons (the trainer's once it is resumed) while training goes on to the end.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import asyncio
 import json
 import math
 import subprocess
-import time
+from pathlib import Path
 
 import msgpack
 import nats
@@ -19,6 +19,7 @@ import pytest
 from services.cli.dead_letters import operator_options
 from services.cli.report import read_jsonl
 from services.cli.runs import read_run
+from services.cli.smoke import trainer_status
 from services.common.config import CheckpointConfig
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
@@ -35,7 +36,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE, RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -58,34 +59,41 @@ TOTAL_STEPS = 10
 STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
 
 
-async def inject_bad_messages(nats_url: str, run_id: str, options: dict) -> None:
-    nc = await nats.connect(nats_url, **options)
-    js = nc.jetstream()
-    for edge in STAGE_INPUTS:
-        await js.publish(subject(run_id, edge), b"\x00\xffnot-msgpack")
-        await js.publish(subject(run_id, edge), msgpack.packb({"v": 1, "kind": "nonsense", "group_id": "x"}))
-    await nc.close()
+def bad_messages() -> list[bytes]:
+    """Garbage and a wrong-schema message, for each stage's input."""
+    return [b"\x00\xffnot-msgpack", msgpack.packb({"v": 1, "kind": "nonsense", "group_id": "x"})]
 
 
-async def read_dead_letters(nats_url: str, run_id: str, expected: int, timeout: float, options: dict) -> list[dict]:
-    nc = await nats.connect(nats_url, **options)
-    js = nc.jetstream()
-    deadline = time.monotonic() + timeout
-    letters: list[dict] = []
-    while time.monotonic() < deadline:
-        info = await js.stream_info(stream_name(run_id, DEAD))
-        if info.state.messages >= expected:
-            break
-        await asyncio.sleep(0.5)
-    sub = await js.subscribe(subject(run_id, DEAD), ordered_consumer=True)
-    while True:
-        try:
-            msg = await sub.next_msg(timeout=2)
-        except TimeoutError:
-            break
+async def next_letters(sub, count: int, timeout: float) -> list[dict]:
+    letters = []
+    for _ in range(count):
+        msg = await sub.next_msg(timeout=timeout)
         letters.append(dict(msg.headers or {}))
-    await nc.close()
     return letters
+
+
+async def dead_letters_around_a_resume(nats_url: str, run_dir: Path, options: dict) -> tuple[list[dict], list[dict]]:
+    """Inject bad messages into every stage's input while the run is held; (DEAD's letters before the resume, after).
+
+    Held, the trainer reads nothing and only the first prompts are out, so every stage must read past its bad
+    messages to finish the run: none can end before its letters are in DEAD.
+    """
+    nc = await nats.connect(nats_url, **options)
+    try:
+        js = nc.jetstream()
+        sub = await js.subscribe(subject("pipe", DEAD), ordered_consumer=True)
+        for edge in STAGE_INPUTS:
+            for payload in bad_messages():
+                await js.publish(subject("pipe", edge), payload)
+        # The three stages before the trainer dead-letter theirs while it is held.
+        held = await next_letters(sub, 2 * (len(STAGE_INPUTS) - 1), timeout=120)
+        resumed = await asyncio.to_thread(
+            subprocess.run, [*RLPIPE, "--run-dir", str(run_dir), "resume"], cwd=ROOT, capture_output=True, text=True
+        )
+        assert resumed.returncode == 0, resumed.stderr
+        return held, await next_letters(sub, 2, timeout=120)
+    finally:
+        await nc.close()
 
 
 @pytest.mark.timeout(900)
@@ -108,15 +116,13 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         service={"warm_start_pool": None},
     )
     run_dir = runs / "pipe"
-    with running_pipeline(config) as process:
-        # run.json appears once every service is ready: inject then, while all ten steps are still to come
-        # (a step takes ~0.1 s here, so waiting for one to pass could leave the trainer no reason to read on).
+    with running_pipeline(config, "--paused") as process:
         wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", process, timeout=600)
-        nats_url = json.loads((run_dir / "run.json").read_text())["nats_url"]
+        info = json.loads((run_dir / "run.json").read_text())
+        status = trainer_status(info["admin"], (run_dir / "admin.token").read_text().strip())
+        assert (status.state, status.step) == ("paused", 0), status
         operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
-        asyncio.run(inject_bad_messages(nats_url, "pipe", operator))
-        expected = 2 * len(STAGE_INPUTS)
-        letters = asyncio.run(read_dead_letters(nats_url, "pipe", expected=expected, timeout=120, options=operator))
+        held, resumed = asyncio.run(dead_letters_around_a_resume(info["nats_url"], run_dir, operator))
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output
     # `rlpipe runs` reads how it ended from the files it left (its exit record, metrics and usage).
@@ -124,15 +130,17 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     assert (listed.state, listed.exit_code, listed.step) == ("finished", 0, TOTAL_STEPS)
     assert listed.resources is not None and listed.resources.cost is not None
 
-    # Both bad messages of every stage input are in DEAD, with the reason, origin and service.
-    by_stream: dict[str, list[dict]] = {}
-    for letter in letters:
-        by_stream.setdefault(letter[H_STREAM], []).append(letter)
+    # Both bad messages of every stage input are in DEAD, with the reason, origin and service; the trainer's own
+    # only once it was resumed.
+    assert "held (started with --paused)" in output
+    by_stream: dict[str, list[str]] = {}
+    for letter in held + resumed:
+        by_stream.setdefault(letter[H_STREAM], []).append(letter[H_REASON])
+    assert {letter[H_STREAM] for letter in resumed} == {stream_name("pipe", EXPERIENCE)}
     for edge in STAGE_INPUTS:
-        reasons = [letter[H_REASON] for letter in by_stream.get(stream_name("pipe", edge), [])]
-        assert any("not msgpack" in r for r in reasons), (edge, reasons)
-        assert any("kind" in r for r in reasons), (edge, reasons)
-    assert all(int(letter[H_SEQ]) > 0 and letter[H_SERVICE] for letter in letters)
+        reasons = by_stream[stream_name("pipe", edge)]
+        assert len(reasons) == 2 and "not msgpack" in reasons[0] and "kind" in reasons[1], (edge, reasons)
+    assert all(int(letter[H_SEQ]) > 0 and letter[H_SERVICE] for letter in held + resumed)
 
     # The trainer applied every step, and each logged metric is present and finite.
     rows = read_jsonl(run_dir / "metrics.jsonl")

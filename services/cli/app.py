@@ -34,6 +34,12 @@ def run(
         help="delete runs/<run id> (its checkpoints, metrics, streams and logs) and start over; "
         "without it or --resume, a run directory holding checkpoints or metrics is refused",
     ),
+    paused: bool = typer.Option(
+        False,
+        "--paused",
+        help="start held: every role loads and the first prompts are generated, but no step is applied until "
+        "`rlpipe resume`",
+    ),
     smoke: bool = typer.Option(
         False,
         "--smoke",
@@ -44,15 +50,17 @@ def run(
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
     from services.cli.run_command import run as launch
 
-    if smoke and overrides:
-        typer.echo("rlpipe run: --smoke runs the config file as it is; drop the KEY=VALUE overrides", err=True)
+    if smoke and (overrides or paused):
+        typer.echo(
+            "rlpipe run: --smoke runs the config file as it is; drop the KEY=VALUE overrides and --paused", err=True
+        )
         raise typer.Exit(2)
     if smoke:
         from services.cli.verify_commands import smoke_command
 
         raise typer.Exit(smoke_command(config))
     try:
-        code = launch(config, resume=resume, overwrite=overwrite, overrides=overrides or ())
+        code = launch(config, resume=resume, overwrite=overwrite, overrides=overrides or (), paused=paused)
     except ConfigError as error:
         typer.echo(f"rlpipe run: {error}", err=True)
         raise typer.Exit(2) from None

@@ -264,6 +264,8 @@ class Launcher:
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
             f"stop (admin at {self.child('trainer').ready['admin']})"
         )
+        if self.hold:
+            console.log(f"[yellow]held ({self.hold})[/]: no step until `rlpipe --run-dir {self.run_dir} resume`")
 
     def follow(self) -> dict[str, Any]:
         """Progress over training steps until the trainer is done, restarting services that die."""

@@ -30,6 +30,7 @@ from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
+PAUSED_AT_START = "started with --paused"  # the hold's reason, in status and events
 
 
 class Interrupted(Exception):
@@ -59,13 +60,20 @@ def _plain(message: str) -> None:
     console.print(message, markup=False, highlight=False, soft_wrap=True)
 
 
-def run(config_path: Path, resume: bool = False, overwrite: bool = False, overrides: Sequence[str] = ()) -> int:
+def run(
+    config_path: Path,
+    resume: bool = False,
+    overwrite: bool = False,
+    overrides: Sequence[str] = (),
+    paused: bool = False,
+) -> int:
     """Run the pipeline in ``runs/<run>``; 2 without starting anything when the config or the machine is not fit.
 
     ``resume`` continues the run there (its streams and checkpoints); ``overwrite`` deletes it
     first. With neither, a directory holding an earlier run's checkpoints or metrics is refused,
     so re-running a config by accident cannot destroy a run. ``overrides`` are command-line
-    ``KEY=VALUE`` settings over the file; the services then read ``runs/<run>/run-config.yaml``.
+    ``KEY=VALUE`` settings over the file; the services then read ``runs/<run>/run-config.yaml``. ``paused``
+    starts the run held (its roles ready, no step) until an operator resumes it.
     """
     if resume and overwrite:
         _plain("rlpipe run: --resume continues the run in its directory and --overwrite deletes it: choose one")
@@ -77,7 +85,7 @@ def run(config_path: Path, resume: bool = False, overwrite: bool = False, overri
         _plain(f"rlpipe run: {error}; nothing was changed. Stop it first (rlpipe stop, or Ctrl-C in its shell)")
         return 2
     with hold:
-        return _run_held(cfg, config_data, config_path, resume, overwrite, overrides)
+        return _run_held(cfg, config_data, config_path, resume, overwrite, overrides, paused)
 
 
 def _run_held(
@@ -87,6 +95,7 @@ def _run_held(
     resume: bool,
     overwrite: bool,
     overrides: Sequence[str],
+    paused: bool,
 ) -> int:
     """``run`` once this launcher holds the run."""
     earlier = previous_run(cfg)
@@ -115,7 +124,7 @@ def _run_held(
     if overrides:  # the services read a file: the one they get has the overrides written in
         config_path = cfg.run_dir / "run-config.yaml"
         config_path.write_text(yaml.safe_dump(config_data, sort_keys=False))
-    launcher = Launcher(cfg, config_path, resume)
+    launcher = Launcher(cfg, config_path, resume, hold=PAUSED_AT_START if paused else "")
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) get the same orderly shutdown.
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:
