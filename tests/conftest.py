@@ -400,7 +400,7 @@ def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """An operator's `rlpipe --run-dir RUN_DIR ARGS...`, with the address and token of that run."""
     env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
     return subprocess.run(
-        [sys.executable, "-m", "services.cli", "--run-dir", str(run_dir), *args],
+        [*RLPIPE, "--run-dir", str(run_dir), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -68,8 +68,8 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     run_dir = runs / "late"
     with running_pipeline(config) as process:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
-        # Three steps past the checkpoint of step 10: steps 13 on trained on groups fed after its cursor, which
-        # the resume feeds again. (Steps take a fraction of a second; the next checkpoint is far enough away.)
+        # Three steps past the checkpoint of step 10: steps 11 on trained on groups fed after its cursor, which
+        # the resume feeds again. (The resume is pinned to step 10: the kill may come after step 20's save.)
         wait_for(lambda: len(steps()) >= SAVE_EVERY + 3, "three steps past a checkpoint", process)
         pids = run_info(run_dir, process)["pids"]
         os.kill(pids["trainer"], signal.SIGKILL)  # no final save: the resume goes back to step 10
@@ -77,7 +77,13 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
         process.wait()
     time.sleep(WINDOW_S + 1.0)  # every dedupe entry of the first run has expired
 
-    done = subprocess.run([*RLPIPE_RUN, str(config), "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [*RLPIPE_RUN, str(config), f"checkpoint.resume_step={SAVE_EVERY}", "--resume"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
 
     records = Lineage(run_dir / "lineage.jsonl").records()

@@ -36,7 +36,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import RLPIPE, RLPIPE_RUN, ROOT, running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, rlpipe, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -87,9 +87,7 @@ async def dead_letters_around_a_resume(nats_url: str, run_dir: Path, options: di
                 await js.publish(subject("pipe", edge), payload)
         # The three stages before the trainer dead-letter theirs while it is held.
         held = await next_letters(sub, 2 * (len(STAGE_INPUTS) - 1), timeout=120)
-        resumed = await asyncio.to_thread(
-            subprocess.run, [*RLPIPE, "--run-dir", str(run_dir), "resume"], cwd=ROOT, capture_output=True, text=True
-        )
+        resumed = await asyncio.to_thread(rlpipe, run_dir, "resume")
         assert resumed.returncode == 0, resumed.stderr
         return held, await next_letters(sub, 2, timeout=120)
     finally:

@@ -183,11 +183,13 @@ def test_a_run_that_ends_with_its_last_steps_unsaved_does_not_exit_clean(tiny_mo
         checkpoint=s3.checkpoint(save_every_steps=1000),
     )
     run_dir = tmp_path / "runs" / "unsaved"
-    with running_pipeline(config) as run:
+    # Held until the store is down: eight steps could otherwise be done and saved before it goes.
+    with running_pipeline(config, "--paused") as run:
         wait_for(
             lambda: (run_dir / "run.json").exists(), "every service ready", run
         )  # the start-up checks wrote to the store
         s3.stop()
+        assert rlpipe(run_dir, "resume").returncode == 0
         output, _ = run.communicate(timeout=600)
     # The final save failed: the trainer says so and exits 1, and so does `rlpipe run`.
     assert run.returncode == 1, output[-3000:]

@@ -37,7 +37,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.conftest import ROOT, kill_service, metric_rows, run_info, running_pipeline, wait_for, write_config
+from tests.conftest import ROOT, kill_service, metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -144,7 +144,8 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     """A group whose EXPERIENCE breaks the learner (float token ids) goes to DEAD; the operator re-injects a fixed
     copy; the trainer reopens the group and applies it. SIGKILLed after that, the trainer comes back (the launcher
     restarts it: DEAD read at start is no lost broker state) and the group stays applied exactly once in the steps
-    that make up the final model."""
+    that make up the final model. The run has no end of its own (a short one could finish before the kill): the
+    operator stops it."""
     model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     config = write_config(
@@ -153,13 +154,13 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         data_dir,
         runs,
         run_id="reinj",
-        train={"total_steps": 12, "batch_size": 8, "max_inflight_batches": 2, "max_staleness": None},
+        train={"total_steps": 100_000, "batch_size": 8, "max_inflight_batches": 2, "max_staleness": None},
         checkpoint={"save_every_steps": 2, "keep_last": 10},
         nats={"duplicate_window_s": 600},
         supervision={"backoff_s": 0.5},
     )
     run_dir = runs / "reinj"
-    group_id = "e0-i900"  # past what 12 steps feed: only the copies below ever carry it
+    group_id = "e0-i9000"  # past what the test's steps feed (1,125 steps): only the copies below ever carry it
     with running_pipeline(config) as run:
         steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
         wait_for(lambda: len(steps()) >= 1, "the first step", run)
@@ -192,6 +193,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         kill_service(run_dir, "trainer", run)
         wait_for(lambda: restarts(run_dir).get("trainer") == 1, "trainer restart", run)
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", run)
+        assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-4000:]
     assert restarts(run_dir) == {"trainer": 1}
@@ -201,7 +203,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         (group_id, letter.sequence)
     }
     final = effective_steps(records)
-    assert [r.step for r in final] == list(range(1, 13))
+    assert [r.step for r in final] == list(range(1, steps()[-1]["step"] + 1))
     assert [g for r in final for g, _ in r.groups].count(group_id) == 1
 
 
