@@ -3,9 +3,10 @@
 # Each step runs under `timeout`; the expected total on one H200 is about 8 minutes (the limits below are
 # ceilings, not estimates). docs/performance.md ("GPU check") holds the figures of the last run on a GPU.
 #
-# usage: bench/gpu_check.sh [--dry-run] [--only STEP,...] [--python PATH]
+# usage: bench/gpu_check.sh [--dry-run] [--only STEP,...] [--python PATH] [--set KEY=VALUE ...]
 #   --dry-run      print the steps and their time limits; run nothing
 #   --only         run only these steps (names as --dry-run prints them), to rerun one that failed
+#   --set          a dotted setting over every run's config (rollout.backend=hf where no CUDA vLLM is installed)
 #   --python PATH  an interpreter that already holds rlpipe's dependencies with a CUDA torch and vLLM (a
 #                  machine without a package index); default: build .venv-gpu with deploy/install-python.sh
 #                  and the GPU images' pins (deploy/requirements-cuda.txt), as deploy/Dockerfile's GPU targets do
@@ -20,6 +21,7 @@ cd "$root"
 dry_run=0
 only=""
 python=""
+sets=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry-run) dry_run=1 ;;
@@ -31,8 +33,12 @@ while [ $# -gt 0 ]; do
             only=",${2:?--only needs step names},"
             shift
             ;;
+        --set)
+            sets+=("${2:?--set needs KEY=VALUE}")
+            shift
+            ;;
         -h | --help)
-            sed -n '2,15p' "$0"
+            sed -n '2,16p' "$0"
             exit 0
             ;;
         *)
@@ -274,8 +280,6 @@ step_smol() {
             return 0
         }
     fi
-    derive examples/smol-arith.yaml "$work/smol.yaml" run_id=gpu-check-smol "runs_dir=$work/runs" \
-        model.device=cuda model.dtype=bfloat16 train.total_steps=10 data.eval_every_steps=5 data.eval_size=100
     "$rlpipe" run "$work/smol.yaml" --overwrite
     summarize "$work/runs/gpu-check-smol" 10
 }
@@ -286,7 +290,11 @@ export -f derive summarize gpu_count step_nvidia_smi step_build_tiny step_doctor
 
 derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
     model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \
-    checkpoint.save_every_steps=1000
+    checkpoint.save_every_steps=1000 ${sets[@]+"${sets[@]}"}
+# Here, not in step_smol: a step runs in a child bash, which inherits no arrays (--set).
+derive examples/smol-arith.yaml "$work/smol.yaml" run_id=gpu-check-smol "runs_dir=$work/runs" \
+    model.device=cuda model.dtype=bfloat16 train.total_steps=10 data.eval_every_steps=5 data.eval_size=100 \
+    ${sets[@]+"${sets[@]}"}
 
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit function _ <<<"$step"
