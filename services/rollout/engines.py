@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 
 from services.common.config import RunConfig, SamplingConfig
 from services.common.model.lora import AdapterMerger, write_adapter
-from services.common.model.modeling import DTYPES, load_model, load_tokenizer
+from services.common.model.modeling import DTYPES, load_model, load_tokenizer, resolve_device
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import DependencyUnavailable
@@ -261,12 +261,16 @@ class HfEngine:
     """transformers ``generate``: slower, for machines without vLLM."""
 
     def __init__(self, cfg: RunConfig):
-        self.model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
+        model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.model.path)
         self.end_tokens = frozenset({self.tokenizer.eos_token_id})  # _group stops on the tokenizer's EOS alone
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
-        self.merger = AdapterMerger(self.model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None
+        # The merger's copy of the base stays on the host, where adapters arrive and are merged; the model goes to
+        # model.device, as the trainer's and the reference's do.
+        self.merger = AdapterMerger(model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None
+        self.device = resolve_device(cfg.model.device)
+        self.model = model.to(self.device)
 
     @torch.no_grad()
     def generate(
@@ -288,7 +292,7 @@ class HfEngine:
         self, ids: list[int], sampling: SamplingConfig, max_tokens: int, samples: int = 0, stop: list[str] | None = None
     ) -> list[Generation]:
         eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        prompt = torch.tensor([ids] * (samples or sampling.group_size))
+        prompt = torch.tensor([ids] * (samples or sampling.group_size), device=self.device)
         stopping = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
         out = self.model.generate(
             **stopping,
@@ -305,7 +309,7 @@ class HfEngine:
         )
         new_tokens = out.sequences[:, len(ids) :]
         raw_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
-        token_logprobs = raw_logprobs.gather(-1, new_tokens[..., None]).squeeze(-1)
+        token_logprobs = raw_logprobs.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
         group = []
         for tokens, logprobs in zip(new_tokens.tolist(), token_logprobs, strict=False):
             stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
