@@ -265,7 +265,8 @@ class Launcher:
             f"stop (admin at {self.child('trainer').ready['admin']})"
         )
         if self.hold:
-            console.log(f"[yellow]held ({self.hold})[/]: no step until `rlpipe --run-dir {self.run_dir} resume`")
+            resume = f"rlpipe --run-dir {self.run_dir} resume"
+            console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
 
     def follow(self) -> dict[str, Any]:
         """Progress over training steps until the trainer is done, restarting services that die."""
