@@ -80,6 +80,13 @@ def test_resume_and_overwrite_together_are_refused(config, tmp_path):
     assert (tmp_path / "runs" / "kept" / "step-00000005").is_dir()
 
 
+def test_a_smoke_run_started_paused_is_refused_before_anything_starts(config, tmp_path):
+    # The smoke run holds itself until its roles are checked, then resumes: --paused would be overruled.
+    done = rlpipe_run(config, "--smoke", "--paused")
+    assert done.returncode == 2 and "--smoke runs the config file as it is" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.integration
 def test_resume_and_overwrite_of_a_live_run_are_refused_naming_its_launcher_and_a_killed_launcher_frees_it(
     config, tmp_path
