@@ -193,6 +193,9 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         kill_service(run_dir, "trainer", run)
         wait_for(lambda: restarts(run_dir).get("trainer") == 1, "trainer restart", run)
         wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", run)
+        # run.json names the restarted trainer's admin endpoint once the launcher has seen it ready, which can come
+        # after its first step.
+        wait_for(lambda: run_info(run_dir, run)["admin"] is not None, "the restarted trainer's admin endpoint", run)
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-4000:]
