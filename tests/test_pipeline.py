@@ -36,7 +36,7 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpoint import CheckpointStore
-from tests.conftest import RLPIPE_RUN, ROOT, rlpipe, running_pipeline, wait_for, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, rlpipe, run_info, running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -115,8 +115,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     )
     run_dir = runs / "pipe"
     with running_pipeline(config, "--paused") as process:
-        wait_for(lambda: (run_dir / "run.json").exists(), "every service ready", process, timeout=600)
-        info = json.loads((run_dir / "run.json").read_text())
+        info = run_info(run_dir, process, timeout=600)
         status = trainer_status(info["admin"], (run_dir / "admin.token").read_text().strip())
         assert (status.state, status.step) == ("paused", 0), status
         operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
