@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from services.common.episodes.environments import Calculator, Task
+from services.common.episodes.generation import Generation
+from services.common.episodes.observations import ObservationFormat, observation_format
+from services.common.episodes.runner import EpisodeLimits, LocalEnvironment, run_episodes, start_episodes
 from services.common.model.modeling import load_model, load_tokenizer
-from services.rollout.engines import Generation
-from services.rollout.environments import Calculator, Task
-from services.rollout.episodes import EpisodeLimits, LocalEnvironment, run_episodes, start_episodes
-from services.rollout.observations import ObservationFormat, observation_format
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
 
 SYSTEM = (

@@ -24,9 +24,9 @@ from bench.weight_sync import smollm2_135m
 from services.common.config import CheckpointConfig
 from services.common.model.modeling import host_copy
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.checkpoint_state import Checkpoint, TrainerState, detached_copy, rng_state
-from services.trainer.checkpointer import in_saved_dtype
+from services.trainer.checkpointing.checkpointer import in_saved_dtype
+from services.trainer.checkpointing.state import Checkpoint, TrainerState, detached_copy, rng_state
+from services.trainer.checkpointing.store import CheckpointStore
 
 
 def median_s(call: Callable[[], object], repeats: int) -> float:

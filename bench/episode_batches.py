@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import TypeVar
 
 from services.common.config import load_config
+from services.common.episodes.environments import Calculator, StepResult, Turn
+from services.common.episodes.runner import EpisodeRunner
 from services.common.model.datasets import read_rows
 from services.common.transport.messages import Prompt
 from services.rollout.engines import build_engine
-from services.rollout.environments import Calculator, StepResult, Turn
-from services.rollout.episodes import EpisodeRunner
 
 T = TypeVar("T")
 OUT = Path("build/bench")

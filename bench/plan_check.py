@@ -140,7 +140,7 @@ def rollout_peak(folder: Path) -> int:
 
 
 def estimate_bytes(folder: Path, role: str, tokens: int, checkpointing: bool) -> int:
-    from services.common.model.sizing import SizingInputs, estimate, read_model_shape, rollout_on_cpu
+    from services.cli.sizing import SizingInputs, estimate, read_model_shape, rollout_on_cpu
 
     inputs = SizingInputs(
         micro_batch_tokens=tokens,

@@ -171,7 +171,7 @@ def bench_rollout(model: Model, cfg: RunConfig, repeats: int) -> tuple[list[Meas
 def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], groups: list) -> list[ExperienceGroup]:
     """The rollout's generations as trainer input: scored by the configured reward functions, with the
     sampler's logprobs standing in for the reference's (the learner's cost does not depend on their values)."""
-    from services.reward.functions import REWARD_FUNCTIONS
+    from services.common.model.reward_rules import REWARD_FUNCTIONS
 
     functions = [(REWARD_FUNCTIONS[name], weight) for name, weight in cfg.reward.functions.items()]
     out = []
@@ -290,9 +290,9 @@ def bus_overhead(bus: dict[str, float], rollout: list[Measurement], learner: lis
 def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> list[Measurement]:
     """``Learner.step`` on one trainer batch (``train.batch_size`` groups, the rollout batch repeated to fill it),
     micro-batches by token budget off and on."""
-    from services.trainer.batch import Batch
-    from services.trainer.learner import Learner
-    from services.trainer.passes import micro_batches
+    from services.trainer.learning.batch import Batch
+    from services.trainer.learning.learner import Learner
+    from services.trainer.learning.passes import micro_batches
 
     batch = [groups[i % len(groups)] for i in range(cfg.train.batch_size)]
     on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_tokens": model.micro_batch_tokens})})

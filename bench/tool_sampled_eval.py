@@ -18,12 +18,12 @@ from pathlib import Path
 import torch
 
 from services.common.config import load_config
+from services.common.episodes.generation import Generation
+from services.common.episodes.observations import observation_format
+from services.common.episodes.runner import EpisodeLimits, environment_maker
 from services.common.model.chat import render_rows
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer
-from services.rollout.engines import Generation
-from services.rollout.episodes import EpisodeLimits, environment_maker
-from services.rollout.observations import observation_format
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
 
 

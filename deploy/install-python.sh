@@ -46,7 +46,7 @@ fi
 # nothing writes them at import time under PYTHONDONTWRITEBYTECODE. A file that does not compile (a package's
 # test data for another Python) is skipped, as pip skips it; the import check below is what must pass.
 "$venv/bin/python" -m compileall -qq -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || true
-# What this environment holds, for `rlpipe doctor` to compare against (services/cli/doctor.py: INSTALL_RECORD).
+# What this environment holds, for `rlpipe doctor` to compare against (services/cli/doctor/checks.py: INSTALL_RECORD).
 "$venv/bin/python" - "$extras" "$lock" "$requirements" "$venv/rlpipe-install.json" <<'EOF'
 import json, os, sys
 extras, lock, requirements, out = sys.argv[1:]

@@ -77,8 +77,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 LONGEST_FIRST = (
     "tests/trainer/test_simulation.py",
     "tests/trainer/test_algorithms_pipeline.py",
-    "tests/cli/test_verify.py",
-    "tests/trainer/test_distributed.py",
+    "tests/cli/verify/test_checklist.py",
+    "tests/trainer/learning/test_distributed.py",
     "tests/test_storage_outage.py",
     "tests/test_exactly_once.py",
     "tests/test_chaos.py",
@@ -86,13 +86,13 @@ LONGEST_FIRST = (
     "tests/tuner/test_shared_study.py",
     "tests/rollout/test_smol_sync.py",
     "tests/tuner/test_tune.py",
-    "tests/trainer/test_learner.py",
+    "tests/trainer/learning/test_learner.py",
     "tests/common/test_datasets.py",
-    "tests/cli/test_doctor.py",
+    "tests/cli/doctor/test_checks.py",
     "tests/test_pipeline.py",
-    "tests/cli/test_launcher.py",
+    "tests/cli/launch/test_launcher.py",
     "tests/test_overrides.py",
-    "tests/trainer/test_distributed_launch.py",
+    "tests/trainer/learning/test_distributed_launch.py",
     "tests/reward/test_reward_pipeline.py",
     "tests/test_recovery.py",
 )
@@ -250,7 +250,8 @@ WARM_POOL: list[Path] = []
 
 @contextlib.contextmanager
 def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subprocess.Popen, Path]]:
-    """`python -m services.cli.warm_start --listen SOCKET MODULES...` from the repository root, yielding its process
+    """`python -m services.cli.launch.warm_start --listen SOCKET MODULES...` from the repository root, yielding its
+    process
     and socket once it listens (it imports after, and a launcher joining meanwhile waits for them); killed after.
     The socket is in a short temporary folder: its path must fit in 108 bytes, which a deep --basetemp may not."""
     from services.common.parent_death import die_with_parent
@@ -258,7 +259,7 @@ def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subp
     socket_path = Path(tempfile.mkdtemp(prefix="rlpipe-pool-")) / "pool.sock"
     with open(log_path, "ab") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.warm_start", "--listen", str(socket_path), *modules],
+            [sys.executable, "-m", "services.cli.launch.warm_start", "--listen", str(socket_path), *modules],
             cwd=ROOT,
             stdout=log,
             stderr=subprocess.STDOUT,
@@ -279,7 +280,7 @@ def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subp
 @pytest.fixture(scope="session")
 def warm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """This worker's warm-start pool: its socket, once the pool listens."""
-    from services.cli.warm_start import preload_modules
+    from services.cli.launch.warm_start import preload_modules
 
     log_path = tmp_path_factory.mktemp("warm-pool") / "pool.log"
     with running_warm_pool(preload_modules(vllm_rollout=True), log_path) as (_, socket_path):
@@ -292,7 +293,7 @@ def warm_pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 def tiny_model(warm_pool: Path) -> tuple[Path, Path]:
     """The project's own tiny model and data, built once (reused while its build settings match); the runs over it
     fork from this worker's warm-start pool."""
-    from services.common.model.tiny_model import main as build
+    from services.cli.build.tiny_model import main as build
 
     model_dir, data_dir = TEST_MODEL_DIR / "model", TEST_MODEL_DIR / "data"
     with one_builder("tiny-model"):

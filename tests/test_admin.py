@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from services.cli.report import read_jsonl
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
-from services.trainer.lineage import Lineage, RestartRecord, effective_steps
+from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
 from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.e2e

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from services.trainer.lineage import Lineage, RestartRecord, effective_steps
+from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
 from tests.conftest import kill_service, metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
 

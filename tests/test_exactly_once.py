@@ -26,8 +26,15 @@ from services.cli.dead_letters import operator_options
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.common.transport.streams import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
+from services.trainer.checkpointing.lineage import (
+    Lineage,
+    LostRecord,
+    RestartRecord,
+    StepRecord,
+    effective_steps,
+    lost_groups,
+)
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.conftest import (
     RLPIPE_RUN,
     ROOT,

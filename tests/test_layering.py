@@ -2,13 +2,17 @@
 
 ``common`` is what every process loads; if it imported a role or a CLI, a reward worker would
 drag in the trainer's math (and torch), and an edit to the launcher could break every role.
+A role imports no other role: what two roles share (the episode loop, the reward rules) lives in
+``common``, so each role can be built, tested and deployed on its own.
 Inside ``common``, each concern package imports only what lies below it:
 
 - base: ``config``, ``registry``, ``files``, ``refusal`` and the generated ``pb`` stubs; they import nothing
   else of common;
 - ``observe`` (telemetry, logs, events, trackers, hardware): base only;
 - ``transport`` (bus, messages, weight sync, storage, NATS, live config, presence) and ``model`` (modeling,
-  datasets, chat, evaluation, the model builders): base and observe, never each other;
+  datasets, chat, evaluation, reward rules): base and observe, never each other;
+- ``episodes`` (environments, the episode loop, turns, observations): base, observe and transport (it plays
+  episodes against a remote environment and builds the groups the bus carries), not model;
 - runtime (``service``, ``startup_checks``): any of them, since it starts a role.
 
 ``doctor`` and ``launcher`` are siblings: what both need lives in ``common``. The rules are
@@ -30,14 +34,15 @@ pytestmark = pytest.mark.unit
 
 SERVICES = ROOT / "services"
 ROLES = ("trainer", "rollout", "reward", "reference")
-SIBLINGS = ("services.cli.doctor", "services.cli.launcher")
+SIBLINGS = ("services.cli.doctor", "services.cli.launch")
 # What each part of services.common may import of common (the module docstring says why).
 COMMON_IMPORTS = {
     "base": {"base"},
     "observe": {"base", "observe"},
     "transport": {"base", "observe", "transport"},
     "model": {"base", "observe", "model"},
-    "runtime": {"base", "observe", "transport", "model", "runtime"},
+    "episodes": {"base", "observe", "transport", "episodes"},
+    "runtime": {"base", "observe", "transport", "model", "episodes", "runtime"},
 }
 
 
@@ -66,7 +71,7 @@ def imported_modules(source: str, module: str, is_package: bool) -> list[tuple[i
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join([*anchor, *([base] if base else [])])
-            # `from services import doctor` imports the module services.cli.doctor.
+            # `from services.cli import doctor` imports the module services.cli.doctor.
             found += [
                 (node.lineno, f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base)
                 for alias in node.names
@@ -87,10 +92,10 @@ def layer(module: str) -> str | None:
 
 
 def common_part(module: str) -> str:
-    """The part of services.common a module belongs to: base, observe, transport, model or runtime."""
+    """The part of services.common a module belongs to: base, observe, transport, model, episodes or runtime."""
     parts = module.split(".")
     part = parts[2] if len(parts) > 2 else ""
-    if part in ("observe", "transport", "model"):
+    if part in ("observe", "transport", "model", "episodes"):
         return part
     return "runtime" if part in ("service", "startup_checks") else "base"
 
@@ -108,6 +113,8 @@ def violation(importer: str, imported: str) -> str | None:
             return f"common's {importer_part} must not import its {imported_part}"
     if importer_layer == "role" and imported_layer == "cli":
         return "a role must not import a CLI module"
+    if importer_layer == imported_layer == "role" and importer.split(".")[1] != imported.split(".")[1]:
+        return "a role must not import another role: what both need belongs in services/common"
     siblings = {name for name in SIBLINGS if importer.startswith(name) or imported.startswith(name)}
     if len(siblings) == 2:
         return "doctor and launcher must not import each other: what both need belongs in services/common"
@@ -128,28 +135,39 @@ def violations_in(path: Path, source: str) -> list[str]:
     [
         (
             "services/common/config.py",
-            "def f():\n    from services.trainer.algorithms import KL_ESTIMATORS\n",
-            "services.trainer.algorithms: common must not import a role module",
+            "def f():\n    from services.trainer.learning.algorithms import KL_ESTIMATORS\n",
+            "services.trainer.learning.algorithms: common must not import a role module",
         ),
         (
             "services/common/service.py",
-            "from services.cli.doctor import startup_checks\n",
+            "from services.cli.doctor.checks import startup_checks\n",
             "common must not import a cli",
         ),
         (
             "services/common/x.py",
-            "from services.cli import launcher\n",
-            "imports services.cli.launcher: common must not",
+            "from services.cli.launch import launcher\n",
+            "imports services.cli.launch.launcher: common must not",
         ),
         ("services/common/x.py", "from .. import reward\n", "imports services.reward: common must not"),
         (
-            "services/cli/doctor.py",
-            "from services.cli.launcher import nats_server_binary\n",
+            "services/cli/doctor/checks.py",
+            "from services.cli.launch.launcher import nats_server_binary\n",
             "must not import each other",
         ),
-        ("services/cli/launcher.py", "import services.cli.doctor\n", "must not import each other"),
+        ("services/cli/launch/launcher.py", "import services.cli.doctor.checks\n", "must not import each other"),
         ("services/reward/service.py", "from services.cli import app\n", "a role must not import a CLI module"),
         ("services/trainer/admin.py", "from ..cli.admin import register\n", "a role must not import a CLI module"),
+        (
+            "services/trainer/episode_eval.py",
+            "from services.rollout.engines import HfEngine\n",
+            "a role must not import another role",
+        ),
+        ("services/reference/service.py", "from ..reward import service\n", "a role must not import another role"),
+        (
+            "services/common/episodes/runner.py",
+            "from services.common.model.modeling import load_model\n",
+            "common's episodes must not import its model",
+        ),
         (
             "services/common/observe/telemetry.py",
             "from services.common.transport.bus import Bus\n",
@@ -173,12 +191,17 @@ def test_the_checker_catches_each_kind_of_wrong_way_import(path, source, expecte
             "services/trainer/service.py",
             "from services.common.transport.bus import Bus\nfrom .checkpoint import Checkpoints\n",
         ),
-        ("services/cli/launcher.py", "from services.common.startup_checks import startup_checks\n"),
-        ("services/cli/app.py", "from services.cli.launcher import run\nfrom services.cli.doctor import diagnose\n"),
+        ("services/cli/launch/launcher.py", "from services.common.startup_checks import startup_checks\n"),
+        (
+            "services/cli/app.py",
+            "from services.cli.launch.launcher import run\nfrom services.cli.doctor.checks import diagnose\n",
+        ),
         ("services/common/service.py", "from services.common import registry\nimport torch\n"),
         ("services/common/service.py", "from services.common.transport.bus import Bus\n"),
         ("services/common/model/datasets.py", "from services.common.observe.logs import log_event\n"),
         ("services/common/transport/bus.py", "from ..config import RunConfig\nfrom ..observe import telemetry\n"),
+        ("services/trainer/episode_eval.py", "from services.common.episodes.runner import run_episodes\n"),
+        ("services/trainer/learning/learner.py", "from services.trainer.learning import objective\n"),
     ],
 )
 def test_the_checker_allows_imports_that_point_the_right_way(path, source):
@@ -192,8 +215,8 @@ def test_no_module_imports_the_wrong_way():
 
 def test_the_built_in_names_config_accepts_are_what_the_roles_register():
     # Config knows the built-ins without importing the roles; this keeps the two lists from drifting apart.
-    from services.reward import functions
-    from services.trainer import algorithms
+    from services.common.model import reward_rules as functions
+    from services.trainer.learning import algorithms
 
     assert sorted(algorithms.ADVANTAGE_ESTIMATORS) == sorted(registry.ADVANTAGE_ESTIMATORS.builtin)
     assert sorted(algorithms.KL_ESTIMATORS) == sorted(registry.KL_ESTIMATORS.builtin)
@@ -203,8 +226,8 @@ def test_the_built_in_names_config_accepts_are_what_the_roles_register():
 
 def test_the_roles_register_into_the_tables_config_validates_against():
     # A user's @register_advantage("x") must make `train.algorithm: x` valid, so the roles' tables are common's.
-    from services.reward import functions
-    from services.trainer import algorithms
+    from services.common.model import reward_rules as functions
+    from services.trainer.learning import algorithms
 
     assert algorithms.ADVANTAGE_ESTIMATORS is registry.ADVANTAGE_ESTIMATORS
     assert algorithms.KL_ESTIMATORS is registry.KL_ESTIMATORS

@@ -19,7 +19,7 @@ import pytest
 from services.cli.dead_letters import operator_options
 from services.cli.report import read_jsonl
 from services.cli.runs import read_run
-from services.cli.smoke import trainer_status
+from services.cli.verify.smoke import trainer_status
 from services.common.config import CheckpointConfig
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
@@ -35,7 +35,7 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.conftest import RLPIPE_RUN, ROOT, rlpipe, run_info, running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e

@@ -22,8 +22,15 @@ import yaml
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, LostRecord, RestartRecord, StepRecord, effective_steps, lost_groups
+from services.trainer.checkpointing.lineage import (
+    Lineage,
+    LostRecord,
+    RestartRecord,
+    StepRecord,
+    effective_steps,
+    lost_groups,
+)
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.conftest import kill_service, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).

@@ -38,9 +38,9 @@ def test_a_one_process_full_weights_trainer_builds_its_policy_without_peft_vllm_
     found = modules_after(
         "import json, sys\n"
         # what `python -m services.trainer` imports (its __main__ starts the service on import)
-        "import services.common.service, services.trainer.distributed, services.trainer.role\n"
+        "import services.common.service, services.trainer.learning.distributed, services.trainer.role\n"
         "from services.common.config import load_config\n"
-        "from services.trainer.learner import Learner\n"
+        "from services.trainer.learning.learner import Learner\n"
         f"learner = Learner(load_config({str(config)!r}))\n"
         "assert learner.cfg.model.lora is None and sum(p.numel() for p in learner.model.parameters()) > 0\n" + LOADED
     )
@@ -71,7 +71,7 @@ def test_the_launcher_imports_matplotlib_only_when_it_draws_the_report(tmp_path)
     found = modules_after(
         "import json, sys\n"
         "from pathlib import Path\n"
-        "import services.cli.app, services.cli.run_command\n"  # what `rlpipe run` imports before it starts the roles
+        "import services.cli.app, services.cli.launch.command\n"  # what `rlpipe run` imports before it starts the roles
         "from services.cli.report import render_report\n"
         "before = 'matplotlib' in sys.modules\n"
         f"png = render_report(Path({str(metrics)!r}), Path({str(tmp_path / 'report.png')!r}))\n"
@@ -90,7 +90,7 @@ def test_the_launchers_start_up_checks_import_neither_torch_nor_transformers_whe
     config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
     found = modules_after(
         "import json, sys\n"
-        "import services.cli.app, services.cli.run_command\n"
+        "import services.cli.app, services.cli.launch.command\n"
         "from services.common.config import load_config\n"
         "from services.common.startup_checks import startup_checks\n"
         f"rows = startup_checks(load_config({str(config)!r}), 'run')\n"

@@ -19,8 +19,8 @@ import pytest
 from services.cli.report import read_jsonl
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.lineage import Lineage, effective_steps
+from services.trainer.checkpointing.lineage import Lineage, effective_steps
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.conftest import (
     BIN,
     RLPIPE_RUN,

@@ -7,9 +7,9 @@ from pathlib import Path
 import typer
 
 from services.cli.admin import register as register_operator_commands
-from services.cli.verify_commands import register as register_verify_commands
+from services.cli.build.tasks import TOOL_SHARE
+from services.cli.verify.commands import register as register_verify_commands
 from services.common.config import ConfigError
-from services.common.model.tasks import TOOL_SHARE
 from services.tuner.cli import register as register_tune_command
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlpipe: fault-tolerant RL training for LLMs")
@@ -48,7 +48,7 @@ def run(
     ),
 ) -> None:
     """Run the whole pipeline locally: NATS, reference, trainer, rollout and reward processes."""
-    from services.cli.run_command import run as launch
+    from services.cli.launch.command import run as launch
 
     if smoke and (overrides or paused):
         typer.echo(
@@ -56,7 +56,7 @@ def run(
         )
         raise typer.Exit(2)
     if smoke:
-        from services.cli.verify_commands import smoke_command
+        from services.cli.verify.commands import smoke_command
 
         raise typer.Exit(smoke_command(config))
     try:
@@ -205,7 +205,7 @@ def archive(
     import signal
     import threading
 
-    from services.cli.run_archive import RunArchiver, archive_prefix, archive_until_stopped, not_stored, summary
+    from services.cli.launch.archive import RunArchiver, archive_prefix, archive_until_stopped, not_stored, summary
     from services.common.config import load_config
 
     try:
@@ -248,7 +248,7 @@ def doctor(
 
     Exits 1 naming each failure.
     """
-    from services.cli.doctor import diagnose, print_report
+    from services.cli.doctor.checks import diagnose, print_report
 
     raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
 
@@ -354,7 +354,7 @@ def build_tiny(
 ) -> None:
     """Build the tiny arithmetic dataset and warm-started character-level Qwen2 model, a word-problem dataset, or
     the calculator-tool dataset and model."""
-    from services.common.model.tiny_model import main as build
+    from services.cli.build.tiny_model import main as build
 
     if task not in BUILD_TINY_PATHS:
         typer.echo(f"rlpipe build-tiny: --task must be one of {', '.join(BUILD_TINY_PATHS)}, not {task!r}", err=True)
@@ -377,7 +377,7 @@ def build_reward_model(
     """Train the tiny reward model that tells right from wrong arithmetic answers (examples/arith-rm.yaml)."""
     import json
 
-    from services.reward.tiny_rm import build_reward_model as build
+    from services.cli.build.tiny_reward_model import build_reward_model as build
 
     typer.echo(json.dumps(build(out, policy, data, seed=seed, steps=steps)))
 
@@ -393,8 +393,8 @@ def import_gguf(
     import json
     from dataclasses import asdict
 
-    from services.common.model.gguf_import import GGUFImportError
-    from services.common.model.gguf_import import import_gguf as run_import
+    from services.cli.build.gguf_import import GGUFImportError
+    from services.cli.build.gguf_import import import_gguf as run_import
 
     try:
         summary = run_import(gguf_file, out_dir, dtype=dtype, overwrite=overwrite)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.cli.checkpoint_verify import Policy
+from services.cli.verify.checkpoints import Policy
 from services.common.config import RunConfig
 from services.common.model.lora import adapter_tensors, write_adapter
 from services.common.model.modeling import load_tokenizer
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpointing.store import CheckpointStore
 
 
 class ExportFailed(RuntimeError):

@@ -1,6 +1,6 @@
 """``rlpipe plan``: the memory each role needs and which placement fits the GPUs at hand, before starting.
 
-The estimate itself is services/common/model/sizing.py (a pure function of the model's shape); this
+The estimate itself is services/cli/sizing.py (a pure function of the model's shape); this
 module turns a run config or command-line options into its inputs, renders it, and gives ``rlpipe doctor``
 its one "sizing" row for the configured run.
 """
@@ -13,8 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from services.common.config import RunConfig, load_config
-from services.common.model.sizing import (
+from services.cli.sizing import (
     GIB,
     LORA_DEFAULT_TARGETS,
     MIB,
@@ -32,6 +31,7 @@ from services.common.model.sizing import (
     swap_in_use,
     with_headroom,
 )
+from services.common.config import RunConfig, load_config
 from services.common.startup_checks import CheckResult
 
 if TYPE_CHECKING:

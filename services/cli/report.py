@@ -65,7 +65,8 @@ SUMMARY_METRICS = (
     "agent/tool_errors_mean",
     "agent/env_seconds_mean",
 )
-# The panels of multi-turn runs, drawn only when step rows carry agent/... keys (services/trainer/episodes.py).
+# The panels of multi-turn runs, drawn only when step rows carry agent/... keys
+# (services/trainer/intake/episode_stats.py).
 AGENT_PANELS = (
     ("agent/turns_mean", "turns per episode"),
     ("agent/tool_calls_mean", "tool calls per episode"),

@@ -3,7 +3,7 @@
 Config validates ``train.algorithm``, ``train.kl.estimator``, ``train.loss_agg`` and
 ``reward.functions`` here, without importing the trainer or the reward role (``common``
 never imports a role). Each table starts empty; the role that implements the functions
-registers them on import (``services.trainer.algorithms``, ``services.reward.functions``).
+registers them on import (``services.trainer.learning.algorithms``, ``services.common.model.reward_rules``).
 A name is valid if it is built in (declared below, so a launcher or a rollout that never
 imports the trainer's math still accepts ``k3``) or registered before the config is
 loaded (a user's own estimator). tests/test_layering.py checks that the built-in names
@@ -48,7 +48,7 @@ REWARD_FUNCTIONS = Registry(
     ("exact_match", "final_number", "format", "format_penalty", "gsm8k", "length_penalty", "math_verify"),
 )
 
-# rollout.environment's built-in names (services.rollout.environments implements them).
+# rollout.environment's built-in names (services.common.episodes.environments implements them).
 ENVIRONMENTS = ("calculator", "python", "no-tool")
 
 

@@ -2,7 +2,7 @@
 
 A bad model folder, dataset or unwritable store stops a service (or ``rlpipe run``) at
 once, with every reason named, instead of minutes later. Each check reads the config and
-returns rows of (name, status, detail); ``rlpipe doctor`` (services/cli/doctor.py) runs these
+returns rows of (name, status, detail); ``rlpipe doctor`` (services/cli/doctor/checks.py) runs these
 and the machine and broker checks and prints them as a table. They live in ``common``
 because every role and both CLIs use them, and ``common`` imports neither.
 """

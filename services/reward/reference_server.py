@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import services.reward.functions  # noqa: F401  # registers the built-in functions
+import services.common.model.reward_rules  # noqa: F401  # registers the built-in functions
 from services.common.registry import reward_function
 
 RuleFunction = Callable[[str, str, str], float]

@@ -43,7 +43,7 @@ class RewardFunctionError(RuntimeError):
 
 def _serve(conn: Connection) -> None:
     """The child: evaluate each batch of calls, answering ``(True, score)`` or ``(False, error)`` per call."""
-    import services.reward.functions  # noqa: F401  # registers the built-in functions in this fresh process
+    import services.common.model.reward_rules  # noqa: F401  # registers the built-in functions in this fresh process
 
     conn.send(READY)  # imports done: from here on the parent's clock is the calls' own time
     while True:

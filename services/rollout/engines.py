@@ -19,7 +19,6 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from services.common.config import RunConfig, SamplingConfig
+from services.common.episodes.generation import Generation
 from services.common.model.lora import AdapterMerger, write_adapter
 from services.common.model.modeling import DTYPES, load_model, load_tokenizer, resolve_device
 from services.common.observe.events import Event
@@ -37,14 +37,6 @@ from services.common.transport.breaker import DependencyUnavailable
 log = logging.getLogger(__name__)
 # The adapter ranks vLLM's max_lora_rank takes (vllm/config/lora.py, MaxLoRARanks).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-@dataclass
-class Generation:
-    text: str
-    token_ids: np.ndarray  # int32 [T]
-    logprobs: np.ndarray  # float32 [T]
-    finish_reason: str  # "stop" | "length"
 
 
 class Engine(Protocol):

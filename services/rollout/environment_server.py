@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from services.rollout.environments import Environment, Task, Turn, environment_factory
+from services.common.episodes.environments import Environment, Task, Turn, environment_factory
 
 
 class EnvironmentServer(ThreadingHTTPServer):

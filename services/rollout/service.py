@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from services.common.config import RunConfig, WeightSyncCredentials
+from services.common.episodes.runner import EpisodeRunner
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
@@ -40,7 +41,6 @@ from services.common.transport.weightsync.client import WeightStream, WeightSync
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
 from services.rollout.engines import Engine, EngineUnavailable, build_engine, serving_dtype
-from services.rollout.episodes import EpisodeRunner
 from services.rollout.handoff import EngineGone, TensorHandoff
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ import argparse
 from services.common.config import load_config
 from services.common.observe.logs import setup_logging
 from services.common.service import run_service
-from services.trainer.distributed import Mesh
+from services.trainer.learning.distributed import Mesh
 from services.trainer.role import follower_main, main
 
 mesh = Mesh.from_env()

@@ -26,14 +26,14 @@ from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.live_config import parse_value
-from services.trainer.checkpoint import AbandonedStep
-from services.trainer.checkpoint_state import CheckpointCorrupt
-from services.trainer.manifest import CatalogEntry
+from services.trainer.checkpointing.manifest import CatalogEntry
+from services.trainer.checkpointing.state import CheckpointCorrupt
+from services.trainer.checkpointing.store import AbandonedStep
 
 if TYPE_CHECKING:
     from services.common.transport.live_config import LiveConfig
+    from services.trainer.checkpointing.recovery import Recovery
     from services.trainer.control import Control
-    from services.trainer.recovery import Recovery
     from services.trainer.status import StatusReporter
 
 log = logging.getLogger(__name__)

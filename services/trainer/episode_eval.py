@@ -7,7 +7,7 @@ the reward role scores a completion (observations included in the text). An epis
 reward is positive (``RuleReward``): with ``final_number: 1.0``, when its last number is the answer. A single-turn
 run keeps ``services.common.model.evaluation``'s greedy exact match, unchanged.
 
-The episode loop is the rollout's own (``services.rollout.episodes``); only the engine differs: the trainer's
+The episode loop is the rollout's own (``services.common.episodes.runner``); only the engine differs: the trainer's
 model, greedy, on its device and under its autocast.
 """
 
@@ -23,13 +23,12 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
 
-import services.reward.functions  # noqa: F401  registers the built-in rules reward_function looks up
+import services.common.model.reward_rules  # noqa: F401  registers the built-in rules reward_function looks up
 from services.common.config import RunConfig
-from services.common.model.modeling import Precision
-from services.common.registry import reward_function
-from services.rollout.engines import Generation
-from services.rollout.environments import Task
-from services.rollout.episodes import (
+from services.common.episodes.environments import Task
+from services.common.episodes.generation import Generation
+from services.common.episodes.observations import ObservationFormat, Tokenizer, observation_format
+from services.common.episodes.runner import (
     EpisodeEnvironment,
     EpisodeLimits,
     TurnGenerator,
@@ -37,7 +36,8 @@ from services.rollout.episodes import (
     run_episodes,
     start_episodes,
 )
-from services.rollout.observations import ObservationFormat, Tokenizer, observation_format
+from services.common.model.modeling import Precision
+from services.common.registry import reward_function
 
 
 @dataclass(frozen=True)

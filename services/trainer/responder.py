@@ -26,7 +26,7 @@ from services.common.observe.logs import RollingJsonl, log_event
 from services.common.observe.trackers import TrackerFanout
 from services.common.observe.writer import CAPACITY_ROWS, BackgroundWriter
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control
 from services.trainer.progress import ConfigSource, Progress
 

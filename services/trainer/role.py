@@ -34,17 +34,17 @@ from services.common.transport.streams import BrokerStateLost
 from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken
-from services.trainer.adopter import ResumeRefused
-from services.trainer.checkpoint import CheckpointStore, ForeignCheckpoints
-from services.trainer.checkpoint_state import CheckpointMismatch
-from services.trainer.distributed import Mesh
-from services.trainer.follower import follow
-from services.trainer.learner import Learner
+from services.trainer.checkpointing.adopter import ResumeRefused
+from services.trainer.checkpointing.lineage import LineageError
+from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
+from services.trainer.checkpointing.state import CheckpointMismatch
+from services.trainer.checkpointing.step_store import FencedOut
+from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
+from services.trainer.learning.distributed import Mesh
+from services.trainer.learning.follower import follow
+from services.trainer.learning.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
-from services.trainer.lineage import LineageError
-from services.trainer.manifest import UnknownCheckpointFormat
 from services.trainer.service import Trainer
-from services.trainer.step_store import FencedOut
 
 LEASE_LOST_CANCEL_AGAIN_S = 5.0
 

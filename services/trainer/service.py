@@ -22,8 +22,10 @@ import logging
 import math
 import time
 from functools import partial
+from typing import Any
 
 from services.common.config import RunConfig
+from services.common.episodes.observations import observation_format
 from services.common.model.chat import prompt_text, render_rows
 from services.common.model.datasets import open_prompts, read_rows
 from services.common.observe.events import Event, EventLog, Journal
@@ -41,21 +43,20 @@ from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, BrokerStateLost
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import NonFiniteWeights
-from services.rollout.observations import observation_format
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpointing.lineage import Lineage
+from services.trainer.checkpointing.recovery import Recovery
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control, RunState
-from services.trainer.episodes import episode_metrics
-from services.trainer.feeder import PromptFeeder
-from services.trainer.intake import Collected, Intake
-from services.trainer.learner import Learner
-from services.trainer.ledger import Fate, GroupLedger
-from services.trainer.lineage import Lineage
+from services.trainer.intake.episode_stats import episode_metrics
+from services.trainer.intake.feeder import PromptFeeder
+from services.trainer.intake.ledger import Fate, GroupLedger
+from services.trainer.intake.reader import Collected, Intake
+from services.trainer.intake.samples import SampleArchive
+from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
-from services.trainer.samples import SampleArchive
 from services.trainer.status import StatusReporter
 
 log = logging.getLogger(__name__)
@@ -126,17 +127,6 @@ class Trainer:
             on_reopened=self.record_reopened,
             vocab_size=learner.model.config.vocab_size,
         )
-        self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
-        self.responder = AlertResponder(
-            live,
-            self.alerts,
-            self.control,
-            self.checkpoints,
-            rollback=lambda step, reason: self.recovery.rollback(step, reason),
-            progress=self.progress,
-            metrics=metrics,
-            journal=self.journal,
-        )
         self.recovery = Recovery(
             live,
             learner,
@@ -149,8 +139,19 @@ class Trainer:
             bus,
             self.journal,
             self.telemetry,
-            report=self.responder.report,
+            report=self.report_row,
             rewind=self.intake.rewind,
+        )
+        self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
+        self.responder = AlertResponder(
+            live,
+            self.alerts,
+            self.control,
+            self.checkpoints,
+            rollback=self.recovery.rollback,
+            progress=self.progress,
+            metrics=metrics,
+            journal=self.journal,
         )
         self.build = self.recovery.build
         self.status = StatusReporter(
@@ -166,6 +167,11 @@ class Trainer:
         # busy/idle/blocked in the presence entry, as the stages report theirs.
         self.step_time = TimeShare(StepPhase.BOOKKEEPING)
         self.time_spent = dict.fromkeys(StageActivity, 0.0)
+
+    async def report_row(self, row: dict[str, Any]) -> None:
+        """A row Recovery reports about a save goes where every metrics row goes: written, then judged by the alert
+        rules. Routed here because the rules' rollback action is Recovery's own, so neither can hold the other."""
+        await self.responder.report(row)
 
     async def prepare(self) -> None:
         """Restore the latest checkpoint and any operator hold before the trainer says it is ready:

@@ -33,9 +33,9 @@ from services.common.transport.presence import (
 from services.common.transport.stage import stall_bound_s
 from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_name
 from services.trainer.alerts import AlertEvaluator, Firing
+from services.trainer.checkpointing.manifest import CatalogEntry
 from services.trainer.control import Control
-from services.trainer.ledger import GroupLedger
-from services.trainer.manifest import CatalogEntry
+from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import ConfigSource, Progress
 
 log = logging.getLogger(__name__)

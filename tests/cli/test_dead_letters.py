@@ -36,7 +36,7 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from services.trainer.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
+from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
 from tests.conftest import ROOT, kill_service, metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration

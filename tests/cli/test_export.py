@@ -10,14 +10,14 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from services.cli.app import app
-from services.cli.checkpoint_verify import verify_checkpoints
+from services.cli.verify.checkpoints import verify_checkpoints
 from services.common.config import load_config
 from services.common.model.lora import base_identity
 from services.common.model.modeling import load_model
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.checkpoint_state import Checkpoint, TrainerState
-from services.trainer.learner import Learner
+from services.trainer.checkpointing.state import Checkpoint, TrainerState
+from services.trainer.checkpointing.store import CheckpointStore
+from services.trainer.learning.learner import Learner
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

@@ -13,9 +13,9 @@ from typer.testing import CliRunner
 
 from services.cli.app import app
 from services.cli.plan import Gpus, inputs_from_config, resolve_gpus, sizing_row
+from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape
 from services.common.config import load_config
-from services.common.model.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape
-from tests.common.test_sizing import SMOLLM2_CONFIG
+from tests.cli.test_sizing import SMOLLM2_CONFIG
 from tests.conftest import ROOT, write_config
 
 pytestmark = pytest.mark.unit

@@ -11,11 +11,11 @@ import yaml
 from typer.testing import CliRunner
 
 from services.cli.app import app
+from services.cli.build.tasks import WORD_SYSTEM, WORD_TEMPLATES, make_word_problem_dataset
+from services.cli.build.tiny_model import build_char_tokenizer
 from services.common.model.answers import ends_on_answer, last_number, parse_number
 from services.common.model.chat import ChatTemplateMissing, prompt_text, render_rows
 from services.common.model.datasets import load_jsonl, row_problem
-from services.common.model.tasks import WORD_SYSTEM, WORD_TEMPLATES, make_word_problem_dataset
-from services.common.model.tiny_model import build_char_tokenizer
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.unit
@@ -125,7 +125,7 @@ def test_build_tiny_writes_the_word_problem_variant_where_smol_arith_reads_it(tm
 
 
 def test_each_build_tiny_task_writes_where_its_example_config_reads(monkeypatch) -> None:
-    import services.common.model.tiny_model as tiny_model
+    import services.cli.build.tiny_model as tiny_model
 
     built = []
     monkeypatch.setattr(tiny_model, "main", built.append)  # the arguments only: the tool build takes minutes

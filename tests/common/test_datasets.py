@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import yaml
 
+from services.cli.build.tasks import make_arithmetic_dataset
 from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
-from services.common.model.tasks import make_arithmetic_dataset
 from services.common.transport.messages import Prompt, decode, encode
-from services.trainer.feeder import PromptFeeder
+from services.trainer.intake.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import ROOT, run_pipeline, write_config
 
@@ -65,14 +65,15 @@ def data_config(path: Path, streaming: bool, **extra) -> DataConfig:
 
 
 # A trainer's feeding as a process: its data config in argv[1], the cursor it resumes from (or "") in argv[2]; one
-# line per prompt fed with the cursor after it, which is what a checkpoint keeps (services/trainer/recovery.py).
+# line per prompt fed with the cursor after it, which is what a checkpoint keeps
+# (services/trainer/checkpointing/recovery.py).
 FEEDING = """
 import json, sys
 import yaml
 from services.common.config import DataConfig
-from services.common.model.tasks import make_arithmetic_dataset
+from services.cli.build.tasks import make_arithmetic_dataset
 from services.common.model.datasets import open_prompts
-from services.trainer.feeder import PromptFeeder
+from services.trainer.intake.feeder import PromptFeeder
 data = DataConfig(**yaml.safe_load(open(sys.argv[1])))
 feeder = PromptFeeder(open_prompts(data), seed=11, shuffle=True)
 if sys.argv[2]:
@@ -227,7 +228,7 @@ def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model
 
 
 def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_path, nats_url):
-    from tests.cli.test_doctor import config_for, doctor
+    from tests.cli.doctor.test_checks import config_for, doctor
 
     rows = their_rows(tiny_model)
     rows[5]["question"] = None

@@ -191,7 +191,7 @@ def test_trainer_is_one_gpu_pod_started_by_torchrun_through_the_wrapper(rendered
     trainer = one(docs, "StatefulSet", "trainer")
     assert trainer["spec"]["replicas"] == 1
     spec = container(trainer)
-    assert spec["args"][:3] == ["python", "-m", "services.trainer.distributed"]  # torchrun's arguments follow
+    assert spec["args"][:3] == ["python", "-m", "services.trainer.learning.distributed"]  # torchrun's arguments follow
     assert spec["args"][3:6] == ["--standalone", "--nnodes=1", "--nproc-per-node=$(TRAINER_GPUS)"]
     assert spec["args"][6:] == ["-m", "services.trainer", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
     assert spec["resources"]["limits"]["nvidia.com/gpu"] == int(env_map(docs)["TRAINER_GPUS"])

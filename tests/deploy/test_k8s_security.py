@@ -212,7 +212,7 @@ def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(ov
 
 def torchrun_arguments(args: list[str]) -> list[str]:
     """The trainer container's torchrun arguments, after the wrapper that runs torchrun in its process."""
-    assert args[:3] == ["python", "-m", "services.trainer.distributed"]
+    assert args[:3] == ["python", "-m", "services.trainer.learning.distributed"]
     return args[3:]
 
 

@@ -8,7 +8,7 @@ from tests.conftest import TEST_MODEL_DIR, one_builder
 @pytest.fixture(scope="session")
 def tiny_reward_model(tiny_model) -> tuple[Path, dict]:
     """The tiny arithmetic reward model, trained once from the tiny policy (reused while its settings match)."""
-    from services.reward.tiny_rm import build_reward_model
+    from services.cli.build.tiny_reward_model import build_reward_model
 
     model_dir, data_dir = tiny_model
     out = TEST_MODEL_DIR / "reward-model"

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from services.cli.build.tiny_reward_model import wrong_answer
 from services.common.config import ConfigError, RewardModelConfig, load_config_with
 from services.common.model.datasets import load_jsonl
 from services.reward.model import RewardModel, model_device
 from services.reward.service import weights_of
-from services.reward.tiny_rm import wrong_answer
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from services.reward.functions import exact_match
-from services.trainer.samples import GroupSample
+from services.common.model.reward_rules import exact_match
+from services.trainer.intake.samples import GroupSample
 from tests.common.test_telemetry import scrape, values
 from tests.conftest import (
     free_port,

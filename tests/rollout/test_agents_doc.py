@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from services.common.config import RolloutConfig
-from services.rollout.engines import Generation
-from services.rollout.environments import Task, environment_factory
-from services.rollout.episodes import LocalEnvironment, run_episodes, start_episodes
-from services.rollout.observations import VerbatimObservations
+from services.common.episodes.environments import Task, environment_factory
+from services.common.episodes.generation import Generation
+from services.common.episodes.observations import VerbatimObservations
+from services.common.episodes.runner import LocalEnvironment, run_episodes, start_episodes
+from tests.common.episodes.test_runner import LIMITS, CharTokenizer
 from tests.conftest import ROOT
-from tests.rollout.test_episodes import LIMITS, CharTokenizer
 
 pytestmark = pytest.mark.unit
 

@@ -19,11 +19,11 @@ import pytest
 
 from services.common import service as common_service
 from services.common.config import RunConfig, load_config
+from services.common.episodes.generation import Generation
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
 from services.common.transport.streams import DEAD, PROMPTS, ROLLOUTS, WORK_QUEUES, stream_name
 from services.rollout import service as rollout_service
-from services.rollout.engines import Generation
 from tests.conftest import create_run_state, free_port, write_config
 
 pytestmark = pytest.mark.integration

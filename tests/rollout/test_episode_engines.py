@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from services.common.config import load_config
+from services.common.episodes.environments import StepResult, Task, Turn
+from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
 from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
-from services.rollout.environments import StepResult, Task, Turn
-from services.rollout.episodes import EpisodeRunner
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.rollout.engines import HfEngine, VllmEngine, build_engine
 from services.rollout.service import PolicyFollower
-from services.trainer.learner import Learner
+from services.trainer.learning.learner import Learner
 from tests.conftest import free_port, write_config
 from tests.rollout.test_vllm_weight_sync import PAIRS, trainer_logprobs, until, wire_bytes
 

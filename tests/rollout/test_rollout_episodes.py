@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from services.common.config import load_config
+from services.common.episodes.environments import StepResult, Task, Turn
+from services.common.episodes.generation import Generation
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, decode
 from services.common.transport.streams import DEAD, ROLLOUTS, stream_name
-from services.rollout.engines import Generation
-from services.rollout.environments import StepResult, Task, Turn
 from tests.conftest import free_port, write_config
 from tests.rollout.test_engine_outage import RUN_ID, FakeEngine, messages, run_rollout
 

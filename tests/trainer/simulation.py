@@ -49,18 +49,11 @@ from services.common.transport.streams import (
     H_STREAM,
     StreamMessage,
 )
-from services.trainer import adopter as adopter_module
-from services.trainer import checkpointer as checkpointer_module
-from services.trainer import intake as intake_module
-from services.trainer import recovery as recovery_module
-from services.trainer.adopter import ResumeRefused
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.checkpoint_state import Checkpoint, CheckpointCorrupt
-from services.trainer.feeder import PromptFeeder
-from services.trainer.intake import Intake
-from services.trainer.learner import LearnerState
-from services.trainer.ledger import Fate, GroupLedger
-from services.trainer.lineage import (
+from services.trainer.checkpointing import adopter as adopter_module
+from services.trainer.checkpointing import checkpointer as checkpointer_module
+from services.trainer.checkpointing import recovery as recovery_module
+from services.trainer.checkpointing.adopter import ResumeRefused
+from services.trainer.checkpointing.lineage import (
     Lineage,
     LineageRecord,
     ReopenedRecord,
@@ -68,8 +61,15 @@ from services.trainer.lineage import (
     effective_steps,
     lost_groups,
 )
+from services.trainer.checkpointing.recovery import Recovery
+from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
+from services.trainer.checkpointing.store import CheckpointStore
+from services.trainer.intake.feeder import PromptFeeder
+from services.trainer.intake.ledger import Fate, GroupLedger
+from services.trainer.intake.reader import Intake
+from services.trainer.intake import reader as intake_module
+from services.trainer.learning.learner import LearnerState
 from services.trainer.progress import Progress
-from services.trainer.recovery import Recovery
 
 DATASET_ROWS = 400  # more than a scenario feeds: ids stay in epoch 0, and the fed ones are those below the cursor
 DATASET = [{"prompt": f"p{i}", "answer": "1"} for i in range(DATASET_ROWS)]

@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 
-from services.rollout.environments import Calculator, NoTool
-from services.rollout.episodes import EpisodeLimits, LocalEnvironment
-from services.rollout.observations import VerbatimObservations
-from services.trainer.distributed import Op
+from services.common.episodes.environments import Calculator, NoTool
+from services.common.episodes.observations import VerbatimObservations
+from services.common.episodes.runner import EpisodeLimits, LocalEnvironment
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
-from services.trainer.follower import evaluate_payload, follow
-from tests.rollout.test_episodes import CharTokenizer, ScriptedEngine
+from services.trainer.learning.distributed import Op
+from services.trainer.learning.follower import evaluate_payload, follow
+from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
 
 pytestmark = pytest.mark.unit
 

@@ -15,7 +15,7 @@ from services.cli.report import read_jsonl
 from services.common.config import load_config
 from services.common.transport.streams import EXPERIENCE
 from tests.conftest import write_config
-from tests.trainer.test_intake_bus import experience
+from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_trainer_health import start_trainer
 
 pytestmark = pytest.mark.integration

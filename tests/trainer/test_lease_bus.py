@@ -19,11 +19,11 @@ from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
 from services.common.transport.lease_bucket import open_bucket
 from services.common.transport.storage import open_store
-from services.trainer.checkpoint import CheckpointStore
+from services.trainer.checkpointing.step_store import FencedOut
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.lease import Lease, LeaseLost
-from services.trainer.step_store import FencedOut
 from tests.conftest import ROOT, write_config
-from tests.trainer.test_checkpoint import checkpoint, stored_objects
+from tests.trainer.checkpointing.test_store import checkpoint, stored_objects
 
 pytestmark = pytest.mark.integration
 

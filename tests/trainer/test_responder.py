@@ -16,8 +16,8 @@ from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.trackers import TrackerEntry, TrackerFanout
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
-from services.trainer.checkpoint import CheckpointStore
-from services.trainer.checkpoint_state import Checkpoint, TrainerState, rng_state
+from services.trainer.checkpointing.state import Checkpoint, TrainerState, rng_state
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog

@@ -15,12 +15,12 @@ from services.common.transport.presence import SeenService
 from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.control import Control
-from services.trainer.ledger import GroupLedger
+from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
 from tests.conftest import write_config
+from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_commands import Holds
-from tests.trainer.test_intake_bus import experience
 
 pytestmark = pytest.mark.integration
 

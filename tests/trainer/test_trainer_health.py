@@ -20,7 +20,7 @@ from services.common.transport.live_config import LiveConfig
 from services.common.transport.presence import Presence
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer
-from services.trainer.learner import Learner
+from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.role import start_admin_server
 from services.trainer.service import Trainer

@@ -38,12 +38,13 @@ class ServiceConfig(Section):
         True,
         description="`rlpipe run` forks each role (and each restart) from one process that imported torch, "
         "transformers and vLLM once, instead of starting a fresh interpreter per role, which spends 6 to 10 CPU s "
-        "importing them (services/cli/warm_start.py); false: every role a fresh interpreter",
+        "importing them (services/cli/launch/warm_start.py); false: every role a fresh interpreter",
     )
     warm_start_pool: Path | None = Field(
         None,
-        description="with warm_start, the socket of a warm-start pool (`python -m services.cli.warm_start --listen "
-        "SOCKET MODULES...`) to fork the roles from, sharing its imports with the other runs of this machine "
+        description="with warm_start, the socket of a warm-start pool "
+        "(`python -m services.cli.launch.warm_start --listen SOCKET MODULES...`) to fork the roles from, sharing its "
+        "imports with the other runs of this machine "
         "(tuning trials, a test suite); unset: each run starts a warm starter of its own. A pool that is not there "
         "or dies means cold starts, said once as warm_start_failed in events.jsonl",
     )

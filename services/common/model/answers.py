@@ -4,7 +4,7 @@ A chat model answers a word problem in a sentence ("Tom now has 42 apples."), so
 whole text nor its first number is the answer: the last number is what it commits to. Numbers
 compare by value, so ``42``, ``42.0`` and ``+42`` all match the reference ``"42"``, and
 ``1,234`` reads as one thousand two hundred thirty-four. Both the ``final_number`` reward
-(services/reward/functions.py) and the held-out evaluation use these, so they cannot disagree.
+(services/common/model/reward_rules.py) and the held-out evaluation use these, so they cannot disagree.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ or without a driver, the ``gpu/`` keys are absent.
 ``GpuWatch`` is the other sampler, for every role: the GPUs NVML shows the process, each read on demand
 (instruments.watch_gpus reads them at each Prometheus scrape as ``rlpipe_gpu_*{role,gpu,uuid}``).
 
-``gpu_facts()`` gathers what ``rlpipe doctor`` decides on (services/cli/doctor_gpu.py, pure functions
+``gpu_facts()`` gathers what ``rlpipe doctor`` decides on (services/cli/doctor/gpu.py, pure functions
 over ``GpuFacts``): whether a GPU is present by means that do not need CUDA (nvidia-smi,
 /proc/driver/nvidia, NVML), whether CUDA initializes and why not, and the versions of torch's
 CUDA, the driver's CUDA, NCCL and vLLM's torch requirement.
@@ -251,7 +251,7 @@ class GpuWatch:
 
 @dataclass(frozen=True)
 class GpuFacts:
-    """What the machine says about its GPUs and its CUDA stack; services/cli/doctor_gpu.py decides on these."""
+    """What the machine says about its GPUs and its CUDA stack; services/cli/doctor/gpu.py decides on these."""
 
     torch_version: str
     torch_cuda: str | None = None  # CUDA version torch was built for; None for a CPU-only build

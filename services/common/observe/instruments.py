@@ -79,7 +79,7 @@ from services.common.observe.telemetry import meter
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
-# The step-row keys of multi-turn episodes (services/trainer/episodes.py), one per outcome of an episode.
+# The step-row keys of multi-turn episodes (services/trainer/intake/episode_stats.py), one per outcome of an episode.
 AGENT_ROW_KEYS = (
     "agent/turns_mean",
     "agent/tool_calls_mean",

@@ -18,7 +18,8 @@ garbage unless someone else can still read it. Three readers could:
   letter in DEAD, so a re-inject's body (its ``Nats-Msg-Id`` starts with ``REINJECT_ID_PREFIX``) is kept.
 
 EXPERIENCE is not a work queue: the trainer re-reads it after a resume or a rollback, and deletes its bodies with
-the purge (services/trainer/retention.py). Work-queue bodies are tagged ``TRANSIENT_TAG`` when stored, so the
+the purge (services/trainer/checkpointing/retention.py). Work-queue bodies are tagged ``TRANSIENT_TAG`` when stored,
+so the
 bucket's lifecycle rule (deploy/minio/init.sh, docs/operations.md) expires the ones left behind (a stage killed
 between ack and delete, a holder that lapsed, a letter aged out of DEAD, a redelivered compute's body whose publish
 the duplicate window dropped) without touching EXPERIENCE's or the checkpoints.

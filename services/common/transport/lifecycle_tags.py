@@ -6,7 +6,7 @@ so what a rule may expire or move to colder storage is tagged when it is stored,
 - ``TRANSIENT_TAG``: a work queue's claim-checked body, garbage once consumed (``claim_lifecycle``); expired.
 - ``CHECKPOINT_TAG``: every object of a checkpoint step (parts, manifest, markers); moved to colder storage where
   the store has it, expired after a long idle time in the single-box compose bucket (docs/operations.md).
-- ``ARCHIVE_TAG``: a run's archived record (``services.cli.run_archive``): logs, metrics, events; expired after a
+- ``ARCHIVE_TAG``: a run's archived record (``services.cli.launch.archive``): logs, metrics, events; expired after a
   year.
 
 Untagged: EXPERIENCE's bodies (the trainer purges them), the fence and the purge notes (a run's bookkeeping, small).

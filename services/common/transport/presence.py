@@ -69,7 +69,7 @@ class ServiceEntry(BaseModel):
     progress_time: float | None = None  # stages: wall time its loop last moved; None until it reports
     time_s: dict[str, float] = {}  # stages: seconds its loop spent per activity (busy, idle, blocked)
     # What its ``ready`` event reported (its load times, what it serves: backend, model, reward functions); empty
-    # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/run_watch.py).
+    # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/launch/watch.py).
     startup: dict[str, JsonValue] = {}
 
 

@@ -1,0 +1,428 @@
+"""The Launcher behind ``rlpipe run`` (services/cli/launch/command.py): the whole pipeline on one machine.
+
+Starts a local NATS server with JetStream in the run directory (services/cli/launch/broker.py), then one OS process
+per service (services/cli/launch/children.py), all at once (the others wait for the streams the trainer creates; a
+rollout reads the trainer's port from its presence entry), each waited on until its presence entry says it is
+ready (services/cli/launch/watch.py); runs/<run>/startup.jsonl (services/cli/launch/files.py) records when each was
+ready, and the first step, in seconds after the launch; the roles are forked warm where they can be
+(services/cli/launch/warm_forks.py). Shows a progress bar over training steps, read from the
+metrics file, until ``events.jsonl`` records the trainer's ``done``.
+
+A service that dies is restarted with exponential backoff,
+unless it died more than ``supervision.max_restarts`` times within
+``supervision.restart_window_s``, or refused to run (exit 2, ``services/common/refusal.py``): then the
+run stops, prints the service's reason and exits 2. On stop each service gets its own grace after SIGTERM
+(``supervision.trainer_stop_grace_s`` for the trainer's final save,
+``supervision.stop_grace_s`` for the others) before SIGKILL.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from services.cli.launch.broker import RunBroker
+from services.cli.launch.children import (
+    Child,
+    RestartPolicy,
+    RoleRefused,
+    restart_env,
+    trainer_command,
+    trainer_env,
+)
+from services.cli.launch.files import StartupRecord, write_run_file
+from services.cli.launch.warm_forks import WarmForks
+from services.cli.launch.watch import PresenceWatch, RunRecord
+from services.common.config import (
+    AdminCredentials,
+    RunConfig,
+    WeightSyncCredentials,
+)
+from services.common.observe.events import Event, EventLog
+from services.common.observe.usage import UsageMeter, with_descendants
+from services.common.parent_death import dies_with_this_process
+from services.common.service import EXIT_REFUSED
+from services.common.transport.nats_auth import RoleKey, write_run_credentials
+
+console = Console(stderr=True)
+# Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
+ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
+READY_TIMEOUT_S = 600.0
+# events.jsonl rows the launcher does not echo: its own (said when written) and the trainer's done (the summary).
+LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.DONE)
+
+
+class Launcher:
+    """One run's broker and service processes: started, followed (restarted as the policy allows), stopped."""
+
+    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = ""):
+        self.cfg = cfg
+        self.config_path = config_path
+        self.resume = resume
+        self.hold = hold  # a reason to start the run paused (its stages ready, no step) until resumed; "" = none
+        self.run_dir = cfg.run_dir
+        self.children: list[Child] = []
+        self.broker: RunBroker | None = None
+        self.env: dict[str, str] = {}
+        self.startup = StartupRecord(self.run_dir, launched_at=time.time())
+        self.restart_policy = RestartPolicy(cfg.supervision)
+        # name -> restarts over the whole run (nats-server's too); run.json shows it
+        self.restarts: dict[str, int] = self.restart_policy.total
+        self.nats_keys: dict[str, RoleKey] = {}
+        self.weight_sync_token = ""
+        self.events = EventLog.of_run(cfg)
+        self.usage = UsageMeter()
+        self._usage_sampled = 0.0
+        self.warm = WarmForks(cfg, self.events, console, inherited_env)
+        self.presence: PresenceWatch | None = None
+        self.record = RunRecord.of_run(cfg)
+
+    def role_env(self, role: str) -> dict[str, str]:
+        """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
+        re-reads, so that rewriting runs/<run>/admin.token rotates it), and the weight-sync token for the trainer and
+        the rollouts, the two ends of WeightSync."""
+        env = {"RLPIPE_NATS__NKEY_SEED_FILE": str(self.nats_keys[role].seed_file)}
+        if role == "trainer":
+            env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
+        if role in ("trainer", "rollout"):
+            env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
+        return env
+
+    @property
+    def token_file(self) -> Path:
+        return self.run_dir.resolve() / "admin.token"
+
+    def write_admin_token(self) -> None:
+        """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
+        token = AdminCredentials().token or secrets.token_urlsafe(24)
+        self.token_file.touch(mode=0o600)
+        # touch's mode applies only to a new file: one kept from an earlier start (--resume) may be readable by all.
+        self.token_file.chmod(0o600)
+        self.token_file.write_text(token + "\n")
+
+    def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        command = [sys.executable, "-m", f"services.{role}", "--config", str(self.config_path)]
+        if role == "trainer" and self.cfg.trainer.nproc > 1:
+            command, env = trainer_command(self.cfg, command), {**trainer_env(self.cfg), **(env or {})}
+        child_env = {**self.env, "RLPIPE_SERVICE__INSTANCE": name, **self.role_env(role), **(env or {})}
+        process = self.warm.spawn(command, child_env) or subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            preexec_fn=dies_with_this_process(),
+        )
+        child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
+        child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
+        child.pump_thread.start()
+        self.children = [c for c in self.children if c.name != name] + [child]
+        return child
+
+    def close_presence(self) -> None:
+        if self.presence is not None:
+            self.presence.close()
+            self.presence = None
+
+    def sample_usage(self, every_s: float = 2.0) -> None:
+        """CPU and GPU time of every running service and its subprocesses, at most every ``every_s`` seconds."""
+        now = time.monotonic()
+        if now - self._usage_sampled < every_s:
+            return
+        self._usage_sampled = now
+        pids = {
+            pid: child.role
+            for child in self.children
+            if child.process.poll() is None
+            for pid in with_descendants(child.process.pid)
+        }
+        if (warm := self.warm.pid) is not None:  # the imports it spent for every role
+            pids[warm] = "warm-start"
+        self.usage.sample(pids, now)
+
+    def child(self, name: str) -> Child:
+        return next(c for c in self.children if c.name == name)
+
+    def write_run_file(self) -> None:
+        write_run_file(
+            self.run_dir,
+            self.cfg.run_id,
+            self.env["RLPIPE_NATS__URL"],
+            self.broker.process.pid,
+            self.children,
+            self.restarts,
+        )
+
+    def wait_ready(self, children: list[Child]) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        waiting = list(children)
+        while waiting:
+            self.log_run_events(console)  # a trainer restores its run (resume, a hold) before it is ready
+            # Starting counts too, and a short run's trainer can be done before follow() samples it.
+            self.sample_usage()
+            if self.record.done and all(child.role != "trainer" for child in waiting):
+                return  # the trainer finished already (a resumed run at its last step): no stage is needed
+            for child in list(waiting):
+                if child.process.poll() is not None and self.presence is not None:
+                    # What it wrote before it exited may not have been read yet: a process that became ready and
+                    # then exited (a stage crashing on its first batch) is follow()'s to restart, not a failed start.
+                    self.presence.await_reading(timeout_s=5.0)
+                if self.note_ready(child):
+                    console.log(
+                        f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
+                        + _startup_fields(child.ready)
+                    )
+                    waiting.remove(child)
+                    continue
+                if child.process.poll() == EXIT_REFUSED:
+                    raise RoleRefused(child)
+                if child.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{child.name} exited with {child.process.returncode} before it was ready; see {child.log_path}"
+                    )
+            if time.monotonic() > deadline:
+                unread = (
+                    f"; presence not read: {self.presence.last_error}"
+                    if self.presence and self.presence.last_error
+                    else ""
+                )
+                raise RuntimeError(f"not ready after {READY_TIMEOUT_S:.0f}s: {[c.name for c in waiting]}{unread}")
+            time.sleep(0.05)
+
+    def note_ready(self, child: Child) -> bool:
+        """Whether ``child`` became ready just now: its presence entry carries its start-up report (then its
+        endpoints and load times are kept, recorded in startup.jsonl the first time, and put in run.json)."""
+        if child.ready is not None or self.presence is None:
+            return False
+        entry = self.presence.ready_entry(child.name, child.process.pid, child.spawned_at)
+        if entry is None:
+            return False
+        endpoints = {name: getattr(entry, name) for name in ("grpc", "admin", "metrics_url") if getattr(entry, name)}
+        child.ready = {**entry.startup, **endpoints}
+        if child.name not in self.startup:
+            self.startup.record(child.name, child.ready)
+        return True
+
+    def log_run_events(self, out: Console) -> None:
+        """What happened to the run since the last call (operators' actions, alerts), from ``events.jsonl``;
+        the launcher's own restarts it has said already."""
+        for event in self.record.new_events():
+            if event.get("kind") not in LAUNCHER_SAYS:
+                out.log(f"{event.get('kind')}: {_event_summary(event)}")
+
+    def start(self) -> None:
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        self.warm.start()
+        # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
+        self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
+        self.broker = RunBroker(self.cfg, self.nats_keys)
+        nats_url = self.broker.start()
+        self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
+        self.startup.record("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
+        console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
+        if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
+            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
+        if self.hold:
+            self.broker.hold(self.hold)
+        self.write_admin_token()
+        # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
+        self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
+        # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
+        self.env = {**inherited_env(), "RLPIPE_NATS__URL": nats_url}
+        # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
+        # start order works, docs/architecture.md), so their model and engine loads overlap the trainer's. The
+        # trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin port
+        # the config names; restarted services then use the ports it got.
+        admin_port = self.cfg.admin.port if "port" in self.cfg.admin.model_fields_set else 0
+        ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
+        # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
+        trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
+        others = [self.spawn("reference", f"reference-{i}") for i in range(self.cfg.reference.replicas)]
+        others += [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
+        others += [
+            self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
+            for i in range(self.cfg.rollout.replicas)
+        ]
+        self.wait_ready([trainer])
+        # A restarted rollout or trainer is given the port the trainer got.
+        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
+        self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
+        self.wait_ready(others)
+        self.write_run_file()
+        console.log(
+            "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
+            f"stop (admin at {self.child('trainer').ready['admin']})"
+        )
+        if self.hold:
+            resume = f"rlpipe --run-dir {self.run_dir} resume"
+            console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
+
+    def follow(self) -> dict[str, Any]:
+        """Progress over training steps until the trainer is done, restarting services that die."""
+        due: dict[str, float] = {}  # name -> when to restart it
+        columns = (
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("steps", total=self.cfg.train.total_steps, info="")
+            while True:
+                # Whether the trainer had exited before its record is read: a trainer that is done wrote so first.
+                trainer_exited = self.child("trainer").process.poll() is not None
+                for child in self.children:
+                    if self.note_ready(child):
+                        self.write_run_file()  # a restarted service's new endpoints
+                # The events first: the trainer wrote every metrics row before its done, so the rows read after it
+                # include the last step's.
+                self.log_run_events(progress.console)
+                steps, evaluations = self.record.new_steps()
+                for row in steps:
+                    if "first step" not in self.startup:
+                        self.startup.record("first step", {"step": row["step"]})
+                        self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
+                    info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
+                    progress.update(task, completed=row["step"], info=info)
+                for row in evaluations:
+                    progress.console.log(f"eval at step {row['step']}: accuracy {row['eval_accuracy']:.3f}")
+                if self.record.done:
+                    break
+                if trainer_exited and self.child("trainer").pump_thread:
+                    self.child("trainer").pump_thread.join(timeout=5)  # its last lines (a refusal) may be in the pipe
+                if (broker_exit := self.broker.exit_code()) is not None:
+                    # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
+                    self.restarts["nats"] = self.restarts.get("nats", 0) + 1
+                    self.events.write(
+                        Event.RESTART,
+                        f"nats-server exited with {broker_exit}; restarting it",
+                        service="nats",
+                        restarts=self.restarts["nats"],
+                    )
+                    progress.console.log(f"[yellow]nats-server exited with {broker_exit}[/]; restarting it")
+                    self.broker.start()
+                    self.write_run_file()
+                self.sample_usage()
+                for child in self.children:
+                    # A trainer that exited after its record was read may have written done: read it first.
+                    exited = trainer_exited if child.role == "trainer" else child.process.poll() is not None
+                    if exited and child.name not in due:
+                        due[child.name] = self.schedule_restart(child, progress)
+                for name, when in list(due.items()):
+                    if time.monotonic() >= when:
+                        del due[name]
+                        restarted = self.child(name)
+                        self.spawn(restarted.role, name, env=restart_env(restarted))
+                        self.write_run_file()
+                time.sleep(0.1)
+        self.child("trainer").process.wait(timeout=60)
+        return self.record.done
+
+    def schedule_restart(self, child: Child, progress: Progress) -> float:
+        """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast, or
+        refused to run (exit EXIT_REFUSED): restarting it would fail alike, or resume a run it refused."""
+        supervision = self.cfg.supervision
+        if child.process.returncode == EXIT_REFUSED:
+            raise RoleRefused(child)
+        delay = self.restart_policy.next_restart(child.name, time.monotonic())
+        if delay is None:
+            raise RuntimeError(
+                f"{child.name} exited with {child.process.returncode} after {supervision.max_restarts} restarts within "
+                f"supervision.restart_window_s={supervision.restart_window_s:g}s; see {child.log_path}"
+            )
+        count = self.restarts[child.name]
+        progress.console.log(
+            f"[yellow]{child.name} exited with {child.process.returncode}[/]; restart {count} in {delay:.1f}s"
+        )
+        self.events.write(
+            Event.RESTART,
+            f"{child.name} exited with {child.process.returncode}; restart {count} in {delay:.1f}s",
+            service=child.name,
+            restarts=count,
+        )
+        return time.monotonic() + delay
+
+    def stop_grace_s(self, child: Child) -> float:
+        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first. A stage
+        not ready yet gets none: it holds no work, and while it waits for the trainer's streams it does not heed
+        SIGTERM (docs/architecture.md), so a start cut short (a trainer that refused) would wait out its grace."""
+        supervision = self.cfg.supervision
+        if child.role != "trainer" and child.ready is None:
+            return 0.0
+        return supervision.trainer_stop_grace_s if child.role == "trainer" else supervision.stop_grace_s
+
+    def stop(self) -> list[str]:
+        """Stop every process (SIGTERM, then SIGKILL after its own grace); returns the services that failed."""
+        self.sample_usage(every_s=0)  # the last reading of each process before it goes
+        running = [child for child in self.children if child.process.poll() is None]
+        # A stage seen not ready would be killed at once. A short run can be done before the launcher has read a
+        # stage's ready entry (wait_ready stops waiting once the trainer is done): read the entries first.
+        unseen = [child for child in running if child.ready is None and child.role != "trainer"]
+        if unseen and self.presence is not None and self.presence.await_reading(timeout_s=3.0):
+            for child in unseen:
+                self.note_ready(child)
+        for child in running:
+            child.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        # Shortest grace first: each wait ends at its own deadline, all counted from the same SIGTERM.
+        for child in sorted(running, key=self.stop_grace_s):
+            grace = self.stop_grace_s(child)
+            if child.role == "trainer" and child.process.poll() is None:
+                console.log(f"waiting up to {grace:g}s for the trainer's final save (Ctrl-C again kills it)")
+            try:
+                child.process.wait(timeout=max(started + grace - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                console.log(f"[red]{child.name} did not exit within {grace:g}s of SIGTERM[/]; killing it")
+                child.process.kill()
+                child.process.wait()
+        for child in self.children:
+            if child.pump_thread:
+                child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
+        self.warm.close()  # only now: its children die with it
+        self.close_presence()
+        if self.broker is not None:
+            self.broker.stop()
+        # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
+        return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
+
+    def kill(self) -> list[str]:
+        """SIGKILL every process at once (a stop cut short); returns the services it killed."""
+        killed = [child.name for child in self.children if child.process.poll() is None]
+        for child in self.children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait()
+        self.close_presence()
+        if self.broker is not None:
+            self.broker.kill()
+        self.warm.kill()
+        return killed
+
+
+def inherited_env() -> dict[str, str]:
+    """This shell's environment without the tokens only some roles are given (Launcher.role_env)."""
+    return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
+
+
+def _event_summary(event: dict[str, Any]) -> str:
+    """An ``events.jsonl`` row in a line: its message, and the step and rule where it names them."""
+    said = [f"{key}={event[key]}" for key in ("step", "rule") if event.get(key) is not None]
+    return " ".join([str(event.get("message", "")), *said]).strip()
+
+
+def _startup_fields(ready: dict[str, Any]) -> str:
+    keys = ("backend", "engine_load_s", "model_load_s", "grpc", "admin")
+    return " ".join(f"{k}={ready[k]}" for k in keys if k in ready)

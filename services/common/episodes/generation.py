@@ -1,0 +1,19 @@
+"""What an engine returns for one sample: the text, its token ids and their sampling logprobs, and why it ended.
+
+It lives here, not with the engines, because the episode loop (run by the rollout and replayed by the trainer's
+held-out evaluation) consumes it from either side's engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Generation:
+    text: str
+    token_ids: np.ndarray  # int32 [T]
+    logprobs: np.ndarray  # float32 [T]
+    finish_reason: str  # "stop" | "length"

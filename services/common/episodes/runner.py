@@ -1,0 +1,411 @@
+"""Multi-turn episodes: many at once through the engine, each kept as token ids with logprobs and a loss mask.
+
+Each turn, one engine call continues every episode that is ready (continuous batching); an episode whose
+environment is still stepping waits outside the engine and joins the next call after it answers, so a slow tool
+holds only its own episode. The call is shared across the batches a replica has in hand
+(``rollout.episode_batches``, the rollout stage's lanes): ``turns.TurnBatcher`` gathers the ready turns of all of
+them, so a batch whose last episodes wait on their environment holds neither the engine nor the next batch.
+
+Token in, token out: the model's tokens are kept exactly as sampled (loss mask 1, their sampling logprobs) and an
+observation is tokenized once, alone, and appended (loss mask 0, logprob 0), verbatim or as a chat message
+(``observations.py``); nothing earlier is ever re-tokenized.
+
+An episode ends with a named outcome (``Episode.outcome``): ``done`` (the environment said so, or the model
+ended its answer with an end token, ``Engine.end_tokens``, where that does not just end a chat message),
+``max_turns``, ``max_tokens`` (no room left for another turn), ``truncated`` (an observation over
+``rollout.max_observation_tokens`` or the room left), ``env_error`` (the environment raised or answered nonsense)
+or ``timeout`` (a step past ``rollout.environment_timeout_s``). None of them fails the group: the environment's
+fault is the episode's outcome, counted in the metrics, and the completion is trained on as it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import numpy as np
+
+from services.common.config import RunConfig, SamplingConfig
+from services.common.episodes.environments import (
+    Environment,
+    EnvironmentFailed,
+    StepResult,
+    Task,
+    Turn,
+    as_plain,
+    environment_factory,
+    off_schema,
+)
+from services.common.episodes.generation import Generation
+from services.common.episodes.http_environment import HttpEnvironmentClient
+from services.common.episodes.observations import ObservationFormat, Tokenizer, observation_format
+from services.common.episodes.turns import TurnBatcher
+from services.common.observe.events import Event
+from services.common.observe.instruments import LATENCY_BUCKETS_S
+from services.common.observe.logs import log_event
+from services.common.observe.telemetry import meter
+from services.common.refusal import StartRefused
+from services.common.transport.breaker import DependencyUnavailable
+from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
+
+log = logging.getLogger(__name__)
+
+Outcome = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
+# Outcomes that cut the episode short of an answer: its completion reads as one that ran out of length.
+CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
+
+# (contexts, max new tokens for each) -> one turn each: the engine call, on the engine's thread.
+TurnGenerator = Callable[[list[list[int]], list[int]], Awaitable[list[Generation]]]
+
+
+class EpisodeEnvironment(Protocol):
+    """One episode's environment as the loop drives it: each call raises EnvironmentFailed, never anything else."""
+
+    async def reset(self, task: Task) -> str: ...
+
+    async def step(self, turn: Turn) -> StepResult: ...
+
+    async def close(self) -> None:
+        """The episode is over, however it ended: what the environment holds for it may go. Never raises."""
+
+
+# Plugin environments' calls, apart from asyncio's default pool (a few threads on a small machine): a batch's
+# episodes step at once, and a hung step holds one of these, not a thread the rest of the rollout needs.
+ENVIRONMENT_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="environment")
+
+
+class LocalEnvironment:
+    """A plugin environment in this process: each call in a worker thread, under the time limit.
+
+    A thread cannot be killed, so a step past the limit is abandoned (its episode ends as ``timeout``) and
+    finishes, or not, in the background; an environment that can hang should run its work in a process of its
+    own, as the built-in Python tool does."""
+
+    def __init__(self, environment: Environment, timeout_s: float):
+        self.environment = environment
+        self.timeout_s = timeout_s
+
+    async def reset(self, task: Task) -> str:
+        text = await self._call(self.environment.reset, task)
+        if not isinstance(text, str):
+            raise EnvironmentFailed("env_error", f"reset returned {type(text).__name__}, not the prompt text")
+        return text
+
+    async def step(self, turn: Turn) -> StepResult:
+        result = await self._call(self.environment.step, turn)
+        if not isinstance(result, StepResult):
+            raise EnvironmentFailed("env_error", f"step returned {type(result).__name__}, not a StepResult")
+        if why := off_schema(result):
+            raise EnvironmentFailed("env_error", f"step returned a StepResult off the schema: {why}")
+        return as_plain(result)
+
+    async def close(self) -> None:
+        pass  # the plugin instance is the episode's own: it goes with the episode
+
+    async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:
+        try:
+            call = asyncio.get_running_loop().run_in_executor(ENVIRONMENT_THREADS, method, argument)
+            return await asyncio.wait_for(call, self.timeout_s)
+        except TimeoutError:
+            raise EnvironmentFailed("timeout", f"no answer within {self.timeout_s:g}s") from None
+        except Exception as error:  # a plugin may fail in any way: that ends its episode, never the rollout
+            raise EnvironmentFailed("env_error", repr(error)[:300]) from None
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """The budgets of one episode, from the rollout section and train.max_seq_len."""
+
+    max_turns: int
+    max_tokens_per_turn: int
+    max_total_tokens: int
+    max_observation_tokens: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, cfg: RunConfig) -> EpisodeLimits:
+        r = cfg.rollout
+        seq_len = cfg.train.max_seq_len
+        return cls(r.max_turns, r.max_tokens_per_turn, r.max_total_tokens, r.max_observation_tokens, seq_len)
+
+
+@dataclass
+class EpisodeState:
+    """One episode as it runs: the whole context (prompt first) and, after the prompt, logprobs and loss mask."""
+
+    environment: EpisodeEnvironment
+    context: list[int]
+    prompt_len: int
+    logprobs: list[float] = field(default_factory=list)
+    mask: list[int] = field(default_factory=list)
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    env_seconds: float = 0.0
+    env_reward: float = 0.0  # the environment's own reward parts, summed: trained on with reward.environment_weight
+    outcome: Outcome | None = None
+
+    @property
+    def generated(self) -> int:
+        return len(self.context) - self.prompt_len
+
+    def room(self, limits: EpisodeLimits) -> int:
+        """Tokens the next turn may sample."""
+        return min(
+            limits.max_tokens_per_turn,
+            limits.max_total_tokens - self.generated,
+            limits.max_seq_len - len(self.context),
+        )
+
+    def completion(self, tokenizer: Tokenizer) -> Completion:
+        assert self.outcome is not None, "an episode becomes a completion once it has ended"
+        ids = self.context[self.prompt_len :]
+        return Completion(
+            text=tokenizer.decode(ids, skip_special_tokens=True),
+            token_ids=np.asarray(ids, dtype=np.int32),
+            logprobs=np.asarray(self.logprobs, dtype=np.float32),
+            finish_reason="length" if self.outcome in CUT_SHORT else "stop",
+            loss_mask=np.asarray(self.mask, dtype=np.int32),
+            episode=Episode(
+                turns=self.turns,
+                tool_calls=self.tool_calls,
+                tool_errors=self.tool_errors,
+                env_seconds=round(self.env_seconds, 6),
+                env_reward=self.env_reward,
+                outcome=self.outcome,
+            ),
+        )
+
+
+async def start_episodes(
+    tasks: list[Task], make_environment: Callable[[], EpisodeEnvironment], samples: int, tokenizer: Tokenizer
+) -> list[list[EpisodeState]]:
+    """``samples`` episodes per task, each with an environment of its own, reset. All of a group's episodes start
+    from one prompt (the group's ``prompt_ids``): their resets must agree. A reset that fails, or disagrees, holds
+    the batch (DependencyUnavailable): no episode has run yet, and the prompts are not at fault."""
+
+    async def reset(task: Task) -> tuple[EpisodeEnvironment, str, float]:
+        environment = make_environment()
+        started = time.perf_counter()
+        try:
+            text = await environment.reset(task)
+        except EnvironmentFailed as error:
+            log_event(log, Event.ENVIRONMENT_RESET_FAILED, level=logging.ERROR, alert=True, error=str(error))
+            raise DependencyUnavailable(f"the environment's reset failed ({error.outcome}): {error}") from error
+        return environment, text, time.perf_counter() - started
+
+    outcomes = await asyncio.gather(*(reset(task) for task in tasks for _ in range(samples)), return_exceptions=True)
+    resets = [outcome for outcome in outcomes if not isinstance(outcome, BaseException)]
+    failed = [outcome for outcome in outcomes if isinstance(outcome, BaseException)]
+    if failed:  # the batch is held: the episodes that did reset are over before they began
+        await asyncio.gather(*(environment.close() for environment, _, _ in resets))
+        raise failed[0]
+    groups = []
+    for index, task in enumerate(tasks):
+        group = resets[index * samples : (index + 1) * samples]
+        texts = {text for _, text, _ in group}
+        if len(texts) != 1:
+            await asyncio.gather(*(environment.close() for environment, _, _ in resets))
+            raise DependencyUnavailable(f"the environment's resets of prompt {task.prompt_id!r} gave different prompts")
+        prompt_ids = tokenizer.encode(texts.pop(), add_special_tokens=False)
+        groups.append(
+            [
+                EpisodeState(environment=env, context=list(prompt_ids), prompt_len=len(prompt_ids), env_seconds=s)
+                for env, _, s in group
+            ]
+        )
+    return groups
+
+
+async def run_episodes(
+    episodes: list[EpisodeState],
+    generate: TurnGenerator,
+    limits: EpisodeLimits,
+    tokenizer: Tokenizer,
+    observations: ObservationFormat,
+    end_tokens: frozenset[int] | None = None,
+) -> None:
+    """Run every episode to its end (each gets an ``outcome``), observations appended as ``observations`` says.
+    ``end_tokens``: what the engine ends a generation on (``Engine.end_tokens``; default the tokenizer's EOS),
+    read as the model ending its message. A prompt that leaves no room for a first turn is the prompt's fault:
+    ValueError, as in single-turn generation."""
+    ends = end_tokens if end_tokens is not None else frozenset({tokenizer.eos_token_id})
+    for episode in episodes:
+        if limits.max_seq_len - episode.prompt_len < 1:
+            raise ValueError(f"prompt of {episode.prompt_len} tokens leaves no room under {limits.max_seq_len=}")
+    ready = list(episodes)
+    stepping: set[asyncio.Task[EpisodeState]] = set()
+    try:
+        while ready or stepping:
+            if ready:
+                turn_of, ready = ready, []
+                generations = await generate([e.context for e in turn_of], [e.room(limits) for e in turn_of])
+                for episode, generation in zip(turn_of, generations, strict=True):
+                    after = _after_turn(episode, generation, limits, ends, observations)
+                    stepping.add(asyncio.create_task(after))
+            finished, stepping = await asyncio.wait(stepping, return_when=asyncio.FIRST_COMPLETED)
+            ready = [episode for task in finished if (episode := task.result()).outcome is None]
+    finally:  # the engine failed (the batch is held and retried): no step of this batch may outlive it
+        for task in stepping:
+            task.cancel()
+        # Ended by a budget, a failure or the model rather than by the environment, an episode is still held by an
+        # environment service until it is told.
+        await asyncio.gather(*(episode.environment.close() for episode in episodes))
+
+
+async def _after_turn(
+    episode: EpisodeState,
+    generation: Generation,
+    limits: EpisodeLimits,
+    end_tokens: frozenset[int],
+    observations: ObservationFormat,
+) -> EpisodeState:
+    """Record the model's turn, let the environment answer it, and either end the episode or append the answer."""
+    ids = generation.token_ids.tolist()
+    episode.context += ids
+    episode.logprobs += generation.logprobs.tolist()
+    episode.mask += [1] * len(ids)
+    episode.turns += 1
+    ended_on_end_token = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
+    # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
+    answered = not ids or (ended_on_end_token and observations.eos_ends_episode)
+    started = time.perf_counter()
+    try:
+        result = await episode.environment.step(Turn(text=generation.text, token_ids=tuple(ids)))
+    except EnvironmentFailed as error:
+        episode.outcome = error.outcome
+        log_event(log, Event.ENVIRONMENT_STEP_FAILED, level=logging.WARNING, outcome=error.outcome, error=str(error))
+        return episode
+    finally:
+        episode.env_seconds += time.perf_counter() - started
+    episode.tool_calls += result.tool_call
+    episode.tool_errors += result.tool_error
+    episode.env_reward += result.reward_part
+    if result.done or answered:
+        episode.outcome = "done"
+    elif episode.turns >= limits.max_turns:
+        episode.outcome = "max_turns"
+    elif episode.room(limits) < 1:
+        episode.outcome = "max_tokens"
+    else:
+        observation = observations.tokens(result.observation, ended_on_end_token)
+        # The observation must leave the model room to answer it: one token at least.
+        left = min(limits.max_total_tokens - episode.generated, limits.max_seq_len - len(episode.context))
+        fits = min(limits.max_observation_tokens, left - 1)
+        if len(observation) > fits:
+            episode.outcome = "truncated"
+            return episode
+        episode.context += observation
+        episode.logprobs += [0.0] * len(observation)
+        episode.mask += [0] * len(observation)
+    return episode
+
+
+class EpisodeMetrics:
+    """The rollout's agent metrics (Prometheus via the telemetry's meter), and a tally of outcomes for its log."""
+
+    def __init__(self) -> None:
+        m = meter()
+        self.outcomes: Counter[str] = Counter()
+        self.episodes = m.create_counter("rlpipe_rollout_episodes", unit="{episode}", description="by outcome")
+        self.turns = m.create_histogram(
+            "rlpipe_rollout_episode_turns",
+            unit="{turn}",
+            description="model turns per episode",
+            explicit_bucket_boundaries_advisory=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+        )
+        self.tool_calls = m.create_counter("rlpipe_rollout_tool_calls", unit="{call}", description="tool calls")
+        self.tool_errors = m.create_counter(
+            "rlpipe_rollout_tool_errors", unit="{call}", description="tool calls that failed (malformed, or raised)"
+        )
+        self.env_latency = m.create_histogram(
+            "rlpipe_rollout_env_seconds",
+            unit="s",
+            description="time one episode spent waiting on its environment",
+            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
+        )
+        self.env_reward = m.create_histogram(
+            "rlpipe_rollout_env_reward", description="the environment's own reward parts, summed over an episode"
+        )
+
+    def record(self, episodes: list[EpisodeState]) -> None:
+        for episode in episodes:
+            assert episode.outcome is not None
+            self.outcomes[episode.outcome] += 1
+            self.episodes.add(1, {"outcome": episode.outcome})
+            self.turns.record(episode.turns)
+            self.tool_calls.add(episode.tool_calls)
+            self.tool_errors.add(episode.tool_errors)
+            self.env_latency.record(episode.env_seconds)
+            self.env_reward.record(episode.env_reward)
+
+
+def environment_maker(cfg: RunConfig) -> Callable[[], EpisodeEnvironment]:
+    """What makes one episode's environment for ``cfg``: the HTTP service's client, or the named class in this
+    process under the time limit (the rollout's episodes and the trainer's held-out evaluation alike)."""
+    if cfg.rollout.environment_url:
+        return HttpEnvironmentClient(cfg.rollout).episode
+    plugin, timeout_s = environment_factory(cfg.rollout.environment), cfg.rollout.environment_timeout_s
+    return lambda: LocalEnvironment(plugin(), timeout_s)
+
+
+class EpisodeRunner:
+    """The rollout's multi-turn path: prompts in, one group of episodes per prompt out."""
+
+    def __init__(
+        self,
+        cfg: RunConfig,
+        tokenizer: Tokenizer,
+        on_engine: Callable[..., Awaitable[list[Generation]]],
+        generate_turns: Callable[..., list[Generation]],
+        end_tokens: frozenset[int] | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self.end_tokens = end_tokens
+        self.limits = EpisodeLimits.of(cfg)
+        stop = list(cfg.rollout.turn_stop)
+
+        async def engine_turns(
+            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+        ) -> list[Generation]:
+            # on_engine runs the call on the engine's thread and judges its failures
+            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+
+        self.turns = TurnBatcher(engine_turns)
+        self.metrics = EpisodeMetrics()
+        self.make_environment = environment_maker(cfg)
+        try:
+            self.observations = observation_format(tokenizer, cfg.rollout.observation_role)
+        except ValueError as error:  # the model cannot take this config: restarting would refuse alike
+            raise StartRefused(str(error)) from None
+
+    async def groups(
+        self, prompts: list[Prompt], sampling: SamplingConfig, policy_version: int, config_version: int
+    ) -> list[RolloutGroup]:
+        tasks = [Task(prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer, info=p.info) for p in prompts]
+        groups = await start_episodes(tasks, self.make_environment, sampling.group_size, self.tokenizer)
+
+        async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
+            return await self.turns.generate(contexts, max_tokens, sampling)
+
+        episodes = [episode for group in groups for episode in group]
+        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens)
+        for group in groups:
+            self.metrics.record(group)
+        return [
+            advance(
+                prompt,
+                RolloutGroup,
+                prompt_ids=np.asarray(group[0].context[: group[0].prompt_len], dtype=np.int32),
+                policy_version=policy_version,
+                config_version=config_version,
+                completions=[episode.completion(self.tokenizer) for episode in group],
+            )
+            for prompt, group in zip(prompts, groups, strict=True)
+        ]

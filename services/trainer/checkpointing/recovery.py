@@ -1,0 +1,277 @@
+"""Recovery: checkpoints in, checkpoints out, in the order the trainer needs them.
+
+It wires three single-purpose parts and orders their effects, so that the order is read in one place:
+
+- ``checkpointer.py`` takes a copy of everything a step depends on between steps, and stores it;
+- ``retention.py`` decides which stored steps stay and purges what no kept step would read again;
+- ``adopter.py`` finds, checks and adopts a stored step, for a resume and for a rollback.
+
+A save snapshots between steps and uploads in the background while training goes on; once the step is stored the
+run's own record (``resume.SavedRecord``) names it, a metrics row reports it, and what no kept checkpoint would
+re-read is purged. An adoption (resume or rollback, ``adopt``) is put in force after the adopter changed the store,
+the learner, the ledger and the lineage: the progress is replaced, the record names the adopted step, its weights are
+published as a new policy version, and EXPERIENCE is re-read from its sequence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.common.config import BuildInfo
+from services.common.observe.events import Event, Journal
+from services.common.observe.instruments import TrainerMetrics
+from services.common.observe.logs import Stopwatch, log_event
+from services.common.transport.bus import Bus
+from services.common.transport.weightsync.server import WeightSyncServer
+from services.trainer.checkpointing.adopter import Adopter, ResumeRefused
+from services.trainer.checkpointing.checkpointer import Checkpointer
+from services.trainer.checkpointing.lineage import Lineage
+from services.trainer.checkpointing.manifest import STABLE, CatalogEntry
+from services.trainer.checkpointing.restorable import Restorable
+from services.trainer.checkpointing.resume import SavedRecord
+from services.trainer.checkpointing.retention import Purger
+from services.trainer.checkpointing.state import Checkpoint
+from services.trainer.checkpointing.store import CheckpointStore
+from services.trainer.intake.feeder import PromptFeeder
+from services.trainer.intake.ledger import GroupLedger
+from services.trainer.learning.learner import Learner
+from services.trainer.progress import Adopted, ConfigSource, Progress
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    def __init__(
+        self,
+        settings: ConfigSource,
+        learner: Learner,
+        checkpoints: CheckpointStore,
+        lineage: Lineage,
+        progress: Progress,
+        ledger: GroupLedger,
+        feeder: PromptFeeder,
+        weights: WeightSyncServer,
+        bus: Bus,
+        journal: Journal,
+        telemetry: TrainerMetrics,
+        report: Callable[[dict[str, Any]], Awaitable[None]],
+        rewind: Callable[[], None],
+    ):
+        self.settings = settings
+        self.learner = learner
+        self.checkpoints = checkpoints
+        self.lineage = lineage
+        self.progress = progress
+        self.weights = weights
+        self.journal = journal
+        self.telemetry = telemetry
+        self.report = report  # a metrics row about a save: written and judged by the alert rules
+        self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
+        self.build = BuildInfo().resolved()
+        self.purger = Purger(settings, checkpoints, progress, ledger, bus)
+        parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
+        self.checkpointer = Checkpointer(parts, self.purger, telemetry, self.build)
+        self.adopter = Adopter(parts, self.purger, journal)
+        self.upload: asyncio.Task | None = None
+
+    @property
+    def claim_keys(self) -> dict[str, int]:
+        """Claim-checked EXPERIENCE bodies read and not yet purged, key -> sequence."""
+        return self.purger.claim_keys
+
+    def track_claims(self, claim_keys: list[tuple[int, str]]) -> None:
+        self.purger.track_claims(claim_keys)
+
+    async def purge_consumed(self) -> None:
+        await self.purger.purge_consumed()
+
+    # -- start ------------------------------------------------------------------------
+
+    async def start(self, resume: bool) -> bool:
+        """Adopt the configured or newest checkpoint when resuming; returns whether one was adopted.
+
+        A fresh start refuses a store that already holds steps of this run id (another run's, or this
+        one's from before): it would prune, purge and later resume from them. A resume whose store cannot be
+        read waits for it, then raises ResumeRefused; nothing is written before the checkpoint is in hand."""
+        run_dir = self.settings.cfg.run_dir
+        if not resume:
+            self.progress.started(await asyncio.to_thread(self.checkpoints.start_fresh))
+            SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
+            return False
+        try:
+            saved = SavedRecord.read(run_dir)
+        except ValueError as error:
+            # Refused, not crashed: a restart would meet the same file, and guessing past it could resume a step
+            # older than the one the run last saved.
+            raise ResumeRefused(str(error)) from None
+        wanted = self.settings.cfg.checkpoint.resume_step
+        if wanted is not None and self.lineage.resumed_to(wanted):
+            # Made already: a restart after it continues from the newest step, not from the requested one again.
+            log_event(log, Event.RESUME_STEP_DONE, step=wanted)
+            wanted = None
+        found = await self.adopter.find_checkpoint(saved, wanted)
+        if found.checkpoint is None:
+            adopted = await self.adopter.restart_without_checkpoint()
+            self.progress.adopt(adopted)
+            if adopted.version:  # the versions this run served before are disowned: rollouts pull the new one
+                await self.publish()
+            return False
+        ckpt = found.checkpoint
+        await self.adopt(ckpt, Event.RESUME, reason="trainer start", requested=wanted is not None)
+        passed_over = sorted(found.skipped) or ([saved.step] if saved is not None and saved.step > ckpt.step else [])
+        if passed_over and wanted is None:
+            why = "; ".join(found.skipped.values()) or "no longer stored"
+            message = f"resumed from step {ckpt.step}, not from newer step(s) {passed_over}: {why}"
+            self.journal.emit(
+                Event.CHECKPOINT_FALLBACK,
+                message,
+                level=logging.WARNING,
+                alert=True,
+                step=ckpt.step,
+                skipped_steps=passed_over,
+            )
+        return True
+
+    # -- adopt: resume and rollback -----------------------------------------------------
+
+    async def adopt(self, ckpt: Checkpoint, event: str, reason: str, requested: bool = False) -> list[int]:
+        """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
+
+        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
+        adoption = await self.adopter.take(ckpt, event, requested)
+        adopted: Adopted = adoption.adopted
+        self.progress.adopt(adopted)
+        # The newest live step is now this one: a later resume expects it (or a newer one saved after).
+        await asyncio.to_thread(self._record_saved, ckpt.step)
+        await self.publish()
+        self.rewind()
+        abandoned = adoption.abandoned_steps
+        message = f"{event} to step {ckpt.step} as policy version {adopted.version} ({reason})"
+        self.journal.emit(
+            Event.RESUMED if event == Event.RESUME else Event.ROLLED_BACK,
+            message,
+            step=ckpt.step,
+            policy_version=adopted.version,
+            experience_seq=adopted.applied_seq,
+            abandoned_steps=abandoned,
+            abandoned_checkpoints=adoption.abandoned_checkpoints,
+            reason=reason,
+        )
+        return abandoned
+
+    async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
+        """Serve checkpoint ``step`` (None: the newest stable one) as a new policy version.
+
+        The steps after it are abandoned, and so are the policy versions they produced: groups
+        those versions generated are dropped when they arrive. EXPERIENCE is re-read from the
+        checkpoint's sequence, so the groups the abandoned steps trained on are applied again (or
+        dropped, if an abandoned version made them): each group is still accounted for exactly once
+        in the steps that make up the model.
+        """
+        await self.wait_for_upload()  # a save of the state being abandoned must land before it is marked
+        ckpt = await self.adopter.rollback_target(step)
+        abandoned = await self.adopt(ckpt, Event.ROLLBACK, reason)
+        return ckpt.step, self.progress.version, abandoned
+
+    def _record_saved(self, step: int) -> None:
+        """Note, fsynced in the run folder, that ``step`` is the newest live step stored (``SavedRecord``)."""
+        SavedRecord(
+            step=step,
+            policy_version=max(self.progress.version, self.lineage.max_version()),
+            incarnation=self.progress.incarnation,
+            location=f"{self.checkpoints.location()}step-{step:08d}/",
+        ).write(self.settings.cfg.run_dir)
+
+    async def publish(self) -> None:
+        """Serve the learner's weights as the current policy version."""
+        await self.weights.publish(self.learner.snapshot(self.progress.version, self.progress.step))
+
+    # -- save ---------------------------------------------------------------------------
+
+    async def wait_for_upload(self) -> None:
+        if self.upload is not None and not self.upload.done():
+            await self.upload
+
+    async def save(self, config_version: int, wait: bool = False) -> None:
+        """Checkpoint in the background; with ``wait``, until it is stored (or has failed)."""
+        if self.upload is not None and not self.upload.done():
+            if not wait:
+                log_event(
+                    log,
+                    Event.CHECKPOINT_DEFERRED,
+                    level=logging.WARNING,
+                    step=self.progress.step,
+                    reason="previous upload still running",
+                )
+                return
+            await self.upload
+            if self.progress.saved_step == self.progress.step:
+                return  # that upload was this very step
+        took = Stopwatch()
+        ckpt = self.checkpointer.snapshot(config_version, final=wait)
+        stall_s = took()
+        self.telemetry.record_checkpoint_stall(stall_s)
+        self.upload = asyncio.create_task(self._upload(ckpt, stall_s=stall_s))
+        if wait:
+            await self.upload
+
+    async def _upload(self, ckpt: Checkpoint, stall_s: float) -> None:
+        """Store ``ckpt``; ``stall_s``: how long taking it held the training loop."""
+        outcome = await self.checkpointer.store(ckpt)
+        if outcome.error:
+            # The row carries the current step: the save's own step may be behind, and is not one to roll back to.
+            row = {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s}
+            await self.report({**row, "error": outcome.error})
+            return
+        self.progress.saved(ckpt.step)
+        try:
+            await asyncio.to_thread(self._record_saved, self.progress.saved_step)
+        except OSError as error:  # the step is stored; a resume finds it by listing, the record is a second witness
+            log_event(
+                log, Event.CHECKPOINT_RECORD_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300]
+            )
+        # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
+        await self.report(
+            {
+                "step": self.progress.step,
+                "checkpoint_saved": 1,
+                "checkpoint_failed": 0,
+                "checkpoint_time_s": outcome.seconds,
+                "checkpoint_stall_s": stall_s,
+            }
+        )
+        log_event(
+            log,
+            Event.CHECKPOINT,
+            step=ckpt.step,
+            location=outcome.location,
+            save_s=outcome.seconds,
+            stall_s=stall_s,
+            optimizer=ckpt.optimizer is not None,
+        )
+        await self.purger.purge_consumed()
+
+    # -- operator calls -------------------------------------------------------------
+
+    async def catalog(self) -> list[CatalogEntry]:
+        return await asyncio.to_thread(self.checkpoints.catalog)
+
+    async def entry(self, step: int) -> CatalogEntry | None:
+        return next((e for e in await self.catalog() if e.step == step), None)
+
+    async def checkpoint_now(self, config_version: int) -> CatalogEntry | None:
+        """Store the current step (unless it already is) and describe it; None if the save failed."""
+        step = self.progress.step
+        if self.progress.saved_step != step or step not in await asyncio.to_thread(self.checkpoints.steps):
+            await self.save(config_version, wait=True)
+        return await self.entry(step)
+
+    async def mark_stable(self, step: int) -> CatalogEntry | None:
+        """Run between steps: never beside a save of the same step, which rewrites its folder."""
+        await self.wait_for_upload()
+        await asyncio.to_thread(self.checkpoints.mark, step, STABLE)
+        log_event(log, Event.MARKED_STABLE, step=step)
+        return await self.entry(step)

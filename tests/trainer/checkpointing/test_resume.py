@@ -1,0 +1,67 @@
+"""Choosing the step to resume from, without a store: an unreadable store is never an empty one."""
+
+import pytest
+
+from services.trainer.checkpointing.resume import (
+    CheckpointsMissing,
+    SavedRecord,
+    StoreListing,
+    StoreUnreadable,
+    resume_candidates,
+)
+
+pytestmark = pytest.mark.unit
+
+PRIMARY, MIRROR = "s3://ckpt/run", "file:///mirror"
+
+
+def test_a_store_that_cannot_be_listed_is_not_taken_for_an_empty_one():
+    with pytest.raises(StoreUnreadable, match=r"cannot list the checkpoint store \(s3://ckpt/run: timed out\)"):
+        resume_candidates([StoreListing(PRIMARY, None, "timed out")], saved_step=None)
+
+
+def test_a_run_that_never_saved_and_whose_stores_answer_empty_has_nothing_to_resume():
+    assert resume_candidates([StoreListing(PRIMARY, []), StoreListing(MIRROR, [])], saved_step=None) == []
+
+
+def test_an_empty_store_is_missing_steps_when_the_runs_own_record_says_it_saved_one():
+    with pytest.raises(CheckpointsMissing, match=r"s3://ckpt/run holds no checkpoint of this run, but step 20"):
+        resume_candidates([StoreListing(PRIMARY, [])], saved_step=20)
+
+
+def test_steps_are_tried_newest_first_and_the_primary_before_the_mirror():
+    listings = [StoreListing(PRIMARY, [10, 20]), StoreListing(MIRROR, [10, 20, 15])]
+    assert resume_candidates(listings, saved_step=20) == [
+        (20, PRIMARY),
+        (20, MIRROR),
+        (15, MIRROR),
+        (10, PRIMARY),
+        (10, MIRROR),
+    ]
+
+
+def test_a_mirror_holding_the_recorded_step_stands_in_for_an_unreadable_primary():
+    listings = [StoreListing(PRIMARY, None, "refused"), StoreListing(MIRROR, [10, 20])]
+    assert resume_candidates(listings, saved_step=20) == [(20, MIRROR), (10, MIRROR)]
+
+
+def test_a_mirror_behind_the_recorded_step_does_not_stand_in_for_an_unreadable_primary():
+    """Taking the mirror's step 10 would abandon steps 11 to 20, which the unreadable primary may hold."""
+    listings = [StoreListing(PRIMARY, None, "refused"), StoreListing(MIRROR, [10])]
+    with pytest.raises(StoreUnreadable, match=r"the readable stores' newest is step 10, and step 20, which"):
+        resume_candidates(listings, saved_step=20)
+
+
+def test_the_saved_record_round_trips_and_a_fresh_start_clears_it(tmp_path):
+    assert SavedRecord.read(tmp_path) is None
+    record = SavedRecord(step=20, policy_version=23, incarnation="abc", location="s3://ckpt/run/step-00000020/")
+    record.write(tmp_path)
+    assert SavedRecord.read(tmp_path) == record
+    SavedRecord.clear(tmp_path)
+    assert SavedRecord.read(tmp_path) is None
+
+
+def test_a_damaged_saved_record_is_a_clear_error_naming_its_file(tmp_path):
+    (tmp_path / SavedRecord.FILE).write_text('{"step": 20}')
+    with pytest.raises(ValueError, match=r"checkpoint-saved.json is not a checkpoint record"):
+        SavedRecord.read(tmp_path)
