@@ -64,10 +64,10 @@ from services.trainer.checkpointing.lineage import (
 from services.trainer.checkpointing.recovery import Recovery
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
 from services.trainer.checkpointing.store import CheckpointStore
+from services.trainer.intake import reader as intake_module
 from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.intake.reader import Intake
-from services.trainer.intake import reader as intake_module
 from services.trainer.learning.learner import LearnerState
 from services.trainer.progress import Progress
 
