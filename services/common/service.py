@@ -224,7 +224,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
         sys.exit(EXIT_REFUSED)
     except Exception:
-        log.exception("crashed", extra={"fields": {}})
+        log.exception(Event.CRASHED, extra={"fields": {}})  # the launcher reads the traceback (crash_loop.py)
         sys.exit(1)
     finally:
         close_writers()  # the metrics rows and tracker calls still queued are written: the process ends below

@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from services.cli.launch.crash_loop import Crash
 from services.common.config import ConfigError, RunConfig, SupervisionConfig
 from services.common.observe.events import Event
 from services.common.observe.logs import RotatingLog
@@ -77,6 +78,8 @@ class Child:
     plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
     dropped_lines: int = 0  # output lines its log could not take (a full disk): drained all the same
     lease_holder: str = ""  # a trainer's, from its lease_acquired event: its restart may take that lease at once
+    crash: Crash | None = None  # what its crashed event's traceback says, if it died of an exception
+    step_at_spawn: int = 0  # the run's last step when it started: a crash after a later one made progress first
 
     def pump(self, stream: IO[bytes]) -> None:
         """Copy the child's output to its (rotating) log file, noting a refusal's reason and a trainer's lease.
@@ -127,12 +130,27 @@ class Child:
             self.refusal = str(event.get("error", ""))
         elif event["event"] == Event.LEASE_ACQUIRED:
             self.lease_holder = str(event.get("holder", ""))
+        elif event["event"] == Event.CRASHED:
+            self.crash = Crash.of_traceback(str(event.get("exception", "")))
 
     def refusal_reason(self) -> str:
         """Why the child refused to run: its refusal event's reason, else the end of its plain output."""
         if self.pump_thread is not None:
             self.pump_thread.join(timeout=5)  # its last lines may still be in the pipe
         return self.refusal or "\n".join(line for line in self.plain_tail if line) or "(no reason given)"
+
+
+class RoleCrashLoop(RuntimeError):
+    """A service crashed twice alike with no step between: not restarted again, the run ends with 1."""
+
+    def __init__(self, child: Child, crash: Crash):
+        self.name = child.name
+        self.crash = crash
+        self.log_path = child.log_path
+        super().__init__(
+            f"{child.name} crashed twice with the same error and no step between, so it is not restarted again: "
+            f"{crash.error} (at {crash.where}); its log: {child.log_path}"
+        )
 
 
 class RoleRefused(RuntimeError):

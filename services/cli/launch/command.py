@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from services.cli.launch.archive import archive_and_describe
-from services.cli.launch.children import RoleRefused
+from services.cli.launch.children import RoleCrashLoop, RoleRefused
 from services.cli.launch.launcher import Launcher, console
 from services.cli.launch.lock import RunIsLive, hold_run, previous_run
 from services.cli.launch.summary import run_cost, summarize, write_reports
@@ -159,6 +159,13 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
         stop_or_kill(launcher)
         _plain(f"rlpipe run: {refused.name} refused to run: {refused.reason}\n  its log: {refused.log_path}")
         return EXIT_REFUSED
+    except RoleCrashLoop as loop:
+        stop_or_kill(launcher)
+        _plain(
+            f"rlpipe run: {loop.name} crashed twice with the same error and no step between, so it is not restarted "
+            f"again: {loop.crash.error}\n  at {loop.crash.where}\n  its log: {loop.log_path}"
+        )
+        return 1
     except RuntimeError as error:
         console.log(f"[red]run failed:[/] {error}")
         stop_or_kill(launcher)

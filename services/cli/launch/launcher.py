@@ -35,11 +35,13 @@ from services.cli.launch.broker import RunBroker
 from services.cli.launch.children import (
     Child,
     RestartPolicy,
+    RoleCrashLoop,
     RoleRefused,
     restart_env,
     trainer_command,
     trainer_env,
 )
+from services.cli.launch.crash_loop import CrashLoopGuard
 from services.cli.launch.files import StartupRecord, write_run_file
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
@@ -59,7 +61,7 @@ console = Console(stderr=True)
 ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 READY_TIMEOUT_S = 600.0
 # events.jsonl rows the launcher does not echo: its own (said when written) and the trainer's done (the summary).
-LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.DONE)
+LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event.DONE)
 
 
 class Launcher:
@@ -78,6 +80,8 @@ class Launcher:
         self.restart_policy = RestartPolicy(cfg.supervision)
         # name -> restarts over the whole run (nats-server's too); run.json shows it
         self.restarts: dict[str, int] = self.restart_policy.total
+        self.crash_loops = CrashLoopGuard()
+        self.last_step = 0  # the newest step row read: a restarted role that saw a later one made progress
         self.nats_keys: dict[str, RoleKey] = {}
         self.weight_sync_token = ""
         self.events = EventLog.of_run(cfg)
@@ -124,6 +128,7 @@ class Launcher:
             preexec_fn=dies_with_this_process(),
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
+        child.step_at_spawn = self.last_step
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]
@@ -292,6 +297,7 @@ class Launcher:
                 self.log_run_events(progress.console)
                 steps, evaluations = self.record.new_steps()
                 for row in steps:
+                    self.last_step = max(self.last_step, row["step"])
                     if "first step" not in self.startup:
                         self.startup.record("first step", {"step": row["step"]})
                         self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
@@ -337,6 +343,13 @@ class Launcher:
         supervision = self.cfg.supervision
         if child.process.returncode == EXIT_REFUSED:
             raise RoleRefused(child)
+        if child.pump_thread is not None:
+            child.pump_thread.join(timeout=5)  # its crashed event may still be in the pipe
+        progressed = self.last_step > child.step_at_spawn
+        if (crash := self.crash_loops.repeated(child.name, child.crash, progressed)) is not None:
+            loop = RoleCrashLoop(child, crash)
+            self.events.write(Event.CRASH_LOOP, str(loop), service=child.name, error=crash.error)
+            raise loop
         delay = self.restart_policy.next_restart(child.name, time.monotonic())
         if delay is None:
             raise RuntimeError(

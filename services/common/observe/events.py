@@ -83,6 +83,8 @@ class Event(StrEnum):
     CONFIG_UPDATED = "config_updated"  # an operator stored a config version through the admin API
     CONSUMER_UPDATED = "consumer_updated"  # a stream consumer's settings were changed to the config's
     CONTROL_NOT_STORED = "control_not_stored"  # a pause or stop could not be stored in the config bucket
+    CRASHED = "crashed"  # a role's process died of an exception; the line carries its traceback
+    CRASH_LOOP = "crash_loop"  # a role crashed twice alike with no progress between: the launcher ends the run
     DATA_ROW_SKIPPED = "data_row_skipped"  # a dataset row that cannot be read was skipped
     DEAD_LETTER = "dead_letter"  # a message was moved to the DEAD stream with its reason
     DEAD_LETTER_OF_REINJECTED_IGNORED = "dead_letter_of_reinjected_ignored"  # a dead letter of a re-injected copy

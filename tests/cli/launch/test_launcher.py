@@ -17,7 +17,7 @@ import pytest
 from rich.console import Console
 from rich.progress import Progress
 
-from services.cli.launch.children import Child, RestartPolicy, RoleRefused, restart_env
+from services.cli.launch.children import Child, RestartPolicy, RoleCrashLoop, RoleRefused, restart_env
 from services.cli.launch.command import interrupt, stop_or_kill
 from services.cli.launch.launcher import ROLE_TOKENS, Launcher
 from services.cli.launch.lock import hold_run, launcher_lock
@@ -209,6 +209,107 @@ def test_a_role_that_refuses_is_not_restarted_and_its_own_reason_ends_the_run(co
     assert refused.value.name == "reward-0"
     assert refused.value.reason == "consumer rollout of PROMPTS cannot be updated"
     assert launcher.restarts == {}
+
+
+# A role dying of an exception as run_service logs it: the crashed event with its traceback, through the roles' own
+# JSON formatter, then exit 1. argv[1] names the line it fails at, so two runs can crash alike or not.
+CRASHING = """
+import logging, sys
+from services.common.observe.events import Event
+from services.common.observe.logs import JsonFormatter
+handler = logging.StreamHandler(sys.stdout)
+handler.setFormatter(JsonFormatter("trainer", "test"))
+log = logging.getLogger("role")
+log.addHandler(handler)
+def evaluate(where):
+    if where == "a":
+        raise RuntimeError("Could not infer dtype of NoneType")
+    raise RuntimeError("Could not infer dtype of NoneType")
+try:
+    evaluate(sys.argv[1])
+except Exception:
+    log.exception(Event.CRASHED, extra={"fields": {}})
+    sys.exit(1)
+"""
+
+
+def crashed_child(where: str, log: Path) -> Child:
+    process = subprocess.Popen(
+        [sys.executable, "-c", CRASHING, where], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=ROOT
+    )
+    child = Child("trainer", "trainer", process, log, log_max_bytes=2**30, log_keep=1)
+    child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
+    child.pump_thread.start()
+    assert process.wait(timeout=60) == 1
+    return child
+
+
+def test_a_role_crashing_twice_alike_before_any_step_is_not_restarted_again_and_the_run_names_its_error(
+    config, tmp_path
+):
+    cfg = load_config(config, supervision={"max_restarts": 10, "backoff_s": 0.1})
+    cfg.run_dir.mkdir(parents=True)
+    launcher, progress = Launcher(cfg, config, resume=False), Progress(console=Console(file=io.StringIO()))
+    assert launcher.schedule_restart(crashed_child("a", tmp_path / "1.log"), progress) > time.monotonic()
+    with pytest.raises(RoleCrashLoop) as loop:
+        launcher.schedule_restart(crashed_child("a", tmp_path / "2.log"), progress)
+    assert loop.value.name == "trainer" and launcher.restarts == {"trainer": 1}
+    message = str(loop.value)
+    assert "RuntimeError: Could not infer dtype of NoneType (at <string>:11 in evaluate)" in message, message
+    assert f"its log: {tmp_path / '2.log'}" in message
+    events = read_jsonl(cfg.run_dir / "events.jsonl")
+    assert [event["kind"] for event in events if event["kind"] == "crash_loop"] == ["crash_loop"]
+
+
+def test_a_crash_that_moves_or_follows_progress_is_restarted_as_the_policy_allows(config, tmp_path):
+    cfg = load_config(config, supervision={"max_restarts": 10, "backoff_s": 0.1})
+    cfg.run_dir.mkdir(parents=True)
+    launcher, progress = Launcher(cfg, config, resume=False), Progress(console=Console(file=io.StringIO()))
+    launcher.schedule_restart(crashed_child("a", tmp_path / "1.log"), progress)
+    launcher.schedule_restart(crashed_child("b", tmp_path / "2.log"), progress)  # the same error at another line
+    again = crashed_child("b", tmp_path / "3.log")
+    launcher.last_step = again.step_at_spawn + 1  # a step was applied while it ran
+    launcher.schedule_restart(again, progress)
+    assert launcher.restarts == {"trainer": 3}
+
+
+# Injected into the trainer's process (a sitecustomize module on its PYTHONPATH; cold starts, so every process
+# imports it): its first step raises, as a tokenizer without a pad token once made the step-0 evaluation raise.
+FAILING_STEP = """
+import os
+if os.environ.get("RLPIPE_SERVICE__INSTANCE") == "trainer":
+    from services.trainer.service import Trainer
+
+    async def train_step(self, collected):
+        raise RuntimeError("Could not infer dtype of NoneType")
+
+    Trainer.train_step = train_step
+"""
+
+
+@pytest.mark.e2e
+def test_a_trainer_failing_alike_at_its_first_step_ends_the_run_after_one_restart_naming_its_error(
+    tiny_model, tmp_path
+):
+    model_dir, data_dir = tiny_model
+    config = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        service={"warm_start": False, "warm_start_pool": None},
+        supervision={"backoff_s": 0.1},
+    )
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / "sitecustomize.py").write_text(FAILING_STEP)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "inject"), str(ROOT)])}
+    done = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = "rlpipe run: trainer crashed twice with the same error and no step between, so it is not restarted again: "
+    assert done.stderr.count(said + "RuntimeError: Could not infer dtype of NoneType\n") == 1, done.stderr[-3000:]
+    assert f"  its log: {tmp_path / 'runs' / 'test' / 'logs' / 'trainer.log'}\n" in done.stderr
+    run = json.loads((tmp_path / "runs" / "test" / "run.json").read_text())
+    assert run["restarts"] == {"trainer": 1}, run["restarts"]
 
 
 # Writes 4 MiB, far past a pipe's buffer, then its last word as an event: it ends only if its output is read.
