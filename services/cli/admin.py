@@ -23,12 +23,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from services.cli.output import console_for
 from services.common.config import AdminCredentials
 from services.common.observe.logs import JsonlFollower
 from services.common.pb import admin_pb2, admin_pb2_grpc
 
 # Piped output (scripts, logs) gets room for the wide tables instead of rich's 80 columns.
-console = Console(width=None if sys.stdout.isatty() else 200)
+console = console_for(sys.stdout)
 REFUSED, USAGE, UNREACHABLE, UNAUTHENTICATED = 1, 2, 3, 4
 _EXIT_OF = {
     grpc.StatusCode.UNAUTHENTICATED: UNAUTHENTICATED,

@@ -88,10 +88,10 @@ def runs(
         None, metavar="ROOT", help="the runs root (default: runs_dir of --config, else the config's default, runs/)"
     ),
     config: Path | None = typer.Option(None, "--config", help="a run config whose runs_dir is the root"),
+    as_json: bool = typer.Option(False, "--json", help="a JSON list of the runs instead of a table"),
 ) -> None:
     """List the local runs: each one's state (running, finished, failed, refused, stopped), step and resources."""
-    from rich.console import Console
-
+    from services.cli.output import console_for, print_json
     from services.cli.runs import list_runs, runs_table
     from services.common.config import RunConfig, load_config
 
@@ -102,10 +102,13 @@ def runs(
             typer.echo(f"rlpipe runs: {error}", err=True)
             raise typer.Exit(2) from None
     rows = list_runs(root)
+    if as_json:
+        print_json(rows)
+        return
     if not rows:
         typer.echo(f"no runs in {root}")
         return
-    Console().print(runs_table(root, rows))
+    console_for().print(runs_table(root, rows))
 
 
 @app.command()
@@ -148,11 +151,13 @@ def dead_letters(
     import asyncio
     import json
 
-    from rich.console import Console
+    from nats.errors import NoServersError
     from rich.table import Table
 
     from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options
     from services.cli.dead_letters import reinject as send_back
+    from services.cli.output import console_for
+    from services.cli.runs import launcher_holds, read_run
 
     run_id = run_dir.name
     try:
@@ -163,13 +168,23 @@ def dead_letters(
     if payload is not None and len(reinject) != 1:
         typer.echo("rlpipe dead-letters: --payload goes with exactly one --reinject", err=True)
         raise typer.Exit(2)
-    if reinject:
-        body = payload.read_bytes() if payload else None
-        for sequence in reinject:
-            origin = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
-            typer.echo(f"re-injected dead letter {sequence} into {origin}")
-        return
-    letters = asyncio.run(list_dead_letters(url, run_id, limit, operator_options(run_dir)))
+    try:
+        if reinject:
+            body = payload.read_bytes() if payload else None
+            for sequence in reinject:
+                origin = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
+                typer.echo(f"re-injected dead letter {sequence} into {origin}")
+            return
+        letters = asyncio.run(list_dead_letters(url, run_id, limit, operator_options(run_dir)))
+    except NoServersError:
+        # A finished run's broker ended with its launcher: say so, not a traceback.
+        state = "running, but its broker does not answer" if launcher_holds(run_dir) else read_run(run_dir).state
+        typer.echo(
+            f"rlpipe dead-letters: no broker answers at {url}: run {run_id} is {state}. Dead letters are read from a "
+            "running run's broker (`rlpipe run CONFIG --resume --paused` brings a finished one back, held)",
+            err=True,
+        )
+        raise typer.Exit(2) from None
     if as_json:
         for letter in letters:
             typer.echo(json.dumps(vars(letter)))
@@ -181,7 +196,7 @@ def dead_letters(
         table.add_row(
             str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason
         )
-    Console().print(table)
+    console_for().print(table)
 
 
 @app.command()
@@ -243,14 +258,20 @@ def doctor(
         "--embedded",
         help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url",
     ),
+    as_json: bool = typer.Option(False, "--json", help="a JSON list of the checks (name, status, detail)"),
 ) -> None:
     """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk.
 
     Exits 1 naming each failure.
     """
     from services.cli.doctor.checks import diagnose, print_report
+    from services.cli.output import console_for, print_json
 
-    raise typer.Exit(print_report(diagnose(config, embedded=embedded)))
+    results = diagnose(config, embedded=embedded)
+    if as_json:
+        print_json(results)
+        raise typer.Exit(1 if any(result.failed for result in results) else 0)
+    raise typer.Exit(print_report(results, console_for()))
 
 
 @app.command()
@@ -264,21 +285,22 @@ def plan(
     lora_rank: int = typer.Option(None, help="train rank-R LoRA adapters on q, k, v and o instead of every weight"),
     gpus: int = typer.Option(None, min=0, help="GPUs at hand; 0 plans for the CPU (default: the GPUs seen here)"),
     gpu_memory_gib: float = typer.Option(None, min=0.1, help="memory of each GPU in GiB (default: this machine's)"),
+    as_json: bool = typer.Option(False, "--json", help="the estimate and the placements as one JSON document"),
 ) -> None:
     """Estimate the memory each role needs (with 25% headroom), which placement fits the GPUs, and swap risk.
 
     Options override what a run config says; a model folder starts from grpo, 4096 micro-batch tokens,
     sequences of 1024 and groups of 8 in bfloat16 with float32 master weights.
     """
-    from rich.console import Console
-
+    from services.cli.output import console_for
     from services.cli.plan import gpus_at_hand, plan_command, resolve_gpus
 
     try:
         code = plan_command(
             source,
             resolve_gpus(gpus, gpu_memory_gib, gpus_at_hand),
-            Console(),
+            console_for(),
+            as_json=as_json,
             algorithm=algorithm,
             micro_batch_tokens=micro_batch_tokens,
             max_seq_len=seq_len,

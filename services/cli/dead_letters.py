@@ -53,7 +53,7 @@ class DeadLetter:
 async def list_dead_letters(
     nats_url: str, run_id: str, limit: int = 1000, options: dict[str, Any] | None = None
 ) -> list[DeadLetter]:
-    nc = await nats.connect(nats_url, **(options or {}))
+    nc = await nats.connect(nats_url, **ONE_TRY, **(options or {}))
     try:
         js = nc.jetstream()
         letters: list[DeadLetter] = []
@@ -99,7 +99,7 @@ async def reinject(
     after it, the trainer refuses the second copy unless the first was dead-lettered again.
     """
     by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
-    nc = await nats.connect(nats_url, **(options or {}))
+    nc = await nats.connect(nats_url, **ONE_TRY, **(options or {}))
     try:
         js = nc.jetstream()
         raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence)
@@ -139,6 +139,21 @@ def _group_headers(payload: bytes) -> dict[str, str]:
         return {}
     named = {H_GROUP: body.get("group_id"), H_INCARNATION: body.get("incarnation")}
     return {header: value for header, value in named.items() if isinstance(value, str) and value}
+
+
+async def _quiet(_: Exception) -> None:
+    """nats-py prints every failed connection attempt with its traceback; the command says what failed once."""
+
+
+# An operator's command tries a broker twice, half a second apart: one that does not answer is reported within
+# seconds (NoServersError), not retried for two minutes as nats-py's defaults (60 attempts 2 s apart) would.
+ONE_TRY: dict[str, Any] = {
+    "allow_reconnect": False,
+    "max_reconnect_attempts": 1,
+    "reconnect_time_wait": 0.5,
+    "connect_timeout": 5,
+    "error_cb": _quiet,
+}
 
 
 def nats_url_of(run_dir: Path) -> str:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from services.cli.output import print_json
 from services.cli.sizing import (
     GIB,
     LORA_DEFAULT_TARGETS,
@@ -193,9 +194,14 @@ def render(est: SizingEstimate, gpus: Gpus, host: HostMemory | None, console: Co
             console.print(f"  {_placement_line(layout)}", markup=False, highlight=False)
     else:
         console.print(f"no GPUs given: every role on this CPU needs {gib(with_headroom(host_need(est, 1)))}")
-    warnings = (swap_in_use(host), None if gpus.count else memory_shortfall(host, host_need(est, 1)))
-    for warning in filter(None, warnings):
+    for warning in plan_warnings(est, gpus, host):
         console.print(f"WARN {warning}", markup=False, highlight=False)
+
+
+def plan_warnings(est: SizingEstimate, gpus: Gpus, host: HostMemory | None) -> list[str]:
+    """Swap in use, and on the CPU a host with less memory than every role together needs."""
+    found = (swap_in_use(host), None if gpus.count else memory_shortfall(host, host_need(est, 1)))
+    return [warning for warning in found if warning]
 
 
 def _placement_line(layout: Placement) -> str:
@@ -205,8 +211,38 @@ def _placement_line(layout: Placement) -> str:
     return f"{layout.name}: {verdict} ({layout.detail})"
 
 
-def plan_command(source: Path, gpus: Gpus, console: Console, **options: object) -> int:
+def plan_document(est: SizingEstimate, gpus: Gpus, host: HostMemory | None) -> dict[str, object]:
+    """What ``render`` shows, for ``rlpipe plan --json``: sizes in bytes, the headroom and placements spelled out."""
+    trainer = est.trainer
+    return {
+        "estimate": est,
+        "totals": {
+            "trainer": trainer.total - trainer.critic,
+            "critic": trainer.critic,
+            "reference": est.reference.total,
+            "rollout": est.rollout.total,
+        },
+        "with_headroom": {
+            "trainer": with_headroom(trainer.total - trainer.critic),
+            "critic": with_headroom(trainer.critic),
+            "reference": with_headroom(est.reference.total),
+            "rollout": with_headroom(est.rollout.total),
+        },
+        "gpus": gpus,
+        "placements": placements(est, gpus.count, gpus.memory) if gpus.count else [],
+        "host_need": with_headroom(host_need(est, 1)),
+        "warnings": [
+            w for w in (swap_in_use(host), None if gpus.count else memory_shortfall(host, host_need(est, 1))) if w
+        ],
+    }
+
+
+def plan_command(source: Path, gpus: Gpus, console: Console, as_json: bool = False, **options: object) -> int:
     model_path, inputs = load_plan_source(source)
     inputs = with_options(inputs, **options)
-    render(estimate(read_model_shape(model_path), inputs), gpus, read_host_memory(), console)
+    est, host = estimate(read_model_shape(model_path), inputs), read_host_memory()
+    if as_json:
+        print_json(plan_document(est, gpus, host))
+    else:
+        render(est, gpus, host, console)
     return 0

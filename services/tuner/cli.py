@@ -51,6 +51,7 @@ def register(app: typer.Typer) -> None:
         """
         from rich.console import Console
 
+        from services.cli.output import console_for
         from services.common.config import ConfigError, load_config_with, parse_overrides
         from services.tuner import records
         from services.tuner.spec import TuneFileError
@@ -77,8 +78,7 @@ def register(app: typer.Typer) -> None:
         except (TuneFileError, ConfigError) as error:
             typer.echo(f"rlpipe tune: {error}", err=True)
             raise typer.Exit(2) from None
-        # A table read from a file or a CI log is as useful as one on a terminal: do not squeeze it to 80 columns.
-        console = Console(width=None if sys.stdout.isatty() else 160)
+        console = console_for(sys.stdout)
         import optuna
 
         optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from services.cli.app import app
 from services.cli.plan import Gpus, inputs_from_config, resolve_gpus, sizing_row
-from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape
+from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape, with_headroom
 from services.common.config import load_config
 from tests.cli.test_sizing import SMOLLM2_CONFIG
 from tests.conftest import ROOT, write_config
@@ -160,6 +160,29 @@ def test_plan_of_a_config_prints_the_critic_and_which_placement_fits(config_path
     assert result.exit_code == 0, result.output
     assert "critic (ppo)" in result.output
     assert "reference on its own GPU: fits on 3 GPU(s), trainer world size 1" in result.output
+
+
+def test_plan_into_a_pipe_prints_every_column_whole_whatever_the_terminal_width(config_path: Path) -> None:
+    # CliRunner's output is no terminal, like `rlpipe plan > plan.txt`; COLUMNS says 80, as a bare shell would.
+    result = CliRunner().invoke(
+        app, ["plan", str(config_path), "--gpus", "3", "--gpu-memory-gib", "6"], env={"COLUMNS": "80"}
+    )
+    assert result.exit_code == 0, result.output
+    header = next(line for line in result.output.splitlines() if "weights" in line)
+    assert [cell.strip() for cell in header.split("┃")[1:-1]] == [
+        "role", "weights", "gradients", "optimizer", "activations", "logits / KV cache", "total", "+25%"
+    ]  # fmt: skip
+    assert "…" not in result.output
+
+
+def test_plan_json_holds_the_estimate_headroom_and_placements(config_path: Path) -> None:
+    result = CliRunner().invoke(app, ["plan", str(config_path), "--gpus", "3", "--gpu-memory-gib", "6", "--json"])
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.output)
+    assert plan["with_headroom"] == {role: with_headroom(total) for role, total in plan["totals"].items()}
+    assert plan["totals"]["trainer"] > plan["estimate"]["trainer"]["weights"] > 0
+    assert plan["gpus"] == {"count": 3, "memory": 6 * 2**30}
+    assert "reference on its own GPU" in [layout["name"] for layout in plan["placements"]]
 
 
 def test_plan_of_a_folder_without_config_json_exits_2_naming_it(tmp_path: Path) -> None:

@@ -74,6 +74,16 @@ def test_the_runs_command_prints_each_run_with_its_resources(tmp_path):
     assert [cell.strip() for cell in lines["unpriced"].split("│")[2:5]] == ["failed (1)", "1", "0.125 cpu-core-h"]
 
 
+def test_the_runs_command_lists_each_run_as_json(tmp_path):
+    root = tmp_path / "runs"
+    make_run(root, "priced", steps=12, code=0, usage={"device_hours": {"trainer": {"cpu-core": 0.25}}, "cost": 3.5})
+    result = CliRunner().invoke(app, ["runs", str(root), "--json"])
+    assert result.exit_code == 0, result.output
+    [run] = json.loads(result.output)
+    assert (run["run_id"], run["state"], run["exit_code"], run["step"]) == ("priced", "finished", 0, 12)
+    assert run["resources"] == {"device_hours": {"trainer": {"cpu-core": 0.25}}, "cost": 3.5}
+
+
 def test_the_runs_command_says_when_there_are_none(tmp_path):
     result = CliRunner().invoke(app, ["runs", str(tmp_path / "nowhere")])
     assert result.exit_code == 0 and result.output == f"no runs in {tmp_path / 'nowhere'}\n"

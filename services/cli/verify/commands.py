@@ -16,11 +16,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from services.cli.output import console_for
 from services.cli.verify.health import FIRST_STEP_MAX_S
 from services.common.config import ConfigError, load_config
 
 DEFAULT_CONFIG = Path("examples/arith-grpo.yaml")
-console = Console(width=None if sys.stdout.isatty() else 200)
+console = console_for(sys.stdout)
 
 
 def _plain(message: str) -> None:

@@ -6,6 +6,7 @@ Each failure case asserts the exit code and that the failing check and its reaso
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -119,6 +120,20 @@ def test_missing_model_path_fails_naming_it(tiny_model, tmp_path, nats_url):
     assert "rlpipe doctor: 1 failed: config" in done.stdout
     # The rest of the config is still checked.
     assert "write, read and delete work" in done.stdout and "JetStream enabled" in done.stdout
+
+
+def test_doctor_json_lists_every_check_with_its_status_and_exits_as_the_table_does(tiny_model, tmp_path, nats_url):
+    missing = tmp_path / "no-such-model"
+    done = doctor(config_for(tmp_path, tiny_model, nats_url, model={"path": str(missing)}), "--json")
+    assert done.returncode == 1
+    checks = {check["name"]: check for check in json.loads(done.stdout)}
+    assert (
+        checks["config"]["status"] == "fail"
+        and f"model folder '{missing}' does not exist" in checks["config"]["detail"]
+    )
+    assert checks["nats"]["status"] == "ok" and all(
+        set(check) == {"name", "status", "detail"} for check in checks.values()
+    )
 
 
 def test_model_folder_without_tokenizer_fails(tiny_model, tmp_path, nats_url):
