@@ -37,9 +37,39 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.conftest import ROOT, kill_service, metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.conftest import (
+    ROOT,
+    free_port,
+    kill_service,
+    metric_rows,
+    rlpipe,
+    run_info,
+    running_pipeline,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
+
+
+def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(tmp_path):
+    run_dir = tmp_path / "runs" / "done"
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"nats_url": f"nats://127.0.0.1:{free_port()}"}))  # nobody there
+    (run_dir / "exit.json").write_text(json.dumps({"state": "finished", "code": 0}))
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert (
+        done.stderr.startswith("rlpipe dead-letters: no broker answers at nats://127.0.0.1:")
+        and "run done is finished" in done.stderr
+    )
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
 def test_list_and_reinject(tiny_model, tmp_path, nats_url):
