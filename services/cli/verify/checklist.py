@@ -50,6 +50,7 @@ from services.cli.report import read_jsonl
 from services.cli.verify.alert_drill import run_drill
 from services.cli.verify.check import Check
 from services.cli.verify.checkpoints import verify_checkpoints
+from services.cli.verify.compare import keep_previous
 from services.cli.verify.health import (
     FIRST_STEP_MAX_S,
     first_step_check,
@@ -215,6 +216,7 @@ def write_record(
     }
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     as_json, as_md = cfg.run_dir / "verify.json", cfg.run_dir / "verify.md"
+    keep_previous(as_json)  # the record this one replaces stays the baseline `--against` compares with
     as_json.write_text(json.dumps(record, indent=2) + "\n")
     lines = [
         f"# Verification of {config_path}",

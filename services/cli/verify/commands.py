@@ -86,12 +86,23 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
             min=1.0,
             help="seconds from the smoke run's start to its first step row that still pass (model loads included)",
         ),
+        against: Path | None = typer.Option(
+            None,
+            "--against",
+            exists=True,
+            dir_okay=False,
+            help="an earlier verify.json to compare versions, config and figures with (default: the newest earlier "
+            "record, kept under the run directory's verify-history/)",
+        ),
     ) -> None:
         """The post-deployment checklist: roles, weight sync, a smoke run, a checkpoint written and loaded, an
         alert drill, the training curves, their ranges and jumps, the first step's time, resources, remote
         services. Starts the embedded deployment, or, with the global --address, checks the running one behind
-        that trainer admin address (no smoke run). Writes verify.json and verify.md."""
+        that trainer admin address (no smoke run). Writes verify.json and verify.md, keeps the record they replace
+        under verify-history/, and prints what changed in versions, config, checks and figures since it (or since
+        --against)."""
         from services.cli.verify.checklist import verify, verify_live
+        from services.cli.verify.compare import newest_earlier, record_changes
         from services.common.config import AdminCredentials, parse_overrides
 
         _orderly_sigterm()
@@ -112,6 +123,12 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
             raise typer.Exit(2) from None
         _show_checks(checks, f"verification of {config} (run {cfg.run_id})")
         _plain(f"record: {as_json} {as_md}")
+        baseline = against or newest_earlier(as_json)
+        if baseline is not None:
+            changes = record_changes(as_json, as_md, baseline)
+            _plain(f"since {baseline}: " + (f"{len(changes)} change(s)" if changes else "nothing changed"))
+            for change in changes:
+                _plain(f"  {change.line()}")
         failed = [c for c in checks if c.status == "fail"]
         for check in failed:
             _plain(f"rlpipe verify: {check.name} failed: {check.detail}")
