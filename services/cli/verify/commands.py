@@ -137,6 +137,44 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
     alerts_app = typer.Typer(no_args_is_help=True, help="Alert rules and their delivery.")
     app.add_typer(alerts_app, name="alerts")
 
+    @alerts_app.command("review")
+    def alerts_review(
+        run_dir: Path = typer.Argument(..., metavar="RUN", help="a run directory (runs/<run id>)"),
+        as_json: bool = typer.Option(False, "--json", help="one JSON document instead of the table"),
+    ) -> None:
+        """Each alert rule of the run against what the run showed: its firings, the distribution of what it judges,
+        the closest the run came to firing it, and a threshold to suggest (for a run you judge healthy)."""
+        from services.cli.alert_review import review_run
+        from services.cli.output import print_json
+        from services.cli.report import read_jsonl
+
+        config = run_dir / "effective-config.yaml"
+        if not config.is_file():
+            _plain(f"rlpipe alerts review: {config} does not exist (not a run directory)")
+            raise typer.Exit(2)
+        cfg = _load(config, "alerts review")
+        reviews = review_run(cfg.alerts.rules, read_jsonl(cfg.metrics_file), read_jsonl(run_dir / "events.jsonl"))
+        if as_json:
+            print_json(reviews)
+            return
+        table = Table(title=f"alert rules of {cfg.run_id} against its {len(read_jsonl(cfg.metrics_file))} rows")
+        for column in ("rule", "judges", "threshold", "fired", "p5 / p50 / p95", "closest", "suggested", "verdict"):
+            table.add_column(column, overflow="fold")
+        for review in reviews:
+            rule, spread = review.rule, review.percentiles
+            current = f"{rule.window_s:g} s" if rule.condition == "absent" else f"{rule.threshold:g}"
+            table.add_row(
+                rule.name,
+                f"{rule.metric} {rule.condition} over {rule.window_steps}",
+                current,
+                str(len(review.firings)),
+                " / ".join(f"{spread[p]:.4g}" for p in (5, 50, 95)) if spread else "-",
+                "-" if review.closest is None else f"{review.closest:.4g}",
+                "-" if review.suggested is None else f"{review.suggested:.4g}",
+                review.verdict,
+            )
+        console_for().print(table)
+
     @alerts_app.command("test")
     def alerts_test(
         rule: str | None = typer.Argument(None, help="the rule to fire (default: every configured rule)"),
