@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from services.cli.output import console_for
-from services.common.config import AdminCredentials
+from services.common.config import AdminCredentials, RunsLocation
 from services.common.observe.logs import JsonlFollower
 from services.common.pb import admin_pb2, admin_pb2_grpc
 
@@ -49,8 +49,17 @@ RUN_BY_THE_LOOP = {"Pause", "Resume", "Stop", "Checkpoint", "Rollback", "MarkSta
 class Target:
     """Where and how to reach the Admin service, from the options or the newest local run."""
 
-    def __init__(self, address: str, token: str, timeout: float, run_dir: Path | None, tls_ca: Path | None):
-        self.run_dir = run_dir or newest_run_dir()
+    def __init__(
+        self,
+        address: str,
+        token: str,
+        timeout: float,
+        run_dir: Path | None,
+        tls_ca: Path | None,
+        runs_dir: Path | None = None,
+    ):
+        self.runs_dir = runs_dir or RunsLocation().runs_dir
+        self.run_dir = run_dir or newest_run_dir(self.runs_dir)
         self.given_address = address
         self.given_token = token
         self.timeout = timeout
@@ -58,7 +67,11 @@ class Target:
 
     def _recorded(self, key: str) -> str:
         if self.run_dir is None or not (self.run_dir / "run.json").is_file():
-            fail(USAGE, "no --address given and no runs/*/run.json found (start a run with `rlpipe run CONFIG`)")
+            fail(
+                USAGE,
+                f"no --address given and no {self.runs_dir}/*/run.json found (start a run with `rlpipe run CONFIG`; "
+                "a run elsewhere: --runs-dir or RLPIPE_RUNS_DIR, its config's runs_dir, or --run-dir)",
+            )
         value = json.loads((self.run_dir / "run.json").read_text()).get(key)
         if not value:
             fail(USAGE, f"{self.run_dir / 'run.json'} has no {key!r} yet (is the trainer up?)")
@@ -85,7 +98,7 @@ class Target:
                 fail(_EXIT_OF.get(error.code(), REFUSED), f"{method}: {error.code().name}: {error.details()}")
 
 
-def newest_run_dir(runs: Path = Path("runs")) -> Path | None:
+def newest_run_dir(runs: Path) -> Path | None:
     found = sorted(runs.glob("*/run.json"), key=lambda p: p.stat().st_mtime)
     return found[-1].parent if found else None
 
@@ -196,9 +209,12 @@ def register(app: typer.Typer) -> typer.Typer:
             f"{LOOP_DEADLINE_S:g} for commands the training loop runs)",
         ),
         run_dir: Path | None = typer.Option(None, help="run directory whose run.json and admin.token to use"),
+        runs_dir: Path | None = typer.Option(
+            None, help="where to find the newest local run without --run-dir (default: RLPIPE_RUNS_DIR, else runs)"
+        ),
         tls_ca: Path | None = typer.Option(None, help="CA certificate when the admin port speaks TLS"),
     ) -> None:
-        ctx.obj = Target(address, token, timeout, run_dir, tls_ca)
+        ctx.obj = Target(address, token, timeout, run_dir, tls_ca, runs_dir)
 
     def target(ctx: typer.Context) -> Target:
         return ctx.obj

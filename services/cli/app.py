@@ -85,7 +85,7 @@ def report(run_dir: Path = typer.Argument(..., metavar="RUN", help="a run direct
 @app.command()
 def runs(
     root: Path | None = typer.Argument(
-        None, metavar="ROOT", help="the runs root (default: runs_dir of --config, else the config's default, runs/)"
+        None, metavar="ROOT", help="the runs root (default: runs_dir of --config, else RLPIPE_RUNS_DIR, else runs/)"
     ),
     config: Path | None = typer.Option(None, "--config", help="a run config whose runs_dir is the root"),
     as_json: bool = typer.Option(False, "--json", help="a JSON list of the runs instead of a table"),
@@ -93,11 +93,11 @@ def runs(
     """List the local runs: each one's state (running, finished, failed, refused, stopped), step and resources."""
     from services.cli.output import console_for, print_json
     from services.cli.runs import list_runs, runs_table
-    from services.common.config import RunConfig, load_config
+    from services.common.config import RunsLocation, load_config
 
     if root is None:
         try:
-            root = load_config(config).runs_dir if config else RunConfig.model_fields["runs_dir"].default
+            root = load_config(config).runs_dir if config else RunsLocation().runs_dir
         except ConfigError as error:
             typer.echo(f"rlpipe runs: {error}", err=True)
             raise typer.Exit(2) from None

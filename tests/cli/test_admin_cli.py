@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from services.cli.app import app
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
@@ -58,3 +61,28 @@ def test_metrics_and_logs_print_what_is_there(tmp_path):
     missing = cli_process(tmp_path, "logs", "rollout-7")
     _, err = missing.communicate(timeout=60)
     assert missing.returncode == 2 and err == f"rlpipe: {tmp_path / 'logs' / 'rollout-7.log'} does not exist\n"
+
+
+@pytest.mark.unit
+def test_the_newest_run_is_found_under_rlpipe_runs_dir_or_runs_dir_not_only_under_runs(tmp_path, monkeypatch):
+    from services.cli.admin import Target
+
+    elsewhere = tmp_path / "elsewhere"
+    for name in ("older", "newer"):
+        (elsewhere / name).mkdir(parents=True)
+        (elsewhere / name / "run.json").write_text('{"admin": "127.0.0.1:1"}')
+    os.utime(elsewhere / "older" / "run.json", (1, 1))
+    monkeypatch.chdir(tmp_path)  # no runs/ here
+    monkeypatch.setenv("RLPIPE_RUNS_DIR", str(elsewhere))
+    assert Target("", "", 0.0, None, None).run_dir == elsewhere / "newer"
+    monkeypatch.delenv("RLPIPE_RUNS_DIR")
+    assert Target("", "", 0.0, None, None, runs_dir=elsewhere).run_dir == elsewhere / "newer"
+    assert Target("", "", 0.0, None, None).run_dir is None
+
+
+@pytest.mark.unit
+def test_a_run_command_that_finds_no_run_names_the_folder_it_looked_in_and_how_to_point_elsewhere(tmp_path):
+    result = CliRunner().invoke(app, ["--runs-dir", str(tmp_path), "status"])
+    assert result.exit_code == 2
+    said = " ".join(result.output.split())
+    assert f"no {tmp_path}/*/run.json found" in said and "--runs-dir or RLPIPE_RUNS_DIR" in said

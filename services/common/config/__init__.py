@@ -58,6 +58,7 @@ from services.common.config.sections import (
     BuildInfo,
     DeploymentEnvironment,
     RunConfig,
+    RunsLocation,
     S3Credentials,
     WeightSyncCredentials,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "RewardModelConfig",
     "RolloutConfig",
     "RunConfig",
+    "RunsLocation",
     "S3Credentials",
     "SamplingConfig",
     "Section",

@@ -58,6 +58,14 @@ class WeightSyncCredentials(BaseSettings):
     )
 
 
+class RunsLocation(BaseSettings):
+    """Where an operator's commands look for local runs when no run directory is named: the environment's
+    RLPIPE_RUNS_DIR, the same variable that sets a run's ``runs_dir``, else ``runs``."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+    runs_dir: Path = Field(Path("runs"), description="folder of run directories (RLPIPE_RUNS_DIR)")
+
+
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
