@@ -26,7 +26,7 @@ from typing import Any
 
 from services.common.config import RunConfig
 from services.common.episodes.observations import observation_format
-from services.common.model.chat import prompt_text, render_rows
+from services.common.model.chat import ChatTemplateError, prompt_text, render_rows
 from services.common.model.datasets import open_prompts, read_rows
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
@@ -96,7 +96,11 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
-        self.eval_rows = render_rows(eval_rows, learner.tokenizer)
+        try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
+            self.eval_rows = render_rows(eval_rows, learner.tokenizer)
+            train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
+        except ChatTemplateError as error:
+            raise StartRefused(str(error)) from None
         if self.eval_rows and cfg.rollout.multi_turn:
             try:  # the held-out episodes wrap observations as the rollouts do: a model that cannot is refused now
                 observation_format(learner.tokenizer, cfg.rollout.observation_role)
@@ -111,7 +115,6 @@ class Trainer:
         )
         self.journal = Journal(EventLog.of_run(cfg), [AlertSink(live, metrics, self.telemetry, self.progress)])
         self.ledger = GroupLedger()
-        train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(

@@ -14,7 +14,7 @@ from services.cli.app import app
 from services.cli.build.tasks import WORD_SYSTEM, WORD_TEMPLATES, make_word_problem_dataset
 from services.cli.build.tiny_model import build_char_tokenizer
 from services.common.model.answers import ends_on_answer, last_number, parse_number
-from services.common.model.chat import ChatTemplateMissing, prompt_text, render_rows
+from services.common.model.chat import ChatTemplateMissing, ChatTemplateRefused, prompt_text, render_rows
 from services.common.model.datasets import load_jsonl, row_problem
 from tests.conftest import ROOT
 
@@ -83,6 +83,29 @@ def test_rendering_uses_the_chat_template_with_a_generation_prompt() -> None:
     rendered = render_rows([chat, plain], tokenizer)
     assert [r["prompt"] for r in rendered] == ["[system] s\n[user] q\n[assistant] ", "1+1="]
     assert rendered[0]["messages"] == chat["messages"] and "prompt" not in chat  # the input rows are not changed
+
+
+@pytest.mark.integration
+def test_a_row_may_carry_a_worked_tool_exchange_and_a_template_that_refuses_it_names_the_row() -> None:
+    messages = [
+        {"role": "system", "content": "Use <calc>."},
+        {"role": "user", "content": "123*45?"},
+        {"role": "assistant", "content": "<calc>123*45</calc>"},
+        {"role": "tool", "content": "<result>5535</result>"},
+        {"role": "assistant", "content": "5535"},
+        {"role": "user", "content": "964*59?"},
+    ]
+    row = {"id": "t", "messages": messages, "answer": "56876"}
+    assert row_problem(line(row)) is None
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    assert "[tool] <result>5535</result>\n" in prompt_text(row, tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('no tool role') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    with pytest.raises(ChatTemplateRefused, match=r"row 't': the model's chat template cannot render its messages"):
+        prompt_text(row, tokenizer)
 
 
 def test_a_chat_row_without_a_template_names_the_row() -> None:

@@ -273,3 +273,28 @@ def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model,
     fed = [json.loads(line) for line in (tmp_path / "runs" / "test" / "samples" / "step_1.jsonl").open()]
     assert len(fed) == 4
     assert all(answers[group["prompt"]] == group["answer"] for group in fed)
+
+
+@pytest.mark.unit
+def test_a_chat_row_whose_roles_the_template_refuses_is_refused_at_open_however_deep_in_the_file(tmp_path):
+    from services.common.model.chat import ChatTemplateRefused
+
+    user = {"messages": [{"role": "user", "content": "1+1?"}], "answer": "2"}
+    tool = {
+        "id": "deep",
+        "messages": [*user["messages"], {"role": "tool", "content": "2"}, {"role": "user", "content": "so?"}],
+        "answer": "2",
+    }
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps({**user, "id": f"u{i}"}) + "\n" for i in range(50)) + json.dumps(tool) + "\n")
+    rendered: list[str] = []
+
+    def render(row):
+        if any(message["role"] == "tool" for message in row["messages"]):
+            raise ChatTemplateRefused(f"row {row['id']!r}: no tool role")
+        rendered.append(row["id"])
+        return "text"
+
+    with pytest.raises(ChatTemplateRefused, match="row 'deep'"):
+        open_prompts(DataConfig(train_path=path), render=render)
+    assert rendered == ["u0"]  # one row of each set of roles is tried, not every row

@@ -18,8 +18,16 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 
-class ChatTemplateMissing(ValueError):
+class ChatTemplateError(ValueError):
+    """A chat row the model cannot render: a configuration problem, refused at start."""
+
+
+class ChatTemplateMissing(ChatTemplateError):
     """A row has ``messages`` but the tokenizer has no chat template to render them with."""
+
+
+class ChatTemplateRefused(ChatTemplateError):
+    """The model's chat template raised on a row's messages (a role it does not take, such as ``tool``)."""
 
 
 def prompt_text(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
@@ -31,7 +39,14 @@ def prompt_text(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
             f"row {row.get('id', '?')!r} has 'messages' but the model's tokenizer has no chat template; "
             "give the row a plain 'prompt' or use a chat model"
         )
-    return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    try:
+        return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+    except Exception as error:  # jinja2's TemplateError, or whatever a template's raise_exception() raises
+        roles = sorted({message["role"] for message in row["messages"]})
+        raise ChatTemplateRefused(
+            f"row {row.get('id', '?')!r}: the model's chat template cannot render its messages (roles {roles}): "
+            f"{error}; rewrite the row with roles the template takes"
+        ) from None
 
 
 def render_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:

@@ -30,7 +30,9 @@ from services.common.observe.logs import log_event
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
+# "tool": a worked tool exchange in a row's chat (docs/agents.md recommends one with observation_role: tool); the
+# chat template must take it, which rendering checks (chat.py).
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def row_problem(raw: bytes) -> str | None:
@@ -229,7 +231,9 @@ class DataScan:
     rows: int = 0
     checked: int = 0
     truncated: bool = False
-    first_chat: dict[str, Any] | None = None  # the first row with messages, to try the chat template on
+    # The first row of each set of roles among the chat rows: each is rendered at start, so a template that does not
+    # take a role (a worked ``tool`` exchange) is refused before the run, not when the feeder reaches that row.
+    chats_by_roles: dict[tuple[str, ...], dict[str, Any]] = field(default_factory=dict)
     bad: list[tuple[int, str]] = field(default_factory=list)
 
     def summary(self, path: Path) -> str:
@@ -274,8 +278,8 @@ def scan_dataset(
             scan.bad.append((at, str(error)))
             continue
         scan.rows += 1
-        if scan.first_chat is None and "messages" in row:
-            scan.first_chat = row
+        if "messages" in row:
+            scan.chats_by_roles.setdefault(tuple(sorted({m["role"] for m in row["messages"]})), row)
     return scan
 
 
@@ -395,7 +399,8 @@ def open_prompts(data: DataConfig, render: Render | None = None, check_rows: int
 
     Checked at start: every row of a JSON Lines file or a dataset read whole; the first ``check_rows`` of
     a stream (later bad ones are skipped and logged). DatasetError lists the bad rows by line or index.
-    A chat row is rendered once here, so a model without a chat template is refused now, not mid-run.
+    One chat row of each set of roles is rendered here, so a model without a chat template, or one whose template
+    does not take a row's roles, is refused now, not mid-run.
     """
     path = data.train_path
     scan = scan_dataset(path, data.columns, data.split, check_rows if data.streaming else None, data.streaming)
@@ -410,7 +415,8 @@ def open_prompts(data: DataConfig, render: Render | None = None, check_rows: int
     else:
         dataset = hf_dataset(path, data.split, streaming=False)
         source = RowTable(dataset, lambda record: prompt_row(record, data.columns))
-    if render is not None and scan.first_chat is not None:
-        render(scan.first_chat)  # a model without a chat template raises ChatTemplateMissing now, not mid-run
+    if render is not None:
+        for chat in scan.chats_by_roles.values():
+            render(chat)  # a template missing, or refusing a role, raises ChatTemplateError now, not mid-run
     source.render = render
     return source
