@@ -271,24 +271,21 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
                 typer.echo(group.to_json())
             return
         for group in groups:
+            episodes = any(c.mask for c in group.completions)
             table = Table(
                 title=f"step {group.step}  group {group.group_id}  (version {group.policy_version})  "
                 f"prompt {group.prompt!r}  answer {group.answer!r}",
                 title_justify="left",
+                caption="tokens, logprobs and KL over the model's own tokens; an episode's observations are "
+                "in the text and the mask (M model, O observation), in no statistic"
+                if episodes
+                else None,
             )
-            for column in (
-                "completion",
-                "reward",
-                "finish",
-                "tokens",
-                "logprob mean",
-                "logprob min",
-                "KL mean",
-                "KL max",
-            ):
+            columns = ["completion", "reward", "finish", "tokens", "logprob mean", "logprob min", "KL mean", "KL max"]
+            for column in [*columns, *(["observation tokens", "mask"] if episodes else [])]:
                 table.add_column(column, overflow="fold")
             for c in group.completions:
-                table.add_row(
+                cells = [
                     repr(c.text),
                     f"{c.reward:g}",
                     c.finish_reason,
@@ -297,5 +294,6 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
                     f"{c.logprob_min:.3f}",
                     f"{c.kl_mean:.4f}",
                     f"{c.kl_max:.4f}",
-                )
+                ]
+                table.add_row(*cells, *([str(c.observation_tokens), c.mask or "all model"] if episodes else []))
             console.print(table)

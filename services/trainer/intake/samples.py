@@ -31,11 +31,13 @@ class CompletionSample:
     text: str
     reward: float
     finish_reason: str
-    tokens: int
-    logprob_mean: float  # mean sampling logprob per token
+    tokens: int  # the tokens the model sampled; an episode's observations are not the model's and not counted
+    logprob_mean: float  # mean sampling logprob per model token
     logprob_min: float  # the least likely token the sampler drew
     kl_mean: float  # mean per-token log ratio log pi_sample - log pi_ref (the k1 estimate of KL to the reference)
-    kl_max: float  # the token furthest from the reference
+    kl_max: float  # the model token furthest from the reference
+    observation_tokens: int = 0  # tokens an environment inserted (loss mask 0): in the text, in no statistic
+    mask: str = ""  # the loss mask as runs, "M12 O5 M8": model tokens, then observation tokens, ...; "" = all model
 
 
 @dataclass(frozen=True)
@@ -61,11 +63,27 @@ class GroupSample:
         return cls(**{**raw, "completions": [CompletionSample(**c) for c in raw["completions"]]})
 
 
+def mask_runs(mask: np.ndarray) -> str:
+    """The loss mask as runs of model (M) and observation (O) tokens, "M12 O5 M8"; "" when every token is the
+    model's."""
+    if mask.all():
+        return ""
+    edges = np.flatnonzero(np.diff(mask)) + 1
+    return " ".join(f"{'M' if run[0] else 'O'}{run.size}" for run in np.split(mask, edges))
+
+
 def summarize(step: int, group: ExperienceGroup) -> GroupSample:
     """One applied group as the archive keeps it. Each statistic is one numpy reduction over the group's
     completions laid end to end (a step archives hundreds of completions; per-completion calls cost more than
-    the arithmetic)."""
+    the arithmetic). Only the model's own tokens count: an episode's observation tokens (loss mask 0) carry no
+    sampling logprob (0 by convention) and were never the policy's choice, so they would read as certain tokens
+    and pull the means, and their log ratio to the reference is no KL of the policy's."""
+    masks = [
+        np.ones(c.logprobs.size, dtype=bool) if c.loss_mask is None else c.loss_mask.astype(bool)
+        for c in group.completions
+    ]
     lengths = np.array([c.logprobs.size for c in group.completions])
+    model = np.concatenate([*masks, np.zeros(0, dtype=bool)])  # (T,) 1 on model tokens
     logprobs = np.concatenate([c.logprobs for c in group.completions] + [np.zeros(0)]).astype(np.float64)  # (T,)
     log_ratio = logprobs - np.concatenate([*group.ref_logprobs, np.zeros(0)]).astype(np.float64)  # (T,)
     # A completion that stopped at once has no tokens: its statistics are 0, and the reductions skip it (reduceat
@@ -73,12 +91,14 @@ def summarize(step: int, group: ExperienceGroup) -> GroupSample:
     filled = lengths > 0
     starts = (np.cumsum(lengths) - lengths)[filled]
     stats = np.zeros((4, len(lengths)))
+    counts = np.zeros(len(lengths))
     if starts.size:
+        counts[filled] = np.add.reduceat(model.astype(np.float64), starts)  # >= 1: a mask has a model token
         stats[:, filled] = [
-            np.add.reduceat(logprobs, starts) / lengths[filled],
-            np.minimum.reduceat(logprobs, starts),
-            np.add.reduceat(log_ratio, starts) / lengths[filled],
-            np.maximum.reduceat(log_ratio, starts),
+            np.add.reduceat(np.where(model, logprobs, 0.0), starts) / counts[filled],
+            np.minimum.reduceat(np.where(model, logprobs, np.inf), starts),
+            np.add.reduceat(np.where(model, log_ratio, 0.0), starts) / counts[filled],
+            np.maximum.reduceat(np.where(model, log_ratio, -np.inf), starts),
         ]
     logprob_mean, logprob_min, kl_mean, kl_max = stats.tolist()
     completions = [
@@ -86,13 +106,15 @@ def summarize(step: int, group: ExperienceGroup) -> GroupSample:
             text=completion.text,
             reward=float(reward),
             finish_reason=completion.finish_reason,
-            tokens=int(tokens),
+            tokens=int(counts[n]),
             logprob_mean=logprob_mean[n],
             logprob_min=logprob_min[n],
             kl_mean=kl_mean[n],
             kl_max=kl_max[n],
+            observation_tokens=int(lengths[n] - counts[n]),
+            mask=mask_runs(masks[n]),
         )
-        for n, (completion, reward, tokens) in enumerate(zip(group.completions, group.rewards, lengths, strict=True))
+        for n, (completion, reward) in enumerate(zip(group.completions, group.rewards, strict=True))
     ]
     return GroupSample(step, group.group_id, group.policy_version, group.prompt, group.answer, completions)
 

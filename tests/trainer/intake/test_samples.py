@@ -57,6 +57,20 @@ def test_an_empty_completion_between_two_others_leaves_their_statistics_their_ow
     assert (last.kl_mean, last.kl_max) == (-1.0, 0.0)  # log ratios 0, -2 and -1
 
 
+def test_an_episodes_observation_tokens_are_in_no_statistic_and_the_mask_shows_where_they_are():
+    # Model tokens 0-1 and 5, a tool's output at 2-4: its logprobs are 0 by convention and its reference logprobs
+    # whatever the reference makes of text the model never chose, far from 0.
+    applied = group(
+        "g1", [1.0, 1.0], [[-0.5, -1.5, 0.0, 0.0, 0.0, -1.0], [-2.0]], [[-1.0, -1.0, -9, -9, -9, -1.0], [-2.0]]
+    )
+    applied.completions[0].loss_mask = np.array([1, 1, 0, 0, 0, 1], dtype=np.int8)
+    episode, plain = summarize(3, applied).completions
+    assert (episode.tokens, episode.observation_tokens, episode.mask) == (3, 3, "M2 O3 M1")
+    assert episode.logprob_mean == -1.0 and episode.logprob_min == -1.5
+    assert episode.kl_mean == 0.0 and episode.kl_max == 0.5  # log ratios +0.5, -0.5 and 0; the tool's 9s left out
+    assert (plain.tokens, plain.observation_tokens, plain.mask) == (1, 0, "")
+
+
 def test_a_step_reads_back_exactly_the_groups_recorded(tmp_path):
     archive = SampleArchive(tmp_path / "samples", keep_steps=5)
     applied = [
