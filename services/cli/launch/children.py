@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -20,7 +21,7 @@ from rich.console import Console
 
 from services.cli.launch.crash_loop import Crash
 from services.common.config import ConfigError, RunConfig, SupervisionConfig
-from services.common.observe.events import Event
+from services.common.observe.events import RECORDED_AS, Event
 from services.common.observe.logs import RotatingLog
 
 console = Console(stderr=True)
@@ -60,6 +61,18 @@ class RestartPolicy:
 
 # The events in which a role gives the reason it refuses to run (exit EXIT_REFUSED), in their ``error`` field.
 REFUSAL_EVENTS = (Event.START_REFUSED, Event.STARTUP_CHECK_FAILED, Event.BROKER_STATE_LOST)
+# An alert line repeats while its cause lasts (a resume waiting for its store logs every few seconds): the console
+# hears it once a minute, the log every time.
+ALERT_ECHO_EVERY_S = 60.0
+# What to do, for the alerts an operator meets first; any other alert points at the role's log.
+ALERT_HINTS: dict[str, str] = {
+    Event.RESUME_WAITING: "the trainer waits for its checkpoint store and will not start from base weights: bring "
+    "the store back or fix its endpoint and credentials (checkpoint.*), or stop the run",
+    Event.FENCED_OUT: "another trainer holds the run: this one writes nothing more; `rlpipe status` names the holder",
+    Event.BUS_RESTORE_FAILED: "the broker came back without this run's streams: check nats-server and its store",
+    Event.CHECKPOINT_FAILED: "a save failed and training goes on: check the store (space, credentials)",
+    Event.ENVIRONMENT_RESET_FAILED: "the episode environment fails to start episodes: check rollout.environment",
+}
 OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
 
 
@@ -78,6 +91,8 @@ class Child:
     plain_tail: deque[str] = field(default_factory=lambda: deque(maxlen=OUTPUT_TAIL_LINES))
     dropped_lines: int = 0  # output lines its log could not take (a full disk): drained all the same
     lease_holder: str = ""  # a trainer's, from its lease_acquired event: its restart may take that lease at once
+    echo: Callable[[str], None] | None = None  # where its alert lines reach the console that started the run
+    echoed: dict[str, float] = field(default_factory=dict)  # event -> monotonic time it was last echoed
     crash: Crash | None = None  # what its crashed event's traceback says, if it died of an exception
     step_at_spawn: int = 0  # the run's last step when it started: a crash after a later one made progress first
 
@@ -126,12 +141,33 @@ class Child:
             return
         if not isinstance(event, dict) or "event" not in event:
             return
+        if event.get("alert") is True:
+            self._echo_alert(event)
         if event["event"] in REFUSAL_EVENTS:
             self.refusal = str(event.get("error", ""))
         elif event["event"] == Event.LEASE_ACQUIRED:
             self.lease_holder = str(event.get("holder", ""))
         elif event["event"] == Event.CRASHED:
             self.crash = Crash.of_traceback(str(event.get("exception", "")))
+
+    def _echo_alert(self, event: dict[str, Any]) -> None:
+        """An alert line of this role on the console, once a minute per event, with what to do. Not a refusal
+        (the run's end says it once) and not what the trainer records in events.jsonl (the launcher echoes that)."""
+        name = str(event["event"])
+        recorded = self.role == "trainer" and name in RECORDED_AS
+        now = time.monotonic()
+        if (
+            self.echo is None
+            or name in REFUSAL_EVENTS
+            or recorded
+            or now - self.echoed.get(name, -1e9) < ALERT_ECHO_EVERY_S
+        ):
+            return
+        self.echoed[name] = now
+        said = event.get("message") or event.get("error") or event.get("reason")
+        hint = ALERT_HINTS.get(name, f"see {self.log_path}")
+        head = f"{self.name} {str(event.get('level', 'alert')).lower()}: {name}"
+        self.echo(f"{head}: {said}; {hint}" if said else f"{head}; {hint}")
 
     def refusal_reason(self) -> str:
         """Why the child refused to run: its refusal event's reason, else the end of its plain output."""

@@ -151,8 +151,8 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
         run_cost(cfg, {}, launcher.usage)
         write_reports(cfg)
         console.log(archive_and_describe(cfg))
-        if failed:
-            console.log(f"[red]services failed:[/] {failed}")
+        if failed:  # asked to stop, these did not within their grace: killed, which is no failure of theirs
+            console.log(f"killed after their stop grace: {failed} (see their logs for what they were waiting on)")
         _plain(f"rlpipe run: stopped; continue it with {shlex.join(['rlpipe', 'run', str(config_path), '--resume'])}")
         return 128 + interrupted.signum
     except RoleRefused as refused:

@@ -129,6 +129,7 @@ class Launcher:
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
         child.step_at_spawn = self.last_step
+        child.echo = _echo_alert
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]
@@ -428,6 +429,11 @@ class Launcher:
 def inherited_env() -> dict[str, str]:
     """This shell's environment without the tokens only some roles are given (Launcher.role_env)."""
     return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
+
+
+def _echo_alert(line: str) -> None:
+    """A role's alert on the console that started the run: unstyled and unwrapped, so it can be grepped."""
+    console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _event_summary(event: dict[str, Any]) -> str:

@@ -312,6 +312,37 @@ def test_a_trainer_failing_alike_at_its_first_step_ends_the_run_after_one_restar
     assert run["restarts"] == {"trainer": 1}, run["restarts"]
 
 
+# A trainer's and a reward's output, as their JSON logs carry alerts.
+ALERTING = """
+import json, sys
+role = sys.argv[1]
+lines = [
+    {"event": "resume_waiting", "level": "ERROR", "alert": True, "error": "store unreadable: 403"},
+    {"event": "resume_waiting", "level": "ERROR", "alert": True, "error": "store unreadable: 403"},  # a minute's repeat
+    {"event": "alert", "level": "WARNING", "alert": True, "message": "kl_ref above 1"},  # in events.jsonl already
+    {"event": "breaker_open", "level": "ERROR", "alert": True, "error": "HTTP 401 from the reward service"},
+    {"event": "start_refused", "level": "ERROR", "alert": True, "error": "said once at the run's end"},
+    {"event": "batch_done", "level": "INFO"},
+]
+for line in lines:
+    print(json.dumps(line), flush=True)
+"""
+
+
+@pytest.mark.parametrize("role", ["trainer", "reward"])
+def test_a_roles_alerts_reach_the_console_once_a_minute_with_what_to_do(role, tmp_path):
+    process = subprocess.Popen([sys.executable, "-c", ALERTING, role], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    child = Child(f"{role}-0", role, process, tmp_path / "r.log", log_max_bytes=2**20, log_keep=1)
+    said: list[str] = []
+    child.echo = said.append
+    child.pump(process.stdout)
+    assert process.wait(timeout=30) == 0
+    waiting = f"{role}-0 error: resume_waiting: store unreadable: 403; the trainer waits for its checkpoint store"
+    breaker = f"{role}-0 error: breaker_open: HTTP 401 from the reward service; see {tmp_path / 'r.log'}"
+    recorded = [] if role == "trainer" else [f"{role}-0 warning: alert: kl_ref above 1; see {tmp_path / 'r.log'}"]
+    assert [line.split(" and will not")[0] for line in said] == [waiting, *recorded, breaker]
+
+
 # Writes 4 MiB, far past a pipe's buffer, then its last word as an event: it ends only if its output is read.
 CHATTY = """
 import json
@@ -438,6 +469,7 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
         output, _ = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "SIGINT: stopping every service" in output and "run failed" not in output
+    assert "services failed" not in output  # a stop asked for is reported as a stop
     assert f"continue it with rlpipe run {config} --resume" in " ".join(output.split())
     last_step = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
     saved = sorted(path.name for path in run_dir.glob("step-*"))
