@@ -1,5 +1,5 @@
 """The box's own program: ``box.py`` runs it as ``python -I -S -c <this file> SPEC CODE``, standard library only,
-since the project's files are not visible where it ends up.
+since the project's files are not visible where it ends up; it imports little, since every call pays for it.
 
 Four processes, each waiting on the next (the caller kills the starter's process group at its time limit):
 
@@ -11,25 +11,24 @@ Four processes, each waiting on the next (the caller kills the starter's process
 - init, PID 1 of the new PID namespace: mounts the code's private ``/tmp``, brings loopback up, drops every
   capability, forks the worker and reaps until it ends; its exit makes the kernel kill every process left in the
   namespace, however it was started (a double fork and ``setsid`` included);
-- the worker: sets the limits and becomes the interpreter running the code.
+- the worker: sets the limits and runs the code, in this same interpreter.
 
-What happened goes to the status file (its descriptor is the spec's ``status_fd``), closed by the worker's exec
-of the code's interpreter: ``setup <reason>``, ``exit <status>`` or ``signal <number>`` (and ``init <pid>``,
+What happened goes to the status file (its descriptor is the spec's ``status_fd``), which the worker closes before
+it runs anything of the code's: ``setup <reason>``, ``exit <status>`` or ``signal <number>`` (and ``init <pid>``,
 init's pid outside), so the code can neither forge its own end nor pass a failure of its own off as the box's.
-``SPEC`` is ``box.BoxSpec`` as JSON; without ``isolate`` the starter forks the worker itself (the unisolated run a
-config may allow).
+``SPEC`` is ``box.BoxSpec``, marshalled (the same interpreter on both ends, and no import to read it); without
+``isolate`` the starter forks the worker itself (the unisolated run a config may allow).
 """
 
 from __future__ import annotations
 
+import _socket
 import ctypes
 import fcntl
-import json
+import marshal
 import os
-import platform
 import resource
 import signal
-import socket
 import struct
 import sys
 
@@ -156,13 +155,14 @@ def build(spec: dict, code: str, unshared_w: int, mapped_r: int) -> None:
     os.chdir(root)
     os.setresgid(NOBODY, NOBODY, NOBODY)  # the box's own user from here on (a no-op unless the caller is root)
     os.setresuid(NOBODY, NOBODY, NOBODY)
+    die_with_parent(starter)  # a change of user clears the parent-death signal
     for path, target in links.items():  # /lib64 -> usr/lib64: the link as it is
         os.makedirs(os.path.dirname(path.lstrip("/")) or ".", exist_ok=True)
         os.symlink(target, path.lstrip("/"))
     for path, source in sources.items():
         bind(path, source, writable=path in spec["devices"])
     os.mkdir("tmp")
-    machine = platform.machine()
+    machine = os.uname().machine
     if machine not in SYS_PIVOT_ROOT:
         raise SetupFailed(f"no pivot_root syscall number for {machine}")
     call(syscall(SYS_PIVOT_ROOT[machine], b".", b"."), "pivot_root")
@@ -216,10 +216,13 @@ def initialize(spec: dict, code: str) -> None:
 
 def loopback_up() -> None:
     """The new network namespace's only interface is ``lo``, down: up, the code may talk to itself, nothing else."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+    sock = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM)  # _socket: the module without socket's imports
+    try:
         request = struct.pack("16sH22x", b"lo", 0)
-        flags = struct.unpack("16sH22x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
-        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+        flags = struct.unpack("16sH22x", fcntl.ioctl(sock.fileno(), SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock.fileno(), SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", flags | IFF_UP))
+    finally:
+        sock.close()
 
 
 def drop_capabilities() -> None:
@@ -256,10 +259,13 @@ def supervise(spec: dict, code: str) -> None:
     os._exit(0)
 
 
+class RunCode(BaseException):
+    """Raised by the worker once its limits are set: it unwinds every frame of the setup, and the module's end runs
+    the code at top level, as ``python -c`` would (an uncaught exception, ``sys.exit``, threads and ``atexit``
+    behave as they do there), without the cost of starting another interpreter."""
+
+
 def run(spec: dict, code: str) -> None:
-    """Become the interpreter running ``code`` (``-I``: no user site, no PYTHON* variable), under the limits, with
-    an empty environment (the interpreter itself sets LC_CTYPE when it coerces the C locale to UTF-8)."""
-    os.set_inheritable(STATUS_FD, False)  # gone at the exec, still here to report a failure before it
     limits = spec["limits"]
     bounds = [
         (resource.RLIMIT_AS, limits["address_space_bytes"]),
@@ -275,20 +281,36 @@ def run(spec: dict, code: str) -> None:
         bounds.append((resource.RLIMIT_NPROC, limits["processes"]))
     for which, bound in bounds:
         resource.setrlimit(which, (bound, bound))
-    executable = spec["executable"]
-    os.execve(executable, [executable, "-I", "-c", code], {})
+    raise RunCode
 
 
 def guarded(step, *args) -> None:
-    """Run a process's ``step``; a failure to build is reported, never raised into a second copy of the caller."""
+    """Run a process's ``step``; a failure to build is reported, never raised into a second copy of the caller.
+    Only the worker leaves it alive, by RunCode."""
     try:
         step(*args)
-    except (OSError, SetupFailed) as error:
-        report(f"setup {error}")
+    except Exception as error:  # whatever failed, the box was not built: said, and this process ends
+        report(f"setup {error}" if isinstance(error, (OSError, SetupFailed)) else f"setup {error!r}")
     os._exit(1)
 
 
 if __name__ == "__main__":
-    spec = json.loads(sys.argv[1])
+    spec = marshal.loads(bytes.fromhex(sys.argv[1]))
     STATUS_FD = spec["status_fd"]
-    guarded(start, spec, sys.argv[2])
+    try:
+        guarded(start, spec, sys.argv[2])
+    except RunCode:  # only the worker gets here: every other process ends in guarded
+        code = sys.argv[2]
+    # The worker, now the code's interpreter (outside the handler: the code's own errors chain to nothing).
+    os.close(STATUS_FD)
+    sys.argv = ["-c"]
+    os.environ.clear()  # empty: the interpreter coerced its C locale to UTF-8 already
+    del spec
+    # The builtins site adds (exit, quit, help), without site-packages: the code gets the standard library alone,
+    # whatever the interpreter's install holds, and is spared processing its .pth files.
+    import site
+
+    site.setquit()
+    site.setcopyright()
+    site.sethelper()
+    exec(compile(code, "<string>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import json
+import marshal
 import os
 import select
 import signal
@@ -61,7 +61,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class BoxSpec:
-    """What ``boot.py`` is told, as JSON: whether to build the box, who its parent is (it dies with it), where its
+    """What ``boot.py`` is told, marshalled: whether to build the box, who its parent is (it dies with it), where its
     status goes, the interpreter, the empty folder its root is mounted on, what it binds and its limits."""
 
     isolate: bool
@@ -126,7 +126,7 @@ class Box:
                     limits=self.limits,
                 )
                 starter = subprocess.Popen(
-                    [interpreter(), "-I", "-S", "-c", BOOT, json.dumps(asdict(spec)), code],
+                    [interpreter(), "-I", "-S", "-c", BOOT, marshal.dumps(asdict(spec)).hex(), code],
                     stdin=subprocess.DEVNULL,
                     stdout=out,
                     stderr=err,

@@ -12,6 +12,7 @@ import site
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -211,6 +212,27 @@ def test_the_box_killed_at_its_time_limit_takes_every_process_in_it_along():
     code, marker = detached(forever=True)
     outcome = run(code)
     assert outcome.timed_out and outcome.stdout.strip() == "up"
+    assert processes_with(marker) == []
+
+
+def test_a_caller_killed_outright_takes_its_box_along(tmp_path):
+    code, marker = detached(forever=True)
+    caller = subprocess.Popen(
+        [sys.executable, "-c", f"from services.common.sandbox import Box; Box().run({code!r})"],
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not processes_with(marker) and time.monotonic() < deadline:  # the box is up once its sleeper is
+            time.sleep(0.05)
+        assert processes_with(marker), "the box's sleeper never started"
+    finally:
+        caller.kill()  # SIGKILL: no cleanup of its own runs
+        caller.wait()
+    # Each process of the box dies with its parent; the last, init, takes the namespace along.
+    deadline = time.monotonic() + 10
+    while processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert processes_with(marker) == []
 
 
