@@ -43,7 +43,7 @@ class BoxLimits:
     cpu_s: int = 6  # per process
     file_bytes: int = 1 << 20  # any one file, the output included (read back whole: keep it small)
     open_files: int = 64  # per process
-    processes: int = 16  # processes and threads together, the box's init included
+    processes: int = 16  # processes and threads of the box's user: its builder, init and the code's first included
     tmp_bytes: int = 16 << 20  # the private /tmp (memory)
 
 
@@ -125,16 +125,19 @@ class Box:
                     devices=list(DEVICES),
                     limits=self.limits,
                 )
-                starter = subprocess.Popen(
-                    [interpreter(), "-I", "-S", "-c", BOOT, marshal.dumps(asdict(spec)).hex(), code],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    pass_fds=(status.fileno(),),
-                    cwd=Path(folder, "work"),
-                    env={},  # nothing of the caller's environment (tokens, key files) from the first process on
-                    start_new_session=True,
-                )
+                try:
+                    starter = subprocess.Popen(
+                        [interpreter(), "-I", "-S", "-c", BOOT, marshal.dumps(asdict(spec)).hex(), code],
+                        stdin=subprocess.DEVNULL,
+                        stdout=out,
+                        stderr=err,
+                        pass_fds=(status.fileno(),),
+                        cwd=Path(folder, "work"),
+                        env={},  # nothing of the caller's environment (tokens, key files) from the first process on
+                        start_new_session=True,
+                    )
+                except OSError as error:  # no interpreter to start, no process to spare
+                    raise BoxFailed(f"cannot start the box's interpreter {interpreter()}: {error}") from None
                 try:
                     returncode = starter.wait(timeout=self.limits.time_s)
                 except subprocess.TimeoutExpired:

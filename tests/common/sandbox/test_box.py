@@ -12,6 +12,7 @@ import site
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import uuid
 from pathlib import Path
@@ -123,10 +124,12 @@ print(json.dumps({{"seen": seen, "root": sorted(os.listdir("/"))}}))
 def test_code_in_the_box_writes_only_to_its_private_tmp_and_nothing_reaches_the_host(tmp_path):
     marker = "rlpipe-box-" + uuid.uuid4().hex
     # The review's eight 1 MiB files outside the folder, the root, the system, the interpreter's own folders (every
-    # sys.path entry) and the caller's virtual environment, where a .pth file would run in every later process.
+    # sys.path entry), its install's site-packages (there, read-only) and the caller's virtual environment's (not
+    # there): a .pth file in either would run in every later process.
     targets = [str(tmp_path / f"escape-{i}") for i in range(8)]
     targets += [f"/{marker}", f"/usr/{marker}", f"/etc/{marker}", f"/dev/{marker}"]
-    targets += [os.path.join(path, f"{marker}.pth") for path in site.getsitepackages()]
+    site_packages = [*site.getsitepackages(), sysconfig.get_path("purelib", vars={"base": sys.base_prefix})]
+    targets += [os.path.join(path, f"{marker}.pth") for path in site_packages]
     code = f"""
 import json, os, sys
 targets = {targets!r} + [os.path.join(path or ".", "{marker}.pth") for path in sys.path]
