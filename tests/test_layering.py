@@ -6,8 +6,8 @@ A role imports no other role: what two roles share (the episode loop, the reward
 ``common``, so each role can be built, tested and deployed on its own.
 Inside ``common``, each concern package imports only what lies below it:
 
-- base: ``config``, ``registry``, ``files``, ``refusal`` and the generated ``pb`` stubs; they import nothing
-  else of common;
+- base: ``config``, ``registry``, ``files``, ``refusal``, ``sandbox`` and the generated ``pb`` stubs; they import
+  nothing else of common;
 - ``observe`` (telemetry, logs, events, trackers, hardware): base only;
 - ``transport`` (bus, messages, weight sync, storage, NATS, live config, presence) and ``model`` (modeling,
   datasets, chat, evaluation, reward rules): base and observe, never each other;

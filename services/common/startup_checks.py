@@ -19,7 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from services.common.config import AdminCredentials, CheckpointConfig, ConfigError, DataConfig, RunConfig
+from services.common.config import (
+    AdminCredentials,
+    CheckpointConfig,
+    ConfigError,
+    DataConfig,
+    RolloutConfig,
+    RunConfig,
+)
+from services.common.episodes.environments import box_available
 from services.common.model.datasets import DatasetError, scan_dataset
 from services.common.model.device import device_name
 from services.common.observe.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
@@ -281,6 +289,28 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
     return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
 
 
+def check_python_box(rollout: RolloutConfig, probe_box: Callable[[], str | None] = box_available) -> list[CheckResult]:
+    """With ``rollout.environment: python``: can this machine build the box model-written code runs in? No row for
+    another environment. Without a box, a failure (``required``) or a warning (``allow_unisolated``)."""
+    if rollout.environment != "python":
+        return []
+    name = "python tool box"
+    reason = probe_box()
+    if reason is None:
+        return [CheckResult(name, "ok", "model-written code runs in new user, PID, network and mount namespaces")]
+    if rollout.python_tool_isolation == "allow_unisolated":
+        detail = f"no box here ({reason}): model-written code runs unboxed, as rollout.python_tool_isolation allows"
+        return [CheckResult(name, "warn", detail)]
+    return [
+        CheckResult(
+            name,
+            "fail",
+            f"no box for model-written code can be built here: {reason}; allow user namespaces, or set "
+            "rollout.python_tool_isolation: allow_unisolated to run it unboxed",
+        )
+    ]
+
+
 def cuda_failure(facts: GpuFacts) -> str:
     """Why CUDA does not initialize on a machine that has a GPU, with what to do about it."""
     if facts.torch_cuda is None:
@@ -361,10 +391,12 @@ def _startup_checks(role: str) -> list[Check]:
     storage = Check("storage", ("checkpoint",), storage_rows)
     token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
     device = Check("device", ("model",), lambda cfg: [check_device(cfg)])
+    # The rollout plays episodes, the trainer its held-out ones: both run the Python tool.
+    box = Check("python tool box", ("rollout",), lambda cfg: check_python_box(cfg.rollout))
     if role == "trainer":
-        return [policy, device, dataset, storage, token, ports]
+        return [policy, device, dataset, storage, token, box, ports]
     if role == "rollout":
-        return [policy, ports]
+        return [policy, box, ports]
     if role == "reference":
         return [
             Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=False, reference=True)),
@@ -374,7 +406,7 @@ def _startup_checks(role: str) -> list[Check]:
     if role == "reward":
         return [ports]
     both = Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True))
-    return [both, device, dataset, storage, token, ports]
+    return [both, device, dataset, storage, token, box, ports]
 
 
 def run_each(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]) -> list[CheckResult]:
@@ -396,10 +428,10 @@ def startup_checks(cfg: RunConfig, role: str) -> list[CheckResult]:
     """The cheap checks ``role`` needs before it starts (no network wait beyond a few seconds, no broker).
 
     trainer: model, datasets, storage probe, admin token (required: it does not start without
-    one), its ports; rollout: model, ports; reference: reference model, ports; reward: ports;
-    run (the launcher): models, datasets, storage, admin token (a warning: it generates one,
-    except in prod), admin and metrics ports. The broker is left out: the bus waits for it,
-    and ``rlpipe run`` starts its own after these checks.
+    one), the Python tool's box (with ``rollout.environment: python``), its ports; rollout: model, the box, ports;
+    reference: reference model, ports; reward: ports; run (the launcher): models, datasets, storage, admin token
+    (a warning: it generates one, except in prod), the box, admin and metrics ports. The broker is left out: the
+    bus waits for it, and ``rlpipe run`` starts its own after these checks.
     Returns the rows (warnings included); raises StartupCheckError naming each failure.
     """
     if role not in STARTUP_ROLES:

@@ -35,6 +35,7 @@ from services.common.startup_checks import (
     CheckResult,
     check_admin_token,
     check_ports,
+    check_python_box,
     dataset_rows,
     human_size,
     model_rows,
@@ -240,6 +241,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
         Check("weight-sync token", ("weight_sync", "service"), lambda cfg: weight_sync_rows(cfg, embedded)),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
         Check("remote services", ("reward", "rollout"), remote_rows),
+        Check("python tool box", ("rollout",), lambda cfg: check_python_box(cfg.rollout)),
         Check(
             "sizing",
             ("model", "train", "sampling", "rollout", "reference", "trainer"),

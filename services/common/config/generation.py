@@ -84,6 +84,15 @@ class RolloutConfig(Section):
         pattern=r"^(https?://\S+)?$",
         description="an environment served over HTTP (docs/agents.md) instead of rollout.environment; empty = none",
     )
+    python_tool_isolation: Literal["required", "allow_unisolated"] = Field(
+        "required",
+        description="security: where the python environment runs the code the model writes. required = only in its "
+        "box (its own user, PID, network and mount namespaces: no view of this process, its environment, the run "
+        "directory or the network; docs/agents.md, 'The box'), and a rollout or trainer on a machine that refuses "
+        "user namespaces refuses to start, saying why; allow_unisolated = in the box where one can be built, else "
+        "in a plain child process under the same limits but the process count, which can read the run's "
+        "credentials and files and reach the network (a python_tool_unisolated warning says so at start)",
+    )
     environment_timeout_s: float = Field(
         10.0, gt=0, description="seconds one reset or step of the environment may take; past it the episode ends"
     )

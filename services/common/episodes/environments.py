@@ -14,24 +14,26 @@ message of ``rollout.observation_role`` by the model's own template (``observati
 from __future__ import annotations
 
 import ast
-import contextlib
+import functools
+import logging
 import math
 import numbers
 import operator
-import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Any, BinaryIO, Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from services.common.observe.events import Event
+from services.common.observe.logs import log_event
+from services.common.refusal import StartRefused
 from services.common.registry import ENVIRONMENTS, import_function
+from services.common.sandbox import Box, BoxLimits, probe
+
+log = logging.getLogger(__name__)
 
 Info = dict[str, str | int | float | bool]
 
@@ -208,82 +210,79 @@ class Calculator(ToolEnvironment):
         return str(value) if isinstance(value, int) else f"{value:.6g}"
 
 
-# The Python tool's limits: a fresh interpreter per call, in a folder of its own, killed past them.
-PYTHON_TIMEOUT_S = 5.0
-PYTHON_MEMORY_BYTES = 512 << 20
-PYTHON_OUTPUT_CHARS = 500
-# What the code may write to any one file, its output included (RLIMIT_FSIZE, a per-file bound): read back whole,
-# so it must stay small.
-PYTHON_WRITE_BYTES = 1 << 20
-PYTHON_OPEN_FILES = 64
-# CPU seconds past the wall clock's limit: a busy single thread meets the wall clock first and is reported as
+# The Python tool's limits: a fresh interpreter per call, in a box of its own (services/common/sandbox), killed past
+# them. CPU seconds past the wall clock's limit: a busy single thread meets the wall clock first and is reported as
 # running too long; threads burning several cores at once meet this one first.
-PYTHON_CPU_S = math.ceil(PYTHON_TIMEOUT_S) + 1
-PYTHON_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
-# Run by the child before the code: its own limits, set from inside (no preexec_fn, which is unsafe in a threaded
-# process such as the rollout), then the code from argv, compiled as "<tool>".
-_PYTHON_BOOT = (
-    "import resource as r, sys\n"
-    f"r.setrlimit(r.RLIMIT_AS, ({PYTHON_MEMORY_BYTES}, {PYTHON_MEMORY_BYTES}))\n"
-    f"r.setrlimit(r.RLIMIT_CPU, ({PYTHON_CPU_S}, {PYTHON_CPU_S}))\n"
-    f"r.setrlimit(r.RLIMIT_FSIZE, ({PYTHON_WRITE_BYTES}, {PYTHON_WRITE_BYTES}))\n"
-    f"r.setrlimit(r.RLIMIT_NOFILE, ({PYTHON_OPEN_FILES}, {PYTHON_OPEN_FILES}))\n"
-    "code = sys.argv.pop(1)\n"
-    "exec(compile(code, '<tool>', 'exec'), {'__name__': '__main__'})\n"
+PYTHON_LIMITS = BoxLimits(
+    time_s=5.0,
+    address_space_bytes=512 << 20,
+    cpu_s=6,
+    file_bytes=1 << 20,  # any one file, the output included: read back whole, so it must stay small
+    open_files=64,
+    processes=16,
+    tmp_bytes=16 << 20,
 )
+PYTHON_OUTPUT_CHARS = 500
+PythonIsolation = Literal["required", "allow_unisolated"]
 
 
-def run_python(code: str) -> str:
-    """What ``code`` prints, run in an isolated child interpreter (``-I``, without the rollout's environment
-    variables) in an empty folder of its own, with a time, memory, CPU, per-file write and open-file limit;
-    ToolError when it fails (its last error line), runs past PYTHON_TIMEOUT_S, needs more than PYTHON_MEMORY_BYTES or
-    writes more than PYTHON_WRITE_BYTES to one file. The child leads a
-    process group of its own: at the time limit the whole group is killed, processes it started too. The network
-    is not closed to it (that takes a namespace or a container: docs/agents.md, limits)."""
-    with tempfile.TemporaryDirectory(prefix="rlpipe-python-") as folder:
-        out, err = (open(Path(folder) / name, "w+b") for name in (".stdout", ".stderr"))  # noqa: SIM115
-        with out, err:
-            child = subprocess.Popen(
-                [sys.executable, "-I", "-c", _PYTHON_BOOT, code],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=folder,
-                env=PYTHON_ENV,  # none of the rollout's own variables (tokens, key files)
-                start_new_session=True,
-            )
-            try:
-                returncode = child.wait(timeout=PYTHON_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                returncode = None
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)  # whatever it started is in its group
-                child.wait()
-            stdout, stderr = (_read_back(stream) for stream in (out, err))
-    if returncode is None:
-        raise ToolError(f"the code ran past {PYTHON_TIMEOUT_S:g}s")
-    if returncode < 0:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), or out of memory
-        killed = signal.Signals(-returncode).name
-        raise ToolError(f"the code was killed ({killed}): past {PYTHON_CPU_S}s of CPU time or out of memory")
-    if returncode != 0:
-        lines = stderr.strip().splitlines() or [f"exit status {returncode}"]
+def run_python(code: str, box: Box | None = None) -> str:
+    """What ``code`` prints, run by ``box`` (by default a box under PYTHON_LIMITS: new user, PID, network and mount
+    namespaces, an empty environment, a private /tmp; docs/agents.md, "The box"); ToolError when it fails (its last
+    error line), runs past the time limit, is killed (CPU time, memory) or writes more than the per-file bound.
+    BoxFailed, not a ToolError, when the box itself could not run it: the environment's fault, not the model's."""
+    box = box or Box(PYTHON_LIMITS)
+    outcome = box.run(code)
+    if outcome.timed_out:
+        raise ToolError(f"the code ran past {box.limits.time_s:g}s")
+    if outcome.signal is not None:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), or out of memory
+        killed = signal.Signals(outcome.signal).name if outcome.signal in signal.valid_signals() else outcome.signal
+        raise ToolError(f"the code was killed ({killed}): past {box.limits.cpu_s}s of CPU time or out of memory")
+    if outcome.exit_status != 0:
+        lines = outcome.stderr.strip().splitlines() or [f"exit status {outcome.exit_status}"]
         raise ToolError(lines[-1][:PYTHON_OUTPUT_CHARS])
-    return stdout.strip()[:PYTHON_OUTPUT_CHARS]
-
-
-def _read_back(stream: BinaryIO) -> str:
-    stream.seek(0)
-    return stream.read(PYTHON_WRITE_BYTES).decode(errors="replace")
+    return outcome.stdout.strip()[:PYTHON_OUTPUT_CHARS]
 
 
 class PythonTool(ToolEnvironment):
-    """``<python>print(2**10)</python>`` -> ``<result>1024</result>``, the code run by ``run_python``."""
+    """``<python>print(2**10)</python>`` -> ``<result>1024</result>``, the code run by ``run_python`` in ``box``
+    (a box under PYTHON_LIMITS unless given: ``python_tool`` gives the one a config asks for)."""
 
     tag = "python"
 
+    def __init__(self, box: Box | None = None):
+        self.box = box or Box(PYTHON_LIMITS)
+
     def run(self, source: str) -> str:
-        return run_python(source)
+        return run_python(source, self.box)
+
+
+@functools.cache
+def box_available() -> str | None:
+    """``sandbox.probe()``, once per process: None when a box can be built here, else why not."""
+    return probe()
+
+
+def python_tool(
+    isolation: PythonIsolation, probe_box: Callable[[], str | None] = box_available
+) -> Callable[[], PythonTool]:
+    """What makes the Python tool of a run whose ``rollout.python_tool_isolation`` is ``isolation``, decided at
+    start: tools in a box where ``probe_box`` finds one can be built; else StartRefused saying why, or, where the
+    config allows it, tools in a plain child process, said once as a ``python_tool_unisolated`` warning."""
+    reason = probe_box()
+    if reason is None:
+        box = Box(PYTHON_LIMITS)
+    elif isolation == "required":
+        raise StartRefused(
+            f"the python environment runs model-written code only in a box, and none can be built here: {reason}. "
+            "Allow user namespaces (a container needs a seccomp profile that permits unshare), or set "
+            "rollout.python_tool_isolation: allow_unisolated to run it unboxed (it can then read this process's "
+            "environment and files and reach the network)"
+        )
+    else:
+        box = Box(PYTHON_LIMITS, isolated=False)
+        log_event(log, Event.PYTHON_TOOL_UNISOLATED, level=logging.WARNING, reason=reason)
+    return functools.partial(PythonTool, box)
 
 
 class NoTool:

@@ -41,6 +41,7 @@ from services.common.episodes.environments import (
     as_plain,
     environment_factory,
     off_schema,
+    python_tool,
 )
 from services.common.episodes.generation import Generation
 from services.common.episodes.http_environment import HttpEnvironmentClient
@@ -351,7 +352,11 @@ def environment_maker(cfg: RunConfig) -> Callable[[], EpisodeEnvironment]:
     process under the time limit (the rollout's episodes and the trainer's held-out evaluation alike)."""
     if cfg.rollout.environment_url:
         return HttpEnvironmentClient(cfg.rollout).episode
-    plugin, timeout_s = environment_factory(cfg.rollout.environment), cfg.rollout.environment_timeout_s
+    environment, timeout_s = cfg.rollout.environment, cfg.rollout.environment_timeout_s
+    # The Python tool's box is decided here, at start: refused where none can be built unless the config allows
+    # running model-written code unboxed.
+    python = environment == "python"
+    plugin = python_tool(cfg.rollout.python_tool_isolation) if python else environment_factory(environment)
     return lambda: LocalEnvironment(plugin(), timeout_s)
 
 

@@ -139,6 +139,7 @@ class Event(StrEnum):
     PRUNE_FAILED = "prune_failed"  # deleting an old checkpoint failed
     PURGED = "purged"  # consumed experience and its claim-checked bodies were deleted
     PURGE_FAILED = "purge_failed"  # purging consumed experience failed; tried at the next save
+    PYTHON_TOOL_UNISOLATED = "python_tool_unisolated"  # no box here: the Python tool runs code unboxed, as allowed
     READY = "ready"  # a role is serving (its presence entry says so too: services.common.service.announce_ready)
     RECONNECT_LISTENER_FAILED = "reconnect_listener_failed"  # a callback after a reconnect raised
     REOPEN_REFUSED = "reopen_refused"  # a re-injected dead letter's group cannot be reopened

@@ -551,6 +551,19 @@ def test_the_weight_sync_token_goes_to_the_trainer_and_the_rollouts_alone(config
 
 
 @pytest.mark.unit
+def test_a_rollout_is_handed_its_own_seed_file_and_the_weight_sync_token_and_nothing_else(config, tmp_path):
+    launcher = Launcher(load_config(config), config, resume=False)
+    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.weight_sync_token = "the-runs-token"
+    given = launcher.role_env("rollout")
+    # Not the admin token file, not the operator's seed: the Python tool's box then keeps even these from the code.
+    assert given == {
+        "RLPIPE_NATS__NKEY_SEED_FILE": str(launcher.nats_keys["rollout"].seed_file),
+        "RLPIPE_WEIGHTSYNC_TOKEN": "the-runs-token",
+    }
+
+
+@pytest.mark.unit
 def test_a_restarted_trainer_is_told_the_lease_holder_of_the_process_the_launcher_reaped():
     exited = None  # restart_env is asked only about a child whose exit the launcher has seen
     trainer = Child("trainer", "trainer", exited, Path("/dev/null"), log_max_bytes=1, log_keep=1)
