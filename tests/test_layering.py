@@ -216,9 +216,10 @@ def test_no_module_imports_the_wrong_way():
 def test_the_built_in_names_config_accepts_are_what_the_roles_register():
     # Config knows the built-ins without importing the roles; this keeps the two lists from drifting apart.
     from services.common.model import reward_rules as functions
-    from services.trainer.learning import algorithms
+    from services.trainer.learning import algorithms, corrections
 
     assert sorted(algorithms.ADVANTAGE_ESTIMATORS) == sorted(registry.ADVANTAGE_ESTIMATORS.builtin)
+    assert sorted(corrections.OFF_POLICY_CORRECTIONS) == sorted(registry.OFF_POLICY_CORRECTIONS.builtin)
     assert sorted(algorithms.KL_ESTIMATORS) == sorted(registry.KL_ESTIMATORS.builtin)
     assert sorted(algorithms.AGGREGATIONS) == sorted(registry.AGGREGATIONS.builtin)
     assert sorted(functions.REWARD_FUNCTIONS) == sorted(registry.REWARD_FUNCTIONS.builtin)
@@ -227,9 +228,10 @@ def test_the_built_in_names_config_accepts_are_what_the_roles_register():
 def test_the_roles_register_into_the_tables_config_validates_against():
     # A user's @register_advantage("x") must make `train.algorithm: x` valid, so the roles' tables are common's.
     from services.common.model import reward_rules as functions
-    from services.trainer.learning import algorithms
+    from services.trainer.learning import algorithms, corrections
 
     assert algorithms.ADVANTAGE_ESTIMATORS is registry.ADVANTAGE_ESTIMATORS
+    assert corrections.OFF_POLICY_CORRECTIONS is registry.OFF_POLICY_CORRECTIONS
     assert algorithms.KL_ESTIMATORS is registry.KL_ESTIMATORS
     assert algorithms.AGGREGATIONS is registry.AGGREGATIONS
     assert functions.REWARD_FUNCTIONS is registry.REWARD_FUNCTIONS

@@ -1,9 +1,10 @@
 """The names a config may choose for pluggable functions, and the tables the roles fill with them.
 
-Config validates ``train.algorithm``, ``train.kl.estimator``, ``train.loss_agg`` and
-``reward.functions`` here, without importing the trainer or the reward role (``common``
-never imports a role). Each table starts empty; the role that implements the functions
-registers them on import (``services.trainer.learning.algorithms``, ``services.common.model.reward_rules``).
+Config validates ``train.algorithm``, ``train.kl.estimator``, ``train.loss_agg``,
+``train.off_policy.correction`` and ``reward.functions`` here, without importing the trainer
+or the reward role (``common`` never imports a role). Each table starts empty; the role that
+implements the functions registers them on import (``services.trainer.learning.algorithms``,
+``services.trainer.learning.corrections``, ``services.common.model.reward_rules``).
 A name is valid if it is built in (declared below, so a launcher or a rollout that never
 imports the trainer's math still accepts ``k3``) or registered before the config is
 loaded (a user's own estimator). tests/test_layering.py checks that the built-in names
@@ -43,6 +44,8 @@ KL_ESTIMATORS = Registry("KL estimator", ("k1", "abs", "k2", "k3"))
 AGGREGATIONS = Registry(
     "loss aggregation", ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 )
+# Off-policy corrections toward the rollout's logprobs; "none" is no correction, not a function.
+OFF_POLICY_CORRECTIONS = Registry("off-policy correction", ("tis", "masked_is", "icepop", "seq_geo_mask"))
 REWARD_FUNCTIONS = Registry(
     "reward function",
     ("exact_match", "final_number", "format", "format_penalty", "gsm8k", "length_penalty", "math_verify"),

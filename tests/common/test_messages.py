@@ -117,3 +117,57 @@ def test_a_loss_mask_and_an_episode_survive_the_wire():
     assert back.loss_mask.dtype == np.int32 and back.loss_mask.tolist() == [1, 0]
     assert back.episode == completion.episode
     assert decode(encode(group), RolloutGroup).completions[0].loss_mask is None
+
+
+def versioned(group: RolloutGroup, versions) -> RolloutGroup:
+    """``group`` with per-token versions on its completion, validated as a stage would build it."""
+    completion = group.completions[0].model_copy(update={"token_versions": np.asarray(versions, np.int32)})
+    return RolloutGroup.model_validate(group.model_dump() | {"completions": [completion]})
+
+
+def test_a_group_without_per_token_versions_is_written_exactly_as_schema_1_wrote_it():
+    raw = msgpack.unpackb(encode(advance(rollout_group(), ScoredGroup, rewards=np.array([1.0], np.float32))))
+    assert raw["v"] == 1
+    # A build that reads only schema 1 refuses a key it does not know, even a null one.
+    assert set(raw["completions"][0]) == {"text", "token_ids", "logprobs", "finish_reason", "loss_mask", "episode"}
+
+
+def test_per_token_versions_travel_as_schema_2_and_come_back_exact():
+    group = versioned(rollout_group(), [2, 3])
+    raw = msgpack.unpackb(encode(group))
+    assert raw["v"] == 2
+    back = decode(encode(advance(group, ScoredGroup, rewards=np.array([1.0], np.float32))), ScoredGroup)
+    assert back.completions[0].token_versions.tolist() == [2, 3]
+    assert back.oldest_version() == 2 and back.versions_used() == {2, 3}
+
+
+def test_a_schema_1_message_is_read_and_every_token_takes_the_group_s_version():
+    raw = msgpack.unpackb(encode(rollout_group()))
+    raw["completions"][0].pop("loss_mask")  # schema 1 as the first builds wrote it: optional keys may be absent
+    group = decode(msgpack.packb(raw | {"v": 1}), RolloutGroup)
+    assert group.completions[0].token_versions is None
+    assert group.completions[0].versions(group.policy_version).tolist() == [3, 3]
+    assert group.oldest_version() == 3 and group.versions_used() == {3}
+
+
+@pytest.mark.parametrize(
+    ("versions", "reason"),
+    [
+        (np.array([3, 4], np.int32), "token_versions reach 4, past the group's policy_version 3"),
+        (np.array([3], np.int32), r"token_versions shape \(1,\) must match token_ids \(2,\)"),
+        (np.array([-1, 3], np.int32), "token_versions must be non-negative integers"),
+        (np.array([2.0, 3.0], np.float32), "token_versions must be non-negative integers"),
+    ],
+)
+def test_per_token_versions_that_cannot_be_right_are_refused_with_the_reason(versions, reason):
+    raw = msgpack.unpackb(encode(rollout_group()))
+    raw["completions"][0]["token_versions"] = encode_tensor(versions)
+    with pytest.raises(DecodeError, match=reason):
+        decode(msgpack.packb(raw | {"v": 2}), RolloutGroup)
+
+
+def test_the_oldest_version_counts_only_the_tokens_the_model_sampled():
+    group = versioned(rollout_group(), [1, 3])
+    observed = group.completions[0].model_copy(update={"loss_mask": np.array([0, 1], np.int32)})
+    group = RolloutGroup.model_validate(group.model_dump() | {"completions": [observed]})
+    assert group.oldest_version() == 3 and group.versions_used() == {3}

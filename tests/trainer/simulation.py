@@ -236,6 +236,13 @@ class SimGroup:
     prompt_ids: np.ndarray = field(default_factory=lambda: np.array([1, 2]))
     completions: list[Any] = field(default_factory=list)
 
+    # Without per-token versions every token is the group's (RolloutGroup.oldest_version, versions_used).
+    def oldest_version(self) -> int:
+        return self.policy_version
+
+    def versions_used(self) -> set[int]:
+        return {self.policy_version}
+
 
 @dataclass
 class Fed:

@@ -23,7 +23,7 @@ HELDOUT_STEPS = 30
             {
                 "clip": {"low": 0.2, "high": 0.28, "dual": 3.0},
                 "old_logprobs": "recompute",
-                "tis": {"mode": "sequence", "cap": 2.0},
+                "off_policy": {"correction": "icepop"},
             },
         ),
         (
@@ -66,7 +66,8 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
         claims = tmp_path / "runs" / algorithm / "claims"
         assert list((claims / "experience").glob("*.reference-*")), "no group went by claim check"
     if algorithm == "rloo":
-        assert all("tis_weight_mean" in r for r in steps)
+        # vLLM's logprobs against the trainer's: the ratio and what IcePop's band masked, every step.
+        assert all("off_policy/masked_token_fraction" in r and "off_policy/ratio_p50" in r for r in steps)
     if algorithm == "reinforce_pp":
         assert sum(r["dropped_stale"] for r in steps) > 0  # max_staleness 0 drops groups made before the last update
         assert all(r["staleness_max"] <= 0 for r in steps)

@@ -1,10 +1,11 @@
-"""The training sections: the algorithm and its optimizer, KL, clipping, TIS, the critic and the trainer's processes."""
+"""The training sections: the algorithm and its optimizer, KL, clipping, off-policy corrections, the critic and the
+trainer's processes."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common import registry
 from services.common.config.base import Section, one_of
@@ -57,18 +58,89 @@ class ClipConfig(Section):
 
 
 class TISConfig(Section):
-    mode: Literal["off", "token", "sequence"] = Field(
-        "off",
-        description="truncated importance sampling of the recomputed logprobs against the rollout's, per token or per "
-        "sequence (Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL Training')",
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: w_t = min(rho_t, cap); sequence: every token of a response takes min(prod_t rho_t, cap)",
     )
     cap: float = Field(2.0, ge=1, description="largest importance weight (a ratio); larger ones are truncated to it")
 
-    @field_validator("mode", mode="before")
+
+class RatioBand(Section):
+    """A band [low, high] of the ratio rho = pi_old / pi_rollout; a token or sequence whose ratio leaves it is masked
+    out of the loss. It must hold 1: a token the trainer scores as the sampler did is never masked."""
+
+    low: float = Field(0.5, ge=0, description="smallest ratio kept (a ratio; 0 keeps every low ratio)")
+    high: float = Field(2.0, gt=0, description="largest ratio kept (a ratio)")
+
+    @model_validator(mode="after")
+    def _holds_one(self) -> RatioBand:
+        if not self.low <= 1.0 <= self.high:
+            raise ValueError(
+                f"the band [low, high] = [{self.low}, {self.high}] must hold 1, or a token sampled exactly as the "
+                "trainer scores it would be masked: set low <= 1 <= high"
+            )
+        return self
+
+
+class MaskedISConfig(RatioBand):
+    level: Literal["token", "sequence"] = Field(
+        "token",
+        description="token: w_t = rho_t inside [low, high], else 0; sequence: every token of a response takes "
+        "rho_seq = prod_t rho_t inside [low, high], else 0 (the whole response is masked)",
+    )
+
+
+class IcePopConfig(RatioBand):
+    low: float = Field(0.5, ge=0, description="alpha: smallest token ratio kept (a ratio; the paper's 0.5)")
+    high: float = Field(5.0, gt=0, description="beta: largest token ratio kept (a ratio; the paper's 5.0)")
+
+
+class GeoMaskConfig(RatioBand):
+    low: float = Field(
+        0.999,
+        ge=0,
+        description="smallest per-token geometric mean ratio exp(mean_t log rho_t) a response may have (a ratio; "
+        "verl's default; prime-rl's geo_mask_low is 0.1)",
+    )
+    high: float = Field(
+        1.001,
+        gt=0,
+        description="largest geometric mean ratio a response may have (a ratio; verl's default; prime-rl's "
+        "geo_mask_high is 10)",
+    )
+    cap: float | None = Field(
+        None,
+        ge=1,
+        description="the kept responses' tokens are weighted by min(rho_t, cap), truncated importance sampling "
+        "(verl's geo-RS + token-TIS); null: weight 1, a pure rejection (verl's geo-RS)",
+    )
+
+
+class OffPolicyConfig(Section):
+    correction: str = Field(
+        "none",
+        description="how the loss corrects for the gap between the rollout's sampling logprobs and the trainer's "
+        "recomputed ones (staleness, in-flight weight updates, inference-engine mismatch), by the per-token ratio "
+        "rho_t = pi_old / pi_rollout; each token's loss is multiplied by a weight w_t, 0 masking it out. "
+        "none | tis (truncated IS, Yao et al. 2025, 'Your Efficient RL Framework Secretly Brings You Off-Policy RL "
+        "Training') | masked_is (masked IS: rho inside a band, 0 outside; Liu, Li et al. 2025, 'When Speed Kills "
+        "Stability') | icepop (token-level masked IS with the band of Ling Team 2025, arXiv:2510.18855) | "
+        "seq_geo_mask (responses whose geometric mean ratio leaves a band are masked whole), or a registered one. "
+        "Each reads its own section below; all but none need old_logprobs: recompute",
+    )
+    tis: TISConfig = Field(TISConfig(), description="truncated importance sampling (correction: tis)")
+    masked_is: MaskedISConfig = Field(
+        MaskedISConfig(), description="masked importance sampling (correction: masked_is)"
+    )
+    icepop: IcePopConfig = Field(IcePopConfig(), description="IcePop's token band [alpha, beta] (correction: icepop)")
+    seq_geo_mask: GeoMaskConfig = Field(
+        GeoMaskConfig(), description="the geometric-mean sequence mask (correction: seq_geo_mask)"
+    )
+
+    @field_validator("correction")
     @classmethod
-    def _yaml_off(cls, mode: object) -> object:
-        # YAML 1.1 reads a bare `off` as false.
-        return "off" if mode is False else mode
+    def _registered(cls, name: str) -> str:
+        return one_of(name, ["none", *registry.OFF_POLICY_CORRECTIONS.names()])
 
 
 class CriticConfig(Section):
@@ -165,9 +237,14 @@ class TrainConfig(Section):
         "rollout",
         description="pi_old of the PPO ratio: the rollout engine's sampling logprobs (a trust region around the policy "
         "that generated the data, right for asynchronous rollouts) or the trainer's own at the start of the step "
-        "(verl's default; pair it with tis to correct for the gap)",
+        "(verl's default; pair it with an off_policy.correction for the gap)",
     )
-    tis: TISConfig = Field(TISConfig(), description="truncated importance sampling against the rollout's logprobs")
+    off_policy: OffPolicyConfig = Field(
+        OffPolicyConfig(),
+        description="off-policy correction toward the rollout's logprobs (docs/algorithms.md). Configs that say "
+        "tis: {mode: token | sequence, cap} are read as correction: tis with that level and cap; tis: {mode: off} "
+        "as correction: none",
+    )
     critic: CriticConfig = Field(CriticConfig(), description="the value model of ppo")
     max_staleness: int | None = Field(
         8,
@@ -206,11 +283,35 @@ class TrainConfig(Section):
         "At least 60 s: a broker reconnect must not fail the probe",
     )
 
-    @model_validator(mode="after")
-    def _tis_needs_recomputed_logprobs(self) -> TrainConfig:
-        if self.tis.mode != "off" and self.old_logprobs != "recompute":
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_section_of_earlier_configs(cls, data: Any) -> Any:
+        # Before off_policy, TIS had a section of its own: `tis: {mode: off | token | sequence, cap}`.
+        if not isinstance(data, dict) or "tis" not in data:
+            return data
+        data = dict(data)
+        legacy = data.pop("tis")
+        legacy = legacy.model_dump() if isinstance(legacy, BaseModel) else dict(legacy or {})
+        mode = legacy.pop("mode", "off")
+        if mode in ("off", False, None):  # YAML 1.1 reads a bare `off` as false
+            return data
+        off_policy = data.get("off_policy", {})
+        off_policy = off_policy.model_dump() if isinstance(off_policy, BaseModel) else dict(off_policy)
+        if off_policy.get("correction", "none") not in ("none", "tis"):
             raise ValueError(
-                "tis corrects recomputed logprobs toward the rollout's: set old_logprobs: recompute or tis.mode: off"
+                f"tis (mode {mode!r}) and off_policy.correction ({off_policy['correction']!r}) both choose a "
+                "correction: keep off_policy alone"
+            )
+        data["off_policy"] = off_policy | {"correction": "tis", "tis": {"level": mode, **legacy}}
+        return data
+
+    @model_validator(mode="after")
+    def _corrections_need_recomputed_logprobs(self) -> TrainConfig:
+        if self.off_policy.correction != "none" and self.old_logprobs != "recompute":
+            raise ValueError(
+                f"off_policy.correction {self.off_policy.correction!r} corrects the trainer's recomputed logprobs "
+                "toward the rollout's (rho = pi_old / pi_rollout, which is 1 with old_logprobs: rollout): set "
+                "old_logprobs: recompute, or off_policy.correction: none"
             )
         return self
 

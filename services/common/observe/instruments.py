@@ -90,6 +90,22 @@ AGENT_ROW_KEYS = (
         for outcome in ("done", "max_turns", "max_tokens", "env_error", "timeout", "truncated")
     ),
 )
+# The step-row keys of the off-policy ratio rho = pi_old / pi_rollout, present with train.old_logprobs: recompute:
+# its quantiles over the step's sampled tokens and the mean of rho - log rho - 1 (an estimate of KL(rollout || old));
+# with a train.off_policy.correction, also its weights (0 on masked tokens) and the shares of tokens and of responses
+# (those with a masked token) it masked.
+OFF_POLICY_ROW_KEYS = (
+    "off_policy/ratio_min",
+    "off_policy/ratio_p5",
+    "off_policy/ratio_p50",
+    "off_policy/ratio_p95",
+    "off_policy/ratio_max",
+    "off_policy/mismatch_kl",
+    "off_policy/weight_mean",
+    "off_policy/weight_max",
+    "off_policy/masked_token_fraction",
+    "off_policy/masked_sequence_fraction",
+)
 # The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
 GROUP_FATES = ("dead", "reopened", "lost", "repeat")  # "reopened": a dead group re-injected, still counted dead
 TRAINER_STEP_KEYS = (
@@ -125,7 +141,7 @@ TRAINER_STEP_KEYS = (
     "staleness_mean",
     "staleness_max",
     "dropped_stale",
-    "tis_weight_mean",
+    *OFF_POLICY_ROW_KEYS,  # the ratio pi_old / pi_rollout and what train.off_policy's correction did with it
     "groups_filtered",
     "dynamic_sampling/dropped_fraction",
     *AGENT_ROW_KEYS,

@@ -47,8 +47,7 @@ METRIC_NAMES: dict[str, str] = {
     "kl_ref": "actor/kl_ref",
     "grad_norm": "actor/grad_norm",
     "learning_rate": "actor/lr",
-    "tis_weight_mean": "actor/tis_weight_mean",
-    "tis_weight_max": "actor/tis_weight_max",
+    # off_policy/... keys (instruments.OFF_POLICY_ROW_KEYS) keep their names: they carry their namespace.
     "policy_version": "actor/policy_version",
     "value_loss": "critic/vf_loss",
     "value_clipfrac": "critic/vf_clipfrac",

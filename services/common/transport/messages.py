@@ -11,6 +11,11 @@ its n completions) is the unit that flows; each stage adds its part:
 Tensors travel as ``{"dtype", "shape", "data"}`` with raw little-endian bytes.
 Decoding validates everything a consumer relies on, so a bad message is caught
 at the door and dead-lettered instead of crashing a stage.
+
+Schema versions: 1, and 2, which adds ``Completion.token_versions`` (the policy version of each token, for rollouts
+that take new weights mid-generation). A message is written at the oldest version that holds it: a group without
+per-token versions stays 1, which a build that reads only 1 still takes, so producers and consumers can be upgraded
+in either order until a rollout starts sending per-token versions. This build reads both.
 """
 
 from __future__ import annotations
@@ -28,11 +33,14 @@ from pydantic import (
     Field,
     JsonValue,
     PlainSerializer,
+    SerializerFunctionWrapHandler,
     ValidationError,
+    model_serializer,
     model_validator,
 )
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # the newest this build writes; it reads every version up to it
+READABLE_VERSIONS = (1, 2)
 # The dtypes a tensor may travel in: each as sent (little-endian) and as this machine holds it. Built once: a
 # message carries a few tensors per completion, and decoding them is most of a message's decoding.
 _DTYPES = {
@@ -73,8 +81,12 @@ Tensor = Annotated[np.ndarray, BeforeValidator(decode_tensor), PlainSerializer(e
 class Message(BaseModel):
     model_config = ConfigDict(arbitrary_types_allowed=True, extra="forbid")
 
-    v: Literal[1] = SCHEMA_VERSION
+    v: Literal[1, 2] = 1  # as written; ``encode`` writes ``schema_version()``
     kind: str
+
+    def schema_version(self) -> int:
+        """The oldest schema version that holds this message (see the module docstring)."""
+        return 1
 
 
 class Prompt(Message):
@@ -117,6 +129,10 @@ class Completion(BaseModel):
     # 1 on tokens the model sampled, 0 on tokens an environment inserted (observations, tool output); None: all 1.
     # Logprobs at masked-out positions are 0 and are never used.
     loss_mask: Tensor | None = None
+    # The policy version that sampled each token (int32 [T]; schema 2), for a rollout that loaded new weights while
+    # generating; None: every token is the group's policy_version. Tokens an environment inserted carry the version
+    # in force when they were inserted and are never trained on.
+    token_versions: Tensor | None = None
     episode: Episode | None = None
 
     @model_validator(mode="after")
@@ -130,14 +146,67 @@ class Completion(BaseModel):
                 raise ValueError(f"loss_mask shape {self.loss_mask.shape} must match token_ids {self.token_ids.shape}")
             if not np.isin(self.loss_mask, (0, 1)).all() or not self.loss_mask.any():
                 raise ValueError("loss_mask must be 0/1 with at least one 1")
+        if self.token_versions is not None:
+            if self.token_versions.shape != self.token_ids.shape:
+                raise ValueError(
+                    f"token_versions shape {self.token_versions.shape} must match token_ids {self.token_ids.shape}"
+                )
+            if self.token_versions.dtype.kind != "i" or (self.token_versions < 0).any():
+                raise ValueError("token_versions must be non-negative integers")
         return self
+
+    @model_serializer(mode="wrap")
+    def _as_schema_1_without_versions(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Written as schema 1 wrote it when it has no per-token versions: a build that reads only 1 refuses any key
+        # it does not know, even one that is null.
+        data = handler(self)
+        if self.token_versions is None:
+            del data["token_versions"]
+        return data
+
+    def versions(self, group_version: int) -> np.ndarray:
+        """The policy version of each token (int64 [T]): ``token_versions``, or ``group_version`` for every token."""
+        if self.token_versions is None:
+            return np.full(self.token_ids.shape, group_version, dtype=np.int64)
+        return self.token_versions.astype(np.int64)
+
+    def sampled_versions(self, group_version: int) -> np.ndarray:
+        """The versions of the tokens the model sampled (``loss_mask`` 1): the ones a loss is taken on."""
+        versions = self.versions(group_version)
+        return versions if self.loss_mask is None else versions[self.loss_mask == 1]
 
 
 class RolloutGroup(Prompt):
     kind: Literal["rollout"] = "rollout"
     prompt_ids: Tensor
+    # The version the rollout held when the group was done: the newest any of its tokens was sampled with.
     policy_version: int = Field(ge=0)
     completions: list[Completion] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _versions_up_to_the_group_s(self) -> RolloutGroup:
+        versioned = [c.token_versions for c in self.completions if c.token_versions is not None]
+        for versions in versioned:
+            if versions.size and int(versions.max()) > self.policy_version:
+                raise ValueError(
+                    f"token_versions reach {int(versions.max())}, past the group's policy_version "
+                    f"{self.policy_version} (the newest version that sampled it)"
+                )
+        return self
+
+    def schema_version(self) -> int:
+        return 2 if any(c.token_versions is not None for c in self.completions) else 1
+
+    def oldest_version(self) -> int:
+        """The oldest policy version that sampled a token of the group: what its staleness is measured by."""
+        # initial: a completion that stopped before its first token has none; no token is newer than the group.
+        return min(
+            int(c.sampled_versions(self.policy_version).min(initial=self.policy_version)) for c in self.completions
+        )
+
+    def versions_used(self) -> set[int]:
+        """Every policy version that sampled a token of the group."""
+        return {int(v) for c in self.completions for v in np.unique(c.sampled_versions(self.policy_version))}
 
 
 class ScoredGroup(RolloutGroup):
@@ -211,7 +280,7 @@ class ClaimCheck(Message):
 
 
 def encode(message: Message) -> bytes:
-    return msgpack.packb(message.model_dump(), use_bin_type=True)
+    return msgpack.packb(message.model_dump() | {"v": message.schema_version()}, use_bin_type=True)
 
 
 def decode(data: bytes, kind: type[M]) -> M:
@@ -222,8 +291,8 @@ def decode(data: bytes, kind: type[M]) -> M:
         raise DecodeError(f"not msgpack: {error}") from None
     if not isinstance(raw, dict):
         raise DecodeError(f"message must be a map, got {type(raw).__name__}")
-    if raw.get("v") != SCHEMA_VERSION:
-        raise DecodeError(f"schema version {raw.get('v')!r} is not supported (expected {SCHEMA_VERSION})")
+    if raw.get("v") not in READABLE_VERSIONS:
+        raise DecodeError(f"schema version {raw.get('v')!r} is not supported (this build reads {READABLE_VERSIONS})")
     try:
         return kind.model_validate(raw)
     except ValidationError as error:

@@ -94,6 +94,14 @@ def token_id_problem(group: ExperienceGroup, vocab_size: int) -> str | None:
     return None
 
 
+def unusable(group: ExperienceGroup, progress: Progress, max_staleness: int | None) -> bool:
+    """Whether ``group`` must be dropped on arrival, per token: it is as stale as its oldest sampled token (more than
+    ``max_staleness`` versions behind the trainer's; None: no bound), and one token sampled by a version a resume or
+    rollback disowned drops it. Without per-token versions every token is the group's ``policy_version``."""
+    stale = max_staleness is not None and progress.version - group.oldest_version() > max_staleness
+    return stale or any(progress.disowned(version) for version in group.versions_used())
+
+
 class Intake:
     """Feeds prompts up to the in-flight limit and collects batches from EXPERIENCE."""
 
@@ -401,5 +409,4 @@ class Intake:
         return Collected(batch, dropped, sequence, claims, filtered, filtered_episodes)
 
     def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:
-        stale = max_staleness is not None and self.progress.version - group.policy_version > max_staleness
-        return stale or self.progress.disowned(group.policy_version)
+        return unusable(group, self.progress, max_staleness)

@@ -5,7 +5,8 @@ No I/O and no state. Per-token tensors are ``[batch, response_len]`` with a 0/1
 Estimators and aggregations are registered by name, so the config selects them and
 users can add their own with ``register_advantage`` / ``register_kl`` /
 ``register_aggregation``. The definitions follow verl's ``core_algos.py`` and
-OpenRLHF, so a metric here means what it means there.
+OpenRLHF, so a metric here means what it means there. The off-policy corrections toward the
+rollout's logprobs (TIS, masked IS, IcePop, the geometric sequence mask) are in ``corrections.py``.
 """
 
 from __future__ import annotations
@@ -221,7 +222,7 @@ def policy_loss(
     r = exp(clamp(logp - old_logp, -20, 20));
     L_t = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));
     with dual clip c > 1, for A < 0: L_t = min(L_t, -A c);
-    L_t is multiplied by ``weights`` (e.g. truncated importance weights) when given;
+    L_t is multiplied by ``weights`` (an off-policy correction's, ``corrections.py``; 0 masks a token) when given;
     loss = agg(L). Advantages may be per response ``[B]`` or per token ``[B, T]``.
     stats: ``clipfrac`` share of valid tokens where the clipped term was taken,
     ``clipfrac_lower`` share where the dual clip was taken, ``approx_kl`` masked mean of
@@ -303,20 +304,3 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """H = logsumexp(z) - sum(softmax(z) * z), per position, in float32 at least, a few rows at a time
     (``logit_math.entropy``: no float32 copy of the whole ``[B, R, V]`` logits, in the forward or backward)."""
     return logit_math.entropy(logits)
-
-
-def truncated_importance_weights(
-    old_logp: torch.Tensor, rollout_logp: torch.Tensor, mask: torch.Tensor, mode: str, cap: float
-) -> torch.Tensor:
-    """Truncated importance sampling against the rollout engine's logprobs.
-
-    token:    w_t = min(exp(old_logp_t - rollout_logp_t), cap)
-    sequence: w_t = min(exp(sum_s mask_s (old_logp_s - rollout_logp_s)), cap) for every t of the sequence
-    Weights carry no gradient.
-    """
-    log_ratio = ((old_logp - rollout_logp) * mask).detach()
-    if mode == "token":
-        return log_ratio.clamp(max=20.0).exp().clamp(max=cap)
-    if mode == "sequence":
-        return log_ratio.sum(-1, keepdim=True).clamp(max=20.0).exp().clamp(max=cap).expand_as(old_logp)
-    raise ValueError(f"truncated importance sampling mode {mode!r}: use 'token' or 'sequence'")

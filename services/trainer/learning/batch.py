@@ -44,7 +44,15 @@ class Batch:
     rewards: torch.Tensor  # [N] scalar reward per completion
     group_index: torch.Tensor
     stopped: torch.Tensor  # 1.0 where generation ended on EOS
-    policy_versions: torch.Tensor
+    policy_versions: torch.Tensor  # [N] the group's version: the newest that sampled a token of it
+    token_versions: torch.Tensor  # [N, R] the version that sampled each response token
+
+    @property
+    def oldest_versions(self) -> torch.Tensor:
+        """``[N]`` the oldest version among each row's sampled tokens (the group's for a row without any): the
+        completion is as stale as it, as the intake's bound measures it (``RolloutGroup.oldest_version``)."""
+        sampled = torch.where(self.mask > 0, self.token_versions, self.policy_versions[:, None])  # [N, R]
+        return torch.minimum(sampled.amin(-1), self.policy_versions)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -77,6 +85,7 @@ class Batch:
             group_index=torch.tensor([i for i, *_ in rows]),
             stopped=torch.tensor([c.finish_reason == "stop" for _, _, c, _ in rows], dtype=torch.float32),
             policy_versions=torch.tensor([float(g.policy_version) for _, g, _, _ in rows]),
+            token_versions=_padded([c.versions(g.policy_version) for _, g, c, _ in rows], width),
         )
 
     def token_rewards(self) -> torch.Tensor:
@@ -97,14 +106,17 @@ class StepTargets:
     advantages: torch.Tensor
     old_values: torch.Tensor | None = None  # PPO: the critic before the update, for value clipping
     returns: torch.Tensor | None = None  # PPO: value targets
-    tis: torch.Tensor | None = None  # truncated importance weights toward the rollout's logprobs
+    # log rho = log pi_old - log pi_rollout on valid tokens (with old_logprobs: recompute; None otherwise), and the
+    # off-policy correction's weights from it (train.off_policy; None without one, 0 on masked tokens).
+    log_ratio: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
 
 
 def non_finite_targets(targets: StepTargets, mask: torch.Tensor) -> str | None:
     """Why the step's targets cannot be trained on (a NaN or infinite advantage, logprob, return or weight on a
     response token), or None."""
     valid = mask.bool()
-    for name in ("advantages", "old_logp", "returns", "tis"):
+    for name in ("advantages", "old_logp", "returns", "weights"):
         values = getattr(targets, name)
         if values is not None and not bool(torch.isfinite(values[valid]).all()):
             return f"{name} are not finite"

@@ -7,8 +7,8 @@ A step follows the usual recipe (verl, OpenRLHF, TRL):
    folded into the reward);
 2. advantages by the configured algorithm;
 3. ``epochs`` passes of ``mini_batches`` optimizer steps each, with gradient accumulation,
-   clipped surrogate loss (with truncated importance weights against the rollout engine's
-   logprobs), entropy bonus, KL loss term and clipped value loss.
+   clipped surrogate loss (with the off-policy correction's weights against the rollout engine's
+   logprobs, ``corrections.py``), entropy bonus, KL loss term and clipped value loss.
 
 The advantages, each micro-batch's loss and the batch's metrics are ``objective.py``'s functions of the batch and
 the config; what a checkpoint must hold to load is ``checkpoint_state.LearnerLayout``'s. This class holds the
@@ -75,7 +75,7 @@ from services.trainer.checkpointing.state import (
 )
 from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
 from services.trainer.learning import objective
-from services.trainer.learning.algorithms import micro_batch_weight, truncated_importance_weights
+from services.trainer.learning.algorithms import micro_batch_weight
 from services.trainer.learning.batch import (
     Batch,
     StepTargets,
@@ -83,6 +83,7 @@ from services.trainer.learning.batch import (
     non_finite_targets,
     non_finite_update,
 )
+from services.trainer.learning.corrections import correction_weights, log_ratio
 from services.trainer.learning.critic import Critic
 from services.trainer.learning.distributed import Mesh, Op
 from services.trainer.learning.follower import config_payload, evaluate_payload, step_payload
@@ -421,10 +422,10 @@ class Learner:
         if not recompute:
             old_logp = batch.rollout_logp
         advantages, returns = objective.advantages(train, batch, old_logp, old_values)
-        tis = None
-        if train.tis.mode != "off":
-            tis = truncated_importance_weights(old_logp, batch.rollout_logp, batch.mask, train.tis.mode, train.tis.cap)
-        return StepTargets(old_logp, advantages, old_values, returns, tis)
+        # rho = pi_old / pi_rollout is 1 by definition when the rollout's logprobs are pi_old: nothing to measure.
+        log_rho = log_ratio(old_logp, batch.rollout_logp, batch.mask) if recompute else None
+        weights = correction_weights(log_rho, batch.mask, train.off_policy) if log_rho is not None else None
+        return StepTargets(old_logp, advantages, old_values, returns, log_rho, weights)
 
     def accumulate(
         self, batch: Batch, rows: torch.Tensor, targets: StepTargets, critic_only: bool = False

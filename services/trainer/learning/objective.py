@@ -5,9 +5,10 @@ tested on hand-made tensors.
 - ``advantages``: per-token advantages by the configured algorithm (GAE for PPO, REINFORCE++'s whitened returns,
   or a group estimator registered in ``services.common.registry``), with the KL penalty folded into the rewards when
   ``train.kl.placement`` is ``reward``.
-- ``micro_batch_loss``: the loss of one micro-batch: the clipped surrogate (with truncated importance weights), minus
-  the entropy bonus, plus the KL term when placed in the loss, plus (PPO) the clipped value loss.
-- ``batch_metrics``: what the step reports about the batch itself (rewards, advantages, lengths, staleness).
+- ``micro_batch_loss``: the loss of one micro-batch: the clipped surrogate (times the off-policy correction's weights),
+  minus the entropy bonus, plus the KL term when placed in the loss, plus (PPO) the clipped value loss.
+- ``batch_metrics``: what the step reports about the batch itself (rewards, advantages, lengths, staleness, the
+  rollout/trainer ratio and what the correction masked).
 """
 
 from __future__ import annotations
@@ -22,13 +23,13 @@ from services.trainer.learning.algorithms import (
     gae,
     group_advantages,
     kl_penalty,
-    masked_mean,
     policy_loss,
     reinforce_pp_returns,
     value_loss,
     whiten,
 )
 from services.trainer.learning.batch import Batch, StepTargets
+from services.trainer.learning.corrections import ratio_metrics
 
 ALIASES = {"dr_grpo": "grpo_no_std"}  # algorithm name -> group advantage estimator
 
@@ -88,7 +89,7 @@ def micro_batch_loss(
         train.clip.high,
         train.clip.dual,
         train.loss_agg,
-        weights=cut(targets.tis) if targets.tis is not None else None,
+        weights=cut(targets.weights) if targets.weights is not None else None,
         horizon=horizon,
     )
     # Without an entropy bonus the entropy is a statistic only: no graph, so no backward pass over the vocab.
@@ -117,15 +118,17 @@ def micro_batch_loss(
 
 def batch_metrics(batch: Batch, targets: StepTargets, policy_version: int) -> dict[str, float]:
     """The step's metrics about its batch: rewards, advantages, response lengths, termination, the policy versions
-    that generated it and their staleness against ``policy_version``, and (PPO) how well the values explain the
-    returns (``1 - Var(returns - values) / Var(returns)``)."""
-    advantage, returns, old_values, tis = targets.advantages, targets.returns, targets.old_values, targets.tis
+    that generated it and their staleness against ``policy_version`` (a completion is as stale as its oldest sampled
+    token), the ratio pi_old / pi_rollout and what the off-policy correction did (``ratio_metrics``), and (PPO) how
+    well the values explain the returns (``1 - Var(returns - values) / Var(returns)``)."""
+    advantage, returns, old_values = targets.advantages, targets.returns, targets.old_values
     mask = batch.mask
     lengths = batch.filled.sum(-1)
     group_std = torch.stack(
         [batch.rewards[batch.group_index == g].std(unbiased=False) for g in batch.group_index.unique()]
     )
     valid = mask.bool()
+    staleness = policy_version - batch.oldest_versions  # [N]
     metrics = {
         "reward_mean": float(batch.rewards.mean()),
         "reward_std": float(batch.rewards.std()),
@@ -136,15 +139,15 @@ def batch_metrics(batch: Batch, targets: StepTargets, policy_version: int) -> di
         "response_length_max": float(lengths.max()),
         "termination_rate": float(batch.stopped.mean()),
         "truncation_rate": float(1 - batch.stopped.mean()),
-        "generated_by_version_min": float(batch.policy_versions.min()),
+        "generated_by_version_min": float(batch.oldest_versions.min()),
         "generated_by_version_max": float(batch.policy_versions.max()),
-        "staleness_mean": float((policy_version - batch.policy_versions).mean()),
-        "staleness_max": float((policy_version - batch.policy_versions).max()),
+        "staleness_mean": float(staleness.mean()),
+        "staleness_max": float(staleness.max()),
         "groups": float(batch.group_index.max() + 1),
         "completions": float(len(batch.pairs)),
     }
-    if tis is not None:
-        metrics |= {"tis_weight_mean": float(masked_mean(tis, mask)), "tis_weight_max": float(tis[valid].max())}
+    if targets.log_ratio is not None:
+        metrics |= ratio_metrics(targets.log_ratio, mask, targets.weights)
     if returns is not None and old_values is not None:
         residual_var = (returns - old_values)[valid].var()
         metrics["explained_variance"] = float(1 - residual_var / returns[valid].var().clamp(min=1e-8))

@@ -5,7 +5,8 @@ import pytest
 
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.trainer.intake.ledger import Fate, GroupLedger
-from services.trainer.intake.reader import token_id_problem
+from services.trainer.intake.reader import token_id_problem, unusable
+from services.trainer.progress import Progress
 
 pytestmark = pytest.mark.unit
 
@@ -213,6 +214,44 @@ def test_token_ids_must_be_integers_inside_the_models_vocabulary():
     assert token_id_problem(experience_with(np.asarray([-1, 2]), ids), vocab_size=10) == (
         "prompt_ids range over -1..2, outside the model's vocabulary 0..9"
     )
+
+
+def group_of_versions(policy_version: int, *token_versions: list[int] | None) -> ExperienceGroup:
+    """A group made at ``policy_version`` whose completions' tokens came from ``token_versions`` (None: no
+    per-token versions, every token the group's; [] a completion that stopped before its first token)."""
+    completions = [
+        Completion(
+            text="2",
+            token_ids=np.zeros(len(versions) if versions is not None else 2, np.int32),
+            logprobs=np.zeros(len(versions) if versions is not None else 2, np.float32),
+            finish_reason="length",
+            token_versions=np.asarray(versions, np.int32) if versions is not None else None,
+        )
+        for versions in token_versions
+    ]
+    prompt = Prompt(group_id="g", prompt_id="g", prompt="1+1=", answer="2")
+    rollout = advance(
+        prompt, RolloutGroup, prompt_ids=np.ones(2, np.int32), policy_version=policy_version, completions=completions
+    )
+    scored = advance(rollout, ScoredGroup, rewards=np.ones(len(completions), np.float32))
+    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(c.token_ids.shape, np.float32) for c in completions])
+
+
+def test_a_group_is_as_stale_as_its_oldest_token_and_without_per_token_versions_as_its_own_version():
+    progress = Progress(version=10)
+    # Finished at version 9, but its first tokens were sampled at 6: four versions behind, past a bound of 3.
+    assert unusable(group_of_versions(9, [6, 7, 9], [9, 9]), progress, max_staleness=3)
+    assert not unusable(group_of_versions(9, [7, 7, 9], [9, 9]), progress, max_staleness=3)
+    assert not unusable(group_of_versions(9, [6, 7, 9], [9, 9]), progress, max_staleness=None)
+    assert unusable(group_of_versions(6, None, None), progress, max_staleness=3)  # schema 1: the group's version
+    assert not unusable(group_of_versions(7, None, []), progress, max_staleness=3)  # an empty completion is no older
+
+
+def test_a_group_one_of_whose_tokens_a_disowned_version_sampled_is_dropped():
+    progress = Progress(version=10, abandoned_versions=[(4, 5)])
+    assert unusable(group_of_versions(8, [5, 8], [8, 8]), progress, max_staleness=None)
+    assert not unusable(group_of_versions(8, [6, 8], [8, 8]), progress, max_staleness=None)
+    assert unusable(group_of_versions(5, None), progress, max_staleness=None)
 
 
 def test_rewind_keeps_dead_and_lost_groups_and_what_is_in_flight_but_forgets_later_applications():

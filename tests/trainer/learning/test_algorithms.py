@@ -21,7 +21,6 @@ from services.trainer.learning.algorithms import (
     register_advantage,
     register_aggregation,
     reinforce_pp_returns,
-    truncated_importance_weights,
     value_loss,
     whiten,
 )
@@ -165,21 +164,6 @@ def test_value_loss_clips_toward_the_old_value():
 def test_entropy_of_uniform_and_peaked():
     assert entropy_from_logits(torch.zeros(4)).item() == pytest.approx(math.log(4))
     assert entropy_from_logits(torch.tensor([100.0, 0.0, 0.0])).item() == pytest.approx(0.0, abs=1e-6)
-
-
-def test_truncated_importance_weights():
-    old = torch.log(torch.tensor([[0.5, 0.9]]))
-    rollout = torch.log(torch.tensor([[0.25, 0.1]]))
-    mask = torch.ones(1, 2)
-    torch.testing.assert_close(
-        truncated_importance_weights(old, rollout, mask, "token", cap=2.0), torch.tensor([[2.0, 2.0]])
-    )
-    torch.testing.assert_close(
-        truncated_importance_weights(old, rollout, mask, "token", cap=10.0), torch.tensor([[2.0, 9.0]])
-    )
-    torch.testing.assert_close(
-        truncated_importance_weights(old, rollout, mask, "sequence", cap=100.0), torch.tensor([[18.0, 18.0]])
-    )
 
 
 def test_masked_mean_and_user_registration():

@@ -64,7 +64,7 @@ def setup(tiny_model, tmp_path_factory) -> tuple[Path, Path, Path]:
             "micro_batch_tokens": 27,
             "old_logprobs": "recompute",
             "kl": {"coef": 0.05, "placement": "loss"},
-            "tis": {"mode": "token"},
+            "off_policy": {"correction": "tis"},
         },
     )
     cfg = load_config(config)

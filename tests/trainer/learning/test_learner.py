@@ -132,14 +132,14 @@ def test_every_algorithm_steps_with_finite_metrics_and_moves_the_policy(setup, a
         epochs=2,
         mini_batches=2,
         old_logprobs="recompute",
-        tis={"mode": "token"},
+        off_policy={"correction": "tis"},
     )
     before = flat(learner)
     metrics = learner.step(groups, policy_version=0)
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert not torch.equal(before, flat(learner))
     assert metrics["reward_mean"] == pytest.approx(0.5)
-    assert metrics["tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # sampler == policy at version 0
+    assert metrics["off_policy/weight_mean"] == pytest.approx(1.0, abs=1e-4)  # sampler == policy at version 0
     if algorithm == "ppo":
         assert {"value_loss", "explained_variance", "value_clipfrac"} <= set(metrics)
 
@@ -155,7 +155,31 @@ def test_ratio_is_taken_against_the_rollout_logprobs_by_default(setup):
     metrics = learner.step(shifted, 0)
     # The sampler gave every token 0.5 nats less than the policy: approx_kl = mean(old - logp) = -0.5.
     assert metrics["approx_kl"] == pytest.approx(-0.5, abs=1e-3)
-    assert "tis_weight_mean" not in metrics
+    assert not any(key.startswith("off_policy/") for key in metrics)  # rho is 1 by definition: nothing to report
+
+
+def test_icepop_masks_the_tokens_the_sampler_scored_far_from_the_trainer_and_reports_their_share(setup):
+    _, learner, groups = make(setup, algorithm="grpo", old_logprobs="recompute", off_policy={"correction": "icepop"})
+    # The sampler gave each completion's first token 3 nats more than the trainer does: rho = e^-3, below alpha 0.5.
+    first = [
+        g.model_copy(
+            update={
+                "completions": [
+                    c.model_copy(update={"logprobs": c.logprobs + 3.0 * (np.arange(len(c.logprobs)) == 0)})
+                    for c in g.completions
+                ]
+            }
+        )
+        for g in groups
+    ]
+    metrics = learner.step(first, 0)
+    completions = [c for g in groups for c in g.completions]
+    assert metrics["off_policy/masked_token_fraction"] == pytest.approx(
+        len(completions) / sum(len(c.token_ids) for c in completions)
+    )
+    assert metrics["off_policy/masked_sequence_fraction"] == 1.0
+    assert metrics["off_policy/ratio_min"] == pytest.approx(math.exp(-3.0), rel=1e-3)
+    assert metrics["off_policy/ratio_p50"] == pytest.approx(1.0, abs=1e-3)  # the rest: sampler == trainer
 
 
 def test_updates_favour_rewarded_answers_over_the_others(setup):
@@ -434,7 +458,12 @@ def test_an_update_whose_loss_is_nan_is_not_applied_nor_any_later_one_of_its_ste
 ALGORITHMS = ["grpo", "dr_grpo", "rloo", "reinforce_pp", "ppo"]
 OBSERVATION = [11, 12, 13]  # tokens an environment inserted between the model's answer and its end of sequence
 # Every term of the loss that reads per-token values: the KL loss, the entropy bonus, recomputed pi_old, TIS.
-EVERY_TERM = {"kl": {"coef": 0.1}, "entropy_coef": 0.01, "old_logprobs": "recompute", "tis": {"mode": "token"}}
+EVERY_TERM = {
+    "kl": {"coef": 0.1},
+    "entropy_coef": 0.01,
+    "old_logprobs": "recompute",
+    "off_policy": {"correction": "tis"},
+}
 
 
 def random_value_head(learner: Learner) -> None:

@@ -1,13 +1,18 @@
 """The step's objective on hand-made batches: no model, no learner (``services/trainer/learning/objective.py``)."""
 
+import math
+
+import numpy as np
 import pytest
 import torch
 
-from services.common.config.training import TrainConfig
+from services.common.config.training import OffPolicyConfig, TrainConfig
 from services.common.model.modeling import pack, token_logprobs
+from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.trainer.learning import objective
 from services.trainer.learning.algorithms import group_advantages, policy_loss, value_loss
 from services.trainer.learning.batch import Batch, StepTargets
+from services.trainer.learning.corrections import correction_weights, log_ratio
 
 pytestmark = pytest.mark.unit
 
@@ -26,6 +31,7 @@ def hand_batch() -> Batch:
         group_index=torch.tensor([0, 0, 1, 1]),
         stopped=torch.tensor([0.0, 0.0, 0.0, 1.0]),
         policy_versions=torch.tensor([3.0, 3.0, 5.0, 5.0]),
+        token_versions=torch.tensor([[3.0, 3, 3], [3, 3, 3], [5, 5, 5], [5, 5, 0]]),
     )
 
 
@@ -115,4 +121,67 @@ def test_batch_metrics_report_staleness_lengths_and_groups_without_signal():
     assert metrics["response_length_mean"] == 2.75 and metrics["response_length_max"] == 3.0
     assert metrics["termination_rate"] == 0.25 and metrics["truncation_rate"] == 0.75
     assert metrics["groups"] == 2.0 and metrics["completions"] == 4.0
-    assert "explained_variance" not in metrics and "tis_weight_mean" not in metrics
+    assert "explained_variance" not in metrics and not any(key.startswith("off_policy/") for key in metrics)
+
+
+def test_a_token_the_correction_weights_zero_takes_no_part_in_the_policy_loss():
+    batch = hand_batch()
+    rows = torch.tensor([0, 2])
+    packed, logits = packed_and_logits(batch, rows)
+    advantages = torch.tensor([[1.0, -2, 0.5], [1, 1, 1], [-1, 3, 2], [1, 1, 0]])
+    weights = torch.tensor([[1.0, 0.0, 2.0], [1, 1, 1], [0.0, 0.5, 1.0], [1, 1, 0]])
+    weighted = StepTargets(old_logp=batch.rollout_logp, advantages=advantages, weights=weights)
+    _, stats = objective.micro_batch_loss(TrainConfig(), batch, rows, packed, logits, None, weighted, False)
+    logp = token_logprobs(logits, packed.targets)
+    ratio = (logp - batch.rollout_logp[rows]).exp()
+    # token-mean over every valid token, the masked ones counted in the denominator, as IcePop and prime-rl count.
+    expected = (-advantages[rows] * ratio * weights[rows] * batch.mask[rows]).sum() / batch.mask[rows].sum()
+    torch.testing.assert_close(stats["pg_loss"], expected)
+
+
+def test_the_batch_carries_each_token_s_version_and_a_completion_is_as_stale_as_its_oldest_sampled_token():
+    def completion(versions, loss_mask=None) -> Completion:
+        return Completion(
+            text="x",
+            token_ids=np.arange(len(versions), dtype=np.int32),
+            logprobs=np.zeros(len(versions), np.float32),
+            finish_reason="length",
+            token_versions=np.asarray(versions, np.int32) if versions is not None else None,
+            loss_mask=np.asarray(loss_mask, np.int32) if loss_mask is not None else None,
+        )
+
+    completions = [
+        completion([4, 4, 5]),  # the rollout loaded version 5 before its last token
+        completion([1, 5, 6], loss_mask=[0, 1, 1]),  # an inserted observation's version does not count
+        Completion(
+            text="y", token_ids=np.arange(2, dtype=np.int32), logprobs=np.zeros(2, np.float32), finish_reason="stop"
+        ),
+    ]
+    rollout = advance(
+        Prompt(group_id="g", prompt_id="p", prompt="1+1="),
+        RolloutGroup,
+        prompt_ids=np.asarray([1, 2], np.int32),
+        policy_version=6,
+        completions=completions,
+    )
+    scored = advance(rollout, ScoredGroup, rewards=np.asarray([1.0, 0.0, 1.0], np.float32))
+    group = advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(len(c.token_ids), np.float32) for c in completions])
+    batch = Batch.of([group])
+    torch.testing.assert_close(batch.token_versions, torch.tensor([[4.0, 4, 5], [1, 5, 6], [6, 6, 0]]))
+    torch.testing.assert_close(batch.oldest_versions, torch.tensor([4.0, 5.0, 6.0]))
+    metrics = objective.batch_metrics(batch, StepTargets(old_logp=batch.rollout_logp, advantages=batch.mask), 8)
+    assert metrics["staleness_max"] == 4.0 and metrics["staleness_mean"] == pytest.approx(3.0)
+    assert metrics["generated_by_version_min"] == 4.0 and metrics["generated_by_version_max"] == 6.0
+
+
+def test_batch_metrics_report_the_ratio_and_what_the_correction_masked_when_pi_old_was_recomputed():
+    batch = hand_batch()
+    old_logp = batch.rollout_logp + torch.tensor([[0.0, 2.0, 0.0], [0, 0, 0], [0, 0, -0.5], [0, 0, 0]]) * batch.mask
+    log_rho = log_ratio(old_logp, batch.rollout_logp, batch.mask)
+    weights = correction_weights(log_rho, batch.mask, OffPolicyConfig(correction="icepop"))  # masks e^2 = 7.4
+    targets = StepTargets(old_logp=old_logp, advantages=batch.mask.clone(), log_ratio=log_rho, weights=weights)
+    metrics = objective.batch_metrics(batch, targets, policy_version=6)
+    assert metrics["off_policy/masked_token_fraction"] == pytest.approx(1 / 11)
+    assert metrics["off_policy/masked_sequence_fraction"] == pytest.approx(1 / 4)
+    assert metrics["off_policy/ratio_max"] == pytest.approx(math.exp(2.0))
+    assert metrics["off_policy/ratio_min"] == pytest.approx(math.exp(-0.5))  # inside IcePop's [0.5, 5]: kept
