@@ -82,7 +82,7 @@ def main() -> None:
             off_loop_s = median_s(lambda lineage=lineage, end=end: lineage.text(end), args.repeats)
             size = path.stat().st_size / 2**20
             print(
-                f"| {steps:,} | {size:.1f} MiB | {before_s * 1000:.1f} ms | {after_s * 1000:.2f} ms "
+                f"| {steps:,} | {size:.2f} MiB | {before_s * 1000:.1f} ms | {after_s * 1000:.2f} ms "
                 f"| {off_loop_s * 1000:.1f} ms |",
                 flush=True,
             )
