@@ -1,7 +1,8 @@
 """The stall a checkpoint save adds to a training step, against the step itself.
 
-A save holds the loop only while ``Checkpointer.snapshot`` copies the state to host memory (``checkpoint_stall_s``
-in the metrics); encoding and uploading that copy runs on a worker thread while training goes on. This times the
+A save holds the training step only while ``Checkpointer.snapshot`` copies the state to host memory
+(``checkpoint_stall_s`` in the metrics; the copies run on a worker thread, so the event loop that renews the lease
+is not held); encoding and uploading that copy runs on a worker thread while training goes on. This times the
 snapshot's copies with the trainer's own functions (``detached_copy``, ``host_copy``, ``in_saved_dtype``) for the
 three kinds of save, the background encode and write to a file:// store, and, for scale, a training step (forward,
 backward, AdamW) of the same model on the same device.

@@ -178,7 +178,8 @@ async def lead_holding(
     live = await LiveConfig(cfg, bus.js).start()
     learner = await asyncio.to_thread(Learner, cfg, mesh)
     model_s = started()
-    weights = WeightSyncServer(learner.snapshot(version=0, step=0), fanout=cfg.rollout.relay_fanout)
+    initial = await asyncio.to_thread(learner.snapshot, 0, 0)  # a copy of the model, off the loop that renews the lease
+    weights = WeightSyncServer(initial, fanout=cfg.rollout.relay_fanout)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)

@@ -5,10 +5,14 @@ and wires it): the components do the work and never reference the loop that driv
 
 - ``intake``: feeding prompts, the ledger of what became of each group, reading EXPERIENCE;
 - ``control``: operator commands and the running/paused/stopping state;
-- ``recovery``: checkpoints, purging, and adopting a stored step (resume, rollback);
+- ``recovery``: checkpoints, purging, and adopting a stored step (resume, rollback); its ``publisher`` copies and
+  serves each new policy version in the background;
 - ``responder``: metrics rows judged by the alert rules, and their actions;
 - ``status``: services, lag and the Admin status reply;
 - ``liveness``: the loop's heartbeat, which the gRPC health follows.
+
+The loop also renews the trainer's lease (role.py), so it only schedules and waits: the learner's step, snapshots,
+lineage appends, evaluations and weight copies run on worker threads, each awaited or backgrounded.
 
 Staleness is bounded twice: by how many prompt groups are in flight
 (``max_inflight_batches * batch_size``) and by ``max_staleness``, which drops groups made by
@@ -19,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from functools import partial
 from typing import Any
@@ -42,7 +45,6 @@ from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, BrokerStateLost
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpointing.lineage import Lineage
 from services.trainer.checkpointing.recovery import Recovery
@@ -195,6 +197,7 @@ class Trainer:
         if self.live.cfg is self.cfg:
             return
         previous, self.cfg = self.cfg, self.live.cfg
+        await self.recovery.publisher.released()  # across processes a reconfigure is a command to every rank
         self.learner.reconfigure(self.cfg)
         self.checkpoints.keep_last = self.cfg.checkpoint.keep_last
         if self.cfg.alerts != previous.alerts:
@@ -243,7 +246,7 @@ class Trainer:
         await self.responder.watch({"step": self.progress.step, **await self.status.health_row()})
 
     async def record_lost(self, group_ids: list[str]) -> None:
-        self.lineage.record_lost(self.progress.step, group_ids)
+        await asyncio.to_thread(self.lineage.record_lost, self.progress.step, group_ids)  # an fsync: off the loop
         count, step = len(group_ids), self.progress.step
         self.journal.emit(
             Event.GROUPS_LOST,
@@ -287,12 +290,16 @@ class Trainer:
 
     async def train_step(self, collected: Collected) -> None:
         progress = self.progress
+        publisher = self.recovery.publisher
+        with self.step_time.during(StepPhase.PUBLISH):
+            await publisher.released()  # the previous version's copy is taken before this step changes the weights
         with self.step_time.during(StepPhase.COMPUTE):
             metrics = await asyncio.to_thread(self.learner.step, collected.batch, progress.version)
         progress.advance(collected.sequence)
         self.ledger.settle_collected(collected, progress.step)
         self.recovery.track_claims(collected.claim_keys)
-        self.lineage.record_step(
+        await asyncio.to_thread(  # an fsync: off the loop
+            self.lineage.record_step,
             progress.step,
             progress.version,
             [(g.group_id, g.policy_version) for g in collected.batch],
@@ -301,15 +308,10 @@ class Trainer:
             collected.filtered,
         )
         self.samples.record(progress.step, collected.batch)
-        skipped = self.learner.skipped
-        try:
-            with self.step_time.during(StepPhase.PUBLISH):
-                await self.recovery.publish()
-        except NonFiniteWeights as error:
-            skipped = str(error)
-            metrics["loss"] = math.nan  # the nan_loss rule's action (pause, by default) holds the run
-        if skipped:
-            self.skipped_step(skipped)
+        with self.step_time.during(StepPhase.PUBLISH):
+            self.recovery.offer()  # copied and served in the background; weights that are not finite are refused
+        if self.learner.skipped:
+            self.skipped_step(self.learner.skipped)
         row = {
             "step": progress.step,
             "policy_version": progress.version,
@@ -322,6 +324,7 @@ class Trainer:
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
             **await self.status.health_row(),
+            **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),
         }
         row.update(self.step_time_row())  # last: the row's own assembly counts in this step's bookkeeping
         progress.reported(row)
@@ -343,8 +346,9 @@ class Trainer:
         }
 
     def skipped_step(self, reason: str) -> None:
-        """A step that left the weights as they were (or kept them from rollouts): non-finite numbers never reach
-        the optimizer, rollouts or the store. Its metrics row carries loss NaN, which the nan_loss rule judges."""
+        """A step that left the weights as they were: non-finite numbers never reach the optimizer, rollouts or the
+        store. Its metrics row carries loss NaN, which the nan_loss rule judges. (Weights that are not finite all the
+        same are kept from rollouts when they are offered: ``Recovery._weights_refused``.)"""
         step = self.progress.step
         message = f"step {step}: updates skipped, {reason}"
         self.journal.emit(Event.STEP_SKIPPED, message, level=logging.ERROR, alert=True, step=step, reason=reason)
@@ -355,6 +359,7 @@ class Trainer:
         took = Stopwatch()
         episode_metrics: dict[str, float] = {}
         with self.step_time.during(StepPhase.EVAL):
+            await self.recovery.publisher.released()  # across processes an evaluation runs collectives
             if self.cfg.rollout.multi_turn:  # measured as it is trained: episodes with the run's environment
                 episodes = await asyncio.to_thread(self.learner.evaluate_episodes, self.eval_rows)
                 accuracy, episode_metrics = episodes.accuracy, episodes.metrics()
@@ -417,6 +422,7 @@ class Trainer:
             if eval_every and progress.step % eval_every == 0 and progress.step < self.cfg.train.total_steps:
                 await self.evaluate()
         await control.run_commands()  # answer whoever asked to stop
+        await self.recovery.publisher.drain()  # the last version offered is served (or refused) before the end
         stopped = control.state == RunState.STOPPING
         if not stopped and progress.step < self.cfg.train.total_steps:
             # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).

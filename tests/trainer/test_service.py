@@ -58,6 +58,7 @@ def test_a_step_with_nan_rewards_is_skipped_pauses_the_run_and_rollouts_keep_fin
         base = dict(trainer.learner.snapshot(version=0, step=0).tensors)
         try:
             await trainer.train_step(Collected(batch=with_nan(groups, 1, "rewards"), dropped=[], sequence=4))
+            await trainer.recovery.publisher.drain()
             served = trainer.recovery.weights.latest
             assert served.version == 1
             assert all(torch.equal(tensor, base[name]) for name, tensor in served.tensors)
@@ -82,9 +83,11 @@ def test_nan_weights_are_neither_served_to_rollouts_nor_saved(cfg, tiny_model):
             with torch.no_grad():  # a blow-up the step's own checks cannot undo: the weights are already NaN
                 next(trainer.learner.model.parameters()).fill_(math.nan)
             await trainer.train_step(Collected(batch=groups, dropped=[], sequence=4))
+            await trainer.recovery.publisher.drain()  # the version is offered in the background
             assert trainer.recovery.weights.latest.version == 0  # rollouts keep the base weights
-            [skipped] = events(cfg, "step_skipped")
-            assert "policy version 1 (step 1) is not served" in skipped["reason"]
+            # The learner skipped the update (its loss is NaN), and the weights were kept from rollouts.
+            reasons = [event["reason"] for event in events(cfg, "step_skipped")]
+            assert any("policy version 1 (step 1) is not served" in reason for reason in reasons), reasons
             assert trainer.control.state == RunState.PAUSED
             await trainer.save(wait=True)
             assert trainer.checkpoints.steps() == []
@@ -111,7 +114,6 @@ def test_a_step_rows_time_split_covers_the_whole_interval_since_the_previous_row
             assert sum(split.values()) == pytest.approx(wall, abs=0.01)  # every second of the interval, once
             assert split[StepPhase.WAIT] == 0.0 and split[StepPhase.EVAL] == 0.0  # no collect, no evaluation here
             assert split[StepPhase.COMPUTE] >= row["step_time_s"]  # the learner's own step is inside compute
-            assert split[StepPhase.PUBLISH] > 0.0
             trainer.responder.metrics.flush()  # the row is written by the metrics writer's thread
             [written] = [json.loads(line) for line in cfg.metrics_file.read_text().splitlines() if '"loss"' in line]
             assert {key: written[key] for key in row if key.startswith("time/")} == {

@@ -79,6 +79,7 @@ METRIC_NAMES: dict[str, str] = {
     "checkpoint_failed": "checkpoint/failed",
     "checkpoint_time_s": "checkpoint/time_s",
     "checkpoint_stall_s": "checkpoint/stall_s",
+    "checkpoint_lineage_s": "checkpoint/lineage_s",
     "groups_dead": "pipeline/groups_dead",
     "groups_reopened": "pipeline/groups_reopened",
     "groups_lost": "pipeline/groups_lost",

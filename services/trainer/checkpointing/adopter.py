@@ -131,7 +131,9 @@ class Adopter:
         served = self.parts.lineage.max_version()
         if served:
             version = served + 1
-            self.parts.lineage.restart_from(0, version, "restart", abandoned_versions=(1, served))
+            await asyncio.to_thread(
+                self.parts.lineage.restart_from, 0, version, "restart", abandoned_versions=(1, served)
+            )
         return Adopted(
             step=0,
             version=version,
@@ -164,7 +166,7 @@ class Adopter:
         )
         new_version = max(served, stored_high_water) + 1
         disowned = (state.policy_version + 1, new_version - 1)
-        self.parts.learner.load(ckpt)
+        await asyncio.to_thread(self.parts.learner.load, ckpt)
         self.parts.learner.reconfigure(self.parts.settings.cfg)  # the live hyperparameters stay in force
         if ckpt.optimizer is None:
             message = (
@@ -199,7 +201,9 @@ class Adopter:
                 self.journal.emit(
                     Event.GROUPS_REOPENED_BY_ROLLBACK, message, step=ckpt.step, count=len(undone), group_ids=undone[:50]
                 )
-        abandoned = self.parts.lineage.restart_from(
+        # On a thread: a lineage.jsonl copied from the checkpoint (a new machine's run folder) is read whole here.
+        abandoned = await asyncio.to_thread(
+            self.parts.lineage.restart_from,
             ckpt.step,
             new_version,
             event,

@@ -1,10 +1,13 @@
 """Saving: a copy of everything a step depends on, taken between steps, stored while training goes on.
 
-``snapshot`` runs on the loop between two steps and is the whole stall a save adds to training (reported as
+``snapshot`` is taken between two steps and is the whole stall a save adds to training (reported as
 ``checkpoint_stall_s``): a host-memory copy of the weights, and of the optimizer state on the saves that keep it
-(``checkpoint.optimizer_every``). ``store`` encodes and uploads that copy on a worker thread and returns what became
-of it (``SaveOutcome``). recovery.py runs the upload in the background and orders what follows a save (the record,
-the metrics row, the purge).
+(``checkpoint.optimizer_every``). The trainer's own state (ledger, progress, cursor: small, and changed only by the
+event loop) is read on the loop; the copies (seconds for a model, tens on a loaded machine) and the copy of the
+lineage are made on a worker thread, which the step waits for while the loop stays free to renew the lease and
+answer calls. ``store`` encodes and uploads the copy on a worker thread and returns what became of it
+(``SaveOutcome``). recovery.py runs the upload in the background and orders what follows a save (the record, the
+metrics row, the purge).
 """
 
 from __future__ import annotations
@@ -12,7 +15,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import yaml
@@ -48,6 +52,24 @@ def in_saved_dtype(
 
 
 @dataclass(frozen=True)
+class Taken:
+    """A snapshot taken for a save, and how long reading the lineage for it took (``checkpoint_lineage_s``)."""
+
+    checkpoint: Checkpoint
+    lineage_s: float
+
+
+@dataclass(frozen=True)
+class _Copies:
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    critic: dict[str, torch.Tensor] | None
+    weights_dtype: str
+    lineage: str
+    lineage_s: float
+
+
+@dataclass(frozen=True)
 class SaveOutcome:
     step: int
     seconds: float  # encoding and upload
@@ -68,51 +90,68 @@ class Checkpointer:
         self.telemetry = telemetry
         self.build = build
 
-    def snapshot(self, config_version: int, final: bool) -> Checkpoint:
+    async def snapshot(self, config_version: int, final: bool) -> Taken:
         """A copy of everything to save, taken between steps so the upload can run while training goes on;
         ``final``: a save at a stop, at the end or on request, which always keeps the optimizer state."""
         cfg, progress, learner = self.parts.settings.cfg, self.parts.progress, self.parts.learner
         self.parts.ledger.advance()  # the newest watermark, so the checkpoint lists as few groups beside it as it can
         ck = cfg.checkpoint
         optimizer = holds_optimizer(progress.step, ck.save_every_steps, ck.optimizer_every, final)
-        state = learner.state(optimizer=optimizer)  # in host memory and one process's format, whatever the world size
-        model, weights_dtype = in_saved_dtype(state.model, ck.weights_dtype, cfg.model.dtype)
-        return Checkpoint(
+        took = Stopwatch()
+        lineage = self.parts.lineage.catch_up()  # only the lines appended since the last save are read
+        lineage_end, version_high_water = lineage.end, max(progress.version, lineage.max_version)
+        lineage_s = took()
+        state = TrainerState(
             step=progress.step,
-            model=model,
-            optimizer=state.optimizer,
-            scheduler=learner.scheduler.state_dict(),
-            rng=learner.rng_state(),
-            critic=state.critic,
-            lineage=self.parts.lineage.text(),
-            state=TrainerState(
-                step=progress.step,
-                policy_version=progress.version,
-                config_version=config_version,
-                data_cursor=self.parts.feeder.cursor,
-                last_experience_seq=progress.applied_seq,
-                in_flight=self.parts.ledger.unsettled(),
-                eval_accuracy=progress.last_eval,
-                baseline_accuracy=progress.baseline_eval,
-                metrics=dict(progress.last_row),
-                incarnation=progress.incarnation,
-                settled_through=self.parts.ledger.watermark(),
-                applied_ids=self.parts.ledger.exceptions(),
-                dead_ids=self.parts.ledger.dead(),
-                dead_seq=progress.dead_seq,
-                reinjected=sorted(self.parts.ledger.reinjected),
-                claim_keys=sorted((seq, key) for key, seq in self.purger.claim_keys.items()),
-                version_high_water=max(progress.version, self.parts.lineage.max_version()),
-                weights_dtype=weights_dtype,
-                base_model_path=self.parts.learner.base_model[0],
-                base_model_sha256=self.parts.learner.base_model[1],
-            ),
-            extras={
-                # What produced these weights, for whoever restores or audits them.
-                "config.yaml": yaml.safe_dump(redacted_dump(cfg), sort_keys=False).encode(),
-                "build.json": json.dumps({"version": self.build.version, "revision": self.build.revision}).encode(),
-            },
+            policy_version=progress.version,
+            config_version=config_version,
+            data_cursor=self.parts.feeder.cursor,
+            last_experience_seq=progress.applied_seq,
+            in_flight=self.parts.ledger.unsettled(),
+            eval_accuracy=progress.last_eval,
+            baseline_accuracy=progress.baseline_eval,
+            metrics=dict(progress.last_row),
+            incarnation=progress.incarnation,
+            settled_through=self.parts.ledger.watermark(),
+            applied_ids=self.parts.ledger.exceptions(),
+            dead_ids=self.parts.ledger.dead(),
+            dead_seq=progress.dead_seq,
+            reinjected=sorted(self.parts.ledger.reinjected),
+            claim_keys=sorted((seq, key) for key, seq in self.purger.claim_keys.items()),
+            version_high_water=version_high_water,
+            base_model_path=learner.base_model[0],
+            base_model_sha256=learner.base_model[1],
         )
+        scheduler, rng = learner.scheduler.state_dict(), learner.rng_state()
+        copies = await asyncio.to_thread(self._copies, optimizer, lineage_end)
+        return Taken(
+            Checkpoint(
+                step=progress.step,
+                model=copies.model,
+                optimizer=copies.optimizer,
+                scheduler=scheduler,
+                rng=rng,
+                critic=copies.critic,
+                lineage=copies.lineage,
+                state=replace(state, weights_dtype=copies.weights_dtype),
+                extras={
+                    # What produced these weights, for whoever restores or audits them.
+                    "config.yaml": yaml.safe_dump(redacted_dump(cfg), sort_keys=False).encode(),
+                    "build.json": json.dumps({"version": self.build.version, "revision": self.build.revision}).encode(),
+                },
+            ),
+            lineage_s=lineage_s + copies.lineage_s,
+        )
+
+    def _copies(self, optimizer: bool, lineage_end: int) -> _Copies:
+        """On a worker thread: the learner's state in host memory, in the dtype it is saved in, and the lineage's
+        first ``lineage_end`` bytes (what it held when the snapshot was asked for)."""
+        cfg = self.parts.settings.cfg
+        state = self.parts.learner.state(optimizer=optimizer)  # host memory, one process's format, any world size
+        model, weights_dtype = in_saved_dtype(state.model, cfg.checkpoint.weights_dtype, cfg.model.dtype)
+        took = Stopwatch()
+        lineage = self.parts.lineage.text(lineage_end)
+        return _Copies(model, state.optimizer, state.critic, weights_dtype, lineage, took())
 
     async def store(self, ckpt: Checkpoint) -> SaveOutcome:
         """Encode and upload ``ckpt`` off the loop; a failure is logged and returned, never raised."""

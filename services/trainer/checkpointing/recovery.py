@@ -11,12 +11,17 @@ run's own record (``resume.SavedRecord``) names it, a metrics row reports it, an
 re-read is purged. An adoption (resume or rollback, ``adopt``) is put in force after the adopter changed the store,
 the learner, the ledger and the lineage: the progress is replaced, the record names the adopted step, its weights are
 published as a new policy version, and EXPERIENCE is re-read from its sequence.
+
+Publishing is ``Publisher``'s (services/trainer/publisher.py), in the background after a step and awaited after an
+adoption; a save's snapshot and an adoption first wait until the newest version's copy was taken, since they read
+or change the learner.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,6 +31,7 @@ from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, log_event
 from services.common.transport.bus import Bus
 from services.common.transport.weightsync.server import WeightSyncServer
+from services.common.transport.weightsync.snapshot import NonFiniteWeights
 from services.trainer.checkpointing.adopter import Adopter, ResumeRefused
 from services.trainer.checkpointing.checkpointer import Checkpointer
 from services.trainer.checkpointing.lineage import Lineage
@@ -39,6 +45,7 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.learning.learner import Learner
 from services.trainer.progress import Adopted, ConfigSource, Progress
+from services.trainer.publisher import Publisher
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +82,7 @@ class Recovery:
         parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
         self.checkpointer = Checkpointer(parts, self.purger, telemetry, self.build)
         self.adopter = Adopter(parts, self.purger, journal)
+        self.publisher = Publisher(learner, weights, on_refused=self._weights_refused)
         self.upload: asyncio.Task | None = None
 
     @property
@@ -97,6 +105,7 @@ class Recovery:
         one's from before): it would prune, purge and later resume from them. A resume whose store cannot be
         read waits for it, then raises ResumeRefused; nothing is written before the checkpoint is in hand."""
         run_dir = self.settings.cfg.run_dir
+        await asyncio.to_thread(self.lineage.catch_up)  # the whole file, once: later reads take only what is new
         if not resume:
             self.progress.started(await asyncio.to_thread(self.checkpoints.start_fresh))
             SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
@@ -141,6 +150,7 @@ class Recovery:
         """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
 
         ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
+        await self.publisher.released()  # the learner is about to change under any copy still being taken
         adoption = await self.adopter.take(ckpt, event, requested)
         adopted: Adopted = adoption.adopted
         self.progress.adopt(adopted)
@@ -186,8 +196,21 @@ class Recovery:
         ).write(self.settings.cfg.run_dir)
 
     async def publish(self) -> None:
-        """Serve the learner's weights as the current policy version."""
-        await self.weights.publish(self.learner.snapshot(self.progress.version, self.progress.step))
+        """Serve the learner's weights as the current policy version, and wait until they are served."""
+        await self.publisher.publish(self.progress.version, self.progress.step)
+
+    def offer(self) -> None:
+        """Serve the learner's weights as the current policy version, in the background (``Publisher``)."""
+        self.publisher.offer(self.progress.version, self.progress.step)
+
+    async def _weights_refused(self, error: NonFiniteWeights, version: int, step: int) -> None:
+        """A version whose weights are not finite is not served: the step is reported skipped, and a metrics row
+        with loss NaN for it goes to the alert rules (``nan_loss`` pauses the run by default)."""
+        message = f"step {step}: {error}"
+        self.journal.emit(Event.STEP_SKIPPED, message, level=logging.ERROR, alert=True, step=step, reason=str(error))
+        await self.report(
+            {"step": step, "policy_version": version, "config_version": self.settings.version, "loss": math.nan}
+        )
 
     # -- save ---------------------------------------------------------------------------
 
@@ -211,15 +234,17 @@ class Recovery:
             if self.progress.saved_step == self.progress.step:
                 return  # that upload was this very step
         took = Stopwatch()
-        ckpt = self.checkpointer.snapshot(config_version, final=wait)
+        await self.publisher.released()  # the snapshot reads the learner: after the newest version's copy
+        taken = await self.checkpointer.snapshot(config_version, final=wait)
         stall_s = took()
         self.telemetry.record_checkpoint_stall(stall_s)
-        self.upload = asyncio.create_task(self._upload(ckpt, stall_s=stall_s))
+        self.upload = asyncio.create_task(self._upload(taken.checkpoint, stall_s=stall_s, lineage_s=taken.lineage_s))
         if wait:
             await self.upload
 
-    async def _upload(self, ckpt: Checkpoint, stall_s: float) -> None:
-        """Store ``ckpt``; ``stall_s``: how long taking it held the training loop."""
+    async def _upload(self, ckpt: Checkpoint, stall_s: float, lineage_s: float) -> None:
+        """Store ``ckpt``; ``stall_s``: how long taking it held the training step, ``lineage_s``: of which reading
+        the lineage."""
         outcome = await self.checkpointer.store(ckpt)
         if outcome.error:
             # The row carries the current step: the save's own step may be behind, and is not one to roll back to.
@@ -241,6 +266,7 @@ class Recovery:
                 "checkpoint_failed": 0,
                 "checkpoint_time_s": outcome.seconds,
                 "checkpoint_stall_s": stall_s,
+                "checkpoint_lineage_s": lineage_s,
             }
         )
         log_event(

@@ -62,7 +62,7 @@ from services.common.model.modeling import (
     window_logits,
 )
 from services.common.transport.messages import ExperienceGroup
-from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.snapshot import HostStaging, Snapshot
 from services.trainer.checkpointing.state import (
     Checkpoint,
     LearnerLayout,
@@ -118,7 +118,7 @@ class Learner:
     Attributes: ``mesh`` (this process among the trainer's; ``Mesh()`` alone), ``precision`` (device and
     dtypes), ``device``, ``model`` (the policy), ``tokenizer``, ``critic`` (None unless PPO), ``optimizer``
     (AdamW; the critic in its own group), ``scheduler``, ``generator`` (mini-batch order, checkpointed; the same
-    on every rank), ``steps_done``.
+    on every rank), ``steps_done``, ``staging`` (the host memory published versions are copied into).
 
     With a distributed ``mesh`` every rank constructs one (it joins the process group and takes rank 0's
     config); rank 0 then calls the methods below and the others run ``follower.follow``.
@@ -182,6 +182,7 @@ class Learner:
         self.generator = torch.Generator().manual_seed(train.seed)
         self.steps_done = 0
         self.skipped: str | None = None  # why the last step applied none or only part of its updates
+        self.staging = HostStaging()  # the host memory each published version is copied into
 
     def reconfigure(self, cfg: RunConfig) -> None:
         """Take a live config change. Hyperparameters are read at every step; the learning rate also lives
@@ -207,10 +208,16 @@ class Learner:
 
     def snapshot(self, version: int, step: int) -> Snapshot:
         """The policy's weights as weight sync serves them, as ``version`` made at ``step``: with LoRA only the
-        adapters, which the rollout loads over the base it holds."""
-        if not self.mesh.distributed and self.adapter_names is None:
-            return snapshot_of(self.model, version, step)
-        return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
+        adapters, which the rollout loads over the base it holds.
+
+        In one process they are copied into ``staging``'s reused host memory (from a GPU, queued on a copy stream
+        that the next step's kernels wait for: see ``HostStaging``); across processes they are gathered."""
+        if self.mesh.distributed:
+            return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
+        state = self.model.state_dict()
+        if self.adapter_names is not None:
+            state = adapter_tensors({name: t for name, t in state.items() if name in self.adapter_names})
+        return self.staging.copy(state.items(), version, step)
 
     def state(self, optimizer: bool = True) -> LearnerState:
         """A host-memory copy of weights, critic and (with ``optimizer``) optimizer state that training cannot

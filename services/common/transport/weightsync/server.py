@@ -57,19 +57,32 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
         return tuple(self._members)
 
     async def publish(self, snapshot: Snapshot) -> None:
-        """Serve ``snapshot`` as the newest version; raises ``NonFiniteWeights`` (and keeps serving the previous
-        one) when a tensor holds NaN or inf: a rollout that loaded it would sample garbage for every prompt."""
-        broken = await asyncio.to_thread(non_finite, snapshot.tensors)
-        if broken:
-            raise NonFiniteWeights(
-                f"policy version {snapshot.version} (step {snapshot.step}) is not served: {len(broken)} tensor(s) "
-                f"hold NaN or inf ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); "
-                f"rollouts keep version {self.latest.version}"
-            )
-        async with self._changed:
-            self.latest = snapshot
-            self._plan = tuple(self._members)
-            self._changed.notify_all()
+        """Serve ``snapshot`` as the newest version, once its copy has landed; raises ``NonFiniteWeights`` (and
+        keeps serving the previous one) when a tensor holds NaN or inf: a rollout that loaded it would sample
+        garbage for every prompt. Versions only grow: one not above the version served is a ``StaleVersion``.
+
+        Takes over the snapshot's hold on its host memory (``HostStaging``): kept while it is served, given back when
+        the next version replaces it or when it is refused."""
+        try:
+            broken = await asyncio.to_thread(_landed_non_finite, snapshot)
+            if broken:
+                raise NonFiniteWeights(
+                    f"policy version {snapshot.version} (step {snapshot.step}) is not served: {len(broken)} "
+                    f"tensor(s) hold NaN or inf ({', '.join(broken[:3])}{', ...' if len(broken) > 3 else ''}); "
+                    f"rollouts keep version {self.latest.version}"
+                )
+            async with self._changed:
+                if snapshot.version <= self.latest.version:  # judged here: another publish may have landed meanwhile
+                    raise StaleVersion(
+                        f"policy version {snapshot.version} is not above version {self.latest.version}, served"
+                    )
+                replaced, self.latest = self.latest, snapshot
+                self._plan = tuple(self._members)
+                self._changed.notify_all()
+        except BaseException:
+            snapshot.release()
+            raise
+        replaced.release()
 
     def announcement(self, snapshot: Snapshot, address: str) -> pb.PolicyVersion:
         info = snapshot.info()
@@ -105,17 +118,32 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
     async def PullWeights(
         self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.WeightChunk]:
-        # Taken once: the whole stream is this version even if the trainer publishes the next one meanwhile.
+        # Taken once, and held while it streams: the whole stream is this version even if the trainer publishes
+        # the next ones meanwhile, whose copies then go to other host memory.
         snapshot = self.latest
-        if request.version and request.version != snapshot.version:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND, f"version {request.version} is gone; newest is {snapshot.version}"
-            )
+        snapshot.hold()
         try:
-            dtype = dtype_named(request.dtype) if request.dtype else None
-        except ValueError as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        chunk_bytes = min(max(request.chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
-        for chunk in chunks_of(snapshot, chunk_bytes, dtype, request.accept_aliases):
-            self.sent_bytes += len(chunk.data)
-            yield chunk
+            if request.version and request.version != snapshot.version:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"version {request.version} is gone; newest is {snapshot.version}"
+                )
+            try:
+                dtype = dtype_named(request.dtype) if request.dtype else None
+            except ValueError as error:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+            chunk_bytes = min(max(request.chunk_bytes or CHUNK_BYTES, MIN_CHUNK_BYTES), MAX_CHUNK_BYTES)
+            for chunk in chunks_of(snapshot, chunk_bytes, dtype, request.accept_aliases):
+                self.sent_bytes += len(chunk.data)
+                yield chunk
+        finally:
+            snapshot.release()
+
+
+class StaleVersion(ValueError):
+    """A policy version published that is not above the one served: rollouts holding the newer one never pull it,
+    and versions must only grow."""
+
+
+def _landed_non_finite(snapshot: Snapshot) -> list[str]:
+    snapshot.wait_copied()
+    return non_finite(snapshot.tensors)
