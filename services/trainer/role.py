@@ -23,7 +23,13 @@ from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
-from services.common.service import EXIT_REFUSED, announce_ready, start_grpc_server, watch_progress
+from services.common.service import (
+    EXIT_REFUSED,
+    announce_ready,
+    exit_when_stalled,
+    start_grpc_server,
+    watch_progress,
+)
 from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
@@ -232,7 +238,9 @@ async def lead_holding(
     )
     try:
         try:
-            await trainer.run(stop)
+            # A loop stalled past its bound plus service.exit_when_stalled_s ends the process, to be restarted.
+            with exit_when_stalled(trainer.heartbeat, cfg.service.exit_when_stalled_s):
+                await trainer.run(stop)
         except BrokerStateLost as error:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).

@@ -141,6 +141,14 @@ def test_production_mirrors_every_checkpoint_into_another_bucket(tiny_model, cle
     assert cfg.checkpoint.mirror_url.startswith("s3://") and mirror_bucket != store_bucket
 
 
+@pytest.mark.parametrize("env", ENVIRONMENTS)
+def test_a_stalled_role_exits_so_a_restart_policy_can_act(env, tiny_model, clean_env):
+    # Compose restarts on exit only (never an unhealthy container); the liveness probe (20 s x 3) acts first on k8s.
+    clean_env.setenv("RLPIPE_ENV", env)
+    cfg = load_with_test_model(DEPLOY / "config" / f"{env}.yaml", tiny_model)
+    assert 60 < cfg.service.exit_when_stalled_s <= 600
+
+
 @pytest.mark.unit
 def test_no_secret_is_written_into_a_config():
     secret = re.compile(r"(^|_)(secret|secret_key|access_key|token|password)$")

@@ -58,6 +58,15 @@ class ServiceConfig(Section):
         "do the embedded broker and a service with log_dir",
     )
     log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
+    exit_when_stalled_s: float = Field(
+        0.0,
+        ge=0,
+        description="restart: seconds a service whose loop is stalled (past its bound, health NOT_SERVING: a stage's "
+        "2 x nats.max_work_s + nats.fetch_timeout_s, the trainer's train.stall_bound_s) may stay so before the "
+        "process exits with code 3 and logs stalled_exit, for a supervisor that restarts on exit and not on health "
+        "(Docker's restart policy never restarts an unhealthy container); 0 = never, health alone reports it. "
+        "The deploy configs set it (compose and Kubernetes)",
+    )
     log_dir: Path | None = Field(
         None,
         description="a folder each service also writes its JSON log lines to, as <instance>.log (service.instance; "

@@ -153,6 +153,7 @@ class Event(StrEnum):
     REWARD_SERVICE_RECOVERED = "reward_service_recovered"  # the remote reward service answers again
     ROLLBACK = "rollback"  # events.jsonl's kind of ROLLED_BACK
     ROLLED_BACK = "rolled_back"  # the trainer went back to a checkpoint
+    STALLED_EXIT = "stalled_exit"  # a loop stalled past service.exit_when_stalled_s: the process exits 3 to be restarted
     STARTUP_CHECK_FAILED = "startup_check_failed"  # a start-up check failed (exit 2)
     START_REFUSED = "start_refused"  # a role refused to start (exit 2; the launcher prints the reason)
     STEP = "step"  # a training step's metrics, every train.log_interval steps
