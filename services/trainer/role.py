@@ -39,7 +39,7 @@ from services.common.transport.storage import open_store
 from services.common.transport.streams import BrokerStateLost
 from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.trainer.admin import AdminServicer, AdminToken, BearerToken
+from services.trainer.admin import AdminServicer, AdminToken, BearerToken, SourceAllowlist
 from services.trainer.checkpointing.adopter import ResumeRefused
 from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
@@ -87,7 +87,8 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
 
 
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
-    """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
+    """Admin on its own port (the one operators reach), open to ``admin.allowed_sources`` only, behind the bearer
+    token, TLS when configured."""
     credentials = None
     if cfg.admin.tls_cert is not None:
         credentials = grpc.ssl_server_credentials([(cfg.admin.tls_key.read_bytes(), cfg.admin.tls_cert.read_bytes())])
@@ -97,7 +98,11 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
         return ["rlpipe.v1.Admin"]
 
     return await start_grpc_server(
-        cfg, cfg.admin.port, register, interceptors=[BearerToken(AdminToken.from_config(cfg))], credentials=credentials
+        cfg,
+        cfg.admin.port,
+        register,
+        interceptors=[SourceAllowlist(cfg.admin.allowed_sources), BearerToken(AdminToken.from_config(cfg))],
+        credentials=credentials,
     )
 
 

@@ -45,6 +45,7 @@ SECURITY_FIELDS = (
     "admin.token_file",
     "admin.tls_cert",
     "admin.tls_key",
+    "admin.allowed_sources",
     "weight_sync.tls_cert",
     "weight_sync.tls_key",
     "weight_sync.tls_ca",
