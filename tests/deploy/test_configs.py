@@ -231,7 +231,7 @@ def test_compose_environment_loads_with_its_config(tiny_model, clean_env):
     cfg = load_with_test_model(DEPLOY / "config" / f"{interpolate(env['RLPIPE_ENV'])}.yaml", tiny_model)
     assert cfg.trainer_address == "trainer:50051"
     assert (cfg.service.host, cfg.service.grpc_port, cfg.telemetry.metrics_port) == ("0.0.0.0", 50061, 9400)
-    assert cfg.checkpoint_url == "s3://rlpipe/checkpoints" and cfg.checkpoint.s3_secure is False
+    assert cfg.checkpoint_url == "s3://rlpipe/checkpoints" and cfg.checkpoint.s3_secure is True  # MinIO over TLS
 
 
 @pytest.mark.parametrize("overlay", ["dev", "prod"])

@@ -53,6 +53,7 @@ SECURITY_FIELDS = (
     "checkpoint.mirror_url",
     "checkpoint.s3_endpoint",
     "checkpoint.s3_secure",
+    "checkpoint.s3_ca_file",
     "alerts.webhook_url",
     "reward.http.url",
     "reward.http.headers_from_env",
