@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, load_yaml, one
+from tests.deploy.conftest import DEPLOY, load_yaml, one, trainer
 
 pytestmark = pytest.mark.unit
 
@@ -57,8 +57,7 @@ def test_k8s_routes_the_rules_to_the_webhook_from_the_trainers_secret(rendered):
         (webhook,) = receiver["webhookConfigs"]
         assert webhook["urlSecret"] == {"name": "rlpipe-secrets", "key": WEBHOOK_SETTING}
         # The trainer reads the same Secret as its environment: RLPIPE_ALERTS__WEBHOOK_URL is its alerts.webhook_url.
-        trainer = one(docs, "StatefulSet", "trainer")
-        (container,) = [c for c in trainer["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+        (container,) = [c for c in trainer(docs)["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
         assert {"secretRef": {"name": "rlpipe-secrets"}} in container["envFrom"]
         route = config["spec"]["route"]
         assert route["receiver"] == "webhook"

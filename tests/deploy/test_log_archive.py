@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, OVERLAYS, load_yaml, one
+from tests.deploy.conftest import DEPLOY, OVERLAYS, load_yaml
+from tests.deploy.conftest import trainer as trainer_workload
 
 pytestmark = pytest.mark.unit
 
@@ -59,7 +60,7 @@ def test_the_compose_archiver_reads_the_runs_and_logs_and_outlives_the_trainer(c
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_trainer_pod_runs_the_archiver_as_a_native_sidecar_over_its_volumes(overlay, rendered):
-    pod = one(rendered[overlay], "StatefulSet", "trainer")["spec"]["template"]["spec"]
+    pod = trainer_workload(rendered[overlay])["spec"]["template"]["spec"]
     (archive,) = pod["initContainers"]
     trainer = pod["containers"][0]
     assert archive["name"] == "archive" and archive["restartPolicy"] == "Always"  # stopped after the trainer
