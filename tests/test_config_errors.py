@@ -63,5 +63,5 @@ def test_shipped_prod_config_under_the_test_environment_names_the_mismatch_besid
     done = run_cli(ROOT / "deploy" / "config" / "prod.yaml", RLPIPE_ENV="test")
 
     assert done.returncode == 2
-    assert "model.path: model folder '/models/tiny-arith' does not exist" in done.stderr
+    assert "model.path: model folder '/models/smollm2-135m-instruct' does not exist" in done.stderr
     assert "environment: this config is for 'prod' but RLPIPE_ENV is 'test'" in done.stderr

@@ -8,9 +8,11 @@ real pipeline.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 
@@ -18,9 +20,9 @@ import pytest
 
 from services.cli.healthcheck import check
 from services.cli.report import read_jsonl
-from services.common.config import default_alert_rules
+from services.common.config import default_alert_rules, load_config
 from services.common.observe.instruments import DiskWatch
-from services.common.service import serve_stage, start_grpc_server
+from services.common.service import EXIT_STALLED, exit_when_stalled, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup
 from services.common.transport.presence import Presence, RestartCounter, SeenService, read_presence, roles_stalled
@@ -29,7 +31,7 @@ from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_nam
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
-from tests.conftest import create_run_state, metric_rows, run_info, running_pipeline, wait_for, write_config
+from tests.conftest import ROOT, create_run_state, metric_rows, run_info, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.unit
 
@@ -200,6 +202,57 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
         await task
 
     asyncio.run(scenario())
+
+
+@pytest.mark.integration
+def test_a_stage_stalled_past_exit_when_stalled_s_exits_for_its_restart_policy(config_only_model, tmp_path, nats_url):
+    model_dir, data_dir = config_only_model
+    nats = {"url": nats_url, "ack_wait_s": 5, "heartbeat_s": 1, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    path = write_config(
+        tmp_path / "c.yaml",
+        model_dir,
+        data_dir,
+        tmp_path / "runs",
+        run_id="faults",
+        nats={**nats, "max_work_s": 0.5},
+        service={"exit_when_stalled_s": 1.0},
+    )
+    cfg = load_config(path)
+    code = (
+        "import sys; from services.common.service import run_service; "
+        "from tests.common.blocking_stage import event_loop_blocking_stage; "
+        f"sys.argv = ['reward', '--config', {str(path)!r}]; run_service('reward', event_loop_blocking_stage)"
+    )
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+
+        async def feed() -> None:
+            await create_run_state(cfg)
+            bus = await Bus(cfg, "rollout").connect()
+            await bus.publish(ROLLOUTS, group("blocks"), msg_id="blocks.rollout")
+            await bus.close()
+
+        asyncio.run(feed())
+        _, stderr = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    lines = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    assert process.returncode == EXIT_STALLED, stderr[-2000:]
+    (exit_line,) = [line for line in lines if line.get("event") == "stalled_exit"]
+    assert exit_line["level"] == "CRITICAL" and exit_line["exit_code"] == EXIT_STALLED
+    assert exit_line["no_progress_s"] > stall_bound_s(cfg.nats) + 1.0
+
+
+def test_no_stall_exit_thread_runs_unless_asked():
+    class Stuck:
+        last_progress = 0.0
+
+        def stalled_for(self, now: float) -> float:
+            return now
+
+    before = threading.active_count()
+    with exit_when_stalled(Stuck(), 0.0, check_every_s=0.01):
+        assert threading.active_count() == before  # a thread here would end this process at its first check
 
 
 # ------------------------------------------------------------------ a real pipeline with a SIGSTOPped rollout

@@ -14,12 +14,17 @@
 # (rlpipe-kind=checkpoint), which the trainer prunes to checkpoint.keep_last while a run goes on, expire 180 days
 # after they were written, so what a run left idle goes (export a model to keep it: docs/operations.md); a run's
 # archived record (rlpipe-kind=archive) after a year. EXPERIENCE bodies are untagged: the trainer purges them.
+# MinIO speaks HTTPS only, with the certificate secrets-init made (DNS:minio); mc trusts the deployment's CA alone.
 # Re-running it is harmless: policies, users and the lifecycle are overwritten with the same content.
-# usage: init.sh SECRETS POLICIES   (MINIO_ROOT_USER and MINIO_ROOT_PASSWORD in the environment)
+# usage: init.sh SECRETS POLICIES   (MinIO's root user from SECRETS/minio-root, made by secrets-init)
 set -eu
 secrets=$1
 policies=$2
-mc alias set rlpipe http://minio:9000 "$MINIO_ROOT_USER" "$MINIO_ROOT_PASSWORD"
+export MC_CONFIG_DIR="${MC_CONFIG_DIR:-/tmp/mc}"
+mkdir -p "$MC_CONFIG_DIR/certs/CAs"
+cp "$secrets/ca/ca.pem" "$MC_CONFIG_DIR/certs/CAs/rlpipe-ca.pem"
+# The alias from the environment, not mc's arguments: the password stays out of the process list (it is hex).
+export MC_HOST_rlpipe="https://$(cat "$secrets/minio-root/MINIO_ROOT_USER"):$(cat "$secrets/minio-root/MINIO_ROOT_PASSWORD")@minio:9000"
 mc mb --ignore-existing rlpipe/rlpipe
 mc mb --ignore-existing rlpipe/rlpipe-mirror  # checkpoint.mirror_url of deploy/config/prod.yaml
 for bucket in rlpipe rlpipe-mirror; do

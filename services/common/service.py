@@ -8,9 +8,11 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Protocol
 
 import grpc
@@ -43,6 +45,9 @@ ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 # run, a broker that lost this run's messages) exits with this code: restarting it would fail the same way, or
 # worse (a trainer restarted with resume on would adopt the other run's steps), so supervisors must not.
 EXIT_REFUSED = 2
+# A service whose loop stayed stalled past service.exit_when_stalled_s exits with this code, for its supervisor to
+# restart it (Docker's restart policy acts on an exit, never on a failing health check).
+EXIT_STALLED = 3
 # A fixed port (a restarted trainer keeps its admin port, so the CLI's run.json stays right) can be held for a
 # moment after its last owner died: an outgoing connection of another process may have drawn it from the same
 # ephemeral range. Binding is tried again for this long before the service gives up.
@@ -150,11 +155,50 @@ async def watch_progress(
         await asyncio.sleep(WATCHDOG_S)
 
 
+@contextmanager
+def exit_when_stalled(loop: LoopProgress, after_s: float, check_every_s: float = WATCHDOG_S) -> Iterator[None]:
+    """While inside: a thread that ends the process with ``EXIT_STALLED`` once ``loop`` has been stalled (past its
+    own bound) for more than ``after_s`` seconds; 0 = no thread. A thread, not a task, because the loop that stalls
+    may be the event loop itself (a compute that blocks it), which would hold a task back too. Nothing is drained
+    on the way out: the loop that would drain is the one stuck, and the messages it holds are redelivered."""
+    if after_s <= 0:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(check_every_s):
+            now = time.time()
+            if loop.stalled_for(now) > after_s:
+                log_event(
+                    log,
+                    Event.STALLED_EXIT,
+                    level=logging.CRITICAL,
+                    alert=True,
+                    no_progress_s=round(now - loop.last_progress, 1),
+                    exit_when_stalled_s=after_s,
+                    exit_code=EXIT_STALLED,
+                )
+                logging.shutdown()  # the line above reaches its file and stderr before the process goes
+                sys.stderr.flush()
+                os._exit(EXIT_STALLED)
+
+    thread = threading.Thread(target=watch, name="exit-when-stalled", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
-    """Run a stage until ``stop``, then close its health server and NATS connection."""
+    """Run a stage until ``stop``, then close its health server and NATS connection. A stage stalled for longer
+    than ``service.exit_when_stalled_s`` ends the process (``exit_when_stalled``)."""
     watchdog = asyncio.create_task(watch_progress(stage, [server], presence, stage.time_share.seconds))
     try:
-        await stage.run(stop)
+        with exit_when_stalled(stage, stage.bus.cfg.service.exit_when_stalled_s):
+            await stage.run(stop)
     finally:
         watchdog.cancel()
         log_event(log, Event.DRAINING, handled=stage.handled)

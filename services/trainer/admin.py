@@ -7,12 +7,17 @@ between steps, and answer when they are done. Every call must carry the bearer t
 The token comes from RLPIPE_ADMIN_TOKEN (fixed for the process) or from ``admin.token_file``, which is
 re-read whenever it changes: writing a new token there rotates it without a restart, and the old one
 is refused from the next call on.
+
+Before the token, the caller's address: a call from outside ``admin.allowed_sources`` is refused with
+PERMISSION_DENIED whatever it carries (``SourceAllowlist``).
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -99,6 +104,58 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if isinstance(given, str) and hmac.compare_digest(given.encode(), expected):
             return await continuation(details)
         return self._refuse
+
+
+def peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The IP address in gRPC's peer string (``ipv4:10.0.0.5:51234``, ``ipv6:[::1]:51234``, percent-encoded by some
+    releases); an IPv4 client on a dual-stack socket as its IPv4 address. None for anything else (a unix socket)."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0]
+    elif kind == "ipv6":
+        host = rest.rpartition(":")[0].removeprefix("[").removesuffix("]").partition("%")[0]
+    else:
+        return None
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+class SourceAllowlist(grpc.aio.ServerInterceptor):
+    """Refuses every call but health and reflection from an address outside ``networks`` (PERMISSION_DENIED), before
+    the interceptors after it (the token) see it. Admin's methods are all unary: the check wraps those."""
+
+    def __init__(self, networks: list[str]):
+        self.networks = [ipaddress.ip_network(network) for network in networks]
+
+    def admits(self, peer: str) -> bool:
+        address = peer_address(peer)
+        return address is not None and any(address in network for network in self.networks)
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_METHODS):
+            return handler
+        if handler.unary_unary is None:  # a streaming Admin method would pass unchecked: refuse to serve it at all
+            raise TypeError(f"{details.method}: SourceAllowlist guards unary methods only")
+        inner = handler.unary_unary
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if not self.admits(context.peer()):
+                log_event(log, Event.ADMIN_SOURCE_REFUSED, level=logging.WARNING, peer=context.peer())
+                await context.abort(
+                    grpc.StatusCode.PERMISSION_DENIED, "this address may not call the Admin API (admin.allowed_sources)"
+                )
+            return await inner(request, context)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 def _text(value: Any) -> str:

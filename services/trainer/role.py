@@ -23,7 +23,13 @@ from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
-from services.common.service import EXIT_REFUSED, announce_ready, start_grpc_server, watch_progress
+from services.common.service import (
+    EXIT_REFUSED,
+    announce_ready,
+    exit_when_stalled,
+    start_grpc_server,
+    watch_progress,
+)
 from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
@@ -33,7 +39,7 @@ from services.common.transport.storage import open_store
 from services.common.transport.streams import BrokerStateLost
 from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.trainer.admin import AdminServicer, AdminToken, BearerToken
+from services.trainer.admin import AdminServicer, AdminToken, BearerToken, SourceAllowlist
 from services.trainer.checkpointing.adopter import ResumeRefused
 from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
@@ -81,7 +87,8 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
 
 
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
-    """Admin on its own port (the one operators reach), behind the bearer token, TLS when configured."""
+    """Admin on its own port (the one operators reach), open to ``admin.allowed_sources`` only, behind the bearer
+    token, TLS when configured."""
     credentials = None
     if cfg.admin.tls_cert is not None:
         credentials = grpc.ssl_server_credentials([(cfg.admin.tls_key.read_bytes(), cfg.admin.tls_cert.read_bytes())])
@@ -91,7 +98,11 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
         return ["rlpipe.v1.Admin"]
 
     return await start_grpc_server(
-        cfg, cfg.admin.port, register, interceptors=[BearerToken(AdminToken.from_config(cfg))], credentials=credentials
+        cfg,
+        cfg.admin.port,
+        register,
+        interceptors=[SourceAllowlist(cfg.admin.allowed_sources), BearerToken(AdminToken.from_config(cfg))],
+        credentials=credentials,
     )
 
 
@@ -233,7 +244,9 @@ async def lead_holding(
     )
     try:
         try:
-            await trainer.run(stop)
+            # A loop stalled past its bound plus service.exit_when_stalled_s ends the process, to be restarted.
+            with exit_when_stalled(trainer.heartbeat, cfg.service.exit_when_stalled_s):
+                await trainer.run(stop)
         except BrokerStateLost as error:
             # Going on would skip groups or wait forever; the operator decides (restore the broker's volume,
             # or start the run again from its checkpoints under a new run id).

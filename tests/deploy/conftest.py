@@ -50,5 +50,12 @@ def one(docs: list[dict], kind: str, name: str) -> dict:
     return found[0]
 
 
+def trainer(docs: list[dict]) -> dict:
+    """The trainer's workload: the base's StatefulSet, or the Job of components/trainer-job (the prod overlay)."""
+    found = find(docs, "StatefulSet", "trainer") + find(docs, "Job", "trainer")
+    assert len(found) == 1, f"expected one trainer workload, found {[d['kind'] for d in found]}"
+    return found[0]
+
+
 def load_yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())

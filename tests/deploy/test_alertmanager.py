@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, load_yaml, one
+from tests.deploy.conftest import DEPLOY, load_yaml, one, trainer
 
 pytestmark = pytest.mark.unit
 
@@ -35,10 +35,10 @@ def test_compose_prometheus_sends_to_the_monitoring_profiles_alertmanager():
     config = load_yaml(DEPLOY / "alertmanager" / "alertmanager.yml")
     (receiver,) = config["receivers"]
     (webhook,) = receiver["webhook_configs"]
-    assert alertmanager["env_file"] == [".env"]
+    assert alertmanager["env_file"] == [{"path": ".env", "required": False}]
     script = alertmanager["entrypoint"][-1]
     assert f"$${{{WEBHOOK_SETTING}:?" in script and f"> {webhook['url_file']}" in script
-    assert f"{WEBHOOK_SETTING}=" in (DEPLOY / ".env.example").read_text()
+    assert f"# {WEBHOOK_SETTING}=" in (DEPLOY / ".env.example").read_text()  # the one override this profile needs
 
 
 def test_compose_alertmanager_routes_everything_to_the_webhook_and_the_watchdog_every_five_minutes():
@@ -57,8 +57,7 @@ def test_k8s_routes_the_rules_to_the_webhook_from_the_trainers_secret(rendered):
         (webhook,) = receiver["webhookConfigs"]
         assert webhook["urlSecret"] == {"name": "rlpipe-secrets", "key": WEBHOOK_SETTING}
         # The trainer reads the same Secret as its environment: RLPIPE_ALERTS__WEBHOOK_URL is its alerts.webhook_url.
-        trainer = one(docs, "StatefulSet", "trainer")
-        (container,) = [c for c in trainer["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
+        (container,) = [c for c in trainer(docs)["spec"]["template"]["spec"]["containers"] if c["name"] == "trainer"]
         assert {"secretRef": {"name": "rlpipe-secrets"}} in container["envFrom"]
         route = config["spec"]["route"]
         assert route["receiver"] == "webhook"

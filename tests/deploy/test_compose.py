@@ -84,7 +84,8 @@ def test_the_root_compose_file_includes_the_deployment_and_defaults_to_the_cpu_p
     root = load_yaml(ROOT / "compose.yaml")
     errors = list(jsonschema.Draft202012Validator(compose_schema()).iter_errors(root))
     assert errors == []
-    assert root == {"include": [{"path": "deploy/compose.yaml", "env_file": "deploy/.env"}]}
+    # No env_file: compose reads deploy/.env for the included file when there is one, and needs none.
+    assert root == {"include": [{"path": "deploy/compose.yaml"}]}
     settings = dict(
         line.split("=", 1) for line in (ROOT / ".env").read_text().splitlines() if line and not line.startswith("#")
     )
@@ -182,14 +183,19 @@ def test_every_port_is_bound_to_this_host_and_only_the_admin_port_can_be_opened_
     assert re.search(r"^# ADMIN_BIND_ADDRESS=0\.0\.0\.0$", example, re.MULTILINE), "the way to open it, commented out"
 
 
+OPTIONAL_ENV_FILE = [{"path": ".env", "required": False}]
+
+
 @pytest.mark.integration
-def test_secrets_come_from_the_ignored_env_file(compose):
-    for name in RLPIPE_SERVICES:
-        assert compose["services"][name]["env_file"] == [".env"], name
-        assert "RLPIPE_S3_SECRET_KEY" not in compose["services"][name]["environment"]
+def test_deploy_env_is_an_optional_ignored_file_of_overrides_and_no_setting_needs_it(compose):
+    for name in (*RLPIPE_SERVICES, "archive", "cli", "alertmanager"):
+        assert compose["services"][name]["env_file"] == OPTIONAL_ENV_FILE, name
+        assert "RLPIPE_S3_SECRET_KEY" not in compose["services"][name].get("environment", {})
+    # Every ${VAR} compose fills has a default ($${VAR} is the container shell's: the monitoring profile's webhook).
+    required = re.findall(r"(?<!\$)\$\{([A-Z_]+)(?::?\?[^}]*)?\}", (DEPLOY / "compose.yaml").read_text())
+    assert required == [], "a ${VAR} without a default makes deploy/.env necessary"
     example = (DEPLOY / ".env.example").read_text()
-    for secret in ("MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD", "RLPIPE_ADMIN_TOKEN"):
-        assert re.search(rf"^{secret}=$", example, re.MULTILINE), f"{secret} must be listed, empty, in .env.example"
+    assert not re.findall(r"^[A-Z_]+=", example, re.MULTILINE), "every line of .env.example is a commented override"
     ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env"], cwd=ROOT)
     assert ignored.returncode == 0, "deploy/.env must be git-ignored"
     example_ignored = subprocess.run(["git", "check-ignore", "-q", "deploy/.env.example"], cwd=ROOT)
@@ -241,9 +247,30 @@ def test_monitoring_and_the_cli_are_optional_profiles_and_the_roles_that_want_a_
     }
 
 
-def test_cli_reaches_the_admin_port_with_the_env_files_token(compose):
+def test_cli_reaches_the_admin_port_with_the_token_made_at_first_start(compose):
     cli = compose["services"]["cli"]
     tls = ["--tls-ca", "/run/rlpipe/secrets/ca.pem"]
     assert cli["entrypoint"] == ["tini", "--", "rlpipe", "--address", "trainer:50052", *tls]
-    assert cli["env_file"] == [".env"] and cli["build"]["target"] == "cli"
-    assert compose["services"]["trainer"]["environment"]["RLPIPE_ADMIN__PORT"] == "50052"
+    assert cli["build"]["target"] == "cli"
+    trainer = compose["services"]["trainer"]["environment"]
+    assert trainer["RLPIPE_ADMIN__PORT"] == "50052"
+    # The same token twice over (deploy/nats/make-secrets.sh): the trainer's file, the cli's RLPIPE_ADMIN_TOKEN file.
+    assert trainer["RLPIPE_ADMIN__TOKEN_FILE"] == "/run/rlpipe/secrets/admin.token"
+    script = (DEPLOY / "nats" / "make-secrets.sh").read_text()
+    assert 'cp "$out/trainer/admin.token" "$out/operator/env/RLPIPE_ADMIN_TOKEN"' in script
+
+
+def test_a_stalled_role_exits_into_a_restart_policy_that_restarts_it(compose):
+    # Docker restarts on exit only, never for an unhealthy container: the roles end themselves when stalled
+    # (service.exit_when_stalled_s, deploy/config, tests/deploy/test_configs.py) with exit code 3, non-zero.
+    for name in (*RLPIPE_SERVICES, *(f"{role}-gpu" for role in GPU_ROLES)):
+        assert compose["services"][name]["restart"] in ("unless-stopped", "on-failure", "always"), name
+    for env in ("base", "dev", "test", "prod"):
+        assert load_yaml(DEPLOY / "config" / f"{env}.yaml")["service"]["exit_when_stalled_s"] > 0, env
+
+
+def test_no_role_reaches_a_model_hub_unless_the_deployment_allows_it(compose):
+    for name in (*RLPIPE_SERVICES, *(f"{role}-gpu" for role in GPU_ROLES), "cli", "archive"):
+        environment = compose["services"][name]["environment"]
+        assert environment["HF_HUB_OFFLINE"] == "${HF_HUB_OFFLINE:-1}", name
+        assert environment["TRANSFORMERS_OFFLINE"] == "${TRANSFORMERS_OFFLINE:-1}", name

@@ -11,10 +11,21 @@ from pathlib import Path
 
 import nats
 import pytest
+from cryptography import x509
 
-from services.common.config import S3Credentials, WeightSyncCredentials, load_config
+from services.cli.healthcheck import check
+from services.common.config import (
+    AdminCredentials,
+    CheckpointConfig,
+    S3Credentials,
+    WeightSyncCredentials,
+    load_config,
+)
+from services.common.service import start_grpc_server
+from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import connect_options
+from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, subject
 from tests.conftest import BIN, free_port, wait_for_port, write_config
 from tests.deploy.conftest import DEPLOY, load_yaml
@@ -65,9 +76,11 @@ def test_each_service_mounts_only_its_own_roles_secrets(compose):
         assert environment["RLPIPE_NATS__URL"] == "tls://nats:4222"
         assert environment["RLPIPE_NATS__NKEY_SEED_FILE"] == "/run/rlpipe/secrets/nats.nk"
         assert environment["RLPIPE_NATS__TLS_CA_FILE"] == "/run/rlpipe/secrets/ca.pem"
-        # deploy/.env reaches every service; MinIO's root user in it is blanked for all of rlpipe's.
-        assert (environment["MINIO_ROOT_USER"], environment["MINIO_ROOT_PASSWORD"]) == ("", ""), service
+        # MinIO speaks TLS only; its certificate chains to the deployment's CA, in every role's folder.
+        assert environment["RLPIPE_CHECKPOINT__S3_SECURE"] == "true"
+        assert environment["RLPIPE_CHECKPOINT__S3_CA_FILE"] == "/run/rlpipe/secrets/ca.pem"
         assert not {"RLPIPE_S3_ACCESS_KEY", "RLPIPE_S3_SECRET_KEY", "RLPIPE_WEIGHTSYNC_TOKEN"} & set(environment)
+        assert not {"MINIO_ROOT_USER", "MINIO_ROOT_PASSWORD"} & set(environment)
 
 
 def test_minio_init_makes_one_store_user_per_role_with_its_policy_after_the_secrets_exist(compose):
@@ -91,6 +104,35 @@ def test_the_admin_token_reaches_the_trainer_and_cli_only_and_the_admin_port_spe
     assert "RLPIPE_ADMIN_TOKEN" not in services["trainer"]["environment"]
     assert services["trainer"]["environment"]["RLPIPE_ADMIN__TLS_CERT"] == "/run/rlpipe/secrets/admin.pem"
     assert services["cli"]["entrypoint"][-2:] == ["--tls-ca", "/run/rlpipe/secrets/ca.pem"]
+
+
+def test_every_connection_of_the_shipped_compose_is_encrypted_by_default(compose):
+    services = compose["services"]
+    # WeightSync: the trainer serves the weight-sync certificate; the rollouts check it and serve it on their relays.
+    weights = {
+        "RLPIPE_WEIGHT_SYNC__TLS_CERT": "/run/rlpipe/secrets/weights.pem",
+        "RLPIPE_WEIGHT_SYNC__TLS_KEY": "/run/rlpipe/secrets/weights.key",
+        "RLPIPE_WEIGHT_SYNC__TLS_CA": "/run/rlpipe/secrets/ca.pem",
+    }
+    for name in ("trainer", "trainer-gpu", "rollout", "rollout-gpu"):
+        environment = services[name]["environment"]
+        assert {key: environment.get(key) for key in weights} == weights, name
+    for name in ("reward", "reference", "reference-gpu"):  # they take no weights: no certificate to hold
+        assert not {key for key in services[name]["environment"] if key.startswith("RLPIPE_WEIGHT_SYNC__")}, name
+    # MinIO: HTTPS only, from its certificate folder, probed over HTTPS; its root user from files, not variables.
+    minio = services["minio"]
+    assert minio["command"][-2:] == ["--certs-dir", "/certs"]
+    mounts = {v["target"]: v["volume"]["subpath"] for v in minio["volumes"] if isinstance(v, dict)}
+    assert mounts == {"/certs": "minio", "/run/secrets": "minio-root"}
+    assert "https://localhost:9000/minio/health/live" in minio["healthcheck"]["test"]
+    assert "--cacert" in minio["healthcheck"]["test"]
+    script = (DEPLOY / "minio" / "init.sh").read_text()
+    assert "@minio:9000" in script and "http://" not in script and 'certs/CAs/rlpipe-ca.pem"' in script
+    # The Admin port: TLS, loopback-published (tests/deploy/test_compose.py), and an allowlist of private networks.
+    trainer = services["trainer"]["environment"]
+    assert trainer["RLPIPE_ADMIN__TLS_CERT"] == "/run/rlpipe/secrets/admin.pem"
+    sources = trainer["RLPIPE_ADMIN__ALLOWED_SOURCES"]
+    assert sources.startswith("${ADMIN_ALLOWED_SOURCES:-") and "0.0.0.0/0" not in sources
 
 
 def test_the_broker_waits_for_its_secrets(compose):
@@ -192,3 +234,89 @@ def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own
         server.terminate()
         server.wait(timeout=10)
     assert f'nats: permissions violation for publish to "{subject("test", EXPERIENCE)}"' in errors
+
+
+def certificate_names(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    return cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(x509.DNSName)
+
+
+@pytest.mark.integration
+def test_made_secrets_serve_minio_and_weight_sync_over_tls_that_only_the_deployments_ca_trusts(
+    config_only_model, tmp_path, monkeypatch
+):
+    model_dir, data_dir = config_only_model
+    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    secrets = tmp_path / "secrets"
+    made = make_secrets(secrets, config)
+    assert made.returncode == 0, made.stderr
+    ca_cert = x509.load_pem_x509_certificate((secrets / "ca" / "ca.pem").read_bytes())
+    for path, host in (
+        (secrets / "minio" / "public.crt", "minio"),
+        (secrets / "trainer" / "weights.pem", "trainer"),
+        (secrets / "rollout" / "weights.pem", "trainer"),
+        (secrets / "trainer" / "admin.pem", "trainer"),
+    ):
+        x509.load_pem_x509_certificate(path.read_bytes()).verify_directly_issued_by(ca_cert)
+        assert certificate_names(path)[0] == host, path
+    # The weight-sync key is not the Admin port's: a rollout holding it cannot pose as the Admin port.
+    assert (secrets / "trainer" / "weights.key").read_bytes() != (secrets / "trainer" / "admin.key").read_bytes()
+    for secret in ("trainer/admin.token", "minio-root/MINIO_ROOT_PASSWORD", "minio/private.key"):
+        assert (secrets / secret).stat().st_mode & 0o777 == 0o600, secret
+    admin_token = (secrets / "trainer" / "admin.token").read_text()
+    assert AdminCredentials(_secrets_dir=secrets / "operator" / "env").token == admin_token and len(admin_token) == 64
+
+    # MinIO's certificate, served by an S3 endpoint: the deployment's CA (checkpoint.s3_ca_file) trusts it, the
+    # public CAs do not.
+    port = free_port()
+    tls = ("--ssl-cert", str(secrets / "minio" / "public.crt"), "--ssl-key", str(secrets / "minio" / "private.key"))
+    server = subprocess.Popen(
+        [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(port), *tls],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
+    monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
+    try:
+        wait_for_port(port, server, "moto_server")
+        checkpoint = {"s3_endpoint": f"localhost:{port}", "s3_secure": True}
+        trusted = CheckpointConfig(**checkpoint, s3_ca_file=secrets / "operator" / "ca.pem")
+        store = open_store("s3://rlpipe/checkpoints", trusted)
+        store.put("probe", b"over tls")
+        assert store.get("probe") == b"over tls"
+        with pytest.raises(Exception, match="CERTIFICATE_VERIFY_FAILED"):
+            open_store("s3://rlpipe/checkpoints", CheckpointConfig(**checkpoint)).get("probe")
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+    # WeightSync: the trainer serves the made certificate; a rollout's config (its folder's CA, the name trainer)
+    # checks it, as the rollouts and the container probes do.
+    def as_role(role: str):
+        folder = secrets / role
+        return load_config(
+            config,
+            service={"host": "127.0.0.1", "trainer_host": "trainer"},
+            weight_sync={
+                "tls_cert": str(folder / "weights.pem"),
+                "tls_key": str(folder / "weights.key"),
+                "tls_ca": str(folder / "ca.pem"),
+            },
+        )
+
+    async def probe() -> tuple[str | None, str | None]:
+        trainer, rollout = as_role("trainer"), as_role("rollout")
+        server, address = await start_grpc_server(
+            trainer, 0, credentials=weight_sync_tls.server_credentials(trainer, weight_sync_tls.TRAINER)
+        )
+        try:
+            over_tls = weight_sync_tls.channel_credentials(rollout)
+            checked = await asyncio.to_thread(check, address, 5.0, "", over_tls, weight_sync_tls.name_override(rollout))
+            plain = await asyncio.to_thread(check, address, 5.0)
+        finally:
+            await server.stop(grace=0)
+        return checked, plain
+
+    checked, plain = asyncio.run(probe())
+    assert checked is None  # SERVING, over TLS checked against the deployment's CA under the name trainer
+    assert plain is not None and "UNAVAILABLE" in plain  # the port speaks TLS only

@@ -50,6 +50,23 @@ ALLOWED = {
     "service.log_level",
     "alerts.webhook_url",
 }
+# Production also trains a real model (SmolLM2-135M-Instruct, bfloat16) where the others train the tiny demo model:
+# the model, its data and reward, and what `rlpipe plan` sized for it (docs/operations.md, "Sizing").
+PROD_MODEL = {
+    "model.path",
+    "model.dtype",
+    "data.task_name",
+    "data.train_path",
+    "data.eval_path",
+    "sampling.temperature",
+    "sampling.max_new_tokens",
+    "train.learning_rate",
+    "train.max_seq_len",
+    "train.micro_batch_tokens",
+    "reference.batch",
+    "rollout.kv_cache_mib",
+    "reward.functions",
+}
 ENV_NAME = re.compile(r"\bRLPIPE_[A-Z0-9_]+\b")
 
 
@@ -122,8 +139,20 @@ def test_environment_config_differs_from_base_only_where_allowed(env):
     base = flatten(load_yaml(DEPLOY / "config" / "base.yaml"))
     config = flatten(load_yaml(DEPLOY / "config" / f"{env}.yaml"))
     changed = {key for key in base.keys() | config.keys() if base.get(key, "<absent>") != config.get(key, "<absent>")}
-    assert changed - ALLOWED == set(), f"{env}.yaml changes fields that belong in base.yaml"
+    allowed = ALLOWED | (PROD_MODEL if env == "prod" else set())
+    outside = {key for key in changed if not any(key == a or key.startswith(f"{a}.") for a in allowed)}
+    assert outside == set(), f"{env}.yaml changes fields that belong in base.yaml"
     assert "environment" in changed
+
+
+@pytest.mark.unit
+def test_production_trains_smollm2_in_bfloat16_with_the_sizes_the_operations_guide_shows():
+    prod = flatten(load_yaml(DEPLOY / "config" / "prod.yaml"))
+    assert (prod["model.path"], prod["model.dtype"]) == ("/models/smollm2-135m-instruct", "bfloat16")
+    assert prod["rollout.kv_cache_mib"] is None  # a GPU of its own: vLLM's cache takes what the share leaves
+    guide = (ROOT / "docs" / "operations.md").read_text()
+    plan = guide[guide.index("rlpipe plan deploy/config/prod.yaml") :]
+    assert f"{prod['train.micro_batch_tokens']} micro-batch tokens, sequences of {prod['train.max_seq_len']}" in plan
 
 
 def test_production_broker_is_durable(tiny_model, clean_env):
@@ -139,6 +168,14 @@ def test_production_mirrors_every_checkpoint_into_another_bucket(tiny_model, cle
     store_bucket = cfg.checkpoint.store_url.removeprefix("s3://").partition("/")[0]
     mirror_bucket = cfg.checkpoint.mirror_url.removeprefix("s3://").partition("/")[0]
     assert cfg.checkpoint.mirror_url.startswith("s3://") and mirror_bucket != store_bucket
+
+
+@pytest.mark.parametrize("env", ENVIRONMENTS)
+def test_a_stalled_role_exits_so_a_restart_policy_can_act(env, tiny_model, clean_env):
+    # Compose restarts on exit only (never an unhealthy container); the liveness probe (20 s x 3) acts first on k8s.
+    clean_env.setenv("RLPIPE_ENV", env)
+    cfg = load_with_test_model(DEPLOY / "config" / f"{env}.yaml", tiny_model)
+    assert 60 < cfg.service.exit_when_stalled_s <= 600
 
 
 @pytest.mark.unit
@@ -223,7 +260,7 @@ def test_compose_environment_loads_with_its_config(tiny_model, clean_env):
     cfg = load_with_test_model(DEPLOY / "config" / f"{interpolate(env['RLPIPE_ENV'])}.yaml", tiny_model)
     assert cfg.trainer_address == "trainer:50051"
     assert (cfg.service.host, cfg.service.grpc_port, cfg.telemetry.metrics_port) == ("0.0.0.0", 50061, 9400)
-    assert cfg.checkpoint_url == "s3://rlpipe/checkpoints" and cfg.checkpoint.s3_secure is False
+    assert cfg.checkpoint_url == "s3://rlpipe/checkpoints" and cfg.checkpoint.s3_secure is True  # MinIO over TLS
 
 
 @pytest.mark.parametrize("overlay", ["dev", "prod"])

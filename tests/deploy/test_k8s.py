@@ -9,13 +9,23 @@ import kubernetes_validate
 import pytest
 
 from services.common.transport.streams import WORK_QUEUES, stream_name
-from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one
+from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one, trainer
 
 pytestmark = pytest.mark.integration
 
 KUBERNETES_VERSION = "1.33"
 # Custom resources have no schema in kubernetes-validate; their shape is checked below.
-CUSTOM_KINDS = {"ScaledObject", "PrometheusRule", "PodMonitor", "AlertmanagerConfig", "Certificate", "Issuer"}
+CUSTOM_KINDS = {
+    "ScaledObject",
+    "PrometheusRule",
+    "PodMonitor",
+    "AlertmanagerConfig",
+    "Certificate",
+    "Issuer",
+    "LocalQueue",
+    "ClusterQueue",
+    "ResourceFlavor",
+}
 STATELESS = {role: edge for edge, role in WORK_QUEUES.items()}  # role -> the edge it consumes
 HEALTH_PORT, TRAINER_PORT, ADMIN_PORT, METRICS_PORT = 50061, 50051, 50052, 9400
 
@@ -44,13 +54,17 @@ def test_only_the_expected_kinds_are_rendered(rendered):
     kinds = {doc["kind"] for doc in rendered["prod"]}
     assert kinds == {
         "Namespace",
+        "PriorityClass",
         "ConfigMap",
         "Service",
         "StatefulSet",
         "Deployment",
+        "Job",
         "PersistentVolumeClaim",
         "PodDisruptionBudget",
         "NetworkPolicy",
+        "Role",
+        "RoleBinding",
         "ScaledObject",
         "PrometheusRule",
         "PodMonitor",
@@ -58,14 +72,16 @@ def test_only_the_expected_kinds_are_rendered(rendered):
         "Certificate",
         "Issuer",
     }
-    assert {doc["kind"] for doc in rendered["dev"]} == kinds | {"Job"}
+    assert {doc["kind"] for doc in rendered["dev"]} == kinds - {"PriorityClass"}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_everything_lands_in_the_overlay_namespace(overlay, rendered):
     (namespace,) = find(rendered[overlay], "Namespace")
     name = namespace["metadata"]["name"]
-    assert {doc["metadata"].get("namespace") for doc in rendered[overlay] if doc["kind"] != "Namespace"} == {name}
+    cluster_wide = {"Namespace", "PriorityClass"}
+    assert {doc["metadata"].get("namespace") for doc in rendered[overlay] if doc["kind"] not in cluster_wide} == {name}
+    assert not find(rendered[overlay], "ConfigMap", "rlpipe-run"), "components/run's input is local-config"
 
 
 def container(workload: dict) -> dict:
@@ -106,7 +122,7 @@ def test_each_stateless_role_is_a_deployment_probed_over_grpc(overlay, rendered)
 def test_pods_get_config_env_secrets_and_their_name(overlay, rendered):
     docs = rendered[overlay]
     config_maps = {cm["metadata"]["name"]: cm for cm in find(docs, "ConfigMap")}
-    workloads = [*(one(docs, "Deployment", role) for role in STATELESS), one(docs, "StatefulSet", "trainer")]
+    workloads = [*(one(docs, "Deployment", role) for role in STATELESS), trainer(docs)]
     for workload in workloads:
         spec = container(workload)
         sources = spec["envFrom"]
@@ -135,14 +151,13 @@ def test_configs_in_the_config_map_are_the_files_in_deploy_config(rendered):
 def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
     docs = rendered[overlay]
     namespace = find(docs, "Namespace")[0]["metadata"]["name"]
-    run_id = load_yaml(DEPLOY / "config" / f"{env_map(docs)['RLPIPE_ENV']}.yaml")["run_id"]
-    assert "RLPIPE_RUN_ID" not in env_map(docs), "the ScaledObjects name streams by the config's run_id"
+    run_id = env_map(docs)["RLPIPE_RUN_ID"]  # the pods' run id (it overrides the config file's): components/run
     for role, edge in STATELESS.items():
         scaled = one(docs, "ScaledObject", role)
         assert scaled["apiVersion"] == "keda.sh/v1alpha1"
         assert scaled["spec"]["scaleTargetRef"] == {"name": role}
-        # Rollouts go to zero when a run has ended (test_rollouts_scale_to_zero_once_the_run_has_ended).
-        assert (0 if role == "rollout" else 1) == scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
+        # Zero when a run has ended (test_stateless_roles_scale_to_zero_once_the_run_has_ended).
+        assert 0 == scaled["spec"]["minReplicaCount"] < scaled["spec"]["maxReplicaCount"]
         trigger = scaled["spec"]["triggers"][0]
         assert trigger["type"] == "nats-jetstream"
         meta = trigger["metadata"]
@@ -153,7 +168,8 @@ def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
             "consumer",
             "lagThreshold",
             "useHttps",
-        } | ({"activationLagThreshold"} if role == "rollout" else set())
+            "activationLagThreshold",
+        }
         assert meta["natsServerMonitoringEndpoint"] == f"nats-headless.{namespace}.svc.cluster.local:8222"
         assert meta["account"] == "$G"
         assert (meta["stream"], meta["consumer"]) == (stream_name(run_id, edge), role)
@@ -162,18 +178,20 @@ def test_stateless_roles_scale_on_their_consumer_lag(overlay, rendered):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_rollouts_scale_to_zero_once_the_run_has_ended(overlay, rendered):
+def test_stateless_roles_scale_to_zero_once_the_run_has_ended(overlay, rendered):
     docs = rendered[overlay]
     namespace = find(docs, "Namespace")[0]["metadata"]["name"]
-    scaled = one(docs, "ScaledObject", "rollout")["spec"]
-    assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] == 300
-    lag, training = scaled["triggers"]
-    # Woken by the first prompt waiting; kept while prompts wait or the trainer applied groups in the last 5 min.
-    assert lag["metadata"]["activationLagThreshold"] == "0"
-    assert training["type"] == "prometheus"
-    assert training["metadata"]["query"] == f'sum(rate(rlpipe_trainer_groups_total{{namespace="{namespace}"}}[5m]))'
-    assert training["metadata"]["activationThreshold"] == "0"
-    assert float(training["metadata"]["threshold"]) >= 1e6  # one replica at most from this trigger
+    for role in STATELESS:
+        scaled = one(docs, "ScaledObject", role)["spec"]
+        assert scaled["minReplicaCount"] == 0 and scaled["cooldownPeriod"] == 300, role
+        lag, training = scaled["triggers"]
+        # Woken by the first message waiting; kept while messages wait or the trainer applied groups in 5 minutes.
+        assert lag["metadata"]["activationLagThreshold"] == "0", role
+        assert training["type"] == "prometheus"
+        query = f'sum(rate(rlpipe_trainer_groups_total{{namespace="{namespace}"}}[5m]))'
+        assert training["metadata"]["query"] == query, role
+        assert training["metadata"]["activationThreshold"] == "0"
+        assert float(training["metadata"]["threshold"]) >= 1e6  # one replica at most from this trigger
     assert "rlpipe_trainer_groups_total" in (DEPLOY / "prometheus" / "alerts.yml").read_text()  # a real series
 
 
@@ -188,9 +206,9 @@ def test_disruption_budgets_cover_the_scaled_roles_and_nats(overlay, rendered):
 
 def test_trainer_is_one_gpu_pod_started_by_torchrun_through_the_wrapper(rendered):
     docs = rendered["prod"]
-    trainer = one(docs, "StatefulSet", "trainer")
-    assert trainer["spec"]["replicas"] == 1
-    spec = container(trainer)
+    job = trainer(docs)
+    assert (job["kind"], job["spec"]["parallelism"], job["spec"]["completions"]) == ("Job", 1, 1)
+    spec = container(job)
     assert spec["args"][:3] == ["python", "-m", "services.trainer.learning.distributed"]  # torchrun's arguments follow
     assert spec["args"][3:6] == ["--standalone", "--nnodes=1", "--nproc-per-node=$(TRAINER_GPUS)"]
     assert spec["args"][6:] == ["-m", "services.trainer", "--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]

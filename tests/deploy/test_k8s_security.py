@@ -30,6 +30,7 @@ from services.common.transport.nats_connect import ROLES, SERVICE_ROLES, connect
 from services.common.transport.streams import stream_name
 from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
+from tests.deploy.conftest import trainer as trainer_workload
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container
 
 pytestmark = pytest.mark.integration
@@ -39,7 +40,8 @@ PROD_CONFIG = DEPLOY / "config" / "prod.yaml"
 STAGES = tuple(role for role in SERVICE_ROLES if role != "trainer")
 # Every Secret a pod of the default overlays reads, and which keys of it: the whole Secret is "*".
 ROLE_SECRETS = {"rlpipe-secrets": {"*"}, "nats-tls": {"ca.crt"}}
-WEIGHT_SYNC = {"rlpipe-weightsync": {"token"}}  # the trainer's and the rollouts' alone
+# The trainer's and the rollouts' alone: the run's token, and the certificate of the ports that serve weights.
+WEIGHT_SYNC = {"rlpipe-weightsync": {"token"}, "weightsync-tls": {"tls.crt", "tls.key"}}
 EXPECTED_SECRETS = {
     "nats": {"rlpipe-nats-auth": {"auth.conf"}, "nats-tls": {"tls.crt", "tls.key", "ca.crt"}},
     "trainer": ROLE_SECRETS
@@ -129,7 +131,7 @@ def test_each_role_connects_with_its_key_over_tls(overlay, rendered):
     assert url == "tls://nats:4222"
     assert "nats" in certificate(docs, "nats-tls")["dnsNames"]  # the host of the URL
     for role in SERVICE_ROLES:
-        workload = one(docs, "StatefulSet" if role == "trainer" else "Deployment", role)
+        workload = trainer_workload(docs) if role == "trainer" else one(docs, "Deployment", role)
         env = env_of(workload)
         assert env["RLPIPE_NATS__NKEY_SEED_FILE"] == f"{SECRETS_DIR}/nats.nk", role
         assert env["RLPIPE_NATS__TLS_CA_FILE"] == f"{SECRETS_DIR}/ca.pem", role
@@ -189,7 +191,7 @@ def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(ov
         assert env_of(one(docs, "Deployment", role))["RLPIPE_ADMIN_TOKEN"] == "", role  # blanks rlpipe-secrets'
         if role != "rollout":  # nor the weight-sync token, which rlpipe-secrets might carry too
             assert env_of(one(docs, "Deployment", role))["RLPIPE_WEIGHTSYNC_TOKEN"] == "", role
-    trainer = one(docs, "StatefulSet", "trainer")
+    trainer = trainer_workload(docs)
     env = env_of(trainer)
     # From its file, which the kubelet refreshes when the Secret changes; never from a variable.
     assert env["RLPIPE_ADMIN_TOKEN"] == ""
@@ -220,16 +222,17 @@ def test_the_trainer_runs_torchrun_through_rlpipes_wrapper(rendered):
     from torch.distributed.run import parse_args
 
     for overlay in OVERLAYS:
-        arguments = torchrun_arguments(container(one(rendered[overlay], "StatefulSet", "trainer"))["args"])
+        arguments = torchrun_arguments(container(trainer_workload(rendered[overlay]))["args"])
         parsed = parse_args(arguments)
         assert parsed.standalone and (parsed.nnodes, parsed.nproc_per_node) == ("1", "$(TRAINER_GPUS)")
         assert parsed.module and parsed.training_script == "services.trainer"
         assert parsed.training_script_args == ["--config", "/etc/rlpipe/$(RLPIPE_ENV).yaml"]
-        assert env_of(one(rendered[overlay], "StatefulSet", "trainer"))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "280"
+        assert env_of(trainer_workload(rendered[overlay]))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "280"
 
 
-def render_with_component(tmp_path: Path, overlay: str, component: str) -> list[dict]:
-    """``overlay`` with ``components/<component>`` added, as docs/operations.md says to do."""
+def render_with_component(tmp_path: Path, overlay: str, component: str, instead_of: str = "") -> list[dict]:
+    """``overlay`` with ``components/<component>`` added (before components/run, which stays last), in place of
+    ``components/<instead_of>`` if given, as docs/operations.md says to do."""
     source = DEPLOY / "k8s" / "overlays" / overlay
     for path in source.iterdir():
         shutil.copy(path, tmp_path / path.name)
@@ -239,8 +242,9 @@ def render_with_component(tmp_path: Path, overlay: str, component: str) -> list[
         return os.path.relpath(source / ref, tmp_path) if ref.startswith("..") else ref
 
     kustomization["resources"] = [moved(ref) for ref in kustomization["resources"]]
-    kustomization["components"] = [moved(ref) for ref in kustomization.get("components", [])]
-    kustomization["components"].append(os.path.relpath(DEPLOY / "k8s" / "components" / component, tmp_path))
+    components = [moved(ref) for ref in kustomization.get("components", []) if Path(ref).name != instead_of]
+    components.insert(-1, os.path.relpath(DEPLOY / "k8s" / "components" / component, tmp_path))
+    kustomization["components"] = components
     (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
     done = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -250,7 +254,8 @@ def render_with_component(tmp_path: Path, overlay: str, component: str) -> list[
 def test_the_multinode_trainer_keeps_the_wrapper_its_rendezvous_and_its_secrets(tmp_path):
     from torch.distributed.run import parse_args
 
-    docs = render_with_component(tmp_path, "prod", "trainer-multinode")
+    # In place of the prod overlay's trainer Job, as docs/operations.md says (the multi-node pods are a StatefulSet).
+    docs = render_with_component(tmp_path, "prod", "trainer-multinode", instead_of="trainer-job")
     trainer = one(docs, "StatefulSet", "trainer")
     kubernetes_validate.validate(trainer, KUBERNETES_VERSION, strict=True)
     names = [variable["name"] for variable in container(trainer)["env"]]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, OVERLAYS, load_yaml, one
+from tests.deploy.conftest import DEPLOY, OVERLAYS, load_yaml
+from tests.deploy.conftest import trainer as trainer_workload
 
 pytestmark = pytest.mark.unit
 
@@ -41,8 +42,12 @@ def test_the_compose_archiver_reads_the_runs_and_logs_and_outlives_the_trainer(c
     # The trainer's store user: the archive goes under the trainer's checkpoints prefix.
     (credentials,) = [v for v in archive["volumes"] if isinstance(v, dict) and v["target"] == "/run/secrets"]
     assert credentials["volume"] == {"subpath": "trainer/env"} and credentials["read_only"] is True
+    # Beside them the CA alone, which MinIO's certificate chains to.
+    (ca,) = [v for v in archive["volumes"] if isinstance(v, dict) and v["target"] == "/run/rlpipe/secrets"]
+    assert ca["volume"] == {"subpath": "ca"} and ca["read_only"] is True
     environment = archive["environment"]
-    assert environment["RLPIPE_ADMIN_TOKEN"] == environment["MINIO_ROOT_PASSWORD"] == ""  # no admin, no root
+    assert environment["RLPIPE_CHECKPOINT__S3_CA_FILE"] == "/run/rlpipe/secrets/ca.pem"
+    assert environment["RLPIPE_ADMIN_TOKEN"] == ""  # no admin token, even one deploy/.env sets
     # No file the container lacks: the config refuses a NATS key or CA it names and cannot find.
     assert "RLPIPE_NATS__NKEY_SEED_FILE" not in environment and "RLPIPE_NATS__TLS_CA_FILE" not in environment
     assert "profiles" not in archive  # in every profile, beside whichever trainer runs
@@ -55,7 +60,7 @@ def test_the_compose_archiver_reads_the_runs_and_logs_and_outlives_the_trainer(c
 @pytest.mark.integration
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_trainer_pod_runs_the_archiver_as_a_native_sidecar_over_its_volumes(overlay, rendered):
-    pod = one(rendered[overlay], "StatefulSet", "trainer")["spec"]["template"]["spec"]
+    pod = trainer_workload(rendered[overlay])["spec"]["template"]["spec"]
     (archive,) = pod["initContainers"]
     trainer = pod["containers"][0]
     assert archive["name"] == "archive" and archive["restartPolicy"] == "Always"  # stopped after the trainer

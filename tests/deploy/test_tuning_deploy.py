@@ -16,6 +16,7 @@ import yaml
 
 from services.tuner.tune_file import load_tune_file
 from tests.deploy.conftest import DEPLOY, ROOT, kubectl, load_yaml, one
+from tests.deploy.conftest import trainer as trainer_workload
 from tests.deploy.test_compose import compose_schema
 from tests.deploy.test_k8s import KUBERNETES_VERSION
 
@@ -159,7 +160,7 @@ def test_the_tuner_is_an_indexed_job_of_workers_on_one_study(tuning_overlay):
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     # Its trials read the deployment's secrets as the trainer does: rlpipe-secrets, and the trainer's store user
     # last (it wins over store keys an older rlpipe-secrets carries); the same objects, as rendered, as its envFrom.
-    trainer = one(tuning_overlay, "StatefulSet", "trainer")["spec"]["template"]["spec"]["containers"][0]
+    trainer = trainer_workload(tuning_overlay)["spec"]["template"]["spec"]["containers"][0]
     assert container["envFrom"] == trainer["envFrom"]
     assert container["envFrom"][1:] == [
         {"secretRef": {"name": "rlpipe-secrets"}},

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
+import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic_settings import NoDecode
 
 from services.common.config.base import Section
 
@@ -58,6 +61,15 @@ class ServiceConfig(Section):
         "do the embedded broker and a service with log_dir",
     )
     log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
+    exit_when_stalled_s: float = Field(
+        0.0,
+        ge=0,
+        description="restart: seconds a service whose loop is stalled (past its bound, health NOT_SERVING: a stage's "
+        "2 x nats.max_work_s + nats.fetch_timeout_s, the trainer's train.stall_bound_s) may stay so before the "
+        "process exits with code 3 and logs stalled_exit, for a supervisor that restarts on exit and not on health "
+        "(Docker's restart policy never restarts an unhealthy container); 0 = never, health alone reports it. "
+        "The deploy configs set it (compose and Kubernetes)",
+    )
     log_dir: Path | None = Field(
         None,
         description="a folder each service also writes its JSON log lines to, as <instance>.log (service.instance; "
@@ -71,11 +83,39 @@ class ServiceConfig(Section):
         return self.role_torch_threads.get(role, self.torch_threads)
 
 
+# Loopback and the private ranges (RFC 1918, IPv6 unique local): where operators, a port-forward and a container
+# network's gateway connect from, and no address of the public internet.
+LOCAL_AND_PRIVATE = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "fc00::/7")
+
+
 class AdminConfig(Section):
     port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
     token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
     tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
     tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
+    allowed_sources: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: list(LOCAL_AND_PRIVATE),
+        min_length=1,
+        description="security: the networks (CIDRs) an Admin call may come from; a call from any other address is "
+        "refused (PERMISSION_DENIED) before its token is looked at. Default: loopback and the private ranges "
+        "(10/8, 172.16/12, 192.168/16, fc00::/7); 0.0.0.0/0 and ::/0 open it to all. In the environment a "
+        "comma-separated list or a JSON list (RLPIPE_ADMIN__ALLOWED_SOURCES=127.0.0.0/8,10.0.0.0/8)",
+    )
+
+    @field_validator("allowed_sources", mode="before")
+    @classmethod
+    def _networks(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = json.loads(value) if value.lstrip().startswith("[") else value.split(",")
+        if not isinstance(value, list):
+            return value  # pydantic names the wrong type
+        networks = []
+        for entry in value:
+            try:
+                networks.append(str(ipaddress.ip_network(str(entry).strip())))
+            except ValueError as error:  # bad address, or host bits set (10.0.0.1/8): name the entry
+                raise ValueError(f"{str(entry).strip()!r} is not a network in CIDR notation: {error}") from None
+        return networks
 
     @model_validator(mode="after")
     def _cert_and_key_together(self) -> AdminConfig:

@@ -46,6 +46,11 @@ class CheckpointConfig(Section):
     )
     s3_endpoint: str = Field("", description="host:port of the S3 endpoint for s3:// URLs")
     s3_secure: bool = Field(True, description="speak HTTPS to s3_endpoint; false = plain HTTP (a local MinIO)")
+    s3_ca_file: Path | None = Field(
+        None,
+        description="security: PEM CA bundle the S3 endpoint's certificate must chain to (with s3_secure), e.g. the "
+        "compose deployment's own CA for its MinIO; null: the public CAs (certifi)",
+    )
     s3_region: str = Field("us-east-1", description="the S3 region requests are signed for")
     s3_part_mib: int = Field(16, ge=5, description="multipart part size; larger objects upload in parallel parts")
     s3_parallel_uploads: int = Field(4, ge=1, description="multipart parts one upload sends at once (parts)")
@@ -71,6 +76,13 @@ class CheckpointConfig(Section):
         if url and not re.match(r"^(file|s3)://.+", url):
             raise ValueError(f"{url!r} must start with file:// or s3://")
         return url
+
+    @field_validator("s3_ca_file")
+    @classmethod
+    def _ca_exists(cls, path: Path | None) -> Path | None:
+        if path is not None and not path.is_file():
+            raise ValueError(f"file {str(path)!r} does not exist")
+        return path
 
 
 class NatsConfig(Section):

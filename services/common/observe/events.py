@@ -45,6 +45,7 @@ class Event(StrEnum):
     """Every event rlpipe logs or records, one per line, sorted; the comment says when it is emitted."""
 
     ACK_FAILED = "ack_failed"  # a stage could not ack or hand back a message (its broker away)
+    ADMIN_SOURCE_REFUSED = "admin_source_refused"  # an Admin call from outside admin.allowed_sources was refused
     ADMIN_TOKEN_EMPTY = "admin_token_empty"  # the trainer's admin token file is empty: admin calls are refused
     ADMIN_TOKEN_ROTATED = "admin_token_rotated"  # the admin token file changed and was read again
     ADMIN_TOKEN_UNREADABLE = "admin_token_unreadable"  # the admin token file cannot be read
@@ -156,6 +157,9 @@ class Event(StrEnum):
     REWARD_SERVICE_RECOVERED = "reward_service_recovered"  # the remote reward service answers again
     ROLLBACK = "rollback"  # events.jsonl's kind of ROLLED_BACK
     ROLLED_BACK = "rolled_back"  # the trainer went back to a checkpoint
+    STALLED_EXIT = (
+        "stalled_exit"  # a loop stalled past service.exit_when_stalled_s: the process exits 3 to be restarted
+    )
     STARTUP_CHECK_FAILED = "startup_check_failed"  # a start-up check failed (exit 2)
     START_REFUSED = "start_refused"  # a role refused to start (exit 2; the launcher prints the reason)
     STEP = "step"  # a training step's metrics, every train.log_interval steps

@@ -116,7 +116,7 @@ class S3Store:
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=5, read=60),
             retries=urllib3.Retry(total=1, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
-            ca_certs=certifi.where(),
+            ca_certs=str(cfg.s3_ca_file) if cfg.s3_ca_file else certifi.where(),
         )
         self.client = Minio(
             cfg.s3_endpoint,
