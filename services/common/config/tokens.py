@@ -23,7 +23,7 @@ def token_problem(token: str) -> str | None:
     if not token:
         return "is empty"
     if "\n" in token or "\r" in token:
-        return "holds a line break (a token file holds one token on one line)"
+        return "holds a line break"
     if any(ord(char) > 0x7E for char in token):
         return "holds a character outside ASCII"
     if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in token):
