@@ -368,3 +368,12 @@ def test_a_live_change_of_model_lora_is_refused_as_fixed_for_the_run(tmp_path, m
         with pytest.raises(ConfigError, match=r"model\.lora\.r: is fixed for the run \(new-run\)"):
             refuse_unsafe_live_change(base, base, settings)
     refuse_unsafe_live_change(base, base, {"model.lora": base.model.lora.model_dump(mode="json")})
+
+
+def test_a_refused_secret_setting_is_named_without_its_value(tmp_path, model_dir, data_dir):
+    path = write_config(
+        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", alerts={"webhook_url": 8675309123456}
+    )
+    with pytest.raises(ConfigError, match=r"alerts.webhook_url: Input should be a valid string") as refused:
+        load_config(path)
+    assert "8675309123456" not in str(refused.value)
