@@ -284,7 +284,7 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
             read_token_file(token_file, "admin.token_file")
             return CheckResult("admin token", "ok", f"read from admin.token_file {token_file}")
         except TokenError as error:
-            if not str(error).endswith(" is empty"):
+            if not error.empty:
                 return CheckResult("admin token", "fail", str(error))
         missing = f"admin.token_file {token_file} is empty"
     if not launcher_generates:

@@ -71,9 +71,13 @@ class AdminToken:
         try:
             token = read_token_file(self.path, "admin.token_file")
         except TokenError as error:  # named, never quoted: the token in force stands
-            empty = str(error).endswith(" is empty")  # a file being rewritten, or emptied by mistake
-            event = Event.ADMIN_TOKEN_EMPTY if empty else Event.ADMIN_TOKEN_UNREADABLE
-            log_event(log, event, level=logging.WARNING, path=str(self.path), error=str(error))
+            log_event(  # empty: a file being rewritten, or emptied by mistake
+                log,
+                Event.ADMIN_TOKEN_EMPTY if error.empty else Event.ADMIN_TOKEN_UNREADABLE,
+                level=logging.WARNING,
+                path=str(self.path),
+                error=str(error),
+            )
             return self._token
         if token != self._token:
             if self._token:

@@ -12,16 +12,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
+EMPTY = "is empty"
+
 
 class TokenError(ValueError):
-    """A credential that cannot be sent; the message names its source and the problem, never its value."""
+    """A credential that cannot be sent; the message names its source and the problem, never its value.
+    ``empty``: there is no token at all (a file being rewritten, say), rather than a malformed one."""
+
+    def __init__(self, message: str, empty: bool = False):
+        super().__init__(message)
+        self.empty = empty
 
 
 def token_problem(token: str) -> str | None:
     """What makes ``token`` unsendable as ``Authorization: Bearer <token>``, or None. A token is one word of
     printable ASCII (RFC 6750's token68 and every scheme's keys are within it)."""
     if not token:
-        return "is empty"
+        return EMPTY
     if "\n" in token or "\r" in token:
         return "holds a line break"
     if any(ord(char) > 0x7E for char in token):
@@ -34,7 +41,7 @@ def token_problem(token: str) -> str | None:
 def header_value_problem(value: str) -> str | None:
     """What makes ``value`` unsendable as an HTTP header value (RFC 9110: printable ASCII and spaces), or None."""
     if not value.strip():
-        return "is empty"
+        return EMPTY
     if "\n" in value or "\r" in value:
         return "holds a line break"
     if any(ord(char) > 0x7E for char in value):
@@ -57,5 +64,5 @@ def read_token_file(path: Path, field: str) -> str:
         raise TokenError(f"{field}: {str(path)!r} is not UTF-8 text") from None
     problem = token_problem(token)
     if problem is not None:
-        raise TokenError(f"{field}: the token in {str(path)!r} {problem}")
+        raise TokenError(f"{field}: the token in {str(path)!r} {problem}", empty=problem == EMPTY)
     return token
