@@ -306,6 +306,8 @@ def test_a_live_change_naming_a_new_plugin_is_refused_before_the_plugin_is_impor
         refuse_unsafe_live_change(base, base, settings)
     with pytest.raises(ConfigError, match="'module:function' plugin"):
         refuse_unsafe_live_change(base, base, {"reward": {"functions": {f"{plugin_module}:score": 1.0}}})
+    with pytest.raises(ConfigError, match="'module:function' plugin"):  # an entry of the mapping, by its key
+        refuse_unsafe_live_change(base, base, {f"reward.functions.{plugin_module}:score": 1.0})
     assert plugin_module not in sys.modules
 
 

@@ -156,9 +156,11 @@ def refuse_unsafe_live_change(started: RunConfig, current: RunConfig, settings: 
                 if key.startswith(path + ".") and value != _value_at(dump, leaf + key.removeprefix(path)):
                     raise _refusal(leaf, cls)
     functions = _proposed(settings, PLUGIN_FIELD, PLUGIN_FIELD)
-    if isinstance(functions, dict):
+    named = list(functions) if isinstance(functions, dict) else []
+    named += [key.removeprefix(PLUGIN_FIELD + ".") for key in settings if key.startswith(PLUGIN_FIELD + ".")]
+    if named:
         started_with = started.reward.functions
-        new_plugins = sorted(str(name) for name in functions if ":" in str(name) and name not in started_with)
+        new_plugins = sorted(str(name) for name in named if ":" in str(name) and name not in started_with)
         if new_plugins:
             raise ConfigError(
                 f"invalid configuration:\n  {PLUGIN_FIELD}: {new_plugins[0]!r} is a 'module:function' plugin, "
