@@ -51,7 +51,7 @@ def names_where_data_goes(model: type[BaseModel]) -> list[str]:
         key
         for key, named, info in leaf_fields(model)
         if (holds_a_path(info.annotation) or WHERE.search(named.rpartition(".")[2]))
-        and not (change_class(info) is not None and change_class(info).security)
+        and not ((cls := change_class(info)) is not None and cls.security)
     ]
 
 
