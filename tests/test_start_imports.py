@@ -98,6 +98,15 @@ def test_the_launchers_start_up_checks_import_neither_torch_nor_transformers_whe
         "                  'loaded': [name for name in ('torch', 'transformers') if name in sys.modules]}))\n"
     )
     assert found["checks"] == sorted(
-        ["model", "device", "dataset data.train_path", "dataset data.eval_path", "storage", "admin token", "ports"]
+        [
+            "model",
+            "device",
+            "dataset data.train_path",
+            "dataset data.eval_path",
+            "storage",
+            "admin token",
+            "weight-sync token",
+            "ports",
+        ]
     )
     assert found["loaded"] == (["torch"] if gpu_seen() else [])

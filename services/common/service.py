@@ -29,6 +29,7 @@ from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
 from services.common.transport.presence import Presence, ServiceEntry, instance_name
@@ -125,16 +126,20 @@ async def watch_progress(
     servers: list[grpc.aio.Server],
     presence: Presence,
     time_spent: Callable[[], Mapping[str, float]] | None = None,
+    refusal: Callable[[], Refusal | None] | None = None,
 ) -> None:
     """For ever: the loop's progress (and ``time_spent()``, its seconds per busy/idle/blocked) into its presence
     entry, and the gRPC health of ``servers`` NOT_SERVING while the loop is stuck past its bound (SERVING again
-    once it moves), so a liveness probe restarts the service."""
+    once it moves), so a liveness probe restarts the service. ``refusal()``, a refusing dependency holding the
+    loop, is written at once when it changes: the trainer alerts on it in the run's events."""
     health_servicers = [_health_servicers[server] for server in servers]
     stuck = False
     while True:
         presence.update(progress_time=loop.last_progress)
         if time_spent is not None:
             presence.update(time_s={str(activity): round(seconds, 3) for activity, seconds in time_spent().items()})
+        if refusal is not None and (held := refusal()) != presence.entry.refused:
+            await presence.announce(refused=held)
         stalled_s = loop.stalled_for(time.time())
         if (stalled_s > 0) != stuck:
             stuck = not stuck
@@ -195,7 +200,9 @@ def exit_when_stalled(loop: LoopProgress, after_s: float, check_every_s: float =
 async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server, presence: Presence) -> None:
     """Run a stage until ``stop``, then close its health server and NATS connection. A stage stalled for longer
     than ``service.exit_when_stalled_s`` ends the process (``exit_when_stalled``)."""
-    watchdog = asyncio.create_task(watch_progress(stage, [server], presence, stage.time_share.seconds))
+    watchdog = asyncio.create_task(
+        watch_progress(stage, [server], presence, stage.time_share.seconds, lambda: stage.outage.refusal)
+    )
     try:
         with exit_when_stalled(stage, stage.bus.cfg.service.exit_when_stalled_s):
             await stage.run(stop)

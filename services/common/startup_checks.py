@@ -26,6 +26,10 @@ from services.common.config import (
     DataConfig,
     RolloutConfig,
     RunConfig,
+    TokenError,
+    WeightSyncCredentials,
+    read_token_file,
+    token_problem,
 )
 from services.common.episodes.environments import box_available
 from services.common.model.datasets import DatasetError, scan_dataset
@@ -266,19 +270,24 @@ def role_ports(cfg: RunConfig, role: str) -> dict[str, int]:
 
 
 def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
-    """``launcher_generates``: started by ``rlpipe run``, which makes a token when none is set."""
-    if AdminCredentials().token:
+    """``launcher_generates``: started by ``rlpipe run``, which makes a token when none is set. A token that
+    cannot go into a request's metadata (a line break, non-ASCII) fails, named by where it came from, never
+    quoted."""
+    if token := AdminCredentials().token:
+        problem = token_problem(token)
+        if problem is not None:
+            return CheckResult("admin token", "fail", f"RLPIPE_ADMIN_TOKEN {problem}")
         return CheckResult("admin token", "ok", "set by RLPIPE_ADMIN_TOKEN")
     token_file = cfg.admin.token_file
     if token_file is None:
         missing = "neither RLPIPE_ADMIN_TOKEN nor admin.token_file is set"
     else:
         try:
-            token = token_file.read_text().strip()
-        except OSError as error:
-            return CheckResult("admin token", "fail", f"admin.token_file {token_file}: {shorten(error)}")
-        if token:
+            read_token_file(token_file, "admin.token_file")
             return CheckResult("admin token", "ok", f"read from admin.token_file {token_file}")
+        except TokenError as error:
+            if not error.empty:
+                return CheckResult("admin token", "fail", str(error))
         missing = f"admin.token_file {token_file} is empty"
     if not launcher_generates:
         return CheckResult("admin token", "fail", f"{missing}: the trainer does not start without one")
@@ -309,6 +318,15 @@ def check_python_box(rollout: RolloutConfig, probe_box: Callable[[], str | None]
             "rollout.python_tool_isolation: allow_unisolated to run it unboxed",
         )
     ]
+
+
+def check_weight_sync_token() -> CheckResult:
+    """RLPIPE_WEIGHTSYNC_TOKEN, when set, can go into a call's metadata (gRPC would refuse every call otherwise)."""
+    token = WeightSyncCredentials().token
+    problem = token_problem(token) if token else None
+    if problem is not None:
+        return CheckResult("weight-sync token", "fail", f"RLPIPE_WEIGHTSYNC_TOKEN {problem}")
+    return CheckResult("weight-sync token", "ok", "set" if token else "not set (rlpipe run generates one)")
 
 
 def cuda_failure(facts: GpuFacts) -> str:
@@ -393,10 +411,11 @@ def _startup_checks(role: str) -> list[Check]:
     device = Check("device", ("model",), lambda cfg: [check_device(cfg)])
     # The rollout plays episodes, the trainer its held-out ones: both run the Python tool.
     box = Check("python tool box", ("rollout",), lambda cfg: check_python_box(cfg.rollout))
+    weight_sync = Check("weight-sync token", (), lambda cfg: [check_weight_sync_token()])
     if role == "trainer":
-        return [policy, device, dataset, storage, token, box, ports]
+        return [policy, device, dataset, storage, token, weight_sync, box, ports]
     if role == "rollout":
-        return [policy, box, ports]
+        return [policy, weight_sync, box, ports]
     if role == "reference":
         return [
             Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=False, reference=True)),
@@ -406,7 +425,7 @@ def _startup_checks(role: str) -> list[Check]:
     if role == "reward":
         return [ports]
     both = Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True))
-    return [both, device, dataset, storage, token, box, ports]
+    return [both, device, dataset, storage, token, weight_sync, box, ports]
 
 
 def run_each(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]) -> list[CheckResult]:
@@ -428,10 +447,11 @@ def startup_checks(cfg: RunConfig, role: str) -> list[CheckResult]:
     """The cheap checks ``role`` needs before it starts (no network wait beyond a few seconds, no broker).
 
     trainer: model, datasets, storage probe, admin token (required: it does not start without
-    one), the Python tool's box (with ``rollout.environment: python``), its ports; rollout: model, the box, ports;
-    reference: reference model, ports; reward: ports; run (the launcher): models, datasets, storage, admin token
-    (a warning: it generates one, except in prod), the box, admin and metrics ports. The broker is left out: the
-    bus waits for it, and ``rlpipe run`` starts its own after these checks.
+    one), weight-sync token (sendable when set), the Python tool's box (with ``rollout.environment: python``), its
+    ports; rollout: model, weight-sync token, the box, ports; reference: reference model, ports; reward: ports; run
+    (the launcher): models, datasets, storage, admin token (a warning: it generates one, except in prod),
+    weight-sync token, the box, admin and metrics ports. The broker is left out: the bus waits for it, and
+    ``rlpipe run`` starts its own after these checks.
     Returns the rows (warnings included); raises StartupCheckError naming each failure.
     """
     if role not in STARTUP_ROLES:

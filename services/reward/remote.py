@@ -8,8 +8,11 @@ error status (``judge_status``: pure, no socket):
 - ``TRANSIENT`` (no connection, past ``timeout_s``, HTTP 5xx, 408 or 429, an answer off the schema): retried
   ``retries`` times, waiting ``backoff_s`` doubled each time.
 - ``PERSISTENT`` (401, 403, 404, 405 and any other status that does not blame the input, a redirect, a TLS or DNS
-  failure, an answer over ``max_response_bytes``, an unreadable ``token_file``): not retried, the breaker opens at
-  once and ``reward_service_down`` names the status.
+  failure, an answer over ``max_response_bytes``, a ``token_file`` that cannot be read or holds no sendable token):
+  not retried, the breaker opens at once and ``reward_service_down`` names the status. The scorer raises
+  ``DependencyRefused``: the stage holds the groups like any outage, but alerts at once (``dependency_down``, and
+  through the replica's presence entry the trainer's ``dependency_refused`` in the run's events), since waiting
+  will not fix a refused token.
 - ``INPUT``: only a 400 or 422 with ``{"error": reason}`` blames the input: ``RemoteRewardRejected``, which the
   stage retries and dead-letters like any failing compute. Without a reason it is a proxy's or another service's
   answer, which would refuse every input: persistent.
@@ -19,6 +22,11 @@ while it is open no request is sent. When a batch cannot be scored the scorer ra
 stage holds the groups (no delivery spent, nothing dead-lettered, nothing scored 0) and tries again behind its own
 breaker. The breaker opening logs ``reward_service_down`` (an alert) and its closing ``reward_service_recovered``;
 latency, errors and the breaker's state are metrics (``rlpipe_reward_http_*``).
+
+The token is read from ``token_file`` before each batch, so rewriting the file rotates it; the path itself is a
+security setting (set where the reward role is deployed). No error, log line or event quotes a credential: a
+token is checked before it goes into a header (``services.common.config.tokens``), and a service's answer that
+echoes a header value has it replaced before the answer is quoted.
 
 Redirects are not followed: a POST cannot be replayed safely as the GET that 301/302/303 turn it
 into, and following one would send the bearer token to whatever host the answer names. A moved
@@ -38,9 +46,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.config import RewardHttpConfig
+from services.common.config import REDACTED, RewardHttpConfig, TokenError, read_token_file
 from services.common.observe.events import Event
-from services.common.transport.breaker import CircuitBreaker, DependencyUnavailable
+from services.common.transport.breaker import CircuitBreaker, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import (
     DependencyEvents,
     Fault,
@@ -127,6 +135,16 @@ class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
 _OPENER = urllib.request.build_opener(_RefuseRedirects)
 
 
+def unechoed(answer: bytes, headers: dict[str, str]) -> bytes:
+    """``answer`` with every header value this request sent (and a bearer token on its own) replaced, so that a
+    service that echoes the request ("invalid token abc...") cannot put a credential into our logs."""
+    sent = {value for value in headers.values() if len(value) >= 4}
+    sent |= {value.removeprefix("Bearer ") for value in sent if value.startswith("Bearer ") and len(value) >= 11}
+    for value in sorted(sent, key=len, reverse=True):
+        answer = answer.replace(value.encode("latin-1", "replace"), REDACTED.encode())
+    return answer
+
+
 def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_response_bytes: int) -> bytes:
     """The answer's body; ``RequestFailed`` with its verdict when there is none."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
@@ -135,10 +153,21 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_
             answer = response.read(max_response_bytes + 1)  # never the whole of an endless answer
     except urllib.error.HTTPError as error:
         try:
-            answer = error.read(ERROR_BODY_BYTES)
+            answer = unechoed(error.read(ERROR_BODY_BYTES), headers)
         except (OSError, http.client.HTTPException):  # cut off mid-body: the status alone still judges it
             answer = b""
         raise RequestFailed(judge_status(error.code, answer, url, error.headers.get("Location", ""))) from None
+    except ValueError as error:
+        # http.client refuses a header it cannot send, quoting it whole: the message would carry the token.
+        # Checked tokens never get here; a header from headers_from_env changed under us might.
+        raise RequestFailed(
+            Verdict(
+                Fault.PERSISTENT,
+                "header",
+                f"a request header to {url} cannot be sent ({type(error).__name__}): check reward.http.token_file "
+                "and the variables of reward.http.headers_from_env",
+            )
+        ) from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as error:  # refused, reset, cut off, TLS, DNS
         raise RequestFailed(judge_error(error, url, timeout_s)) from error
     if len(answer) > max_response_bytes:
@@ -153,28 +182,22 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_
 
 
 def read_token(token_file: Path) -> str:
-    """The bearer token in ``token_file``; ``RequestFailed`` (persistent) when it cannot be read or is empty."""
+    """The bearer token in ``token_file``; ``RequestFailed`` (persistent, kind ``token``) when it cannot be read or
+    is not a sendable token. The reason names the field, the file and the problem, never the token."""
     try:
-        token = token_file.read_text().strip()
-    except (OSError, UnicodeDecodeError) as error:
-        raise RequestFailed(
-            Verdict(Fault.PERSISTENT, "token", f"reward.http.token_file {str(token_file)!r} is unreadable: {error!r}")
-        ) from None
-    if not token:
-        raise RequestFailed(Verdict(Fault.PERSISTENT, "token", f"reward.http.token_file {str(token_file)!r} is empty"))
-    return token
+        return read_token_file(token_file, "reward.http.token_file")
+    except TokenError as error:
+        raise RequestFailed(Verdict(Fault.PERSISTENT, "token", str(error))) from None
 
 
 class RemoteScorer:
     """``await score(items)`` -> one float per item, from the service at ``cfg.url``.
 
-    ``token_file`` may be changed while it runs (a live ``reward.http.token_file``); the file is read
-    before each batch, so rewriting it in place rotates the token too.
+    ``cfg.token_file`` is read before each batch, so rewriting it rotates the token without a restart.
     """
 
     def __init__(self, cfg: RewardHttpConfig):
         self.cfg = cfg
-        self.token_file = cfg.token_file
         self.service = HttpDependency(
             cfg.url,
             "the remote reward service",
@@ -195,12 +218,12 @@ class RemoteScorer:
 
     async def score(self, items: list[RemoteItem]) -> list[float]:
         headers = dict(self.headers)
-        if self.token_file is not None:
+        if self.cfg.token_file is not None:
             try:
-                headers["Authorization"] = f"Bearer {await asyncio.to_thread(read_token, self.token_file)}"
+                headers["Authorization"] = f"Bearer {await asyncio.to_thread(read_token, self.cfg.token_file)}"
             except RequestFailed as error:
                 self.service.failed(error.verdict, 0.0)
-                raise DependencyUnavailable(str(error)) from error
+                raise DependencyRefused(error.kind, str(error)) from None
         size = self.cfg.batch_size
         chunks = [items[start : start + size] for start in range(0, len(items), size)]
         scored = await asyncio.gather(*(self._request(chunk, headers) for chunk in chunks))
@@ -220,5 +243,5 @@ class RemoteScorer:
                 if error.fault == Fault.INPUT:
                     raise RemoteRewardRejected(str(error)) from None
                 if error.fault == Fault.PERSISTENT:
-                    raise DependencyUnavailable(f"reward service misconfigured or broken: {error}") from error
+                    raise DependencyRefused(error.kind, f"reward service misconfigured or broken: {error}") from error
                 raise DependencyUnavailable(f"reward service failed {error.attempts} times: {error}") from error

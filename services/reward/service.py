@@ -14,9 +14,10 @@ The reward is the weighted sum of the parts; each part's own scores travel in th
 (``ScoredGroup.reward_parts``) and reach the trainer's step rows as ``reward/<name>/mean``.
 A rule function that raises, a remote service that blames the input (400/422 with a reason), or a reward that
 is not finite or beyond ``reward.max_abs_reward`` (``check_bounds``) fails the compute: the stage retries the
-group and dead-letters it after ``nats.max_deliver``, with the reason. A remote service that is down, refuses the
-token or is misconfigured raises ``DependencyUnavailable``: the stage holds the group and retries, spending no
-delivery (``services.reward.remote``).
+group and dead-letters it after ``nats.max_deliver``, with the reason. A remote service that is down raises
+``DependencyUnavailable``, one that refuses the token (or a token file that holds none) or is misconfigured
+``DependencyRefused``: either way the stage holds the group and retries, spending no delivery, and a refusal alerts
+at once (``services.reward.remote``).
 """
 
 from __future__ import annotations
@@ -182,16 +183,13 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     bus = await Bus(cfg, "reward").connect()
     server, address = await start_grpc_server(cfg, cfg.service.grpc_port)
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
-    # The model and the remote service are set at start, but for the service's token file; the functions and their
-    # weights are live.
+    # The model and the remote service are set at start (the service's token file is read before each batch); the
+    # functions and their weights are live.
     sources = RewardSources.of(cfg.reward, cfg.service.threads_for("reward"))
     await asyncio.to_thread(sources.rules.start)  # the child's imports now, not in the first batch's time
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
         await live.refresh()  # reward weights are live
-        if sources.remote is not None and live.cfg.reward.http is not None:
-            # Also while the groups wait out a refused token: this compute is what the stage retries.
-            sources.remote.token_file = live.cfg.reward.http.token_file
         reward = live.cfg.reward.model_copy(update={"model": cfg.reward.model, "http": cfg.reward.http})
         return await score_groups(groups, reward, sources, live.version)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import yaml
 
-from services.common.config import AdminCredentials, ConfigError, RunConfig, redacted_dump
+from services.common.config import AdminCredentials, ConfigError, RunConfig, TokenError, read_token_file, redacted_dump
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
@@ -67,17 +67,27 @@ class AdminToken:
             return self._token
         try:
             stat = self.path.stat()
-            if (stat.st_mtime_ns, stat.st_size) != self._seen:
-                token = self.path.read_text().strip()
-                self._seen = (stat.st_mtime_ns, stat.st_size)
-                if not token:  # a file being rewritten, or emptied by mistake: keep the token in force
-                    log_event(log, Event.ADMIN_TOKEN_EMPTY, level=logging.WARNING, path=str(self.path))
-                elif token != self._token:
-                    if self._token:
-                        log_event(log, Event.ADMIN_TOKEN_ROTATED, path=str(self.path))
-                    self._token = token
         except OSError as error:  # moved away mid-rotation: the token in force stands until the new file is there
             log_event(log, Event.ADMIN_TOKEN_UNREADABLE, level=logging.WARNING, path=str(self.path), error=str(error))
+            return self._token
+        if (stat.st_mtime_ns, stat.st_size) == self._seen:
+            return self._token
+        self._seen = (stat.st_mtime_ns, stat.st_size)
+        try:
+            token = read_token_file(self.path, "admin.token_file")
+        except TokenError as error:  # named, never quoted: the token in force stands
+            log_event(  # empty: a file being rewritten, or emptied by mistake
+                log,
+                Event.ADMIN_TOKEN_EMPTY if error.empty else Event.ADMIN_TOKEN_UNREADABLE,
+                level=logging.WARNING,
+                path=str(self.path),
+                error=str(error),
+            )
+            return self._token
+        if token != self._token:
+            if self._token:
+                log_event(log, Event.ADMIN_TOKEN_ROTATED, path=str(self.path))
+            self._token = token
         return self._token
 
 

@@ -85,6 +85,11 @@ def post_alert(alerts: AlertsConfig, payload: dict[str, Any]) -> None:
     post_webhook(alerts.webhook_url, payload, retries=alerts.webhook_retries, backoff_s=alerts.webhook_backoff_s)
 
 
+# Events that are alerts for the sink: a rule's firing, and a dependency refusing a stage (status.RefusalWatch),
+# which no rule judges since no metric row could say which status it got.
+ALERTING = (Event.ALERT, Event.DEPENDENCY_REFUSED)
+
+
 class AlertSink:
     """The trainer's sinks of an alert beyond the log and the events file: a metrics row (which the trackers show
     as a text event), the Prometheus counter, and the webhook when one is configured."""
@@ -96,7 +101,7 @@ class AlertSink:
         self.progress = progress
 
     def write(self, entry: JournalEntry) -> None:
-        if entry.event != Event.ALERT:
+        if entry.event not in ALERTING:
             return
         rule, severity = entry.fields["rule"], entry.fields["severity"]
         self.telemetry.record_alert(rule, severity)

@@ -59,7 +59,7 @@ from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
-from services.trainer.status import StatusReporter
+from services.trainer.status import RefusalWatch, StatusReporter
 
 log = logging.getLogger(__name__)
 # The trainer's phases as the stages' activities: waiting for experience is idle, offering weights is blocked.
@@ -162,6 +162,7 @@ class Trainer:
         self.status = StatusReporter(
             live, bus, self.progress, self.control, self.ledger, self.alerts, self.recovery.catalog, self.build
         )
+        self.refusals = RefusalWatch(self.journal)
         self.hardware = HardwareSampler(learner.device)
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
@@ -243,7 +244,13 @@ class Trainer:
         if time.monotonic() - self.health_checked < HEALTH_CHECK_S:
             return
         self.health_checked = time.monotonic()
-        await self.responder.watch({"step": self.progress.step, **await self.status.health_row()})
+        await self.responder.watch({"step": self.progress.step, **await self.health_row()})
+
+    async def health_row(self) -> dict[str, float]:
+        """The status row of the alert rules; the replicas a refusing dependency holds go to the run's events."""
+        row = await self.status.health_row()
+        self.refusals.observe(self.status.services, self.progress.step)
+        return row
 
     async def record_lost(self, group_ids: list[str]) -> None:
         await asyncio.to_thread(self.lineage.record_lost, self.progress.step, group_ids)  # an fsync: off the loop
@@ -323,7 +330,7 @@ class Trainer:
             **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.ledger_row(),
-            **await self.status.health_row(),
+            **await self.health_row(),
             **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),
         }
         row.update(self.step_time_row())  # last: the row's own assembly counts in this step's bookkeeping

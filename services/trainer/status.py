@@ -1,4 +1,5 @@
-"""What the trainer reports about the run: services and their lag, and the Admin ``Status`` reply.
+"""What the trainer reports about the run: services and their lag, the Admin ``Status`` reply, and the replicas a
+refusing dependency holds.
 
 Presence and consumer lag are read from JetStream at most every few seconds (``max_age_s``)
 and cached, so status calls and the health checks between steps cost the broker little.
@@ -17,10 +18,11 @@ from typing import Any
 from nats.errors import Error as NatsError
 
 from services.common.config import BuildInfo
-from services.common.observe.events import Event
+from services.common.observe.events import Event, Journal
 from services.common.observe.instruments import DiskWatch, StageMetrics
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2
+from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
 from services.common.transport.presence import (
     RestartCounter,
@@ -188,6 +190,52 @@ class StatusReporter:
             up=entry.up,
             build_version=entry.build_version,
             build_revision=entry.build_revision,
+        )
+
+
+class RefusalWatch:
+    """Records in the run's events each replica a refusing dependency holds (a rejected or malformed token, TLS,
+    DNS: ``Refusal`` in its presence entry), as the alert ``dependency_refused`` naming the refusal's kind, and the
+    end of it (``dependency_recovered``). The stage logs its own ``dependency_down`` at once too, but only in its
+    own log: the run's events are what the launcher's console, operators and the alert sink (webhook) read. A
+    wrong token is no passing outage, so nothing waits for ``ack_wait_s * max_deliver`` here."""
+
+    RULE = "dependency_refused"
+
+    def __init__(self, journal: Journal):
+        self.journal = journal
+        self.held: dict[str, Refusal] = {}  # instance -> the refusal recorded for it
+
+    def observe(self, services: list[SeenService], step: int) -> None:
+        for entry in services:
+            recorded = self.held.get(entry.instance)
+            if entry.refused is not None and entry.up and (recorded is None or recorded.kind != entry.refused.kind):
+                self.held[entry.instance] = entry.refused
+                self._refused(entry, entry.refused, step)
+            elif entry.refused is None and recorded is not None:
+                del self.held[entry.instance]
+                self.journal.emit(
+                    Event.DEPENDENCY_RECOVERED,
+                    f"{entry.instance} ({entry.role}): no dependency refuses it any more",
+                    step=step,
+                    role=entry.role,
+                    instance=entry.instance,
+                    refusal=recorded.kind,
+                )
+
+    def _refused(self, entry: SeenService, refusal: Refusal, step: int) -> None:
+        self.journal.emit(
+            Event.DEPENDENCY_REFUSED,
+            f"{entry.instance} ({entry.role}) is held: its {refusal.step} is refused ({refusal.kind}), which waiting "
+            f"will not fix: {refusal.error}",
+            level=logging.ERROR,
+            step=step,
+            alert=True,
+            rule=self.RULE,
+            severity="critical",
+            role=entry.role,
+            instance=entry.instance,
+            refusal=refusal.kind,
         )
 
 

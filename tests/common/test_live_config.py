@@ -112,6 +112,15 @@ def test_a_running_trainer_refuses_security_settings_and_new_plugins_and_imports
             ({"checkpoint.store_url": "s3://elsewhere/run"}, r"checkpoint\.store_url: is not changeable live"),
             ({"reward": {"http": {"url": "https://elsewhere/score"}}}, r"reward\.http\.url: is not changeable live"),
             ({"admin.tls_cert": "/tmp/cert.pem"}, r"admin\.tls_cert: is not changeable live"),
+            # What a security review found an admin token could redirect at each role's next start (or, for the
+            # reward token file, at once: pointed at /proc/self/environ it sent the environment as the token).
+            ({"rollout.environment_url": "http://elsewhere/env"}, r"rollout\.environment_url: is not changeable"),
+            ({"service.trainer_host": "elsewhere"}, r"service\.trainer_host: is not changeable live"),
+            ({"rollout.relay_host": "elsewhere"}, r"rollout\.relay_host: is not changeable live"),
+            ({"metrics_path": "/tmp/elsewhere.jsonl"}, r"metrics_path: is not changeable live"),
+            ({"runs_dir": "/tmp/elsewhere"}, r"runs_dir: is not changeable live"),
+            ({"service.log_dir": "/tmp/elsewhere"}, r"service\.log_dir: is not changeable live"),
+            ({"reward.http.token_file": "/proc/self/environ"}, r"reward\.http\.token_file: is not changeable live"),
             (
                 {"reward.functions": {"exact_match": 1.0, "live_admin_plugin:score": 1.0}},
                 r"reward\.functions: 'live_admin_plugin:score' is a 'module:function' plugin",

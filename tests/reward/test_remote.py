@@ -6,6 +6,7 @@ import asyncio
 import http.client
 import itertools
 import json
+import logging
 import socket
 import ssl
 import subprocess
@@ -15,7 +16,7 @@ import urllib.error
 import pytest
 
 from services.common.config import RewardHttpConfig
-from services.common.transport.breaker import BreakerState, DependencyUnavailable
+from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import Fault, RequestFailed, judge_error
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, judge_status, parse_scores
 from tests.conftest import free_port, wait_for_port
@@ -112,9 +113,16 @@ def test_an_answer_that_does_not_fit_the_schema_is_the_services_failure(body, re
 
 class ScriptedService:
     """A real HTTP server on a real socket answering each POST with the next status of ``script`` (then 200 with
-    ``ok_body``) after ``hold_s``, recording when each request came and the most it held at once."""
+    ``ok_body``) after ``hold_s``, recording when each request came and the most it held at once; with
+    ``echo_authorization`` a failing answer quotes the request's Authorization header back."""
 
-    def __init__(self, script: list[int], ok_body: bytes = b'{"scores": [1.0]}', hold_s: float = 0.0):
+    def __init__(
+        self,
+        script: list[int],
+        ok_body: bytes = b'{"scores": [1.0]}',
+        hold_s: float = 0.0,
+        echo_authorization: bool = False,
+    ):
         import http.server
         import threading
         import time
@@ -136,6 +144,8 @@ class ScriptedService:
                     service.active -= 1
                 status = service.script.pop(0) if service.script else 200
                 body = ok_body if status == 200 else b'{"error": "scripted"}'
+                if status != 200 and echo_authorization:  # as some services do: "invalid token <the token>"
+                    body = json.dumps({"error": f"invalid {self.headers.get('Authorization')}"}).encode()
                 self.send_response(status)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -187,6 +197,11 @@ def test_a_400_or_422_with_a_reason_blames_the_input_and_is_not_retried(status):
         assert client.breaker.failures == 0  # bad input says nothing about the service being down
     finally:
         service.close()
+
+
+def everything_logged(caplog) -> str:
+    """Every record's event and fields, as the JSON log lines would carry them."""
+    return "\n".join(json.dumps([r.getMessage(), getattr(r, "fields", {})], default=str) for r in caplog.records)
 
 
 def alerts(caplog) -> list[dict]:
@@ -303,12 +318,68 @@ def test_the_token_file_is_read_before_each_batch_so_a_rewritten_token_is_used(p
         client.breaker.succeeded()  # past its cool-down
         assert asyncio.run(client.score(ITEMS[:2])) == [1.0, 0.0]
         token_file.write_text("")
-        with pytest.raises(DependencyUnavailable, match=r"token_file .* is empty"):
+        with pytest.raises(DependencyRefused, match=r"token_file: the token in .* is empty") as refused:
             asyncio.run(client.score(ITEMS[:1]))
-        assert client.breaker.state == BreakerState.OPEN
+        assert refused.value.kind == "token" and client.breaker.state == BreakerState.OPEN
     finally:
         server.kill()
         server.wait()
+
+
+@pytest.mark.parametrize(
+    "rotated",
+    ["right\nLEAKED-second-line\n", "LEAKED-t\u00f6ken", "LEAKED-\u4e2d\u6587", "LEAKED\x7fdel", "\n"],
+)
+def test_a_token_rotated_to_one_that_cannot_be_sent_is_refused_unsent_and_never_quoted(rotated, tmp_path, caplog):
+    """Before the check, http.client refused the header with 'Invalid header value b'Bearer right\\nLEAKED...'', a
+    ValueError the stage took for the input's fault (each group dead-lettered, the token in the reason)."""
+    caplog.set_level(logging.DEBUG)
+    service = ScriptedService([])
+    token_file = tmp_path / "token"
+    token_file.write_text("right\n")
+    try:
+        client = scorer(service.port, token_file=str(token_file))
+        assert asyncio.run(client.score(ITEMS[:1])) == [1.0]
+        token_file.write_text(rotated, encoding="utf-8")
+        with pytest.raises(DependencyRefused, match=r"reward.http.token_file: the token in '.*/token' ") as refused:
+            asyncio.run(client.score(ITEMS[:1]))
+        assert refused.value.kind == "token" and len(service.times) == 1  # nothing was sent with it
+        [alert] = alerts(caplog)
+        assert (alert["event"], alert["kind"]) == ("reward_service_down", "token")
+        said = str(refused.value) + repr(refused.value) + everything_logged(caplog)
+        assert "LEAKED" not in said and "right" not in said
+    finally:
+        service.close()
+
+
+def test_a_header_that_cannot_be_sent_is_a_refusal_whose_reason_does_not_quote_it(caplog):
+    """A header from the environment is checked at start; one that still cannot be sent (http.client raises a
+    ValueError quoting it) is refused without its value."""
+    service = ScriptedService([])
+    try:
+        client = scorer(service.port)
+        client.headers["X-Api-Key"] = "LEAKED-key\nX-Injected: 1"
+        with pytest.raises(DependencyRefused, match=r"a request header .* cannot be sent") as refused:
+            asyncio.run(client.score(ITEMS[:1]))
+        assert refused.value.kind == "header" and service.times == []
+        assert "LEAKED" not in str(refused.value) + everything_logged(caplog)
+    finally:
+        service.close()
+
+
+def test_a_service_that_echoes_the_token_in_its_refusal_has_it_replaced_before_it_is_quoted(tmp_path, caplog):
+    service = ScriptedService([401], echo_authorization=True)
+    token_file = tmp_path / "token"
+    token_file.write_text("LEAKED-echoed-token\n")
+    try:
+        client = scorer(service.port, token_file=str(token_file))
+        with pytest.raises(DependencyRefused, match="HTTP 401") as refused:
+            asyncio.run(client.score(ITEMS[:1]))
+        [alert] = alerts(caplog)
+        assert "<redacted>" in alert["error"] and "<redacted>" in str(refused.value)
+        assert "LEAKED" not in str(refused.value) + everything_logged(caplog)
+    finally:
+        service.close()
 
 
 @pytest.mark.parametrize(

@@ -9,9 +9,9 @@ from services.common.config import (
     ConfigError,
     OverlongPenaltyConfig,
     RewardConfig,
-    apply_overrides,
     is_live,
     load_config,
+    refuse_unsafe_live_change,
 )
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
@@ -119,13 +119,17 @@ def test_http_headers_come_from_the_environment_the_config_names(tiny_model, mon
     assert "s3cret" not in cfg.model_dump_json()
 
 
-def test_a_token_file_must_exist_at_start_and_is_the_one_source_of_the_authorization_header(tmp_path):
-    (tmp_path / "model").mkdir()
+def minimal_settings(tmp_path) -> dict:
+    (tmp_path / "model").mkdir(exist_ok=True)
     (tmp_path / "model" / "config.json").write_text("{}")
     (tmp_path / "train.jsonl").write_text("")
-    settings = {"model": {"path": str(tmp_path / "model")}, "data": {"train_path": str(tmp_path / "train.jsonl")}}
+    return {"model": {"path": str(tmp_path / "model")}, "data": {"train_path": str(tmp_path / "train.jsonl")}}
+
+
+def test_a_token_file_must_exist_at_start_and_is_the_one_source_of_the_authorization_header(tmp_path):
+    settings = minimal_settings(tmp_path)
     http = {"url": "http://127.0.0.1:1/score", "token_file": str(tmp_path / "token")}
-    with pytest.raises(ConfigError, match=r"reward.http: .*token_file '.*/token' is not a readable file"):
+    with pytest.raises(ConfigError, match=r"reward.http.token_file: '.*/token' cannot be read \(No such file"):
         load_config(None, **settings, reward={"http": http})
     (tmp_path / "token").write_text("s3cret")
     both = http | {"headers_from_env": {"authorization": "HOME"}}
@@ -133,9 +137,45 @@ def test_a_token_file_must_exist_at_start_and_is_the_one_source_of_the_authoriza
         load_config(None, **settings, reward={"http": both})
     cfg = load_config(None, **settings, reward={"http": http})
     assert "s3cret" not in cfg.model_dump_json()  # the path is in the config, the token is not
-    assert is_live("reward.http.token_file") and not is_live("reward.http.url")
-    moved = apply_overrides(cfg, {"reward.http.token_file": str(tmp_path / "on-another-host")})  # as the admin checks
-    assert moved.reward.http.token_file == tmp_path / "on-another-host"
+    # The file's contents rotate live (read before each batch); the path is a security setting, never the admin's.
+    assert not is_live("reward.http.token_file")
+    with pytest.raises(ConfigError, match=r"reward.http.token_file: is not changeable live \(a security setting"):
+        refuse_unsafe_live_change(cfg, cfg, {"reward.http.token_file": "/proc/self/environ"})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("contents", "problem"),
+    [
+        ("LEAKED-first-line\nLEAKED-second-line\n", "holds a line break"),
+        ("LEAKED-t\u00f6ken", "holds a character outside ASCII"),
+        ("LEAKED-\u4e2d\u6587", "holds a character outside ASCII"),
+        ("LEAKED has a space", "holds a space or a control character"),
+        ("LEAKED\x00nul", "holds a space or a control character"),
+        ("\n", "is empty"),
+    ],
+)
+def test_a_token_that_cannot_go_into_a_header_stops_the_start_naming_the_field_not_the_token(
+    tmp_path, contents, problem
+):
+    settings = minimal_settings(tmp_path)
+    (tmp_path / "token").write_text(contents)
+    http = {"url": "http://127.0.0.1:1/score", "token_file": str(tmp_path / "token")}
+    with pytest.raises(ConfigError, match=rf"reward.http.token_file: the token in '.*/token' {problem}") as refused:
+        load_config(None, **settings, reward={"http": http})
+    assert "LEAKED" not in str(refused.value)
+
+
+@pytest.mark.unit
+def test_a_header_value_from_the_environment_that_cannot_be_sent_stops_the_start_naming_its_variable(
+    tmp_path, monkeypatch
+):
+    settings = minimal_settings(tmp_path)
+    monkeypatch.setenv("TEST_REWARD_KEY", "LEAKED-key\r\nX-Injected: 1")
+    http = {"url": "http://127.0.0.1:1/score", "headers_from_env": {"X-Api-Key": "TEST_REWARD_KEY"}}
+    with pytest.raises(ConfigError, match=r"headers_from_env: TEST_REWARD_KEY .*holds a line break") as refused:
+        load_config(None, **settings, reward={"http": http})
+    assert "LEAKED" not in str(refused.value)
 
 
 def test_a_reward_beyond_max_abs_reward_fails_the_group_naming_the_completion_and_its_parts(rules):

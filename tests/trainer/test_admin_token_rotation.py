@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 import grpc
@@ -18,7 +19,7 @@ from tests.trainer.test_admin_transport import StatusOnly
 pytestmark = pytest.mark.integration
 
 
-def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tmp_path, monkeypatch):
+def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tmp_path, monkeypatch, caplog):
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
     token_file = tmp_path / "admin.token"
     token_file.write_text("first-token\n")
@@ -56,16 +57,25 @@ def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tm
                 codes += [await status_code(admin, "first-token"), await status_code(admin, "second-token")]
                 token_file.write_text("")  # half-way through a rewrite: the token in force stands
                 codes.append(await status_code(admin, "second-token"))
+                token_file.write_text("third-token\nLEAKED-line\n")  # two tokens: neither is taken, none quoted
+                stat = token_file.stat()
+                os.utime(token_file, ns=(stat.st_atime_ns, stat.st_mtime_ns + 2_000_000))
+                codes.append(await status_code(admin, "second-token"))
                 return codes
         finally:
             await server.stop(None)
 
+    caplog.set_level(logging.INFO)
     assert asyncio.run(scenario()) == [
         grpc.StatusCode.OK,
         grpc.StatusCode.UNAUTHENTICATED,
         grpc.StatusCode.OK,
         grpc.StatusCode.OK,
+        grpc.StatusCode.OK,
     ]
+    [refused] = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "admin_token_unreadable"]
+    assert refused["error"].startswith("admin.token_file: the token in") and "holds a line break" in refused["error"]
+    assert not [r for r in caplog.records if "LEAKED" in r.getMessage() + repr(getattr(r, "fields", {}))]
 
 
 def test_no_token_anywhere_refuses_to_start_the_admin_port(tiny_model, tmp_path, monkeypatch):

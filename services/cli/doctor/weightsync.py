@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.config import RunConfig, WeightSyncCredentials
+from services.common.config import RunConfig, WeightSyncCredentials, token_problem
 from services.common.pb import weights_pb2, weights_pb2_grpc
 from services.common.startup_checks import CheckResult
 from services.common.transport import weight_sync_tls
@@ -32,6 +32,9 @@ def weight_sync_rows(cfg: RunConfig, embedded: bool) -> list[CheckResult]:
 
 def token_row(cfg: RunConfig, token: str, embedded: bool) -> CheckResult:
     if token:
+        problem = token_problem(token)  # gRPC would refuse every call's metadata; named, never quoted
+        if problem is not None:
+            return CheckResult(NAME, "fail", f"RLPIPE_WEIGHTSYNC_TOKEN {problem}")
         return CheckResult(NAME, "ok", "set by RLPIPE_WEIGHTSYNC_TOKEN")
     if embedded:
         return CheckResult(NAME, "ok", "rlpipe run makes one at every start, for the trainer and the rollouts alone")

@@ -15,19 +15,24 @@ models by what they configure: ``model`` (model, LoRA, data), ``generation``
 (checkpoint storage, NATS, weight sync), ``operations`` (service, admin,
 telemetry, cost, supervision); ``sections`` (``RunConfig``, the credentials and
 build info), ``alerts`` (alert rules and their defaults), ``loading`` (YAML,
-environment and dotted overrides), ``live`` (what a running service may change),
-``redaction`` (what operators and files may see) and ``reference`` (the generated
+environment and dotted overrides), ``live`` (what a running service may change, from
+the change class each field's annotation carries: ``base.Change``),
+``redaction`` (what operators and files may see), ``tokens`` (credentials that can go
+into a request header, checked without quoting them) and ``reference`` (the generated
 reference). Import from this package; the modules are its layout, not its interface.
 """
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
-from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, ConfigError, Section
+from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Change, ConfigError, Section
 from services.common.config.generation import RolloutConfig, SamplingConfig
 from services.common.config.live import (
-    DEPLOY_TIME_FIELDS,
-    LIVE_FIELDS,
-    SECURITY_FIELDS,
+    change_class,
+    classes_under,
+    field_classes,
+    fields_of,
     is_live,
+    leaf_fields,
+    refuse_fixed_changes,
     refuse_unsafe_live_change,
 )
 from services.common.config.loading import (
@@ -62,17 +67,15 @@ from services.common.config.sections import (
     S3Credentials,
     WeightSyncCredentials,
 )
+from services.common.config.tokens import TokenError, header_value_problem, read_token_file, token_problem
 from services.common.config.training import ClipConfig, CriticConfig, KLConfig, TISConfig, TrainConfig, TrainerConfig
 from services.common.config.transport import CheckpointConfig, NatsConfig, WeightSyncConfig
 
 __all__ = [
-    "DEPLOY_TIME_FIELDS",
     "ENV_PREFIX",
-    "LIVE_FIELDS",
     "REDACTED",
     "SECRETS_DIRS",
     "SECRET_FIELDS",
-    "SECURITY_FIELDS",
     "AdminConfig",
     "AdminCredentials",
     "AlertAction",
@@ -80,6 +83,7 @@ __all__ = [
     "AlertRule",
     "AlertsConfig",
     "BuildInfo",
+    "Change",
     "CheckpointConfig",
     "ClipConfig",
     "ConfigError",
@@ -107,18 +111,28 @@ __all__ = [
     "SupervisionConfig",
     "TISConfig",
     "TelemetryConfig",
+    "TokenError",
     "TrainConfig",
     "TrainerConfig",
     "WeightSyncConfig",
     "WeightSyncCredentials",
     "apply_overrides",
+    "change_class",
+    "classes_under",
     "default_alert_rules",
+    "field_classes",
+    "fields_of",
+    "header_value_problem",
     "is_live",
+    "leaf_fields",
     "load_config",
     "load_config_with",
     "parse_overrides",
     "parse_value",
+    "read_token_file",
     "redact",
     "redacted_dump",
+    "refuse_fixed_changes",
     "refuse_unsafe_live_change",
+    "token_problem",
 ]

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from services.common.config.base import Section
+from services.common.config.base import Live, Section, Security
 
 AlertCondition = Literal["above", "below", "nan", "absent", "rises_by", "falls_by"]
 AlertAction = Literal["notify", "pause", "stop", "rollback"]
@@ -187,20 +187,20 @@ def default_alert_rules() -> list[AlertRule]:
 
 
 class AlertsConfig(Section):
-    enabled: bool = Field(True, description="judge the rules; false = no alert fires")
-    webhook_url: str = Field("", description="each firing is POSTed here as JSON; empty = log only")
-    webhook_retries: int = Field(
+    enabled: Live[bool] = Field(True, description="judge the rules; false = no alert fires")
+    webhook_url: Security[str] = Field("", description="each firing is POSTed here as JSON; empty = log only")
+    webhook_retries: Live[int] = Field(
         3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
     )
-    webhook_backoff_s: float = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
-    heartbeat_s: float = Field(
+    webhook_backoff_s: Live[float] = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
+    heartbeat_s: Live[float] = Field(
         300.0,
         ge=0,
         description="the trainer POSTs a `watchdog` firing to the webhook this often (0 = never), so a dead-man "
         "receiver notices when alerts could no longer reach anyone",
     )
-    cooldown_steps: int = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
-    rules: list[AlertRule] = Field(
+    cooldown_steps: Live[int] = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
+    rules: Live[list[AlertRule]] = Field(
         default_factory=default_alert_rules,
         description="the rules judged after every step; setting them replaces the defaults (listed below)",
     )

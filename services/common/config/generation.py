@@ -7,84 +7,84 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.common import registry
-from services.common.config.base import Section
+from services.common.config.base import Live, Restart, Section, Security
 
 
 class SamplingConfig(Section):
-    group_size: int = Field(8, ge=1, description="completions per prompt (n)")
-    temperature: float = Field(
+    group_size: Restart[int] = Field(8, ge=1, description="completions per prompt (n)")
+    temperature: Live[float] = Field(
         1.0,
         gt=0,
         description="softmax temperature of the rollout's sampling (unitless; 1 = the policy's own distribution)",
     )
-    top_p: float = Field(
+    top_p: Live[float] = Field(
         1.0,
         gt=0,
         le=1,
         description="nucleus sampling (Holtzman et al. 2020, arXiv:1904.09751): sample from the smallest set of tokens "
         "whose probability sums to top_p (a probability; 1 = every token)",
     )
-    max_new_tokens: int = Field(
+    max_new_tokens: Live[int] = Field(
         8, ge=1, description="most tokens one completion may generate (tokens); longer ones are truncated"
     )
 
 
 class RolloutConfig(Section):
-    backend: Literal["vllm", "hf"] = Field(
+    backend: Restart[Literal["vllm", "hf"]] = Field(
         "vllm",
         description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
     )
-    replicas: int = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
-    lora: Literal["auto", "adapter", "merge"] = Field(
+    replicas: Restart[int] = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
+    lora: Restart[Literal["auto", "adapter", "merge"]] = Field(
         "auto",
         description="with model.lora, how the rollout serves each synced adapter: adapter = vLLM hot-loads it as a "
         "LoRA adapter over the untouched base; merge = it is merged into the base weights (W + alpha/r * B @ A, from a "
         "kept copy of the base); auto = adapter where the vLLM engine can serve LoRA, else merge (the hf backend "
         "always merges). The rollout's ready event names the one in force",
     )
-    prompts_per_batch: int = Field(32, ge=1, description="prompts pulled and generated together")
-    kv_cache_mib: int | None = Field(
+    prompts_per_batch: Restart[int] = Field(32, ge=1, description="prompts pulled and generated together")
+    kv_cache_mib: Restart[int | None] = Field(
         256,
         ge=16,
         description="vLLM KV-cache memory; null = what gpu_memory_utilization leaves after weights and activations "
         "(on a GPU; vLLM's CPU backend reads it as a share of host memory)",
     )
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+    dtype: Restart[Literal["auto", "float32", "bfloat16", "float16"]] = Field(
         "auto", description="dtype the rollout serves and pulls weights in; auto = model.dtype, the trainer's"
     )
-    weight_buffer_mib: int = Field(
+    weight_buffer_mib: Restart[int] = Field(
         64, ge=1, description="tensors received but not yet loaded during a weight sync (plus one larger tensor)"
     )
-    weight_relay: bool = Field(
+    weight_relay: Restart[bool] = Field(
         True,
         description="join the trainer's relay tree: pull each version from a peer or the trainer as told, and serve "
         "it to peers (a relaying replica holds one host copy of the model in the wire dtype)",
     )
-    relay_host: str = Field(
+    relay_host: Security[str] = Field(
         "", description="host peers reach this replica's gRPC port at (the pod IP in k8s); empty = service.host"
     )
-    relay_fanout: int = Field(
+    relay_fanout: Restart[int] = Field(
         2, ge=0, description="replicas the trainer, and each relaying replica, send a version to; 0 = all from trainer"
     )
-    gpu_memory_utilization: float = Field(
+    gpu_memory_utilization: Restart[float] = Field(
         0.9,
         gt=0,
         le=1,
         description="share of each GPU's memory vLLM may take for weights, activations and KV cache (vLLM's own "
         "default); lower it when the trainer or reference shares the GPU",
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
-    environment: str = Field(
+    tensor_parallel_size: Restart[int] = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
+    environment: Security[str] = Field(
         "",
         description="multi-turn episodes (docs/agents.md): a built-in environment (calculator, python, no-tool) or a "
         "'module:Class' plugin; empty = single-turn completions",
     )
-    environment_url: str = Field(
+    environment_url: Security[str] = Field(
         "",
         pattern=r"^(https?://\S+)?$",
         description="an environment served over HTTP (docs/agents.md) instead of rollout.environment; empty = none",
     )
-    python_tool_isolation: Literal["required", "allow_unisolated"] = Field(
+    python_tool_isolation: Security[Literal["required", "allow_unisolated"]] = Field(
         "required",
         description="security: where the python environment runs the code the model writes. required = only in its "
         "box (its own user, PID, network and mount namespaces: no view of this process, its environment, the run "
@@ -93,13 +93,13 @@ class RolloutConfig(Section):
         "in a plain child process under the same limits but the process count, which can read the run's "
         "credentials and files and reach the network (a python_tool_unisolated warning says so at start)",
     )
-    environment_timeout_s: float = Field(
+    environment_timeout_s: Restart[float] = Field(
         10.0, gt=0, description="seconds one reset or step of the environment may take; past it the episode ends"
     )
-    environment_retries: int = Field(
+    environment_retries: Restart[int] = Field(
         2, ge=0, description="retries of a failed HTTP environment request before the episode ends as env_error"
     )
-    episode_batches: int = Field(
+    episode_batches: Restart[int] = Field(
         2,
         ge=1,
         le=16,
@@ -109,21 +109,21 @@ class RolloutConfig(Section):
         "under, and a sync between its turns makes its later turns the newer policy's, with their own sampling "
         "logprobs. 1 = one batch at a time, every token from one version",
     )
-    max_turns: int = Field(4, ge=1, description="model turns in one episode (turns)")
-    max_tokens_per_turn: int = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")
-    max_total_tokens: int = Field(
+    max_turns: Restart[int] = Field(4, ge=1, description="model turns in one episode (turns)")
+    max_tokens_per_turn: Restart[int] = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")
+    max_total_tokens: Restart[int] = Field(
         512, ge=1, description="tokens after the prompt in one episode, model turns and observations together (tokens)"
     )
-    max_observation_tokens: int = Field(
+    max_observation_tokens: Restart[int] = Field(
         256, ge=1, description="tokens one observation may have; a longer one ends the episode as truncated (tokens)"
     )
-    turn_stop: list[str] = Field(
+    turn_stop: Restart[list[str]] = Field(
         default_factory=list,
         description="strings that end a model turn and hand it to the environment, such as a tool call's closing "
         "tag '</calc>'; the model's end-of-sequence token ends the episode too, unless rollout.observation_role "
         "is set",
     )
-    observation_role: str = Field(
+    observation_role: Restart[str] = Field(
         "",
         pattern=r"^([A-Za-z_][A-Za-z0-9_-]*)?$",
         description="the chat role observations are sent in ('tool', 'user'), each wrapped by the model's chat "

@@ -11,25 +11,31 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from services.common.config.base import Section
+from services.common.config.base import Restart, Section, Security
 
 
 class ServiceConfig(Section):
-    host: str = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
-    instance: str = Field("", description="this replica's name in status and metrics; defaults to <role>-<hostname>")
-    trainer_grpc_port: int = Field(
+    host: Security[str] = Field("127.0.0.1", description="address this service's gRPC servers bind and announce")
+    instance: Restart[str] = Field(
+        "", description="this replica's name in status and metrics; defaults to <role>-<hostname>"
+    )
+    trainer_grpc_port: Restart[int] = Field(
         50051,
         ge=0,
         le=65535,
         description="WeightSync server; 0: the trainer binds a free port and a rollout reads it from the trainer's "
         "presence entry (how rlpipe run starts the rollouts together with the trainer)",
     )
-    trainer_host: str = Field(
+    trainer_host: Security[str] = Field(
         "", description="where other services reach the trainer (a service name in compose/k8s); defaults to host"
     )
-    grpc_port: int = Field(0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port")
-    torch_threads: int = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
-    role_torch_threads: dict[Literal["trainer", "rollout", "reward", "reference"], Annotated[int, Field(ge=1)]] = Field(
+    grpc_port: Restart[int] = Field(
+        0, ge=0, le=65535, description="health port of non-trainer services; 0 = any free port"
+    )
+    torch_threads: Restart[int] = Field(1, ge=1, description="CPU threads torch may use in this process (threads)")
+    role_torch_threads: Restart[
+        dict[Literal["trainer", "rollout", "reward", "reference"], Annotated[int, Field(ge=1)]]
+    ] = Field(
         default_factory=dict,
         description="torch_threads for the named roles' processes, the others keeping torch_threads (threads per "
         "process). Where one role sets the pace and the others mostly wait, as the trainer does on SmolLM2 on a "
@@ -37,13 +43,13 @@ class ServiceConfig(Section):
         "time, their OpenMP threads contend and more threads slow it (docs/performance.md)",
     )
 
-    warm_start: bool = Field(
+    warm_start: Restart[bool] = Field(
         True,
         description="`rlpipe run` forks each role (and each restart) from one process that imported torch, "
         "transformers and vLLM once, instead of starting a fresh interpreter per role, which spends 6 to 10 CPU s "
         "importing them (services/cli/launch/warm_start.py); false: every role a fresh interpreter",
     )
-    warm_start_pool: Path | None = Field(
+    warm_start_pool: Security[Path | None] = Field(
         None,
         description="with warm_start, the socket of a warm-start pool "
         "(`python -m services.cli.launch.warm_start --listen SOCKET MODULES...`) to fork the roles from, sharing its "
@@ -51,26 +57,28 @@ class ServiceConfig(Section):
         "(tuning trials, a test suite); unset: each run starts a warm starter of its own. A pool that is not there "
         "or dies means cold starts, said once as warm_start_failed in events.jsonl",
     )
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field(
+    log_level: Restart[Literal["DEBUG", "INFO", "WARNING", "ERROR"]] = Field(
         "INFO", description="the least severe log records written"
     )
-    log_max_mib: int = Field(
+    log_max_mib: Restart[int] = Field(
         100,
         ge=1,
         description="`rlpipe run` rotates a service's log file in <runs_dir>/<run>/logs past this size (MiB), as "
         "do the embedded broker and a service with log_dir",
     )
-    log_keep: int = Field(5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)")
-    exit_when_stalled_s: float = Field(
+    log_keep: Restart[int] = Field(
+        5, ge=0, description="rotated log files kept per service (<name>.log.1 is the newest)"
+    )
+    exit_when_stalled_s: Restart[float] = Field(
         0.0,
         ge=0,
-        description="restart: seconds a service whose loop is stalled (past its bound, health NOT_SERVING: a stage's "
+        description="seconds a service whose loop is stalled (past its bound, health NOT_SERVING: a stage's "
         "2 x nats.max_work_s + nats.fetch_timeout_s, the trainer's train.stall_bound_s) may stay so before the "
         "process exits with code 3 and logs stalled_exit, for a supervisor that restarts on exit and not on health "
         "(Docker's restart policy never restarts an unhealthy container); 0 = never, health alone reports it. "
         "The deploy configs set it (compose and Kubernetes)",
     )
-    log_dir: Path | None = Field(
+    log_dir: Security[Path | None] = Field(
         None,
         description="a folder each service also writes its JSON log lines to, as <instance>.log (service.instance; "
         "by default <role>-<hostname>) rotated by log_max_mib and log_keep, for `rlpipe archive` to copy into the "
@@ -89,14 +97,18 @@ LOCAL_AND_PRIVATE = ("127.0.0.0/8", "::1/128", "10.0.0.0/8", "172.16.0.0/12", "1
 
 
 class AdminConfig(Section):
-    port: int = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
-    token_file: Path | None = Field(None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it")
-    tls_cert: Path | None = Field(None, description="PEM certificate chain; with tls_key, the admin port speaks TLS")
-    tls_key: Path | None = Field(None, description="PEM private key of tls_cert")
-    allowed_sources: Annotated[list[str], NoDecode] = Field(
+    port: Restart[int] = Field(50052, ge=0, le=65535, description="Admin gRPC port on the trainer (0 = any free port)")
+    token_file: Security[Path | None] = Field(
+        None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it"
+    )
+    tls_cert: Security[Path | None] = Field(
+        None, description="PEM certificate chain; with tls_key, the admin port speaks TLS"
+    )
+    tls_key: Security[Path | None] = Field(None, description="PEM private key of tls_cert")
+    allowed_sources: Security[Annotated[list[str], NoDecode]] = Field(
         default_factory=lambda: list(LOCAL_AND_PRIVATE),
         min_length=1,
-        description="security: the networks (CIDRs) an Admin call may come from; a call from any other address is "
+        description="the networks (CIDRs) an Admin call may come from; a call from any other address is "
         "refused (PERMISSION_DENIED) before its token is looked at. Default: loopback and the private ranges "
         "(10/8, 172.16/12, 192.168/16, fc00::/7); 0.0.0.0/0 and ::/0 open it to all. In the environment a "
         "comma-separated list or a JSON list (RLPIPE_ADMIN__ALLOWED_SOURCES=127.0.0.0/8,10.0.0.0/8)",
@@ -128,42 +140,46 @@ class AdminConfig(Section):
 
 
 class TelemetryConfig(Section):
-    metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)")
-    otlp_endpoint: str = Field(
+    metrics_port: Restart[int] = Field(
+        0, ge=0, le=65535, description="Prometheus endpoint of each service (0 = any free port)"
+    )
+    otlp_endpoint: Security[str] = Field(
         "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
     )
-    export_interval_s: float = Field(10.0, gt=0, description="OTLP metric export interval")
-    jsonl_max_mib: int = Field(
+    export_interval_s: Restart[float] = Field(10.0, gt=0, description="OTLP metric export interval")
+    jsonl_max_mib: Restart[int] = Field(
         256,
         ge=1,
         description="metrics.jsonl and events.jsonl roll to numbered parts (metrics.00001.jsonl, ...) past this "
         "size (MiB); every reader (report, metrics --follow, tune, alert drill, tests) reads the parts kept in order",
     )
-    jsonl_keep_parts: int = Field(
+    jsonl_keep_parts: Restart[int] = Field(
         20,
         ge=0,
         description="rolled parts of metrics.jsonl and of events.jsonl kept (count); at each roll past it the "
         "oldest part is deleted, so a record holds at most (jsonl_keep_parts + 1) x jsonl_max_mib MiB on disk and "
         "in the run archive; 0 keeps every part",
     )
-    samples_keep_steps: int = Field(
+    samples_keep_steps: Restart[int] = Field(
         50,
         ge=0,
         description="steps whose applied groups the trainer keeps in runs/<run>/samples/step_<N>.jsonl for "
         "`rlpipe samples` (prompts, completions, rewards, logprob and KL summaries); 0 keeps none",
     )
-    report_to: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+    report_to: Restart[list[Literal["tensorboard", "mlflow", "wandb"]]] = Field(
         default_factory=list,
         description="experiment trackers the trainer sends every metrics row, config version, alert and checkpoint "
         "to, under the run id, metric names in the actor/ critic/ reward/ response_length/ namespaces "
         "(docs/metrics.md); each needs the `trackers` extra",
     )
-    mlflow_tracking_uri: str = Field(
+    mlflow_tracking_uri: Security[str] = Field(
         "", description="MLflow store or server; empty = sqlite:///<run dir>/mlflow.db, a local store without a server"
     )
-    mlflow_experiment: str = Field("rlpipe", min_length=1, description="MLflow experiment the run is logged under")
-    wandb_project: str = Field("rlpipe", min_length=1, description="W&B project the run is logged under")
-    wandb_mode: Literal["offline", "online"] = Field(
+    mlflow_experiment: Restart[str] = Field(
+        "rlpipe", min_length=1, description="MLflow experiment the run is logged under"
+    )
+    wandb_project: Restart[str] = Field("rlpipe", min_length=1, description="W&B project the run is logged under")
+    wandb_mode: Security[Literal["offline", "online"]] = Field(
         "offline",
         description="offline writes <run dir>/wandb for `wandb sync`; online needs W&B credentials (WANDB_API_KEY)",
     )
@@ -181,7 +197,7 @@ class TelemetryConfig(Section):
 
 
 class CostConfig(Section):
-    per_device_hour: dict[Literal["cpu-core", "gpu"], float] = Field(
+    per_device_hour: Restart[dict[Literal["cpu-core", "gpu"], float]] = Field(
         default_factory=dict,
         description="price of one hour of each device kind the run uses (your currency): cpu-core (one core busy "
         "for an hour, measured from the processes' CPU time) and gpu (one GPU held for an hour, from NVML). With "
@@ -201,30 +217,30 @@ class CostConfig(Section):
 class SupervisionConfig(Section):
     """How ``rlpipe run`` restarts the services it started, and how long it lets them stop."""
 
-    max_restarts: int = Field(
+    max_restarts: Restart[int] = Field(
         10,
         ge=0,
         description="restarts of one service within restart_window_s; one more and the run is declared failed",
     )
-    restart_window_s: float = Field(
+    restart_window_s: Restart[float] = Field(
         3600.0,
         gt=0,
         description="the sliding window max_restarts counts over: a service that crashes once a day runs for ever, "
         "one in a crash loop fails the run",
     )
-    backoff_s: float = Field(
+    backoff_s: Restart[float] = Field(
         1.0, gt=0, description="first restart delay, doubled for each earlier restart still in the window"
     )
-    max_backoff_s: float = Field(
+    max_backoff_s: Restart[float] = Field(
         30.0, gt=0, description="longest delay before a restart, however many came before (seconds)"
     )
-    trainer_stop_grace_s: float = Field(
+    trainer_stop_grace_s: Restart[float] = Field(
         300.0,
         gt=0,
         description="on stop, how long the trainer may take after SIGTERM before SIGKILL: it saves a final "
         "checkpoint, which for a large model takes minutes",
     )
-    stop_grace_s: float = Field(
+    stop_grace_s: Restart[float] = Field(
         20.0, gt=0, description="on stop, how long every other service may take after SIGTERM before SIGKILL"
     )
 

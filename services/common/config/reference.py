@@ -19,7 +19,7 @@ from pydantic_core import PydanticUndefined
 
 from services.common.config.alerts import AlertRule, default_alert_rules
 from services.common.config.base import ENV_PREFIX
-from services.common.config.live import DEPLOY_TIME_FIELDS, SECURITY_FIELDS, is_live
+from services.common.config.live import change_class, section_model
 from services.common.config.redaction import SECRET_FIELDS
 from services.common.config.sections import AdminCredentials, RunConfig, S3Credentials
 
@@ -34,10 +34,14 @@ the file (`{ENV_PREFIX}TRAIN__LEARNING_RATE=5e-5`, nested sections with more `__
 `rlpipe verify` take dotted `KEY=VALUE` overrides (`train.learning_rate=5e-5`, values read as YAML).
 Every float is finite: `inf` and `nan` are refused.
 
-The **live** column says what `rlpipe config set` does with a field on a running run: *live* fields apply
-between steps or batches; *restart* ones are stored and apply when the services using them next start;
-*deploy-time* and *security* ones are refused (change them in the file or environment and restart).
-A live change may not name a new `module:function` reward plugin: plugins are imported only at start.
+The **change** column is the field's class: what `rlpipe config set` (the admin's UpdateConfig) does with it
+on a running run. *live* fields apply between steps or batches; *restart* ones are stored and apply when the
+services using them next start; the others are refused, naming the field: *security* settings decide where the
+run's data, prompts, metrics and credentials go, what it trusts and what code it loads (every endpoint, host, URL,
+path, file and token field is one), *deploy-time* ones which run, broker and deployment a service belongs to (set
+both in the file or environment where the services are deployed, and restart them), and *new-run* ones what the
+run has stored depends on (start a new run). A live change may not name a new `module:function` reward plugin:
+plugins are imported only at start.
 """
 
 
@@ -94,40 +98,23 @@ def _default(info: FieldInfo) -> str:
     return f"`{value}`"
 
 
-def _when(key: str) -> str:
-    if any(key == name or key.startswith(name + ".") for name in DEPLOY_TIME_FIELDS):
-        return "deploy-time"
-    if key in SECURITY_FIELDS:
-        return "security"
-    return "live" if is_live(key) else "restart"
-
-
 def _cell(text: str) -> str:
     return " ".join(text.replace("|", "\\|").replace("<", "&lt;").split())
 
 
-def _section_model(annotation: Any) -> type[BaseModel] | None:
-    """The section a field holds (itself or optional), None for anything else (a list of rules is a value)."""
-    optional = typing.get_origin(annotation) in (typing.Union, types.UnionType)
-    for candidate in typing.get_args(annotation) if optional else (annotation,):
-        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
-            return candidate
-    return None
-
-
 def _table(model: type[BaseModel], prefix: str, with_when: bool = True) -> Iterator[str]:
     yield (
-        "| field | type | default | allowed | live | description |"
+        "| field | type | default | allowed | change | description |"
         if with_when
         else ("| field | type | default | allowed | description |")
     )
     yield "| --- | --- | --- | --- | --- | --- |" if with_when else "| --- | --- | --- | --- | --- |"
     for name, info in model.model_fields.items():
-        if _section_model(info.annotation) is not None:
+        if section_model(info.annotation) is not None:
             continue  # a section has its own heading and table
         key = f"{prefix}{info.alias or name}"
         secret = "; shown as `<redacted>`" if key in SECRET_FIELDS else ""
-        when = f" {_when(key)} |" if with_when else ""
+        when = f" {change_class(info) or 'unclassified'} |" if with_when else ""
         yield (
             f"| `{key}` | {_type_name(info.annotation)} | {_default(info)} | {_cell(_bounds(info))} |{when} "
             f"{_cell(info.description or '')}{secret} |"
@@ -144,7 +131,7 @@ def _sections(model: type[BaseModel], prefix: str, level: int, about: str = "") 
     yield from _table(model, prefix)
     yield ""
     for name, info in model.model_fields.items():
-        inner = _section_model(info.annotation)
+        inner = section_model(info.annotation)
         if inner is not None:
             optional = " Optional: null (the default) leaves it out." if info.default is None else ""
             child_level = min(level + 1, 4) if prefix else level

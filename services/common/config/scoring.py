@@ -9,20 +9,25 @@ from typing import Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from services.common import registry
-from services.common.config.base import Section, read_environment
+from services.common.config.base import Live, Restart, Section, Security, read_environment
+from services.common.config.tokens import TokenError, header_value_problem, read_token_file
 
 
 class RewardModelConfig(Section):
     """A Hugging Face sequence classifier scoring (prompt, completion) pairs; see docs/rewards.md."""
 
-    path: Path = Field(description="AutoModelForSequenceClassification folder (config.json, weights, tokenizer)")
-    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
-    batch_size: int = Field(16, ge=1, description="pairs per forward pass")
-    max_length: int = Field(512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer")
-    device: Literal["auto", "cpu", "cuda"] = Field(
+    path: Security[Path] = Field(
+        description="AutoModelForSequenceClassification folder (config.json, weights, tokenizer)"
+    )
+    weight: Restart[float] = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    batch_size: Restart[int] = Field(16, ge=1, description="pairs per forward pass")
+    max_length: Restart[int] = Field(
+        512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer"
+    )
+    device: Restart[Literal["auto", "cpu", "cuda"]] = Field(
         "auto", description="auto = CUDA when this replica sees a GPU; cuda without one stops the replica at start"
     )
-    normalize: bool = Field(
+    normalize: Restart[bool] = Field(
         True, description="score = sigmoid(logit), in (0, 1) like the rule functions; false = the raw logit"
     )
 
@@ -37,28 +42,45 @@ class RewardModelConfig(Section):
 class RewardHttpConfig(Section):
     """A remote reward service: batched JSON POSTs of (prompt, completion, answer, metadata) -> scores."""
 
-    url: str = Field(pattern=r"^https?://\S+$", description="the endpoint taking the POST (docs/rewards.md)")
-    weight: float = Field(1.0, description="its score's weight in the reward, beside reward.functions")
-    timeout_s: float = Field(10.0, gt=0, description="one request's limit; a slower answer counts as a failure")
-    retries: int = Field(2, ge=0, description="retries of a failed request before the group waits for the service")
-    backoff_s: float = Field(0.5, gt=0, description="wait before the first retry, doubled for each next one")
-    max_concurrency: int = Field(4, ge=1, description="requests in flight at once from one replica")
-    batch_size: int = Field(64, ge=1, description="completions per request")
-    headers_from_env: dict[str, str] = Field(
+    url: Security[str] = Field(pattern=r"^https?://\S+$", description="the endpoint taking the POST (docs/rewards.md)")
+    weight: Restart[float] = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    timeout_s: Restart[float] = Field(
+        10.0, gt=0, description="one request's limit; a slower answer counts as a failure"
+    )
+    retries: Restart[int] = Field(
+        2, ge=0, description="retries of a failed request before the group waits for the service"
+    )
+    backoff_s: Restart[float] = Field(0.5, gt=0, description="wait before the first retry, doubled for each next one")
+    max_concurrency: Restart[int] = Field(4, ge=1, description="requests in flight at once from one replica")
+    batch_size: Restart[int] = Field(64, ge=1, description="completions per request")
+    headers_from_env: Security[dict[str, str]] = Field(
         default_factory=dict,
         description="header name -> environment variable holding its value (a token stays out of the YAML)",
     )
-    token_file: Path | None = Field(
+    token_file: Security[Path | None] = Field(
         None,
-        description="file holding the bearer token sent as 'Authorization: Bearer <token>', read before each batch: "
-        "rewrite it, or point this field at another file (live), to rotate the token without a restart",
+        description="file holding the bearer token sent as 'Authorization: Bearer <token>' (one line of printable "
+        "ASCII), read before each batch: rewrite the file to rotate the token without a restart. A file that is "
+        "missing or holds no sendable token stops the start; met while running, it holds the groups and alerts",
     )
-    max_response_bytes: int = Field(
+    max_response_bytes: Restart[int] = Field(
         1 << 20,
         ge=1024,
         description="bytes; a longer answer is the service's fault (the groups wait) and is never read whole",
     )
     _headers: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    @field_validator("token_file")
+    @classmethod
+    def _holds_a_sendable_token(cls, token_file: Path | None) -> Path | None:
+        # At start only: an override checked later is validated by the trainer's admin, on a host where this file
+        # need not be. The error names the problem, never the token (services/common/config/tokens.py).
+        if token_file is not None and read_environment.get():
+            try:
+                read_token_file(token_file, "token_file")
+            except TokenError as error:
+                raise ValueError(str(error).removeprefix("token_file: ")) from None
+        return token_file
 
     @model_validator(mode="after")
     def _headers_set_in_environment(self) -> RewardHttpConfig:
@@ -66,12 +88,13 @@ class RewardHttpConfig(Section):
             raise ValueError("token_file and headers_from_env both set the Authorization header: keep one")
         if not read_environment.get():  # a live override checked elsewhere: this replica resolved them at start
             return self
-        # At start only: a live change is validated by the trainer's admin, on a host where this file need not be.
-        if self.token_file is not None and not self.token_file.is_file():
-            raise ValueError(f"token_file {str(self.token_file)!r} is not a readable file")
         missing = [variable for variable in self.headers_from_env.values() if variable not in os.environ]
         if missing:
             raise ValueError(f"headers_from_env names environment variables that are not set: {missing}")
+        for header, variable in self.headers_from_env.items():
+            problem = header_value_problem(os.environ[variable])
+            if problem is not None:  # named by its variable: the value is a credential
+                raise ValueError(f"headers_from_env: {variable} (the value of header {header!r}) {problem}")
         self._headers = {header: os.environ[variable] for header, variable in self.headers_from_env.items()}
         return self
 
@@ -84,13 +107,13 @@ class RewardHttpConfig(Section):
 class OverlongPenaltyConfig(Section):
     """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476), scored as the reward part ``overlong``."""
 
-    max_tokens: int = Field(ge=1, description="a completion of more model tokens than this scores -1 (tokens)")
-    buffer_tokens: int = Field(
+    max_tokens: Restart[int] = Field(ge=1, description="a completion of more model tokens than this scores -1 (tokens)")
+    buffer_tokens: Restart[int] = Field(
         ge=1,
         description="the soft zone below max_tokens: over max_tokens - buffer_tokens the score falls linearly from 0 "
         "to -1 at max_tokens (tokens)",
     )
-    weight: float = Field(1.0, gt=0, description="its score's weight in the reward, beside reward.functions")
+    weight: Restart[float] = Field(1.0, gt=0, description="its score's weight in the reward, beside reward.functions")
 
     @model_validator(mode="after")
     def _buffer_inside_the_limit(self) -> OverlongPenaltyConfig:
@@ -103,11 +126,11 @@ class OverlongPenaltyConfig(Section):
 
 
 class RewardConfig(Section):
-    functions: dict[str, float] = Field(
+    functions: Live[dict[str, float]] = Field(
         default_factory=lambda: {"exact_match": 1.0},
         description="name or 'module:function' import path -> weight (docs/rewards.md)",
     )
-    function_timeout_s: float = Field(
+    function_timeout_s: Restart[float] = Field(
         10.0, gt=0, description="one function on one completion; past it that score is 0 and the call is killed"
     )
     model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
@@ -115,14 +138,16 @@ class RewardConfig(Section):
     overlong_penalty: OverlongPenaltyConfig | None = Field(
         None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
     )
-    environment_weight: float = Field(
+    environment_weight: Live[float] = Field(
         0.0,
         description="weight of the environment's own reward, its StepResult.reward_part summed over an episode, "
         "scored as 'environment' (multi-turn runs; docs/agents.md); 0 = reported only, not trained on",
     )
-    replicas: int = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
-    batch: int = Field(64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)")
-    max_abs_reward: float = Field(
+    replicas: Restart[int] = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
+    batch: Restart[int] = Field(
+        64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)"
+    )
+    max_abs_reward: Restart[float] = Field(
         100.0,
         gt=0,
         description="largest |reward| a completion may get (reward units: the weighted sum of the parts); a group "
@@ -153,10 +178,12 @@ class RewardConfig(Section):
 
 
 class ReferenceConfig(Section):
-    model_path: Path | None = Field(None, description="defaults to model.path")
-    replicas: int = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
-    batch: int = Field(32, ge=1, description="scored groups one reference replica pulls and runs together (groups)")
-    micro_batch_tokens: int | None = Field(
+    model_path: Security[Path | None] = Field(None, description="defaults to model.path")
+    replicas: Restart[int] = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
+    batch: Restart[int] = Field(
+        32, ge=1, description="scored groups one reference replica pulls and runs together (groups)"
+    )
+    micro_batch_tokens: Restart[int | None] = Field(
         None,
         ge=1,
         description="most tokens one reference forward pass holds, padding included: a pulled batch's sequences are "

@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from services.common import registry
 from services.common.config.alerts import AlertsConfig
-from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, one_of, read_environment
+from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, DeployTime, Security, one_of, read_environment
 from services.common.config.generation import RolloutConfig, SamplingConfig
 from services.common.config.model import DataConfig, ModelConfig
 from services.common.config.operations import (
@@ -69,19 +69,19 @@ class RunsLocation(BaseSettings):
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
-    run_id: str = Field(
+    run_id: DeployTime[str] = Field(
         "run",
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="names the run's streams, buckets, checkpoint prefix and run directory (1-64 letters, digits, "
         "_ or -)",
     )
-    environment: Literal["dev", "test", "prod"] | None = Field(
+    environment: DeployTime[Literal["dev", "test", "prod"] | None] = Field(
         None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
     )
-    runs_dir: Path = Field(
+    runs_dir: Security[Path] = Field(
         Path("runs"), description="folder of run directories (logs, metrics, samples; file:// checkpoints by default)"
     )
-    metrics_path: Path | None = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
+    metrics_path: Security[Path | None] = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
     model: ModelConfig = Field(description="the policy model")
     data: DataConfig = Field(description="the prompts to train and evaluate on")
     sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts sample completions")

@@ -8,21 +8,21 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from services.common import registry
-from services.common.config.base import Section, one_of
+from services.common.config.base import Live, Restart, Section, one_of
 
 
 class KLConfig(Section):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    estimator: str = Field(
+    estimator: Restart[str] = Field(
         "k3",
         description="per-token estimator of KL(policy || reference): k1 | abs | k2 | k3 (Schulman 2020, "
         "'Approximating KL Divergence', joschu.net/blog/kl-approx.html; abs = |k1|), or a registered one",
     )
-    coef: float = Field(
+    coef: Live[float] = Field(
         0.0, ge=0, description="weight of the KL penalty (per nat of the estimate, per token); 0 = no penalty"
     )
-    placement: Literal["loss", "reward"] = Field(
+    placement: Restart[Literal["loss", "reward"]] = Field(
         "loss",
         alias="in",
         description="loss: a term of the loss, as GRPO does (Shao et al. 2024, arXiv:2402.03300); reward: "
@@ -36,20 +36,20 @@ class KLConfig(Section):
 
 
 class ClipConfig(Section):
-    low: float = Field(
+    low: Live[float] = Field(
         0.2,
         ge=0,
         lt=1,
         description="the PPO ratio's floor is 1 - low (a fraction; PPO's clipped objective, Schulman et al. 2017, "
         "arXiv:1707.06347)",
     )
-    high: float = Field(
+    high: Live[float] = Field(
         0.2,
         gt=0,
         description="the PPO ratio's ceiling is 1 + high (a fraction); above low is clip-higher (DAPO, Yu et al. 2025, "
         "arXiv:2503.14476)",
     )
-    dual: float | None = Field(
+    dual: Live[float | None] = Field(
         None,
         gt=1,
         description="dual-clip bound c on the ratio for negative advantages (a ratio; Ye et al. 2020, "
@@ -58,19 +58,21 @@ class ClipConfig(Section):
 
 
 class TISConfig(Section):
-    level: Literal["token", "sequence"] = Field(
+    level: Restart[Literal["token", "sequence"]] = Field(
         "token",
         description="token: w_t = min(rho_t, cap); sequence: every token of a response takes min(prod_t rho_t, cap)",
     )
-    cap: float = Field(2.0, ge=1, description="largest importance weight (a ratio); larger ones are truncated to it")
+    cap: Restart[float] = Field(
+        2.0, ge=1, description="largest importance weight (a ratio); larger ones are truncated to it"
+    )
 
 
 class RatioBand(Section):
     """A band [low, high] of the ratio rho = pi_old / pi_rollout; a token or sequence whose ratio leaves it is masked
     out of the loss. It must hold 1: a token the trainer scores as the sampler did is never masked."""
 
-    low: float = Field(0.5, ge=0, description="smallest ratio kept (a ratio; 0 keeps every low ratio)")
-    high: float = Field(2.0, gt=0, description="largest ratio kept (a ratio)")
+    low: Restart[float] = Field(0.5, ge=0, description="smallest ratio kept (a ratio; 0 keeps every low ratio)")
+    high: Restart[float] = Field(2.0, gt=0, description="largest ratio kept (a ratio)")
 
     @model_validator(mode="after")
     def _holds_one(self) -> RatioBand:
@@ -83,7 +85,7 @@ class RatioBand(Section):
 
 
 class MaskedISConfig(RatioBand):
-    level: Literal["token", "sequence"] = Field(
+    level: Restart[Literal["token", "sequence"]] = Field(
         "token",
         description="token: w_t = rho_t inside [low, high], else 0; sequence: every token of a response takes "
         "rho_seq = prod_t rho_t inside [low, high], else 0 (the whole response is masked)",
@@ -91,24 +93,24 @@ class MaskedISConfig(RatioBand):
 
 
 class IcePopConfig(RatioBand):
-    low: float = Field(0.5, ge=0, description="alpha: smallest token ratio kept (a ratio; the paper's 0.5)")
-    high: float = Field(5.0, gt=0, description="beta: largest token ratio kept (a ratio; the paper's 5.0)")
+    low: Restart[float] = Field(0.5, ge=0, description="alpha: smallest token ratio kept (a ratio; the paper's 0.5)")
+    high: Restart[float] = Field(5.0, gt=0, description="beta: largest token ratio kept (a ratio; the paper's 5.0)")
 
 
 class GeoMaskConfig(RatioBand):
-    low: float = Field(
+    low: Restart[float] = Field(
         0.999,
         ge=0,
         description="smallest per-token geometric mean ratio exp(mean_t log rho_t) a response may have (a ratio; "
         "verl's default; prime-rl's geo_mask_low is 0.1)",
     )
-    high: float = Field(
+    high: Restart[float] = Field(
         1.001,
         gt=0,
         description="largest geometric mean ratio a response may have (a ratio; verl's default; prime-rl's "
         "geo_mask_high is 10)",
     )
-    cap: float | None = Field(
+    cap: Restart[float | None] = Field(
         None,
         ge=1,
         description="the kept responses' tokens are weighted by min(rho_t, cap), truncated importance sampling "
@@ -117,7 +119,7 @@ class GeoMaskConfig(RatioBand):
 
 
 class OffPolicyConfig(Section):
-    correction: str = Field(
+    correction: Restart[str] = Field(
         "none",
         description="how the loss corrects for the gap between the rollout's sampling logprobs and the trainer's "
         "recomputed ones (staleness, in-flight weight updates, inference-engine mismatch), by the per-token ratio "
@@ -144,37 +146,43 @@ class OffPolicyConfig(Section):
 
 
 class CriticConfig(Section):
-    kind: Literal["separate", "head"] = Field(
+    kind: Restart[Literal["separate", "head"]] = Field(
         "separate", description="its own model, or a value head on the policy backbone"
     )
-    learning_rate: float = Field(1e-4, gt=0, description="the critic's AdamW learning rate (per optimizer step)")
-    value_clip: float = Field(
+    learning_rate: Restart[float] = Field(
+        1e-4, gt=0, description="the critic's AdamW learning rate (per optimizer step)"
+    )
+    value_clip: Restart[float] = Field(
         0.2,
         gt=0,
         description="how far a new value estimate may move from the old one in the clipped value loss (in reward "
         "units; PPO's value clipping, Schulman et al. 2017, arXiv:1707.06347)",
     )
-    value_coef: float = Field(0.5, gt=0, description="weight of the value loss beside the policy loss (unitless)")
-    warmup_steps: int = Field(0, ge=0, description="steps that train only the critic")
+    value_coef: Restart[float] = Field(
+        0.5, gt=0, description="weight of the value loss beside the policy loss (unitless)"
+    )
+    warmup_steps: Restart[int] = Field(0, ge=0, description="steps that train only the critic")
 
 
 class TrainConfig(Section):
-    algorithm: str = Field(
+    algorithm: Restart[str] = Field(
         "grpo",
         description="ppo (Schulman et al. 2017, arXiv:1707.06347) | grpo (Shao et al. 2024, arXiv:2402.03300) | "
         "grpo_no_std (GRPO without the std normalisation) | dr_grpo (Liu et al. 2025, arXiv:2503.20783) | rloo "
         "(Ahmadian et al. 2024, arXiv:2402.14740) | reinforce_pp (Hu 2025, arXiv:2501.03262), or a registered group "
         "estimator",
     )
-    seed: int = Field(0, description="seeds the prompt order, the trainer's randomness and the rollouts' sampling")
-    total_steps: int = Field(100, ge=1, description="trainer steps the run makes before it ends (steps)")
-    batch_size: int = Field(16, ge=1, description="prompt groups per trainer step")
-    epochs: int = Field(1, ge=1, description="passes over each batch")
-    mini_batches: int = Field(1, ge=1, description="optimizer steps per epoch")
-    grad_accum_steps: int = Field(
+    seed: Restart[int] = Field(
+        0, description="seeds the prompt order, the trainer's randomness and the rollouts' sampling"
+    )
+    total_steps: Restart[int] = Field(100, ge=1, description="trainer steps the run makes before it ends (steps)")
+    batch_size: Restart[int] = Field(16, ge=1, description="prompt groups per trainer step")
+    epochs: Restart[int] = Field(1, ge=1, description="passes over each batch")
+    mini_batches: Restart[int] = Field(1, ge=1, description="optimizer steps per epoch")
+    grad_accum_steps: Restart[int] = Field(
         1, ge=1, description="micro-batches of equal row counts per optimizer step (1 with micro_batch_tokens)"
     )
-    micro_batch_tokens: int | None = Field(
+    micro_batch_tokens: Restart[int | None] = Field(
         None,
         ge=1,
         description="most tokens one forward/backward pass holds, padding included: each optimizer step's rows are "
@@ -182,58 +190,60 @@ class TrainConfig(Section):
         "n * L <= micro_batch_tokens; gradients accumulate with the loss normalised over the whole optimizer step. "
         "At least max_seq_len (one sequence); null: grad_accum_steps equal-count micro-batches",
     )
-    master_weights: Literal["float32", "model_dtype"] = Field(
+    master_weights: Restart[Literal["float32", "model_dtype"]] = Field(
         "float32",
         description="precision of the parameters the optimizer updates and of its AdamW moments. float32: kept in "
         "float32, forward and backward run under autocast to model.dtype, so updates smaller than bfloat16's "
         "resolution (~1/256 of a weight) still land; model_dtype: stored in model.dtype, half the memory for weights, "
         "gradients and optimizer state, at the cost of those small updates",
     )
-    gradient_checkpointing: bool = Field(
+    gradient_checkpointing: Restart[bool] = Field(
         False,
         description="recompute each layer's activations during the backward pass instead of keeping them: "
         "activation memory no longer grows with depth, for about one more forward pass of compute",
     )
-    learning_rate: float = Field(
+    learning_rate: Live[float] = Field(
         1e-4,
         gt=0,
         description="the policy's AdamW learning rate (per optimizer step; Loshchilov & Hutter 2019, arXiv:1711.05101)",
     )
-    warmup_steps: int = Field(0, ge=0, description="linear learning-rate warm-up, then constant (steps)")
-    weight_decay: float = Field(
+    warmup_steps: Restart[int] = Field(0, ge=0, description="linear learning-rate warm-up, then constant (steps)")
+    weight_decay: Restart[float] = Field(
         0.0, ge=0, description="AdamW's decoupled weight decay (per unit of learning rate, per optimizer step)"
     )
-    adam_eps: float = Field(
+    adam_eps: Restart[float] = Field(
         1e-8,
         gt=0,
         description="AdamW's epsilon: an update is lr * m / (sqrt(v) + adam_eps), so entries whose gradient is far "
         "below it move by less than the learning rate (larger values damp updates driven by rounding noise)",
     )
-    max_grad_norm: float = Field(
+    max_grad_norm: Live[float] = Field(
         1.0, gt=0, description="gradients are scaled down to this global L2 norm before each optimizer step (a norm)"
     )
-    max_seq_len: int = Field(64, ge=2, description="most tokens of prompt plus completion the trainer takes (tokens)")
-    gamma: float = Field(
+    max_seq_len: Restart[int] = Field(
+        64, ge=2, description="most tokens of prompt plus completion the trainer takes (tokens)"
+    )
+    gamma: Restart[float] = Field(
         1.0,
         ge=0,
         le=1,
         description="discount per token of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor",
     )
-    lam: float = Field(
+    lam: Restart[float] = Field(
         0.95, ge=0, le=1, description="lambda of PPO's GAE (Schulman et al. 2016, arXiv:1506.02438); a factor"
     )
     kl: KLConfig = Field(KLConfig(), description="the KL penalty toward the reference model")
     clip: ClipConfig = Field(ClipConfig(), description="the PPO ratio's clipping")
-    entropy_coef: float = Field(
+    entropy_coef: Live[float] = Field(
         0.0, ge=0, description="weight of the entropy bonus in the loss (per nat of entropy, per token); 0 = none"
     )
-    loss_agg: str = Field(
+    loss_agg: Restart[str] = Field(
         "token-mean",
         description="how per-token losses become one: token-mean (every token alike, DAPO, Yu et al. 2025, "
         "arXiv:2503.14476) | seq-mean-token-mean (GRPO's, Shao et al. 2024, arXiv:2402.03300) | seq-mean-token-sum | "
         "seq-mean-token-sum-norm (sums over a constant max_seq_len, Dr. GRPO, Liu et al. 2025, arXiv:2503.20783)",
     )
-    old_logprobs: Literal["rollout", "recompute"] = Field(
+    old_logprobs: Restart[Literal["rollout", "recompute"]] = Field(
         "rollout",
         description="pi_old of the PPO ratio: the rollout engine's sampling logprobs (a trust region around the policy "
         "that generated the data, right for asynchronous rollouts) or the trainer's own at the start of the step "
@@ -246,34 +256,36 @@ class TrainConfig(Section):
         "as correction: none",
     )
     critic: CriticConfig = Field(CriticConfig(), description="the value model of ppo")
-    max_staleness: int | None = Field(
+    max_staleness: Live[int | None] = Field(
         8,
         ge=0,
         description="drop groups generated more than this many versions ago; null disables the bound "
         "(rollouts that cannot pull new weights keep sampling, so in-flight batches alone do not bound it)",
     )
-    lost_after_s: float = Field(
+    lost_after_s: Restart[float] = Field(
         900.0,
         gt=0,
         description="a fed group neither applied, dropped nor dead-lettered this long after it was fed, while "
         "the trainer has read all of EXPERIENCE, is recorded as lost and its in-flight slot freed",
     )
-    dynamic_sampling: bool = Field(
+    dynamic_sampling: Restart[bool] = Field(
         False,
         description="DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476): a group whose rewards are all equal "
         "(no signal for a group baseline) is filtered out before the step and the batch filled from the stream "
         "instead; filtered groups are settled, never retried, and their share is dynamic_sampling/dropped_fraction",
     )
-    max_inflight_batches: int = Field(2, ge=1, description="prompt batches fed ahead of training")
-    synchronous: bool = Field(
+    max_inflight_batches: Restart[int] = Field(2, ge=1, description="prompt batches fed ahead of training")
+    synchronous: Restart[bool] = Field(
         False,
         description="the synchronous baseline: feed one batch, wait for all of it, step, publish the weights, and "
         "only then feed the next, which the rollouts generate with those weights (every group is generated by "
         "the policy it trains: staleness 0, max_inflight_batches unused). Measures what the asynchronous "
         "pipeline gains (docs/performance.md); slower by design",
     )
-    log_interval: int = Field(1, ge=1, description="the trainer logs a progress line every this many steps (steps)")
-    stall_bound_s: float = Field(
+    log_interval: Live[int] = Field(
+        1, ge=1, description="the trainer logs a progress line every this many steps (steps)"
+    )
+    stall_bound_s: Restart[float] = Field(
         1800.0,
         ge=60,
         description="longest the trainer's loop may go without progress before its gRPC health (weight sync and "
@@ -343,21 +355,21 @@ class TrainConfig(Section):
 
 
 class TrainerConfig(Section):
-    nproc: int = Field(
+    nproc: Restart[int] = Field(
         1,
         ge=1,
         description="trainer processes on this machine, one per device: above 1, `rlpipe run` starts the trainer "
         "under torchrun and FSDP2 shards the policy (and critic) across them (on the CPU: processes on gloo); at "
         "most the GPUs this machine has when the model runs on CUDA. Restart-only",
     )
-    lease_ttl_s: float = Field(
+    lease_ttl_s: Restart[float] = Field(
         15.0,
         gt=0,
         description="seconds the trainer's lease on its run lasts unrenewed (renewed every third of it): a second "
         "trainer of the run is refused while it holds; a restarted one takes over at most this long after its "
         "killed predecessor stopped renewing; a holder paused past it writes nothing more. Restart-only",
     )
-    takeover_from: str = Field(
+    takeover_from: Restart[str] = Field(
         "",
         description="the lease holder (host:pid) of this run's previous trainer, known dead: its lease is taken at "
         "once instead of after lease_ttl_s. `rlpipe run` sets it when it restarts a trainer it has waited on; "

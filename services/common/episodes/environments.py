@@ -103,11 +103,13 @@ def _is_flag(value: object) -> bool:
 
 
 class EnvironmentFailed(Exception):
-    """One call of an environment failed; ``outcome`` is how its episode ends (env_error or timeout)."""
+    """One call of an environment failed; ``outcome`` is how its episode ends (env_error or timeout). ``refused``
+    names a refusal that waiting will not fix (an HTTP environment's 401, 403, 404, TLS or DNS failure), "" else."""
 
-    def __init__(self, outcome: Literal["env_error", "timeout"], reason: str):
+    def __init__(self, outcome: Literal["env_error", "timeout"], reason: str, refused: str = ""):
         super().__init__(reason)
         self.outcome = outcome
+        self.refused = refused
 
 
 class Environment(Protocol):

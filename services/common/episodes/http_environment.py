@@ -12,8 +12,10 @@ the schema is transient, retried ``rollout.environment_retries`` times with doub
 environment rejecting this turn (the episode ends as env_error, nothing retried, the breaker untouched); any other
 status, a TLS or a DNS failure says the URL or the service is wrong and opens the breaker at once. Every client
 shares one breaker: while it is open no request is sent and the episodes asking end as env_error (a reset, which no
-episode has spent tokens on yet, holds the batch instead: see ``episodes.start_episodes``). Opening logs
-``environment_service_down`` (an alert), closing ``environment_service_recovered``.
+episode has spent tokens on yet, holds the batch instead: see ``episodes.start_episodes``; a reset the service
+refuses, by status, TLS or DNS, holds it as ``DependencyRefused``, which alerts at once). Opening logs
+``environment_service_down`` (an alert), closing ``environment_service_recovered``. The client sends no
+credential of its own.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def _post(url: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]
         status, fault = error.code, fault_of_status(error.code)
         if fault == Fault.INPUT:
             raise RequestFailed(Verdict(fault, "rejected", f"{url} rejected the turn with {status}")) from None
-        raise RequestFailed(Verdict(fault, "status", f"{url} answered {status}")) from None
+        raise RequestFailed(Verdict(fault, f"http_{status}", f"{url} answered {status}")) from None
     except (urllib.error.URLError, OSError) as error:
         raise RequestFailed(judge_error(error, url, timeout_s)) from None
     if len(body) > MAX_RESPONSE_BYTES:
@@ -139,7 +141,9 @@ class HttpEnvironmentClient:
         except BreakerOpen as error:
             raise EnvironmentFailed("env_error", str(error)) from None
         except RequestFailed as failure:
-            raise EnvironmentFailed("timeout" if failure.kind == "timeout" else "env_error", str(failure)) from None
+            outcome = "timeout" if failure.kind == "timeout" else "env_error"
+            refused = failure.kind if failure.fault == Fault.PERSISTENT else ""
+            raise EnvironmentFailed(outcome, str(failure), refused) from None
 
 
 class HttpEnvironment:

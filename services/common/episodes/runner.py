@@ -52,7 +52,7 @@ from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import meter
 from services.common.refusal import StartRefused
-from services.common.transport.breaker import DependencyUnavailable
+from services.common.transport.breaker import DependencyRefused, DependencyUnavailable
 from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
 
 log = logging.getLogger(__name__)
@@ -189,7 +189,8 @@ async def start_episodes(
 ) -> list[list[EpisodeState]]:
     """``samples`` episodes per task, each with an environment of its own, reset. All of a group's episodes start
     from one prompt (the group's ``prompt_ids``): their resets must agree. A reset that fails, or disagrees, holds
-    the batch (DependencyUnavailable): no episode has run yet, and the prompts are not at fault."""
+    the batch (DependencyUnavailable; DependencyRefused when the environment refuses us, which alerts at once): no
+    episode has run yet, and the prompts are not at fault."""
 
     async def reset(task: Task) -> tuple[EpisodeEnvironment, str, float]:
         environment = make_environment()
@@ -198,7 +199,10 @@ async def start_episodes(
             text = await environment.reset(task)
         except EnvironmentFailed as error:
             log_event(log, Event.ENVIRONMENT_RESET_FAILED, level=logging.ERROR, alert=True, error=str(error))
-            raise DependencyUnavailable(f"the environment's reset failed ({error.outcome}): {error}") from error
+            reason = f"the environment's reset failed ({error.outcome}): {error}"
+            if error.refused:
+                raise DependencyRefused(error.refused, reason) from error
+            raise DependencyUnavailable(reason) from error
         return environment, text, time.perf_counter() - started
 
     outcomes = await asyncio.gather(*(reset(task) for task in tasks for _ in range(samples)), return_exceptions=True)

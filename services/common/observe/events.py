@@ -89,8 +89,9 @@ class Event(StrEnum):
     DATA_ROW_SKIPPED = "data_row_skipped"  # a dataset row that cannot be read was skipped
     DEAD_LETTER = "dead_letter"  # a message was moved to the DEAD stream with its reason
     DEAD_LETTER_OF_REINJECTED_IGNORED = "dead_letter_of_reinjected_ignored"  # a dead letter of a re-injected copy
-    DEPENDENCY_DOWN = "dependency_down"  # a stage's dependency has been unavailable past its bound (alert)
-    DEPENDENCY_RECOVERED = "dependency_recovered"  # a stage's dependency answers again
+    DEPENDENCY_DOWN = "dependency_down"  # a stage's dependency is down past its bound, or refuses it (alert)
+    DEPENDENCY_RECOVERED = "dependency_recovered"  # a stage's dependency answers again (recorded by the trainer)
+    DEPENDENCY_REFUSED = "dependency_refused"  # a dependency refuses a replica: token, TLS, DNS (recorded, alert)
     DEPENDENCY_UNAVAILABLE = "dependency_unavailable"  # a stage's dependency failed; the batch is retried
     DONE = "done"  # the trainer finished its steps or was stopped (the launcher ends the run)
     DRAINING = "draining"  # a stage stops taking work and hands back what it holds
@@ -194,6 +195,8 @@ RECORDED_AS: dict[Event, Event] = {
     Event.ALERT: Event.ALERT,
     Event.CHECKPOINT_FALLBACK: Event.CHECKPOINT_FALLBACK,
     Event.CONFIG_CHANGE: Event.CONFIG_CHANGE,
+    Event.DEPENDENCY_RECOVERED: Event.DEPENDENCY_RECOVERED,
+    Event.DEPENDENCY_REFUSED: Event.DEPENDENCY_REFUSED,
     Event.DONE: Event.DONE,
     Event.GROUPS_LOST: Event.GROUPS_LOST,
     Event.GROUPS_REOPENED_BY_ROLLBACK: Event.GROUPS_REOPENED_BY_ROLLBACK,

@@ -1,10 +1,11 @@
-"""Dependency outages: the error that says the message is fine but something it needs is down, and the circuit
-breaker a stage (or a remote scorer, or the trainer's intake) retries behind while it is."""
+"""Dependency outages: the errors that say the message is fine but something it needs is down (or refuses us), and
+the circuit breaker a stage (or a remote scorer, or the trainer's intake) retries behind while it is."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 
 # Dependency outages: first retry after BACKOFF_S, doubling up to the breaker's cool-down; BREAKER_THRESHOLD
@@ -20,6 +21,27 @@ class DependencyUnavailable(Exception):
     A compute raises it (``raise DependencyUnavailable(...) from error``) for a failure that says
     nothing about its input; the stage then retries without spending the message's deliveries.
     """
+
+
+class DependencyRefused(DependencyUnavailable):
+    """The dependency answers, and refuses us: a rejected or malformed credential (401, 403, a token file that holds
+    no sendable token), a TLS or DNS failure, a wrong URL. The message is still fine and is held like in any outage,
+    but waiting will not end this one: it alerts at once instead of after ``ack_wait_s * max_deliver``.
+    ``kind`` names the refusal (``http_401``, ``token``, ``tls``...); the message never quotes a credential."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(reason)
+        self.kind = kind
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """What a stage is held on by a refusing dependency, as its presence entry carries it to the trainer."""
+
+    kind: str  # the refusal's kind, as DependencyRefused names it
+    step: str  # the stage's step it met it in (compute, claim_read, publish)
+    error: str  # what was refused, bounded; never a credential
+    since: float  # wall time of the first refusal of this outage
 
 
 class BreakerState(IntEnum):

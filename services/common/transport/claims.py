@@ -2,15 +2,19 @@
 
 A claim comes from a message and so is trusted with nothing: its key must lie under the run's claim prefix and its
 size within ``nats.max_claim_bytes`` (else ``DecodeError``, the message's fault), and the stored body must match its
-size and hash. A store that does not answer is ``StoreUnavailable``: the message is fine, the stage holds it.
+size and hash. A store that does not answer is ``StoreUnavailable``: the message is fine, the stage holds it. One
+that refuses us (wrong or expired credentials, a policy that denies the call, TLS, DNS: ``store_refusal``) is
+``StoreRefused``, held the same way but alerted at once (services/common/transport/outage.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import socket
+import ssl
 
-from services.common.transport.breaker import DependencyUnavailable
+from services.common.transport.breaker import DependencyRefused, DependencyUnavailable
 from services.common.transport.claim_lifecycle import body_tags
 from services.common.transport.messages import ClaimCheck, DecodeError, decode
 from services.common.transport.storage import ObjectStore
@@ -19,6 +23,44 @@ from services.common.transport.streams import H_CLAIM
 
 class StoreUnavailable(DependencyUnavailable):
     """The object store holding a claim-checked body did not answer: the message is fine, try it again later."""
+
+
+class StoreRefused(DependencyRefused, StoreUnavailable):
+    """The object store refuses us (``kind`` says how): the message is fine, and waiting will not help."""
+
+
+# An S3 error code that refuses the caller rather than saying the store is down.
+REFUSING_CODES = frozenset(
+    {"AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidAccessKeyId", "InvalidToken", "SignatureDoesNotMatch"}
+)
+
+
+def store_refusal(error: BaseException) -> str:
+    """How the store refused us, found in ``error`` or what caused it: ``s3_<code>``, ``http_401``/``http_403``,
+    ``tls``, ``dns``; "" for an outage (unreachable, timed out, a 5xx). The SDKs' errors name codes, not keys."""
+    seen: BaseException | None = error
+    for _ in range(6):  # an SDK's retry error, its reason, the socket's error
+        if seen is None:
+            return ""
+        code = getattr(seen, "code", None)
+        if isinstance(code, str) and code in REFUSING_CODES:
+            return f"s3_{code}"
+        status = getattr(seen, "status_code", None) or getattr(getattr(seen, "response", None), "status", None)
+        if status in (401, 403):
+            return f"http_{status}"
+        if isinstance(seen, ssl.SSLError):
+            return "tls"
+        if isinstance(seen, socket.gaierror):
+            return "dns"
+        reason = getattr(seen, "reason", None)
+        seen = reason if isinstance(reason, BaseException) else seen.__cause__ or seen.__context__
+    return ""
+
+
+def unavailable(reason: str, error: BaseException) -> StoreUnavailable:
+    """The store's failure as the stage holds it: refused when ``store_refusal`` says so, an outage else."""
+    kind = store_refusal(error)
+    return StoreRefused(kind, reason) if kind else StoreUnavailable(reason)
 
 
 class ClaimMissing(DecodeError):
@@ -83,7 +125,7 @@ async def read_claimed(store: ObjectStore, claim: ClaimCheck) -> bytes:
     except FileNotFoundError as error:
         raise ClaimMissing(f"claim-checked body {claim.key} is missing: {error}") from None
     except Exception as error:  # the store's many failure types: unreachable, refused, timed out
-        raise StoreUnavailable(f"claim-checked body {claim.key} could not be read: {error!r}"[:500]) from error
+        raise unavailable(f"claim-checked body {claim.key} could not be read: {error!r}"[:500], error) from error
     if len(data) != claim.size or hashlib.sha256(data).hexdigest() != claim.sha256:
         raise DecodeError(f"claim-checked body {claim.key} does not match its size and hash")
     return data
@@ -98,5 +140,5 @@ async def store_claimed(store: ObjectStore, run_id: str, edge: str, msg_id: str,
     try:
         await asyncio.to_thread(lambda: store.put(key, data, tags=body_tags(edge)))
     except Exception as error:  # S3 errors, refused or timed-out connections: the store, not the message
-        raise StoreUnavailable(f"claim-checked body {key} could not be stored: {error!r}"[:500]) from error
+        raise unavailable(f"claim-checked body {key} could not be stored: {error!r}"[:500], error) from error
     return ClaimCheck(key=key, size=len(data), sha256=sha256)

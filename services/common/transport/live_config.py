@@ -8,7 +8,8 @@ on top of the file+environment config, with who changed what and when:
      "changes": [{"key": "train.learning_rate", "old": 1e-4, "new": 5e-5, "live": true}]}
 
 Every service reads the newest version at start (so restart-only fields take effect
-then) and polls it between batches or steps, applying the fields of ``LIVE_FIELDS``.
+then) and polls it between batches or steps, applying the live fields (``Live[...]`` in the
+config models; ``services.common.config.is_live``).
 Polling with a direct get, rather than a push watcher, survives broker restarts
 without any subscription to re-create. Only the trainer creates the bucket and writes
 it (through its admin API); every other role waits for it and reads.
@@ -27,12 +28,12 @@ from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 
 from services.common.config import (
-    DEPLOY_TIME_FIELDS,
     ConfigError,
     RunConfig,
     apply_overrides,
     is_live,
     redact,
+    refuse_fixed_changes,
     refuse_unsafe_live_change,
 )
 from services.common.config import parse_value as parse_value  # the admin's and the command line's one reading
@@ -148,7 +149,7 @@ class LiveConfig:
     async def refresh(self, force: bool = False) -> list[str]:
         """Take a newer stored version if there is one; returns the fields that changed (empty if none).
 
-        Once started, only ``LIVE_FIELDS`` change; a restart-only field keeps its start value in ``cfg``.
+        Once started, only live fields change; a restart field keeps its start value in ``cfg``.
 
         Rate-limited to one read per ``poll_s`` unless ``force``; a read that fails leaves the config as it is.
         """
@@ -182,18 +183,11 @@ class LiveConfig:
 
         Raises ConfigError naming the field and reason; nothing is stored then.
         """
-        fixed = [
-            key for key in settings if any(key == name or name.startswith(key + ".") for name in DEPLOY_TIME_FIELDS)
-        ]
-        if fixed:
-            raise ConfigError(
-                f"invalid configuration:\n  {fixed[0]}: names the run and its broker; "
-                "set it where the services are deployed (config file or RLPIPE_* environment), not on a running run"
-            )
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
         refuse_unsafe_live_change(self.base, current, settings)  # before validating them: that imports plugins
         proposed = apply_overrides(self.base, latest.overrides | settings)
+        refuse_fixed_changes(current, proposed)  # what the raw settings hid: a section given with its defaults
         changes = [  # kept for history, logs and events, so secrets are hidden; the overrides hold the values
             ConfigChange(key, redact(key, _value_at(current, key)), redact(key, _value_at(proposed, key)), is_live(key))
             for key in settings

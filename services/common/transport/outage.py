@@ -5,8 +5,12 @@ or a settle) is tried again behind one ``CircuitBreaker`` for every dependency o
 for as long as the dependency stays down: the messages in hand spend no delivery. The breaker's state is the
 stage's ``rlpipe_stage_breaker_state`` gauge; each failure logs ``dependency_unavailable``, and an outage longer
 than ``ack_wait_s * max_deliver`` (when naking would have dead-lettered healthy messages) logs the
-``dependency_down`` alert once, ``dependency_recovered`` saying so when it ends. The wait counts as the loop
-blocked (``StageActivity.BLOCKED``) and as progress: a stage waiting out an outage is at work, not stuck.
+``dependency_down`` alert once, ``dependency_recovered`` saying so when it ends. A dependency that refuses us
+(``DependencyRefused``: a rejected or malformed token, TLS, DNS) is no passing outage: ``dependency_down`` (ERROR,
+naming its ``kind``) comes at its first refusal, and ``refusal`` says what holds the stage until a try succeeds,
+for its presence entry to carry to the trainer, which records it in the run's events (``dependency_refused``).
+The wait counts as the loop blocked (``StageActivity.BLOCKED``) and as progress: a stage waiting out an outage is
+at work, not stuck.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -22,7 +27,13 @@ from services.common.observe.events import Event
 from services.common.observe.instruments import StageMetrics
 from services.common.observe.logs import log_event
 from services.common.observe.timeshare import StageActivity, TimeShare
-from services.common.transport.breaker import BreakerState, CircuitBreaker, DependencyUnavailable
+from services.common.transport.breaker import (
+    BreakerState,
+    CircuitBreaker,
+    DependencyRefused,
+    DependencyUnavailable,
+    Refusal,
+)
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -41,6 +52,7 @@ class OutageGate:
     alert_after_s: float  # ack_wait_s * max_deliver: when naking would have dead-lettered the messages held
     moved: Callable[[], None]  # the loop's progress, marked at each try
     breaker: CircuitBreaker = field(default_factory=CircuitBreaker)
+    refusal: Refusal | None = field(init=False, default=None)  # a refusing dependency holds the stage, until a success
     _alerted: bool = field(init=False, default=False)  # the current outage has raised its alert
     _last_error: str = field(init=False, default="")
 
@@ -76,6 +88,12 @@ class OutageGate:
         self.breaker.failed()
         state = self.breaker.state
         self.metrics.breaker(state)
+        self._last_error = repr(error)[:300]
+        if isinstance(error, DependencyRefused):
+            # Kept through the tries that follow (a breaker open on it sends nothing, so they cannot tell).
+            self.refusal = Refusal(
+                error.kind, step, self._last_error, self.refusal.since if self.refusal else time.time()
+            )
         log_event(
             log,
             Event.DEPENDENCY_UNAVAILABLE,
@@ -84,27 +102,32 @@ class OutageGate:
             breaker=state.name.lower(),
             failures=self.breaker.failures,
             retry_s=round(self.breaker.retry_in(), 2),
-            error=repr(error)[:300],
+            error=self._last_error,
         )
-        self._last_error = repr(error)[:300]
         self._maybe_alert(step)
 
     def _maybe_alert(self, step: str) -> None:
-        if not self._alerted and self.breaker.failures and self.breaker.down_for() >= self.alert_after_s:
-            self._alerted = True
-            log_event(
-                log,
-                Event.DEPENDENCY_DOWN,
-                level=logging.ERROR,
-                alert=True,
-                step=step,
-                down_s=round(self.breaker.down_for(), 1),
-                error=self._last_error,
-            )
+        if self._alerted or not self.breaker.failures:
+            return
+        if self.refusal is None and self.breaker.down_for() < self.alert_after_s:
+            return  # a passing outage: naking would not have dead-lettered anything yet
+        self._alerted = True
+        refused = {"kind": self.refusal.kind, "refused": True} if self.refusal else {}
+        log_event(
+            log,
+            Event.DEPENDENCY_DOWN,
+            level=logging.ERROR,
+            alert=True,
+            step=step,
+            down_s=round(self.breaker.down_for(), 1),
+            error=self._last_error,
+            **refused,
+        )
 
     def _recovered(self, step: str) -> None:
         down_s = round(self.breaker.down_for(), 1)
         self.breaker.succeeded()
+        self.refusal = None
         self.metrics.breaker(BreakerState.CLOSED)
         if self._alerted:
             self._alerted = False

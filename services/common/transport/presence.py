@@ -7,7 +7,8 @@ earlier entry and counts the restart whatever restarted it (the launcher, Docker
 Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to notice a
 role with no live replica, a role whose loops make no progress (``progress_time``, the
 stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is down; one
-whose loop is stuck beats on but its progress time stands still), and restart loops
+whose loop is stuck beats on but its progress time stands still), a replica held by a
+dependency that refuses it (``refused``, written at once when it changes), and restart loops
 (``RestartCounter``: restarts per role within a window). The trainer creates the bucket;
 a replica of another role started before it waits for the bucket (``await_run_state``).
 
@@ -38,6 +39,7 @@ from services.common.config import BuildInfo, RunConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_service_starts
 from services.common.observe.logs import log_event
+from services.common.transport.breaker import Refusal
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
 
@@ -68,6 +70,7 @@ class ServiceEntry(BaseModel):
     step: int = 0  # trainer: the last applied step
     progress_time: float | None = None  # stages: wall time its loop last moved; None until it reports
     time_s: dict[str, float] = {}  # stages: seconds its loop spent per activity (busy, idle, blocked)
+    refused: Refusal | None = None  # stages: a dependency that refuses it holds its work (outage.OutageGate.refusal)
     # What its ``ready`` event reported (its load times, what it serves: backend, model, reward functions); empty
     # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/launch/watch.py).
     startup: dict[str, JsonValue] = {}
@@ -231,6 +234,11 @@ def roles_stalled(entries: list[SeenService], now: float, bound_s: float) -> lis
         if times and now - max(times) > bound_s:
             stalled.append(role)
     return stalled
+
+
+def roles_refused(entries: list[SeenService]) -> list[str]:
+    """Pipeline roles with a live replica held by a dependency that refuses it (a rejected token, TLS, DNS)."""
+    return sorted({entry.role for entry in entries if entry.up and entry.refused is not None})
 
 
 def role_time_shares(entries: list[SeenService]) -> dict[str, dict[str, float]]:

@@ -27,9 +27,11 @@ from services.common.config import CheckpointConfig, load_config
 from services.common.pb import weights_pb2_grpc
 from services.common.startup_checks import (
     StartupCheckError,
+    _startup_checks,
     check_admin_token,
     check_ports,
     check_storage,
+    check_weight_sync_token,
     startup_checks,
 )
 from services.common.transport.bus import Bus
@@ -345,6 +347,34 @@ def test_the_weight_sync_token_is_required_where_the_trainer_needs_one(tiny_mode
     monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", WEIGHT_SYNC_TOKEN)
     assert weight_sync_rows(prod, embedded=False)[0].detail == "set by RLPIPE_WEIGHTSYNC_TOKEN"
     assert "weight-sync token" in [check.name for check in _doctor_checks(embedded=False)]
+
+
+@pytest.mark.unit
+def test_a_token_that_cannot_go_into_a_calls_metadata_fails_the_start_named_never_quoted(
+    config_only_model, tmp_path, monkeypatch
+):
+    """gRPC refuses a metadata value with a line break ('Invalid metadata'): every call would fail, so each such
+    token fails the start checks of the roles that send it, naming where it came from."""
+    model_dir, data_dir = config_only_model
+    token_file = tmp_path / "admin.token"
+    token_file.write_text("LEAKED-admin\nsecond-line\n")
+    cfg = load_config(
+        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", admin={"token_file": str(token_file)})
+    )
+    monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
+    from_file = check_admin_token(cfg, launcher_generates=False)
+    assert from_file.status == "fail" and from_file.detail.startswith("admin.token_file: the token in")
+    monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "LEAKED-adm\u00efn")
+    from_env = check_admin_token(cfg, launcher_generates=False)
+    assert (from_env.status, from_env.detail) == ("fail", "RLPIPE_ADMIN_TOKEN holds a character outside ASCII")
+    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", "LEAKED-sync\r\nx")
+    [sync] = weight_sync_rows(cfg, embedded=True)
+    assert (sync.status, sync.detail) == ("fail", "RLPIPE_WEIGHTSYNC_TOKEN holds a line break")
+    at_start = check_weight_sync_token()
+    assert (at_start.status, at_start.detail) == ("fail", "RLPIPE_WEIGHTSYNC_TOKEN holds a line break")
+    for role in ("trainer", "rollout", "run"):  # the roles that send or serve it
+        assert "weight-sync token" in [check.name for check in _startup_checks(role)]
+    assert "LEAKED" not in from_file.detail + from_env.detail + sync.detail + at_start.detail
 
 
 def test_a_serving_trainers_port_must_refuse_a_call_without_the_token_and_take_the_runs(

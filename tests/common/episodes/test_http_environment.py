@@ -16,7 +16,7 @@ from services.common.episodes.environments import Calculator, EnvironmentFailed,
 from services.common.episodes.http_environment import HttpEnvironmentClient
 from services.common.episodes.observations import VerbatimObservations
 from services.common.episodes.runner import EpisodeLimits, EpisodeState, run_episodes, start_episodes
-from services.common.transport.breaker import BreakerState
+from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
 from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
@@ -132,7 +132,7 @@ def test_an_environment_that_keeps_failing_opens_the_breaker_alerts_and_is_left_
         assert failed.value.outcome == "env_error"
     assert client.breaker.state == BreakerState.OPEN
     [alert] = alerts(caplog)
-    assert (alert["event"], alert["alert"], alert["kind"]) == ("environment_service_down", True, "status")
+    assert (alert["event"], alert["alert"], alert["kind"]) == ("environment_service_down", True, "http_503")
     with pytest.raises(EnvironmentFailed, match="breaker open"):  # known down: nothing is sent
         asyncio.run(environment.step(CALL))
     assert server.requests == BREAKER_THRESHOLD
@@ -146,10 +146,24 @@ def test_an_environment_that_keeps_failing_opens_the_breaker_alerts_and_is_left_
 def test_a_misrouted_environment_opens_the_breaker_at_once(server, caplog):
     client = client_of(server)
     server.mode = "404"
-    with pytest.raises(EnvironmentFailed, match="answered 404"):
+    with pytest.raises(EnvironmentFailed, match="answered 404") as failed:
         asyncio.run(client.episode().reset(TASK))
+    assert failed.value.refused == "http_404"
     assert (server.requests, client.breaker.state) == (1, BreakerState.OPEN)
     assert [alert["event"] for alert in alerts(caplog)] == ["environment_service_down"]
+
+
+@pytest.mark.parametrize(("mode", "refused"), [("403", DependencyRefused), ("503", DependencyUnavailable)])
+def test_a_reset_the_environment_refuses_holds_the_batch_as_a_refusal_and_an_outage_as_an_outage(server, mode, refused):
+    """A refusal (here 403) reaches the stage as DependencyRefused, which alerts at once; a 503 is a passing
+    outage, which the stage waits out before alerting."""
+    client = client_of(server, environment_retries=0)
+    server.mode = mode
+    with pytest.raises(DependencyUnavailable, match=f"reset failed .*answered {mode}") as held:
+        asyncio.run(start_episodes([TASK], client.episode, 1, CharTokenizer()))
+    assert type(held.value) is refused
+    if refused is DependencyRefused:
+        assert held.value.kind == f"http_{mode}"
 
 
 def test_a_rejected_turn_ends_only_its_episode_and_leaves_the_breaker_closed(server):
