@@ -5,6 +5,8 @@ import torch
 
 from services.common.config.training import TrainConfig
 from services.common.model.modeling import pack, token_logprobs
+from services.common.observe import metrics as m
+from services.common.observe.metrics import check_row
 from services.trainer.learning import objective
 from services.trainer.learning.algorithms import group_advantages, policy_loss, value_loss
 from services.trainer.learning.batch import Batch, StepTargets
@@ -116,3 +118,25 @@ def test_batch_metrics_report_staleness_lengths_and_groups_without_signal():
     assert metrics["termination_rate"] == 0.25 and metrics["truncation_rate"] == 0.75
     assert metrics["groups"] == 2.0 and metrics["completions"] == 4.0
     assert "explained_variance" not in metrics and "tis_weight_mean" not in metrics
+
+
+def test_every_statistic_of_the_loss_and_the_batch_is_declared_in_the_metrics_contract():
+    batch = hand_batch()
+    rows = torch.tensor([1, 2])
+    packed, logits = packed_and_logits(batch, rows)
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.1, 0.4]])
+    # PPO with importance weights: the optional statistics (critic, weights) are all there.
+    targets = StepTargets(
+        old_logp=batch.rollout_logp,
+        advantages=batch.mask.clone(),
+        old_values=torch.zeros_like(batch.mask),
+        returns=torch.ones_like(batch.mask),
+        tis=torch.ones_like(batch.mask),
+    )
+    train = TrainConfig(algorithm="ppo")
+    _, stats = objective.micro_batch_loss(train, batch, rows, packed, logits, values, targets, False)
+    metrics = objective.batch_metrics(batch, targets, policy_version=6)
+    row = {**stats, **metrics}
+    check_row(row)
+    optional = (m.VALUE_LOSS, m.VALUE_CLIPFRAC, m.EXPLAINED_VARIANCE, m.VALUE_MEAN, m.TIS_WEIGHT_MEAN, m.TIS_WEIGHT_MAX)
+    assert {metric.key for metric in optional} <= set(row)
