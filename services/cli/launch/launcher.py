@@ -48,7 +48,9 @@ from services.common.config import (
     RunConfig,
     WeightSyncCredentials,
 )
+from services.common.observe import metrics as m
 from services.common.observe.events import Event, EventLog
+from services.common.observe.records import EventRecord, RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
@@ -217,8 +219,8 @@ class Launcher:
         """What happened to the run since the last call (operators' actions, alerts), from ``events.jsonl``;
         the launcher's own restarts it has said already."""
         for event in self.record.new_events():
-            if event.get("kind") not in LAUNCHER_SAYS:
-                out.log(f"{event.get('kind')}: {_event_summary(event)}")
+            if event.kind not in LAUNCHER_SAYS:
+                out.log(f"{event.kind}: {_event_summary(event)}")
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -268,7 +270,7 @@ class Launcher:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
             console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
 
-    def follow(self) -> dict[str, Any]:
+    def follow(self) -> RunDone | None:
         """Progress over training steps until the trainer is done, restarting services that die."""
         due: dict[str, float] = {}  # name -> when to restart it
         columns = (
@@ -293,12 +295,12 @@ class Launcher:
                 steps, evaluations = self.record.new_steps()
                 for row in steps:
                     if "first step" not in self.startup:
-                        self.startup.record("first step", {"step": row["step"]})
+                        self.startup.record("first step", {"step": row.step})
                         self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
-                    info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
-                    progress.update(task, completed=row["step"], info=info)
+                    info = f"reward {row[m.REWARD_MEAN]:.3f}  entropy {row[m.ENTROPY]:.3f}  kl {row[m.KL_REF]:.4f}"
+                    progress.update(task, completed=row.step, info=info)
                 for row in evaluations:
-                    progress.console.log(f"eval at step {row['step']}: accuracy {row['eval_accuracy']:.3f}")
+                    progress.console.log(f"eval at step {row.step}: accuracy {row[m.EVAL_ACCURACY]:.3f}")
                 if self.record.done:
                     break
                 if trainer_exited and self.child("trainer").pump_thread:
@@ -417,10 +419,10 @@ def inherited_env() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
 
 
-def _event_summary(event: dict[str, Any]) -> str:
+def _event_summary(event: EventRecord) -> str:
     """An ``events.jsonl`` row in a line: its message, and the step and rule where it names them."""
-    said = [f"{key}={event[key]}" for key in ("step", "rule") if event.get(key) is not None]
-    return " ".join([str(event.get("message", "")), *said]).strip()
+    said = [f"{key}={value}" for key, value in (("step", event.step), ("rule", event.rule)) if value is not None]
+    return " ".join([event.message, *said]).strip()
 
 
 def _startup_fields(ready: dict[str, Any]) -> str:
