@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-rm model-smol model-tool bench bench-throughput bench-trl bench-trl-smol clean config-reference
+.PHONY: install demo test model model-rm model-smol model-tool bench bench-throughput bench-trl bench-trl-smol clean config-reference metrics-reference
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) and Compose (`docker compose config`) are for tests/deploy only, so they stay out of the images.
@@ -55,6 +55,10 @@ demo: model
 # docs/configuration.md is generated from the config models; a unit test fails while it is stale.
 config-reference: $(STAMP)
 	$(BIN)/python -m services.common.config.reference > docs/configuration.md
+
+# docs/metrics.md's table of row keys is generated from the metrics contract; a unit test fails while it is stale.
+metrics-reference: $(STAMP)
+	$(BIN)/python -m services.common.observe.metrics_reference docs/metrics.md
 
 # Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, in
 # one pytest-xdist session, a file per worker at a time (tests in one file share their fixtures): the longest files

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from services.cli.report import read_jsonl
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow, read_jsonl, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +33,8 @@ def rows(run_dir: Path, name: str) -> list[dict]:
     return read_jsonl(run_dir / name)
 
 
-def steps(run_dir: Path) -> list[dict]:
-    return [r for r in rows(run_dir, "metrics.jsonl") if "reward_mean" in r]
+def steps(run_dir: Path) -> list[MetricsRow]:
+    return [r for r in read_metrics(run_dir / "metrics.jsonl") if r.is_step]
 
 
 def wait(condition, what: str, launcher: subprocess.Popen, timeout: float = 300) -> None:
@@ -91,14 +92,14 @@ def main() -> None:
         try:
             wait(lambda: len(steps(run_dir)) >= 12, "first steps", launcher)
             step_time = statistics.median(
-                b["time"] - a["time"] for a, b in zip(steps(run_dir)[-10:], steps(run_dir)[-9:], strict=False)
+                b[m.TIME] - a[m.TIME] for a, b in zip(steps(run_dir)[-10:], steps(run_dir)[-9:], strict=False)
             )
 
             killed = kill(run_dir, "trainer")
-            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the trainer kill", launcher)
-            trainer_back = next(r["time"] for r in steps(run_dir) if r["time"] > killed) - killed
+            wait(lambda: steps(run_dir)[-1][m.TIME] > killed, "a step after the trainer kill", launcher)
+            trainer_back = next(r[m.TIME] for r in steps(run_dir) if r[m.TIME] > killed) - killed
 
-            wait(lambda: len([r for r in steps(run_dir) if r["time"] > killed]) >= 5, "steady steps", launcher)
+            wait(lambda: len([r for r in steps(run_dir) if r[m.TIME] > killed]) >= 5, "steady steps", launcher)
             killed = kill(run_dir, "rollout-0")
             wait(
                 lambda: any(
@@ -117,8 +118,8 @@ def main() -> None:
                 )
                 - killed
             )
-            wait(lambda: steps(run_dir)[-1]["time"] > killed, "a step after the rollout kill", launcher)
-            rollout_step = next(r["time"] for r in steps(run_dir) if r["time"] > killed) - killed
+            wait(lambda: steps(run_dir)[-1][m.TIME] > killed, "a step after the rollout kill", launcher)
+            rollout_step = next(r[m.TIME] for r in steps(run_dir) if r[m.TIME] > killed) - killed
         finally:
             launcher.send_signal(signal.SIGTERM)
             launcher.wait(timeout=120)

@@ -17,7 +17,8 @@ import time
 from pathlib import Path
 
 from services.common.config import RunConfig, ServiceConfig, TelemetryConfig
-from services.common.observe.instruments import TRAINER_STEP_KEYS, TrainerMetrics
+from services.common.observe.instruments import TrainerMetrics
+from services.common.observe.metrics import TRAINER_STEP_KEYS
 from services.common.observe.telemetry import start_telemetry
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.report import read_jsonl
+from services.common.observe.metrics import check_row
+from services.common.observe.records import MetricsRow, read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -362,8 +363,13 @@ RLPIPE = [sys.executable, "-m", "services.cli"]
 RLPIPE_RUN = [*RLPIPE, "run"]
 
 
-def metric_rows(run_dir: Path) -> list[dict]:
-    return read_jsonl(run_dir / "metrics.jsonl")
+def metric_rows(run_dir: Path) -> list[MetricsRow]:
+    """The run's metrics rows, typed; each is checked against the metrics contract (services/common/observe/
+    metrics.py), so every test that reads a real run's rows fails when the trainer writes an undeclared key."""
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    for row in rows:
+        check_row(row.raw)
+    return rows
 
 
 def service_events(run_dir: Path, service: str) -> list[dict]:
@@ -424,17 +430,14 @@ def running_pipeline(config: Path, *options: str) -> Iterator[subprocess.Popen]:
             process.wait()
 
 
-def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """`rlpipe run CONFIG` as a user runs it; returns the finished process and the run's metric rows."""
-    import json
-
+def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.CompletedProcess, list[MetricsRow]]:
+    """`rlpipe run CONFIG` as a user runs it; returns the finished process and the run's metric rows (checked
+    against the metrics contract: ``metric_rows``)."""
     import yaml
 
     done = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     cfg = yaml.safe_load(config.read_text())
-    metrics = Path(cfg["runs_dir"]) / cfg["run_id"] / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-    return done, rows
+    return done, metric_rows(Path(cfg["runs_dir"]) / cfg["run_id"])
 
 
 class StoppableS3:

@@ -19,7 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from safetensors.torch import load_file
 
-from services.cli.report import read_jsonl
+from services.common.observe import metrics as m
+from services.common.observe.events import Event
+from services.common.observe.records import read_events
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
@@ -112,11 +114,7 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
         paused = status(run_dir)
         assert paused["state"] == "paused"
         time.sleep(4)
-        assert (
-            status(run_dir)["step"]
-            == paused["step"]
-            == max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
-        )
+        assert status(run_dir)["step"] == paused["step"] == max(r.step for r in metric_rows(run_dir) if r.is_step)
         # A trainer that dies while paused comes back paused: the pause lives in the run's bucket, not the process.
         os.kill(info["pids"]["trainer"], signal.SIGKILL)
         wait_for(
@@ -136,13 +134,13 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
         assert changed.returncode == 0, changed.stderr
         assert "train.learning_rate" in changed.stdout and "live" in changed.stdout
         wait_for(
-            lambda: any(r.get("config_version") == 1 for r in metric_rows(run_dir) if "reward_mean" in r),
+            lambda: any(r.get(m.CONFIG_VERSION) == 1 for r in metric_rows(run_dir) if r.is_step),
             "a step under config 1",
             process,
         )
-        steps = [r for r in metric_rows(run_dir) if "reward_mean" in r]
-        assert {r["learning_rate"] for r in steps if r["config_version"] == 1} == {3e-5}
-        assert {r["learning_rate"] for r in steps if r["config_version"] == 0} == {1e-4}
+        steps = [r for r in metric_rows(run_dir) if r.is_step]
+        assert {r[m.LEARNING_RATE] for r in steps if r[m.CONFIG_VERSION] == 1} == {3e-5}
+        assert {r[m.LEARNING_RATE] for r in steps if r[m.CONFIG_VERSION] == 0} == {1e-4}
         # Every service took the new version (their heartbeats report it).
         wait_for(
             lambda: {s["config_version"] for s in status(run_dir)["services"]} == {1},
@@ -196,18 +194,17 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
     assert (run_dir / "effective-config.yaml").read_text().startswith("# config version 0, rlpipe 0.1.0")
     assert json.loads((run_dir / f"step-{target:08d}" / "build.json").read_text())["version"] == "0.1.0"
     assert "learning_rate: 3.0e-05" in (run_dir / f"step-{target:08d}" / "config.yaml").read_text()
-    kinds = [event["kind"] for event in read_jsonl(run_dir / "events.jsonl")]
+    kinds = [event.kind for event in read_events(run_dir / "events.jsonl")]
     assert {"pause", "unpause", "config_change", "rollback", "stop"} <= set(kinds)
 
     # The stop was recorded as a hold (an orchestrator restarting the trainer gets it back paused);
     # `rlpipe run --resume` continues on purpose, so it clears the hold and trains on from the last save.
-    last = max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r)
+    last = max(r.step for r in metric_rows(run_dir) if r.is_step)
     with running_pipeline(config, "--resume") as again:
         # run.json is written anew once every service is ready (the resumed trainer may train on before that).
         wait_for(
             lambda: (
-                (run_dir / "run.json").exists()
-                and max(r["step"] for r in metric_rows(run_dir) if "reward_mean" in r) > last + 1
+                (run_dir / "run.json").exists() and max(r.step for r in metric_rows(run_dir) if r.is_step) > last + 1
             ),
             "steps after --resume",
             again,
@@ -243,12 +240,12 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
     config, run_dir = start(tiny_model, tmp_path, "stall", alerts={"rules": rules, "cooldown_steps": 0})
     with running_pipeline(config) as process:
         wait_for(
-            lambda: (run_dir / "run.json").exists() and sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3,
+            lambda: (run_dir / "run.json").exists() and sum(r.is_step for r in metric_rows(run_dir)) >= 3,
             "first steps",
             process,
         )
         assert not any(
-            e.get("rule") == "role_down" for e in read_jsonl(run_dir / "events.jsonl")
+            e.rule == "role_down" for e in read_events(run_dir / "events.jsonl")
         )  # roles still starting are not down
         hung = json.loads((run_dir / "run.json").read_text())["pids"]["reward-0"]
         os.kill(hung, signal.SIGSTOP)
@@ -263,7 +260,7 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
         assert rlpipe(run_dir, "stop").returncode == 0
         process.wait(timeout=120)
         assert process.returncode == 0
-    fired = {e.get("rule") for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert"}
+    fired = {e.rule for e in read_events(run_dir / "events.jsonl") if e.kind == Event.ALERT}
     assert {"no_steps", "role_down"} <= fired
 
 
@@ -317,20 +314,20 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             assert rlpipe(run_dir, "config", "set", f"alerts.rules={rule}").returncode == 0
             assert rlpipe(run_dir, "resume").returncode == 0
             wait_for(
-                lambda: any(e["kind"] == "rollback" for e in read_jsonl(run_dir / "events.jsonl")),
+                lambda: any(e.kind == Event.ROLLBACK for e in read_events(run_dir / "events.jsonl")),
                 "the alert's rollback",
                 process,
                 timeout=120,
             )
-            rolled = next(e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "rollback")
-            assert rolled["step"] == target and "entropy_guard" in rolled["reason"]
+            rolled = next(e for e in read_events(run_dir / "events.jsonl") if e.kind == Event.ROLLBACK)
+            assert rolled.step == target and "entropy_guard" in rolled.details["reason"]
             # Still firing after going back: a second rollback to the same step would loop, so it pauses instead.
             wait_for(
                 lambda: status(run_dir)["state"] == "paused", "the pause after a repeated firing", process, timeout=120
             )
-            events = read_jsonl(run_dir / "events.jsonl")
-            assert sum(e["kind"] == "rollback" for e in events) == 1
-            assert "fired again after rolling back" in [e for e in events if e["kind"] == "pause"][-1]["message"]
+            events = read_events(run_dir / "events.jsonl")
+            assert sum(e.kind == Event.ROLLBACK for e in events) == 1
+            assert "fired again after rolling back" in [e for e in events if e.kind == Event.PAUSE][-1].message
 
             # The stable checkpoint rots: an operator's rollback to it is refused with the reason and changes
             # nothing; an alert's rollback, which nobody awaits, holds the run instead.
@@ -357,8 +354,8 @@ def test_alert_rules_fire_and_act(tiny_model, tmp_path):
             assert rlpipe(run_dir, "resume").returncode == 0
             process.wait(timeout=180)
             assert process.returncode == 0
-        fired = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if "alert" in line]
-        assert {"entropy_floor", "entropy_guard", "entropy_stop"} <= {row.get("alert") for row in fired}
+        fired = {row.alert for row in metric_rows(run_dir)}
+        assert {"entropy_floor", "entropy_guard", "entropy_stop"} <= fired
         assert any(p["rule"] == "entropy_stop" and p["actions_taken"] == ["notify", "stop"] for p in Receiver.posts)
     finally:
         server.shutdown()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from services.common.observe import metrics as m
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
 from tests.conftest import kill_service, metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
@@ -49,7 +50,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     run_dir = runs / "chaos-all"
     rng = random.Random(7)
     with running_pipeline(config) as process:
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         wait_for(lambda: len(steps()) >= 2, "the first steps", process)
         for victim in VICTIMS:
             seen = len(steps())
@@ -70,7 +71,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
     assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
     assert_every_fed_prompt_accounted_once(runs, "chaos-all", final)
 
-    evals = [r["eval_accuracy"] for r in metric_rows(run_dir) if "eval_accuracy" in r]
+    evals = [r[m.EVAL_ACCURACY] for r in metric_rows(run_dir) if r.is_eval]
     # Greedy accuracy of an unchanged model is the same to the last row, and a run broken by the kills (weights
     # from the wrong version, a bad resume) loses accuracy: 15 more of 500 right is learning. The gain varies with
     # the tiny model each machine builds: +0.046 on one whose build stopped at 0.384, more on others.

@@ -24,6 +24,7 @@ import pytest
 
 from services.cli.dead_letters import operator_options
 from services.common.config import CheckpointConfig
+from services.common.observe import metrics as m
 from services.common.transport.storage import open_store
 from services.common.transport.streams import DEAD, EXPERIENCE, H_GROUP, PROMPTS, stream_name
 from services.trainer.checkpointing.lineage import (
@@ -74,7 +75,7 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     )
     run_dir = runs / "late"
     with running_pipeline(config) as process:
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         # Three steps past the checkpoint of step 10: steps 11 on trained on groups fed after its cursor, which
         # the resume feeds again. (The resume is pinned to step 10: the kill may come after step 20's save.)
         wait_for(lambda: len(steps()) >= SAVE_EVERY + 3, "three steps past a checkpoint", process)
@@ -100,7 +101,7 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
     assert [r.step for r in final] == list(range(1, TOTAL_STEPS + 1))
     assert_every_fed_prompt_accounted_once(runs, "late", final)
     # The repeats reached the trainer (the broker no longer filtered them) and were refused there.
-    refused = sum(r.get("repeats_dropped", 0) for r in metric_rows(run_dir) if "pg_loss" in r)
+    refused = sum((r.get(m.REPEATS_DROPPED) or 0) for r in metric_rows(run_dir) if r.is_step)
     assert refused > 0
 
 
@@ -157,7 +158,7 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     )
     run_dir = runs / "leak"
     with running_pipeline(config) as process:
-        wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "step 1", process)
+        wait_for(lambda: any(r.is_step for r in metric_rows(run_dir)), "step 1", process)
         pids = run_info(run_dir, process)["pids"]
         os.kill(pids["rollout-0"], signal.SIGSTOP)  # nothing fetches PROMPTS while we look and purge
         try:
@@ -168,8 +169,8 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
         assert len(purged) > 0
         wait_for(lambda: purged <= fated_groups(run_dir), "every purged group written off or used", process)
         # The step being collected when the last group was written off counts it in its metrics row.
-        steps_then = sum("pg_loss" in r for r in metric_rows(run_dir))
-        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) > steps_then + 1, "two more steps", process)
+        steps_then = sum(r.is_step for r in metric_rows(run_dir))
+        wait_for(lambda: sum(r.is_step for r in metric_rows(run_dir)) > steps_then + 1, "two more steps", process)
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]
@@ -183,10 +184,10 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     assert purged - used
     assert_every_fed_prompt_accounted_once(runs, "leak", final, allow_lost=True)
     rows = metric_rows(run_dir)
-    assert sum(r.get("groups_lost", 0) for r in rows if "pg_loss" in r) == len(purged - used)
+    assert sum((r.get(m.GROUPS_LOST) or 0) for r in rows if r.is_step) == len(purged - used)
     # The alert fires when the first groups are written off (not a step later: a stall brings no step row).
     first_loss = next(r.at_step for r in records if isinstance(r, LostRecord))
-    assert next(r["step"] for r in rows if r.get("alert") == "groups_lost") == first_loss
+    assert next(r.step for r in rows if r.alert == "groups_lost") == first_loss
     # And the run's events record each write-off, as they record a rollback that puts groups back in flight.
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     assert sum(e["count"] for e in events if e["kind"] == "groups_lost") == len(purged - used)
@@ -238,7 +239,7 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
     )
     run_dir = runs / "lostvol"
     with running_pipeline(config) as process:
-        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "step 3", process)
+        wait_for(lambda: sum(r.is_step for r in metric_rows(run_dir)) >= 3, "step 3", process)
         broker = run_info(run_dir, process)["pids"]["nats"]
         os.kill(process.pid, signal.SIGSTOP)  # the launcher must not restart the broker before its store is gone
         try:

@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from services.common.config import ConfigError, load_config_with, parse_overrides
+from services.common.observe import metrics as m
 from tests.common.test_trackers import LIGHT_RUN
 from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, write_config
 
@@ -108,9 +109,9 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "variant"
     assert not (tmp_path / "runs" / "test").exists()
-    steps = [row for row in metric_rows(run_dir) if "pg_loss" in row]
-    assert [row["step"] for row in steps] == [1, 2]
-    assert steps[0]["learning_rate"] > 0
+    steps = [row for row in metric_rows(run_dir) if row.is_step]
+    assert [row.step for row in steps] == [1, 2]
+    assert steps[0][m.LEARNING_RATE] > 0
     effective = yaml.safe_load((run_dir / "effective-config.yaml").read_text())
     assert (effective["run_id"], effective["train"]["total_steps"], effective["train"]["learning_rate"]) == (
         "variant",

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import subprocess
 from pathlib import Path
 
@@ -17,13 +16,13 @@ import nats
 import pytest
 
 from services.cli.dead_letters import operator_options
-from services.cli.report import read_jsonl
 from services.cli.runs import read_run
 from services.cli.verify.smoke import trainer_status
 from services.common.config import CheckpointConfig
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
 from services.common.model.modeling import load_model, load_tokenizer
+from services.common.observe import metrics as m
 from services.common.transport.storage import open_store
 from services.common.transport.streams import (
     DEAD,
@@ -36,24 +35,24 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import RLPIPE_RUN, ROOT, rlpipe, run_info, running_pipeline, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, rlpipe, run_info, running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 
 STEP_METRICS = (
-    "reward_mean",
-    "reward_std",
-    "entropy",
-    "kl_ref",
-    "response_length_mean",
-    "termination_rate",
-    "truncation_rate",
-    "clipfrac",
-    "approx_kl",
-    "grad_norm",
-    "step_time_s",
-    "policy_version",
-    "learning_rate",
+    m.REWARD_MEAN,
+    m.REWARD_STD,
+    m.ENTROPY,
+    m.KL_REF,
+    m.RESPONSE_LENGTH_MEAN,
+    m.TERMINATION_RATE,
+    m.TRUNCATION_RATE,
+    m.CLIPFRAC,
+    m.APPROX_KL,
+    m.GRAD_NORM,
+    m.STEP_TIME_S,
+    m.POLICY_VERSION,
+    m.LEARNING_RATE,
 )
 TOTAL_STEPS = 10
 STAGE_INPUTS = ("prompts", "rollouts", "scored", EXPERIENCE)
@@ -139,21 +138,22 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
         assert len(reasons) == 2 and "not msgpack" in reasons[0] and "kind" in reasons[1], (edge, reasons)
     assert all(int(letter[H_SEQ]) > 0 and letter[H_SERVICE] for letter in held + resumed)
 
-    # The trainer applied every step, and each logged metric is present and finite.
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    steps = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+    # The trainer applied every step, and each logged metric is present and finite; every key of every row (step,
+    # eval, checkpoint rows) is declared in the metrics contract (metric_rows checks each).
+    rows = metric_rows(run_dir)
+    steps = [r for r in rows if r.is_step]
+    assert [r.step for r in steps] == list(range(1, TOTAL_STEPS + 1))
     for row in steps:
-        for key in STEP_METRICS:
-            assert math.isfinite(row[key]), (row["step"], key)
+        for metric in STEP_METRICS:
+            assert row.finite(metric) is not None, (row.step, metric.key)
     # Completions generated after a weight sync carry the new policy version.
-    assert steps[-1]["generated_by_version_max"] >= 1
-    assert [r["policy_version"] for r in steps] == list(range(1, TOTAL_STEPS + 1))
+    assert steps[-1][m.GENERATED_BY_VERSION_MAX] >= 1
+    assert [r[m.POLICY_VERSION] for r in steps] == list(range(1, TOTAL_STEPS + 1))
     # Each row splits the wall time since the previous one by phase; the learner's own step is inside compute.
-    split = [f"time/{phase}_s" for phase in ("wait", "compute", "publish", "eval", "bookkeeping")]
-    assert all(math.isfinite(row[key]) and row[key] >= 0 for row in steps for key in split)
-    assert all(row["time/compute_s"] >= row["step_time_s"] for row in steps)
-    assert steps[0]["time/eval_s"] > 0  # the step-0 evaluation comes before the first step
+    split = [m.TIME_SPLIT.of(phase) for phase in ("wait", "compute", "publish", "eval", "bookkeeping")]
+    assert all((value := row.finite(phase)) is not None and value >= 0 for row in steps for phase in split)
+    assert all(row[m.TIME_SPLIT.of("compute")] >= row[m.STEP_TIME_S] for row in steps)
+    assert steps[0][m.TIME_SPLIT.of("eval")] > 0  # the step-0 evaluation comes before the first step
     assert "wall s per step" in output and "Where the time goes" in (run_dir / "report.html").read_text()
 
     # Every stage handled groups, and both rollout replicas shared the prompts.
@@ -170,12 +170,12 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     # through from_pretrained reproduces the trainer's final held-out accuracy exactly.
     store = CheckpointStore(open_store(runs.resolve().as_uri(), CheckpointConfig()), "pipe", keep_last=3)
     assert store.steps() == [5, 10]
-    final_eval = [r for r in rows if "eval_accuracy" in r][-1]
-    assert final_eval["step"] == TOTAL_STEPS
+    final_eval = [r for r in rows if r.is_eval][-1]
+    assert final_eval.step == TOTAL_STEPS
     step_dir = run_dir / "step-00000010"
     reloaded = load_model(step_dir)
     eval_rows = load_jsonl(data_dir / "eval.jsonl")[:200]
-    assert greedy_accuracy(reloaded, load_tokenizer(step_dir), eval_rows, 6) == final_eval["eval_accuracy"]
+    assert greedy_accuracy(reloaded, load_tokenizer(step_dir), eval_rows, 6) == final_eval[m.EVAL_ACCURACY]
 
     # EXPERIENCE below what the oldest kept checkpoint would re-read was purged after the saves.
     oldest = json.loads((run_dir / "step-00000005" / "trainer_state.json").read_text())["last_experience_seq"]
@@ -195,9 +195,9 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     core_hours = sum(hours["cpu-core"] for hours in usage["device_hours"].values())
     assert usage["cost"] == pytest.approx(core_hours * 0.05) and usage["steps"] == TOTAL_STEPS
     assert usage["cost_per_step"] == pytest.approx(usage["cost"] / TOTAL_STEPS)
-    baseline_eval = next(r for r in rows if "eval_accuracy" in r)
-    assert baseline_eval["step"] == 0
-    assert usage["accuracy_gain"] == pytest.approx(final_eval["eval_accuracy"] - baseline_eval["eval_accuracy"])
+    baseline_eval = next(r for r in rows if r.is_eval)
+    assert baseline_eval.step == 0
+    assert usage["accuracy_gain"] == pytest.approx(final_eval[m.EVAL_ACCURACY] - baseline_eval[m.EVAL_ACCURACY])
     summary = " ".join(output.split())
     assert "device-hours: trainer" in summary and "cost per step" in summary
     assert "Devices and cost" in (run_dir / "report.html").read_text()
@@ -207,7 +207,7 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     assert again.returncode == 2, again.stderr
     assert f"{run_dir} already holds a run" in again.stderr and "--resume" in again.stderr
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000005", "step-00000010"]
-    assert len(read_jsonl(run_dir / "metrics.jsonl")) == len(rows)
+    assert len(metric_rows(run_dir)) == len(rows)
     # --overwrite (what `make demo` passes) starts over in the same directory: the old steps and rows are gone.
     # It runs synchronously (train.synchronous): each step trains only on groups the weights just published
     # generated, and the rollouts wait for those weights rather than have their groups dropped as stale.
@@ -225,7 +225,8 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     )
     assert redone.returncode == 0, redone.stderr[-3000:]
     assert sorted(p.name for p in run_dir.glob("step-*")) == ["step-00000002"]
-    redone_steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
-    assert [r["step"] for r in redone_steps] == [1, 2]
-    assert [(r["generated_by_version_min"], r["generated_by_version_max"]) for r in redone_steps] == [(0, 0), (1, 1)]
-    assert [r["dropped_stale"] for r in redone_steps] == [0, 0]
+    redone_steps = [r for r in metric_rows(run_dir) if r.is_step]
+    assert [r.step for r in redone_steps] == [1, 2]
+    versions = [(r[m.GENERATED_BY_VERSION_MIN], r[m.GENERATED_BY_VERSION_MAX]) for r in redone_steps]
+    assert versions == [(0, 0), (1, 1)]
+    assert [r[m.DROPPED_STALE] for r in redone_steps] == [0, 0]

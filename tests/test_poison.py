@@ -109,7 +109,7 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
     )
     run_dir = tmp_path / "runs" / "poison"
     with running_pipeline(config) as run:
-        wait_for(lambda: any("pg_loss" in r for r in metric_rows(run_dir)), "the first step", run)
+        wait_for(lambda: any(r.is_step for r in metric_rows(run_dir)), "the first step", run)
         nats_url = run_info(run_dir, run)["nats_url"]
         operator = operator_options(run_dir)  # the run's broker admits only its roles' keys
         flooded = asyncio.run(flood(nats_url, "poison", operator))
@@ -119,9 +119,9 @@ def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_mode
             run,
             timeout=240,
         )
-        flooded_at = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
+        flooded_at = max(r.step for r in metric_rows(run_dir) if r.is_step)
         wait_for(
-            lambda: max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r) >= flooded_at + 3,
+            lambda: max(r.step for r in metric_rows(run_dir) if r.is_step) >= flooded_at + 3,
             "steps after the flood",
             run,
         )

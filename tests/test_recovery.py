@@ -21,6 +21,7 @@ import pytest
 import yaml
 
 from services.common.config import CheckpointConfig
+from services.common.observe import metrics as m
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import (
     Lineage,
@@ -65,7 +66,7 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
     )
     run_dir = runs / "chaos"
     with running_pipeline(config) as process:
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         # Kill the trainer after step 5: the last checkpoint is 3 or 6, the steps after it must be redone.
         wait_for(lambda: len(steps()) >= 5, "step 5", process)
         killed_at = time.time()
@@ -75,8 +76,8 @@ def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_m
             "trainer restart",
             process,
         )
-        wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", process)
-        trainer_recovery_s = min(r["time"] for r in steps() if r["time"] > killed_at) - killed_at
+        wait_for(lambda: any(r[m.TIME] > killed_at for r in steps()), "a step after the restart", process)
+        trainer_recovery_s = min(r[m.TIME] for r in steps() if r[m.TIME] > killed_at) - killed_at
         kill_service(run_dir, "rollout-0", process)
         rollout_killed_at = time.monotonic()
         # The prompts the killed rollout held come back once their ack wait runs out, to the restarted rollout. A
@@ -176,7 +177,7 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
     run_dir = runs / "broker"
     broker_pid = lambda: json.loads((run_dir / "run.json").read_text())["pids"]["nats"]  # noqa: E731
     with running_pipeline(config) as process:
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         wait_for(lambda: len(steps()) >= 4, "step 4", process)
         killed_at = time.time()
         # SIGKILL: no shutdown, only what the broker fsynced survives
@@ -184,8 +185,8 @@ def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
         steps_at_kill = len(steps())
         # The launcher starts a new nats-server on the same port and store; the services reconnect to it.
         wait_for(lambda: broker_pid() != killed_pid, "the broker restart", process)
-        wait_for(lambda: any(r["time"] > killed_at + 1 for r in steps()), "a step after the broker restart", process)
-        times = [r["time"] for r in steps()]
+        wait_for(lambda: any(r[m.TIME] > killed_at + 1 for r in steps()), "a step after the broker restart", process)
+        times = [r[m.TIME] for r in steps()]
         recovery_s = max(b - a for a, b in itertools.pairwise(times) if b > killed_at)  # the outage's gap between steps
         output, _ = process.communicate(timeout=600)
     assert process.returncode == 0, output[-4000:]

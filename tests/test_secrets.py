@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.report import read_jsonl
+from services.common.observe.records import read_jsonl
 from tests.conftest import (
     ROOT,
     free_port,

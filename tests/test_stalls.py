@@ -19,9 +19,10 @@ import time
 import pytest
 
 from services.cli.healthcheck import check
-from services.cli.report import read_jsonl
 from services.common.config import default_alert_rules, load_config
+from services.common.observe.events import Event
 from services.common.observe.instruments import DiskWatch
+from services.common.observe.records import read_events
 from services.common.service import EXIT_STALLED, exit_when_stalled, serve_stage, start_grpc_server
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup
@@ -278,21 +279,23 @@ def test_a_sigstopped_rollout_fires_steps_absent_and_service_down(tiny_model, tm
     )
     run_dir = runs / "stall"
     with running_pipeline(config) as process:
-        wait_for(lambda: len([r for r in metric_rows(run_dir) if "pg_loss" in r]) >= 2, "the first steps", process)
+        wait_for(lambda: len([r for r in metric_rows(run_dir) if r.is_step]) >= 2, "the first steps", process)
         rollout = run_info(run_dir, process)["pids"]["rollout-0"]
         stopped_at = time.time()
         os.kill(rollout, signal.SIGSTOP)
         try:
             alerts = lambda: [  # noqa: E731
-                e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "alert" and e["time"] > stopped_at
+                e
+                for e in read_events(run_dir / "events.jsonl")
+                if e.kind == Event.ALERT and e.time is not None and e.time > stopped_at
             ]
-            fired = lambda: {e["rule"] for e in alerts()}  # noqa: E731
+            fired = lambda: {e.rule for e in alerts()}  # noqa: E731
             wait_for(lambda: {"steps_absent", "service_down"} <= fired(), "the stall alerts", process, timeout=240)
         finally:
             os.kill(rollout, signal.SIGCONT)
-    absent = next(e for e in alerts() if e["rule"] == "steps_absent")
-    assert absent["metric"] == "step_time_s" and absent["severity"] == "critical"
-    assert "has not been reported for" in absent["message"]
+    absent = next(e for e in alerts() if e.rule == "steps_absent")
+    assert absent.details["metric"] == "step_time_s" and absent.details["severity"] == "critical"
+    assert "has not been reported for" in absent.message
 
 
 # ------------------------------------------------------------------ a disk filling up

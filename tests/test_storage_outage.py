@@ -16,8 +16,9 @@ import time
 
 import pytest
 
-from services.cli.report import read_jsonl
 from services.common.config import CheckpointConfig
+from services.common.observe import metrics as m
+from services.common.observe.records import read_metrics
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
@@ -123,7 +124,7 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
     metrics = run_dir / "metrics.jsonl"
     with running_pipeline(config) as run:
         deadline = time.monotonic() + 300
-        while not any("checkpoint_saved" in r for r in read_jsonl(metrics)):
+        while not any(m.CHECKPOINT_SAVED in r for r in read_metrics(metrics)):
             assert run.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
         s3.stop()
@@ -132,22 +133,22 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
         assert during.returncode == 0, during.stderr
         assert json.loads(during.stdout)["checkpoint_store_error"]
         assert "unreadable" in rlpipe(run_dir, "status").stdout
-        while not any(r.get("checkpoint_failed") for r in read_jsonl(metrics)):
+        while not any(r.get(m.CHECKPOINT_FAILED) for r in read_metrics(metrics)):
             assert run.poll() is None and time.monotonic() < deadline, "no failed save while the store was down"
             time.sleep(0.2)
-        failed_at = max(r["step"] for r in read_jsonl(metrics) if r.get("checkpoint_failed"))
+        failed_at = max(r.step for r in read_metrics(metrics) if r.get(m.CHECKPOINT_FAILED))
         # Training goes on with the store still down: steps after the failed save are applied before it is back.
         wait_for(
-            lambda: [r for r in read_jsonl(metrics) if "pg_loss" in r and r["step"] >= failed_at + 3],
+            lambda: [r for r in read_metrics(metrics) if r.is_step and r.step >= failed_at + 3],
             "steps applied while the store is down",
             run,
             timeout=240,
         )
-        assert not any(r.get("checkpoint_saved") and r["step"] > failed_at for r in read_jsonl(metrics))
+        assert not any(r.get(m.CHECKPOINT_SAVED) and r.step > failed_at for r in read_metrics(metrics))
         s3.start()
         # A periodic save succeeds on the store that came back; then the stop saves the run's last step.
         wait_for(
-            lambda: any(r.get("checkpoint_saved") and r["step"] > failed_at for r in read_jsonl(metrics)),
+            lambda: any(r.get(m.CHECKPOINT_SAVED) and r.step > failed_at for r in read_metrics(metrics)),
             "a save after the store came back",
             run,
             timeout=240,
@@ -155,11 +156,11 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
         assert rlpipe(run_dir, "stop").returncode == 0
         output, _ = run.communicate(timeout=600)
     assert run.returncode == 0, output[-4000:]
-    all_rows = read_jsonl(metrics)
-    steps = [r["step"] for r in all_rows if "pg_loss" in r]
+    all_rows = read_metrics(metrics)
+    steps = [r.step for r in all_rows if r.is_step]
     assert steps == list(range(1, steps[-1] + 1))  # training never stopped
     last = steps[-1]
-    saved_after = [r["step"] for r in all_rows if "checkpoint_saved" in r and r["step"] > failed_at]
+    saved_after = [r.step for r in all_rows if m.CHECKPOINT_SAVED in r and r.step > failed_at]
     assert saved_after and saved_after[-1] == last
     log = (run_dir / "logs" / "trainer.log").read_text()
     assert '"store_retry"' in log and '"checkpoint_failed"' in log and '"alert": true' in log
@@ -227,7 +228,7 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
         rollout={"backend": "hf", "prompts_per_batch": 4},
     )
     run_dir = tmp_path / "runs" / "claims"
-    steps = lambda: [r for r in read_jsonl(run_dir / "metrics.jsonl") if "pg_loss" in r]  # noqa: E731
+    steps = lambda: [r for r in read_metrics(run_dir / "metrics.jsonl") if r.is_step]  # noqa: E731
     with running_pipeline(config) as run:
         wait_for(lambda: len(steps()) >= 2, "step 2", run)
         unreachable_s3.stop()
@@ -240,7 +241,7 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
     assert stopped_at < CLAIM_STEPS, "the outage came too late to meet claim-checked traffic"
     restarts = json.loads((run_dir / "run.json").read_text())["restarts"]
     assert restarts == {}, f"a service crashed over the outage: {restarts}"  # held, not crashed and restarted
-    assert [r["step"] for r in steps()] == list(range(1, CLAIM_STEPS + 1))
+    assert [r.step for r in steps()] == list(range(1, CLAIM_STEPS + 1))
     logs = {path.stem: path.read_text() for path in (run_dir / "logs").glob("*.log")}
     # Every group was claim-checked, so the stages met the outage while storing or reading bodies ...
     held = [name for name, text in logs.items() if '"dependency_unavailable"' in text]

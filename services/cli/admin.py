@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import grpc
 import typer
@@ -26,6 +26,8 @@ from rich.table import Table
 from services.cli.output import console_for
 from services.common.config import AdminCredentials, RunsLocation
 from services.common.observe.logs import JsonlFollower
+from services.common.observe.metrics import EVAL_ACCURACY, Metric, find
+from services.common.observe.records import MetricsRow
 from services.common.pb import admin_pb2, admin_pb2_grpc
 
 # Piped output (scripts, logs) gets room for the wide tables instead of rich's 80 columns.
@@ -103,7 +105,7 @@ def newest_run_dir(runs: Path) -> Path | None:
     return found[-1].parent if found else None
 
 
-def fail(code: int, message: str) -> None:
+def fail(code: int, message: str) -> NoReturn:
     # Unwrapped: a path or an address in the message must stay greppable at any terminal width.
     Console(stderr=True).print(f"[red]rlpipe:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
@@ -359,7 +361,7 @@ def register(app: typer.Typer) -> typer.Typer:
     ) -> None:
         """Print the run's metric rows (runs/<run>/metrics.jsonl) as they arrive."""
         run_dir = _run_dir(ctx)
-        columns = [k.strip() for k in keys.split(",") if k.strip()]
+        columns = [_declared(key.strip()) for key in keys.split(",") if key.strip()]
         _tail(run_dir / "metrics.jsonl", follow, lambda line: _metric_line(line, columns))
 
     @app.command()
@@ -381,17 +383,34 @@ def _run_dir(ctx: typer.Context) -> Path:
     return run_dir
 
 
-def _metric_line(line: str, columns: list[str]) -> str | None:
+def _declared(key: str) -> Metric:
+    metric = find(key)
+    if metric is None:
+        fail(USAGE, f"{key!r} is not a metric the trainer writes (docs/metrics.md lists them)")
+    return metric
+
+
+def _metric_line(line: str, columns: list[Metric]) -> str | None:
     try:
-        row = json.loads(line)
+        values = json.loads(line)
     except ValueError:
         return None
-    if "reward_mean" not in row and "eval_accuracy" not in row:
+    if not isinstance(values, dict):
         return None
-    shown = [f"{k}={row[k]:.4g}" if isinstance(row.get(k), float) else f"{k}={row[k]}" for k in columns if k in row]
-    if "eval_accuracy" in row:
-        shown.append(f"eval_accuracy={row['eval_accuracy']:.4f}")
+    row = MetricsRow(values)
+    if not row.is_step and not row.is_eval:
+        return None
+    shown = [f"{metric.key}={_shown(row, metric)}" for metric in columns if metric in row]
+    if row.is_eval:
+        shown.append(f"eval_accuracy={row[EVAL_ACCURACY]:.4f}")
     return "  ".join(shown)
+
+
+def _shown(row: MetricsRow, metric: Metric) -> str:
+    value = row.get(metric)
+    if value is None:
+        return str(row.text(metric))
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _tail(path: Path, follow: bool, render: Callable[[str], str | None]) -> None:

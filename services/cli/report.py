@@ -7,7 +7,8 @@ Inputs, both JSON lines in the run directory:
 - ``events.jsonl`` (may be missing or empty): ``{"time", "step" (int or null), "kind",
   "message", ...}`` for config changes, alerts, rollbacks, resumes, restarts, pauses and stops.
 
-Both roll into numbered parts past ``telemetry.jsonl_max_mib``; ``read_jsonl`` reads every part in order.
+Both roll into numbered parts past ``telemetry.jsonl_max_mib``; ``read_metrics`` and ``read_events``
+(services/common/observe/records.py) read every part in order, typed by the metrics contract.
 
 The x-axis is the trainer step everywhere. An event without a step is placed at the step
 of the metrics row written nearest to it in time, and the HTML marks such steps with "≈".
@@ -28,52 +29,51 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.observe import metrics as m
 from services.common.observe.events import Event
-from services.common.observe.logs import jsonl_parts
+from services.common.observe.records import EventRecord, MetricsRow, read_events, read_metrics, step_rows
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-PANELS = (
-    ("reward_mean", "reward mean (band: ±std)", "reward_std"),
-    ("eval_accuracy", "held-out accuracy (greedy)", None),
-    ("entropy", "policy entropy (nats/token)", None),
-    ("kl_ref", "KL to reference (k3)", None),
-    ("response_length_mean", "response length (tokens)", None),
-    ("termination_rate", "termination rate (EOS)", None),
-    ("step_time_s", "wall time per step by phase (s); line: learner step", None),
+PANELS: tuple[tuple[m.Metric, str, m.Metric | None], ...] = (
+    (m.REWARD_MEAN, "reward mean (band: ±std)", m.REWARD_STD),
+    (m.EVAL_ACCURACY, "held-out accuracy (greedy)", None),
+    (m.ENTROPY, "policy entropy (nats/token)", None),
+    (m.KL_REF, "KL to reference (k3)", None),
+    (m.RESPONSE_LENGTH_MEAN, "response length (tokens)", None),
+    (m.TERMINATION_RATE, "termination rate (EOS)", None),
+    (m.STEP_TIME_S, "wall time per step by phase (s); line: learner step", None),
 )
 # The trainer's split of the wall time between two step rows (services/trainer/service.py), stacked in the
 # step-time panel; together they are the step's whole interval, of which step_time_s is the learner's part.
-TIME_SPLIT_KEYS = ("time/wait_s", "time/compute_s", "time/publish_s", "time/eval_s", "time/bookkeeping_s")
-SHARE_PREFIX = "share/"  # share/<role>/<busy|idle|blocked>: each role's fractions since it started
+TIME_SPLIT = m.TIME_SPLIT.members()
 # The step-row statistics whose recent means the HTML summary lists.
 SUMMARY_METRICS = (
-    "reward_mean",
-    "reward_std",
-    "entropy",
-    "kl_ref",
-    "response_length_mean",
-    "termination_rate",
-    "step_time_s",
-    "tokens_per_s",
-    "dynamic_sampling/dropped_fraction",
-    "agent/turns_mean",
-    "agent/tool_calls_mean",
-    "agent/tool_errors_mean",
-    "agent/env_seconds_mean",
+    m.REWARD_MEAN,
+    m.REWARD_STD,
+    m.ENTROPY,
+    m.KL_REF,
+    m.RESPONSE_LENGTH_MEAN,
+    m.TERMINATION_RATE,
+    m.STEP_TIME_S,
+    m.TOKENS_PER_S,
+    m.DYNAMIC_SAMPLING_DROPPED,
+    m.AGENT_TURNS,
+    m.AGENT_TOOL_CALLS,
+    m.AGENT_TOOL_ERRORS,
+    m.AGENT_ENV_SECONDS,
 )
 # The panels of multi-turn runs, drawn only when step rows carry agent/... keys
 # (services/trainer/intake/episode_stats.py).
 AGENT_PANELS = (
-    ("agent/turns_mean", "turns per episode"),
-    ("agent/tool_calls_mean", "tool calls per episode"),
-    ("agent/tool_errors_mean", "tool errors per episode"),
-    ("agent/env_seconds_mean", "environment time per episode (s)"),
+    (m.AGENT_TURNS, "turns per episode"),
+    (m.AGENT_TOOL_CALLS, "tool calls per episode"),
+    (m.AGENT_TOOL_ERRORS, "tool errors per episode"),
+    (m.AGENT_ENV_SECONDS, "environment time per episode (s)"),
 )
-OUTCOME_PREFIX = "agent/outcome/"
 EVENT_STYLES = {
     Event.CONFIG_CHANGE: ("tab:blue", "--"),
     Event.ALERT: ("tab:red", "-"),
@@ -87,43 +87,18 @@ EVENT_STYLES = {
 OTHER_EVENT_STYLE = ("tab:brown", ":")
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects of a JSON-lines record, its rolled parts first (``jsonl_parts``); [] when it is
-    missing. Lines that are not a JSON object are skipped, because a live run may be halfway through
-    writing the last one."""
-    rows = []
-    for line in (line for part in jsonl_parts(path) for line in part.read_text().splitlines()):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(row, dict):
-            rows.append(row)
-    return rows
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _is_step_row(row: dict[str, Any]) -> bool:
-    return isinstance(row.get("step"), int) and "reward_mean" in row
-
-
-def event_steps(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[tuple[int | None, bool]]:
+def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple[int | None, bool]]:
     """For each event (step, estimated): its own step, or else the step of the metrics row
     nearest to it in time (estimated=True); (None, True) when no row has both time and step."""
-    timeline = sorted(
-        (row["time"], row["step"]) for row in rows if _number(row.get("time")) and isinstance(row.get("step"), int)
-    )
+    timeline = sorted((row.time, row.step) for row in rows if row.time is not None and row.step is not None)
     times = [t for t, _ in timeline]
-    placed = []
+    placed: list[tuple[int | None, bool]] = []
     for event in events:
-        if isinstance(event.get("step"), int):
-            placed.append((event["step"], False))
+        if event.step is not None:
+            placed.append((event.step, False))
             continue
-        at = event.get("time")
-        if not timeline or not _number(at):
+        at = event.time
+        if not timeline or at is None or not math.isfinite(at):
             placed.append((None, True))
             continue
         i = bisect.bisect_left(times, at)
@@ -133,23 +108,24 @@ def event_steps(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> lis
 
 
 def curve(
-    rows: list[dict[str, Any]], key: str, band: str | None
+    rows: list[MetricsRow], metric: m.Metric, band: m.Metric | None
 ) -> tuple[list[float], list[float], list[float] | None]:
     """x, y and the ±band of one curve in file order, with a NaN gap wherever the step goes back."""
     xs: list[float] = []
     ys: list[float] = []
     spread: list[float] = []
     for row in rows:
-        step = row.get("step")
-        if not isinstance(step, int) or not _number(row.get(key)):
+        step, value = row.step, row.finite(metric)
+        if step is None or value is None:
             continue
         if xs and step < xs[-1]:
             xs.append(math.nan)
             ys.append(math.nan)
             spread.append(math.nan)
         xs.append(step)
-        ys.append(row[key])
-        spread.append(row[band] if band and _number(row.get(band)) else math.nan)
+        ys.append(value)
+        width = row.finite(band) if band is not None else None
+        spread.append(math.nan if width is None else width)
     has_band = band is not None and any(math.isfinite(s) for s in spread)
     return xs, ys, spread if has_band else None
 
@@ -165,30 +141,30 @@ def _pyplot() -> Any:
     return plt
 
 
-def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> Figure:
+def _figure(rows: list[MetricsRow], events: list[EventRecord], title: str) -> Figure:
     from matplotlib.lines import Line2D  # deferred with pyplot: see _pyplot
 
     figure, axes = _pyplot().subplots(2, 4, figsize=(20, 8))
     marks = [
-        (step, event.get("kind", "?"))
+        (step, event.kind or "?")
         for event, (step, _) in zip(events, event_steps(events, rows), strict=False)
-        if step is not None and event.get("kind") != "done"  # the curves' own end; the events table lists it
+        if step is not None and event.kind != Event.DONE  # the curves' own end; the events table lists it
     ]
-    for ax, (key, panel_title, band) in zip(axes.flat, PANELS, strict=False):
+    for ax, (metric, panel_title, band) in zip(axes.flat, PANELS, strict=False):
         ax.set_title(panel_title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
         for step, kind in marks:
             color, style = EVENT_STYLES.get(kind, OTHER_EVENT_STYLE)
             ax.axvline(step, color=color, linestyle=style, lw=1, alpha=0.7)
-        xs, ys, spread = curve(rows, key, band)
-        if key == "step_time_s":
+        xs, ys, spread = curve(rows, metric, band)
+        if metric == m.STEP_TIME_S:
             _stack_time_split(ax, rows)
         if not xs:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
             continue
         ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, lw=1.5)
-        if key.endswith(("_rate", "accuracy")):
+        if metric.unit == "fraction":
             ax.set_ylim(-0.02, 1.02)
         if spread:
             ax.fill_between(
@@ -212,35 +188,31 @@ def _figure(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str
     return figure
 
 
-def _stack_time_split(ax: Any, rows: list[dict[str, Any]]) -> None:
+def _stack_time_split(ax: Any, rows: list[MetricsRow]) -> None:
     """The step's wall interval, stacked by phase, under the learner's own step-time line."""
-    steps = [row for row in rows if _is_step_row(row) and all(_number(row.get(key)) for key in TIME_SPLIT_KEYS)]
+    steps = [row for row in step_rows(rows) if all(row.finite(phase) is not None for phase in TIME_SPLIT)]
     if not steps:
         return
-    xs = [row["step"] for row in steps]
-    labels = [key.removeprefix("time/").removesuffix("_s") for key in TIME_SPLIT_KEYS]
-    ax.stackplot(xs, *[[row[key] for row in steps] for key in TIME_SPLIT_KEYS], labels=labels, alpha=0.5)
+    xs = [row.step for row in steps]
+    labels = [m.TIME_SPLIT.value(phase) for phase in TIME_SPLIT]
+    ax.stackplot(xs, *[[row[phase] for row in steps] for phase in TIME_SPLIT], labels=labels, alpha=0.5)
     ax.legend(loc="upper right", fontsize="small")
 
 
-def time_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+def time_lines(rows: list[MetricsRow]) -> list[tuple[str, str]]:
     """(quantity, value) rows for the run summary and the report: the mean split of a step's wall interval by
     phase, and each role's busy/idle/blocked fractions as the last step row carries them."""
-    steps = [row for row in rows if _is_step_row(row)]
+    steps = step_rows(rows)
     lines = []
-    split = [row for row in steps if all(_number(row.get(key)) for key in TIME_SPLIT_KEYS)]
+    split = [row for row in steps if all(row.finite(phase) is not None for phase in TIME_SPLIT)]
     if split:
-        means = {key: sum(row[key] for row in split) / len(split) for key in TIME_SPLIT_KEYS}
+        means = {m.TIME_SPLIT.value(phase): sum(row[phase] for row in split) / len(split) for phase in TIME_SPLIT}
         wall = max(sum(means.values()), 1e-9)
-        parts = ", ".join(
-            f"{key.removeprefix('time/').removesuffix('_s')} {value:.3f} ({value / wall:.0%})"
-            for key, value in means.items()
-        )
+        parts = ", ".join(f"{phase} {value:.3f} ({value / wall:.0%})" for phase, value in means.items())
         lines.append((f"wall s per step {wall:.3f}, by phase (mean of {len(split)} steps)", parts))
     shares: dict[str, dict[str, float]] = {}
-    for key, value in (steps[-1] if steps else {}).items():
-        if key.startswith(SHARE_PREFIX) and _number(value):
-            role, _, activity = key.removeprefix(SHARE_PREFIX).partition("/")
+    for (role, activity), value in (steps[-1].family(m.TIME_SHARE) if steps else {}).items():
+        if math.isfinite(value):
             shares.setdefault(role, {})[activity] = value
     for role in sorted(shares):
         fractions = shares[role]
@@ -249,7 +221,7 @@ def time_lines(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return lines
 
 
-def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -> bytes:
+def _png(rows: list[MetricsRow], events: list[EventRecord], title: str) -> bytes:
     figure = _figure(rows, events, title)
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=100)
@@ -257,22 +229,23 @@ def _png(rows: list[dict[str, Any]], events: list[dict[str, Any]], title: str) -
     return buffer.getvalue()
 
 
-def _agent_png(rows: list[dict[str, Any]]) -> bytes | None:
+def _agent_png(rows: list[MetricsRow]) -> bytes | None:
     """The agent panels (AGENT_PANELS and the share of each episode outcome), or None for a run without episodes."""
-    outcomes = sorted({key for row in rows if _is_step_row(row) for key in row if key.startswith(OUTCOME_PREFIX)})
+    seen = {parts for row in step_rows(rows) for parts in row.family(m.AGENT_OUTCOME)}
+    outcomes = [m.AGENT_OUTCOME.of(*parts) for parts in sorted(seen)]
     if not outcomes:
         return None
     plt = _pyplot()
     figure, axes = plt.subplots(1, len(AGENT_PANELS) + 1, figsize=(5 * (len(AGENT_PANELS) + 1), 4))
-    for ax, (key, panel_title) in zip(axes, AGENT_PANELS, strict=False):
+    for ax, (metric, panel_title) in zip(axes, AGENT_PANELS, strict=False):
         ax.set_title(panel_title)
-        xs, ys, _ = curve(rows, key, None)
+        xs, ys, _ = curve(rows, metric, None)
         ax.plot(xs, ys, lw=1.5)
     outcome_ax = axes[-1]
     outcome_ax.set_title("episode outcomes (share)")
-    for key in outcomes:
-        xs, ys, _ = curve(rows, key, None)
-        outcome_ax.plot(xs, ys, lw=1.5, label=key.removeprefix(OUTCOME_PREFIX))
+    for outcome in outcomes:
+        xs, ys, _ = curve(rows, outcome, None)
+        outcome_ax.plot(xs, ys, lw=1.5, label=m.AGENT_OUTCOME.value(outcome))
     outcome_ax.set_ylim(-0.02, 1.02)
     outcome_ax.legend(loc="best")
     for ax in axes:
@@ -288,14 +261,14 @@ def _agent_png(rows: list[dict[str, Any]]) -> bytes | None:
 def render_report(metrics_path: Path, out_path: Path, events_path: Path | None = None) -> Path:
     """Write the curves of ``metrics_path`` with the events of ``events_path`` (default: the
     ``events.jsonl`` beside the metrics) marked on them to ``out_path`` as PNG."""
-    events = read_jsonl(events_path or metrics_path.with_name("events.jsonl"))
+    events = read_events(events_path or metrics_path.with_name("events.jsonl"))
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_bytes(_png(read_jsonl(metrics_path), events, f"rlpipe run: {metrics_path.parent.name}"))
+    out_path.write_bytes(_png(read_metrics(metrics_path), events, f"rlpipe run: {metrics_path.parent.name}"))
     return out_path
 
 
-def _when(seconds: Any) -> str:
-    if not _number(seconds):
+def _when(seconds: float | None) -> str:
+    if seconds is None or not math.isfinite(seconds):
         return ""
     return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
@@ -312,41 +285,41 @@ def _table(header: tuple[str, ...], body: list[tuple[Any, ...]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
 
 
-def summary(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+def summary(rows: list[MetricsRow]) -> list[tuple[str, Any]]:
     """(label, value) pairs: steps, wall time, first/final/best eval accuracy, and the means of
     SUMMARY_METRICS over the last 10% of step rows (at least one)."""
-    steps = [row for row in rows if _is_step_row(row)]
-    evals = [row for row in rows if _number(row.get("eval_accuracy"))]
-    times = [row["time"] for row in rows if _number(row.get("time"))]
+    steps = step_rows(rows)
+    evals = [(row.step, accuracy) for row in rows if (accuracy := row.finite(m.EVAL_ACCURACY)) is not None]
+    times = [row.time for row in rows if row.time is not None]
     items: list[tuple[str, Any]] = [
         ("step rows", len(steps)),
-        ("last step", steps[-1]["step"] if steps else None),
+        ("last step", steps[-1].step if steps else None),
         ("wall time", str(timedelta(seconds=round(max(times) - min(times)))) if times else None),
     ]
     if evals:
-        best = max(evals, key=lambda row: row["eval_accuracy"])
+        best = max(evals, key=lambda found: found[1])
         items += [
-            (f"first eval accuracy (step {evals[0].get('step')})", evals[0]["eval_accuracy"]),
-            (f"final eval accuracy (step {evals[-1].get('step')})", evals[-1]["eval_accuracy"]),
-            (f"best eval accuracy (step {best.get('step')})", best["eval_accuracy"]),
+            (f"first eval accuracy (step {evals[0][0]})", evals[0][1]),
+            (f"final eval accuracy (step {evals[-1][0]})", evals[-1][1]),
+            (f"best eval accuracy (step {best[0]})", best[1]),
         ]
     tail = steps[-max(1, len(steps) // 10) :] if steps else []
-    for key in SUMMARY_METRICS:
-        values = [row[key] for row in tail if _number(row.get(key))]
+    for metric in SUMMARY_METRICS:
+        values = [value for row in tail if (value := row.finite(metric)) is not None]
         if values:
-            items.append((f"{key}, mean of the last {len(tail)} steps", sum(values) / len(values)))
+            items.append((f"{metric.key}, mean of the last {len(tail)} steps", sum(values) / len(values)))
     return items
 
 
-def config_versions(rows: list[dict[str, Any]]) -> list[tuple[int, int | None, str, int]]:
+def config_versions(rows: list[MetricsRow]) -> list[tuple[int, int | None, str, int]]:
     """(version, first step, first time, rows) for each ``config_version`` the rows carry, in order of appearance."""
     seen: dict[int, list[Any]] = {}
     for row in rows:
-        version = row.get("config_version")
+        version = row.get(m.CONFIG_VERSION)
         if not isinstance(version, int):
             continue
         if version not in seen:
-            seen[version] = [row.get("step"), _when(row.get("time")), 0]
+            seen[version] = [row.step, _when(row.time), 0]
         seen[version][2] += 1
     return [(version, step, when, count) for version, (step, when, count) in seen.items()]
 
@@ -378,21 +351,17 @@ def render_html(
 
     ``metrics_path``: the run's metrics (default ``run_dir/metrics.jsonl``); ``curves_png``: the curves already
     drawn from them (drawing them is most of a report's CPU), else drawn here."""
-    rows = read_jsonl(metrics_path or run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    rows = read_metrics(metrics_path or run_dir / "metrics.jsonl")
+    events = read_events(run_dir / "events.jsonl")
     name = run_dir.resolve().name
     image = base64.b64encode(curves_png or _png(rows, events, f"rlpipe run: {name}")).decode()
     event_rows = [
         (
-            _when(event.get("time")),
+            _when(event.time),
             "" if step is None else f"≈{step}" if estimated else step,
-            event.get("kind", ""),
-            event.get("message", ""),
-            ", ".join(
-                f"{k}={v if isinstance(v, str) else json.dumps(v)}"
-                for k, v in event.items()
-                if k not in ("time", "step", "kind", "message")
-            ),
+            event.kind,
+            event.message,
+            ", ".join(f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in event.details.items()),
         )
         for event, (step, estimated) in zip(events, event_steps(events, rows), strict=False)
     ]

@@ -25,6 +25,7 @@ from rich.table import Table
 
 from services.common.files import write_atomically
 from services.common.observe.logs import jsonl_parts
+from services.common.observe.records import MetricsRow
 from services.common.observe.usage import USAGE_FILE
 from services.common.service import EXIT_REFUSED
 
@@ -73,9 +74,9 @@ def last_step(metrics: Path) -> int | None:
             lines = handle.read().splitlines()
         for line in reversed(lines):
             with contextlib.suppress(ValueError):
-                row = json.loads(line)
-                if isinstance(row, dict) and isinstance(row.get("step"), int):
-                    return row["step"]
+                values = json.loads(line)
+                if isinstance(values, dict) and (step := MetricsRow(values).step) is not None:
+                    return step
     return None
 
 

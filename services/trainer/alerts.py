@@ -41,6 +41,7 @@ from typing import Any
 from services.common.config import AlertRule
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
+from services.common.observe.records import MetricsRow
 
 log = logging.getLogger("rlpipe.alerts")
 
@@ -112,8 +113,8 @@ class AlertEvaluator:
 
     def observe(self, row: dict[str, Any], now: float) -> list[Firing]:
         """Record one metrics row and return the rules it makes fire."""
-        step = row.get("step")
-        if isinstance(step, int) and not isinstance(step, bool):
+        step = MetricsRow(row).step
+        if step is not None:
             self._step = step
             for name, fired in self._fired_at.items():
                 if step < fired:

@@ -23,6 +23,7 @@ from services.common.config import AlertsConfig
 from services.common.observe.events import Event, Journal, JournalEntry
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import RollingJsonl, log_event
+from services.common.observe.metrics import UndeclaredKeys
 from services.common.observe.trackers import TrackerFanout
 from services.common.observe.writer import CAPACITY_ROWS, BackgroundWriter
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
@@ -53,6 +54,7 @@ class MetricsLog:
         # Without max_bytes one file grows for ever (a drill's or a test's short record).
         self.file = RollingJsonl(path, max_bytes or sys.maxsize, keep_parts)
         self.trackers = trackers
+        self.undeclared = UndeclaredKeys()  # a key the metrics contract lacks is logged once, the row kept
         self.writer: BackgroundWriter[dict[str, Any]] = BackgroundWriter("metrics", self._write_rows, capacity)
 
     @property
@@ -74,6 +76,8 @@ class MetricsLog:
             self.trackers.close()
 
     def _write_rows(self, rows: list[dict[str, Any]]) -> None:
+        for row in rows:
+            self.undeclared.note(row)
         self.file.write_lines([json.dumps(row) + "\n" for row in rows])
         if self.trackers is not None:
             for row in rows:

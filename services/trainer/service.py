@@ -35,6 +35,7 @@ from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
+from services.common.observe.metrics import GROUPS_DEAD, GROUPS_LOST, GROUPS_REOPENED, IN_FLIGHT_GROUPS, REPEATS_DROPPED
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
@@ -274,17 +275,17 @@ class Trainer:
         """Groups settled as dead or lost, reopened by a re-inject, and repeats refused since the last row; the
         groups in flight now."""
         counts = {
-            "groups_dead": self.ledger.counts[Fate.DEAD],
-            "groups_reopened": self.ledger.reopened,
-            "groups_lost": self.ledger.counts[Fate.LOST],
-            "repeats_dropped": self.ledger.repeats,
+            GROUPS_DEAD.key: self.ledger.counts[Fate.DEAD],
+            GROUPS_REOPENED.key: self.ledger.reopened,
+            GROUPS_LOST.key: self.ledger.counts[Fate.LOST],
+            REPEATS_DROPPED.key: self.ledger.repeats,
         }
         row = {name: float(n - self.reported.get(name, 0)) for name, n in counts.items()}
         self.reported = counts
-        self.telemetry.record_groups("dead", int(row["groups_dead"]))
-        self.telemetry.record_groups("reopened", int(row["groups_reopened"]))
-        self.telemetry.record_groups("repeat", int(row["repeats_dropped"]))
-        return {**row, "in_flight_groups": float(len(self.ledger.in_flight))}
+        self.telemetry.record_groups("dead", int(row[GROUPS_DEAD.key]))
+        self.telemetry.record_groups("reopened", int(row[GROUPS_REOPENED.key]))
+        self.telemetry.record_groups("repeat", int(row[REPEATS_DROPPED.key]))
+        return {**row, IN_FLIGHT_GROUPS.key: float(len(self.ledger.in_flight))}
 
     # -- a step ------------------------------------------------------------------------
 

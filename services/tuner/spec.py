@@ -121,8 +121,8 @@ class MetricConstraint(Spec):
     """A trial is feasible only if ``reduce`` over the metric's values stays below / above a bound."""
 
     metric: str = Field(
-        description="a key of the run's metrics.jsonl rows, or usage.<quantity> (cost, cost_per_step, "
-        "cost_per_accuracy_point, cpu_core_hours, gpu_hours) from the finished run's usage.json"
+        description="a key of the run's metrics.jsonl rows (one docs/metrics.md declares), or usage.<quantity> "
+        "(cost, cost_per_step, cost_per_accuracy_point, cpu_core_hours, gpu_hours) from the finished run's usage.json"
     )
     reduce: Literal["final", "max", "min", "mean"] = "max"
     below: float | None = None
@@ -144,8 +144,9 @@ class AlertConstraint(Spec):
 class Objective(Spec):
     metric: str = Field(
         "eval_accuracy",
-        description="a key of the run's metrics.jsonl rows, or usage.<quantity> from the finished run's usage.json "
-        "(e.g. usage.cost_per_accuracy_point, direction minimize; known only at a trial's end, so pruner.kind: none)",
+        description="a key of the run's metrics.jsonl rows (one docs/metrics.md declares), or usage.<quantity> from "
+        "the finished run's usage.json (e.g. usage.cost_per_accuracy_point, direction minimize; known only at a "
+        "trial's end, so pruner.kind: none)",
     )
     reduce: Literal["final", "best", "mean_last_k"] = Field(
         "final", description="final: the last value; best: the best by direction; mean_last_k: mean of the last k"

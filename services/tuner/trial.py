@@ -32,10 +32,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
+from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower
+from services.common.observe.metrics import find
+from services.common.observe.records import MetricsRow, event_records, metrics_rows
 from services.common.observe.usage import USAGE_FILE, run_quantities
 from services.tuner.procs import (
     GpuMemory,
@@ -129,8 +132,8 @@ class TrialProcess:
         self.events = JsonlFollower(run_dir / "events.jsonl")
         self.values: list[tuple[int, float]] = []
         self.series: dict[str, list[float]] = {name: [] for name in tracked or ()}
-        self.last_step_row: dict[str, Any] = {}
-        self.last_eval: dict[str, Any] = {}
+        self.last_step_row = MetricsRow({})
+        self.last_eval = MetricsRow({})
         self.alerts: list[Alert] = []
         self.steps = 0
         self.stopped_by = ""  # an alert's or operator's stop the trainer obeyed
@@ -202,9 +205,9 @@ class TrialProcess:
         leftovers = group_members(pgid)
         if leftovers:
             kill_group(pgid)
-        final = {k: v for k, v in self.last_step_row.items() if isinstance(v, (int, float)) and k != "time"}
-        if "eval_accuracy" in self.last_eval:
-            final["eval_accuracy"] = self.last_eval["eval_accuracy"]
+        final = {key: value for key, value in self.last_step_row.numbers() if key != m.TIME.key}
+        if (accuracy := self.last_eval.get(m.EVAL_ACCURACY)) is not None:
+            final[m.EVAL_ACCURACY.key] = accuracy
         return TrialOutcome(
             status=status,
             reason=reason,
@@ -222,29 +225,31 @@ class TrialProcess:
         )
 
     def read_progress(self) -> None:
-        metric = self.objective.metric
-        for row in self.metrics.new_rows():
-            step = row.get("step")
-            if "alert" in row:
-                self.alerts.append(Alert(str(row["alert"]), str(row.get("alert_severity", "")), step))
+        # None for a usage.<quantity>, read from usage.json once the run has ended (read_usage).
+        objective = find(self.objective.metric)
+        tracked = {name: find(name) for name in self.series}
+        for row in metrics_rows(self.metrics.new_rows()):
+            step = row.step
+            if (rule := row.alert) is not None:
+                self.alerts.append(Alert(rule, row.text(m.ALERT_SEVERITY) or "", step))
                 continue
-            if "eval_accuracy" in row:
+            if row.is_eval:
                 self.last_eval = row
-            elif "loss" in row or "reward_mean" in row:
+            elif row.is_step:
                 self.last_step_row = row
-                self.steps = max(self.steps, int(step or 0))
+                self.steps = max(self.steps, step or 0)
             for name, series in self.series.items():
-                if isinstance(row.get(name), (int, float)):
-                    series.append(float(row[name]))
-            if metric in row and isinstance(row[metric], (int, float)):
-                point = (int(step or 0), float(row[metric]))
+                if (metric := tracked[name]) is not None and (value := row.get(metric)) is not None:
+                    series.append(float(value))
+            if objective is not None and (value := row.get(objective)) is not None:
+                point = (step or 0, float(value))
                 self.values.append(point)
                 self.new_values.append(point)
-        for event in self.events.new_rows():
-            if event.get("kind") == Event.PAUSE:
-                self.paused = str(event.get("message", ""))
-            elif event.get("kind") == Event.STOP:
-                self.stopped_by = str(event.get("message", ""))
+        for event in event_records(self.events.new_rows()):
+            if event.kind == Event.PAUSE:
+                self.paused = event.message
+            elif event.kind == Event.STOP:
+                self.stopped_by = event.message
 
     def read_usage(self) -> None:
         """Add the ``usage.`` quantities the objective and constraints name, from the ended run's usage.json.
@@ -269,7 +274,7 @@ class TrialProcess:
             self.values.append((self.steps, value))
 
     def nan_loss(self) -> str | None:
-        loss = self.last_step_row.get("loss")
+        loss = self.last_step_row.get(m.LOSS)
         if isinstance(loss, float) and not math.isfinite(loss):
             return str(loss)
         return None

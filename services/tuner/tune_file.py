@@ -10,6 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.common.config import ConfigError, RunConfig, apply_overrides, load_config
+from services.common.observe.metrics import find
 from services.common.observe.usage import PRICED_QUANTITIES, RUN_QUANTITIES
 from services.tuner.spec import (
     USAGE_PREFIX,
@@ -117,8 +118,10 @@ def _check_space(spec: TuneSpec, base: RunConfig) -> list[str]:
     return problems
 
 
-def _check_usage_metrics(spec: TuneSpec, base: RunConfig) -> list[str]:
-    """Problems of the objective's and constraints' ``usage.`` metrics, each naming its key."""
+def _check_metrics(spec: TuneSpec, base: RunConfig) -> list[str]:
+    """Problems of the objective's and constraints' metrics, each naming its key: a row key the metrics contract
+    does not declare (services/common/observe/metrics.py), a ``usage.`` quantity that does not exist or needs
+    prices."""
     named = [("objective.metric", spec.objective.metric)]
     named += [
         (f"objective.constraints[{i}].metric", c.metric)
@@ -128,6 +131,8 @@ def _check_usage_metrics(spec: TuneSpec, base: RunConfig) -> list[str]:
     problems = []
     for key, metric in named:
         if not metric.startswith(USAGE_PREFIX):
+            if find(metric) is None:
+                problems.append(f"{key}: {metric} is not a metric the trainer writes (docs/metrics.md lists them)")
             continue
         quantity = metric.removeprefix(USAGE_PREFIX)
         if quantity not in RUN_QUANTITIES:
@@ -178,7 +183,7 @@ def load_tune_file(path: Path | str, storage: str | None = None) -> tuple[TuneSp
         base = load_config(spec.base_config)
     except ConfigError as error:
         raise TuneFileError(f"invalid tune file {path}:\n  base_config: {error}") from None
-    problems = _check_space(spec, base) + _check_usage_metrics(spec, base)
+    problems = _check_space(spec, base) + _check_metrics(spec, base)
     if problems:
         raise TuneFileError(f"invalid tune file {path}:\n  " + "\n  ".join(problems))
     return spec, base

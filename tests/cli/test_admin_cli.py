@@ -56,6 +56,9 @@ def test_metrics_and_logs_print_what_is_there(tmp_path):
     (tmp_path / "logs" / "reward-0.log").write_text('{"event": "ready"}\nplain line\n')
     out, _ = cli_process(tmp_path, "metrics", "--keys", "step,reward_mean").communicate(timeout=60)
     assert out.splitlines() == ["step=1  reward_mean=0.1", "step=2  reward_mean=0.2"]
+    unknown = cli_process(tmp_path, "metrics", "--keys", "step,reward_men")
+    _, err = unknown.communicate(timeout=60)
+    assert unknown.returncode == 2 and "'reward_men' is not a metric the trainer writes" in err
     out, _ = cli_process(tmp_path, "logs", "reward-0").communicate(timeout=60)
     assert out.splitlines() == ['{"event": "ready"}', "plain line"]
     missing = cli_process(tmp_path, "logs", "rollout-7")

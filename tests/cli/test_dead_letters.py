@@ -15,6 +15,7 @@ import pytest
 
 from services.cli.dead_letters import list_dead_letters, operator_options, reinject
 from services.common.config import load_config
+from services.common.observe import metrics as m
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
     Completion,
@@ -192,7 +193,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     run_dir = runs / "reinj"
     group_id = "e0-i9000"  # past what the test's steps feed (1,125 steps): only the copies below ever carry it
     with running_pipeline(config) as run:
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         wait_for(lambda: len(steps()) >= 1, "the first step", run)
         url, operator = run_info(run_dir, run)["nats_url"], operator_options(run_dir)
 
@@ -222,7 +223,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         killed_at = time.time()
         kill_service(run_dir, "trainer", run)
         wait_for(lambda: restarts(run_dir).get("trainer") == 1, "trainer restart", run)
-        wait_for(lambda: any(r["time"] > killed_at for r in steps()), "a step after the restart", run)
+        wait_for(lambda: any(r[m.TIME] > killed_at for r in steps()), "a step after the restart", run)
         # run.json names the restarted trainer's admin endpoint once the launcher has seen it ready, which can come
         # after its first step.
         wait_for(lambda: run_info(run_dir, run)["admin"] is not None, "the restarted trainer's admin endpoint", run)

@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from services.cli import report
-from services.cli.report import curve, event_steps, read_jsonl, render_html, render_report, time_lines
+from services.cli.report import curve, event_steps, render_html, render_report, time_lines
+from services.common.observe import metrics as m
+from services.common.observe.records import event_records, metrics_rows
 
 pytestmark = pytest.mark.unit
 
@@ -118,15 +120,9 @@ def test_event_steps_use_their_own_step_or_the_nearest_row_in_time():
         {"time": 999.0},
         {"step": None},
     ]
-    assert event_steps(events, rows) == [(7, False), (1, True), (3, True), (1, True), (3, True), (None, True)]
-    assert event_steps([{"time": 1.0}], []) == [(None, True)]
-
-
-def test_read_jsonl_skips_a_half_written_last_line(tmp_path):
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1}\n\n{"step": 2}\n{"step": 3, "reward')
-    assert read_jsonl(path) == [{"step": 1}, {"step": 2}]
-    assert read_jsonl(tmp_path / "missing.jsonl") == []
+    placed = event_steps(event_records(events), metrics_rows(rows))
+    assert placed == [(7, False), (1, True), (3, True), (1, True), (3, True), (None, True)]
+    assert event_steps(event_records([{"time": 1.0}]), []) == [(None, True)]
 
 
 def test_png_is_a_full_size_image_with_the_events_drawn(tmp_path):
@@ -230,21 +226,23 @@ def test_cli_writes_both_files_for_a_run_dir_or_a_run_id(tmp_path):
 
 
 def test_curves_break_where_a_rollback_takes_the_step_back():
-    rows = [
-        {"step": 1, "m": 1.0, "s": 0.5},
-        {"step": 2, "m": 2.0},
-        {"step": 3, "m": "x"},
-        {"step": 3, "m": math.nan},
-        {"step": 3, "m": 3.0},
-        {"step": 2, "m": 1.5, "s": 0.1},
-        {"m": 9.0},
-    ]
-    xs, ys, band = curve(rows, "m", "s")
+    rows = metrics_rows(
+        [
+            {"step": 1, "reward_mean": 1.0, "reward_std": 0.5},
+            {"step": 2, "reward_mean": 2.0},
+            {"step": 3, "reward_mean": "x"},
+            {"step": 3, "reward_mean": math.nan},
+            {"step": 3, "reward_mean": 3.0},
+            {"step": 2, "reward_mean": 1.5, "reward_std": 0.1},
+            {"reward_mean": 9.0},
+        ]
+    )
+    xs, ys, band = curve(rows, m.REWARD_MEAN, m.REWARD_STD)
     # Non-numbers and rows without a step are left out; the step going from 3 back to 2 leaves a gap.
     assert xs[:3] == [1, 2, 3] and ys[:3] == [1.0, 2.0, 3.0] and xs[4:] == [2] and ys[4:] == [1.5]
     assert math.isnan(xs[3]) and math.isnan(ys[3])
     assert band[0] == 0.5 and math.isnan(band[1]) and band[4] == 0.1
-    assert curve(rows, "m", "missing")[2] is None
+    assert curve(rows, m.REWARD_MEAN, m.ENTROPY)[2] is None
 
 
 def test_a_run_with_episodes_gets_an_agents_panel_and_its_summary_lists_the_agent_means(tmp_path):
@@ -283,7 +281,7 @@ def test_the_report_shows_the_mean_split_of_a_steps_wall_time_and_each_roles_tim
     ]
     rows[-1] |= {"share/rollout/busy": 0.7, "share/rollout/idle": 0.2, "share/rollout/blocked": 0.1}
     rows[-1] |= {"share/trainer/busy": 0.6, "share/trainer/idle": 0.35, "share/trainer/blocked": 0.05}
-    assert time_lines(rows) == [
+    assert time_lines(metrics_rows(rows)) == [
         (
             "wall s per step 0.850, by phase (mean of 2 steps)",
             "wait 0.200 (24%), compute 0.500 (59%), publish 0.050 (6%), eval 0.000 (0%), bookkeeping 0.100 (12%)",
@@ -299,4 +297,4 @@ def test_the_report_shows_the_mean_split_of_a_steps_wall_time_and_each_roles_tim
 
 
 def test_a_run_without_the_time_split_has_no_time_lines():
-    assert time_lines(synthetic_metrics()) == []
+    assert time_lines(metrics_rows(synthetic_metrics())) == []

@@ -267,8 +267,8 @@ def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model,
     )
     done, metrics = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert [row["step"] for row in metrics if "pg_loss" in row] == [1, 2]
-    assert [row["step"] for row in metrics if "eval_accuracy" in row] == [0, 2]  # before and after, on the Parquet
+    assert [row.step for row in metrics if row.is_step] == [1, 2]
+    assert [row.step for row in metrics if row.is_eval] == [0, 2]  # before and after, on the Parquet
     answers = {row["question"]: row["solution"] for row in train_rows}
     fed = [json.loads(line) for line in (tmp_path / "runs" / "test" / "samples" / "step_1.jsonl").open()]
     assert len(fed) == 4

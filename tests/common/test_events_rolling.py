@@ -10,9 +10,10 @@ import time
 
 import pytest
 
-from services.cli.report import read_jsonl, render_html
+from services.cli.report import render_html
 from services.common.observe.events import EventLog
 from services.common.observe.logs import JsonlFollower, jsonl_parts, rolled_part
+from services.common.observe.records import read_jsonl
 
 pytestmark = pytest.mark.integration
 

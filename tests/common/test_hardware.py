@@ -18,7 +18,7 @@ import torch
 from services.common.config import default_alert_rules
 from services.common.observe.hardware import (
     GIB,
-    HARDWARE_ROW_KEYS,
+    ROW_METRICS,
     GpuReading,
     GpuWatch,
     HardwareSample,
@@ -31,7 +31,8 @@ from services.common.observe.hardware import (
     release_numbers,
     smi_cuda_version,
 )
-from services.common.observe.instruments import TRAINER_STEP_KEYS, trainer_gauge_name, watch_gpus
+from services.common.observe.instruments import watch_gpus
+from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row, gauge_name
 from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
@@ -62,7 +63,8 @@ def test_a_full_sample_names_every_key_as_the_issue_does():
         "gpu/mem_used_gb": 100.0,
         "gpu/mem_total_gb": 139.8,
     }
-    assert tuple(FULL.row()) == HARDWARE_ROW_KEYS
+    assert tuple(FULL.row()) == tuple(metric.key for metric in ROW_METRICS.values())
+    check_row(FULL.row())
 
 
 def test_missing_sources_leave_their_keys_out_not_zero():
@@ -88,12 +90,12 @@ def test_a_cpu_sampler_reports_only_this_process_rss_and_follows_it():
 
 
 def test_every_hardware_key_is_a_trainer_gauge_with_a_valid_unique_prometheus_name():
-    assert set(HARDWARE_ROW_KEYS) <= set(TRAINER_STEP_KEYS)
-    names = [trainer_gauge_name(key) for key in TRAINER_STEP_KEYS]
+    assert set(FULL.row()) <= set(TRAINER_STEP_KEYS)
+    names = [gauge_name(key) for key in TRAINER_STEP_KEYS]
     assert len(names) == len(set(names))
     assert all(re.fullmatch(r"[a-zA-Z_:][a-zA-Z0-9_:]*", name) for name in names)
-    assert trainer_gauge_name("memory/headroom_frac") == "rlpipe_trainer_memory_headroom_frac"
-    assert trainer_gauge_name("entropy") == "rlpipe_trainer_entropy"
+    assert gauge_name("memory/headroom_frac") == "rlpipe_trainer_memory_headroom_frac"
+    assert gauge_name("entropy") == "rlpipe_trainer_entropy"
 
 
 def test_the_headroom_alert_is_not_judged_on_a_cpu_run_and_fires_after_three_low_steps():
@@ -216,7 +218,7 @@ def test_hardware_keys_reach_prometheus_under_their_mapped_names(tmp_path):
         driver.communicate("\n", timeout=60)
     assert driver.returncode == 0
     for key, value in FULL.row().items():
-        assert math.isclose(one_value(samples, trainer_gauge_name(key)), value), key
+        assert math.isclose(one_value(samples, gauge_name(key)), value), key
     assert one_value(samples, "rlpipe_trainer_step") == 2
 
 

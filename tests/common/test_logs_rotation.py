@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from services.cli.launch.children import Child
-from services.cli.report import read_jsonl
 from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower, RotatingLog, jsonl_parts, log_event, rolled_part, setup_logging
+from services.common.observe.records import read_jsonl
 from services.trainer.responder import MetricsLog
 
 pytestmark = pytest.mark.unit

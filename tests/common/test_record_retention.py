@@ -9,10 +9,10 @@ import subprocess
 import pytest
 from pydantic import ValidationError
 
-from services.cli.report import read_jsonl
 from services.common.config import ServiceConfig, TelemetryConfig
 from services.common.observe.events import EventLog
 from services.common.observe.logs import JsonlFollower, RollingJsonl, jsonl_parts, rolled_part
+from services.common.observe.records import read_jsonl
 from services.common.transport.nats_server import embedded_config, nats_server_binary
 from services.trainer.responder import MetricsLog
 from tests.conftest import free_port, wait_for_port

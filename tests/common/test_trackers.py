@@ -1,12 +1,13 @@
-import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
 from services.common.config import ConfigError, load_config
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 from services.common.observe.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
-from tests.conftest import RLPIPE_RUN, ROOT, run_pipeline, write_config
+from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +33,7 @@ STEP_ROW = {
 
 @pytest.mark.unit
 def test_row_keys_map_to_the_common_namespaces_and_wall_time_is_not_a_metric():
-    entry = tracker_entry(STEP_ROW, last_config_version=None)
+    entry = tracker_entry(MetricsRow(STEP_ROW), last_config_version=None)
     assert entry.step == 3
     assert entry.metrics == {
         "actor/policy_version": 3.0,
@@ -51,18 +52,22 @@ def test_row_keys_map_to_the_common_namespaces_and_wall_time_is_not_a_metric():
 
 @pytest.mark.unit
 def test_alerts_checkpoints_and_new_config_versions_become_events():
-    alert = tracker_entry({"step": 5, "alert": "kl_too_high", "alert_severity": "warning", "config_version": 0}, 0)
+    alert = tracker_entry(
+        MetricsRow({"step": 5, "alert": "kl_too_high", "alert_severity": "warning", "config_version": 0}), 0
+    )
     assert alert.metrics["alert/kl_too_high"] == 1.0
     assert alert.events == {"alert": "warning: kl_too_high at step 5"}
-    saved = tracker_entry({"step": 6, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": 1.25}, 0)
+    saved = tracker_entry(
+        MetricsRow({"step": 6, "checkpoint_saved": 1, "checkpoint_failed": 0, "checkpoint_time_s": 1.25}), 0
+    )
     assert saved.events == {"checkpoint": "saved at step 6 in 1.2 s"}
     assert saved.metrics["checkpoint/time_s"] == 1.25
-    failed = tracker_entry({"step": 7, "checkpoint_failed": 1, "error": "S3 down"}, 0)
+    failed = tracker_entry(MetricsRow({"step": 7, "checkpoint_failed": 1, "error": "S3 down"}), 0)
     assert failed.events == {"checkpoint": "failed at step 7: S3 down"}
-    assert tracker_entry({"step": 8, "config_version": 2}, 1).events == {
+    assert tracker_entry(MetricsRow({"step": 8, "config_version": 2}), 1).events == {
         "config": "config version 2 in force from step 8"
     }
-    assert tracker_entry({"step": 8, "config_version": 2}, 2).events == {}
+    assert tracker_entry(MetricsRow({"step": 8, "config_version": 2}), 2).events == {}
 
 
 def test_a_missing_tracker_library_is_named_with_the_extra(tiny_model, tmp_path):
@@ -151,7 +156,7 @@ def test_a_run_reports_to_tensorboard_and_mlflow_and_its_resume_appends_to_the_s
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     run_dir = runs / "test"
-    losses = {row["step"]: row["pg_loss"] for row in rows if "pg_loss" in row}
+    losses = {row.step: row[m.PG_LOSS] for row in rows if row.is_step}
     assert sorted(losses) == [1, 2]
     tensorboard = _tensorboard_scalars(run_dir / "tensorboard", "actor/pg_loss")
     assert [(step, pytest.approx(value)) for step, value in tensorboard] == sorted(losses.items())
@@ -169,8 +174,7 @@ def test_a_run_reports_to_tensorboard_and_mlflow_and_its_resume_appends_to_the_s
         timeout=600,
     )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = {row["step"]: row["pg_loss"] for row in rows if "pg_loss" in row}
+    losses = {row.step: row[m.PG_LOSS] for row in metric_rows(run_dir) if row.is_step}
     assert sorted(losses) == [1, 2, 3, 4]
     tensorboard = _tensorboard_scalars(run_dir / "tensorboard", "actor/pg_loss")
     assert [(step, pytest.approx(value)) for step, value in tensorboard] == sorted(losses.items())

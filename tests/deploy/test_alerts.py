@@ -9,6 +9,7 @@ import pytest
 
 from services.common.config import default_alert_rules
 from services.common.observe import instruments
+from services.common.observe.metrics import EXPORTED, gauge_name
 from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
 
 pytestmark = pytest.mark.unit
@@ -29,14 +30,12 @@ METRIC = re.compile(r"\brlpipe_[a-z_]*[a-z]\b")
 
 
 def series(metric: str) -> str:
-    return SERIES.get(metric, instruments.trainer_gauge_name(metric))
+    return SERIES.get(metric, gauge_name(metric))
 
 
 def exported() -> set[str]:
     """The series the services export, as services/common/observe/instruments.py documents and defines them."""
-    return set(METRIC.findall(instruments.__doc__)) | {
-        instruments.trainer_gauge_name(key) for key in instruments.TRAINER_STEP_KEYS
-    }
+    return set(METRIC.findall(instruments.__doc__)) | {metric.gauge_name for metric in EXPORTED}
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from services.common.model.reward_rules import exact_match
+from services.common.observe import metrics as m
 from services.trainer.intake.samples import GroupSample
 from tests.common.test_telemetry import scrape, values
 from tests.conftest import (
@@ -42,13 +43,14 @@ def test_a_run_scored_by_the_reward_model_reports_each_part_in_its_step_rows(tin
     )
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [row for row in rows if "reward_mean" in row]
-    assert [row["step"] for row in steps] == [1, 2, 3]
+    steps = [row for row in rows if row.is_step]
+    assert [row.step for row in steps] == [1, 2, 3]
     for row in steps:
-        assert 0 < row["reward/model/mean"] < 1  # normalized scores
-        assert 0 <= row["reward/exact_match/mean"] <= 1
-        weighted = row["reward/exact_match/mean"] + 0.5 * row["reward/model/mean"]
-        assert row["reward_mean"] == pytest.approx(weighted, abs=1e-5)
+        model, rule = row[m.REWARD_PART.of("model")], row[m.REWARD_PART.of("exact_match")]
+        assert 0 < model < 1  # normalized scores
+        assert 0 <= rule <= 1
+        weighted = rule + 0.5 * model
+        assert row[m.REWARD_MEAN] == pytest.approx(weighted, abs=1e-5)
 
 
 TOTAL_STEPS = 14
@@ -84,7 +86,7 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
         },
     )
     run_dir = tmp_path / "runs" / "remote"
-    steps = lambda: [r["step"] for r in metric_rows(run_dir) if "reward_mean" in r] if run_dir.exists() else []  # noqa: E731
+    steps = lambda: [r.step for r in metric_rows(run_dir) if r.is_step] if run_dir.exists() else []  # noqa: E731
     reward_events = lambda: service_events(run_dir, "reward-0")  # noqa: E731
     server = start_server(port)
     try:
@@ -131,11 +133,11 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
 
     # Every step applied; nothing lost or dead-lettered; training went on after the outage.
     rows = metric_rows(run_dir)
-    step_rows = [r for r in rows if "reward_mean" in r]
-    assert [r["step"] for r in step_rows] == list(range(1, TOTAL_STEPS + 1))
+    step_rows = [r for r in rows if r.is_step]
+    assert [r.step for r in step_rows] == list(range(1, TOTAL_STEPS + 1))
     assert stalled_at < TOTAL_STEPS
-    assert sum(r.get("groups_lost", 0) for r in rows) == 0
-    assert sum(r.get("groups_dead", 0) for r in rows) == 0
+    assert sum((r.get(m.GROUPS_LOST) or 0) for r in rows) == 0
+    assert sum((r.get(m.GROUPS_DEAD) or 0) for r in rows) == 0
     # Every applied completion carries the score the server computes for it: none was scored 0 for an outage.
     applied = [
         GroupSample.from_json(line)
@@ -152,4 +154,4 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
                 group.answer,
             )
     assert any(c.reward == 1.0 for g in applied for c in g.completions)  # the check can tell a 1 from a 0
-    assert all(math.isfinite(r["reward/http/mean"]) for r in step_rows)
+    assert all(math.isfinite(r[m.REWARD_PART.of("http")]) for r in step_rows)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from services.common.observe import metrics as m
 from tests.conftest import run_pipeline, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
@@ -57,10 +58,10 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
     )
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [r for r in rows if "pg_loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
+    steps = [r for r in rows if r.is_step]
+    assert [r.step for r in steps] == [1, 2, 3]
     for row in steps:
-        assert all(math.isfinite(v) for v in row.values() if isinstance(v, float)), row
+        assert all(math.isfinite(v) for _, v in row.numbers()), row.raw
     if algorithm == "dr_grpo":
         # The work queues' bodies are deleted once consumed (claim_lifecycle); EXPERIENCE's stay until a purge.
         claims = tmp_path / "runs" / algorithm / "claims"
@@ -69,11 +70,11 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
         # vLLM's logprobs against the trainer's: the ratio and what IcePop's band masked, every step.
         assert all("off_policy/masked_token_fraction" in r and "off_policy/ratio_p50" in r for r in steps)
     if algorithm == "reinforce_pp":
-        assert sum(r["dropped_stale"] for r in steps) > 0  # max_staleness 0 drops groups made before the last update
-        assert all(r["staleness_max"] <= 0 for r in steps)
+        assert sum(r[m.DROPPED_STALE] for r in steps) > 0  # max_staleness 0 drops groups made before the last update
+        assert all(r[m.STALENESS_MAX] <= 0 for r in steps)
     if algorithm == "ppo":
-        assert steps[0]["critic_only"] == 1.0 and steps[1]["critic_only"] == 0.0
-        assert all("explained_variance" in r for r in steps)
+        assert steps[0][m.CRITIC_ONLY] == 1.0 and steps[1][m.CRITIC_ONLY] == 0.0
+        assert all(m.EXPLAINED_VARIANCE in r for r in steps)
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
@@ -101,13 +102,13 @@ def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
     )
     done, rows = run_pipeline(config, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    evals = [r for r in rows if "eval_accuracy" in r]
+    evals = [r for r in rows if r.is_eval]
     # Once before the first step and once after the last (docs/testing.md: every eval is all 500 held-out rows).
-    assert [r["step"] for r in evals] == [0, HELDOUT_STEPS]
-    before, after = evals[0]["eval_accuracy"], evals[-1]["eval_accuracy"]
+    assert [r.step for r in evals] == [0, HELDOUT_STEPS]
+    before, after = evals[0][m.EVAL_ACCURACY], evals[-1][m.EVAL_ACCURACY]
     assert after >= before + 0.05, (before, after)
     if algorithm == "ppo":
         # The critic learns: over the last ten steps its values explain some of the returns' variance (small on this
         # model, 0.002 here, but a critic that learned nothing scatters around 0 and fails half the time).
-        explained = [r["explained_variance"] for r in rows if "explained_variance" in r]
+        explained = [r[m.EXPLAINED_VARIANCE] for r in rows if m.EXPLAINED_VARIANCE in r]
         assert sum(explained[-10:]) / 10 > 0, explained

@@ -5,8 +5,8 @@ from typing import Any
 
 import pytest
 
-from services.cli.report import read_jsonl
-from services.common.observe.events import EventLog, Journal
+from services.common.observe.events import Event, EventLog, Journal
+from services.common.observe.records import read_events
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 
@@ -80,7 +80,7 @@ def test_a_pause_is_stored_and_holds_a_restarted_trainer_until_an_operator_resum
         await first.request_stop("done for today")
         assert first.state == RunState.STOPPING
         assert holds.stored == {"paused": True, "reason": "stopped: done for today"}
-        rows = read_jsonl(tmp_path / "events.jsonl")
-        assert [row["kind"] for row in rows] == ["pause", "unpause", "stop"]
+        events = read_events(tmp_path / "events.jsonl")
+        assert [event.kind for event in events] == [Event.PAUSE, Event.UNPAUSE, Event.STOP]
 
     asyncio.run(scenario())

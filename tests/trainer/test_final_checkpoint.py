@@ -11,8 +11,10 @@ import asyncio
 
 import pytest
 
-from services.cli.report import read_jsonl
 from services.common.config import load_config
+from services.common.observe import metrics as m
+from services.common.observe.metrics import check_row
+from services.common.observe.records import read_metrics
 from services.common.transport.streams import EXPERIENCE
 from tests.conftest import write_config
 from tests.trainer.intake.test_reader_bus import experience
@@ -67,8 +69,10 @@ def test_the_last_step_is_saved_once_with_the_final_evaluation(tiny_model, tmp_p
             assert trainer.checkpoints.load(2).state.eval_accuracy == 0.25  # saved before the final evaluation
 
     asyncio.run(scenario())
-    rows = read_jsonl(cfg.metrics_file)
-    evaluated = [(row["step"], row["eval_accuracy"]) for row in rows if "eval_accuracy" in row]
+    rows = read_metrics(cfg.metrics_file)
+    for row in rows:  # the trainer's step, eval and checkpoint rows carry only keys the metrics contract declares
+        check_row(row.raw)
+    evaluated = [(row.step, row[m.EVAL_ACCURACY]) for row in rows if row.is_eval]
     assert evaluated == [(0, 0.25), (total_steps, 0.75)]
     # Each stored step uploaded exactly once: the periodic save skipped the last step, which the run's end saved.
-    assert len([row for row in rows if row.get("checkpoint_saved")]) == len(saved)
+    assert len([row for row in rows if row.get(m.CHECKPOINT_SAVED)]) == len(saved)

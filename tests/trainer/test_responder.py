@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import threading
 from types import SimpleNamespace
 from typing import Any
@@ -11,8 +12,9 @@ from typing import Any
 import pytest
 
 from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
-from services.common.observe.events import EventLog, Journal
+from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
+from services.common.observe.records import read_jsonl
 from services.common.observe.trackers import TrackerEntry, TrackerFanout
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
@@ -137,3 +139,19 @@ def test_a_metrics_row_is_handed_over_while_a_tracker_is_still_blocked_and_reach
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [(row["step"], row["loss"]) for row in rows] == [(1, 0.5), (2, 0.25)]
     assert metrics.dropped == 0
+
+
+def test_a_row_with_a_key_the_metrics_contract_lacks_is_written_whole_and_the_key_logged_once(tmp_path, caplog):
+    metrics = MetricsLog(tmp_path / "metrics.jsonl")
+    with caplog.at_level(logging.WARNING, logger="services.common.observe.metrics"):
+        metrics.write({"step": 1, "reward_mean": 0.5, "made_up/ratio": 0.25})
+        metrics.write({"step": 2, "reward_mean": 0.75, "made_up/ratio": 0.5, "entropy": 1.0})
+        metrics.close()
+    # Nothing is lost for a gap in the contract: both rows are on disk as they were written.
+    written = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [{k: v for k, v in row.items() if k != "time"} for row in written] == [
+        {"step": 1, "reward_mean": 0.5, "made_up/ratio": 0.25},
+        {"step": 2, "reward_mean": 0.75, "made_up/ratio": 0.5, "entropy": 1.0},
+    ]
+    said = [record for record in caplog.records if record.getMessage() == Event.UNDECLARED_METRIC]
+    assert [record.fields for record in said] == [{"key": "made_up/ratio"}]  # once, though two rows carried it

@@ -95,6 +95,14 @@ def test_every_problem_of_the_space_is_named_at_once(tmp_path, base):
         ({"parallel": {"device_slots": ["0 1"]}}, "parallel.device_slots: '0 1' is not a CUDA_VISIBLE_DEVICES"),
         ({"parallel": {"heartbeat_s": 10, "stale_after_s": 10}}, "parallel: stale_after_s (10) must exceed"),
         (
+            {"objective": {"metric": "eval_acuracy"}},
+            "objective.metric: eval_acuracy is not a metric the trainer writes",
+        ),
+        (
+            {"objective": {"constraints": [{"metric": "reward/gsm8k/mean", "above": 0}, {"metric": "kl", "below": 1}]}},
+            "objective.constraints[1].metric: kl is not a metric the trainer writes (docs/metrics.md lists them)",
+        ),
+        (
             {"objective": {"metric": "usage.price"}, "pruner": {"kind": "none"}},
             "objective.metric: usage.price is not a usage quantity (allowed: cost, cost_per_step,",
         ),

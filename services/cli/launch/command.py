@@ -148,7 +148,7 @@ def _supervise(cfg: RunConfig, config_path: Path, launcher: Launcher) -> int:
     except Interrupted as interrupted:
         console.log(f"{interrupted.name}: stopping every service; the trainer saves the step in hand")
         failed = stop_or_kill(launcher)
-        run_cost(cfg, {}, launcher.usage)
+        run_cost(cfg, None, launcher.usage)
         write_reports(cfg)
         console.log(archive_and_describe(cfg))
         if failed:  # asked to stop, these did not within their grace: killed, which is no failure of theirs

@@ -50,7 +50,9 @@ from services.common.config import (
     RunConfig,
     WeightSyncCredentials,
 )
+from services.common.observe import metrics as m
 from services.common.observe.events import Event, EventLog
+from services.common.observe.records import EventRecord, RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
@@ -223,8 +225,8 @@ class Launcher:
         """What happened to the run since the last call (operators' actions, alerts), from ``events.jsonl``;
         the launcher's own restarts it has said already."""
         for event in self.record.new_events():
-            if event.get("kind") not in LAUNCHER_SAYS:
-                out.log(f"{event.get('kind')}: {_event_summary(event)}")
+            if event.kind not in LAUNCHER_SAYS:
+                out.log(f"{event.kind}: {_event_summary(event)}")
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -274,7 +276,7 @@ class Launcher:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
             console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
 
-    def follow(self) -> dict[str, Any]:
+    def follow(self) -> RunDone | None:
         """Progress over training steps until the trainer is done, restarting services that die."""
         due: dict[str, float] = {}  # name -> when to restart it
         columns = (
@@ -300,12 +302,12 @@ class Launcher:
                 for row in steps:
                     self.last_step = max(self.last_step, row["step"])
                     if "first step" not in self.startup:
-                        self.startup.record("first step", {"step": row["step"]})
+                        self.startup.record("first step", {"step": row.step})
                         self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
-                    info = f"reward {row['reward_mean']:.3f}  entropy {row['entropy']:.3f}  kl {row['kl_ref']:.4f}"
-                    progress.update(task, completed=row["step"], info=info)
+                    info = f"reward {row[m.REWARD_MEAN]:.3f}  entropy {row[m.ENTROPY]:.3f}  kl {row[m.KL_REF]:.4f}"
+                    progress.update(task, completed=row.step, info=info)
                 for row in evaluations:
-                    progress.console.log(f"eval at step {row['step']}: accuracy {row['eval_accuracy']:.3f}")
+                    progress.console.log(f"eval at step {row.step}: accuracy {row[m.EVAL_ACCURACY]:.3f}")
                 if self.record.done:
                     break
                 if trainer_exited and self.child("trainer").pump_thread:
@@ -436,10 +438,10 @@ def _echo_alert(line: str) -> None:
     console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
-def _event_summary(event: dict[str, Any]) -> str:
+def _event_summary(event: EventRecord) -> str:
     """An ``events.jsonl`` row in a line: its message, and the step and rule where it names them."""
-    said = [f"{key}={event[key]}" for key in ("step", "rule") if event.get(key) is not None]
-    return " ".join([str(event.get("message", "")), *said]).strip()
+    said = [f"{key}={value}" for key, value in (("step", event.step), ("rule", event.rule)) if value is not None]
+    return " ".join([event.message, *said]).strip()
 
 
 def _startup_fields(ready: dict[str, Any]) -> str:

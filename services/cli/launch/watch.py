@@ -14,14 +14,15 @@ import asyncio
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import nats
 
 from services.common.config import RunConfig
+from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower
+from services.common.observe.records import EventRecord, MetricsRow, RunDone, event_records, metrics_rows
 from services.common.observe.usage import with_descendants
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.presence import SeenService, bucket_name, read_presence
@@ -117,7 +118,7 @@ class RunRecord:
 
     metrics: JsonlFollower
     events: JsonlFollower
-    done: dict[str, Any] = field(default_factory=dict)  # the ``done`` event, once it is written
+    done: RunDone | None = None  # the ``done`` event, once it is written
 
     @classmethod
     def of_run(cls, cfg: RunConfig) -> RunRecord:
@@ -125,15 +126,15 @@ class RunRecord:
             JsonlFollower(cfg.metrics_file).skip_to_end(), JsonlFollower(cfg.run_dir / "events.jsonl").skip_to_end()
         )
 
-    def new_steps(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def new_steps(self) -> tuple[list[MetricsRow], list[MetricsRow]]:
         """The new training-step rows and evaluation rows of the metrics file."""
-        rows = self.metrics.new_rows()
-        return [row for row in rows if "reward_mean" in row], [row for row in rows if "eval_accuracy" in row]
+        rows = metrics_rows(self.metrics.new_rows())
+        return [row for row in rows if row.is_step], [row for row in rows if row.is_eval]
 
-    def new_events(self) -> list[dict[str, Any]]:
+    def new_events(self) -> list[EventRecord]:
         """The new rows of ``events.jsonl``; a ``done`` row is also kept in ``done``."""
-        rows = self.events.new_rows()
-        for row in rows:
-            if row.get("kind") == "done":
-                self.done = row
-        return rows
+        events = event_records(self.events.new_rows())
+        for event in events:
+            if event.kind == Event.DONE:
+                self.done = RunDone.of(event)
+        return events

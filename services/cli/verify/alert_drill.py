@@ -27,6 +27,7 @@ from services.common.config import AlertRule, RunConfig
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import JsonlFollower, setup_logging
+from services.common.observe.records import event_records, metrics_rows
 from services.common.observe.telemetry import start_telemetry
 from services.trainer.alerts import AlertEvaluator, Firing
 from services.trainer.control import Control
@@ -155,8 +156,8 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
 
     names = [rule.name for rule in rules]
     logged = {fields.get("rule") for event, fields in records.seen if event == Event.ALERT}
-    evented = {row.get("rule") for row in new_events.new_rows() if row.get("kind") == Event.ALERT}
-    rowed = {row.get("alert") for row in new_metrics.new_rows()}
+    evented = {event.rule for event in event_records(new_events.new_rows()) if event.kind == Event.ALERT}
+    rowed = {row.alert for row in metrics_rows(new_metrics.new_rows())}
     results = [
         _result("log", names, logged, "alert lines on stderr"),
         _result("events", names, evented, f"alert events in {events_path}"),

@@ -37,7 +37,6 @@ is 1 when any check failed, and each failed check is named.
 from __future__ import annotations
 
 import json
-import math
 import tempfile
 import time
 from collections.abc import Mapping
@@ -46,7 +45,6 @@ from pathlib import Path
 from typing import Any
 
 from services.cli.healthcheck import check as health_check
-from services.cli.report import read_jsonl
 from services.cli.verify.alert_drill import run_drill
 from services.cli.verify.check import Check
 from services.cli.verify.checkpoints import verify_checkpoints
@@ -65,19 +63,21 @@ from services.cli.verify.record import record_extras
 from services.cli.verify.smoke import PROBE_TIMEOUT_S, STAGE_OF_ROLE, SmokeRun, smoke, trainer_status
 from services.cli.verify.tuning import tuning_check
 from services.common.config import RunConfig, load_config_with
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow, read_metrics
 from services.common.observe.usage import ResourceTrend
 from services.trainer.intake.samples import SampleArchive
 
 # Mean per-token |log pi_sampler - log pi_trainer| allowed on groups the trainer's current version generated:
 # the same weights in two engines differ by rounding (~1e-4 in float32), a missed or torn sync by far more.
 LOGPROB_TOLERANCE = 0.02
-CURVES = ("entropy", "reward_mean", "reward_std", "kl_ref", "response_length_mean", "termination_rate")
+CURVES = (m.ENTROPY, m.REWARD_MEAN, m.REWARD_STD, m.KL_REF, m.RESPONSE_LENGTH_MEAN, m.TERMINATION_RATE)
 
 # -- the checks ---------------------------------------------------------------------------------
 
 
-def step_rows(cfg: RunConfig) -> list[dict[str, Any]]:
-    return [row for row in read_jsonl(cfg.metrics_file) if "reward_mean" in row]
+def step_rows(cfg: RunConfig) -> list[MetricsRow]:
+    return [row for row in read_metrics(cfg.metrics_file) if row.is_step]
 
 
 def roles_check(run: SmokeRun) -> Check:
@@ -94,7 +94,7 @@ def roles_check(run: SmokeRun) -> Check:
     return Check("roles", "pass", run.role_evidence + note)
 
 
-def weight_sync_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
+def weight_sync_check(run: SmokeRun, rows: list[MetricsRow]) -> Check:
     if not run.finished:
         return Check("weight-sync", "skip", "the smoke run did not finish")
     rollouts = {name: s for name, s in run.scraped.items() if s.role == "rollout"}
@@ -107,14 +107,14 @@ def weight_sync_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
     return logprobs_match(rows, versions)
 
 
-def logprobs_match(rows: list[dict[str, Any]], versions: str) -> Check:
+def logprobs_match(rows: list[MetricsRow], versions: str) -> Check:
     """The weight-sync check once every rollout has a trained version (``versions`` says which): the sampler's
     logprobs against the trainer's on the steps that trained on groups of the trainer's current version."""
-    fresh = [row for row in rows if row.get("staleness_max") == 0 and "approx_kl" in row]
+    fresh = [row for row in rows if row.get(m.STALENESS_MAX) == 0 and m.APPROX_KL in row]
     if not fresh:
         return Check("weight-sync", "fail", "no step trained on groups of the trainer's current version to compare")
-    apart = [row for row in fresh if not abs(row["approx_kl"]) <= LOGPROB_TOLERANCE]
-    compared = ", ".join(f"step {r['step']}: {r['approx_kl']:.2e}" for r in fresh[-5:])
+    apart = [row for row in fresh if not abs(row[m.APPROX_KL]) <= LOGPROB_TOLERANCE]
+    compared = ", ".join(f"step {row.step}: {row[m.APPROX_KL]:.2e}" for row in fresh[-5:])
     if apart:
         return Check(
             "weight-sync", "fail", f"sampler and trainer logprobs differ beyond {LOGPROB_TOLERANCE}: {compared}"
@@ -122,7 +122,7 @@ def logprobs_match(rows: list[dict[str, Any]], versions: str) -> Check:
     return Check("weight-sync", "pass", f"{versions}; logprob gap (approx_kl) {compared}")
 
 
-def smoke_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
+def smoke_check(run: SmokeRun, rows: list[MetricsRow]) -> Check:
     if not run.finished:
         return Check("smoke-run", "skip" if not run.started else "fail", run.error or "the smoke run did not finish")
     missing, evidence = [], []
@@ -167,25 +167,22 @@ def drill_check(cfg: RunConfig) -> Check:
     return Check("alert-drill", "pass", "; ".join(f"{s.sink}: {s.detail}" for s in sinks))
 
 
-def metrics_check(run: SmokeRun, rows: list[dict[str, Any]]) -> Check:
+def metrics_check(run: SmokeRun, rows: list[MetricsRow]) -> Check:
     if not rows and not run.started:
         return Check("metrics", "skip", f"no step rows in {run.cfg.metrics_file}")
     return metrics_of(run.cfg, rows)
 
 
-def metrics_of(cfg: RunConfig, rows: list[dict[str, Any]]) -> Check:
+def metrics_of(cfg: RunConfig, rows: list[MetricsRow]) -> Check:
     """The training curves the guide asks for, in every step row, finite."""
     if not rows:
         return Check("metrics", "fail", f"no step rows in {cfg.metrics_file}")
-    empty = [key for key in CURVES if not all(_finite(row.get(key)) for row in rows)]
+    empty = [metric.key for metric in CURVES if not all(row.finite(metric) is not None for row in rows)]
     if empty:
         return Check("metrics", "fail", f"missing or not finite in some of {len(rows)} step rows: {', '.join(empty)}")
     last = rows[-1]
-    return Check("metrics", "pass", ", ".join(f"{key} {last[key]:.4g}" for key in CURVES) + f" (step {last['step']})")
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    shown = ", ".join(f"{metric.key} {last[metric]:.4g}" for metric in CURVES)
+    return Check("metrics", "pass", f"{shown} (step {last.step})")
 
 
 # -- the record ---------------------------------------------------------------------------------
@@ -197,7 +194,7 @@ def write_record(
     checks: list[Check],
     took_s: float,
     settings: Mapping[str, Any] | None = None,
-    rows: list[dict[str, Any]] | None = None,
+    rows: list[MetricsRow] | None = None,
 ) -> tuple[Path, Path]:
     """``verify.json`` (the checks, and ``verify_record.record_extras``: versions, config, first metrics, conclusion)
     and ``verify.md``; ``rows`` are the step rows the checks judged."""
@@ -237,7 +234,7 @@ def write_record(
 
 
 def run_health_checks(
-    cfg: RunConfig, rows: list[dict[str, Any]], processes: list[ResourceTrend] | None = None
+    cfg: RunConfig, rows: list[MetricsRow], processes: list[ResourceTrend] | None = None
 ) -> list[Check]:
     """How the steps went (services/cli/verify/health.py): ranges, jumps, resources (the trainer's rows, and every
     role's ``processes`` where this machine launched them); then the remote services."""

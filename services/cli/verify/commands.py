@@ -146,18 +146,19 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
         the closest the run came to firing it, and a threshold to suggest (for a run you judge healthy)."""
         from services.cli.alert_review import review_run
         from services.cli.output import print_json
-        from services.cli.report import read_jsonl
+        from services.common.observe.records import read_jsonl
 
         config = run_dir / "effective-config.yaml"
         if not config.is_file():
             _plain(f"rlpipe alerts review: {config} does not exist (not a run directory)")
             raise typer.Exit(2)
         cfg = _load(config, "alerts review")
-        reviews = review_run(cfg.alerts.rules, read_jsonl(cfg.metrics_file), read_jsonl(run_dir / "events.jsonl"))
+        rows = read_jsonl(cfg.metrics_file)  # raw rows: a rule names its metric by the string in its config
+        reviews = review_run(cfg.alerts.rules, rows, read_jsonl(run_dir / "events.jsonl"))
         if as_json:
             print_json(reviews)
             return
-        table = Table(title=f"alert rules of {cfg.run_id} against its {len(read_jsonl(cfg.metrics_file))} rows")
+        table = Table(title=f"alert rules of {cfg.run_id} against its {len(rows)} rows")
         for column in ("rule", "judges", "threshold", "fired", "p5 / p50 / p95", "closest", "suggested", "verdict"):
             table.add_column(column, overflow="fold")
         for review in reviews:

@@ -26,11 +26,12 @@ import itertools
 import math
 import socket
 from dataclasses import dataclass
-from typing import Any
 from urllib.parse import urlparse
 
 from services.cli.verify.check import Check
 from services.common.config import RunConfig
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 from services.common.observe.usage import ResourceTrend
 
 LOSS_BOUND = 1e3  # |policy loss| per token; a working update stays orders of magnitude below
@@ -41,67 +42,62 @@ FIRST_STEP_MAX_S = 600.0  # default bound from the deployment's start to the fir
 @dataclass(frozen=True)
 class JumpRule:
     """A change from ``a`` to ``b`` is abnormal beyond ``floor + rel * min(|a|, |b|) + spreads * spread``, where
-    spread is the larger of the two steps' ``spread_key`` (0 without one): a ratio band for values away from 0,
+    spread is the larger of the two steps' ``spread`` metric (0 without one): a ratio band for values away from 0,
     an absolute one near it, widened by the metric's own noise."""
 
     floor: float
     rel: float
-    spread_key: str = ""
+    spread: m.Metric | None = None
     spreads: float = 0.0
     from_step_2: bool = False  # step 1's value is fixed by construction, so leaving it is no jump
 
 
 JUMP_RULES = {
-    "entropy": JumpRule(floor=0.5, rel=1.0),  # nats per token: more than doubling (or halving) at once
+    m.ENTROPY: JumpRule(floor=0.5, rel=1.0),  # nats per token: more than doubling (or halving) at once
     # A batch's mean reward moves with its spread; one that flips with no spread (all 0, then all 1) is suspect.
-    "reward_mean": JumpRule(floor=0.5, rel=1.0, spread_key="reward_std", spreads=3.0),
+    m.REWARD_MEAN: JumpRule(floor=0.5, rel=1.0, spread=m.REWARD_STD, spreads=3.0),
     # Nats per token. Step 1 trains on the reference's own samples, so its KL is 0 by construction and the move
     # away from it is judged by the level (the kl_too_high alert rule), not as a jump: the tiny model's live run went
     # 0 -> 6.3 at step 2. A tiny batch's KL swings widely after that (a smoke run went 2.9 -> 0.23), so only a leap
     # that leaves the reference far behind counts.
-    "kl_ref": JumpRule(floor=5.0, rel=4.0, from_step_2=True),
+    m.KL_REF: JumpRule(floor=5.0, rel=4.0, from_step_2=True),
 }
 GROWTH_ALLOWED = (0.5, 0.25)  # (GiB, fraction): memory growth past both is taken as a leak
 MIN_HEADROOM = 0.02  # fraction of device memory left free; below it the next longer batch runs out of memory
-MEMORY_KEYS = ("memory/host_rss_gb", "memory/reserved_gb", "gpu/mem_used_gb")
+MEMORY_METRICS = (m.HOST_RSS_GB, m.CUDA_RESERVED_GB, m.GPU_MEM_USED_GB)
 
 
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
-def ranges_check(rows: list[dict[str, Any]], max_abs_reward: float, with_critic: bool) -> Check:
+def ranges_check(rows: list[MetricsRow], max_abs_reward: float, with_critic: bool) -> Check:
     """The loss, and with a critic its value loss and mean value, finite and within bounds in every step row."""
     if not rows:
         return Check("ranges", "skip", "no step rows")
     value_bound = VALUE_SLACK * max_abs_reward
-    bounds = {"loss": LOSS_BOUND} | ({"value_loss": value_bound**2, "value_mean": value_bound} if with_critic else {})
+    bounds = {m.LOSS: LOSS_BOUND} | ({m.VALUE_LOSS: value_bound**2, m.VALUE_MEAN: value_bound} if with_critic else {})
     bad = []
-    for key, bound in bounds.items():
+    for metric, bound in bounds.items():
         for row in rows:
-            value = _number(row.get(key))
+            value = row.get(metric)
             if value is None or not math.isfinite(value) or abs(value) > bound:
-                bad.append(f"{key} {row.get(key)!r} at step {row.get('step')} (allowed |x| <= {bound:g})")
+                bad.append(f"{metric.key} {value!r} at step {row.step} (allowed |x| <= {bound:g})")
     if bad:
         return Check("ranges", "fail", "; ".join(bad[:5]) + (f"; {len(bad) - 5} more" if len(bad) > 5 else ""))
     spans = ", ".join(
-        f"{key} {min(row[key] for row in rows):.3g}..{max(row[key] for row in rows):.3g}" for key in bounds
+        f"{metric.key} {min(row[metric] for row in rows):.3g}..{max(row[metric] for row in rows):.3g}"
+        for metric in bounds
     )
     return Check("ranges", "pass", f"{spans} over {len(rows)} steps")
 
 
-def first_step_check(rows: list[dict[str, Any]], started_at: float, max_s: float) -> Check:
+def first_step_check(rows: list[MetricsRow], started_at: float, max_s: float) -> Check:
     """The first step row within ``max_s`` seconds of ``started_at`` (wall time the deployment was started)."""
     if not rows:
         return Check("first-step", "skip", "no step rows")
     first = rows[0]
-    came = _number(first.get("time"))
+    came = first.get(m.TIME)
     if came is None:
-        return Check("first-step", "fail", f"step {first.get('step')}'s row has no time")
+        return Check("first-step", "fail", f"step {first.step}'s row has no time")
     took = came - started_at
-    update = _number(first.get("step_time_s"))
+    update = first.get(m.STEP_TIME_S)
     detail = f"first step {took:.1f} s after the start (bound {max_s:g} s)" + (
         f", its update {update:.2f} s" if update is not None else ""
     )
@@ -118,21 +114,21 @@ def abnormal_jumps(values: list[tuple[int, float, float]], rule: JumpRule) -> li
     return found
 
 
-def jumps_check(rows: list[dict[str, Any]]) -> Check:
+def jumps_check(rows: list[MetricsRow]) -> Check:
     """No abnormal step-to-step jump in entropy, reward mean or KL to the reference (``JUMP_RULES``)."""
     if len(rows) < 2:
         return Check("jumps", "skip", f"{len(rows)} step row(s): no step-to-step change to judge")
     bad, seen = [], []
-    for key, rule in JUMP_RULES.items():
+    for metric, rule in JUMP_RULES.items():
         series = []
         for row in rows:
-            if rule.from_step_2 and row.get("step") == 1:
+            if rule.from_step_2 and row.step == 1:
                 continue
-            value, spread = _number(row.get(key)), _number(row.get(rule.spread_key)) or 0.0
-            if value is not None and math.isfinite(value):
-                series.append((row.get("step"), value, spread if math.isfinite(spread) else 0.0))
-        bad += [f"{key} {jump}" for jump in abnormal_jumps(series, rule)]
-        seen.append(f"{key} " + " -> ".join(f"{value:.3g}" for _, value, _ in series))
+            value, spread = row.finite(metric), (row.get(rule.spread) if rule.spread else None) or 0.0
+            if value is not None:
+                series.append((row.step, value, spread if math.isfinite(spread) else 0.0))
+        bad += [f"{metric.key} {jump}" for jump in abnormal_jumps(series, rule)]
+        seen.append(f"{metric.key} " + " -> ".join(f"{value:.3g}" for _, value, _ in series))
     if bad:
         return Check("jumps", "fail", "; ".join(bad))
     return Check("jumps", "pass", "; ".join(seen))
@@ -144,32 +140,34 @@ def leaked(before_gib: float, after_gib: float) -> bool:
     return grew > GROWTH_ALLOWED[0] and grew > GROWTH_ALLOWED[1] * before_gib
 
 
-def resources_check(rows: list[dict[str, Any]], processes: list[ResourceTrend] | None = None) -> Check:
+def resources_check(rows: list[MetricsRow], processes: list[ResourceTrend] | None = None) -> Check:
     """Memory did not grow like a leak, in the trainer's rows or in any role's ``processes``, device memory kept
     headroom, and a GPU in the rows was used."""
     settled = rows[1:] if len(rows) > 2 else rows  # the first step allocates the optimizer and warms caches
     if not settled:
         return Check("resources", "skip", "no step rows")
     problems, evidence = [], []
-    for key in MEMORY_KEYS:
-        series = [v for v in (_number(row.get(key)) for row in settled) if v is not None]
+    for metric in MEMORY_METRICS:
+        series = [v for v in (row.get(metric) for row in settled) if v is not None]
         if len(series) < 2:
             continue
-        evidence.append(f"{key} {series[0]:.2f} -> {series[-1]:.2f} GiB")
+        evidence.append(f"{metric.key} {series[0]:.2f} -> {series[-1]:.2f} GiB")
         if leaked(series[0], series[-1]):
             grew = series[-1] - series[0]
-            problems.append(f"{key} grew {grew:.2f} GiB over {len(series)} steps ({series[0]:.2f} -> {series[-1]:.2f})")
+            problems.append(
+                f"{metric.key} grew {grew:.2f} GiB over {len(series)} steps ({series[0]:.2f} -> {series[-1]:.2f})"
+            )
     by_role = itertools.groupby(sorted(processes or [], key=lambda t: (t.role, t.pid)), key=lambda t: t.role)
     for role, trends in ((role, list(trends)) for role, trends in by_role):
         role_evidence, role_problems = role_resources(role, trends)
         evidence += role_evidence
         problems += role_problems
-    headroom = [v for v in (_number(row.get("memory/headroom_frac")) for row in rows) if v is not None]
+    headroom = [v for v in (row.get(m.CUDA_HEADROOM) for row in rows) if v is not None]
     if headroom:
         evidence.append(f"least device headroom {min(headroom):.0%}")
         if min(headroom) < MIN_HEADROOM:
             problems.append(f"device memory headroom fell to {min(headroom):.1%} (below {MIN_HEADROOM:.0%})")
-    utilisation = [v for v in (_number(row.get("gpu/util_pct")) for row in rows) if v is not None]
+    utilisation = [v for v in (row.get(m.GPU_UTIL) for row in rows) if v is not None]
     if utilisation:
         evidence.append(f"GPU utilisation up to {max(utilisation):.0f}%")
         if max(utilisation) <= 0:

@@ -10,22 +10,24 @@ from typing import Any
 
 from services.cli.verify.check import Check
 from services.common.config import BuildInfo, RunConfig, redacted_dump
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 
 # The libraries whose versions decide how a run behaves: the engine, the trainer's math, the transports.
 LIBRARIES = ("torch", "transformers", "vllm", "safetensors", "numpy", "nats-py", "minio", "grpcio", "pydantic")
 # Per step, the numbers a later verification is compared with.
-FIRST_RUN_KEYS = (
-    "step",
-    "loss",
-    "entropy",
-    "reward_mean",
-    "reward_std",
-    "kl_ref",
-    "response_length_mean",
-    "termination_rate",
-    "step_time_s",
-    "tokens_per_s",
-    "memory/host_rss_gb",
+FIRST_RUN_METRICS = (
+    m.STEP,
+    m.LOSS,
+    m.ENTROPY,
+    m.REWARD_MEAN,
+    m.REWARD_STD,
+    m.KL_REF,
+    m.RESPONSE_LENGTH_MEAN,
+    m.TERMINATION_RATE,
+    m.STEP_TIME_S,
+    m.TOKENS_PER_S,
+    m.HOST_RSS_GB,
 )
 
 
@@ -45,9 +47,11 @@ def build() -> dict[str, str]:
     return {"version": info.version, "revision": info.revision}
 
 
-def first_run_metrics(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The smoke run's step rows cut to ``FIRST_RUN_KEYS`` (those a row has)."""
-    return [{key: row[key] for key in FIRST_RUN_KEYS if key in row} for row in rows]
+def first_run_metrics(rows: list[MetricsRow]) -> list[dict[str, float]]:
+    """The smoke run's step rows cut to ``FIRST_RUN_METRICS`` (the numbers a row has), by row key."""
+    return [
+        {metric.key: value for metric in FIRST_RUN_METRICS if (value := row.get(metric)) is not None} for row in rows
+    ]
 
 
 def conclusion(checks: list[Check]) -> str:
@@ -63,7 +67,7 @@ def conclusion(checks: list[Check]) -> str:
     return passed + (f"; skipped: {', '.join(skipped)}" if skipped else "") + "; keep this record as the baseline"
 
 
-def record_extras(cfg: RunConfig, rows: list[dict[str, Any]], checks: list[Check]) -> dict[str, Any]:
+def record_extras(cfg: RunConfig, rows: list[MetricsRow], checks: list[Check]) -> dict[str, Any]:
     """The fields ``verify.json`` carries beside its checks."""
     return {
         "build": build(),

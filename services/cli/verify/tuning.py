@@ -20,8 +20,9 @@ from services.cli.verify.check import Check
 from services.cli.verify.checkpoints import stores
 from services.cli.verify.smoke import SMOKE_TIMEOUT_S
 from services.common.config import RunConfig
+from services.common.observe import metrics as m
 
-OBJECTIVE = "reward_mean"  # every step row has it; a smoke config evaluates nothing
+OBJECTIVE = m.REWARD_MEAN  # every step row has it; a smoke config evaluates nothing
 
 
 def tuning_check(smoke_path: Path, cfg: RunConfig, folder: Path) -> Check:
@@ -40,7 +41,7 @@ def tuning_check(smoke_path: Path, cfg: RunConfig, folder: Path) -> Check:
         base_config=smoke_path,
         workdir=folder / "tune",
         space={"train.learning_rate": FloatParam(type="float", low=rate / 2, high=rate * 2, log=True)},
-        objective=Objective(metric=OBJECTIVE, reduce="final"),
+        objective=Objective(metric=OBJECTIVE.key, reduce="final"),
         pruner=Pruner(kind="none"),
         budget=Budget(max_trials=1),
         trial=TrialLimits(max_wall_s=SMOKE_TIMEOUT_S),
@@ -60,12 +61,13 @@ def tuning_check(smoke_path: Path, cfg: RunConfig, folder: Path) -> Check:
     if end is None or end.status != "complete":
         return Check("tuning", "fail", f"trial {trial_run_id} {trial.status}: {end.reason if end else 'no record'}")
     if end.objective is None or not math.isfinite(end.objective):
-        return Check("tuning", "fail", f"trial {trial_run_id} completed without a finite {OBJECTIVE}: {end.objective}")
+        missing = f"trial {trial_run_id} completed without a finite {OBJECTIVE.key}: {end.objective}"
+        return Check("tuning", "fail", missing)
     rate_tried = trial.params["train.learning_rate"]
     return Check(
         "tuning",
         "pass",
-        f"trial {trial_run_id} (train.learning_rate {rate_tried:.3g}) complete: {OBJECTIVE} {end.objective:.4g} "
+        f"trial {trial_run_id} (train.learning_rate {rate_tried:.3g}) complete: {OBJECTIVE.key} {end.objective:.4g} "
         f"after {end.steps} steps in {end.wall_s:.0f} s, recorded in its study",
     )
 

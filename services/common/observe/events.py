@@ -22,7 +22,8 @@ Two processes write it, the launcher (restarts) and the trainer (everything else
 whole: past ``telemetry.jsonl_max_mib`` it rolls to ``events.00001.jsonl`` and so on like
 ``metrics.jsonl`` (``RollingJsonl``, whose lock lets either writer roll it), the oldest part deleted
 past ``telemetry.jsonl_keep_parts``. Readers go through
-``jsonl_parts``: ``services.cli.report.read_jsonl`` for the whole record, ``JsonlFollower`` to follow it.
+``jsonl_parts``: ``records.read_events`` for the whole record (typed as ``EventRecord``), ``JsonlFollower`` to
+follow it.
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ class Event(StrEnum):
     TRACKERS_OPEN = "trackers_open"  # the experiment trackers of telemetry.report_to are open
     TRACKER_FAILED = "tracker_failed"  # an experiment tracker failed to open, log or close; training goes on
     TRAINER_STATE_FOUND = "trainer_state_found"  # the trainer's streams and buckets exist: a role goes on starting
+    UNDECLARED_METRIC = "undeclared_metric"  # a metrics row carries a key services/common/observe/metrics.py lacks
     UNPAUSE = "unpause"  # events.jsonl's kind of UNPAUSED
     UNPAUSED = "unpaused"  # an operator resumed training
     WAITING_FOR_TRAINER = "waiting_for_trainer"  # a role waits for the trainer to create the streams

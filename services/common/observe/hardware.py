@@ -41,6 +41,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.common.observe import metrics as m
+from services.common.observe.metrics import Metric
+
 if TYPE_CHECKING:
     import torch
 
@@ -66,27 +69,26 @@ class HardwareSample:
     gpu_mem_total_gb: float | None = None
 
     def row(self) -> dict[str, float]:
-        """The metric-row keys of the fields that have a value (see ``ROW_KEYS``)."""
+        """The metric-row keys of the fields that have a value (see ``ROW_METRICS``)."""
         return {
-            ROW_KEYS[field.name]: float(value)
+            ROW_METRICS[field.name].key: float(value)
             for field in fields(self)
             if (value := getattr(self, field.name)) is not None
         }
 
 
-# Sample field -> metric-row key. The names with "/" are the issue's; instruments.trainer_gauge_name
-# turns each into a Prometheus name (memory/peak_gb -> rlpipe_trainer_memory_peak_gb).
-ROW_KEYS: dict[str, str] = {
-    "host_rss_gb": "memory/host_rss_gb",
-    "cuda_allocated_gb": "memory/allocated_gb",
-    "cuda_reserved_gb": "memory/reserved_gb",
-    "cuda_peak_gb": "memory/peak_gb",
-    "cuda_headroom_frac": "memory/headroom_frac",
-    "gpu_util_pct": "gpu/util_pct",
-    "gpu_mem_used_gb": "gpu/mem_used_gb",
-    "gpu_mem_total_gb": "gpu/mem_total_gb",
+# Sample field -> its metric in the contract (services/common/observe/metrics.py), which names, describes and
+# exports each (memory/peak_gb -> rlpipe_trainer_memory_peak_gb).
+ROW_METRICS: dict[str, Metric] = {
+    "host_rss_gb": m.HOST_RSS_GB,
+    "cuda_allocated_gb": m.CUDA_ALLOCATED_GB,
+    "cuda_reserved_gb": m.CUDA_RESERVED_GB,
+    "cuda_peak_gb": m.CUDA_PEAK_GB,
+    "cuda_headroom_frac": m.CUDA_HEADROOM,
+    "gpu_util_pct": m.GPU_UTIL,
+    "gpu_mem_used_gb": m.GPU_MEM_USED_GB,
+    "gpu_mem_total_gb": m.GPU_MEM_TOTAL_GB,
 }
-HARDWARE_ROW_KEYS: tuple[str, ...] = tuple(ROW_KEYS.values())
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
 

@@ -38,9 +38,10 @@ rollout
   rlpipe_rollout_env_http_errors_total{kind}              its failed requests, by kind
   rlpipe_rollout_env_http_breaker_state                   gauge, 0 closed, 1 half-open, 2 open (batches wait)
 trainer (``TrainerMetrics``)
-  rlpipe_trainer_<key>                                    gauge per key of ``TRAINER_STEP_KEYS``
-                                                          (rlpipe_trainer_entropy, ...); a "/" in a key
-                                                          becomes "_" (``trainer_gauge_name``):
+  rlpipe_trainer_<key>                                    gauge per exported step-row key (``EXPORTED``,
+                                                          derived from the metrics contract, metrics.py;
+                                                          docs/metrics.md lists them): rlpipe_trainer_entropy,
+                                                          ...; a "/" in a key becomes "_" (``gauge_name``):
                                                           memory/peak_gb -> rlpipe_trainer_memory_peak_gb
   rlpipe_trainer_nonfinite_metrics_total{metric}          step values left out because they were NaN or infinite
   rlpipe_checkpoint_duration_seconds{outcome}             histogram, outcome: ok | failed
@@ -64,7 +65,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import re
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -73,86 +73,14 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
-from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
+from services.common.observe.hardware import GpuWatch
+from services.common.observe.metrics import EXPORTED
 from services.common.observe.telemetry import meter
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
-# The step-row keys of multi-turn episodes (services/trainer/intake/episode_stats.py), one per outcome of an episode.
-AGENT_ROW_KEYS = (
-    "agent/turns_mean",
-    "agent/tool_calls_mean",
-    "agent/tool_errors_mean",
-    "agent/env_seconds_mean",
-    *(
-        f"agent/outcome/{outcome}"
-        for outcome in ("done", "max_turns", "max_tokens", "env_error", "timeout", "truncated")
-    ),
-)
-# The step-row keys of the off-policy ratio rho = pi_old / pi_rollout, present with train.old_logprobs: recompute:
-# its quantiles over the step's sampled tokens and the mean of rho - log rho - 1 (an estimate of KL(rollout || old));
-# with a train.off_policy.correction, also its weights (0 on masked tokens) and the shares of tokens and of responses
-# (those with a masked token) it masked.
-OFF_POLICY_ROW_KEYS = (
-    "off_policy/ratio_min",
-    "off_policy/ratio_p5",
-    "off_policy/ratio_p50",
-    "off_policy/ratio_p95",
-    "off_policy/ratio_max",
-    "off_policy/mismatch_kl",
-    "off_policy/weight_mean",
-    "off_policy/weight_max",
-    "off_policy/masked_token_fraction",
-    "off_policy/masked_sequence_fraction",
-)
-# The step-row keys the trainer exports, one gauge each; a fixed list keeps the scrape's size bounded.
 GROUP_FATES = ("dead", "reopened", "lost", "repeat")  # "reopened": a dead group re-injected, still counted dead
-TRAINER_STEP_KEYS = (
-    "step",
-    "policy_version",
-    "loss",
-    "pg_loss",
-    "entropy",
-    "kl_ref",
-    "approx_kl",
-    "clipfrac",
-    "clipfrac_lower",
-    "value_loss",
-    "value_clipfrac",
-    "reward_mean",
-    "reward_std",
-    "advantage_std",
-    "zero_variance_groups",
-    "response_length_mean",
-    "response_length_max",
-    "termination_rate",
-    "truncation_rate",
-    "grad_norm",
-    "learning_rate",
-    "step_time_s",
-    # Where the wall time since the previous step row went (together that whole interval): trainer/service.py.
-    "time/wait_s",
-    "time/compute_s",
-    "time/publish_s",
-    "time/eval_s",
-    "time/bookkeeping_s",
-    "tokens_per_s",
-    "staleness_mean",
-    "staleness_max",
-    "dropped_stale",
-    *OFF_POLICY_ROW_KEYS,  # the ratio pi_old / pi_rollout and what train.off_policy's correction did with it
-    "groups_filtered",
-    "dynamic_sampling/dropped_fraction",
-    *AGENT_ROW_KEYS,
-    *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/observe/hardware.py
-)
-
-
-def trainer_gauge_name(key: str) -> str:
-    """The Prometheus name of a step-row key's gauge: ``rlpipe_trainer_`` + the key, each character Prometheus
-    does not allow in a name (the ``/`` of ``memory/peak_gb``) as ``_``: ``rlpipe_trainer_memory_peak_gb``."""
-    return "rlpipe_trainer_" + re.sub(r"[^a-zA-Z0-9_]", "_", key)
 
 
 def counter(name: str, unit: str, description: str, present: Iterable[Mapping[str, str]] = ()) -> Counter:
@@ -307,9 +235,9 @@ class TrainerMetrics:
 
     def __init__(self) -> None:
         m = meter()
+        # No unit given: the exporter would append it to the name, and the names are the dashboards' and alerts'.
         self.gauges = {
-            key: m.create_gauge(trainer_gauge_name(key), description=f"step row {key!r} of the latest step")
-            for key in TRAINER_STEP_KEYS
+            metric.key: m.create_gauge(metric.gauge_name, description=metric.description) for metric in EXPORTED
         }
         self.nonfinite = counter(
             "rlpipe_trainer_nonfinite_metrics", "{value}", "step values not exported because they were NaN or infinite"
@@ -335,7 +263,7 @@ class TrainerMetrics:
         )
 
     def record_step(self, row: Mapping[str, Any]) -> None:
-        """Set ``rlpipe_trainer_<key>`` for each key of ``TRAINER_STEP_KEYS`` in ``row``; others are ignored.
+        """Set ``rlpipe_trainer_<key>`` for each exported key (``EXPORTED``) in ``row``; others are ignored.
 
         A NaN or infinite value leaves its gauge unchanged and counts in
         ``rlpipe_trainer_nonfinite_metrics_total{metric}`` (the step row and alerts still see it).

@@ -3,8 +3,9 @@
 ``telemetry.report_to`` names the trackers. The trainer's metrics log hands every row it writes
 (step rows, evaluations, checkpoints, alerts) to ``TrackerFanout.write``, which turns it into
 tracker metrics under the common namespaces (``actor/pg_loss``, ``critic/vf_loss``,
-``reward/mean``, ``response_length/mean``; the table is ``METRIC_NAMES``, its meaning in
-docs/metrics.md) and into text events for alerts, checkpoints and config versions.
+``reward/mean``, ``response_length/mean``: each metric's ``tracker_name`` in the metrics contract,
+services/common/observe/metrics.py, listed in docs/metrics.md) and into text events for alerts,
+checkpoints and config versions.
 
 One tracker run per rlpipe run, named by the run id; a resumed trainer appends to it:
 TensorBoard writes new event files into the same ``<run dir>/tensorboard``, MLflow finds its run by
@@ -30,78 +31,18 @@ from typing import Any, Protocol
 import yaml
 
 from services.common.config import RunConfig, redacted_dump
+from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
+from services.common.observe.records import MetricsRow
 
 log = logging.getLogger(__name__)
 
-# rlpipe's row key -> the tracker's name. Keys already holding a "/" (reward/<fn>/mean, memory/...) keep theirs;
-# any other key goes under trainer/.
-METRIC_NAMES: dict[str, str] = {
-    "loss": "actor/loss",
-    "pg_loss": "actor/pg_loss",
-    "clipfrac": "actor/pg_clipfrac",
-    "clipfrac_lower": "actor/pg_clipfrac_lower",
-    "approx_kl": "actor/ppo_kl",
-    "entropy": "actor/entropy",
-    "kl_ref": "actor/kl_ref",
-    "grad_norm": "actor/grad_norm",
-    "learning_rate": "actor/lr",
-    # off_policy/... keys (instruments.OFF_POLICY_ROW_KEYS) keep their names: they carry their namespace.
-    "policy_version": "actor/policy_version",
-    "value_loss": "critic/vf_loss",
-    "value_clipfrac": "critic/vf_clipfrac",
-    "explained_variance": "critic/vf_explained_var",
-    "value_mean": "critic/values/mean",
-    "advantage_mean": "critic/advantages/mean",
-    "advantage_std": "critic/advantages/std",
-    "critic_only": "critic/warmup_step",
-    "reward_mean": "reward/mean",
-    "reward_std": "reward/std",
-    "zero_variance_groups": "reward/zero_variance_groups",
-    "response_length_mean": "response_length/mean",
-    "response_length_max": "response_length/max",
-    "termination_rate": "response_length/terminated_ratio",
-    "truncation_rate": "response_length/clip_ratio",
-    "eval_accuracy": "eval/accuracy",
-    "eval_time_s": "eval/time_s",
-    "staleness_mean": "rollout/staleness_mean",
-    "staleness_max": "rollout/staleness_max",
-    "generated_by_version_min": "rollout/policy_version_min",
-    "generated_by_version_max": "rollout/policy_version_max",
-    "dropped_stale": "rollout/dropped_stale",
-    "groups": "rollout/groups",
-    "completions": "rollout/completions",
-    "step_time_s": "perf/step_time_s",
-    "tokens_per_s": "perf/throughput_tokens_per_s",
-    "config_version": "config/version",
-    "checkpoint_saved": "checkpoint/saved",
-    "checkpoint_failed": "checkpoint/failed",
-    "checkpoint_time_s": "checkpoint/time_s",
-    "checkpoint_stall_s": "checkpoint/stall_s",
-    "checkpoint_lineage_s": "checkpoint/lineage_s",
-    "groups_dead": "pipeline/groups_dead",
-    "groups_reopened": "pipeline/groups_reopened",
-    "groups_lost": "pipeline/groups_lost",
-    "repeats_dropped": "pipeline/repeats_dropped",
-    "groups_filtered": "pipeline/groups_filtered",
-    "in_flight_groups": "pipeline/in_flight_groups",
-    "services_down": "pipeline/services_down",
-}
-# Carried by a row but not a metric: the wall clock, and the step every value is logged at.
-NOT_METRICS = ("time", "step")
 EXTRA = "trackers"  # pip install 'rlpipe[trackers]'
 
 
 class TrackerUnavailable(RuntimeError):
     """A tracker named in telemetry.report_to whose library is not installed."""
-
-
-def tracker_name(key: str) -> str:
-    """The tracker's name of the row key ``key``."""
-    if key in METRIC_NAMES:
-        return METRIC_NAMES[key]
-    return key if "/" in key else f"trainer/{key}"
 
 
 @dataclass
@@ -113,23 +54,21 @@ class TrackerEntry:
     events: dict[str, str] = field(default_factory=dict)  # kind -> text
 
 
-def tracker_entry(row: Mapping[str, Any], last_config_version: int | None) -> TrackerEntry:
+def tracker_entry(row: MetricsRow, last_config_version: int | None) -> TrackerEntry:
     """Map one metrics row (pure): numbers renamed by ``tracker_name``, alerts, checkpoints and new config versions
     as events; ``last_config_version`` is the version the previous row carried (None before the first)."""
-    entry = TrackerEntry(step=int(row.get("step") or 0))
-    for key, value in row.items():
-        if key in NOT_METRICS or isinstance(value, str) or value is None:
-            continue
-        if isinstance(value, (bool, int, float)):
-            entry.metrics[tracker_name(key)] = float(value)
-    if "alert" in row:
-        entry.metrics[f"alert/{row['alert']}"] = 1.0
-        entry.events["alert"] = f"{row.get('alert_severity', 'warning')}: {row['alert']} at step {entry.step}"
-    if row.get("checkpoint_saved"):
-        entry.events["checkpoint"] = f"saved at step {entry.step} in {row.get('checkpoint_time_s', 0):.1f} s"
-    elif row.get("checkpoint_failed"):
-        entry.events["checkpoint"] = f"failed at step {entry.step}: {row.get('error', '')}"
-    version = row.get("config_version")
+    entry = TrackerEntry(step=row.step or 0)
+    for key, value in row.numbers():
+        if key not in m.NOT_METRICS:
+            entry.metrics[m.tracker_name(key)] = float(value)
+    if (rule := row.alert) is not None:
+        entry.metrics[f"alert/{rule}"] = 1.0
+        entry.events["alert"] = f"{row.text(m.ALERT_SEVERITY) or 'warning'}: {rule} at step {entry.step}"
+    if row.get(m.CHECKPOINT_SAVED):
+        entry.events["checkpoint"] = f"saved at step {entry.step} in {row.get(m.CHECKPOINT_TIME_S) or 0:.1f} s"
+    elif row.get(m.CHECKPOINT_FAILED):
+        entry.events["checkpoint"] = f"failed at step {entry.step}: {row.text(m.ERROR) or ''}"
+    version = row.get(m.CONFIG_VERSION)
     if isinstance(version, int) and last_config_version is not None and version != last_config_version:
         entry.events["config"] = f"config version {version} in force from step {entry.step}"
     return entry
@@ -267,10 +206,11 @@ class TrackerFanout:
         self.config_version: int | None = None
         self.failing: set[str] = set()  # logged once until the tracker works again
 
-    def write(self, row: Mapping[str, Any]) -> None:
+    def write(self, values: Mapping[str, Any]) -> None:
+        row = MetricsRow(values)
         entry = tracker_entry(row, self.config_version)
-        if isinstance(row.get("config_version"), int):
-            self.config_version = row["config_version"]
+        if isinstance(version := row.get(m.CONFIG_VERSION), int):
+            self.config_version = version
         # Steps only grow in a tracker: a row without a step (none today) would land at step 0.
         for name, tracker in self.trackers.items():
             try:

@@ -22,8 +22,9 @@ from services.cli.launch.command import interrupt, stop_or_kill
 from services.cli.launch.launcher import ROLE_TOKENS, Launcher
 from services.cli.launch.lock import hold_run, launcher_lock
 from services.cli.launch.summary import summarize
-from services.cli.report import read_jsonl
 from services.common.config import ConfigError, SupervisionConfig, load_config
+from services.common.observe.events import Event
+from services.common.observe.records import RunDone, read_events
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
@@ -257,8 +258,8 @@ def test_a_role_crashing_twice_alike_before_any_step_is_not_restarted_again_and_
     message = str(loop.value)
     assert "RuntimeError: Could not infer dtype of NoneType (at <string>:11 in evaluate)" in message, message
     assert f"its log: {tmp_path / '2.log'}" in message
-    events = read_jsonl(cfg.run_dir / "events.jsonl")
-    assert [event["kind"] for event in events if event["kind"] == "crash_loop"] == ["crash_loop"]
+    events = read_events(cfg.run_dir / "events.jsonl")
+    assert [event.kind for event in events if event.kind == Event.CRASH_LOOP] == [Event.CRASH_LOOP]
 
 
 def test_a_crash_that_moves_or_follows_progress_is_restarted_as_the_policy_allows(config, tmp_path):
@@ -464,14 +465,14 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
     )
     run_dir = tmp_path / "runs" / "ctrlc"
     with running_pipeline(config) as process:
-        wait_for(lambda: sum("pg_loss" in r for r in metric_rows(run_dir)) >= 3, "step 3", process)
+        wait_for(lambda: sum(r.is_step for r in metric_rows(run_dir)) >= 3, "step 3", process)
         process.send_signal(signal.SIGINT)
         output, _ = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGINT, output[-3000:]
     assert "SIGINT: stopping every service" in output and "run failed" not in output
     assert "services failed" not in output  # a stop asked for is reported as a stop
     assert f"continue it with rlpipe run {config} --resume" in " ".join(output.split())
-    last_step = max(r["step"] for r in metric_rows(run_dir) if "pg_loss" in r)
+    last_step = max(r.step for r in metric_rows(run_dir) if r.is_step)
     saved = sorted(path.name for path in run_dir.glob("step-*"))
     assert saved == [f"step-{last_step:08d}"]  # no periodic save came due: this is the stop's own
     assert (run_dir / "report.png").stat().st_size > 0
@@ -495,9 +496,9 @@ def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_o
     done, rows = run_pipeline(config)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "runs" / "cold"
-    failed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "warm_start_failed"]
-    assert len(failed) == 1 and f"cannot join the warm-start pool at {missing}" in failed[0]["message"]
-    assert max(r["step"] for r in rows if "pg_loss" in r) == 2
+    failed = [e for e in read_events(run_dir / "events.jsonl") if e.kind == Event.WARM_START_FAILED]
+    assert len(failed) == 1 and f"cannot join the warm-start pool at {missing}" in failed[0].message
+    assert max(r.step for r in rows if r.is_step) == 2
     # Every role a fresh interpreter: no warm starter's imports in the run's device-hours.
     usage = json.loads((run_dir / "usage.json").read_text())
     assert sorted(usage["device_hours"]) == ["reference", "reward", "rollout", "trainer"]
@@ -533,7 +534,7 @@ def test_the_run_summary_gives_the_mean_share_of_groups_dynamic_sampling_filtere
     ]
     cfg.metrics_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
     out = io.StringIO()
-    Console(file=out, width=200).print(summarize(cfg, {"steps": 2}, {}, 10.0))
+    Console(file=out, width=200).print(summarize(cfg, RunDone(steps=2), {}, 10.0))
     assert "groups filtered by dynamic sampling (mean share)" in out.getvalue()
     assert "0.375" in out.getvalue()
 

@@ -19,6 +19,8 @@ from services.cli.launch.children import Child
 from services.cli.launch.launcher import Launcher
 from services.cli.launch.watch import PresenceWatch, RunRecord
 from services.common.config import RunConfig, load_config
+from services.common.observe.events import Event
+from services.common.observe.records import MetricsRow, RunDone
 from services.common.service import announce_ready
 from services.common.transport.bus import Bus
 from services.common.transport.nats_auth import RoleKey
@@ -102,7 +104,7 @@ def test_the_record_reads_only_what_is_written_after_the_launch(config_only_mode
     events.write_text(json.dumps({"kind": "done", "step": 3, "steps": 3}) + "\n")
     cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="r"))
     record = RunRecord.of_run(cfg)
-    assert record.new_steps() == ([], []) and record.new_events() == [] and record.done == {}
+    assert record.new_steps() == ([], []) and record.new_events() == [] and record.done is None
 
     with metrics.open("a") as out:
         out.write(json.dumps({"step": 4, "reward_mean": 0.5, "entropy": 0.9, "kl_ref": 0.01}) + "\n")
@@ -112,9 +114,9 @@ def test_the_record_reads_only_what_is_written_after_the_launch(config_only_mode
         out.write(json.dumps({"kind": "pause", "step": 4, "message": "operator"}) + "\n")
         out.write(json.dumps({"kind": "done", "step": 4, "steps": 4}) + "\n")
     steps, evaluations = record.new_steps()
-    assert [row["step"] for row in steps] == [4] and evaluations == [{"step": 4, "eval_accuracy": 0.6}]
-    assert [row["kind"] for row in record.new_events()] == ["pause", "done"]
-    assert record.done == {"kind": "done", "step": 4, "steps": 4}
+    assert [row.step for row in steps] == [4] and evaluations == [MetricsRow({"step": 4, "eval_accuracy": 0.6})]
+    assert [event.kind for event in record.new_events()] == [Event.PAUSE, Event.DONE]
+    assert record.done == RunDone(steps=4)
 
 
 # A stage that reports itself ready on the run's broker (with the reward role's key) and drains for half a second

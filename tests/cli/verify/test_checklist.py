@@ -20,6 +20,7 @@ import pytest
 
 from services.common.config import load_config
 from services.common.model.modeling import load_model
+from services.common.observe import metrics as m
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, StepRecord
 from services.trainer.checkpointing.state import Checkpoint, TrainerState, detached_copy, rng_state
@@ -84,7 +85,7 @@ def test_alerts_test_fires_every_rule_through_log_events_metrics_prometheus_and_
     assert all("drill" in body["message"] and body["actions_taken"] == ["notify"] for body in webhook.received)
     run_dir = tmp_path / "runs" / "test"
     assert sorted(e["rule"] for e in jsonl(run_dir / "events.jsonl") if e["kind"] == "alert") == sorted(rules)
-    assert sorted(row["alert"] for row in jsonl(run_dir / "metrics.jsonl")) == sorted(rules)
+    assert sorted(row.alert for row in metric_rows(run_dir) if row.alert) == sorted(rules)
     logged = [json.loads(line) for line in done.stderr.splitlines() if line.startswith("{")]
     assert sorted(line["rule"] for line in logged if line["event"] == "alert") == sorted(rules)
     assert f"{len(rules)} rlpipe_alerts_fired_total at http://" in done.stdout
@@ -228,8 +229,8 @@ def test_verify_passes_on_the_embedded_deployment_and_writes_its_record(verified
     assert f"record: {run_dir / 'verify.json'} {run_dir / 'verify.md'}" in done.stderr
     assert (run_dir / "verify.md").read_text().startswith("# Verification of ")
     rows = metric_rows(run_dir)
-    assert [r["step"] for r in rows if "reward_mean" in r] == [1, 2, 3]  # the smoke run: 3 steps at batch 2
-    assert {r["learning_rate"] for r in rows if "reward_mean" in r} == {VERIFY_LEARNING_RATE}
+    assert [r.step for r in rows if r.is_step] == [1, 2, 3]  # the smoke run: 3 steps at batch 2
+    assert {r[m.LEARNING_RATE] for r in rows if r.is_step} == {VERIFY_LEARNING_RATE}
     rules = sorted(rule.name for rule in load_config(run_dir.parent.parent / "deploy.yaml").alerts.rules)
     events = jsonl(run_dir / "events.jsonl")
     assert sorted(e["rule"] for e in events if e["kind"] == "alert" and "drill" in e["message"]) == rules
@@ -255,14 +256,14 @@ def test_samples_show_exactly_the_groups_and_rewards_the_trainer_applied(verifie
     done, run_dir, _ = verified
     assert done.returncode == 0, done.stderr[-3000:]
     applied = {r.step: r for r in Lineage(run_dir / "lineage.jsonl").records() if isinstance(r, StepRecord)}
-    rows = {r["step"]: r for r in metric_rows(run_dir) if "reward_mean" in r}
+    rows = {r.step: r for r in metric_rows(run_dir) if r.is_step}
     for step in (1, 2, 3):
         shown = rlpipe("--run-dir", str(run_dir), "samples", "--step", str(step), "--n", "100", "--json")
         assert shown.returncode == 0, shown.stderr
         groups = [json.loads(line) for line in shown.stdout.splitlines()]
         assert sorted(g["group_id"] for g in groups) == sorted(group_id for group_id, _ in applied[step].groups)
         rewards = [c["reward"] for g in groups for c in g["completions"]]
-        assert sum(rewards) / len(rewards) == pytest.approx(rows[step]["reward_mean"], abs=1e-6)
+        assert sum(rewards) / len(rewards) == pytest.approx(rows[step][m.REWARD_MEAN], abs=1e-6)
     table = rlpipe("samples", "--run", str(run_dir), "--n", "1")  # the newest step, as a table
     assert table.returncode == 0 and "step 3  group " in table.stdout and "KL mean" in table.stdout
 
@@ -321,8 +322,8 @@ def test_run_smoke_logs_a_batch_from_every_stage_under_its_own_run_id(tmp_path, 
     (deployment / "metrics.jsonl").write_text('{"step": 7, "reward_mean": 0.5}\n')
     done = rlpipe("run", "--smoke", str(config), timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    smoke_rows = [row for row in metric_rows(tmp_path / "runs" / "deploy-smoke") if "reward_mean" in row]
-    assert [row["step"] for row in smoke_rows] == [1, 2, 3]
+    smoke_rows = [row for row in metric_rows(tmp_path / "runs" / "deploy-smoke") if row.is_step]
+    assert [row.step for row in smoke_rows] == [1, 2, 3]
     assert (deployment / "metrics.jsonl").read_text() == '{"step": 7, "reward_mean": 0.5}\n'  # untouched
     smoke = next(line for line in done.stdout.splitlines() if "smoke-run" in line)
     assert "pass" in smoke and all(stage in smoke for stage in ("sampling", "reward", "reference", "update 3 steps"))

@@ -17,15 +17,17 @@ from services.cli.verify.health import (
     resources_check,
 )
 from services.common.config import load_config
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 from services.common.observe.usage import ResourceTrend
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
 
 
-def row(step: int, **values: float) -> dict:
+def row(step: int, **values: float) -> MetricsRow:
     base = {"step": step, "time": 1000.0 + 10 * step, "loss": 0.1, "entropy": 2.0, "reward_mean": 0.3, "kl_ref": 0.01}
-    return base | {key.replace("__", "/"): value for key, value in values.items()}
+    return MetricsRow(base | {key.replace("__", "/"): value for key, value in values.items()})
 
 
 def test_ranges_pass_on_a_sane_run_and_name_a_loss_that_is_huge_or_not_a_number():
@@ -54,14 +56,14 @@ def test_the_first_step_must_come_within_the_bound_of_the_start():
 
 
 def test_a_jump_beyond_the_floor_plus_a_multiple_of_the_smaller_value_is_abnormal():
-    rule = JUMP_RULES["entropy"]  # floor 0.5, rel 1.0
+    rule = JUMP_RULES[m.ENTROPY]  # floor 0.5, rel 1.0
     assert abnormal_jumps([(1, 2.0, 0.0), (2, 4.4, 0.0), (3, 2.1, 0.0)], rule) == []  # 2.4 <= 0.5 + 2.0
     assert abnormal_jumps([(1, 0.1, 0.0), (2, 0.55, 0.0)], rule) == []  # within the floor
     assert abnormal_jumps([(1, 2.0, 0.0), (2, 30.0, 0.0)], rule) == ["2 at step 1 -> 30 at step 2"]
 
 
 def test_a_reward_mean_may_move_with_its_spread_but_not_flip_without_one():
-    rule = JUMP_RULES["reward_mean"]  # floor 0.5, rel 1.0, 3 reward_std
+    rule = JUMP_RULES[m.REWARD_MEAN]  # floor 0.5, rel 1.0, 3 reward_std
     assert abnormal_jumps([(1, 0.0, 0.4), (2, 1.0, 0.3)], rule) == []
     assert abnormal_jumps([(1, 0.0, 0.0), (2, 1.0, 0.0)], rule) == ["0 at step 1 -> 1 at step 2"]
 

@@ -11,6 +11,7 @@ from services.cli.verify.check import Check
 from services.cli.verify.checklist import write_record
 from services.cli.verify.record import conclusion, first_run_metrics, library_versions
 from services.common.config import load_config
+from services.common.observe.records import metrics_rows
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
@@ -28,7 +29,9 @@ def test_the_conclusion_names_each_failed_check_with_the_first_ones_evidence_or_
 
 
 def test_first_run_metrics_keep_the_baseline_keys_of_each_step_row_only():
-    rows = [{"step": 1, "loss": 0.1, "entropy": 2.0, "grad_norm": 3.0, "memory/host_rss_gb": 1.5, "time": 9.0}]
+    rows = metrics_rows(
+        [{"step": 1, "loss": 0.1, "entropy": 2.0, "grad_norm": 3.0, "memory/host_rss_gb": 1.5, "time": 9.0}]
+    )
     assert first_run_metrics(rows) == [{"step": 1, "loss": 0.1, "entropy": 2.0, "memory/host_rss_gb": 1.5}]
 
 
@@ -57,7 +60,7 @@ def test_the_record_holds_build_versions_the_redacted_config_first_metrics_and_c
     )
     cfg = load_config(config)
     checks = [Check("roles", "pass", "up"), Check("jumps", "fail", "entropy 2 -> 30")]
-    rows = [{"step": 1, "loss": 0.25, "entropy": 2.0, "time": 5.0}]
+    rows = metrics_rows([{"step": 1, "loss": 0.25, "entropy": 2.0, "time": 5.0}])
     as_json, as_md = write_record(cfg, config, checks, 12.0, rows=rows)
     record = json.loads(as_json.read_text())
     assert set(record) >= {"build", "libraries", "config", "first_run_metrics", "conclusion"}

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from services.common.config import AlertRule, default_alert_rules
-from services.common.observe.instruments import AGENT_ROW_KEYS, TRAINER_STEP_KEYS
+from services.common.observe import metrics as m
+from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row
 from services.common.transport.messages import Completion, Episode, ExperienceGroup
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.intake.episode_stats import OUTCOMES, episode_metrics
@@ -59,11 +60,12 @@ def test_a_batch_without_episodes_adds_no_agent_keys():
     assert episode_metrics([group([None, None])]) == {}
 
 
-def test_every_agent_key_is_a_prometheus_gauge_of_the_trainer():
-    keys = {"agent/turns_mean", "agent/tool_calls_mean", "agent/tool_errors_mean", "agent/env_seconds_mean"}
-    keys |= {f"agent/outcome/{outcome}" for outcome in OUTCOMES}
-    assert set(AGENT_ROW_KEYS) == keys
-    assert keys <= set(TRAINER_STEP_KEYS)
+def test_every_agent_key_is_declared_in_the_metrics_contract_and_a_prometheus_gauge_of_the_trainer():
+    keys = episode_metrics([group([episode(1, 0, 0, 0.0, "done")])])
+    check_row(keys)
+    assert set(keys) <= set(TRAINER_STEP_KEYS)
+    # The contract's closed family of outcomes is exactly the outcomes an episode may end with.
+    assert m.EPISODE_OUTCOMES == OUTCOMES
 
 
 def test_the_episodes_of_groups_dynamic_sampling_left_out_count_in_the_agent_metrics():

@@ -18,6 +18,7 @@ from services.common.model.modeling import (
     response_window,
     split_by_tokens,
 )
+from services.common.observe.metrics import check_row
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.trainer.learning.batch import Batch
@@ -136,6 +137,7 @@ def test_every_algorithm_steps_with_finite_metrics_and_moves_the_policy(setup, a
     )
     before = flat(learner)
     metrics = learner.step(groups, policy_version=0)
+    check_row(metrics)  # every statistic of the step, with each algorithm's own, is declared in the metrics contract
     assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert not torch.equal(before, flat(learner))
     assert metrics["reward_mean"] == pytest.approx(0.5)

@@ -8,6 +8,8 @@ import torch
 
 from services.common.config.training import OffPolicyConfig, TrainConfig
 from services.common.model.modeling import pack, token_logprobs
+from services.common.observe import metrics as m
+from services.common.observe.metrics import check_row
 from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 from services.trainer.learning import objective
 from services.trainer.learning.algorithms import group_advantages, policy_loss, value_loss
@@ -185,3 +187,33 @@ def test_batch_metrics_report_the_ratio_and_what_the_correction_masked_when_pi_o
     assert metrics["off_policy/masked_sequence_fraction"] == pytest.approx(1 / 4)
     assert metrics["off_policy/ratio_max"] == pytest.approx(math.exp(2.0))
     assert metrics["off_policy/ratio_min"] == pytest.approx(math.exp(-0.5))  # inside IcePop's [0.5, 5]: kept
+
+
+def test_every_statistic_of_the_loss_and_the_batch_is_declared_in_the_metrics_contract():
+    batch = hand_batch()
+    rows = torch.tensor([1, 2])
+    packed, logits = packed_and_logits(batch, rows)
+    values = torch.tensor([[0.1, 0.2, 0.3], [0.0, -0.1, 0.4]])
+    # PPO with importance weights: the optional statistics (critic, weights) are all there.
+    targets = StepTargets(
+        old_logp=batch.rollout_logp,
+        advantages=batch.mask.clone(),
+        old_values=torch.zeros_like(batch.mask),
+        returns=torch.ones_like(batch.mask),
+        weights=torch.ones_like(batch.mask),
+        log_ratio=torch.zeros_like(batch.mask),
+    )
+    train = TrainConfig(algorithm="ppo")
+    _, stats = objective.micro_batch_loss(train, batch, rows, packed, logits, values, targets, False)
+    metrics = objective.batch_metrics(batch, targets, policy_version=6)
+    row = {**stats, **metrics}
+    check_row(row)
+    optional = (
+        m.VALUE_LOSS,
+        m.VALUE_CLIPFRAC,
+        m.EXPLAINED_VARIANCE,
+        m.VALUE_MEAN,
+        m.OFF_POLICY_WEIGHT_MEAN,
+        m.OFF_POLICY_RATIO_P50,
+    )
+    assert {metric.key for metric in optional} <= set(row)
