@@ -4,6 +4,8 @@ log lines (whose format is theirs to change):
 - ``PresenceWatch``: each replica's presence entry, the one ``rlpipe status`` shows. A replica is ready when its
   entry carries its start-up report (``ServiceEntry.startup``, written by ``services.common.service.announce_ready``)
   and was written by the process the launcher started (its pid, or a descendant's for a torchrun trainer).
+- ``PresenceWatch.scale_records``: the replica counts operators asked for (``rlpipe scale``), which the trainer
+  stores in the run's config bucket (services/common/transport/scale.py), read with the presence entries.
 - ``RunRecord``: the trainer's steps and evaluations in the metrics file, and what happened to the run (operators'
   actions, alerts, ``done``) in ``events.jsonl``, both followed from the launch on.
 """
@@ -23,8 +25,10 @@ import nats
 from services.common.config import RunConfig
 from services.common.observe.logs import JsonlFollower
 from services.common.observe.usage import with_descendants
+from services.common.transport import live_config
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.presence import SeenService, bucket_name, read_presence
+from services.common.transport.scale import ScaleRecord, read_scale
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often the presence bucket is read: a replica's readiness reaches run.json within this
@@ -41,6 +45,7 @@ class PresenceWatch:
         self.nats = cfg.nats.model_copy(update={"nkey_seed_file": seed_file})
         self.last_error = ""  # why the last reading failed; empty once one succeeds (said when a start times out)
         self._entries: dict[str, SeenService] = {}
+        self._scale: dict[str, ScaleRecord] = {}
         self._readings = 0  # completed readings so far
         self._read = threading.Condition()
         self._closed = threading.Event()
@@ -53,6 +58,11 @@ class PresenceWatch:
     def entry(self, instance: str) -> SeenService | None:
         with self._read:
             return self._entries.get(instance)
+
+    def scale_records(self) -> dict[str, ScaleRecord]:
+        """role -> the newest replica count asked for, as last read; roles never scaled are absent."""
+        with self._read:
+            return dict(self._scale)
 
     def ready_entry(self, instance: str, pid: int, since: float) -> SeenService | None:
         """``instance``'s entry if the process ``pid`` (or one it started) wrote it at or after ``since`` (wall time)
@@ -89,12 +99,14 @@ class PresenceWatch:
                     js = client.jetstream()
                     await js.key_value(bucket_name(self.cfg.run_id))  # only the trainer creates it: until then, wait
                     entries = await read_presence(js, self.cfg)
+                    scale = await read_scale(await js.key_value(live_config.bucket_name(self.cfg.run_id)))
                 except Exception as error:  # no bucket yet, or the broker away: read again at the next poll
                     self.last_error = repr(error)[:300]
                     log.debug("presence not read: %r", error)
                 else:
                     with self._read:
                         self._entries = {entry.instance: entry for entry in entries}
+                        self._scale = scale
                         self.last_error = ""
                 with self._read:
                     self._readings += 1
