@@ -6,7 +6,8 @@ rollout reads the trainer's port from its presence entry), each waited on until 
 ready (services/cli/launch/watch.py); runs/<run>/startup.jsonl (services/cli/launch/files.py) records when each was
 ready, and the first step, in seconds after the launch; the roles are forked warm where they can be
 (services/cli/launch/warm_forks.py). Shows a progress bar over training steps, read from the
-metrics file, until ``events.jsonl`` records the trainer's ``done``.
+metrics file, until ``events.jsonl`` records the trainer's ``done``. Replicas of a stage role are added or removed
+while it runs, as ``rlpipe scale`` asks (services/cli/launch/scaling.py).
 
 A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
@@ -272,7 +273,7 @@ class Launcher:
         self.write_run_file()
         console.log(
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
-            f"stop (admin at {self.child('trainer').ready['admin']})"
+            f"scale ROLE N | stop (admin at {self.child('trainer').ready['admin']})"
         )
         if self.hold:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
