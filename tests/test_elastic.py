@@ -87,7 +87,7 @@ def test_rollouts_scaled_up_and_down_mid_run_lose_and_repeat_no_group(tiny_model
     handled = 0
     for name in ("rollout-1", "rollout-2"):
         said = [e["event"] for e in service_events(run_dir, name)]
-        assert said[-2:] == ["draining", "stopped"], (name, said[-5:])
+        assert said[-1] == "stopped" and "draining" in said and "crashed" not in said, (name, said[-5:])
         handled += next(e["handled"] for e in service_events(run_dir, name) if e["event"] == "draining")
     assert handled > 0, "the replicas scaled away never took work: the test proves nothing about their drain"
 

@@ -99,15 +99,14 @@ class PresenceWatch:
                     js = client.jetstream()
                     await js.key_value(bucket_name(self.cfg.run_id))  # only the trainer creates it: until then, wait
                     entries = await read_presence(js, self.cfg)
-                    scale = await read_scale(await js.key_value(live_config.bucket_name(self.cfg.run_id)))
                 except Exception as error:  # no bucket yet, or the broker away: read again at the next poll
                     self.last_error = repr(error)[:300]
                     log.debug("presence not read: %r", error)
                 else:
                     with self._read:
                         self._entries = {entry.instance: entry for entry in entries}
-                        self._scale = scale
                         self.last_error = ""
+                    await self._read_scale(js)
                 with self._read:
                     self._readings += 1
                     self._read.notify_all()
@@ -116,6 +115,16 @@ class PresenceWatch:
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.close()
+
+    async def _read_scale(self, js: Any) -> None:
+        """The replica counts asked for; on a failure those read before stand until the next poll."""
+        try:
+            scale = await read_scale(await js.key_value(live_config.bucket_name(self.cfg.run_id)))
+        except Exception as error:  # the broker away: the counts change only when an operator asks anyway
+            log.debug("scale requests not read: %r", error)
+            return
+        with self._read:
+            self._scale = scale
 
 
 async def _unheard(error: Exception) -> None:
