@@ -29,8 +29,9 @@ LIVE_FIELDS = (
     "checkpoint.keep_last",
     "data.eval_every_steps",
 )
-# Fields that say which run and broker a service belongs to: set where it is deployed, never through the admin.
-DEPLOY_TIME_FIELDS = ("run_id", "nats.url", "nats.nkey_seed_file", "nats.tls_ca_file")
+# Fields that say which run and broker a service belongs to, and who starts its replicas (`rlpipe run` or an
+# orchestrator): set where it is deployed, never through the admin.
+DEPLOY_TIME_FIELDS = ("run_id", "nats.url", "nats.nkey_seed_file", "nats.tls_ca_file", "supervision.scaler")
 
 
 def is_live(key: str) -> bool:

@@ -187,8 +187,9 @@ class LiveConfig:
         ]
         if fixed:
             raise ConfigError(
-                f"invalid configuration:\n  {fixed[0]}: names the run and its broker; "
-                "set it where the services are deployed (config file or RLPIPE_* environment), not on a running run"
+                f"invalid configuration:\n  {fixed[0]}: fixed where the services are deployed (it names the run, its "
+                "broker or who starts its replicas): set it in the config file or RLPIPE_* environment, not on a "
+                "running run"
             )
         latest, revision = await self._latest_entry()
         current = apply_overrides(self.base, latest.overrides)
