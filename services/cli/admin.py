@@ -1,4 +1,4 @@
-"""``rlpipe status|pause|resume|config|checkpoint|checkpoints|rollback|mark-stable|stop|metrics|logs``.
+"""``rlpipe status|pause|resume|scale|config|checkpoint|checkpoints|rollback|mark-stable|stop|metrics|logs``.
 
 Each command is one Admin call to the trainer with a deadline. The address defaults to
 the one recorded in the newest ``runs/*/run.json`` and the token to
@@ -41,6 +41,7 @@ _EXIT_OF = {
 
 
 READ_DEADLINE_S = 10.0
+SCALE_POLL_S = 1.0  # how often `rlpipe scale --wait` reads the status
 # Commands the training loop runs between steps: they wait for the step in progress, and a checkpoint
 # or rollback moves the whole model through the store. A deadline that expires first leaves the
 # command undone (the trainer skips commands whose caller has gone), never done behind the caller's back.
@@ -245,6 +246,35 @@ def register(app: typer.Typer) -> typer.Typer:
         console.print(f"{result.state} at step {result.step}")
 
     @app.command()
+    def scale(
+        ctx: typer.Context,
+        role: str = typer.Argument(..., help="rollout, reward or reference"),
+        replicas: int = typer.Argument(..., help="how many replicas of ROLE the run should have; 0 stops them all"),
+        author: str = typer.Option("", help="recorded with the change (default: your user name)"),
+        wait: bool = typer.Option(
+            False, "--wait", help="then wait until the status shows exactly REPLICAS replicas of ROLE, all up"
+        ),
+    ) -> None:
+        """Add or remove replicas of a stage role while a local run (`rlpipe run`) goes on.
+
+        Scaling up starts ROLE-<n> replicas; scaling down stops the highest-numbered, which finish or hand back the
+        work they hold, so nothing is lost or applied twice. Each change is a `scaled` row in events.jsonl. Where
+        Kubernetes (KEDA) or compose runs the replicas this is refused, naming where to scale instead.
+        """
+        import getpass
+
+        where = target(ctx)
+        request = admin_pb2.ScaleRequest(role=role, replicas=replicas, author=author or getpass.getuser())
+        reply = where.call("Scale", request)
+        console.print(
+            f"{reply.role}: {reply.replicas_before} -> {reply.replicas} replicas asked ({reply.replicas_up} up now)",
+            highlight=False,
+        )
+        if wait:
+            up = wait_for_replicas(where, reply.role, reply.replicas)
+            console.print(f"{reply.role}: {up} replicas up", highlight=False)
+
+    @app.command()
     def checkpoint(ctx: typer.Context) -> None:
         """Save a checkpoint of the current step now."""
         info = target(ctx).call("Checkpoint", admin_pb2.CheckpointRequest())
@@ -374,6 +404,22 @@ def register(app: typer.Typer) -> typer.Typer:
         _tail(_run_dir(ctx) / "logs" / f"{service}.log", follow, lambda line: line)
 
     return checkpoints_app
+
+
+def wait_for_replicas(where: Target, role: str, replicas: int) -> int:
+    """Read the status until it lists exactly ``replicas`` replicas of ``role``, all up (a replica scaled away is
+    gone from it once it has drained); fails with UNREACHABLE (3) past the deadline (``--timeout``, else the one
+    of commands the training loop runs)."""
+    deadline = time.monotonic() + (where.timeout or LOOP_DEADLINE_S)
+    while True:
+        status = where.call("GetStatus", admin_pb2.GetStatusRequest())
+        mine = [s for s in status.services if s.role == role]
+        if len(mine) == replicas and all(s.up for s in mine):
+            return replicas
+        if time.monotonic() > deadline:
+            listed = ", ".join(f"{s.instance} {'up' if s.up else 'down'}" for s in mine) or "none"
+            fail(UNREACHABLE, f"{role} did not reach {replicas} replicas up in time; the status lists: {listed}")
+        time.sleep(SCALE_POLL_S)
 
 
 def _run_dir(ctx: typer.Context) -> Path:

@@ -2,7 +2,8 @@
 
 Read-only calls answer from the trainer's state at once; calls that change training
 (pause, rollback, checkpoint, stop) are queued to the training loop, which runs them
-between steps, and answer when they are done. Every call must carry the bearer token.
+between steps, and answer when they are done. A scale request changes no training: it is stored at once, for the
+launcher of a local run to carry out. Every call must carry the bearer token.
 
 The token comes from RLPIPE_ADMIN_TOKEN (fixed for the process) or from ``admin.token_file``, which is
 re-read whenever it changes: writing a new token there rotates it without a restart, and the old one
@@ -31,9 +32,18 @@ from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.live_config import parse_value
+from services.common.transport.scale import (
+    ScaledElsewhere,
+    ScaleRefused,
+    check_scale,
+    configured_replicas,
+    read_scale,
+    store_scale,
+)
 from services.trainer.checkpointing.manifest import CatalogEntry
 from services.trainer.checkpointing.state import CheckpointCorrupt
 from services.trainer.checkpointing.store import AbandonedStep
+from services.trainer.control import RunState
 
 if TYPE_CHECKING:
     from services.common.transport.live_config import LiveConfig
@@ -217,6 +227,31 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
     async def Stop(self, request: admin_pb2.StopRequest, context: grpc.aio.ServicerContext) -> admin_pb2.Status:
         await self.control.call(lambda: self.control.request_stop(request.reason or "stopped by operator"))
         return await self.reporter.status()
+
+    async def Scale(self, request: admin_pb2.ScaleRequest, context: grpc.aio.ServicerContext) -> admin_pb2.ScaleReply:
+        """Store the count; the launcher of a local run carries it out (services/common/transport/scale.py)."""
+        cfg = self.live.cfg
+        try:
+            check_scale(request.role, request.replicas, cfg.supervision)
+        except ScaledElsewhere as error:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except ScaleRefused as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        if self.control.state in (RunState.STOPPING, RunState.DONE):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the run is {self.control.state.value}")
+        earlier = (await read_scale(self.live.kv)).get(request.role)
+        before = earlier.replicas if earlier else configured_replicas(cfg, request.role)
+        record = await store_scale(self.live.kv, request.role, request.replicas, request.author)
+        log_event(
+            log, Event.SCALE_REQUESTED, role=record.role, before=before, after=record.replicas, author=record.author
+        )
+        services = await self.reporter.refresh_services(max_age_s=1.0)
+        return admin_pb2.ScaleReply(
+            role=record.role,
+            replicas_before=before,
+            replicas=record.replicas,
+            replicas_up=sum(1 for s in services if s.role == record.role and s.up),
+        )
 
     async def UpdateConfig(
         self, request: admin_pb2.UpdateConfigRequest, context: grpc.aio.ServicerContext

@@ -24,6 +24,7 @@ from services.common.observe.logs import log_event
 from services.common.pb import admin_pb2
 from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
+from services.common.transport.live_config import bucket_name as config_bucket
 from services.common.transport.presence import (
     RestartCounter,
     SeenService,
@@ -32,6 +33,7 @@ from services.common.transport.presence import (
     roles_down,
     roles_stalled,
 )
+from services.common.transport.scale import read_scale
 from services.common.transport.stage import stall_bound_s
 from services.common.transport.streams import EXPERIENCE, WORK_QUEUES, stream_name
 from services.trainer.alerts import AlertEvaluator, Firing
@@ -68,6 +70,7 @@ class StatusReporter:
         self.experience_lag = StageMetrics("trainer", EXPERIENCE)
         self.services: list[SeenService] = []
         self.lag: dict[str, int] = {}  # consumer lag per role, read with the services
+        self.scaled_to_zero: set[str] = set()  # roles an operator scaled to 0 replicas (rlpipe scale): not down
         self.services_read = 0.0
         self.created = time.monotonic()
         cfg = settings.cfg
@@ -80,6 +83,8 @@ class StatusReporter:
             try:
                 self.services = await read_presence(self.bus.js, self.settings.cfg)
                 self.lag = await self.consumer_lag()
+                scale = await read_scale(await self.bus.js.key_value(config_bucket(self.settings.cfg.run_id)))
+                self.scaled_to_zero = {role for role, record in scale.items() if record.replicas == 0}
                 self.services_read = time.monotonic()
                 self.experience_lag.lag(self.lag.get("trainer", 0))
             except (NatsError, TimeoutError) as error:
@@ -105,8 +110,10 @@ class StatusReporter:
         return lag
 
     def roles_down(self, services: list[SeenService]) -> list[str]:
-        """Roles without a live replica; one that has never registered counts once the start-up grace is over."""
-        return roles_down(services, count_unseen=time.monotonic() - self.created > ROLE_STARTUP_GRACE_S)
+        """Roles without a live replica; one that has never registered counts once the start-up grace is over, one
+        scaled to 0 on purpose does not."""
+        down = roles_down(services, count_unseen=time.monotonic() - self.created > ROLE_STARTUP_GRACE_S)
+        return [role for role in down if role not in self.scaled_to_zero]
 
     async def services_down(self) -> float:
         return float(len(self.roles_down(await self.refresh_services())))

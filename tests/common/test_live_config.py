@@ -78,11 +78,12 @@ def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url
         assert late.cfg.train.batch_size == 4 and late.version == 4
         # That is the config every service process starts with (run_service passes it to its main).
         assert (await stored_config(base)).train.batch_size == 4
-        # Which run and broker a service belongs to is not the admin's to change.
+        # Which run and broker a service belongs to, and who starts its replicas, are not the admin's to change.
         for key, value in (
             ("nats.url", "nats://elsewhere:4222"),
             ("nats", {"url": "nats://elsewhere:4222"}),
             ("run_id", "other"),
+            ("supervision.scaler", "launcher"),  # an orchestrator's replicas are not rlpipe scale's
         ):
             with pytest.raises(ConfigError, match=rf"{key}: names the run and its broker"):
                 await operator.propose({key: value}, author="eve")

@@ -6,7 +6,8 @@ rollout reads the trainer's port from its presence entry), each waited on until 
 ready (services/cli/launch/watch.py); runs/<run>/startup.jsonl (services/cli/launch/files.py) records when each was
 ready, and the first step, in seconds after the launch; the roles are forked warm where they can be
 (services/cli/launch/warm_forks.py). Shows a progress bar over training steps, read from the
-metrics file, until ``events.jsonl`` records the trainer's ``done``.
+metrics file, until ``events.jsonl`` records the trainer's ``done``. Replicas of a stage role are added or removed
+while it runs, as ``rlpipe scale`` asks (services/cli/launch/scaling.py).
 
 A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
@@ -43,6 +44,7 @@ from services.cli.launch.children import (
 )
 from services.cli.launch.crash_loop import CrashLoopGuard
 from services.cli.launch.files import StartupRecord, write_run_file
+from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_presence, forget_scale_requests
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
 from services.common.config import (
@@ -63,7 +65,7 @@ console = Console(stderr=True)
 ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 READY_TIMEOUT_S = 600.0
 # events.jsonl rows the launcher does not echo: its own (said when written) and the trainer's done (the summary).
-LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event.DONE)
+LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event.SCALED, Event.DONE)
 
 
 class Launcher:
@@ -92,6 +94,7 @@ class Launcher:
         self.warm = WarmForks(cfg, self.events, console, inherited_env)
         self.presence: PresenceWatch | None = None
         self.record = RunRecord.of_run(cfg)
+        self.scaler = ReplicaScaler(cfg, self.events, console)
 
     def role_env(self, role: str) -> dict[str, str]:
         """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
@@ -240,13 +243,15 @@ class Launcher:
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
             console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
+        if self.resume:  # this start runs the config's replica counts, not those asked for in the last one
+            forget_scale_requests(self.cfg, nats_url, self.nats_keys["trainer"])
         if self.hold:
             self.broker.hold(self.hold)
         self.write_admin_token()
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
-        self.env = {**inherited_env(), "RLPIPE_NATS__URL": nats_url}
+        self.env = {**inherited_env(), "RLPIPE_NATS__URL": nats_url, **LAUNCHER_SCALES}
         # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
         # start order works, docs/architecture.md), so their model and engine loads overlap the trainer's. The
         # trainer binds ports the OS picks (two local runs must not collide on the defaults), or the admin port
@@ -270,7 +275,7 @@ class Launcher:
         self.write_run_file()
         console.log(
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
-            f"stop (admin at {self.child('trainer').ready['admin']})"
+            f"scale ROLE N | stop (admin at {self.child('trainer').ready['admin']})"
         )
         if self.hold:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
@@ -300,7 +305,7 @@ class Launcher:
                 self.log_run_events(progress.console)
                 steps, evaluations = self.record.new_steps()
                 for row in steps:
-                    self.last_step = max(self.last_step, row["step"])
+                    self.last_step = max(self.last_step, row.step or 0)
                     if "first step" not in self.startup:
                         self.startup.record("first step", {"step": row.step})
                         self.usage.settle()  # what steps allocate is allocated: memory from here on is judged
@@ -325,13 +330,16 @@ class Launcher:
                     self.broker.start()
                     self.write_run_file()
                 self.sample_usage()
+                self.scale()
                 for child in self.children:
                     # A trainer that exited after its record was read may have written done: read it first.
                     exited = trainer_exited if child.role == "trainer" else child.process.poll() is not None
-                    if exited and child.name not in due:
+                    if exited and child.name not in due and self.scaler.wanted(child.name):
                         due[child.name] = self.schedule_restart(child, progress)
                 for name, when in list(due.items()):
-                    if time.monotonic() >= when:
+                    if not self.scaler.wanted(name) or all(c.name != name for c in self.children):
+                        del due[name]  # scaled away while it waited for its restart
+                    elif time.monotonic() >= when:
                         del due[name]
                         restarted = self.child(name)
                         self.spawn(restarted.role, name, env=restart_env(restarted))
@@ -339,6 +347,24 @@ class Launcher:
                 time.sleep(0.1)
         self.child("trainer").process.wait(timeout=60)
         return self.record.done
+
+    def scale(self) -> None:
+        """Start and stop stage replicas until each role has the count ``rlpipe scale`` asked for
+        (services/cli/launch/scaling.py); a replica scaled away leaves run.json and the presence bucket once it
+        has exited, and its name's restart history goes with it."""
+        if self.presence is None:
+            return
+        step = self.scaler.follow(self.presence.scale_records(), self.children, self.stop_grace_s)
+        for role, name in step.start:
+            self.spawn(role, name)
+        for child in step.gone:
+            self.children = [c for c in self.children if c is not child]
+            self.restart_policy.recent.pop(child.name, None)
+            self.crash_loops.last.pop(child.name, None)
+        url = self.env["RLPIPE_NATS__URL"]
+        self.scaler.forget_departed(lambda role, name: forget_presence(self.cfg, url, self.nats_keys[role], name))
+        if step.start or step.gone:
+            self.write_run_file()
 
     def schedule_restart(self, child: Child, progress: Progress) -> float:
         """When to restart ``child``, which exited; raises RuntimeError when it died too often too fast, or

@@ -4,6 +4,8 @@ log lines (whose format is theirs to change):
 - ``PresenceWatch``: each replica's presence entry, the one ``rlpipe status`` shows. A replica is ready when its
   entry carries its start-up report (``ServiceEntry.startup``, written by ``services.common.service.announce_ready``)
   and was written by the process the launcher started (its pid, or a descendant's for a torchrun trainer).
+- ``PresenceWatch.scale_records``: the replica counts operators asked for (``rlpipe scale``), which the trainer
+  stores in the run's config bucket (services/common/transport/scale.py), read with the presence entries.
 - ``RunRecord``: the trainer's steps and evaluations in the metrics file, and what happened to the run (operators'
   actions, alerts, ``done``) in ``events.jsonl``, both followed from the launch on.
 """
@@ -16,6 +18,7 @@ import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import nats
 
@@ -24,8 +27,10 @@ from services.common.observe.events import Event
 from services.common.observe.logs import JsonlFollower
 from services.common.observe.records import EventRecord, MetricsRow, RunDone, event_records, metrics_rows
 from services.common.observe.usage import with_descendants
+from services.common.transport import live_config
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.presence import SeenService, bucket_name, read_presence
+from services.common.transport.scale import ScaleRecord, read_scale
 
 log = logging.getLogger(__name__)
 POLL_S = 0.5  # how often the presence bucket is read: a replica's readiness reaches run.json within this
@@ -42,6 +47,7 @@ class PresenceWatch:
         self.nats = cfg.nats.model_copy(update={"nkey_seed_file": seed_file})
         self.last_error = ""  # why the last reading failed; empty once one succeeds (said when a start times out)
         self._entries: dict[str, SeenService] = {}
+        self._scale: dict[str, ScaleRecord] = {}
         self._readings = 0  # completed readings so far
         self._read = threading.Condition()
         self._closed = threading.Event()
@@ -54,6 +60,11 @@ class PresenceWatch:
     def entry(self, instance: str) -> SeenService | None:
         with self._read:
             return self._entries.get(instance)
+
+    def scale_records(self) -> dict[str, ScaleRecord]:
+        """role -> the newest replica count asked for, as last read; roles never scaled are absent."""
+        with self._read:
+            return dict(self._scale)
 
     def ready_entry(self, instance: str, pid: int, since: float) -> SeenService | None:
         """``instance``'s entry if the process ``pid`` (or one it started) wrote it at or after ``since`` (wall time)
@@ -97,6 +108,7 @@ class PresenceWatch:
                     with self._read:
                         self._entries = {entry.instance: entry for entry in entries}
                         self.last_error = ""
+                    await self._read_scale(js)
                 with self._read:
                     self._readings += 1
                     self._read.notify_all()
@@ -105,6 +117,16 @@ class PresenceWatch:
             if client is not None:
                 with contextlib.suppress(Exception):
                     await client.close()
+
+    async def _read_scale(self, js: Any) -> None:
+        """The replica counts asked for; on a failure those read before stand until the next poll."""
+        try:
+            scale = await read_scale(await js.key_value(live_config.bucket_name(self.cfg.run_id)))
+        except Exception as error:  # the broker away: the counts change only when an operator asks anyway
+            log.debug("scale requests not read: %r", error)
+            return
+        with self._read:
+            self._scale = scale
 
 
 async def _unheard(error: Exception) -> None:

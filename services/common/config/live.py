@@ -94,8 +94,8 @@ def _refusal(field: str, cls: Change) -> ConfigError:
         Change.SECURITY: "is not changeable live (a security setting: where the run's data and credentials go, "
         "what it trusts or loads); set it in the config file or RLPIPE_* environment where the services are "
         "deployed, and restart them",
-        Change.DEPLOY_TIME: "names the run and its broker or deployment; set it where the services are deployed "
-        "(config file or RLPIPE_* environment), not on a running run",
+        Change.DEPLOY_TIME: "names the run and its broker or deployment (or who starts its replicas); set it where "
+        "the services are deployed (config file or RLPIPE_* environment), not on a running run",
         Change.NEW_RUN: "is fixed for the run (new-run) and not changeable live: what the run has stored (its "
         "optimizer state, checkpoints, what weight sync sends) depends on it; start a new run with it",
     }[cls]

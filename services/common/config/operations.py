@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from services.common.config.base import Restart, Section, Security
+from services.common.config.base import DeployTime, Restart, Section, Security
 
 
 class ServiceConfig(Section):
@@ -242,6 +242,19 @@ class SupervisionConfig(Section):
     )
     stop_grace_s: Restart[float] = Field(
         20.0, gt=0, description="on stop, how long every other service may take after SIGTERM before SIGKILL"
+    )
+    scaler: DeployTime[Literal["launcher", "orchestrator"]] = Field(
+        "orchestrator",
+        description="who starts and stops the stage replicas: `launcher`, `rlpipe run` (which sets it for its "
+        "services), where `rlpipe scale ROLE N` changes their count while the run goes on; `orchestrator`, "
+        "Kubernetes (KEDA sizes each stage's Deployment) or compose (`--scale`), where `rlpipe scale` is refused "
+        "naming where to scale instead",
+    )
+    max_replicas: Restart[int] = Field(
+        16,
+        ge=1,
+        description="the most replicas of one stage role `rlpipe scale` may ask for (count): a typo such as 300 "
+        "would start hundreds of processes on one machine",
     )
 
     @model_validator(mode="after")

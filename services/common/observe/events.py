@@ -159,6 +159,9 @@ class Event(StrEnum):
     REWARD_SERVICE_RECOVERED = "reward_service_recovered"  # the remote reward service answers again
     ROLLBACK = "rollback"  # events.jsonl's kind of ROLLED_BACK
     ROLLED_BACK = "rolled_back"  # the trainer went back to a checkpoint
+    SCALED = "scaled"  # the launcher changed a stage role's replica count as an operator asked (recorded)
+    SCALE_RECORD_MALFORMED = "scale_record_malformed"  # a stored replica count is not one this build reads: ignored
+    SCALE_REQUESTED = "scale_requested"  # an operator asked the admin API for a stage role's replica count
     STALLED_EXIT = (
         "stalled_exit"  # a loop stalled past service.exit_when_stalled_s: the process exits 3 to be restarted
     )
@@ -207,6 +210,7 @@ RECORDED_AS: dict[Event, Event] = {
     Event.RESTART: Event.RESTART,
     Event.RESUMED: Event.RESUME,
     Event.ROLLED_BACK: Event.ROLLBACK,
+    Event.SCALED: Event.SCALED,
     Event.STEP_SKIPPED: Event.STEP_SKIPPED,
     Event.STOP_REQUESTED: Event.STOP,
     Event.UNPAUSED: Event.UNPAUSE,
