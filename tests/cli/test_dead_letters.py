@@ -215,9 +215,9 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r.groups if g == group_id]  # noqa: E731
         wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)
         # The ledger's metrics count the group dead once and reopened once (so the fates still add up to the fed).
-        counted = lambda key: sum(r.get(key, 0) for r in steps())  # noqa: E731
-        wait_for(lambda: counted("groups_reopened") == 1, "the reopen in the metrics", run)
-        assert counted("groups_dead") == 1
+        counted = lambda metric: sum(r.get(metric) or 0 for r in steps())  # noqa: E731
+        wait_for(lambda: counted(m.GROUPS_REOPENED) == 1, "the reopen in the metrics", run)
+        assert counted(m.GROUPS_DEAD) == 1
         [kept] = letters()  # the letter stays in DEAD, marked as re-injected
         assert kept.sequence == letter.sequence and kept.reinjected_at == letter.sequence + 1
         killed_at = time.time()
@@ -237,7 +237,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         (group_id, letter.sequence)
     }
     final = effective_steps(records)
-    assert [r.step for r in final] == list(range(1, steps()[-1]["step"] + 1))
+    assert [r.step for r in final] == list(range(1, steps()[-1].step + 1))
     assert [g for r in final for g, _ in r.groups].count(group_id) == 1
 
 
