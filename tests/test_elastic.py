@@ -53,7 +53,7 @@ def test_rollouts_scaled_up_and_down_mid_run_lose_and_repeat_no_group(tiny_model
     run_dir = runs / "elastic"
     with running_pipeline(config) as process:
         run_info(run_dir, process)
-        steps = lambda: [r for r in metric_rows(run_dir) if "pg_loss" in r]  # noqa: E731
+        steps = lambda: [r for r in metric_rows(run_dir) if r.is_step]  # noqa: E731
         wait_for(lambda: len(steps()) >= 2, "the first steps", process)
 
         refused = rlpipe(run_dir, "scale", "trainer", "2")

@@ -40,7 +40,7 @@ def events(run_dir: Path, kind: str) -> list[dict]:
 
 
 def steps(run_dir: Path) -> int:
-    return max((r["step"] for r in metric_rows(run_dir) if "reward_mean" in r), default=0) if run_dir.exists() else 0
+    return max((r.step or 0 for r in metric_rows(run_dir) if r.is_step), default=0) if run_dir.exists() else 0
 
 
 def leaks(text: bytes | str, where: str) -> list[str]:

@@ -68,7 +68,7 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
         assert list((claims / "experience").glob("*.reference-*")), "no group went by claim check"
     if algorithm == "rloo":
         # vLLM's logprobs against the trainer's: the ratio and what IcePop's band masked, every step.
-        assert all("off_policy/masked_token_fraction" in r and "off_policy/ratio_p50" in r for r in steps)
+        assert all(m.OFF_POLICY_MASKED_TOKENS in r and m.OFF_POLICY_RATIO_P50 in r for r in steps)
     if algorithm == "reinforce_pp":
         assert sum(r[m.DROPPED_STALE] for r in steps) > 0  # max_staleness 0 drops groups made before the last update
         assert all(r[m.STALENESS_MAX] <= 0 for r in steps)
