@@ -194,7 +194,12 @@ class Adopter:
             # The same process goes back: prompts already fed stay in flight and are not fed again.
             abandoned_groups = settled_after(await asyncio.to_thread(self.parts.lineage.records), ckpt.step)
             undone = self.parts.ledger.rewind(
-                state.applied_ids, ckpt.step, time.monotonic(), state.settled_through, abandoned_groups
+                state.applied_ids,
+                ckpt.step,
+                time.monotonic(),
+                state.settled_through,
+                abandoned_groups,
+                dead=state.dead_ids,
             )
             if undone:
                 message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"

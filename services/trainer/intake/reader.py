@@ -131,7 +131,9 @@ class Intake:
         self.refused: set[str] = set()  # prompts the broker refused for themselves, alerted once each
 
     def rewind(self) -> None:
-        """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
+        """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch,
+        whose groups are in flight again until they are read again (``GroupLedger.unread``)."""
+        self.ledger.unread(time.monotonic())
         if self.reader is None:
             self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
         else:  # the same reader, and so the same reply subscription
