@@ -16,8 +16,8 @@ the medians and the ratios deterministic/synchronous (what the setting itself co
 load more than the setting, so the stages are also measured alone, in this process, each pair of variants taking
 turns (``--repeats``): the rollout's vLLM generation of one batch unseeded (a request of n samples per prompt)
 against seeded (a request per sample), the reference's scoring of that batch in one pass against a pass per group,
-and ``Learner.step`` on one trainer batch without and with torch's deterministic algorithms. ``--no-pipeline``
-measures the stages only. Writes build/bench/deterministic.jsonl.
+and ``Learner.step`` on one trainer batch without and with torch's deterministic algorithms, each in this process's
+CPU seconds. ``--no-pipeline`` measures the stages only. Writes build/bench/deterministic.jsonl.
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ import argparse
 import json
 import os
 import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from bench.pipeline_run import run_pipeline
-from bench.throughput import alternate, experience, prompt_batch
+from bench.throughput import experience, prompt_batch
 from services.common.config import RunConfig, load_config_with
 from services.common.seeding import sampling_seed
 
@@ -62,8 +64,22 @@ def stage_config(model: Path, data: Path) -> RunConfig:
     return load_config_with(CONFIG, overrides)[0]
 
 
+def alternate_cpu(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """This process's CPU seconds (every thread's) for each variant per repeat, the variants taking turns after one
+    untimed call each. CPU seconds rather than wall: the other processes of a loaded machine do not enter them."""
+    for run in variants.values():
+        run()
+    seconds: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, run in variants.items():
+            started = time.process_time()
+            run()
+            seconds[name].append(time.process_time() - started)
+    return seconds
+
+
 def bench_stages(cfg: RunConfig, repeats: int) -> dict[str, dict[str, list[float]]]:
-    """Seconds per repeat of each stage's two variants (see the module docstring), the variants taking turns."""
+    """CPU seconds per repeat of each stage's two variants (see the module docstring), the variants taking turns."""
     from services.reference.service import ReferenceScorer
     from services.rollout.engines import VllmEngine
     from services.trainer.learning.learner import Learner
@@ -73,7 +89,7 @@ def bench_stages(cfg: RunConfig, repeats: int) -> dict[str, dict[str, list[float
     n, length = cfg.sampling.group_size, cfg.train.max_seq_len
     seeds = [[sampling_seed(cfg.train.seed, f"e0-i{p}", i) for i in range(n)] for p in range(len(prompt_ids))]
     generated: list = []
-    rollout = alternate(
+    rollout = alternate_cpu(
         {
             "unseeded": lambda: generated.append(engine.generate(prompt_ids, cfg.sampling, length)),
             "seeded": lambda: engine.generate(prompt_ids, cfg.sampling, length, seeds),
@@ -87,7 +103,7 @@ def bench_stages(cfg: RunConfig, repeats: int) -> dict[str, dict[str, list[float
         scorer.per_group = per_group
         scorer(groups)
 
-    reference = alternate({"one pass": lambda: score(False), "a pass per group": lambda: score(True)}, repeats)
+    reference = alternate_cpu({"one pass": lambda: score(False), "a pass per group": lambda: score(True)}, repeats)
     learner = Learner(cfg)
     batch = [groups[i % len(groups)] for i in range(cfg.train.batch_size)]
 
@@ -95,7 +111,7 @@ def bench_stages(cfg: RunConfig, repeats: int) -> dict[str, dict[str, list[float
         torch.use_deterministic_algorithms(deterministic)
         learner.step(batch, learner.steps_done)
 
-    trainer = alternate({"default kernels": lambda: step(False), "deterministic": lambda: step(True)}, repeats)
+    trainer = alternate_cpu({"default kernels": lambda: step(False), "deterministic": lambda: step(True)}, repeats)
     torch.use_deterministic_algorithms(False)
     return {"rollout": rollout, "reference": reference, "learner": trainer}
 
@@ -141,12 +157,12 @@ def main() -> None:
     with (OUT / "deterministic.jsonl").open("w") as out:
         for stage, variants in stages.items():
             for name, seconds in variants.items():
-                row = {"stage": stage, "variant": name, "seconds": [round(x, 4) for x in seconds]}
+                row = {"stage": stage, "variant": name, "cpu_seconds": [round(x, 4) for x in seconds]}
                 out.write(json.dumps(row | {"machine": machine}) + "\n")
         for name, runs in measured.items():
             row = {"variant": name, "steps_per_s": [round(s, 4) for s, _ in runs], "machine": machine}
             out.write(json.dumps(row | {"completions_per_s": [round(c, 1) for _, c in runs]}) + "\n")
-    print(f"{'stage':10} {'variant':18} {'median s':>9} {'x first':>8}")
+    print(f"{'stage':10} {'variant':18} {'CPU s':>9} {'x first':>8}")
     for stage, variants in stages.items():
         first = statistics.median(next(iter(variants.values())))
         for name, seconds in variants.items():
