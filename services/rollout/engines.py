@@ -44,14 +44,28 @@ class Engine(Protocol):
     end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
-    ) -> list[list[Generation]]: ...
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        max_seq_len: int,
+        seeds: list[list[int]] | None = None,
+    ) -> list[list[Generation]]:
+        """``sampling.group_size`` samples of each prompt. With ``seeds`` (train.deterministic; ``seeds[p][i]`` is
+        ``sampling_seed`` of prompt p's sample i), each sample draws from a generator of its own seeded with it, so
+        it does not depend on what else the call holds; without, from the engine's shared stream."""
+        ...
 
     def generate_turns(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         """One turn for each episode: one sample continuing each context, up to its ``max_tokens``, ending early on
-        the end-of-sequence token or once the text holds one of ``stop``."""
+        the end-of-sequence token or once the text holds one of ``stop``; with ``seeds``, each drawn from a
+        generator of its own seeded with ``seeds[i]``."""
         ...
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
@@ -161,10 +175,16 @@ class VllmEngine:
         self.end_tokens = end_token_ids(cfg.model.path, self.tokenizer.eos_token_id)
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        max_seq_len: int,
+        seeds: list[list[int]] | None = None,
     ) -> list[list[Generation]]:
         from vllm import SamplingParams, TokensPrompt
 
+        if seeds is not None:
+            return self._generate_seeded(prompt_ids, sampling, max_seq_len, seeds)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         params = [
             SamplingParams(
@@ -179,8 +199,39 @@ class VllmEngine:
         results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [[self._generation(out) for out in result.outputs] for result in results]
 
+    def _generate_seeded(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int, seeds: list[list[int]]
+    ) -> list[list[Generation]]:
+        """One request per sample, each with its own seed. (vLLM would seed a request of n samples as seed, seed + 1,
+        ...: neighbouring groups' streams would overlap.) vLLM fans a request of n out into n requests anyway, and
+        its prefix cache computes each prompt once."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts, params = [], []
+        for ids, sample_seeds in zip(prompt_ids, seeds, strict=True):
+            limit = max_tokens_for(len(ids), sampling, max_seq_len)
+            for seed in sample_seeds:
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        max_tokens=limit,
+                        logprobs=0,
+                        seed=seed,
+                    )
+                )
+        results = iter(self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request))
+        return [[self._generation(next(results).outputs[0]) for _ in sample_seeds] for sample_seeds in seeds]
+
     def generate_turns(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
@@ -194,8 +245,9 @@ class VllmEngine:
                 logprobs=0,
                 stop=stop or None,
                 include_stop_str_in_output=True,
+                seed=None if seeds is None else seeds[i],
             )
-            for limit in max_tokens
+            for i, limit in enumerate(max_tokens)
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in contexts]
         results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)

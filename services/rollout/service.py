@@ -29,6 +29,7 @@ from services.common.observe.logs import Stopwatch, log_event
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
+from services.common.seeding import sampling_seed
 from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
 from services.common.transport import weight_sync_tls
 from services.common.transport.bus import Bus
@@ -355,7 +356,14 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         if episodes is not None:
             return await episodes.groups(prompts, live.cfg.sampling, follower.loaded, live.version)
         prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
-        groups = await on_engine(engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len)
+        sampling = live.cfg.sampling
+        if cfg.train.deterministic:  # each sample drawn with its own seed (services/common/seeding.py)
+            seeds = [
+                [sampling_seed(cfg.train.seed, p.group_id, i) for i in range(sampling.group_size)] for p in prompts
+            ]
+            groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len, seeds)
+        else:  # an engine that takes no seeds (the hf one) serves unseeded runs
+            groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len)
         return [
             advance(
                 prompt,

@@ -232,7 +232,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """Store the count; the launcher of a local run carries it out (services/common/transport/scale.py)."""
         cfg = self.live.cfg
         try:
-            check_scale(request.role, request.replicas, cfg.supervision)
+            check_scale(request.role, request.replicas, cfg.supervision, cfg.train.deterministic)
         except ScaledElsewhere as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ScaleRefused as error:

@@ -412,6 +412,12 @@ class Trainer:
             if not control.running:
                 await control.wait_while_held(1.0, on_idle=self.check_health)
                 continue
+            if self.cfg.train.synchronous:
+                # The next prompts ask for the version just trained: it must be served before they go out, or a
+                # rollout asking for it may still be told of the one before, generate with that, and have the
+                # batch dropped as stale and fed again with other prompts.
+                with self.step_time.during(StepPhase.PUBLISH):
+                    await self.recovery.publisher.drain()
             with self.step_time.during(StepPhase.WAIT):
                 collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
             if collected is None:

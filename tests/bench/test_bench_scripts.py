@@ -215,3 +215,13 @@ def test_a_batchs_three_hops_are_timed_through_a_real_broker_one_message_at_a_ti
     timed = bench_bus(cfg, groups, repeats=2)
     assert (timed["group_size"], timed["batch_groups"]) == (2, 3)
     assert 0 < timed["bus_s_per_group"] < 5 and 0 < timed["bus_s_per_group_one_at_a_time"] < 5
+
+
+@pytest.mark.unit
+def test_the_deterministic_bench_counts_the_steps_after_the_skipped_ones_over_their_own_wall_time():
+    from bench.deterministic import steady_steps_per_s
+
+    rows = [{"step": 0, "eval_accuracy": 0.1, "time": 0.0}]
+    rows += [{"step": step, "completions": 8, "time": 10.0 + 2.0 * step} for step in range(6, 0, -1)]
+    # Steps 3..6 kept: three intervals of 2 s, the completions of the three steps that end them.
+    assert steady_steps_per_s(rows, skip=2) == (3 / 6.0, 24 / 6.0)

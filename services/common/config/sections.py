@@ -128,6 +128,32 @@ class RunConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _deterministic_runs_have_one_of_each(self) -> RunConfig:
+        # Two replicas of a role share its queue by whoever pulls first, and two trainer processes reduce gradients
+        # across processes (not verified to be reproducible): either would make a run depend on timing.
+        if not self.train.deterministic:
+            return self
+        several = {
+            "rollout.replicas": self.rollout.replicas,
+            "reward.replicas": self.reward.replicas,
+            "reference.replicas": self.reference.replicas,
+            "trainer.nproc": self.trainer.nproc,
+        }
+        problems = [f"{name} is {count}" for name, count in several.items() if count > 1]
+        if problems:
+            raise ValueError(
+                f"train.deterministic needs one process of every role, and {', '.join(problems)}: set them to 1 or "
+                "train.deterministic: false"
+            )
+        if self.rollout.backend != "vllm":
+            # The hf engine does not draw each sample from a seed of its own yet (sampling_seed).
+            raise ValueError(
+                f"train.deterministic needs rollout.backend: vllm (not {self.rollout.backend!r}): the hf engine does "
+                "not seed each sample's draws yet"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _reference_passes_hold_a_sequence(self) -> RunConfig:
         budget, longest = self.reference.micro_batch_tokens, self.train.max_seq_len
         if budget is not None and budget < longest:

@@ -52,6 +52,7 @@ from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import meter
 from services.common.refusal import StartRefused
+from services.common.seeding import sampling_seed
 from services.common.transport.breaker import DependencyRefused, DependencyUnavailable
 from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
 
@@ -61,8 +62,9 @@ Outcome = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "tr
 # Outcomes that cut the episode short of an answer: its completion reads as one that ran out of length.
 CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
 
-# (contexts, max new tokens for each) -> one turn each: the engine call, on the engine's thread.
-TurnGenerator = Callable[[list[list[int]], list[int]], Awaitable[list[Generation]]]
+# (contexts, max new tokens for each[, each one's seed]) -> one turn each: the engine call, on the engine's thread.
+# The seeds come only from a run_episodes given a run seed.
+TurnGenerator = Callable[..., Awaitable[list[Generation]]]
 
 
 class EpisodeEnvironment(Protocol):
@@ -151,6 +153,9 @@ class EpisodeState:
     env_seconds: float = 0.0
     env_reward: float = 0.0  # the environment's own reward parts, summed: trained on with reward.environment_weight
     outcome: Outcome | None = None
+    # (group id, index in the group): what seeds each turn's draws when run_episodes is given a run seed
+    # (train.deterministic); unused otherwise.
+    sample: tuple[str, int] = ("", 0)
 
     @property
     def generated(self) -> int:
@@ -235,11 +240,14 @@ async def run_episodes(
     tokenizer: Tokenizer,
     observations: ObservationFormat,
     end_tokens: frozenset[int] | None = None,
+    run_seed: int | None = None,
 ) -> None:
     """Run every episode to its end (each gets an ``outcome``), observations appended as ``observations`` says.
     ``end_tokens``: what the engine ends a generation on (``Engine.end_tokens``; default the tokenizer's EOS),
     read as the model ending its message. A prompt that leaves no room for a first turn is the prompt's fault:
-    ValueError, as in single-turn generation."""
+    ValueError, as in single-turn generation. ``run_seed`` (train.deterministic): each turn is drawn with the seed
+    ``sampling_seed(run_seed, group id, index, turn)`` of its episode's ``sample``, passed to ``generate`` as a
+    third argument; None: ``generate`` gets two."""
     ends = end_tokens if end_tokens is not None else frozenset({tokenizer.eos_token_id})
     for episode in episodes:
         if limits.max_seq_len - episode.prompt_len < 1:
@@ -250,7 +258,12 @@ async def run_episodes(
         while ready or stepping:
             if ready:
                 turn_of, ready = ready, []
-                generations = await generate([e.context for e in turn_of], [e.room(limits) for e in turn_of])
+                contexts, rooms = [e.context for e in turn_of], [e.room(limits) for e in turn_of]
+                if run_seed is None:
+                    generations = await generate(contexts, rooms)
+                else:
+                    seeds = [sampling_seed(run_seed, *e.sample, e.turns) for e in turn_of]
+                    generations = await generate(contexts, rooms, seeds)
                 for episode, generation in zip(turn_of, generations, strict=True):
                     after = _after_turn(episode, generation, limits, ends, observations)
                     stepping.add(asyncio.create_task(after))
@@ -380,11 +393,16 @@ class EpisodeRunner:
         self.limits = EpisodeLimits.of(cfg)
         stop = list(cfg.rollout.turn_stop)
 
+        # train.deterministic: each turn drawn with a seed of its own (services/common/seeding.py).
+        self.run_seed = cfg.train.seed if cfg.train.deterministic else None
+
         async def engine_turns(
-            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, seeds: list[int] | None = None
         ) -> list[Generation]:
             # on_engine runs the call on the engine's thread and judges its failures
-            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+            if seeds is None:  # an engine that takes no seeds (the hf one) serves unseeded runs
+                return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop, seeds)
 
         self.turns = TurnBatcher(engine_turns)
         self.metrics = EpisodeMetrics()
@@ -399,12 +417,19 @@ class EpisodeRunner:
     ) -> list[RolloutGroup]:
         tasks = [Task(prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer, info=p.info) for p in prompts]
         groups = await start_episodes(tasks, self.make_environment, sampling.group_size, self.tokenizer)
+        for prompt, group in zip(prompts, groups, strict=True):
+            for index, episode in enumerate(group):
+                episode.sample = (prompt.group_id, index)
 
-        async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
-            return await self.turns.generate(contexts, max_tokens, sampling)
+        async def generate(
+            contexts: list[list[int]], max_tokens: list[int], seeds: list[int] | None = None
+        ) -> list[Generation]:
+            return await self.turns.generate(contexts, max_tokens, sampling, seeds)
 
         episodes = [episode for group in groups for episode in group]
-        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens)
+        await run_episodes(
+            episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens, self.run_seed
+        )
         for group in groups:
             self.metrics.record(group)
         return [

@@ -71,9 +71,10 @@ def configured_replicas(cfg: RunConfig, role: str) -> int:
     return getattr(cfg, role).replicas
 
 
-def check_scale(role: str, replicas: int, supervision: SupervisionConfig) -> None:
+def check_scale(role: str, replicas: int, supervision: SupervisionConfig, deterministic: bool = False) -> None:
     """Raises ScaleRefused naming what is wrong with asking for ``replicas`` of ``role``; ScaledElsewhere when
-    this run's replicas are an orchestrator's to scale."""
+    this run's replicas are an orchestrator's to scale. A ``deterministic`` run (train.deterministic) keeps one
+    replica of each role: which replica takes a group would otherwise decide what the run computes."""
     if role == RUN_OWNER:
         raise ScaleRefused(
             "the trainer does not scale: a run has one trainer, fenced by its lease, and a second would be refused "
@@ -87,6 +88,11 @@ def check_scale(role: str, replicas: int, supervision: SupervisionConfig) -> Non
         raise ScaleRefused(
             f"{replicas} {role} replicas is more than supervision.max_replicas ({supervision.max_replicas}); "
             "raise it in the run's config if this machine can hold that many"
+        )
+    if deterministic and replicas > 1:
+        raise ScaleRefused(
+            f"{replicas} {role} replicas in a train.deterministic run: a reproducible run has one replica of each "
+            "role; restart it without train.deterministic to scale"
         )
     if supervision.scaler != "launcher":
         raise ScaledElsewhere(

@@ -46,7 +46,7 @@ from services.common.transport.streams import (
 )
 from services.trainer.intake.episode_stats import episodes_of
 from services.trainer.intake.feeder import PromptFeeder
-from services.trainer.intake.ledger import Fate, GroupLedger, cursor_position
+from services.trainer.intake.ledger import Fate, GroupLedger, cursor_position, feeding_order
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -408,6 +408,10 @@ class Intake:
                         )
                     continue
                 batch.append(group)
+        if cfg.train.deterministic:
+            # Arrival order is the pipeline's timing; feeding order is the run's own (the groups' sums, the batch's
+            # rows and its mini-batches follow it).
+            batch.sort(key=lambda group: feeding_order(group.group_id))
         return Collected(batch, dropped, sequence, claims, filtered, filtered_episodes)
 
     def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:

@@ -56,6 +56,7 @@ from services.common.model.modeling import (
     host_copy,
     load_model,
     load_tokenizer,
+    make_deterministic,
     pack,
     response_window,
     token_logprobs,
@@ -130,6 +131,8 @@ class Learner:
         cfg = self.mesh.agree(cfg)
         self.cfg = cfg
         train = cfg.train
+        if train.deterministic:  # before anything draws from torch's generator: adapters and a value head do
+            make_deterministic(train.seed)
         self.precision = replace(Precision.of(cfg.model, train.master_weights), device=device)
         self.device = self.precision.device
         # model.path's content hash, read beside the load: a checkpoint records it, and a resume over other weights

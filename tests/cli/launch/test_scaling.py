@@ -77,6 +77,13 @@ def test_where_an_orchestrator_runs_the_replicas_a_scale_request_says_where_to_s
     assert "kubectl scale deployment/rollout --replicas=3" in message and "--scale rollout=3" in message
 
 
+def test_a_deterministic_run_keeps_one_replica_of_each_role():
+    with pytest.raises(ScaleRefused, match="a reproducible run has one replica of each role"):
+        check_scale("rollout", 2, LAUNCHED, deterministic=True)
+    check_scale("rollout", 1, LAUNCHED, deterministic=True)
+    check_scale("rollout", 0, LAUNCHED, deterministic=True)
+
+
 class FakeProcess:
     """What the scaler asks of a replica's process: whether it runs, a signal, a kill."""
 

@@ -710,3 +710,27 @@ def test_a_long_prompt_whose_claim_store_is_down_is_fed_again_once_it_is_back_wh
         await bus.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_a_deterministic_batch_is_in_feeding_order_whatever_order_its_groups_arrive_in(
+    tiny_model, tmp_path, nats_url, deterministic
+):
+    cfg, rows = config(tiny_model, tmp_path, nats_url, synchronous=True, deterministic=deterministic)
+
+    async def scenario() -> list[str]:
+        bus = await Bus(cfg, "trainer").connect()
+        ledger = GroupLedger()
+        ledger.settle([f"e0-i{i}" for i in range(9)], step=0, fate=Fate.APPLIED)  # so it feeds e0-i9 and e0-i10
+        intake = intake_of(bus, rows, ledger, Progress())
+        await intake.feed(cfg, config_version=0)
+        assert sorted(ledger.in_flight) == ["e0-i10", "e0-i9"]
+        # e0-i10 comes back first; a text sort would put it first too.
+        await bus.publish(EXPERIENCE, experience("e0-i10"), msg_id="d-0")
+        await bus.publish(EXPERIENCE, experience("e0-i9"), msg_id="d-1")
+        collected = await asyncio.wait_for(intake.collect(cfg, 0, never, asyncio.Event()), 30)
+        await bus.close()
+        return [g.group_id for g in collected.batch]
+
+    arrival = ["e0-i10", "e0-i9"]
+    assert asyncio.run(scenario()) == (["e0-i9", "e0-i10"] if deterministic else arrival)
