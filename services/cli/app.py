@@ -330,13 +330,15 @@ def data_sample(
     from services.cli.data import format_sample, sample_rows
     from services.common.config import load_config
     from services.common.model.datasets import DatasetError
+    from services.common.refusal import StartRefused
+    from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
     if split not in ("train", "eval"):
         typer.echo(f"rlpipe data sample: --split must be train or eval, not {split!r}", err=True)
         raise typer.Exit(2)
     try:
-        typer.echo(format_sample(sample_rows(load_config(config), rows, seed, split)))
-    except (ConfigError, DatasetError, ValueError) as error:
+        typer.echo(format_sample(sample_rows(resolve_model(load_config(config)), rows, seed, split)))
+    except (ConfigError, DatasetError, ValueError, StartRefused, ModelFetchFailed) as error:
         typer.echo(f"rlpipe data sample: {error}", err=True)
         raise typer.Exit(2) from None
 

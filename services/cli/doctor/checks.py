@@ -24,6 +24,7 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli.doctor.broker import embedded_broker_rows, nats_rows
 from services.cli.doctor.gpu import gpu_rows
+from services.cli.doctor.model import model_rows as model_source_rows
 from services.cli.doctor.weightsync import weight_sync_rows
 from services.cli.plan import gpus_at_hand, sizing_row
 from services.cli.sizing import read_host_memory
@@ -44,6 +45,7 @@ from services.common.startup_checks import (
     storage_rows,
     weight_files,
 )
+from services.common.transport.model_source import local_model_path
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -194,7 +196,10 @@ def check_disk(cfg: RunConfig) -> CheckResult:
     targets = [url for url in (cfg.checkpoint_url, cfg.checkpoint.mirror_url) if url.startswith("file://")]
     if not targets:
         return CheckResult("disk", "skip", f"checkpoints go to {cfg.checkpoint_url}: free space is the object store's")
-    weights = sum(p.stat().st_size for p in weight_files(cfg.model.path))
+    model = local_model_path(cfg)
+    if model is None:
+        return CheckResult("disk", "skip", f"{cfg.model.path} is not fetched yet: its size is unknown here")
+    weights = sum(p.stat().st_size for p in weight_files(model))
     per_checkpoint = weights * CHECKPOINT_WEIGHT_FACTOR
     if cfg.train.algorithm == "ppo" and cfg.train.critic.kind == "separate":
         per_checkpoint *= 2  # the critic is a second backbone with its own moments
@@ -229,6 +234,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
     ports_of = "run" if embedded else "doctor"
     return [
         Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True)),
+        Check("model hash", ("model",), model_source_rows),
         Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), storage_rows),
         Check("nats", ("nats",), embedded_broker_rows if embedded else nats_rows),

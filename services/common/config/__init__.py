@@ -37,7 +37,7 @@ from services.common.config.loading import (
     parse_overrides,
     parse_value,
 )
-from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig
+from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig, ModelFetchConfig
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
@@ -57,6 +57,7 @@ from services.common.config.sections import (
     AdminCredentials,
     BuildInfo,
     DeploymentEnvironment,
+    ModelCredentials,
     RunConfig,
     RunsLocation,
     S3Credentials,
@@ -91,6 +92,8 @@ __all__ = [
     "KLConfig",
     "LoraConfig",
     "ModelConfig",
+    "ModelCredentials",
+    "ModelFetchConfig",
     "NatsConfig",
     "OverlongPenaltyConfig",
     "ReferenceConfig",

@@ -38,8 +38,8 @@ def is_live(key: str) -> bool:
 
 
 # Settings that decide what a run trusts and where its data goes: certificates and credential files, the checkpoint
-# stores (and the endpoint their credentials are sent to), the endpoints prompts, completions, metrics and alert
-# firings leave for.
+# stores (and the endpoint their credentials are sent to), the model's source and the hashes it is held to, the
+# endpoints prompts, completions, metrics and alert firings leave for.
 # An admin token must not be enough to redirect any of them, so they change only where the services are deployed.
 SECURITY_FIELDS = (
     "admin.token_file",
@@ -54,6 +54,15 @@ SECURITY_FIELDS = (
     "checkpoint.s3_endpoint",
     "checkpoint.s3_secure",
     "checkpoint.s3_ca_file",
+    "model.path",
+    "model.sha256",
+    "model.manifest",
+    "model.fetch.cache_dir",
+    "model.fetch.s3_endpoint",
+    "model.fetch.s3_secure",
+    "model.fetch.hub_download",
+    "model.fetch.hub_endpoint",
+    "model.fetch.hub_cache_dir",
     "alerts.webhook_url",
     "reward.http.url",
     "reward.http.headers_from_env",
