@@ -120,7 +120,11 @@ class Trainer:
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
-            open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
+            open_store(cfg.checkpoint_url, cfg.checkpoint),
+            cfg.run_id,
+            cfg.checkpoint.keep_last,
+            mirror=mirror,
+            compression=cfg.checkpoint.compression,
         )
         self.control = Control(live, self.journal, self.progress)
         self.intake = Intake(
