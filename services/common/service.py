@@ -25,6 +25,7 @@ from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
+from services.common.observe.network import export_link_capacity
 from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
@@ -251,6 +252,8 @@ def run_service(role: str, service_main: ServiceMain) -> None:
             f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr
         )
         sys.exit(2)
+    if cfg.telemetry.link_mib_s:
+        export_link_capacity(role, cfg.telemetry.link_mib_s * 2**20)
     # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
     gpus = watch_gpus(role)
     if gpus is not None:

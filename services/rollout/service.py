@@ -26,6 +26,7 @@ from services.common.episodes.runner import EpisodeRunner
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.network import add_network_bytes, watch_network_bytes
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
@@ -190,6 +191,7 @@ class PolicyFollower:
                 self.last_origin = origin
                 seconds = time.perf_counter() - started
                 record_weight_sync(seconds, stream.data_bytes, self.loaded)
+                add_network_bytes("rollout", "weight_sync", "in", stream.data_bytes)
                 log_event(
                     log,
                     Event.WEIGHTS_LOADED,
@@ -300,6 +302,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         port = await await_trainer_port(bus.js, cfg, since=launched)
         cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if relays(cfg) else None
+    if relay is not None:
+        watch_network_bytes("rollout", "weight_sync", "out", lambda: relay.sent_bytes)
     token = WeightSyncCredentials().token
     server, address = await start_grpc_server(
         cfg,

@@ -20,6 +20,7 @@ from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig, redacted_dump
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.network import watch_network_bytes
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
@@ -191,6 +192,7 @@ async def lead_holding(
     model_s = started()
     initial = await asyncio.to_thread(learner.snapshot, 0, 0)  # a copy of the model, off the loop that renews the lease
     weights = WeightSyncServer(initial, fanout=cfg.rollout.relay_fanout)
+    watch_network_bytes("trainer", "weight_sync", "out", lambda: weights.sent_bytes)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)

@@ -35,6 +35,7 @@ from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
+from services.common.observe.network import NetworkRates
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
@@ -167,6 +168,8 @@ class Trainer:
             live, bus, self.progress, self.control, self.ledger, self.alerts, self.recovery.catalog, self.build
         )
         self.hardware = HardwareSampler(learner.device)
+        link = cfg.telemetry.link_mib_s
+        self.network = NetworkRates("trainer", link * 2**20 if link else None)
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
@@ -326,6 +329,7 @@ class Trainer:
             **reward_part_means(collected.batch),
             **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
+            **self.network.row(),
             **self.ledger_row(),
             **await self.status.health_row(),
             **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),

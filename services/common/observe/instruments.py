@@ -9,6 +9,10 @@ every service (made by ``start_telemetry`` in telemetry.py)
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+  rlpipe_network_bytes_total{role,channel,direction}      counter, bytes moved: channel bus (NATS payloads) |
+                                                          weight_sync (tensor bytes), direction in | out
+                                                          (observe/network.py); rate() is bytes per second
+  rlpipe_network_link_bytes_per_second{role}              gauge, telemetry.link_mib_s (absent without it)
 every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
   rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
                                                           at each scrape; all processes on the GPU count
@@ -74,6 +78,7 @@ from typing import Any
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
 from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
+from services.common.observe.network import NETWORK_ROW_KEYS
 from services.common.observe.telemetry import meter
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -146,6 +151,7 @@ TRAINER_STEP_KEYS = (
     "dynamic_sampling/dropped_fraction",
     *AGENT_ROW_KEYS,
     *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/observe/hardware.py
+    *NETWORK_ROW_KEYS,  # network/...: see services/common/observe/network.py
 )
 
 
