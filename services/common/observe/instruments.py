@@ -81,6 +81,8 @@ from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
 from services.common.observe.network import NETWORK_ROW_KEYS
 from services.common.observe.telemetry import meter
 
+# Why a message went to DEAD, as the rlpipe_dead_letters_total{reason} label (transport/settle.py's DeadCause).
+DEAD_LETTER_REASONS = ("undecodable", "max_deliver", "timeout")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -269,6 +271,10 @@ class StageMetrics:
         self.instruments = _instruments()
         self.key = (role, edge)
         self.attributes = {"role": role, "edge": edge}
+        # Each reason's series from the start at 0: a healthy run's dashboard and increase() show 0 dead letters,
+        # not a missing series.
+        for reason in DEAD_LETTER_REASONS:
+            self.instruments.dead_letters.add(0, {**self.attributes, "reason": reason})
 
     def lag(self, pending: int) -> None:
         _consumer_lag[self.key] = pending
