@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -23,6 +24,7 @@ import torch
 
 from services.common.config import RunConfig, WeightSyncCredentials
 from services.common.episodes.runner import EpisodeRunner
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
@@ -343,6 +345,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
 
+    preprocessor = Preprocessor(tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
     episodes = (
         EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
         if cfg.rollout.multi_turn
@@ -358,7 +361,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         presence.update(policy_version=follower.loaded)
         if episodes is not None:
             return await episodes.groups(prompts, live.cfg.sampling, follower.loaded, live.version)
-        prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
+        prompt_ids = await preprocessor.encode_async([prompt.prompt for prompt in prompts])
         groups = await on_engine(engine.generate, prompt_ids, live.cfg.sampling, cfg.train.max_seq_len)
         return [
             advance(

@@ -29,8 +29,9 @@ from typing import Any
 
 from services.common.config import RunConfig
 from services.common.episodes.observations import observation_format
-from services.common.model.chat import ChatTemplateError, prompt_text, render_rows
+from services.common.model.chat import ChatTemplateError, prompt_text
 from services.common.model.datasets import open_prompts, read_rows
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
@@ -99,9 +100,13 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
+        self.preprocessor = Preprocessor(learner.tokenizer, cfg.model.path, data.tokenize_workers)
+        ahead = self.preprocessor.rendered_ahead if data.tokenize_workers > 1 else None
         try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
-            self.eval_rows = render_rows(eval_rows, learner.tokenizer)
-            train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
+            self.eval_rows = self.preprocessor.render_rows(eval_rows)
+            train_rows = open_prompts(
+                data, render=partial(prompt_text, tokenizer=learner.tokenizer), render_ahead=ahead
+            )
         except ChatTemplateError as error:
             raise StartRefused(str(error)) from None
         if self.eval_rows and cfg.rollout.multi_turn:

@@ -219,6 +219,14 @@ class DataConfig(Section):
     shuffle: bool = Field(
         True, description="visit the training rows in a seeded (train.seed) random order each epoch; false = file order"
     )
+    tokenize_workers: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="processes that render chat prompts and tokenize them: the trainer's feeder (rows rendered ahead "
+        "of the walk) and held-out rows, the rollout's prompts. 1 = in the role's own process, as one core does; "
+        "more pays only where many rows are prepared at once (docs/performance.md, Pre-processing)",
+    )
 
     @field_validator("train_path", "eval_path")
     @classmethod
