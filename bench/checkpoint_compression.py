@@ -8,11 +8,14 @@ Two checkpoints, each a trainer's full save (float32 master weights and AdamW's 
   is there, else the shapes written below): N(0, 0.02) weights, moments of the size a few hundred steps leave.
   Random mantissas are the hard case: trained weights compress no better byte for byte.
 
+and, with ``--serving``, SmolLM2's weights alone in bfloat16 (a ``checkpoint.weights_dtype: serving`` save between
+two that hold the optimizer state, ``checkpoint.optimizer_every``).
+
 Each is saved to and loaded from a ``file://`` store in a temporary folder (the time is the encode, the
 compression and the write; the read, the hash check, the inflation and the decode), ``--repeats`` times, the
 median kept. Link speed below which zlib is faster end to end: the bytes it saves over the seconds it costs.
 
-    python -m bench.checkpoint_compression [--repeats 2] [--skip-smol]
+    python -m bench.checkpoint_compression [--repeats 2] [--skip-smol] [--serving]
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def smol_state(config: dict) -> tuple[dict[str, torch.Tensor], dict]:
     return weights, {"state": state, "param_groups": groups}
 
 
-def measure(name: str, weights: dict, optimizer: dict, repeats: int) -> dict[str, dict[str, float]]:
+def measure(name: str, weights: dict, optimizer: dict | None, repeats: int) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for compression in ("none", "zlib"):
         saves, loads, size = [], [], 0
@@ -128,12 +131,17 @@ def main() -> None:
     parser.add_argument("--smol-config", type=Path, default=ROOT / "models" / "smollm2-135m-instruct" / "config.json")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--skip-smol", action="store_true")
+    parser.add_argument("--serving", action="store_true", help="also SmolLM2's weights alone, in bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(1)
     measure("tiny", *tiny_state(args.tiny), args.repeats)
     if not args.skip_smol:
         config = json.loads(args.smol_config.read_text()) if args.smol_config.is_file() else SMOL_SHAPE
-        measure("smol", *smol_state(config), args.repeats)
+        weights, optimizer = smol_state(config)
+        measure("smol", weights, optimizer, args.repeats)
+        if args.serving:
+            del optimizer
+            measure("bf16", {name: t.bfloat16() for name, t in weights.items()}, None, args.repeats)
 
 
 if __name__ == "__main__":
