@@ -346,6 +346,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
 
     preprocessor = Preprocessor(tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    await asyncio.to_thread(preprocessor.start)  # seconds with workers, not on the stage's loop
     episodes = (
         EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
         if cfg.rollout.multi_turn

@@ -88,9 +88,11 @@ class Trainer:
         weights: WeightSyncServer,
         live: LiveConfig,
         trackers: TrackerFanout | None = None,
+        preprocessor: Preprocessor | None = None,
     ):
         """``trackers``: telemetry.report_to's, opened by the caller (``open_trackers``, off the event loop: MLflow
-        creates its database there, which can outlast the lease's TTL)."""
+        creates its database there, which can outlast the lease's TTL). ``preprocessor``: data.tokenize_workers'
+        pool, started by the caller off the loop for the same reason (None: everything inline)."""
         self.cfg = cfg
         self.bus = bus
         self.learner = learner
@@ -100,8 +102,8 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
-        self.preprocessor = Preprocessor(learner.tokenizer, cfg.model.path, data.tokenize_workers)
-        ahead = self.preprocessor.rendered_ahead if data.tokenize_workers > 1 else None
+        self.preprocessor = preprocessor or Preprocessor(learner.tokenizer, cfg.model.path)
+        ahead = self.preprocessor.rendered_ahead if self.preprocessor.pool is not None else None
         try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
             self.eval_rows = self.preprocessor.render_rows(eval_rows)
             train_rows = open_prompts(

@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
+import time
 from functools import partial
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +20,7 @@ from services.common.model.datasets import open_prompts
 from services.common.model.modeling import load_tokenizer
 from services.common.model.preprocess import CHUNK_ROWS, Preprocessor
 from services.trainer.intake.feeder import PromptFeeder
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 
@@ -88,3 +93,41 @@ def test_a_feeder_over_rows_rendered_ahead_feeds_what_one_rendering_as_it_goes_f
         assert any(a.prompt.startswith("[user]") for a, _ in fed)
     finally:
         pooled.close()
+
+
+ROLE = """
+import os, sys, time
+from pathlib import Path
+from services.common.model.modeling import load_tokenizer
+from services.common.model.preprocess import Preprocessor
+
+path = Path(sys.argv[1])
+pool = Preprocessor(load_tokenizer(path), path, 2).start().pool
+print(*sorted({pool.submit(os.getpid).result() for _ in range(8)}), flush=True)
+time.sleep(600)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"  # a zombie has ended; only its parent has not reaped it yet
+
+
+def test_the_workers_and_their_fork_server_end_when_the_role_is_killed(chat_model):
+    role = subprocess.Popen([sys.executable, "-c", ROLE, str(chat_model)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(pid) for pid in role.stdout.readline().split()]
+        assert workers and all(alive(pid) for pid in workers)
+        server = int(Path(f"/proc/{workers[0]}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        assert server != role.pid and alive(server)  # the workers' parent is the fork server, not the role
+        role.kill()
+        role.wait()
+        deadline = time.monotonic() + 30
+        while any(alive(pid) for pid in [*workers, server]):
+            assert time.monotonic() < deadline, [pid for pid in [*workers, server] if alive(pid)]
+            time.sleep(0.2)
+    finally:
+        role.kill()

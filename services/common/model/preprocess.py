@@ -7,7 +7,8 @@ them, each holding the model's tokenizer (loaded once, when the pool starts); ro
 inline in the caller, as it did before: a pool only pays where the rows per call are many (a held-out set, a
 large batch of long chats; docs/performance.md, "Pre-processing").
 
-The workers are forked from a fork server (``forkserver``) rather than from the role itself: a role holds gRPC and
+A role starts the pool off its event loop (``start``, seconds: a loop that renews a lease must not wait on it). The
+workers are forked from a fork server (``forkserver``) rather than from the role itself: a role holds gRPC and
 torch threads by then, and a fork of a threaded process may inherit a held lock. The fork server imports this
 module once, so each worker starts with transformers already imported.
 """
@@ -17,6 +18,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import multiprocessing
+import os
+import select
+import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
@@ -32,11 +37,27 @@ CHUNK_ROWS = 128
 _worker_tokenizer: PreTrainedTokenizerBase | None = None  # a worker's own, loaded by _start
 
 
-def _start(model_path: str) -> None:
+def _start(model_path: str, role_pid: int) -> None:
     global _worker_tokenizer
-    # The fork server exits with the role that started it; its workers go with it, never orphaned waiting for work.
-    die_with_parent()
+    die_with_parent()  # the fork server gone, this worker too
+    # ... and the role gone: the fork server outlives it while a worker holds its end of the server's "alive" pipe,
+    # and a worker waits for work for ever, so each worker watches the role itself.
+    threading.Thread(target=_exit_with, args=(role_pid,), name="exit-with-role", daemon=True).start()
     _worker_tokenizer = load_tokenizer(Path(model_path))
+
+
+def _exit_with(pid: int) -> None:
+    """End this process once ``pid`` has ended: a pidfd turns readable then (Linux 5.3+), else a poll each second."""
+    try:
+        select.select([os.pidfd_open(pid)], [], [])
+    except (AttributeError, OSError):  # no pidfd here; a pid already gone raises too, and the poll ends at once
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(1.0)
+    os._exit(0)
 
 
 def _render(rows: list[dict[str, Any]]) -> list[str]:
@@ -71,8 +92,16 @@ class Preprocessor:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__])
             self.pool = ProcessPoolExecutor(
-                workers, mp_context=context, initializer=_start, initargs=(str(model_path),)
+                workers, mp_context=context, initializer=_start, initargs=(str(model_path), os.getpid())
             )
+
+    def start(self) -> Preprocessor:
+        """Start every worker and wait until each has loaded the tokenizer (the pool starts them on first use
+        otherwise): seconds, so a role calls this off its event loop. Returns itself."""
+        if self.pool is not None:
+            for future in [self.pool.submit(_render, []) for _ in range(self.workers)]:
+                future.result()
+        return self
 
     def _spread(self, work: Callable[[list[Any]], list[Any]], items: Sequence[Any], size: int) -> list[Future]:
         assert self.pool is not None
