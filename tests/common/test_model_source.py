@@ -272,3 +272,16 @@ def test_a_bad_model_source_or_hash_fails_at_load_naming_the_field(tmp_path, con
                 tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"path": str(model_dir), **model}
             )
         )
+
+
+@pytest.mark.unit
+def test_a_source_listing_a_path_outside_the_folder_is_refused_and_dot_files_are_never_fetched():
+    from services.common.config import ModelConfig
+    from services.common.transport.model_source import ModelSource, wanted_files
+
+    model = ModelConfig.model_construct(path="s3://b/p", sha256=None, manifest=None)
+    source = ModelSource.parse("s3://b/p")
+    listed = {"config.json": 2, "../../etc/cron.d/x": 9, ".cache/lock": 1, "sub/model.safetensors": 8}
+    assert wanted_files(listed, model, source) == {"config.json": 2, "sub/model.safetensors": 8}
+    with pytest.raises(StartRefused, match=r"lists '/etc/passwd', which is no file inside a model folder"):
+        wanted_files({**listed, "/etc/passwd": 5}, model, source)

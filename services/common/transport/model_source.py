@@ -287,7 +287,12 @@ def check_record(folder: Path, source: ModelSource) -> None:
 
 
 def wanted_files(listed: Mapping[str, int], model: ModelConfig, source: ModelSource) -> dict[str, int]:
-    """Of the source's files (name -> size), the ones to fetch: the manifest's, else every one but dot-files."""
+    """Of the source's files (name -> size), the ones to fetch: the manifest's, else every one but dot-files (a
+    ``..`` among them: nothing is written outside the folder). A name with an empty part (``/etc/x``, ``a//b``)
+    is refused: joined to the folder it would name a place outside it."""
+    strange = sorted(name for name in listed if "" in name.split("/"))
+    if strange:
+        raise StartRefused(f"model.path: {source.url} lists {strange[0]!r}, which is no file inside a model folder")
     if model.manifest is None:
         return {name: size for name, size in listed.items() if not any(p.startswith(".") for p in name.split("/"))}
     missing = sorted(model.manifest.keys() - listed.keys())
