@@ -259,6 +259,12 @@ def doctor(
         help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url",
     ),
     as_json: bool = typer.Option(False, "--json", help="a JSON list of the checks (name, status, detail)"),
+    network: bool = typer.Option(
+        False,
+        "--network",
+        help="also time round trips and throughput to the broker, the S3 store and the remote services (a few "
+        "requests and 8 MiB each way) against what the config's rates need of them",
+    ),
 ) -> None:
     """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk.
 
@@ -267,7 +273,7 @@ def doctor(
     from services.cli.doctor.checks import diagnose, print_report
     from services.cli.output import console_for, print_json
 
-    results = diagnose(config, embedded=embedded)
+    results = diagnose(config, embedded=embedded, network=network)
     if as_json:
         print_json(results)
         raise typer.Exit(1 if any(result.failed for result in results) else 0)
@@ -330,13 +336,15 @@ def data_sample(
     from services.cli.data import format_sample, sample_rows
     from services.common.config import load_config
     from services.common.model.datasets import DatasetError
+    from services.common.refusal import StartRefused
+    from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
     if split not in ("train", "eval"):
         typer.echo(f"rlpipe data sample: --split must be train or eval, not {split!r}", err=True)
         raise typer.Exit(2)
     try:
-        typer.echo(format_sample(sample_rows(load_config(config), rows, seed, split)))
-    except (ConfigError, DatasetError, ValueError) as error:
+        typer.echo(format_sample(sample_rows(resolve_model(load_config(config)), rows, seed, split)))
+    except (ConfigError, DatasetError, ValueError, StartRefused, ModelFetchFailed) as error:
         typer.echo(f"rlpipe data sample: {error}", err=True)
         raise typer.Exit(2) from None
 

@@ -34,6 +34,7 @@ from services.cli.sizing import (
 )
 from services.common.config import RunConfig, load_config
 from services.common.startup_checks import CheckResult
+from services.common.transport.model_source import local_model_path, resolve_model
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -108,8 +109,11 @@ def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
+    model = local_model_path(cfg)
+    if model is None:
+        return CheckResult("sizing", "skip", f"{cfg.model.path} is not fetched yet: no config.json to size it by")
     try:
-        shape = read_model_shape(cfg.model.path)
+        shape = read_model_shape(model)
         est = estimate(shape, inputs_from_config(cfg))
     except ValueError as error:
         # A config.json this estimate cannot read (the model row judges the folder), or a LoRA target that is no
@@ -138,8 +142,8 @@ def load_plan_source(source: Path) -> tuple[Path, SizingInputs]:
     """A model folder (the defaults of SizingInputs) or a run config YAML (its model and its inputs)."""
     if source.is_dir():
         return source, SizingInputs()
-    cfg = load_config(source)
-    return cfg.model.path, inputs_from_config(cfg)
+    cfg = resolve_model(load_config(source))  # a model.path URL: the folder it is fetched to
+    return Path(cfg.model.path), inputs_from_config(cfg)
 
 
 def with_options(inputs: SizingInputs, **options: object) -> SizingInputs:

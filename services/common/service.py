@@ -25,6 +25,7 @@ from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
+from services.common.observe.network import export_link_capacity
 from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
@@ -32,6 +33,7 @@ from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
+from services.common.transport.model_source import ModelFetchFailed, resolve_model
 from services.common.transport.presence import Presence, ServiceEntry, instance_name
 from services.common.transport.stage import Stage
 
@@ -53,6 +55,9 @@ EXIT_STALLED = 3
 # moment after its last owner died: an outgoing connection of another process may have drawn it from the same
 # ephemeral range. Binding is tried again for this long before the service gives up.
 BIND_WAIT_S = 20.0
+# The roles that load model.path (the reward's own model is reward.model's): each fetches it if need be and checks
+# its hash at start.
+MODEL_ROLES = ("trainer", "rollout", "reference")
 
 
 async def start_grpc_server(
@@ -230,6 +235,16 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     log_file = own.log_dir / f"{instance}.log" if own.log_dir else None
     setup_logging(role, cfg.run_id, own.log_level, log_file, own.log_max_mib * 2**20, own.log_keep)
     bind_log_fields(instance=instance)
+    if role in MODEL_ROLES:
+        try:
+            cfg = resolve_model(cfg)
+        except StartRefused as error:  # a model that is not the one pinned, or a source the config cannot reach
+            log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
+            print(f"{role}: {error}", file=sys.stderr)
+            sys.exit(EXIT_REFUSED)
+        except ModelFetchFailed:  # the source is unreachable for now: a restart may find it back
+            log.exception(Event.CRASHED, extra={"fields": {}})
+            sys.exit(1)
     try:
         startup_checks(cfg, role)
     except StartupCheckError as error:
@@ -244,6 +259,8 @@ def run_service(role: str, service_main: ServiceMain) -> None:
             f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr
         )
         sys.exit(2)
+    if cfg.telemetry.link_mib_s:
+        export_link_capacity(role, cfg.telemetry.link_mib_s * 2**20)
     # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
     gpus = watch_gpus(role)
     if gpus is not None:

@@ -35,6 +35,7 @@ from services.common.episodes.environments import box_available
 from services.common.model.datasets import DatasetError, scan_dataset
 from services.common.model.device import device_name
 from services.common.observe.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
+from services.common.transport.model_source import local_model_path
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -386,9 +387,22 @@ def check_device(cfg: RunConfig) -> CheckResult:
 
 
 def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
-    rows = [check_model(cfg.model.path)] if policy else []
-    if reference and (not policy or cfg.reference_model_path != cfg.model.path):
-        rows.append(check_model(cfg.reference_model_path, "reference model"))
+    """The policy's (and the reference's) model folder as ``check_model`` sees it. A model.path URL is checked
+    where it was fetched to; one not fetched yet gets a warning (the roles fetch it at start: resolve_model)."""
+    local = local_model_path(cfg)
+    if local is None:
+        policy_row = CheckResult(
+            "model",
+            "warn",
+            f"{cfg.model.path}: not fetched yet; the first start fetches it into {cfg.model.fetch.cache_dir}",
+        )
+    else:
+        policy_row = check_model(local)
+    rows = [policy_row] if policy else []
+    if reference and cfg.reference.model_path is not None and (not policy or cfg.reference.model_path != local):
+        rows.append(check_model(cfg.reference.model_path, "reference model"))
+    elif reference and not policy:
+        rows.append(CheckResult("reference model", policy_row.status, policy_row.detail))
     return rows
 
 

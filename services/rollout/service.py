@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -23,9 +24,11 @@ import torch
 
 from services.common.config import RunConfig, WeightSyncCredentials
 from services.common.episodes.runner import EpisodeRunner
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
 from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.network import add_network_bytes, watch_network_bytes
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.pb import weights_pb2 as pb
@@ -191,6 +194,7 @@ class PolicyFollower:
                 self.last_origin = origin
                 seconds = time.perf_counter() - started
                 record_weight_sync(seconds, stream.data_bytes, self.loaded)
+                add_network_bytes("rollout", "weight_sync", "in", stream.data_bytes)
                 log_event(
                     log,
                     Event.WEIGHTS_LOADED,
@@ -301,6 +305,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         port = await await_trainer_port(bus.js, cfg, since=launched)
         cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if relays(cfg) else None
+    if relay is not None:
+        watch_network_bytes("rollout", "weight_sync", "out", lambda: relay.sent_bytes)
     token = WeightSyncCredentials().token
     server, address = await start_grpc_server(
         cfg,
@@ -340,6 +346,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
 
+    preprocessor = Preprocessor(tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    await asyncio.to_thread(preprocessor.start)  # seconds with workers, not on the stage's loop
     episodes = (
         EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
         if cfg.rollout.multi_turn
@@ -355,7 +363,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         presence.update(policy_version=follower.loaded)
         if episodes is not None:
             return await episodes.groups(prompts, live.cfg.sampling, follower.loaded, live.version)
-        prompt_ids = [tokenizer.encode(p.prompt, add_special_tokens=False) for p in prompts]
+        prompt_ids = await preprocessor.encode_async([prompt.prompt for prompt in prompts])
         sampling = live.cfg.sampling
         if cfg.train.deterministic:  # each sample drawn with its own seed (services/common/seeding.py)
             seeds = [

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,8 +19,10 @@ import yaml
 
 from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig, redacted_dump
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.network import watch_network_bytes
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
@@ -191,6 +194,7 @@ async def lead_holding(
     model_s = started()
     initial = await asyncio.to_thread(learner.snapshot, 0, 0)  # a copy of the model, off the loop that renews the lease
     weights = WeightSyncServer(initial, fanout=cfg.rollout.relay_fanout)
+    watch_network_bytes("trainer", "weight_sync", "out", lambda: weights.sent_bytes)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
@@ -205,7 +209,9 @@ async def lead_holding(
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)
-    trainer = Trainer(cfg, bus, learner, weights, live, trackers)
+    preprocessor = Preprocessor(learner.tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
+    trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
     try:
         # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
         await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)

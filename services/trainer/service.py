@@ -29,13 +29,15 @@ from typing import Any
 
 from services.common.config import RunConfig
 from services.common.episodes.observations import observation_format
-from services.common.model.chat import ChatTemplateError, prompt_text, render_rows
+from services.common.model.chat import ChatTemplateError, prompt_text
 from services.common.model.datasets import open_prompts, read_rows
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.metrics import GROUPS_DEAD, GROUPS_LOST, GROUPS_REOPENED, IN_FLIGHT_GROUPS, REPEATS_DROPPED
+from services.common.observe.network import NetworkRates
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
@@ -87,9 +89,11 @@ class Trainer:
         weights: WeightSyncServer,
         live: LiveConfig,
         trackers: TrackerFanout | None = None,
+        preprocessor: Preprocessor | None = None,
     ):
         """``trackers``: telemetry.report_to's, opened by the caller (``open_trackers``, off the event loop: MLflow
-        creates its database there, which can outlast the lease's TTL)."""
+        creates its database there, which can outlast the lease's TTL). ``preprocessor``: data.tokenize_workers'
+        pool, started by the caller off the loop for the same reason (None: everything inline)."""
         self.cfg = cfg
         self.bus = bus
         self.learner = learner
@@ -99,9 +103,13 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
+        self.preprocessor = preprocessor or Preprocessor(learner.tokenizer, cfg.model.path)
+        ahead = self.preprocessor.rendered_ahead if self.preprocessor.pool is not None else None
         try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
-            self.eval_rows = render_rows(eval_rows, learner.tokenizer)
-            train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
+            self.eval_rows = self.preprocessor.render_rows(eval_rows)
+            train_rows = open_prompts(
+                data, render=partial(prompt_text, tokenizer=learner.tokenizer), render_ahead=ahead
+            )
         except ChatTemplateError as error:
             raise StartRefused(str(error)) from None
         if self.eval_rows and cfg.rollout.multi_turn:
@@ -121,7 +129,11 @@ class Trainer:
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
-            open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
+            open_store(cfg.checkpoint_url, cfg.checkpoint),
+            cfg.run_id,
+            cfg.checkpoint.keep_last,
+            mirror=mirror,
+            compression=cfg.checkpoint.compression,
         )
         self.control = Control(live, self.journal, self.progress)
         self.intake = Intake(
@@ -165,6 +177,8 @@ class Trainer:
         )
         self.refusals = RefusalWatch(self.journal)
         self.hardware = HardwareSampler(learner.device)
+        link = cfg.telemetry.link_mib_s
+        self.network = NetworkRates("trainer", link * 2**20 if link else None)
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
@@ -330,6 +344,7 @@ class Trainer:
             **reward_part_means(collected.batch),
             **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
+            **self.network.row(),
             **self.ledger_row(),
             **await self.health_row(),
             **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),

@@ -6,6 +6,7 @@ import math
 import pytest
 
 from services.common.config import Change, ConfigError, field_classes, load_config
+from services.common.observe.records import metrics_rows
 from services.common.observe.reproducible import comparable, is_reading, row_differences
 from services.reward.model import forward_spans
 from tests.conftest import write_config
@@ -79,10 +80,16 @@ def test_readings_of_the_clock_the_machine_and_the_pipelines_health_are_left_out
 
 
 def test_two_runs_rows_differ_only_where_a_result_differs_or_a_row_is_missing():
-    first = [{"step": 1, "loss": 0.5, "time": 1.0, "step_time_s": 0.1}, {"step": 2, "loss": math.nan, "time": 2.0}]
-    again = [{"step": 1, "loss": 0.5, "time": 9.0, "step_time_s": 0.7}, {"step": 2, "loss": math.nan, "time": 8.0}]
+    first = metrics_rows(
+        [{"step": 1, "loss": 0.5, "time": 1.0, "step_time_s": 0.1}, {"step": 2, "loss": math.nan, "time": 2.0}]
+    )
+    again = metrics_rows(
+        [{"step": 1, "loss": 0.5, "time": 9.0, "step_time_s": 0.7}, {"step": 2, "loss": math.nan, "time": 8.0}]
+    )
     assert row_differences(first, again) == []  # readings aside, and a skipped step's NaN loss in both
-    changed = [{"step": 1, "loss": 0.5 + 2**-40, "time": 1.0}, {"step": 2, "loss": math.nan, "kl_ref": 0.0}]
+    changed = metrics_rows(
+        [{"step": 1, "loss": 0.5 + 2**-40, "time": 1.0}, {"step": 2, "loss": math.nan, "kl_ref": 0.0}]
+    )
     assert row_differences(first, changed) == [
         "row 0 (step 1): loss 0.5 != 0.5000000000009095",
         "row 1 (step 2): kl_ref None != 0.0",

@@ -26,8 +26,10 @@ from services.cli.launch.lock import RunIsLive, hold_run, previous_run
 from services.cli.launch.summary import run_cost, summarize, write_reports
 from services.cli.runs import record_exit
 from services.common.config import RunConfig, load_config_with, parse_overrides
+from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
 PAUSED_AT_START = "started with --paused"  # the hold's reason, in status and events
@@ -107,6 +109,14 @@ def _run_held(
             f"  delete it and start over:  {command} --overwrite"
         )
         return 2
+    try:  # fetched here once (model.path s3:// or hf://), so the roles starting together find it in the cache
+        cfg = resolve_model(cfg)
+    except StartRefused as error:
+        _plain(f"rlpipe run: {error}")
+        return 2
+    except ModelFetchFailed as error:
+        _plain(f"rlpipe run: cannot fetch the model: {error}")
+        return 1
     try:
         startup_checks(cfg, "run")
     except StartupCheckError as error:

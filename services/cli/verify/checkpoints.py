@@ -19,6 +19,7 @@ import torch
 from services.common.config import RunConfig
 from services.common.model.lora import attach_adapters, base_identity
 from services.common.model.modeling import load_model
+from services.common.transport.model_source import resolve_model
 from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpointing.state import Checkpoint, ModuleLayout, load_untied, widened
 from services.trainer.checkpointing.store import UNREADABLE, CheckpointStore
@@ -43,6 +44,7 @@ class Policy:
     when the run trains them (then a checkpoint holds those alone, over the base whose hash ``base_sha256`` is)."""
 
     def __init__(self, cfg: RunConfig):
+        cfg = resolve_model(cfg)  # model.path's URL as the folder it was fetched to (fetched now if need be)
         self.model: torch.nn.Module = load_model(cfg.model.path, "float32")
         self.adapter_names: set[str] | None = None
         self.base_sha256 = ""

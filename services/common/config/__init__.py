@@ -42,7 +42,7 @@ from services.common.config.loading import (
     parse_overrides,
     parse_value,
 )
-from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig
+from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig, ModelFetchConfig
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
@@ -62,6 +62,7 @@ from services.common.config.sections import (
     AdminCredentials,
     BuildInfo,
     DeploymentEnvironment,
+    ModelCredentials,
     RunConfig,
     RunsLocation,
     S3Credentials,
@@ -95,6 +96,8 @@ __all__ = [
     "KLConfig",
     "LoraConfig",
     "ModelConfig",
+    "ModelCredentials",
+    "ModelFetchConfig",
     "NatsConfig",
     "OverlongPenaltyConfig",
     "ReferenceConfig",

@@ -175,6 +175,16 @@ def default_alert_rules() -> list[AlertRule]:
             "window_steps": 3,
         },
         {
+            # The trainer's link busier than 0.8 of telemetry.link_mib_s in one direction for 5 steps: the bus and the
+            # weights it serves queue behind each other, so steps wait on the network. Only with link_mib_s set (the
+            # metric is absent otherwise, and a rule whose metric is absent is not judged).
+            "name": "network_saturated",
+            "metric": "network/link_use_frac",
+            "condition": "above",
+            "threshold": 0.8,
+            "window_steps": 5,
+        },
+        {
             # Free space on the runs directory (and a file:// store) is less than two saves need.
             "name": "disk_space_low",
             "metric": "disk_free_saves",

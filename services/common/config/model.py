@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.config.base import Live, NewRun, Restart, Section, Security
 
@@ -30,8 +31,75 @@ class LoraConfig(Section):
     )
 
 
+# Where a model may be fetched from instead of a local folder: an S3 prefix, or a Hugging Face repository
+# (``hf://org/name``, optionally ``@revision``).
+REMOTE_MODEL = re.compile(r"^(s3://[^/]+/.*|hf://[^/@]+/[^/@]+(@[^/@]+)?)$")
+SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class ModelFetchConfig(Section):
+    """Where a model named by URL (model.path s3://... or hf://...) comes from and is kept (docs/operations.md,
+    "Model preparation"). A fetched model lands in cache_dir once and is reused by every later start."""
+
+    cache_dir: Security[Path] = Field(
+        Path("models/cache"),
+        description="folder fetched models are kept in, one folder per source (downloaded to a temporary folder "
+        "beside it, verified, then renamed into place); every role on this machine reuses it",
+    )
+    s3_endpoint: Security[str] = Field(
+        "",
+        description="host:port of the S3 endpoint an s3:// model.path is read from; empty = checkpoint.s3_endpoint "
+        "(with its s3_secure, s3_ca_file and s3_region). Credentials: RLPIPE_MODEL_S3_ACCESS_KEY and "
+        "RLPIPE_MODEL_S3_SECRET_KEY, else the checkpoint store's RLPIPE_S3_ACCESS_KEY and RLPIPE_S3_SECRET_KEY",
+    )
+    s3_secure: Security[bool | None] = Field(
+        None, description="speak HTTPS to s3_endpoint (false: plain HTTP, a local MinIO); null = checkpoint.s3_secure"
+    )
+    hub_download: Security[bool] = Field(
+        False,
+        description="fetch an hf:// model.path that is in neither hub_cache_dir nor cache_dir from hub_endpoint; off "
+        "by default, so no role reaches the Hugging Face Hub unless asked to",
+    )
+    hub_endpoint: Security[str] = Field(
+        "https://huggingface.co",
+        description="the Hub, or a mirror of it serving the Hub's URL layout (/{repo}/resolve/{revision}/{file} and "
+        "/api/models/{repo}/revision/{revision}), as HF_ENDPOINT names one; its token: RLPIPE_MODEL_HUB_TOKEN",
+    )
+    hub_cache_dir: Security[Path | None] = Field(
+        None,
+        description="a Hugging Face hub cache folder (HF_HUB_CACHE's layout: models--org--name/snapshots/...) looked "
+        "in first for an hf:// model.path; a snapshot there is used in place, without a network request",
+    )
+    timeout_s: Restart[float] = Field(
+        60.0, gt=0, description="one request to the S3 endpoint or hub_endpoint (seconds)"
+    )
+
+    @field_validator("hub_endpoint")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        if not re.match(r"^https?://[^/]+", url):
+            raise ValueError(f"{url!r} must be an http:// or https:// URL")
+        return url.rstrip("/")
+
+
 class ModelConfig(Section):
-    path: Security[Path] = Field(description="Hugging Face model folder (config.json, weights, tokenizer)")
+    path: Security[Path | str] = Field(
+        description="the model: a local Hugging Face model folder (config.json, weights, tokenizer), an S3 "
+        "prefix (s3://bucket/prefix/) or a Hugging Face repository (hf://org/name or hf://org/name@revision; pin a "
+        "commit: a branch is fetched once and then kept) fetched once into model.fetch.cache_dir"
+    )
+    sha256: Security[str | None] = Field(
+        None,
+        description="the model folder's content hash, checked by every role at start (a mismatch refuses "
+        "the start naming both hashes): sha256 of the lines '<sha256>  <file>' of every file (dot-files aside) in "
+        "path order, what `rlpipe doctor` prints as the model hash",
+    )
+    manifest: Security[dict[str, str] | None] = Field(
+        None,
+        description="{file: sha256} of every file of the model folder (dot-files aside), checked by every "
+        "role at start; a fetch downloads exactly these files. Either this or sha256, or neither",
+    )
+    fetch: ModelFetchConfig = Field(ModelFetchConfig(), description="where a model named by URL is fetched from")
     dtype: Restart[Literal["float32", "bfloat16"]] = Field(
         "float32",
         description="weights and activations of rollout, reference and evaluation, and the trainer's compute dtype "
@@ -49,14 +117,61 @@ class ModelConfig(Section):
         "rollout keep the base model at path",
     )
 
+    @field_validator("path", mode="before")
+    @classmethod
+    def _local_or_remote(cls, value: Any) -> Any:
+        """A URL stays text (a Path would fold its ``//``); anything else is a local folder."""
+        if isinstance(value, str) and "://" in value:
+            if not REMOTE_MODEL.match(value):
+                raise ValueError(
+                    f"{value!r} is no model source: a local folder, s3://bucket/prefix/ or hf://org/name[@revision]"
+                )
+            return value
+        return Path(value) if isinstance(value, str) else value
+
     @field_validator("path")
     @classmethod
-    def _folder_with_config(cls, path: Path) -> Path:
+    def _folder_with_config(cls, path: Path | str) -> Path | str:
+        if isinstance(path, str):  # fetched at start (services/common/transport/model_source.py)
+            return path
         if not path.is_dir():
             raise ValueError(f"model folder {str(path)!r} does not exist")
         if not (path / "config.json").is_file():
             raise ValueError(f"model folder {str(path)!r} has no config.json")
         return path
+
+    @field_validator("sha256")
+    @classmethod
+    def _hex_digest(cls, digest: str | None) -> str | None:
+        if digest is not None and not SHA256.match(digest.lower()):
+            raise ValueError(f"{digest!r} is not a sha256 hex digest (64 hex digits)")
+        return digest.lower() if digest is not None else None
+
+    @field_validator("manifest")
+    @classmethod
+    def _file_digests(cls, manifest: dict[str, str] | None) -> dict[str, str] | None:
+        if manifest is None:
+            return None
+        if not manifest:
+            raise ValueError("an empty manifest lists no file; leave it null")
+        for name, digest in manifest.items():
+            parts = Path(name).parts
+            if Path(name).is_absolute() or ".." in parts or any(part.startswith(".") for part in parts):
+                raise ValueError(f"{name!r} is not a file inside the model folder (relative, no '..', no dot-files)")
+            if not SHA256.match(digest.lower()):
+                raise ValueError(f"{name}: {digest!r} is not a sha256 hex digest (64 hex digits)")
+        return {name: digest.lower() for name, digest in manifest.items()}
+
+    @model_validator(mode="after")
+    def _one_kind_of_hash(self) -> ModelConfig:
+        if self.sha256 is not None and self.manifest is not None:
+            raise ValueError("model.sha256 and model.manifest both pin the files: give one of them")
+        return self
+
+    @property
+    def remote(self) -> bool:
+        """Whether ``path`` names a source to fetch from rather than a folder here (until ``resolve_model``)."""
+        return isinstance(self.path, str)
 
 
 class DataColumns(Section):
@@ -109,6 +224,14 @@ class DataConfig(Section):
     )
     shuffle: Restart[bool] = Field(
         True, description="visit the training rows in a seeded (train.seed) random order each epoch; false = file order"
+    )
+    tokenize_workers: Restart[int] = Field(
+        1,
+        ge=1,
+        le=64,
+        description="processes that render chat prompts and tokenize them: the trainer's feeder (rows rendered ahead "
+        "of the walk) and held-out rows, the rollout's prompts. 1 = in the role's own process, as one core does; "
+        "more pays only where many rows are prepared at once (docs/performance.md, Pre-processing)",
     )
 
     @field_validator("train_path", "eval_path")

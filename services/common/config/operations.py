@@ -147,6 +147,13 @@ class TelemetryConfig(Section):
         "", description="host:port of an OTLP/gRPC collector for traces and metrics; empty = none"
     )
     export_interval_s: Restart[float] = Field(10.0, gt=0, description="OTLP metric export interval")
+    link_mib_s: Restart[float | None] = Field(
+        None,
+        gt=0,
+        description="the capacity of each role's network link, each direction (MiB/s; 1 Gbit/s is about 119): every "
+        "role exports it beside its rlpipe_network_bytes_total, the trainer's step rows carry "
+        "network/link_use_frac, and the network_saturated rule fires above 0.8 of it; null = unknown, none of these",
+    )
     jsonl_max_mib: Restart[int] = Field(
         256,
         ge=1,

@@ -36,6 +36,23 @@ class S3Credentials(BaseSettings):
     secret_key: str = Field("", repr=False, description="S3 secret access key (RLPIPE_S3_SECRET_KEY)")
 
 
+class ModelCredentials(BaseSettings):
+    """What a fetch of model.path (s3:// or hf://) signs with; only from the environment or a secrets file."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_MODEL_", extra="ignore", secrets_dir=SECRETS_DIRS)
+    s3_access_key: str = Field(
+        "",
+        repr=False,
+        description="S3 access key id for an s3:// model (RLPIPE_MODEL_S3_ACCESS_KEY); empty = RLPIPE_S3_ACCESS_KEY",
+    )
+    s3_secret_key: str = Field(
+        "", repr=False, description="its secret key (RLPIPE_MODEL_S3_SECRET_KEY); empty = RLPIPE_S3_SECRET_KEY"
+    )
+    hub_token: str = Field(
+        "", repr=False, description="bearer token for model.fetch.hub_endpoint (RLPIPE_MODEL_HUB_TOKEN); empty = none"
+    )
+
+
 class AdminCredentials(BaseSettings):
     """The admin bearer token, only from the environment, a secrets file or admin.token_file, never from YAML."""
 

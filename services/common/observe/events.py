@@ -132,6 +132,7 @@ class Event(StrEnum):
     )
     MARKED_STABLE = "marked_stable"  # a checkpoint was marked stable
     MIRROR_FAILED = "mirror_failed"  # a write to the checkpoint mirror failed
+    MODEL_FETCHED = "model_fetched"  # model.path's S3 prefix or Hub repository was fetched into the cache folder
     OPTIMIZER_FRESH = "optimizer_fresh"  # a save without optimizer state was adopted: AdamW starts fresh (recorded)
     PAUSE = "pause"  # events.jsonl's kind of PAUSED
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)

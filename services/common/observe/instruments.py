@@ -9,6 +9,10 @@ every service (made by ``start_telemetry`` in telemetry.py)
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+  rlpipe_network_bytes_total{role,channel,direction}      counter, bytes moved: channel bus (NATS payloads) |
+                                                          weight_sync (tensor bytes), direction in | out
+                                                          (observe/network.py); rate() is bytes per second
+  rlpipe_network_link_bytes_per_second{role}              gauge, telemetry.link_mib_s (absent without it)
 every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
   rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
                                                           at each scrape; all processes on the GPU count
@@ -77,6 +81,8 @@ from services.common.observe.hardware import GpuWatch
 from services.common.observe.metrics import EXPORTED
 from services.common.observe.telemetry import meter
 
+# Why a message went to DEAD, as the rlpipe_dead_letters_total{reason} label (transport/settle.py's DeadCause).
+DEAD_LETTER_REASONS = ("undecodable", "max_deliver", "timeout")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -191,6 +197,10 @@ class StageMetrics:
         self.instruments = _instruments()
         self.key = (role, edge)
         self.attributes = {"role": role, "edge": edge}
+        # Each reason's series from the start at 0: a healthy run's dashboard and increase() show 0 dead letters,
+        # not a missing series.
+        for reason in DEAD_LETTER_REASONS:
+            self.instruments.dead_letters.add(0, {**self.attributes, "reason": reason})
 
     def lag(self, pending: int) -> None:
         _consumer_lag[self.key] = pending

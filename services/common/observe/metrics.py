@@ -53,6 +53,7 @@ class Group(StrEnum):
     PIPELINE = "Pipeline health (the group ledger, services, disk)"
     AGENT = "Multi-turn episodes (absent without episodes)"
     HARDWARE = "Memory and GPU"
+    NETWORK = "Network (the trainer's own traffic)"
     EVAL = "Held-out evaluation (eval rows)"
     CHECKPOINT = "Checkpoints (save rows)"
     ALERT = "Alerts (alert rows)"
@@ -351,6 +352,16 @@ GPU_UTIL = hardware.metric("gpu/util_pct", RATE, "%", "% of NVML's last sample p
 GPU_MEM_USED_GB = hardware.metric("gpu/mem_used_gb", GAUGE, "GiB", "device memory in use, all processes",
                                   exported=True)
 GPU_MEM_TOTAL_GB = hardware.metric("gpu/mem_total_gb", GAUGE, "GiB", "device memory", exported=True)
+
+network = Declare(Group.NETWORK)
+NETWORK_BUS_IN = network.metric("network/bus_in_bytes_per_s", RATE, "B/s", "NATS payload bytes the trainer read per "
+                                "second since the previous step row", exported=True)
+NETWORK_BUS_OUT = network.metric("network/bus_out_bytes_per_s", RATE, "B/s", "NATS payload bytes the trainer wrote "
+                                 "per second since the previous step row", exported=True)
+NETWORK_WEIGHT_SYNC_OUT = network.metric("network/weight_sync_out_bytes_per_s", RATE, "B/s", "weight-sync bytes the "
+                                         "trainer served per second since the previous step row", exported=True)
+NETWORK_LINK_USE = network.metric("network/link_use_frac", RATE, "fraction", "the busier direction's share of "
+                                  "telemetry.link_mib_s (absent without it)", exported=True)
 
 evaluation = Declare(Group.EVAL)
 EVAL_ACCURACY = evaluation.metric("eval_accuracy", RATE, "fraction", "held-out accuracy (greedy); every eval row "

@@ -14,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from services.common.observe.records import MetricsRow
+
 READING_PREFIXES = ("time/", "memory/", "gpu/", "share/")
 READING_KEYS = frozenset({"time", "disk_free_saves", "services_down", "roles_stalled", "role_restarts"})
 
@@ -28,14 +30,14 @@ def comparable(row: Mapping[str, Any]) -> dict[str, Any]:
     return {key: value for key, value in row.items() if not is_reading(key)}
 
 
-def row_differences(first: Sequence[Mapping[str, Any]], second: Sequence[Mapping[str, Any]]) -> list[str]:
+def row_differences(first: Sequence[MetricsRow], second: Sequence[MetricsRow]) -> list[str]:
     """Where two runs' metrics rows differ, readings aside: one line per differing row or key; none when equal.
     NaN equals NaN here (a skipped step's loss is NaN in both)."""
     if len(first) != len(second):
         return [f"{len(first)} rows against {len(second)}"]
     differences = []
     for index, (a, b) in enumerate(zip(first, second, strict=True)):
-        a, b = comparable(a), comparable(b)
+        a, b = comparable(a.raw), comparable(b.raw)
         for key in sorted(a.keys() | b.keys()):
             x, y = a.get(key), b.get(key)
             if x != y and not (x != x and y != y):  # NaN != NaN

@@ -42,6 +42,7 @@ from services.common.config import RunConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_dead_letter
 from services.common.observe.logs import log_event
+from services.common.observe.network import watch_network_bytes
 from services.common.observe.telemetry import inject_trace
 from services.common.refusal import StartRefused
 from services.common.transport.claims import (
@@ -134,6 +135,10 @@ class Bus:
             await self.nc.close()
             raise StartRefused(refusal)
         self.js = self.nc.jetstream()
+        # Payload bytes as nats-py counts them, across reconnects (the client's stats outlive its connections).
+        stats = self.nc.stats
+        watch_network_bytes(self.service, "bus", "in", lambda: stats["in_bytes"])
+        watch_network_bytes(self.service, "bus", "out", lambda: stats["out_bytes"])
         await self._streams_in_place()
         return self
 

@@ -59,8 +59,10 @@ from services.trainer.checkpointing.manifest import (
     STABLE,
     CatalogEntry,
     Manifest,
+    PartMeta,
     StoredStep,
     UnknownCheckpointFormat,
+    compress_parts,
     decode_checkpoint,
     describe,
     encode_parts,
@@ -165,7 +167,10 @@ class CheckpointStore(StepStore):
             raise NonFiniteWeights(f"step {ckpt.step} is not saved: NaN or inf in {', '.join(broken[:3])}")
         sidecars = {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
         parts = encode_parts(ckpt, sidecars)
-        manifest = describe(ckpt, parts, self.incarnation, self.epoch)
+        compressed: dict[str, PartMeta] = {}
+        if self.compression == "zlib":
+            parts, compressed = compress_parts(ckpt, parts)
+        manifest = describe(ckpt, parts, self.incarnation, self.epoch, compressed)
         stable = self._write_step(self.store, ckpt.step, parts, manifest, stable=False)
         # From here the step is stored: what follows is housekeeping that the next save redoes.
         try:
@@ -381,7 +386,7 @@ class CheckpointStore(StepStore):
             data = store.get(prefix + name)
             manifest.verify(name, data)
             parts[name] = data
-        return decode_checkpoint(step, parts)
+        return decode_checkpoint(step, manifest.read_back(parts))
 
     def load_latest(self, saved_step: int | None = None) -> Checkpoint | None:
         """The newest live step of this incarnation (of any, before it has one) whose parts all match its
