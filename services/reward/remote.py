@@ -42,6 +42,7 @@ from services.common.config import RewardHttpConfig
 from services.common.observe.events import Event
 from services.common.transport.breaker import CircuitBreaker, DependencyUnavailable
 from services.common.transport.http_dependency import (
+    NO_REDIRECTS,
     DependencyEvents,
     Fault,
     HttpDependency,
@@ -117,21 +118,11 @@ def parse_scores(body: bytes, expected: int) -> list[float]:
     return [float(s) for s in scores]
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """A 3xx comes back as the HTTPError it is (see the module docstring for why none is followed)."""
-
-    def redirect_request(self, *args: object) -> None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(_RefuseRedirects)
-
-
 def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_response_bytes: int) -> bytes:
     """The answer's body; ``RequestFailed`` with its verdict when there is none."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
+        with NO_REDIRECTS.open(request, timeout=timeout_s) as response:
             answer = response.read(max_response_bytes + 1)  # never the whole of an endless answer
     except urllib.error.HTTPError as error:
         try:
