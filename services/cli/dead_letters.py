@@ -7,11 +7,12 @@ stream; and a note in DEAD that the copy went (``Rlpipe-Reinject-Sent``), which 
 passes over. The trainer applies the copy once, like any group in flight, and writes the reopen into the run's
 lineage. Deleting the letter instead would leave DEAD without the record a restarted trainer needs to accept the copy.
 
-The record and the copy carry a ``Nats-Msg-Id`` each, and a re-inject looks in DEAD for what an earlier attempt of it wrote before
-writing anything, so running the command again after it failed half-way completes it: a record already there is not
-written twice, and a copy the broker took although its answer was lost is reported as sent already (the duplicate
-window drops the repeat). A re-inject whose note is there is done: running it again sends nothing and says so, also
-after the duplicate window, where the broker would have taken a second copy that the trainer then refuses.
+The record and the copy carry a ``Nats-Msg-Id`` each, and a re-inject looks in DEAD for what an earlier attempt of
+it wrote before writing anything, so running the command again after it failed half-way completes it: a record
+already there is not written twice, and a copy the broker took although its answer was lost is reported as sent
+already (the duplicate window drops the repeat). A re-inject whose note is there is done: running it again sends
+nothing and says so, also after the duplicate window, where the broker would have taken a second copy that the
+trainer then refuses.
 """
 
 from __future__ import annotations
