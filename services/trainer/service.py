@@ -39,7 +39,7 @@ from services.common.observe.timeshare import StageActivity, StepPhase, TimeShar
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
 from services.common.transport.bus import Bus
-from services.common.transport.live_config import LiveConfig
+from services.common.transport.live_config import HoldSource, LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
@@ -146,6 +146,7 @@ class Trainer:
             self.telemetry,
             report=self.report_row,
             rewind=self.intake.rewind,
+            hold=lambda reason: self.control.pause(reason, by=HoldSource.ALERT),
         )
         self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
         self.responder = AlertResponder(

@@ -66,7 +66,8 @@ class Event(StrEnum):
     CHECKPOINT_DEFERRED = "checkpoint_deferred"  # a save was skipped: the previous upload still runs
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed; training goes on
     CHECKPOINT_FALLBACK = "checkpoint_fallback"  # a resume passed over newer checkpoints (recorded)
-    CHECKPOINT_RECORD_FAILED = "checkpoint_record_failed"  # a stored step could not be noted in the run folder
+    CHECKPOINT_RECORD_FAILED = "checkpoint_record_failed"  # a stored step could not be noted in the run folder: held
+    CHECKPOINT_RECORD_RETRY = "checkpoint_record_retry"  # noting a stored step in the run folder failed once
     CHECKPOINT_REPLACED = "checkpoint_replaced"  # a torn or foreign checkpoint at a step was replaced
     CHECKPOINT_SIZE_UNKNOWN = "checkpoint_size_unknown"  # the status could not size the newest checkpoint
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a checkpoint that cannot be read was passed over
@@ -189,6 +190,7 @@ class Event(StrEnum):
 RECORDED_AS: dict[Event, Event] = {
     Event.ALERT: Event.ALERT,
     Event.CHECKPOINT_FALLBACK: Event.CHECKPOINT_FALLBACK,
+    Event.CHECKPOINT_RECORD_FAILED: Event.CHECKPOINT_RECORD_FAILED,
     Event.CONFIG_CHANGE: Event.CONFIG_CHANGE,
     Event.DONE: Event.DONE,
     Event.GROUPS_LOST: Event.GROUPS_LOST,

@@ -48,6 +48,9 @@ from services.trainer.progress import Adopted, ConfigSource, Progress
 from services.trainer.publisher import Publisher
 
 log = logging.getLogger(__name__)
+# Writing the run's record of a save (checkpoint-saved.json) is tried this often, waiting 0.5 s, then 1 s, between.
+RECORD_ATTEMPTS = 3
+RECORD_BACKOFF_S = 0.5
 
 
 class Recovery:
@@ -66,7 +69,10 @@ class Recovery:
         telemetry: TrainerMetrics,
         report: Callable[[dict[str, Any]], Awaitable[None]],
         rewind: Callable[[], None],
+        hold: Callable[[str], Awaitable[None]] | None = None,
     ):
+        """``hold``: pause the run for an operator, with the reason (the trainer's ``Control``); None holds nothing
+        (a recovery driven without a loop, as the simulation drives it)."""
         self.settings = settings
         self.learner = learner
         self.checkpoints = checkpoints
@@ -77,6 +83,7 @@ class Recovery:
         self.telemetry = telemetry
         self.report = report  # a metrics row about a save: written and judged by the alert rules
         self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
+        self.hold = hold
         self.build = BuildInfo().resolved()
         self.purger = Purger(settings, checkpoints, progress, ledger, bus)
         parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
@@ -251,13 +258,11 @@ class Recovery:
             row = {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s}
             await self.report({**row, "error": outcome.error})
             return
+        unrecorded = await self._record_with_retries(max(self.progress.saved_step, ckpt.step))
+        if unrecorded:
+            await self._unrecorded(ckpt.step, unrecorded, stall_s)
+            return
         self.progress.saved(ckpt.step)
-        try:
-            await asyncio.to_thread(self._record_saved, self.progress.saved_step)
-        except OSError as error:  # the step is stored; a resume finds it by listing, the record is a second witness
-            log_event(
-                log, Event.CHECKPOINT_RECORD_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300]
-            )
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {
@@ -279,6 +284,39 @@ class Recovery:
             optimizer=ckpt.optimizer is not None,
         )
         await self.purger.purge_consumed()
+
+    async def _record_with_retries(self, step: int) -> str:
+        """Write the record that ``step`` is saved (``_record_saved``), retried; "" once written, else the error."""
+        for attempt in range(1, RECORD_ATTEMPTS + 1):
+            try:
+                await asyncio.to_thread(self._record_saved, step)
+                return ""
+            except OSError as error:  # a full disk, a read-only or vanished runs volume
+                failure = repr(error)[:300]
+            if attempt < RECORD_ATTEMPTS:
+                delay = RECORD_BACKOFF_S * 2 ** (attempt - 1)
+                log_event(log, Event.CHECKPOINT_RECORD_RETRY, level=logging.WARNING, step=step, retry_s=delay)
+                await asyncio.sleep(delay)
+        return failure
+
+    async def _unrecorded(self, step: int, error: str, stall_s: float) -> None:
+        """Step ``step`` is stored but the run's record of it could not be written: without the record an emptied
+        store would read as a first start (``resume.py``), so the save does not count (``progress.saved_step``
+        stays, the run ends unsaved if it ends now) and the run is held until an operator has looked."""
+        run_dir = self.settings.cfg.run_dir
+        message = (
+            f"step {step} is stored, but {run_dir / SavedRecord.FILE} could not be written ({error}): until it is, a "
+            "restart that finds the store empty would take the run for a new one. Make the run folder writable, then "
+            "`rlpipe resume` and `rlpipe checkpoint` to write it"
+        )
+        self.journal.emit(
+            Event.CHECKPOINT_RECORD_FAILED, message, level=logging.ERROR, alert=True, step=step, error=error
+        )
+        await self.report(
+            {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s, "error": message}
+        )
+        if self.hold is not None:
+            await self.hold(f"checkpoint record: {message}")
 
     # -- operator calls -------------------------------------------------------------
 

@@ -91,6 +91,7 @@ class Harness:
         self.ledger = GroupLedger()
         self.weights = WeightSyncServer(snapshot_of(self.learner.model, 0, 0))
         self.rows: list[dict[str, Any]] = []
+        self.holds: list[str] = []  # the reasons the run was held for, as Control.pause would get them
         self.rewinds = 0
         self.events_path = tmp_path / "runs" / "events.jsonl"
         settings = type("Settings", (), {"cfg": self.cfg, "version": 0})()
@@ -108,7 +109,11 @@ class Harness:
             telemetry=TrainerMetrics(),
             report=self.report,
             rewind=self.rewind,
+            hold=self.hold,
         )
+
+    async def hold(self, reason: str) -> None:
+        self.holds.append(reason)
 
     async def report(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -387,6 +392,36 @@ def test_a_resume_whose_store_cannot_be_reached_waits_then_refuses_having_writte
             await again.recovery.start(resume=True)
         assert again.lineage.text() == lineage_before
         assert again.checkpoints.steps() == []  # nothing was written to the store either
+
+    asyncio.run(scenario())
+
+
+def test_a_save_whose_record_cannot_be_written_does_not_count_alerts_and_holds_the_run(tiny_model, tmp_path):
+    """Without ``checkpoint-saved.json`` a store emptied later reads as a first start. Before, a failed write of it
+    was a warning and the run went on counting the step saved; now the write is retried, then the save does not
+    count (a stop now ends unsaved), a ``checkpoint_failed`` row and the ``checkpoint_record_failed`` event alert,
+    and the run is held. Once the record can be written, the same step saved again counts."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        record = run.cfg.run_dir / SavedRecord.FILE
+        (record / "in-the-way").mkdir(parents=True)  # a folder where the file goes: replacing it fails
+        await run.step_and_save(1, ["e0-i1"])
+        assert run.checkpoints.steps() == [1]  # the step itself is stored
+        assert run.progress.saved_step == 0
+        [held] = run.holds
+        assert held.startswith("checkpoint record: step 1 is stored, but") and str(record) in held
+        [failed] = [row for row in run.rows if row.get("checkpoint_failed")]
+        assert failed["error"] in held and not any(row.get("checkpoint_saved") for row in run.rows)
+        [event] = events_of(run, "checkpoint_record_failed")
+        assert event["step"] == 1 and event["message"] == held.removeprefix("checkpoint record: ")
+
+        (record / "in-the-way").rmdir()
+        record.rmdir()
+        await run.recovery.checkpoint_now(config_version=0)  # the operator's `rlpipe checkpoint`, once it is fixed
+        assert run.progress.saved_step == 1 and SavedRecord.read(run.cfg.run_dir).step == 1
+        assert run.holds == [held]
 
     asyncio.run(scenario())
 
