@@ -191,6 +191,8 @@ class Trainer:
         woken = self.control.wakeup.is_set()  # an admin call just stored a config version, or queued a command
         await self.control.run_commands()
         await self.apply_live_config(force=woken)
+        if self.control.running:  # no step before an adopted step's weights reach the rollouts
+            await self.recovery.serve_pending()
 
     async def apply_live_config(self, force: bool) -> None:
         """Put the newest config version in force; ``force`` reads the bucket now rather than at the next poll."""

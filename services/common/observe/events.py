@@ -48,6 +48,8 @@ class Event(StrEnum):
     ADMIN_TOKEN_EMPTY = "admin_token_empty"  # the trainer's admin token file is empty: admin calls are refused
     ADMIN_TOKEN_ROTATED = "admin_token_rotated"  # the admin token file changed and was read again
     ADMIN_TOKEN_UNREADABLE = "admin_token_unreadable"  # the admin token file cannot be read
+    ADOPTION_SERVE_RETRY = "adoption_serve_retry"  # a resume's or rollback's weights were not served: tried again
+    ADOPTION_UNSERVED = "adoption_unserved"  # a resume's or rollback's weights could not be served: not done
     ALERT = "alert"  # an alert rule fired (log, events.jsonl, metrics row, Prometheus counter, webhook)
     ALERT_ROLLBACK_FAILED = "alert_rollback_failed"  # an alert's rollback failed: the run is paused
     ALERT_WEBHOOK_FAILED = "alert_webhook_failed"  # an alert's webhook POST failed after its retries
@@ -188,6 +190,7 @@ class Event(StrEnum):
 
 # The events written to events.jsonl, under the kind its readers (verify, report, the tuner, operators) know.
 RECORDED_AS: dict[Event, Event] = {
+    Event.ADOPTION_UNSERVED: Event.ADOPTION_UNSERVED,
     Event.ALERT: Event.ALERT,
     Event.CHECKPOINT_FALLBACK: Event.CHECKPOINT_FALLBACK,
     Event.CHECKPOINT_RECORD_FAILED: Event.CHECKPOINT_RECORD_FAILED,

@@ -9,8 +9,11 @@ It wires three single-purpose parts and orders their effects, so that the order 
 A save snapshots between steps and uploads in the background while training goes on; once the step is stored the
 run's own record (``resume.SavedRecord``) names it, a metrics row reports it, and what no kept checkpoint would
 re-read is purged. An adoption (resume or rollback, ``adopt``) is put in force after the adopter changed the store,
-the learner, the ledger and the lineage: the progress is replaced, the record names the adopted step, its weights are
-published as a new policy version, and EXPERIENCE is re-read from its sequence.
+the learner, the ledger and the lineage: the progress is replaced, EXPERIENCE is re-read from its sequence, the
+record names the adopted step, and its weights are served as a new policy version. Only then is it done (its event
+emitted): weights that cannot be served are offered again, and if they still cannot be the rollouts would go on
+with the abandoned branch's, so a rollback holds the run (``AdoptionUnserved``) and the loop serves them before its
+next step once an operator resumes it.
 
 Publishing is ``Publisher``'s (services/trainer/publisher.py), in the background after a step and awaited after an
 adoption; a save's snapshot and an adoption first wait until the newest version's copy was taken, since they read
@@ -20,9 +23,11 @@ or change the learner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import BuildInfo
@@ -48,9 +53,26 @@ from services.trainer.progress import Adopted, ConfigSource, Progress
 from services.trainer.publisher import Publisher
 
 log = logging.getLogger(__name__)
+# An adoption's weights are offered this often, waiting 0.5 s, then 1 s, between, before the run is held for them.
+SERVE_ATTEMPTS = 3
+SERVE_BACKOFF_S = 0.5
 # Writing the run's record of a save (checkpoint-saved.json) is tried this often, waiting 0.5 s, then 1 s, between.
 RECORD_ATTEMPTS = 3
 RECORD_BACKOFF_S = 0.5
+
+
+class AdoptionUnserved(RuntimeError):
+    """An adopted step (a resume's, a rollback's) is in force but its weights could not be served to the rollouts."""
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """An adoption in force whose weights are not served yet, and what its event says once they are."""
+
+    rollback: bool  # a rollback's, else a resume's
+    message: str
+    version: int
+    fields: dict[str, Any]
 
 
 class Recovery:
@@ -91,6 +113,7 @@ class Recovery:
         self.adopter = Adopter(parts, self.purger, journal)
         self.publisher = Publisher(learner, weights, on_refused=self._weights_refused)
         self.upload: asyncio.Task | None = None
+        self.unserved: Unserved | None = None
 
     @property
     def claim_keys(self) -> dict[str, int]:
@@ -156,28 +179,83 @@ class Recovery:
     async def adopt(self, ckpt: Checkpoint, event: str, reason: str, requested: bool = False) -> list[int]:
         """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
 
-        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
+        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once).
+        Once the adopter has changed the store, the adoption is in force; its weights are then served, retried, and
+        the adoption is done (its event emitted) only once they are: else ``AdoptionUnserved`` (``_serve``)."""
         await self.publisher.released()  # the learner is about to change under any copy still being taken
         adoption = await self.adopter.take(ckpt, event, requested)
         adopted: Adopted = adoption.adopted
         self.progress.adopt(adopted)
+        self.rewind()  # EXPERIENCE is re-read from the adopted step's sequence, served or not
         # The newest live step is now this one: a later resume expects it (or a newer one saved after).
-        await asyncio.to_thread(self._record_saved, ckpt.step)
-        await self.publish()
-        self.rewind()
+        unrecorded = await self._record_with_retries(ckpt.step)
+        if unrecorded:
+            await self._unrecorded(ckpt.step, unrecorded, stall_s=0.0)
         abandoned = adoption.abandoned_steps
-        message = f"{event} to step {ckpt.step} as policy version {adopted.version} ({reason})"
-        self.journal.emit(
-            Event.RESUMED if event == Event.RESUME else Event.ROLLED_BACK,
-            message,
-            step=ckpt.step,
-            policy_version=adopted.version,
-            experience_seq=adopted.applied_seq,
-            abandoned_steps=abandoned,
-            abandoned_checkpoints=adoption.abandoned_checkpoints,
-            reason=reason,
+        self.unserved = Unserved(
+            event == Event.ROLLBACK,
+            f"{event} to step {ckpt.step} as policy version {adopted.version} ({reason})",
+            adopted.version,
+            {
+                "step": ckpt.step,
+                "policy_version": adopted.version,
+                "experience_seq": adopted.applied_seq,
+                "abandoned_steps": abandoned,
+                "abandoned_checkpoints": adoption.abandoned_checkpoints,
+                "reason": reason,
+            },
         )
+        await self._serve()
         return abandoned
+
+    async def serve_pending(self) -> None:
+        """Before the next step: serve the weights of an adoption that could not serve them (the run was held; an
+        operator resumed it). Failing again holds the run again."""
+        if self.unserved is not None:
+            with contextlib.suppress(AdoptionUnserved):
+                await self._serve()
+
+    async def _serve(self) -> None:
+        """Serve the adopted weights as ``unserved.version`` and emit the adoption's event, retried; when they cannot
+        be served the rollouts keep the abandoned branch's version: the adoption is not done, the event
+        ``adoption_unserved`` alerts, a rollback holds the run (a resume's process exits and its restart tries
+        again) and AdoptionUnserved is raised."""
+        pending = self.unserved
+        assert pending is not None
+        error = ""
+        for attempt in range(1, SERVE_ATTEMPTS + 1):
+            try:
+                await self.publish()
+            except Exception as failure:  # the copy's or the weight server's: the adoption stands, unserved
+                error = repr(failure)[:300]
+            else:
+                if self.publisher.served >= pending.version:
+                    self.unserved = None
+                    self.journal.emit(
+                        Event.ROLLED_BACK if pending.rollback else Event.RESUMED, pending.message, **pending.fields
+                    )
+                    return
+                error = "the weight server refused them (see step_skipped)"
+            if attempt < SERVE_ATTEMPTS:
+                delay = SERVE_BACKOFF_S * 2 ** (attempt - 1)
+                log_event(log, Event.ADOPTION_SERVE_RETRY, level=logging.WARNING, error=error, retry_s=delay)
+                await asyncio.sleep(delay)
+        message = (
+            f"{pending.message}: its weights could not be served ({error}). Rollouts keep the version they hold, "
+            "whose groups are dropped as abandoned; no step is taken until they are served"
+        )
+        self.journal.emit(
+            Event.ADOPTION_UNSERVED,
+            message,
+            level=logging.ERROR,
+            alert=True,
+            step=pending.fields["step"],
+            policy_version=pending.version,
+            error=error,
+        )
+        if pending.rollback and self.hold is not None:
+            await self.hold(f"{message}. `rlpipe resume` serves them again")
+        raise AdoptionUnserved(message)
 
     async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
         """Serve checkpoint ``step`` (None: the newest stable one) as a new policy version.

@@ -25,7 +25,7 @@ from services.common.transport.weightsync.snapshot import snapshot_of
 from services.trainer.checkpointing.adopter import ResumeRefused
 from services.trainer.checkpointing.lineage import Lineage
 from services.trainer.checkpointing.manifest import FULL_FORMAT, UnknownCheckpointFormat
-from services.trainer.checkpointing.recovery import Recovery
+from services.trainer.checkpointing.recovery import AdoptionUnserved, Recovery
 from services.trainer.checkpointing.resume import SavedRecord
 from services.trainer.checkpointing.state import CheckpointMismatch
 from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
@@ -60,6 +60,19 @@ class ExperienceStream:
         self.deleted_claims += keys
 
 
+class FailingWeights(WeightSyncServer):
+    """A weight server whose next ``failures`` publishes fail as a copy that cannot be taken would (host memory)."""
+
+    failures = 0
+
+    async def publish(self, snapshot) -> None:
+        if self.failures:
+            self.failures -= 1
+            snapshot.release()
+            raise MemoryError("no host memory for the weights' copy")
+        await super().publish(snapshot)
+
+
 class Harness:
     """One trainer process's recovery and what it touches; a second Harness on the same folder is a restart."""
 
@@ -89,7 +102,7 @@ class Harness:
         self.lineage = Lineage(tmp_path / "runs" / "lineage.jsonl")
         self.progress = Progress()
         self.ledger = GroupLedger()
-        self.weights = WeightSyncServer(snapshot_of(self.learner.model, 0, 0))
+        self.weights = FailingWeights(snapshot_of(self.learner.model, 0, 0))
         self.rows: list[dict[str, Any]] = []
         self.holds: list[str] = []  # the reasons the run was held for, as Control.pause would get them
         self.rewinds = 0
@@ -235,6 +248,41 @@ def test_a_rollback_that_cannot_mark_the_later_steps_changes_nothing_and_a_retry
         assert run.ledger.settled == {} and run.ledger.watermark() == "e0-i1"  # step 1's checkpoint's
         assert sorted(run.ledger.in_flight) == ["e0-i2", "e0-i3"]  # applied by the abandoned steps: to come again
         assert run.lineage.records()[-1].event == "rollback"
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_whose_weights_cannot_be_served_is_not_done_holds_the_run_and_is_served_once_resumed(
+    tiny_model, tmp_path
+):
+    """Before, a failed publish of the adopted weights left the rollback half-done (EXPERIENCE not re-read, raised
+    past), and weights the server refused let it complete with the rollouts on the abandoned branch. Now the offer
+    is retried; when it keeps failing the rollback is not done (no rollback event, AdoptionUnserved), the run is
+    held, and the loop serves the weights before its next step once an operator resumes."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        for step in (1, 2, 3):
+            await run.step_and_save(step, [f"e0-i{step}"])
+            await run.recovery.publish()  # as the loop offers each step's version
+        run.weights.failures = 3  # every attempt
+        with pytest.raises(AdoptionUnserved, match=r"rollback to step 1 as policy version 4 \(test\): its weights"):
+            await run.recovery.rollback(1, reason="test")
+        assert run.weights.latest.version == 3  # the abandoned branch's version, still served
+        assert (run.progress.step, run.progress.version, run.rewinds) == (1, 4, 1)  # in force, EXPERIENCE re-read
+        [held] = run.holds
+        assert "could not be served (MemoryError" in held and held.endswith("`rlpipe resume` serves them again")
+        assert events_of(run, "rollback") == [] and len(events_of(run, "adoption_unserved")) == 1
+
+        await run.recovery.serve_pending()  # what the loop does once resumed, before its next step
+        assert run.weights.latest.version == 4 and run.recovery.unserved is None
+        [rolled] = events_of(run, "rollback")
+        assert (rolled["step"], rolled["policy_version"], rolled["abandoned_steps"]) == (1, 4, [2, 3])
+
+        run.weights.failures = 1  # once: the retry serves it, and the rollback is done at once
+        assert await run.recovery.rollback(1, reason="again") == (1, 5, [])
+        assert run.weights.latest.version == 5 and len(run.holds) == 1
 
     asyncio.run(scenario())
 
