@@ -180,7 +180,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     setup_logging(role, cfg.run_id, own.log_level, log_file, own.log_max_mib * 2**20, own.log_keep)
     bind_log_fields(instance=instance)
     try:
-        startup_checks(cfg, role)
+        startup_checks(cfg, role, resume=cfg.checkpoint.resume)
     except StartupCheckError as error:
         log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)

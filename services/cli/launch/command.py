@@ -108,7 +108,7 @@ def _run_held(
         )
         return 2
     try:
-        startup_checks(cfg, "run")
+        startup_checks(cfg, "run", resume=resume)
     except StartupCheckError as error:
         console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
         return 2
