@@ -205,10 +205,11 @@ async def lead_holding(
     trackers = await asyncio.to_thread(open_trackers, cfg)
     trainer = Trainer(cfg, bus, learner, weights, live, trackers)
     try:
-        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
-        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
         trainer.checkpoints.guard = lease.check
-        await trainer.prepare()
+        # The fence is the trainer's first write to the store, made once the start has found there what it expects
+        # (a resume its checkpoints, a fresh start no other run's): from then a predecessor of a lower epoch writes
+        # nothing there, and a store found without the run's checkpoints is never written to.
+        await trainer.prepare(claim=lambda: trainer.checkpoints.claim_fence(lease.epoch, lease.holder))
     except (
         FencedOut,
         ForeignCheckpoints,

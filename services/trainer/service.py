@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -179,10 +180,11 @@ class Trainer:
         rules. Routed here because the rules' rollback action is Recovery's own, so neither can hold the other."""
         await self.responder.report(row)
 
-    async def prepare(self) -> None:
+    async def prepare(self, claim: Callable[[], None] | None = None) -> None:
         """Restore the latest checkpoint and any operator hold before the trainer says it is ready:
-        its first status and the first weights rollouts pull are those of the restored run."""
-        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume)
+        its first status and the first weights rollouts pull are those of the restored run. ``claim``: take the
+        store's lease fence, before the first write to it (``Recovery.start``)."""
+        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume, claim=claim)
         await self.control.restore_hold()
 
     # -- between steps ---------------------------------------------------------------

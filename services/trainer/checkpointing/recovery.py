@@ -128,16 +128,21 @@ class Recovery:
 
     # -- start ------------------------------------------------------------------------
 
-    async def start(self, resume: bool) -> bool:
+    async def start(self, resume: bool, claim: Callable[[], None] | None = None) -> bool:
         """Adopt the configured or newest checkpoint when resuming; returns whether one was adopted.
 
         A fresh start refuses a store that already holds steps of this run id (another run's, or this
         one's from before): it would prune, purge and later resume from them. A resume whose store cannot be
-        read waits for it, then raises ResumeRefused; nothing is written before the checkpoint is in hand."""
+        read, or lacks the steps the run's record names, waits for it, then raises ResumeRefused; nothing is
+        written before the checkpoint is in hand. ``claim`` (the lease fence) is the first write to the store,
+        made once the start has found there what it expects."""
         run_dir = self.settings.cfg.run_dir
         await asyncio.to_thread(self.lineage.catch_up)  # the whole file, once: later reads take only what is new
         if not resume:
-            self.progress.started(await asyncio.to_thread(self.checkpoints.start_fresh))
+            incarnation = await asyncio.to_thread(self.checkpoints.start_fresh)
+            if claim is not None:
+                await asyncio.to_thread(claim)
+            self.progress.started(incarnation)
             SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
             return False
         try:
@@ -152,6 +157,8 @@ class Recovery:
             log_event(log, Event.RESUME_STEP_DONE, step=wanted)
             wanted = None
         found = await self.adopter.find_checkpoint(saved, wanted)
+        if claim is not None:
+            await asyncio.to_thread(claim)
         if found.checkpoint is None:
             adopted = await self.adopter.restart_without_checkpoint()
             self.progress.adopt(adopted)
