@@ -259,7 +259,7 @@ def store_refusal(error: BaseException, url: str) -> str:
                 "the store refuses these credentials: check RLPIPE_S3_ACCESS_KEY and RLPIPE_S3_SECRET_KEY, and the "
                 f"bucket's policy for them ({code or status})"
             )
-        if isinstance(status, int) and 400 <= status < 500:
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):  # those two: busy, for now
             return f"the endpoint answers {status}: is checkpoint.s3_endpoint an S3 endpoint?"
         if isinstance(seen, ssl.SSLError):
             return "TLS with the endpoint failed: check checkpoint.s3_secure and the endpoint's certificate"

@@ -372,6 +372,7 @@ class Recovery:
 
     async def _record_with_retries(self, step: int) -> str:
         """Write the record that ``step`` is saved (``_record_saved``), retried; "" once written, else the error."""
+        failure = ""
         for attempt in range(1, RECORD_ATTEMPTS + 1):
             try:
                 await asyncio.to_thread(self._record_saved, step)
