@@ -290,4 +290,4 @@ def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_s
     assert "s3://ckpt/prefix/emptied/step-00000004/" in trainer_log
     assert (run_dir / "lineage.jsonl").read_text() == lineage_before
     store = CheckpointStore(open_store("s3://ckpt/prefix", CheckpointConfig(**s3.checkpoint())), "emptied", keep_last=5)
-    assert store.steps() == []  # and nothing was written to the store
+    assert store.store.list("emptied/") == []  # and nothing was written to the store: no step, not even a fence

@@ -154,7 +154,7 @@ def dead_letters(
     from nats.errors import NoServersError
     from rich.table import Table
 
-    from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options
+    from services.cli.dead_letters import ReinjectIncomplete, list_dead_letters, nats_url_of, operator_options
     from services.cli.dead_letters import reinject as send_back
     from services.cli.output import console_for
     from services.cli.runs import launcher_holds, read_run
@@ -172,8 +172,12 @@ def dead_letters(
         if reinject:
             body = payload.read_bytes() if payload else None
             for sequence in reinject:
-                origin = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
-                typer.echo(f"re-injected dead letter {sequence} into {origin}")
+                try:
+                    done = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
+                except ReinjectIncomplete as error:
+                    typer.echo(f"rlpipe dead-letters: {error}", err=True)
+                    raise typer.Exit(1) from None
+                typer.echo(done.describe())
             return
         letters = asyncio.run(list_dead_letters(url, run_id, limit, operator_options(run_dir)))
     except NoServersError:
@@ -190,11 +194,21 @@ def dead_letters(
             typer.echo(json.dumps(vars(letter)))
         return
     table = Table(title=f"dead letters of {run_id}: {len(letters)}")
-    for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason"):
+    for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason", "re-injected"):
         table.add_column(column)
     for d in letters:
+        reinjected = "" if d.reinjected_at is None else f"DEAD {d.reinjected_at}"
+        if d.reinjected_at is not None and not d.reinject_sent:
+            reinjected += ", copy not sent: --reinject it again"
         table.add_row(
-            str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason
+            str(d.sequence),
+            d.origin_stream,
+            str(d.origin_sequence),
+            d.service,
+            d.group_id,
+            str(d.size),
+            d.reason,
+            reinjected,
         )
     console_for().print(table)
 

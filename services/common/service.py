@@ -246,7 +246,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
             log.exception(Event.CRASHED, extra={"fields": {}})
             sys.exit(1)
     try:
-        startup_checks(cfg, role)
+        startup_checks(cfg, role, resume=cfg.checkpoint.resume)
     except StartupCheckError as error:
         log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)

@@ -32,14 +32,16 @@ Refused = Callable[[NonFiniteWeights, int, int], Awaitable[None]]  # (why, versi
 
 
 class Publisher:
-    """Attributes: ``newest`` (the newest version offered), ``offer_s`` (the background seconds, from offer to
-    served, of the newest version served; None before the first)."""
+    """Attributes: ``newest`` (the newest version offered), ``served`` (the newest version served: a version
+    refused, dropped or failed is not), ``offer_s`` (the background seconds, from offer to served, of the newest
+    version served; None before the first)."""
 
     def __init__(self, learner: Learner, weights: WeightSyncServer, on_refused: Refused):
         self.learner = learner
         self.weights = weights
         self.on_refused = on_refused
         self.newest = 0
+        self.served = 0
         self.offer_s: float | None = None
         self._copied: asyncio.Event | None = None  # set once the newest version's copy was taken
         self._offering: asyncio.Task | None = None  # the newest version's offer
@@ -90,6 +92,7 @@ class Publisher:
             except NonFiniteWeights as error:
                 await self.on_refused(error, version, step)
                 return
+            self.served = version
             self.offer_s = took()
         except Exception as error:  # nobody awaits this task: raised at the loop's next wait on the publisher
             self._failed = error

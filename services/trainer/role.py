@@ -4,7 +4,7 @@ follow rank 0's commands (``follower_main``).
 
 Refusals at start (another run's or an unreadable store, a checkpoint that does not fit, a lineage it cannot read,
 a broker that lost the run's state) exit 2, which the launcher does not restart; losing the lease ends the process
-at once.
+at once. A store out of reach at start is waited for (``checkpoint.resume_wait_s``) before it is refused.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ from services.common.transport.streams import BrokerStateLost
 from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken, SourceAllowlist
-from services.trainer.checkpointing.adopter import ResumeRefused
+from services.trainer.checkpointing.adopter import ResumeRefused, wait_for_store
 from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
+from services.trainer.checkpointing.resume import StoreUnreadable
 from services.trainer.checkpointing.state import CheckpointMismatch
 from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
@@ -81,7 +82,15 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
     """The run's lease, at an epoch above the fence already in the checkpoint store (so epochs keep growing when
     the broker lost the lease bucket); StartRefused naming the holder while another trainer holds it."""
     fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
-    floor = await asyncio.to_thread(fence.stored_fence)
+
+    def read_floor() -> int:
+        try:
+            return fence.stored_fence()
+        except Exception as error:  # the store's many failure types: an outage is waited out, as a resume's is
+            raise StoreUnreadable(f"cannot read the lease fence: {error!r}"[:500]) from error
+
+    where = fence.location()
+    floor = await wait_for_store(read_floor, cfg.checkpoint, where, f"not starting on {where}")
     kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
     lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s, reaped_holder=cfg.trainer.takeover_from)
     epoch = await lease.acquire(floor)
@@ -213,10 +222,11 @@ async def lead_holding(
     await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
     trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
     try:
-        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
-        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
         trainer.checkpoints.guard = lease.check
-        await trainer.prepare()
+        # The fence is the trainer's first write to the store, made once the start has found there what it expects
+        # (a resume its checkpoints, a fresh start no other run's): from then a predecessor of a lower epoch writes
+        # nothing there, and a store found without the run's checkpoints is never written to.
+        await trainer.prepare(claim=lambda: trainer.checkpoints.claim_fence(lease.epoch, lease.holder))
     except (
         FencedOut,
         ForeignCheckpoints,

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -42,7 +43,7 @@ from services.common.observe.timeshare import StageActivity, StepPhase, TimeShar
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
 from services.common.transport.bus import Bus
-from services.common.transport.live_config import LiveConfig
+from services.common.transport.live_config import HoldSource, LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
@@ -159,6 +160,7 @@ class Trainer:
             self.telemetry,
             report=self.report_row,
             rewind=self.intake.rewind,
+            hold=lambda reason: self.control.pause(reason, by=HoldSource.ALERT),
         )
         self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
         self.responder = AlertResponder(
@@ -194,10 +196,11 @@ class Trainer:
         rules. Routed here because the rules' rollback action is Recovery's own, so neither can hold the other."""
         await self.responder.report(row)
 
-    async def prepare(self) -> None:
+    async def prepare(self, claim: Callable[[], None] | None = None) -> None:
         """Restore the latest checkpoint and any operator hold before the trainer says it is ready:
-        its first status and the first weights rollouts pull are those of the restored run."""
-        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume)
+        its first status and the first weights rollouts pull are those of the restored run. ``claim``: take the
+        store's lease fence, before the first write to it (``Recovery.start``)."""
+        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume, claim=claim)
         await self.control.restore_hold()
 
     # -- between steps ---------------------------------------------------------------
@@ -206,6 +209,8 @@ class Trainer:
         woken = self.control.wakeup.is_set()  # an admin call just stored a config version, or queued a command
         await self.control.run_commands()
         await self.apply_live_config(force=woken)
+        if self.control.running:  # no step before an adopted step's weights reach the rollouts
+            await self.recovery.serve_pending()
 
     async def apply_live_config(self, force: bool) -> None:
         """Put the newest config version in force; ``force`` reads the bucket now rather than at the next poll."""

@@ -100,7 +100,8 @@ def test_a_restarted_trainer_takes_its_reaped_predecessor_s_lease_at_once_at_a_h
 class Trainer:
     """A real trainer process and the events it logs."""
 
-    def __init__(self, config, nats_url: str):
+    def __init__(self, config, nats_url: str, **settings: str):
+        """``settings``: more of its environment (``RLPIPE_CHECKPOINT__RESUME``, the store's credentials)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
         env |= {
             "OMP_NUM_THREADS": "1",
@@ -108,6 +109,7 @@ class Trainer:
             "RLPIPE_ADMIN_TOKEN": "s3cret",
             "RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0",
             "RLPIPE_ADMIN__PORT": "0",
+            **settings,
         }
         self.process = subprocess.Popen(
             [sys.executable, "-m", "services.trainer", "--config", str(config)],

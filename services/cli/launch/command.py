@@ -118,7 +118,7 @@ def _run_held(
         _plain(f"rlpipe run: cannot fetch the model: {error}")
         return 1
     try:
-        startup_checks(cfg, "run")
+        startup_checks(cfg, "run", resume=resume)
     except StartupCheckError as error:
         console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
         return 2

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from services.cli.launch.broker import RunBroker
@@ -58,6 +59,7 @@ from services.common.observe.records import EventRecord, RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
+from services.common.transport.live_config import Hold, HoldSource
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 
 console = Console(stderr=True)
@@ -76,6 +78,7 @@ class Launcher:
         self.config_path = config_path
         self.resume = resume
         self.hold = hold  # a reason to start the run paused (its stages ready, no step) until resumed; "" = none
+        self.held_by_alert = ""  # the reason of a hold an alert set, which --resume leaves in place
         self.run_dir = cfg.run_dir
         self.children: list[Child] = []
         self.broker: RunBroker | None = None
@@ -241,9 +244,9 @@ class Launcher:
         self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
         self.startup.record("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
-        if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
-            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
-        if self.resume:  # this start runs the config's replica counts, not those asked for in the last one
+        if self.resume:
+            self.held_by_alert = held_on_resume(self.broker.release_hold(), self.run_dir)
+            # This start runs the config's replica counts, not those asked for in the last one.
             forget_scale_requests(self.cfg, nats_url, self.nats_keys["trainer"])
         if self.hold:
             self.broker.hold(self.hold)
@@ -277,9 +280,10 @@ class Launcher:
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
             f"scale ROLE N | stop (admin at {self.child('trainer').ready['admin']})"
         )
-        if self.hold:
+        held = self.held_by_alert or self.hold
+        if held:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
-            console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
+            console.log(f"[yellow]held ({escape(held)})[/]: no step until it is resumed (`{resume}`)")
 
     def follow(self) -> RunDone | None:
         """Progress over training steps until the trainer is done, restarting services that die."""
@@ -462,6 +466,24 @@ def inherited_env() -> dict[str, str]:
 def _echo_alert(line: str) -> None:
     """A role's alert on the console that started the run: unstyled and unwrapped, so it can be grepped."""
     console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def held_on_resume(earlier: Hold, run_dir: Path) -> str:
+    """Say on the console (one unwrapped line, for a person or a script to grep) what ``--resume`` did with the hold
+    it found (``RunBroker.release_hold``); returns the reason of one it left in place, "" when it cleared it or there
+    was none."""
+    if not earlier.paused:
+        return ""
+    if earlier.outlives_resume:
+        said = (
+            f"still held: {earlier.reason}. An alert set this hold, so --resume keeps it: look at "
+            f"`rlpipe --run-dir {run_dir} status` and the alert's cause, then `rlpipe --run-dir {run_dir} resume`"
+        )
+    else:
+        by = {HoldSource.OPERATOR: "an operator", HoldSource.START: "the run's start"}.get(earlier.by, "an earlier run")
+        said = f"continuing a run that was held ({earlier.reason}, set by {by}): --resume clears that hold"
+    console.print(said, markup=False, highlight=False, soft_wrap=True)
+    return earlier.reason if earlier.outlives_resume else ""
 
 
 def _event_summary(event: EventRecord) -> str:
