@@ -22,7 +22,7 @@ reference). Import from this package; the modules are its layout, not its interf
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, ConfigError, Section
-from services.common.config.generation import RolloutConfig, SamplingConfig
+from services.common.config.generation import HfEngineConfig, RolloutConfig, SamplingConfig
 from services.common.config.live import (
     DEPLOY_TIME_FIELDS,
     LIVE_FIELDS,
@@ -87,6 +87,7 @@ __all__ = [
     "DataColumns",
     "DataConfig",
     "DeploymentEnvironment",
+    "HfEngineConfig",
     "KLConfig",
     "LoraConfig",
     "ModelConfig",
