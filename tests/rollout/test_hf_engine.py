@@ -130,7 +130,8 @@ def test_every_live_episodes_turn_is_one_call_and_each_ends_at_its_own_stop(tiny
     limits = [4 + i % 3 for i in range(len(contexts))]
     stop = ["1", "5"]  # digits the arithmetic model writes: rows stop on them at different places, or not at all
 
-    turns = engine.generate_turns(contexts, limits, sampling(), stop)
+    # Temperature and top-p reshape what is sampled from; the logprobs recorded stay the raw policy's.
+    turns = engine.generate_turns(contexts, limits, sampling(temperature=0.7, top_p=0.9), stop)
 
     assert sizes == [len(contexts)]
     decode = engine.tokenizer.decode

@@ -41,7 +41,8 @@ class Continuation:
 
 class _RawLogprobs(LogitsProcessor):
     """Keeps the step's log-softmax of the logits it is given. transformers runs the processors a caller passes
-    ahead of its sampling warpers (temperature, top-k, top-p), so these are the model's raw logits."""
+    ahead of its sampling warpers (temperature, top-k, top-p), after only those the model's generation config asks
+    for (repetition penalties and the like, which no model rlpipe builds or imports sets): the model's raw logits."""
 
     def __init__(self) -> None:
         self.current: torch.Tensor | None = None  # (B, V) float32
