@@ -121,7 +121,7 @@ def _one_call(
         logits_processor=LogitsProcessorList([raw]),
         stopping_criteria=StoppingCriteriaList([ends]),
         pad_token_id=pad_id,
-        eos_token_id=sorted(end_tokens),
+        eos_token_id=sorted(end_tokens) or None,  # an empty list is not 'none' to generate
     )
     new_tokens = sequences[:, width:].tolist()  # (B, steps)
     logprobs = torch.stack(ends.logprobs, dim=1).float().cpu().numpy()  # (B, steps)
