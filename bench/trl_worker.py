@@ -30,6 +30,11 @@ def trl_rows(task: Task) -> list[dict]:
     return [{"prompt": row.get("messages", row.get("prompt")), "answer": row["answer"]} for row in rows]
 
 
+def device_args(task: Task) -> dict[str, bool]:
+    """GRPOConfig's device settings: the CPU in float32, or the GPU in bf16 autocast (TRL's own mixed precision)."""
+    return {"use_cpu": task.device == "cpu", "bf16": task.device == "cuda"}
+
+
 def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
     import torch
@@ -95,8 +100,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         save_strategy="no",
         report_to=[],
         seed=task.seed,
-        use_cpu=True,
-        bf16=False,
+        **device_args(task),
         dataloader_num_workers=0,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))

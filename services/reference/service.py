@@ -23,6 +23,7 @@ from services.common.model.modeling import (
     split_by_tokens,
     token_logprobs,
 )
+from services.common.model.padding import pad_token_id
 from services.common.observe.logs import Stopwatch
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
@@ -44,7 +45,7 @@ class ReferenceScorer:
         path = cfg.reference_model_path
         self.precision = Precision.of(cfg.model)
         self.model = load_model(path, self.precision.param_dtype).to(self.precision.device).eval().requires_grad_(False)
-        self.pad_id = load_tokenizer(path).pad_token_id
+        self.pad_id = pad_token_id(load_tokenizer(path))
         self.micro_batch_tokens = cfg.reference.micro_batch_tokens
 
     def passes(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from services.common.config import ConfigError, RewardModelConfig
+from services.common.model.padding import ensure_pad_token
 
 
 def model_device(name: str, cuda_available: bool | None = None) -> torch.device:
@@ -49,11 +50,9 @@ class RewardModel:
     def __init__(self, cfg: RewardModelConfig):
         self.cfg = cfg
         self.device = model_device(cfg.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
+        self.tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(str(cfg.path)))  # pad, else eos, else unk
         self.tokenizer.truncation_side = "left"  # keep the completion: it is what is judged
         self.tokenizer.padding_side = "right"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(str(cfg.path)).to(self.device).eval()
         if self.model.config.pad_token_id is None:  # the classifier reads the last token that is not padding
             self.model.config.pad_token_id = self.tokenizer.pad_token_id

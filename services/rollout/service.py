@@ -370,7 +370,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
                 [sampling_seed(cfg.train.seed, p.group_id, i) for i in range(sampling.group_size)] for p in prompts
             ]
             groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len, seeds)
-        else:  # an engine that takes no seeds (the hf one) serves unseeded runs
+        else:
             groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len)
         return [
             advance(

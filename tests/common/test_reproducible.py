@@ -43,10 +43,9 @@ def test_a_deterministic_config_with_asynchronous_feeding_is_refused_naming_the_
         ({"reference": {"replicas": 2}}, "reference.replicas is 2"),
         ({"trainer": {"nproc": 2}}, "trainer.nproc is 2"),
         ({"rollout": {"replicas": 2}, "trainer": {"nproc": 2}}, "rollout.replicas is 2, trainer.nproc is 2"),
-        ({"rollout": {"backend": "hf"}}, "train.deterministic needs rollout.backend: vllm"),
     ],
 )
-def test_a_deterministic_config_with_several_processes_of_a_role_or_an_unseeded_engine_is_refused_naming_them(
+def test_a_deterministic_config_with_several_processes_of_a_role_is_refused_naming_them(
     tmp_path, config_only_model, sections, named
 ):
     with pytest.raises(ConfigError, match=named):

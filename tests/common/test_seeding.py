@@ -91,10 +91,11 @@ def play(run_seed: int | None, engine: SeedRecordingEngine) -> None:
 def test_each_turn_of_a_seeded_episode_reaches_the_engine_with_its_own_seed_for_that_turn():
     engine = SeedRecordingEngine()
     play(11, engine)
-    assert engine.seeds == [
-        [sampling_seed(11, "e0-i7", 0, turn=0), sampling_seed(11, "e0-i7", 1, turn=0)],
-        [sampling_seed(11, "e0-i7", 0, turn=1), sampling_seed(11, "e0-i7", 1, turn=1)],
-    ]
+    # How turns share calls depends on when each episode's tool answers; which seed each turn carries does not.
+    asked = [seed for seeds in engine.seeds for seed in seeds or [None]]
+    expected = [sampling_seed(11, "e0-i7", index, turn=turn) for turn in (0, 1) for index in (0, 1)]
+    assert sorted(asked, key=str) == sorted(expected, key=str)
+    assert engine.seeds[0] == expected[:2]  # the first turns are asked for together
 
 
 def test_an_unseeded_episode_asks_the_engine_for_no_seeds():

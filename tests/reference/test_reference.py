@@ -4,9 +4,11 @@ import numpy as np
 import pytest
 
 from services.common.config import load_config
+from services.common.model.modeling import load_tokenizer
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
+from tests.common.model.padless import without_pad_token
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -62,3 +64,35 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
         assert group.kind == "experience"
         for completion, ref in zip(group.completions, group.ref_logprobs, strict=False):
             np.testing.assert_allclose(ref, completion.logprobs, atol=1e-4)
+
+
+def test_a_reference_whose_tokenizer_has_no_pad_token_packs_with_its_eos_and_scores_the_same(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    padless = without_pad_token(model_dir, tmp_path / "padless")
+    scorers = [
+        ReferenceScorer(load_config(write_config(tmp_path / f"{name}.yaml", folder, data_dir, tmp_path / "runs")))
+        for name, folder in (("with", model_dir), ("without", padless))
+    ]
+    prompt = Prompt(group_id="g", prompt_id="p", prompt="37+45=")
+    rollout = advance(
+        prompt,
+        RolloutGroup,
+        prompt_ids=np.asarray([5, 9, 3, 6, 8, 2], dtype=np.int32),
+        policy_version=0,
+        # Responses of different lengths: the pass pads the shorter ones.
+        completions=[
+            Completion(
+                text="",
+                token_ids=np.asarray(ids, np.int32),
+                logprobs=np.zeros(len(ids), np.float32),
+                finish_reason="stop",
+            )
+            for ids in ([7, 1], [4, 5, 6, 1], [3])
+        ],
+    )
+    group = advance(rollout, ScoredGroup, rewards=np.zeros(3, dtype=np.float32))
+
+    assert scorers[1].pad_id == load_tokenizer(padless).eos_token_id
+    expected, got = (scorer([group])[0].ref_logprobs for scorer in scorers)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)

@@ -1,11 +1,11 @@
-"""Seeded sampling on the real vLLM engine (train.deterministic): a group's completions depend on its seeds alone,
-not on the prompts that shared its engine call nor on what the engine generated before."""
+"""Seeded sampling on the real engines, vLLM and transformers (train.deterministic): a group's completions depend on
+its seeds alone, not on the prompts that shared its engine call nor on what the engine generated before."""
 
 import pytest
 
 from services.common.config import load_config
 from services.common.seeding import sampling_seed
-from services.rollout.engines import VllmEngine
+from services.rollout.engines import HfEngine, VllmEngine
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration
@@ -17,12 +17,13 @@ def drawn(groups) -> list[list[tuple[tuple[int, ...], tuple[float, ...]]]]:
     return [[(tuple(g.token_ids.tolist()), tuple(g.logprobs.tolist())) for g in group] for group in groups]
 
 
+@pytest.mark.parametrize("engine_class", [VllmEngine, HfEngine], ids=["vllm", "hf"])
 def test_a_seeded_group_draws_the_same_completions_alone_among_other_prompts_and_turns_and_an_unseeded_one_does_not(
-    tiny_model, tmp_path
+    tiny_model, tmp_path, engine_class
 ):
     model_dir, data_dir = tiny_model
     cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
-    engine = VllmEngine(cfg)
+    engine = engine_class(cfg)
     ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     n, length = cfg.sampling.group_size, cfg.train.max_seq_len
     seeds = [[sampling_seed(cfg.train.seed, f"e0-i{p}", i) for i in range(n)] for p in range(len(PROMPTS))]

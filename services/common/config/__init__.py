@@ -24,7 +24,7 @@ reference). Import from this package; the modules are its layout, not its interf
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Change, ConfigError, Section
-from services.common.config.generation import RolloutConfig, SamplingConfig
+from services.common.config.generation import HfEngineConfig, RolloutConfig, SamplingConfig
 from services.common.config.live import (
     change_class,
     classes_under,
@@ -93,6 +93,7 @@ __all__ = [
     "DataColumns",
     "DataConfig",
     "DeploymentEnvironment",
+    "HfEngineConfig",
     "KLConfig",
     "LoraConfig",
     "ModelConfig",

@@ -29,6 +29,17 @@ class SamplingConfig(Section):
     )
 
 
+class HfEngineConfig(Section):
+    max_sequences_per_call: Restart[int | None] = Field(
+        256,
+        ge=1,
+        description="the transformers engine (rollout.backend: hf) generates a batch's prompts x group_size "
+        "sequences, or a turn of every live episode, in one generate call; above this many sequences it makes "
+        "several, each of sequences of like length (memory: the KV cache grows with sequences x length). "
+        "null = always one call",
+    )
+
+
 class RolloutConfig(Section):
     backend: Restart[Literal["vllm", "hf"]] = Field(
         "vllm",
@@ -43,6 +54,7 @@ class RolloutConfig(Section):
         "always merges). The rollout's ready event names the one in force",
     )
     prompts_per_batch: Restart[int] = Field(32, ge=1, description="prompts pulled and generated together")
+    hf: HfEngineConfig = Field(HfEngineConfig(), description="the transformers engine's settings (backend: hf)")
     kv_cache_mib: Restart[int | None] = Field(
         256,
         ge=16,

@@ -222,6 +222,13 @@ class DataConfig(Section):
     eval_size: Restart[int] = Field(
         500, ge=1, description="held-out rows one evaluation scores (rows; the first ones of eval_path)"
     )
+    eval_batch_size: Restart[int] = Field(
+        64,
+        ge=1,
+        description="held-out rows (or episodes' turns) the trainer generates in one greedy call (rows); an "
+        "evaluation of eval_size rows makes eval_size / eval_batch_size calls, so its memory stays that of this many "
+        "sequences",
+    )
     shuffle: Restart[bool] = Field(
         True, description="visit the training rows in a seeded (train.seed) random order each epoch; false = file order"
     )

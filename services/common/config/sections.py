@@ -162,12 +162,6 @@ class RunConfig(BaseSettings):
                 f"train.deterministic needs one process of every role, and {', '.join(problems)}: set them to 1 or "
                 "train.deterministic: false"
             )
-        if self.rollout.backend != "vllm":
-            # The hf engine does not draw each sample from a seed of its own yet (sampling_seed).
-            raise ValueError(
-                f"train.deterministic needs rollout.backend: vllm (not {self.rollout.backend!r}): the hf engine does "
-                "not seed each sample's draws yet"
-            )
         return self
 
     @model_validator(mode="after")

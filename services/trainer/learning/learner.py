@@ -62,6 +62,7 @@ from services.common.model.modeling import (
     token_logprobs,
     window_logits,
 )
+from services.common.model.padding import pad_token_id
 from services.common.transport.messages import ExperienceGroup
 from services.common.transport.weightsync.snapshot import HostStaging, Snapshot
 from services.trainer.checkpointing.state import (
@@ -148,6 +149,7 @@ class Learner:
             self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
         self.tokenizer = load_tokenizer(cfg.model.path)
+        self.pad_id = pad_token_id(self.tokenizer)
         self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
         model_layout = ModuleLayout.of(self.model, self.adapter_names)
@@ -240,7 +242,9 @@ class Learner:
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
         """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
         with self.mesh.command(Op.EVALUATE, evaluate_payload(rows, max_new_tokens) if self.mesh.leads else b""):
-            return greedy_accuracy(self.model, self.tokenizer, rows, max_new_tokens, precision=self.precision)
+            return greedy_accuracy(
+                self.model, self.tokenizer, rows, max_new_tokens, self.precision, self.cfg.data.eval_batch_size
+            )
 
     def evaluate_episodes(self, rows: list[dict[str, Any]]) -> EpisodeEvaluation:
         """Greedy held-out episodes of ``rows`` with the run's environment (a multi-turn run's evaluation)."""
@@ -311,7 +315,7 @@ class Learner:
 
     def _pack(self, rows: torch.Tensor, batch: Batch) -> ResponseBatch:
         # Padded to these rows' own longest sequence: a length-sorted micro-batch of short rows stays short.
-        return pack([batch.pairs[i] for i in rows.tolist()], self.tokenizer.pad_token_id).to(self.device)
+        return pack([batch.pairs[i] for i in rows.tolist()], self.pad_id).to(self.device)
 
     def _forward(self, rows: torch.Tensor, batch: Batch) -> tuple[ResponseBatch, torch.Tensor, torch.Tensor | None]:
         """Policy logits ``[n, R, V]`` and critic values ``[n, R]`` (None without a critic) for ``rows``."""
