@@ -290,7 +290,8 @@ class TrainConfig(Section):
         "index in the group and the turn; each batch is ordered by feeding order; the trainer, the reference and a "
         "reward model run torch's deterministic algorithms and never score two groups in one forward pass. Needs "
         "train.synchronous, one replica of every role and trainer.nproc 1; costs speed (docs/performance.md; the "
-        "hf rollout generates each seeded sample alone). Changed between restarts, the run is reproducible only from its last start",
+        "hf rollout generates each seeded sample alone). Changed between restarts, the run is reproducible only "
+        "from its last start",
     )
     log_interval: Live[int] = Field(
         1, ge=1, description="the trainer logs a progress line every this many steps (steps)"
