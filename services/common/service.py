@@ -20,6 +20,7 @@ from pydantic import JsonValue
 
 from services.common.cancel import cancel_until_done
 from services.common.config import ConfigError, RunConfig, load_config
+from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
@@ -170,7 +171,8 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     args = parser.parse_args()
     try:
         cfg = load_config(args.config)
-    except ConfigError as error:
+    except ConfigError as error:  # a share this GPU cannot honour: refused as a failed start-up check is
+        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
     instance = instance_name(cfg, role)
@@ -203,6 +205,13 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(cfg.service.threads_for(role))
+    # Before the role's model loads: its allocations from the first on keep to its share of a GPU it shares.
+    try:
+        apply_gpu_share(cfg, role)
+    except ConfigError as error:  # a share this GPU cannot honour: refused as a failed start-up check is
+        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
+        print(f"{role}: {error}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -35,6 +35,13 @@ def nvmlDeviceGetHandleByIndex(index: int) -> int:
     return index
 
 
+def nvmlDeviceGetHandleByUUID(uuid: str) -> int:
+    for index, (known, *_) in enumerate(GPUS):
+        if known == uuid:
+            return index
+    raise NVMLError(f"no device {uuid}")
+
+
 def nvmlDeviceGetUUID(handle: int) -> str:
     return GPUS[handle][0]
 
