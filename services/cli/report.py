@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.common.observe.events import Event
+from services.common.observe.gpu_memory import KINDS as GPU_MEMORY_KINDS
+from services.common.observe.gpu_memory import memory_lines, role_memory
 from services.common.observe.logs import jsonl_parts
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
@@ -285,6 +287,29 @@ def _agent_png(rows: list[dict[str, Any]]) -> bytes | None:
     return buffer.getvalue()
 
 
+def _memory_png(rows: list[dict[str, Any]]) -> bytes | None:
+    """One panel per figure (allocated, reserved, used), a line per role; None for a run without GPU memory."""
+    memory = role_memory([row for row in rows if _is_step_row(row)])
+    if not memory:
+        return None
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(GPU_MEMORY_KINDS), figsize=(5 * len(GPU_MEMORY_KINDS), 4))
+    for ax, kind in zip(axes, GPU_MEMORY_KINDS, strict=True):
+        ax.set_title(f"GPU memory {kind} (GiB)")
+        for role, figures in memory.items():
+            if points := figures.get(kind):
+                ax.plot([step for step, _ in points], [gib for _, gib in points], lw=1.5, label=role)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
 def render_report(metrics_path: Path, out_path: Path, events_path: Path | None = None) -> Path:
     """Write the curves of ``metrics_path`` with the events of ``events_path`` (default: the
     ``events.jsonl`` beside the metrics) marked on them to ``out_path`` as PNG."""
@@ -410,6 +435,14 @@ def render_html(
         parts += [
             "<h2>Agents</h2>",
             f"<img alt='multi-turn episodes of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
+        ]
+    memory = _memory_png(rows)
+    if memory is not None:
+        encoded = base64.b64encode(memory).decode()
+        parts += [
+            "<h2>GPU memory per role</h2>",
+            f"<img alt='GPU memory per role of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
+            _table(("quantity", "value"), memory_lines([row for row in rows if _is_step_row(row)])),
         ]
     timing = time_lines(rows)
     if timing:

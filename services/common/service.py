@@ -22,7 +22,7 @@ from services.common.cancel import cancel_until_done
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
-from services.common.observe.instruments import watch_gpus
+from services.common.observe.instruments import watch_gpu_memory, watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.writer import close_all as close_writers
@@ -197,6 +197,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         sys.exit(2)
     # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
     gpus = watch_gpus(role)
+    watch_gpu_memory(role)
     if gpus is not None:
         log_event(log, Event.GPUS_WATCHED, gpus=[reading.uuid for reading in gpus.read()])
 

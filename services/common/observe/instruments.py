@@ -9,6 +9,10 @@ every service (made by ``start_telemetry`` in telemetry.py)
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+every service holding GPU memory (``watch_gpu_memory``, observe/gpu_memory.py; no series on a CPU)
+  rlpipe_role_gpu_memory_bytes{role,kind}                 gauge, kind: allocated | reserved (torch's allocator, once
+                                                          the process initialized CUDA) | used (NVML, the process and
+                                                          its children, CUDA context included), read at each scrape
 every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
   rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
                                                           at each scrape; all processes on the GPU count
@@ -64,6 +68,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import re
 import shutil
 import time
@@ -73,6 +78,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
+from services.common.observe.gpu_memory import ROLE_MEMORY_ROW_KEYS, ProcessGpuMemory, process_gpu_memory
 from services.common.observe.hardware import HARDWARE_ROW_KEYS, GpuWatch
 from services.common.observe.telemetry import meter
 
@@ -146,6 +152,8 @@ TRAINER_STEP_KEYS = (
     "dynamic_sampling/dropped_fraction",
     *AGENT_ROW_KEYS,
     *HARDWARE_ROW_KEYS,  # memory/..., gpu/...: see services/common/observe/hardware.py
+    *ROLE_MEMORY_ROW_KEYS,  # memory/<role>/<figure>_gb, from the roles' presence entries: observe/gpu_memory.py
+    "perf/mfu",  # the learner's model FLOPs utilization (observe/flops.py); absent where the device's peak is unknown
 )
 
 
@@ -434,6 +442,26 @@ def watch_gpus(role: str) -> GpuWatch | None:
             name, callbacks=[_gpu_callback(watch, role, field)], unit=unit, description=description
         )
     return watch
+
+
+def watch_gpu_memory(role: str, read: Callable[[], ProcessGpuMemory] | None = None) -> None:
+    """Export this process's GPU memory as ``rlpipe_role_gpu_memory_bytes{role,kind}``, ``read()`` at each scrape
+    (default: ``process_gpu_memory`` of this process); a figure it does not have is no series."""
+    reading = read or (lambda: process_gpu_memory(os.getpid()))
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        memory = reading()
+        figures = {"allocated": memory.allocated, "reserved": memory.reserved, "used": memory.used}
+        return [
+            Observation(value, {"role": role, "kind": kind}) for kind, value in figures.items() if value is not None
+        ]
+
+    meter().create_observable_gauge(
+        "rlpipe_role_gpu_memory",
+        callbacks=[observe],
+        unit="By",
+        description="GPU memory this process holds: allocated and reserved by torch, used as NVML counts it",
+    )
 
 
 def _gpu_callback(watch: GpuWatch, role: str, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
