@@ -30,6 +30,12 @@ def trl_rows(task: Task) -> list[dict]:
     return [{"prompt": row.get("messages", row.get("prompt")), "answer": row["answer"]} for row in rows]
 
 
+def trl_generation(task: Task) -> dict[str, object]:
+    """GRPOConfig's generation settings for ``task.backend``: vLLM colocated in the trainer's process (TRL's
+    vLLM without a separate server) for "vllm"; transformers generate, TRL's default, otherwise."""
+    return {"use_vllm": True, "vllm_mode": "colocate"} if task.backend == "vllm" else {}
+
+
 def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
     import torch
@@ -98,6 +104,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         use_cpu=True,
         bf16=False,
         dataloader_num_workers=0,
+        **trl_generation(task),
     )
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
     trainer = GRPOTrainer(
