@@ -130,7 +130,7 @@ def _run_held(
     except ConfigError as error:
         _plain(f"rlpipe run: {error}")
         return 2
-    console.log(f"placement: {placement.summary}")
+    _plain(f"placement: {placement.summary}")
     launcher = Launcher(cfg, config_path, resume, hold=PAUSED_AT_START if paused else "", placement=placement)
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) get the same orderly shutdown.
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}

@@ -5,8 +5,9 @@ auto`` has the launcher fill in the rest from ``rlpipe plan`` (services/cli/laun
 all the process holds on the device, and its CUDA context lies outside torch's allocator, so the allocator is
 capped at the share less the context's allowance: ``torch.cuda.set_per_process_memory_fraction`` then makes an
 allocation past it fail in that role (an out-of-memory error naming the cap) instead of taking a neighbour's
-memory. vLLM bounds itself (``rollout.gpu_memory_utilization``, which the config sets from the rollout's share),
-so a vLLM rollout gets no torch cap. On a CPU nothing is capped, and the role's log says so.
+memory. A vLLM rollout gets no torch cap: the config hands its share to vLLM as ``rollout.gpu_memory_utilization``
+(with ``rollout.kv_cache_mib`` set, vLLM sizes its cache by that and checks the share against the memory free at
+its start). On a CPU nothing is capped, and the role's log says so.
 """
 
 from __future__ import annotations
