@@ -171,8 +171,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     args = parser.parse_args()
     try:
         cfg = load_config(args.config)
-    except ConfigError as error:  # a share this GPU cannot honour: refused as a failed start-up check is
-        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
+    except ConfigError as error:
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
     instance = instance_name(cfg, role)

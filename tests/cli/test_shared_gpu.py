@@ -120,13 +120,16 @@ def test_shares_of_one_gpu_that_sum_past_all_of_it_are_refused_naming_the_field(
         load_config(run_config(service={"gpu_memory_fraction": {"reference": 1.5}}))
 
 
-def test_a_vllm_rollouts_share_is_handed_to_vllm_and_a_second_different_one_is_refused(run_config):
-    cfg = load_config(run_config(service={"gpu_memory_fraction": {"rollout": 0.2}}))
+def test_a_vllm_rollouts_share_replaces_its_gpu_memory_utilization_and_survives_a_reload(run_config):
+    from services.common.config import apply_overrides
+
+    cfg = load_config(
+        run_config(service={"gpu_memory_fraction": {"rollout": 0.2}}, rollout={"gpu_memory_utilization": 0.5})
+    )
     assert cfg.rollout.gpu_memory_utilization == 0.2  # what vllm_engine_args gives the engine
-    with pytest.raises(ConfigError, match=re.escape("both set a vLLM rollout's share of the GPU: set one")):
-        load_config(
-            run_config(service={"gpu_memory_fraction": {"rollout": 0.2}}, rollout={"gpu_memory_utilization": 0.5})
-        )
+    # A restart-only change of the share, applied over the whole dumped config, moves vLLM's setting with it.
+    changed = apply_overrides(cfg, {"service.gpu_memory_fraction": {"rollout": 0.3}})
+    assert changed.rollout.gpu_memory_utilization == 0.3
 
 
 def test_auto_replicas_with_a_trainer_on_several_gpus_or_a_sharded_engine_is_refused_naming_the_field(run_config):

@@ -83,7 +83,8 @@ class RolloutConfig(Section):
         gt=0,
         le=1,
         description="share of each GPU's memory vLLM may take for weights, activations and KV cache (vLLM's own "
-        "default); lower it when the trainer or reference shares the GPU",
+        "default); lower it when the trainer or reference shares the GPU. service.gpu_memory_fraction.rollout, "
+        "when set, replaces it",
     )
     tensor_parallel_size: int = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
     environment: str = Field(

@@ -39,10 +39,10 @@ class ServiceConfig(Section):
         "share one GPU. A role that starts on a GPU caps torch's caching allocator at its share less a CUDA "
         "context's allowance (torch.cuda.set_per_process_memory_fraction), so it fails with an out-of-memory "
         "error rather than take a neighbour's memory; on a CPU the cap is not applied and its log says so. A vLLM "
-        "rollout's share is handed to vLLM as rollout.gpu_memory_utilization (with rollout.kv_cache_mib set, vLLM "
-        "checks it against the memory free at its start and sizes its cache by kv_cache_mib). The shares of the "
-        "processes named here (a role's share times its replicas) may not sum past 1. rollout.replicas: auto fills "
-        "in the roles left out from `rlpipe plan`; empty with a count of replicas = no caps",
+        "rollout's share replaces rollout.gpu_memory_utilization, vLLM's own setting (with rollout.kv_cache_mib "
+        "set, vLLM checks it against the memory free at its start and sizes its cache by kv_cache_mib). The shares "
+        "of the processes named here (a role's share times its replicas) may not sum past 1. rollout.replicas: "
+        "auto fills in the roles left out from `rlpipe plan`; empty with a count of replicas = no caps",
     )
 
     warm_start: bool = Field(

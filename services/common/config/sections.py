@@ -179,15 +179,10 @@ class RunConfig(BaseSettings):
     @model_validator(mode="after")
     def _gpu_shares_fit_one_gpu(self) -> RunConfig:
         # Shares are of one GPU that the named roles' processes share: together they cannot claim more than all of
-        # it. A vLLM engine bounds itself by rollout.gpu_memory_utilization, so the rollout's share is handed to it.
+        # it. vLLM takes its share as rollout.gpu_memory_utilization, which a rollout's share therefore replaces
+        # (every reload of a dumped config sees both, so the share must win rather than conflict).
         shares, rollout = self.service.gpu_memory_fraction, self.rollout
         if "rollout" in shares and rollout.backend == "vllm":
-            given = rollout.gpu_memory_utilization
-            if "gpu_memory_utilization" in rollout.model_fields_set and given != shares["rollout"]:
-                raise ValueError(
-                    f"service.gpu_memory_fraction.rollout ({shares['rollout']:g}) and rollout.gpu_memory_utilization "
-                    f"({given:g}) both set a vLLM rollout's share of the GPU: set one"
-                )
             rollout.gpu_memory_utilization = shares["rollout"]
         replicas = {
             "trainer": 1,
