@@ -337,6 +337,11 @@ def _table(header: tuple[str, ...], body: list[tuple[Any, ...]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
 
 
+def _image(png: bytes, alt: str) -> str:
+    """A PNG embedded in the page, so the report is one self-contained file."""
+    return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+
+
 def summary(rows: list[dict[str, Any]]) -> list[tuple[str, Any]]:
     """(label, value) pairs: steps, wall time, first/final/best eval accuracy, and the means of
     SUMMARY_METRICS over the last 10% of step rows (at least one)."""
@@ -406,7 +411,7 @@ def render_html(
     rows = read_jsonl(metrics_path or run_dir / "metrics.jsonl")
     events = read_jsonl(run_dir / "events.jsonl")
     name = run_dir.resolve().name
-    image = base64.b64encode(curves_png or _png(rows, events, f"rlpipe run: {name}")).decode()
+    curves = curves_png or _png(rows, events, f"rlpipe run: {name}")
     event_rows = [
         (
             _when(event.get("time")),
@@ -425,23 +430,18 @@ def render_html(
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlpipe report: {html.escape(name)}</title>",
         f"<style>{STYLE}</style></head><body>",
         f"<h1>rlpipe report: {html.escape(name)}</h1>",
-        f"<img alt='training curves of {html.escape(name)}' src='data:image/png;base64,{image}'>",
+        _image(curves, f"training curves of {name}"),
         "<h2>Summary</h2>",
         _table(("quantity", "value"), summary(rows)),
     ]
     agents = _agent_png(rows)
     if agents is not None:
-        encoded = base64.b64encode(agents).decode()
-        parts += [
-            "<h2>Agents</h2>",
-            f"<img alt='multi-turn episodes of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
-        ]
+        parts += ["<h2>Agents</h2>", _image(agents, f"multi-turn episodes of {name}")]
     memory = _memory_png(rows)
     if memory is not None:
-        encoded = base64.b64encode(memory).decode()
         parts += [
             "<h2>GPU memory per role</h2>",
-            f"<img alt='GPU memory per role of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
+            _image(memory, f"GPU memory per role of {name}"),
             _table(("quantity", "value"), memory_lines([row for row in rows if _is_step_row(row)])),
         ]
     timing = time_lines(rows)
