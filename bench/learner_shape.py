@@ -8,8 +8,9 @@ below, written here, nothing downloaded) with random weights and rlpipe's tiny c
 needs a tokenizer only for its pad id; random token ids of the full vocabulary stand in for text). Then times
 ``Learner.step`` (the trainer's whole step: pi_old where configured, the GRPO loss, backward, clipping, AdamW) on
 ``--groups`` groups of ``--group-size`` completions, each ``--prompt`` + ``--response`` tokens, after one warm-up
-step, and prints the median seconds per step, trained tokens/s (prompt and response, as the FLOPs count them) and,
-on a GPU the peak table knows, the learner's ``perf/mfu``. Writes ``build/bench/learner_shape.jsonl``.
+step, and prints the median seconds per step, trained tokens/s (prompt and response, as the FLOPs count them),
+the process's CPU seconds per step (which other work on a busy machine does not inflate, unlike the wall time)
+and, on a GPU the peak table knows, the learner's ``perf/mfu``. Writes ``build/bench/learner_shape.jsonl``.
 
 float32 AdamW state for 494M parameters is about 8 GiB of host memory (weights, gradients, two moments), so the
 defaults keep the batch small; ``--dtype bfloat16`` keeps the master weights in bfloat16 (half of that).
@@ -61,13 +62,14 @@ def build_model(folder: Path) -> Path:
 
     from services.cli.build.tiny_model import build_char_tokenizer
 
-    config_path = folder / "config.json"
-    if config_path.is_file() and all(json.loads(config_path.read_text()).get(k) == v for k, v in QWEN25_05B.items()):
+    stamp = folder / "bench-shape.json"  # what it was built from: transformers rewrites some config.json fields
+    if stamp.is_file() and json.loads(stamp.read_text()) == QWEN25_05B:
         return folder
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN25_05B.items() if k != "architectures"}))
     model.to(torch.bfloat16).save_pretrained(folder)  # half the disk; the learner loads it in its own dtype
     build_char_tokenizer().save_pretrained(folder)
+    stamp.write_text(json.dumps(QWEN25_05B))
     return folder
 
 
@@ -151,7 +153,11 @@ def main() -> None:
     learner = Learner(cfg)
     groups = groups_of(cfg, args, QWEN25_05B["vocab_size"])
     learner.step(groups, 0)  # warm-up: the optimizer's state is allocated, kernels chosen
-    rows = [learner.step(groups, step) for step in range(1, args.steps + 1)]
+    rows, cpu_s = [], []
+    for step in range(1, args.steps + 1):
+        before = time.process_time()  # this process's CPU time, all its threads: what a busy machine cannot inflate
+        rows.append(learner.step(groups, step))
+        cpu_s.append(time.process_time() - before)
     lengths = [args.prompt + args.response] * (args.groups * args.group_size)
     tokens = sum(lengths)
     seconds = statistics.median(row["step_time_s"] for row in rows)
@@ -166,6 +172,8 @@ def main() -> None:
         "rows": args.groups * args.group_size,
         "tokens_per_row": args.prompt + args.response,
         "median_step_s": round(seconds, 3),
+        "median_step_cpu_s": round(statistics.median(cpu_s), 3),
+        "trained_tokens_per_cpu_s": round(tokens / statistics.median(cpu_s), 1),
         "trained_tokens_per_s": round(tokens / seconds, 1),
         "response_tokens_per_s": round(statistics.median(row["tokens_per_s"] for row in rows), 1),
         "model_tflop_per_s": round(learner.arithmetic.step_flops(lengths) / seconds / 1e12, 4),
