@@ -1,7 +1,8 @@
 """The learner beyond SmolLM2's 135M: ``Learner.step`` on a random-initialised model of Qwen2.5-0.5B's shape.
 
     python -m bench.learner_shape [--steps 3] [--groups 2] [--group-size 4] [--prompt 32] [--response 64]
-                                  [--device cpu|cuda] [--dtype float32|bfloat16] [--gradient-checkpointing]
+                                  [--device cpu|cuda] [--dtype float32|bfloat16] [--master-weights float32|model_dtype]
+                                  [--gradient-checkpointing]
 
 Builds ``build/bench/qwen2.5-0.5b-random`` once: Qwen2.5-0.5B's architecture from its config (``QWEN25_05B``
 below, written here, nothing downloaded) with random weights and rlpipe's tiny character tokenizer (the learner
@@ -12,8 +13,9 @@ step, and prints the median seconds per step, trained tokens/s (prompt and respo
 the process's CPU seconds per step (which other work on a busy machine does not inflate, unlike the wall time)
 and, on a GPU the peak table knows, the learner's ``perf/mfu``. Writes ``build/bench/learner_shape.jsonl``.
 
-float32 AdamW state for 494M parameters is about 8 GiB of host memory (weights, gradients, two moments), so the
-defaults keep the batch small; ``--dtype bfloat16`` keeps the master weights in bfloat16 (half of that).
+float32 AdamW state for 494M parameters is about 8 GiB (weights, gradients, two moments), so the defaults keep the
+batch small; ``--master-weights model_dtype`` with ``--dtype bfloat16`` keeps them in bfloat16 (half of that). On a
+GPU, ``--device cuda --dtype bfloat16`` is the trainer's usual setting: bfloat16 compute over float32 weights.
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ def run_config(folder: Path, args: argparse.Namespace):
         train={
             "batch_size": args.groups,
             "max_seq_len": args.prompt + args.response,
-            "master_weights": "model_dtype" if args.dtype == "bfloat16" else "float32",
+            "master_weights": args.master_weights,
             "gradient_checkpointing": args.gradient_checkpointing,
         },
     )
@@ -138,6 +140,12 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=64, help="response tokens per completion")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="model.dtype")
+    parser.add_argument(
+        "--master-weights",
+        choices=("float32", "model_dtype"),
+        default="float32",
+        help="train.master_weights: float32 (the trainer's default) or model_dtype (half the optimizer's memory)",
+    )
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads (CPU)")
     args = parser.parse_args()
