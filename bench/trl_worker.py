@@ -33,6 +33,10 @@ def trl_rows(task: Task) -> list[dict]:
 def device_args(task: Task) -> dict[str, bool]:
     """GRPOConfig's device settings: the CPU in float32, or the GPU in bf16 autocast (TRL's own mixed precision)."""
     return {"use_cpu": task.device == "cpu", "bf16": task.device == "cuda"}
+def trl_generation(task: Task) -> dict[str, object]:
+    """GRPOConfig's generation settings for ``task.backend``: vLLM colocated in the trainer's process (TRL's
+    vLLM without a separate server) for "vllm"; transformers generate, TRL's default, otherwise."""
+    return {"use_vllm": True, "vllm_mode": "colocate"} if task.backend == "vllm" else {}
 
 
 def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
@@ -102,6 +106,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         seed=task.seed,
         **device_args(task),
         dataloader_num_workers=0,
+        **trl_generation(task),
     )
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
     trainer = GRPOTrainer(

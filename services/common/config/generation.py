@@ -45,7 +45,19 @@ class RolloutConfig(Section):
         "vllm",
         description="the generation engine: vllm, or hf (Hugging Face generate, slow, for machines without vLLM)",
     )
-    replicas: Restart[int] = Field(1, ge=1, description="rollout processes `rlpipe run` starts (count)")
+    replicas: Restart[int | Literal["auto"]] = Field(
+        1,
+        description="rollout processes `rlpipe run` starts (count, at least 1). auto = the 'one GPU shared' "
+        "placement of `rlpipe plan`: every role on one GPU, with as many rollout replicas as fit beside the trainer "
+        "and the reference (at most auto_max_replicas), each role capped at its share of the GPU's memory "
+        "(service.gpu_memory_fraction, the shares not set there taken from the plan); 1 on a machine without a GPU",
+    )
+    auto_max_replicas: Restart[int] = Field(
+        4,
+        ge=1,
+        description="the most rollout replicas `rollout.replicas: auto` starts, however many fit in the GPU's "
+        "memory: replicas on one GPU share its compute, so past a few the compute, not the memory, bounds them (count)",
+    )
     lora: Restart[Literal["auto", "adapter", "merge"]] = Field(
         "auto",
         description="with model.lora, how the rollout serves each synced adapter: adapter = vLLM hot-loads it as a "
@@ -83,7 +95,8 @@ class RolloutConfig(Section):
         gt=0,
         le=1,
         description="share of each GPU's memory vLLM may take for weights, activations and KV cache (vLLM's own "
-        "default); lower it when the trainer or reference shares the GPU",
+        "default); lower it when the trainer or reference shares the GPU. service.gpu_memory_fraction.rollout, "
+        "when set, replaces it",
     )
     tensor_parallel_size: Restart[int] = Field(1, ge=1, description="GPUs one vLLM engine shards its model across")
     environment: Security[str] = Field(
@@ -142,6 +155,13 @@ class RolloutConfig(Section):
         "template after the model's message and followed by the next assistant message's opening; the model's "
         "end-of-sequence token then ends its message, not the episode. Empty = observations appended verbatim",
     )
+
+    @field_validator("replicas")
+    @classmethod
+    def _at_least_one_replica(cls, replicas: int | str) -> int | str:
+        if isinstance(replicas, int) and replicas < 1:
+            raise ValueError(f"{replicas} rollout replicas: at least 1, or auto")
+        return replicas
 
     @field_validator("environment")
     @classmethod

@@ -42,6 +42,17 @@ class ServiceConfig(Section):
         "few cores, giving it the cores the others leave speeds the run up; where every role computes most of the "
         "time, their OpenMP threads contend and more threads slow it (docs/performance.md)",
     )
+    gpu_memory_fraction: Restart[dict[Literal["trainer", "reference", "rollout", "reward"], float]] = Field(
+        default_factory=dict,
+        description="each named role's share of its GPU's memory, per process (above 0, at most 1), for roles that "
+        "share one GPU. A role that starts on a GPU caps torch's caching allocator at its share less a CUDA "
+        "context's allowance (torch.cuda.set_per_process_memory_fraction), so it fails with an out-of-memory "
+        "error rather than take a neighbour's memory; on a CPU the cap is not applied and its log says so. A vLLM "
+        "rollout's share replaces rollout.gpu_memory_utilization, vLLM's own setting (with rollout.kv_cache_mib "
+        "set, vLLM checks it against the memory free at its start and sizes its cache by kv_cache_mib). The shares "
+        "of the processes named here (a role's share times its replicas) may not sum past 1. rollout.replicas: "
+        "auto fills in the roles left out from `rlpipe plan`; empty with a count of replicas = no caps",
+    )
 
     warm_start: Restart[bool] = Field(
         True,
@@ -85,6 +96,14 @@ class ServiceConfig(Section):
         "run archive (compose and Kubernetes, where stdout belongs to the container runtime); unset: stderr only "
         "(`rlpipe run` keeps its children's logs itself)",
     )
+
+    @field_validator("gpu_memory_fraction")
+    @classmethod
+    def _shares_of_a_gpu(cls, shares: dict[str, float]) -> dict[str, float]:
+        wrong = {role: share for role, share in shares.items() if not 0 < share <= 1}
+        if wrong:
+            raise ValueError(f"a share of a GPU's memory is above 0 and at most 1: {wrong}")
+        return shares
 
     def threads_for(self, role: str) -> int:
         """The torch threads of ``role``'s processes."""

@@ -213,6 +213,40 @@ class RunConfig(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _gpu_shares_fit_one_gpu(self) -> RunConfig:
+        # Shares are of one GPU that the named roles' processes share: together they cannot claim more than all of
+        # it. vLLM takes its share as rollout.gpu_memory_utilization, which a rollout's share therefore replaces
+        # (every reload of a dumped config sees both, so the share must win rather than conflict).
+        shares, rollout = self.service.gpu_memory_fraction, self.rollout
+        if "rollout" in shares and rollout.backend == "vllm":
+            rollout.gpu_memory_utilization = shares["rollout"]
+        replicas = {
+            "trainer": 1,
+            "reference": self.reference.replicas,
+            "reward": self.reward.replicas,
+            "rollout": rollout.replicas if isinstance(rollout.replicas, int) else 0,  # auto: the launcher's count
+        }
+        terms = {role: shares[role] * count for role, count in replicas.items() if role in shares}
+        if sum(terms.values()) > 1 + 1e-9:
+            said = " + ".join(f"{role} {shares[role]:g} x {replicas[role]}" for role in terms)
+            raise ValueError(
+                f"service.gpu_memory_fraction: the processes sharing one GPU would take {sum(terms.values()):.3f} of "
+                f"its memory ({said}); at most 1: lower a share or a role's replicas"
+            )
+        if rollout.replicas == "auto":
+            if self.trainer.nproc > 1:
+                raise ValueError(
+                    f"rollout.replicas: auto places every role on one GPU, and trainer.nproc {self.trainer.nproc} "
+                    "wants a GPU per trainer process: give rollout.replicas a count"
+                )
+            if rollout.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"rollout.replicas: auto places every role on one GPU, and rollout.tensor_parallel_size "
+                    f"{rollout.tensor_parallel_size} shards each engine over several: give rollout.replicas a count"
+                )
+        return self
+
     @field_validator("reward")
     @classmethod
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:

@@ -117,6 +117,8 @@ class Event(StrEnum):
     FOREIGN_DEAD_LETTER_IGNORED = "foreign_dead_letter_ignored"  # a dead letter of another incarnation
     FOREIGN_GROUP_DROPPED = "foreign_group_dropped"  # a group of another incarnation was dropped
     GPUS_WATCHED = "gpus_watched"  # a role watches the GPUs NVML shows it (once, at start)
+    GPU_MEMORY_SHARE = "gpu_memory_share"  # a role with a share of its GPU capped its allocator, or says why not
+    GPU_MEMORY_UNREADABLE = "gpu_memory_unreadable"  # a role's GPU memory reading failed: its figures skip a beat
     GROUPS_LOST = "groups_lost"  # groups overdue and nowhere in the pipeline were written off (recorded, alert)
     GROUPS_REOPENED_BY_ROLLBACK = "groups_reopened_by_rollback"  # a rollback put settled groups in flight (recorded)
     GROUP_LOST_TO_DEAD_LETTERS = "group_lost_to_dead_letters"  # a group's message was dead-lettered

@@ -13,6 +13,10 @@ every service (made by ``start_telemetry`` in telemetry.py)
                                                           weight_sync (tensor bytes), direction in | out
                                                           (observe/network.py); rate() is bytes per second
   rlpipe_network_link_bytes_per_second{role}              gauge, telemetry.link_mib_s (absent without it)
+every service holding GPU memory (``watch_gpu_memory``, observe/gpu_memory.py; no series on a CPU)
+  rlpipe_role_gpu_memory_bytes{role,kind}                 gauge, kind: allocated | reserved (torch's allocator, once
+                                                          the process initialized CUDA) | used (NVML, the process and
+                                                          its children, CUDA context included), read at each scrape
 every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
   rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
                                                           at each scrape; all processes on the GPU count
@@ -69,6 +73,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -77,6 +82,7 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
+from services.common.observe.gpu_memory import ProcessGpuMemory, process_gpu_memory
 from services.common.observe.hardware import GpuWatch
 from services.common.observe.metrics import EXPORTED
 from services.common.observe.telemetry import meter
@@ -372,6 +378,26 @@ def watch_gpus(role: str) -> GpuWatch | None:
             name, callbacks=[_gpu_callback(watch, role, field)], unit=unit, description=description
         )
     return watch
+
+
+def watch_gpu_memory(role: str, read: Callable[[], ProcessGpuMemory] | None = None) -> None:
+    """Export this process's GPU memory as ``rlpipe_role_gpu_memory_bytes{role,kind}``, ``read()`` at each scrape
+    (default: ``process_gpu_memory`` of this process); a figure it does not have is no series."""
+    reading = read or (lambda: process_gpu_memory(os.getpid()))
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        memory = reading()
+        figures = {"allocated": memory.allocated, "reserved": memory.reserved, "used": memory.used}
+        return [
+            Observation(value, {"role": role, "kind": kind}) for kind, value in figures.items() if value is not None
+        ]
+
+    meter().create_observable_gauge(
+        "rlpipe_role_gpu_memory",
+        callbacks=[observe],
+        unit="By",
+        description="GPU memory this process holds: allocated and reserved by torch, used as NVML counts it",
+    )
 
 
 def _gpu_callback(watch: GpuWatch, role: str, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:

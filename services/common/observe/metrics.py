@@ -352,6 +352,13 @@ GPU_UTIL = hardware.metric("gpu/util_pct", RATE, "%", "% of NVML's last sample p
 GPU_MEM_USED_GB = hardware.metric("gpu/mem_used_gb", GAUGE, "GiB", "device memory in use, all processes",
                                   exported=True)
 GPU_MEM_TOTAL_GB = hardware.metric("gpu/mem_total_gb", GAUGE, "GiB", "device memory", exported=True)
+ROLE_GPU_MEMORY = hardware.family("memory/<role>/<figure>_gb", GAUGE, "GiB", "GPU memory of a role's live replicas "
+                                  "summed, from their presence entries: figure allocated or reserved (torch's "
+                                  "allocator) or used (NVML); observe/gpu_memory.py. Each role also exports "
+                                  "`rlpipe_role_gpu_memory_bytes{role,kind}` itself")
+MFU = hardware.metric("perf/mfu", RATE, "fraction", "the learner's model FLOPs utilization: the step's model FLOPs "
+                      "over its wall time and the device's bfloat16 peak (observe/flops.py); absent where the peak "
+                      "is unknown (a CPU)", exported=True)
 
 network = Declare(Group.NETWORK)
 NETWORK_BUS_IN = network.metric("network/bus_in_bytes_per_s", RATE, "B/s", "NATS payload bytes the trainer read per "

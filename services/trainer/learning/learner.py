@@ -63,6 +63,8 @@ from services.common.model.modeling import (
     window_logits,
 )
 from services.common.model.padding import pad_token_id
+from services.common.observe import metrics as m
+from services.common.observe.flops import device_peak_flops, model_arithmetic, model_flops_utilization
 from services.common.transport.messages import ExperienceGroup
 from services.common.transport.weightsync.snapshot import HostStaging, Snapshot
 from services.trainer.checkpointing.state import (
@@ -140,6 +142,11 @@ class Learner:
         # is refused (LearnerLayout.check).
         base_hash = base_identity_in_background(cfg.model.path)
         self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
+        # perf/mfu (services/common/observe/flops.py): the model's arithmetic, and the device's bfloat16 peak
+        # where the table knows it and the step computes in bfloat16.
+        self.arithmetic = model_arithmetic(self.model.config, sum(p.numel() for p in self.model.parameters()))
+        on_bf16_gpu = self.device.type == "cuda" and self.precision.compute_dtype == torch.bfloat16
+        self.peak_flops = device_peak_flops(torch.cuda.get_device_name(self.device)) if on_bf16_gpu else None
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         # With LoRA only the adapters train: the names a checkpoint, the optimizer and weight sync hold (None: all).
@@ -423,6 +430,9 @@ class Learner:
             "step_time_s": elapsed,
             "tokens_per_s": float(batch.filled.sum()) * train.epochs / max(elapsed, 1e-9),
         }
+        if self.peak_flops is not None:  # every rank's rows are in the batch: its FLOPs over all ranks' time
+            flops = self.arithmetic.step_flops(batch.lengths.tolist(), train.epochs)
+            metrics[m.MFU.key] = model_flops_utilization(flops, elapsed, self.peak_flops, self.mesh.world)
         return metrics
 
     def targets(self, batch: Batch) -> StepTargets:
