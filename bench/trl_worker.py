@@ -33,6 +33,8 @@ def trl_rows(task: Task) -> list[dict]:
 def device_args(task: Task) -> dict[str, bool]:
     """GRPOConfig's device settings: the CPU in float32, or the GPU in bf16 autocast (TRL's own mixed precision)."""
     return {"use_cpu": task.device == "cpu", "bf16": task.device == "cuda"}
+
+
 def trl_generation(task: Task) -> dict[str, object]:
     """GRPOConfig's generation settings for ``task.backend``: vLLM colocated in the trainer's process (TRL's
     vLLM without a separate server) for "vllm"; transformers generate, TRL's default, otherwise."""

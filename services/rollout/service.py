@@ -1,10 +1,12 @@
 """Rollout: PROMPTS -> ROLLOUTS, a group of n completions per prompt, tagged with the policy version.
 
-Weights follow the trainer: a background task watches the trainer's versions over
-gRPC; before each batch the newest version is pulled and loaded into the engine in
-place, so every completion of a batch comes from one known version. (Multi-turn with
-``rollout.episode_batches`` over 1: a sync may come between one batch's turns; the batch keeps the version it
-started under, and its later turns carry the newer policy's own sampling logprobs.)
+Weights follow the trainer: a background task watches the trainer's versions over gRPC; before each batch the
+newest version is pulled and loaded into the engine in place. Every engine call runs on weights no sync touches
+meanwhile (``PolicyFollower.generate``), so each token is tagged with the version that sampled it. A batch's tokens
+can come from several versions: with ``rollout.inflight_updates`` the newest version is loaded between chunks of a
+batch's samples (services/rollout/partial.py) and before each multi-turn turn, and with ``rollout.episode_batches``
+over 1 another batch's sync may come between an episode's turns. A group is tagged with the newest version that
+sampled a token of it, and its completions carry per-token versions where they differ from it.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TypeVar
@@ -22,8 +24,10 @@ import grpc
 import numpy as np
 import torch
 
-from services.common.config import RunConfig, WeightSyncCredentials
+from services.common.config import RunConfig, SamplingConfig, WeightSyncCredentials
+from services.common.episodes.generation import Generation
 from services.common.episodes.runner import EpisodeRunner
+from services.common.episodes.turns import TurnBatcher
 from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_weight_sync
@@ -44,8 +48,9 @@ from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
-from services.rollout.engines import Engine, EngineUnavailable, build_engine, serving_dtype
+from services.rollout.engines import Engine, EngineUnavailable, build_engine, max_tokens_for, serving_dtype
 from services.rollout.handoff import EngineGone, TensorHandoff
+from services.rollout.partial import PartialSample, generate_in_chunks, newest_version
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -178,6 +183,17 @@ class PolicyFollower:
             raise EngineUnavailable("a weight sync broke off midway; waiting for a complete one")
         return self.loaded
 
+    async def on_weights(self, call: Callable[[], Awaitable[T]], newest: bool) -> tuple[T, int]:
+        """Run the engine ``call`` on whole weights: its result and the version of the weights it ran on. With
+        ``newest``, the newest version is loaded first (in-flight updates). No sync starts while the call runs, so
+        the version is the one that sampled; raises EngineUnavailable while the engine is torn."""
+        if newest:
+            await self.ready()
+        async with self._syncing:
+            if self.torn:
+                raise EngineUnavailable("a weight sync broke off midway; waiting for a complete one")
+            return await call(), self.loaded
+
     async def sync(self) -> None:
         """Load the newest version if it is not loaded yet. With the trainer away (restarting), keep the
         loaded one: the batch is tagged with it and the trainer judges its staleness, whereas failing the
@@ -269,6 +285,16 @@ class PolicyFollower:
             await client.close()
 
 
+def completion_of(generation: Generation) -> Completion:
+    """A sample the engine generated in one call, as a completion (every token of the group's version)."""
+    return Completion(
+        text=generation.text,
+        token_ids=generation.token_ids,
+        logprobs=generation.logprobs,
+        finish_reason="stop" if generation.finish_reason == "stop" else "length",
+    )
+
+
 def relays(cfg: RunConfig) -> bool:
     """Whether this replica relays weights: ``rollout.weight_relay``, unless peers would dial its relay by TLS
     (``weight_sync.tls_ca``) while it has no certificate to serve it with (``tls_cert``/``tls_key``): each of their
@@ -346,10 +372,44 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             # would dead-letter every one of them, so the stage holds them behind its circuit breaker.
             raise EngineUnavailable(f"the {cfg.rollout.backend} engine failed: {error!r}"[:500]) from error
 
+    # In-flight updates need versions published while a batch generates, which a synchronous run never does.
+    inflight = cfg.rollout.inflight_updates and not cfg.train.synchronous
+
+    async def on_weights(call: Callable[..., list[Generation]], *args: object) -> list[Generation]:
+        """An engine call on whole weights, its generations tagged with their version (the newest, in flight)."""
+        generations, version = await follower.on_weights(lambda: on_engine(call, *args), newest=inflight)
+        for generation in generations:
+            generation.policy_version = version
+        return generations
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    # In flight, several batches are in hand (rollout.episode_batches) and their chunks share engine calls: the
+    # long tail of one batch's samples fills a call with the next batch's first tokens instead of running alone.
+    chunks = TurnBatcher(
+        lambda contexts, rooms, sampling: on_weights(engine.generate_turns, contexts, rooms, sampling, [])
+    )
+
+    async def in_chunks(prompt_ids: list[list[int]], sampling: SamplingConfig) -> list[list[PartialSample]]:
+        """Every sample generated ``inflight_chunk_tokens`` at a time, the newest version loaded in between."""
+        n = sampling.group_size
+        samples = [
+            PartialSample(ids, max_tokens_for(len(ids), sampling, cfg.train.max_seq_len))
+            for ids in prompt_ids
+            for _ in range(n)
+        ]
+
+        async def chunk(contexts: list[list[int]], rooms: list[int]) -> list[Generation]:
+            return await chunks.generate(contexts, rooms, sampling)
+
+        await generate_in_chunks(samples, cfg.rollout.inflight_chunk_tokens, chunk)
+        return [samples[start : start + n] for start in range(0, len(samples), n)]
+
     preprocessor = Preprocessor(tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
     await asyncio.to_thread(preprocessor.start)  # seconds with workers, not on the stage's loop
     episodes = (
-        EpisodeRunner(cfg, tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
+        EpisodeRunner(cfg, tokenizer, on_weights, engine.generate_turns, engine.end_tokens)
         if cfg.rollout.multi_turn
         else None
     )
@@ -365,27 +425,36 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             return await episodes.groups(prompts, live.cfg.sampling, follower.loaded, live.version)
         prompt_ids = await preprocessor.encode_async([prompt.prompt for prompt in prompts])
         sampling = live.cfg.sampling
-        if cfg.train.deterministic:  # each sample drawn with its own seed (services/common/seeding.py)
-            seeds = [
-                [sampling_seed(cfg.train.seed, p.group_id, i) for i in range(sampling.group_size)] for p in prompts
+        if inflight:
+            grown = await in_chunks(prompt_ids, sampling)
+            versions = [newest_version(group, follower.loaded) for group in grown]
+            completions = [
+                [sample.completion(decode, version) for sample in group]
+                for group, version in zip(grown, versions, strict=True)
             ]
-            groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len, seeds)
         else:
-            groups = await on_engine(engine.generate, prompt_ids, sampling, cfg.train.max_seq_len)
+            seeds = None
+            if cfg.train.deterministic:  # each sample drawn with its own seed (services/common/seeding.py)
+                n = sampling.group_size
+                seeds = [[sampling_seed(cfg.train.seed, p.group_id, i) for i in range(n)] for p in prompts]
+            args = (prompt_ids, sampling, cfg.train.max_seq_len) + ((seeds,) if seeds is not None else ())
+            groups, version = await follower.on_weights(lambda: on_engine(engine.generate, *args), newest=False)
+            versions = [version] * len(groups)
+            completions = [[completion_of(generation) for generation in group] for group in groups]
         return [
             advance(
                 prompt,
                 RolloutGroup,
                 prompt_ids=np.asarray(ids, dtype=np.int32),
-                policy_version=follower.loaded,
+                policy_version=version,
                 config_version=live.version,
-                completions=[Completion(**vars(generation)) for generation in group],
+                completions=group,
             )
-            for prompt, ids, group in zip(prompts, prompt_ids, groups, strict=False)
+            for prompt, ids, group, version in zip(prompts, prompt_ids, completions, versions, strict=True)
         ]
 
-    # Multi-turn: several batches in hand at once, their turns sharing the engine's calls (turns.TurnBatcher).
-    lanes = cfg.rollout.episode_batches if episodes is not None else 1
+    # Multi-turn or in flight: several batches in hand at once, their turns or chunks sharing the engine's calls.
+    lanes = cfg.rollout.episode_batches if episodes is not None or inflight else 1
     stage = Stage(bus, PROMPTS, ROLLOUTS, Prompt, compute, cfg.rollout.prompts_per_batch, "rollout", lanes=lanes)
     await announce_ready(
         presence,

@@ -128,11 +128,26 @@ class RolloutConfig(Section):
         2,
         ge=1,
         le=16,
-        description="multi-turn: prompt batches a rollout replica runs at once (count). Each engine call takes every "
-        "episode ready for a turn, of all of them, so the next batch's episodes use the engine while the last "
-        "episodes of a batch wait on their environment; a batch is tagged with the policy version it started "
-        "under, and a sync between its turns makes its later turns the newer policy's, with their own sampling "
-        "logprobs. 1 = one batch at a time, every token from one version",
+        description="multi-turn, or single-turn with inflight_updates: prompt batches a rollout replica runs at once "
+        "(count). Each engine call takes every episode ready for a turn (every sample's next chunk) of all of them, "
+        "so the next batch uses the engine while the last episodes of a batch wait on their environment (or its "
+        "longest samples finish); a sync between a batch's turns makes its later turns the newer policy's, each "
+        "token tagged with the version that sampled it. 1 = one batch at a time",
+    )
+    inflight_updates: Restart[bool] = Field(
+        False,
+        description="load a new policy version while a batch is generating instead of after it (docs/algorithms.md, "
+        "'In-flight weight updates'): single-turn samples are generated inflight_chunk_tokens at a time and the "
+        "newest version loaded between chunks, each sample going on from its kept tokens under the new weights; "
+        "multi-turn episodes load it before each turn. Every token records the version that sampled it, which the "
+        "trainer's staleness bound and off-policy corrections read per token. No effect with train.synchronous "
+        "(no version is published while a batch generates)",
+    )
+    inflight_chunk_tokens: Restart[int] = Field(
+        32,
+        ge=1,
+        description="with inflight_updates, the most new tokens of each sample one engine call generates (tokens): "
+        "smaller loads versions sooner and costs more engine calls",
     )
     max_turns: Restart[int] = Field(4, ge=1, description="model turns in one episode (turns)")
     max_tokens_per_turn: Restart[int] = Field(128, ge=1, description="tokens the model may sample in one turn (tokens)")

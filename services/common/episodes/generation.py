@@ -17,3 +17,6 @@ class Generation:
     token_ids: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T]
     finish_reason: str  # "stop" | "length"
+    # The policy version of the weights that sampled it, where the caller knows it (the rollout's PolicyFollower
+    # sets it); None from an engine alone and in the trainer's evaluation.
+    policy_version: int | None = None

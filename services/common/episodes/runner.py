@@ -147,6 +147,9 @@ class EpisodeState:
     prompt_len: int
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    # The policy version of each token after the prompt, where the generations say theirs (Generation.policy_version:
+    # the rollout's); an observation carries the version of the turn it answers. Empty in the trainer's evaluation.
+    versions: list[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
@@ -169,15 +172,23 @@ class EpisodeState:
             limits.max_seq_len - len(self.context),
         )
 
-    def completion(self, tokenizer: Tokenizer) -> Completion:
+    @property
+    def newest_version(self) -> int | None:
+        return max(self.versions) if self.versions else None
+
+    def completion(self, tokenizer: Tokenizer, group_version: int | None = None) -> Completion:
+        """The ended episode; per-token versions only where a token's differs from ``group_version``."""
         assert self.outcome is not None, "an episode becomes a completion once it has ended"
         ids = self.context[self.prompt_len :]
+        versions = np.asarray(self.versions, dtype=np.int32)
+        differ = group_version is not None and len(versions) == len(ids) and bool((versions != group_version).any())
         return Completion(
             text=tokenizer.decode(ids, skip_special_tokens=True),
             token_ids=np.asarray(ids, dtype=np.int32),
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             finish_reason="length" if self.outcome in CUT_SHORT else "stop",
             loss_mask=np.asarray(self.mask, dtype=np.int32),
+            token_versions=versions if differ else None,
             episode=Episode(
                 turns=self.turns,
                 tool_calls=self.tool_calls,
@@ -289,6 +300,8 @@ async def _after_turn(
     episode.context += ids
     episode.logprobs += generation.logprobs.tolist()
     episode.mask += [1] * len(ids)
+    if generation.policy_version is not None:
+        episode.versions += [generation.policy_version] * len(ids)
     episode.turns += 1
     ended_on_end_token = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
     # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
@@ -322,6 +335,8 @@ async def _after_turn(
         episode.context += observation
         episode.logprobs += [0.0] * len(observation)
         episode.mask += [0] * len(observation)
+        if generation.policy_version is not None:
+            episode.versions += [generation.policy_version] * len(observation)
     return episode
 
 
@@ -432,14 +447,19 @@ class EpisodeRunner:
         )
         for group in groups:
             self.metrics.record(group)
+        # A group is tagged with the newest version that sampled a token of it (RolloutGroup.policy_version): its
+        # turns may have run on several (in-flight updates, or another batch's sync between turns).
+        versions = [
+            max((v for e in group if (v := e.newest_version) is not None), default=policy_version) for group in groups
+        ]
         return [
             advance(
                 prompt,
                 RolloutGroup,
                 prompt_ids=np.asarray(group[0].context[: group[0].prompt_len], dtype=np.int32),
-                policy_version=policy_version,
+                policy_version=version,
                 config_version=config_version,
-                completions=[episode.completion(self.tokenizer) for episode in group],
+                completions=[episode.completion(self.tokenizer, version) for episode in group],
             )
-            for prompt, group in zip(prompts, groups, strict=True)
+            for prompt, group, version in zip(prompts, groups, versions, strict=True)
         ]

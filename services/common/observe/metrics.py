@@ -276,6 +276,10 @@ GENERATED_BY_VERSION_MAX = batch.metric("generated_by_version_max", GAUGE, "vers
                                         "generated the batch", tracker="rollout/policy_version_max")
 STALENESS_MEAN = batch.metric("staleness_mean", GAUGE, "versions", "mean policy versions between a group's "
                               "generation and its use", tracker="rollout/staleness_mean", exported=True)
+MIXED_VERSION_FRACTION = batch.metric("mixed_version_fraction", RATE, "fraction", "share of the step's completions "
+                                      "whose sampled tokens came from more than one policy version "
+                                      "(rollout.inflight_updates, or a sync between an episode's turns)",
+                                      tracker="rollout/mixed_version_fraction", exported=True)
 STALENESS_MAX = batch.metric("staleness_max", GAUGE, "versions", "most policy versions between a group's generation "
                              "and its use", tracker="rollout/staleness_max", exported=True)
 GROUPS = batch.metric("groups", COUNTER, "groups", "groups in the step", tracker="rollout/groups")

@@ -143,6 +143,7 @@ def batch_metrics(batch: Batch, targets: StepTargets, policy_version: int) -> di
         "generated_by_version_max": float(batch.policy_versions.max()),
         "staleness_mean": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
+        "mixed_version_fraction": float(batch.mixed_versions.float().mean()),
         "groups": float(batch.group_index.max() + 1),
         "completions": float(len(batch.pairs)),
     }

@@ -1,0 +1,98 @@
+"""What ``rollout.inflight_updates`` costs or gains: the demo's pipeline with and without in-flight weight updates.
+
+    python -m bench.inflight [--model DIR] [--data DIR] [--steps 12] [--skip 3] [--repeats 2]
+
+``rlpipe run`` of examples/arith-grpo.yaml (64 prompts x 8 completions, 6 new tokens, batch 64, asynchronous) with
+the model and data named (default the demo's, ``make model``), the variants taking turns repeat by repeat so that
+load from the rest of the machine hits them alike:
+
+- **off**: the example as it is: each batch generated in one engine call on the version loaded before it;
+- **on, chunk 32**: ``rollout.inflight_updates``: every chunk of up to 32 tokens (here the whole answer) on the
+  newest version, two batches in hand sharing the engine's calls (``rollout.episode_batches``);
+- **on, chunk 2**: the same, three calls per answer: new versions land inside samples.
+
+Each run's steady steps/s and completions/s are over its steps after the first ``--skip``; the share of
+completions that mixed versions (``mixed_version_fraction``) and the mean staleness say what in flight changed.
+Writes build/bench/inflight.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+from pathlib import Path
+
+from bench.deterministic import steady_steps_per_s
+from bench.pipeline_run import run_pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "bench"
+CONFIG = ROOT / "examples" / "arith-grpo.yaml"
+VARIANTS = {
+    "off": [],
+    "on, chunk 32": ["rollout.inflight_updates=true", "rollout.inflight_chunk_tokens=32"],
+    "on, chunk 2": ["rollout.inflight_updates=true", "rollout.inflight_chunk_tokens=2"],
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
+    parser.add_argument("--data", type=Path, default=ROOT / "data" / "arith", help="holds train.jsonl and eval.jsonl")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--skip", type=int, default=3, help="first steps left out (start-up)")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    if args.steps < args.skip + 3:
+        parser.error(f"--steps must be at least --skip + 3 ({args.skip + 3})")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"no model at {args.model} (make model, or --model build/test-model/model)")
+    OUT.mkdir(parents=True, exist_ok=True)
+    load_before = os.getloadavg()[0]
+    measured: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    for repeat in range(args.repeats):
+        for name, settings in VARIANTS.items():
+            run_id = "bench-inflight-" + name.replace(", ", "-").replace(" ", "")
+            run_dir = OUT / "runs" / run_id
+            overrides = [
+                f"run_id={run_id}",
+                f"runs_dir={run_dir.parent}",
+                f"model.path={args.model}",
+                f"data.train_path={args.data / 'train.jsonl'}",
+                f"data.eval_path={args.data / 'eval.jsonl'}",
+                "data.eval_size=100",
+                f"data.eval_every_steps={args.steps}",
+                f"train.total_steps={args.steps}",
+                f"checkpoint.save_every_steps={args.steps}",
+                *settings,
+            ]
+            rows = run_pipeline(CONFIG, overrides, run_dir, args.steps)
+            steps_per_s, completions_per_s = steady_steps_per_s(rows, args.skip)
+            steady = sorted((r for r in rows if "completions" in r), key=lambda r: r["step"])[args.skip :]
+            measured[name].append(
+                {
+                    "steps_per_s": round(steps_per_s, 4),
+                    "completions_per_s": round(completions_per_s, 1),
+                    "mixed_version_fraction": round(statistics.fmean(r["mixed_version_fraction"] for r in steady), 4),
+                    "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in steady), 3),
+                }
+            )
+            print(f"repeat {repeat + 1} {name}: {json.dumps(measured[name][-1])}", flush=True)
+    machine = {"cpus": os.cpu_count(), "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+    with (OUT / "inflight.jsonl").open("w") as out:
+        for name, runs in measured.items():
+            out.write(json.dumps({"variant": name, "runs": runs, "machine": machine}) + "\n")
+    off = statistics.median(run["steps_per_s"] for run in measured["off"])
+    print(f"{'variant':14} {'steps/s':>8} {'x off':>6} {'mixed':>6} {'staleness':>9}")
+    for name, runs in measured.items():
+        rate = statistics.median(run["steps_per_s"] for run in runs)
+        mixed = statistics.median(run["mixed_version_fraction"] for run in runs)
+        stale = statistics.median(run["staleness_mean"] for run in runs)
+        print(f"{name:14} {rate:8.3f} {rate / off:6.2f} {mixed:6.3f} {stale:9.2f}")
+    print(f"machine: {json.dumps(machine)}; wrote {OUT / 'inflight.jsonl'}")
+
+
+if __name__ == "__main__":
+    main()
