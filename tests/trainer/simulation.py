@@ -607,6 +607,9 @@ async def _run(cfg: RunConfig, seed: int, ops: list[Op], features: Features) -> 
         world.check_final(stalled=not world.drained() and world.steps_taken == steps_before)
         if world.trainer is not None:
             records = world.trainer.lineage.records()
+            applied = {group for record in effective_steps(records) for group, _ in record.groups}
+            if named := sorted(applied & set(lost_groups(records))):
+                raise InvariantBroken(f"the lineage names groups the current model applied as lost: {named}")
             world.outcomes["steps applied"] += len(effective_steps(records))
             world.outcomes["groups lost"] += len(lost_groups(records))
             world.outcomes["groups filtered"] += sum(len(record.filtered) for record in effective_steps(records))

@@ -19,8 +19,8 @@ from services.trainer.checkpointing.retention import Purger
 from services.trainer.checkpointing.step_store import StepStore
 from services.trainer.intake.ledger import Fate, GroupLedger
 from tests.trainer.sim_oracle import InvariantBroken
-from tests.trainer.sim_scenario import FOUND_HOLES, describe, draw_scenario
-from tests.trainer.simulation import run_scenario, sim_config
+from tests.trainer.sim_scenario import FOUND_HOLES, Features, Op, describe, draw_scenario
+from tests.trainer.simulation import run_ops, run_scenario, sim_config
 
 pytestmark = pytest.mark.unit
 
@@ -79,6 +79,16 @@ def test_every_fed_group_keeps_exactly_one_fate_and_the_weights_follow_the_linea
 def test_a_hole_the_simulation_found_stays_closed(hole, tmp_path):
     seed, length, features = FOUND_HOLES[hole]
     run_scenario(sim_config(tmp_path), seed, length=length, features=features)  # as it was found
+
+
+def test_a_resume_after_a_rollback_the_mirror_missed_loads_no_abandoned_step(tmp_path):
+    """Written out, not drawn: a rollback while the mirror is down leaves the abandoned steps live there; a crash
+    and a resume before the new branch overtakes them must not adopt one (the oracle compares the weights with the
+    lineage's steps)."""
+    ops = [Op("deliver"), Op("step")] * 8
+    ops += [Op("mirror_down", 2), Op("rollback", 0), Op("crash", 0), Op("mirror_down", 0), Op("step")]
+    outcomes = run_ops(sim_config(tmp_path), 0, ops, Features(loop=True, mirror=True))
+    assert (outcomes["rollback"], outcomes["resume"]) == (1, 1)
 
 
 def test_a_scenario_replays_the_same_way_every_time(tmp_path):

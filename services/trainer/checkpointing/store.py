@@ -262,6 +262,13 @@ class CheckpointStore(StepStore):
             if (include_abandoned or entry.live) and not (check_owner and self._foreign(entry))
         ]
 
+    def step_marks(self, store: ObjectStore | None = None) -> tuple[list[int], frozenset[int]]:
+        """This incarnation's steps that have a manifest in ``store``: the live ones, oldest first, and those marked
+        ABANDONED (one listing for both)."""
+        check_owner = self.incarnation is not None
+        entries = [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
+        return [e.step for e in entries if e.live], frozenset(e.step for e in entries if not e.live)
+
     def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
         size, policy version and incarnation, oldest first. A step whose manifest cannot be read is left out."""
@@ -404,7 +411,8 @@ class CheckpointStore(StepStore):
             if store is None:
                 continue
             try:
-                listings.append(StoreListing(store.url, self._retried(self.run_id, lambda s=store: self.steps(s))))
+                live, abandoned = self._retried(self.run_id, lambda s=store: self.step_marks(s))
+                listings.append(StoreListing(store.url, live, abandoned=abandoned))
             except Exception as error:  # the store's many failure types: it may hold steps all the same
                 log_event(log, Event.STORE_UNREADABLE, level=logging.WARNING, store=store.url, reason=repr(error)[:300])
                 listings.append(StoreListing(store.url, None, repr(error)[:300]))
