@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from bench.pipeline_run import run_pipeline
+from bench.pipeline_run import demo_overrides, run_pipeline
 from bench.throughput import experience, prompt_batch
 from services.common.config import RunConfig, load_config_with
 from services.common.seeding import sampling_seed
@@ -138,18 +138,7 @@ def main() -> None:
         for name, settings in VARIANTS.items():
             run_id = f"bench-deterministic-{name}"
             run_dir = OUT / "runs" / run_id
-            overrides = [
-                f"run_id={run_id}",
-                f"runs_dir={run_dir.parent}",
-                f"model.path={args.model}",
-                f"data.train_path={args.data / 'train.jsonl'}",
-                f"data.eval_path={args.data / 'eval.jsonl'}",
-                "data.eval_size=100",
-                f"data.eval_every_steps={args.steps}",
-                f"train.total_steps={args.steps}",
-                f"checkpoint.save_every_steps={args.steps}",
-                *settings,
-            ]
+            overrides = [*demo_overrides(run_dir, args.model, args.data, args.steps), *settings]
             rows = run_pipeline(CONFIG, overrides, run_dir, args.steps)
             measured[name].append(steady_steps_per_s(rows, args.skip))
             print(f"repeat {repeat + 1} {name}: {measured[name][-1][0]:.3f} steps/s", flush=True)

@@ -25,7 +25,7 @@ import statistics
 from pathlib import Path
 
 from bench.deterministic import steady_steps_per_s
-from bench.pipeline_run import run_pipeline
+from bench.pipeline_run import demo_overrides, run_pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -56,18 +56,7 @@ def main() -> None:
         for name, settings in VARIANTS.items():
             run_id = "bench-inflight-" + name.replace(", ", "-").replace(" ", "")
             run_dir = OUT / "runs" / run_id
-            overrides = [
-                f"run_id={run_id}",
-                f"runs_dir={run_dir.parent}",
-                f"model.path={args.model}",
-                f"data.train_path={args.data / 'train.jsonl'}",
-                f"data.eval_path={args.data / 'eval.jsonl'}",
-                "data.eval_size=100",
-                f"data.eval_every_steps={args.steps}",
-                f"train.total_steps={args.steps}",
-                f"checkpoint.save_every_steps={args.steps}",
-                *settings,
-            ]
+            overrides = [*demo_overrides(run_dir, args.model, args.data, args.steps), *settings]
             rows = run_pipeline(CONFIG, overrides, run_dir, args.steps)
             steps_per_s, completions_per_s = steady_steps_per_s(rows, args.skip)
             steady = sorted((r for r in rows if "completions" in r), key=lambda r: r["step"])[args.skip :]

@@ -46,7 +46,7 @@ import yaml
 from bench.pipeline_run import CpuSampler, run_pipeline, where_the_time_went
 from services.common.config import RunConfig, load_config
 from services.common.model.datasets import load_jsonl
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -176,7 +176,7 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
     functions = [(REWARD_FUNCTIONS[name], weight) for name, weight in cfg.reward.functions.items()]
     out = []
     for row, ids, group in zip(rows, prompt_ids, groups, strict=True):
-        completions = [Completion(**vars(g)) for g in group]
+        completions = [g.completion() for g in group]
         rollout = advance(
             Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]),
             RolloutGroup,

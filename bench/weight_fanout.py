@@ -42,7 +42,7 @@ from services.common.transport.weightsync.relay import Relay, add_relay_to_serve
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named, wire_dtype
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 
 SCHEMES = {"direct": 0, "tree": 2, "chain": 1}
 

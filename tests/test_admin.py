@@ -265,7 +265,7 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
 
     # An alert's hold outlives `rlpipe run --resume` (an operator's stop of the held run included): the run comes
     # back held, and the console says by what and how to go on.
-    steps = sum("pg_loss" in r for r in metric_rows(run_dir))
+    steps = sum(m.PG_LOSS in r for r in metric_rows(run_dir))
     stopped = (run_dir / "run.json").read_text()
     with running_pipeline(config, "--resume") as again:
         ready = lambda: (run_dir / "run.json").exists() and (run_dir / "run.json").read_text() != stopped  # noqa: E731
@@ -278,7 +278,7 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
     said = " ".join(output.split())
     assert "still held: stopped: stopped by operator, while held: alert role_down" in said
     assert "An alert set this hold, so --resume keeps it" in said and "continuing a run that was held" not in said
-    assert sum("pg_loss" in r for r in metric_rows(run_dir)) == steps  # held throughout: no step
+    assert sum(m.PG_LOSS in r for r in metric_rows(run_dir)) == steps  # held throughout: no step
 
 
 class Receiver(http.server.BaseHTTPRequestHandler):

@@ -19,6 +19,7 @@ import pytest
 from prometheus_client.samples import Sample
 
 from services.common.observe import instruments
+from services.common.observe import metrics as m
 from tests.common.test_telemetry import scrape, values
 from tests.conftest import ROOT, metric_rows, run_info, running_pipeline, write_config
 
@@ -148,10 +149,10 @@ def test_every_metric_the_dashboard_queries_is_exported_and_each_roles_network_c
     assert link == [100.0 * 2**20]
 
     # The trainer's step rows carry its rates, and its share of the 100 MiB/s link.
-    rows = [row for row in metric_rows(run_dir) if "network/bus_in_bytes_per_s" in row]
-    assert rows and any(row["network/bus_in_bytes_per_s"] > 0 for row in rows)
-    assert any(row["network/weight_sync_out_bytes_per_s"] > 0 for row in rows)
-    assert all(0 <= row["network/link_use_frac"] < 1 for row in rows)
+    rows = [row for row in metric_rows(run_dir) if m.NETWORK_BUS_IN in row]
+    assert rows and any(row[m.NETWORK_BUS_IN] > 0 for row in rows)
+    assert any(row[m.NETWORK_WEIGHT_SYNC_OUT] > 0 for row in rows)
+    assert all(0 <= row[m.NETWORK_LINK_USE] < 1 for row in rows)
 
 
 @pytest.mark.unit

@@ -9,6 +9,7 @@ import pytest
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
 from services.common.model.modeling import load_model, load_tokenizer
+from services.common.observe import metrics as m
 from tests.common.model.padless import without_pad_token
 from tests.conftest import run_pipeline, write_config
 
@@ -36,10 +37,10 @@ def test_a_run_of_a_model_without_a_pad_token_trains_and_evaluates_as_one_with_a
     done, rows = run_pipeline(config)
 
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [row for row in rows if "reward_mean" in row]
-    assert [row["step"] for row in steps] == [1, 2]
-    assert all(math.isfinite(row[key]) for row in steps for key in ("reward_mean", "kl_ref", "entropy"))
-    evals = {row["step"]: row["eval_accuracy"] for row in rows if "eval_accuracy" in row}
+    steps = [row for row in rows if row.is_step]
+    assert [row.step for row in steps] == [1, 2]
+    assert all(math.isfinite(row[metric]) for row in steps for metric in (m.REWARD_MEAN, m.KL_REF, m.ENTROPY))
+    evals = {row.step: row[m.EVAL_ACCURACY] for row in rows if row.is_eval}
     assert sorted(evals) == [0, 1, 2]
     # Before any step the policy is the base model: its accuracy is the one the model gets with its pad token.
     eval_rows = load_jsonl(data_dir / "eval.jsonl")[:EVAL_SIZE]

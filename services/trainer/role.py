@@ -59,6 +59,7 @@ from services.trainer.service import Trainer
 LEASE_LOST_CANCEL_AGAIN_S = 5.0
 
 log = logging.getLogger(__name__)
+ADMIN_GRACE_S = 10.0  # an admin call in progress at shutdown (the operator's Stop) may finish within it
 
 
 def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> None:
@@ -284,7 +285,10 @@ async def lead_holding(
             raise SystemExit(1)
     finally:
         watchdog.cancel()
+        # First, while presence and the store still answer: the Stop call that ended the run is still composing
+        # its reply (a status that reads presence and lists the store, seconds under load). The grace is how long
+        # a call in progress may finish; new calls are refused at once.
+        await admin_server.stop(grace=ADMIN_GRACE_S)
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
-        await admin_server.stop(grace=1)
         await server.stop(grace=1)

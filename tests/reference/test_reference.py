@@ -45,7 +45,7 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
             RolloutGroup,
             prompt_ids=np.asarray(ids, dtype=np.int32),
             policy_version=0,
-            completions=[Completion(**vars(g)) for g in group],
+            completions=[g.completion() for g in group],
         )
         groups.append(advance(rollout, ScoredGroup, rewards=np.zeros(len(group), dtype=np.float32)))
 

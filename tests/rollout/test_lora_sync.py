@@ -16,7 +16,7 @@ from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.rollout.engines import HfEngine, VllmEngine, build_engine
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from services.trainer.learning.learner import Learner
 from tests.conftest import free_port, write_config
 from tests.rollout.test_vllm_weight_sync import PAIRS, trainer_logprobs, until, wire_bytes

@@ -20,7 +20,7 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import HfEngine, VllmEngine
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.conftest import free_port, write_config
 
 pytestmark = pytest.mark.integration

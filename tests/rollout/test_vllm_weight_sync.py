@@ -21,7 +21,7 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.conftest import free_port, write_config
 
 pytestmark = pytest.mark.integration
