@@ -55,7 +55,7 @@ def rows_of(tokenizer, count: int, seed: int) -> list[dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/smollm2-135m-instruct"))
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)

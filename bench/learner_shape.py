@@ -132,7 +132,7 @@ def groups_of(cfg, args: argparse.Namespace, vocab: int) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--groups", type=int, default=2, help="groups per step (train.batch_size)")
     parser.add_argument("--group-size", type=int, default=4, help="completions per group")

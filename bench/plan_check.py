@@ -164,7 +164,7 @@ def measure(role: str, folder: Path, tokens: int, checkpointing: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens of the micro-batch (a multiple of 64)")
     parser.add_argument("--roles", default=",".join(ROLES), help=f"comma-separated, of {', '.join(ROLES)}")
     parser.add_argument("--child", nargs=4, metavar=("ROLE", "FOLDER", "TOKENS", "CKPT"), help=argparse.SUPPRESS)

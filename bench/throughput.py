@@ -412,7 +412,7 @@ def async_sync_pairs(measurements: list[Measurement]) -> list[tuple[Measurement,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smol", help="comma-separated: tiny, smol (absent ones skipped)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each rollout and learner variant")
     parser.add_argument("--pipeline-steps", type=int, default=60)

@@ -47,7 +47,7 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("config", type=Path, help="the run's config (environment, budgets, reward, eval rows)")
     parser.add_argument("models", nargs="+", type=Path, help="model folders: the base model, checkpoints' step-N")
     parser.add_argument("--samples", type=int, default=4, help="episodes per held-out row")

@@ -356,7 +356,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--steps", type=int, help="default: 100 for tiny, 12 for smol")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state figures")

@@ -165,7 +165,7 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="", help="HF model folder; default: a synthetic MLP")
     parser.add_argument("--smollm2-135m", action="store_true", help="a random model of SmolLM2-135M's shape")
     parser.add_argument("--hidden", type=int, default=1024)

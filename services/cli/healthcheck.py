@@ -65,7 +65,9 @@ def check_role(config: Path, role: str, address: str = "", timeout: float = 3.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m services.cli.healthcheck", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("address", nargs="?", default="", help="HOST:PORT of a service's gRPC server")
     parser.add_argument("--config", type=Path, help="the run's config file: port and TLS from it (with --role)")
     parser.add_argument("--role", choices=ROLES, help="whose port --config describes")

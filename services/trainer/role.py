@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -218,7 +217,7 @@ async def lead_holding(
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)
-    preprocessor = Preprocessor(learner.tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    preprocessor = Preprocessor(learner.tokenizer, cfg.model.folder, cfg.data.tokenize_workers)
     await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
     trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
     try:

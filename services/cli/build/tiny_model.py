@@ -299,7 +299,7 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="model folder to write (arithmetic only)")
     parser.add_argument("--data", type=Path, required=True, help="folder for the JSONL splits")
     parser.add_argument("--seed", type=int, default=0)

@@ -176,6 +176,14 @@ class ModelConfig(Section):
         """Whether ``path`` names a source to fetch from rather than a folder here (until ``resolve_model``)."""
         return isinstance(self.path, str)
 
+    @property
+    def folder(self) -> Path:
+        """The local model folder: ``path``, once ``resolve_model`` has fetched a URL's model (a role loads the model
+        only after it)."""
+        if isinstance(self.path, str):
+            raise RuntimeError(f"model.path {self.path} is not fetched yet: resolve_model comes before loading it")
+        return self.path
+
 
 class DataColumns(Section):
     """Which of a dataset's columns hold what a row needs (docs/configuration.md, data.columns)."""

@@ -279,7 +279,7 @@ class RunConfig(BaseSettings):
 
     @property
     def reference_model_path(self) -> Path:
-        return self.reference.model_path or self.model.path
+        return self.reference.model_path or self.model.folder
 
     @property
     def trainer_address(self) -> str:

@@ -108,7 +108,7 @@ class EnvironmentFailed(Exception):
 
     def __init__(self, outcome: Literal["env_error", "timeout"], reason: str, refused: str = ""):
         super().__init__(reason)
-        self.outcome = outcome
+        self.outcome: Literal["env_error", "timeout"] = outcome
         self.refused = refused
 
 

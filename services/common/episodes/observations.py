@@ -18,7 +18,10 @@ its message closed as the template closes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Contents no template produces by itself: where they land in the rendering marks the message's bounds.
 REPLY, OBSERVATION = "rlpipe-reply-7f3a", "rlpipe-observation-7f3a"
@@ -30,6 +33,12 @@ class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+def episode_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """A Hugging Face tokenizer as the episode loop's ``Tokenizer``, which it is: transformers' annotations do not
+    show it (the special-token ids come from ``__getattr__``, and ``decode`` is typed for a batch of sequences too)."""
+    return tokenizer  # pyright: ignore[reportReturnType]  (transformers' annotations, see above)
 
 
 class ObservationFormat(Protocol):

@@ -35,6 +35,14 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
 
 
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of ids (transformers types ``decode`` for a batch of sequences too)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"the tokenizer decoded one sequence of ids into {type(text).__name__}, not text")
+    return text
+
+
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
     """Recompute each layer's activations in the backward pass instead of keeping them. Non-reentrant: it needs
     no input that requires grad, and restores the RNG state so dropout draws the same masks when recomputing."""
