@@ -246,7 +246,7 @@ class S3Store:
         from minio.deleteobjects import DeleteObject
 
         for error in self.client.remove_objects(self.bucket, [DeleteObject(self._key(key)) for key in keys]):
-            raise OSError(f"could not delete {error.object_name}: {error.message}")
+            raise OSError(f"could not delete {error.name}: {error.code} {error.message}")
 
 
 def open_store(url: str, cfg: CheckpointConfig) -> ObjectStore:
