@@ -206,7 +206,7 @@ def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> di
     from services.common.transport.nats_server import nats_server_binary
     from services.common.transport.streams import EXPERIENCE, ROLLOUTS, SCORED
 
-    def only(group: ExperienceGroup, kind: type) -> object:
+    def only(group: ExperienceGroup, kind: type[Prompt]) -> Prompt:
         return kind.model_validate({name: getattr(group, name) for name in kind.model_fields if name != "kind"})
 
     hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))

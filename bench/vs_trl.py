@@ -229,7 +229,8 @@ def accuracy(model_dir: Path, task: Task) -> float:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     rows = render_rows(load_jsonl(ROOT / task.eval_path)[: task.eval_size], tokenizer)
-    model = load_model(model_dir).to(task.device).eval()
+    # (transformers' functools.wraps(Module.to) loses the bound self's type)
+    model = load_model(model_dir).to(task.device).eval()  # pyright: ignore[reportArgumentType]
     return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens)
 
 

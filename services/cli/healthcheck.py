@@ -37,7 +37,8 @@ def check(
     )
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            # (typeshed's HealthStub lacks the Check its __init__ sets)
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # pyright: ignore[reportAttributeAccessIssue]
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as error:

@@ -74,7 +74,7 @@ def sharing_from_config(cfg: RunConfig) -> Sharing:
     return Sharing(
         cfg.reference.replicas,
         cfg.reward.replicas,
-        dict(cfg.service.gpu_memory_fraction),
+        {**cfg.service.gpu_memory_fraction},
         cfg.rollout.auto_max_replicas,
     )
 

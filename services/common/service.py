@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import JsonValue
 
 from services.common.cancel import cancel_until_done
-from services.common.config import ConfigError, RunConfig, load_config
+from services.common.config import ConfigError, Role, RunConfig, load_config
 from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpu_memory, watch_gpus
@@ -222,7 +222,7 @@ async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server
         await stage.bus.close()
 
 
-def run_service(role: str, service_main: ServiceMain) -> None:
+def run_service(role: Role, service_main: ServiceMain) -> None:
     """Entry point of ``python -m services.<role> --config FILE``."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}")
     parser.add_argument("--config", required=True, help="run config YAML (RLPIPE_* env vars override it)")

@@ -42,9 +42,16 @@ log = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-class Engine(Protocol):
+class WeightTarget(Protocol):
+    """What a policy follower loads each synced version into."""
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class Engine(WeightTarget, Protocol):
     lora_mode: str  # "off" (full weights), "adapter" or "merge"
     end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
+    tokenizer: Any  # the model's: transformers' (hf), or the one vLLM generates with (a transformers one too)
 
     def generate(
         self,
@@ -70,8 +77,6 @@ class Engine(Protocol):
         the end-of-sequence token or once the text holds one of ``stop``; with ``seeds``, each drawn from a
         generator of its own seeded with ``seeds[i]``."""
         ...
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
 class EngineUnavailable(DependencyUnavailable):

@@ -47,7 +47,13 @@ from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer, add_relay_to_server
 from services.common.transport.weightsync.wire import ChecksumError, dtype_named, dtype_text
-from services.rollout.engines import Engine, EngineUnavailable, build_engine, max_tokens_for, serving_dtype
+from services.rollout.engines import (
+    EngineUnavailable,
+    WeightTarget,
+    build_engine,
+    max_tokens_for,
+    serving_dtype,
+)
 from services.rollout.handoff import EngineGone, TensorHandoff
 from services.rollout.partial import PartialSample, generate_in_chunks, newest_version
 
@@ -72,7 +78,7 @@ class PolicyFollower:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: WeightTarget,
         engine_thread: ThreadPoolExecutor,
         client: WeightSyncClient,
         dtype: torch.dtype | None = None,

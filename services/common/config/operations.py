@@ -13,6 +13,9 @@ from pydantic_settings import NoDecode
 
 from services.common.config.base import DeployTime, Restart, Section, Security
 
+# The roles of a run's processes, as service.role_torch_threads and service.gpu_memory_fraction name them.
+Role = Literal["trainer", "reference", "rollout", "reward"]
+
 
 class ServiceConfig(Section):
     host: Security[str] = Field(
@@ -110,7 +113,7 @@ class ServiceConfig(Section):
             raise ValueError(f"a share of a GPU's memory is above 0 and at most 1: {wrong}")
         return shares
 
-    def threads_for(self, role: str) -> int:
+    def threads_for(self, role: Role) -> int:
         """The torch threads of ``role``'s processes."""
         return self.role_torch_threads.get(role, self.torch_threads)
 

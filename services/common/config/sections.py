@@ -19,6 +19,7 @@ from services.common.config.model import DataConfig, ModelConfig
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
+    Role,
     ServiceConfig,
     SupervisionConfig,
     TelemetryConfig,
@@ -231,13 +232,13 @@ class RunConfig(BaseSettings):
         shares, rollout = self.service.gpu_memory_fraction, self.rollout
         if "rollout" in shares and rollout.backend == "vllm":
             rollout.gpu_memory_utilization = shares["rollout"]
-        replicas = {
+        replicas: dict[Role, int] = {
             "trainer": 1,
             "reference": self.reference.replicas,
             "reward": self.reward.replicas,
             "rollout": rollout.replicas if isinstance(rollout.replicas, int) else 0,  # auto: the launcher's count
         }
-        terms = {role: shares[role] * count for role, count in replicas.items() if role in shares}
+        terms: dict[Role, float] = {role: shares[role] * count for role, count in replicas.items() if role in shares}
         if sum(terms.values()) > 1 + 1e-9:
             said = " + ".join(f"{role} {shares[role]:g} x {replicas[role]}" for role in terms)
             raise ValueError(

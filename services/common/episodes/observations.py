@@ -44,10 +44,12 @@ def episode_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
 class ObservationFormat(Protocol):
     """The rule the episode loop follows after each model turn."""
 
-    eos_ends_episode: bool
+    @property
+    def eos_ends_episode(self) -> bool: ...
 
     def tokens(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
         """The tokens appended (loss mask 0) for ``observation`` after a model turn."""
+        ...
 
 
 @dataclass(frozen=True)

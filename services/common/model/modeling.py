@@ -28,7 +28,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(path: Path, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"no Hugging Face model at {str(path)!r} (config.json missing)")
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES.get(dtype, dtype))
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    )
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:

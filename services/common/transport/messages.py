@@ -279,8 +279,17 @@ class ClaimCheck(Message):
     sha256: str
 
 
+def packed(value: Any) -> bytes:
+    """msgpack's bytes of ``value``, binary kept binary. (msgpack is untyped: its ``Packer.pack`` returns None only
+    for a packer that does not reset, which ``packb`` never makes.)"""
+    data = msgpack.packb(value, use_bin_type=True)
+    if not isinstance(data, bytes):
+        raise TypeError(f"msgpack packed {type(value).__name__} into {type(data).__name__}, not bytes")
+    return data
+
+
 def encode(message: Message) -> bytes:
-    return msgpack.packb(message.model_dump() | {"v": message.schema_version()}, use_bin_type=True)
+    return packed(message.model_dump() | {"v": message.schema_version()})
 
 
 def decode(data: bytes, kind: type[M]) -> M:
