@@ -117,7 +117,7 @@ def bench_stages(cfg: RunConfig, repeats: int) -> dict[str, dict[str, list[float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "arith", help="holds train.jsonl and eval.jsonl")
     parser.add_argument("--steps", type=int, default=20)

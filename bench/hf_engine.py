@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import PreTrainedModel
 
 from services.common.config import SamplingConfig, load_config
 from services.common.model.chat import render_rows
@@ -67,7 +68,7 @@ def engine(folder: Path, rows: Path, max_per_call: int | None) -> HfEngine:
     return HfEngine(cfg)
 
 
-def scored(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+def scored(model: PreTrainedModel, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
     """The trainer's teacher-forced logprobs of each pair's response (one forward pass of each sequence whole)."""
     with torch.no_grad():
         batch = pack(pairs, pad_id=0)

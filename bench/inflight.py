@@ -38,7 +38,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "arith", help="holds train.jsonl and eval.jsonl")
     parser.add_argument("--steps", type=int, default=12)

@@ -69,7 +69,9 @@ def build_model(folder: Path) -> Path:
         return folder
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in QWEN25_05B.items() if k != "architectures"}))
-    model.to(torch.bfloat16).save_pretrained(folder)  # half the disk; the learner loads it in its own dtype
+    # Half the disk; the learner loads it in its own dtype. (transformers' functools.wraps(Module.to) loses the
+    # bound self's type.)
+    model.to(torch.bfloat16).save_pretrained(folder)  # pyright: ignore[reportArgumentType]
     build_char_tokenizer().save_pretrained(folder)
     stamp.write_text(json.dumps(QWEN25_05B))
     return folder
@@ -132,7 +134,7 @@ def groups_of(cfg, args: argparse.Namespace, vocab: int) -> list:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--groups", type=int, default=2, help="groups per step (train.batch_size)")
     parser.add_argument("--group-size", type=int, default=4, help="completions per group")

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -96,7 +97,12 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     return rows
 
 
-def where_the_time_went(steady: list[dict]) -> dict[str, dict[str, float]]:
+class TimeSplit(TypedDict):
+    step_wall_s_by_phase: dict[str, float]  # "time/<phase>" -> mean seconds per step
+    role_time_shares: dict[str, dict[str, float]]  # role -> activity -> fraction, at the last step
+
+
+def where_the_time_went(steady: list[dict]) -> TimeSplit:
     """The mean wall seconds per step by phase, and each role's busy/idle/blocked fractions at the last step."""
     phases = sorted(key for key in steady[-1] if key.startswith("time/"))
     shares: dict[str, dict[str, float]] = {}

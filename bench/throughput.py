@@ -206,7 +206,7 @@ def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> di
     from services.common.transport.nats_server import nats_server_binary
     from services.common.transport.streams import EXPERIENCE, ROLLOUTS, SCORED
 
-    def only(group: ExperienceGroup, kind: type) -> object:
+    def only(group: ExperienceGroup, kind: type[Prompt]) -> Prompt:
         return kind.model_validate({name: getattr(group, name) for name in kind.model_fields if name != "kind"})
 
     hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))
@@ -412,7 +412,7 @@ def async_sync_pairs(measurements: list[Measurement]) -> list[tuple[Measurement,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smol", help="comma-separated: tiny, smol (absent ones skipped)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each rollout and learner variant")
     parser.add_argument("--pipeline-steps", type=int, default=60)

@@ -48,7 +48,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]  (in TRL's own venv only)
 
     rows = trl_rows(task)
     dataset = Dataset.from_list(rows)

@@ -229,7 +229,8 @@ def accuracy(model_dir: Path, task: Task) -> float:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     rows = render_rows(load_jsonl(ROOT / task.eval_path)[: task.eval_size], tokenizer)
-    model = load_model(model_dir).to(task.device).eval()
+    # (transformers' functools.wraps(Module.to) loses the bound self's type)
+    model = load_model(model_dir).to(task.device).eval()  # pyright: ignore[reportArgumentType]
     return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens)
 
 
@@ -356,7 +357,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 
 def arguments() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--steps", type=int, help="default: 100 for tiny, 12 for smol")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state figures")

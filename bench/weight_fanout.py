@@ -166,7 +166,7 @@ def run(replicas: int, args: argparse.Namespace, wire_bytes: int) -> dict[str, l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="", help="wire dtype of floating tensors (bfloat16); default: as stored")

@@ -70,6 +70,8 @@ async def _dead_messages(js: JetStreamContext, run_id: str, start: int) -> Async
             raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence, subject=subject(run_id, DEAD), next=True)
         except NotFoundError:
             return
+        if raw.seq is None:
+            raise RuntimeError(f"the broker answered a read of {stream_name(run_id, DEAD)} without a sequence")
         sequence = raw.seq + 1
         yield raw
 
@@ -194,7 +196,7 @@ async def reinject(
             record = (await js.publish(subject(run_id, DEAD), b"", headers=record_headers)).seq
         try:
             copy = await js.publish(
-                subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers
+                subject(run_id, by_stream[origin]), payload if payload is not None else raw.data or b"", headers=headers
             )
         except Exception as error:  # the broker's many failure types: the record stands, the copy is not sent
             raise ReinjectIncomplete(

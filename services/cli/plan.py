@@ -74,7 +74,7 @@ def sharing_from_config(cfg: RunConfig) -> Sharing:
     return Sharing(
         cfg.reference.replicas,
         cfg.reward.replicas,
-        dict(cfg.service.gpu_memory_fraction),
+        {**cfg.service.gpu_memory_fraction},
         cfg.rollout.auto_max_replicas,
     )
 
@@ -175,7 +175,7 @@ def load_plan_source(source: Path) -> tuple[Path, SizingInputs, Sharing]:
     if source.is_dir():
         return source, SizingInputs(), Sharing()
     cfg = resolve_model(load_config(source))  # a model.path URL: the folder it is fetched to
-    return Path(cfg.model.path), inputs_from_config(cfg), sharing_from_config(cfg)
+    return cfg.model.folder, inputs_from_config(cfg), sharing_from_config(cfg)
 
 
 def with_options(inputs: SizingInputs, **options: object) -> SizingInputs:

@@ -39,6 +39,7 @@ from services.common.observe.usage import USAGE_FILE, RunCost
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from matplotlib.typing import LineStyleType
 
 PANELS: tuple[tuple[m.Metric, str, m.Metric | None], ...] = (
     (m.REWARD_MEAN, "reward mean (band: ±std)", m.REWARD_STD),
@@ -76,7 +77,7 @@ AGENT_PANELS = (
     (m.AGENT_TOOL_ERRORS, "tool errors per episode"),
     (m.AGENT_ENV_SECONDS, "environment time per episode (s)"),
 )
-EVENT_STYLES = {
+EVENT_STYLES: dict[str, tuple[str, LineStyleType]] = {
     Event.CONFIG_CHANGE: ("tab:blue", "--"),
     Event.ALERT: ("tab:red", "-"),
     Event.ROLLBACK: ("tab:purple", "-."),
@@ -86,7 +87,7 @@ EVENT_STYLES = {
     Event.UNPAUSE: ("tab:olive", "--"),
     Event.STOP: ("black", "-"),
 }
-OTHER_EVENT_STYLE = ("tab:brown", ":")
+OTHER_EVENT_STYLE: tuple[str, LineStyleType] = ("tab:brown", ":")
 
 
 def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple[int | None, bool]]:
@@ -104,7 +105,8 @@ def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple
             placed.append((None, True))
             continue
         i = bisect.bisect_left(times, at)
-        nearest = min((j for j in (i - 1, i) if 0 <= j < len(timeline)), key=lambda j: abs(times[j] - at))
+        when: float = at
+        nearest = min((j for j in (i - 1, i) if 0 <= j < len(timeline)), key=lambda j: abs(times[j] - when))
         placed.append((timeline[nearest][1], True))
     return placed
 

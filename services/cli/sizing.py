@@ -213,7 +213,7 @@ def estimate(shape: ModelShape, inputs: SizingInputs) -> SizingEstimate:
     master = DTYPE_BYTES[inputs.master_dtype]
     params = shape.parameters
     lora = inputs.lora_rank is not None
-    trainable = lora_parameters(shape, inputs.lora_rank, inputs.lora_targets) if lora else params
+    trainable = params if inputs.lora_rank is None else lora_parameters(shape, inputs.lora_rank, inputs.lora_targets)
     # The trainer loads the base in the master dtype either way; with adapters it is frozen and they add to it.
     weights = params * master + (trainable * master if lora else 0)
     tokens = inputs.micro_batch_tokens

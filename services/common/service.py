@@ -21,13 +21,14 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import JsonValue
 
 from services.common.cancel import cancel_until_done
-from services.common.config import ConfigError, RunConfig, load_config
+from services.common.config import ConfigError, Role, RunConfig, load_config
 from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
 from services.common.observe.instruments import watch_gpu_memory, watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
 from services.common.observe.network import export_link_capacity
 from services.common.observe.telemetry import current_telemetry, start_telemetry
+from services.common.observe.timeshare import StageActivity
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
@@ -42,7 +43,8 @@ log = logging.getLogger(__name__)
 # How often a stage's watchdog compares its loop's progress with the stall bound and updates health and presence.
 WATCHDOG_S = 1.0
 # Each server's health servicer, for the watchdog to flip; weak, so a stopped server is not kept alive.
-_health_servicers: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
+# (typeshed's grpc_health stub lacks the module's aio, which it has had since grpcio 1.38)
+_health_servicers: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()  # pyright: ignore[reportAttributeAccessIssue]
 
 ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 # A service that cannot run as configured (bad config, failed start-up check, a checkpoint store holding another
@@ -88,7 +90,7 @@ async def start_grpc_server(
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
     names = register(server) if register else []
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]  (see _health_servicers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names.append(health.SERVICE_NAME)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
@@ -112,7 +114,7 @@ async def announce_ready(presence: Presence, **facts: JsonValue) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # the threads it computes with (service.torch_threads / role_torch_threads)
         facts = {**facts, "torch_threads": torch.get_num_threads()}
-    log_event(log, Event.READY, **facts)
+    log_event(log, Event.READY, logging.INFO, **facts)
     fields = {name: value for name, value in facts.items() if name in ServiceEntry.model_fields}
     await presence.announce(**fields, startup={**facts, "ready_at": round(time.time(), 3)})
 
@@ -131,7 +133,7 @@ async def watch_progress(
     loop: LoopProgress,
     servers: list[grpc.aio.Server],
     presence: Presence,
-    time_spent: Callable[[], Mapping[str, float]] | None = None,
+    time_spent: Callable[[], Mapping[StageActivity, float]] | None = None,
     refusal: Callable[[], Refusal | None] | None = None,
 ) -> None:
     """For ever: the loop's progress (and ``time_spent()``, its seconds per busy/idle/blocked) into its presence
@@ -220,7 +222,7 @@ async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server
         await stage.bus.close()
 
 
-def run_service(role: str, service_main: ServiceMain) -> None:
+def run_service(role: Role, service_main: ServiceMain) -> None:
     """Entry point of ``python -m services.<role> --config FILE``."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}")
     parser.add_argument("--config", required=True, help="run config YAML (RLPIPE_* env vars override it)")

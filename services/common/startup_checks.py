@@ -76,8 +76,9 @@ class StartupCheckError(RuntimeError):
         super().__init__(f"{role} start-up checks failed:\n{lines}")
 
 
-def shorten(error: BaseException, limit: int = 300) -> str:
-    text = str(error) or type(error).__name__
+def shorten(error: BaseException | str, limit: int = 300) -> str:
+    """``error`` (an exception, or a program's error output) in at most ``limit`` characters."""
+    text = error if isinstance(error, str) else str(error) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -44,7 +45,9 @@ class ReferenceScorer:
         self.per_group = cfg.train.deterministic
         path = cfg.reference_model_path
         self.precision = Precision.of(cfg.model)
-        self.model = load_model(path, self.precision.param_dtype).to(self.precision.device).eval().requires_grad_(False)
+        model = load_model(path, self.precision.param_dtype)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        self.model = model.to(self.precision.device).eval().requires_grad_(False)  # pyright: ignore[reportArgumentType]
         self.pad_id = pad_token_id(load_tokenizer(path))
         self.micro_batch_tokens = cfg.reference.micro_batch_tokens
 
@@ -60,7 +63,7 @@ class ReferenceScorer:
             )
         ]
 
-    def plan(self, groups: list[ScoredGroup], pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+    def plan(self, groups: Sequence[ScoredGroup], pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
         """The indices into ``pairs`` (every completion of ``groups``, in order) each forward pass takes: ``passes``
         over all of them, or with ``per_group`` over each group's alone."""
         if not self.per_group:
@@ -73,7 +76,7 @@ class ReferenceScorer:
         return plan
 
     @torch.no_grad()
-    def __call__(self, groups: list[ScoredGroup]) -> list[ExperienceGroup]:
+    def __call__(self, groups: Sequence[ScoredGroup]) -> list[ExperienceGroup]:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
         flat: list[np.ndarray] = [np.empty(0, np.float32)] * len(pairs)
         for rows in self.plan(groups, pairs):

@@ -206,7 +206,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         presence,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
-        functions=live.cfg.reward.functions,
+        functions={**live.cfg.reward.functions},
         model=str(cfg.reward.model.path) if cfg.reward.model else None,
         http=cfg.reward.http.url if cfg.reward.http else None,
         config_version=live.version,

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import weakref
 from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -30,8 +31,8 @@ from services.common.config import RunConfig, SamplingConfig
 from services.common.episodes.generation import Generation
 from services.common.model.batch_generation import generate_batch
 from services.common.model.lora import AdapterMerger, write_adapter
-from services.common.model.modeling import DTYPES, load_model, load_tokenizer, resolve_device
-from services.common.model.padding import pad_token_id
+from services.common.model.modeling import DTYPES, decode_text, load_model, load_tokenizer, resolve_device
+from services.common.model.padding import eos_token_id, pad_token_id
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import DependencyUnavailable
@@ -41,9 +42,16 @@ log = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-class Engine(Protocol):
+class WeightTarget(Protocol):
+    """What a policy follower loads each synced version into."""
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class Engine(WeightTarget, Protocol):
     lora_mode: str  # "off" (full weights), "adapter" or "merge"
     end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
+    tokenizer: Any  # the model's: transformers' (hf), or the one vLLM generates with (a transformers one too)
 
     def generate(
         self,
@@ -69,8 +77,6 @@ class Engine(Protocol):
         the end-of-sequence token or once the text holds one of ``stop``; with ``seeds``, each drawn from a
         generator of its own seeded with ``seeds[i]``."""
         ...
-
-    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
 
 class EngineUnavailable(DependencyUnavailable):
@@ -167,14 +173,14 @@ class VllmEngine:
             self.lora_mode = "merge"
             dtype = DTYPES.get(serving_dtype(cfg), torch.float32)
             # The whole base in host memory: vLLM reloads every weight at once, the merged ones among them.
-            self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.path).items()}
+            self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.folder).items()}
             self.merger = AdapterMerger(self.base, cfg.model.lora)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlpipe-lora-")) if self.lora_mode == "adapter" else None
         if self.adapter_dir is not None:  # the served adapter's folder goes with the engine (vLLM read it at load)
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapters_loaded = 0
         self.tokenizer = self.llm.get_tokenizer()
-        self.end_tokens = end_token_ids(cfg.model.path, self.tokenizer.eos_token_id)
+        self.end_tokens = end_token_ids(cfg.model.folder, self.tokenizer.eos_token_id)
 
     def generate(
         self,
@@ -289,9 +295,12 @@ class VllmEngine:
         removed. The base weights are not touched. An adapter that does not load leaves the previous one served."""
         from vllm.lora.request import LoRARequest
 
+        lora = self.cfg.model.lora
+        if self.adapter_dir is None or lora is None:
+            raise RuntimeError("an adapter is hot-loaded only while vLLM serves model.lora as an adapter")
         number = self.adapters_loaded + 1
         folder = self.adapter_dir / f"v{number}"
-        write_adapter(folder, self.cfg.model.lora, tensors, self.cfg.model.path)
+        write_adapter(folder, lora, tensors, self.cfg.model.path)
         request = LoRARequest(f"policy-{number}", number, str(folder))
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM did not load the adapter at {folder}")
@@ -314,10 +323,10 @@ class HfEngine:
     neighbours. One call per sample is slower; a reproducible run pays that for draws that are its own."""
 
     def __init__(self, cfg: RunConfig):
-        model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        model = load_model(cfg.model.folder, serving_dtype(cfg)).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(cfg.model.folder)
         self.pad_id = pad_token_id(self.tokenizer)
-        self.end_tokens = end_token_ids(cfg.model.path, self.tokenizer.eos_token_id)
+        self.end_tokens = end_token_ids(cfg.model.folder, eos_token_id(self.tokenizer))
         self.max_per_call = cfg.rollout.hf.max_sequences_per_call
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
@@ -325,7 +334,8 @@ class HfEngine:
         # model.device, as the trainer's and the reference's do.
         self.merger = AdapterMerger(model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None
         self.device = resolve_device(cfg.model.device)
-        self.model = model.to(self.device)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        self.model = model.to(self.device)  # pyright: ignore[reportArgumentType]
 
     def generate(
         self,
@@ -380,14 +390,14 @@ class HfEngine:
             pad_id=self.pad_id,
             end_tokens=self.end_tokens,
             stop=stop,
-            decode=self.tokenizer.decode,
+            decode=partial(decode_text, self.tokenizer),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_per_call=self.max_per_call,
         )
         return [
             Generation(
-                text=self.tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                text=decode_text(self.tokenizer, c.token_ids, skip_special_tokens=True),
                 token_ids=np.asarray(c.token_ids, dtype=np.int32),
                 logprobs=c.logprobs,
                 finish_reason="stop" if c.stopped else "length",

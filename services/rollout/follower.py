@@ -27,7 +27,7 @@ from services.common.pb import weights_pb2 as pb
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer
 from services.common.transport.weightsync.wire import ChecksumError, dtype_text
-from services.rollout.engines import Engine, EngineUnavailable
+from services.rollout.engines import EngineUnavailable, WeightTarget
 from services.rollout.handoff import EngineGone, TensorHandoff
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class PolicyFollower:
 
     def __init__(
         self,
-        engine: Engine,
+        engine: WeightTarget,
         engine_thread: ThreadPoolExecutor,
         client: WeightSyncClient,
         dtype: torch.dtype | None = None,

@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -164,7 +163,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         await generate_in_chunks(samples, cfg.rollout.inflight_chunk_tokens, chunk)
         return [samples[start : start + n] for start in range(0, len(samples), n)]
 
-    preprocessor = Preprocessor(tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    preprocessor = Preprocessor(tokenizer, cfg.model.folder, cfg.data.tokenize_workers)
     await asyncio.to_thread(preprocessor.start)  # seconds with workers, not on the stage's loop
     episodes = (
         EpisodeRunner(cfg, tokenizer, on_weights, engine.generate_turns, engine.end_tokens)

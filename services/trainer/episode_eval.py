@@ -16,16 +16,18 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from transformers import PreTrainedTokenizerBase
 
 import services.common.model.reward_rules  # noqa: F401  registers the built-in rules reward_function looks up
 from services.common.config import RunConfig
 from services.common.episodes.environments import Task
 from services.common.episodes.generation import Generation
-from services.common.episodes.observations import ObservationFormat, Tokenizer, observation_format
+from services.common.episodes.observations import ObservationFormat, Tokenizer, episode_tokenizer, observation_format
 from services.common.episodes.runner import (
     EpisodeEnvironment,
     EpisodeLimits,
@@ -35,8 +37,8 @@ from services.common.episodes.runner import (
     start_episodes,
 )
 from services.common.model.batch_generation import generate_batch
-from services.common.model.modeling import Precision
-from services.common.model.padding import pad_token_id
+from services.common.model.modeling import Precision, decode_text
+from services.common.model.padding import eos_token_id, pad_token_id
 from services.common.registry import reward_function
 
 
@@ -105,8 +107,8 @@ async def play(
     await run_episodes(episodes, generate, limits, tokenizer, observations)
     completions = [episode.completion(tokenizer) for episode in episodes]
     rewards = [
-        reward(c.text, task.answer, c.finish_reason, c.episode.env_reward)
-        for c, task in zip(completions, tasks, strict=True)
+        reward(c.text, task.answer, c.finish_reason, episode.env_reward)
+        for c, episode, task in zip(completions, episodes, tasks, strict=True)
     ]
     return EpisodeEvaluation(
         accuracy=sum(reward.right(r) for r in rewards) / len(rows),
@@ -118,7 +120,7 @@ async def play(
 
 
 def greedy_turns(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     contexts: list[list[int]],
     max_tokens: list[int],
@@ -131,7 +133,7 @@ def greedy_turns(
     each ending as a rollout's turn does: through its end-of-sequence token or the token that completes one of
     ``stop``, else at its own limit (``batch_generation.generate_batch``). ``temperature`` above 0 samples instead
     (bench/tool_sampled_eval.py: held-out episodes as the rollouts sample them)."""
-    eos_id = tokenizer.eos_token_id
+    eos_id = eos_token_id(tokenizer)
     continuations = generate_batch(
         model,
         contexts,
@@ -139,14 +141,14 @@ def greedy_turns(
         pad_id=pad_token_id(tokenizer),
         end_tokens=() if eos_id is None else (eos_id,),
         stop=stop,
-        decode=tokenizer.decode,
+        decode=partial(decode_text, tokenizer),
         temperature=temperature,
         max_per_call=batch_size,
         precision=precision,
     )
     return [
         Generation(
-            text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+            text=decode_text(tokenizer, c.token_ids, skip_special_tokens=True),
             token_ids=np.asarray(c.token_ids, dtype=np.int32),
             logprobs=c.logprobs,
             finish_reason="stop" if c.stopped else "length",
@@ -156,7 +158,7 @@ def greedy_turns(
 
 
 def evaluate_episodes(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
     cfg: RunConfig,
@@ -171,4 +173,5 @@ def evaluate_episodes(
         return greedy_turns(model, tokenizer, contexts, max_tokens, stop, precision, batch_size=batch_size)
 
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
-    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokenizer, observations, reward))
+    tokens = episode_tokenizer(tokenizer)
+    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokens, observations, reward))

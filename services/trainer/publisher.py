@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from services.common.observe.logs import Stopwatch
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.common.transport.weightsync.snapshot import NonFiniteWeights
-from services.trainer.learning.learner import Learner
+from services.common.transport.weightsync.snapshot import NonFiniteWeights, Snapshot
 
 Refused = Callable[[NonFiniteWeights, int, int], Awaitable[None]]  # (why, version, step)
+
+
+class Snapshots(Protocol):
+    """What a version is copied from: the learner (``Learner.snapshot``)."""
+
+    def snapshot(self, version: int, step: int) -> Snapshot: ...
 
 
 class Publisher:
@@ -36,7 +42,7 @@ class Publisher:
     refused, dropped or failed is not), ``offer_s`` (the background seconds, from offer to served, of the newest
     version served; None before the first)."""
 
-    def __init__(self, learner: Learner, weights: WeightSyncServer, on_refused: Refused):
+    def __init__(self, learner: Snapshots, weights: WeightSyncServer, on_refused: Refused):
         self.learner = learner
         self.weights = weights
         self.on_refused = on_refused

@@ -136,8 +136,8 @@ class AlertResponder:
         settings: ConfigSource,
         alerts: AlertEvaluator,
         control: Control,
-        checkpoints: CheckpointStore,
-        rollback: Rollback,
+        checkpoints: CheckpointStore | None,  # None: no rollback action can be taken (an alert drill's)
+        rollback: Rollback | None,
         progress: Progress,
         metrics: MetricsLog,
         journal: Journal,
@@ -211,6 +211,8 @@ class AlertResponder:
             await self.control.pause(f"alert {firing.rule}: rollback failed: {error}", by=HoldSource.ALERT)
 
     async def _rollback_for(self, firing: Firing) -> None:
+        if self.checkpoints is None or self.rollback is None:
+            raise RuntimeError("this responder was given no checkpoints to roll back to")
         rule = next((r for r in self.settings.cfg.alerts.rules if r.name == firing.rule), None)
         before = (firing.step if firing.step is not None else self.progress.step) - (rule.window_steps if rule else 1)
         target = await asyncio.to_thread(self.checkpoints.latest_stable)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -103,8 +102,9 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
     """Admin on its own port (the one operators reach), open to ``admin.allowed_sources`` only, behind the bearer
     token, TLS when configured."""
     credentials = None
-    if cfg.admin.tls_cert is not None:
-        credentials = grpc.ssl_server_credentials([(cfg.admin.tls_key.read_bytes(), cfg.admin.tls_cert.read_bytes())])
+    admin = cfg.admin
+    if admin.tls_cert is not None and admin.tls_key is not None:  # both or neither (AdminConfig checks)
+        credentials = grpc.ssl_server_credentials([(admin.tls_key.read_bytes(), admin.tls_cert.read_bytes())])
 
     def register(server: Any) -> list[str]:
         admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)
@@ -150,6 +150,8 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     try:
         lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
         running = asyncio.current_task()
+        if running is None:
+            raise RuntimeError("the trainer's lead runs as an asyncio task")
 
         async def on_lease_lost(error: LeaseLost) -> None:
             lost.append(error)
@@ -219,7 +221,7 @@ async def lead_holding(
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)
-    preprocessor = Preprocessor(learner.tokenizer, Path(cfg.model.path), cfg.data.tokenize_workers)
+    preprocessor = Preprocessor(learner.tokenizer, cfg.model.folder, cfg.data.tokenize_workers)
     await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
     trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
     try:

@@ -104,7 +104,7 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
-        self.preprocessor = preprocessor or Preprocessor(learner.tokenizer, cfg.model.path)
+        self.preprocessor = preprocessor or Preprocessor(learner.tokenizer, cfg.model.folder)
         ahead = self.preprocessor.rendered_ahead if self.preprocessor.pool is not None else None
         try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
             self.eval_rows = self.preprocessor.render_rows(eval_rows)
@@ -471,6 +471,7 @@ class Trainer:
         control.state = RunState.DONE
         # Whoever reads "done" (the launcher, then verify and report) finds every row in metrics.jsonl.
         await asyncio.to_thread(self.responder.metrics.flush)
+        stopped_by: dict[str, Any] = {"stopped_by": control.stop_reason} if stopped else {}
         self.journal.emit(
             Event.DONE,
             f"stopped ({control.stop_reason}) at step {progress.step}" if stopped else f"{progress.step} steps done",
@@ -479,5 +480,5 @@ class Trainer:
             policy_version=progress.version,
             baseline_accuracy=progress.baseline_eval,
             final_accuracy=progress.last_eval,
-            **({"stopped_by": control.stop_reason} if stopped else {}),
+            **stopped_by,
         )

@@ -100,7 +100,7 @@ class StatusReporter:
         for edge, role in WORK_QUEUES.items():
             try:
                 info = await self.bus.js.consumer_info(stream_name(run_id, edge), role)
-                lag[role] = info.num_pending + info.num_ack_pending
+                lag[role] = (info.num_pending or 0) + (info.num_ack_pending or 0)  # the broker always says both
             except (NatsError, TimeoutError):
                 continue
         try:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
@@ -149,6 +149,8 @@ def probe_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": PROBE_TEXT}], tokenize=False, add_generation_prompt=True
         )
+        if not isinstance(text, str):  # tokenize=False renders text; transformers types the tokenized forms too
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
     else:
         text = PROBE_TEXT
     return tokenizer.encode(text, add_special_tokens=False)
@@ -182,7 +184,7 @@ def one_reader_per_file() -> Iterator[None]:
     parse = gguf.GGUFReader
     readers: dict[tuple[str, str], Any] = {}
 
-    def reader(path: Path | str, mode: str = "r") -> Any:
+    def reader(path: Path | str, mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
             readers[key] = parse(path, mode)

@@ -10,6 +10,7 @@ the disk estimate and the memory estimate (services/cli/plan.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import platform
@@ -67,7 +68,7 @@ def check_python() -> CheckResult:
 
     version = platform.python_version()
     try:
-        required = importlib.metadata.metadata("rlpipe").get("Requires-Python") or ""
+        required = ",".join(importlib.metadata.metadata("rlpipe").get_all("Requires-Python") or [])
     except importlib.metadata.PackageNotFoundError:
         return CheckResult(
             "python", "warn", f"{version}; the rlpipe package is not installed, so its Requires-Python is unknown"
@@ -344,15 +345,13 @@ def print_report(results: list[CheckResult], console: Console | None = None) -> 
     for result in results:
         table.add_row(result.name, Text(result.status, style=STYLES[result.status]), Text(result.detail))
     console.print(table)
-    plain = {"markup": False, "highlight": False, "soft_wrap": True}  # greppable: never styled or wrapped
+    say = functools.partial(console.print, markup=False, highlight=False, soft_wrap=True)  # greppable: plain, unwrapped
     failures = [result for result in results if result.failed]
     for result in failures:
-        console.print(f"FAIL {result.name}: {result.detail}", **plain)
+        say(f"FAIL {result.name}: {result.detail}")
     if failures:
-        console.print(
-            f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}", **plain
-        )
+        say(f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}")
         return 1
     warnings = sum(result.status == "warn" for result in results)
-    console.print(f"rlpipe doctor: no check failed ({warnings} warning{'' if warnings == 1 else 's'})", **plain)
+    say(f"rlpipe doctor: no check failed ({warnings} warning{'' if warnings == 1 else 's'})")
     return 0

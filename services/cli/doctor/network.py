@@ -118,7 +118,7 @@ async def measure_nats(cfg: RunConfig) -> Measured:
         rtts = []
         for _ in range(PROBES):
             started = time.perf_counter()
-            await nc.flush(timeout=TIMEOUT_S)
+            await nc.flush(timeout=TIMEOUT_S)  # pyright: ignore[reportArgumentType]  (nats-py says int; any seconds)
             rtts.append(time.perf_counter() - started)
         size = min(NATS_MESSAGE_BYTES, nc.max_payload)
         count = math.ceil(PROBE_BYTES / size)
@@ -258,9 +258,13 @@ def weight_sync_row(cfg: RunConfig) -> CheckResult:
         why = "LoRA runs send adapters only" if cfg.model.lora is not None else "the model is not here to size"
         return CheckResult("network weight sync", "skip", why)
     version = sum(path.stat().st_size for path in weight_files(model))
-    fanout = cfg.rollout.relay_fanout or cfg.rollout.replicas
-    sent = version * min(fanout, cfg.rollout.replicas)  # relays pass the rest on
-    what = f"a version ({human_size(version)}) to {min(fanout, cfg.rollout.replicas)} replica(s) takes"
+    # rollout.replicas: auto starts as many as fit in the GPU at launch: sized here at the most it may start.
+    auto = cfg.rollout.replicas == "auto"
+    replicas = cfg.rollout.auto_max_replicas if cfg.rollout.replicas == "auto" else cfg.rollout.replicas
+    fanout = min(cfg.rollout.relay_fanout or replicas, replicas)
+    sent = version * fanout  # relays pass the rest on
+    to = f"at most {fanout} replica(s) (rollout.replicas: auto)" if auto else f"{fanout} replica(s)"
+    what = f"a version ({human_size(version)}) to {to} takes"
     link = cfg.telemetry.link_mib_s
     if link is None:
         return CheckResult("network weight sync", "ok", f"{what} the trainer's link (telemetry.link_mib_s: unknown)")

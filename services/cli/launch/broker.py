@@ -39,6 +39,13 @@ class RunBroker:
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
 
+    @property
+    def pid(self) -> int:
+        """The running server's process id (``start`` comes first)."""
+        if self.process is None:
+            raise RuntimeError("nats-server is not started: RunBroker.start comes first")
+        return self.process.pid
+
     def start(self) -> str:
         """Start the server (on the port it had, or a free one the first time) and return its URL once it accepts
         connections."""

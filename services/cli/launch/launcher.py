@@ -175,12 +175,18 @@ class Launcher:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def started_broker(self) -> RunBroker:
+        """The run's broker, which ``start`` started."""
+        if self.broker is None:
+            raise RuntimeError("the run's broker is not started: Launcher.start comes first")
+        return self.broker
+
     def write_run_file(self) -> None:
         write_run_file(
             self.run_dir,
             self.cfg.run_id,
             self.env["RLPIPE_NATS__URL"],
-            self.broker.process.pid,
+            self.started_broker().pid,
             self.children,
             self.restarts,
         )
@@ -202,7 +208,7 @@ class Launcher:
                 if self.note_ready(child):
                     console.log(
                         f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
-                        + _startup_fields(child.ready)
+                        + _startup_fields(child.report())
                     )
                     waiting.remove(child)
                     continue
@@ -282,13 +288,13 @@ class Launcher:
         ]
         self.wait_ready([trainer])
         # A restarted rollout or trainer is given the port the trainer got.
-        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
-        self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
+        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.report()["grpc"].rpartition(":")[2]
+        self.env["RLPIPE_ADMIN__PORT"] = trainer.report()["admin"].rpartition(":")[2]
         self.wait_ready(others)
         self.write_run_file()
         console.log(
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
-            f"scale ROLE N | stop (admin at {self.child('trainer').ready['admin']})"
+            f"scale ROLE N | stop (admin at {self.child('trainer').report()['admin']})"
         )
         held = self.held_by_alert or self.hold
         if held:
@@ -298,6 +304,7 @@ class Launcher:
     def follow(self) -> RunDone | None:
         """Progress over training steps until the trainer is done, restarting services that die."""
         due: dict[str, float] = {}  # name -> when to restart it
+        broker = self.started_broker()
         columns = (
             TextColumn("[bold]training"),
             BarColumn(),
@@ -329,9 +336,9 @@ class Launcher:
                     progress.console.log(f"eval at step {row.step}: accuracy {row[m.EVAL_ACCURACY]:.3f}")
                 if self.record.done:
                     break
-                if trainer_exited and self.child("trainer").pump_thread:
-                    self.child("trainer").pump_thread.join(timeout=5)  # its last lines (a refusal) may be in the pipe
-                if (broker_exit := self.broker.exit_code()) is not None:
+                if trainer_exited and (pump := self.child("trainer").pump_thread) is not None:
+                    pump.join(timeout=5)  # its last lines (a refusal) may be in the pipe
+                if (broker_exit := broker.exit_code()) is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
                     self.events.write(
@@ -341,7 +348,7 @@ class Launcher:
                         restarts=self.restarts["nats"],
                     )
                     progress.console.log(f"[yellow]nats-server exited with {broker_exit}[/]; restarting it")
-                    self.broker.start()
+                    broker.start()
                     self.write_run_file()
                 self.sample_usage()
                 self.scale()
@@ -490,7 +497,11 @@ def held_on_resume(earlier: Hold, run_dir: Path) -> str:
             f"`rlpipe --run-dir {run_dir} status` and the alert's cause, then `rlpipe --run-dir {run_dir} resume`"
         )
     else:
-        by = {HoldSource.OPERATOR: "an operator", HoldSource.START: "the run's start"}.get(earlier.by, "an earlier run")
+        setters: dict[HoldSource | None, str] = {
+            HoldSource.OPERATOR: "an operator",
+            HoldSource.START: "the run's start",
+        }
+        by = setters.get(earlier.by, "an earlier run")
         said = f"continuing a run that was held ({earlier.reason}, set by {by}): --resume clears that hold"
     console.print(said, markup=False, highlight=False, soft_wrap=True)
     return earlier.reason if earlier.outlives_resume else ""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from services.cli.plan import CPU_AUTO_REPLICAS, inputs_from_config, sharing_from_config
@@ -131,7 +132,7 @@ def place_roles(cfg: RunConfig, visible: str | None) -> RunPlacement:
     if gpu_bytes is None:
         return decide_placement(cfg, None, None, visible)
     try:
-        est = estimate(read_model_shape(cfg.model.path), inputs_from_config(cfg))
+        est = estimate(read_model_shape(Path(cfg.model.path)), inputs_from_config(cfg))
     except ValueError as error:
         raise ConfigError(
             f"invalid configuration:\n  rollout.replicas: auto sizes the roles from the model's config.json, and "

@@ -46,6 +46,7 @@ from services.common.config.model import DataColumns, DataConfig, LoraConfig, Mo
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
+    Role,
     ServiceConfig,
     SupervisionConfig,
     TelemetryConfig,
@@ -105,6 +106,7 @@ __all__ = [
     "RewardConfig",
     "RewardHttpConfig",
     "RewardModelConfig",
+    "Role",
     "RolloutConfig",
     "RunConfig",
     "RunsLocation",

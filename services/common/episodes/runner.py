@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -59,6 +59,7 @@ from services.common.transport.messages import Completion, Episode, Prompt, Roll
 log = logging.getLogger(__name__)
 
 Outcome = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
+Argument = TypeVar("Argument", Task, Turn)  # what an environment's call takes
 # Outcomes that cut the episode short of an answer: its completion reads as one that ran out of length.
 CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
 
@@ -111,7 +112,7 @@ class LocalEnvironment:
     async def close(self) -> None:
         pass  # the plugin instance is the episode's own: it goes with the episode
 
-    async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:
+    async def _call(self, method: Callable[[Argument], object], argument: Argument) -> object:
         try:
             call = asyncio.get_running_loop().run_in_executor(ENVIRONMENT_THREADS, method, argument)
             return await asyncio.wait_for(call, self.timeout_s)
@@ -259,7 +260,8 @@ async def run_episodes(
     ValueError, as in single-turn generation. ``run_seed`` (train.deterministic): each turn is drawn with the seed
     ``sampling_seed(run_seed, group id, index, turn)`` of its episode's ``sample``, passed to ``generate`` as a
     third argument; None: ``generate`` gets two."""
-    ends = end_tokens if end_tokens is not None else frozenset({tokenizer.eos_token_id})
+    eos = tokenizer.eos_token_id
+    ends = end_tokens if end_tokens is not None else frozenset(() if eos is None else (eos,))
     for episode in episodes:
         if limits.max_seq_len - episode.prompt_len < 1:
             raise ValueError(f"prompt of {episode.prompt_len} tokens leaves no room under {limits.max_seq_len=}")

@@ -79,6 +79,8 @@ class _RowEnds(StoppingCriteria):
     def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
         new = input_ids.shape[1] - self.width  # tokens generated so far, the one just drawn included
         token = input_ids[:, -1]  # (B,)
+        if self.raw.current is None:
+            raise RuntimeError("the stopping criteria ran before the logits processor: no logprobs for this token")
         self.logprobs.append(self.raw.current.gather(-1, token[:, None])[:, 0])
         running = self.ends == 0
         ended = running & torch.isin(token, self.end_ids)
@@ -94,6 +96,8 @@ class _RowEnds(StoppingCriteria):
         return self.ends > 0
 
     def _holds_stop(self, tokens: list[int]) -> bool:
+        if self.decode is None:  # generate_batch refuses stop strings without a decode
+            raise ValueError("stop strings need a decode")
         text = self.decode(tokens)
         return any(s in text for s in self.stop)
 

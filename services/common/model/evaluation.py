@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import torch
+from transformers import PreTrainedTokenizerBase
 
 from services.common.config import DataConfig
 from services.common.model.answers import ends_on_answer
 from services.common.model.batch_generation import generate_batch
-from services.common.model.modeling import Precision
-from services.common.model.padding import pad_token_id
+from services.common.model.modeling import Precision, decode_text
+from services.common.model.padding import eos_token_id, pad_token_id
 
 # The run's default (data.eval_batch_size), so an accuracy computed outside a run chunks as the trainer's does.
 EVAL_BATCH_SIZE = DataConfig.model_fields["eval_batch_size"].default
 
 
 def greedy_generate(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     max_new_tokens: int,
@@ -29,7 +30,7 @@ def greedy_generate(
     (``model.device``); with ``precision`` (a trainer's fp32 master weights) under its autocast, so held-out
     accuracy is measured in the dtype the rollouts sample in.
     """
-    eos_id = tokenizer.eos_token_id
+    eos_id = eos_token_id(tokenizer)
     encoded = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
     continuations = generate_batch(
         model,
@@ -41,7 +42,7 @@ def greedy_generate(
         precision=precision,
     )
     return [
-        tokenizer.decode(c.token_ids[:-1] if c.stopped else c.token_ids, skip_special_tokens=True)
+        decode_text(tokenizer, c.token_ids[:-1] if c.stopped else c.token_ids, skip_special_tokens=True)
         for c in continuations
     ]
 
@@ -53,7 +54,7 @@ def strict_match(completion: str, answer: str) -> bool:
 
 
 def greedy_accuracy(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
     max_new_tokens: int,

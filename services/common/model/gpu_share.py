@@ -17,7 +17,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.common.config import ConfigError, RunConfig
+from services.common.config import ConfigError, Role, RunConfig
 from services.common.model.device import device_name
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
@@ -63,7 +63,7 @@ def torch_device_setting(cfg: RunConfig, role: str) -> str | None:
     return cfg.model.device
 
 
-def decide_share(cfg: RunConfig, role: str, cuda_available: bool, total_bytes: Callable[[], int]) -> GpuShare:
+def decide_share(cfg: RunConfig, role: Role, cuda_available: bool, total_bytes: Callable[[], int]) -> GpuShare:
     """What ``role`` caps, given whether this process sees a GPU and (asked only when a cap is due) that GPU's
     memory in bytes."""
     share = cfg.service.gpu_memory_fraction.get(role)
@@ -80,7 +80,7 @@ def decide_share(cfg: RunConfig, role: str, cuda_available: bool, total_bytes: C
     return GpuShare(role, share, fraction, f"torch's allocator capped at {fraction:.4f} of {total / 2**30:.1f} GiB")
 
 
-def apply_gpu_share(cfg: RunConfig, role: str) -> GpuShare:
+def apply_gpu_share(cfg: RunConfig, role: Role) -> GpuShare:
     """Cap this process's torch allocator at ``role``'s share of its first GPU (device 0 of what
     CUDA_VISIBLE_DEVICES leaves it) and log what was done, or that nothing was (a CPU, a vLLM rollout); silent
     without a share. Raises ConfigError naming the field for a share too small for this GPU."""

@@ -28,11 +28,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(path: Path, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"no Hugging Face model at {str(path)!r} (config.json missing)")
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES.get(dtype, dtype))
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    )
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of ids (transformers types ``decode`` for a batch of sequences too)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"the tokenizer decoded one sequence of ids into {type(text).__name__}, not text")
+    return text
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:

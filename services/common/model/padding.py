@@ -16,6 +16,13 @@ import torch
 PAD_FALLBACK = ("pad_token_id", "eos_token_id", "unk_token_id")
 
 
+def eos_token_id(tokenizer: Any) -> int | None:
+    """The tokenizer's end-of-sequence id, None without one. transformers serves the special-token ids through
+    ``__getattr__``, typed as any special-token value (ids or texts); an ``*_token_id`` is one id."""
+    value = getattr(tokenizer, "eos_token_id", None)
+    return None if value is None else int(value)
+
+
 def pad_token_id(tokenizer: Any) -> int:
     """The id to pad with: ``tokenizer.pad_token_id``, else its ``eos_token_id``, else its ``unk_token_id``.
 

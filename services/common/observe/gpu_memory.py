@@ -79,7 +79,8 @@ def process_gpu_memory(
     held = holders()
     found = [held[p].mem_gib for p in with_descendants(pid) if p in held]
     # NVML says None where it cannot tell a process's memory: then no sum rather than a short one.
-    used = None if not found or any(gib is None for gib in found) else round(sum(found) * GIB)
+    known = [gib for gib in found if gib is not None]
+    used = None if not found or len(known) < len(found) else round(sum(known) * GIB)
     if counters is None:
         return ProcessGpuMemory(used=used)
     return ProcessGpuMemory(counters.allocated, counters.reserved, used)

@@ -86,6 +86,7 @@ from services.common.observe.gpu_memory import ProcessGpuMemory, process_gpu_mem
 from services.common.observe.hardware import GpuWatch
 from services.common.observe.metrics import EXPORTED
 from services.common.observe.telemetry import meter
+from services.common.observe.timeshare import StageActivity
 
 # Why a message went to DEAD, as the rlpipe_dead_letters_total{reason} label (transport/settle.py's DeadCause).
 DEAD_LETTER_REASONS = ("undecodable", "max_deliver", "timeout")
@@ -185,7 +186,7 @@ def _observe_stalled(options: CallbackOptions) -> Iterable[Observation]:
 
 
 # (role, edge) -> seconds per activity so far (Stage.time_share.seconds), read at each scrape.
-_stage_times: dict[tuple[str, str], Callable[[], Mapping[str, float]]] = {}
+_stage_times: dict[tuple[str, str], Callable[[], Mapping[StageActivity, float]]] = {}
 
 
 def _observe_stage_time(options: CallbackOptions) -> Iterable[Observation]:
@@ -215,7 +216,7 @@ class StageMetrics:
         """Export ``rlpipe_stage_stalled`` from ``stalled_for(now)``, asked at each scrape."""
         _stall_clocks[self.key] = stalled_for
 
-    def watch_time(self, spent: Callable[[], Mapping[str, float]]) -> None:
+    def watch_time(self, spent: Callable[[], Mapping[StageActivity, float]]) -> None:
         """Export ``rlpipe_stage_time_seconds_total{activity}`` from ``spent()``, asked at each scrape."""
         _stage_times[self.key] = spent
 
@@ -289,7 +290,7 @@ class TrainerMetrics:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
                 continue
             if math.isfinite(value):
-                gauge.set(value)
+                gauge.set(float(value))
             else:
                 self.nonfinite.add(1, {"metric": key})
 

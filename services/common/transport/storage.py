@@ -222,7 +222,8 @@ class S3Store:
         """Each object under ``prefix`` (keys relative to the store) with its size in bytes, as one listing."""
         strip = len(self._key(""))
         objects = self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
-        return {obj.object_name[strip:]: int(obj.size or 0) for obj in objects}
+        # (a listed object always has its name)
+        return {obj.object_name[strip:]: int(obj.size or 0) for obj in objects if obj.object_name is not None}
 
     def list(self, prefix: str) -> list[str]:
         from minio.error import S3Error
@@ -232,6 +233,7 @@ class S3Store:
             return sorted(
                 obj.object_name[strip:]
                 for obj in self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
+                if obj.object_name is not None  # (a listed object always has its name)
             )
         except S3Error as error:
             if error.code == "NoSuchBucket":  # an endpoint that came back empty holds nothing; put() recreates it
@@ -246,7 +248,7 @@ class S3Store:
         from minio.deleteobjects import DeleteObject
 
         for error in self.client.remove_objects(self.bucket, [DeleteObject(self._key(key)) for key in keys]):
-            raise OSError(f"could not delete {error.object_name}: {error.message}")
+            raise OSError(f"could not delete {error.name}: {error.code} {error.message}")
 
 
 def open_store(url: str, cfg: CheckpointConfig) -> ObjectStore:

@@ -231,7 +231,7 @@ class Adopter:
             self.parts.lineage.restart_from,
             ckpt.step,
             new_version,
-            event,
+            "resume" if event == Event.RESUME else "rollback",
             copy_if_missing=ckpt.lineage,
             abandoned_versions=disowned if disowned[1] >= disowned[0] else None,
             requested=requested,

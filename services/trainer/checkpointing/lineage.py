@@ -97,7 +97,7 @@ class ReopenedRecord(_Record):
 
 LineageRecord = StepRecord | RestartRecord | LostRecord | ReopenedRecord
 # The key that tells each kind of record apart, as files have always been written.
-_KIND_BY_KEY: dict[str, type[_Record]] = {
+_KIND_BY_KEY: dict[str, type[LineageRecord]] = {
     "step": StepRecord,
     "event": RestartRecord,
     "lost": LostRecord,

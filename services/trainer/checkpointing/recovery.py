@@ -90,7 +90,7 @@ class Recovery:
         journal: Journal,
         telemetry: TrainerMetrics,
         report: Callable[[dict[str, Any]], Awaitable[None]],
-        rewind: Callable[[], None],
+        rewind: Callable[[], object],
         hold: Callable[[str], Awaitable[None]] | None = None,
     ):
         """``hold``: pause the run for an operator, with the reason (the trainer's ``Control``); None holds nothing

@@ -40,11 +40,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
 from services.common.model.evaluation import greedy_accuracy
@@ -93,6 +94,9 @@ from services.trainer.learning.distributed import Mesh, Op
 from services.trainer.learning.follower import config_payload, evaluate_payload, step_payload
 from services.trainer.learning.passes import rank_passes
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face model (its ``_no_split_modules``): FSDP's units, gathered one at a
@@ -140,8 +144,10 @@ class Learner:
         self.device = self.precision.device
         # model.path's content hash, read beside the load: a checkpoint records it, and a resume over other weights
         # is refused (LearnerLayout.check).
-        base_hash = base_identity_in_background(cfg.model.path)
-        self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
+        base_hash = base_identity_in_background(cfg.model.folder)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        model = load_model(cfg.model.folder, self.precision.param_dtype).to(self.device)  # pyright: ignore[reportArgumentType]
+        self.model: PreTrainedModel | PeftModel = model
         # perf/mfu (services/common/observe/flops.py): the model's arithmetic, and the device's bfloat16 peak
         # where the table knows it and the step computes in bfloat16.
         self.arithmetic = model_arithmetic(self.model.config, sum(p.numel() for p in self.model.parameters()))
@@ -153,11 +159,12 @@ class Learner:
         self.adapter_names: set[str] | None = None
         self.base_model: tuple[str, str] = base_hash()  # path and content hash of the model the run started from
         if cfg.model.lora is not None:
-            self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
+            self.model = attach_adapters(model, cfg.model.lora, cfg.model.folder)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        self.tokenizer = load_tokenizer(cfg.model.path)
+        self.tokenizer = load_tokenizer(cfg.model.folder)
         self.pad_id = pad_token_id(self.tokenizer)
-        self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
+        # The policy's transformers model (inside peft's wrappers with LoRA): its config and dtype size the critic.
+        self.critic = Critic(cfg, model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
         model_layout = ModuleLayout.of(self.model, self.adapter_names)
         critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
@@ -165,7 +172,8 @@ class Learner:
         parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
         # With LoRA the root is the transformers model inside peft's wrappers: generation calls it past them.
-        root = self.model.get_base_model() if self.adapter_names is not None else self.model
+        # (peft wraps it in place: the PeftModel's get_base_model() is this same model).
+        root = model
         self.mesh.shard(root, _layers(root))
         if self.critic is not None:
             backbone = getattr(self.critic, "backbone", None)
@@ -179,7 +187,7 @@ class Learner:
         self.layout = LearnerLayout(
             base_model=self.base_model,
             adapters=self.adapter_names is not None,
-            model_path=cfg.model.path,
+            model_path=str(cfg.model.path),
             algorithm=train.algorithm,
             model=model_layout,
             critic=critic_layout,
@@ -347,21 +355,22 @@ class Learner:
         old_logp = torch.zeros_like(batch.mask) if policy else None
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
-        values_only = not policy and self.critic is not None and self.critic.kind == "separate"
+        critic = self.critic
+        values_only = critic if not policy and critic is not None and critic.kind == "separate" else None
         for rows, counts in rank_passes(torch.arange(len(batch.pairs)), batch.lengths, self.cfg.train, self.mesh):
-            if values_only:
+            if values_only is not None:
                 packed = self._pack(rows, batch)
                 with self.precision.autocast():
-                    logits, values = None, self.critic.values(packed, None)
+                    logits, values = None, values_only.values(packed, None)
             else:
                 packed, logits, values = self._forward(rows, batch)
             if not counts:
                 continue
             r = packed.mask.shape[1]
             at = rows.to(self.device)
-            if old_logp is not None:
+            if old_logp is not None and logits is not None:  # logits come with every pass that scores the policy
                 old_logp[at, :r] = token_logprobs(logits, packed.targets) * batch.mask[at, :r]
-            if values is not None:
+            if old_values is not None and values is not None:
                 old_values[at, :r] = values * batch.mask[at, :r]
         # Each rank filled its own rows and left the others' zero: the sum is every row.
         if old_logp is not None:
@@ -440,11 +449,10 @@ class Learner:
         train = self.cfg.train
         self.model.eval()  # scoring must match generation: no dropout
         recompute = train.old_logprobs == "recompute"
-        old_logp, old_values = (
+        scored_logp, old_values = (
             self._score(batch, policy=recompute) if recompute or self.critic is not None else (None, None)
         )
-        if not recompute:
-            old_logp = batch.rollout_logp
+        old_logp = scored_logp if scored_logp is not None else batch.rollout_logp  # scored when recompute
         advantages, returns = objective.advantages(train, batch, old_logp, old_values)
         # rho = pi_old / pi_rollout is 1 by definition when the rollout's logprobs are pi_old: nothing to measure.
         log_rho = log_ratio(old_logp, batch.rollout_logp, batch.mask) if recompute else None

@@ -123,3 +123,12 @@ def test_the_weight_sync_row_sizes_a_version_against_the_configured_link_and_the
     row = weight_sync_row(cfg)
     # 4 MiB to each of 2 replicas over a 1 MiB/s link: 8 s, against steps 4 s apart.
     assert row.status == "warn" and "a version (4.0 MiB) to 2 replica(s) takes ~8.00 s" in row.detail, row
+
+
+@pytest.mark.unit
+def test_the_weight_sync_row_sizes_rollout_replicas_auto_at_the_most_replicas_it_may_start(tmp_path, model_and_data):
+    rollout = {"replicas": "auto", "auto_max_replicas": 3, "relay_fanout": 0}
+    cfg = config(tmp_path, model_and_data, telemetry={"link_mib_s": 1.0}, rollout=rollout)
+    row = weight_sync_row(cfg)
+    # 4 MiB to each of at most 3 replicas over a 1 MiB/s link: 12 s.
+    assert "a version (4.0 MiB) to at most 3 replica(s) (rollout.replicas: auto) takes ~12.00 s" in row.detail, row
