@@ -192,8 +192,8 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
 
 def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> dict[str, float]:
     """A rollout batch's trips over the bus, on a nats-server of its own, two ways: each message on its own (the
-    stage publishes it, waiting for the ack, the next stage fetches, decodes, validates and acks it, as stages did
-    before stop 37) and batched (a stage publishes its batch's outputs together, the next fetches the batch,
+    stage publishes it, waiting for the ack, the next stage fetches, decodes, validates and acks it) and batched (a
+    stage publishes its batch's outputs together, the next fetches the batch,
     decodes and validates each, and acks them together, as ``Stage`` does now). A group travels three hops (the
     rollout's RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
     EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes, the

@@ -281,7 +281,7 @@ def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_s
 
     resume = [*RLPIPE_RUN, str(config), "--resume"]
     again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    # The trainer refused (exit 2): not restarted, and the run ends with its reason (trust item 13).
+    # The trainer refused (exit 2): not restarted, and the run ends with its reason.
     assert again.returncode == 2, again.stdout[-3000:]
     assert "rlpipe run: trainer refused to run: " in again.stderr and "but step 4" in again.stderr
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()

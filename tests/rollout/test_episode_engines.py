@@ -1,4 +1,4 @@
-"""Episodes through the real engines and the tiny model (issue 22 item 2): every turn continues the exact tokens
+"""Episodes through the real engines and the tiny model: every turn continues the exact tokens
 recorded so far, and the recorded logprobs are the policy's own on those tokens."""
 
 from __future__ import annotations

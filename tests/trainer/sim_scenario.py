@@ -36,14 +36,14 @@ WITH_ORACLE = Features(loop=True, reinjects=True, lease=True, mirror=True, dynam
 FOUND_HOLES = {
     # GroupLedger.forget_through dropped the fates settled at or before the oldest kept checkpoint; a rollout that
     # computed such a group again after the broker's duplicate window got it applied a second time. Fixed by the
-    # ledger's settled-through watermark (trust item 5).
+    # ledger's settled-through watermark.
     "a forgotten group computed again past the duplicate window was applied twice": (26, 60, FEEDS_ONLY),
     # A rollback to a step that read less of EXPERIENCE than the run purged left the groups the abandoned steps had
     # applied from the purged part (their fates already forgotten) with no fate. Fixed by reopening what the
-    # lineage says the abandoned steps settled (GroupLedger.rewind's ``abandoned``; trust item 6). The oracle then
+    # lineage says the abandoned steps settled (GroupLedger.rewind's ``abandoned``). The oracle then
     # found a second hole in the same seed: after a resume from a later checkpoint, the rollback took the
     # watermark back below a group written off as lost, which the ledger knew only by it, and would have applied
-    # a late copy. Fixed by keeping the higher watermark (trust item 5).
+    # a late copy. Fixed by keeping the higher watermark.
     "a rollback behind the purge left the abandoned steps' groups without a fate": (151, 60, FEEDS_ONLY),
     # A rollback to a checkpoint that saw a group dead, after an operator re-injected it, settled the group again
     # while it stayed in flight. Fixed by GroupLedger.rewind leaving groups in flight out of the checkpoint's
@@ -53,7 +53,7 @@ FOUND_HOLES = {
     # watermark passed the refused one, which the feeder then skipped as known. Fixed by the watermark staying
     # below the feeder's cursor (GroupLedger.unfed_from). Found once a broker outage failed every other publish.
     "a refused prompt behind one that landed was skipped as known": (625, 40, REINJECTS),
-    # Found by the independent oracle (trust item 5), each fixed in GroupLedger. A rollback to a checkpoint that saw
+    # Found by the independent oracle, each fixed in GroupLedger. A rollback to a checkpoint that saw
     # a group dead, after a re-inject and a step (abandoned by the rollback) that applied its copy, restored the
     # checkpoint's fate: the copy, re-read, was refused, and the group had none (``rewind``'s ``dead``).
     "a rollback restored the dead fate of a group re-injected and applied since": (56, 40, WITH_ORACLE),

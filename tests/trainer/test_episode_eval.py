@@ -1,4 +1,4 @@
-"""The held-out evaluation of a multi-turn run (issue "Agents" item 5) on fakes: episodes played with the run's
+"""The held-out evaluation of a multi-turn run on fakes: episodes played with the run's
 environment through the rollout's loop, scored by reward.functions, with turns and tool calls beside accuracy."""
 
 import asyncio

@@ -1,4 +1,4 @@
-"""The HTTP environment client (issue 22 items 1 and 8) against a real HTTP server on a real socket: the reference
+"""The HTTP environment client against a real HTTP server on a real socket: the reference
 environment server, and the same server made to misbehave (slow, failing, off the schema, gone)."""
 
 from __future__ import annotations
