@@ -100,7 +100,7 @@ class Launcher:
         self.warm = WarmForks(cfg, self.events, console, inherited_env)
         self.presence: PresenceWatch | None = None
         self.record = RunRecord.of_run(cfg)
-        self.scaler = ReplicaScaler(cfg, self.events, console)
+        self.scaler: ReplicaScaler  # made at start(), once the placement has decided the rollout replicas
         # How many rollout replicas, and what each role needs to share a GPU (rollout.replicas: auto); decided at
         # start() unless given.
         self.placement = placement
@@ -267,6 +267,12 @@ class Launcher:
         self.write_admin_token()
         if self.placement is None:
             self.placement = place_roles(self.cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
+        started = {
+            "rollout": self.placement.rollout_replicas,
+            "reward": self.cfg.reward.replicas,
+            "reference": self.cfg.reference.replicas,
+        }
+        self.scaler = ReplicaScaler(started, self.events, console)
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
@@ -279,12 +285,12 @@ class Launcher:
         ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
         # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
         trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
-        others = [self.spawn("reference", f"reference-{i}") for i in range(self.cfg.reference.replicas)]
-        others += [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        others = [self.spawn("reference", f"reference-{i}") for i in range(started["reference"])]
+        others += [self.spawn("reward", f"reward-{i}") for i in range(started["reward"])]
         # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
         others += [
             self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
-            for i in range(self.placement.rollout_replicas)
+            for i in range(started["rollout"])
         ]
         self.wait_ready([trainer])
         # A restarted rollout or trainer is given the port the trainer got.

@@ -66,9 +66,11 @@ def scale_key(role: str) -> str:
     return KEY_PREFIX + role
 
 
-def configured_replicas(cfg: RunConfig, role: str) -> int:
-    """The replicas of ``role`` the config starts: ``rollout.replicas``, ``reward.replicas``, ``reference.replicas``."""
-    return getattr(cfg, role).replicas
+def configured_replicas(cfg: RunConfig, role: str) -> int | None:
+    """The replicas of ``role`` the config starts: ``rollout.replicas``, ``reward.replicas``, ``reference.replicas``;
+    None for ``rollout.replicas: auto``, whose count the launcher's placement decides at start."""
+    replicas = getattr(cfg, role).replicas
+    return None if replicas == "auto" else replicas
 
 
 def check_scale(role: str, replicas: int, supervision: SupervisionConfig, deterministic: bool = False) -> None:
@@ -130,8 +132,3 @@ async def forget_scale(kv: Any) -> None:
     """Drop every stored request: a run started again (``rlpipe run --resume``) starts the config's counts."""
     for role in STAGE_ROLES:
         await kv.delete(scale_key(role))
-
-
-def desired_replicas(cfg: RunConfig, records: dict[str, ScaleRecord]) -> dict[str, int]:
-    """Each stage role's count: the newest request's, else the config's."""
-    return {role: records[role].replicas if role in records else configured_replicas(cfg, role) for role in STAGE_ROLES}

@@ -13,10 +13,9 @@ from rich.console import Console
 
 from services.cli.launch.children import Child
 from services.cli.launch.scaling import ReplicaScaler, ScalePlan, plan_scale
-from services.common.config import SupervisionConfig, load_config
+from services.common.config import SupervisionConfig
 from services.common.observe.events import EventLog
 from services.common.transport.scale import ScaledElsewhere, ScaleRecord, ScaleRefused, check_scale
-from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
 
@@ -109,10 +108,9 @@ def replica(name: str, tmp_path: Path) -> Child:
 
 
 @pytest.fixture
-def scaler(config_only_model, tmp_path) -> ReplicaScaler:
-    config = write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="elastic")
-    cfg = load_config(config)
-    return ReplicaScaler(cfg, EventLog(tmp_path / "events.jsonl"), Console(file=io.StringIO()))
+def scaler(tmp_path) -> ReplicaScaler:
+    started = {"rollout": 1, "reward": 1, "reference": 1}
+    return ReplicaScaler(started, EventLog(tmp_path / "events.jsonl"), Console(file=io.StringIO()))
 
 
 def test_the_scaler_starts_replicas_for_a_request_then_drains_the_highest_and_never_restarts_them(scaler, tmp_path):
