@@ -1,6 +1,7 @@
 """What ``rollout.inflight_updates`` costs or gains: the demo's pipeline with and without in-flight weight updates.
 
     python -m bench.inflight [--model DIR] [--data DIR] [--steps 12] [--skip 3] [--repeats 2]
+                             [--config YAML] [--set KEY=VALUE ...] [--chunks 32 2]
 
 ``rlpipe run`` of examples/arith-grpo.yaml (64 prompts x 8 completions, 6 new tokens, batch 64, asynchronous) with
 the model and data named (default the demo's, ``make model``), the variants taking turns repeat by repeat so that
@@ -12,8 +13,10 @@ load from the rest of the machine hits them alike:
 - **on, chunk 2**: the same, three calls per answer: new versions land inside samples.
 
 Each run's steady steps/s and completions/s are over its steps after the first ``--skip``; the share of
-completions that mixed versions (``mixed_version_fraction``) and the mean staleness say what in flight changed.
-Writes build/bench/inflight.jsonl.
+completions that mixed versions (``mixed_version_fraction``), the mean staleness and the held-out accuracy after
+the last step say what in flight changed. ``--config`` runs another example (``--model``/``--data`` then name its
+model and data), ``--set`` puts settings over it (a long tail: ``sampling.max_new_tokens`` several times the
+median answer), ``--chunks`` names the chunk sizes tried. Writes build/bench/inflight.jsonl.
 """
 
 from __future__ import annotations
@@ -30,11 +33,15 @@ from bench.pipeline_run import demo_overrides, run_pipeline
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
 CONFIG = ROOT / "examples" / "arith-grpo.yaml"
-VARIANTS = {
-    "off": [],
-    "on, chunk 32": ["rollout.inflight_updates=true", "rollout.inflight_chunk_tokens=32"],
-    "on, chunk 2": ["rollout.inflight_updates=true", "rollout.inflight_chunk_tokens=2"],
-}
+
+
+def variants(chunks: list[int]) -> dict[str, list[str]]:
+    """Off, then in flight at each chunk size."""
+    on = {
+        f"on, chunk {chunk}": ["rollout.inflight_updates=true", f"rollout.inflight_chunk_tokens={chunk}"]
+        for chunk in chunks
+    }
+    return {"off": [], **on}
 
 
 def main() -> None:
@@ -44,20 +51,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--skip", type=int, default=3, help="first steps left out (start-up)")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--config", type=Path, default=CONFIG)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting over the config")
+    parser.add_argument("--chunks", type=int, nargs="+", default=[32, 2], help="inflight_chunk_tokens to try")
     args = parser.parse_args()
+    runs = variants(args.chunks)
     if args.steps < args.skip + 3:
         parser.error(f"--steps must be at least --skip + 3 ({args.skip + 3})")
     if not (args.model / "config.json").is_file():
         parser.error(f"no model at {args.model} (make model, or --model build/test-model/model)")
     OUT.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()[0]
-    measured: dict[str, list[dict[str, float]]] = {name: [] for name in VARIANTS}
+    measured: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
     for repeat in range(args.repeats):
-        for name, settings in VARIANTS.items():
+        for name, settings in runs.items():
             run_id = "bench-inflight-" + name.replace(", ", "-").replace(" ", "")
             run_dir = OUT / "runs" / run_id
-            overrides = [*demo_overrides(run_dir, args.model, args.data, args.steps), *settings]
-            rows = run_pipeline(CONFIG, overrides, run_dir, args.steps)
+            overrides = [*demo_overrides(run_dir, args.model, args.data, args.steps), *args.set, *settings]
+            rows = run_pipeline(args.config, overrides, run_dir, args.steps)
             steps_per_s, completions_per_s = steady_steps_per_s(rows, args.skip)
             steady = sorted((r for r in rows if "completions" in r), key=lambda r: r["step"])[args.skip :]
             measured[name].append(
@@ -66,6 +77,7 @@ def main() -> None:
                     "completions_per_s": round(completions_per_s, 1),
                     "mixed_version_fraction": round(statistics.fmean(r["mixed_version_fraction"] for r in steady), 4),
                     "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in steady), 3),
+                    "eval_accuracy": [r["eval_accuracy"] for r in rows if "eval_accuracy" in r][-1],
                 }
             )
             print(f"repeat {repeat + 1} {name}: {json.dumps(measured[name][-1])}", flush=True)
@@ -74,12 +86,13 @@ def main() -> None:
         for name, runs in measured.items():
             out.write(json.dumps({"variant": name, "runs": runs, "machine": machine}) + "\n")
     off = statistics.median(run["steps_per_s"] for run in measured["off"])
-    print(f"{'variant':14} {'steps/s':>8} {'x off':>6} {'mixed':>6} {'staleness':>9}")
+    print(f"{'variant':14} {'steps/s':>8} {'x off':>6} {'mixed':>6} {'staleness':>9} {'accuracy':>8}")
     for name, runs in measured.items():
         rate = statistics.median(run["steps_per_s"] for run in runs)
         mixed = statistics.median(run["mixed_version_fraction"] for run in runs)
         stale = statistics.median(run["staleness_mean"] for run in runs)
-        print(f"{name:14} {rate:8.3f} {rate / off:6.2f} {mixed:6.3f} {stale:9.2f}")
+        accuracy = statistics.median(run["eval_accuracy"] for run in runs)
+        print(f"{name:14} {rate:8.3f} {rate / off:6.2f} {mixed:6.3f} {stale:9.2f} {accuracy:8.3f}")
     print(f"machine: {json.dumps(machine)}; wrote {OUT / 'inflight.jsonl'}")
 
 
