@@ -248,7 +248,6 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         log_event(
             log, Event.SCALE_REQUESTED, role=record.role, before=before, after=record.replicas, author=record.author
         )
-        services = await self.reporter.refresh_services(max_age_s=1.0)
         return admin_pb2.ScaleReply(
             role=record.role,
             replicas_before=before,

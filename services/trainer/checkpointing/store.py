@@ -255,19 +255,18 @@ class CheckpointStore(StepStore):
         self, store: ObjectStore | None = None, include_abandoned: bool = False, include_foreign: bool = False
     ) -> list[int]:
         """Steps that have a manifest, oldest first; this incarnation's only, unless ``include_foreign``."""
-        check_owner = self.incarnation is not None and not include_foreign
-        return [
-            entry.step
-            for entry in self._scan(store, manifests=check_owner)
-            if (include_abandoned or entry.live) and not (check_owner and self._foreign(entry))
-        ]
+        return [entry.step for entry in self._owned(store, include_foreign) if include_abandoned or entry.live]
 
     def step_marks(self, store: ObjectStore | None = None) -> tuple[list[int], frozenset[int]]:
         """This incarnation's steps that have a manifest in ``store``: the live ones, oldest first, and those marked
         ABANDONED (one listing for both)."""
-        check_owner = self.incarnation is not None
-        entries = [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
+        entries = self._owned(store)
         return [e.step for e in entries if e.live], frozenset(e.step for e in entries if not e.live)
+
+    def _owned(self, store: ObjectStore | None, include_foreign: bool = False) -> list[StoredStep]:
+        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``."""
+        check_owner = self.incarnation is not None and not include_foreign
+        return [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
 
     def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
