@@ -3,16 +3,18 @@ fencing epoch.
 
 The lease is one key (``trainer``) whose value names the holder, its epoch and when it expires. It is taken and
 renewed only by compare-and-set on the key's revision (``kv.create`` when absent, ``kv.update(last=revision)``
-otherwise), so of two trainers racing for it exactly one wins, and a holder whose revision moved on knows at its
-next renewal that another took over. A lease not renewed within ``trainer.lease_ttl_s`` seconds may be taken. A
-starting trainer that finds the lease held watches it: renewed meanwhile, its holder is alive and the start is
-refused; left to expire (a SIGKILLed holder whose restart this is), it is taken then. A taker's epoch is one
-above the highest it knows (the old lease's and ``floor``, the fence already in the store), so epochs only grow
-even when the bucket was lost with its broker.
+otherwise), so of two trainers racing for it exactly one wins, and a holder that finds another's record there at its
+next renewal knows it was taken over. A lease not renewed within ``trainer.lease_ttl_s`` seconds may be taken; until
+another trainer does, its holder takes it back at its next renewal (the same compare-and-set), so a holder slowed
+past the TTL loses only the writes it tried meanwhile. A starting trainer that finds the lease held watches it:
+renewed meanwhile, its holder is alive and the start is refused; left to expire (a SIGKILLed holder whose restart
+this is), it is taken then. A taker's epoch is one above the highest it knows (the old lease's and ``floor``, the
+fence already in the store), so epochs only grow even when the bucket was lost with its broker.
 
 The epoch is what the store checks (``CheckpointStore.claim_fence``): a holder that was paused past its lease and
-wakes after another took over finds a higher epoch there and writes nothing. Expiry is judged on wall-clock
-times written into the value (one clock per machine; across machines, clocks must agree to well within the TTL).
+wakes after another took over finds a higher epoch there and writes nothing; its next renewal finds the successor's
+record and stops it. Expiry is judged on wall-clock times written into the value (one clock per machine; across
+machines, clocks must agree to well within the TTL).
 
 The decisions are pure functions (``judge``, ``successor``) and the I/O stays in ``Lease``.
 """
@@ -39,11 +41,14 @@ from services.common.refusal import StartRefused
 log = logging.getLogger(__name__)
 
 KEY = "trainer"
+RENEW_CONFLICTS = 3  # reads that find this holder's own record before a renewal gives up
 
 
 class LeaseLost(RuntimeError):
-    """This trainer no longer holds the run's lease: another took it over (``taken_over``), or it expired unrenewed
-    (a pause, or a broker away for longer than the TTL: a restart may find nobody took it, and take it again)."""
+    """This trainer no longer holds the run's lease: another took it over (``taken_over``), or the lease is gone from
+    the bucket (an operator deleted it, the broker lost it: a restart takes it anew). ``check`` raises it too, with
+    ``taken_over`` false, while the lease is out by this holder's clock: no write then, until a renewal takes it
+    back."""
 
     def __init__(self, message: str, taken_over: bool):
         super().__init__(message)
@@ -177,30 +182,48 @@ class Lease:
             self.record = record
             return record.epoch
 
+    def lapsed_s(self) -> float:
+        """Seconds since this holder's lease ran out by its own clock; 0 while it holds (or never held) one."""
+        if self.record is None:
+            return 0.0
+        return max(0.0, self.clock() - self.record.expires_at)
+
+    def _is_mine(self, current: LeaseRecord | None) -> bool:
+        """Whether the stored lease is this holder's: a taker writes an epoch above it, so holder and epoch together
+        tell ours from a successor's even where host:pid repeats (pid 1 in a container restarted in place)."""
+        mine = self.record
+        return current is not None and mine is not None and (current.holder, current.epoch) == (mine.holder, mine.epoch)
+
     async def renew(self) -> None:
-        """Extend the lease by ``ttl_s``; LeaseLost when it expired unrenewed or its revision moved on."""
-        try:
-            self.check()  # paused past it (SIGSTOP, a long GC): another may have taken it, and writes must stop
-        except LeaseLost as expired:
-            expired.taken_over = await self._moved_on()
-            raise
+        """Extend the lease by ``ttl_s`` from now, by compare-and-set on the revision this holder last wrote.
+
+        The lease is lost only when the stored one is no longer this holder's: another trainer took it over
+        (``taken_over``), or the key is gone. A lease that ran out unrenewed (the loop or the broker slower than the
+        TTL, a pause) and that nobody took is still at this holder's revision, so the same compare-and-set takes it
+        back at the same epoch; a taker racing for it writes against that revision too, and exactly one wins.
+        Writes to the store stay refused (``check``) for as long as it is out. A conflicting revision is read
+        before it is believed: an update whose reply was lost (a timeout) may have landed, and the revision moved
+        on under this holder's own record."""
         epoch = self.epoch
         record = LeaseRecord(self.holder, epoch, self.clock() + self.ttl_s)
-        try:
-            self.revision = await self.kv.update(KEY, record.to_json(), last=self.revision)
-        except KeyWrongLastSequenceError:
-            took = f"another trainer took over the lease from epoch {epoch}"
-            raise LeaseLost(took, taken_over=True) from None
-        self.record = record
-
-    async def _moved_on(self) -> bool:
-        """Whether the lease key was written since this holder's last write (another trainer took over)."""
-        try:
-            _, revision = await self._read()
-        except Exception as error:  # the broker away: not known, so not claimed
-            log_event(log, Event.LEASE_READ_FAILED, level=logging.WARNING, error=repr(error)[:200])
-            return False
-        return revision != self.revision
+        for _ in range(RENEW_CONFLICTS):
+            try:
+                self.revision = await self.kv.update(KEY, record.to_json(), last=self.revision)
+            except KeyWrongLastSequenceError:
+                current, revision = await self._read()
+                if current is None:
+                    raise LeaseLost(f"the lease of epoch {epoch} is gone from the bucket", taken_over=False) from None
+                if not self._is_mine(current):
+                    raise LeaseLost(
+                        f"another trainer took over the lease from epoch {epoch}: {current.holder} holds it at epoch "
+                        f"{current.epoch}",
+                        taken_over=True,
+                    ) from None
+                self.revision = revision  # this holder's own write landed unacknowledged: renew on top of it
+                continue
+            self.record = record
+            return
+        raise LeaseLost(f"the lease of epoch {epoch} kept changing under its holder", taken_over=True)
 
     async def release(self) -> None:
         """Give the lease up at a clean exit so that a successor need not wait out the TTL; only if still ours."""
@@ -216,14 +239,30 @@ class Lease:
             log_event(log, Event.LEASE_RELEASE_FAILED, level=logging.WARNING, error=repr(error)[:200])
 
     async def keep(self, on_lost: Callable[[LeaseLost], Awaitable[None]]) -> None:
-        """Renew every third of the TTL until cancelled; ``on_lost`` once it is lost. A broker that does not answer
-        is retried until the lease runs out, which then counts as lost."""
+        """Renew every third of the TTL until cancelled; ``on_lost`` once it is lost. A renewal that fails (the
+        broker slow or away) is tried again every tenth of the TTL, past the lease's expiry too: one nobody took
+        is taken back (``lease_reclaimed``)."""
+        wait_s = self.ttl_s / 3
         while True:
-            await asyncio.sleep(self.ttl_s / 3)
+            await asyncio.sleep(wait_s)
+            lapsed_s = self.lapsed_s()
             try:
                 await self.renew()
             except LeaseLost as lost:
                 await on_lost(lost)
                 return
-            except Exception as error:  # the broker away for a moment: the next renewal tries again, within the TTL
-                log_event(log, Event.LEASE_RENEW_FAILED, level=logging.WARNING, error=repr(error)[:200])
+            except Exception as error:
+                log_event(
+                    log,
+                    Event.LEASE_RENEW_FAILED,
+                    level=logging.WARNING,
+                    error=repr(error)[:200],
+                    expires_in_s=round(self.record.expires_at - self.clock(), 1) if self.record else None,
+                )
+                wait_s = self.ttl_s / 10
+                continue
+            if lapsed_s > 0:
+                log_event(
+                    log, Event.LEASE_RECLAIMED, level=logging.WARNING, alert=True, epoch=self.epoch, lapsed_s=lapsed_s
+                )
+            wait_s = self.ttl_s / 3

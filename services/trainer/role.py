@@ -142,8 +142,8 @@ def follower_main(mesh: Mesh, cfg: RunConfig) -> None:
 
 async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     """Rank 0 holding the run's lease from before it writes anything until it exits; losing it ends the process at
-    once, saving nothing: exit 2 when another trainer took over (never restarted), 1 when it merely expired (a
-    restart may take it again)."""
+    once, saving nothing: exit 2 when another trainer took over (never restarted), 1 when the lease is gone from
+    its bucket (a restart takes it anew). A lease that merely ran out is taken back by the keeper."""
     started = Stopwatch()
     bus = await Bus(cfg, "trainer").connect()
     lost: list[LeaseLost] = []
@@ -192,7 +192,7 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
 
 def raise_if_lost(lost: list[LeaseLost]) -> None:
     """The trainer's exit once its lease is lost: 2 when another trainer took over (a supervisor must not restart
-    it), 1 when the lease merely expired (a restart may take it again)."""
+    it), 1 when the lease is gone (a restart takes it again)."""
     if lost:
         raise SystemExit(EXIT_REFUSED if lost[0].taken_over else 1) from lost[0]
 

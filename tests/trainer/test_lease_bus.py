@@ -3,6 +3,7 @@ lease (SIGSTOP) that wakes after a successor took over stops without writing any
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -66,13 +67,95 @@ def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_hig
         successor.claim_fence(second.epoch, second.holder)
         before = stored_objects(stale)
 
-        with pytest.raises(LeaseLost, match="expired") as lost:
+        with pytest.raises(LeaseLost, match="another trainer took over the lease from epoch 1: other-host:2") as lost:
             await first.renew()
         assert lost.value.taken_over is True
         with pytest.raises(FencedOut, match="epoch 2"):
             stale.save(checkpoint(2, incarnation), model_dir)
         assert stored_objects(stale) == before
         await second.renew()  # the successor's lease is untouched by the stale holder's attempts
+        await connection.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_lease_run_out_unrenewed_that_nobody_took_is_taken_back_at_its_epoch_and_refuses_writes_meanwhile(
+    nats_url, caplog
+):
+    async def scenario() -> None:
+        connection = await nats.connect(nats_url)
+        kv = await open_bucket(connection.jetstream(), "r1", "file", 1)
+        holder = Lease(kv, "r1", TTL_S)
+        assert await holder.acquire() == 1
+        lost: list[LeaseLost] = []
+
+        async def on_lost(error: LeaseLost) -> None:
+            lost.append(error)
+
+        keeper = asyncio.create_task(holder.keep(on_lost))
+        await asyncio.sleep(0)  # the keeper is waiting for its first renewal
+        time.sleep(TTL_S + 0.5)  # the loop blocked past the lease (a slow broker or a loaded machine does the same)
+        with pytest.raises(LeaseLost, match="expired"):
+            holder.check()  # out by its own clock: the store's writes are refused
+        deadline = time.monotonic() + 10 * TTL_S
+        while holder.lapsed_s() > 0:
+            assert time.monotonic() < deadline, "the lapsed lease was never taken back"
+            await asyncio.sleep(0.1)
+        holder.check()  # held again: writes go on
+        assert (holder.epoch, lost) == (1, [])
+        latecomer = Lease(kv, "r1", TTL_S)
+        latecomer.holder = "other-host:2"
+        with pytest.raises(StartRefused, match="holds its lease"):
+            await latecomer.acquire()  # renewed again by its keeper: a live holder
+        await cancel_until_done(keeper)
+        await connection.close()
+
+    caplog.set_level(logging.INFO, logger="services.trainer.lease")
+    asyncio.run(scenario())
+    [reclaimed] = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "lease_reclaimed"]
+    assert reclaimed["epoch"] == 1 and reclaimed["lapsed_s"] > 0
+
+
+def test_a_renewal_whose_reply_was_lost_after_it_landed_is_not_mistaken_for_a_takeover_and_a_successor_is(
+    nats_url,
+):
+    class LostReplies:
+        """The real bucket, whose next update lands but answers with a timeout (a reply lost on a loaded broker)."""
+
+        def __init__(self, kv):
+            self.kv = kv
+            self.lose_next = False
+
+        async def get(self, key):
+            return await self.kv.get(key)
+
+        async def create(self, key, value):
+            return await self.kv.create(key, value)
+
+        async def update(self, key, value, last):
+            revision = await self.kv.update(key, value, last=last)
+            if self.lose_next:
+                self.lose_next = False
+                raise TimeoutError("nats: timeout")
+            return revision
+
+    async def scenario() -> None:
+        connection = await nats.connect(nats_url)
+        real = await open_bucket(connection.jetstream(), "r1", "file", 1)
+        kv = LostReplies(real)
+        holder = Lease(kv, "r1", TTL_S)
+        assert await holder.acquire() == 1
+        kv.lose_next = True
+        with pytest.raises(TimeoutError):
+            await holder.renew()
+        await holder.renew()  # the landed write is this holder's own: renewed on top of it
+        holder.check()
+        # A successor on the same host:pid (pid 1 in a container restarted in place) is still a successor.
+        twin = Lease(real, "r1", TTL_S, reaped_holder=holder.holder)
+        assert await twin.acquire() == 2
+        with pytest.raises(LeaseLost, match="took over the lease from epoch 1") as lost:
+            await holder.renew()
+        assert lost.value.taken_over is True
         await connection.close()
 
     asyncio.run(scenario())

@@ -404,7 +404,8 @@ class TrainerConfig(Section):
         gt=0,
         description="seconds the trainer's lease on its run lasts unrenewed (renewed every third of it): a second "
         "trainer of the run is refused while it holds; a restarted one takes over at most this long after its "
-        "killed predecessor stopped renewing; a holder paused past it writes nothing more. Restart-only",
+        "killed predecessor stopped renewing; a holder paused past it writes nothing until it takes it back, which it "
+        "can only while nobody else took it. Restart-only",
     )
     takeover_from: Restart[str] = Field(
         default="",
