@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 CONFIG ?= examples/arith-grpo.yaml
 
-.PHONY: install demo test model model-rm model-smol model-tool bench bench-throughput bench-trl bench-trl-smol clean config-reference metrics-reference
+.PHONY: install demo test model model-rm model-smol model-tool model-long-tail bench bench-throughput bench-trl bench-trl-smol clean config-reference metrics-reference
 
 # The images run the same script (deploy/Dockerfile), so every environment installs alike.
 # kubectl (kustomize) and Compose (`docker compose config`) are for tests/deploy only, so they stay out of the images.
@@ -44,6 +44,10 @@ $(SMOL_MODEL)/gguf_import.json: $(SMOL_GGUF)
 # The calculator-tool model and its data for examples/tool-arith.yaml (docs/agents.md): about 8.5 minutes here.
 model-tool: $(STAMP)
 	$(BIN)/rlpipe build-tiny --task tool-arith --seed 0
+
+# The long-tail model and data for examples/long-tail.yaml (a quarter of the answers long): about 4 minutes here.
+model-long-tail: $(STAMP)
+	$(BIN)/rlpipe build-tiny --task long-tail --seed 0
 
 data/word-problems/train.jsonl: $(STAMP)
 	$(BIN)/rlpipe build-tiny --task word-problems --data data/word-problems --seed 0

@@ -66,6 +66,7 @@ STEPS=(
 # Benches: minutes each, so they run only when --only names them (a device session sized to them).
 BENCHES=(
     "vs-trl-gpu|600|step_vs_trl_gpu|python -m bench.vs_trl --task smol --device cuda: rlpipe against TRL on the GPU"
+    "long-tail-gpu|420|step_long_tail_gpu|python -m bench.inflight on examples/long-tail.yaml, cuda: in flight or not"
 )
 
 if [ "$dry_run" = 1 ]; then
@@ -368,9 +369,24 @@ print(
 EOF
 }
 
+# long-tail-gpu: in-flight weight updates where a batch's longest answers are 16 times its median (issue "The
+# frontier", item 3), on the transformers engine (no CUDA vLLM here), whose batched generate carries finished rows
+# to the end of the longest: steps/s with and without, and held-out accuracy.
+step_long_tail_gpu() {
+    if [ ! -f models/tiny-long-tail/config.json ]; then
+        "$rlpipe" build-tiny --task long-tail --seed 0 || return 1
+    fi
+    "$python" -m bench.inflight --config examples/long-tail.yaml --model models/tiny-long-tail --data data/long-tail \
+        --steps 12 --skip 3 --repeats 2 --chunks 8 --set model.device=cuda --set model.dtype=bfloat16 \
+        --set rollout.backend=hf | tee "$work/logs/long-tail.table" || return 1
+    off=$(awk '$1 == "off" {print $2}' "$work/logs/long-tail.table")
+    on=$(awk '$1 == "on," {print $5 "x (" $4 " steps/s) at chunk " $3 ", accuracy " $NF}' "$work/logs/long-tail.table")
+    echo "FIGURE off ${off} steps/s; on ${on}"
+}
+
 export python work rlpipe
 export -f derive summarize roles gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
-    step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu
+    step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu step_long_tail_gpu
 
 derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
     model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \

@@ -369,23 +369,29 @@ BUILD_TINY_PATHS: dict[str, tuple[Path | None, Path]] = {
     "arithmetic": (Path("models/tiny-arith"), Path("data/arith")),
     "word-problems": (None, Path("data/word-problems")),
     "tool-arith": (Path("models/tiny-tool-arith"), Path("data/tool-arith")),
+    "long-tail": (Path("models/tiny-long-tail"), Path("data/long-tail")),
 }
 
 
 @app.command("build-tiny")
 def build_tiny(
     out: Path | None = typer.Option(
-        None, help="model folder to write (default: models/tiny-arith, or models/tiny-tool-arith for tool-arith)"
+        None,
+        help="model folder to write (default: models/tiny-arith, models/tiny-tool-arith for tool-arith, "
+        "models/tiny-long-tail for long-tail)",
     ),
     data: Path | None = typer.Option(
-        None, help="dataset folder to write (default: data/arith, data/word-problems or data/tool-arith by task)"
+        None,
+        help="dataset folder to write (default: data/arith, data/word-problems, data/tool-arith or "
+        "data/long-tail by task)",
     ),
     seed: int = typer.Option(0),
     task: str = typer.Option(
         "arithmetic",
         help="arithmetic: the dataset and the tiny model; word-problems: only a chat-form word-problem dataset "
         "(for a chat model such as `make model-smol`'s; the tiny model has no chat template); tool-arith: "
-        "multiplications and a tiny model warm-started on calculator transcripts (examples/tool-arith.yaml)",
+        "multiplications and a tiny model warm-started on calculator transcripts (examples/tool-arith.yaml); "
+        "long-tail: additions of which a quarter ask for answers up to 32 characters (examples/long-tail.yaml)",
     ),
     tool_share: float = typer.Option(
         TOOL_SHARE,

@@ -1,5 +1,6 @@
 """The tiny tasks' own datasets, written as JSON Lines splits: two-digit addition (``arith``), the calculator
-transcripts of ``tool-arith``, and the chat word problems of ``word-problems`` (``rlpipe build-tiny --task``).
+transcripts of ``tool-arith``, the chat word problems of ``word-problems``, and ``long-tail``'s additions of which a
+share ask for long answers (``rlpipe build-tiny --task``).
 Reading any dataset is services/common/model/datasets.py's job; these only write the built-in ones."""
 
 from __future__ import annotations
@@ -93,6 +94,43 @@ def make_tool_arith_dataset(
         }
         for a, b in sorted(pairs)
     ]
+    rng.shuffle(problems)
+    return _write_splits(problems, n_eval, n_dev, out_dir)
+
+
+# The long-tail task: a quarter of its prompts ask for the sum written 2 to 16 times over, answers of up to 32
+# characters where the median answer is 2: several times the median, as the long answers of reasoning tasks are.
+LONG_SHARE = 0.25
+LONG_REPEATS = (2, 16)
+
+
+def make_long_tail_dataset(
+    out_dir: Path, seed: int = 0, n_eval: int = 400, n_dev: int = 200, n_train: int = 3400
+) -> dict[str, Path]:
+    """Write additions whose answer lengths are heavy-tailed as train/dev/eval JSONL splits.
+
+    Three in four rows are ``a+b=`` (``12+7=`` -> ``19``, 1 to 3 characters); the others ask for the sum repeated
+    ``n`` times, ``12+7 r4=`` -> ``19191919``, with ``a+b`` at most 99 and ``n`` drawn from ``LONG_REPEATS``, so
+    their answers run to 32 characters. A long answer is one number, so ``exact_match`` and the held-out accuracy
+    judge both kinds alike. Distinct problems, drawn with ``seed``."""
+    rng = random.Random(seed)
+    total = n_eval + n_dev + n_train
+    n_long = round(total * LONG_SHARE)
+    short: dict[str, dict] = {}
+    while len(short) < total - n_long:
+        row = _addition_problem(rng.randint(0, MAX_OPERAND), rng.randint(0, MAX_OPERAND))
+        short[row["id"]] = row
+    long: dict[str, dict] = {}
+    while len(long) < n_long:
+        a = rng.randint(0, MAX_OPERAND)
+        b = rng.randint(0, MAX_OPERAND - a)
+        repeats = rng.randint(*LONG_REPEATS)
+        long[f"rep-{a:02d}-{b:02d}-{repeats:02d}"] = {
+            "id": f"rep-{a:02d}-{b:02d}-{repeats:02d}",
+            "prompt": f"{a}+{b} r{repeats}=",
+            "answer": str(a + b) * repeats,
+        }
+    problems = [*short.values(), *long.values()]
     rng.shuffle(problems)
     return _write_splits(problems, n_eval, n_dev, out_dir)
 

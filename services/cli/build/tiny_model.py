@@ -9,6 +9,7 @@ CLI::
 
     python -m services.cli.build.tiny_model --out models/tiny-arith --data data/arith --seed 0
     python -m services.cli.build.tiny_model --task word-problems --data data/word-problems
+    python -m services.cli.build.tiny_model --task long-tail --out models/tiny-long-tail --data data/long-tail
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM, Qwen2T
 from services.cli.build.tasks import (
     TOOL_SHARE,
     make_arithmetic_dataset,
+    make_long_tail_dataset,
     make_tool_arith_dataset,
     make_word_problem_dataset,
 )
@@ -314,10 +316,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--task",
-        choices=("arithmetic", "word-problems", "tool-arith"),
+        choices=("arithmetic", "word-problems", "tool-arith", "long-tail"),
         default="arithmetic",
         help="word-problems writes only the chat-form dataset: the character-level model cannot read a chat; "
-        "tool-arith: multiplications and a model warm-started on calculator transcripts (examples/tool-arith.yaml)",
+        "tool-arith: multiplications and a model warm-started on calculator transcripts (examples/tool-arith.yaml); "
+        "long-tail: additions of which a quarter ask for long answers (examples/long-tail.yaml)",
     )
     parser.add_argument(
         "--tool-share",
@@ -347,13 +350,17 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(json.dumps(summary))
         return
-    make_arithmetic_dataset(args.data, seed=args.seed)
+    if args.task == "long-tail":
+        make_long_tail_dataset(args.data, seed=args.seed)
+    else:
+        make_arithmetic_dataset(args.data, seed=args.seed)
     summary = build_tiny_model(
         args.out,
         args.data,
         seed=args.seed,
         target_accuracy=args.target_accuracy,
         max_steps=args.max_steps or DEFAULT_MAX_STEPS,
+        task=args.task,
     )
     print(json.dumps(summary))
 
