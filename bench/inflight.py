@@ -15,8 +15,9 @@ load from the rest of the machine hits them alike:
 Each run's steady steps/s and completions/s are over its steps after the first ``--skip``; the share of
 completions that mixed versions (``mixed_version_fraction``), the mean staleness and the held-out accuracy after
 the last step say what in flight changed. ``--config`` runs another example (``--model``/``--data`` then name its
-model and data), ``--set`` puts settings over it (a long tail: ``sampling.max_new_tokens`` several times the
-median answer), ``--chunks`` names the chunk sizes tried. Writes build/bench/inflight.jsonl.
+model and data: the long tail is ``--config examples/long-tail.yaml --model models/tiny-long-tail --data
+data/long-tail``, ``make model-long-tail``), ``--set`` puts settings over it (``rollout.backend=hf`` for the
+transformers engine), ``--chunks`` names the chunk sizes tried. Writes build/bench/inflight.jsonl.
 """
 
 from __future__ import annotations
