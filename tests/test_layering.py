@@ -191,7 +191,7 @@ def test_the_checker_catches_each_kind_of_wrong_way_import(path, source, expecte
             "services/trainer/service.py",
             "from services.common.transport.bus import Bus\nfrom .checkpoint import Checkpoints\n",
         ),
-        ("services/cli/launch/launcher.py", "from services.common.startup_checks import startup_checks\n"),
+        ("services/cli/launch/launcher.py", "from services.common.startup_checks.roles import startup_checks\n"),
         (
             "services/cli/app.py",
             "from services.cli.launch.launcher import run\nfrom services.cli.doctor.checks import diagnose\n",

@@ -36,7 +36,7 @@ from services.cli.sizing import (
     with_headroom,
 )
 from services.common.config import RolloutConfig, RunConfig, load_config
-from services.common.startup_checks import CheckResult
+from services.common.startup_checks.rows import CheckResult
 from services.common.transport.model_source import local_model_path, resolve_model
 
 if TYPE_CHECKING:

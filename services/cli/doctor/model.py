@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from services.common.config import RunConfig
 from services.common.refusal import StartRefused
-from services.common.startup_checks import CheckResult, human_size, shorten
+from services.common.startup_checks.rows import CheckResult, human_size, shorten
 from services.common.transport.model_source import (
     ModelFetchFailed,
     ModelSource,

@@ -34,7 +34,8 @@ from services.cli.verify.health import remote_services
 from services.common.config import RunConfig
 from services.common.observe import metrics as m
 from services.common.observe.records import read_metrics
-from services.common.startup_checks import CheckResult, human_size, shorten, weight_files
+from services.common.startup_checks.folders import weight_files
+from services.common.startup_checks.rows import CheckResult, human_size, shorten
 from services.common.transport.model_source import local_model_path
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.storage import S3Store, open_store

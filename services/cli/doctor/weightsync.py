@@ -11,7 +11,7 @@ import grpc
 
 from services.common.config import RunConfig, WeightSyncCredentials, token_problem
 from services.common.pb import weights_pb2, weights_pb2_grpc
-from services.common.startup_checks import CheckResult
+from services.common.startup_checks.rows import CheckResult
 from services.common.transport import weight_sync_tls
 from services.common.transport.weightsync.auth import token_metadata
 

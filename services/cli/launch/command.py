@@ -29,7 +29,8 @@ from services.cli.runs import record_exit
 from services.common.config import ConfigError, RunConfig, load_config_with, parse_overrides
 from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
-from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.startup_checks.roles import startup_checks
+from services.common.startup_checks.rows import StartupCheckError
 from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
