@@ -21,8 +21,9 @@ import yaml
 
 from services.cli.launch.archive import archive_and_describe
 from services.cli.launch.children import RoleCrashLoop, RoleRefused
-from services.cli.launch.launcher import Launcher, console, inherited_env
+from services.cli.launch.launcher import Launcher, inherited_env
 from services.cli.launch.lock import RunIsLive, hold_run, previous_run
+from services.cli.launch.narration import console
 from services.cli.launch.placement import place_roles
 from services.cli.launch.summary import run_cost, summarize, write_reports
 from services.cli.runs import record_exit
