@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from services.cli.admin import register as register_operator_commands
+from services.cli.admin.commands import register as register_operator_commands
 from services.cli.build.tasks import TOOL_SHARE
 from services.cli.verify.commands import register as register_verify_commands
 from services.common.config import ConfigError

@@ -14,7 +14,7 @@ import nats
 import pytest
 from rich.console import Console
 
-from services.cli import admin
+from services.cli.admin import views as admin
 from services.cli.report import render_html
 from services.common.config import BuildInfo, load_config
 from services.common.observe import metrics as m
