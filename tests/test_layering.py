@@ -156,7 +156,11 @@ def violations_in(path: Path, source: str) -> list[str]:
         ),
         ("services/cli/launch/launcher.py", "import services.cli.doctor.checks\n", "must not import each other"),
         ("services/reward/service.py", "from services.cli import app\n", "a role must not import a CLI module"),
-        ("services/trainer/admin.py", "from ..cli.admin.commands import register\n", "a role must not import a CLI module"),
+        (
+            "services/trainer/admin.py",
+            "from ..cli.admin.commands import register\n",
+            "a role must not import a CLI module",
+        ),
         (
             "services/trainer/episode_eval.py",
             "from services.rollout.engines import HfEngine\n",
