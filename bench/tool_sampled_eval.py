@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from services.common.config import load_config
+from services.common.episodes.episode_environment import environment_maker
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import episode_tokenizer, observation_format
-from services.common.episodes.runner import EpisodeLimits, environment_maker
 from services.common.model.chat import render_rows
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer

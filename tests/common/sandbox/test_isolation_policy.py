@@ -11,7 +11,7 @@ import pytest
 
 from services.common.config import RolloutConfig, load_config
 from services.common.episodes.environments import PythonTool, Turn, python_tool
-from services.common.episodes.runner import environment_maker
+from services.common.episodes.episode_environment import environment_maker
 from services.common.refusal import StartRefused
 from services.common.startup_checks.machine import check_python_box
 from services.common.startup_checks.roles import _startup_checks
