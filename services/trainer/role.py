@@ -47,8 +47,9 @@ from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
 from services.trainer.checkpointing.resume import StoreUnreadable
 from services.trainer.checkpointing.state import CheckpointMismatch
+from services.trainer.checkpointing.step_reader import ForeignCheckpoints
 from services.trainer.checkpointing.step_store import FencedOut
-from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.follower import follow
 from services.trainer.learning.learner import Learner
