@@ -96,7 +96,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         cfg.service.grpc_port,
         register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None,
         interceptors=[WeightSyncToken(token)] if token else None,
-        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.ROLLOUT) if relay else None,
+        credentials=weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.ROLLOUT)
+        if relay
+        else None,
     )
     relay_address = relay_address_of(cfg, address) if relay else ""
     follower = PolicyFollower(
@@ -105,8 +107,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         WeightSyncClient(
             cfg.trainer_address,
             token=token,
-            credentials=weight_sync_tls.channel_credentials(cfg),
-            options=weight_sync_tls.name_override(cfg),
+            credentials=weight_sync_tls.channel_credentials(cfg.weight_sync),
+            options=weight_sync_tls.name_override(cfg.service),
         ),
         dtype=dtype_named(serving_dtype(cfg)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,

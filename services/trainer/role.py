@@ -218,7 +218,7 @@ async def lead_holding(
         cfg.service.trainer_grpc_port,
         register,
         interceptors=weight_sync_auth.server_interceptors(cfg),
-        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
+        credentials=weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.TRAINER),
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)

@@ -48,10 +48,10 @@ def token_row(cfg: RunConfig, token: str, embedded: bool) -> CheckResult:
 
 def _version_call(cfg: RunConfig, token: str) -> grpc.StatusCode:
     """The status of one GetVersion to the trainer, with ``token`` ("" = none), over TLS where the run has it."""
-    credentials = weight_sync_tls.channel_credentials(cfg)
+    credentials = weight_sync_tls.channel_credentials(cfg.weight_sync)
     address = cfg.trainer_address
     channel = (
-        grpc.secure_channel(address, credentials, options=weight_sync_tls.name_override(cfg))
+        grpc.secure_channel(address, credentials, options=weight_sync_tls.name_override(cfg.service))
         if credentials is not None
         else grpc.insecure_channel(address)
     )
