@@ -141,7 +141,7 @@ def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return CheckResult("sizing", "skip", f"{cfg.model.path} is not fetched yet: no config.json to size it by")
     try:

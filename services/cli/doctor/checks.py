@@ -189,7 +189,7 @@ def check_disk(cfg: RunConfig) -> CheckResult:
     targets = [url for url in (cfg.checkpoint_url, cfg.checkpoint.mirror_url) if url.startswith("file://")]
     if not targets:
         return CheckResult("disk", "skip", f"checkpoints go to {cfg.checkpoint_url}: free space is the object store's")
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return CheckResult("disk", "skip", f"{cfg.model.path} is not fetched yet: its size is unknown here")
     weights = sum(p.stat().st_size for p in weight_files(model))

@@ -178,7 +178,7 @@ def save_bytes(cfg: RunConfig) -> int | None:
     is not here to size."""
     from services.cli.doctor.checks import CHECKPOINT_WEIGHT_FACTOR
 
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return None
     return sum(path.stat().st_size for path in weight_files(model)) * CHECKPOINT_WEIGHT_FACTOR
@@ -254,7 +254,7 @@ def http_rows(cfg: RunConfig) -> list[CheckResult]:
 
 
 def weight_sync_row(cfg: RunConfig) -> CheckResult:
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if cfg.model.lora is not None or model is None:
         why = "LoRA runs send adapters only" if cfg.model.lora is not None else "the model is not here to size"
         return CheckResult("network weight sync", "skip", why)

@@ -92,7 +92,7 @@ def check_dataset(data: DataConfig, path: Path, split: str, name: str, max_rows:
 def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
     """The policy's (and the reference's) model folder as ``check_model`` sees it. A model.path URL is checked
     where it was fetched to; one not fetched yet gets a warning (the roles fetch it at start: resolve_model)."""
-    local = local_model_path(cfg)
+    local = local_model_path(cfg.model)
     if local is None:
         policy_row = CheckResult(
             "model",
