@@ -383,7 +383,7 @@ class Trainer:
         if not self.resumed:
             # The first prompts go out before the baseline evaluation, so the rollouts generate while it runs
             # instead of after it: the evaluation overlaps the wait for the first batch.
-            await self.intake.feed(self.cfg, self.live.version)
+            await self.intake.feed(self.cfg.train, self.live.version)
             progress.evaluated(await self.evaluate(), baseline=True)
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
@@ -400,7 +400,7 @@ class Trainer:
                 with self.step_time.during(StepPhase.PUBLISH):
                     await self.recovery.publisher.drain()
             with self.step_time.during(StepPhase.WAIT):
-                collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
+                collected = await self.intake.collect(self.cfg.train, self.live.version, self.interrupted, stop)
             if collected is None:
                 continue
             if len(collected.batch) < self.cfg.train.batch_size:

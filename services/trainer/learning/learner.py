@@ -149,7 +149,7 @@ class Learner(LearnerStateIO):
         self.tokenizer = load_tokenizer(cfg.model.folder)
         self.pad_id = pad_token_id(self.tokenizer)
         # The policy's transformers model (inside peft's wrappers with LoRA): its config and dtype size the critic.
-        self.critic = Critic(cfg, model).to(self.device) if train.algorithm == "ppo" else None
+        self.critic = Critic(train, cfg.model.folder, model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
         model_layout = ModuleLayout.of(self.model, self.adapter_names)
         critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
