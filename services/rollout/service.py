@@ -110,7 +110,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
             credentials=weight_sync_tls.channel_credentials(cfg.weight_sync),
             options=weight_sync_tls.name_override(cfg.service),
         ),
-        dtype=dtype_named(serving_dtype(cfg)),
+        dtype=dtype_named(serving_dtype(cfg.model, cfg.rollout)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,
         relay=relay if relay_address else None,
         relay_address=relay_address,
