@@ -233,7 +233,7 @@ def run_service(role: Role, service_main: ServiceMain) -> None:
     except ConfigError as error:
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
-    instance = instance_name(cfg, role)
+    instance = instance_name(cfg.service, role)
     own = cfg.service
     # In a container the runtime keeps stderr; the file is what `rlpipe archive` copies into the run's archive.
     log_file = own.log_dir / f"{instance}.log" if own.log_dir else None

@@ -85,7 +85,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
     if cfg.service.trainer_grpc_port == 0:  # started with the trainer (rlpipe run): its port is in its presence
-        port = await await_trainer_port(bus.js, cfg, since=launched)
+        port = await await_trainer_port(bus.js, cfg.run_id, cfg.nats, since=launched)
         cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if relays(cfg) else None
     if relay is not None:

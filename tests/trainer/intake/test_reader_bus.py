@@ -109,7 +109,7 @@ def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have
         # the group stays in flight (it is downstream) instead of being fed twice.
         again = intake_of(bus, rows, GroupLedger(), Progress())
         again.ledger.settle(["e0-i1"], step=0, fate=Fate.DEAD)
-        await again.feed(cfg, config_version=0)
+        await again.feed(cfg.train, config_version=0)
         assert sorted(again.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3", "e0-i4"]
         assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 4
         await bus.close()
@@ -181,10 +181,10 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         first = intake_of(bus, rows, GroupLedger(), Progress(incarnation="a"))
-        await first.feed(cfg, config_version=0)
+        await first.feed(cfg.train, config_version=0)
         progress = Progress(incarnation="b")
         again = intake_of(bus, rows, GroupLedger(), progress)
-        await again.feed(cfg, config_version=0)
+        await again.feed(cfg.train, config_version=0)
         assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 8  # 4 + 4, none repeats
 
         await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="a"), msg_id="old")
@@ -194,7 +194,7 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
         async def never() -> bool:
             return False
 
-        collected = await again.collect(cfg, 0, never, asyncio.Event())
+        collected = await again.collect(cfg.train, 0, never, asyncio.Event())
         assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
         assert collected.dropped == [] and again.ledger.repeats == 0
         await bus.close()
@@ -379,7 +379,7 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
         assert again.ledger.fate("e0-i0") == Fate.DEAD
         await again.catch_up_dead()  # as the trainer does at start
         assert reopened == [("e0-i0", 1)] and "e0-i0" in again.ledger.in_flight
-        assert applied(again, await again.collect(cfg, 0, never, asyncio.Event())) == ["e0-i0", "e0-i3"]
+        assert applied(again, await again.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i0", "e0-i3"]
 
         # A second restart, after that step: the re-inject record is behind it, a further copy is a repeat.
         third = restarted(bus, rows, again.ledger, again.progress, reopened=[])
@@ -389,7 +389,7 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
         for group_id in ("e0-i4", "e0-i5"):
             third.ledger.fed(group_id, now=time.monotonic())
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
-        assert applied(third, await third.collect(cfg, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
+        assert applied(third, await third.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
         assert third.ledger.repeats == 1
         assert third.ledger.watermark() == "e0-i3"  # the checkpoint keeps the applied e0-i0 under its watermark
         await bus.close()
@@ -482,8 +482,8 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
 
         reopened: list[tuple[str, int]] = []
         again = resumed_from(bus, rows, saved, reopened)
-        first = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
-        second = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        first = applied(again, await asyncio.wait_for(again.collect(cfg.train, 0, never, asyncio.Event()), timeout=30))
+        second = applied(again, await asyncio.wait_for(again.collect(cfg.train, 0, never, asyncio.Event()), timeout=30))
         assert (first, second) == (["e0-i1", "e0-i2"], ["e0-i0", "e0-i3"])
         assert reopened == [("e0-i0", 1)] and again.ledger.repeats == 0
         # The letter, the re-inject's record and note, the late letter: the replay's own letter was a duplicate.
@@ -525,7 +525,7 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
         # Resumed from the step-1 checkpoint, the trainer reads the late copy again: its watermark refuses it.
         resumed = resumed_from(bus, rows, saved, reopened=[])
         resumed.feeder.seek(saved.data_cursor or {"epoch": 0, "index": 2})
-        assert applied(resumed, await resumed.collect(cfg, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
+        assert applied(resumed, await resumed.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
         assert resumed.ledger.repeats == 1
         await bus.close()
 
