@@ -228,7 +228,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
     return [
         Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True)),
         Check("model hash", ("model",), model_source_rows),
-        Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, DOCTOR_DATASET_LINES)),
+        Check("dataset", ("data",), lambda cfg: dataset_rows(cfg.data, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), storage_rows),
         Check("nats", ("nats",), embedded_broker_rows if embedded else nats_rows),
         Check(

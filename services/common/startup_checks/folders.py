@@ -109,9 +109,9 @@ def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResul
     return rows
 
 
-def dataset_rows(cfg: RunConfig, max_lines: int) -> list[CheckResult]:
+def dataset_rows(data: DataConfig, max_lines: int) -> list[CheckResult]:
     sources = {
-        "dataset data.train_path": (cfg.data.train_path, cfg.data.split),
-        "dataset data.eval_path": (cfg.data.eval_path, cfg.data.eval_split),
+        "dataset data.train_path": (data.train_path, data.split),
+        "dataset data.eval_path": (data.eval_path, data.eval_split),
     }
-    return [check_dataset(cfg.data, path, split, name, max_lines) for name, (path, split) in sources.items() if path]
+    return [check_dataset(data, path, split, name, max_lines) for name, (path, split) in sources.items() if path]

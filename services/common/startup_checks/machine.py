@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Callable
 
-from services.common.config import ConfigError, RolloutConfig, RunConfig
+from services.common.config import ConfigError, ModelConfig, RolloutConfig, RunConfig
 from services.common.episodes.environments import box_available
 from services.common.model.device import device_name
 from services.common.observe.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
@@ -122,16 +122,16 @@ def device_result(name: str, cuda_available: bool, broken_gpu: GpuFacts | None) 
     return CheckResult("device", "ok", f"model.device {name}: {device}")
 
 
-def check_device(cfg: RunConfig) -> CheckResult:
+def check_device(model: ModelConfig) -> CheckResult:
     """``model.device`` names a device this process has (``cuda`` with no GPU is refused here, not mid-load).
 
     CUDA needs a GPU that the driver shows, so torch (seconds of CPU to import) is asked only where ``gpu_seen``
     finds one: a stat of /proc first, at worst nvidia-smi and NVML.
     """
     if not gpu_seen():
-        return device_result(cfg.model.device, cuda_available=False, broken_gpu=None)
+        return device_result(model.device, cuda_available=False, broken_gpu=None)
     import torch
 
     available = torch.cuda.is_available()
-    broken = gpu_facts() if not available and cfg.model.device != "cpu" else None
-    return device_result(cfg.model.device, available, broken)
+    broken = gpu_facts() if not available and model.device != "cpu" else None
+    return device_result(model.device, available, broken)

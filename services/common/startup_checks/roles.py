@@ -19,10 +19,10 @@ def _startup_checks(role: str, resume: bool = False) -> list[Check]:
         "ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, role_ports(cfg, role))]
     )
     policy = Check("model", ("model",), lambda cfg: model_rows(cfg, policy=True, reference=False))
-    dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, STARTUP_DATASET_LINES))
+    dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg.data, STARTUP_DATASET_LINES))
     storage = Check("storage", ("checkpoint",), lambda cfg: storage_rows(cfg, resume))
     token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
-    device = Check("device", ("model",), lambda cfg: [check_device(cfg)])
+    device = Check("device", ("model",), lambda cfg: [check_device(cfg.model)])
     # The rollout plays episodes, the trainer its held-out ones: both run the Python tool.
     box = Check("python tool box", ("rollout",), lambda cfg: check_python_box(cfg.rollout))
     weight_sync = Check("weight-sync token", (), lambda cfg: [check_weight_sync_token()])
