@@ -46,7 +46,7 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
     reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
     tokens = episode_tokenizer(tokenizer)
-    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokens, observations, reward))
+    result = asyncio.run(play(repeated, environment_maker(cfg.rollout), generate, limits, tokens, observations, reward))
     return {"model": str(model_dir), "episodes": len(repeated), "accuracy": result.accuracy, **result.metrics()}
 
 

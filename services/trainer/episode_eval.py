@@ -169,4 +169,4 @@ def evaluate_episodes(
 
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
     tokens = episode_tokenizer(tokenizer)
-    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokens, observations, reward))
+    return asyncio.run(play(rows, environment_maker(cfg.rollout), generate, limits, tokens, observations, reward))

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol, TypeVar
 
-from services.common.config import RunConfig
+from services.common.config import RolloutConfig
 from services.common.episodes.environments import (
     Environment,
     EnvironmentFailed,
@@ -79,14 +79,14 @@ class LocalEnvironment:
             raise EnvironmentFailed("env_error", repr(error)[:300]) from None
 
 
-def environment_maker(cfg: RunConfig) -> Callable[[], EpisodeEnvironment]:
-    """What makes one episode's environment for ``cfg``: the HTTP service's client, or the named class in this
+def environment_maker(rollout: RolloutConfig) -> Callable[[], EpisodeEnvironment]:
+    """What makes one episode's environment for ``rollout``: the HTTP service's client, or the named class in this
     process under the time limit (the rollout's episodes and the trainer's held-out evaluation alike)."""
-    if cfg.rollout.environment_url:
-        return HttpEnvironmentClient(cfg.rollout).episode
-    environment, timeout_s = cfg.rollout.environment, cfg.rollout.environment_timeout_s
+    if rollout.environment_url:
+        return HttpEnvironmentClient(rollout).episode
+    environment, timeout_s = rollout.environment, rollout.environment_timeout_s
     # The Python tool's box is decided here, at start: refused where none can be built unless the config allows
     # running model-written code unboxed.
     python = environment == "python"
-    plugin = python_tool(cfg.rollout.python_tool_isolation) if python else environment_factory(environment)
+    plugin = python_tool(rollout.python_tool_isolation) if python else environment_factory(environment)
     return lambda: LocalEnvironment(plugin(), timeout_s)

@@ -219,7 +219,7 @@ class EpisodeRunner:
 
         self.turns = TurnBatcher(engine_turns)
         self.metrics = EpisodeMetrics()
-        self.make_environment = environment_maker(cfg)
+        self.make_environment = environment_maker(cfg.rollout)
         try:
             self.observations = observation_format(tokenizer, cfg.rollout.observation_role)
         except ValueError as error:  # the model cannot take this config: restarting would refuse alike

@@ -89,6 +89,6 @@ def test_a_run_with_the_python_environment_finds_a_box_here_and_plays_its_episod
     rollout = {"environment": "python", "turn_stop": ["</python>"]}
     cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", rollout=rollout))
     assert [row.status for row in check_python_box(cfg.rollout)] == ["ok"]  # the real probe
-    environment = environment_maker(cfg)()
+    environment = environment_maker(cfg.rollout)()
     turn = Turn("<python>import os; print(os.getcwd(), os.path.exists('/proc'))</python>", (1,))
     assert asyncio.run(environment.step(turn)).observation == "<result>/tmp False</result>"
