@@ -22,9 +22,11 @@ from pathlib import Path
 import torch
 
 from services.common.episodes.environments import Calculator, Task
+from services.common.episodes.episode_environment import LocalEnvironment
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import ObservationFormat, episode_tokenizer, observation_format
-from services.common.episodes.runner import EpisodeLimits, LocalEnvironment, run_episodes, start_episodes
+from services.common.episodes.runner import run_episodes, start_episodes
 from services.common.model.modeling import load_model, load_tokenizer
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
 

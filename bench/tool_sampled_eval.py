@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from services.common.config import load_config
+from services.common.episodes.episode_environment import environment_maker
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import episode_tokenizer, observation_format
-from services.common.episodes.runner import EpisodeLimits, environment_maker
 from services.common.model.chat import render_rows
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer
@@ -45,7 +46,7 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
     reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
     tokens = episode_tokenizer(tokenizer)
-    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokens, observations, reward))
+    result = asyncio.run(play(repeated, environment_maker(cfg.rollout), generate, limits, tokens, observations, reward))
     return {"model": str(model_dir), "episodes": len(repeated), "accuracy": result.accuracy, **result.metrics()}
 
 

@@ -218,7 +218,7 @@ async def create_run_state(cfg) -> None:
 
     bus = await Bus(cfg, "trainer").connect()
     await LiveConfig(cfg, bus.js).start()
-    await open_bucket(bus.js, cfg)
+    await open_bucket(bus.js, cfg.run_id, cfg.nats)
     await bus.close()
 
 

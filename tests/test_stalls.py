@@ -188,7 +188,7 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
             await asyncio.sleep(0.1)
         assert reason == f"{address}: NOT_SERVING"
         await asyncio.sleep(5.5)  # a presence heartbeat carries the standing progress time
-        entries = await read_presence(bus.js, cfg)
+        entries = await read_presence(bus.js, cfg.run_id, cfg.nats)
         assert roles_stalled(entries, time.time(), stall_bound_s(cfg.nats)) == ["reward"]
 
         release.set()  # the compute returns: the loop moves and health comes back

@@ -92,7 +92,7 @@ def test_the_launchers_start_up_checks_import_neither_torch_nor_transformers_whe
         "import json, sys\n"
         "import services.cli.app, services.cli.launch.command\n"
         "from services.common.config import load_config\n"
-        "from services.common.startup_checks import startup_checks\n"
+        "from services.common.startup_checks.roles import startup_checks\n"
         f"rows = startup_checks(load_config({str(config)!r}), 'run')\n"
         "print(json.dumps({'checks': sorted({row.name for row in rows if row.status != 'fail'}),\n"
         "                  'loaded': [name for name in ('torch', 'transformers') if name in sys.modules]}))\n"

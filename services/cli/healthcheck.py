@@ -60,8 +60,8 @@ def check_role(config: Path, role: str, address: str = "", timeout: float = 3.0,
     except ConfigError as error:
         return f"config {config}: {str(error).splitlines()[0]}"
     port = cfg.service.trainer_grpc_port if role == "trainer" else cfg.service.grpc_port
-    credentials = weight_sync_tls.probe_credentials(cfg, role)
-    options = weight_sync_tls.name_override(cfg) if credentials is not None else ()
+    credentials = weight_sync_tls.probe_credentials(cfg.weight_sync, cfg.rollout, role)
+    options = weight_sync_tls.name_override(cfg.service) if credentials is not None else ()
     return check(address or f"127.0.0.1:{port}", timeout, service, credentials, options)
 
 

@@ -36,7 +36,7 @@ from services.cli.sizing import (
     with_headroom,
 )
 from services.common.config import RolloutConfig, RunConfig, load_config
-from services.common.startup_checks import CheckResult
+from services.common.startup_checks.rows import CheckResult
 from services.common.transport.model_source import local_model_path, resolve_model
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return CheckResult("sizing", "skip", f"{cfg.model.path} is not fetched yet: no config.json to size it by")
     try:

@@ -31,7 +31,8 @@ from services.common.observe.telemetry import current_telemetry, start_telemetry
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
-from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.startup_checks.roles import startup_checks
+from services.common.startup_checks.rows import StartupCheckError
 from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
@@ -232,7 +233,7 @@ def run_service(role: Role, service_main: ServiceMain) -> None:
     except ConfigError as error:
         print(f"{role}: {error}", file=sys.stderr)
         sys.exit(EXIT_REFUSED)
-    instance = instance_name(cfg, role)
+    instance = instance_name(cfg.service, role)
     own = cfg.service
     # In a container the runtime keeps stderr; the file is what `rlpipe archive` copies into the run's archive.
     log_file = own.log_dir / f"{instance}.log" if own.log_dir else None

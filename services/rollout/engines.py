@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from services.common.config import RunConfig, SamplingConfig
+from services.common.config import ModelConfig, RolloutConfig, RunConfig, SamplingConfig
 from services.common.episodes.generation import Generation
 from services.common.model.batch_generation import generate_batch
 from services.common.model.lora import AdapterMerger, write_adapter
@@ -83,9 +83,9 @@ class EngineUnavailable(DependencyUnavailable):
     """The engine itself failed (died, lost its device): the prompts are fine, the stage holds them and retries."""
 
 
-def serving_dtype(cfg: RunConfig) -> str:
+def serving_dtype(model: ModelConfig, rollout: RolloutConfig) -> str:
     """The dtype the rollout's engine holds its weights in, and so the one to pull them in."""
-    return cfg.model.dtype if cfg.rollout.dtype == "auto" else cfg.rollout.dtype
+    return model.dtype if rollout.dtype == "auto" else rollout.dtype
 
 
 def end_token_ids(model_path: Path, eos_token_id: int | None) -> frozenset[int]:
@@ -119,7 +119,7 @@ def vllm_engine_args(cfg: RunConfig, serve_lora: bool = False) -> dict[str, Any]
         lora = {"enable_lora": True, "max_loras": 1, "max_lora_rank": vllm_lora_rank(cfg.model.lora.r)}
     return lora | {
         "model": str(cfg.model.path),
-        "dtype": serving_dtype(cfg),
+        "dtype": serving_dtype(cfg.model, cfg.rollout),
         "max_model_len": cfg.train.max_seq_len,
         "seed": cfg.train.seed,
         "enforce_eager": True,  # start-up in ~2 s instead of ~18 s, same generation speed at this size
@@ -171,7 +171,7 @@ class VllmEngine:
         if cfg.model.lora is not None and self.lora_mode == "off":
             self.llm = LLM(**vllm_engine_args(cfg))
             self.lora_mode = "merge"
-            dtype = DTYPES.get(serving_dtype(cfg), torch.float32)
+            dtype = DTYPES.get(serving_dtype(cfg.model, cfg.rollout), torch.float32)
             # The whole base in host memory: vLLM reloads every weight at once, the merged ones among them.
             self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.folder).items()}
             self.merger = AdapterMerger(self.base, cfg.model.lora)
@@ -323,7 +323,7 @@ class HfEngine:
     neighbours. One call per sample is slower; a reproducible run pays that for draws that are its own."""
 
     def __init__(self, cfg: RunConfig):
-        model = load_model(cfg.model.folder, serving_dtype(cfg)).eval().requires_grad_(False)
+        model = load_model(cfg.model.folder, serving_dtype(cfg.model, cfg.rollout)).eval().requires_grad_(False)
         self.tokenizer = load_tokenizer(cfg.model.folder)
         self.pad_id = pad_token_id(self.tokenizer)
         self.end_tokens = end_token_ids(cfg.model.folder, eos_token_id(self.tokenizer))

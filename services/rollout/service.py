@@ -85,7 +85,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     tokenizer = engine.tokenizer
     bus = await Bus(cfg, "rollout").connect()
     if cfg.service.trainer_grpc_port == 0:  # started with the trainer (rlpipe run): its port is in its presence
-        port = await await_trainer_port(bus.js, cfg, since=launched)
+        port = await await_trainer_port(bus.js, cfg.run_id, cfg.nats, since=launched)
         cfg = cfg.model_copy(update={"service": cfg.service.model_copy(update={"trainer_grpc_port": port})})
     relay = Relay() if relays(cfg) else None
     if relay is not None:
@@ -96,7 +96,9 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         cfg.service.grpc_port,
         register=(lambda s: [add_relay_to_server(relay, s)]) if relay else None,
         interceptors=[WeightSyncToken(token)] if token else None,
-        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.ROLLOUT) if relay else None,
+        credentials=weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.ROLLOUT)
+        if relay
+        else None,
     )
     relay_address = relay_address_of(cfg, address) if relay else ""
     follower = PolicyFollower(
@@ -105,10 +107,10 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         WeightSyncClient(
             cfg.trainer_address,
             token=token,
-            credentials=weight_sync_tls.channel_credentials(cfg),
-            options=weight_sync_tls.name_override(cfg),
+            credentials=weight_sync_tls.channel_credentials(cfg.weight_sync),
+            options=weight_sync_tls.name_override(cfg.service),
         ),
-        dtype=dtype_named(serving_dtype(cfg)),
+        dtype=dtype_named(serving_dtype(cfg.model, cfg.rollout)),
         buffer_bytes=cfg.rollout.weight_buffer_mib << 20,
         relay=relay if relay_address else None,
         relay_address=relay_address,

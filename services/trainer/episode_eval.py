@@ -26,16 +26,11 @@ from transformers import PreTrainedTokenizerBase
 import services.common.model.reward_rules  # noqa: F401  registers the built-in rules reward_function looks up
 from services.common.config import RunConfig
 from services.common.episodes.environments import Task
+from services.common.episodes.episode_environment import EpisodeEnvironment, environment_maker
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import ObservationFormat, Tokenizer, episode_tokenizer, observation_format
-from services.common.episodes.runner import (
-    EpisodeEnvironment,
-    EpisodeLimits,
-    TurnGenerator,
-    environment_maker,
-    run_episodes,
-    start_episodes,
-)
+from services.common.episodes.runner import TurnGenerator, run_episodes, start_episodes
 from services.common.model.batch_generation import generate_batch
 from services.common.model.modeling import Precision, decode_text
 from services.common.model.padding import eos_token_id, pad_token_id
@@ -174,4 +169,4 @@ def evaluate_episodes(
 
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
     tokens = episode_tokenizer(tokenizer)
-    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokens, observations, reward))
+    return asyncio.run(play(rows, environment_maker(cfg.rollout), generate, limits, tokens, observations, reward))

@@ -47,8 +47,9 @@ from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
 from services.trainer.checkpointing.resume import StoreUnreadable
 from services.trainer.checkpointing.state import CheckpointMismatch
+from services.trainer.checkpointing.step_reader import ForeignCheckpoints
 from services.trainer.checkpointing.step_store import FencedOut
-from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.follower import follow
 from services.trainer.learning.learner import Learner
@@ -217,7 +218,7 @@ async def lead_holding(
         cfg.service.trainer_grpc_port,
         register,
         interceptors=weight_sync_auth.server_interceptors(cfg),
-        credentials=weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER),
+        credentials=weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.TRAINER),
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)

@@ -37,7 +37,6 @@ from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
-from services.common.observe.metrics import GROUPS_DEAD, GROUPS_LOST, GROUPS_REOPENED, IN_FLIGHT_GROUPS, REPEATS_DROPPED
 from services.common.observe.network import NetworkRates
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
@@ -56,7 +55,7 @@ from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control, RunState
 from services.trainer.intake.episode_stats import episode_metrics
 from services.trainer.intake.feeder import PromptFeeder
-from services.trainer.intake.ledger import Fate, GroupLedger
+from services.trainer.intake.ledger import GroupLedger
 from services.trainer.intake.reader import Collected, Intake
 from services.trainer.intake.samples import SampleArchive
 from services.trainer.learning.learner import Learner
@@ -64,16 +63,9 @@ from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
 from services.trainer.status import RefusalWatch, StatusReporter
+from services.trainer.step_rows import LedgerRows, dynamic_sampling_row, step_time_row
 
 log = logging.getLogger(__name__)
-# The trainer's phases as the stages' activities: waiting for experience is idle, offering weights is blocked.
-PHASE_ACTIVITY = {
-    StepPhase.WAIT: StageActivity.IDLE,
-    StepPhase.COMPUTE: StageActivity.BUSY,
-    StepPhase.PUBLISH: StageActivity.BLOCKED,
-    StepPhase.EVAL: StageActivity.BUSY,
-    StepPhase.BOOKKEEPING: StageActivity.BUSY,
-}
 HEALTH_CHECK_S = 5.0  # how often alerts look at service presence and absent metrics between steps
 # Without periodic checkpoints nothing else purges EXPERIENCE; a purge costs a store listing and a write.
 PURGE_EVERY_STEPS_UNSAVED = 10
@@ -127,6 +119,7 @@ class Trainer:
         )
         self.journal = Journal(EventLog.of_run(cfg), [AlertSink(live, metrics, self.telemetry, self.progress)])
         self.ledger = GroupLedger()
+        self.ledger_rows = LedgerRows(self.ledger, self.telemetry)
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
@@ -185,7 +178,6 @@ class Trainer:
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
         self.broker_lost: BrokerStateLost | None = None  # found by the check after a reconnect
-        self.reported: dict[str, int] = {}  # the ledger's counts as of the last metrics row
         # Where the time between two step rows goes (time/<phase>_s in each row), and its sum over the run as
         # busy/idle/blocked in the presence entry, as the stages report theirs.
         self.step_time = TimeShare(StepPhase.BOOKKEEPING)
@@ -290,30 +282,7 @@ class Trainer:
     def record_reopened(self, group_id: str, dead_letter: int) -> None:
         self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
 
-    def ledger_row(self) -> dict[str, float]:
-        """Groups settled as dead or lost, reopened by a re-inject, and repeats refused since the last row; the
-        groups in flight now."""
-        counts = {
-            GROUPS_DEAD.key: self.ledger.counts[Fate.DEAD],
-            GROUPS_REOPENED.key: self.ledger.reopened,
-            GROUPS_LOST.key: self.ledger.counts[Fate.LOST],
-            REPEATS_DROPPED.key: self.ledger.repeats,
-        }
-        row = {name: float(n - self.reported.get(name, 0)) for name, n in counts.items()}
-        self.reported = counts
-        self.telemetry.record_groups("dead", int(row[GROUPS_DEAD.key]))
-        self.telemetry.record_groups("reopened", int(row[GROUPS_REOPENED.key]))
-        self.telemetry.record_groups("repeat", int(row[REPEATS_DROPPED.key]))
-        return {**row, IN_FLIGHT_GROUPS.key: float(len(self.ledger.in_flight))}
-
     # -- a step ------------------------------------------------------------------------
-
-    def step_time_row(self) -> dict[str, float]:
-        """``time/<phase>_s`` for each phase since the last step row: together the wall time between the two rows."""
-        split = self.step_time.take()
-        for phase, seconds in split.items():
-            self.time_spent[PHASE_ACTIVITY[phase]] += seconds
-        return {f"time/{phase}_s": round(seconds, 4) for phase, seconds in split.items()}
 
     async def train_step(self, collected: Collected) -> None:
         progress = self.progress
@@ -344,17 +313,18 @@ class Trainer:
             "policy_version": progress.version,
             "config_version": self.live.version,
             "dropped_stale": len(collected.dropped),
-            **self.dynamic_sampling_row(collected),
+            **dynamic_sampling_row(self.cfg.train, collected),
             **metrics,
             **reward_part_means(collected.batch),
             **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
             **self.network.row(),
-            **self.ledger_row(),
+            **self.ledger_rows.row(),
             **await self.health_row(),
             **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),
         }
-        row.update(self.step_time_row())  # last: the row's own assembly counts in this step's bookkeeping
+        # Last: the row's own assembly counts in this step's bookkeeping.
+        row.update(step_time_row(self.step_time, self.time_spent))
         progress.reported(row)
         self.telemetry.record_step(row)
         bind_log_fields(step=progress.step)
@@ -363,15 +333,6 @@ class Trainer:
         if progress.step % self.cfg.train.log_interval == 0:
             log_event(log, Event.STEP, total_steps=self.cfg.train.total_steps, **row)
         await self.responder.report(row)
-
-    def dynamic_sampling_row(self, collected: Collected) -> dict[str, float]:
-        """What dynamic sampling left out of this step's batch; nothing while it is off."""
-        if not self.cfg.train.dynamic_sampling:
-            return {}
-        return {
-            "groups_filtered": float(len(collected.filtered)),
-            "dynamic_sampling/dropped_fraction": collected.filtered_fraction,
-        }
 
     def skipped_step(self, reason: str) -> None:
         """A step that left the weights as they were: non-finite numbers never reach the optimizer, rollouts or the
@@ -422,7 +383,7 @@ class Trainer:
         if not self.resumed:
             # The first prompts go out before the baseline evaluation, so the rollouts generate while it runs
             # instead of after it: the evaluation overlaps the wait for the first batch.
-            await self.intake.feed(self.cfg, self.live.version)
+            await self.intake.feed(self.cfg.train, self.live.version)
             progress.evaluated(await self.evaluate(), baseline=True)
         while progress.step < self.cfg.train.total_steps and not stop.is_set() and control.state != RunState.STOPPING:
             if self.broker_lost is not None:
@@ -439,7 +400,7 @@ class Trainer:
                 with self.step_time.during(StepPhase.PUBLISH):
                     await self.recovery.publisher.drain()
             with self.step_time.during(StepPhase.WAIT):
-                collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
+                collected = await self.intake.collect(self.cfg.train, self.live.version, self.interrupted, stop)
             if collected is None:
                 continue
             if len(collected.batch) < self.cfg.train.batch_size:

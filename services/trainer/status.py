@@ -82,7 +82,7 @@ class StatusReporter:
     async def refresh_services(self, max_age_s: float = 5.0) -> list[SeenService]:
         if time.monotonic() - self.services_read > max_age_s:
             try:
-                self.services = await read_presence(self.bus.js, self.settings.cfg)
+                self.services = await read_presence(self.bus.js, self.settings.cfg.run_id, self.settings.cfg.nats)
                 self.lag = await self.consumer_lag()
                 scale = await read_scale(await self.bus.js.key_value(config_bucket(self.settings.cfg.run_id)))
                 self.scaled_to_zero = {role for role, record in scale.items() if record.replicas == 0}

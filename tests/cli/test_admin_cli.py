@@ -68,7 +68,7 @@ def test_metrics_and_logs_print_what_is_there(tmp_path):
 
 @pytest.mark.unit
 def test_the_newest_run_is_found_under_rlpipe_runs_dir_or_runs_dir_not_only_under_runs(tmp_path, monkeypatch):
-    from services.cli.admin import Target
+    from services.cli.admin.client import Target
 
     elsewhere = tmp_path / "elsewhere"
     for name in ("older", "newer"):

@@ -51,7 +51,7 @@ def test_the_probe_speaks_tls_to_a_tls_trainer_port_where_a_plaintext_probe_fail
     cfg = load_config(tls_config(tmp_path, tiny_model, 0))
 
     async def scenario() -> tuple[subprocess.CompletedProcess, ...]:
-        server, port = await serve(server_credentials(cfg, TRAINER), cfg)
+        server, port = await serve(server_credentials(cfg.weight_sync, cfg.rollout, TRAINER), cfg)
         try:
             config = tls_config(tmp_path, tiny_model, port)
             plain = tmp_path / "plain.yaml"
@@ -73,10 +73,14 @@ def test_the_probe_speaks_tls_to_a_tls_trainer_port_where_a_plaintext_probe_fail
 def test_the_probe_of_a_relaying_rollout_speaks_tls_and_of_one_that_does_not_relay_plaintext(tiny_model, tmp_path):
     relaying = load_config(tls_config(tmp_path, tiny_model, 0))
     direct = load_config(tls_config(tmp_path, tiny_model, 0, rollout={"weight_relay": False}))
-    assert server_credentials(direct, ROLLOUT) is None  # its port carries no weights: plaintext, as the others'
+    assert (
+        server_credentials(direct.weight_sync, direct.rollout, ROLLOUT) is None
+    )  # its port carries no weights: plaintext, as the others'
 
     async def scenario() -> tuple[subprocess.CompletedProcess, ...]:
-        tls_server, tls_port = await serve(server_credentials(relaying, ROLLOUT), relaying)
+        tls_server, tls_port = await serve(
+            server_credentials(relaying.weight_sync, relaying.rollout, ROLLOUT), relaying
+        )
         plain_server, plain_port = await serve(None, direct)
         try:
             return await asyncio.gather(

@@ -14,7 +14,7 @@ import nats
 import pytest
 from rich.console import Console
 
-from services.cli import admin
+from services.cli.admin import views as admin
 from services.cli.report import render_html
 from services.common.config import BuildInfo, load_config
 from services.common.observe import metrics as m
@@ -156,7 +156,7 @@ def test_replicas_figures_reach_the_trainers_status_and_step_row_through_their_p
     async def scenario() -> tuple[admin_pb2.Status, dict[str, float]]:
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await read_presence(js, cfg)  # the trainer's read creates the bucket
+        await read_presence(js, cfg.run_id, cfg.nats)  # the trainer's read creates the bucket
         replicas = []
         for name, memory in figures.items():
             named = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": name})})

@@ -212,7 +212,7 @@ def test_a_stage_started_before_the_trainer_waits_for_each_stream_and_bucket_the
         bus, replica = await asyncio.wait_for(reward, timeout=30)
         consumer = await trainer.js.consumer_info(stream_name("test", ROLLOUTS), "reward")
         assert consumer.config.durable_name == "reward"
-        entries = await read_presence(trainer.js, trainer_cfg)
+        entries = await read_presence(trainer.js, trainer_cfg.run_id, trainer_cfg.nats)
         for closing in (replica, trainer_presence):
             await closing.stop()
         for connection in (bus, trainer):

@@ -36,7 +36,8 @@ def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, 
     async def scenario():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await read_presence(js, cfg)  # the trainer's read creates the bucket, which the stages wait for
+        # The trainer's read creates the bucket, which the stages wait for.
+        await read_presence(js, cfg.run_id, cfg.nats)
         replicas = [
             await Presence(
                 js, cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": name})}), role
@@ -48,7 +49,7 @@ def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, 
         ).start()
         # Read many times over: kv.keys() sometimes answered "no keys" here, making every replica look gone.
         for _ in range(40):
-            entries = await read_presence(js, cfg)
+            entries = await read_presence(js, cfg.run_id, cfg.nats)
             assert [(e.instance, e.up) for e in entries] == [
                 ("reward-0", True),
                 ("rollout-0", True),
@@ -88,7 +89,7 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
     async def scenario():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        await read_presence(js, cfg)  # creates the bucket
+        await read_presence(js, cfg.run_id, cfg.nats)  # creates the bucket
         replicas, watchdogs = [], []
         for name, seconds in spent.items():
             named = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": name})})
@@ -96,7 +97,7 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
             replicas.append(presence)
             watchdogs.append(asyncio.create_task(watch_progress(MovingLoop(), [], presence, lambda s=seconds: s)))
         await asyncio.sleep(HEARTBEAT_S + 1)  # the next beat carries what the watchdog put in the entry
-        entries = await read_presence(js, cfg)
+        entries = await read_presence(js, cfg.run_id, cfg.nats)
         assert {e.instance: e.time_s for e in entries} == spent
         assert role_time_shares(entries) == {"reward": {"busy": 0.5, "idle": 0.375, "blocked": 0.125}}
         for task in watchdogs:
@@ -120,9 +121,9 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
         since = time.time()
-        waiting = asyncio.create_task(await_trainer_port(js, cfg, since))
+        waiting = asyncio.create_task(await_trainer_port(js, cfg.run_id, cfg.nats, since))
         await asyncio.sleep(1.0)  # no bucket yet: it waits for the trainer to create it
-        kv = await open_bucket(js, cfg)
+        kv = await open_bucket(js, cfg.run_id, cfg.nats)
         dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
         await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start
         await asyncio.sleep(1.5)
@@ -148,7 +149,7 @@ def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_new
     async def scenario():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
-        kv = await open_bucket(js, cfg)
+        kv = await open_bucket(js, cfg.run_id, cfg.nats)
         now = time.time()
         newer = {"role": "reward", "instance": "reward-1", "time": now, "starts": 3, "gpu_util": 0.5}
         await kv.put("reward-1", json.dumps(newer).encode())
@@ -159,7 +160,7 @@ def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_new
         rollout = await Presence(js, named, "rollout").start(grpc="127.0.0.1:1234")
         with pytest.raises(ValueError, match=r"no field\(s\) \['grcp'\]"):
             rollout.update(grcp="127.0.0.1:1")
-        entries = await read_presence(js, cfg)
+        entries = await read_presence(js, cfg.run_id, cfg.nats)
         await rollout.stop()
         await nc.close()
         return entries

@@ -8,9 +8,11 @@ import pytest
 
 from services.common.config import SamplingConfig
 from services.common.episodes.environments import Calculator, Task
+from services.common.episodes.episode_environment import LocalEnvironment
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import VerbatimObservations
-from services.common.episodes.runner import EpisodeLimits, LocalEnvironment, run_episodes, start_episodes
+from services.common.episodes.runner import run_episodes, start_episodes
 from services.common.episodes.turns import TurnBatcher
 from services.common.seeding import sampling_seed
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from services.common.config import load_config
-from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.startup_checks.roles import startup_checks
+from services.common.startup_checks.rows import StartupCheckError
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.integration

@@ -134,10 +134,14 @@ def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_
             return ["rlpipe.v1.WeightSync"]
 
         server, address = await start_grpc_server(
-            cfg, 0, register, interceptors=server_interceptors(cfg), credentials=server_credentials(cfg, TRAINER)
+            cfg,
+            0,
+            register,
+            interceptors=server_interceptors(cfg),
+            credentials=server_credentials(cfg.weight_sync, cfg.rollout, TRAINER),
         )
         plaintext = WeightSyncClient(address, token=TOKEN)
-        secure = WeightSyncClient(address, token=TOKEN, credentials=channel_credentials(cfg))
+        secure = WeightSyncClient(address, token=TOKEN, credentials=channel_credentials(cfg.weight_sync))
         try:
             assert await refusal(plaintext.version(timeout=3)) == grpc.StatusCode.UNAVAILABLE
             assert impl.sent_bytes == 0

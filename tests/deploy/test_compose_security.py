@@ -307,11 +307,17 @@ def test_made_secrets_serve_minio_and_weight_sync_over_tls_that_only_the_deploym
     async def probe() -> tuple[str | None, str | None]:
         trainer, rollout = as_role("trainer"), as_role("rollout")
         server, address = await start_grpc_server(
-            trainer, 0, credentials=weight_sync_tls.server_credentials(trainer, weight_sync_tls.TRAINER)
+            trainer,
+            0,
+            credentials=weight_sync_tls.server_credentials(
+                trainer.weight_sync, trainer.rollout, weight_sync_tls.TRAINER
+            ),
         )
         try:
-            over_tls = weight_sync_tls.channel_credentials(rollout)
-            checked = await asyncio.to_thread(check, address, 5.0, "", over_tls, weight_sync_tls.name_override(rollout))
+            over_tls = weight_sync_tls.channel_credentials(rollout.weight_sync)
+            checked = await asyncio.to_thread(
+                check, address, 5.0, "", over_tls, weight_sync_tls.name_override(rollout.service)
+            )
             plain = await asyncio.to_thread(check, address, 5.0)
         finally:
             await server.stop(grace=0)

@@ -174,12 +174,14 @@ def test_a_refused_token_alerts_at_once_and_tells_the_trainer_through_presence_n
             return bool(events(caplog, "dependency_down"))
 
         async def presence_says_refused() -> bool:
-            return any(entry.role == "reward" and entry.refused for entry in await read_presence(bus.js, cfg))
+            return any(
+                entry.role == "reward" and entry.refused for entry in await read_presence(bus.js, cfg.run_id, cfg.nats)
+            )
 
         try:
             await wait_until(alerted, "dependency_down", reward, timeout_s=120)
             await wait_until(presence_says_refused, "the refusal in the reward's presence entry", reward, 120)
-            [entry] = [entry for entry in await read_presence(bus.js, cfg) if entry.role == "reward"]
+            [entry] = [entry for entry in await read_presence(bus.js, cfg.run_id, cfg.nats) if entry.role == "reward"]
             assert (entry.refused.kind, entry.refused.step) == ("http_401", "compute")
             assert "HTTP 401" in entry.refused.error
             assert await count(bus, DEAD) == 0

@@ -10,9 +10,10 @@ import pytest
 
 from services.common.config import RolloutConfig
 from services.common.episodes.environments import Task, environment_factory
+from services.common.episodes.episode_environment import LocalEnvironment
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import VerbatimObservations
-from services.common.episodes.runner import LocalEnvironment, run_episodes, start_episodes
+from services.common.episodes.runner import run_episodes, start_episodes
 from tests.common.episodes.test_runner import LIMITS, CharTokenizer
 from tests.conftest import ROOT
 

@@ -93,10 +93,14 @@ class Replica:
         self.relay = Relay()
         self.server = grpc.aio.server(interceptors=token_check(token))
         add_relay_to_server(self.relay, self.server)
-        tls = weight_sync_tls.server_credentials(cfg, weight_sync_tls.ROLLOUT) if cfg is not None else None
+        tls = (
+            weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.ROLLOUT)
+            if cfg is not None
+            else None
+        )
         self.address = f"127.0.0.1:{bind(self.server, tls)}"
-        credentials = weight_sync_tls.channel_credentials(cfg) if cfg is not None else None
-        options = weight_sync_tls.name_override(cfg) if cfg is not None else ()
+        credentials = weight_sync_tls.channel_credentials(cfg.weight_sync) if cfg is not None else None
+        options = weight_sync_tls.name_override(cfg.service) if cfg is not None else ()
         self.follower = PolicyFollower(
             self.engine,
             ThreadPoolExecutor(max_workers=1),
@@ -222,7 +226,7 @@ def test_under_tls_a_version_crosses_the_chain_through_the_relays_and_a_plaintex
     )
 
     async def scenario():
-        tls = weight_sync_tls.server_credentials(cfg, weight_sync_tls.TRAINER)
+        tls = weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.TRAINER)
         server, weights, address = await trainer(model(1), fanout=1, token="run-token", tls=tls)
         replicas = [Replica(address, token="run-token", cfg=cfg) for _ in range(3)]
         plaintext = WeightSyncClient(replicas[0].address, token="run-token")

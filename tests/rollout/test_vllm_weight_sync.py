@@ -148,7 +148,7 @@ def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_
     cfg = load_config(
         write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"dtype": "bfloat16"})
     )
-    assert cfg.model.dtype == "float32" and serving_dtype(cfg) == "bfloat16"
+    assert cfg.model.dtype == "float32" and serving_dtype(cfg.model, cfg.rollout) == "bfloat16"
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pairs = [
@@ -180,7 +180,9 @@ def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_
         port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
         await server.start()
         client = WeightSyncClient(f"127.0.0.1:{port}")
-        follower = PolicyFollower(engine, engine_thread, client, dtype=dtype_named(serving_dtype(cfg)))
+        follower = PolicyFollower(
+            engine, engine_thread, client, dtype=dtype_named(serving_dtype(cfg.model, cfg.rollout))
+        )
         try:
             follower.newest = (await client.version()).version
             await follower.sync()

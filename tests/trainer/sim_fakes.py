@@ -40,7 +40,7 @@ from services.common.transport.streams import (
 from services.trainer.checkpointing.lineage import Lineage, LineageRecord
 from services.trainer.checkpointing.manifest import FENCE
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
-from services.trainer.learning.learner import LearnerState
+from services.trainer.learning.learner_state import LearnerState
 
 if TYPE_CHECKING:
     from services.common.config import RunConfig

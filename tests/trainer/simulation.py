@@ -173,7 +173,7 @@ class Trainer:
 
         if self.intake.reader is not None:
             self.intake.reader.empty = False
-        collected = await self.intake.collect(cfg, 0, interrupted, asyncio.Event())
+        collected = await self.intake.collect(cfg.train, 0, interrupted, asyncio.Event())
         if collected is None or len(collected.batch) < cfg.train.batch_size:
             return False
         progress = self.progress

@@ -7,8 +7,9 @@ from dataclasses import replace
 import pytest
 
 from services.common.episodes.environments import Calculator, NoTool
+from services.common.episodes.episode_environment import LocalEnvironment
+from services.common.episodes.episode_state import EpisodeLimits
 from services.common.episodes.observations import VerbatimObservations
-from services.common.episodes.runner import EpisodeLimits, LocalEnvironment
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play
 from services.trainer.learning.distributed import Op
 from services.trainer.learning.follower import evaluate_payload, follow

@@ -10,7 +10,7 @@ import subprocess
 from typing import Any
 
 from services.common.config import RunConfig
-from services.common.startup_checks import CheckResult, shorten
+from services.common.startup_checks.rows import CheckResult, shorten
 from services.common.transport.nats_connect import connect_options, message_limit_refusal
 from services.common.transport.nats_server import nats_server_binary
 from services.common.transport.streams import stream_name

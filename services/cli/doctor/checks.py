@@ -2,7 +2,7 @@
 
 Each check reads the config (or only the machine) and returns rows of (name, status,
 detail). ``rlpipe doctor`` runs them all and prints a table. The cheap subset a service
-runs before it loads anything heavy lives in services/common/startup_checks.py, shared
+runs before it loads anything heavy lives in services/common/startup_checks/, shared
 with the roles and the launcher; this module adds the machine checks (Python, pinned
 packages; the GPU rows in doctor_gpu.py), the broker and stream probes (doctor_broker.py),
 the disk estimate and the memory estimate (services/cli/plan.py).
@@ -33,20 +33,11 @@ from services.cli.sizing import read_host_memory
 from services.cli.verify.health import probe_remote, remote_services
 from services.common.config import ConfigError, RunConfig, load_config
 from services.common.observe.hardware import gpu_facts
-from services.common.startup_checks import (
-    Check,
-    CheckResult,
-    check_admin_token,
-    check_ports,
-    check_python_box,
-    dataset_rows,
-    human_size,
-    model_rows,
-    role_ports,
-    run_each,
-    storage_rows,
-    weight_files,
-)
+from services.common.startup_checks.folders import dataset_rows, model_rows, weight_files
+from services.common.startup_checks.machine import check_ports, check_python_box, role_ports
+from services.common.startup_checks.rows import Check, CheckResult, human_size, run_each
+from services.common.startup_checks.storage import storage_rows
+from services.common.startup_checks.tokens import check_admin_token
 from services.common.transport.model_source import local_model_path
 
 if TYPE_CHECKING:
@@ -198,7 +189,7 @@ def check_disk(cfg: RunConfig) -> CheckResult:
     targets = [url for url in (cfg.checkpoint_url, cfg.checkpoint.mirror_url) if url.startswith("file://")]
     if not targets:
         return CheckResult("disk", "skip", f"checkpoints go to {cfg.checkpoint_url}: free space is the object store's")
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return CheckResult("disk", "skip", f"{cfg.model.path} is not fetched yet: its size is unknown here")
     weights = sum(p.stat().st_size for p in weight_files(model))
@@ -237,7 +228,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
     return [
         Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True)),
         Check("model hash", ("model",), model_source_rows),
-        Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, DOCTOR_DATASET_LINES)),
+        Check("dataset", ("data",), lambda cfg: dataset_rows(cfg.data, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), storage_rows),
         Check("nats", ("nats",), embedded_broker_rows if embedded else nats_rows),
         Check(

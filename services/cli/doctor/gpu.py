@@ -4,7 +4,8 @@ branch is tested on a machine without a GPU by handing it the facts of one (test
 from __future__ import annotations
 
 from services.common.observe.hardware import GpuFacts, release_numbers
-from services.common.startup_checks import CheckResult, Status, cuda_failure
+from services.common.startup_checks.machine import cuda_failure
+from services.common.startup_checks.rows import CheckResult, Status
 
 
 def gpu_row(facts: GpuFacts) -> CheckResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from services.common.config import RunConfig
 from services.common.refusal import StartRefused
-from services.common.startup_checks import CheckResult, human_size, shorten
+from services.common.startup_checks.rows import CheckResult, human_size, shorten
 from services.common.transport.model_source import (
     ModelFetchFailed,
     ModelSource,
@@ -28,13 +28,13 @@ def model_source_row(cfg: RunConfig) -> CheckResult | None:
     if not isinstance(cfg.model.path, str):
         return None
     source = ModelSource.parse(cfg.model.path)
-    local = local_model_path(cfg)
+    local = local_model_path(cfg.model)
     if local is not None:
         return CheckResult("model source", "ok", f"{source.url}: fetched, in {local}")
     fetch = cfg.model.fetch
     try:
         if source.scheme == "s3":
-            listed = s3_listing(source, model_store(source, cfg))
+            listed = s3_listing(source, model_store(source, cfg.model.fetch, cfg.checkpoint))
             detail = f"{len(listed)} files, {human_size(sum(listed.values()))}"
         elif not fetch.hub_download:
             return CheckResult(
@@ -44,7 +44,7 @@ def model_source_row(cfg: RunConfig) -> CheckResult | None:
                 "model.fetch.hub_download is off: no role could load it",
             )
         else:
-            listing = hub_listing(source, cfg, hub_client(cfg))
+            listing = hub_listing(source, cfg.model.fetch, hub_client(cfg.model.fetch))
             detail = f"{len(listing.files)} files at commit {listing.commit} on {fetch.hub_endpoint}"
     except (StartRefused, ModelFetchFailed) as error:
         return CheckResult("model source", "fail", shorten(error, 500))
@@ -55,7 +55,7 @@ def model_source_row(cfg: RunConfig) -> CheckResult | None:
 
 def model_hash_row(cfg: RunConfig) -> CheckResult:
     """The folder's sha256 (``folder_sha256``), against model.sha256 or model.manifest when set."""
-    local = local_model_path(cfg)
+    local = local_model_path(cfg.model)
     if local is None:
         return CheckResult("model hash", "skip", f"{cfg.model.path} is not fetched yet")
     if not local.is_dir():

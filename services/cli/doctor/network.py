@@ -34,7 +34,8 @@ from services.cli.verify.health import remote_services
 from services.common.config import RunConfig
 from services.common.observe import metrics as m
 from services.common.observe.records import read_metrics
-from services.common.startup_checks import CheckResult, human_size, shorten, weight_files
+from services.common.startup_checks.folders import weight_files
+from services.common.startup_checks.rows import CheckResult, human_size, shorten
 from services.common.transport.model_source import local_model_path
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.storage import S3Store, open_store
@@ -177,7 +178,7 @@ def save_bytes(cfg: RunConfig) -> int | None:
     is not here to size."""
     from services.cli.doctor.checks import CHECKPOINT_WEIGHT_FACTOR
 
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if model is None:
         return None
     return sum(path.stat().st_size for path in weight_files(model)) * CHECKPOINT_WEIGHT_FACTOR
@@ -253,7 +254,7 @@ def http_rows(cfg: RunConfig) -> list[CheckResult]:
 
 
 def weight_sync_row(cfg: RunConfig) -> CheckResult:
-    model = local_model_path(cfg)
+    model = local_model_path(cfg.model)
     if cfg.model.lora is not None or model is None:
         why = "LoRA runs send adapters only" if cfg.model.lora is not None else "the model is not here to size"
         return CheckResult("network weight sync", "skip", why)

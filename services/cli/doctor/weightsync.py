@@ -11,7 +11,7 @@ import grpc
 
 from services.common.config import RunConfig, WeightSyncCredentials, token_problem
 from services.common.pb import weights_pb2, weights_pb2_grpc
-from services.common.startup_checks import CheckResult
+from services.common.startup_checks.rows import CheckResult
 from services.common.transport import weight_sync_tls
 from services.common.transport.weightsync.auth import token_metadata
 
@@ -48,10 +48,10 @@ def token_row(cfg: RunConfig, token: str, embedded: bool) -> CheckResult:
 
 def _version_call(cfg: RunConfig, token: str) -> grpc.StatusCode:
     """The status of one GetVersion to the trainer, with ``token`` ("" = none), over TLS where the run has it."""
-    credentials = weight_sync_tls.channel_credentials(cfg)
+    credentials = weight_sync_tls.channel_credentials(cfg.weight_sync)
     address = cfg.trainer_address
     channel = (
-        grpc.secure_channel(address, credentials, options=weight_sync_tls.name_override(cfg))
+        grpc.secure_channel(address, credentials, options=weight_sync_tls.name_override(cfg.service))
         if credentials is not None
         else grpc.insecure_channel(address)
     )

@@ -21,15 +21,17 @@ import yaml
 
 from services.cli.launch.archive import archive_and_describe
 from services.cli.launch.children import RoleCrashLoop, RoleRefused
-from services.cli.launch.launcher import Launcher, console, inherited_env
+from services.cli.launch.launcher import Launcher, inherited_env
 from services.cli.launch.lock import RunIsLive, hold_run, previous_run
+from services.cli.launch.narration import console
 from services.cli.launch.placement import place_roles
 from services.cli.launch.summary import run_cost, summarize, write_reports
 from services.cli.runs import record_exit
 from services.common.config import ConfigError, RunConfig, load_config_with, parse_overrides
 from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
-from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.startup_checks.roles import startup_checks
+from services.common.startup_checks.rows import StartupCheckError
 from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure

@@ -21,13 +21,11 @@ from __future__ import annotations
 
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -45,30 +43,32 @@ from services.cli.launch.children import (
 )
 from services.cli.launch.crash_loop import CrashLoopGuard
 from services.cli.launch.files import StartupRecord, write_run_file
+from services.cli.launch.narration import (
+    LAUNCHER_SAYS,
+    console,
+    echo_alert,
+    event_summary,
+    held_on_resume,
+    startup_fields,
+)
 from services.cli.launch.placement import RunPlacement, place_roles
 from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_presence, forget_scale_requests
+from services.cli.launch.stopping import kill_children, stop_children, stop_grace_s
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
-from services.common.config import (
-    AdminCredentials,
-    RunConfig,
-    WeightSyncCredentials,
-)
+from services.common.config import AdminCredentials, RunConfig, WeightSyncCredentials
 from services.common.observe import metrics as m
 from services.common.observe.events import Event, EventLog
-from services.common.observe.records import EventRecord, RunDone
+from services.common.observe.records import RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
-from services.common.transport.live_config import Hold, HoldSource
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 
-console = Console(stderr=True)
 # Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
 ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
+
 READY_TIMEOUT_S = 600.0
-# events.jsonl rows the launcher does not echo: its own (said when written) and the trainer's done (the summary).
-LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event.SCALED, Event.DONE)
 
 
 class Launcher:
@@ -145,7 +145,7 @@ class Launcher:
         )
         child = Child(name, role, process, log_path, self.cfg.service.log_max_mib * 2**20, self.cfg.service.log_keep)
         child.step_at_spawn = self.last_step
-        child.echo = _echo_alert
+        child.echo = echo_alert
         child.pump_thread = threading.Thread(target=child.pump, args=(process.stdout,), daemon=True)
         child.pump_thread.start()
         self.children = [c for c in self.children if c.name != name] + [child]
@@ -208,7 +208,7 @@ class Launcher:
                 if self.note_ready(child):
                     console.log(
                         f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
-                        + _startup_fields(child.report())
+                        + startup_fields(child.report())
                     )
                     waiting.remove(child)
                     continue
@@ -246,7 +246,7 @@ class Launcher:
         the launcher's own restarts it has said already."""
         for event in self.record.new_events():
             if event.kind not in LAUNCHER_SAYS:
-                out.log(f"{event.kind}: {_event_summary(event)}")
+                out.log(f"{event.kind}: {event_summary(event)}")
 
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -381,7 +381,9 @@ class Launcher:
         has exited, and its name's restart history goes with it."""
         if self.presence is None:
             return
-        step = self.scaler.follow(self.presence.scale_records(), self.children, self.stop_grace_s)
+        step = self.scaler.follow(
+            self.presence.scale_records(), self.children, lambda child: stop_grace_s(self.cfg.supervision, child)
+        )
         for role, name in step.start:
             self.spawn(role, name)
         for child in step.gone:
@@ -424,101 +426,15 @@ class Launcher:
         )
         return time.monotonic() + delay
 
-    def stop_grace_s(self, child: Child) -> float:
-        """How long ``child`` may take to exit after SIGTERM: the trainer saves a final checkpoint first. A stage
-        not ready yet gets none: it holds no work, and while it waits for the trainer's streams it does not heed
-        SIGTERM (docs/architecture.md), so a start cut short (a trainer that refused) would wait out its grace."""
-        supervision = self.cfg.supervision
-        if child.role != "trainer" and child.ready is None:
-            return 0.0
-        return supervision.trainer_stop_grace_s if child.role == "trainer" else supervision.stop_grace_s
-
     def stop(self) -> list[str]:
-        """Stop every process (SIGTERM, then SIGKILL after its own grace); returns the services that failed."""
-        self.sample_usage(every_s=0)  # the last reading of each process before it goes
-        running = [child for child in self.children if child.process.poll() is None]
-        # A stage seen not ready would be killed at once. A short run can be done before the launcher has read a
-        # stage's ready entry (wait_ready stops waiting once the trainer is done): read the entries first.
-        unseen = [child for child in running if child.ready is None and child.role != "trainer"]
-        if unseen and self.presence is not None and self.presence.await_reading(timeout_s=3.0):
-            for child in unseen:
-                self.note_ready(child)
-        for child in running:
-            child.process.send_signal(signal.SIGTERM)
-        started = time.monotonic()
-        # Shortest grace first: each wait ends at its own deadline, all counted from the same SIGTERM.
-        for child in sorted(running, key=self.stop_grace_s):
-            grace = self.stop_grace_s(child)
-            if child.role == "trainer" and child.process.poll() is None:
-                console.log(f"waiting up to {grace:g}s for the trainer's final save (Ctrl-C again kills it)")
-            try:
-                child.process.wait(timeout=max(started + grace - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                console.log(f"[red]{child.name} did not exit within {grace:g}s of SIGTERM[/]; killing it")
-                child.process.kill()
-                child.process.wait()
-        for child in self.children:
-            if child.pump_thread:
-                child.pump_thread.join(timeout=5)  # the last lines a service wrote before exiting reach its log
-        self.warm.close()  # only now: its children die with it
-        self.close_presence()
-        if self.broker is not None:
-            self.broker.stop()
-        # A clean stop is exit 0 (or death by our SIGTERM); a crash or a hang that needed SIGKILL is a failure.
-        return [c.name for c in self.children if c.process.returncode not in (0, -signal.SIGTERM)]
+        """Stop every process, each after its own grace (stopping.py); returns the services that failed."""
+        return stop_children(self)
 
     def kill(self) -> list[str]:
-        """SIGKILL every process at once (a stop cut short); returns the services it killed."""
-        killed = [child.name for child in self.children if child.process.poll() is None]
-        for child in self.children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait()
-        self.close_presence()
-        if self.broker is not None:
-            self.broker.kill()
-        self.warm.kill()
-        return killed
+        """SIGKILL every process at once (stopping.py); returns the services it killed."""
+        return kill_children(self)
 
 
 def inherited_env() -> dict[str, str]:
     """This shell's environment without the tokens only some roles are given (Launcher.role_env)."""
     return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}
-
-
-def _echo_alert(line: str) -> None:
-    """A role's alert on the console that started the run: unstyled and unwrapped, so it can be grepped."""
-    console.print(line, markup=False, highlight=False, soft_wrap=True)
-
-
-def held_on_resume(earlier: Hold, run_dir: Path) -> str:
-    """Say on the console (one unwrapped line, for a person or a script to grep) what ``--resume`` did with the hold
-    it found (``RunBroker.release_hold``); returns the reason of one it left in place, "" when it cleared it or there
-    was none."""
-    if not earlier.paused:
-        return ""
-    if earlier.outlives_resume:
-        said = (
-            f"still held: {earlier.reason}. An alert set this hold, so --resume keeps it: look at "
-            f"`rlpipe --run-dir {run_dir} status` and the alert's cause, then `rlpipe --run-dir {run_dir} resume`"
-        )
-    else:
-        setters: dict[HoldSource | None, str] = {
-            HoldSource.OPERATOR: "an operator",
-            HoldSource.START: "the run's start",
-        }
-        by = setters.get(earlier.by, "an earlier run")
-        said = f"continuing a run that was held ({earlier.reason}, set by {by}): --resume clears that hold"
-    console.print(said, markup=False, highlight=False, soft_wrap=True)
-    return earlier.reason if earlier.outlives_resume else ""
-
-
-def _event_summary(event: EventRecord) -> str:
-    """An ``events.jsonl`` row in a line: its message, and the step and rule where it names them."""
-    said = [f"{key}={value}" for key, value in (("step", event.step), ("rule", event.rule)) if value is not None]
-    return " ".join([event.message, *said]).strip()
-
-
-def _startup_fields(ready: dict[str, Any]) -> str:
-    keys = ("backend", "engine_load_s", "model_load_s", "grpc", "admin")
-    return " ".join(f"{k}={ready[k]}" for k in keys if k in ready)

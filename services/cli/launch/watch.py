@@ -100,7 +100,7 @@ class PresenceWatch:
                         )
                     js = client.jetstream()
                     await js.key_value(bucket_name(self.cfg.run_id))  # only the trainer creates it: until then, wait
-                    entries = await read_presence(js, self.cfg)
+                    entries = await read_presence(js, self.cfg.run_id, self.cfg.nats)
                 except Exception as error:  # no bucket yet, or the broker away: read again at the next poll
                     self.last_error = repr(error)[:300]
                     log.debug("presence not read: %r", error)

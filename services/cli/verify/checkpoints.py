@@ -23,7 +23,8 @@ from services.common.model.modeling import load_model
 from services.common.transport.model_source import resolve_model
 from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpointing.state import Checkpoint, ModuleLayout, load_untied, widened
-from services.trainer.checkpointing.store import UNREADABLE, CheckpointStore
+from services.trainer.checkpointing.step_reader import UNREADABLE
+from services.trainer.checkpointing.store import CheckpointStore
 
 if TYPE_CHECKING:
     from peft import PeftModel

@@ -25,7 +25,8 @@ from services.cli.verify.checkpoints import stores
 from services.common.config import ConfigError, RunConfig, load_config, load_config_with
 from services.common.observe.usage import ResourceTrend
 from services.common.pb import admin_pb2, admin_pb2_grpc
-from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.startup_checks.roles import startup_checks
+from services.common.startup_checks.rows import StartupCheckError
 
 SMOKE_SUFFIX = "-smoke"
 SMOKE_STEPS = 3

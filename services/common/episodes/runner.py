@@ -23,182 +23,30 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
 from services.common.config import RunConfig, SamplingConfig
-from services.common.episodes.environments import (
-    Environment,
-    EnvironmentFailed,
-    StepResult,
-    Task,
-    Turn,
-    as_plain,
-    environment_factory,
-    off_schema,
-    python_tool,
-)
+from services.common.episodes.environments import EnvironmentFailed, Task, Turn
+from services.common.episodes.episode_environment import EpisodeEnvironment, environment_maker
+from services.common.episodes.episode_metrics import EpisodeMetrics
+from services.common.episodes.episode_state import EpisodeLimits, EpisodeState
 from services.common.episodes.generation import Generation
-from services.common.episodes.http_environment import HttpEnvironmentClient
 from services.common.episodes.observations import ObservationFormat, Tokenizer, observation_format
 from services.common.episodes.turns import TurnBatcher
 from services.common.observe.events import Event
-from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
-from services.common.observe.telemetry import meter
 from services.common.refusal import StartRefused
 from services.common.seeding import sampling_seed
 from services.common.transport.breaker import DependencyRefused, DependencyUnavailable
-from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
+from services.common.transport.messages import Prompt, RolloutGroup, advance
 
 log = logging.getLogger(__name__)
-
-Outcome = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
-Argument = TypeVar("Argument", Task, Turn)  # what an environment's call takes
-# Outcomes that cut the episode short of an answer: its completion reads as one that ran out of length.
-CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
 
 # (contexts, max new tokens for each[, each one's seed]) -> one turn each: the engine call, on the engine's thread.
 # The seeds come only from a run_episodes given a run seed.
 TurnGenerator = Callable[..., Awaitable[list[Generation]]]
-
-
-class EpisodeEnvironment(Protocol):
-    """One episode's environment as the loop drives it: each call raises EnvironmentFailed, never anything else."""
-
-    async def reset(self, task: Task) -> str: ...
-
-    async def step(self, turn: Turn) -> StepResult: ...
-
-    async def close(self) -> None:
-        """The episode is over, however it ended: what the environment holds for it may go. Never raises."""
-
-
-# Plugin environments' calls, apart from asyncio's default pool (a few threads on a small machine): a batch's
-# episodes step at once, and a hung step holds one of these, not a thread the rest of the rollout needs.
-ENVIRONMENT_THREADS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="environment")
-
-
-class LocalEnvironment:
-    """A plugin environment in this process: each call in a worker thread, under the time limit.
-
-    A thread cannot be killed, so a step past the limit is abandoned (its episode ends as ``timeout``) and
-    finishes, or not, in the background; an environment that can hang should run its work in a process of its
-    own, as the built-in Python tool does."""
-
-    def __init__(self, environment: Environment, timeout_s: float):
-        self.environment = environment
-        self.timeout_s = timeout_s
-
-    async def reset(self, task: Task) -> str:
-        text = await self._call(self.environment.reset, task)
-        if not isinstance(text, str):
-            raise EnvironmentFailed("env_error", f"reset returned {type(text).__name__}, not the prompt text")
-        return text
-
-    async def step(self, turn: Turn) -> StepResult:
-        result = await self._call(self.environment.step, turn)
-        if not isinstance(result, StepResult):
-            raise EnvironmentFailed("env_error", f"step returned {type(result).__name__}, not a StepResult")
-        if why := off_schema(result):
-            raise EnvironmentFailed("env_error", f"step returned a StepResult off the schema: {why}")
-        return as_plain(result)
-
-    async def close(self) -> None:
-        pass  # the plugin instance is the episode's own: it goes with the episode
-
-    async def _call(self, method: Callable[[Argument], object], argument: Argument) -> object:
-        try:
-            call = asyncio.get_running_loop().run_in_executor(ENVIRONMENT_THREADS, method, argument)
-            return await asyncio.wait_for(call, self.timeout_s)
-        except TimeoutError:
-            raise EnvironmentFailed("timeout", f"no answer within {self.timeout_s:g}s") from None
-        except Exception as error:  # a plugin may fail in any way: that ends its episode, never the rollout
-            raise EnvironmentFailed("env_error", repr(error)[:300]) from None
-
-
-@dataclass(frozen=True)
-class EpisodeLimits:
-    """The budgets of one episode, from the rollout section and train.max_seq_len."""
-
-    max_turns: int
-    max_tokens_per_turn: int
-    max_total_tokens: int
-    max_observation_tokens: int
-    max_seq_len: int
-
-    @classmethod
-    def of(cls, cfg: RunConfig) -> EpisodeLimits:
-        r = cfg.rollout
-        seq_len = cfg.train.max_seq_len
-        return cls(r.max_turns, r.max_tokens_per_turn, r.max_total_tokens, r.max_observation_tokens, seq_len)
-
-
-@dataclass
-class EpisodeState:
-    """One episode as it runs: the whole context (prompt first) and, after the prompt, logprobs and loss mask."""
-
-    environment: EpisodeEnvironment
-    context: list[int]
-    prompt_len: int
-    logprobs: list[float] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
-    # The policy version of each token after the prompt, where the generations say theirs (Generation.policy_version:
-    # the rollout's); an observation carries the version of the turn it answers. Empty in the trainer's evaluation.
-    versions: list[int] = field(default_factory=list)
-    turns: int = 0
-    tool_calls: int = 0
-    tool_errors: int = 0
-    env_seconds: float = 0.0
-    env_reward: float = 0.0  # the environment's own reward parts, summed: trained on with reward.environment_weight
-    outcome: Outcome | None = None
-    # (group id, index in the group): what seeds each turn's draws when run_episodes is given a run seed
-    # (train.deterministic); unused otherwise.
-    sample: tuple[str, int] = ("", 0)
-
-    @property
-    def generated(self) -> int:
-        return len(self.context) - self.prompt_len
-
-    def room(self, limits: EpisodeLimits) -> int:
-        """Tokens the next turn may sample."""
-        return min(
-            limits.max_tokens_per_turn,
-            limits.max_total_tokens - self.generated,
-            limits.max_seq_len - len(self.context),
-        )
-
-    @property
-    def newest_version(self) -> int | None:
-        return max(self.versions) if self.versions else None
-
-    def completion(self, tokenizer: Tokenizer, group_version: int | None = None) -> Completion:
-        """The ended episode; per-token versions only where a token's differs from ``group_version``."""
-        assert self.outcome is not None, "an episode becomes a completion once it has ended"
-        ids = self.context[self.prompt_len :]
-        versions = np.asarray(self.versions, dtype=np.int32)
-        differ = group_version is not None and len(versions) == len(ids) and bool((versions != group_version).any())
-        return Completion(
-            text=tokenizer.decode(ids, skip_special_tokens=True),
-            token_ids=np.asarray(ids, dtype=np.int32),
-            logprobs=np.asarray(self.logprobs, dtype=np.float32),
-            finish_reason="length" if self.outcome in CUT_SHORT else "stop",
-            loss_mask=np.asarray(self.mask, dtype=np.int32),
-            token_versions=versions if differ else None,
-            episode=Episode(
-                turns=self.turns,
-                tool_calls=self.tool_calls,
-                tool_errors=self.tool_errors,
-                env_seconds=round(self.env_seconds, 6),
-                env_reward=self.env_reward,
-                outcome=self.outcome,
-            ),
-        )
 
 
 async def start_episodes(
@@ -342,58 +190,6 @@ async def _after_turn(
     return episode
 
 
-class EpisodeMetrics:
-    """The rollout's agent metrics (Prometheus via the telemetry's meter), and a tally of outcomes for its log."""
-
-    def __init__(self) -> None:
-        m = meter()
-        self.outcomes: Counter[str] = Counter()
-        self.episodes = m.create_counter("rlpipe_rollout_episodes", unit="{episode}", description="by outcome")
-        self.turns = m.create_histogram(
-            "rlpipe_rollout_episode_turns",
-            unit="{turn}",
-            description="model turns per episode",
-            explicit_bucket_boundaries_advisory=(1, 2, 3, 4, 6, 8, 12, 16, 32),
-        )
-        self.tool_calls = m.create_counter("rlpipe_rollout_tool_calls", unit="{call}", description="tool calls")
-        self.tool_errors = m.create_counter(
-            "rlpipe_rollout_tool_errors", unit="{call}", description="tool calls that failed (malformed, or raised)"
-        )
-        self.env_latency = m.create_histogram(
-            "rlpipe_rollout_env_seconds",
-            unit="s",
-            description="time one episode spent waiting on its environment",
-            explicit_bucket_boundaries_advisory=LATENCY_BUCKETS_S,
-        )
-        self.env_reward = m.create_histogram(
-            "rlpipe_rollout_env_reward", description="the environment's own reward parts, summed over an episode"
-        )
-
-    def record(self, episodes: list[EpisodeState]) -> None:
-        for episode in episodes:
-            assert episode.outcome is not None
-            self.outcomes[episode.outcome] += 1
-            self.episodes.add(1, {"outcome": episode.outcome})
-            self.turns.record(episode.turns)
-            self.tool_calls.add(episode.tool_calls)
-            self.tool_errors.add(episode.tool_errors)
-            self.env_latency.record(episode.env_seconds)
-            self.env_reward.record(episode.env_reward)
-
-
-def environment_maker(cfg: RunConfig) -> Callable[[], EpisodeEnvironment]:
-    """What makes one episode's environment for ``cfg``: the HTTP service's client, or the named class in this
-    process under the time limit (the rollout's episodes and the trainer's held-out evaluation alike)."""
-    if cfg.rollout.environment_url:
-        return HttpEnvironmentClient(cfg.rollout).episode
-    environment, timeout_s = cfg.rollout.environment, cfg.rollout.environment_timeout_s
-    # The Python tool's box is decided here, at start: refused where none can be built unless the config allows
-    # running model-written code unboxed.
-    python = environment == "python"
-    plugin = python_tool(cfg.rollout.python_tool_isolation) if python else environment_factory(environment)
-    return lambda: LocalEnvironment(plugin(), timeout_s)
-
-
 class EpisodeRunner:
     """The rollout's multi-turn path: prompts in, one group of episodes per prompt out."""
 
@@ -423,7 +219,7 @@ class EpisodeRunner:
 
         self.turns = TurnBatcher(engine_turns)
         self.metrics = EpisodeMetrics()
-        self.make_environment = environment_maker(cfg)
+        self.make_environment = environment_maker(cfg.rollout)
         try:
             self.observations = observation_format(tokenizer, cfg.rollout.observation_role)
         except ValueError as error:  # the model cannot take this config: restarting would refuse alike

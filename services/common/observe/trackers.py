@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 import yaml
 
-from services.common.config import RunConfig, redacted_dump
+from services.common.config import RunConfig, TelemetryConfig, redacted_dump
 from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
@@ -230,8 +230,7 @@ class TrackerFanout:
                 log_event(log, Event.TRACKER_FAILED, level=logging.WARNING, tracker=name, error=repr(error)[:300])
 
 
-def _open(name: str, cfg: RunConfig, run_dir: Path, config: Mapping[str, Any]) -> Tracker:
-    telemetry = cfg.telemetry
+def _open(name: str, telemetry: TelemetryConfig, run_id: str, run_dir: Path, config: Mapping[str, Any]) -> Tracker:
     if name == "tensorboard":
         return TensorBoardTracker(run_dir / "tensorboard", config)
     if name == "mlflow":
@@ -239,8 +238,8 @@ def _open(name: str, cfg: RunConfig, run_dir: Path, config: Mapping[str, Any]) -
         uri, artifacts = telemetry.mlflow_tracking_uri, None
         if not uri:
             uri, artifacts = f"sqlite:///{run_dir / 'mlflow.db'}", run_dir / "mlflow-artifacts"
-        return MlflowTracker(uri, telemetry.mlflow_experiment, cfg.run_id, artifacts, config)
-    return WandbTracker(telemetry.wandb_project, telemetry.wandb_mode, cfg.run_id, run_dir, config)
+        return MlflowTracker(uri, telemetry.mlflow_experiment, run_id, artifacts, config)
+    return WandbTracker(telemetry.wandb_project, telemetry.wandb_mode, run_id, run_dir, config)
 
 
 def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
@@ -257,7 +256,7 @@ def open_trackers(cfg: RunConfig) -> TrackerFanout | None:
     trackers: dict[str, Tracker] = {}
     for name in telemetry.report_to:
         try:
-            trackers[name] = _open(name, cfg, run_dir, config)
+            trackers[name] = _open(name, telemetry, cfg.run_id, run_dir, config)
         except TrackerUnavailable:
             raise
         except Exception as error:  # a tracking server away at start: train without it rather than not at all

@@ -47,7 +47,14 @@ from urllib.parse import quote
 
 import urllib3
 
-from services.common.config import ModelConfig, ModelCredentials, RunConfig, S3Credentials
+from services.common.config import (
+    CheckpointConfig,
+    ModelConfig,
+    ModelCredentials,
+    ModelFetchConfig,
+    RunConfig,
+    S3Credentials,
+)
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.refusal import StartRefused
@@ -174,15 +181,14 @@ def resolve_model(cfg: RunConfig) -> RunConfig:
     source = ModelSource.parse(model.path)
     folder = hub_cache_snapshot(source, model.fetch.hub_cache_dir) if source.scheme == "hf" else None
     if folder is None:
-        folder = cached_or_fetched(source, cfg)
+        folder = cached_or_fetched(source, model, cfg.checkpoint)
     verify_model(folder, model, source.url)
     return cfg.model_copy(update={"model": model.model_copy(update={"path": folder})})
 
 
-def local_model_path(cfg: RunConfig) -> Path | None:
+def local_model_path(model: ModelConfig) -> Path | None:
     """The folder ``model.path`` names or was fetched to, without fetching anything: None while a URL's model is
     in neither the hub cache nor the cache folder."""
-    model = cfg.model
     if not isinstance(model.path, str):
         return model.path
     source = ModelSource.parse(model.path)
@@ -215,9 +221,10 @@ def _fetch_lock(cache_dir: Path, name: str) -> Iterator[None]:
         yield
 
 
-def cached_or_fetched(source: ModelSource, cfg: RunConfig) -> Path:
-    """``source``'s folder in ``model.fetch.cache_dir``, fetched first when it is not there yet."""
-    fetch = cfg.model.fetch
+def cached_or_fetched(source: ModelSource, model: ModelConfig, checkpoint: CheckpointConfig) -> Path:
+    """``source``'s folder in ``model.fetch.cache_dir``, fetched first when it is not there yet (from S3 with
+    ``checkpoint``'s endpoint settings where ``model.fetch`` names none)."""
+    fetch = model.fetch
     final = fetch.cache_dir / source.cache_name
     with _fetch_lock(fetch.cache_dir, source.cache_name):
         if final.is_dir():
@@ -234,13 +241,13 @@ def cached_or_fetched(source: ModelSource, cfg: RunConfig) -> Path:
         try:
             started = time.monotonic()
             if source.scheme == "s3":
-                files, detail = fetch_s3(source, cfg, staging)
+                files, detail = fetch_s3(source, model, checkpoint, staging)
             else:
-                files, detail = fetch_hub(source, cfg, staging)
+                files, detail = fetch_hub(source, model, staging)
             if not (staging / "config.json").is_file():
                 raise StartRefused(f"model.path: {source.url} holds no config.json: it is not a Hugging Face model")
             # Checked before the rename: a folder that lands in the cache is one the config accepts.
-            verify_model(staging, cfg.model, source.url)
+            verify_model(staging, model, source.url)
             write_record(staging, source, files, detail)
             os.rename(staging, final)
         except BaseException:
@@ -301,15 +308,14 @@ def wanted_files(listed: Mapping[str, int], model: ModelConfig, source: ModelSou
     return {name: listed[name] for name in model.manifest}
 
 
-def model_store(source: ModelSource, cfg: RunConfig) -> S3Store:
+def model_store(source: ModelSource, fetch: ModelFetchConfig, checkpoint: CheckpointConfig) -> S3Store:
     """The S3 prefix ``source`` names, with model.fetch's endpoint and credentials (else the checkpoint store's)."""
     from services.common.transport.storage import S3Store
 
-    fetch = cfg.model.fetch
-    store_cfg = cfg.checkpoint.model_copy(
+    store_cfg = checkpoint.model_copy(
         update={
-            "s3_endpoint": fetch.s3_endpoint or cfg.checkpoint.s3_endpoint,
-            "s3_secure": cfg.checkpoint.s3_secure if fetch.s3_secure is None else fetch.s3_secure,
+            "s3_endpoint": fetch.s3_endpoint or checkpoint.s3_endpoint,
+            "s3_secure": checkpoint.s3_secure if fetch.s3_secure is None else fetch.s3_secure,
         }
     )
     if not store_cfg.s3_endpoint:
@@ -334,10 +340,12 @@ def s3_listing(source: ModelSource, store: S3Store) -> dict[str, int]:
     return listed
 
 
-def fetch_s3(source: ModelSource, cfg: RunConfig, into: Path) -> tuple[dict[str, int], dict[str, str]]:
+def fetch_s3(
+    source: ModelSource, model: ModelConfig, checkpoint: CheckpointConfig, into: Path
+) -> tuple[dict[str, int], dict[str, str]]:
     """Every object under the prefix (or the manifest's) into ``into``; {file: size} and what to record."""
-    store = model_store(source, cfg)
-    files = wanted_files(s3_listing(source, store), cfg.model, source)
+    store = model_store(source, model.fetch, checkpoint)
+    files = wanted_files(s3_listing(source, store), model, source)
     for name, size in files.items():
         target = into / name
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -359,17 +367,17 @@ class HubListing:
     headers: dict[str, str]  # what every request to the endpoint carries (the token)
 
 
-def hub_client(cfg: RunConfig) -> urllib3.PoolManager:
+def hub_client(fetch: ModelFetchConfig) -> urllib3.PoolManager:
     # urllib3 drops Authorization when a redirect leaves the host (the Hub sends large files to a CDN).
     return urllib3.PoolManager(
-        timeout=urllib3.Timeout(connect=10, read=cfg.model.fetch.timeout_s),
+        timeout=urllib3.Timeout(connect=10, read=fetch.timeout_s),
         retries=urllib3.Retry(total=3, backoff_factor=0.5, status_forcelist=[500, 502, 503, 504]),
     )
 
 
-def hub_listing(source: ModelSource, cfg: RunConfig, http: urllib3.PoolManager) -> HubListing:
+def hub_listing(source: ModelSource, fetch: ModelFetchConfig, http: urllib3.PoolManager) -> HubListing:
     """``/api/models/{repo}/revision/{revision}`` of ``model.fetch.hub_endpoint``."""
-    endpoint = cfg.model.fetch.hub_endpoint
+    endpoint = fetch.hub_endpoint
     token = ModelCredentials().hub_token
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     url = f"{endpoint}/api/models/{quote(source.location, safe='/')}/revision/{quote(source.path, safe='')}?blobs=true"
@@ -393,13 +401,13 @@ def hub_listing(source: ModelSource, cfg: RunConfig, http: urllib3.PoolManager) 
         raise ModelFetchFailed(f"{url} is not a Hub repository listing: {error!r}"[:300]) from None
 
 
-def fetch_hub(source: ModelSource, cfg: RunConfig, into: Path) -> tuple[dict[str, int], dict[str, str]]:
+def fetch_hub(source: ModelSource, model: ModelConfig, into: Path) -> tuple[dict[str, int], dict[str, str]]:
     """The repository's files at the revision's commit from ``model.fetch.hub_endpoint``, into ``into``."""
-    endpoint = cfg.model.fetch.hub_endpoint
-    http = hub_client(cfg)
-    listing = hub_listing(source, cfg, http)
+    endpoint = model.fetch.hub_endpoint
+    http = hub_client(model.fetch)
+    listing = hub_listing(source, model.fetch, http)
     sizes = {name: int(entry.get("size") or -1) for name, entry in listing.files.items()}
-    files = wanted_files(sizes, cfg.model, source)
+    files = wanted_files(sizes, model, source)
     got_sizes = {}
     for name in files:
         url = f"{endpoint}/{quote(source.location, safe='/')}/resolve/{listing.commit}/{quote(name)}"

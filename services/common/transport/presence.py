@@ -36,7 +36,7 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from services.common.cancel import cancel_until_done
-from services.common.config import BuildInfo, RunConfig
+from services.common.config import BuildInfo, NatsConfig, RunConfig, ServiceConfig
 from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.gpu_memory import KINDS, ProcessGpuMemory, process_gpu_memory
@@ -94,21 +94,21 @@ def bucket_name(run_id: str) -> str:
     return f"RLPIPE_{run_id}_SERVICES"
 
 
-def instance_name(cfg: RunConfig, role: str) -> str:
-    name = cfg.service.instance or f"{role}-{socket.gethostname()}"
+def instance_name(service: ServiceConfig, role: str) -> str:
+    name = service.instance or f"{role}-{socket.gethostname()}"
     return re.sub(r"[^A-Za-z0-9_=.-]", "-", name)
 
 
-async def open_bucket(js: Any, cfg: RunConfig, create: bool = True) -> Any:
+async def open_bucket(js: Any, run_id: str, nats: NatsConfig, create: bool = True) -> Any:
     """The run's presence bucket: created when missing, or (``create=False``, a role that may not) waited for."""
-    name = bucket_name(cfg.run_id)
+    name = bucket_name(run_id)
     if not create:
         return await await_run_state(f"bucket {name}", lambda: js.key_value(name), BucketNotFoundError)
     try:
         return await js.key_value(name)
     except BucketNotFoundError:
-        storage = api.StorageType.FILE if cfg.nats.storage == "file" else api.StorageType.MEMORY
-        return await js.create_key_value(bucket=name, history=1, storage=storage, replicas=cfg.nats.stream_replicas)
+        storage = api.StorageType.FILE if nats.storage == "file" else api.StorageType.MEMORY
+        return await js.create_key_value(bucket=name, history=1, storage=storage, replicas=nats.stream_replicas)
 
 
 class Presence:
@@ -124,7 +124,7 @@ class Presence:
         self.cfg = cfg
         self.role = role
         self.live = live
-        self.instance = instance_name(cfg, role)
+        self.instance = instance_name(cfg.service, role)
         build = BuildInfo().resolved()
         self.entry = ServiceEntry(
             role=role,
@@ -141,7 +141,7 @@ class Presence:
         self.gpu_memory = gpu_memory or (lambda: process_gpu_memory(os.getpid()))
 
     async def start(self, **info: Any) -> Presence:
-        self.kv = await open_bucket(self.js, self.cfg, create=creates_run_state(self.role))
+        self.kv = await open_bucket(self.js, self.cfg.run_id, self.cfg.nats, create=creates_run_state(self.role))
         try:
             earlier = json.loads((await self.kv.get(self.instance)).value)
             # An earlier entry this build cannot read counts as one start: the restart count starts over.
@@ -196,13 +196,13 @@ class Presence:
             await cancel_until_done(self._task)
 
 
-async def read_presence(js: Any, cfg: RunConfig) -> list[SeenService]:
+async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenService]:
     """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out."""
-    kv = await open_bucket(js, cfg)
+    kv = await open_bucket(js, run_id, nats)
     # The keys from the stream's subject index: kv.keys() goes through a watcher that can report
     # no keys while there are some (nats.py#842), which would make every service look gone.
-    prefix = f"$KV.{bucket_name(cfg.run_id)}."
-    info = await js.stream_info(f"KV_{bucket_name(cfg.run_id)}", subjects_filter=f"{prefix}>")
+    prefix = f"$KV.{bucket_name(run_id)}."
+    info = await js.stream_info(f"KV_{bucket_name(run_id)}", subjects_filter=f"{prefix}>")
     keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
     now = time.time()
     entries = []
@@ -223,14 +223,14 @@ async def read_presence(js: Any, cfg: RunConfig) -> list[SeenService]:
     return sorted(entries, key=lambda e: (e.role, e.instance))
 
 
-async def await_trainer_port(js: Any, cfg: RunConfig, since: float) -> int:
+async def await_trainer_port(js: Any, run_id: str, nats: NatsConfig, since: float) -> int:
     """The weight-sync port the live trainer's presence entry names, waited for: ``rlpipe run`` starts the
     rollouts with the trainer, before it has bound the port the OS gives it (``service.trainer_grpc_port: 0``).
     Only an entry written at or after ``since`` (wall time) counts, so the entry of a trainer that died before
     this start is never taken; a live trainer rewrites its entry every ``HEARTBEAT_S``."""
-    await open_bucket(js, cfg, create=False)  # waits for the trainer to create the bucket
+    await open_bucket(js, run_id, nats, create=False)  # waits for the trainer to create the bucket
     while True:
-        for entry in await read_presence(js, cfg):
+        for entry in await read_presence(js, run_id, nats):
             if entry.role == "trainer" and entry.grpc and entry.time >= since:
                 return int(entry.grpc.rpartition(":")[2])
         await asyncio.sleep(0.5)

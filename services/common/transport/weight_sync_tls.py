@@ -12,50 +12,54 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.config import RunConfig
+from services.common.config import RolloutConfig, ServiceConfig, WeightSyncConfig
 
 # Roles whose gRPC port speaks TLS when the weight-sync certificate is set.
 TRAINER, ROLLOUT = "trainer", "rollout"
 
 
-def serves_tls(cfg: RunConfig, role: str) -> bool:
+def serves_tls(weight_sync: WeightSyncConfig, rollout: RolloutConfig, role: str) -> bool:
     """Whether ``role``'s gRPC port speaks TLS only: the trainer's when the certificate is set; a rollout's when
     it also relays weights to its peers (its port carries the relay)."""
-    if cfg.weight_sync.tls_cert is None:
+    if weight_sync.tls_cert is None:
         return False
-    return role == TRAINER or (role == ROLLOUT and cfg.rollout.weight_relay)
+    return role == TRAINER or (role == ROLLOUT and rollout.weight_relay)
 
 
-def server_credentials(cfg: RunConfig, role: str) -> grpc.ServerCredentials | None:
+def server_credentials(
+    weight_sync: WeightSyncConfig, rollout: RolloutConfig, role: str
+) -> grpc.ServerCredentials | None:
     """TLS credentials for ``role``'s port, or None where it stays plaintext."""
-    if not serves_tls(cfg, role):
+    if not serves_tls(weight_sync, rollout, role):
         return None
-    tls = cfg.weight_sync
+    tls = weight_sync
     assert tls.tls_cert is not None and tls.tls_key is not None  # config: both or neither
     return grpc.ssl_server_credentials([(tls.tls_key.read_bytes(), tls.tls_cert.read_bytes())])
 
 
-def certificate_name(cfg: RunConfig) -> str:
+def certificate_name(service: ServiceConfig) -> str:
     """The name every client checks the weight-sync certificate against."""
-    return cfg.service.trainer_host or cfg.service.host
+    return service.trainer_host or service.host
 
 
-def channel_credentials(cfg: RunConfig) -> grpc.ChannelCredentials | None:
+def channel_credentials(weight_sync: WeightSyncConfig) -> grpc.ChannelCredentials | None:
     """TLS to a weight-sync port when ``weight_sync.tls_ca`` is set."""
-    ca = cfg.weight_sync.tls_ca
+    ca = weight_sync.tls_ca
     return grpc.ssl_channel_credentials(root_certificates=ca.read_bytes()) if ca is not None else None
 
 
-def name_override(cfg: RunConfig) -> tuple[tuple[str, str], ...]:
+def name_override(service: ServiceConfig) -> tuple[tuple[str, str], ...]:
     """Channel options that check the certificate against ``certificate_name`` whatever address is dialled."""
-    return (("grpc.ssl_target_name_override", certificate_name(cfg)),)
+    return (("grpc.ssl_target_name_override", certificate_name(service)),)
 
 
-def probe_credentials(cfg: RunConfig, role: str) -> grpc.ChannelCredentials | None:
+def probe_credentials(
+    weight_sync: WeightSyncConfig, rollout: RolloutConfig, role: str
+) -> grpc.ChannelCredentials | None:
     """What the health probe in ``role``'s container dials its own port with: TLS where the port speaks it, trusting
     tls_ca, or where a trainer's container has none (it needs no CA to serve), its own certificate chain."""
-    if not serves_tls(cfg, role):
+    if not serves_tls(weight_sync, rollout, role):
         return None
-    trusted = cfg.weight_sync.tls_ca or cfg.weight_sync.tls_cert
+    trusted = weight_sync.tls_ca or weight_sync.tls_cert
     assert trusted is not None
     return grpc.ssl_channel_credentials(root_certificates=trusted.read_bytes())

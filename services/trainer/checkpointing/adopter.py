@@ -32,7 +32,7 @@ from services.trainer.checkpointing.restorable import Restorable
 from services.trainer.checkpointing.resume import ResumeBlocked, SavedRecord, StoreUnreadable
 from services.trainer.checkpointing.retention import Purger
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt, new_incarnation
-from services.trainer.checkpointing.store import UNREADABLE, ForeignCheckpoints, Resumable
+from services.trainer.checkpointing.step_reader import UNREADABLE, ForeignCheckpoints, Resumable
 from services.trainer.progress import Adopted, ProcessState
 
 log = logging.getLogger(__name__)

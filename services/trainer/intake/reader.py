@@ -23,7 +23,7 @@ import numpy as np
 from nats.errors import Error as NatsError
 from nats.js.errors import BadRequestError, NotFoundError
 
-from services.common.config import RunConfig
+from services.common.config import TrainConfig
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import span_from_headers
@@ -140,7 +140,7 @@ class Intake:
             self.reader.seek(self.progress.applied_seq + 1)
         return self.reader
 
-    async def feed(self, cfg: RunConfig, config_version: int, accepted: int = 0) -> None:
+    async def feed(self, train: TrainConfig, config_version: int, accepted: int = 0) -> None:
         """Top PROMPTS up to the in-flight bound. Synchronous (``train.synchronous``), the bound is one batch
         counting the ``accepted`` groups of the batch being collected, so nothing is fed for the next step until
         this one is trained (a group dropped as stale frees its slot for a fresh one), and each prompt asks for
@@ -150,8 +150,8 @@ class Intake:
         landed are in flight; at the first that failed the feeder seeks back, so it and any after it that failed
         are fed again later (one that did land is known and skipped then), and the ledger's watermark stays below
         the feeder's cursor (``GroupLedger.unfed_from``) until they are."""
-        synchronous = cfg.train.synchronous
-        limit = cfg.train.batch_size if synchronous else cfg.train.max_inflight_batches * cfg.train.batch_size
+        synchronous = train.synchronous
+        limit = train.batch_size if synchronous else train.max_inflight_batches * train.batch_size
         batch: list[tuple[dict[str, int], Prompt]] = []
         while len(self.ledger.in_flight) + len(batch) + (accepted if synchronous else 0) < limit:
             cursor = self.feeder.cursor
@@ -276,7 +276,7 @@ class Intake:
             error=repr(error)[:300],
         )
 
-    async def write_off_overdue(self, cfg: RunConfig) -> list[str]:
+    async def write_off_overdue(self, train: TrainConfig) -> list[str]:
         """Groups in flight past the bound, overtaken by later ones, and not waiting unread in EXPERIENCE: their
         deliveries are spent. Looked at every ``LOST_CHECK_S``; skipped while EXPERIENCE holds a backlog (after
         a pause, say), in which an overdue group may still be waiting."""
@@ -284,11 +284,11 @@ class Intake:
         if now - self.lost_checked < LOST_CHECK_S:
             return []
         self.lost_checked = now
-        overdue = self.ledger.overdue(now, cfg.train.lost_after_s)
+        overdue = self.ledger.overdue(now, train.lost_after_s)
         if not overdue or self.broker.retry_in() > 0:
             return []
         try:
-            waiting = await self._waiting_in_experience(cfg)
+            waiting = await self._waiting_in_experience(train)
         except (NatsError, TimeoutError) as error:  # the broker, not the groups: look again after the backoff
             self._broker_failed("write_off", error)
             return []
@@ -300,13 +300,13 @@ class Intake:
             await self.on_lost(lost)
         return lost
 
-    async def _waiting_in_experience(self, cfg: RunConfig) -> set[str | None] | None:
+    async def _waiting_in_experience(self, train: TrainConfig) -> set[str | None] | None:
         """The groups EXPERIENCE holds unread, or None when it holds more than the in-flight limit (a backlog)."""
         stream = stream_name(self.bus.run_id, EXPERIENCE)
         last = (await self.bus.js.stream_info(stream)).state.last_seq
         # Nothing read yet: the reader would start after the last applied sequence (``rewind``).
         first_unread = self.reader.next_seq if self.reader is not None else self.progress.applied_seq + 1
-        if last - first_unread + 1 > cfg.train.max_inflight_batches * cfg.train.batch_size:
+        if last - first_unread + 1 > train.max_inflight_batches * train.batch_size:
             return None
         waiting = set()
         for seq in range(first_unread, last + 1):
@@ -330,7 +330,7 @@ class Intake:
         return True
 
     async def collect(
-        self, cfg: RunConfig, config_version: int, interrupted: Callable[[], Awaitable[bool]], stop: asyncio.Event
+        self, train: TrainConfig, config_version: int, interrupted: Callable[[], Awaitable[bool]], stop: asyncio.Event
     ) -> Collected | None:
         """The next ``batch_size`` usable groups in stream order; None when ``interrupted`` (an operator command,
         a config change, the claim store down) drops the partial batch, which is re-read from the last applied
@@ -343,7 +343,7 @@ class Intake:
         in_batch: set[str] = set()
         sequence = self.progress.applied_seq
         reader = self.reader if self.reader is not None else self.rewind()
-        while len(batch) < cfg.train.batch_size and not stop.is_set():
+        while len(batch) < train.batch_size and not stop.is_set():
             if await interrupted():
                 self.rewind()
                 return None
@@ -351,9 +351,9 @@ class Intake:
                 # DEAD is looked at before each read that goes to the broker, not before every message read ahead:
                 # a letter settles a group whichever comes first, and one a read group needs is read at once below.
                 await self.catch_up_dead()
-            await self.feed(cfg, config_version, accepted=len(batch))
+            await self.feed(train, config_version, accepted=len(batch))
             msg = await reader.next(timeout=1.0)
-            await self.write_off_overdue(cfg)
+            await self.write_off_overdue(train)
             if msg is None:
                 continue
             group_id = (msg.headers or {}).get(H_GROUP)
@@ -392,13 +392,13 @@ class Intake:
                     continue
                 in_batch.add(group.group_id)
                 # Synchronous, only the policy being trained may have generated a group (staleness 0).
-                if self._unusable(group, 0 if cfg.train.synchronous else cfg.train.max_staleness):
+                if self._unusable(group, 0 if train.synchronous else train.max_staleness):
                     dropped.append(group.group_id)
                     continue
-                if cfg.train.dynamic_sampling and without_signal(group):
+                if train.dynamic_sampling and without_signal(group):
                     filtered.append(group.group_id)  # the loop reads on: the batch is filled from the stream
                     filtered_episodes.extend(episodes_of([group]))
-                    if len(filtered) == FILTERED_ALERT_BATCHES * cfg.train.batch_size:
+                    if len(filtered) == FILTERED_ALERT_BATCHES * train.batch_size:
                         log_event(
                             log,
                             Event.DYNAMIC_SAMPLING_FILTERING_MOST,
@@ -409,7 +409,7 @@ class Intake:
                         )
                     continue
                 batch.append(group)
-        if cfg.train.deterministic:
+        if train.deterministic:
             # Arrival order is the pipeline's timing; feeding order is the run's own (the groups' sums, the batch's
             # rows and its mini-batches follow it).
             batch.sort(key=lambda group: feeding_order(group.group_id))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import PreTrainedModel
 
-from services.common.config import RunConfig
+from services.common.config import TrainConfig
 from services.common.model.modeling import ResponseBatch, at_response, enable_gradient_checkpointing, load_model
 
 
@@ -21,13 +22,13 @@ class Critic(torch.nn.Module):
     to the policy's device and runs it under the same autocast.
     """
 
-    def __init__(self, cfg: RunConfig, policy: PreTrainedModel):
+    def __init__(self, train: TrainConfig, model_folder: Path, policy: PreTrainedModel):
         super().__init__()
-        self.kind = cfg.train.critic.kind
+        self.kind = train.critic.kind
         hidden = policy.config.hidden_size
         if self.kind == "separate":
-            self.backbone = load_model(cfg.model.folder, policy.dtype).model
-            if cfg.train.gradient_checkpointing:
+            self.backbone = load_model(model_folder, policy.dtype).model
+            if train.gradient_checkpointing:
                 enable_gradient_checkpointing(self.backbone)
         self.head = torch.nn.Linear(hidden, 1, dtype=policy.dtype)
         # A zero head starts every value at 0 instead of at noise, which would distort the first advantages.

@@ -11,8 +11,9 @@ A step follows the usual recipe (verl, OpenRLHF, TRL):
    logprobs, ``corrections.py``), entropy bonus, KL loss term and clipped value loss.
 
 The advantages, each micro-batch's loss and the batch's metrics are ``objective.py``'s functions of the batch and
-the config; what a checkpoint must hold to load is ``checkpoint_state.LearnerLayout``'s. This class holds the
-model and optimizer, runs the forward passes and applies the updates.
+the config; what a checkpoint must hold to load is ``checkpoint_state.LearnerLayout``'s, and what it takes from the
+learner and gives back is ``learner_state.py``'s. This class holds the model and optimizer, runs the forward passes
+and applies the updates.
 
 Non-finite numbers never reach the weights: an update whose loss or gradient norm is NaN or infinite is not
 applied, nor is any later update of its step, and targets that are not finite (a NaN advantage) skip every update
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -49,12 +50,11 @@ from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
 from services.common.model.evaluation import greedy_accuracy
-from services.common.model.lora import adapter_tensors, attach_adapters, base_identity_in_background
+from services.common.model.lora import attach_adapters, base_identity_in_background
 from services.common.model.modeling import (
     Precision,
     ResponseBatch,
     enable_gradient_checkpointing,
-    host_copy,
     load_model,
     load_tokenizer,
     make_deterministic,
@@ -67,16 +67,10 @@ from services.common.model.padding import pad_token_id
 from services.common.observe import metrics as m
 from services.common.observe.flops import device_peak_flops, model_arithmetic, model_flops_utilization
 from services.common.transport.messages import ExperienceGroup
-from services.common.transport.weightsync.snapshot import HostStaging, Snapshot
+from services.common.transport.weightsync.snapshot import HostStaging
 from services.trainer.checkpointing.state import (
-    Checkpoint,
     LearnerLayout,
     ModuleLayout,
-    detached_copy,
-    restore_rng,
-    rng_state,
-    untied,
-    widened,
 )
 from services.trainer.episode_eval import EpisodeEvaluation, evaluate_episodes
 from services.trainer.learning import objective
@@ -92,6 +86,7 @@ from services.trainer.learning.corrections import correction_weights, log_ratio
 from services.trainer.learning.critic import Critic
 from services.trainer.learning.distributed import Mesh, Op
 from services.trainer.learning.follower import config_payload, evaluate_payload, step_payload
+from services.trainer.learning.learner_state import LearnerStateIO
 from services.trainer.learning.passes import rank_passes
 
 if TYPE_CHECKING:
@@ -110,17 +105,7 @@ def _number(value: torch.Tensor) -> float:
     return float(value.full_tensor() if isinstance(value, DTensor) else value)
 
 
-@dataclass
-class LearnerState:
-    """What a checkpoint takes from the learner besides schedule and RNG, in host memory and one process's format
-    whatever the world size: full tensors by name (tied ones once) and AdamW's ``state_dict``."""
-
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any] | None  # None: not asked for (a save without optimizer state)
-    critic: dict[str, torch.Tensor] | None
-
-
-class Learner:
+class Learner(LearnerStateIO):
     """The policy, PPO's critic and their optimizer; ``step`` trains on one batch of groups.
 
     Attributes: ``mesh`` (this process among the trainer's; ``Mesh()`` alone), ``precision`` (device and
@@ -164,7 +149,7 @@ class Learner:
         self.tokenizer = load_tokenizer(cfg.model.folder)
         self.pad_id = pad_token_id(self.tokenizer)
         # The policy's transformers model (inside peft's wrappers with LoRA): its config and dtype size the critic.
-        self.critic = Critic(cfg, model).to(self.device) if train.algorithm == "ppo" else None
+        self.critic = Critic(train, cfg.model.folder, model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
         model_layout = ModuleLayout.of(self.model, self.adapter_names)
         critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
@@ -214,45 +199,7 @@ class Learner:
                 self.scheduler.last_epoch
             )
 
-    def rng_state(self) -> dict[str, Any]:
-        return {**rng_state(), "minibatch_order": self.generator.get_state()}
-
     # --- full state: weight sync, checkpoints, evaluation ------------------------------------
-
-    def weights(self) -> dict[str, torch.Tensor]:
-        """What a policy version is, in host memory: the full state dict (tied names share a tensor), or with LoRA
-        the adapters under peft's saved names; ``{}`` on ranks but 0."""
-        with self.mesh.command(Op.WEIGHTS):
-            state = self.mesh.gather_module(self.model, self.adapter_names)
-        return state if self.adapter_names is None else adapter_tensors(state)
-
-    def snapshot(self, version: int, step: int) -> Snapshot:
-        """The policy's weights as weight sync serves them, as ``version`` made at ``step``: with LoRA only the
-        adapters, which the rollout loads over the base it holds.
-
-        In one process they are copied into ``staging``'s reused host memory (from a GPU, queued on a copy stream
-        that the next step's kernels wait for: see ``HostStaging``); across processes they are gathered."""
-        if self.mesh.distributed:
-            return Snapshot(version=version, step=step, tensors=tuple(self.weights().items()))
-        state = self.model.state_dict()
-        if self.adapter_names is not None:
-            state = adapter_tensors({name: t for name, t in state.items() if name in self.adapter_names})
-        return self.staging.copy(state.items(), version, step)
-
-    def state(self, optimizer: bool = True) -> LearnerState:
-        """A host-memory copy of weights, critic and (with ``optimizer``) optimizer state that training cannot
-        change (rank 0's is complete; the others' empty)."""
-        if not self.mesh.distributed:
-            return LearnerState(
-                model=detached_copy(self.model, self.adapter_names),
-                optimizer=host_copy(self.optimizer.state_dict()) if optimizer else None,
-                critic=detached_copy(self.critic) if self.critic is not None else None,
-            )
-        with self.mesh.command(Op.STATE):  # every rank gathers alike: the followers do not know what is kept
-            model = untied(self.mesh.gather_module(self.model, self.adapter_names))
-            critic = untied(self.mesh.gather_module(self.critic)) if self.critic is not None else None
-            gathered = self.mesh.gather_optimizer(self.optimizer)
-        return LearnerState(model=model, optimizer=gathered if optimizer else None, critic=critic)
 
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
         """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
@@ -266,62 +213,6 @@ class Learner:
         payload = evaluate_payload(rows, 0, episodes=True) if self.mesh.leads else b""
         with self.mesh.command(Op.EVALUATE, payload):
             return evaluate_episodes(self.model, self.tokenizer, rows, self.cfg, precision=self.precision)
-
-    def check(self, ckpt: Checkpoint) -> None:
-        """Raise CheckpointMismatch unless ``ckpt`` loads whole (``LearnerLayout.check``). Changes nothing, so a
-        caller checks first and then switches (``load``), and a checkpoint that does not fit leaves the model as it
-        was."""
-        self.layout.check(ckpt)
-
-    def load(self, ckpt: Checkpoint | None) -> None:
-        """Everything a checkpoint holds about learning: weights, critic, optimizer, schedule, RNG streams.
-
-        Rank 0 checks the checkpoint whole first (``check``): one that does not fit raises before anything changes.
-        Across processes rank 0 passes the checkpoint it read and the others None: each keeps its shards."""
-        if ckpt is not None:
-            ckpt = widened(ckpt, self.layout.model)
-            self.check(ckpt)
-        if self.mesh.distributed:
-            self._load_sharded(ckpt)
-            return
-        assert ckpt is not None
-        # Checked whole above: only the aliases of tied tensors are absent, and they share the storage loaded.
-        self.model.load_state_dict(ckpt.model, strict=False)
-        if self.critic is not None and ckpt.critic is not None:
-            self.critic.load_state_dict(ckpt.critic, strict=False)
-        if ckpt.optimizer is not None:
-            self.optimizer.load_state_dict(ckpt.optimizer)
-        else:
-            self.optimizer.state.clear()  # saved without it (checkpoint.optimizer_every): AdamW's moments start at 0
-        self.scheduler.load_state_dict(ckpt.scheduler)
-        restore_rng(ckpt.rng)
-        self.generator.set_state(ckpt.rng["minibatch_order"])
-        self.steps_done = ckpt.step
-
-    def _load_sharded(self, ckpt: Checkpoint | None) -> None:
-        with self.mesh.command(Op.LOAD):
-            small = self.mesh.share(
-                {
-                    "step": ckpt.step,
-                    "scheduler": ckpt.scheduler,
-                    "rng": ckpt.rng,
-                    "critic": ckpt.critic is not None,
-                    "optimizer": ckpt.optimizer is not None,
-                }
-                if ckpt is not None
-                else None
-            )
-            self.mesh.load_module(self.model, ckpt.model if ckpt is not None else None, self.adapter_names)
-            if self.critic is not None and small["critic"]:
-                self.mesh.load_module(self.critic, ckpt.critic if ckpt is not None else None)
-            if small["optimizer"]:
-                self.mesh.load_optimizer(self.optimizer, ckpt.optimizer if ckpt is not None else None)
-            else:
-                self.optimizer.state.clear()
-        self.scheduler.load_state_dict(small["scheduler"])
-        restore_rng(small["rng"])
-        self.generator.set_state(small["rng"]["minibatch_order"])
-        self.steps_done = small["step"]
 
     def parameters(self) -> list[torch.nn.Parameter]:
         return [p for group in self.optimizer.param_groups for p in group["params"]]

@@ -25,15 +25,11 @@ from services.cli.doctor.checks import _doctor_checks, check_packages
 from services.cli.doctor.weightsync import weight_sync_rows
 from services.common.config import CheckpointConfig, load_config
 from services.common.pb import weights_pb2_grpc
-from services.common.startup_checks import (
-    StartupCheckError,
-    _startup_checks,
-    check_admin_token,
-    check_ports,
-    check_storage,
-    check_weight_sync_token,
-    startup_checks,
-)
+from services.common.startup_checks.machine import check_ports
+from services.common.startup_checks.roles import _startup_checks, startup_checks
+from services.common.startup_checks.rows import StartupCheckError
+from services.common.startup_checks.storage import check_storage
+from services.common.startup_checks.tokens import check_admin_token, check_weight_sync_token
 from services.common.transport.bus import Bus
 from services.common.transport.streams import PROMPTS, stream_name, subject
 from services.common.transport.weightsync.auth import WeightSyncToken

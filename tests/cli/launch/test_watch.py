@@ -62,7 +62,8 @@ def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secure
 
         async def starting() -> tuple[Bus, Presence]:
             bus = await Bus(as_trainer, "trainer").connect()
-            await open_bucket(bus.js, as_trainer)  # the trainer creates the bucket, as at a run's start
+            # The trainer creates the bucket, as at a run's start.
+            await open_bucket(bus.js, as_trainer.run_id, as_trainer.nats)
             return bus, await Presence(bus.js, as_trainer, "reward").start(grpc="127.0.0.1:1")
 
         loop = asyncio.new_event_loop()
@@ -156,7 +157,7 @@ def test_a_stage_ready_before_the_launcher_read_it_gets_its_stop_grace_instead_o
 
     async def create_bucket() -> None:  # the trainer's part at a run's start
         bus = await Bus(as_trainer, "trainer").connect()
-        await open_bucket(bus.js, as_trainer)
+        await open_bucket(bus.js, as_trainer.run_id, as_trainer.nats)
         await bus.close()
 
     asyncio.run(create_bucket())

@@ -13,9 +13,10 @@ import pytest
 
 from services.common.config import RolloutConfig
 from services.common.episodes.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
+from services.common.episodes.episode_state import EpisodeLimits, EpisodeState
 from services.common.episodes.http_environment import HttpEnvironmentClient
 from services.common.episodes.observations import VerbatimObservations
-from services.common.episodes.runner import EpisodeLimits, EpisodeState, run_episodes, start_episodes
+from services.common.episodes.runner import run_episodes, start_episodes
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer

@@ -9,8 +9,10 @@ import pytest
 from services.cli.build.tiny_model import ALPHABET, build_char_tokenizer
 from services.common.config import load_config
 from services.common.episodes.environments import Calculator, Task
+from services.common.episodes.episode_environment import LocalEnvironment
+from services.common.episodes.episode_state import EpisodeState
 from services.common.episodes.observations import ChatObservations, VerbatimObservations, observation_format
-from services.common.episodes.runner import EpisodeRunner, EpisodeState, LocalEnvironment, run_episodes, start_episodes
+from services.common.episodes.runner import EpisodeRunner, run_episodes, start_episodes
 from services.common.refusal import StartRefused
 from tests.common.episodes.test_runner import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
 from tests.conftest import write_config

@@ -10,15 +10,11 @@ import pytest
 
 from services.common.config import SamplingConfig
 from services.common.episodes.environments import Calculator, EnvironmentFailed, StepResult, Task, Turn
+from services.common.episodes.episode_environment import LocalEnvironment
+from services.common.episodes.episode_state import EpisodeLimits, EpisodeState
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import ChatObservations, VerbatimObservations
-from services.common.episodes.runner import (
-    EpisodeLimits,
-    EpisodeState,
-    LocalEnvironment,
-    run_episodes,
-    start_episodes,
-)
+from services.common.episodes.runner import run_episodes, start_episodes
 from services.common.episodes.turns import TurnBatcher
 from services.common.transport.breaker import DependencyUnavailable
 

@@ -11,9 +11,10 @@ import pytest
 
 from services.common.config import RolloutConfig, load_config
 from services.common.episodes.environments import PythonTool, Turn, python_tool
-from services.common.episodes.runner import environment_maker
+from services.common.episodes.episode_environment import environment_maker
 from services.common.refusal import StartRefused
-from services.common.startup_checks import _startup_checks, check_python_box
+from services.common.startup_checks.machine import check_python_box
+from services.common.startup_checks.roles import _startup_checks
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.unit
@@ -88,6 +89,6 @@ def test_a_run_with_the_python_environment_finds_a_box_here_and_plays_its_episod
     rollout = {"environment": "python", "turn_stop": ["</python>"]}
     cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", rollout=rollout))
     assert [row.status for row in check_python_box(cfg.rollout)] == ["ok"]  # the real probe
-    environment = environment_maker(cfg)()
+    environment = environment_maker(cfg.rollout)()
     turn = Turn("<python>import os; print(os.getcwd(), os.path.exists('/proc'))</python>", (1,))
     assert asyncio.run(environment.step(turn)).observation == "<result>/tmp False</result>"

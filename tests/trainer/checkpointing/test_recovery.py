@@ -28,7 +28,8 @@ from services.trainer.checkpointing.manifest import FULL_FORMAT, UnknownCheckpoi
 from services.trainer.checkpointing.recovery import AdoptionUnserved, Recovery
 from services.trainer.checkpointing.resume import SavedRecord
 from services.trainer.checkpointing.state import CheckpointMismatch
-from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpointing.step_reader import ForeignCheckpoints
+from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.learning.learner import Learner

@@ -14,7 +14,8 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpointing.manifest import ABANDONED, STABLE, sha256
 from services.trainer.checkpointing.state import TrainerState
-from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
+from services.trainer.checkpointing.step_reader import ForeignCheckpoints
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.trainer.checkpointing.test_store import checkpoint
 
 pytestmark = pytest.mark.unit

@@ -100,7 +100,7 @@ def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have
         ledger = GroupLedger()
         ledger.settle(["e0-i1"], step=0, fate=Fate.DEAD)  # dead-lettered before a restart
         intake = intake_of(bus, rows, ledger, Progress())
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3", "e0-i4"]  # 2 batches of 2, e0-i1 skipped
         prompts = await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))
         assert prompts.state.messages == 4
@@ -109,7 +109,7 @@ def test_feeding_stops_at_the_in_flight_limit_and_skips_groups_that_already_have
         # the group stays in flight (it is downstream) instead of being fed twice.
         again = intake_of(bus, rows, GroupLedger(), Progress())
         again.ledger.settle(["e0-i1"], step=0, fate=Fate.DEAD)
-        await again.feed(cfg, config_version=0)
+        await again.feed(cfg.train, config_version=0)
         assert sorted(again.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3", "e0-i4"]
         assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 4
         await bus.close()
@@ -160,7 +160,7 @@ def test_a_batch_takes_each_group_once_however_often_experience_holds_it(tiny_mo
         async def never() -> bool:
             return False
 
-        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        collected = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i3"]
         assert collected.dropped == ["e9-i2"]  # 3 - 1 > max_staleness 1
         assert collected.sequence == 5
@@ -181,10 +181,10 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         first = intake_of(bus, rows, GroupLedger(), Progress(incarnation="a"))
-        await first.feed(cfg, config_version=0)
+        await first.feed(cfg.train, config_version=0)
         progress = Progress(incarnation="b")
         again = intake_of(bus, rows, GroupLedger(), progress)
-        await again.feed(cfg, config_version=0)
+        await again.feed(cfg.train, config_version=0)
         assert (await bus.js.stream_info(stream_name(cfg.run_id, PROMPTS))).state.messages == 8  # 4 + 4, none repeats
 
         await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="a"), msg_id="old")
@@ -194,7 +194,7 @@ def test_a_trainer_that_started_over_feeds_the_same_ids_as_new_work_and_ignores_
         async def never() -> bool:
             return False
 
-        collected = await again.collect(cfg, 0, never, asyncio.Event())
+        collected = await again.collect(cfg.train, 0, never, asyncio.Event())
         assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
         assert collected.dropped == [] and again.ledger.repeats == 0
         await bus.close()
@@ -220,7 +220,7 @@ def test_a_group_made_by_a_disowned_policy_version_is_dropped_on_arrival(tiny_mo
         for n, (group_id, version) in enumerate([("e9-i0", 3), ("e9-i1", 2), ("e9-i2", 4), ("e9-i3", 5)]):
             await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"v-{n}")
 
-        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        collected = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i3"]  # versions 2 and 5
         assert collected.dropped == ["e9-i0", "e9-i2"]  # versions 3 and 4
         assert collected.sequence == 4
@@ -243,7 +243,7 @@ def test_with_the_default_settings_a_group_nine_versions_old_is_dropped_and_one_
         for n, (group_id, version) in enumerate([("e9-i0", 1), ("e9-i1", 2), ("e9-i2", 10)]):
             await bus.publish(EXPERIENCE, experience(group_id, version), msg_id=f"s-{n}")
 
-        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        collected = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert collected.dropped == ["e9-i0"]  # 10 - 1 = 9 versions old
         assert [g.group_id for g in collected.batch] == ["e9-i1", "e9-i2"]  # 8 versions old, and current
         await bus.close()
@@ -364,7 +364,7 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
         await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
         for group_id in ("e0-i1", "e0-i2"):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
-        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
+        assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert letter.headers[H_GROUP] == "e0-i0" and letter.headers[H_INCARNATION] == "b"
         assert letter.headers[H_REASON] == "invalid ExperienceGroup: completion 0 token_ids are float32, not integers"
@@ -379,7 +379,7 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
         assert again.ledger.fate("e0-i0") == Fate.DEAD
         await again.catch_up_dead()  # as the trainer does at start
         assert reopened == [("e0-i0", 1)] and "e0-i0" in again.ledger.in_flight
-        assert applied(again, await again.collect(cfg, 0, never, asyncio.Event())) == ["e0-i0", "e0-i3"]
+        assert applied(again, await again.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i0", "e0-i3"]
 
         # A second restart, after that step: the re-inject record is behind it, a further copy is a repeat.
         third = restarted(bus, rows, again.ledger, again.progress, reopened=[])
@@ -389,7 +389,7 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
         for group_id in ("e0-i4", "e0-i5"):
             third.ledger.fed(group_id, now=time.monotonic())
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
-        assert applied(third, await third.collect(cfg, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
+        assert applied(third, await third.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i4", "e0-i5"]
         assert third.ledger.repeats == 1
         assert third.ledger.watermark() == "e0-i3"  # the checkpoint keeps the applied e0-i0 under its watermark
         await bus.close()
@@ -414,16 +414,16 @@ def test_dead_lettering_experience_waits_out_a_broker_that_refuses_the_write(tin
         for group_id in ("e0-i1", "e0-i2"):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
         # Each try drops the partial batch (the loop goes on) and backs off; the message is not skipped.
-        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert await intake.collect(cfg.train, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 1 and intake.broker.retry_in() > 0
         await asyncio.sleep(intake.broker.retry_in())
-        assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
+        assert await intake.collect(cfg.train, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 2 and ledger.fate("e0-i0") is None and intake.reader.next_seq == 1
         await bus.js.update_stream(settings)
         collected = None
         deadline = time.monotonic() + 30
         while collected is None and time.monotonic() < deadline:
-            collected = await intake.collect(cfg, 0, never, asyncio.Event())
+            collected = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e0-i1", "e0-i2"] and ledger.fate("e0-i0") == Fate.DEAD
         assert intake.broker.failures == 0
         assert (await bus.js.stream_info(dead)).state.messages == 2
@@ -445,7 +445,7 @@ def test_an_abandoned_incarnations_bad_experience_is_dead_lettered_without_settl
         await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "a"), msg_id="old-bad")
         for group_id in ("e0-i0", "e0-i1"):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=group_id)
-        collected = await asyncio.wait_for(intake.collect(cfg, 0, never, asyncio.Event()), timeout=30)
+        collected = await asyncio.wait_for(intake.collect(cfg.train, 0, never, asyncio.Event()), timeout=30)
         assert [(g.group_id, g.incarnation) for g in collected.batch] == [("e0-i0", "b"), ("e0-i1", "b")]
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert (letter.headers[H_GROUP], letter.headers[H_INCARNATION]) == ("e0-i0", "a")
@@ -473,7 +473,7 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
         await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
         for group_id in ("e0-i1", "e0-i2"):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
-        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
+        assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         assert await reinject(nats_url, cfg.run_id, 1, encode(experience("e0-i0", incarnation="b")))
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         late = {**letter.headers, "Nats-Msg-Id": "past-the-window"}  # the replay's letter, past the duplicate window
@@ -482,8 +482,8 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
 
         reopened: list[tuple[str, int]] = []
         again = resumed_from(bus, rows, saved, reopened)
-        first = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
-        second = applied(again, await asyncio.wait_for(again.collect(cfg, 0, never, asyncio.Event()), timeout=30))
+        first = applied(again, await asyncio.wait_for(again.collect(cfg.train, 0, never, asyncio.Event()), timeout=30))
+        second = applied(again, await asyncio.wait_for(again.collect(cfg.train, 0, never, asyncio.Event()), timeout=30))
         assert (first, second) == (["e0-i1", "e0-i2"], ["e0-i0", "e0-i3"])
         assert reopened == [("e0-i0", 1)] and again.ledger.repeats == 0
         # The letter, the re-inject's record and note, the late letter: the replay's own letter was a duplicate.
@@ -506,10 +506,10 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         intake = intake_of(bus, rows, GroupLedger(), Progress(incarnation="a"))
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         for n, group_id in enumerate(["e0-i0", "e0-i1"]):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="a"), msg_id=f"first-{n}")
-        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i0", "e0-i1"]
+        assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i0", "e0-i1"]
         saved = checkpoint(intake.ledger, intake.progress)
         assert saved.settled_through == "e0-i1" and saved.applied_ids == []  # the watermark stands for both
         intake.ledger.forget_through(intake.progress.step + 1)  # the checkpoints back to step 1 were pruned
@@ -519,13 +519,13 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
         await bus.publish(EXPERIENCE, experience("e0-i0", incarnation="a"), msg_id="late-copy")
         for n, group_id in enumerate(["e0-i2", "e0-i3"]):
             await bus.publish(EXPERIENCE, experience(group_id, incarnation="a"), msg_id=f"second-{n}")
-        assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
+        assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
         assert intake.ledger.repeats == 1
 
         # Resumed from the step-1 checkpoint, the trainer reads the late copy again: its watermark refuses it.
         resumed = resumed_from(bus, rows, saved, reopened=[])
         resumed.feeder.seek(saved.data_cursor or {"epoch": 0, "index": 2})
-        assert applied(resumed, await resumed.collect(cfg, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
+        assert applied(resumed, await resumed.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i2", "e0-i3"]
         assert resumed.ledger.repeats == 1
         await bus.close()
 
@@ -553,7 +553,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_s
         bus = await Bus(cfg, "trainer").connect()
         ledger = GroupLedger()
         intake = intake_of(bus, rows, ledger, Progress())
-        await intake.feed(cfg, config_version=0)  # e0-i0..e0-i3 in flight
+        await intake.feed(cfg.train, config_version=0)  # e0-i0..e0-i3 in flight
         # All wrong, all right, a signal, all right again, a signal, and one the next batch takes.
         sent = [[0, 0, 0], [1, 1, 1], [1, 0, 1], [1, 1, 1], [0, 1, 0], [0, 1, 1]]
         # The first one's episodes all failed in the environment: filtered, they still count in the agent metrics.
@@ -562,7 +562,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_s
             group = rewarded(f"e0-i{n}", rewards, episode=failed if n == 0 else None)
             await bus.publish(EXPERIENCE, group, msg_id=f"r-{n}")
 
-        collected = await intake.collect(cfg, 0, never, asyncio.Event())
+        collected = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert [g.group_id for g in collected.batch] == ["e0-i2", "e0-i4"]  # full: batch_size 2
         assert collected.filtered == ["e0-i0", "e0-i1", "e0-i3"]
         assert [episode.outcome for episode in collected.filtered_episodes] == ["env_error"] * 3
@@ -582,7 +582,7 @@ def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_s
         await bus.publish(EXPERIENCE, rewarded("e0-i1", [1, 1, 1]), msg_id="late-copy")
         intake.progress.applied_seq = collected.sequence
         await bus.publish(EXPERIENCE, rewarded("e0-i6", [1, 0, 0]), msg_id="r-6")
-        following = await intake.collect(cfg, 0, never, asyncio.Event())
+        following = await intake.collect(cfg.train, 0, never, asyncio.Event())
         assert [g.group_id for g in following.batch] == ["e0-i5", "e0-i6"] and following.filtered == []
         assert ledger.repeats == 1
         await bus.close()
@@ -611,7 +611,7 @@ def test_synchronous_feeding_holds_one_batch_asks_for_the_current_version_and_re
         bus = await Bus(cfg, "trainer").connect()
         ledger = GroupLedger()
         intake = intake_of(bus, rows, ledger, Progress(step=3, version=3))
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         first, second = sorted(ledger.in_flight)
         fed = await prompts_fed(bus)
         assert len(fed) == cfg.train.batch_size  # one batch, not max_inflight_batches of them
@@ -620,7 +620,7 @@ def test_synchronous_feeding_holds_one_batch_asks_for_the_current_version_and_re
         # One group comes back made by version 2 (a rollout that had not synced): dropped, its slot fed again.
         await bus.publish(EXPERIENCE, experience(first, 3), msg_id="s-0")
         await bus.publish(EXPERIENCE, experience(second, 2), msg_id="s-1")
-        collecting = asyncio.create_task(intake.collect(cfg, 0, never, asyncio.Event()))
+        collecting = asyncio.create_task(intake.collect(cfg.train, 0, never, asyncio.Event()))
         for _ in range(100):
             if len(await prompts_fed(bus)) == 3:
                 break
@@ -654,11 +654,11 @@ def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it
         limits = (await bus.js.stream_info(name)).config
         await bus.js.update_stream(dataclasses.replace(limits, max_msg_size=1024))
         intake = intake_of(bus, rows, GroupLedger(), Progress())
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
         assert (await bus.js.stream_info(name)).state.messages == 3
         assert intake.feeder.cursor == {"epoch": 0, "index": 1}
-        await intake.feed(cfg, config_version=0)  # refused again: alerted once, not at every feed
+        await intake.feed(cfg.train, config_version=0)  # refused again: alerted once, not at every feed
         assert intake.feeder.cursor == {"epoch": 0, "index": 1}
         refusals = [r for r in caplog.records if r.getMessage() == "feed_refused"]
         assert [(r.levelno, r.fields.get("alert"), r.fields["group_id"]) for r in refusals] == [
@@ -674,7 +674,7 @@ def test_a_prompt_the_broker_refuses_is_fed_again_and_the_watermark_waits_for_it
         assert not intake.ledger.known("e0-i1")
 
         await bus.js.update_stream(dataclasses.replace(limits, max_msg_size=-1))
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i1", "e0-i4", "e0-i5", "e0-i6"]  # e0-i2, e0-i3 skipped
         assert intake.ledger.fed_count == 7
         assert (await bus.js.stream_info(name)).state.messages == 7
@@ -696,13 +696,13 @@ def test_a_long_prompt_whose_claim_store_is_down_is_fed_again_once_it_is_back_wh
         bus = await Bus(cfg, "trainer").connect()
         intake = intake_of(bus, rows, GroupLedger(), Progress())
         s3.stop()
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i0", "e0-i2", "e0-i3"]
         assert intake.feeder.cursor == {"epoch": 0, "index": 1}
 
         await asyncio.to_thread(s3.start)
         intake.ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED)
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(intake.ledger.in_flight) == ["e0-i1", "e0-i2", "e0-i3", "e0-i4"]
         later = [await bus.js.get_msg(stream_name(cfg.run_id, PROMPTS), seq=seq) for seq in (4, 5)]
         assert sorted(m.headers[H_GROUP] for m in later) == ["e0-i1", "e0-i4"]  # published together: either order
@@ -725,12 +725,12 @@ def test_a_deterministic_batch_is_in_feeding_order_whatever_order_its_groups_arr
         ledger = GroupLedger()
         ledger.settle([f"e0-i{i}" for i in range(9)], step=0, fate=Fate.APPLIED)  # so it feeds e0-i9 and e0-i10
         intake = intake_of(bus, rows, ledger, Progress())
-        await intake.feed(cfg, config_version=0)
+        await intake.feed(cfg.train, config_version=0)
         assert sorted(ledger.in_flight) == ["e0-i10", "e0-i9"]
         # e0-i10 comes back first; a text sort would put it first too.
         await bus.publish(EXPERIENCE, experience("e0-i10"), msg_id="d-0")
         await bus.publish(EXPERIENCE, experience("e0-i9"), msg_id="d-1")
-        collected = await asyncio.wait_for(intake.collect(cfg, 0, never, asyncio.Event()), 30)
+        collected = await asyncio.wait_for(intake.collect(cfg.train, 0, never, asyncio.Event()), 30)
         await bus.close()
         return [g.group_id for g in collected.batch]
 
