@@ -25,7 +25,8 @@ from services.common.observe.records import read_events
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
-from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.support.runs import metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -14,7 +14,7 @@ import pytest
 
 from services.common.observe import metrics as m
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
-from tests.conftest import kill_service, metric_rows, running_pipeline, wait_for, write_config
+from tests.support.runs import kill_service, metric_rows, running_pipeline, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e

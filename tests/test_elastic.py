@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
-from tests.conftest import metric_rows, rlpipe, run_info, running_pipeline, service_events, wait_for, write_config
+from tests.support.runs import metric_rows, rlpipe, run_info, running_pipeline, service_events, wait_for, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e

@@ -36,9 +36,9 @@ from services.trainer.checkpointing.lineage import (
     lost_groups,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import (
+from tests.support.paths import ROOT
+from tests.support.runs import (
     RLPIPE_RUN,
-    ROOT,
     kill_service,
     metric_rows,
     rlpipe,

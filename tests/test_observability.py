@@ -23,7 +23,7 @@ from prometheus_client.samples import Sample
 from services.cli.dead_letters import operator_options
 from services.common.transport.streams import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
 from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
-from tests.conftest import running_pipeline, write_config
+from tests.support.runs import running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 

@@ -11,7 +11,8 @@ import yaml
 from services.common.config import ConfigError, load_config_with, parse_overrides
 from services.common.observe import metrics as m
 from tests.common.test_trackers import LIGHT_RUN
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, metric_rows, write_config
 
 pytestmark = pytest.mark.integration
 

@@ -35,7 +35,8 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, rlpipe, run_info, running_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, metric_rows, rlpipe, run_info, running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 

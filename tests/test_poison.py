@@ -20,7 +20,7 @@ import pytest
 from services.cli.dead_letters import list_dead_letters, operator_options
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
 from services.common.transport.streams import stream_name, subject
-from tests.conftest import metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.support.runs import metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e

@@ -32,7 +32,7 @@ from services.trainer.checkpointing.lineage import (
     lost_groups,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import kill_service, metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.support.runs import kill_service, metric_rows, rlpipe, running_pipeline, wait_for, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e

@@ -10,17 +10,10 @@ from pathlib import Path
 import pytest
 
 from services.common.observe.records import read_jsonl
-from tests.conftest import (
-    ROOT,
-    free_port,
-    metric_rows,
-    rlpipe,
-    running_pipeline,
-    service_events,
-    wait_for,
-    write_config,
-)
 from tests.reward.test_remote import start_server
+from tests.support.paths import ROOT
+from tests.support.runs import metric_rows, rlpipe, running_pipeline, service_events, wait_for, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
 

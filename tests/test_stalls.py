@@ -32,7 +32,9 @@ from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_nam
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
 from tests.common.test_bus_faults import config, group, scored, stream_messages
-from tests.conftest import ROOT, create_run_state, metric_rows, run_info, running_pipeline, wait_for, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import metric_rows, run_info, running_pipeline, wait_for, write_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.unit
 

@@ -22,19 +22,9 @@ from services.common.observe.records import read_metrics
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import (
-    BIN,
-    RLPIPE_RUN,
-    ROOT,
-    StoppableS3,
-    free_port,
-    rlpipe,
-    run_pipeline,
-    running_pipeline,
-    wait_for,
-    wait_for_port,
-    write_config,
-)
+from tests.support.paths import BIN, ROOT
+from tests.support.runs import RLPIPE_RUN, rlpipe, run_pipeline, running_pipeline, wait_for, write_config
+from tests.support.servers import StoppableS3, free_port, wait_for_port
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e

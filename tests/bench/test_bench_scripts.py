@@ -22,7 +22,8 @@ from bench.trl_worker import trl_rows
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
 from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

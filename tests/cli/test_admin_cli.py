@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli.app import app
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

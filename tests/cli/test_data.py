@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from services.cli.app import app
 from services.common.model.modeling import load_tokenizer
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

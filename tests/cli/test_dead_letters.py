@@ -38,17 +38,9 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.conftest import (
-    ROOT,
-    free_port,
-    kill_service,
-    metric_rows,
-    rlpipe,
-    run_info,
-    running_pipeline,
-    wait_for,
-    write_config,
-)
+from tests.support.paths import ROOT
+from tests.support.runs import kill_service, metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,8 @@ from services.cli.plan import Gpus, inputs_from_config, resolve_gpus, sizing_row
 from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape, with_headroom
 from services.common.config import load_config
 from tests.cli.test_sizing import SMOLLM2_CONFIG
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

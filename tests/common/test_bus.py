@@ -30,7 +30,8 @@ from services.common.transport.streams import (
     StreamMessage,
     stream_name,
 )
-from tests.conftest import create_run_state, free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -42,7 +42,9 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
+from tests.support.paths import BIN
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state, free_port, start_nats, wait_for_port
 
 pytestmark = pytest.mark.integration
 

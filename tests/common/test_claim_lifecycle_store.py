@@ -26,7 +26,8 @@ from services.common.transport.messages import (
 from services.common.transport.reader import StreamReader
 from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, H_GROUP, ROLLOUTS, SCORED
-from tests.conftest import create_run_state, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
 

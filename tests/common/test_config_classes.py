@@ -25,7 +25,7 @@ from services.common.config import (
     refuse_unsafe_live_change,
 )
 from services.common.config.base import Live, Restart
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

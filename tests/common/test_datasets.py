@@ -15,7 +15,8 @@ from services.common.model.datasets import DatasetError, load_jsonl, open_prompt
 from services.common.transport.messages import Prompt, decode, encode
 from services.trainer.intake.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
-from tests.conftest import ROOT, run_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import run_pipeline, write_config
 
 pytestmark = pytest.mark.integration
 

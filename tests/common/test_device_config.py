@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, load_config
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

@@ -36,7 +36,7 @@ from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row, gauge_
 from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
 from tests.common.test_telemetry import minimal_config, one_value, scrape
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -8,7 +8,7 @@ import pytest
 
 from services.common.config import ConfigError, load_config
 from services.common.transport.live_config import LiveConfig, parse_value, stored_config
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

@@ -21,7 +21,8 @@ from services.common.transport.nats_connect import STAGE_ROLES, connect_options
 from services.common.transport.presence import Presence, read_presence
 from services.common.transport.streams import EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, stream_name, subject
 from services.trainer.lease import Lease
-from tests.conftest import keyed_nats, write_config
+from tests.support.runs import write_config
+from tests.support.servers import keyed_nats
 
 pytestmark = pytest.mark.integration
 

@@ -20,7 +20,7 @@ from services.common.transport.presence import (
     role_time_shares,
     roles_down,
 )
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import load_config
 from services.common.service import start_grpc_server
 from tests.common.test_telemetry import scrape
-from tests.conftest import ROOT, free_port, wait_for_port, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
+from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 

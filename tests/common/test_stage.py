@@ -12,7 +12,8 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.common.transport.stage import Stage
 from services.common.transport.streams import ROLLOUTS, SCORED
-from tests.conftest import create_run_state, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
 

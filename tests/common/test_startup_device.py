@@ -5,7 +5,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.startup_checks import StartupCheckError, startup_checks
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,8 @@ from services.common.config import ConfigError, load_config
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, metric_rows, run_pipeline, write_config
 
 pytestmark = pytest.mark.integration
 

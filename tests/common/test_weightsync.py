@@ -16,7 +16,7 @@ from services.common.transport.weightsync.wire import (
     chunks_of,
     split_chunk,
 )
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

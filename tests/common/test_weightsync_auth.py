@@ -22,7 +22,7 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.test_admin_transport import self_signed
 
 pytestmark = pytest.mark.integration

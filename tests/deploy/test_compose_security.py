@@ -27,8 +27,10 @@ from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, subject
-from tests.conftest import BIN, free_port, wait_for_port, write_config
 from tests.deploy.conftest import DEPLOY, load_yaml
+from tests.support.paths import BIN
+from tests.support.runs import write_config
+from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.unit
 

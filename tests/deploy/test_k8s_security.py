@@ -28,10 +28,12 @@ from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import ROLES, SERVICE_ROLES, connect_options
 from services.common.transport.streams import stream_name
-from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
 from tests.deploy.conftest import trainer as trainer_workload
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container
+from tests.support.paths import BIN
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 
 from services.common.config import NatsConfig
-from tests.conftest import BIN, free_port, write_config
 from tests.deploy.conftest import DEPLOY
 from tests.deploy.test_compose_security import local_compose_conf, make_secrets
 from tests.deploy.test_k8s_security import k8s_conf_with_secrets
+from tests.support.paths import BIN
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -7,7 +7,7 @@ from services.common.config import load_config
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

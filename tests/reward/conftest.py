@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TEST_MODEL_DIR, one_builder
+from tests.support.paths import TEST_MODEL_DIR, one_builder
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ from services.common.config import RewardHttpConfig
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import Fault, RequestFailed, judge_error
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, judge_status, parse_scores
-from tests.conftest import free_port, wait_for_port
+from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 

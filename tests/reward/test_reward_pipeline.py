@@ -11,16 +11,9 @@ from services.common.model.reward_rules import exact_match
 from services.common.observe import metrics as m
 from services.trainer.intake.samples import GroupSample
 from tests.common.test_telemetry import scrape, values
-from tests.conftest import (
-    free_port,
-    metric_rows,
-    run_pipeline,
-    running_pipeline,
-    service_events,
-    wait_for,
-    write_config,
-)
 from tests.reward.test_remote import start_server
+from tests.support.runs import metric_rows, run_pipeline, running_pipeline, service_events, wait_for, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
 

@@ -29,7 +29,8 @@ from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardOutOfBounds, RewardSources, overlong_scores, score_groups
-from tests.conftest import create_run_state, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
 

@@ -19,9 +19,9 @@ from services.common.transport.presence import read_presence
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward import service as reward_service
-from tests.conftest import create_run_state, free_port
 from tests.reward.test_remote import start_server
 from tests.reward.test_scoring import group
+from tests.support.servers import create_run_state, free_port
 
 pytestmark = pytest.mark.integration
 

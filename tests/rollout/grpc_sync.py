@@ -11,7 +11,7 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.engines import Engine
 from services.rollout.service import PolicyFollower
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 
 async def sync_over_grpc(engine: Engine, engine_thread: ThreadPoolExecutor, snapshot: Snapshot) -> int:

@@ -24,7 +24,8 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
 from services.common.transport.streams import DEAD, PROMPTS, ROLLOUTS, WORK_QUEUES, stream_name
 from services.rollout import service as rollout_service
-from tests.conftest import create_run_state, free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state, free_port
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
 from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,9 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.rollout.engines import HfEngine, VllmEngine, build_engine
 from services.rollout.service import PolicyFollower
 from services.trainer.learning.learner import Learner
-from tests.conftest import free_port, write_config
 from tests.rollout.test_vllm_weight_sync import PAIRS, trainer_logprobs, until, wire_bytes
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

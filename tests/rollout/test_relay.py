@@ -17,7 +17,8 @@ from services.common.transport.weightsync.relay import Relay, add_relay_to_serve
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.service import PolicyFollower, relays
-from tests.conftest import free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 from tests.trainer.test_admin_transport import self_signed
 
 pytestmark = pytest.mark.integration

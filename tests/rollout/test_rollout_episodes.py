@@ -14,8 +14,9 @@ from services.common.episodes.generation import Generation
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, decode
 from services.common.transport.streams import DEAD, ROLLOUTS, stream_name
-from tests.conftest import free_port, write_config
 from tests.rollout.test_engine_outage import RUN_ID, FakeEngine, messages, run_rollout
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

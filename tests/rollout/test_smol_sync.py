@@ -19,9 +19,10 @@ from services.common.transport.messages import Completion, Prompt, RolloutGroup,
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import VllmEngine
-from tests.conftest import ROOT, write_config
 from tests.rollout.grpc_sync import sync_over_grpc
 from tests.rollout.test_vllm_weight_sync import vllm_response_logprobs
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.e2e
 

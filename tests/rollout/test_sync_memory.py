@@ -21,7 +21,8 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import HfEngine, VllmEngine
 from services.rollout.service import PolicyFollower
-from tests.conftest import free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -16,7 +16,7 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.engines import EngineUnavailable
 from services.rollout.service import PolicyFollower
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -12,9 +12,9 @@ from services.common.config import load_config
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import VllmEngine, vllm_engine_args
-from tests.conftest import write_config
 from tests.rollout.grpc_sync import sync_over_grpc
 from tests.rollout.test_vllm_weight_sync import PAIRS, vllm_response_logprobs
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

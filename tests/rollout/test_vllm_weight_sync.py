@@ -22,7 +22,8 @@ from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.service import PolicyFollower
-from tests.conftest import free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

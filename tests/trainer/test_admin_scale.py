@@ -19,7 +19,8 @@ from services.common.transport.scale import read_scale
 from services.trainer.admin import AdminServicer
 from services.trainer.control import RunState
 from services.trainer.role import start_admin_server
-from tests.conftest import RLPIPE, ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE, write_config
 
 pytestmark = pytest.mark.integration
 TOKEN = "scale-token"

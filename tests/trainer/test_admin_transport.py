@@ -20,7 +20,8 @@ from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer, SourceAllowlist, peer_address
 from services.trainer.role import start_admin_server
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

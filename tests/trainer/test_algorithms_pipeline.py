@@ -5,7 +5,7 @@ import math
 import pytest
 
 from services.common.observe import metrics as m
-from tests.conftest import run_pipeline, write_config
+from tests.support.runs import run_pipeline, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e

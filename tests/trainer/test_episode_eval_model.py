@@ -8,7 +8,7 @@ from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
 from services.common.model.modeling import load_model, load_tokenizer
 from services.trainer.episode_eval import evaluate_episodes, greedy_turns
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

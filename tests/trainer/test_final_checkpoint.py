@@ -16,7 +16,7 @@ from services.common.observe import metrics as m
 from services.common.observe.metrics import check_row
 from services.common.observe.records import read_metrics
 from services.common.transport.streams import EXPERIENCE
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_trainer_health import start_trainer
 

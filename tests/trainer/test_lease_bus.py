@@ -22,7 +22,8 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.lease import Lease, LeaseLost
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 from tests.trainer.checkpointing.test_store import checkpoint, stored_objects
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from services.common.model.datasets import load_jsonl
 from services.common.transport.lease_bucket import open_bucket
 from services.trainer.intake.reader import Collected
 from services.trainer.lease import Lease, LeaseLost
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.learning.test_learner import experience
 from tests.trainer.test_trainer_health import start_trainer
 

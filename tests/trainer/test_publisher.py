@@ -24,7 +24,8 @@ from services.common.transport.weightsync.snapshot import Snapshot
 from services.trainer.intake.reader import Collected
 from services.trainer.learning.learner import Learner
 from services.trainer.service import Trainer
-from tests.conftest import create_run_state, free_port, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state, free_port
 from tests.trainer.learning.test_learner import experience
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from services.common.observe.timeshare import StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.trainer.control import RunState
 from services.trainer.intake.reader import Collected
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.learning.test_learner import experience, with_nan
 from tests.trainer.test_responder import StuckTracker
 from tests.trainer.test_trainer_health import start_trainer

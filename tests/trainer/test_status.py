@@ -18,7 +18,7 @@ from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_commands import Holds
 

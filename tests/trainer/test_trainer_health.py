@@ -24,7 +24,8 @@ from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.role import start_admin_server
 from services.trainer.service import Trainer
-from tests.conftest import create_run_state, write_config
+from tests.support.runs import write_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
 

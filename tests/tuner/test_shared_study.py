@@ -13,7 +13,8 @@ import pytest
 from services.tuner.records import TrialStart, records, save
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 from tests.tuner.test_tune import TUNE, alive, tune_file
 
 pytestmark = pytest.mark.e2e

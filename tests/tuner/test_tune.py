@@ -22,7 +22,8 @@ from services.tuner.procs import group_members
 from services.tuner.records import TrialRecord, records
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 from tests.tuner.test_tune_file import tune_file as any_tune_file
 
 pytestmark = pytest.mark.integration

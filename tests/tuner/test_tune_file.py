@@ -12,7 +12,8 @@ import yaml
 from services.common.config import load_config
 from services.tuner.spec import TuneFileError
 from services.tuner.tune_file import load_tune_file, trial_config_data
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 
@@ -158,6 +159,6 @@ def test_a_trial_config_is_the_base_file_with_its_params_and_its_own_run_id_runs
     assert trial.admin.port == 0  # two trials side by side never ask for the same admin port
     assert trial.data.eval_every_steps == 1  # the study's fixed settings
     assert trial.sampling.group_size == cfg.sampling.group_size  # the rest is the base file's
-    # The base forks from the test worker's warm-start pool (tests/conftest.py); a trial never does: its roles stay
-    # in its own process group, which the tuner measures and kills.
+    # The base forks from the test worker's warm-start pool (tests/support/fixtures.py: warm_pool); a trial never
+    # does: its roles stay in its own process group, which the tuner measures and kills.
     assert cfg.service.warm_start_pool is not None and trial.service.warm_start_pool is None

@@ -39,7 +39,9 @@ from services.common.transport.streams import PROMPTS, stream_name, subject
 from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
-from tests.conftest import ROOT, free_port, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

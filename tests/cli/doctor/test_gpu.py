@@ -16,7 +16,7 @@ import pytest
 from services.cli.doctor.gpu import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
 from services.common.observe.hardware import GpuFacts, gpu_facts
 from services.common.startup_checks import device_result
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

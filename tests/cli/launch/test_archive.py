@@ -14,7 +14,9 @@ from services.cli.launch.archive import RunArchiver, archive_and_describe, archi
 from services.common.config import load_config
 from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import open_store
-from tests.conftest import ROOT, free_port, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

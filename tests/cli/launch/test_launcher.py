@@ -28,7 +28,8 @@ from services.common.observe.records import RunDone, read_events
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
 
 pytestmark = pytest.mark.integration
 

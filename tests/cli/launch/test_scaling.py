@@ -16,7 +16,7 @@ from services.cli.launch.scaling import ReplicaScaler, ScalePlan, plan_scale
 from services.common.config import SupervisionConfig, load_config
 from services.common.observe.events import EventLog
 from services.common.transport.scale import ScaledElsewhere, ScaleRecord, ScaleRefused, check_scale
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

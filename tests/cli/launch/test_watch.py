@@ -25,7 +25,9 @@ from services.common.service import announce_ready
 from services.common.transport.bus import Bus
 from services.common.transport.nats_auth import RoleKey
 from services.common.transport.presence import Presence, open_bucket
-from tests.conftest import ROOT, keyed_nats, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
+from tests.support.servers import keyed_nats
 
 
 @pytest.fixture

@@ -25,7 +25,9 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, StepRecord
 from services.trainer.checkpointing.state import Checkpoint, TrainerState, detached_copy, rng_state
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import metric_rows, running_pipeline, wait_for, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

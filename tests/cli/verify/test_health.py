@@ -20,7 +20,7 @@ from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.usage import ResourceTrend
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ from services.cli.verify.checklist import write_record
 from services.cli.verify.record import conclusion, first_run_metrics, library_versions
 from services.common.config import load_config
 from services.common.observe.records import metrics_rows
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

@@ -19,7 +19,7 @@ from services.common.episodes.environments import (
     evaluate_arithmetic,
 )
 from services.common.model.datasets import load_jsonl
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

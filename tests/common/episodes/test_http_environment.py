@@ -20,7 +20,7 @@ from services.common.transport.breaker import BreakerState, DependencyRefused, D
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
 from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

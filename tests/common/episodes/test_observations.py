@@ -13,7 +13,7 @@ from services.common.episodes.observations import ChatObservations, VerbatimObse
 from services.common.episodes.runner import EpisodeRunner, EpisodeState, LocalEnvironment, run_episodes, start_episodes
 from services.common.refusal import StartRefused
 from tests.common.episodes.test_runner import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

@@ -14,7 +14,7 @@ from services.common.episodes.environments import PythonTool, Turn, python_tool
 from services.common.episodes.runner import environment_maker
 from services.common.refusal import StartRefused
 from services.common.startup_checks import _startup_checks, check_python_box
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

@@ -27,7 +27,8 @@ from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.passes import rank_passes
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 from tests.trainer.learning import dist_worker
 from tests.trainer.learning.test_learner import experience
 

@@ -19,7 +19,8 @@ import pytest
 from services.cli.launch.children import trainer_command
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

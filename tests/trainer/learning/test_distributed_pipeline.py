@@ -10,7 +10,7 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import run_pipeline, write_config
+from tests.support.runs import run_pipeline, write_config
 from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).

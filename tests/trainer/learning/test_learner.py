@@ -25,7 +25,7 @@ from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
 from services.trainer.learning.objective import advantages
 from services.trainer.learning.passes import micro_batches
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

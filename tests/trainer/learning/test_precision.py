@@ -13,7 +13,7 @@ from services.common.model.modeling import Precision, host_copy, host_state, loa
 from services.reference.service import ReferenceScorer
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
-from tests.conftest import write_config
+from tests.support.runs import write_config
 from tests.trainer.learning.test_learner import experience
 
 pytestmark = pytest.mark.integration
