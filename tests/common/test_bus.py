@@ -5,7 +5,6 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
 from services.common.transport.messages import (
@@ -30,7 +29,7 @@ from services.common.transport.streams import (
     StreamMessage,
     stream_name,
 )
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import create_run_state, free_port
 
 pytestmark = pytest.mark.integration
@@ -53,16 +52,11 @@ def big_group(tokens: int) -> RolloutGroup:
 
 
 def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="claims",
-            nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        run_id="claims",
+        nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192},
     )
 
     async def scenario() -> None:
@@ -101,16 +95,11 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
 
 
 def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="unsettled",
-            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        run_id="unsettled",
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5},
     )
 
     async def scenario() -> None:
@@ -147,22 +136,18 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
 def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_delay(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
-    model_dir, data_dir = tiny_model
     claim = StreamMessage(
         1, encode(ClaimCheck(key="test/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"}
     )
-    on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
+    on_disk = run_config(tmp_path, tiny_model, "a.yaml")
     with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back
         asyncio.run(Bus(on_disk, "reward").decode(claim, RolloutGroup))
     # An S3 endpoint nobody answers on: the message stays (nak, re-read) until the store is back.
-    unreachable = load_config(
-        write_config(
-            tmp_path / "b.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False},
-        )
+    unreachable = run_config(
+        tmp_path,
+        tiny_model,
+        "b.yaml",
+        checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False},
     )
     with pytest.raises(StoreUnavailable, match="could not be read"):
         asyncio.run(Bus(unreachable, "reward").decode(claim, RolloutGroup))

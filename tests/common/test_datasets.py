@@ -16,7 +16,7 @@ from services.common.transport.messages import Prompt, decode, encode
 from services.trainer.intake.feeder import PromptFeeder
 from tests.common.test_trackers import LIGHT_RUN
 from tests.support.paths import ROOT
-from tests.support.runs import run_pipeline, write_config
+from tests.support.runs import config_file, run_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -244,7 +244,7 @@ def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_pat
 def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model, tmp_path):
     import datasets
 
-    model_dir, data_dir = tiny_model
+    _, data_dir = tiny_model
 
     def parquet(split: str, count: int) -> tuple[Path, list[dict]]:
         rows = [
@@ -256,11 +256,9 @@ def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model,
         return path, rows
 
     (train, train_rows), (held_out, _) = parquet("train", 200), parquet("eval", 40)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         data={"train_path": str(train), "eval_path": str(held_out), "columns": THEIR_COLUMNS, "eval_size": 40},
         train={"total_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "max_seq_len": 32},
         checkpoint={"save_every_steps": 0},

@@ -8,7 +8,6 @@ import time
 import nats
 import pytest
 
-from services.common.config import load_config
 from services.common.service import watch_progress
 from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
@@ -20,18 +19,13 @@ from services.common.transport.presence import (
     role_time_shares,
     roles_down,
 )
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
 
 def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="presence", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="presence", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
@@ -74,12 +68,7 @@ class MovingLoop:
 
 
 def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_fractions(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="shares", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="shares", nats={"url": nats_url})
     spent = {
         "reward-0": {"busy": 3.0, "idle": 1.0, "blocked": 0.0},
         "reward-1": {"busy": 1.0, "idle": 2.0, "blocked": 1.0},
@@ -111,10 +100,7 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
 def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_started_never_an_older_one(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="port", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="port", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
@@ -138,12 +124,7 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
 def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_newer_builds_fields_are_ignored(
     tiny_model, tmp_path, nats_url, caplog
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="typed", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="typed", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
@@ -178,10 +159,7 @@ def test_a_stopped_presence_beats_no_more_even_when_a_beat_dropped_its_cancellat
 ):
     """A beat is a KV put: on Python 3.11 a cancellation landing as its reply comes in is dropped. Stopped once
     and left so, the heartbeat would go on telling the run the replica is up after it stopped."""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="b", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="b", nats={"url": nats_url})
     monkeypatch.setattr(presence_module, "HEARTBEAT_S", 0.05)
     beats = []
     beat = Presence._beat

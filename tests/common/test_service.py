@@ -10,19 +10,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import load_config
 from services.common.service import start_grpc_server
 from tests.common.test_telemetry import scrape
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import run_config, write_config
 from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_port_another_server_holds_fails_the_bind(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
 
     async def scenario():
         first, address = await start_grpc_server(cfg, 0)

@@ -61,18 +61,19 @@ def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **
     return path
 
 
-def config_file(tmp_path: Path, model: tuple[Path, Path], name: str = "c.yaml", **sections) -> Path:
-    """``write_config`` as most tests call it: the file ``tmp_path/name`` over ``model`` (a model folder and its data
-    folder, as the ``tiny_model`` and ``config_only_model`` fixtures give them), the runs under ``tmp_path/runs``."""
-    model_dir, data_dir = model
-    return write_config(tmp_path / name, model_dir, data_dir, tmp_path / "runs", **sections)
+def config_file(folder: Path, model_and_data: tuple[Path, Path], name: str = "c.yaml", /, **sections) -> Path:
+    """``write_config`` as most tests call it: the file ``folder/name`` over a model folder and its data folder (as
+    the ``tiny_model`` and ``config_only_model`` fixtures give them), the runs under ``folder/runs``. The first three
+    are positional only, so that every keyword is a section (``model={...}`` included)."""
+    model_dir, data_dir = model_and_data
+    return write_config(folder / name, model_dir, data_dir, folder / "runs", **sections)
 
 
-def run_config(tmp_path: Path, model: tuple[Path, Path], name: str = "c.yaml", **sections):
-    """The ``RunConfig`` of ``config_file(tmp_path, model, name, **sections)``, loaded and validated."""
+def run_config(folder: Path, model_and_data: tuple[Path, Path], name: str = "c.yaml", /, **sections):
+    """The ``RunConfig`` of ``config_file(folder, model_and_data, name, **sections)``, loaded and validated."""
     from services.common.config import load_config
 
-    return load_config(config_file(tmp_path, model, name, **sections))
+    return load_config(config_file(folder, model_and_data, name, **sections))
 
 
 def metric_rows(run_dir: Path) -> list[MetricsRow]:
