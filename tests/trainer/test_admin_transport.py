@@ -21,7 +21,7 @@ from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer, SourceAllowlist, peer_address
 from services.trainer.role import start_admin_server
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
@@ -58,14 +58,11 @@ def self_signed(folder: Path) -> tuple[Path, Path]:
 
 
 def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp_path, monkeypatch):
-    model_dir, data_dir = tiny_model
     cert, key = self_signed(tmp_path)
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         service={"host": "localhost"},
         admin={"port": 0, "tls_cert": str(cert), "tls_key": str(key)},
     )
@@ -104,8 +101,7 @@ def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp
 
 
 def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     env = {"PATH": "/usr/bin:/bin"}
     done = subprocess.run(
         [sys.executable, "-m", "services.trainer", "--config", str(config)],
@@ -122,19 +118,13 @@ def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
 def test_an_admin_call_from_outside_the_allowed_sources_is_refused_whatever_token_it_carries(
     config_only_model, tmp_path, monkeypatch
 ):
-    model_dir, data_dir = config_only_model
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
     token = [("authorization", "Bearer s3cret")]
 
     async def calls_from_loopback(allowed: list[str]) -> list[grpc.StatusCode]:
         """GetStatus with the token, GetStatus without it and a health check, each over a real socket from 127.0.0.1."""
-        config = write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            service={"host": "0.0.0.0"},
-            admin={"port": 0, "allowed_sources": allowed},
+        config = config_file(
+            tmp_path, config_only_model, service={"host": "0.0.0.0"}, admin={"port": 0, "allowed_sources": allowed}
         )
         servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
         server, address = await start_admin_server(load_config(config), servicer)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from services.common.observe import metrics as m
-from tests.support.runs import run_pipeline, write_config
+from tests.support.runs import config_file, run_pipeline, write_config
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -79,12 +79,9 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id=f"learn-{algorithm}",
         sampling={"group_size": 8, "max_new_tokens": 6},
         train={

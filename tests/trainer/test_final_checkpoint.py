@@ -11,12 +11,11 @@ import asyncio
 
 import pytest
 
-from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.observe.metrics import check_row
 from services.common.observe.records import read_metrics
 from services.common.transport.streams import EXPERIENCE
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_trainer_health import start_trainer
 
@@ -36,18 +35,13 @@ async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
 
 @pytest.mark.parametrize(("total_steps", "saved"), [(2, [2]), (3, [2, 3])])
 def test_the_last_step_is_saved_once_with_the_final_evaluation(tiny_model, tmp_path, nats_url, total_steps, saved):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            data={"eval_size": 4, "shuffle": False},
-            train={"total_steps": total_steps, "batch_size": 2},
-            checkpoint={"save_every_steps": 2, "keep_last": 5},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url},
+        data={"eval_size": 4, "shuffle": False},
+        train={"total_steps": total_steps, "batch_size": 2},
+        checkpoint={"save_every_steps": 2, "keep_last": 5},
     )
 
     async def scenario() -> None:

@@ -23,7 +23,7 @@ from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.lease import Lease, LeaseLost
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 from tests.trainer.checkpointing.test_store import checkpoint, stored_objects
 
 pytestmark = pytest.mark.integration
@@ -148,12 +148,9 @@ class Trainer:
 def test_a_second_trainer_is_refused_and_a_sigstopped_holder_woken_after_a_takeover_stops_writing_nothing(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
     # The checkpoint store apart from the run directory, where both trainers (on one machine) log their metrics.
     stored = {"store_url": f"file://{tmp_path / 'store'}"}
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"lease_ttl_s": TTL_S}, checkpoint=stored
-    )
+    config = config_file(tmp_path, tiny_model, trainer={"lease_ttl_s": TTL_S}, checkpoint=stored)
     cfg = load_config(config)
     store = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
     holder = Trainer(config, nats_url)

@@ -13,7 +13,6 @@ import grpc
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.pb import weights_pb2_grpc
 from services.common.transport.bus import Bus
@@ -24,7 +23,7 @@ from services.common.transport.weightsync.snapshot import Snapshot
 from services.trainer.intake.reader import Collected
 from services.trainer.learning.learner import Learner
 from services.trainer.service import Trainer
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import create_run_state, free_port
 from tests.trainer.learning.test_learner import experience
 
@@ -53,17 +52,8 @@ def weights_now(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def test_a_slow_offer_holds_no_step_and_each_version_pulled_is_its_own_steps_weights(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            data={"eval_path": None},
-        )
-    )
+    _, data_dir = tiny_model
+    cfg = run_config(tmp_path, tiny_model, nats={"url": nats_url}, data={"eval_path": None})
     groups = experience(cfg, load_jsonl(data_dir / "train.jsonl")[:4])
 
     async def scenario() -> None:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from services.common.config import BuildInfo, load_config
+from services.common.config import BuildInfo
 from services.common.observe.events import EventLog, Journal
 from services.common.transport.bus import Bus
 from services.common.transport.messages import Prompt
@@ -18,7 +18,7 @@ from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.trainer.intake.test_reader_bus import experience
 from tests.trainer.test_commands import Holds
 
@@ -26,10 +26,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="st", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="st", nats={"url": nats_url})
 
     async def store_down() -> list[dict]:
         raise ConnectionError("minio unreachable")
@@ -67,8 +64,7 @@ def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(
 
 
 def test_a_role_that_never_registered_counts_as_down_only_after_the_start_up_grace(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     settings = type("Settings", (), {"cfg": cfg, "version": 0})()
     progress = Progress()
 

@@ -24,7 +24,7 @@ from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.role import start_admin_server
 from services.trainer.service import Trainer
-from tests.support.runs import write_config
+from tests.support.runs import config_file, run_config
 from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
@@ -62,18 +62,13 @@ def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_whe
     tiny_model, tmp_path, nats_url, monkeypatch
 ):
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            service={"trainer_grpc_port": 0},
-            admin={"port": 0},
-            data={"eval_path": None},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url},
+        service={"trainer_grpc_port": 0},
+        admin={"port": 0},
+        data={"eval_path": None},
     )
 
     async def scenario() -> None:
@@ -133,7 +128,6 @@ def test_the_heartbeat_counts_stalled_seconds_only_past_its_bound():
 
 
 def test_a_stall_bound_below_a_minute_is_refused_naming_the_field(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"stall_bound_s": 5})
+    config = config_file(tmp_path, tiny_model, train={"stall_bound_s": 5})
     with pytest.raises(ConfigError, match=r"train\.stall_bound_s"):
         load_config(config)

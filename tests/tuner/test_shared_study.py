@@ -14,7 +14,7 @@ from services.tuner.records import TrialStart, records, save
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 from tests.tuner.test_tune import TUNE, alive, tune_file
 
 pytestmark = pytest.mark.e2e
@@ -22,12 +22,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(
-        tmp_path / "base.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 1},
+    return config_file(
+        tmp_path, tiny_model, "base.yaml", rollout={"backend": "hf", "prompts_per_batch": 16}, train={"total_steps": 1}
     )
 
 

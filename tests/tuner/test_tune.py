@@ -23,7 +23,7 @@ from services.tuner.records import TrialRecord, records
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 from tests.tuner.test_tune_file import tune_file as any_tune_file
 
 pytestmark = pytest.mark.integration
@@ -33,12 +33,8 @@ TUNE = [sys.executable, "-m", "services.cli", "tune"]
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(
-        tmp_path / "base.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 2},
+    return config_file(
+        tmp_path, tiny_model, "base.yaml", rollout={"backend": "hf", "prompts_per_batch": 16}, train={"total_steps": 2}
     )
 
 
@@ -47,10 +43,10 @@ ENDLESS_STEPS = 100_000
 
 def endless_base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
     """A base config whose runs have steps for far longer than any test waits: its trials end at their limits."""
-    return write_config(
-        tmp_path / "endless.yaml",
-        *tiny_model,
-        tmp_path / "runs",
+    return config_file(
+        tmp_path,
+        tiny_model,
+        "endless.yaml",
         rollout={"backend": "hf", "prompts_per_batch": 16},
         train={"total_steps": ENDLESS_STEPS},
     )

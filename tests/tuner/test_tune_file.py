@@ -13,14 +13,14 @@ from services.common.config import load_config
 from services.tuner.spec import TuneFileError
 from services.tuner.tune_file import load_tune_file, trial_config_data
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(tmp_path / "base.yaml", *tiny_model, tmp_path / "runs")
+    return config_file(tmp_path, tiny_model, "base.yaml")
 
 
 def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
@@ -128,9 +128,7 @@ def test_a_bad_tune_file_is_refused_naming_the_key(tmp_path, base, fields, expec
 
 
 def test_a_priced_base_config_may_tune_for_cost_per_accuracy_point(tmp_path, tiny_model):
-    priced = write_config(
-        tmp_path / "priced.yaml", *tiny_model, tmp_path / "runs", cost={"per_device_hour": {"cpu-core": 0.04}}
-    )
+    priced = config_file(tmp_path, tiny_model, "priced.yaml", cost={"per_device_hour": {"cpu-core": 0.04}})
     objective = {"metric": "usage.cost_per_accuracy_point", "direction": "minimize"}
     spec, base = load_tune_file(tune_file(tmp_path, priced, objective=objective, pruner={"kind": "none"}))
     assert spec.objective.metric == "usage.cost_per_accuracy_point" and base.cost.per_device_hour == {"cpu-core": 0.04}

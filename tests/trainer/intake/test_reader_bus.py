@@ -42,22 +42,20 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.intake.reader import Collected, Intake, without_signal
 from services.trainer.progress import Progress
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
 
 def config(tiny_model, tmp_path, nats_url, nats: dict | None = None, checkpoint: dict | None = None, **train):
-    model_dir, data_dir = tiny_model
-    path = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    _, data_dir = tiny_model
+    path = config_file(
+        tmp_path,
+        tiny_model,
         run_id="intake",
         nats={"url": nats_url, **(nats or {})},
         train={"batch_size": 2, "max_inflight_batches": 2, **train},
-        **({"checkpoint": checkpoint} if checkpoint else {}),
+        **{"checkpoint": checkpoint} if checkpoint else {},
     )
     return load_config(path), load_jsonl(data_dir / "train.jsonl")
 
