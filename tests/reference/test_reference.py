@@ -3,11 +3,10 @@
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -15,17 +14,12 @@ pytestmark = pytest.mark.integration
 # None: one pass over the batch; 32 (max_seq_len): length-sorted passes of a few sequences each.
 @pytest.mark.parametrize("micro_batch_tokens", [None, 32])
 def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model, tmp_path, micro_batch_tokens):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            rollout={"backend": "hf"},
-            train={"max_seq_len": 32},
-            reference={"micro_batch_tokens": micro_batch_tokens},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        rollout={"backend": "hf"},
+        train={"max_seq_len": 32},
+        reference={"micro_batch_tokens": micro_batch_tokens},
     )
     engine = HfEngine(cfg)
     prompts = ["37+45=", "9+9="]

@@ -12,7 +12,15 @@ from services.common.observe import metrics as m
 from services.trainer.intake.samples import GroupSample
 from tests.common.test_telemetry import scrape, values
 from tests.reward.test_remote import start_server
-from tests.support.runs import metric_rows, run_pipeline, running_pipeline, service_events, wait_for, write_config
+from tests.support.runs import (
+    config_file,
+    metric_rows,
+    run_pipeline,
+    running_pipeline,
+    service_events,
+    wait_for,
+    write_config,
+)
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
@@ -20,13 +28,11 @@ pytestmark = pytest.mark.e2e
 
 @pytest.mark.e2e
 def test_a_run_scored_by_the_reward_model_reports_each_part_in_its_step_rows(tiny_model, tiny_reward_model, tmp_path):
-    model_dir, data_dir = tiny_model
     reward_model, _ = tiny_reward_model
-    config = write_config(
-        tmp_path / "rm.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "rm.yaml",
         run_id="rm",
         train={"total_steps": 3},
         reward={

@@ -29,7 +29,7 @@ from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardOutOfBounds, RewardSources, overlong_scores, score_groups
-from tests.support.runs import write_config
+from tests.support.runs import config_file, run_config
 from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
@@ -202,9 +202,8 @@ def test_a_non_finite_max_abs_reward_is_refused_naming_the_field(tiny_model):
 def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_the_rest_is_scored(
     rules, tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
     nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats=nats))
+    cfg = run_config(tmp_path, tiny_model, nats=nats)
     reward = RewardConfig(functions={"exact_match": 3.0}, max_abs_reward=2.0)
 
     async def scenario() -> None:
@@ -304,9 +303,7 @@ def test_the_environments_own_reward_is_a_weighted_part_when_given_a_weight(rule
 
 
 def test_an_environment_weight_without_an_environment_is_refused_naming_the_field(tmp_path, config_only_model):
-    config = write_config(
-        tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", reward={"environment_weight": 1.0}
-    )
+    config = config_file(tmp_path, config_only_model, reward={"environment_weight": 1.0})
     with pytest.raises(ConfigError, match=r"reward\.environment_weight=1 weighs an environment's reward"):
         load_config(config)
     with pytest.raises(ValueError, match=r"may not use the names \['environment'\]"):

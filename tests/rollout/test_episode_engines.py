@@ -11,13 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
 from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +34,6 @@ class AddOne:
 
 
 def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engine, EpisodeRunner]:
-    model_dir, data_dir = tiny_model
     rollout = {
         "backend": backend,
         "kv_cache_mib": 48,
@@ -44,7 +42,7 @@ def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engi
         "max_tokens_per_turn": 2,
         "max_total_tokens": 20,
     }
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, tiny_model, rollout=rollout)
     engine_thread = ThreadPoolExecutor(max_workers=1)
     engine = engine_thread.submit(build_engine, cfg).result()
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.modeling import load_tokenizer
 from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
@@ -19,7 +18,7 @@ from services.rollout.engines import HfEngine, VllmEngine, build_engine
 from services.rollout.service import PolicyFollower
 from services.trainer.learning.learner import Learner
 from tests.rollout.test_vllm_weight_sync import PAIRS, trainer_logprobs, until, wire_bytes
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -61,17 +60,8 @@ def train_adapters(learner: Learner, seed: int) -> None:
 def test_an_adapter_only_sync_makes_the_rollout_score_as_the_trainers_lora_policy(
     tiny_model, tmp_path, backend, mode, served
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            model={"lora": LORA},
-            rollout={"backend": backend, "lora": mode},
-        )
-    )
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model, model={"lora": LORA}, rollout={"backend": backend, "lora": mode})
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pairs = [

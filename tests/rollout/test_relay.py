@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.config import RunConfig, load_config
+from services.common.config import RunConfig
 from services.common.pb import weights_pb2_grpc
 from services.common.transport import weight_sync_tls
 from services.common.transport.weightsync.auth import WeightSyncToken
@@ -17,7 +17,7 @@ from services.common.transport.weightsync.relay import Relay, add_relay_to_serve
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.service import PolicyFollower, relays
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import free_port
 from tests.trainer.test_admin_transport import self_signed
 
@@ -208,17 +208,12 @@ def test_under_tls_a_version_crosses_the_chain_through_the_relays_and_a_plaintex
     """The relay ports speak TLS with the trainer's certificate (weight_sync.tls_*), checked under the trainer's
     name though each is dialled at 127.0.0.1; a relay that served plaintext would make every peer pull fail and
     fall back to the trainer, which would then send the version twice."""
-    model_dir, data_dir = tiny_model
     cert, key = self_signed(tmp_path)  # names localhost
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            service={"host": "0.0.0.0", "trainer_host": "localhost"},
-            weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        service={"host": "0.0.0.0", "trainer_host": "localhost"},
+        weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
     )
 
     async def scenario():
@@ -331,13 +326,10 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
 def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_does_not_relay(
     config_only_model, tmp_path
 ):
-    model_dir, data_dir = config_only_model
     cert, key = self_signed(tmp_path)
 
     def rollout_config(**weight_sync: str) -> RunConfig:
-        return load_config(
-            write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", weight_sync=weight_sync)
-        )
+        return run_config(tmp_path, config_only_model, weight_sync=weight_sync)
 
     assert not relays(rollout_config(tls_ca=str(cert)))  # its pulls from the trainer are TLS all the same
     assert relays(rollout_config(tls_ca=str(cert), tls_cert=str(cert), tls_key=str(key)))

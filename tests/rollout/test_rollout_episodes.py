@@ -8,14 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.generation import Generation
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, decode
 from services.common.transport.streams import DEAD, ROLLOUTS, stream_name
 from tests.rollout.test_engine_outage import RUN_ID, FakeEngine, messages, run_rollout
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -48,7 +47,6 @@ class TurnEngine(FakeEngine):
 def test_an_environment_that_fails_every_step_ends_episodes_as_env_error_and_dead_letters_no_group(
     tiny_model, tmp_path, nats_url, monkeypatch
 ):
-    model_dir, data_dir = tiny_model
     rollout = {
         "prompts_per_batch": 2,
         "weight_relay": False,
@@ -57,18 +55,14 @@ def test_an_environment_that_fails_every_step_ends_episodes_as_env_error_and_dea
         # One batch in hand: with two, each lane may fetch one prompt and the engine calls below split in two.
         "episode_batches": 1,
     }
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id=RUN_ID,
-            sampling={"group_size": 2, "max_new_tokens": 4},
-            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
-            rollout=rollout,
-            service={"trainer_grpc_port": free_port()},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        run_id=RUN_ID,
+        sampling={"group_size": 2, "max_new_tokens": 4},
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+        rollout=rollout,
+        service={"trainer_grpc_port": free_port()},
     )
     engine = TurnEngine()
 

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
@@ -22,7 +21,7 @@ from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.service import PolicyFollower
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -73,8 +72,8 @@ async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
 def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
     """Latest wins: a replica that loaded version 5 and fell behind while 6 and 7 were published catches up
     to 7 in one pull, skipping 6, and then scores as the trainer's version 7 does."""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model)
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pairs = [
@@ -145,10 +144,8 @@ def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_
     a bfloat16 engine started from the trainer's policy does. (Against the trainer's own transformers forward in
     bfloat16 it differs by ~2e-2: the two sum bfloat16 products in different orders; float32 is held to 1e-3
     by the test above.)"""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"dtype": "bfloat16"})
-    )
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model, rollout={"dtype": "bfloat16"})
     assert cfg.model.dtype == "float32" and serving_dtype(cfg) == "bfloat16"
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
