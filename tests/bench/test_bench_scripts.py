@@ -23,7 +23,7 @@ from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
 from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -209,8 +209,7 @@ def test_the_bus_overhead_is_taken_against_the_compute_of_one_group():
 def test_a_batchs_three_hops_are_timed_through_a_real_broker_one_message_at_a_time_and_batched(tiny_model, tmp_path):
     from tests.common.test_stage import rollout
 
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     scored = [advance(rollout(f"g{n}"), ScoredGroup, rewards=np.zeros(2, np.float32)) for n in range(3)]
     groups = [advance(g, ExperienceGroup, ref_logprobs=[c.logprobs for c in g.completions]) for g in scored]
     timed = bench_bus(cfg, groups, repeats=2)

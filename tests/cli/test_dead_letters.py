@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from services.cli.dead_letters import list_dead_letters, operator_options, reinject
-from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.transport.bus import Bus
 from services.common.transport.messages import (
@@ -39,7 +38,16 @@ from services.common.transport.streams import (
 )
 from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
 from tests.support.paths import ROOT
-from tests.support.runs import kill_service, metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.support.runs import (
+    config_file,
+    kill_service,
+    metric_rows,
+    rlpipe,
+    run_config,
+    run_info,
+    running_pipeline,
+    wait_for,
+)
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -66,9 +74,8 @@ def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(t
 
 
 def test_list_and_reinject(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="dl", nats={"url": nats_url}))
+    cfg = run_config(tmp_path, tiny_model, run_id="dl", nats={"url": nats_url})
     run_dir = runs / "dl"
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"nats_url": nats_url}))
@@ -169,13 +176,10 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     restarts it: DEAD read at start is no lost broker state) and the group stays applied exactly once in the steps
     that make up the final model. The run has no end of its own (a short one could finish before the kill): the
     operator stops it."""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="reinj",
         train={"total_steps": 100_000, "batch_size": 8, "max_inflight_batches": 2, "max_staleness": None},
         checkpoint={"save_every_steps": 2, "keep_last": 10},

@@ -29,7 +29,7 @@ from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, subject
 from tests.deploy.conftest import DEPLOY, load_yaml
 from tests.support.paths import BIN
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.unit
@@ -177,8 +177,7 @@ def make_secrets(out: Path, config: Path) -> subprocess.CompletedProcess:
 def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own_subjects_over_tls(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     made = make_secrets(tmp_path / "secrets", config)
     assert made.returncode == 0, made.stderr
     assert make_secrets(tmp_path / "secrets", config).stdout.startswith("secrets already in")  # kept at later starts
@@ -247,8 +246,7 @@ def certificate_names(path: Path) -> list[str]:
 def test_made_secrets_serve_minio_and_weight_sync_over_tls_that_only_the_deployments_ca_trusts(
     config_only_model, tmp_path, monkeypatch
 ):
-    model_dir, data_dir = config_only_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, config_only_model)
     secrets = tmp_path / "secrets"
     made = make_secrets(secrets, config)
     assert made.returncode == 0, made.stderr

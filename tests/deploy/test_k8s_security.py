@@ -32,7 +32,7 @@ from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, on
 from tests.deploy.conftest import trainer as trainer_workload
 from tests.deploy.test_k8s import KUBERNETES_VERSION, container
 from tests.support.paths import BIN
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -445,8 +445,7 @@ def test_the_pods_broker_config_runs_a_tls_cluster_that_admits_only_the_role_key
             time.sleep(0.2)
         client = ports[0]["client"]
         run_id = load_yaml(PROD_CONFIG)["run_id"]  # the subjects the keys are allowed
-        model_dir, data_dir = tiny_model
-        config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+        config = config_file(tmp_path, tiny_model)
         for role in ROLES:
             (tmp_path / role).mkdir()
             (tmp_path / role / "nats.nk").write_bytes(secrets[f"rlpipe-nats-{role}"]["nats.nk"])

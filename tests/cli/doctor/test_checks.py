@@ -40,7 +40,7 @@ from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from tests.support.paths import ROOT
-from tests.support.runs import write_config
+from tests.support.runs import config_file, run_config, write_config
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -66,7 +66,6 @@ def no_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def config_for(tmp_path: Path, tiny_model, nats_url: str = "nats://127.0.0.1:4222", **sections) -> Path:
     """A healthy config: its own ports (other tests may hold the defaults) and an admin token file."""
-    model_dir, data_dir = tiny_model
     token = tmp_path / "admin.token"
     token.write_text("s3cret\n")
     sections = {
@@ -75,7 +74,7 @@ def config_for(tmp_path: Path, tiny_model, nats_url: str = "nats://127.0.0.1:422
         "admin": {"port": free_port(), "token_file": str(token)},
         **sections,
     }
-    return write_config(tmp_path / "run.yaml", model_dir, data_dir, tmp_path / "runs", **sections)
+    return config_file(tmp_path, tiny_model, "run.yaml", **sections)
 
 
 def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_token):
@@ -99,16 +98,10 @@ def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_tok
 
 
 def test_embedded_checks_the_broker_binary_not_nats_url(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
     # rlpipe run starts its own broker and makes the admin token,
     # so neither a closed nats.url nor a missing token fails.
-    config = write_config(
-        tmp_path / "run.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        nats={"url": f"nats://127.0.0.1:{free_port()}"},
-        admin={"port": free_port()},
+    config = config_file(
+        tmp_path, tiny_model, "run.yaml", nats={"url": f"nats://127.0.0.1:{free_port()}"}, admin={"port": free_port()}
     )
     done = doctor(config, "--embedded")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -253,11 +246,10 @@ def test_busy_port_is_named():
 
 
 def test_admin_token_is_required_unless_the_launcher_makes_one(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     assert check_admin_token(cfg, launcher_generates=True).status == "warn"
     assert check_admin_token(cfg, launcher_generates=False).status == "fail"
-    prod = load_config(write_config(tmp_path / "p.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    prod = run_config(tmp_path, tiny_model, "p.yaml", environment="prod")
     assert check_admin_token(prod, launcher_generates=True).status == "fail"
 
 
@@ -303,22 +295,17 @@ def test_packages_of_an_image_count_only_what_its_recorded_extras_install(tmp_pa
 
 
 def test_startup_checks_name_each_failure_for_the_roles_that_need_them(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
     train = tmp_path / "train.jsonl"
     train.write_text("garbage\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            data={"train_path": str(train)},
-            checkpoint={"store_url": (blocker / "ckpt").as_uri()},
-            service={"trainer_grpc_port": free_port()},
-            admin={"port": free_port()},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        data={"train_path": str(train)},
+        checkpoint={"store_url": (blocker / "ckpt").as_uri()},
+        service={"trainer_grpc_port": free_port()},
+        admin={"port": free_port()},
     )
     with pytest.raises(StartupCheckError) as raised:
         startup_checks(cfg, "trainer")
@@ -336,11 +323,10 @@ WEIGHT_SYNC_TOKEN = "the-runs-weight-sync-token"
 
 
 def test_the_weight_sync_token_is_required_where_the_trainer_needs_one(tiny_model, tmp_path, monkeypatch):
-    model_dir, data_dir = tiny_model
     monkeypatch.delenv("RLPIPE_WEIGHTSYNC_TOKEN", raising=False)
     monkeypatch.delenv("RLPIPE_ENV", raising=False)
-    dev = load_config(write_config(tmp_path / "d.yaml", model_dir, data_dir, tmp_path / "runs"))
-    prod = load_config(write_config(tmp_path / "p.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    dev = run_config(tmp_path, tiny_model, "d.yaml")
+    prod = run_config(tmp_path, tiny_model, "p.yaml", environment="prod")
     assert [(r.status, r.detail) for r in weight_sync_rows(prod, embedded=False)[:1]] == [
         ("fail", "RLPIPE_WEIGHTSYNC_TOKEN is not set: a prod trainer refuses to start without one")
     ]
@@ -357,12 +343,9 @@ def test_a_token_that_cannot_go_into_a_calls_metadata_fails_the_start_named_neve
 ):
     """gRPC refuses a metadata value with a line break ('Invalid metadata'): every call would fail, so each such
     token fails the start checks of the roles that send it, naming where it came from."""
-    model_dir, data_dir = config_only_model
     token_file = tmp_path / "admin.token"
     token_file.write_text("LEAKED-admin\nsecond-line\n")
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", admin={"token_file": str(token_file)})
-    )
+    cfg = run_config(tmp_path, config_only_model, admin={"token_file": str(token_file)})
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
     from_file = check_admin_token(cfg, launcher_generates=False)
     assert from_file.status == "fail" and from_file.detail.startswith("admin.token_file: the token in")

@@ -29,7 +29,15 @@ from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.support.paths import ROOT
-from tests.support.runs import RLPIPE_RUN, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
+from tests.support.runs import (
+    RLPIPE_RUN,
+    config_file,
+    metric_rows,
+    run_pipeline,
+    running_pipeline,
+    wait_for,
+    write_config,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -293,14 +301,8 @@ if os.environ.get("RLPIPE_SERVICE__INSTANCE") == "trainer":
 def test_a_trainer_failing_alike_at_its_first_step_ends_the_run_after_one_restart_naming_its_error(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        service={"warm_start": False, "warm_start_pool": None},
-        supervision={"backoff_s": 0.1},
+    config = config_file(
+        tmp_path, tiny_model, service={"warm_start": False, "warm_start_pool": None}, supervision={"backoff_s": 0.1}
     )
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(FAILING_STEP)
@@ -481,13 +483,10 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
 
 @pytest.mark.e2e
 def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_once(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     missing = tmp_path / "no-pool.sock"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="cold",
         train={"total_steps": 2, "batch_size": 4},
         checkpoint={"save_every_steps": 0},
@@ -509,10 +508,7 @@ def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_o
 def test_a_role_that_refuses_to_start_ends_the_run_with_2_printing_its_reason_once(tiny_model, tmp_path):
     """The trainer refuses a message limit its broker would not take (the embedded nats-server's max_payload is
     1 MiB): ``rlpipe run`` does not restart it, prints its reason and exits 2."""
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"max_message_bytes": 2 * 2**20}
-    )
+    config = config_file(tmp_path, tiny_model, nats={"max_message_bytes": 2 * 2**20})
     done = rlpipe_run(config)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     reason = (
@@ -579,16 +575,8 @@ def test_a_restarted_trainer_is_told_the_lease_holder_of_the_process_the_launche
 def test_an_observation_role_the_models_template_cannot_wrap_ends_the_run_with_2_naming_the_field(tiny_model, tmp_path):
     """The tiny model has no chat template: the rollout (and the trainer, for its held-out episodes) refuse at start
     rather than run episodes they cannot render; whichever refuses first, the reason is the field's."""
-    model_dir, data_dir = tiny_model
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "observation_role": "tool"}
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        rollout=rollout,
-        reward={"functions": {"final_number": 1.0}},
-    )
+    config = config_file(tmp_path, tiny_model, rollout=rollout, reward={"functions": {"final_number": 1.0}})
     done = rlpipe_run(config)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     reason = "rollout.observation_role='tool' wraps observations in the model's chat template, and the model has none"

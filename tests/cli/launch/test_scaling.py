@@ -16,7 +16,7 @@ from services.cli.launch.scaling import ReplicaScaler, ScalePlan, plan_scale
 from services.common.config import SupervisionConfig, load_config
 from services.common.observe.events import EventLog
 from services.common.transport.scale import ScaledElsewhere, ScaleRecord, ScaleRefused, check_scale
-from tests.support.runs import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
@@ -103,7 +103,7 @@ def replica(name: str, tmp_path: Path) -> Child:
 
 @pytest.fixture
 def scaler(config_only_model, tmp_path) -> ReplicaScaler:
-    config = write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="elastic")
+    config = config_file(tmp_path, config_only_model, run_id="elastic")
     cfg = load_config(config)
     return ReplicaScaler(cfg, EventLog(tmp_path / "events.jsonl"), Console(file=io.StringIO()))
 
