@@ -36,7 +36,7 @@ from services.common.transport.streams import (
 )
 from services.trainer.checkpointing.store import CheckpointStore
 from tests.support.paths import ROOT
-from tests.support.runs import RLPIPE_RUN, metric_rows, rlpipe, run_info, running_pipeline, write_config
+from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, rlpipe, run_info, running_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 
@@ -212,11 +212,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     # --overwrite (what `make demo` passes) starts over in the same directory: the old steps and rows are gone.
     # It runs synchronously (train.synchronous): each step trains only on groups the weights just published
     # generated, and the rollouts wait for those weights rather than have their groups dropped as stale.
-    short = write_config(
-        tmp_path / "short.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    short = config_file(
+        tmp_path,
+        tiny_model,
+        "short.yaml",
         run_id="pipe",
         train={"total_steps": 2, "batch_size": 8, "learning_rate": 2e-5, "synchronous": True},
         checkpoint={"save_every_steps": 2, "keep_last": 3},

@@ -20,7 +20,7 @@ import pytest
 from services.cli.dead_letters import list_dead_letters, operator_options
 from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
 from services.common.transport.streams import stream_name, subject
-from tests.support.runs import metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.support.runs import config_file, metric_rows, rlpipe, run_info, running_pipeline, wait_for
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -96,13 +96,10 @@ async def dead_letter_count(nats_url: str, run_id: str, options: dict) -> int:
 
 
 def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     # Long enough that the run is still training when the flood's last message is handled; it is stopped then.
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="poison",
         train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5},
         rollout={"backend": "hf"},

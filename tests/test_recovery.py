@@ -32,7 +32,7 @@ from services.trainer.checkpointing.lineage import (
     lost_groups,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.support.runs import kill_service, metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.support.runs import config_file, kill_service, metric_rows, rlpipe, running_pipeline, wait_for
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -44,13 +44,10 @@ ACK_WAIT_S = 10
 
 
 def test_killed_trainer_and_rollout_recover_with_every_group_applied_once(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="chaos",
         train={
             "total_steps": 10_000,  # stopped by the test once the killed rollout's prompts came back
@@ -160,13 +157,10 @@ def assert_every_fed_prompt_accounted_once(
 
 
 def test_broker_restart_loses_and_duplicates_nothing(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="broker",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5},
         checkpoint={"save_every_steps": 3, "keep_last": 10},
