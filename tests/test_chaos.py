@@ -14,8 +14,8 @@ import pytest
 
 from services.common.observe import metrics as m
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
+from tests.support.fates import assert_every_fed_prompt_accounted_once
 from tests.support.runs import config_file, kill_service, metric_rows, running_pipeline, wait_for
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 

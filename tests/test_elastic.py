@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
+from tests.support.fates import assert_every_fed_prompt_accounted_once
 from tests.support.runs import (
     config_file,
     metric_rows,
@@ -24,7 +25,6 @@ from tests.support.runs import (
     service_events,
     wait_for,
 )
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 

@@ -36,6 +36,7 @@ from services.trainer.checkpointing.lineage import (
     lost_groups,
 )
 from services.trainer.checkpointing.store import CheckpointStore
+from tests.support.fates import assert_every_fed_prompt_accounted_once
 from tests.support.paths import ROOT
 from tests.support.runs import (
     RLPIPE_RUN,
@@ -48,9 +49,7 @@ from tests.support.runs import (
     running_pipeline,
     service_events,
     wait_for,
-    write_config,
 )
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 
@@ -60,13 +59,10 @@ WINDOW_S = 5.0
 
 
 def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="late",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": SAVE_EVERY, "keep_last": 10},
@@ -84,7 +80,7 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
         os.kill(pids["trainer"], signal.SIGKILL)  # no final save: the resume goes back to step 10
         process.kill()  # the launcher; its children die with it
         process.wait()
-    time.sleep(WINDOW_S + 1.0)  # every dedupe entry of the first run has expired
+    time.sleep(WINDOW_S + 1.0)  # the time passing is the condition: every dedupe entry of the first run expired
 
     done = subprocess.run(
         [*RLPIPE_RUN, str(config), f"checkpoint.resume_step={SAVE_EVERY}", "--resume"],

@@ -22,8 +22,8 @@ from prometheus_client.samples import Sample
 
 from services.cli.dead_letters import operator_options
 from services.common.transport.streams import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
-from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
 from tests.support.runs import config_file, running_pipeline
+from tests.support.telemetry import OtlpReceiver, one_value, scrape, values
 
 pytestmark = pytest.mark.e2e
 

@@ -10,9 +10,8 @@ import yaml
 
 from services.common.config import ConfigError, load_config_with, parse_overrides
 from services.common.observe import metrics as m
-from tests.common.test_trackers import LIGHT_RUN
 from tests.support.paths import ROOT
-from tests.support.runs import RLPIPE_RUN, config_file, metric_rows
+from tests.support.runs import LIGHT_RUN, RLPIPE_RUN, config_file, metric_rows
 
 pytestmark = pytest.mark.integration
 

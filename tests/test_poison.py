@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 from services.cli.dead_letters import list_dead_letters, operator_options
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
+from services.common.transport.messages import encode
 from services.common.transport.streams import stream_name, subject
+from tests.support.messages import completion, scored_group
 from tests.support.runs import config_file, metric_rows, rlpipe, run_info, running_pipeline, wait_for
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
@@ -32,20 +33,9 @@ KINDS = {"prompts": "Prompt", "rollouts": "RolloutGroup", "scored": "ScoredGroup
 
 
 def nan_rewards_group() -> bytes:
-    completion = Completion(
-        text="2",
-        token_ids=np.array([5, 1], np.int32),
-        logprobs=np.array([-0.1, -0.2], np.float32),
-        finish_reason="stop",
-    )
-    rollout = advance(
-        Prompt(group_id="nan", prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([3], np.int32),
-        policy_version=0,
-        completions=[completion],
-    )
-    raw = msgpack.unpackb(encode(advance(rollout, ScoredGroup, rewards=np.array([0.0], np.float32))))
+    answer = completion(np.array([5, 1], np.int32), text="2", logprobs=np.array([-0.1, -0.2], np.float32))
+    group = scored_group("nan", [0.0], completions=[answer], prompt_ids=[3], prompt_id="p")
+    raw = msgpack.unpackb(encode(group))
     raw["rewards"]["data"] = np.array([np.nan], "<f4").tobytes()
     return msgpack.packb(raw)
 

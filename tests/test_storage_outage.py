@@ -23,7 +23,7 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
 from tests.support.paths import BIN, ROOT
-from tests.support.runs import RLPIPE_RUN, config_file, rlpipe, run_pipeline, running_pipeline, wait_for, write_config
+from tests.support.runs import RLPIPE_RUN, config_file, rlpipe, run_pipeline, running_pipeline, wait_for
 from tests.support.servers import StoppableS3, free_port, wait_for_port
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
@@ -96,13 +96,10 @@ class UnreachableS3(StoppableS3):
 
 
 def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
-    model_dir, data_dir = tiny_model
     checkpoint = s3.checkpoint(save_every_steps=2, keep_last=20)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="outage",
         # Ended by `rlpipe stop` once a save meets the store again, not at a step count: a count long enough to
         # outlast the outage (a failed save retries for ~7 s) trained on for minutes after it.
@@ -216,7 +213,7 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
     with running_pipeline(config) as run:
         wait_for(lambda: len(steps()) >= 2, "step 2", run)
         unreachable_s3.stop()
-        time.sleep(CLAIM_OUTAGE_S)
+        time.sleep(CLAIM_OUTAGE_S)  # the outage's length is what the run must survive, so the wait is fixed
         assert run.poll() is None, "the run died during the store outage"
         stopped_at = len(steps())
         unreachable_s3.start()

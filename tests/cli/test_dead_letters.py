@@ -3,8 +3,6 @@ the re-inject in DEAD beside the letter."""
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,16 +14,7 @@ import pytest
 from services.cli.dead_letters import list_dead_letters, operator_options, reinject
 from services.common.observe import metrics as m
 from services.common.transport.bus import Bus
-from services.common.transport.messages import (
-    Completion,
-    ExperienceGroup,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    decode,
-    encode,
-)
+from services.common.transport.messages import Prompt, decode, encode
 from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
@@ -37,12 +26,13 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.support.paths import ROOT
+from tests.support.messages import completion, experience_group, prompt
 from tests.support.runs import (
     config_file,
     kill_service,
     metric_rows,
     rlpipe,
+    rlpipe_command,
     run_config,
     run_info,
     running_pipeline,
@@ -58,13 +48,7 @@ def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(t
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"nats_url": f"nats://127.0.0.1:{free_port()}"}))  # nobody there
     (run_dir / "exit.json").write_text(json.dumps({"state": "finished", "code": 0}))
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = rlpipe_command("dead-letters", str(run_dir))
     assert done.returncode == 2
     assert (
         done.stderr.startswith("rlpipe dead-letters: no broker answers at nats://127.0.0.1:")
@@ -90,47 +74,19 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
         await bus.close()
 
     asyncio.run(dead_letter_one_bad_prompt())
-    listed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    listed = rlpipe_command("dead-letters", str(run_dir), "--json")
     assert listed.returncode == 0, listed.stderr
     [letter] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert letter["reason"] == "invalid Prompt: group_id missing" and letter["origin_stream"] == stream_name(
         "dl", PROMPTS
     )
     assert letter["service"] == "test" and letter["origin_sequence"] == 1
-    table = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    table = rlpipe_command("dead-letters", str(run_dir))
     assert "dead letters of dl: 1" in table.stdout
 
     fixed = tmp_path / "fixed.msgpack"
-    fixed.write_bytes(encode(Prompt(group_id="e0-i0", prompt_id="p", prompt="1+1=", answer="2")))
-    sent = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "dead-letters",
-            str(run_dir),
-            "--reinject",
-            str(letter["sequence"]),
-            "--payload",
-            str(fixed),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    fixed.write_bytes(encode(prompt("e0-i0", prompt_id="p")))
+    sent = rlpipe_command("dead-letters", str(run_dir), "--reinject", str(letter["sequence"]), "--payload", str(fixed))
     assert sent.returncode == 0, sent.stderr
 
     async def read_back() -> Prompt:
@@ -158,15 +114,11 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
     assert headers[H_STREAM] == stream_name("dl", PROMPTS)
 
 
-def experience_group(group_id: str, dtype: type) -> bytes:
+def experience_body(group_id: str, dtype: type) -> bytes:
     """An EXPERIENCE body that decodes; with float token ids it would break the learner."""
-    ids = np.asarray([5, 2], dtype=dtype)
-    completion = Completion(text="2", token_ids=ids, logprobs=np.full(2, -0.5, np.float32), finish_reason="stop")
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
-    prompt_ids = np.asarray([3], np.int32)
-    rollout = advance(prompt, RolloutGroup, prompt_ids=prompt_ids, policy_version=0, completions=[completion])
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
-    return encode(advance(scored, ExperienceGroup, ref_logprobs=[np.full(2, -0.5, np.float32)]))
+    answer = completion(np.asarray([5, 2], dtype=dtype), text="2")
+    references = [np.full(2, -0.5, np.float32)]
+    return encode(experience_group(group_id, [1.0], references, completions=[answer], prompt_ids=[3]))
 
 
 @pytest.mark.e2e
@@ -195,7 +147,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
 
         async def send_bad() -> None:
             nc = await nats.connect(url, **operator)
-            body = experience_group(group_id, np.float32)
+            body = experience_body(group_id, np.float32)
             # Headers as the reference stage sets them (Bus.publish): the group id, and no incarnation (the body has
             # none either), so the trainer takes the group for one of its own.
             await nc.jetstream().publish(subject("reinj", EXPERIENCE), body, headers={H_GROUP: group_id})
@@ -206,7 +158,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         wait_for(lambda: len(letters()) == 1, "the dead letter", run)
         [letter] = letters()
         assert letter.group_id == group_id and "token_ids are float32, not integers" in letter.reason
-        fixed = experience_group(group_id, np.int32)
+        fixed = experience_body(group_id, np.int32)
         assert asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator)) == stream_name("reinj", EXPERIENCE)
         applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r.groups if g == group_id]  # noqa: E731
         wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)

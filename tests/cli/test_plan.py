@@ -15,7 +15,7 @@ from services.cli.app import app
 from services.cli.plan import Gpus, inputs_from_config, resolve_gpus, sizing_row
 from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape, with_headroom
 from services.common.config import load_config
-from tests.cli.test_sizing import SMOLLM2_CONFIG
+from tests.support.models import SMOLLM2_CONFIG
 from tests.support.paths import ROOT
 from tests.support.runs import write_config
 

@@ -9,11 +9,8 @@ from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
 from services.common.transport.messages import (
     ClaimCheck,
-    Completion,
     DecodeError,
-    Prompt,
     RolloutGroup,
-    advance,
     decode,
     encode,
 )
@@ -29,6 +26,8 @@ from services.common.transport.streams import (
     StreamMessage,
     stream_name,
 )
+from tests.support.bus import until_messages
+from tests.support.messages import completion, rollout_group
 from tests.support.runs import run_config
 from tests.support.servers import create_run_state, free_port
 
@@ -36,19 +35,7 @@ pytestmark = pytest.mark.integration
 
 
 def big_group(tokens: int) -> RolloutGroup:
-    completion = Completion(
-        text="x",
-        token_ids=np.arange(tokens, dtype=np.int32),
-        logprobs=np.full(tokens, -0.5, np.float32),
-        finish_reason="length",
-    )
-    return advance(
-        Prompt(group_id="big", prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([1, 2], np.int32),
-        policy_version=3,
-        completions=[completion] * 4,
-    )
+    return rollout_group("big", [completion(tokens, finish_reason="length")] * 4, policy_version=3)
 
 
 def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
@@ -118,14 +105,10 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
 
         stop = asyncio.Event()
         stage = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
-        dead = stream_name("unsettled", DEAD)
-        for _ in range(100):
-            if (await bus.js.stream_info(dead)).state.messages:
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, 1, timeout=10)
         stop.set()
         await stage
-        letter = await bus.js.get_msg(dead, seq=1)
+        letter = await bus.js.get_msg(stream_name("unsettled", DEAD), seq=1)
         assert "delivered 3 times without an outcome" in letter.headers[H_REASON] and letter.headers[H_GROUP] == "big"
         assert computed == []  # the third delivery is not tried again: it would crash the replica once more
         await bus.close()

@@ -36,7 +36,7 @@ from services.common.transport.streams import (
 from tests.support.bus import stream_messages, until_messages
 from tests.support.messages import completion, rollout_group, scored
 from tests.support.paths import BIN
-from tests.support.runs import run_config
+from tests.support.runs import QUICK_REDELIVERY, run_config
 from tests.support.servers import create_run_state, free_port, start_nats, wait_for_port
 
 pytestmark = pytest.mark.integration
@@ -406,7 +406,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY},
     )
     outage_s = 3 * cfg.nats.ack_wait_s * cfg.nats.max_deliver  # the old rule dead-lettered within ack_wait*max_deliver
     ids = [f"g{i}" for i in range(5)]
@@ -457,7 +457,7 @@ def test_a_bad_message_still_goes_to_dead_letters(tiny_model, tmp_path, nats_url
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY},
     )
 
     async def scenario() -> None:
@@ -490,7 +490,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
     monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
     s3_port = free_port()  # nothing listens on it until the store "comes back"
-    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    nats = {"url": nats_url, **QUICK_REDELIVERY}
     checkpoint = {"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{s3_port}", "s3_secure": False}
     producer = config(tmp_path, tiny_model, "p.yaml", nats=nats)  # its groups are small enough to travel inline
     stage_cfg = config(
@@ -557,7 +557,7 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 1, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY, "max_deliver": 1},
     )
 
     async def scenario() -> None:

@@ -16,6 +16,7 @@ from services.common.transport.messages import ClaimCheck, RolloutGroup, ScoredG
 from services.common.transport.reader import StreamReader
 from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, H_GROUP, ROLLOUTS, SCORED
+from tests.support.bus import running
 from tests.support.messages import completion, rollout_group, scored
 from tests.support.runs import run_config
 from tests.support.servers import create_run_state
@@ -105,11 +106,8 @@ def test_a_consumed_body_is_deleted_and_one_a_dead_letter_or_a_reinject_still_ne
         # Sent back and consumed, a re-inject leaves the body its letter still points at.
         await reinject(nats_url, cfg.run_id, letters[0].sequence)
         fixed = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, accept_all, 1, "reward")
-        stop = asyncio.Event()
-        loop = asyncio.create_task(fixed.run(stop))
-        await until(lambda: fixed.handled == 1, 10, "the re-injected group handled")
-        stop.set()
-        await loop
+        async with running(fixed):
+            await until(lambda: fixed.handled == 1, 10, "the re-injected group handled")
         assert sent["poison"] in store.list(claims)
         dead = StreamReader(bus, DEAD, 1)
         letter = await dead.next(5)
@@ -142,11 +140,8 @@ def test_a_delivery_that_went_half_an_ack_wait_without_a_beat_leaves_its_body_to
         await producer.publish(ROLLOUTS, group("slow"), msg_id="slow.rollout")
         key = (await rollout_keys(producer, 1))["slow"]
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, stalling, 1, "reward")
-        stop = asyncio.Event()
-        loop = asyncio.create_task(stage.run(stop))
-        await until(lambda: stage.handled == 1, 10, "the slow group handled")
-        stop.set()
-        await loop
+        async with running(stage):
+            await until(lambda: stage.handled == 1, 10, "the slow group handled")
         assert key in bus.claims.list(f"{cfg.run_id}/claims/rollouts/")
         await bus.close()
         await producer.close()

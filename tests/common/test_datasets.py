@@ -14,9 +14,8 @@ from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
 from services.common.transport.messages import Prompt, decode, encode
 from services.trainer.intake.feeder import PromptFeeder
-from tests.common.test_trackers import LIGHT_RUN
 from tests.support.paths import ROOT
-from tests.support.runs import config_file, run_pipeline
+from tests.support.runs import LIGHT_RUN, config_file, doctor, doctor_config, run_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -229,12 +228,12 @@ def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model
 
 
 def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_path, nats_url):
-    from tests.cli.doctor.test_checks import config_for, doctor
-
     rows = their_rows(tiny_model)
     rows[5]["question"] = None
     path, _ = write_source("parquet", rows, tmp_path / "data")
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, data={"train_path": str(path), "columns": THEIR_COLUMNS}))
+    done = doctor(
+        doctor_config(tmp_path, tiny_model, nats_url, data={"train_path": str(path), "columns": THEIR_COLUMNS})
+    )
     assert done.returncode == 1
     [line] = [line for line in done.stdout.splitlines() if line.startswith("FAIL dataset data.train_path:")]
     assert f"{path}: 1 bad of {N_ROWS} rows: row 5: missing or non-string field 'question' (or give 'messages')" in line

@@ -35,8 +35,8 @@ from services.common.observe.instruments import watch_gpus
 from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row, gauge_name
 from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
-from tests.common.test_telemetry import minimal_config, one_value, scrape
 from tests.support.paths import ROOT
+from tests.support.telemetry import minimal_config, one_value, scrape
 
 pytestmark = pytest.mark.unit
 

@@ -20,6 +20,7 @@ from services.common.transport.presence import (
     roles_down,
 )
 from tests.support.runs import run_config
+from tests.support.waits import until
 
 pytestmark = pytest.mark.integration
 
@@ -84,9 +85,12 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
             presence = await Presence(js, named, "reward").start()
             replicas.append(presence)
             watchdogs.append(asyncio.create_task(watch_progress(MovingLoop(), [], presence, lambda s=seconds: s)))
-        await asyncio.sleep(HEARTBEAT_S + 1)  # the next beat carries what the watchdog put in the entry
+
+        async def beaten() -> bool:  # the next beat carries what the watchdog put in the entry
+            return {e.instance: e.time_s for e in await read_presence(js, cfg)} == spent
+
+        await until(beaten, 10 * HEARTBEAT_S, "each replica's time shares in its entry")
         entries = await read_presence(js, cfg)
-        assert {e.instance: e.time_s for e in entries} == spent
         assert role_time_shares(entries) == {"reward": {"busy": 0.5, "idle": 0.375, "blocked": 0.125}}
         for task in watchdogs:
             task.cancel()
@@ -107,7 +111,9 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
         js = nc.jetstream()
         since = time.time()
         waiting = asyncio.create_task(await_trainer_port(js, cfg, since))
-        await asyncio.sleep(1.0)  # no bucket yet: it waits for the trainer to create it
+        # Fixed waits, since what they show is that nothing happens: with no bucket yet it waits for the trainer to
+        # create one, and an entry older than its start does not end the wait.
+        await asyncio.sleep(1.0)
         kv = await open_bucket(js, cfg)
         dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
         await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.service import start_grpc_server
-from tests.common.test_telemetry import scrape
 from tests.support.paths import ROOT
-from tests.support.runs import run_config, write_config
+from tests.support.runs import config_file, run_config
 from tests.support.servers import free_port, wait_for_port
+from tests.support.telemetry import scrape
 
 pytestmark = pytest.mark.integration
 
@@ -44,13 +44,11 @@ FAKE_NVML_DIR = Path(__file__).parent / "fake_nvml"
 def test_each_role_exports_every_gpu_nvml_shows_it_under_its_role(role, tiny_model, nats_url, tmp_path):
     """The role's own process, NVML faked at the import (tests/common/fake_nvml first on PYTHONPATH): its metrics
     endpoint, up before the role waits for the run's streams, carries both GPUs' load and memory, labelled."""
-    model_dir, data_dir = tiny_model
+    model_dir, _ = tiny_model
     port = free_port()
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         model={"path": str(model_dir), "device": "cpu"},  # the fake shows GPUs CUDA cannot open
         nats={"url": nats_url},
         telemetry={"metrics_port": port},

@@ -11,6 +11,7 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, ScoredGroup
 from services.common.transport.stage import Stage
 from services.common.transport.streams import ROLLOUTS, SCORED
+from tests.support.bus import running
 from tests.support.messages import completion, rollout_group, scored
 from tests.support.runs import run_config
 from tests.support.servers import create_run_state
@@ -91,14 +92,11 @@ def test_a_stage_with_two_lanes_computes_a_second_batch_while_the_first_is_still
             return [scored(group)]
 
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward", lanes=2)
-        stop = asyncio.Event()
-        loop = asyncio.create_task(stage.run(stop))
-        await bus.publish(ROLLOUTS, rollout("a"), msg_id="a.rollout")
-        await asyncio.sleep(0.5)  # a is in one lane's hands before b is published
-        await bus.publish(ROLLOUTS, rollout("b"), msg_id="b.rollout")
-        await until(lambda: stage.handled == 2, 10, "both groups handled")
-        stop.set()
-        await loop
+        async with running(stage):
+            await bus.publish(ROLLOUTS, rollout("a"), msg_id="a.rollout")
+            await asyncio.sleep(0.5)  # a is in one lane's hands before b is published
+            await bus.publish(ROLLOUTS, rollout("b"), msg_id="b.rollout")
+            await until(lambda: stage.handled == 2, 10, "both groups handled")
         assert finished == ["b", "a"]
         assert stage.handled == 2
         assert sum(stage.time_share.fractions().values()) == pytest.approx(1.0)

@@ -8,13 +8,9 @@ from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
 from tests.support.paths import ROOT
-from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, run_pipeline
+from tests.support.runs import LIGHT_RUN, RLPIPE_RUN, config_file, metric_rows, run_pipeline
 
 pytestmark = pytest.mark.integration
-
-# Real runs whose subject is not generation: transformers' generate starts and stops faster than vLLM, and a busy
-# machine gets more time to stop the services.
-LIGHT_RUN = {"rollout": {"backend": "hf", "prompts_per_batch": 16}, "supervision": {"stop_grace_s": 60}}
 
 STEP_ROW = {
     "time": 1.0,

@@ -23,7 +23,7 @@ from services.common.transport.weightsync.relay import Relay, add_relay_to_serve
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from tests.support.runs import config_file, run_config
-from tests.trainer.test_admin_transport import self_signed
+from tests.support.servers import self_signed
 
 pytestmark = pytest.mark.integration
 

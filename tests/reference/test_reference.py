@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import Completion
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
+from tests.support.messages import scored_group
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
@@ -32,14 +33,8 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
         for g in group:
             assert g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.logprobs) > 0
             assert (g.finish_reason == "stop") == (g.token_ids[-1] == engine.tokenizer.eos_token_id)
-        rollout = advance(
-            Prompt(group_id=text, prompt_id=text, prompt=text),
-            RolloutGroup,
-            prompt_ids=np.asarray(ids, dtype=np.int32),
-            policy_version=0,
-            completions=[Completion(**vars(g)) for g in group],
-        )
-        groups.append(advance(rollout, ScoredGroup, rewards=np.zeros(len(group), dtype=np.float32)))
+        completions = [Completion(**vars(g)) for g in group]
+        groups.append(scored_group(text, completions=completions, prompt_ids=ids, prompt=text, answer=""))
 
     scorer = ReferenceScorer(cfg)
     pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]

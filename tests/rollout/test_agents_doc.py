@@ -13,7 +13,7 @@ from services.common.episodes.environments import Task, environment_factory
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import VerbatimObservations
 from services.common.episodes.runner import LocalEnvironment, run_episodes, start_episodes
-from tests.common.episodes.test_runner import LIMITS, CharTokenizer
+from tests.support.episodes import LIMITS, CharTokenizer
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit

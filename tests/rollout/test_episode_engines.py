@@ -14,8 +14,9 @@ import torch
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
-from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
+from services.common.transport.messages import RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
+from tests.support.messages import prompt
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
@@ -50,8 +51,8 @@ def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engi
         return await asyncio.get_running_loop().run_in_executor(engine_thread, call, *args)
 
     runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
-    prompt = Prompt(group_id="g0", prompt_id="p0", prompt="12+34=", answer="46")
-    [group] = asyncio.run(runner.groups([prompt], cfg.sampling.model_copy(update={"group_size": 2}), 0, 0))
+    asked = prompt("g0", prompt_id="p0", prompt="12+34=", answer="46")
+    [group] = asyncio.run(runner.groups([asked], cfg.sampling.model_copy(update={"group_size": 2}), 0, 0))
     return group, engine, runner
 
 

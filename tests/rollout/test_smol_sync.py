@@ -18,10 +18,9 @@ from services.common.transport.messages import Completion, Prompt, RolloutGroup,
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import VllmEngine
-from tests.rollout.grpc_sync import sync_over_grpc
-from tests.rollout.test_vllm_weight_sync import vllm_response_logprobs
 from tests.support.paths import ROOT
 from tests.support.runs import run_config
+from tests.support.weights import sync_over_grpc, vllm_response_logprobs
 
 pytestmark = pytest.mark.e2e
 

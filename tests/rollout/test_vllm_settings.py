@@ -11,9 +11,8 @@ import torch
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import VllmEngine, vllm_engine_args
-from tests.rollout.grpc_sync import sync_over_grpc
-from tests.rollout.test_vllm_weight_sync import PAIRS, vllm_response_logprobs
 from tests.support.runs import run_config
+from tests.support.weights import PAIRS, sync_over_grpc, vllm_response_logprobs
 
 pytestmark = pytest.mark.integration
 

@@ -84,3 +84,9 @@ def experience_group(
 ) -> ExperienceGroup:
     """``rollout_group(group_id, **rollout)`` through every stage: scored with ``rewards``, then referenced."""
     return referenced(scored(rollout_group(group_id, **rollout), rewards), ref_logprobs)
+
+
+def answered(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
+    """A group for a reward to judge: the prompt "1+1=" with ``answer``, one one-token completion per text."""
+    completions = [completion([3], text=text, finish_reason=finish) for text in texts]
+    return rollout_group(group_id, completions, answer=answer)

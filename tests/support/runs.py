@@ -16,6 +16,7 @@ from pathlib import Path
 from services.common.observe.metrics import check_row
 from services.common.observe.records import MetricsRow, read_metrics
 from tests.support.paths import ROOT
+from tests.support.servers import free_port
 
 # The runs a test worker starts over the tiny model fork their roles from one warm-start pool of that worker
 # (service.warm_start_pool, docs/testing.md), which imports torch, transformers and vLLM once rather than once per
@@ -25,6 +26,12 @@ WARM_POOL: list[Path] = []
 
 RLPIPE = [sys.executable, "-m", "services.cli"]
 RLPIPE_RUN = [*RLPIPE, "run"]
+# Real runs whose subject is not generation: transformers' generate starts and stops faster than vLLM, and a busy
+# machine gets more time to stop the services.
+LIGHT_RUN = {"rollout": {"backend": "hf", "prompts_per_batch": 16}, "supervision": {"stop_grace_s": 60}}
+# NATS settings under which a delivery nobody settles comes back within a second and a message goes to DEAD after
+# its second delivery: tests of redelivery and dead letters would otherwise wait 30 s a delivery.
+QUICK_REDELIVERY = {"ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
 
 
 def write_config(path: Path, model_dir: Path, data_dir: Path, runs_dir: Path, **sections: dict) -> Path:
@@ -151,3 +158,35 @@ def run_pipeline(config: Path, timeout: float = 600) -> tuple[subprocess.Complet
     done = subprocess.run([*RLPIPE_RUN, str(config)], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     cfg = yaml.safe_load(config.read_text())
     return done, metric_rows(Path(cfg["runs_dir"]) / cfg["run_id"])
+
+
+def rlpipe_command(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """`rlpipe ARGS...` as a user runs it from the repository root, its output captured."""
+    return subprocess.run([*RLPIPE, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def doctor(config: Path, *args: str) -> subprocess.CompletedProcess:
+    """`rlpipe doctor` as a user runs it; a wide terminal so table rows stay on one line."""
+    return subprocess.run(
+        [*RLPIPE, "doctor", "--config", str(config), *args],
+        check=False,
+        cwd=ROOT,
+        env={**os.environ, "COLUMNS": "300"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def doctor_config(tmp_path: Path, tiny_model, nats_url: str = "nats://127.0.0.1:4222", **sections) -> Path:
+    """A config that `rlpipe doctor` finds healthy: its own ports (other tests may hold the defaults) and an admin
+    token file."""
+    token = tmp_path / "admin.token"
+    token.write_text("s3cret\n")
+    sections = {
+        "nats": {"url": nats_url},
+        "service": {"trainer_grpc_port": free_port()},
+        "admin": {"port": free_port(), "token_file": str(token)},
+        **sections,
+    }
+    return config_file(tmp_path, tiny_model, "run.yaml", **sections)

@@ -141,3 +141,45 @@ def running_warm_pool(modules: list[str], log_path: Path) -> Iterator[tuple[subp
         process.kill()
         process.wait()
         shutil.rmtree(socket_path.parent, ignore_errors=True)
+
+
+def self_signed(folder: Path) -> tuple[Path, Path]:
+    """A self-signed certificate for "localhost" and its key, written to ``folder``: (certificate, key)."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = folder / "admin.crt", folder / "admin.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+def start_reward_server(port: int, *options: str) -> subprocess.Popen:
+    """The reference HTTP reward server (services.reward.reference_server) on ``port``, once it listens."""
+    server = subprocess.Popen(
+        [sys.executable, "-m", "services.reward.reference_server", "--port", str(port), *options],
+        stdout=subprocess.DEVNULL,
+    )
+    wait_for_port(port, server, "reference reward server")
+    return server

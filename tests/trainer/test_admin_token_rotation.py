@@ -13,7 +13,7 @@ from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer
 from services.trainer.role import start_admin_server
 from tests.support.runs import run_config
-from tests.trainer.test_admin_transport import StatusOnly
+from tests.support.trainer import StatusOnly
 
 pytestmark = pytest.mark.integration
 

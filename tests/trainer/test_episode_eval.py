@@ -12,7 +12,7 @@ from services.common.episodes.runner import EpisodeLimits, LocalEnvironment
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
 from services.trainer.learning.distributed import Op
 from services.trainer.learning.follower import evaluate_payload, follow
-from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
+from tests.support.episodes import CharTokenizer, ScriptedEngine
 
 pytestmark = pytest.mark.unit
 

@@ -15,9 +15,9 @@ from services.common.observe import metrics as m
 from services.common.observe.metrics import check_row
 from services.common.observe.records import read_metrics
 from services.common.transport.streams import EXPERIENCE
+from tests.support.messages import experience_group
 from tests.support.runs import run_config
-from tests.trainer.intake.test_reader_bus import experience
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.trainer import start_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,9 @@ async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
     published: set[str] = set()
     while not done.done():
         for group_id in sorted(set(trainer.ledger.in_flight) - published):
-            group = experience(group_id, trainer.progress.version, trainer.progress.incarnation)
+            group = experience_group(
+                group_id, [1.0], policy_version=trainer.progress.version, incarnation=trainer.progress.incarnation
+            )
             await trainer.bus.publish(EXPERIENCE, group, msg_id=f"{group_id}.experience")
             published.add(group_id)
         await asyncio.sleep(0.05)

@@ -24,7 +24,7 @@ from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.lease import Lease, LeaseLost
 from tests.support.paths import ROOT
 from tests.support.runs import config_file
-from tests.trainer.checkpointing.test_store import checkpoint, stored_objects
+from tests.support.trainer import checkpoint, stored_objects
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,7 @@ from services.common.transport.lease_bucket import open_bucket
 from services.trainer.intake.reader import Collected
 from services.trainer.lease import Lease, LeaseLost
 from tests.support.runs import run_config
-from tests.trainer.learning.test_learner import experience
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.trainer import experience, start_trainer
 
 pytestmark = pytest.mark.integration
 

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
 from services.common.model.datasets import load_jsonl
-from services.common.pb import weights_pb2_grpc
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.weightsync.client import WeightSyncClient
@@ -24,8 +22,9 @@ from services.trainer.intake.reader import Collected
 from services.trainer.learning.learner import Learner
 from services.trainer.service import Trainer
 from tests.support.runs import run_config
-from tests.support.servers import create_run_state, free_port
-from tests.trainer.learning.test_learner import experience
+from tests.support.servers import create_run_state
+from tests.support.trainer import experience
+from tests.support.weights import serve_weights
 
 pytestmark = pytest.mark.integration
 
@@ -64,11 +63,8 @@ def test_a_slow_offer_holds_no_step_and_each_version_pulled_is_its_own_steps_wei
         weights = GatedServer(learner.snapshot(version=0, step=0))
         trainer = Trainer(cfg, bus, learner, weights, live)
         await trainer.prepare()
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        client = WeightSyncClient(f"127.0.0.1:{port}")
+        server, address = await serve_weights(weights)
+        client = WeightSyncClient(address)
         publisher = trainer.recovery.publisher
         try:
             await trainer.train_step(Collected(batch=groups, dropped=[], sequence=4))

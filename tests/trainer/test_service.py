@@ -18,10 +18,7 @@ from services.common.observe.timeshare import StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.trainer.control import RunState
 from services.trainer.intake.reader import Collected
-from tests.support.runs import run_config
-from tests.trainer.learning.test_learner import experience, with_nan
-from tests.trainer.test_responder import StuckTracker
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.trainer import StuckTracker, experience, start_trainer, trainer_config, with_nan
 
 pytestmark = pytest.mark.integration
 
@@ -29,14 +26,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def cfg(tiny_model, tmp_path, nats_url, monkeypatch):
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    return run_config(
-        tmp_path,
-        tiny_model,
-        nats={"url": nats_url},
-        service={"trainer_grpc_port": 0},
-        admin={"port": 0},
-        data={"eval_path": None},
-    )
+    return trainer_config(tmp_path, tiny_model, nats_url)
 
 
 def events(cfg, kind: str) -> list[dict]:

@@ -14,6 +14,7 @@ from services.tuner.spec import TuneFileError
 from services.tuner.tune_file import load_tune_file, trial_config_data
 from tests.support.paths import ROOT
 from tests.support.runs import config_file
+from tests.support.tuner import tune_file
 
 pytestmark = pytest.mark.integration
 
@@ -21,19 +22,6 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
     return config_file(tmp_path, tiny_model, "base.yaml")
-
-
-def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
-    data = {
-        "study": "s",
-        "base_config": str(base),
-        "workdir": str(tmp_path / "tune"),
-        "space": {"train.learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-        **fields,
-    }
-    path = tmp_path / "tune.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
 
 
 @pytest.mark.parametrize(

@@ -29,30 +29,15 @@ from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.support.paths import ROOT
-from tests.support.runs import (
-    RLPIPE_RUN,
-    config_file,
-    metric_rows,
-    run_pipeline,
-    running_pipeline,
-    wait_for,
-    write_config,
-)
+from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, run_pipeline, running_pipeline, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, config_only_model: tuple[Path, Path]) -> Path:
     # Enough for the config to load; the refusals under test come before anything reads the model.
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", run_id="kept")
+    return config_file(tmp_path, config_only_model, run_id="kept")
 
 
 def rlpipe_run(config: Path, *options: str) -> subprocess.CompletedProcess:
@@ -454,12 +439,9 @@ def test_a_second_ctrl_c_during_the_stop_kills_every_service_at_once(config, tmp
 def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tiny_model, tmp_path):
     """Ctrl-C is how a person ends a run early: not a failure. Every service stops in order, the trainer saves
     the step in hand, the report is written, and the exit status is 130 (128 + SIGINT) with the resume command."""
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="ctrlc",
         train={"total_steps": 10_000, "batch_size": 4},
         checkpoint={"save_every_steps": 1000, "keep_last": 2},

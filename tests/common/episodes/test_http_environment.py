@@ -19,7 +19,7 @@ from services.common.episodes.runner import EpisodeLimits, EpisodeState, run_epi
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
-from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
+from tests.support.episodes import CharTokenizer, ScriptedEngine
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ class Misbehaving(EnvironmentHandler):
         if mode == "ok":
             super().do_POST()
         elif mode == "slow":
-            time.sleep(1.0)
+            time.sleep(1.0)  # the slow environment under test: past the client's timeout
             super().do_POST()
         elif mode == "garbage":
             self.send_response(200)

@@ -11,7 +11,7 @@ from services.common.episodes.environments import Calculator, Task
 from services.common.episodes.observations import ChatObservations, VerbatimObservations, observation_format
 from services.common.episodes.runner import EpisodeRunner, EpisodeState, LocalEnvironment, run_episodes, start_episodes
 from services.common.refusal import StartRefused
-from tests.common.episodes.test_runner import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
+from tests.support.episodes import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit

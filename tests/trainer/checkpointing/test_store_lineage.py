@@ -15,7 +15,7 @@ from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpointing.manifest import ABANDONED, STABLE, sha256
 from services.trainer.checkpointing.state import TrainerState
 from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
-from tests.trainer.checkpointing.test_store import checkpoint
+from tests.support.trainer import checkpoint
 
 pytestmark = pytest.mark.unit
 

@@ -15,16 +15,7 @@ from services.cli.dead_letters import reinject
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.transport.bus import Bus
-from services.common.transport.messages import (
-    Completion,
-    Episode,
-    ExperienceGroup,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    encode,
-)
+from services.common.transport.messages import Episode, ExperienceGroup, Prompt, encode
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
@@ -42,6 +33,7 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.intake.reader import Collected, Intake, without_signal
 from services.trainer.progress import Progress
+from tests.support.messages import completion, experience_group
 from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
@@ -61,12 +53,14 @@ def config(tiny_model, tmp_path, nats_url, nats: dict | None = None, checkpoint:
 
 
 def experience(group_id: str, policy_version: int = 0, incarnation: str = "") -> ExperienceGroup:
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2", incarnation=incarnation)
-    ids = np.asarray([5, 2], dtype=np.int32)
-    completion = Completion(text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop")
-    rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=policy_version, completions=[completion])
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)])
+    return experience_group(
+        group_id,
+        [1.0],
+        completions=[completion([5, 2], 0.0, text="2")],
+        prompt_ids=[5, 2],
+        policy_version=policy_version,
+        incarnation=incarnation,
+    )
 
 
 async def lost_nowhere(group_ids: list[str]) -> None:
@@ -530,14 +524,8 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
 
 def rewarded(group_id: str, rewards: list[float], episode: Episode | None = None) -> ExperienceGroup:
     """A group of ``len(rewards)`` completions with those rewards (each ``episode``, if given)."""
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
-    ids = np.asarray([5, 2], dtype=np.int32)
-    completion = Completion(
-        text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop", episode=episode
-    )
-    rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=0, completions=[completion] * len(rewards))
-    scored = advance(rollout, ScoredGroup, rewards=np.asarray(rewards, np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)] * len(rewards))
+    answer = completion([5, 2], 0.0, text="2", episode=episode)
+    return experience_group(group_id, rewards, completions=[answer] * len(rewards), prompt_ids=[5, 2])
 
 
 def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_stream_and_settles_each_once(

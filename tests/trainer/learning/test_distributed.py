@@ -29,8 +29,8 @@ from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.passes import rank_passes
 from tests.support.paths import ROOT
 from tests.support.runs import config_file
+from tests.support.trainer import experience
 from tests.trainer.learning import dist_worker
-from tests.trainer.learning.test_learner import experience
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ from services.trainer.checkpointing.state import Checkpoint, CheckpointMismatch,
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.learner import Learner
 from tests.support.runs import write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.trainer import experience
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from services.reference.service import ReferenceScorer
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
 from tests.support.runs import write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.trainer import experience
 
 pytestmark = pytest.mark.integration
 
