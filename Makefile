@@ -60,18 +60,22 @@ config-reference: $(STAMP)
 metrics-reference: $(STAMP)
 	$(BIN)/python -m services.common.observe.metrics_reference docs/metrics.md
 
-# Lint and format first: they take seconds, the tests many minutes. Then the three test tiers, always all three, in
-# one pytest-xdist session, a file per worker at a time (tests in one file share their fixtures): the longest files
-# first, then those that mostly wait, then the other whole runs (e2e), the other integration files (real brokers,
-# stores, gRPC, vLLM, processes), and the unit tier last (tests/conftest.py: scheduling_rank). The waits of some
-# files overlap the runs' CPU work of others, and the unit tier's small in-process files fill the cores at the end,
-# where the last long files would leave them idle; the three workers keep both cores busy (docs/testing.md has the
-# measurements). `pytest` alone runs the unit tier.
+# Lint, format and types first: they take seconds (pyright about a minute and a half), the tests many minutes. Then the
+# three test tiers, always all three, in one pytest-xdist session, a file per worker at a time (tests in one file share
+# their fixtures): the longest files first, then those that mostly wait, then the other whole runs (e2e), the other
+# integration files (real brokers, stores, gRPC, vLLM, processes), and the unit tier last (tests/conftest.py:
+# scheduling_rank). The waits of some files overlap the runs' CPU work of others, and the unit tier's small in-process
+# files fill the cores at the end, where the last long files would leave them idle; the three workers keep both cores
+# busy (docs/testing.md has the measurements). `pytest` alone runs the unit tier.
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
+# pyright (basic) on services and bench ([tool.pyright] in pyproject.toml); the gRPC stubs' .pyi type the messages,
+# so they are generated first (a tree installed before they were has only the .py stubs).
+	$(BIN)/python -c "import services.common.pb"
+	$(BIN)/pyright
 # Every process a test starts imports rlpipe's own modules; compiled once here (nothing writes .pyc files at
 # import under PYTHONDONTWRITEBYTECODE), each of them saves about 0.2 CPU s.
 	$(BIN)/python -m compileall -q -j 0 services tests bench > /dev/null

@@ -23,7 +23,7 @@ import torch
 
 from services.common.episodes.environments import Calculator, Task
 from services.common.episodes.generation import Generation
-from services.common.episodes.observations import ObservationFormat, observation_format
+from services.common.episodes.observations import ObservationFormat, episode_tokenizer, observation_format
 from services.common.episodes.runner import EpisodeLimits, LocalEnvironment, run_episodes, start_episodes
 from services.common.model.modeling import load_model, load_tokenizer
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
@@ -55,7 +55,7 @@ def rows_of(tokenizer, count: int, seed: int) -> list[dict[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/smollm2-135m-instruct"))
     parser.add_argument("--rows", type=int, default=48)
     parser.add_argument("--seed", type=int, default=0)
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(2)
     model, tokenizer = load_model(args.model, "float32").eval(), load_tokenizer(args.model)
+    tokens = episode_tokenizer(tokenizer)
     rows = rows_of(tokenizer, args.rows, args.seed)
     shown: list[str] = []
 
@@ -73,11 +74,10 @@ def main(argv: list[str] | None = None) -> None:
         """The episodes of ``some`` after their prompts, decoded with the special tokens."""
         tasks = [Task(row["id"], row["prompt"], row["answer"]) for row in some]
         episodes = [
-            group[0]
-            for group in await start_episodes(tasks, lambda: LocalEnvironment(Calculator(), 10.0), 1, tokenizer)
+            group[0] for group in await start_episodes(tasks, lambda: LocalEnvironment(Calculator(), 10.0), 1, tokens)
         ]
-        await run_episodes(episodes, generate, LIMITS, tokenizer, observations)
-        return [tokenizer.decode(e.context[e.prompt_len :], skip_special_tokens=False) for e in episodes]
+        await run_episodes(episodes, generate, LIMITS, tokens, observations)
+        return [tokens.decode(e.context[e.prompt_len :], skip_special_tokens=False) for e in episodes]
 
     for role in ("", "tool"):
         started = time.perf_counter()
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
                 lambda: LocalEnvironment(Calculator(), 10.0),
                 generate,
                 LIMITS,
-                tokenizer,
+                tokens,
                 observations,
                 RuleReward({"final_number": 1.0}),
             )

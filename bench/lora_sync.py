@@ -89,7 +89,7 @@ def vllm_load_seconds(model_dir: str, snapshot: Snapshot, lora: LoraConfig | Non
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", required=True, help="Hugging Face model folder")
     parser.add_argument("--r", type=int, default=16, help="adapter rank")
     parser.add_argument(

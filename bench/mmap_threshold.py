@@ -70,7 +70,7 @@ def worker(model: str, variant: str, batches: int) -> dict:
         tokens += sum(len(g.token_ids) for group in groups for g in group)
     tokens_per_s = tokens / (time.perf_counter() - started)
 
-    weights = load_model(cfg.model.path, "float32").state_dict()
+    weights = load_model(cfg.model.folder, "float32").state_dict()
     growth = []
     for sync in range(3):
         version = {name: tensor + 1e-3 * (sync + 1) for name, tensor in weights.items()}

@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TypedDict
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -59,6 +60,22 @@ class CpuSampler:
         return {name: round((last[name] - first[name]) / (t1 - t0), 3) for name in last if name in first}
 
 
+def demo_overrides(run_dir: Path, model: Path, data: Path, steps: int) -> list[str]:
+    """The overrides that run examples/arith-grpo.yaml as a bench run: its id and folder, the model and data
+    named, ``steps`` steps with one evaluation (of 100 rows) and one save at the end."""
+    return [
+        f"run_id={run_dir.name}",
+        f"runs_dir={run_dir.parent}",
+        f"model.path={model}",
+        f"data.train_path={data / 'train.jsonl'}",
+        f"data.eval_path={data / 'eval.jsonl'}",
+        "data.eval_size=100",
+        f"data.eval_every_steps={steps}",
+        f"train.total_steps={steps}",
+        f"checkpoint.save_every_steps={steps}",
+    ]
+
+
 def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) -> list[dict]:
     """``rlpipe run config overrides`` to its end; the run's metrics rows. Its output goes to ``<run_dir>.log``.
 
@@ -80,7 +97,12 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     return rows
 
 
-def where_the_time_went(steady: list[dict]) -> dict[str, dict[str, float]]:
+class TimeSplit(TypedDict):
+    step_wall_s_by_phase: dict[str, float]  # "time/<phase>" -> mean seconds per step
+    role_time_shares: dict[str, dict[str, float]]  # role -> activity -> fraction, at the last step
+
+
+def where_the_time_went(steady: list[dict]) -> TimeSplit:
     """The mean wall seconds per step by phase, and each role's busy/idle/blocked fractions at the last step."""
     phases = sorted(key for key in steady[-1] if key.startswith("time/"))
     shares: dict[str, dict[str, float]] = {}

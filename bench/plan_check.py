@@ -122,7 +122,7 @@ def rollout_peak(folder: Path) -> int:
     import os
 
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in process, as the rollout runs it
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, TokensPrompt
 
     before = current_rss()
     llm = LLM(
@@ -134,7 +134,9 @@ def rollout_peak(folder: Path) -> int:
         seed=0,
     )
     vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
-    prompts = [{"prompt_token_ids": [3 + i % (vocab - 3)] * (ROW_TOKENS // 2)} for i in range(ROLLOUT_SEQUENCES)]
+    prompts = [
+        TokensPrompt(prompt_token_ids=[3 + i % (vocab - 3)] * (ROW_TOKENS // 2)) for i in range(ROLLOUT_SEQUENCES)
+    ]
     llm.generate(prompts, SamplingParams(max_tokens=ROLLOUT_NEW_TOKENS, ignore_eos=True), use_tqdm=False)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
 
@@ -164,7 +166,7 @@ def measure(role: str, folder: Path, tokens: int, checkpointing: bool) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--tokens", type=int, default=256, help="tokens of the micro-batch (a multiple of 64)")
     parser.add_argument("--roles", default=",".join(ROLES), help=f"comma-separated, of {', '.join(ROLES)}")
     parser.add_argument("--child", nargs=4, metavar=("ROLE", "FOLDER", "TOKENS", "CKPT"), help=argparse.SUPPRESS)

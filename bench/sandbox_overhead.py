@@ -67,7 +67,7 @@ def old_subprocess(code: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--calls", type=int, default=30, help="calls of each kind")
     parser.add_argument("--code", default="print(sum(range(10)))")
     args = parser.parse_args(argv)

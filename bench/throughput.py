@@ -46,7 +46,7 @@ import yaml
 from bench.pipeline_run import CpuSampler, run_pipeline, where_the_time_went
 from services.common.config import RunConfig, load_config
 from services.common.model.datasets import load_jsonl
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -176,7 +176,7 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
     functions = [(REWARD_FUNCTIONS[name], weight) for name, weight in cfg.reward.functions.items()]
     out = []
     for row, ids, group in zip(rows, prompt_ids, groups, strict=True):
-        completions = [Completion(**vars(g)) for g in group]
+        completions = [g.completion() for g in group]
         rollout = advance(
             Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]),
             RolloutGroup,
@@ -192,8 +192,8 @@ def experience(cfg: RunConfig, rows: list[dict], prompt_ids: list[list[int]], gr
 
 def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> dict[str, float]:
     """A rollout batch's trips over the bus, on a nats-server of its own, two ways: each message on its own (the
-    stage publishes it, waiting for the ack, the next stage fetches, decodes, validates and acks it, as stages did
-    before stop 37) and batched (a stage publishes its batch's outputs together, the next fetches the batch,
+    stage publishes it, waiting for the ack, the next stage fetches, decodes, validates and acks it) and batched (a
+    stage publishes its batch's outputs together, the next fetches the batch,
     decodes and validates each, and acks them together, as ``Stage`` does now). A group travels three hops (the
     rollout's RolloutGroup, the reward's ScoredGroup, the reference's ExperienceGroup, which the trainer reads from
     EXPERIENCE); the prompt it starts as is a few bytes. Seconds per group, median over ``repeats`` passes, the
@@ -206,7 +206,7 @@ def bench_bus(cfg: RunConfig, groups: list[ExperienceGroup], repeats: int) -> di
     from services.common.transport.nats_server import nats_server_binary
     from services.common.transport.streams import EXPERIENCE, ROLLOUTS, SCORED
 
-    def only(group: ExperienceGroup, kind: type) -> object:
+    def only(group: ExperienceGroup, kind: type[Prompt]) -> Prompt:
         return kind.model_validate({name: getattr(group, name) for name in kind.model_fields if name != "kind"})
 
     hops = ((ROLLOUTS, RolloutGroup), (SCORED, ScoredGroup))
@@ -412,7 +412,7 @@ def async_sync_pairs(measurements: list[Measurement]) -> list[tuple[Measurement,
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smol", help="comma-separated: tiny, smol (absent ones skipped)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each rollout and learner variant")
     parser.add_argument("--pipeline-steps", type=int, default=60)

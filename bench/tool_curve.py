@@ -65,7 +65,7 @@ def plot(curves: dict[str, list[Evaluation]], out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (runs/<run_id>)")
     parser.add_argument("--out", type=Path, required=True, help="PNG to write")
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ import torch
 
 from services.common.config import load_config
 from services.common.episodes.generation import Generation
-from services.common.episodes.observations import observation_format
+from services.common.episodes.observations import episode_tokenizer, observation_format
 from services.common.episodes.runner import EpisodeLimits, environment_maker
 from services.common.model.chat import render_rows
 from services.common.model.datasets import load_jsonl
@@ -27,10 +27,12 @@ from services.common.model.modeling import load_model, load_tokenizer
 from services.trainer.episode_eval import RuleReward, greedy_turns, play
 
 
-def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -> dict[str, float]:
+def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -> dict[str, str | int | float]:
     cfg = load_config(config)
     if cfg.sampling.top_p != 1.0:
         raise ValueError(f"sampling.top_p is {cfg.sampling.top_p}: this bench samples at top-p 1 only")
+    if cfg.data.eval_path is None:
+        raise ValueError(f"{config} sets no data.eval_path: there are no held-out rows to sample")
     model, tokenizer = load_model(model_dir, "float32").eval(), load_tokenizer(model_dir)
     rows = render_rows(load_jsonl(cfg.data.eval_path)[: cfg.data.eval_size], tokenizer)
     stop = list(cfg.rollout.turn_stop)
@@ -42,12 +44,13 @@ def sampled_evaluation(config: Path, model_dir: Path, samples: int, seed: int) -
     repeated = [{**row, "id": f"{row.get('id', i)}-{k}"} for i, row in enumerate(rows) for k in range(samples)]
     reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
-    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokenizer, observations, reward))
+    tokens = episode_tokenizer(tokenizer)
+    result = asyncio.run(play(repeated, environment_maker(cfg), generate, limits, tokens, observations, reward))
     return {"model": str(model_dir), "episodes": len(repeated), "accuracy": result.accuracy, **result.metrics()}
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("config", type=Path, help="the run's config (environment, budgets, reward, eval rows)")
     parser.add_argument("models", nargs="+", type=Path, help="model folders: the base model, checkpoints' step-N")
     parser.add_argument("--samples", type=int, default=4, help="episodes per held-out row")

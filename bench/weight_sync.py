@@ -22,6 +22,8 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -31,6 +33,9 @@ from services.common.transport.weightsync.client import PULL_CHUNK_BYTES, Weight
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
 from services.common.transport.weightsync.wire import dtype_named, wire_dtype
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 
 @dataclass(frozen=True)
@@ -45,7 +50,7 @@ def synthetic_model(hidden: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[torch.nn.Linear(hidden, hidden) for _ in range(layers)])
 
 
-def smollm2_135m() -> torch.nn.Module:
+def smollm2_135m() -> PreTrainedModel:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -65,7 +70,7 @@ def build_model(spec: ModelSpec) -> torch.nn.Module:
     if spec.path:
         from services.common.model.modeling import load_model
 
-        return load_model(spec.path)
+        return load_model(Path(spec.path))
     if spec.smollm2_135m:
         return smollm2_135m()
     return synthetic_model(spec.hidden, spec.layers)
@@ -75,7 +80,10 @@ def wire_payload(snapshot: Snapshot, dtype: torch.dtype | None) -> list[memoryvi
     """The bytes a pull carries (tied tensors once, floats in the wire dtype), for the raw socket to send."""
     unique = {id(t): t for _, t in snapshot.tensors}.values()
     return [
-        memoryview(t.to(wire_dtype(t.dtype, dtype)).reshape(-1).view(torch.uint8).numpy()) for t in unique if t.numel()
+        # (numpy's stubs give arrays the buffer protocol on Python 3.12 and later only)
+        memoryview(t.to(wire_dtype(t.dtype, dtype)).reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
+        for t in unique
+        if t.numel()
     ]
 
 
@@ -165,7 +173,7 @@ async def measure(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--model", default="", help="HF model folder; default: a synthetic MLP")
     parser.add_argument("--smollm2-135m", action="store_true", help="a random model of SmolLM2-135M's shape")
     parser.add_argument("--hidden", type=int, default=1024)

@@ -5,7 +5,12 @@ import pytest
 # The shared helpers' asserts (wait_for's, the pool's) report their values as a test's own do.
 pytest.register_assert_rewrite("tests.support")
 
-pytest_plugins = ["tests.support.tiers", "tests.support.scheduling", "tests.support.fixtures"]
+pytest_plugins = [
+    "tests.support.tiers",
+    "tests.support.scheduling",
+    "tests.support.fixtures",
+    "tests.support.hardware",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -261,6 +261,23 @@ def test_a_stalled_pipeline_still_alerts(tiny_model, tmp_path):
     fired = {e.rule for e in read_events(run_dir / "events.jsonl") if e.kind == Event.ALERT}
     assert {"no_steps", "role_down"} <= fired
 
+    # An alert's hold outlives `rlpipe run --resume` (an operator's stop of the held run included): the run comes
+    # back held, and the console says by what and how to go on.
+    steps = sum(m.PG_LOSS in r for r in metric_rows(run_dir))
+    stopped = (run_dir / "run.json").read_text()
+    with running_pipeline(config, "--resume") as again:
+        ready = lambda: (run_dir / "run.json").exists() and (run_dir / "run.json").read_text() != stopped  # noqa: E731
+        wait_for(ready, "the resumed run's services", again)
+        held = status(run_dir)
+        assert held["state"] == "paused" and "while held: alert role_down" in held["paused_reason"]
+        assert rlpipe(run_dir, "stop").returncode == 0
+        output, _ = again.communicate(timeout=120)
+    assert again.returncode == 0, output[-3000:]
+    said = " ".join(output.split())
+    assert "still held: stopped: stopped by operator, while held: alert role_down" in said
+    assert "An alert set this hold, so --resume keeps it" in said and "continuing a run that was held" not in said
+    assert sum(m.PG_LOSS in r for r in metric_rows(run_dir)) == steps  # held throughout: no step
+
 
 class Receiver(http.server.BaseHTTPRequestHandler):
     posts: ClassVar[list[dict]] = []

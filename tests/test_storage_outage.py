@@ -259,7 +259,7 @@ def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_s
 
     resume = [*RLPIPE_RUN, str(config), "--resume"]
     again = subprocess.run(resume, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    # The trainer refused (exit 2): not restarted, and the run ends with its reason (trust item 13).
+    # The trainer refused (exit 2): not restarted, and the run ends with its reason.
     assert again.returncode == 2, again.stdout[-3000:]
     assert "rlpipe run: trainer refused to run: " in again.stderr and "but step 4" in again.stderr
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
@@ -268,4 +268,4 @@ def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_s
     assert "s3://ckpt/prefix/emptied/step-00000004/" in trainer_log
     assert (run_dir / "lineage.jsonl").read_text() == lineage_before
     store = CheckpointStore(open_store("s3://ckpt/prefix", CheckpointConfig(**s3.checkpoint())), "emptied", keep_last=5)
-    assert store.steps() == []  # and nothing was written to the store
+    assert store.store.list("emptied/") == []  # and nothing was written to the store: no step, not even a fence

@@ -164,7 +164,9 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         summary.add_row(name, value)
     console.print(summary)
     services = Table(title="services")
-    for column in ("instance", "role", "up", "restarts", "lag", "policy v", "config v", "grpc", "metrics", "seen"):
+    for column in ("instance", "role", "up", "restarts", "lag", "policy v", "config v", "GPU GiB alloc/resv/used"):
+        services.add_column(column)
+    for column in ("grpc", "metrics", "seen"):
         services.add_column(column)
     for s in status.services:
         services.add_row(
@@ -175,6 +177,7 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
             str(s.consumer_lag),
             str(s.policy_version) if s.role in ("trainer", "rollout") else "-",  # the others hold no policy
             str(s.config_version),
+            gpu_memory_cell(s),
             s.grpc_address,
             s.metrics_url,
             f"{s.last_seen_s:.0f}s ago",
@@ -196,6 +199,15 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
                 ",".join(a.actions),
             )
         console.print(alerts)
+
+
+def gpu_memory_cell(service: admin_pb2.ServiceStatus) -> str:
+    """A replica's GPU memory as ``allocated / reserved / used`` GiB, "-" for a figure it does not report (no
+    CUDA in the process, no NVML), "-" alone for a replica on a CPU."""
+    figures = (service.gpu_allocated_gib, service.gpu_reserved_gib, service.gpu_used_gib)
+    if not any(figures):
+        return "-"
+    return " / ".join(f"{gib:.2f}" if gib else "-" for gib in figures)
 
 
 def register(app: typer.Typer) -> typer.Typer:

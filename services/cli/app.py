@@ -154,7 +154,7 @@ def dead_letters(
     from nats.errors import NoServersError
     from rich.table import Table
 
-    from services.cli.dead_letters import list_dead_letters, nats_url_of, operator_options
+    from services.cli.dead_letters import ReinjectIncomplete, list_dead_letters, nats_url_of, operator_options
     from services.cli.dead_letters import reinject as send_back
     from services.cli.output import console_for
     from services.cli.runs import launcher_holds, read_run
@@ -172,8 +172,12 @@ def dead_letters(
         if reinject:
             body = payload.read_bytes() if payload else None
             for sequence in reinject:
-                origin = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
-                typer.echo(f"re-injected dead letter {sequence} into {origin}")
+                try:
+                    done = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
+                except ReinjectIncomplete as error:
+                    typer.echo(f"rlpipe dead-letters: {error}", err=True)
+                    raise typer.Exit(1) from None
+                typer.echo(done.describe())
             return
         letters = asyncio.run(list_dead_letters(url, run_id, limit, operator_options(run_dir)))
     except NoServersError:
@@ -190,11 +194,21 @@ def dead_letters(
             typer.echo(json.dumps(vars(letter)))
         return
     table = Table(title=f"dead letters of {run_id}: {len(letters)}")
-    for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason"):
+    for column in ("seq", "from", "origin seq", "service", "group", "bytes", "reason", "re-injected"):
         table.add_column(column)
     for d in letters:
+        reinjected = "" if d.reinjected_at is None else f"DEAD {d.reinjected_at}"
+        if d.reinjected_at is not None and not d.reinject_sent:
+            reinjected += ", copy not sent: --reinject it again"
         table.add_row(
-            str(d.sequence), d.origin_stream, str(d.origin_sequence), d.service, d.group_id, str(d.size), d.reason
+            str(d.sequence),
+            d.origin_stream,
+            str(d.origin_sequence),
+            d.service,
+            d.group_id,
+            str(d.size),
+            d.reason,
+            reinjected,
         )
     console_for().print(table)
 
@@ -259,6 +273,12 @@ def doctor(
         help="the config is for `rlpipe run`, which starts its own broker: check nats-server instead of nats.url",
     ),
     as_json: bool = typer.Option(False, "--json", help="a JSON list of the checks (name, status, detail)"),
+    network: bool = typer.Option(
+        False,
+        "--network",
+        help="also time round trips and throughput to the broker, the S3 store and the remote services (a few "
+        "requests and 8 MiB each way) against what the config's rates need of them",
+    ),
 ) -> None:
     """Check versions, GPU, model, dataset, storage, NATS and streams, ports, admin token and disk.
 
@@ -267,7 +287,7 @@ def doctor(
     from services.cli.doctor.checks import diagnose, print_report
     from services.cli.output import console_for, print_json
 
-    results = diagnose(config, embedded=embedded)
+    results = diagnose(config, embedded=embedded, network=network)
     if as_json:
         print_json(results)
         raise typer.Exit(1 if any(result.failed for result in results) else 0)
@@ -330,13 +350,15 @@ def data_sample(
     from services.cli.data import format_sample, sample_rows
     from services.common.config import load_config
     from services.common.model.datasets import DatasetError
+    from services.common.refusal import StartRefused
+    from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
     if split not in ("train", "eval"):
         typer.echo(f"rlpipe data sample: --split must be train or eval, not {split!r}", err=True)
         raise typer.Exit(2)
     try:
-        typer.echo(format_sample(sample_rows(load_config(config), rows, seed, split)))
-    except (ConfigError, DatasetError, ValueError) as error:
+        typer.echo(format_sample(sample_rows(resolve_model(load_config(config)), rows, seed, split)))
+    except (ConfigError, DatasetError, ValueError, StartRefused, ModelFetchFailed) as error:
         typer.echo(f"rlpipe data sample: {error}", err=True)
         raise typer.Exit(2) from None
 

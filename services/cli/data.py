@@ -60,7 +60,7 @@ def sample_rows(cfg: RunConfig, count: int, seed: int, which: Literal["train", "
     windowed = data.streaming and which == "train"
     rows = read_rows(path, data.columns, split, limit=STREAM_SAMPLE_WINDOW if windowed else None)
     chosen = sorted(random.Random(seed).sample(range(len(rows)), min(count, len(rows))))
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.folder)
     rendered = render_rows([rows[i] for i in chosen], tokenizer)
     return DataSample(
         path=str(path),

@@ -1,22 +1,32 @@
 """``rlpipe dead-letters``: list a run's DEAD stream and re-inject messages into the stream they came from.
 
-A re-inject gives the letter's group a second chance and leaves the letter where it is: it first appends a
-re-inject record to DEAD (header ``Rlpipe-Reinjected``: the letter's sequence), which the trainer reads in
-order with the dead letters and which reopens the group it had settled as dead, and then sends the message
-back to its origin stream. The trainer applies the copy once, like any group in flight, and writes the reopen
-into the run's lineage. Deleting the letter instead would leave DEAD without the record a restarted trainer
-needs to accept the copy.
+A re-inject gives the letter's group a second chance and leaves the letter where it is. It writes three things, in
+this order: a re-inject record to DEAD (header ``Rlpipe-Reinjected``: the letter's sequence), which the trainer reads
+in order with the dead letters and which reopens the group it had settled as dead; the message back on its origin
+stream; and a note in DEAD that the copy went (``Rlpipe-Reinject-Sent``), which names no group and which the trainer
+passes over. The trainer applies the copy once, like any group in flight, and writes the reopen into the run's
+lineage. Deleting the letter instead would leave DEAD without the record a restarted trainer needs to accept the copy.
+
+The record and the copy carry a ``Nats-Msg-Id`` each, and a re-inject looks in DEAD for what an earlier attempt of
+it wrote before writing anything, so running the command again after it failed half-way completes it: a record
+already there is not written twice, and a copy the broker took although its answer was lost is reported as sent
+already (the duplicate window drops the repeat). A re-inject whose note is there is done: running it again sends
+nothing and says so, also after the duplicate window, where the broker would have taken a second copy that the
+trainer then refuses.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 import msgpack
 import nats
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 from services.common.config import NatsConfig
@@ -29,6 +39,7 @@ from services.common.transport.streams import (
     H_GROUP,
     H_INCARNATION,
     H_REASON,
+    H_REINJECT_SENT,
     H_REINJECTED,
     H_SEQ,
     H_SERVICE,
@@ -48,6 +59,21 @@ class DeadLetter:
     reason: str
     size: int
     reinjected_at: int | None = None  # the DEAD sequence of the record of its re-inject; None: never re-injected
+    reinject_sent: bool = False  # its copy went back too (a re-inject stopped after its record has not)
+
+
+async def _dead_messages(js: JetStreamContext, run_id: str, start: int) -> AsyncIterator[Any]:
+    """DEAD's messages from sequence ``start`` on, in order."""
+    sequence = start
+    while True:
+        try:
+            raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence, subject=subject(run_id, DEAD), next=True)
+        except NotFoundError:
+            return
+        if raw.seq is None:
+            raise RuntimeError(f"the broker answered a read of {stream_name(run_id, DEAD)} without a sequence")
+        sequence = raw.seq + 1
+        yield raw
 
 
 async def list_dead_letters(
@@ -55,22 +81,19 @@ async def list_dead_letters(
 ) -> list[DeadLetter]:
     nc = await nats.connect(nats_url, **ONE_TRY, **(options or {}))
     try:
-        js = nc.jetstream()
         letters: list[DeadLetter] = []
         by_sequence: dict[int, DeadLetter] = {}
-        sequence = 1
-        while len(letters) < limit:
-            try:
-                raw = await js.get_msg(
-                    stream_name(run_id, "dead"), seq=sequence, subject=subject(run_id, "dead"), next=True
-                )
-            except NotFoundError:
+        async for raw in _dead_messages(nc.jetstream(), run_id, 1):
+            if len(letters) >= limit:
                 break
             headers = raw.headers or {}
-            sequence = raw.seq + 1
             if H_REINJECTED in headers:  # not a letter: the record that an earlier one was sent back
                 if (letter := by_sequence.get(int(headers[H_REINJECTED]))) is not None:
                     letter.reinjected_at = raw.seq
+                continue
+            if H_REINJECT_SENT in headers:  # nor the note that the copy went
+                if (letter := by_sequence.get(int(headers[H_REINJECT_SENT]))) is not None:
+                    letter.reinject_sent = True
                 continue
             letters.append(
                 DeadLetter(
@@ -89,14 +112,59 @@ async def list_dead_letters(
         await nc.close()
 
 
+class Outcome(StrEnum):
+    SENT = "sent"  # record and copy written now
+    COMPLETED = "completed"  # an earlier attempt wrote the record; the copy went now
+    ALREADY = "already"  # an earlier attempt sent the copy: nothing was sent again
+
+
+@dataclass(frozen=True)
+class Reinjected:
+    """What one re-inject of a letter did."""
+
+    letter: int
+    origin: str  # the stream the copy goes to
+    record: int  # the DEAD sequence of the re-inject's record
+    outcome: Outcome
+
+    def describe(self) -> str:
+        if self.outcome == Outcome.SENT:
+            return f"re-injected dead letter {self.letter} into {self.origin} (its record: DEAD {self.record})"
+        if self.outcome == Outcome.COMPLETED:
+            return (
+                f"completed the re-inject of dead letter {self.letter} into {self.origin}: an earlier attempt "
+                f"stored its record (DEAD {self.record}) but not the copy, which went now"
+            )
+        return (
+            f"dead letter {self.letter} was re-injected into {self.origin} already (its record: DEAD {self.record}); "
+            "nothing was sent again"
+        )
+
+
+class ReinjectIncomplete(RuntimeError):
+    """A re-inject stopped after its record: running the same command again completes it."""
+
+
+async def _earlier_attempt(js: JetStreamContext, run_id: str, letter: int) -> tuple[int | None, bool]:
+    """What earlier re-injects of DEAD message ``letter`` left after it: its record's sequence (None: no record) and
+    whether a note says the copy went."""
+    record, sent = None, False
+    async for raw in _dead_messages(js, run_id, letter + 1):
+        headers = raw.headers or {}
+        if headers.get(H_REINJECTED) == str(letter):
+            record = raw.seq
+        elif headers.get(H_REINJECT_SENT) == str(letter):
+            sent = True
+    return record, sent
+
+
 async def reinject(
     nats_url: str, run_id: str, sequence: int, payload: bytes | None = None, options: dict[str, Any] | None = None
-) -> str:
-    """Record the re-inject of DEAD message ``sequence`` in DEAD, then publish it (or a fixed ``payload``) back to
-    its origin stream. The record goes first: a trainer reading the copy has read the reopen before it.
+) -> Reinjected:
+    """Re-inject DEAD message ``sequence`` (or a fixed ``payload`` in its place) as the module docstring says: the
+    record in DEAD, the copy on its origin stream, the note in DEAD, each written unless an earlier attempt did.
 
-    Returns the origin stream's name. Re-injecting the same letter again inside the duplicate window is a no-op;
-    after it, the trainer refuses the second copy unless the first was dead-lettered again.
+    Raises ReinjectIncomplete when the record is stored but the copy or the note could not be written.
     """
     by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
     nc = await nats.connect(nats_url, **ONE_TRY, **(options or {}))
@@ -104,27 +172,48 @@ async def reinject(
         js = nc.jetstream()
         raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence)
         letter = raw.headers or {}
-        if H_REINJECTED in letter:
+        if H_REINJECTED in letter or H_REINJECT_SENT in letter:
             raise ValueError(f"DEAD message {sequence} records a re-inject; it is no dead letter to send back")
         origin = letter.get(H_STREAM, "")
         if origin not in by_stream:
             raise ValueError(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
+        record, sent = await _earlier_attempt(js, run_id, sequence)
+        if record is not None and sent:
+            return Reinjected(sequence, origin, record, Outcome.ALREADY)
         headers = {"Nats-Msg-Id": f"{REINJECT_ID_PREFIX}{sequence}"}
         for carried in (H_GROUP, H_INCARNATION) if payload is not None else (H_GROUP, H_INCARNATION, H_CLAIM):
             if carried in letter:
                 headers[carried] = letter[carried]
         if payload is not None:  # a fixed body names its group itself (an undecodable letter may name none)
             headers.update(_group_headers(payload))
-        record = {key: headers[key] for key in (H_GROUP, H_INCARNATION) if key in headers}
-        # Where the letter's message came from, too: the trainer ignores any later letter for that same message
-        # (a replay of EXPERIENCE after a resume dead-letters it again), which would settle the reopened group.
-        record |= {H_REINJECTED: str(sequence), H_STREAM: origin, H_SEQ: letter.get(H_SEQ, "")}
-        record["Nats-Msg-Id"] = f"{REINJECT_ID_PREFIX}{sequence}.record"
-        await js.publish(subject(run_id, DEAD), b"", headers=record)
-        await js.publish(
-            subject(run_id, by_stream[origin]), payload if payload is not None else raw.data, headers=headers
-        )
-        return origin
+        earlier = record is not None
+        if record is None:
+            record_headers = {key: headers[key] for key in (H_GROUP, H_INCARNATION) if key in headers}
+            # Where the letter's message came from, too: the trainer ignores any later letter for that same message
+            # (a replay of EXPERIENCE after a resume dead-letters it again), which would settle the reopened group.
+            record_headers |= {H_REINJECTED: str(sequence), H_STREAM: origin, H_SEQ: letter.get(H_SEQ, "")}
+            record_headers["Nats-Msg-Id"] = f"{REINJECT_ID_PREFIX}{sequence}.record"
+            record = (await js.publish(subject(run_id, DEAD), b"", headers=record_headers)).seq
+        try:
+            copy = await js.publish(
+                subject(run_id, by_stream[origin]), payload if payload is not None else raw.data or b"", headers=headers
+            )
+        except Exception as error:  # the broker's many failure types: the record stands, the copy is not sent
+            raise ReinjectIncomplete(
+                f"dead letter {sequence}: its re-inject record is stored (DEAD {record}) but the copy could not be "
+                f"sent to {origin} ({error!r}). Run the same command again to send it: until then the trainer holds "
+                "the group reopened, and writes it off as lost after train.lost_after_s"
+            ) from error
+        try:  # no Nats-Msg-Id: a second note says the same as the first
+            await js.publish(subject(run_id, DEAD), b"", headers={H_REINJECT_SENT: str(sequence)})
+        except Exception as error:  # the copy went; only the note of it is missing
+            raise ReinjectIncomplete(
+                f"dead letter {sequence}: its copy is on {origin}, but the note of that could not be stored in DEAD "
+                f"({error!r}). Run the same command again to store it"
+            ) from error
+        if copy.duplicate:  # an earlier attempt's copy landed, its answer did not
+            return Reinjected(sequence, origin, record, Outcome.ALREADY)
+        return Reinjected(sequence, origin, record, Outcome.COMPLETED if earlier else Outcome.SENT)
     finally:
         await nc.close()
 

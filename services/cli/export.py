@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from transformers import PreTrainedModel
+
 from services.cli.verify.checkpoints import Policy
 from services.common.config import RunConfig
 from services.common.model.lora import adapter_tensors, write_adapter
@@ -42,8 +44,10 @@ def export_step(cfg: RunConfig, step: int | None, out: Path, merge: bool = False
     if cfg.model.lora is not None and not merge:
         write_adapter(out, cfg.model.lora, adapter_tensors(ckpt.model).items(), cfg.model.path)
         return f"step {ckpt.step}: LoRA adapter (peft format) over {cfg.model.path} in {out}"
-    model = policy.model.merge_and_unload() if cfg.model.lora is not None else policy.model
+    # A LoRA run's policy is a PeftModel (no Hugging Face model class), its adapters merged here.
+    model = policy.model if isinstance(policy.model, PreTrainedModel) else policy.model.merge_and_unload()
     model.save_pretrained(str(out))
-    load_tokenizer(cfg.model.path).save_pretrained(str(out))
+    # The folder the policy loaded (model.path's URL fetched): the config's model.path may still be a URL.
+    load_tokenizer(policy.folder).save_pretrained(str(out))
     merged = ", adapter merged" if cfg.model.lora is not None else ""
     return f"step {ckpt.step}: Hugging Face model folder{merged} in {out}"

@@ -37,7 +37,8 @@ def check(
     )
     with channel:
         try:
-            reply = health_pb2_grpc.HealthStub(channel).Check(
+            # (typeshed's HealthStub lacks the Check its __init__ sets)
+            reply = health_pb2_grpc.HealthStub(channel).Check(  # pyright: ignore[reportAttributeAccessIssue]
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
             )
         except grpc.RpcError as error:
@@ -65,7 +66,9 @@ def check_role(config: Path, role: str, address: str = "", timeout: float = 3.0,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.cli.healthcheck", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m services.cli.healthcheck", description=(__doc__ or "").splitlines()[0]
+    )
     parser.add_argument("address", nargs="?", default="", help="HOST:PORT of a service's gRPC server")
     parser.add_argument("--config", type=Path, help="the run's config file: port and TLS from it (with --role)")
     parser.add_argument("--role", choices=ROLES, help="whose port --config describes")

@@ -23,6 +23,8 @@ UNCUT_WIDTH = 10_000
 def console_for(stream: TextIO | None = None) -> Console:
     """A console on ``stream`` (stdout by default) that fits a terminal and never cuts a table anywhere else."""
     stream = stream or sys.stdout
+    if stream is None:  # an interpreter started without one (pythonw)
+        raise RuntimeError("there is no standard output to print to")
     stderr = stream is sys.stderr
     if stream.isatty():
         return Console(stderr=stderr)

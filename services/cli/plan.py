@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +18,10 @@ from services.cli.sizing import (
     GIB,
     LORA_DEFAULT_TARGETS,
     MIB,
+    SHARED_GPU_ROLES,
     HostMemory,
     Placement,
+    SharedGpu,
     SizingEstimate,
     SizingInputs,
     estimate,
@@ -29,14 +31,21 @@ from services.cli.sizing import (
     read_host_memory,
     read_model_shape,
     rollout_on_cpu,
+    shared_gpu,
     swap_in_use,
     with_headroom,
 )
-from services.common.config import RunConfig, load_config
+from services.common.config import RolloutConfig, RunConfig, load_config
 from services.common.startup_checks import CheckResult
+from services.common.transport.model_source import local_model_path, resolve_model
 
 if TYPE_CHECKING:
     from rich.console import Console
+
+
+# What `rollout.replicas: auto` starts without a GPU: replicas on one CPU share its cores, and the stage-by-stage
+# figures (docs/performance.md) found one engine already computing most of the time there.
+CPU_AUTO_REPLICAS = 1
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,29 @@ class Gpus:
 
     count: int
     memory: int
+
+
+@dataclass(frozen=True)
+class Sharing:
+    """What the "one GPU shared" placement takes from a run config besides the estimate; the defaults are a bare
+    model folder's."""
+
+    reference_replicas: int = 1
+    reward_replicas: int = 1
+    given: dict[str, float] = field(default_factory=dict)  # service.gpu_memory_fraction
+    max_replicas: int = RolloutConfig.model_fields["auto_max_replicas"].default
+
+    def plan(self, est: SizingEstimate, gpu_bytes: int) -> SharedGpu:
+        return shared_gpu(est, gpu_bytes, self.reference_replicas, self.given, self.max_replicas, self.reward_replicas)
+
+
+def sharing_from_config(cfg: RunConfig) -> Sharing:
+    return Sharing(
+        cfg.reference.replicas,
+        cfg.reward.replicas,
+        {**cfg.service.gpu_memory_fraction},
+        cfg.rollout.auto_max_replicas,
+    )
 
 
 def inputs_from_config(cfg: RunConfig) -> SizingInputs:
@@ -56,7 +88,8 @@ def inputs_from_config(cfg: RunConfig) -> SizingInputs:
     else:  # equal-count micro-batches of one optimizer step's rows, each padded to max_seq_len at worst
         rows = max(train.batch_size * group // (train.mini_batches * train.grad_accum_steps), 1)
         tokens = rows * train.max_seq_len
-    kv_mib = cfg.rollout.kv_cache_mib
+    # rollout.kv_cache_mib is vLLM's; transformers' generate holds the cache its sequences need.
+    kv_mib = cfg.rollout.kv_cache_mib if cfg.rollout.backend == "vllm" else None
     lora = cfg.model.lora
     return SizingInputs(
         algorithm=train.algorithm,
@@ -108,8 +141,11 @@ def host_need(est: SizingEstimate, trainer_ranks: int) -> int:
 
 def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResult:
     """``rlpipe doctor``'s row: on GPUs, the first placement that fits; on the CPU, whether the host swaps."""
+    model = local_model_path(cfg)
+    if model is None:
+        return CheckResult("sizing", "skip", f"{cfg.model.path} is not fetched yet: no config.json to size it by")
     try:
-        shape = read_model_shape(cfg.model.path)
+        shape = read_model_shape(model)
         est = estimate(shape, inputs_from_config(cfg))
     except ValueError as error:
         # A config.json this estimate cannot read (the model row judges the folder), or a LoRA target that is no
@@ -134,12 +170,12 @@ def sizing_row(cfg: RunConfig, gpus: Gpus, host: HostMemory | None) -> CheckResu
     return CheckResult("sizing", "warn" if shortfall else "ok", "; ".join([detail, *notes]))
 
 
-def load_plan_source(source: Path) -> tuple[Path, SizingInputs]:
-    """A model folder (the defaults of SizingInputs) or a run config YAML (its model and its inputs)."""
+def load_plan_source(source: Path) -> tuple[Path, SizingInputs, Sharing]:
+    """A model folder (the defaults of SizingInputs and Sharing) or a run config YAML (its model and inputs)."""
     if source.is_dir():
-        return source, SizingInputs()
-    cfg = load_config(source)
-    return cfg.model.path, inputs_from_config(cfg)
+        return source, SizingInputs(), Sharing()
+    cfg = resolve_model(load_config(source))  # a model.path URL: the folder it is fetched to
+    return cfg.model.folder, inputs_from_config(cfg), sharing_from_config(cfg)
 
 
 def with_options(inputs: SizingInputs, **options: object) -> SizingInputs:
@@ -147,7 +183,9 @@ def with_options(inputs: SizingInputs, **options: object) -> SizingInputs:
     return dataclasses.replace(inputs, **{name: value for name, value in options.items() if value is not None})
 
 
-def render(est: SizingEstimate, gpus: Gpus, host: HostMemory | None, console: Console) -> None:
+def render(
+    est: SizingEstimate, gpus: Gpus, host: HostMemory | None, console: Console, sharing: Sharing | None = None
+) -> None:
     from rich.table import Table
 
     trainer, reference, rollout = est.trainer, est.reference, est.rollout
@@ -192,8 +230,11 @@ def render(est: SizingEstimate, gpus: Gpus, host: HostMemory | None, console: Co
         console.print(f"placements on {gpus.count} GPU(s) of {gib(gpus.memory)}:")
         for layout in placements(est, gpus.count, gpus.memory):
             console.print(f"  {_placement_line(layout)}", markup=False, highlight=False)
+        shared = (sharing or Sharing()).plan(est, gpus.memory)
+        console.print(f"  {shared_gpu_line(shared)}", markup=False, highlight=False)
     else:
         console.print(f"no GPUs given: every role on this CPU needs {gib(with_headroom(host_need(est, 1)))}")
+        console.print(f"rollout.replicas: auto starts {CPU_AUTO_REPLICAS} rollout replica on a CPU")
     for warning in plan_warnings(est, gpus, host):
         console.print(f"WARN {warning}", markup=False, highlight=False)
 
@@ -211,9 +252,33 @@ def _placement_line(layout: Placement) -> str:
     return f"{layout.name}: {verdict} ({layout.detail})"
 
 
-def plan_document(est: SizingEstimate, gpus: Gpus, host: HostMemory | None) -> dict[str, object]:
+def shared_gpu_line(plan: SharedGpu) -> str:
+    """The "one GPU shared" line of ``rlpipe plan``: the rollout replicas that fit and each role's share."""
+    budgets = ", ".join(
+        f"{role} {plan.shares[role]:.3f} = {gib(int(plan.shares[role] * plan.gpu_bytes))}"
+        + (" each" if role != "trainer" else "")
+        + (" (set)" if role in plan.given else "")
+        for role in SHARED_GPU_ROLES
+    )
+    references = "reference" if plan.reference_replicas == 1 else f"{plan.reference_replicas} references"
+    if not plan.fits:
+        return (
+            f"one GPU shared: does not fit: the trainer and {references} leave no room for one rollout replica "
+            f"(shares of the GPU per process: {budgets})"
+        )
+    return (
+        f"one GPU shared: trainer + {references} + {plan.rollout_replicas} rollout replica(s): fits (shares of the "
+        f"GPU per process: {budgets}; {plan.fitting} rollout replica(s) fit, rollout.replicas: auto starts "
+        f"{plan.rollout_replicas}; {max(1 - plan.claimed, 0):.3f} of the GPU left free)"
+    )
+
+
+def plan_document(
+    est: SizingEstimate, gpus: Gpus, host: HostMemory | None, sharing: Sharing | None = None
+) -> dict[str, object]:
     """What ``render`` shows, for ``rlpipe plan --json``: sizes in bytes, the headroom and placements spelled out."""
     trainer = est.trainer
+    shared = (sharing or Sharing()).plan(est, gpus.memory) if gpus.count else None
     return {
         "estimate": est,
         "totals": {
@@ -230,6 +295,8 @@ def plan_document(est: SizingEstimate, gpus: Gpus, host: HostMemory | None) -> d
         },
         "gpus": gpus,
         "placements": placements(est, gpus.count, gpus.memory) if gpus.count else [],
+        "shared_gpu": shared,
+        "auto_rollout_replicas": shared.rollout_replicas if shared else CPU_AUTO_REPLICAS,
         "host_need": with_headroom(host_need(est, 1)),
         "warnings": [
             w for w in (swap_in_use(host), None if gpus.count else memory_shortfall(host, host_need(est, 1))) if w
@@ -238,11 +305,11 @@ def plan_document(est: SizingEstimate, gpus: Gpus, host: HostMemory | None) -> d
 
 
 def plan_command(source: Path, gpus: Gpus, console: Console, as_json: bool = False, **options: object) -> int:
-    model_path, inputs = load_plan_source(source)
+    model_path, inputs, sharing = load_plan_source(source)
     inputs = with_options(inputs, **options)
     est, host = estimate(read_model_shape(model_path), inputs), read_host_memory()
     if as_json:
-        print_json(plan_document(est, gpus, host))
+        print_json(plan_document(est, gpus, host, sharing))
     else:
-        render(est, gpus, host, console)
+        render(est, gpus, host, console, sharing)
     return 0

@@ -31,12 +31,15 @@ from typing import TYPE_CHECKING, Any
 
 from services.common.observe import metrics as m
 from services.common.observe.events import Event
+from services.common.observe.gpu_memory import KINDS as GPU_MEMORY_KINDS
+from services.common.observe.gpu_memory import memory_lines, role_memory
 from services.common.observe.records import EventRecord, MetricsRow, read_events, read_metrics, step_rows
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
+    from matplotlib.typing import LineStyleType
 
 PANELS: tuple[tuple[m.Metric, str, m.Metric | None], ...] = (
     (m.REWARD_MEAN, "reward mean (band: ±std)", m.REWARD_STD),
@@ -74,7 +77,7 @@ AGENT_PANELS = (
     (m.AGENT_TOOL_ERRORS, "tool errors per episode"),
     (m.AGENT_ENV_SECONDS, "environment time per episode (s)"),
 )
-EVENT_STYLES = {
+EVENT_STYLES: dict[str, tuple[str, LineStyleType]] = {
     Event.CONFIG_CHANGE: ("tab:blue", "--"),
     Event.ALERT: ("tab:red", "-"),
     Event.ROLLBACK: ("tab:purple", "-."),
@@ -84,7 +87,7 @@ EVENT_STYLES = {
     Event.UNPAUSE: ("tab:olive", "--"),
     Event.STOP: ("black", "-"),
 }
-OTHER_EVENT_STYLE = ("tab:brown", ":")
+OTHER_EVENT_STYLE: tuple[str, LineStyleType] = ("tab:brown", ":")
 
 
 def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple[int | None, bool]]:
@@ -102,7 +105,8 @@ def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple
             placed.append((None, True))
             continue
         i = bisect.bisect_left(times, at)
-        nearest = min((j for j in (i - 1, i) if 0 <= j < len(timeline)), key=lambda j: abs(times[j] - at))
+        when: float = at
+        nearest = min((j for j in (i - 1, i) if 0 <= j < len(timeline)), key=lambda j: abs(times[j] - when))
         placed.append((timeline[nearest][1], True))
     return placed
 
@@ -258,6 +262,29 @@ def _agent_png(rows: list[MetricsRow]) -> bytes | None:
     return buffer.getvalue()
 
 
+def _memory_png(rows: list[MetricsRow]) -> bytes | None:
+    """One panel per figure (allocated, reserved, used), a line per role; None for a run without GPU memory."""
+    memory = role_memory(step_rows(rows))
+    if not memory:
+        return None
+    plt = _pyplot()
+    figure, axes = plt.subplots(1, len(GPU_MEMORY_KINDS), figsize=(5 * len(GPU_MEMORY_KINDS), 4))
+    for ax, kind in zip(axes, GPU_MEMORY_KINDS, strict=True):
+        ax.set_title(f"GPU memory {kind} (GiB)")
+        for role, figures in memory.items():
+            if points := figures.get(kind):
+                ax.plot([step for step, _ in points], [gib for _, gib in points], lw=1.5, label=role)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(loc="best")
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=100)
+    plt.close(figure)
+    return buffer.getvalue()
+
+
 def render_report(metrics_path: Path, out_path: Path, events_path: Path | None = None) -> Path:
     """Write the curves of ``metrics_path`` with the events of ``events_path`` (default: the
     ``events.jsonl`` beside the metrics) marked on them to ``out_path`` as PNG."""
@@ -283,6 +310,11 @@ def _table(header: tuple[str, ...], body: list[tuple[Any, ...]]) -> str:
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     lines = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(cell))}</td>" for cell in row) + "</tr>" for row in body)
     return f"<table><thead><tr>{head}</tr></thead><tbody>{lines}</tbody></table>"
+
+
+def _image(png: bytes, alt: str) -> str:
+    """A PNG embedded in the page, so the report is one self-contained file."""
+    return f"<img alt='{html.escape(alt)}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
 
 
 def summary(rows: list[MetricsRow]) -> list[tuple[str, Any]]:
@@ -354,7 +386,7 @@ def render_html(
     rows = read_metrics(metrics_path or run_dir / "metrics.jsonl")
     events = read_events(run_dir / "events.jsonl")
     name = run_dir.resolve().name
-    image = base64.b64encode(curves_png or _png(rows, events, f"rlpipe run: {name}")).decode()
+    curves = curves_png or _png(rows, events, f"rlpipe run: {name}")
     event_rows = [
         (
             _when(event.time),
@@ -369,16 +401,19 @@ def render_html(
         f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlpipe report: {html.escape(name)}</title>",
         f"<style>{STYLE}</style></head><body>",
         f"<h1>rlpipe report: {html.escape(name)}</h1>",
-        f"<img alt='training curves of {html.escape(name)}' src='data:image/png;base64,{image}'>",
+        _image(curves, f"training curves of {name}"),
         "<h2>Summary</h2>",
         _table(("quantity", "value"), summary(rows)),
     ]
     agents = _agent_png(rows)
     if agents is not None:
-        encoded = base64.b64encode(agents).decode()
+        parts += ["<h2>Agents</h2>", _image(agents, f"multi-turn episodes of {name}")]
+    memory = _memory_png(rows)
+    if memory is not None:
         parts += [
-            "<h2>Agents</h2>",
-            f"<img alt='multi-turn episodes of {html.escape(name)}' src='data:image/png;base64,{encoded}'>",
+            "<h2>GPU memory per role</h2>",
+            _image(memory, f"GPU memory per role of {name}"),
+            _table(("quantity", "value"), memory_lines(step_rows(rows))),
         ]
     timing = time_lines(rows)
     if timing:

@@ -9,9 +9,13 @@ docs/performance.md records the comparison.
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from services.common.model.gpu_share import CUDA_CONTEXT_BYTES
 
 MIB = 1024**2
 GIB = 1024**3
@@ -209,7 +213,7 @@ def estimate(shape: ModelShape, inputs: SizingInputs) -> SizingEstimate:
     master = DTYPE_BYTES[inputs.master_dtype]
     params = shape.parameters
     lora = inputs.lora_rank is not None
-    trainable = lora_parameters(shape, inputs.lora_rank, inputs.lora_targets) if lora else params
+    trainable = params if inputs.lora_rank is None else lora_parameters(shape, inputs.lora_rank, inputs.lora_targets)
     # The trainer loads the base in the master dtype either way; with adapters it is frozen and they add to it.
     weights = params * master + (trainable * master if lora else 0)
     tokens = inputs.micro_batch_tokens
@@ -297,6 +301,77 @@ def placements(est: SizingEstimate, gpus: int, gpu_bytes: int) -> list[Placement
         )
         result.append(Placement(name, ok, world, shown + others, detail))
     return result
+
+
+# The roles of the "one GPU shared" placement, each process with its share of the GPU's memory.
+SHARED_GPU_ROLES = ("trainer", "reference", "rollout")
+
+
+@dataclass(frozen=True)
+class SharedGpu:
+    """The "one GPU shared" placement: the trainer, the reference's replicas and as many rollout replicas as fit on
+    one GPU, each process with its share of the GPU's memory (``service.gpu_memory_fraction``)."""
+
+    gpu_bytes: int
+    shares: dict[str, float]  # role -> its share of the GPU, per process: the config's where it set one
+    given: tuple[str, ...]  # the roles whose share the config set; the others' are this plan's
+    reserved: float  # shares the config gave roles this plan does not size (a reward model), all replicas
+    reference_replicas: int
+    fitting: int  # rollout replicas the memory left after the others holds
+    rollout_replicas: int  # what `rollout.replicas: auto` starts: fitting, at most rollout.auto_max_replicas
+
+    @property
+    def fits(self) -> bool:
+        return self.rollout_replicas >= 1
+
+    @property
+    def claimed(self) -> float:
+        """The shares of every process together, with the replicas auto starts."""
+        return (
+            self.reserved
+            + self.shares["trainer"]
+            + self.shares["reference"] * self.reference_replicas
+            + self.shares["rollout"] * self.rollout_replicas
+        )
+
+
+def gpu_share(need: int, gpu_bytes: int) -> float:
+    """A process's share of a GPU of ``gpu_bytes`` for its own ``need``: the need with headroom plus a CUDA context
+    (``CUDA_CONTEXT_BYTES``), over the GPU's memory, rounded up to a thousandth so it never falls short (a share
+    a float's last bit above a thousandth is that thousandth)."""
+    return math.ceil((with_headroom(need) + CUDA_CONTEXT_BYTES) / gpu_bytes * 1000 - 1e-9) / 1000
+
+
+def shared_gpu(
+    est: SizingEstimate,
+    gpu_bytes: int,
+    reference_replicas: int = 1,
+    given: Mapping[str, float] | None = None,
+    max_replicas: int = 4,
+    reward_replicas: int = 1,
+) -> SharedGpu:
+    """How many rollout replicas fit on one GPU beside the trainer and ``reference_replicas`` references.
+
+    Each role's share is ``given``'s (service.gpu_memory_fraction) or ``gpu_share`` of its estimate; a given reward
+    share counts ``reward_replicas`` times. The rollout replicas that fit are
+    ``floor((1 - reward - trainer - reference x replicas) / rollout)``, and auto starts at most ``max_replicas``.
+    The memory no process claims stays free."""
+    given = dict(given or {})
+    needs = {"trainer": est.trainer.total, "reference": est.reference.total, "rollout": est.rollout.total}
+    shares = {role: given.get(role) or gpu_share(need, gpu_bytes) for role, need in needs.items()}
+    reserved = given.get("reward", 0.0) * reward_replicas
+    left = 1 - reserved - shares["trainer"] - shares["reference"] * reference_replicas
+    # A thousandth's rounding must not cost a replica that fits exactly.
+    fitting = max(math.floor(left / shares["rollout"] + 1e-9), 0)
+    return SharedGpu(
+        gpu_bytes,
+        shares,
+        tuple(role for role in SHARED_GPU_ROLES if role in given),
+        reserved,
+        reference_replicas,
+        fitting,
+        min(fitting, max_replicas),
+    )
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,21 @@ from grpc_reflection.v1alpha import reflection
 from pydantic import JsonValue
 
 from services.common.cancel import cancel_until_done
-from services.common.config import ConfigError, RunConfig, load_config
+from services.common.config import ConfigError, Role, RunConfig, load_config
+from services.common.model.gpu_share import apply_gpu_share
 from services.common.observe.events import Event
-from services.common.observe.instruments import watch_gpus
+from services.common.observe.instruments import watch_gpu_memory, watch_gpus
 from services.common.observe.logs import bind_log_fields, log_event, setup_logging
+from services.common.observe.network import export_link_capacity
 from services.common.observe.telemetry import current_telemetry, start_telemetry
+from services.common.observe.timeshare import StageActivity
 from services.common.observe.writer import close_all as close_writers
 from services.common.refusal import StartRefused
 from services.common.startup_checks import StartupCheckError, startup_checks
 from services.common.transport.breaker import Refusal
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig, stored_config
+from services.common.transport.model_source import ModelFetchFailed, resolve_model
 from services.common.transport.presence import Presence, ServiceEntry, instance_name
 from services.common.transport.stage import Stage
 
@@ -39,7 +43,8 @@ log = logging.getLogger(__name__)
 # How often a stage's watchdog compares its loop's progress with the stall bound and updates health and presence.
 WATCHDOG_S = 1.0
 # Each server's health servicer, for the watchdog to flip; weak, so a stopped server is not kept alive.
-_health_servicers: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()
+# (typeshed's grpc_health stub lacks the module's aio, which it has had since grpcio 1.38)
+_health_servicers: weakref.WeakKeyDictionary[grpc.aio.Server, health.aio.HealthServicer] = weakref.WeakKeyDictionary()  # pyright: ignore[reportAttributeAccessIssue]
 
 ServiceMain = Callable[[RunConfig, asyncio.Event], Awaitable[None]]
 # A service that cannot run as configured (bad config, failed start-up check, a checkpoint store holding another
@@ -53,6 +58,9 @@ EXIT_STALLED = 3
 # moment after its last owner died: an outgoing connection of another process may have drawn it from the same
 # ephemeral range. Binding is tried again for this long before the service gives up.
 BIND_WAIT_S = 20.0
+# The roles that load model.path (the reward's own model is reward.model's): each fetches it if need be and checks
+# its hash at start.
+MODEL_ROLES = ("trainer", "rollout", "reference")
 
 
 async def start_grpc_server(
@@ -82,7 +90,7 @@ async def start_grpc_server(
         await asyncio.sleep(delay)
         delay = min(delay * 2, 2.0)
     names = register(server) if register else []
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # pyright: ignore[reportAttributeAccessIssue]  (see _health_servicers)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names.append(health.SERVICE_NAME)
     reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
@@ -106,7 +114,7 @@ async def announce_ready(presence: Presence, **facts: JsonValue) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:  # the threads it computes with (service.torch_threads / role_torch_threads)
         facts = {**facts, "torch_threads": torch.get_num_threads()}
-    log_event(log, Event.READY, **facts)
+    log_event(log, Event.READY, logging.INFO, **facts)
     fields = {name: value for name, value in facts.items() if name in ServiceEntry.model_fields}
     await presence.announce(**fields, startup={**facts, "ready_at": round(time.time(), 3)})
 
@@ -125,7 +133,7 @@ async def watch_progress(
     loop: LoopProgress,
     servers: list[grpc.aio.Server],
     presence: Presence,
-    time_spent: Callable[[], Mapping[str, float]] | None = None,
+    time_spent: Callable[[], Mapping[StageActivity, float]] | None = None,
     refusal: Callable[[], Refusal | None] | None = None,
 ) -> None:
     """For ever: the loop's progress (and ``time_spent()``, its seconds per busy/idle/blocked) into its presence
@@ -214,7 +222,7 @@ async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server
         await stage.bus.close()
 
 
-def run_service(role: str, service_main: ServiceMain) -> None:
+def run_service(role: Role, service_main: ServiceMain) -> None:
     """Entry point of ``python -m services.<role> --config FILE``."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{role}")
     parser.add_argument("--config", required=True, help="run config YAML (RLPIPE_* env vars override it)")
@@ -230,8 +238,18 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     log_file = own.log_dir / f"{instance}.log" if own.log_dir else None
     setup_logging(role, cfg.run_id, own.log_level, log_file, own.log_max_mib * 2**20, own.log_keep)
     bind_log_fields(instance=instance)
+    if role in MODEL_ROLES:
+        try:
+            cfg = resolve_model(cfg)
+        except StartRefused as error:  # a model that is not the one pinned, or a source the config cannot reach
+            log_event(log, Event.START_REFUSED, level=logging.ERROR, alert=True, error=str(error))
+            print(f"{role}: {error}", file=sys.stderr)
+            sys.exit(EXIT_REFUSED)
+        except ModelFetchFailed:  # the source is unreachable for now: a restart may find it back
+            log.exception(Event.CRASHED, extra={"fields": {}})
+            sys.exit(1)
     try:
-        startup_checks(cfg, role)
+        startup_checks(cfg, role, resume=cfg.checkpoint.resume)
     except StartupCheckError as error:
         log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
         print(f"{role}: {error}", file=sys.stderr)
@@ -244,8 +262,11 @@ def run_service(role: str, service_main: ServiceMain) -> None:
             f"{role}: cannot serve metrics on {cfg.service.host}:{cfg.telemetry.metrics_port}: {error}", file=sys.stderr
         )
         sys.exit(2)
+    if cfg.telemetry.link_mib_s:
+        export_link_capacity(role, cfg.telemetry.link_mib_s * 2**20)
     # Every role's GPUs on its metrics endpoint, the trainer's as well as a rollout's engine or a reward model's.
     gpus = watch_gpus(role)
+    watch_gpu_memory(role)
     if gpus is not None:
         log_event(log, Event.GPUS_WATCHED, gpus=[reading.uuid for reading in gpus.read()])
 
@@ -254,6 +275,13 @@ def run_service(role: str, service_main: ServiceMain) -> None:
     torch = sys.modules.get("torch")
     if torch is not None:
         torch.set_num_threads(cfg.service.threads_for(role))
+    # Before the role's model loads: its allocations from the first on keep to its share of a GPU it shares.
+    try:
+        apply_gpu_share(cfg, role)
+    except ConfigError as error:  # a share this GPU cannot honour: refused as a failed start-up check is
+        log_event(log, Event.STARTUP_CHECK_FAILED, level=logging.ERROR, error=str(error))
+        print(f"{role}: {error}", file=sys.stderr)
+        sys.exit(EXIT_REFUSED)
 
     async def serve() -> None:
         stop = asyncio.Event()

@@ -9,15 +9,17 @@ because every role and both CLIs use them, and ``common`` imports neither.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import socket
+import ssl
 import threading
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeGuard
 
 from services.common.config import (
     AdminCredentials,
@@ -35,6 +37,7 @@ from services.common.episodes.environments import box_available
 from services.common.model.datasets import DatasetError, scan_dataset
 from services.common.model.device import device_name
 from services.common.observe.hardware import GpuFacts, gpu_facts, gpu_seen, release_numbers
+from services.common.transport.model_source import local_model_path
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -73,8 +76,9 @@ class StartupCheckError(RuntimeError):
         super().__init__(f"{role} start-up checks failed:\n{lines}")
 
 
-def shorten(error: BaseException, limit: int = 300) -> str:
-    text = str(error) or type(error).__name__
+def shorten(error: BaseException | str, limit: int = 300) -> str:
+    """``error`` (an exception, or a program's error output) in at most ``limit`` characters."""
+    text = error if isinstance(error, str) else str(error) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -187,8 +191,14 @@ def check_dataset(data: DataConfig, path: Path, split: str, name: str, max_rows:
     return CheckResult(name, "ok", f"{path}: {scan.rows} rows parse ({scope} checked)")
 
 
-def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage") -> CheckResult:
-    """Write, read back and delete a probe object under a prefix of its own."""
+def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage", resume: bool = False) -> CheckResult:
+    """Write, read back and delete a probe object under a prefix of its own.
+
+    A store that refuses this configuration (``store_refusal``: credentials, a policy, TLS, a path that cannot hold
+    a store) fails, naming what to fix. One that is only out of reach fails a fresh start (an endpoint that never
+    answered is most likely wrong) but only warns a ``resume``: a store that held the run is down for now, and the
+    resume waits for it (``checkpoint.resume_wait_s``, ``resume_waiting`` events) rather than refusing to start,
+    which would end the run where an outage should only hold it."""
     from services.common.transport.storage import open_store
 
     prefix = f".rlpipe-doctor-{uuid.uuid4().hex}/"
@@ -211,14 +221,76 @@ def check_storage(url: str, checkpoint: CheckpointConfig, name: str = "storage")
     try:
         _with_deadline(probe, STORAGE_TIMEOUT_S)
     except Exception as error:  # file systems, S3 and the network fail in many types
-        return CheckResult(name, "fail", f"{url}: {step} failed: {shorten(error)}")
+        failed = f"{url}: {step} failed: {shorten(error)}"
+        refused = store_refusal(error, url)
+        if refused:
+            return CheckResult(name, "fail", f"{failed}; {refused}")
+        if resume:
+            return CheckResult(
+                name,
+                "warn",
+                f"{failed}; out of reach, not refusing: the resume waits for it (checkpoint.resume_wait_s)",
+            )
+        return CheckResult(name, "fail", f"{failed}; never reached at a fresh start: check {_where(url)}")
     return CheckResult(name, "ok", f"{url}: write, read and delete work")
 
 
-def storage_rows(cfg: RunConfig) -> list[CheckResult]:
-    rows = [check_storage(cfg.checkpoint_url, cfg.checkpoint)]
+# S3 error codes that refuse the caller rather than say the store is down.
+S3_REFUSING_CODES = frozenset(
+    {"AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidAccessKeyId", "InvalidToken", "SignatureDoesNotMatch"}
+)
+# File-system errors of a store that is away for now (a network mount that went stale, a device error), not one
+# whose path cannot hold a store.
+OUTAGE_ERRNOS = frozenset(
+    {errno.EIO, errno.ESTALE, errno.ENOTCONN, errno.ETIMEDOUT, errno.EHOSTDOWN, errno.EHOSTUNREACH, errno.ENETUNREACH}
+)
+
+
+def _where(url: str) -> str:
+    return "checkpoint.s3_endpoint and the bucket" if url.startswith("s3://") else f"that {url} is mounted"
+
+
+def store_refusal(error: BaseException, url: str) -> str:
+    """What to fix when ``error`` (or what caused it) is the store refusing this configuration; "" when it is an
+    outage (no connection, no answer in time, a 5xx, a name that does not resolve now, a stale mount), which waiting
+    may end. A name that does not resolve counts as an outage: compose's DNS forgets a stopped container's name."""
+    seen: BaseException | None = error
+    for _ in range(8):  # the SDK's retry error, its reason, the socket's error
+        if seen is None:
+            return ""
+        code = getattr(seen, "code", None)
+        status = getattr(getattr(seen, "response", None), "status", None) or getattr(seen, "status_code", None)
+        if (isinstance(code, str) and code in S3_REFUSING_CODES) or status in (401, 403):
+            return (
+                "the store refuses these credentials: check RLPIPE_S3_ACCESS_KEY and RLPIPE_S3_SECRET_KEY, and the "
+                f"bucket's policy for them ({code or status})"
+            )
+        if isinstance(status, int) and 400 <= status < 500 and status not in (408, 429):  # those two: busy, for now
+            return f"the endpoint answers {status}: is checkpoint.s3_endpoint an S3 endpoint?"
+        if isinstance(seen, ssl.SSLError):
+            return "TLS with the endpoint failed: check checkpoint.s3_secure and the endpoint's certificate"
+        if url.startswith("file://") and _path_refused(seen):
+            name = errno.errorcode.get(seen.errno or 0, str(seen.errno))
+            return f"checkpoint.store_url cannot hold a store here ({name}): fix the folder or its permissions"
+        if isinstance(seen, ValueError):
+            return f"the store's configuration is refused: {shorten(seen)}"
+        reason = getattr(seen, "reason", None)
+        seen = reason if isinstance(reason, BaseException) else seen.__cause__ or seen.__context__
+    return ""
+
+
+def _path_refused(error: BaseException) -> TypeGuard[OSError]:
+    """A file-system error that says the path cannot hold a store (permissions, a read-only file system, a file in
+    the way), not that the store behind it is away for now."""
+    if not isinstance(error, OSError) or isinstance(error, (TimeoutError, ConnectionError)):
+        return False
+    return error.errno is not None and error.errno not in OUTAGE_ERRNOS
+
+
+def storage_rows(cfg: RunConfig, resume: bool = False) -> list[CheckResult]:
+    rows = [check_storage(cfg.checkpoint_url, cfg.checkpoint, resume=resume)]
     if cfg.checkpoint.mirror_url:
-        rows.append(check_storage(cfg.checkpoint.mirror_url, cfg.checkpoint, "storage mirror"))
+        rows.append(check_storage(cfg.checkpoint.mirror_url, cfg.checkpoint, "storage mirror", resume=resume))
     return rows
 
 
@@ -386,9 +458,22 @@ def check_device(cfg: RunConfig) -> CheckResult:
 
 
 def model_rows(cfg: RunConfig, policy: bool, reference: bool) -> list[CheckResult]:
-    rows = [check_model(cfg.model.path)] if policy else []
-    if reference and (not policy or cfg.reference_model_path != cfg.model.path):
-        rows.append(check_model(cfg.reference_model_path, "reference model"))
+    """The policy's (and the reference's) model folder as ``check_model`` sees it. A model.path URL is checked
+    where it was fetched to; one not fetched yet gets a warning (the roles fetch it at start: resolve_model)."""
+    local = local_model_path(cfg)
+    if local is None:
+        policy_row = CheckResult(
+            "model",
+            "warn",
+            f"{cfg.model.path}: not fetched yet; the first start fetches it into {cfg.model.fetch.cache_dir}",
+        )
+    else:
+        policy_row = check_model(local)
+    rows = [policy_row] if policy else []
+    if reference and cfg.reference.model_path is not None and (not policy or cfg.reference.model_path != local):
+        rows.append(check_model(cfg.reference.model_path, "reference model"))
+    elif reference and not policy:
+        rows.append(CheckResult("reference model", policy_row.status, policy_row.detail))
     return rows
 
 
@@ -400,13 +485,13 @@ def dataset_rows(cfg: RunConfig, max_lines: int) -> list[CheckResult]:
     return [check_dataset(cfg.data, path, split, name, max_lines) for name, (path, split) in sources.items() if path]
 
 
-def _startup_checks(role: str) -> list[Check]:
+def _startup_checks(role: str, resume: bool = False) -> list[Check]:
     ports = Check(
         "ports", ("service", "admin", "telemetry"), lambda cfg: [check_ports(cfg.service.host, role_ports(cfg, role))]
     )
     policy = Check("model", ("model",), lambda cfg: model_rows(cfg, policy=True, reference=False))
     dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, STARTUP_DATASET_LINES))
-    storage = Check("storage", ("checkpoint",), storage_rows)
+    storage = Check("storage", ("checkpoint",), lambda cfg: storage_rows(cfg, resume))
     token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
     device = Check("device", ("model",), lambda cfg: [check_device(cfg)])
     # The rollout plays episodes, the trainer its held-out ones: both run the Python tool.
@@ -443,7 +528,7 @@ def run_each(checks: list[Check], cfg: RunConfig | None, invalid: frozenset[str]
     return results
 
 
-def startup_checks(cfg: RunConfig, role: str) -> list[CheckResult]:
+def startup_checks(cfg: RunConfig, role: str, resume: bool = False) -> list[CheckResult]:
     """The cheap checks ``role`` needs before it starts (no network wait beyond a few seconds, no broker).
 
     trainer: model, datasets, storage probe, admin token (required: it does not start without
@@ -452,11 +537,13 @@ def startup_checks(cfg: RunConfig, role: str) -> list[CheckResult]:
     (the launcher): models, datasets, storage, admin token (a warning: it generates one, except in prod),
     weight-sync token, the box, admin and metrics ports. The broker is left out: the bus waits for it, and
     ``rlpipe run`` starts its own after these checks.
+    ``resume``: the run goes on from its checkpoints (a restart, ``rlpipe run --resume``), so a store out of reach
+    is an outage the resume waits out, not a refusal (``check_storage``).
     Returns the rows (warnings included); raises StartupCheckError naming each failure.
     """
     if role not in STARTUP_ROLES:
         raise ValueError(f"unknown role {role!r}: one of {STARTUP_ROLES}")
-    results = run_each(_startup_checks(role), cfg, frozenset())
+    results = run_each(_startup_checks(role, resume), cfg, frozenset())
     failures = [result for result in results if result.failed]
     if failures:
         raise StartupCheckError(role, failures)

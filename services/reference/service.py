@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -17,11 +18,13 @@ from services.common.model.modeling import (
     Precision,
     load_model,
     load_tokenizer,
+    make_deterministic,
     pack,
     response_logits,
     split_by_tokens,
     token_logprobs,
 )
+from services.common.model.padding import pad_token_id
 from services.common.observe.logs import Stopwatch
 from services.common.observe.telemetry import current_telemetry
 from services.common.service import announce_ready, join_run, serve_stage, start_grpc_server
@@ -35,10 +38,17 @@ log = logging.getLogger(__name__)
 
 class ReferenceScorer:
     def __init__(self, cfg: RunConfig):
+        if cfg.train.deterministic:
+            make_deterministic(cfg.train.seed)
+        # A sequence's logprobs depend, in their last bits, on how far its forward pass was padded: deterministic,
+        # a pass never holds two groups, so what a group gets does not depend on what was pulled with it.
+        self.per_group = cfg.train.deterministic
         path = cfg.reference_model_path
         self.precision = Precision.of(cfg.model)
-        self.model = load_model(path, self.precision.param_dtype).to(self.precision.device).eval().requires_grad_(False)
-        self.pad_id = load_tokenizer(path).pad_token_id
+        model = load_model(path, self.precision.param_dtype)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        self.model = model.to(self.precision.device).eval().requires_grad_(False)  # pyright: ignore[reportArgumentType]
+        self.pad_id = pad_token_id(load_tokenizer(path))
         self.micro_batch_tokens = cfg.reference.micro_batch_tokens
 
     def passes(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
@@ -53,11 +63,23 @@ class ReferenceScorer:
             )
         ]
 
+    def plan(self, groups: Sequence[ScoredGroup], pairs: list[tuple[list[int], list[int]]]) -> list[list[int]]:
+        """The indices into ``pairs`` (every completion of ``groups``, in order) each forward pass takes: ``passes``
+        over all of them, or with ``per_group`` over each group's alone."""
+        if not self.per_group:
+            return self.passes(pairs)
+        plan, start = [], 0
+        for group in groups:
+            end = start + len(group.completions)
+            plan += [[start + i for i in rows] for rows in self.passes(pairs[start:end])]
+            start = end
+        return plan
+
     @torch.no_grad()
-    def __call__(self, groups: list[ScoredGroup]) -> list[ExperienceGroup]:
+    def __call__(self, groups: Sequence[ScoredGroup]) -> list[ExperienceGroup]:
         pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
         flat: list[np.ndarray] = [np.empty(0, np.float32)] * len(pairs)
-        for rows in self.passes(pairs):
+        for rows in self.plan(groups, pairs):
             batch = pack([pairs[i] for i in rows], self.pad_id).to(self.precision.device)
             logprobs = token_logprobs(response_logits(self.model, batch), batch.targets).cpu()
             for i, row in zip(rows, logprobs, strict=True):

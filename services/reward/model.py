@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from services.common.config import ConfigError, RewardModelConfig
+from services.common.model.padding import ensure_pad_token
 
 
 def model_device(name: str, cuda_available: bool | None = None) -> torch.device:
@@ -31,17 +32,27 @@ def model_device(name: str, cuda_available: bool | None = None) -> torch.device:
     return torch.device("cuda" if name == "cuda" or (name == "auto" and available) else "cpu")
 
 
+def forward_spans(count: int, batch_size: int, group_sizes: list[int] | None = None) -> list[tuple[int, int]]:
+    """The [start, end) of ``count`` pairs each forward pass takes: ``batch_size`` at a time, and with
+    ``group_sizes`` (consecutive groups' pair counts, summing to ``count``; train.deterministic) never two groups'
+    pairs in one pass: a pair's score depends, in its last bits, on how far its pass is padded, and so on the other
+    pairs in it."""
+    spans, start = [], 0
+    for size in group_sizes if group_sizes is not None else [count]:
+        spans += [(first, min(first + batch_size, start + size)) for first in range(start, start + size, batch_size)]
+        start += size
+    return spans
+
+
 class RewardModel:
     """``score(pairs)`` -> one float per (prompt, completion); loaded once per replica."""
 
     def __init__(self, cfg: RewardModelConfig):
         self.cfg = cfg
         self.device = model_device(cfg.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(cfg.path))
+        self.tokenizer = ensure_pad_token(AutoTokenizer.from_pretrained(str(cfg.path)))  # pad, else eos, else unk
         self.tokenizer.truncation_side = "left"  # keep the completion: it is what is judged
         self.tokenizer.padding_side = "right"
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
         self.model = AutoModelForSequenceClassification.from_pretrained(str(cfg.path)).to(self.device).eval()
         if self.model.config.pad_token_id is None:  # the classifier reads the last token that is not padding
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
@@ -59,11 +70,11 @@ class RewardModel:
         return prompt + completion
 
     @torch.inference_mode()
-    def score(self, pairs: list[tuple[str, str]]) -> np.ndarray:
-        """``[len(pairs)]`` float32 scores, ``cfg.batch_size`` pairs per forward pass."""
+    def score(self, pairs: list[tuple[str, str]], group_sizes: list[int] | None = None) -> np.ndarray:
+        """``[len(pairs)]`` float32 scores, in the forward passes ``forward_spans`` plans."""
         scores = []
-        for start in range(0, len(pairs), self.cfg.batch_size):
-            texts = [self.render(*pair) for pair in pairs[start : start + self.cfg.batch_size]]
+        for start, end in forward_spans(len(pairs), self.cfg.batch_size, group_sizes):
+            texts = [self.render(*pair) for pair in pairs[start:end]]
             encoded = self.tokenizer(
                 texts, return_tensors="pt", padding=True, truncation=True, max_length=self.cfg.max_length
             ).to(self.device)

@@ -68,7 +68,7 @@ def make_handler(function: RuleFunction, delay_s: float, token: str) -> type[Bas
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8900)
     parser.add_argument("--function", default="exact_match", help="a reward function name or module:function")

@@ -50,6 +50,7 @@ from services.common.config import REDACTED, RewardHttpConfig, TokenError, read_
 from services.common.observe.events import Event
 from services.common.transport.breaker import CircuitBreaker, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import (
+    NO_REDIRECTS,
     DependencyEvents,
     Fault,
     HttpDependency,
@@ -125,16 +126,6 @@ def parse_scores(body: bytes, expected: int) -> list[float]:
     return [float(s) for s in scores]
 
 
-class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
-    """A 3xx comes back as the HTTPError it is (see the module docstring for why none is followed)."""
-
-    def redirect_request(self, *args: object) -> None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(_RefuseRedirects)
-
-
 def unechoed(answer: bytes, headers: dict[str, str]) -> bytes:
     """``answer`` with every header value this request sent (and a bearer token on its own) replaced, so that a
     service that echoes the request ("invalid token abc...") cannot put a credential into our logs."""
@@ -149,7 +140,7 @@ def _post(url: str, body: bytes, headers: dict[str, str], timeout_s: float, max_
     """The answer's body; ``RequestFailed`` with its verdict when there is none."""
     request = urllib.request.Request(url, data=body, headers=headers, method="POST")
     try:
-        with _OPENER.open(request, timeout=timeout_s) as response:
+        with NO_REDIRECTS.open(request, timeout=timeout_s) as response:
             answer = response.read(max_response_bytes + 1)  # never the whole of an endless answer
     except urllib.error.HTTPError as error:
         try:

@@ -16,6 +16,7 @@ import logging
 import multiprocessing
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
@@ -64,15 +65,16 @@ class RuleSandbox:
         self.timeouts = 0  # calls killed so far
         # spawn: a child forked from a replica holding a CUDA context or torch threads could deadlock.
         self._context = multiprocessing.get_context("spawn")
-        self._process: multiprocessing.process.BaseProcess | None = None
+        self._process: BaseProcess | None = None
         self._conn: Connection | None = None
 
     def start(self) -> Connection:
         """The child's end of the pipe, starting a child first if none runs (at start-up and after a kill)."""
         if self._conn is None:
             parent, child = self._context.Pipe()
-            self._process = self._context.Process(target=_serve, args=(child,), daemon=True, name="reward-rules")
-            self._process.start()
+            process = self._context.Process(target=_serve, args=(child,), daemon=True, name="reward-rules")
+            process.start()
+            self._process = process
             child.close()
             self._conn = parent
             if not parent.poll(CHILD_STARTUP_S) or parent.recv() != READY:

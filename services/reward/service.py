@@ -53,21 +53,27 @@ class RewardSources:
     rules: RuleSandbox
     model: RewardModel | None = None
     remote: RemoteScorer | None = None
+    per_group: bool = False  # the model scores each group in passes of its own (train.deterministic)
 
     @classmethod
-    def of(cls, reward: RewardConfig, torch_threads: int = 1) -> RewardSources:
+    def of(cls, reward: RewardConfig, torch_threads: int = 1, deterministic_seed: int | None = None) -> RewardSources:
+        """``deterministic_seed``: train.seed when train.deterministic, else None."""
         model = None
         if reward.model is not None:
             import torch  # only a reward model needs it (and transformers), so only then is it imported
 
+            from services.common.model.modeling import make_deterministic
             from services.reward.model import RewardModel
 
             torch.set_num_threads(torch_threads)  # run_service caps it only where the role imported torch already
+            if deterministic_seed is not None:
+                make_deterministic(deterministic_seed)
             model = RewardModel(reward.model)
         return cls(
             rules=RuleSandbox(reward.function_timeout_s),
             model=model,
             remote=RemoteScorer(reward.http) if reward.http is not None else None,
+            per_group=deterministic_seed is not None,
         )
 
     def close(self) -> None:
@@ -148,7 +154,8 @@ async def score_groups(
             per_part[name] = split(flat[:, column], sizes)
     if reward.model is not None and sources.model is not None:
         pairs = [(group.prompt, completion.text) for group, completion in completions]
-        per_part["model"] = split(await asyncio.to_thread(sources.model.score, pairs), sizes)
+        passes = sizes if sources.per_group else None
+        per_part["model"] = split(await asyncio.to_thread(sources.model.score, pairs, passes), sizes)
     if reward.http is not None and sources.remote is not None:
         items = [
             RemoteItem(g.prompt, c.text, g.answer, {"group_id": g.group_id, "prompt_id": g.prompt_id})
@@ -185,7 +192,8 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
     live, presence = await join_run(cfg, bus, "reward", grpc=address)
     # The model and the remote service are set at start (the service's token file is read before each batch); the
     # functions and their weights are live.
-    sources = RewardSources.of(cfg.reward, cfg.service.threads_for("reward"))
+    seed = cfg.train.seed if cfg.train.deterministic else None
+    sources = RewardSources.of(cfg.reward, cfg.service.threads_for("reward"), seed)
     await asyncio.to_thread(sources.rules.start)  # the child's imports now, not in the first batch's time
 
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
@@ -198,7 +206,7 @@ async def main(cfg: RunConfig, stop: asyncio.Event) -> None:
         presence,
         grpc=address,
         metrics_url=current_telemetry().metrics_url,
-        functions=live.cfg.reward.functions,
+        functions={**live.cfg.reward.functions},
         model=str(cfg.reward.model.path) if cfg.reward.model else None,
         http=cfg.reward.http.url if cfg.reward.http else None,
         config_version=live.version,

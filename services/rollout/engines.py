@@ -18,7 +18,8 @@ import os
 import shutil
 import tempfile
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -28,8 +29,10 @@ from safetensors.torch import load_file
 
 from services.common.config import RunConfig, SamplingConfig
 from services.common.episodes.generation import Generation
+from services.common.model.batch_generation import generate_batch
 from services.common.model.lora import AdapterMerger, write_adapter
-from services.common.model.modeling import DTYPES, load_model, load_tokenizer, resolve_device
+from services.common.model.modeling import DTYPES, decode_text, load_model, load_tokenizer, resolve_device
+from services.common.model.padding import eos_token_id, pad_token_id
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import DependencyUnavailable
@@ -39,22 +42,41 @@ log = logging.getLogger(__name__)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-class Engine(Protocol):
-    lora_mode: str  # "off" (full weights), "adapter" or "merge"
-    end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
-
-    def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
-    ) -> list[list[Generation]]: ...
-
-    def generate_turns(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
-    ) -> list[Generation]:
-        """One turn for each episode: one sample continuing each context, up to its ``max_tokens``, ending early on
-        the end-of-sequence token or once the text holds one of ``stop``."""
-        ...
+class WeightTarget(Protocol):
+    """What a policy follower loads each synced version into."""
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+
+class Engine(WeightTarget, Protocol):
+    lora_mode: str  # "off" (full weights), "adapter" or "merge"
+    end_tokens: frozenset[int]  # the tokens a generation ends on (end_token_ids)
+    tokenizer: Any  # the model's: transformers' (hf), or the one vLLM generates with (a transformers one too)
+
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        max_seq_len: int,
+        seeds: list[list[int]] | None = None,
+    ) -> list[list[Generation]]:
+        """``sampling.group_size`` samples of each prompt. With ``seeds`` (train.deterministic; ``seeds[p][i]`` is
+        ``sampling_seed`` of prompt p's sample i), each sample draws from a generator of its own seeded with it, so
+        it does not depend on what else the call holds; without, from the engine's shared stream."""
+        ...
+
+    def generate_turns(
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: list[int] | None = None,
+    ) -> list[Generation]:
+        """One turn for each episode: one sample continuing each context, up to its ``max_tokens``, ending early on
+        the end-of-sequence token or once the text holds one of ``stop``; with ``seeds``, each drawn from a
+        generator of its own seeded with ``seeds[i]``."""
+        ...
 
 
 class EngineUnavailable(DependencyUnavailable):
@@ -151,20 +173,26 @@ class VllmEngine:
             self.lora_mode = "merge"
             dtype = DTYPES.get(serving_dtype(cfg), torch.float32)
             # The whole base in host memory: vLLM reloads every weight at once, the merged ones among them.
-            self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.path).items()}
+            self.base = {name: t.to(dtype) for name, t in _model_weights(cfg.model.folder).items()}
             self.merger = AdapterMerger(self.base, cfg.model.lora)
         self.adapter_dir = Path(tempfile.mkdtemp(prefix="rlpipe-lora-")) if self.lora_mode == "adapter" else None
         if self.adapter_dir is not None:  # the served adapter's folder goes with the engine (vLLM read it at load)
             weakref.finalize(self, shutil.rmtree, self.adapter_dir, True)
         self.adapters_loaded = 0
         self.tokenizer = self.llm.get_tokenizer()
-        self.end_tokens = end_token_ids(cfg.model.path, self.tokenizer.eos_token_id)
+        self.end_tokens = end_token_ids(cfg.model.folder, self.tokenizer.eos_token_id)
 
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        max_seq_len: int,
+        seeds: list[list[int]] | None = None,
     ) -> list[list[Generation]]:
         from vllm import SamplingParams, TokensPrompt
 
+        if seeds is not None:
+            return self._generate_seeded(prompt_ids, sampling, max_seq_len, seeds)
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids]
         params = [
             SamplingParams(
@@ -179,8 +207,39 @@ class VllmEngine:
         results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
         return [[self._generation(out) for out in result.outputs] for result in results]
 
+    def _generate_seeded(
+        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int, seeds: list[list[int]]
+    ) -> list[list[Generation]]:
+        """One request per sample, each with its own seed. (vLLM would seed a request of n samples as seed, seed + 1,
+        ...: neighbouring groups' streams would overlap.) vLLM fans a request of n out into n requests anyway, and
+        its prefix cache computes each prompt once."""
+        from vllm import SamplingParams, TokensPrompt
+
+        prompts, params = [], []
+        for ids, sample_seeds in zip(prompt_ids, seeds, strict=True):
+            limit = max_tokens_for(len(ids), sampling, max_seq_len)
+            for seed in sample_seeds:
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                        max_tokens=limit,
+                        logprobs=0,
+                        seed=seed,
+                    )
+                )
+        results = iter(self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request))
+        return [[self._generation(next(results).outputs[0]) for _ in sample_seeds] for sample_seeds in seeds]
+
     def generate_turns(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
         from vllm import SamplingParams, TokensPrompt
 
@@ -194,8 +253,9 @@ class VllmEngine:
                 logprobs=0,
                 stop=stop or None,
                 include_stop_str_in_output=True,
+                seed=None if seeds is None else seeds[i],
             )
-            for limit in max_tokens
+            for i, limit in enumerate(max_tokens)
         ]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in contexts]
         results = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self.lora_request)
@@ -235,9 +295,12 @@ class VllmEngine:
         removed. The base weights are not touched. An adapter that does not load leaves the previous one served."""
         from vllm.lora.request import LoRARequest
 
+        lora = self.cfg.model.lora
+        if self.adapter_dir is None or lora is None:
+            raise RuntimeError("an adapter is hot-loaded only while vLLM serves model.lora as an adapter")
         number = self.adapters_loaded + 1
         folder = self.adapter_dir / f"v{number}"
-        write_adapter(folder, self.cfg.model.lora, tensors, self.cfg.model.path)
+        write_adapter(folder, lora, tensors, self.cfg.model.path)
         request = LoRARequest(f"policy-{number}", number, str(folder))
         if not self.llm.llm_engine.add_lora(request):
             raise RuntimeError(f"vLLM did not load the adapter at {folder}")
@@ -250,70 +313,97 @@ class VllmEngine:
 
 
 class HfEngine:
-    """transformers ``generate``: slower, for machines without vLLM."""
+    """transformers ``generate``, for machines without vLLM: a batch's prompts x group_size sequences in one call,
+    and one call per turn for every live episode (``rollout.hf.max_sequences_per_call`` caps a call; above it,
+    sequences of like length go together). Batched sequences are left-padded under an attention mask and their own
+    position ids (``services.common.model.batch_generation``), so each gets the logprobs it would get alone.
+
+    Seeded samples (train.deterministic) are each generated alone, from the device's generator set to the sample's
+    seed: ``generate`` draws every row of a call from one generator, so a row's draws would depend on its
+    neighbours. One call per sample is slower; a reproducible run pays that for draws that are its own."""
 
     def __init__(self, cfg: RunConfig):
-        model = load_model(cfg.model.path, serving_dtype(cfg)).eval().requires_grad_(False)
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.end_tokens = frozenset({self.tokenizer.eos_token_id})  # _group stops on the tokenizer's EOS alone
+        model = load_model(cfg.model.folder, serving_dtype(cfg)).eval().requires_grad_(False)
+        self.tokenizer = load_tokenizer(cfg.model.folder)
+        self.pad_id = pad_token_id(self.tokenizer)
+        self.end_tokens = end_token_ids(cfg.model.folder, eos_token_id(self.tokenizer))
+        self.max_per_call = cfg.rollout.hf.max_sequences_per_call
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
         # The merger's copy of the base stays on the host, where adapters arrive and are merged; the model goes to
         # model.device, as the trainer's and the reference's do.
         self.merger = AdapterMerger(model.state_dict(), cfg.model.lora) if cfg.model.lora is not None else None
         self.device = resolve_device(cfg.model.device)
-        self.model = model.to(self.device)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        self.model = model.to(self.device)  # pyright: ignore[reportArgumentType]
 
-    @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], sampling: SamplingConfig, max_seq_len: int
+        self,
+        prompt_ids: list[list[int]],
+        sampling: SamplingConfig,
+        max_seq_len: int,
+        seeds: list[list[int]] | None = None,
     ) -> list[list[Generation]]:
-        return [self._group(ids, sampling, max_tokens_for(len(ids), sampling, max_seq_len)) for ids in prompt_ids]
+        n = sampling.group_size
+        contexts = [ids for ids in prompt_ids for _ in range(n)]
+        limits = [max_tokens_for(len(ids), sampling, max_seq_len) for ids in prompt_ids for _ in range(n)]
+        flat_seeds = None if seeds is None else [seed for sample_seeds in seeds for seed in sample_seeds]
+        flat = self._sample(contexts, limits, sampling, [], flat_seeds)
+        return [flat[start : start + n] for start in range(0, len(flat), n)]
 
-    @torch.no_grad()
     def generate_turns(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, stop: list[str]
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
-        # One context at a time: generate pads a batch, and a padded context would change what the model sees.
-        return [
-            self._group(ids, sampling, limit, samples=1, stop=stop)[0]
-            for ids, limit in zip(contexts, max_tokens, strict=True)
-        ]
+        return self._sample(contexts, max_tokens, sampling, stop, seeds)
 
-    def _group(
-        self, ids: list[int], sampling: SamplingConfig, max_tokens: int, samples: int = 0, stop: list[str] | None = None
+    def _sample(
+        self,
+        contexts: list[list[int]],
+        limits: list[int],
+        sampling: SamplingConfig,
+        stop: list[str],
+        seeds: Sequence[int | None] | None = None,
     ) -> list[Generation]:
-        eos, pad = self.tokenizer.eos_token_id, self.tokenizer.pad_token_id
-        prompt = torch.tensor([ids] * (samples or sampling.group_size), device=self.device)
-        stopping = {"stop_strings": stop, "tokenizer": self.tokenizer} if stop else {}
-        out = self.model.generate(
-            **stopping,
-            input_ids=prompt,
-            attention_mask=torch.ones_like(prompt),
-            do_sample=True,
+        if seeds is None or all(seed is None for seed in seeds):
+            return self._sample_together(contexts, limits, sampling, stop)
+        generations = []
+        for context, limit, seed in zip(contexts, limits, seeds, strict=True):
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices, device_type=self.device.type):
+                if seed is not None:
+                    torch.manual_seed(seed)
+                generations += self._sample_together([context], [limit], sampling, stop)
+        return generations
+
+    def _sample_together(
+        self, contexts: list[list[int]], limits: list[int], sampling: SamplingConfig, stop: list[str]
+    ) -> list[Generation]:
+        continuations = generate_batch(
+            self.model,
+            contexts,
+            limits,
+            pad_id=self.pad_id,
+            end_tokens=self.end_tokens,
+            stop=stop,
+            decode=partial(decode_text, self.tokenizer),
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            max_new_tokens=max_tokens,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=pad,
-            eos_token_id=eos,
+            max_per_call=self.max_per_call,
         )
-        new_tokens = out.sequences[:, len(ids) :]
-        raw_logprobs = torch.stack(out.logits, dim=1).float().log_softmax(-1)
-        token_logprobs = raw_logprobs.gather(-1, new_tokens[..., None]).squeeze(-1).cpu()
-        group = []
-        for tokens, logprobs in zip(new_tokens.tolist(), token_logprobs, strict=False):
-            stop = tokens.index(eos) + 1 if eos in tokens else len(tokens)
-            group.append(
-                Generation(
-                    text=self.tokenizer.decode(tokens[:stop], skip_special_tokens=True),
-                    token_ids=np.asarray(tokens[:stop], dtype=np.int32),
-                    logprobs=logprobs[:stop].numpy().astype(np.float32),
-                    finish_reason="stop" if eos in tokens else "length",
-                )
+        return [
+            Generation(
+                text=decode_text(self.tokenizer, c.token_ids, skip_special_tokens=True),
+                token_ids=np.asarray(c.token_ids, dtype=np.int32),
+                logprobs=c.logprobs,
+                finish_reason="stop" if c.stopped else "length",
             )
-        return group
+            for c in continuations
+        ]
 
     @torch.no_grad()
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

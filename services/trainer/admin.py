@@ -232,7 +232,7 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         """Store the count; the launcher of a local run carries it out (services/common/transport/scale.py)."""
         cfg = self.live.cfg
         try:
-            check_scale(request.role, request.replicas, cfg.supervision)
+            check_scale(request.role, request.replicas, cfg.supervision, cfg.train.deterministic)
         except ScaledElsewhere as error:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(error))
         except ScaleRefused as error:
@@ -240,12 +240,14 @@ class AdminServicer(admin_pb2_grpc.AdminServicer):
         if self.control.state in (RunState.STOPPING, RunState.DONE):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"the run is {self.control.state.value}")
         earlier = (await read_scale(self.live.kv)).get(request.role)
+        services = await self.reporter.refresh_services(max_age_s=1.0)
         before = earlier.replicas if earlier else configured_replicas(cfg, request.role)
+        if before is None:  # rollout.replicas: auto: the launcher's placement chose; count what it started
+            before = sum(1 for s in services if s.role == request.role)
         record = await store_scale(self.live.kv, request.role, request.replicas, request.author)
         log_event(
             log, Event.SCALE_REQUESTED, role=record.role, before=before, after=record.replicas, author=record.author
         )
-        services = await self.reporter.refresh_services(max_age_s=1.0)
         return admin_pb2.ScaleReply(
             role=record.role,
             replicas_before=before,

@@ -4,7 +4,9 @@ Commands that change training (pause, rollback, checkpoint, stop) are not run by
 asks (the Admin service, an alert): they are queued, and the training loop runs them
 between steps in its own task, so no command ever lands in the middle of a step's
 bookkeeping. A pause or stop is also stored in the run's config bucket, so a trainer that
-restarts (or that Kubernetes restarts after a stop) comes back held.
+restarts (or that Kubernetes restarts after a stop) comes back held. The stored hold names who
+set it (``HoldSource``): one an alert set outlives ``rlpipe run --resume``, so a stop while an
+alert holds the run keeps the alert as the hold's source.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, Protocol
 
 from services.common.observe.events import Event, Journal
 from services.common.observe.logs import log_event
+from services.common.transport.live_config import Hold, HoldSource
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -46,6 +49,7 @@ class Control:
         self.progress = progress
         self.state = RunState.RUNNING
         self.paused_reason = ""
+        self.held_by: HoldSource | None = None  # who paused the run, while it is paused
         self.stop_reason = ""
         self.commands: asyncio.Queue[tuple[Command, asyncio.Future]] = asyncio.Queue()
         self.wakeup = asyncio.Event()
@@ -93,33 +97,38 @@ class Control:
     def running(self) -> bool:
         return self.state == RunState.RUNNING
 
-    async def pause(self, reason: str) -> None:
+    async def pause(self, reason: str, by: HoldSource = HoldSource.OPERATOR) -> None:
         """Hold training; kept in the run's config bucket so a restarted trainer stays paused."""
         if self.state == RunState.RUNNING:
-            self.state, self.paused_reason = RunState.PAUSED, reason
-            self.journal.emit(Event.PAUSED, reason, step=self.progress.step, reason=reason)
-            await self._store_hold()
+            self.state, self.paused_reason, self.held_by = RunState.PAUSED, reason, by
+            self.journal.emit(Event.PAUSED, reason, step=self.progress.step, reason=reason, by=str(by))
+            await self._store_hold(Hold(True, reason, by))
 
     async def unpause(self) -> None:
         for hook in self.on_unpause:
             hook()
         if self.state == RunState.PAUSED:
-            self.state, self.paused_reason = RunState.RUNNING, ""
+            self.state, self.paused_reason, self.held_by = RunState.RUNNING, "", None
             self.journal.emit(Event.UNPAUSED, "resumed by operator", step=self.progress.step)
-            await self._store_hold()
+            await self._store_hold(Hold())
 
-    async def request_stop(self, reason: str) -> None:
-        """Drain and end the run. An orchestrator that restarts the trainer anyway (Kubernetes) gets it back paused."""
+    async def request_stop(self, reason: str, by: HoldSource = HoldSource.OPERATOR) -> None:
+        """Drain and end the run. An orchestrator that restarts the trainer anyway (Kubernetes) gets it back paused.
+
+        Stopped while an alert held it, the stored hold stays the alert's: nobody has lifted it."""
+        held = f"stopped: {reason}"
+        if self.state == RunState.PAUSED and self.held_by == HoldSource.ALERT:
+            held, by = f"{held}, while held: {self.paused_reason}", HoldSource.ALERT
         self.state, self.stop_reason = RunState.STOPPING, reason
         self.journal.emit(Event.STOP_REQUESTED, reason, step=self.progress.step, reason=reason)
-        await self._store_hold(f"stopped: {reason}")
+        await self._store_hold(Hold(True, held, by))
 
     async def restore_hold(self) -> None:
         """A pause or stop stored before this process started holds it too."""
-        control = await self.holds.get_control()
-        if control.get("paused"):
-            self.state = RunState.PAUSED
-            self.paused_reason = f"{control.get('reason', '')} (still paused after a restart)"
+        hold = Hold.of_record(await self.holds.get_control())
+        if hold.paused:
+            self.state, self.held_by = RunState.PAUSED, hold.by
+            self.paused_reason = f"{hold.reason} (still paused after a restart)"
             # The pause recorded when it began holds on: logged, not recorded again.
             log_event(log, Event.PAUSED, step=self.progress.step, reason=self.paused_reason)
 
@@ -130,9 +139,8 @@ class Control:
         except TimeoutError:
             await on_idle()
 
-    async def _store_hold(self, reason: str | None = None) -> None:
-        held = self.state != RunState.RUNNING
+    async def _store_hold(self, hold: Hold) -> None:
         try:
-            await self.holds.put_control({"paused": held, "reason": reason or self.paused_reason})
+            await self.holds.put_control(hold.record())
         except Exception as error:  # the broker's failures: the pause holds in this process regardless
             log_event(log, Event.CONTROL_NOT_STORED, level=logging.WARNING, error=repr(error)[:200])

@@ -14,20 +14,20 @@ model, greedy, on its device and under its autocast.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase, StoppingCriteria, StoppingCriteriaList
+from transformers import PreTrainedTokenizerBase
 
 import services.common.model.reward_rules  # noqa: F401  registers the built-in rules reward_function looks up
 from services.common.config import RunConfig
 from services.common.episodes.environments import Task
 from services.common.episodes.generation import Generation
-from services.common.episodes.observations import ObservationFormat, Tokenizer, observation_format
+from services.common.episodes.observations import ObservationFormat, Tokenizer, episode_tokenizer, observation_format
 from services.common.episodes.runner import (
     EpisodeEnvironment,
     EpisodeLimits,
@@ -36,7 +36,9 @@ from services.common.episodes.runner import (
     run_episodes,
     start_episodes,
 )
-from services.common.model.modeling import Precision
+from services.common.model.batch_generation import generate_batch
+from services.common.model.modeling import Precision, decode_text
+from services.common.model.padding import eos_token_id, pad_token_id
 from services.common.registry import reward_function
 
 
@@ -105,8 +107,8 @@ async def play(
     await run_episodes(episodes, generate, limits, tokenizer, observations)
     completions = [episode.completion(tokenizer) for episode in episodes]
     rewards = [
-        reward(c.text, task.answer, c.finish_reason, c.episode.env_reward)
-        for c, task in zip(completions, tasks, strict=True)
+        reward(c.text, task.answer, c.finish_reason, episode.env_reward)
+        for c, episode, task in zip(completions, episodes, tasks, strict=True)
     ]
     return EpisodeEvaluation(
         accuracy=sum(reward.right(r) for r in rewards) / len(rows),
@@ -117,83 +119,46 @@ async def play(
     )
 
 
-def turn_end(tokens: list[int], limit: int, eos_id: int | None, stop: list[str], decode: Callable) -> tuple[int, bool]:
-    """How many of a greedy row's ``tokens`` make the turn, and whether it stopped (else it ran out of room): up to
-    ``limit``, through the end-of-sequence token or the token that completes one of ``stop`` (as vLLM's
-    ``include_stop_str_in_output`` keeps it), whichever comes first."""
-    for end in range(1, min(limit, len(tokens)) + 1):
-        if tokens[end - 1] == eos_id:
-            return end, True
-        if stop and any(s in decode(tokens[:end]) for s in stop):
-            return end, True
-    return min(limit, len(tokens)), False
-
-
-class StopStrings(StoppingCriteria):
-    """Ends each row once its new text holds one of ``stop``. Not transformers' ``stop_strings``, which needs every
-    character of them in the vocabulary: a tool tag the model has never seen must still end nothing, not fail."""
-
-    def __init__(self, stop: list[str], prompt_width: int, decode: Callable):
-        self.stop, self.prompt_width, self.decode = stop, prompt_width, decode
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        texts = [self.decode(row) for row in input_ids[:, self.prompt_width :].tolist()]  # (B, new so far)
-        return torch.tensor([any(s in text for s in self.stop) for text in texts], device=input_ids.device)
-
-
 def greedy_turns(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     contexts: list[list[int]],
     max_tokens: list[int],
     stop: list[str],
     precision: Precision | None = None,
     temperature: float = 0.0,
+    batch_size: int | None = None,
 ) -> list[Generation]:
-    """One greedy turn continuing each context (left-padded into one batch), cut as ``turn_end`` says. A row's own
-    limit cuts the batch's longest run: decoding a prefix does not depend on how long it goes on. ``temperature``
-    above 0 samples instead (bench/tool_sampled_eval.py: held-out episodes as the rollouts sample them)."""
-    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    width = max(len(ids) for ids in contexts)
-    input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in contexts])  # (B, width)
-    attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in contexts])
-    stopping = {"stopping_criteria": StoppingCriteriaList([StopStrings(stop, width, tokenizer.decode)])} if stop else {}
-    was_training = model.training
-    model.eval()
-    try:
-        # no_grad, not inference_mode: the model trains on afterwards (see evaluation.greedy_generate).
-        with torch.no_grad(), precision.autocast() if precision else contextlib.nullcontext():
-            output = model.generate(
-                **stopping,
-                input_ids=input_ids.to(model.device),
-                attention_mask=attention_mask.to(model.device),
-                **(
-                    {"do_sample": True, "temperature": temperature, "top_k": 0}
-                    if temperature > 0
-                    else {"do_sample": False}
-                ),
-                max_new_tokens=max(max_tokens),
-                pad_token_id=pad_id,
-                eos_token_id=eos_id,
-            )
-    finally:
-        model.train(was_training)
-    turns = []
-    for tokens, limit in zip(output[:, width:].tolist(), max_tokens, strict=True):  # (B, new)
-        end, stopped = turn_end(tokens, limit, eos_id, stop, tokenizer.decode)
-        turns.append(
-            Generation(
-                text=tokenizer.decode(tokens[:end], skip_special_tokens=True),
-                token_ids=np.asarray(tokens[:end], dtype=np.int32),
-                logprobs=np.zeros(end, dtype=np.float32),  # nothing trains on an evaluation's turns
-                finish_reason="stop" if stopped else "length",
-            )
+    """One greedy turn continuing each context, ``batch_size`` contexts per ``generate`` call (None: all in one),
+    each ending as a rollout's turn does: through its end-of-sequence token or the token that completes one of
+    ``stop``, else at its own limit (``batch_generation.generate_batch``). ``temperature`` above 0 samples instead
+    (bench/tool_sampled_eval.py: held-out episodes as the rollouts sample them)."""
+    eos_id = eos_token_id(tokenizer)
+    continuations = generate_batch(
+        model,
+        contexts,
+        max_tokens,
+        pad_id=pad_token_id(tokenizer),
+        end_tokens=() if eos_id is None else (eos_id,),
+        stop=stop,
+        decode=partial(decode_text, tokenizer),
+        temperature=temperature,
+        max_per_call=batch_size,
+        precision=precision,
+    )
+    return [
+        Generation(
+            text=decode_text(tokenizer, c.token_ids, skip_special_tokens=True),
+            token_ids=np.asarray(c.token_ids, dtype=np.int32),
+            logprobs=c.logprobs,
+            finish_reason="stop" if c.stopped else "length",
         )
-    return turns
+        for c in continuations
+    ]
 
 
 def evaluate_episodes(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict[str, Any]],
     cfg: RunConfig,
@@ -201,11 +166,12 @@ def evaluate_episodes(
 ) -> EpisodeEvaluation:
     """Greedy held-out episodes of ``rows`` as ``cfg``'s rollout plays them, scored by its ``reward.functions``.
     Runs its own event loop: the trainer calls it from a worker thread."""
-    stop = list(cfg.rollout.turn_stop)
+    stop, batch_size = list(cfg.rollout.turn_stop), cfg.data.eval_batch_size
     reward = RuleReward(dict(cfg.reward.functions), cfg.reward.environment_weight)
 
     async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
-        return greedy_turns(model, tokenizer, contexts, max_tokens, stop, precision)
+        return greedy_turns(model, tokenizer, contexts, max_tokens, stop, precision, batch_size=batch_size)
 
     limits, observations = EpisodeLimits.of(cfg), observation_format(tokenizer, cfg.rollout.observation_role)
-    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokenizer, observations, reward))
+    tokens = episode_tokenizer(tokenizer)
+    return asyncio.run(play(rows, environment_maker(cfg), generate, limits, tokens, observations, reward))

@@ -156,9 +156,10 @@ class Lease:
             current, revision = await self._read()
             now = self.clock()
             verdict = judge(current, revision, seen_revision, now, self.reaped_holder)
-            if verdict is Verdict.REFUSE:
+            # (An absent lease is always taken: only a held one is refused or waited for.)
+            if current is not None and verdict is Verdict.REFUSE:
                 raise StartRefused(held_message(current, self.run_id, now))
-            if verdict is Verdict.WAIT:
+            if current is not None and verdict is Verdict.WAIT:
                 if seen_revision is None:
                     seen_revision = revision
                     log_event(log, Event.LEASE_WAITING, holder=current.holder, expires_in_s=current.expires_at - now)
@@ -183,11 +184,12 @@ class Lease:
         except LeaseLost as expired:
             expired.taken_over = await self._moved_on()
             raise
-        record = LeaseRecord(self.holder, self.record.epoch, self.clock() + self.ttl_s)
+        epoch = self.epoch
+        record = LeaseRecord(self.holder, epoch, self.clock() + self.ttl_s)
         try:
             self.revision = await self.kv.update(KEY, record.to_json(), last=self.revision)
         except KeyWrongLastSequenceError:
-            took = f"another trainer took over the lease from epoch {self.record.epoch}"
+            took = f"another trainer took over the lease from epoch {epoch}"
             raise LeaseLost(took, taken_over=True) from None
         self.record = record
 

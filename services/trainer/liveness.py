@@ -1,4 +1,4 @@
-"""The trainer loop's heartbeat, which its gRPC health follows (issue #13).
+"""The trainer loop's heartbeat, which its gRPC health follows.
 
 The loop beats each time round and, while it waits for groups, between two reads of EXPERIENCE
 (every second or so), so an idle pipeline and an operator's pause (the loop goes round every

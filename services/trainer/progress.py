@@ -20,8 +20,11 @@ from services.common.config import RunConfig
 class ConfigSource(Protocol):
     """Whatever holds the config in force (``LiveConfig``): components read it when they act, never copy it."""
 
-    cfg: RunConfig
-    version: int
+    @property
+    def cfg(self) -> RunConfig: ...
+
+    @property
+    def version(self) -> int: ...
 
 
 @dataclass(frozen=True)

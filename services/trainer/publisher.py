@@ -22,24 +22,32 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from services.common.observe.logs import Stopwatch
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.common.transport.weightsync.snapshot import NonFiniteWeights
-from services.trainer.learning.learner import Learner
+from services.common.transport.weightsync.snapshot import NonFiniteWeights, Snapshot
 
 Refused = Callable[[NonFiniteWeights, int, int], Awaitable[None]]  # (why, version, step)
 
 
-class Publisher:
-    """Attributes: ``newest`` (the newest version offered), ``offer_s`` (the background seconds, from offer to
-    served, of the newest version served; None before the first)."""
+class Snapshots(Protocol):
+    """What a version is copied from: the learner (``Learner.snapshot``)."""
 
-    def __init__(self, learner: Learner, weights: WeightSyncServer, on_refused: Refused):
+    def snapshot(self, version: int, step: int) -> Snapshot: ...
+
+
+class Publisher:
+    """Attributes: ``newest`` (the newest version offered), ``served`` (the newest version served: a version
+    refused, dropped or failed is not), ``offer_s`` (the background seconds, from offer to served, of the newest
+    version served; None before the first)."""
+
+    def __init__(self, learner: Snapshots, weights: WeightSyncServer, on_refused: Refused):
         self.learner = learner
         self.weights = weights
         self.on_refused = on_refused
         self.newest = 0
+        self.served = 0
         self.offer_s: float | None = None
         self._copied: asyncio.Event | None = None  # set once the newest version's copy was taken
         self._offering: asyncio.Task | None = None  # the newest version's offer
@@ -90,6 +98,7 @@ class Publisher:
             except NonFiniteWeights as error:
                 await self.on_refused(error, version, step)
                 return
+            self.served = version
             self.offer_s = took()
         except Exception as error:  # nobody awaits this task: raised at the loop's next wait on the publisher
             self._failed = error

@@ -26,6 +26,7 @@ from services.common.observe.logs import RollingJsonl, log_event
 from services.common.observe.metrics import UndeclaredKeys
 from services.common.observe.trackers import TrackerFanout
 from services.common.observe.writer import CAPACITY_ROWS, BackgroundWriter
+from services.common.transport.live_config import HoldSource
 from services.trainer.alerts import AlertEvaluator, Firing, Heartbeat, post_webhook
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control
@@ -135,8 +136,8 @@ class AlertResponder:
         settings: ConfigSource,
         alerts: AlertEvaluator,
         control: Control,
-        checkpoints: CheckpointStore,
-        rollback: Rollback,
+        checkpoints: CheckpointStore | None,  # None: no rollback action can be taken (an alert drill's)
+        rollback: Rollback | None,
         progress: Progress,
         metrics: MetricsLog,
         journal: Journal,
@@ -181,9 +182,9 @@ class AlertResponder:
         taken = []
         for action in firing.actions:
             if action == "pause":
-                await self.control.pause(reason)
+                await self.control.pause(reason, by=HoldSource.ALERT)
             elif action == "stop":
-                await self.control.request_stop(reason)
+                await self.control.request_stop(reason, by=HoldSource.ALERT)
             elif action == "rollback":
                 # Between steps, like an operator's rollback: never in the middle of this step's bookkeeping.
                 self.control.submit(lambda: self.rollback_for(firing))
@@ -207,9 +208,11 @@ class AlertResponder:
                 rule=firing.rule,
                 error=repr(error)[:500],
             )
-            await self.control.pause(f"alert {firing.rule}: rollback failed: {error}")
+            await self.control.pause(f"alert {firing.rule}: rollback failed: {error}", by=HoldSource.ALERT)
 
     async def _rollback_for(self, firing: Firing) -> None:
+        if self.checkpoints is None or self.rollback is None:
+            raise RuntimeError("this responder was given no checkpoints to roll back to")
         rule = next((r for r in self.settings.cfg.alerts.rules if r.name == firing.rule), None)
         before = (firing.step if firing.step is not None else self.progress.step) - (rule.window_steps if rule else 1)
         target = await asyncio.to_thread(self.checkpoints.latest_stable)
@@ -217,13 +220,15 @@ class AlertResponder:
             target = max((s for s in await asyncio.to_thread(self.checkpoints.steps) if s <= before), default=None)
         if target is None:
             await self.control.pause(
-                f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to"
+                f"alert {firing.rule}: no stable checkpoint and none from before step {before} to roll back to",
+                by=HoldSource.ALERT,
             )
             return
         if self.alert_rollbacks.get(firing.rule) == target:
             # The same trouble right after going back to the same step: another rollback would loop.
             await self.control.pause(
-                f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator"
+                f"alert {firing.rule}: fired again after rolling back to step {target}; waiting for an operator",
+                by=HoldSource.ALERT,
             )
             return
         self.alert_rollbacks[firing.rule] = target

@@ -4,7 +4,7 @@ follow rank 0's commands (``follower_main``).
 
 Refusals at start (another run's or an unreadable store, a checkpoint that does not fit, a lineage it cannot read,
 a broker that lost the run's state) exit 2, which the launcher does not restart; losing the lease ends the process
-at once.
+at once. A store out of reach at start is waited for (``checkpoint.resume_wait_s``) before it is refused.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ import yaml
 
 from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig, redacted_dump
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event
 from services.common.observe.logs import Stopwatch, log_event
+from services.common.observe.network import watch_network_bytes
 from services.common.observe.telemetry import current_telemetry
 from services.common.observe.trackers import open_trackers
 from services.common.pb import admin_pb2_grpc, weights_pb2_grpc
@@ -40,9 +42,10 @@ from services.common.transport.streams import BrokerStateLost
 from services.common.transport.weightsync import auth as weight_sync_auth
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer, AdminToken, BearerToken, SourceAllowlist
-from services.trainer.checkpointing.adopter import ResumeRefused
+from services.trainer.checkpointing.adopter import ResumeRefused, wait_for_store
 from services.trainer.checkpointing.lineage import LineageError
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
+from services.trainer.checkpointing.resume import StoreUnreadable
 from services.trainer.checkpointing.state import CheckpointMismatch
 from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
@@ -55,6 +58,7 @@ from services.trainer.service import Trainer
 LEASE_LOST_CANCEL_AGAIN_S = 5.0
 
 log = logging.getLogger(__name__)
+ADMIN_GRACE_S = 10.0  # an admin call in progress at shutdown (the operator's Stop) may finish within it
 
 
 def record_run_start(cfg: RunConfig, build: BuildInfo, config_version: int) -> None:
@@ -78,7 +82,15 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
     """The run's lease, at an epoch above the fence already in the checkpoint store (so epochs keep growing when
     the broker lost the lease bucket); StartRefused naming the holder while another trainer holds it."""
     fence = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
-    floor = await asyncio.to_thread(fence.stored_fence)
+
+    def read_floor() -> int:
+        try:
+            return fence.stored_fence()
+        except Exception as error:  # the store's many failure types: an outage is waited out, as a resume's is
+            raise StoreUnreadable(f"cannot read the lease fence: {error!r}"[:500]) from error
+
+    where = fence.location()
+    floor = await wait_for_store(read_floor, cfg.checkpoint, where, f"not starting on {where}")
     kv = await open_lease_bucket(bus.js, cfg.run_id, cfg.nats.storage, cfg.nats.stream_replicas)
     lease = Lease(kv, cfg.run_id, cfg.trainer.lease_ttl_s, reaped_holder=cfg.trainer.takeover_from)
     epoch = await lease.acquire(floor)
@@ -90,8 +102,9 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
     """Admin on its own port (the one operators reach), open to ``admin.allowed_sources`` only, behind the bearer
     token, TLS when configured."""
     credentials = None
-    if cfg.admin.tls_cert is not None:
-        credentials = grpc.ssl_server_credentials([(cfg.admin.tls_key.read_bytes(), cfg.admin.tls_cert.read_bytes())])
+    admin = cfg.admin
+    if admin.tls_cert is not None and admin.tls_key is not None:  # both or neither (AdminConfig checks)
+        credentials = grpc.ssl_server_credentials([(admin.tls_key.read_bytes(), admin.tls_cert.read_bytes())])
 
     def register(server: Any) -> list[str]:
         admin_pb2_grpc.add_AdminServicer_to_server(servicer, server)
@@ -137,6 +150,8 @@ async def lead(cfg: RunConfig, stop: asyncio.Event, mesh: Mesh) -> None:
     try:
         lease = await take_lease(cfg, bus)  # before anything of the run is written: one trainer per run
         running = asyncio.current_task()
+        if running is None:
+            raise RuntimeError("the trainer's lead runs as an asyncio task")
 
         async def on_lease_lost(error: LeaseLost) -> None:
             lost.append(error)
@@ -191,6 +206,7 @@ async def lead_holding(
     model_s = started()
     initial = await asyncio.to_thread(learner.snapshot, 0, 0)  # a copy of the model, off the loop that renews the lease
     weights = WeightSyncServer(initial, fanout=cfg.rollout.relay_fanout)
+    watch_network_bytes("trainer", "weight_sync", "out", lambda: weights.sent_bytes)
 
     def register(server: Any) -> list[str]:
         weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
@@ -205,12 +221,15 @@ async def lead_holding(
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).
     trackers = await asyncio.to_thread(open_trackers, cfg)
-    trainer = Trainer(cfg, bus, learner, weights, live, trackers)
+    preprocessor = Preprocessor(learner.tokenizer, cfg.model.folder, cfg.data.tokenize_workers)
+    await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
+    trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
     try:
-        # The trainer's first write to the store: from here a predecessor of a lower epoch writes nothing there.
-        await asyncio.to_thread(trainer.checkpoints.claim_fence, lease.epoch, lease.holder)
         trainer.checkpoints.guard = lease.check
-        await trainer.prepare()
+        # The fence is the trainer's first write to the store, made once the start has found there what it expects
+        # (a resume its checkpoints, a fresh start no other run's): from then a predecessor of a lower epoch writes
+        # nothing there, and a store found without the run's checkpoints is never written to.
+        await trainer.prepare(claim=lambda: trainer.checkpoints.claim_fence(lease.epoch, lease.holder))
     except (
         FencedOut,
         ForeignCheckpoints,
@@ -268,7 +287,10 @@ async def lead_holding(
             raise SystemExit(1)
     finally:
         watchdog.cancel()
+        # First, while presence and the store still answer: the Stop call that ended the run is still composing
+        # its reply (a status that reads presence and lists the store, seconds under load). The grace is how long
+        # a call in progress may finish; new calls are refused at once.
+        await admin_server.stop(grace=ADMIN_GRACE_S)
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
         await trainer.presence.stop()
-        await admin_server.stop(grace=1)
         await server.stop(grace=1)

@@ -24,23 +24,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from services.common.config import RunConfig
 from services.common.episodes.observations import observation_format
-from services.common.model.chat import ChatTemplateError, prompt_text, render_rows
+from services.common.model.chat import ChatTemplateError, prompt_text
 from services.common.model.datasets import open_prompts, read_rows
+from services.common.model.preprocess import Preprocessor
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.hardware import HardwareSampler
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch, bind_log_fields, log_event
 from services.common.observe.metrics import GROUPS_DEAD, GROUPS_LOST, GROUPS_REOPENED, IN_FLIGHT_GROUPS, REPEATS_DROPPED
+from services.common.observe.network import NetworkRates
 from services.common.observe.timeshare import StageActivity, StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.common.refusal import StartRefused
 from services.common.transport.bus import Bus
-from services.common.transport.live_config import LiveConfig
+from services.common.transport.live_config import HoldSource, LiveConfig
 from services.common.transport.messages import reward_part_means
 from services.common.transport.presence import Presence
 from services.common.transport.storage import open_store
@@ -87,9 +90,11 @@ class Trainer:
         weights: WeightSyncServer,
         live: LiveConfig,
         trackers: TrackerFanout | None = None,
+        preprocessor: Preprocessor | None = None,
     ):
         """``trackers``: telemetry.report_to's, opened by the caller (``open_trackers``, off the event loop: MLflow
-        creates its database there, which can outlast the lease's TTL)."""
+        creates its database there, which can outlast the lease's TTL). ``preprocessor``: data.tokenize_workers'
+        pool, started by the caller off the loop for the same reason (None: everything inline)."""
         self.cfg = cfg
         self.bus = bus
         self.learner = learner
@@ -99,9 +104,13 @@ class Trainer:
         # Chat rows are rendered once with the model's template; every reader then sees the same prompt text.
         data = cfg.data
         eval_rows = read_rows(data.eval_path, data.columns, data.eval_split, data.eval_size) if data.eval_path else []
+        self.preprocessor = preprocessor or Preprocessor(learner.tokenizer, cfg.model.folder)
+        ahead = self.preprocessor.rendered_ahead if self.preprocessor.pool is not None else None
         try:  # a chat the model's template cannot render is the config's fault: refused at start, not crashed on
-            self.eval_rows = render_rows(eval_rows, learner.tokenizer)
-            train_rows = open_prompts(data, render=partial(prompt_text, tokenizer=learner.tokenizer))
+            self.eval_rows = self.preprocessor.render_rows(eval_rows)
+            train_rows = open_prompts(
+                data, render=partial(prompt_text, tokenizer=learner.tokenizer), render_ahead=ahead
+            )
         except ChatTemplateError as error:
             raise StartRefused(str(error)) from None
         if self.eval_rows and cfg.rollout.multi_turn:
@@ -121,7 +130,11 @@ class Trainer:
         self.feeder = PromptFeeder(train_rows, cfg.train.seed, data.shuffle)
         mirror = open_store(cfg.checkpoint.mirror_url, cfg.checkpoint) if cfg.checkpoint.mirror_url else None
         self.checkpoints = CheckpointStore(
-            open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last, mirror=mirror
+            open_store(cfg.checkpoint_url, cfg.checkpoint),
+            cfg.run_id,
+            cfg.checkpoint.keep_last,
+            mirror=mirror,
+            compression=cfg.checkpoint.compression,
         )
         self.control = Control(live, self.journal, self.progress)
         self.intake = Intake(
@@ -147,6 +160,7 @@ class Trainer:
             self.telemetry,
             report=self.report_row,
             rewind=self.intake.rewind,
+            hold=lambda reason: self.control.pause(reason, by=HoldSource.ALERT),
         )
         self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
         self.responder = AlertResponder(
@@ -165,6 +179,8 @@ class Trainer:
         )
         self.refusals = RefusalWatch(self.journal)
         self.hardware = HardwareSampler(learner.device)
+        link = cfg.telemetry.link_mib_s
+        self.network = NetworkRates("trainer", link * 2**20 if link else None)
         self.presence: Presence | None = None
         self.resumed = False  # set by prepare()
         self.health_checked = 0.0
@@ -180,10 +196,11 @@ class Trainer:
         rules. Routed here because the rules' rollback action is Recovery's own, so neither can hold the other."""
         await self.responder.report(row)
 
-    async def prepare(self) -> None:
+    async def prepare(self, claim: Callable[[], None] | None = None) -> None:
         """Restore the latest checkpoint and any operator hold before the trainer says it is ready:
-        its first status and the first weights rollouts pull are those of the restored run."""
-        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume)
+        its first status and the first weights rollouts pull are those of the restored run. ``claim``: take the
+        store's lease fence, before the first write to it (``Recovery.start``)."""
+        self.resumed = await self.recovery.start(resume=self.cfg.checkpoint.resume, claim=claim)
         await self.control.restore_hold()
 
     # -- between steps ---------------------------------------------------------------
@@ -192,6 +209,8 @@ class Trainer:
         woken = self.control.wakeup.is_set()  # an admin call just stored a config version, or queued a command
         await self.control.run_commands()
         await self.apply_live_config(force=woken)
+        if self.control.running:  # no step before an adopted step's weights reach the rollouts
+            await self.recovery.serve_pending()
 
     async def apply_live_config(self, force: bool) -> None:
         """Put the newest config version in force; ``force`` reads the bucket now rather than at the next poll."""
@@ -330,6 +349,7 @@ class Trainer:
             **reward_part_means(collected.batch),
             **episode_metrics(collected.batch, collected.filtered_episodes),
             **self.hardware.row(),  # once per step: each call starts the next step's CUDA peak
+            **self.network.row(),
             **self.ledger_row(),
             **await self.health_row(),
             **({"weights/offer_s": publisher.offer_s} if publisher.offer_s is not None else {}),
@@ -412,6 +432,12 @@ class Trainer:
             if not control.running:
                 await control.wait_while_held(1.0, on_idle=self.check_health)
                 continue
+            if self.cfg.train.synchronous:
+                # The next prompts ask for the version just trained: it must be served before they go out, or a
+                # rollout asking for it may still be told of the one before, generate with that, and have the
+                # batch dropped as stale and fed again with other prompts.
+                with self.step_time.during(StepPhase.PUBLISH):
+                    await self.recovery.publisher.drain()
             with self.step_time.during(StepPhase.WAIT):
                 collected = await self.intake.collect(self.cfg, self.live.version, self.interrupted, stop)
             if collected is None:
@@ -445,6 +471,7 @@ class Trainer:
         control.state = RunState.DONE
         # Whoever reads "done" (the launcher, then verify and report) finds every row in metrics.jsonl.
         await asyncio.to_thread(self.responder.metrics.flush)
+        stopped_by: dict[str, Any] = {"stopped_by": control.stop_reason} if stopped else {}
         self.journal.emit(
             Event.DONE,
             f"stopped ({control.stop_reason}) at step {progress.step}" if stopped else f"{progress.step} steps done",
@@ -453,5 +480,5 @@ class Trainer:
             policy_version=progress.version,
             baseline_accuracy=progress.baseline_eval,
             final_accuracy=progress.last_eval,
-            **({"stopped_by": control.stop_reason} if stopped else {}),
+            **stopped_by,
         )

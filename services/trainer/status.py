@@ -29,6 +29,7 @@ from services.common.transport.presence import (
     RestartCounter,
     SeenService,
     read_presence,
+    role_gpu_memory,
     role_time_shares,
     roles_down,
     roles_stalled,
@@ -99,7 +100,7 @@ class StatusReporter:
         for edge, role in WORK_QUEUES.items():
             try:
                 info = await self.bus.js.consumer_info(stream_name(run_id, edge), role)
-                lag[role] = info.num_pending + info.num_ack_pending
+                lag[role] = (info.num_pending or 0) + (info.num_ack_pending or 0)  # the broker always says both
             except (NatsError, TimeoutError):
                 continue
         try:
@@ -132,6 +133,8 @@ class StatusReporter:
             "roles_stalled": float(len(roles_stalled(services, now, stall_bound_s(cfg.nats)))),
             "role_restarts": float(max(restarts.values(), default=0)),
             "disk_free_saves": round(free_saves, 3),
+            # Each role's GPU memory, summed over its live replicas, from their presence entries.
+            **role_gpu_memory(services),
             # Each role's busy/idle/blocked fractions since its replicas started, from their presence entries.
             **{
                 f"share/{role}/{activity}": round(fraction, 4)
@@ -197,6 +200,9 @@ class StatusReporter:
             up=entry.up,
             build_version=entry.build_version,
             build_revision=entry.build_revision,
+            gpu_allocated_gib=entry.gpu_memory.get("allocated_gb", 0.0),
+            gpu_reserved_gib=entry.gpu_memory.get("reserved_gb", 0.0),
+            gpu_used_gib=entry.gpu_memory.get("used_gb", 0.0),
         )
 
 

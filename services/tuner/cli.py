@@ -104,4 +104,4 @@ def register(app: typer.Typer) -> None:
                 # A study that ran to its budget did its job even if every trial failed; `best` alone has none.
                 raise typer.Exit(1 if action == "best" else 0)
             written = records.best_config(spec, best[0], out or spec.work_dir / "best.yaml")
-            console.print(f"best: trial {best[0].number} ({best[0].end.objective:.4g}) -> {written}")
+            console.print(f"best: trial {best[0].number} ({best[0].objective:.4g}) -> {written}")

@@ -45,5 +45,10 @@ def constraint_values(objective: Objective, outcome: TrialOutcome) -> list[float
             "min": min(series),
             "mean": sum(series) / len(series),
         }[c.reduce]
-        values.append(reduced - c.below if c.below is not None else c.above - reduced)
+        if c.below is not None:
+            values.append(reduced - c.below)
+        elif c.above is not None:
+            values.append(c.above - reduced)
+        else:  # Constraint refuses one without a bound
+            raise ValueError(f"constraint on {c.metric} has no bound")
     return values

@@ -109,6 +109,13 @@ class TrialRecord:
     def feasible(self) -> bool:
         return self.end is not None and all(c <= 0 for c in self.end.constraints)
 
+    @property
+    def objective(self) -> float:
+        """The objective a completed trial reached (``ranked`` lists only trials that have one)."""
+        if self.end is None or self.end.objective is None:
+            raise ValueError(f"trial {self.number} ended without an objective")
+        return self.end.objective
+
 
 def records(study: optuna.Study) -> list[TrialRecord]:
     return [TrialRecord.of(t) for t in study.get_trials(deepcopy=False)]
@@ -121,7 +128,7 @@ def ranked(spec: TuneSpec, all_records: list[TrialRecord]) -> list[TrialRecord]:
         for r in all_records
         if r.status == "complete" and r.feasible and r.end is not None and r.end.objective is not None
     ]
-    return sorted(done, key=lambda r: r.end.objective, reverse=spec.objective.direction == "maximize")
+    return sorted(done, key=lambda r: r.objective, reverse=spec.objective.direction == "maximize")
 
 
 def status_table(spec: TuneSpec, all_records: list[TrialRecord]):
@@ -277,7 +284,7 @@ def _history(spec: TuneSpec, all_records: list[TrialRecord]):
         ax.scatter([r.number for r in group], ys, label=f"{status} ({len(group)})", color=colors.get(status, "gray"))
     best = ranked(spec, all_records)
     if best:
-        ax.axhline(best[0].end.objective, linestyle="--", color="tab:green", label=f"best: trial {best[0].number}")
+        ax.axhline(best[0].objective, linestyle="--", color="tab:green", label=f"best: trial {best[0].number}")
     ax.set_xlabel("trial")
     ax.set_ylabel(f"{spec.objective.reduce} {spec.objective.metric}")
     ax.set_title(f"study {spec.study}: optimization history")

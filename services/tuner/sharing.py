@@ -26,9 +26,11 @@ import threading
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeGuard
 
 import optuna
-import sqlalchemy
+import optuna.storages.journal
+import sqlalchemy.exc
 
 from services.tuner.spec import TuneSpec
 
@@ -100,7 +102,7 @@ def _advisory_lock(engine: sqlalchemy.Engine, key: str) -> Iterator[None]:
             connection.commit()
 
 
-def beats(storage: optuna.storages.BaseStorage) -> bool:
+def beats(storage: optuna.storages.BaseStorage) -> TypeGuard[optuna.storages.RDBStorage]:
     return isinstance(storage, optuna.storages.RDBStorage) and storage.get_heartbeat_interval() is not None
 
 
@@ -131,16 +133,20 @@ class Heartbeat:
         self.on_error = on_error
         self.stopped = threading.Event()
         self.thread: threading.Thread | None = None
-        if beats(storage):
-            storage.record_heartbeat(trial_id)  # at once: from now on a dead worker's trial goes stale
+        self.beating = storage if beats(storage) else None  # a database storage with heartbeats
+        if self.beating is not None:
+            self.beating.record_heartbeat(trial_id)  # at once: from now on a dead worker's trial goes stale
             self.thread = threading.Thread(target=self.beat, name=f"heartbeat-{trial_id}", daemon=True)
             self.thread.start()
 
     def beat(self) -> None:
-        interval = self.storage.get_heartbeat_interval()
+        storage = self.beating
+        if storage is None:
+            return
+        interval = storage.get_heartbeat_interval()
         while not self.stopped.wait(interval):
             try:
-                self.storage.record_heartbeat(self.trial_id)
+                storage.record_heartbeat(self.trial_id)
             except sqlalchemy.exc.SQLAlchemyError as error:
                 # The database briefly away: beat again next time; only an outage past the grace fails the trial.
                 self.on_error(f"heartbeat of trial id {self.trial_id} not recorded ({type(error).__name__}); retrying")

@@ -61,8 +61,10 @@ class FloatParam(Spec):
     type: Literal["float"]
     low: float
     high: float
-    log: bool = Field(False, description="sample uniformly in log space (learning rates, coefficients over decades)")
-    step: float | None = Field(None, gt=0, description="discretise the range (not with log)")
+    log: bool = Field(
+        default=False, description="sample uniformly in log space (learning rates, coefficients over decades)"
+    )
+    step: float | None = Field(default=None, gt=0, description="discretise the range (not with log)")
     when: Condition | None = None
 
     @model_validator(mode="after")
@@ -78,7 +80,7 @@ class IntParam(Spec):
     low: int
     high: int
     log: bool = False
-    step: int = Field(1, ge=1)
+    step: int = Field(default=1, ge=1)
     when: Condition | None = None
 
     @model_validator(mode="after")
@@ -143,15 +145,16 @@ class AlertConstraint(Spec):
 
 class Objective(Spec):
     metric: str = Field(
-        "eval_accuracy",
+        default="eval_accuracy",
         description="a key of the run's metrics.jsonl rows (one docs/metrics.md declares), or usage.<quantity> from "
         "the finished run's usage.json (e.g. usage.cost_per_accuracy_point, direction minimize; known only at a "
         "trial's end, so pruner.kind: none)",
     )
     reduce: Literal["final", "best", "mean_last_k"] = Field(
-        "final", description="final: the last value; best: the best by direction; mean_last_k: mean of the last k"
+        default="final",
+        description="final: the last value; best: the best by direction; mean_last_k: mean of the last k",
     )
-    k: int = Field(3, ge=1, description="values averaged by mean_last_k")
+    k: int = Field(default=3, ge=1, description="values averaged by mean_last_k")
     direction: Literal["maximize", "minimize"] = "maximize"
     constraints: list[MetricConstraint | AlertConstraint] = Field(
         default_factory=list, description="feasibility rules; an infeasible trial never becomes the best"
@@ -160,39 +163,47 @@ class Objective(Spec):
 
 class Pruner(Spec):
     kind: Literal["none", "median", "successive_halving"] = "median"
-    startup_trials: int = Field(3, ge=0, description="median: trials completed before any is pruned")
-    warmup_steps: int = Field(0, ge=0, description="median: trainer steps of a trial before it may be pruned")
-    min_resource: int = Field(1, ge=1, description="successive_halving: steps of the first rung")
-    reduction_factor: int = Field(3, ge=2, description="successive_halving: 1/factor of trials promoted per rung")
+    startup_trials: int = Field(default=3, ge=0, description="median: trials completed before any is pruned")
+    warmup_steps: int = Field(default=0, ge=0, description="median: trainer steps of a trial before it may be pruned")
+    min_resource: int = Field(default=1, ge=1, description="successive_halving: steps of the first rung")
+    reduction_factor: int = Field(
+        default=3, ge=2, description="successive_halving: 1/factor of trials promoted per rung"
+    )
 
 
 class Sampler(Spec):
     kind: Literal["tpe", "random"] = "tpe"
     seed: int | None = None
-    startup_trials: int = Field(5, ge=0, description="tpe: random trials before it models the space")
+    startup_trials: int = Field(default=5, ge=0, description="tpe: random trials before it models the space")
 
 
 class Budget(Spec):
     max_trials: int = Field(
-        20, ge=1, description="trials of the study claimed (running or ended, not duplicates), over all workers"
+        default=20, ge=1, description="trials of the study claimed (running or ended, not duplicates), over all workers"
     )
     max_wall_s: float | None = Field(
-        None, gt=0, description="from the study's first trial, over all workers; a trial is cut at it"
+        default=None, gt=0, description="from the study's first trial, over all workers; a trial is cut at it"
     )
     max_device_hours: float | None = Field(
-        None, gt=0, description="summed over the study's trials: GPUs x hours, or wall hours for CPU trials"
+        default=None, gt=0, description="summed over the study's trials: GPUs x hours, or wall hours for CPU trials"
     )
 
 
 class TrialLimits(Spec):
     max_steps: int | None = Field(
-        None, ge=1, description="caps train.total_steps of every trial (the base config's and a sampled one)"
+        default=None, ge=1, description="caps train.total_steps of every trial (the base config's and a sampled one)"
     )
-    max_wall_s: float = Field(3600.0, gt=0, description="from the trial's launch; past it the trial is a timeout")
-    max_rss_gb: float | None = Field(None, gt=0, description="host RSS of the trial's whole process tree")
-    max_gpu_gb: float | None = Field(None, gt=0, description="device memory of the trial's processes (needs NVML)")
-    stop_grace_s: float = Field(30.0, gt=0, description="after SIGTERM, before SIGKILL of the trial's process group")
-    poll_s: float = Field(0.5, gt=0, description="how often metrics, limits and the pruner are checked")
+    max_wall_s: float = Field(
+        default=3600.0, gt=0, description="from the trial's launch; past it the trial is a timeout"
+    )
+    max_rss_gb: float | None = Field(default=None, gt=0, description="host RSS of the trial's whole process tree")
+    max_gpu_gb: float | None = Field(
+        default=None, gt=0, description="device memory of the trial's processes (needs NVML)"
+    )
+    stop_grace_s: float = Field(
+        default=30.0, gt=0, description="after SIGTERM, before SIGKILL of the trial's process group"
+    )
+    poll_s: float = Field(default=0.5, gt=0, description="how often metrics, limits and the pruner are checked")
 
 
 class Parallel(Spec):
@@ -204,10 +215,10 @@ class Parallel(Spec):
         "empty: one trial at a time, with the tuner's own devices",
     )
     heartbeat_s: int = Field(
-        10, ge=1, description="a database study: how often each running trial's worker records that it is alive"
+        default=10, ge=1, description="a database study: how often each running trial's worker records that it is alive"
     )
     stale_after_s: int = Field(
-        60,
+        default=60,
         ge=2,
         description="a database study: a running trial without a heartbeat this long is failed (its worker died)",
     )
@@ -240,9 +251,11 @@ class Parallel(Spec):
 class TuneSpec(Spec):
     study: str = Field(pattern=r"^[A-Za-z0-9_-]{1,48}$", description="study name; trial run ids are <study>-t<N>")
     base_config: Path = Field(description="the run config every trial starts from")
-    workdir: Path | None = Field(None, description="trial configs, runs and the journal; default runs/tune/<study>")
+    workdir: Path | None = Field(
+        default=None, description="trial configs, runs and the journal; default runs/tune/<study>"
+    )
     storage: str = Field(
-        "",
+        default="",
         description="empty: a journal file in workdir; journal:PATH, sqlite:///PATH, or postgresql://... when "
         "tuners on several machines share the study (`rlpipe tune --storage` / RLPIPE_TUNE_STORAGE overrides it)",
     )
@@ -258,7 +271,9 @@ class TuneSpec(Spec):
     budget: Budget = Budget()
     trial: TrialLimits = TrialLimits()
     parallel: Parallel = Parallel()
-    keep_checkpoints: int = Field(3, ge=0, description="checkpoints kept for the best few trials; others' deleted")
+    keep_checkpoints: int = Field(
+        default=3, ge=0, description="checkpoints kept for the best few trials; others' deleted"
+    )
     enqueue: list[dict[str, Scalar]] = Field(
         default_factory=list, description="parameter sets run first, in order (known-good configs, regressions)"
     )

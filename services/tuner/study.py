@@ -40,7 +40,7 @@ from services.tuner.constraints import constraint_names, constraint_values, feas
 from services.tuner.procs import GpuMemory, group_cmdlines, kill_group
 from services.tuner.records import FINISHED, TrialEnd, TrialRecord, TrialStart
 from services.tuner.sharing import Heartbeat, beats, claim_lock, open_storage
-from services.tuner.spec import AlertConstraint, CategoricalParam, FloatParam, TuneSpec
+from services.tuner.spec import AlertConstraint, CategoricalParam, FloatParam, Scalar, TuneSpec
 from services.tuner.trial import TrialOutcome, TrialProcess, reduce_values
 from services.tuner.tune_file import get_dotted, trial_config_data
 
@@ -93,7 +93,7 @@ class Claim:
     """A trial this tuner may run: asked, sampled, not a duplicate, its start recorded."""
 
     trial: optuna.Trial
-    params: dict[str, object]
+    params: dict[str, Scalar]
     start: TrialStart
     config: dict
     heartbeat: Heartbeat
@@ -144,7 +144,8 @@ class Tuner:
             start = record.start
             if start is not None and (start.host != self.host or _alive_tuner(start.worker_pid)):
                 continue  # another live tuner's trial (another worker, or another machine sharing the study)
-            if start is None and (beats(self.storage) or time.time() - trial.datetime_start.timestamp() < 60):
+            asked_at = trial.datetime_start.timestamp() if trial.datetime_start is not None else time.time()
+            if start is None and (beats(self.storage) or time.time() - asked_at < 60):
                 # Just asked for by a live tuner, which records its start within moments; on a database study
                 # the heartbeat, written right after the ask, tells instead (clocks of other machines may differ).
                 continue
@@ -163,8 +164,10 @@ class Tuner:
 
     def on_stale(self, study: optuna.Study, trial: optuna.trial.FrozenTrial) -> None:
         """Optuna failed ``trial``: its worker stopped beating (records.TrialRecord says so when read)."""
-        killed = self.kill_leftovers(TrialRecord.of(trial).start)
-        self.console.log(f"trial {trial.number}: {TrialRecord.of(trial).end.reason}; {len(killed)} leftovers killed")
+        record = TrialRecord.of(trial)
+        killed = self.kill_leftovers(record.start)
+        why = record.end.reason if record.end is not None else "failed by optuna"  # (TrialRecord.of writes a FAIL's)
+        self.console.log(f"trial {trial.number}: {why}; {len(killed)} leftovers killed")
 
     def kill_leftovers(self, start: TrialStart | None) -> list[str]:
         """What is left on this host of a dead worker's trial: its process group killed, its NATS store deleted."""
@@ -240,9 +243,9 @@ class Tuner:
                 self.study.enqueue_trial(params, skip_if_exists=True)
             self.study.set_user_attr("enqueued", True)
 
-    def sample(self, trial: optuna.Trial) -> dict[str, object]:
+    def sample(self, trial: optuna.Trial) -> dict[str, Scalar]:
         """Suggest every parameter of the space whose condition holds, in the order the tune file lists them."""
-        params: dict[str, object] = {}
+        params: dict[str, Scalar] = {}
         dumped = self.base.model_dump(mode="json", by_alias=True)
         for key, p in self.spec.space.items():
             if p.when is not None:
@@ -252,14 +255,17 @@ class Tuner:
                 elif get_dotted(dumped, p.when.param) not in p.when.values:
                     continue
             if isinstance(p, CategoricalParam):
-                params[key] = trial.suggest_categorical(key, p.choices)
+                choice = trial.suggest_categorical(key, p.choices)
+                if choice is None:  # one of p.choices, which holds no None
+                    raise ValueError(f"space.{key}: optuna suggested None, which is not one of {p.choices}")
+                params[key] = choice
             elif isinstance(p, FloatParam):
                 params[key] = trial.suggest_float(key, p.low, p.high, log=p.log, step=p.step)
             else:
                 params[key] = trial.suggest_int(key, p.low, p.high, log=p.log, step=p.step)
         return params
 
-    def duplicate_of(self, number: int, params: dict[str, object]) -> optuna.trial.FrozenTrial | None:
+    def duplicate_of(self, number: int, params: dict[str, Scalar]) -> optuna.trial.FrozenTrial | None:
         for other in self.study.get_trials(deepcopy=False):
             if other.number == number or other.params != params:
                 continue
@@ -288,7 +294,7 @@ class Tuner:
             self.study.tell(trial, state=optuna.trial.TrialState.FAIL)
         self.console.log(f"trial {trial.number}: {end.reason}")
 
-    def record_start(self, trial: optuna.Trial, params: dict[str, object], slot: str | None) -> tuple[TrialStart, dict]:
+    def record_start(self, trial: optuna.Trial, params: dict[str, Scalar], slot: str | None) -> tuple[TrialStart, dict]:
         """Write the trial's config and its start record, with the share of the budget it may spend."""
         spec = self.spec
         run_id = spec.trial_run_id(trial.number)

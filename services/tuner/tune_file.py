@@ -4,7 +4,7 @@ tunes before any trial runs, and each trial's run config built from it."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -23,8 +23,11 @@ from services.tuner.spec import (
     TuneSpec,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeForm
 
-def _field_of(key: str) -> type[Any] | None:
+
+def _field_of(key: str) -> TypeForm[Any] | None:
     """The annotation of the dotted run-config field ``key``; raises naming the first part that is not one."""
     model: type[BaseModel] = RunConfig
     parts = key.split(".")
@@ -37,14 +40,14 @@ def _field_of(key: str) -> type[Any] | None:
                 f"(allowed: {sorted(model.model_fields)})"
             )
         annotation = fields[part].annotation
-        is_section = isinstance(annotation, type) and issubclass(annotation, BaseModel)
+        section = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
         if depth == len(parts) - 1:
-            if is_section:
-                raise ValueError(f"{key} is a section; name one of its fields ({sorted(annotation.model_fields)})")
+            if section is not None:
+                raise ValueError(f"{key} is a section; name one of its fields ({sorted(section.model_fields)})")
             return annotation
-        if not is_section:
+        if section is None:
             raise ValueError(f"{'.'.join(parts[: depth + 1])} holds no fields")
-        model = annotation
+        model = section
     return None
 
 

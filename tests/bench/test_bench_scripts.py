@@ -17,7 +17,7 @@ from bench.throughput import (
     bus_overhead,
     ratios,
 )
-from bench.trl_worker import trl_rows
+from bench.trl_worker import device_args, trl_rows
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
 from tests.support.messages import completion, experience_group
@@ -66,6 +66,28 @@ def test_the_smol_task_hands_both_trainers_the_smol_example_settings_and_chat_pr
     assert cfg.run_id == "bench-vs-trl-smol"
     # TRL gets a chat row as a conversational prompt (it applies the chat template), a plain row as text.
     assert trl_rows(task) == [{"prompt": chat["messages"], "answer": "5"}, {"prompt": "2+3=", "answer": "5"}]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_on_cuda_both_trainers_run_in_bf16_autocast_and_rlpipe_generates_with_transformers_as_trl_does(
+    config_only_model, tmp_path, name
+):
+    model_dir, data_dir = config_only_model
+    train = str(data_dir / "train.jsonl")
+    task = replace(TASKS[name], model=str(model_dir), train_path=train, eval_path=train)
+
+    on_cpu = load_config(None, **rlpipe_config(task, tmp_path / "runs"))
+    on_gpu = load_config(None, **rlpipe_config(replace(task, device="cuda"), tmp_path / "runs"))
+
+    assert (on_gpu.model.device, on_gpu.model.dtype, on_gpu.train.master_weights) == ("cuda", "bfloat16", "float32")
+    assert on_gpu.rollout.backend == "hf"
+    assert (on_cpu.model.device, on_cpu.rollout.backend) == ("auto", "vllm")  # the CPU bench as it was
+    assert on_gpu.model_dump(exclude={"model", "train", "rollout"}) == on_cpu.model_dump(
+        exclude={"model", "train", "rollout"}
+    )
+    assert device_args(task) == {"use_cpu": True, "bf16": False}
+    assert device_args(replace(task, device="cuda")) == {"use_cpu": False, "bf16": True}
 
 
 @pytest.mark.unit
@@ -183,10 +205,11 @@ def test_the_busy_fraction_of_the_cpus_is_read_from_proc_stat_between_zero_and_o
     assert 0.0 <= cpu_busy_fraction(0.2) <= 1.0
 
 
-def test_the_bench_refuses_a_busy_machine_before_it_starts_anything(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--task", "smol", "--device", "cpu"]], ids=["defaults", "smol on the cpu"])
+def test_the_bench_refuses_a_busy_machine_before_it_starts_anything(tmp_path, options):
     # --max-busy below zero: any machine is too busy; nothing may be built, run or written.
     done = subprocess.run(
-        [sys.executable, "-m", "bench.vs_trl", "--max-busy", "-1", "--load-probe-s", "0.2"],
+        [sys.executable, "-m", "bench.vs_trl", *options, "--max-busy", "-1", "--load-probe-s", "0.2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -215,3 +238,13 @@ def test_a_batchs_three_hops_are_timed_through_a_real_broker_one_message_at_a_ti
     timed = bench_bus(cfg, groups, repeats=2)
     assert (timed["group_size"], timed["batch_groups"]) == (2, 3)
     assert 0 < timed["bus_s_per_group"] < 5 and 0 < timed["bus_s_per_group_one_at_a_time"] < 5
+
+
+@pytest.mark.unit
+def test_the_deterministic_bench_counts_the_steps_after_the_skipped_ones_over_their_own_wall_time():
+    from bench.deterministic import steady_steps_per_s
+
+    rows = [{"step": 0, "eval_accuracy": 0.1, "time": 0.0}]
+    rows += [{"step": step, "completions": 8, "time": 10.0 + 2.0 * step} for step in range(6, 0, -1)]
+    # Steps 3..6 kept: three intervals of 2 s, the completions of the three steps that end them.
+    assert steady_steps_per_s(rows, skip=2) == (3 / 6.0, 24 / 6.0)

@@ -2,6 +2,7 @@
 the re-inject in DEAD beside the letter."""
 
 import asyncio
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,7 @@ import msgpack
 import nats
 import numpy as np
 import pytest
+from nats.js.errors import NotFoundError
 
 from services.cli.dead_letters import list_dead_letters, operator_options, reinject
 from services.common.observe import metrics as m
@@ -19,6 +21,7 @@ from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
     H_GROUP,
+    H_REINJECT_SENT,
     H_REINJECTED,
     H_STREAM,
     PROMPTS,
@@ -114,6 +117,91 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
     assert headers[H_STREAM] == stream_name("dl", PROMPTS)
 
 
+def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_done_one_is_reported_done(
+    config_only_model, tmp_path, nats_url
+):
+    cfg = run_config(tmp_path, config_only_model, run_id="dl", nats={"url": nats_url})
+    run_dir = cfg.run_dir
+    run_dir.mkdir(parents=True)
+    (run_dir / "run.json").write_text(json.dumps({"nats_url": nats_url}))
+    fixed = tmp_path / "fixed.msgpack"
+    fixed.write_bytes(encode(prompt("e0-i0", prompt_id="p")))
+    again = ("--reinject", "1", "--payload", str(fixed))
+
+    async def dead_letter_a_prompt_and_refuse_copies() -> None:
+        bus = await Bus(cfg, "test").connect()
+        await bus.js.publish(subject("dl", PROMPTS), msgpack.packb({"v": 1, "kind": "prompt"}))
+        [msg] = await (await bus.work_queue(PROMPTS)).fetch(1, timeout=5)
+        await bus.dead_letter(msg, "invalid Prompt: group_id missing", PROMPTS)
+        await msg.term()
+        await max_message_size(bus, 8)  # PROMPTS refuses the copy: the second publish of a re-inject fails
+        await bus.close()
+
+    async def max_message_size(bus: Bus, size: int) -> None:
+        info = await bus.js.stream_info(stream_name("dl", PROMPTS))
+        info.config.max_msg_size = size
+        await bus.js.update_stream(info.config)
+
+    async def streams() -> tuple[list[dict[str, str]], int]:
+        bus = await Bus(cfg, "test").connect()
+        dead, seq = [], 2  # after the letter
+        with contextlib.suppress(NotFoundError):
+            while True:
+                raw = await bus.js.get_msg(stream_name("dl", DEAD), seq=seq, subject=subject("dl", DEAD), next=True)
+                dead.append(dict(raw.headers))
+                seq = raw.seq + 1
+        prompts = (await bus.js.stream_info(stream_name("dl", PROMPTS))).state.messages
+        await bus.close()
+        return dead, prompts
+
+    asyncio.run(dead_letter_a_prompt_and_refuse_copies())
+    failed = rlpipe_command("dead-letters", str(run_dir), *again)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
+    assert "its re-inject record is stored (DEAD 2) but the copy could not be sent" in failed.stderr
+    assert "Run the same command again" in failed.stderr
+    dead, prompts = asyncio.run(streams())
+    assert prompts == 0 and len(dead) == 1
+    [record] = dead
+    assert record[H_REINJECTED] == "1" and H_REINJECT_SENT not in record
+    [listed] = asyncio.run(list_dead_letters(nats_url, "dl"))
+    assert (listed.reinjected_at, listed.reinject_sent) == (2, False)
+
+    async def accept_copies() -> None:
+        bus = await Bus(cfg, "test").connect()
+        await max_message_size(bus, -1)
+        await bus.close()
+
+    asyncio.run(accept_copies())
+    completed = rlpipe_command("dead-letters", str(run_dir), *again)
+    assert completed.returncode == 0, completed.stderr
+    assert completed.stdout.startswith("completed the re-inject of dead letter 1 into RLPIPE_dl_PROMPTS")
+    dead, prompts = asyncio.run(streams())  # one record, one copy, and the note that the copy went
+    assert prompts == 1 and len(dead) == 2
+    [record, note] = dead
+    assert record[H_REINJECTED] == "1" and note[H_REINJECT_SENT] == "1"
+
+    done = rlpipe_command("dead-letters", str(run_dir), *again)
+    assert done.returncode == 0, done.stderr
+    assert "dead letter 1 was re-injected into RLPIPE_dl_PROMPTS already (its record: DEAD 2)" in done.stdout
+    assert asyncio.run(streams())[1] == 1
+
+    # A copy the broker took whose answer never came back (the note was never written): reported as sent already.
+    async def lose_the_note() -> None:
+        bus = await Bus(cfg, "test").connect()
+        await bus.js.delete_msg(stream_name("dl", DEAD), 3)
+        await bus.close()
+
+    asyncio.run(lose_the_note())
+    [listed] = asyncio.run(list_dead_letters(nats_url, "dl"))
+    assert (listed.reinjected_at, listed.reinject_sent) == (2, False)
+    retried = rlpipe_command("dead-letters", str(run_dir), *again)
+    assert retried.returncode == 0, retried.stderr
+    assert "was re-injected into RLPIPE_dl_PROMPTS already" in retried.stdout
+    assert asyncio.run(streams())[1] == 1  # the duplicate window dropped the repeat
+    [listed] = asyncio.run(list_dead_letters(nats_url, "dl"))
+    assert (listed.reinjected_at, listed.reinject_sent) == (2, True)
+
+
 def experience_body(group_id: str, dtype: type) -> bytes:
     """An EXPERIENCE body that decodes; with float token ids it would break the learner."""
     answer = completion(np.asarray([5, 2], dtype=dtype), text="2")
@@ -159,7 +247,8 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         [letter] = letters()
         assert letter.group_id == group_id and "token_ids are float32, not integers" in letter.reason
         fixed = experience_body(group_id, np.int32)
-        assert asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator)) == stream_name("reinj", EXPERIENCE)
+        sent = asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator))
+        assert sent.origin == stream_name("reinj", EXPERIENCE)
         applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r.groups if g == group_id]  # noqa: E731
         wait_for(lambda: applied() == [group_id], "the re-injected group applied", run)
         # The ledger's metrics count the group dead once and reopened once (so the fates still add up to the fed).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import math
 import re
 import struct
@@ -18,17 +17,13 @@ from services.cli import report
 from services.cli.report import curve, event_steps, render_html, render_report, time_lines
 from services.common.observe import metrics as m
 from services.common.observe.records import event_records, metrics_rows
+from tests.support.records import T0, write_jsonl
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-T0 = 1_700_000_000.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("config_change", "alert", "rollback", "resume", "restart", "pause", "unpause", "stop")
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def synthetic_metrics() -> list[dict]:

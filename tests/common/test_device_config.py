@@ -1,4 +1,4 @@
-"""Config of devices, precision and micro-batching (issue #10 items 1-2): defaults, and bad values refused
+"""Config of devices, precision and micro-batching: defaults, and bad values refused
 at load naming the field and what is allowed."""
 
 from pathlib import Path

@@ -41,9 +41,12 @@ FAKE_NVML_DIR = Path(__file__).parent / "fake_nvml"
 
 
 @pytest.mark.parametrize("role", ["rollout", "reward", "reference"])
-def test_each_role_exports_every_gpu_nvml_shows_it_under_its_role(role, tiny_model, nats_url, tmp_path):
+def test_each_role_exports_every_gpu_nvml_shows_it_and_its_own_gpu_memory_under_its_role(
+    role, tiny_model, nats_url, tmp_path
+):
     """The role's own process, NVML faked at the import (tests/common/fake_nvml first on PYTHONPATH): its metrics
-    endpoint, up before the role waits for the run's streams, carries both GPUs' load and memory, labelled."""
+    endpoint, up before the role waits for the run's streams, carries both GPUs' load and memory, labelled, and the
+    memory NVML lists for the role's own process."""
     model_dir, _ = tiny_model
     port = free_port()
     config = config_file(
@@ -53,7 +56,8 @@ def test_each_role_exports_every_gpu_nvml_shows_it_under_its_role(role, tiny_mod
         nats={"url": nats_url},
         telemetry={"metrics_port": port},
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_NVML_DIR), str(ROOT)])}
+    # NVML lists the role's own process on GPU 0 with 300 MiB: its own GPU memory, beside the devices'.
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FAKE_NVML_DIR), str(ROOT)]), "FAKE_NVML_SELF_MIB": "300"}
     process = subprocess.Popen(
         [sys.executable, "-m", f"services.{role}", "--config", str(config)],
         cwd=ROOT,
@@ -83,3 +87,10 @@ def test_each_role_exports_every_gpu_nvml_shows_it_under_its_role(role, tiny_mod
         ("rlpipe_gpu_memory_total_bytes", "1", b): 80 * 2**30,
     }, stderr[-2000:]
     assert '"event": "gpus_watched"' in stderr
+    # Its own memory: NVML's figure for the process; no torch figures, as it never initialized CUDA.
+    own = {
+        sample.labels["kind"]: sample.value
+        for sample in samples
+        if sample.name == "rlpipe_role_gpu_memory_bytes" and sample.labels["role"] == role
+    }
+    assert own == {"used": 300 * 2**20}, stderr[-2000:]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.transport.storage import FileStore
+from services.common.config import CheckpointConfig, S3Credentials
+from services.common.transport.storage import FileStore, S3Store
 
 pytestmark = pytest.mark.unit
 
@@ -57,3 +58,19 @@ def test_a_limited_get_reads_at_most_the_limit(tmp_path):
     assert store.get("run/claims/rollouts/g1", limit=4) == b"0123"
     assert store.get("run/claims/rollouts/g1", limit=11) == b"0123456789"
     assert store.get("run/claims/rollouts/g1") == b"0123456789"
+
+
+class _RefusingDeletes:
+    """An S3 client whose multi-object delete refuses every key, as S3 answers a delete it does not allow."""
+
+    def remove_objects(self, bucket, objects):
+        from minio.deleteobjects import DeleteError
+
+        return [DeleteError("AccessDenied", "Access Denied", obj.name, None) for obj in objects]
+
+
+def test_an_s3_delete_the_store_refuses_is_an_oserror_naming_the_key():
+    store = S3Store("bucket", "run", CheckpointConfig(s3_endpoint="127.0.0.1:9"), S3Credentials())
+    store.client = _RefusingDeletes()
+    with pytest.raises(OSError, match=r"could not delete run/claims/a: AccessDenied Access Denied"):
+        store.delete(["claims/a"])

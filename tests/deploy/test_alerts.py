@@ -162,3 +162,26 @@ def test_deploy_files_and_the_operations_guide_name_only_exported_metrics():
         if metric not in known and re.sub(r"_(bucket|sum|count)$", "", metric) not in known
     }
     assert unknown == set()
+
+
+def test_each_roles_network_is_alerted_on_against_its_link_and_weight_sync_against_the_pace_of_versions():
+    groups = {group["name"]: group["rules"] for group in load_yaml(DEPLOY / "prometheus" / "alerts.yml")["groups"]}
+    alerts = {rule["alert"]: rule for rule in groups["rlpipe-network"]}
+    assert set(alerts) == {"RlpipeRoleLinkSaturated", "RlpipeWeightSyncBehindVersions"}
+    link = alerts["RlpipeRoleLinkSaturated"]
+    # The same bound as the trainer's own network_saturated rule, over every role's counter.
+    (trainer_rule,) = [rule for rule in default_alert_rules() if rule.name == "network_saturated"]
+    assert link["expr"] == (
+        "sum by (role, instance, direction) (rate(rlpipe_network_bytes_total[5m])) > on (role, instance) "
+        f"group_left () ({trainer_rule.threshold:g} * max by (role, instance) (rlpipe_network_link_bytes_per_second))"
+    )
+    assert link["for"] == f"{trainer_rule.window_steps}m"
+    behind = alerts["RlpipeWeightSyncBehindVersions"]["expr"]
+    assert "rlpipe_weight_sync_duration_seconds_sum" in behind and "delta(rlpipe_trainer_step[15m])" in behind
+    for alert in alerts.values():
+        assert alert["labels"] == {"severity": "warning"}  # Prometheus-only: the trainer's rule is the row's
+        assert (
+            set(METRIC.findall(alert["expr"]))
+            - {"rlpipe_weight_sync_duration_seconds_sum", "rlpipe_weight_sync_duration_seconds_count"}
+            <= exported()
+        )

@@ -21,6 +21,7 @@ from services.common.config import (
     BuildInfo,
     ConfigError,
     DeploymentEnvironment,
+    ModelCredentials,
     RunConfig,
     S3Credentials,
     WeightSyncCredentials,
@@ -192,7 +193,14 @@ def test_no_secret_is_written_into_a_config():
 def settings_names() -> set[str]:
     """The variables read outside RunConfig: credentials, build info, RLPIPE_ENV and the tuner's storage URL."""
     names = {STORAGE_ENVVAR}
-    for settings in (S3Credentials, AdminCredentials, WeightSyncCredentials, BuildInfo, DeploymentEnvironment):
+    for settings in (
+        S3Credentials,
+        ModelCredentials,
+        AdminCredentials,
+        WeightSyncCredentials,
+        BuildInfo,
+        DeploymentEnvironment,
+    ):
         prefix = settings.model_config["env_prefix"]
         names |= {f"{prefix}{field}".upper() for field in settings.model_fields}
     return names

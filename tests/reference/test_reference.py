@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from services.common.transport.messages import Completion
+from services.common.model.modeling import load_tokenizer
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
-from tests.support.messages import scored_group
+from tests.support.messages import completion, scored_group
+from tests.support.padless import without_pad_token
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
@@ -33,7 +34,7 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
         for g in group:
             assert g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.logprobs) > 0
             assert (g.finish_reason == "stop") == (g.token_ids[-1] == engine.tokenizer.eos_token_id)
-        completions = [Completion(**vars(g)) for g in group]
+        completions = [g.completion() for g in group]
         groups.append(scored_group(text, completions=completions, prompt_ids=ids, prompt=text, answer=""))
 
     scorer = ReferenceScorer(cfg)
@@ -49,5 +50,22 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
     experience = scorer(groups)
     for group in experience:
         assert group.kind == "experience"
-        for completion, ref in zip(group.completions, group.ref_logprobs, strict=False):
-            np.testing.assert_allclose(ref, completion.logprobs, atol=1e-4)
+        for sampled, ref in zip(group.completions, group.ref_logprobs, strict=False):
+            np.testing.assert_allclose(ref, sampled.logprobs, atol=1e-4)
+
+
+def test_a_reference_whose_tokenizer_has_no_pad_token_packs_with_its_eos_and_scores_the_same(tiny_model, tmp_path):
+    model_dir, data_dir = tiny_model
+    padless = without_pad_token(model_dir, tmp_path / "padless")
+    scorers = [
+        ReferenceScorer(run_config(tmp_path, (folder, data_dir), f"{name}.yaml"))
+        for name, folder in (("with", model_dir), ("without", padless))
+    ]
+    # Responses of different lengths: the pass pads the shorter ones.
+    completions = [completion(ids, logprob=0.0, text="") for ids in ([7, 1], [4, 5, 6, 1], [3])]
+    group = scored_group(prompt_id="p", prompt="37+45=", prompt_ids=[5, 9, 3, 6, 8, 2], completions=completions)
+
+    assert scorers[1].pad_id == load_tokenizer(padless).eos_token_id
+    expected, got = (scorer([group])[0].ref_logprobs for scorer in scorers)
+    for a, b in zip(expected, got, strict=True):
+        np.testing.assert_allclose(b, a, atol=1e-6)

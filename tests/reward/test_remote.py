@@ -17,7 +17,7 @@ from services.common.config import RewardHttpConfig
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import Fault, RequestFailed, judge_error
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, judge_status, parse_scores
-from tests.support.servers import free_port, start_reward_server
+from tests.support.servers import RedirectingService, free_port, start_reward_server
 
 pytestmark = pytest.mark.integration
 
@@ -214,56 +214,6 @@ def test_an_auth_or_routing_error_is_the_services_outage_opened_at_once_and_aler
         assert len(service.times) == 1
     finally:
         service.close()
-
-
-class RedirectingService:
-    """A real HTTP server that answers every request with ``status`` and a Location on ``target``, and a target
-    that records the method and Authorization header of every request it gets."""
-
-    def __init__(self, status: int):
-        import http.server
-        import threading
-
-        self.reached: list[tuple[str, str | None]] = []
-        service = self
-
-        class Target(http.server.BaseHTTPRequestHandler):
-            def answer(self) -> None:
-                service.reached.append((self.command, self.headers.get("Authorization")))
-                body = b'{"scores": [1.0]}'
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = answer
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.target = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Target)
-        location = f"http://localhost:{self.target.server_address[1]}/score"
-
-        class Redirect(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
-                self.send_response(status)
-                self.send_header("Location", location)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-        self.port = self.server.server_address[1]
-        for server in (self.server, self.target):
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        for server in (self.server, self.target):
-            server.shutdown()
-            server.server_close()
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])

@@ -11,6 +11,7 @@ from services.common.config import ConfigError, RewardModelConfig, load_config_w
 from services.common.model.datasets import load_jsonl
 from services.reward.model import RewardModel, model_device
 from services.reward.service import weights_of
+from tests.support.padless import without_pad_token
 from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
@@ -103,3 +104,17 @@ def test_the_arith_rm_example_is_a_valid_config_scoring_with_the_model_beside_th
     cfg, _ = load_config_with(ROOT / "examples" / "arith-rm.yaml", overrides)
     assert weights_of(cfg.reward) == {"exact_match": 1.0, "length_penalty": 0.5, "model": 0.25}
     assert (cfg.reward.model.device, cfg.reward.model.normalize, cfg.reward.http) == ("auto", True, None)
+
+
+def test_a_reward_model_whose_tokenizer_has_no_pad_token_pads_with_its_eos_and_scores_the_same(
+    tiny_reward_model, tmp_path
+):
+    model_dir, _ = tiny_reward_model
+    padless = without_pad_token(model_dir, tmp_path / "padless")
+    pairs = [("12+30=", "42"), ("1+1=" * 5, "2"), ("5+5=", "10")]  # of different lengths: the batch pads
+
+    expected = RewardModel(RewardModelConfig(path=model_dir, device="cpu")).score(pairs)
+    scorer = RewardModel(RewardModelConfig(path=padless, device="cpu"))
+
+    assert scorer.tokenizer.pad_token_id == scorer.tokenizer.eos_token_id == scorer.model.config.pad_token_id
+    np.testing.assert_allclose(scorer.score(pairs), expected, atol=1e-6)

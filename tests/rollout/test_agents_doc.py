@@ -1,4 +1,4 @@
-"""docs/agents.md's worked example (issue 22 item 9), run as the docs print it: loaded by its import path as a
+"""docs/agents.md's worked example, run as the docs print it: loaded by its import path as a
 config names it, and driven through the episode loop to the right guess."""
 
 import asyncio

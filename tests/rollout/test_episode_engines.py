@@ -1,4 +1,4 @@
-"""Episodes through the real engines and the tiny model (issue 22 item 2): every turn continues the exact tokens
+"""Episodes through the real engines and the tiny model: every turn continues the exact tokens
 recorded so far, and the recorded logprobs are the policy's own on those tokens."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
-from services.common.transport.messages import RolloutGroup, decode, encode
+from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
 from tests.support.messages import prompt
 from tests.support.runs import run_config
@@ -90,3 +90,33 @@ def test_episodes_on_the_tiny_model_record_the_policys_own_logprobs_on_its_token
     assert [c.episode for c in wire.completions] == [c.episode for c in group.completions]
     # Seeded: at two tokens a turn the tiny model never reaches its EOS, so both episodes use every turn.
     assert runner.metrics.outcomes == {"max_turns": 2}
+
+
+def test_a_deterministic_groups_episodes_on_vllm_are_the_same_alone_and_sharing_each_turns_call(tiny_model, tmp_path):
+    rollout = {
+        "kv_cache_mib": 48,
+        "environment": f"{__name__}:AddOne",
+        "max_turns": 3,
+        "max_tokens_per_turn": 2,
+        "max_total_tokens": 20,
+    }
+    cfg = run_config(tmp_path, tiny_model, rollout=rollout, train={"deterministic": True, "synchronous": True})
+    engine_thread = ThreadPoolExecutor(max_workers=1)
+    engine = engine_thread.submit(build_engine, cfg).result()
+
+    async def on_engine(call, *args):
+        return await asyncio.get_running_loop().run_in_executor(engine_thread, call, *args)
+
+    runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
+    sampling = cfg.sampling.model_copy(update={"group_size": 3})
+    ours = prompt("e0-i5", prompt_id="p5", prompt="12+34=", answer="46")
+    other = prompt("e0-i6", prompt_id="p6", prompt="7+8=", answer="15")
+
+    def episodes(prompts: list[Prompt]) -> list[tuple[list[int], list[float]]]:
+        groups = asyncio.run(runner.groups(prompts, sampling, 0, 0))
+        [group] = [g for g in groups if g.group_id == ours.group_id]
+        return [(c.token_ids.tolist(), c.logprobs.tolist()) for c in group.completions]
+
+    alone = episodes([ours])
+    assert episodes([other, ours]) == alone
+    assert len(set(map(str, alone))) > 1  # each episode its own draws, not one episode three times

@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from services.common.transport.weightsync.client import WeightSyncClient
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration

@@ -13,7 +13,7 @@ from services.common.model.modeling import load_tokenizer
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.rollout.engines import HfEngine, VllmEngine, build_engine
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from services.trainer.learning.learner import Learner
 from tests.support.runs import run_config
 from tests.support.waits import until

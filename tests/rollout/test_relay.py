@@ -16,7 +16,8 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
-from services.rollout.service import PolicyFollower, relays
+from services.rollout.follower import PolicyFollower
+from services.rollout.service import relays
 from tests.support.runs import run_config
 from tests.support.servers import free_port, self_signed
 from tests.support.waits import until

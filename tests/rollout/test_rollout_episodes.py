@@ -1,4 +1,4 @@
-"""The rollout's multi-turn path against a real nats-server (issue 22 item 8): an environment that fails on every
+"""The rollout's multi-turn path against a real nats-server: an environment that fails on every
 step ends each episode as env_error, and every group still goes on to ROLLOUTS; none is dead-lettered."""
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import HfEngine, VllmEngine
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.support.runs import write_config
 from tests.support.waits import until
 from tests.support.weights import serve_weights
@@ -26,6 +26,13 @@ from tests.support.weights import serve_weights
 pytestmark = pytest.mark.integration
 
 BUFFER = 8 << 20
+
+
+def no_second_copy(model_bytes: int) -> int:
+    """What a streamed sync may grow peak memory by: the handoff's bound, gRPC's receive window, one tensor in
+    assembly and the allocator's slack (17 to 21 MB quiet, up to 58 MB on a loaded machine, for ~100 MB models).
+    Pulling everything before loading, the bug this guards against, costs a second copy of the model on top."""
+    return model_bytes * 3 // 5
 
 
 def many_layer_model(seed: int) -> LlamaForCausalLM:
@@ -96,11 +103,9 @@ def test_replica_behind_catches_up_to_the_newest_with_bounded_memory(tiny_model,
     for name, tensor in policies[4].state_dict().items():
         assert torch.equal(live[name], tensor), name
     assert follower.last_buffer_peak <= BUFFER
-    # The handoff's bound, plus gRPC's receive window and one tensor in assembly; a second copy of the
-    # model (what pulling everything before loading costs) would be ~100 MB.
     measured = f"a sync of {model_bytes / 1e6:.0f} MB grew memory by {growth / 1e6:.1f} MB"
     print(f"transformers: {measured}")  # the figure docs/performance.md quotes (pytest -s)
-    assert growth < BUFFER + (24 << 20), measured
+    assert growth < no_second_copy(model_bytes), measured
 
 
 @dataclass
@@ -166,4 +171,4 @@ def test_a_vllm_replica_behind_catches_up_with_bounded_memory_and_scores_as_the_
     # A second copy of the model (pulling everything before loading) would be ~100 MB.
     measured = f"a sync of {result.model_bytes / 1e6:.0f} MB grew memory by {result.growth / 1e6:.1f} MB"
     print(f"vllm: {measured}")  # the figure docs/performance.md quotes (pytest -s)
-    assert result.growth < BUFFER + (24 << 20), measured
+    assert result.growth < no_second_copy(result.model_bytes), measured

@@ -16,7 +16,7 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.support.runs import run_config
 from tests.support.waits import until
 from tests.support.weights import (

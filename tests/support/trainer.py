@@ -3,7 +3,12 @@ wired as its role wires it, small checkpoints, and stand-ins for the stores and 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ from services.trainer.checkpointing.state import Checkpoint, TrainerState, rng_s
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.learner import Learner
 from services.trainer.service import Trainer
+from tests.support.paths import ROOT
 from tests.support.runs import run_config
 from tests.support.servers import create_run_state
 
@@ -179,3 +185,56 @@ def trainer_config(tmp_path: Path, tiny_model: tuple[Path, Path], nats_url: str)
         admin={"port": 0},
         data={"eval_path": None},
     )
+
+
+# How long a trainer process may take to log an event or exit: its start imports torch and loads the model.
+TRAINER_START_TIMEOUT_S = 180.0
+
+
+class TrainerProcess:
+    """A real trainer process and the events it logs."""
+
+    def __init__(self, config, nats_url: str, **settings: str):
+        """``settings``: more of its environment (``RLPIPE_CHECKPOINT__RESUME``, the store's credentials)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
+        env |= {
+            "OMP_NUM_THREADS": "1",
+            "RLPIPE_NATS__URL": nats_url,
+            "RLPIPE_ADMIN_TOKEN": "s3cret",
+            "RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0",
+            "RLPIPE_ADMIN__PORT": "0",
+            **settings,
+        }
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "services.trainer", "--config", str(config)],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.events: list[dict] = []
+        self.output: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            if line.startswith("{"):
+                self.events.append(json.loads(line))
+
+    def event(self, name: str) -> dict | None:
+        return next((e for e in list(self.events) if e.get("event") == name), None)
+
+    def wait_event(self, name: str) -> dict:
+        deadline = time.monotonic() + TRAINER_START_TIMEOUT_S
+        while (found := self.event(name)) is None:
+            assert self.process.poll() is None, "".join(self.output)[-4000:]
+            assert time.monotonic() < deadline, f"no {name} event: " + "".join(self.output)[-4000:]
+            time.sleep(0.2)
+        return found
+
+    def wait_exit(self) -> int:
+        code = self.process.wait(timeout=TRAINER_START_TIMEOUT_S)
+        time.sleep(0.5)  # the reader thread takes the last lines
+        return code

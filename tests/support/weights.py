@@ -16,7 +16,7 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.engines import Engine, VllmEngine
-from services.rollout.service import PolicyFollower
+from services.rollout.follower import PolicyFollower
 from tests.support.servers import free_port
 
 

@@ -1,472 +1,123 @@
-"""A seeded simulation of the trainer's intake, ledger, checkpointing and recovery (docs/testing.md).
+"""A seeded simulation of the trainer's intake, ledger, checkpointing, recovery and lease (docs/testing.md).
 
 The components are the real ones: ``Intake`` (with its ``PromptFeeder`` and ``GroupLedger``), ``Recovery``,
-``CheckpointStore`` and ``Lineage``. Only what they talk to is small and in memory: the broker (``SimBus``: streams
-with sequences, a duplicate window, purges), the object store (``SimStore``, which can be told to fail), the
-learner (``SimLearner``: one tensor, no math) and the weight server (``SimWeights``, which remembers every version
-it served). A scenario is a list of ``Op``s drawn from ``random.Random(seed)``; ``run_scenario`` replays one and
-checks the invariants after every op, raising ``InvariantBroken`` naming the op.
+``CheckpointStore`` (with its mirror and its fence), ``Lineage`` and ``Lease``. Only what they talk to is small and
+in memory (``sim_fakes.py``): the broker, two object stores, the lease bucket, a learner whose weights are a
+fingerprint of the steps that made them, the weight server and the clock. A scenario is a list of ``Op``s drawn
+from ``random.Random(seed)``; ``run_scenario`` replays one, then drains it (every prompt delivered, time past the
+lost bound, steps until nothing is left), and after every op holds the trainer against the world's own record of
+what became of every group (``sim_oracle.Oracle``), raising ``InvariantBroken`` naming the op.
 
-A crash can land between any two effects: ``crash_after`` arms a countdown over every store write, broker publish or
-purge and lineage record, and the effect it reaches raises ``SimCrash`` (a BaseException, so no ``except
-Exception`` in the components swallows it); the trainer's memory is then dropped and the next ``restart`` resumes
-from the store, the lineage file and the broker, as a new process would.
+A crash can land between any two effects; the trainer's memory is then dropped and the next trainer op starts a
+new process, which takes the lease, claims the store's fence and resumes from the store, the lineage file and the
+broker, as a new process would.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
+import os
 import random
 import shutil
+import time
 from collections import Counter
-from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
-
-import numpy as np
-import torch
-from nats.js.errors import NotFoundError
 
 from services.common.config import RunConfig, load_config
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
 from services.common.transport.breaker import CircuitBreaker
-from services.common.transport.messages import DecodeError
-from services.common.transport.streams import (
-    DEAD,
-    EXPERIENCE,
-    H_GROUP,
-    H_INCARNATION,
-    H_REINJECTED,
-    H_SEQ,
-    H_STREAM,
-    StreamMessage,
-)
+from services.common.transport.bus import Bus
+from services.common.transport.streams import DEAD, EXPERIENCE, H_GROUP, H_INCARNATION, BrokerStateLost
+from services.trainer import lease as lease_module
 from services.trainer.checkpointing import adopter as adopter_module
 from services.trainer.checkpointing import checkpointer as checkpointer_module
 from services.trainer.checkpointing import recovery as recovery_module
+from services.trainer.checkpointing import step_store as step_store_module
 from services.trainer.checkpointing.adopter import ResumeRefused
-from services.trainer.checkpointing.lineage import (
-    Lineage,
-    LineageRecord,
-    ReopenedRecord,
-    RestartRecord,
-    effective_steps,
-    lost_groups,
-)
+from services.trainer.checkpointing.lineage import ReopenedRecord, RestartRecord, effective_steps, lost_groups
 from services.trainer.checkpointing.recovery import Recovery
-from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
-from services.trainer.checkpointing.store import CheckpointStore
+from services.trainer.checkpointing.state import CheckpointCorrupt
+from services.trainer.checkpointing.step_store import FencedOut
+from services.trainer.checkpointing.store import AbandonedStep, CheckpointStore
 from services.trainer.intake import reader as intake_module
 from services.trainer.intake.feeder import PromptFeeder
-from services.trainer.intake.ledger import Fate, GroupLedger
+from services.trainer.intake.ledger import GroupLedger, cursor_position, feed_position
 from services.trainer.intake.reader import Intake
-from services.trainer.learning.learner import LearnerState
+from services.trainer.lease import Lease, LeaseLost
 from services.trainer.progress import Progress
+from tests.trainer.sim_fakes import (
+    Clock,
+    CountingLineage,
+    Effects,
+    SimBus,
+    SimCrash,
+    SimKV,
+    SimLearner,
+    SimStore,
+    SimWeights,
+    StoreView,
+)
+from tests.trainer.sim_oracle import InvariantBroken, Oracle, TrainerView
+from tests.trainer.sim_scenario import ALL, SCENARIO_OPS, Features, Op, draw_scenario
 
-DATASET_ROWS = 400  # more than a scenario feeds: ids stay in epoch 0, and the fed ones are those below the cursor
+DATASET_ROWS = 400  # more than a scenario feeds: ids stay in epoch 0
 DATASET = [{"prompt": f"p{i}", "answer": "1"} for i in range(DATASET_ROWS)]
-DUPLICATE_WINDOW_S = 30.0  # the simulated broker's duplicate window, on the simulated clock
 LOST_AFTER_S = 20.0  # train.lost_after_s: a tick can carry a group past it, and past the duplicate window
+LEASE_TTL_S = 15.0  # trainer.lease_ttl_s, on the simulated clock
+ALIKE_SHARE = 0.25  # with dynamic sampling, how often a rollout's group has all its rewards alike
+
+DRAIN_ROUNDS = 4  # at most: a group written off needs a round to be overtaken, and one to be overdue
 
 
-SCENARIO_OPS = 40  # ops in a default scenario
-REINJECT_SHARE = 0.08  # how often an operator re-injects a dead letter after an op (rlpipe dead-letters --reinject)
-# What the simulation found, each once a hole and now fixed, with a (seed, ops, re-injects drawn) that ran into it;
-# the tests replay each as a regression case beside the seeded run.
-FOUND_HOLES = {
-    # GroupLedger.forget_through dropped the fates settled at or before the oldest kept checkpoint; a rollout that
-    # computed such a group again after the broker's duplicate window got it applied a second time. Fixed by the
-    # ledger's settled-through watermark (trust item 5).
-    "a forgotten group computed again past the duplicate window was applied twice": (26, 60, False),
-    # A rollback to a step that read less of EXPERIENCE than the run purged left the groups the abandoned steps had
-    # applied from the purged part (their fates already forgotten) with no fate. Fixed by reopening what the
-    # lineage says the abandoned steps settled (GroupLedger.rewind's ``abandoned``; trust item 6).
-    "a rollback behind the purge left the abandoned steps' groups without a fate": (151, 60, False),
-    # A rollback to a checkpoint that saw a group dead, after an operator re-injected it, settled the group again
-    # while it stayed in flight. Fixed by GroupLedger.rewind leaving groups in flight out of the checkpoint's
-    # settled ones. Found once re-injects were drawn (this round).
-    "a rollback after a re-inject left the reopened group both in flight and settled": (923, 40, True),
-    # A feed publishing its prompts together had one refused and the next land; the next settled and the
-    # watermark passed the refused one, which the feeder then skipped as known. Fixed by the watermark staying
-    # below the feeder's cursor (GroupLedger.unfed_from). Found once a broker outage failed every other publish.
-    "a refused prompt behind one that landed was skipped as known": (625, 40, True),
-}
+# A round of the drain, after the scenario, with crashes and outages over: deliver every prompt, pass the lost
+# bound, and read EXPERIENCE out.
+DRAIN_ROUND = (Op("deliver"), Op("tick", int(LOST_AFTER_S) + 1), Op("step"), Op("step"), Op("step"))
 
 
-class SimCrash(BaseException):
-    """The process dies here: raised by the effect a crash was armed for."""
+class LeaseClock:
+    """The wall clock a trainer's lease reads. ``frozen``: one reading from before a pause, the lease check the
+    process passed just before it was paused, whose write only comes once it wakes."""
 
-
-class InvariantBroken(AssertionError):
-    pass
-
-
-class Clock:
-    """The simulated monotonic clock: ``intake`` and ``recovery`` read it instead of ``time``."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-@dataclass
-class Effects:
-    """Counts the effects that reach the world (store writes, broker writes, lineage records) and crashes the
-    process at the one ``crash_after`` names."""
-
-    crash_after: int | None = None
-    count: int = 0
-
-    def effect(self, what: str) -> None:
-        if self.crash_after is None:
-            return
-        if self.crash_after == 0:
-            self.crash_after = None
-            raise SimCrash(what)
-        self.crash_after -= 1
-
-
-class SimStore:
-    """An ``ObjectStore`` in memory; ``fail_next`` calls raise OSError (a store outage the components retry)."""
-
-    def __init__(self, effects: Effects) -> None:
-        self.url = "mem://sim/"
-        self.objects: dict[str, bytes] = {}
-        self.fail_next = 0
-        self.effects = effects
-
-    def _call(self) -> None:
-        if self.fail_next > 0:
-            self.fail_next -= 1
-            raise OSError("simulated store outage")
-
-    def put(self, key: str, data: bytes, tags: Mapping[str, str] | None = None) -> None:
-        self._call()  # tags select lifecycle rules, which the simulation has none of
-        self.effects.effect(f"store put {key}")
-        self.objects[key] = bytes(data)
-
-    def get(self, key: str, limit: int | None = None) -> bytes:
-        self._call()
-        if key not in self.objects:
-            raise FileNotFoundError(key)
-        data = self.objects[key]
-        return data if limit is None else data[:limit]
-
-    def list(self, prefix: str) -> list[str]:
-        self._call()
-        return sorted(key for key in self.objects if key.startswith(prefix))
-
-    def delete_prefix(self, prefix: str) -> None:
-        self._call()
-        self.effects.effect(f"store delete {prefix}")
-        for key in [key for key in self.objects if key.startswith(prefix)]:
-            del self.objects[key]
-
-    def delete(self, keys: list[str]) -> None:
-        self._call()
-        self.effects.effect(f"store delete {keys[:1]}")
-        for key in keys:
-            self.objects.pop(key, None)
-
-
-@dataclass
-class Stream:
-    """One JetStream stream: messages by sequence, first and last sequence, purges."""
-
-    name: str
-    messages: dict[int, StreamMessage] = field(default_factory=dict)
-    last_seq: int = 0
-    purged_below: int = 1
-
-    def append(self, data: bytes, headers: dict[str, str]) -> int:
-        self.last_seq += 1
-        self.messages[self.last_seq] = StreamMessage(self.last_seq, data, headers)
-        return self.last_seq
-
-    @property
-    def first_seq(self) -> int:
-        return min(self.messages, default=self.last_seq + 1)
-
-    def purge(self, below: int) -> None:
-        self.purged_below = max(self.purged_below, below)
-        for seq in [seq for seq in self.messages if seq < below]:
-            del self.messages[seq]
-
-
-class SimReader:
-    """``StreamReader`` over a ``Stream``: the next message at or after ``next_seq``; purged ones are skipped."""
-
-    def __init__(self, stream: Stream, start_seq: int) -> None:
-        self.stream = stream
-        self.seek(start_seq)
-
-    buffered = 0  # nothing is read ahead: the intake looks at DEAD before every read, its most searching order
-
-    def seek(self, start_seq: int) -> None:
-        self.next_seq = start_seq
-        self.empty = False  # the last read found nothing: the simulated loop takes that as an interrupt
-
-    async def next(self, timeout: float) -> StreamMessage | None:
-        seqs = [seq for seq in self.stream.messages if seq >= self.next_seq]
-        if not seqs:
-            self.empty = True
-            return None
-        seq = min(seqs)
-        self.next_seq = seq + 1
-        return self.stream.messages[seq]
-
-
-@dataclass
-class SimGroup:
-    """What ``Bus.decode`` gives the intake for an EXPERIENCE message: the fields it reads."""
-
-    group_id: str
-    policy_version: int
-    incarnation: str
-    prompt_ids: np.ndarray = field(default_factory=lambda: np.array([1, 2]))
-    completions: list[Any] = field(default_factory=list)
-
-    # Without per-token versions every token is the group's (RolloutGroup.oldest_version, versions_used).
-    def oldest_version(self) -> int:
-        return self.policy_version
-
-    def versions_used(self) -> set[int]:
-        return {self.policy_version}
-
-
-@dataclass
-class Fed:
-    """A prompt on PROMPTS that the simulated rollouts have not taken yet."""
-
-    group_id: str
-    incarnation: str
-
-
-class SimBus:
-    """The broker as the intake and recovery use it. Survives trainer crashes: it is another process."""
-
-    def __init__(self, clock: Clock, effects: Effects) -> None:
-        self.run_id = "sim"
+    def __init__(self, clock: Clock) -> None:
         self.clock = clock
-        self.effects = effects
-        self.streams = {edge: Stream(edge) for edge in (EXPERIENCE, DEAD)}
-        self.created = datetime(2026, 1, 1, tzinfo=UTC)
-        self.dedupe: dict[str, float] = {}  # msg id -> when it leaves the duplicate window
-        self.prompts: list[Fed] = []  # PROMPTS, a work queue the rollouts take from in any order
-        self.taken: list[Fed] = []  # prompts a rollout took, which it may compute again later
-        self.js = self
-        self.claims = self
-        self.fail_next = 0  # broker calls that fail (a NATS outage), for the intake's breaker and retries
-        self.publishes = 0  # prompt publishes tried: during an outage every other one fails, see ``publish``
-        self.landed: set[str] = set()  # every group id a prompt publish landed for, in any incarnation
+        self.frozen: float | None = None
 
-    def _stream(self, name: str) -> Stream:
-        return next(s for edge, s in self.streams.items() if name.endswith(edge.upper()))
-
-    def _duplicate(self, msg_id: str) -> bool:
-        if self.dedupe.get(msg_id, 0.0) > self.clock.now:
-            return True
-        self.dedupe[msg_id] = self.clock.now + DUPLICATE_WINDOW_S
-        return False
-
-    async def publish(self, edge: str, message: Any, msg_id: str) -> SimpleNamespace:
-        # A feed publishes its prompts together; failing every other one lands them out of order, the case where
-        # a later prompt may settle before the one the broker refused is fed again (GroupLedger.unfed_from).
-        self.publishes += 1
-        if self.fail_next > 0 and self.publishes % 2:
-            self.fail_next -= 1
-            raise TimeoutError("simulated broker outage")
-        self.effects.effect(f"publish {message.group_id}")
-        self.landed.add(message.group_id)
-        duplicate = self._duplicate(msg_id)
-        if not duplicate:
-            self.prompts.append(Fed(message.group_id, message.incarnation))
-        return SimpleNamespace(duplicate=duplicate)
-
-    def experience(self, fed: Fed, policy_version: int, poisoned: bool = False) -> bool:
-        """A rollout's group reaches EXPERIENCE (unless the duplicate window takes it for a repeat)."""
-        if self._duplicate(f"{fed.group_id}.{fed.incarnation}.experience"):
-            return False
-        body = b"poison" if poisoned else f"{fed.group_id}|{policy_version}|{fed.incarnation}".encode()
-        self.streams[EXPERIENCE].append(body, {H_GROUP: fed.group_id, H_INCARNATION: fed.incarnation})
-        return True
-
-    async def decode(self, msg: StreamMessage, kind: type) -> SimGroup:
-        if msg.data == b"poison":
-            raise DecodeError("invalid ExperienceGroup: simulated malformed body")
-        group_id, version, incarnation = msg.data.decode().split("|")
-        return SimGroup(group_id, int(version), incarnation)
-
-    def reinject(self, sequence: int, policy_version: int) -> bool:
-        """``rlpipe dead-letters --reinject SEQ`` with a fixed body: the record in DEAD first, then the group back on
-        EXPERIENCE. The same letter again inside the duplicate window is a no-op; returns whether it was published."""
-        letter = self.streams[DEAD].messages.get(sequence)
-        headers = (letter.headers or {}) if letter is not None else {}
-        group_id, incarnation = headers.get(H_GROUP), headers.get(H_INCARNATION, "")
-        if not group_id or H_REINJECTED in headers or self._duplicate(f"reinjected.{sequence}"):
-            return False
-        origin = {H_STREAM: headers.get(H_STREAM, ""), H_SEQ: headers.get(H_SEQ, "")}
-        record = {H_GROUP: group_id, H_INCARNATION: incarnation, H_REINJECTED: str(sequence), **origin}
-        self.streams[DEAD].append(b"", record)
-        body = f"{group_id}|{policy_version}|{incarnation}".encode()
-        self.streams[EXPERIENCE].append(body, {H_GROUP: group_id, H_INCARNATION: incarnation})
-        return True
-
-    def claim_key(self, msg: StreamMessage) -> None:
-        return None
-
-    async def dead_letter(self, msg: StreamMessage, reason: str, edge: str) -> None:
-        if self.fail_next > 0:
-            self.fail_next -= 1
-            raise TimeoutError("simulated broker outage")
-        self.effects.effect(f"dead letter {msg.sequence}")
-        headers = {**(msg.headers or {}), H_STREAM: edge, H_SEQ: str(msg.sequence)}
-        self.streams[DEAD].append(msg.data, headers)
-
-    def read_from(self, edge: str, start_seq: int) -> SimReader:
-        return SimReader(self.streams[edge], start_seq)
-
-    async def stream_info(self, name: str) -> SimpleNamespace:
-        stream = self._stream(name)
-        return SimpleNamespace(state=SimpleNamespace(first_seq=stream.first_seq, last_seq=stream.last_seq))
-
-    async def get_msg(self, name: str, seq: int) -> StreamMessage:
-        message = self._stream(name).messages.get(seq)
-        if message is None:
-            raise NotFoundError()
-        return message
-
-    async def stream_created(self, edge: str) -> datetime:
-        return self.created
-
-    async def purge_stream(self, name: str, seq: int) -> None:
-        self.effects.effect(f"purge {name} below {seq}")
-        self._stream(name).purge(seq)
-
-    def delete(self, keys: list[str]) -> None:
-        pass  # no claim-checked bodies in the simulation
-
-
-class SimLearner:
-    """One tensor stands for the model: a step adds one, so each step's weights are told apart."""
-
-    def __init__(self) -> None:
-        self.weight = torch.zeros(2)
-        self.base_model = ("", "")  # full weights: no base model under adapters
-        self.scheduler = SimpleNamespace(state_dict=lambda: {"last_epoch": 0})
-
-    def check(self, ckpt: Checkpoint) -> None:
-        if set(ckpt.model) != {"w"}:
-            raise CheckpointCorrupt(f"step {ckpt.step}: the model holds {sorted(ckpt.model)}, not w")
-
-    def load(self, ckpt: Checkpoint) -> None:
-        self.weight = ckpt.model["w"].clone()
-
-    def reconfigure(self, cfg: RunConfig) -> None:
-        pass
-
-    def state(self, optimizer: bool = True) -> LearnerState:
-        return LearnerState(model={"w": self.weight.clone()}, optimizer={} if optimizer else None, critic=None)
-
-    def rng_state(self) -> dict[str, Any]:
-        # The shape a checkpoint stores (numpy's entry as in ``np.random.get_state()``), a few bytes long.
-        return {"numpy": ("MT19937", np.zeros(1, dtype=np.uint32), 0, 0, 0.0)}
-
-    def snapshot(self, version: int, step: int) -> tuple[int, int]:
-        return (version, step)
-
-
-class SimWeights:
-    """The weight server: every version it served, across every trainer process of the scenario."""
-
-    def __init__(self) -> None:
-        self.served: list[int] = []
-
-    async def publish(self, snapshot: tuple[int, int]) -> None:
-        self.served.append(snapshot[0])
-
-
-class CountingLineage(Lineage):
-    """The real lineage file; each record is an effect a crash can land before."""
-
-    def __init__(self, path: Path, effects: Effects) -> None:
-        super().__init__(path)
-        self.effects = effects
-
-    def _append(self, record: LineageRecord) -> None:
-        self.effects.effect(f"lineage {type(record).__name__}")
-        super()._append(record)
-
-
-@dataclass(frozen=True)
-class Op:
-    kind: str
-    arg: int = 0
-
-    def __str__(self) -> str:
-        return f"{self.kind}({self.arg})"
-
-
-OP_WEIGHTS = {
-    "generate": 45,  # a rollout turns a prompt (any of those waiting: reordered) into EXPERIENCE
-    "recompute": 5,  # a rollout computes a prompt it took before again (late, maybe past the duplicate window)
-    "poison": 3,  # a malformed group: the trainer dead-letters it
-    "drop": 3,  # a prompt that never comes back
-    "step": 20,  # the trainer collects a batch and applies it
-    "save": 8,
-    "purge": 3,
-    "mark_stable": 2,
-    "rollback": 3,
-    "tick": 6,  # time passes: past the lost bound or the duplicate window
-    "store_down": 3,  # the store fails its next ``arg`` calls
-    "broker_down": 2,  # the broker fails its next ``arg`` calls
-    "crash": 3,  # the trainer dies now, or after ``arg`` more effects (between any two of them)
-}
-
-
-def draw_scenario(seed: int, length: int = SCENARIO_OPS, reinjects: bool = True) -> list[Op]:
-    """``length`` ops drawn from ``seed``; with ``reinjects``, operators' dead-letter re-injects between them, drawn
-    from a stream of their own so that the ops around them (and the ``FOUND_HOLES`` replayed without them) stay."""
-    rng = random.Random(seed)
-    kinds, weights = zip(*OP_WEIGHTS.items(), strict=True)
-    ops = []
-    for _ in range(length):
-        kind = rng.choices(kinds, weights)[0]
-        arg = {"tick": rng.choice([1, 5, 25, 40]), "store_down": rng.randint(1, 4), "broker_down": rng.randint(1, 3)}
-        ops.append(Op(kind, arg.get(kind, rng.randint(0, 12))))
-    if not reinjects:
-        return ops
-    operator = random.Random(f"reinject-{seed}")
-    with_reinjects = []
-    for op in ops:
-        with_reinjects.append(op)
-        if operator.random() < REINJECT_SHARE:
-            with_reinjects.append(Op("reinject", operator.randint(0, 12)))
-    return with_reinjects
+    def __call__(self) -> float:
+        if self.frozen is not None:
+            now, self.frozen = self.frozen, None
+            return now
+        return self.clock.wall()
 
 
 class Trainer:
-    """One trainer process: the real components wired as ``services/trainer/service.py`` wires them."""
+    """One trainer process: the real components wired as ``services/trainer/{role,service}.py`` wire them."""
 
-    def __init__(self, world: World) -> None:
+    def __init__(self, world: World, holder: str) -> None:
         self.world = world
+        self.holder = holder
+        self.epoch: int | None = None  # its lease's, once taken
+        self.lease: Lease | None = None
+        self.clock = LeaseClock(world.clock)
+        self.paused_at = 0.0
         self.progress = Progress()
         self.ledger = GroupLedger()
         self.feeder = PromptFeeder(DATASET, 0, shuffle=False)
-        self.learner = SimLearner()
+        self.learner = SimLearner(world.oracle)
         self.lineage = CountingLineage(world.cfg.run_dir / "lineage.jsonl", world.effects)
+        mirror = StoreView(world.mirror, world.oracle, self) if world.mirror is not None else None
         self.checkpoints = CheckpointStore(
-            world.store, "sim", keep_last=world.cfg.checkpoint.keep_last, attempts=2, backoff_s=0.0
+            StoreView(world.store, world.oracle, self),
+            "sim",
+            keep_last=world.cfg.checkpoint.keep_last,
+            attempts=2,
+            backoff_s=0.0,
+            mirror=mirror,
         )
         self.intake = Intake(world.bus, self.feeder, self.ledger, self.progress, self._on_lost, self._on_reopened, 100)
         # On the simulated clock, with waits short enough that the real sleeps they cause cost nothing.
@@ -487,8 +138,24 @@ class Trainer:
             self.intake.rewind,
         )
 
+    async def take_lease(self, reaped: str) -> None:
+        """As ``role.take_lease`` and ``lead_holding``: the lease at an epoch above the store's fence, the fence
+        claimed before anything else is written, and the lease checked before every store write."""
+        floor = await asyncio.to_thread(self.checkpoints.stored_fence)
+        self.lease = Lease(self.world.kv, "sim", LEASE_TTL_S, clock=self.clock, reaped_holder=reaped)
+        self.lease.holder = self.holder
+        self.epoch = await self.lease.acquire(floor)
+        await asyncio.to_thread(self.checkpoints.claim_fence, self.epoch, self.holder)
+        self.checkpoints.guard = self.lease.check
+
+    async def release(self) -> None:
+        """A clean exit gives the lease up (``role.lead``); a crash leaves it to its TTL or the launcher's takeover."""
+        if self.lease is not None:
+            await self.lease.release()
+
     async def _on_lost(self, group_ids: list[str]) -> None:
         self.lineage.record_lost(self.progress.step, group_ids)
+        self.world.oracle.written_off(self.progress.incarnation, group_ids)
 
     def _on_reopened(self, group_id: str, dead_letter: int) -> None:
         self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
@@ -496,88 +163,233 @@ class Trainer:
     async def _report(self, row: dict[str, Any]) -> None:
         pass
 
-    async def step(self) -> None:
-        """One pass of the training loop: collect (an empty EXPERIENCE interrupts it) and apply a full batch."""
-        reader = self.intake.reader
+    async def step(self) -> bool:
+        """One pass of the training loop (``Trainer.train_step``): collect (an empty EXPERIENCE interrupts it) and
+        apply a full batch; whether a step was applied."""
+        cfg = self.world.cfg
 
         async def interrupted() -> bool:
             return self.intake.reader is not None and self.intake.reader.empty
 
-        if reader is not None:
-            reader.empty = False
-        collected = await self.intake.collect(self.world.cfg, 0, interrupted, asyncio.Event())
-        if collected is None or len(collected.batch) < self.world.cfg.train.batch_size:
-            return
+        if self.intake.reader is not None:
+            self.intake.reader.empty = False
+        collected = await self.intake.collect(cfg, 0, interrupted, asyncio.Event())
+        if collected is None or len(collected.batch) < cfg.train.batch_size:
+            return False
         progress = self.progress
-        self.learner.weight += 1
+        self.learner.train(collected, progress.incarnation)
         progress.advance(collected.sequence)
-        self.ledger.settle([g.group_id for g in collected.batch], progress.step, Fate.APPLIED)
-        self.ledger.settle(collected.dropped, progress.step, Fate.DROPPED)
+        self.ledger.settle_collected(collected, progress.step)
         self.lineage.record_step(
             progress.step,
             progress.version,
             [(g.group_id, g.policy_version) for g in collected.batch],
             collected.dropped,
             collected.sequence,
+            collected.filtered,
         )
         await self.recovery.publish()
+        every = cfg.checkpoint.save_every_steps
+        if self.world.features.loop and every and progress.step % every == 0:
+            await self.recovery.save(0, wait=True)  # the service's upload runs beside the next collect; here, now
+        return True
 
 
 class World:
-    """Everything that outlives a trainer process: broker, store, run folder, weight server, clock."""
+    """Everything that outlives a trainer process: broker, stores, lease bucket, run folder, weight server, clock,
+    and the oracle's record of what happened."""
 
-    def __init__(self, cfg: RunConfig, rng: random.Random) -> None:
-        self.cfg = cfg
-        self.rng = rng
+    def __init__(self, cfg: RunConfig, seed: int, features: Features) -> None:
+        train = cfg.train.model_copy(update={"dynamic_sampling": features.dynamic_sampling})
+        self.cfg = cfg.model_copy(update={"train": train})
+        self.features = features
+        self.rng = random.Random(seed)
+        self.rewards = random.Random(f"rewards-{seed}")  # a stream of its own: the other draws stay as they were
         self.clock = Clock()
         self.effects = Effects()
-        self.store = SimStore(self.effects)
-        self.bus = SimBus(self.clock, self.effects)
+        self.oracle = Oracle()
+        self.store = SimStore("mem://sim/", self.effects)
+        self.mirror = SimStore("mem://mirror/", self.effects) if features.mirror else None
+        self.bus = SimBus(self.clock, self.effects, self.oracle)
+        self.bus.reads_wait = features.loop
+        self.kv = SimKV(self.effects)
         self.weights = SimWeights()
         self.telemetry = TrainerMetrics()
         self.trainer: Trainer | None = None
+        self.starting: Trainer | None = None  # the process being started, which a crash may end
+        self.zombie: tuple[Trainer, int] | None = None  # a paused trainer, and what it does when it wakes
+        self.processes = 0
+        self.reaped = ""  # the lease holder of the last process seen dead: its restart takes the lease at once
         self.started = False  # a first start (fresh) was made: later starts resume
+        self.broker_lost = False  # the broker lost EXPERIENCE messages: a trainer that read them must stop
+        self.halted = ""  # why the trainer stopped for an operator (exit 2): nothing starts it again
+        self.steps_taken = 0
         self.outcomes: Counter[str] = Counter()
 
+    # -- processes ---------------------------------------------------------------------------
+
     async def start(self) -> None:
-        trainer = Trainer(self)
+        """Start a trainer process (``rlpipe run`` or its launcher, resuming after the first start)."""
+        if self.halted:
+            return
+        self.processes += 1
+        trainer = self.starting = Trainer(self, f"trainer-{self.processes}")
+        self.bus.experience_reader = None
         try:
-            await trainer.recovery.start(resume=self.started)
+            if self.features.lease:
+                await trainer.take_lease(self.reaped)
+            adopted = await trainer.recovery.start(resume=self.started)
+            # The loop's first look at EXPERIENCE (``watch_broker``): it must still hold what the trainer read.
+            await Bus.check_covers(self.bus, EXPERIENCE, trainer.progress.applied_seq)  # type: ignore[arg-type]
+        except BrokerStateLost as error:
+            await trainer.release()
+            self.halt(error)
+            return
         except (ResumeRefused, OSError):
+            await trainer.release()
             self.outcomes["start refused"] += 1
             return  # the process ended; the next trainer op starts it again, as an operator (or the launcher) would
+        finally:
+            self.starting = None
+        if adopted:
+            self.oracle.resumed(trainer.progress.incarnation, trainer.learner.copied_at)
         self.started = True
         self.trainer = trainer
+
+    def crashed(self) -> None:
+        """The process running died: its launcher reaped it, so its restart takes its lease at once."""
+        process = self.starting or self.trainer
+        if process is not None:
+            self.reaped = process.holder
+        self.trainer = self.starting = None
+        self.outcomes["crashed mid-effect"] += 1
+
+    def halt(self, error: BrokerStateLost) -> None:
+        """The trainer found the broker missing what it read and exits for an operator, as it must: unless the
+        world lost messages, that is a gap it made itself (reading on from a sequence its own purge removed)."""
+        if not self.broker_lost:
+            self.oracle.violations.append(f"the trainer met lost EXPERIENCE messages the broker never lost: {error}")
+        self.halted = str(error)
+        self.trainer = None
+        self.outcomes["broker state lost"] += 1
+
+    async def renew(self) -> None:
+        """The live trainer's lease keeper (``Lease.keep``): it renews once a third of the TTL has passed."""
+        trainer = self.trainer
+        if trainer is None or trainer.lease is None or trainer.lease.record is None:
+            return
+        if trainer.lease.record.expires_at - self.clock.wall() > LEASE_TTL_S * 2 / 3:
+            return
+        try:
+            await trainer.lease.renew()
+        except LeaseLost:
+            self.reaped, self.trainer = trainer.holder, None
+            self.outcomes["lease lost"] += 1
+
+    async def pass_time(self, seconds: float) -> None:
+        """Time passes; the live trainer renews its lease meanwhile, every third of its TTL."""
+        while seconds > 0:
+            spent = min(seconds, LEASE_TTL_S / 3)
+            self.clock.now += spent
+            seconds -= spent
+            await self.renew()
+
+    async def wake_zombie(self) -> None:
+        """The paused trainer wakes after a successor claimed the fence and makes the write it had checked its lease
+        for: a save of its state, or a STABLE mark. The fence must refuse it."""
+        zombie, action = self.zombie
+        self.zombie = None
+        zombie.clock.frozen = zombie.paused_at
+        self.outcomes["zombie woke"] += 1
+        try:
+            if action % 2:
+                steps = await asyncio.to_thread(zombie.checkpoints.steps)
+                if steps:
+                    await zombie.recovery.mark_stable(steps[action % len(steps)])
+            else:
+                await zombie.recovery.save(0, wait=True)
+        except FencedOut:
+            self.outcomes["zombie fenced out"] += 1
+        except (LeaseLost, OSError, KeyError, AbandonedStep, SimCrash):
+            pass  # its lease ran out by its own clock, the store failed, or it died: no write either way
+
+    def alike(self) -> bool:
+        """Whether a rollout's group has all its rewards alike (which dynamic sampling filters out)."""
+        return self.features.dynamic_sampling and self.rewards.random() < ALIKE_SHARE
 
     def served_version(self) -> int:
         return self.weights.served[-1] if self.weights.served else 0
 
+    def pending(self, trainer: Trainer) -> set[str]:
+        """The live trainer's groups the world still holds: prompts on PROMPTS, and EXPERIENCE it has not read."""
+        inc = trainer.progress.incarnation
+        reader = self.bus.experience_reader
+        start = reader.next_seq if reader is not None else trainer.progress.applied_seq + 1
+        prompts = {fed.group_id for fed in self.bus.prompts if fed.incarnation == inc}
+        unread = {
+            (m.headers or {}).get(H_GROUP)
+            for seq, m in self.bus.streams[EXPERIENCE].messages.items()
+            if seq >= start and (m.headers or {}).get(H_INCARNATION) == inc
+        }
+        return prompts | unread
+
+    # -- ops --------------------------------------------------------------------------------
+
+    async def act(self, op: Op) -> None:
+        """Apply ``op`` as the world does: a crash ends the process it reaches."""
+        try:
+            if self.zombie is not None and self.trainer is not None and self.oracle.fence > self.zombie[0].epoch:
+                await self.wake_zombie()
+            await self.renew()
+            await self.apply(op)
+        except SimCrash:
+            self.crashed()
+
     async def apply(self, op: Op) -> None:
-        trainer, bus, rng = self.trainer, self.bus, self.rng
+        trainer, bus, rng, alike = self.trainer, self.bus, self.rng, self.alike
         if op.kind == "generate" and bus.prompts:
             fed = bus.prompts.pop(rng.randrange(len(bus.prompts)))
             bus.taken.append(fed)
             # A rollout may lag a few versions behind the trainer.
-            bus.experience(fed, max(0, self.served_version() - rng.randint(0, 3)))
+            bus.experience(fed, max(0, self.served_version() - rng.randint(0, 3)), alike=alike())
         elif op.kind == "recompute" and bus.taken:
             fed = rng.choice(bus.taken)
             # Inside the duplicate window the broker drops the copy; past it the trainer must refuse it itself.
-            bus.experience(fed, max(0, self.served_version() - rng.randint(0, 12)))
+            bus.experience(fed, max(0, self.served_version() - rng.randint(0, 12)), alike=alike())
+        elif op.kind == "deliver":  # every prompt waiting, at the version served
+            while bus.prompts:
+                fed = bus.prompts.pop(0)
+                bus.taken.append(fed)
+                bus.experience(fed, self.served_version(), alike=alike())
         elif op.kind == "poison" and bus.prompts:
             bus.experience(bus.prompts.pop(rng.randrange(len(bus.prompts))), 0, poisoned=True)
         elif op.kind == "drop" and bus.prompts:
             bus.prompts.pop(rng.randrange(len(bus.prompts)))
         elif op.kind == "tick":
-            self.clock.now += op.arg
+            await self.pass_time(op.arg)
         elif op.kind == "store_down":
             self.store.fail_next = op.arg
+        elif op.kind == "mirror_down" and self.mirror is not None:
+            self.mirror.fail_next = op.arg
+        elif op.kind == "bitrot":
+            self.rot(op.arg)
         elif op.kind == "broker_down":
             bus.fail_next = op.arg
+        elif op.kind == "broker_loss":
+            lost = bus.restart_losing(op.arg)
+            self.broker_lost = self.broker_lost or bool(lost)
+            self.outcomes["experience lost by the broker"] += len(lost)
         elif op.kind == "crash":
             if op.arg % 3 == 0:
-                self.trainer = None  # dies now
+                if trainer is not None:
+                    self.reaped, self.trainer = trainer.holder, None  # dies now
             else:
                 self.effects.crash_after = op.arg  # dies at that effect, wherever it falls
+        elif op.kind == "zombie":
+            if trainer is not None and trainer.lease is not None and self.zombie is None:
+                # Paused (SIGSTOP, a long pause) right after its lease check: nobody reaps it, its lease runs out.
+                trainer.paused_at = self.clock.wall()
+                self.zombie, self.trainer = (trainer, op.arg), None
         elif op.kind == "reinject":  # an operator's command: it needs no trainer running
             letters = sorted(bus.streams[DEAD].messages)
             if letters and bus.reinject(letters[op.arg % len(letters)], self.served_version()):
@@ -585,7 +397,11 @@ class World:
         elif trainer is None:
             await self.start()  # every trainer op finds it down: the launcher restarted it
         elif op.kind == "step":
-            await trainer.step()
+            try:
+                self.steps_taken += await trainer.step()
+            except BrokerStateLost as error:
+                await trainer.release()
+                self.halt(error)
         elif op.kind == "save":
             await trainer.recovery.save(0, wait=True)
         elif op.kind == "purge":
@@ -602,49 +418,72 @@ class World:
                 else:
                     await trainer.recovery.rollback(step, "simulated rollback")
 
-    # -- invariants ---------------------------------------------------------------------
+    def rot(self, arg: int) -> None:
+        """One stored object of a step changes under the store (bitrot): its copy no longer matches its manifest."""
+        store = self.mirror if arg % 2 and self.mirror is not None else self.store
+        keys = [k for k in sorted(store.objects) if "/step-" in k and not k.endswith(("STABLE", "ABANDONED"))]
+        if keys:
+            key = keys[arg % len(keys)]
+            data = store.objects[key]
+            store.objects[key] = data[:-1] + bytes([data[-1] ^ 0x5A]) if data else b"?"
+            self.outcomes["objects rotted"] += 1
 
-    def check(self) -> None:
-        served = self.weights.served
-        if any(later <= earlier for earlier, later in itertools.pairwise(served)):
-            raise InvariantBroken(f"policy versions served did not only grow: {served}")
+    def calm(self) -> None:
+        """The drain's weather: no crash armed, no outage."""
+        self.effects.crash_after = None
+        self.store.fail_next = self.bus.fail_next = 0
+        if self.mirror is not None:
+            self.mirror.fail_next = 0
+
+    # -- invariants ---------------------------------------------------------------------------
+
+    def check(self, where: str) -> None:
+        try:
+            self.oracle.check_served(self.weights.served)
+            trainer = self.trainer
+            if trainer is not None:
+                self.oracle.check_trainer(
+                    TrainerView(
+                        incarnation=trainer.progress.incarnation,
+                        fingerprint=trainer.learner.fingerprint,
+                        records=trainer.lineage.records(),
+                        ledger=trainer.ledger,
+                        cursor=cursor_position(trainer.feeder.cursor),
+                        pending=self.pending(trainer),
+                    )
+                )
+        except InvariantBroken as broken:
+            raise InvariantBroken(f"{where}: {broken}") from None
+
+    def drained(self) -> bool:
+        """Whether every group the live trainer fed has a fate or still waits on PROMPTS or in EXPERIENCE."""
         trainer = self.trainer
         if trainer is None:
+            return self.halted != ""
+        fingerprint, inc = trainer.learner.fingerprint, trainer.progress.incarnation
+        return not self.oracle.fateless(inc, fingerprint, self.pending(trainer))
+
+    def check_final(self, stalled: bool) -> None:
+        """After the drain. ``stalled``: its last round applied no step though every prompt was delivered: every
+        slot is held by a group the world lost (or a stale one that cannot fill a batch), nothing is fed, so nothing
+        overtakes the lost ones, which by design wait for the stall alerts (``GroupLedger.overdue``); nor is
+        anything fed again that a resume went back before."""
+        trainer = self.trainer
+        if trainer is None:
+            self.outcomes["ended without a trainer"] += 1
             return
-        records = trainer.lineage.records()
-        steps = effective_steps(records)
-        applied = Counter(group for record in steps for group, _ in record.groups)
-        dropped = Counter(group for record in steps for group in record.dropped_stale)
-        twice = sorted(g for g, n in (applied + dropped).items() if n > 1)
-        if twice:
-            raise InvariantBroken(f"groups applied or dropped more than once in the model's steps: {twice}")
-        ledger = trainer.ledger
-        both = sorted(ledger.in_flight.keys() & ledger.settled.keys())
-        if both:
-            raise InvariantBroken(f"groups both in flight and settled in the ledger: {both}")
-        lost = set(lost_groups(records))
-        ours = trainer.progress.incarnation
-        # A group's newest DEAD message says whether it is dead: a letter, or a re-inject record that reopened it.
-        newest: dict[str, bool] = {}
-        for _, m in sorted(self.bus.streams[DEAD].messages.items()):
-            headers = m.headers or {}
-            if headers.get(H_INCARNATION) == ours:
-                newest[headers.get(H_GROUP)] = H_REINJECTED not in headers
-        dead = {group for group, is_letter in newest.items() if is_letter}
-        unread = {
-            (m.headers or {}).get(H_GROUP)
-            for seq, m in self.bus.streams[EXPERIENCE].messages.items()
-            if seq > trainer.progress.applied_seq and (m.headers or {}).get(H_INCARNATION) == ours
-        }
-        fed = [f"e0-i{i}" for i in range(trainer.feeder.index)] if trainer.feeder.epoch == 0 else []
-        fateless = [
-            g for g in fed if not (ledger.known(g) or applied[g] or dropped[g] or g in lost or g in dead or g in unread)
-        ]
-        if fateless:
-            raise InvariantBroken(f"fed groups with no fate, not in flight and not waiting in EXPERIENCE: {fateless}")
-        skipped = [g for g in fed if g not in self.bus.landed]
-        if skipped:
-            raise InvariantBroken(f"prompts the feeder went past without ever publishing them: {skipped}")
+        waiting: set[str] = set()
+        if stalled:
+            self.outcomes["ended stalled on lost groups"] += 1
+            cursor = cursor_position(trainer.feeder.cursor)
+            unfed = {g for g in self.oracle.fed[trainer.progress.incarnation] if (feed_position(g) or cursor) >= cursor}
+            waiting = set(trainer.ledger.in_flight) | unfed
+        try:
+            self.oracle.check_final(
+                trainer.progress.incarnation, trainer.learner.fingerprint, self.pending(trainer), waiting
+            )
+        except InvariantBroken as broken:
+            raise InvariantBroken(f"after the drain: {broken}") from None
 
 
 def sim_config(root: Path) -> RunConfig:
@@ -688,16 +527,41 @@ class _Build:
 
 @contextlib.contextmanager
 def simulated_world(clock: Clock):
-    """The intake and recovery read ``clock`` for ``time.monotonic``; the operators' extras in a checkpoint are
-    left out (see ``_NoYaml``, ``_Build``). Everything else is as in production."""
+    """The intake, adopter and lease read ``clock`` (the lease's waits pass simulated time); the operators' extras
+    in a checkpoint are left out (see ``_NoYaml``, ``_Build``); ``os.fsync`` does nothing: a simulated crash ends
+    the process, never the machine, so the page cache survives it and every fsync would be pure cost (on a busy
+    disk, most of a scenario's), and neither does the store's retry sleep (its backoff is 0 here). Everything else
+    is as in production."""
+
+    async def sleep(seconds: float) -> None:
+        clock.now += seconds
+        await asyncio.sleep(0)
+
     fake_time = SimpleNamespace(monotonic=clock.monotonic)
-    saved = intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo
-    intake_module.time, adopter_module.time = fake_time, fake_time
-    checkpointer_module.yaml, recovery_module.BuildInfo = _NoYaml, _Build
+    saved = (
+        intake_module.time,
+        adopter_module.time,
+        lease_module.asyncio,
+        checkpointer_module.yaml,
+        recovery_module.BuildInfo,
+        os.fsync,
+        step_store_module.time,
+    )
+    intake_module.time, adopter_module.time, lease_module.asyncio = fake_time, fake_time, SimpleNamespace(sleep=sleep)
+    checkpointer_module.yaml, recovery_module.BuildInfo, os.fsync = _NoYaml, _Build, lambda fd: None
+    step_store_module.time = SimpleNamespace(sleep=lambda seconds: None, time=time.time)
     try:
         yield
     finally:
-        intake_module.time, adopter_module.time, checkpointer_module.yaml, recovery_module.BuildInfo = saved
+        (
+            intake_module.time,
+            adopter_module.time,
+            lease_module.asyncio,
+            checkpointer_module.yaml,
+            recovery_module.BuildInfo,
+            os.fsync,
+            step_store_module.time,
+        ) = saved
 
 
 @contextlib.contextmanager
@@ -724,38 +588,46 @@ class InlineExecutor(ThreadPoolExecutor):
         return future
 
 
-async def _run(cfg: RunConfig, seed: int, ops: list[Op]) -> Counter[str]:
+async def _run(cfg: RunConfig, seed: int, ops: list[Op], features: Features) -> Counter[str]:
     asyncio.get_running_loop().set_default_executor(InlineExecutor())
-    world = World(cfg, random.Random(seed))
+    world = World(cfg, seed, features)
     with simulated_world(world.clock), quiet():
         await world.start()
         for index, op in enumerate(ops):
-            try:
-                await world.apply(op)
-            except SimCrash:
-                world.trainer = None
-                world.outcomes["crashed mid-effect"] += 1
-            try:
-                world.check()
-            except InvariantBroken as broken:
-                raise InvariantBroken(f"after op {index} {op}: {broken}") from None
+            await world.act(op)
+            world.check(f"after op {index} {op}")
+        world.calm()
+        for round_ in range(DRAIN_ROUNDS):  # until every fed group has a fate or waits in the world
+            steps_before = world.steps_taken
+            for op in DRAIN_ROUND:
+                await world.act(op)
+                world.check(f"after drain round {round_} {op}")
+            if world.drained():
+                break
+        world.check_final(stalled=not world.drained() and world.steps_taken == steps_before)
         if world.trainer is not None:
             records = world.trainer.lineage.records()
+            applied = {group for record in effective_steps(records) for group, _ in record.groups}
+            if named := sorted(applied & set(lost_groups(records))):
+                raise InvariantBroken(f"the lineage names groups the current model applied as lost: {named}")
             world.outcomes["steps applied"] += len(effective_steps(records))
             world.outcomes["groups lost"] += len(lost_groups(records))
+            world.outcomes["groups filtered"] += sum(len(record.filtered) for record in effective_steps(records))
             world.outcomes["groups reopened"] += sum(1 for record in records if isinstance(record, ReopenedRecord))
             for record in records:
                 world.outcomes[record.event if isinstance(record, RestartRecord) else ""] += 1
         world.outcomes["dead letters"] += len(world.bus.streams[DEAD].messages)
+        world.outcomes["checkpoints read from the mirror"] += world.mirror.weights_read if world.mirror else 0
         return world.outcomes
 
 
-def run_scenario(cfg: RunConfig, seed: int, length: int = SCENARIO_OPS, reinjects: bool = True) -> Counter[str]:
+def run_scenario(cfg: RunConfig, seed: int, length: int = SCENARIO_OPS, features: Features = ALL) -> Counter[str]:
     """Replay scenario ``seed`` in a clean run folder; returns what happened in it (a ``Counter`` of outcomes:
     steps applied, resumes, crashes mid-effect...), for the coverage checks."""
+    return run_ops(cfg, seed, draw_scenario(seed, length, features), features)
+
+
+def run_ops(cfg: RunConfig, seed: int, ops: list[Op], features: Features = ALL) -> Counter[str]:
+    """Run ``ops`` (a scenario drawn, or one written out), the world's own choices drawn from ``seed``."""
     shutil.rmtree(cfg.run_dir, ignore_errors=True)
-    return asyncio.run(_run(cfg, seed, draw_scenario(seed, length, reinjects)))
-
-
-def describe(seed: int, ops: list[Op]) -> str:
-    return f"seed={seed} ops=[{', '.join(map(str, ops))}]"
+    return asyncio.run(_run(cfg, seed, ops, features))

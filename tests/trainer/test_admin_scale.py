@@ -33,20 +33,30 @@ class StateOnly:
     state: RunState = RunState.RUNNING
 
 
-class NoServices:
-    """The status reporter as the Scale call reads it: no replica has registered (none runs in this test)."""
+@dataclass
+class Seen:
+    role: str
+    up: bool = True
 
-    async def refresh_services(self, max_age_s: float = 5.0) -> list:
-        return []
+
+@dataclass
+class Services:
+    """The status reporter as the Scale call reads it: the replicas registered (none by default)."""
+
+    seen: tuple[Seen, ...] = ()
+
+    async def refresh_services(self, max_age_s: float = 5.0) -> list[Seen]:
+        return list(self.seen)
 
 
-async def serving(cfg: RunConfig, nats_url: str, call):
+async def serving(cfg: RunConfig, nats_url: str, call, services: Services | None = None):
     """``call(admin stub, metadata, address)`` against an Admin server over ``cfg``'s config bucket; its result
     and the counts stored."""
     nc = await nats.connect(nats_url)
     try:
         live = await LiveConfig(cfg, nc.jetstream()).start()
-        servicer = AdminServicer(control=StateOnly(), status=NoServices(), live=live, recovery=None)
+        status = services or Services()
+        servicer = AdminServicer(control=StateOnly(), status=status, live=live, recovery=None)
         server, address = await start_admin_server(cfg, servicer)
         try:
             async with grpc.aio.insecure_channel(address) as channel:
@@ -85,6 +95,18 @@ def test_a_local_run_stores_the_count_for_its_launcher_and_refuses_bad_requests_
     said = [details for _, details in refusals]
     assert "the trainer does not scale" in said[0] and "unknown role 'critic'" in said[1]
     assert "a count is 0 or more" in said[2] and "supervision.max_replicas (4)" in said[3]
+
+
+def test_with_rollout_replicas_auto_the_count_before_is_the_replicas_the_placement_started(config, nats_url):
+    cfg = load_config(config, supervision={"scaler": "launcher"}, rollout={"replicas": "auto"})
+    started = Services((Seen("rollout"), Seen("rollout"), Seen("reward")))
+
+    async def calls(admin, metadata, address):
+        return await admin.Scale(admin_pb2.ScaleRequest(role="rollout", replicas=3), metadata=metadata)
+
+    up, stored = asyncio.run(serving(cfg, nats_url, calls, started))
+    assert (up.replicas_before, up.replicas, up.replicas_up) == (2, 3, 2)
+    assert stored["rollout"].replicas == 3
 
 
 def test_where_an_orchestrator_owns_the_replicas_rlpipe_scale_names_where_to_scale_and_stores_nothing(config, nats_url):

@@ -1,4 +1,4 @@
-"""The held-out evaluation of a multi-turn run (issue "Agents" item 5) on fakes: episodes played with the run's
+"""The held-out evaluation of a multi-turn run on fakes: episodes played with the run's
 environment through the rollout's loop, scored by reward.functions, with turns and tool calls beside accuracy."""
 
 import asyncio
@@ -9,7 +9,7 @@ import pytest
 from services.common.episodes.environments import Calculator, NoTool
 from services.common.episodes.observations import VerbatimObservations
 from services.common.episodes.runner import EpisodeLimits, LocalEnvironment
-from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play, turn_end
+from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play
 from services.trainer.learning.distributed import Op
 from services.trainer.learning.follower import evaluate_payload, follow
 from tests.support.episodes import CharTokenizer, ScriptedEngine
@@ -98,21 +98,6 @@ def test_reward_functions_without_a_positive_weight_are_refused_naming_the_field
 def test_no_rows_is_an_error_not_an_accuracy():
     with pytest.raises(ValueError, match="at least one row"):
         evaluate(["1\0"], Calculator, rows=[])
-
-
-@pytest.mark.parametrize(
-    ("text", "limit", "expected"),
-    [
-        ("ab</calc>cd", 20, (9, True)),  # through the token that completes the stop string, as vLLM keeps it
-        ("ab\0cd</calc>", 20, (3, True)),  # through the end-of-sequence token
-        ("abcdefgh", 5, (5, False)),  # the row's own room, below the batch's longest run
-        ("abc", 20, (3, False)),  # the batch's run ended first
-    ],
-)
-def test_a_greedy_rows_turn_ends_where_the_rollouts_would(text, limit, expected):
-    tokens = [0 if c == "\0" else ord(c) for c in text]
-
-    assert turn_end(tokens, limit, 0, ["</calc>"], CharTokenizer().decode) == expected
 
 
 class ScriptedMesh:

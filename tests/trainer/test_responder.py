@@ -15,6 +15,7 @@ from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.records import read_jsonl
 from services.common.observe.trackers import TrackerFanout
+from services.common.transport.live_config import Hold
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.checkpointing.state import Checkpoint, TrainerState, rng_state
@@ -102,6 +103,7 @@ def test_a_rollback_that_fails_pauses_the_run_with_the_reason(tmp_path):
         await control.run_commands()
         assert control.state == RunState.PAUSED
         assert control.paused_reason == "alert kl_high: rollback failed: store unreachable"
+        assert Hold.of_record(control.holds.stored).outlives_resume  # rlpipe run --resume leaves it for an operator
 
     asyncio.run(scenario())
 

@@ -1,5 +1,5 @@
 """The trainer's gRPC health follows its loop: NOT_SERVING while the loop is stuck, SERVING once it moves again,
-and SERVING through an idle pipeline and an operator's pause (issue #13).
+and SERVING through an idle pipeline and an operator's pause.
 
 A real trainer loop (tiny learner, real nats-server, both real gRPC servers, checked by the healthcheck client
 probes use); the loop is blocked by a queued command that does not return, as a learner step that hangs would.

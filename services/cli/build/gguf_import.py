@@ -5,8 +5,9 @@ transformers reads a GGUF file through ``from_pretrained(folder, gguf_file=name)
 the tokenizer, special tokens and chat template from the file's metadata. The model it returns
 is still marked GGUF-quantized, and ``save_pretrained`` refuses it, so the import rebuilds a
 plain model from its config and state dict and saves that, with the tokenizer and generation
-config. The folder then loads through the same ``from_pretrained`` and vLLM paths as any
-other checkpoint, which is what the trainer, reference and rollouts use.
+config; a tokenizer left without a pad token gets one (``with_pad_token``). The folder then
+loads through the same ``from_pretrained`` and vLLM paths as any other checkpoint, which is
+what the trainer, reference and rollouts use.
 
 Before anything is written the import checks that transformers can read the file's
 architecture and that it is a causal LM; after writing it reloads the folder and requires the
@@ -25,12 +26,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from services.common.model.padding import ensure_pad_token
 
 IMPORT_MARKER = "gguf_import.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,11 +133,24 @@ def plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     return plain.eval()
 
 
+def with_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Give the folder a pad token where the GGUF file's did not come through: ``tokenizer.ggml.padding_token_id``
+    reaches the tokenizer on some transformers versions the pins allow and not on others, and a file may have none.
+    The pad is ``padding.pad_token_id``'s fallback (pad, else EOS, else unknown), written to the tokenizer, the
+    model config and the generation config, so every reader of the folder pads alike."""
+    ensure_pad_token(tokenizer)
+    for config in (model.config, model.generation_config):
+        if getattr(config, "pad_token_id", None) is None:
+            config.pad_token_id = tokenizer.pad_token_id
+
+
 def probe_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     if tokenizer.chat_template:
         text = tokenizer.apply_chat_template(
             [{"role": "user", "content": PROBE_TEXT}], tokenize=False, add_generation_prompt=True
         )
+        if not isinstance(text, str):  # tokenize=False renders text; transformers types the tokenized forms too
+            raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
     else:
         text = PROBE_TEXT
     return tokenizer.encode(text, add_special_tokens=False)
@@ -168,7 +184,7 @@ def one_reader_per_file() -> Iterator[None]:
     parse = gguf.GGUFReader
     readers: dict[tuple[str, str], Any] = {}
 
-    def reader(path: Path | str, mode: str = "r") -> Any:
+    def reader(path: Path | str, mode: Literal["r", "r+", "c"] = "r") -> Any:
         key = (str(Path(path).resolve()), mode)
         if key not in readers:
             readers[key] = parse(path, mode)
@@ -214,6 +230,7 @@ def import_gguf(
     staging = out_dir.with_name(out_dir.name + ".importing")
     shutil.rmtree(staging, ignore_errors=True)
     plain = plain_copy(gguf_model)
+    with_pad_token(plain, tokenizer)
     model_class, parameters = type(plain).__name__, sum(p.numel() for p in plain.parameters())
     plain.save_pretrained(staging)
     tokenizer.save_pretrained(staging)

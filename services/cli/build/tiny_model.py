@@ -33,6 +33,7 @@ from services.cli.build.tasks import (
 )
 from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
+from services.common.model.padding import eos_token_id, pad_token_id
 
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<eos>"
@@ -84,8 +85,9 @@ def build_char_tokenizer(alphabet: str = ALPHABET, max_positions: int = MAX_POSI
     return Qwen2Tokenizer(
         vocab=vocab,
         merges=[],
-        # Qwen2Tokenizer would otherwise add "<|endoftext|>", growing the vocabulary.
-        unk_token=None,
+        # Qwen2Tokenizer would otherwise add "<|endoftext|>", growing the vocabulary (transformers annotates a str,
+        # and takes None for no unknown token).
+        unk_token=None,  # pyright: ignore[reportArgumentType]
         eos_token=EOS_TOKEN,
         pad_token=PAD_TOKEN,
         model_max_length=max_positions,
@@ -103,16 +105,16 @@ def _new_model(tokenizer: Qwen2Tokenizer, seed: int, max_positions: int = MAX_PO
         max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_id(tokenizer),
+        pad_token_id=pad_token_id(tokenizer),  # its PAD_TOKEN
         dtype=torch.float32,
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
     model.generation_config = GenerationConfig(
         do_sample=False,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=eos_token_id(tokenizer),
+        pad_token_id=pad_token_id(tokenizer),  # its PAD_TOKEN
     )
     return model
 
@@ -184,7 +186,7 @@ def _warm_start(
             if len(order) < BATCH_SIZE:
                 order += torch.randperm(len(examples), generator=order_generator).tolist()
             batch_indices, order = order[:BATCH_SIZE], order[BATCH_SIZE:]
-            batch = _collate([examples[i] for i in batch_indices], tokenizer.pad_token_id)
+            batch = _collate([examples[i] for i in batch_indices], pad_token_id(tokenizer))
 
             loss = model(**batch).loss
             optimizer.zero_grad(set_to_none=True)
@@ -299,7 +301,7 @@ def build_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="model folder to write (arithmetic only)")
     parser.add_argument("--data", type=Path, required=True, help="folder for the JSONL splits")
     parser.add_argument("--seed", type=int, default=0)

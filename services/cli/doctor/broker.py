@@ -13,6 +13,7 @@ from services.common.config import RunConfig
 from services.common.startup_checks import CheckResult, shorten
 from services.common.transport.nats_connect import connect_options, message_limit_refusal
 from services.common.transport.nats_server import nats_server_binary
+from services.common.transport.streams import stream_name
 
 # A doctor run must not hang on an unreachable broker.
 NETWORK_TIMEOUT_S = 3.0
@@ -108,14 +109,14 @@ async def _probe_nats(cfg: RunConfig) -> list[CheckResult]:
         bus = Bus(cfg, "doctor")
         found, problems = [], []
         for edge in EDGES:
-            expected = bus.stream_config(edge)
+            name, expected = stream_name(cfg.run_id, edge), bus.stream_config(edge)
             try:
-                actual = (await js.stream_info(expected.name)).config
+                actual = (await js.stream_info(name)).config
             except NotFoundError:
                 continue
-            found.append(expected.name)
+            found.append(name)
             for setting, want, have in stream_differences(expected, actual):
-                problems.append(f"{expected.name}: {setting} expected {want}, found {have}")
+                problems.append(f"{name}: {setting} expected {want}, found {have}")
         if problems:
             streams_row = CheckResult("streams", "fail", "; ".join(problems))
         elif found:

@@ -10,6 +10,7 @@ the disk estimate and the memory estimate (services/cli/plan.py).
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import platform
@@ -24,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 
 from services.cli.doctor.broker import embedded_broker_rows, nats_rows
 from services.cli.doctor.gpu import gpu_rows
+from services.cli.doctor.model import model_rows as model_source_rows
+from services.cli.doctor.network import network_rows
 from services.cli.doctor.weightsync import weight_sync_rows
 from services.cli.plan import gpus_at_hand, sizing_row
 from services.cli.sizing import read_host_memory
@@ -44,6 +47,7 @@ from services.common.startup_checks import (
     storage_rows,
     weight_files,
 )
+from services.common.transport.model_source import local_model_path
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -64,7 +68,7 @@ def check_python() -> CheckResult:
 
     version = platform.python_version()
     try:
-        required = importlib.metadata.metadata("rlpipe").get("Requires-Python") or ""
+        required = ",".join(importlib.metadata.metadata("rlpipe").get_all("Requires-Python") or [])
     except importlib.metadata.PackageNotFoundError:
         return CheckResult(
             "python", "warn", f"{version}; the rlpipe package is not installed, so its Requires-Python is unknown"
@@ -194,7 +198,10 @@ def check_disk(cfg: RunConfig) -> CheckResult:
     targets = [url for url in (cfg.checkpoint_url, cfg.checkpoint.mirror_url) if url.startswith("file://")]
     if not targets:
         return CheckResult("disk", "skip", f"checkpoints go to {cfg.checkpoint_url}: free space is the object store's")
-    weights = sum(p.stat().st_size for p in weight_files(cfg.model.path))
+    model = local_model_path(cfg)
+    if model is None:
+        return CheckResult("disk", "skip", f"{cfg.model.path} is not fetched yet: its size is unknown here")
+    weights = sum(p.stat().st_size for p in weight_files(model))
     per_checkpoint = weights * CHECKPOINT_WEIGHT_FACTOR
     if cfg.train.algorithm == "ppo" and cfg.train.critic.kind == "separate":
         per_checkpoint *= 2  # the critic is a second backbone with its own moments
@@ -229,6 +236,7 @@ def _doctor_checks(embedded: bool) -> list[Check]:
     ports_of = "run" if embedded else "doctor"
     return [
         Check("model", ("model", "reference"), lambda cfg: model_rows(cfg, policy=True, reference=True)),
+        Check("model hash", ("model",), model_source_rows),
         Check("dataset", ("data",), lambda cfg: dataset_rows(cfg, DOCTOR_DATASET_LINES)),
         Check("storage", ("checkpoint",), storage_rows),
         Check("nats", ("nats",), embedded_broker_rows if embedded else nats_rows),
@@ -251,21 +259,26 @@ def _doctor_checks(embedded: bool) -> list[Check]:
 
 
 def run_checks(
-    cfg: RunConfig | None, *, embedded: bool = False, invalid: frozenset[str] = frozenset()
+    cfg: RunConfig | None, *, embedded: bool = False, invalid: frozenset[str] = frozenset(), network: bool = False
 ) -> list[CheckResult]:
     """Every check: the machine's, then the config's.
 
     A config check is skipped where ``cfg`` is None or the fields it reads are ``invalid``.
 
     ``embedded``: the config is for ``rlpipe run``, which starts its own broker and picks the
-    trainer's port, so the nats-server binary is checked instead of ``nats.url``.
+    trainer's port, so the nats-server binary is checked instead of ``nats.url``. ``network``: the timed network
+    rows too (services/cli/doctor/network.py).
     Not for a running event loop: the NATS probe runs its own.
     """
+    checks = _doctor_checks(embedded)
+    if network:
+        fields = ("nats", "checkpoint", "reward", "rollout", "model", "train", "sampling", "telemetry", "supervision")
+        checks.append(Check("network", fields, lambda cfg: network_rows(cfg, embedded)))
     return [
         check_python(),
         check_packages(),
         *gpu_rows(gpu_facts()),
-        *run_each(_doctor_checks(embedded), cfg, invalid),
+        *run_each(checks, cfg, invalid),
     ]
 
 
@@ -302,7 +315,7 @@ def _partial_config(path: Path) -> tuple[RunConfig | None, frozenset[str]]:
             invalid.add(name)
 
 
-def diagnose(config_path: Path, *, embedded: bool = False) -> list[CheckResult]:
+def diagnose(config_path: Path, *, embedded: bool = False, network: bool = False) -> list[CheckResult]:
     """``rlpipe doctor``: the config's own row first, then every check that a (possibly partial) config allows."""
     try:
         cfg, invalid = load_config(config_path), frozenset()
@@ -312,7 +325,7 @@ def diagnose(config_path: Path, *, embedded: bool = False) -> list[CheckResult]:
     except ConfigError as error:
         config_row = CheckResult("config", "fail", f"{config_path}: {error}")
         cfg, invalid = _partial_config(config_path)
-    return [config_row, *run_checks(cfg, embedded=embedded, invalid=invalid)]
+    return [config_row, *run_checks(cfg, embedded=embedded, invalid=invalid, network=network)]
 
 
 STYLES = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
@@ -332,15 +345,13 @@ def print_report(results: list[CheckResult], console: Console | None = None) -> 
     for result in results:
         table.add_row(result.name, Text(result.status, style=STYLES[result.status]), Text(result.detail))
     console.print(table)
-    plain = {"markup": False, "highlight": False, "soft_wrap": True}  # greppable: never styled or wrapped
+    say = functools.partial(console.print, markup=False, highlight=False, soft_wrap=True)  # greppable: plain, unwrapped
     failures = [result for result in results if result.failed]
     for result in failures:
-        console.print(f"FAIL {result.name}: {result.detail}", **plain)
+        say(f"FAIL {result.name}: {result.detail}")
     if failures:
-        console.print(
-            f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}", **plain
-        )
+        say(f"rlpipe doctor: {len(failures)} failed: {', '.join(result.name for result in failures)}")
         return 1
     warnings = sum(result.status == "warn" for result in results)
-    console.print(f"rlpipe doctor: no check failed ({warnings} warning{'' if warnings == 1 else 's'})", **plain)
+    say(f"rlpipe doctor: no check failed ({warnings} warning{'' if warnings == 1 else 's'})")
     return 0

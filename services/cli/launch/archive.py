@@ -7,8 +7,10 @@ elsewhere (``metrics_path``) goes under ``metrics/``. Checkpoints are already in
 left out (they are per-step copies of groups, kept for ``rlpipe samples`` on the machine).
 
 A ``file://`` store whose folder for the run is the run directory itself (the embedded default) already holds all
-of it: nothing is copied. Each archived object is tagged ``ARCHIVE_TAG``: the bucket's lifecycle rule expires it after
-a year (deploy/minio/lifecycle.json).
+of it: nothing is copied. Nor is anything copied to a store that lacks the checkpoints the run's own record says it
+saved, or that cannot be listed (``checkpoints_missing``): that is a store a resume would wait for, one moved away
+or not mounted, and the run writes nothing into it until a trainer has adopted a step there. Each archived object
+is tagged ``ARCHIVE_TAG``: the bucket's lifecycle rule expires it after a year (deploy/minio/lifecycle.json).
 
 In compose and Kubernetes no launcher outlives the run: ``rlpipe archive --every`` runs beside the trainer (a
 compose service, a container in the trainer's pod), sharing its runs volume and the folder the services write
@@ -28,6 +30,7 @@ from services.common.config import RunConfig
 from services.common.observe.logs import jsonl_parts
 from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import FileStore, ObjectStore, open_store
+from services.trainer.checkpointing.resume import ResumeBlocked, SavedRecord, StoreListing, resume_candidates
 
 RECORDS = ("events.jsonl", "lineage.jsonl")  # JSON-lines records beside the metrics, each with its rolled parts
 SINGLE_FILES = ("run.json", "usage.json", "effective-config.yaml", "run-config.yaml", "report.png", "report.html")
@@ -92,6 +95,8 @@ class RunArchiver:
         cfg = self.cfg
         if same_folder(self.store, cfg.run_id, cfg.run_dir):
             return Archived([], 0, skipped=f"the store keeps the run in {cfg.run_dir} already")
+        if missing := checkpoints_missing(cfg, self.store):
+            return Archived([], 0, skipped=f"{missing}; it stays in {cfg.run_dir}")
         keys, nbytes = [], 0
         for name, path in archived_files(cfg.run_dir, cfg.metrics_file, self.logs_dir).items():
             try:
@@ -106,6 +111,30 @@ class RunArchiver:
             keys.append(name)
             nbytes += len(data)
         return Archived(keys, nbytes)
+
+
+def checkpoints_missing(cfg: RunConfig, store: ObjectStore) -> str:
+    """Why the run's record must not go to ``store``: the run's own record (``SavedRecord``) says it saved a step,
+    and ``store`` holds none of the run's checkpoints or cannot be listed (what would hold a resume,
+    ``resume_candidates``); "" when the run never saved, or the store holds its checkpoints."""
+    try:
+        saved = SavedRecord.read(cfg.run_dir)
+    except ValueError as error:  # damaged: nothing tells this store is the run's
+        return str(error)
+    if saved is None:
+        return ""
+    # Here, not at the top: the store's code imports torch, which a launcher pays only where it lists a store.
+    from services.trainer.checkpointing.store import CheckpointStore
+
+    try:
+        listing = StoreListing(store.url, CheckpointStore(store, cfg.run_id, cfg.checkpoint.keep_last).steps())
+    except Exception as error:  # the store's many failure types
+        listing = StoreListing(store.url, None, repr(error)[:300])
+    try:
+        resume_candidates([listing], saved.step)
+    except ResumeBlocked as error:
+        return f"{cfg.run_id}'s checkpoints are not where its record says ({error})"
+    return ""
 
 
 def archive_run(cfg: RunConfig, store: ObjectStore | None = None) -> Archived:

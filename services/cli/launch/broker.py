@@ -11,14 +11,14 @@ import asyncio
 import socket
 import subprocess
 import time
-from typing import Any
+from collections.abc import Callable
 
 import nats
 
 from services.cli.launch.children import free_port
 from services.common.config import RunConfig
 from services.common.parent_death import dies_with_this_process
-from services.common.transport.live_config import LiveConfig
+from services.common.transport.live_config import Hold, HoldSource, LiveConfig
 from services.common.transport.nats_auth import RoleKey, server_authorization
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.nats_server import embedded_config, nats_server_binary
@@ -38,6 +38,13 @@ class RunBroker:
     @property
     def url(self) -> str:
         return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        """The running server's process id (``start`` comes first)."""
+        if self.process is None:
+            raise RuntimeError("nats-server is not started: RunBroker.start comes first")
+        return self.process.pid
 
     def start(self) -> str:
         """Start the server (on the port it had, or a free one the first time) and return its URL once it accepts
@@ -77,26 +84,30 @@ class RunBroker:
         """None while the server runs (or before it started), else how it ended."""
         return self.process.poll() if self.process is not None else None
 
-    def forget_pause(self) -> dict[str, Any]:
-        """Clear the run's recorded pause or stop (``--resume`` continues on purpose: it must not hold the new
-        start); returns what was recorded."""
-        return self._set_control({})
+    def release_hold(self) -> Hold:
+        """For ``--resume``, which continues on purpose: clear the run's recorded pause or stop unless an alert set
+        it (``Hold.outlives_resume``: an operator lifts that one with ``rlpipe resume`` after looking); returns what
+        was recorded."""
+        return self._set_control(lambda earlier: None if earlier.outlives_resume else Hold())
 
     def hold(self, reason: str) -> None:
         """Record the run as paused before its trainer starts: it starts held (``Control.restore_hold``), its stages
-        ready and idle, until an operator (or the tool that asked) resumes it."""
-        self._set_control({"paused": True, "reason": reason})
+        ready and idle, until an operator (or the tool that asked) resumes it. A hold an alert set stays instead:
+        the run starts held either way, and a later ``--resume`` must still find the alert's."""
+        self._set_control(lambda earlier: None if earlier.outlives_resume else Hold(True, reason, HoldSource.START))
 
-    def _set_control(self, control: dict[str, Any]) -> dict[str, Any]:
-        """Store ``control`` as the run's operator state, as the trainer would; returns what was recorded before."""
+    def _set_control(self, change: Callable[[Hold], Hold | None]) -> Hold:
+        """Store ``change(earlier)`` (None: leave it) as the run's operator state, as the trainer would; returns the
+        earlier one."""
 
-        async def put() -> dict[str, Any]:
+        async def put() -> Hold:
             as_trainer = self.cfg.nats.model_copy(update={"nkey_seed_file": self.keys["trainer"].seed_file})
             nc = await nats.connect(self.url, **connect_options(as_trainer, "trainer"))
             try:
                 live = await LiveConfig(self.cfg, nc.jetstream()).start()
-                earlier = await live.get_control()
-                await live.put_control(control)
+                earlier = Hold.of_record(await live.get_control())
+                if (changed := change(earlier)) is not None:
+                    await live.put_control(changed.record())
                 return earlier
             finally:
                 await nc.close()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -15,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from rich.console import Console
 
@@ -76,11 +75,31 @@ ALERT_HINTS: dict[str, str] = {
 OUTPUT_TAIL_LINES = 20  # plain (not JSON) output lines kept per child: a refusal printed before logging was set up
 
 
+class ChildProcess(Protocol):
+    """What the launcher uses of a role's process: a ``subprocess.Popen``, or a role the warm starter forked."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
 @dataclass
 class Child:
     name: str
     role: str
-    process: subprocess.Popen
+    process: ChildProcess
     log_path: Path
     log_max_bytes: int
     log_keep: int
@@ -95,6 +114,12 @@ class Child:
     echoed: dict[str, float] = field(default_factory=dict)  # event -> monotonic time it was last echoed
     crash: Crash | None = None  # what its crashed event's traceback says, if it died of an exception
     step_at_spawn: int = 0  # the run's last step when it started: a crash after a later one made progress first
+
+    def report(self) -> dict[str, Any]:
+        """Its start-up report and endpoints, once it is ready (``Launcher.wait_ready``)."""
+        if self.ready is None:
+            raise RuntimeError(f"{self.name} is not ready: it has no start-up report yet")
+        return self.ready
 
     def pump(self, stream: IO[bytes]) -> None:
         """Copy the child's output to its (rotating) log file, noting a refusal's reason and a trainer's lease.

@@ -21,13 +21,16 @@ import yaml
 
 from services.cli.launch.archive import archive_and_describe
 from services.cli.launch.children import RoleCrashLoop, RoleRefused
-from services.cli.launch.launcher import Launcher, console
+from services.cli.launch.launcher import Launcher, console, inherited_env
 from services.cli.launch.lock import RunIsLive, hold_run, previous_run
+from services.cli.launch.placement import place_roles
 from services.cli.launch.summary import run_cost, summarize, write_reports
 from services.cli.runs import record_exit
-from services.common.config import RunConfig, load_config_with, parse_overrides
+from services.common.config import ConfigError, RunConfig, load_config_with, parse_overrides
+from services.common.refusal import StartRefused
 from services.common.service import EXIT_REFUSED
 from services.common.startup_checks import StartupCheckError, startup_checks
+from services.common.transport.model_source import ModelFetchFailed, resolve_model
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)  # an operator's or a supervisor's stop: orderly, not a failure
 PAUSED_AT_START = "started with --paused"  # the hold's reason, in status and events
@@ -107,8 +110,16 @@ def _run_held(
             f"  delete it and start over:  {command} --overwrite"
         )
         return 2
+    try:  # fetched here once (model.path s3:// or hf://), so the roles starting together find it in the cache
+        cfg = resolve_model(cfg)
+    except StartRefused as error:
+        _plain(f"rlpipe run: {error}")
+        return 2
+    except ModelFetchFailed as error:
+        _plain(f"rlpipe run: cannot fetch the model: {error}")
+        return 1
     try:
-        startup_checks(cfg, "run")
+        startup_checks(cfg, "run", resume=resume)
     except StartupCheckError as error:
         console.log(f"[red]rlpipe run: {error}[/] (rlpipe doctor --embedded --config {config_path} shows every check)")
         return 2
@@ -124,7 +135,13 @@ def _run_held(
     if overrides:  # the services read a file: the one they get has the overrides written in
         config_path = cfg.run_dir / "run-config.yaml"
         config_path.write_text(yaml.safe_dump(config_data, sort_keys=False))
-    launcher = Launcher(cfg, config_path, resume, hold=PAUSED_AT_START if paused else "")
+    try:
+        placement = place_roles(cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
+    except ConfigError as error:
+        _plain(f"rlpipe run: {error}")
+        return 2
+    _plain(f"placement: {placement.summary}")
+    launcher = Launcher(cfg, config_path, resume, hold=PAUSED_AT_START if paused else "", placement=placement)
     # Ctrl-C and SIGTERM (a supervisor, `timeout`) get the same orderly shutdown.
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     for signum in STOP_SIGNALS:

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from services.cli.launch.broker import RunBroker
@@ -44,6 +45,7 @@ from services.cli.launch.children import (
 )
 from services.cli.launch.crash_loop import CrashLoopGuard
 from services.cli.launch.files import StartupRecord, write_run_file
+from services.cli.launch.placement import RunPlacement, place_roles
 from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_presence, forget_scale_requests
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
@@ -58,6 +60,7 @@ from services.common.observe.records import EventRecord, RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
+from services.common.transport.live_config import Hold, HoldSource
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 
 console = Console(stderr=True)
@@ -71,11 +74,14 @@ LAUNCHER_SAYS = (Event.RESTART, Event.WARM_START_FAILED, Event.CRASH_LOOP, Event
 class Launcher:
     """One run's broker and service processes: started, followed (restarted as the policy allows), stopped."""
 
-    def __init__(self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = ""):
+    def __init__(
+        self, cfg: RunConfig, config_path: Path, resume: bool, hold: str = "", placement: RunPlacement | None = None
+    ):
         self.cfg = cfg
         self.config_path = config_path
         self.resume = resume
         self.hold = hold  # a reason to start the run paused (its stages ready, no step) until resumed; "" = none
+        self.held_by_alert = ""  # the reason of a hold an alert set, which --resume leaves in place
         self.run_dir = cfg.run_dir
         self.children: list[Child] = []
         self.broker: RunBroker | None = None
@@ -94,7 +100,10 @@ class Launcher:
         self.warm = WarmForks(cfg, self.events, console, inherited_env)
         self.presence: PresenceWatch | None = None
         self.record = RunRecord.of_run(cfg)
-        self.scaler = ReplicaScaler(cfg, self.events, console)
+        self.scaler: ReplicaScaler  # made at start(), once the placement has decided the rollout replicas
+        # How many rollout replicas, and what each role needs to share a GPU (rollout.replicas: auto); decided at
+        # start() unless given.
+        self.placement = placement
 
     def role_env(self, role: str) -> dict[str, str]:
         """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
@@ -105,6 +114,8 @@ class Launcher:
             env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
         if role in ("trainer", "rollout"):
             env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
+        if self.placement is not None:
+            env.update(self.placement.env())
         return env
 
     @property
@@ -164,12 +175,18 @@ class Launcher:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.name == name)
 
+    def started_broker(self) -> RunBroker:
+        """The run's broker, which ``start`` started."""
+        if self.broker is None:
+            raise RuntimeError("the run's broker is not started: Launcher.start comes first")
+        return self.broker
+
     def write_run_file(self) -> None:
         write_run_file(
             self.run_dir,
             self.cfg.run_id,
             self.env["RLPIPE_NATS__URL"],
-            self.broker.process.pid,
+            self.started_broker().pid,
             self.children,
             self.restarts,
         )
@@ -191,7 +208,7 @@ class Launcher:
                 if self.note_ready(child):
                     console.log(
                         f"[green]{child.name} ready[/] {self.startup[child.name]:.1f}s after the launch "
-                        + _startup_fields(child.ready)
+                        + _startup_fields(child.report())
                     )
                     waiting.remove(child)
                     continue
@@ -241,13 +258,21 @@ class Launcher:
         self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
         self.startup.record("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
-        if self.resume and (earlier := self.broker.forget_pause()).get("paused"):
-            console.log(f"continuing a run that was held ({earlier.get('reason', '')})")
-        if self.resume:  # this start runs the config's replica counts, not those asked for in the last one
+        if self.resume:
+            self.held_by_alert = held_on_resume(self.broker.release_hold(), self.run_dir)
+            # This start runs the config's replica counts, not those asked for in the last one.
             forget_scale_requests(self.cfg, nats_url, self.nats_keys["trainer"])
         if self.hold:
             self.broker.hold(self.hold)
         self.write_admin_token()
+        if self.placement is None:
+            self.placement = place_roles(self.cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
+        started = {
+            "rollout": self.placement.rollout_replicas,
+            "reward": self.cfg.reward.replicas,
+            "reference": self.cfg.reference.replicas,
+        }
+        self.scaler = ReplicaScaler(started, self.events, console)
         # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
         self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
@@ -260,30 +285,32 @@ class Launcher:
         ports = {"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0", "RLPIPE_ADMIN__PORT": str(admin_port)}
         # A fresh run must not pick up an older run's checkpoints under the same run id; restarts resume.
         trainer = self.spawn("trainer", "trainer", env={**ports, "RLPIPE_CHECKPOINT__RESUME": str(self.resume).lower()})
-        others = [self.spawn("reference", f"reference-{i}") for i in range(self.cfg.reference.replicas)]
-        others += [self.spawn("reward", f"reward-{i}") for i in range(self.cfg.reward.replicas)]
+        others = [self.spawn("reference", f"reference-{i}") for i in range(started["reference"])]
+        others += [self.spawn("reward", f"reward-{i}") for i in range(started["reward"])]
         # Port 0: a rollout reads the trainer's port from its presence entry once it has loaded its engine.
         others += [
             self.spawn("rollout", f"rollout-{i}", env={"RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0"})
-            for i in range(self.cfg.rollout.replicas)
+            for i in range(started["rollout"])
         ]
         self.wait_ready([trainer])
         # A restarted rollout or trainer is given the port the trainer got.
-        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.ready["grpc"].rpartition(":")[2]
-        self.env["RLPIPE_ADMIN__PORT"] = trainer.ready["admin"].rpartition(":")[2]
+        self.env["RLPIPE_SERVICE__TRAINER_GRPC_PORT"] = trainer.report()["grpc"].rpartition(":")[2]
+        self.env["RLPIPE_ADMIN__PORT"] = trainer.report()["admin"].rpartition(":")[2]
         self.wait_ready(others)
         self.write_run_file()
         console.log(
             "operate it from another shell: rlpipe status | pause | resume | config set KEY=VALUE | rollback STEP | "
-            f"scale ROLE N | stop (admin at {self.child('trainer').ready['admin']})"
+            f"scale ROLE N | stop (admin at {self.child('trainer').report()['admin']})"
         )
-        if self.hold:
+        held = self.held_by_alert or self.hold
+        if held:
             resume = f"rlpipe --run-dir {self.run_dir} resume"
-            console.log(f"[yellow]held ({self.hold})[/]: no step until it is resumed (`{resume}`)")
+            console.log(f"[yellow]held ({escape(held)})[/]: no step until it is resumed (`{resume}`)")
 
     def follow(self) -> RunDone | None:
         """Progress over training steps until the trainer is done, restarting services that die."""
         due: dict[str, float] = {}  # name -> when to restart it
+        broker = self.started_broker()
         columns = (
             TextColumn("[bold]training"),
             BarColumn(),
@@ -315,9 +342,9 @@ class Launcher:
                     progress.console.log(f"eval at step {row.step}: accuracy {row[m.EVAL_ACCURACY]:.3f}")
                 if self.record.done:
                     break
-                if trainer_exited and self.child("trainer").pump_thread:
-                    self.child("trainer").pump_thread.join(timeout=5)  # its last lines (a refusal) may be in the pipe
-                if (broker_exit := self.broker.exit_code()) is not None:
+                if trainer_exited and (pump := self.child("trainer").pump_thread) is not None:
+                    pump.join(timeout=5)  # its last lines (a refusal) may be in the pipe
+                if (broker_exit := broker.exit_code()) is not None:
                     # Same port and store: streams, consumers and unacked messages come back; clients reconnect.
                     self.restarts["nats"] = self.restarts.get("nats", 0) + 1
                     self.events.write(
@@ -327,7 +354,7 @@ class Launcher:
                         restarts=self.restarts["nats"],
                     )
                     progress.console.log(f"[yellow]nats-server exited with {broker_exit}[/]; restarting it")
-                    self.broker.start()
+                    broker.start()
                     self.write_run_file()
                 self.sample_usage()
                 self.scale()
@@ -462,6 +489,28 @@ def inherited_env() -> dict[str, str]:
 def _echo_alert(line: str) -> None:
     """A role's alert on the console that started the run: unstyled and unwrapped, so it can be grepped."""
     console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def held_on_resume(earlier: Hold, run_dir: Path) -> str:
+    """Say on the console (one unwrapped line, for a person or a script to grep) what ``--resume`` did with the hold
+    it found (``RunBroker.release_hold``); returns the reason of one it left in place, "" when it cleared it or there
+    was none."""
+    if not earlier.paused:
+        return ""
+    if earlier.outlives_resume:
+        said = (
+            f"still held: {earlier.reason}. An alert set this hold, so --resume keeps it: look at "
+            f"`rlpipe --run-dir {run_dir} status` and the alert's cause, then `rlpipe --run-dir {run_dir} resume`"
+        )
+    else:
+        setters: dict[HoldSource | None, str] = {
+            HoldSource.OPERATOR: "an operator",
+            HoldSource.START: "the run's start",
+        }
+        by = setters.get(earlier.by, "an earlier run")
+        said = f"continuing a run that was held ({earlier.reason}, set by {by}): --resume clears that hold"
+    console.print(said, markup=False, highlight=False, soft_wrap=True)
+    return earlier.reason if earlier.outlives_resume else ""
 
 
 def _event_summary(event: EventRecord) -> str:

@@ -40,7 +40,7 @@ from services.common.observe.events import Event, EventLog
 from services.common.transport import live_config, presence
 from services.common.transport.nats_auth import RoleKey
 from services.common.transport.nats_connect import STAGE_ROLES, connect_options
-from services.common.transport.scale import ScaleRecord, configured_replicas, forget_scale
+from services.common.transport.scale import ScaleRecord, forget_scale
 
 # What `rlpipe run` tells its services: it starts and stops the stage replicas, so `rlpipe scale` may change them.
 LAUNCHER_SCALES = {"RLPIPE_SUPERVISION__SCALER": "launcher"}
@@ -99,10 +99,12 @@ class ReplicaScaler:
     """Keeps each stage role at the count operators asked for. The launcher drives it: ``follow`` at every turn of
     its loop, with the requests read and its children; it starts what ``follow`` asks and drops what has gone."""
 
-    def __init__(self, cfg: RunConfig, events: EventLog, console: Console):
+    def __init__(self, started: dict[str, int], events: EventLog, console: Console):
+        """``started``: how many replicas of each stage role the run starts (the config's counts, the placement's
+        for ``rollout.replicas: auto``)."""
         self.events = events
         self.console = console
-        self.desired: dict[str, int] = {role: configured_replicas(cfg, role) for role in STAGE_ROLES}
+        self.desired: dict[str, int] = dict(started)
         self.taken: dict[str, int] = {}  # role -> revision of the newest request carried out
         self.retiring: dict[str, Retiring] = {}  # name -> the replica scaled away, until it has exited
         self.departed: dict[str, str] = {}  # name -> role: exited replicas whose presence entry is still to delete

@@ -24,7 +24,7 @@ def run_cost(cfg: RunConfig, done: RunDone | None, usage: UsageMeter) -> RunCost
     trainer's ``done`` event, None for a run stopped before it."""
     cost = RunCost(
         device_hours=usage.device_hours(),
-        prices=dict(cfg.cost.per_device_hour),
+        prices={**cfg.cost.per_device_hour},
         steps=done.steps if done else 0,
         accuracy_gain=done.accuracy_gain if done else None,
     )

@@ -95,12 +95,12 @@ class WarmProcess:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
+        while (code := self.poll()) is None:
             remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
+            if timeout is not None and remaining is not None and remaining <= 0:
                 raise subprocess.TimeoutExpired(self.args, timeout)
             self.starter.wait_for_news(min(remaining, 0.5) if remaining is not None else 0.5)
-        return self.returncode
+        return code
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:  # as Popen: never signal a pid that may have been reused
@@ -260,11 +260,11 @@ class PoolSession:
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() >= deadline:
+        while (code := self.poll()) is None:
+            if timeout is not None and deadline is not None and time.monotonic() >= deadline:
                 raise subprocess.TimeoutExpired(["warm-start session", str(self.pid)], timeout)
             time.sleep(0.05)
-        return self.returncode
+        return code
 
     def kill(self) -> None:
         if self.poll() is None:

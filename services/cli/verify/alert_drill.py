@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 import urllib.request
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,7 +114,7 @@ def _fired_counts(metrics_url: str) -> dict[str, float]:
     return counts
 
 
-def _missing(names: list[str], found: set[str]) -> str:
+def _missing(names: list[str], found: Container[str | None]) -> str:
     return ", ".join(name for name in names if name not in found)
 
 
@@ -172,7 +173,7 @@ def run_drill(cfg: RunConfig, rules: list[AlertRule]) -> list[SinkResult]:
     return results
 
 
-def _result(sink: str, names: list[str], found: set[str], where: str) -> SinkResult:
+def _result(sink: str, names: list[str], found: Container[str | None], where: str) -> SinkResult:
     missing = _missing(names, found)
     if missing:
         return SinkResult(sink, False, f"no {where} for {missing}")

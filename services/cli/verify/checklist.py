@@ -103,7 +103,7 @@ def weight_sync_check(run: SmokeRun, rows: list[MetricsRow]) -> Check:
     ]
     if not rollouts or behind:
         return Check("weight-sync", "fail", f"no trained policy version reached {', '.join(behind) or 'any rollout'}")
-    versions = ", ".join(f"{name} at version {int(s.policy_version)}" for name, s in rollouts.items())
+    versions = ", ".join(f"{name} at version {int(s.policy_version or 0)}" for name, s in rollouts.items())
     return logprobs_match(rows, versions)
 
 

@@ -13,15 +13,20 @@ Abandoned steps are not checked: no loader uses them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
 from services.common.model.lora import attach_adapters, base_identity
 from services.common.model.modeling import load_model
+from services.common.transport.model_source import resolve_model
 from services.common.transport.storage import ObjectStore, open_store
 from services.trainer.checkpointing.state import Checkpoint, ModuleLayout, load_untied, widened
 from services.trainer.checkpointing.store import UNREADABLE, CheckpointStore
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 @dataclass(frozen=True)
@@ -43,13 +48,15 @@ class Policy:
     when the run trains them (then a checkpoint holds those alone, over the base whose hash ``base_sha256`` is)."""
 
     def __init__(self, cfg: RunConfig):
-        self.model: torch.nn.Module = load_model(cfg.model.path, "float32")
+        cfg = resolve_model(cfg)  # model.path's URL as the folder it was fetched to (fetched now if need be)
+        self.folder = cfg.model.folder
+        self.model: PreTrainedModel | PeftModel = load_model(self.folder, "float32")
         self.adapter_names: set[str] | None = None
         self.base_sha256 = ""
         if cfg.model.lora is not None:
-            self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
+            self.model = attach_adapters(self.model, cfg.model.lora, self.folder)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
-            self.base_sha256 = base_identity(cfg.model.path)[1]
+            self.base_sha256 = base_identity(self.folder)[1]
 
     def load(self, ckpt: Checkpoint) -> None:
         """``ckpt``'s weights into the model, all or nothing; ValueError naming both hashes when its adapters were

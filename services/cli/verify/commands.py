@@ -221,7 +221,7 @@ def register(app: typer.Typer, checkpoints_app: typer.Typer) -> None:
             _plain("rlpipe checkpoints verify: give STEP or --all, not both")
             raise typer.Exit(2)
         if config is None:
-            run_dir = ctx.obj.run_dir if ctx.obj is not None else None
+            run_dir: Path | None = ctx.obj.run_dir if ctx.obj is not None else None
             if run_dir is None or not (run_dir / "effective-config.yaml").is_file():
                 _plain("rlpipe checkpoints verify: no --config given and no runs/*/effective-config.yaml found")
                 raise typer.Exit(2)

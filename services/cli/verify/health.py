@@ -190,15 +190,19 @@ def role_resources(role: str, trends: list[ResourceTrend]) -> tuple[list[str], l
         for t in trends
         if leaked(t.settled_gib, t.last_gib)
     ]
-    on_gpu = [t for t in trends if t.settled_gpu_gib is not None and t.last_gpu_gib is not None]
+    on_gpu = [
+        (t.pid, t.settled_gpu_gib, t.last_gpu_gib)
+        for t in trends
+        if t.settled_gpu_gib is not None and t.last_gpu_gib is not None
+    ]
     if on_gpu:
-        gpu_before, gpu_after = sum(t.settled_gpu_gib for t in on_gpu), sum(t.last_gpu_gib for t in on_gpu)
+        gpu_before, gpu_after = sum(before for _, before, _ in on_gpu), sum(after for _, _, after in on_gpu)
         evidence.append(f"{role} GPU memory {gpu_before:.2f} -> {gpu_after:.2f} GiB")
         problems += [
-            f"{role} (pid {t.pid}) GPU memory grew {t.last_gpu_gib - t.settled_gpu_gib:.2f} GiB after the first step "
-            f"({t.settled_gpu_gib:.2f} -> {t.last_gpu_gib:.2f})"
-            for t in on_gpu
-            if leaked(t.settled_gpu_gib, t.last_gpu_gib)
+            f"{role} (pid {pid}) GPU memory grew {after - before:.2f} GiB after the first step "
+            f"({before:.2f} -> {after:.2f})"
+            for pid, before, after in on_gpu
+            if leaked(before, after)
         ]
     peaks = [t.gpu_util_peak_pct for t in trends if t.gpu_util_peak_pct is not None]
     if peaks:

@@ -24,7 +24,7 @@ reference). Import from this package; the modules are its layout, not its interf
 
 from services.common.config.alerts import AlertAction, AlertCondition, AlertRule, AlertsConfig, default_alert_rules
 from services.common.config.base import ENV_PREFIX, SECRETS_DIRS, Change, ConfigError, Section
-from services.common.config.generation import RolloutConfig, SamplingConfig
+from services.common.config.generation import HfEngineConfig, RolloutConfig, SamplingConfig
 from services.common.config.live import (
     change_class,
     classes_under,
@@ -42,10 +42,11 @@ from services.common.config.loading import (
     parse_overrides,
     parse_value,
 )
-from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig
+from services.common.config.model import DataColumns, DataConfig, LoraConfig, ModelConfig, ModelFetchConfig
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
+    Role,
     ServiceConfig,
     SupervisionConfig,
     TelemetryConfig,
@@ -62,6 +63,7 @@ from services.common.config.sections import (
     AdminCredentials,
     BuildInfo,
     DeploymentEnvironment,
+    ModelCredentials,
     RunConfig,
     RunsLocation,
     S3Credentials,
@@ -92,15 +94,19 @@ __all__ = [
     "DataColumns",
     "DataConfig",
     "DeploymentEnvironment",
+    "HfEngineConfig",
     "KLConfig",
     "LoraConfig",
     "ModelConfig",
+    "ModelCredentials",
+    "ModelFetchConfig",
     "NatsConfig",
     "OverlongPenaltyConfig",
     "ReferenceConfig",
     "RewardConfig",
     "RewardHttpConfig",
     "RewardModelConfig",
+    "Role",
     "RolloutConfig",
     "RunConfig",
     "RunsLocation",

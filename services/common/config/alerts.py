@@ -29,11 +29,11 @@ class AlertRule(Section):
     metric: str = Field(description="a metric of the trainer's step rows or a status metric (docs/metrics.md)")
     condition: AlertCondition = Field(description="above | below | nan | absent | rises_by | falls_by (see above)")
     threshold: float = Field(
-        0.0, description="the bound, in the metric's unit; relative for rises_by/falls_by (1.0 = doubled)"
+        default=0.0, description="the bound, in the metric's unit; relative for rises_by/falls_by (1.0 = doubled)"
     )
-    window_steps: int = Field(1, ge=1, description="step rows the condition is judged over (steps)")
-    window_s: float = Field(60.0, gt=0, description="for absent: how long the metric may be missing (seconds)")
-    severity: Literal["info", "warning", "critical"] = Field("warning", description="carried by the firing")
+    window_steps: int = Field(default=1, ge=1, description="step rows the condition is judged over (steps)")
+    window_s: float = Field(default=60.0, gt=0, description="for absent: how long the metric may be missing (seconds)")
+    severity: Literal["info", "warning", "critical"] = Field(default="warning", description="carried by the firing")
     actions: list[AlertAction] = Field(
         default_factory=lambda: ["notify"],
         description="notify (log and webhook) | pause | stop | rollback (to the last stable checkpoint), in order",
@@ -175,6 +175,16 @@ def default_alert_rules() -> list[AlertRule]:
             "window_steps": 3,
         },
         {
+            # The trainer's link busier than 0.8 of telemetry.link_mib_s in one direction for 5 steps: the bus and the
+            # weights it serves queue behind each other, so steps wait on the network. Only with link_mib_s set (the
+            # metric is absent otherwise, and a rule whose metric is absent is not judged).
+            "name": "network_saturated",
+            "metric": "network/link_use_frac",
+            "condition": "above",
+            "threshold": 0.8,
+            "window_steps": 5,
+        },
+        {
             # Free space on the runs directory (and a file:// store) is less than two saves need.
             "name": "disk_space_low",
             "metric": "disk_free_saves",
@@ -187,19 +197,23 @@ def default_alert_rules() -> list[AlertRule]:
 
 
 class AlertsConfig(Section):
-    enabled: Live[bool] = Field(True, description="judge the rules; false = no alert fires")
-    webhook_url: Security[str] = Field("", description="each firing is POSTed here as JSON; empty = log only")
+    enabled: Live[bool] = Field(default=True, description="judge the rules; false = no alert fires")
+    webhook_url: Security[str] = Field(default="", description="each firing is POSTed here as JSON; empty = log only")
     webhook_retries: Live[int] = Field(
-        3, ge=0, description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff"
+        default=3,
+        ge=0,
+        description="retries of a failed webhook POST (an error or a non-2xx answer), with doubling backoff",
     )
-    webhook_backoff_s: Live[float] = Field(1.0, gt=0, description="wait before the first webhook retry, doubled after")
+    webhook_backoff_s: Live[float] = Field(
+        default=1.0, gt=0, description="wait before the first webhook retry, doubled after"
+    )
     heartbeat_s: Live[float] = Field(
-        300.0,
+        default=300.0,
         ge=0,
         description="the trainer POSTs a `watchdog` firing to the webhook this often (0 = never), so a dead-man "
         "receiver notices when alerts could no longer reach anyone",
     )
-    cooldown_steps: Live[int] = Field(20, ge=0, description="a rule that fired stays quiet this many steps")
+    cooldown_steps: Live[int] = Field(default=20, ge=0, description="a rule that fired stays quiet this many steps")
     rules: Live[list[AlertRule]] = Field(
         default_factory=default_alert_rules,
         description="the rules judged after every step; setting them replaces the defaults (listed below)",

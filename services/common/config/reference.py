@@ -80,7 +80,7 @@ def _bounds(info: FieldInfo) -> str:
 def _default(info: FieldInfo) -> str:
     if info.default is PydanticUndefined and info.default_factory is None:
         return "required"
-    value = info.default if info.default_factory is None else info.default_factory()
+    value = info.get_default(call_default_factory=True)
     if isinstance(value, BaseModel):
         return "(section)"
     if isinstance(value, list) and value and isinstance(value[0], BaseModel):

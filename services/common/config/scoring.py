@@ -19,16 +19,17 @@ class RewardModelConfig(Section):
     path: Security[Path] = Field(
         description="AutoModelForSequenceClassification folder (config.json, weights, tokenizer)"
     )
-    weight: Restart[float] = Field(1.0, description="its score's weight in the reward, beside reward.functions")
-    batch_size: Restart[int] = Field(16, ge=1, description="pairs per forward pass")
+    weight: Restart[float] = Field(default=1.0, description="its score's weight in the reward, beside reward.functions")
+    batch_size: Restart[int] = Field(default=16, ge=1, description="pairs per forward pass")
     max_length: Restart[int] = Field(
-        512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer"
+        default=512, ge=8, description="tokens per pair; longer ones lose their start, keeping the answer"
     )
     device: Restart[Literal["auto", "cpu", "cuda"]] = Field(
-        "auto", description="auto = CUDA when this replica sees a GPU; cuda without one stops the replica at start"
+        default="auto",
+        description="auto = CUDA when this replica sees a GPU; cuda without one stops the replica at start",
     )
     normalize: Restart[bool] = Field(
-        True, description="score = sigmoid(logit), in (0, 1) like the rule functions; false = the raw logit"
+        default=True, description="score = sigmoid(logit), in (0, 1) like the rule functions; false = the raw logit"
     )
 
     @field_validator("path")
@@ -43,28 +44,30 @@ class RewardHttpConfig(Section):
     """A remote reward service: batched JSON POSTs of (prompt, completion, answer, metadata) -> scores."""
 
     url: Security[str] = Field(pattern=r"^https?://\S+$", description="the endpoint taking the POST (docs/rewards.md)")
-    weight: Restart[float] = Field(1.0, description="its score's weight in the reward, beside reward.functions")
+    weight: Restart[float] = Field(default=1.0, description="its score's weight in the reward, beside reward.functions")
     timeout_s: Restart[float] = Field(
-        10.0, gt=0, description="one request's limit; a slower answer counts as a failure"
+        default=10.0, gt=0, description="one request's limit; a slower answer counts as a failure"
     )
     retries: Restart[int] = Field(
-        2, ge=0, description="retries of a failed request before the group waits for the service"
+        default=2, ge=0, description="retries of a failed request before the group waits for the service"
     )
-    backoff_s: Restart[float] = Field(0.5, gt=0, description="wait before the first retry, doubled for each next one")
-    max_concurrency: Restart[int] = Field(4, ge=1, description="requests in flight at once from one replica")
-    batch_size: Restart[int] = Field(64, ge=1, description="completions per request")
+    backoff_s: Restart[float] = Field(
+        default=0.5, gt=0, description="wait before the first retry, doubled for each next one"
+    )
+    max_concurrency: Restart[int] = Field(default=4, ge=1, description="requests in flight at once from one replica")
+    batch_size: Restart[int] = Field(default=64, ge=1, description="completions per request")
     headers_from_env: Security[dict[str, str]] = Field(
         default_factory=dict,
         description="header name -> environment variable holding its value (a token stays out of the YAML)",
     )
     token_file: Security[Path | None] = Field(
-        None,
+        default=None,
         description="file holding the bearer token sent as 'Authorization: Bearer <token>' (one line of printable "
         "ASCII), read before each batch: rewrite the file to rotate the token without a restart. A file that is "
         "missing or holds no sendable token stops the start; met while running, it holds the groups and alerts",
     )
     max_response_bytes: Restart[int] = Field(
-        1 << 20,
+        default=1 << 20,
         ge=1024,
         description="bytes; a longer answer is the service's fault (the groups wait) and is never read whole",
     )
@@ -113,7 +116,9 @@ class OverlongPenaltyConfig(Section):
         description="the soft zone below max_tokens: over max_tokens - buffer_tokens the score falls linearly from 0 "
         "to -1 at max_tokens (tokens)",
     )
-    weight: Restart[float] = Field(1.0, gt=0, description="its score's weight in the reward, beside reward.functions")
+    weight: Restart[float] = Field(
+        default=1.0, gt=0, description="its score's weight in the reward, beside reward.functions"
+    )
 
     @model_validator(mode="after")
     def _buffer_inside_the_limit(self) -> OverlongPenaltyConfig:
@@ -131,24 +136,24 @@ class RewardConfig(Section):
         description="name or 'module:function' import path -> weight (docs/rewards.md)",
     )
     function_timeout_s: Restart[float] = Field(
-        10.0, gt=0, description="one function on one completion; past it that score is 0 and the call is killed"
+        default=10.0, gt=0, description="one function on one completion; past it that score is 0 and the call is killed"
     )
-    model: RewardModelConfig | None = Field(None, description="a reward model, scored as 'model'")
-    http: RewardHttpConfig | None = Field(None, description="a remote reward service, scored as 'http'")
+    model: RewardModelConfig | None = Field(default=None, description="a reward model, scored as 'model'")
+    http: RewardHttpConfig | None = Field(default=None, description="a remote reward service, scored as 'http'")
     overlong_penalty: OverlongPenaltyConfig | None = Field(
-        None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
+        default=None, description="penalise completions near or past a length limit, scored as 'overlong'; null: off"
     )
     environment_weight: Live[float] = Field(
-        0.0,
+        default=0.0,
         description="weight of the environment's own reward, its StepResult.reward_part summed over an episode, "
         "scored as 'environment' (multi-turn runs; docs/agents.md); 0 = reported only, not trained on",
     )
-    replicas: Restart[int] = Field(1, ge=1, description="reward processes `rlpipe run` starts (count)")
+    replicas: Restart[int] = Field(default=1, ge=1, description="reward processes `rlpipe run` starts (count)")
     batch: Restart[int] = Field(
-        64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)"
+        default=64, ge=1, description="rollout groups one reward replica pulls and scores together (groups)"
     )
     max_abs_reward: Restart[float] = Field(
-        100.0,
+        default=100.0,
         gt=0,
         description="largest |reward| a completion may get (reward units: the weighted sum of the parts); a group "
         "with a larger or non-finite one is an input fault, dead-lettered with the reason instead of trained on",
@@ -178,13 +183,13 @@ class RewardConfig(Section):
 
 
 class ReferenceConfig(Section):
-    model_path: Security[Path | None] = Field(None, description="defaults to model.path")
-    replicas: Restart[int] = Field(1, ge=1, description="reference processes `rlpipe run` starts (count)")
+    model_path: Security[Path | None] = Field(default=None, description="defaults to model.path")
+    replicas: Restart[int] = Field(default=1, ge=1, description="reference processes `rlpipe run` starts (count)")
     batch: Restart[int] = Field(
-        32, ge=1, description="scored groups one reference replica pulls and runs together (groups)"
+        default=32, ge=1, description="scored groups one reference replica pulls and runs together (groups)"
     )
     micro_batch_tokens: Restart[int | None] = Field(
-        None,
+        default=None,
         ge=1,
         description="most tokens one reference forward pass holds, padding included: a pulled batch's sequences are "
         "sorted by length and cut into passes of n sequences padded to their longest L with n * L <= "

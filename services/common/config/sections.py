@@ -19,6 +19,7 @@ from services.common.config.model import DataConfig, ModelConfig
 from services.common.config.operations import (
     AdminConfig,
     CostConfig,
+    Role,
     ServiceConfig,
     SupervisionConfig,
     TelemetryConfig,
@@ -32,8 +33,27 @@ class S3Credentials(BaseSettings):
     """Read only from the environment or a secrets file, never from YAML, never logged."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_S3_", extra="ignore", secrets_dir=SECRETS_DIRS)
-    access_key: str = Field("", repr=False, description="S3 access key id (RLPIPE_S3_ACCESS_KEY)")
-    secret_key: str = Field("", repr=False, description="S3 secret access key (RLPIPE_S3_SECRET_KEY)")
+    access_key: str = Field(default="", repr=False, description="S3 access key id (RLPIPE_S3_ACCESS_KEY)")
+    secret_key: str = Field(default="", repr=False, description="S3 secret access key (RLPIPE_S3_SECRET_KEY)")
+
+
+class ModelCredentials(BaseSettings):
+    """What a fetch of model.path (s3:// or hf://) signs with; only from the environment or a secrets file."""
+
+    model_config = SettingsConfigDict(env_prefix="RLPIPE_MODEL_", extra="ignore", secrets_dir=SECRETS_DIRS)
+    s3_access_key: str = Field(
+        default="",
+        repr=False,
+        description="S3 access key id for an s3:// model (RLPIPE_MODEL_S3_ACCESS_KEY); empty = RLPIPE_S3_ACCESS_KEY",
+    )
+    s3_secret_key: str = Field(
+        default="", repr=False, description="its secret key (RLPIPE_MODEL_S3_SECRET_KEY); empty = RLPIPE_S3_SECRET_KEY"
+    )
+    hub_token: str = Field(
+        default="",
+        repr=False,
+        description="bearer token for model.fetch.hub_endpoint (RLPIPE_MODEL_HUB_TOKEN); empty = none",
+    )
 
 
 class AdminCredentials(BaseSettings):
@@ -41,7 +61,7 @@ class AdminCredentials(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore", secrets_dir=SECRETS_DIRS)
     token: str = Field(
-        "", repr=False, description="the admin bearer token (RLPIPE_ADMIN_TOKEN); empty = admin.token_file"
+        default="", repr=False, description="the admin bearer token (RLPIPE_ADMIN_TOKEN); empty = admin.token_file"
     )
 
 
@@ -51,7 +71,7 @@ class WeightSyncCredentials(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_WEIGHTSYNC_", extra="ignore", secrets_dir=SECRETS_DIRS)
     token: str = Field(
-        "",
+        default="",
         repr=False,
         description="bearer token every WeightSync call must carry (RLPIPE_WEIGHTSYNC_TOKEN); empty = the port is "
         "open (refused in prod)",
@@ -63,46 +83,54 @@ class RunsLocation(BaseSettings):
     RLPIPE_RUNS_DIR, the same variable that sets a run's ``runs_dir``, else ``runs``."""
 
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
-    runs_dir: Path = Field(Path("runs"), description="folder of run directories (RLPIPE_RUNS_DIR)")
+    runs_dir: Path = Field(default=Path("runs"), description="folder of run directories (RLPIPE_RUNS_DIR)")
 
 
 class RunConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, env_nested_delimiter="__", extra="forbid")
 
     run_id: DeployTime[str] = Field(
-        "run",
+        default="run",
         pattern=r"^[A-Za-z0-9_-]{1,64}$",
         description="names the run's streams, buckets, checkpoint prefix and run directory (1-64 letters, digits, "
         "_ or -)",
     )
     environment: DeployTime[Literal["dev", "test", "prod"] | None] = Field(
-        None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
+        default=None, description="the deployment this config is for; a run refuses it when RLPIPE_ENV names another"
     )
     runs_dir: Security[Path] = Field(
-        Path("runs"), description="folder of run directories (logs, metrics, samples; file:// checkpoints by default)"
+        default=Path("runs"),
+        description="folder of run directories (logs, metrics, samples; file:// checkpoints by default)",
     )
-    metrics_path: Security[Path | None] = Field(None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl")
+    metrics_path: Security[Path | None] = Field(
+        default=None, description="defaults to <runs_dir>/<run_id>/metrics.jsonl"
+    )
     model: ModelConfig = Field(description="the policy model")
     data: DataConfig = Field(description="the prompts to train and evaluate on")
-    sampling: SamplingConfig = Field(SamplingConfig(), description="how rollouts sample completions")
-    train: TrainConfig = Field(TrainConfig(), description="the learning algorithm and its optimizer")
-    checkpoint: CheckpointConfig = Field(CheckpointConfig(), description="where and how often checkpoints are kept")
-    nats: NatsConfig = Field(NatsConfig(), description="the broker and its streams")
-    rollout: RolloutConfig = Field(RolloutConfig(), description="the rollout role and its engine")
-    reward: RewardConfig = Field(RewardConfig(), description="the reward role: functions, a model, a remote service")
-    reference: ReferenceConfig = Field(ReferenceConfig(), description="the reference role")
-    service: ServiceConfig = Field(ServiceConfig(), description="ports, hosts and logs every service shares")
-    trainer: TrainerConfig = Field(TrainerConfig(), description="the trainer's processes")
+    sampling: SamplingConfig = Field(default=SamplingConfig(), description="how rollouts sample completions")
+    train: TrainConfig = Field(default=TrainConfig(), description="the learning algorithm and its optimizer")
+    checkpoint: CheckpointConfig = Field(
+        default=CheckpointConfig(), description="where and how often checkpoints are kept"
+    )
+    nats: NatsConfig = Field(default=NatsConfig(), description="the broker and its streams")
+    rollout: RolloutConfig = Field(default=RolloutConfig(), description="the rollout role and its engine")
+    reward: RewardConfig = Field(
+        default=RewardConfig(), description="the reward role: functions, a model, a remote service"
+    )
+    reference: ReferenceConfig = Field(default=ReferenceConfig(), description="the reference role")
+    service: ServiceConfig = Field(default=ServiceConfig(), description="ports, hosts and logs every service shares")
+    trainer: TrainerConfig = Field(default=TrainerConfig(), description="the trainer's processes")
     supervision: SupervisionConfig = Field(
-        SupervisionConfig(), description="how `rlpipe run` restarts and stops services"
+        default=SupervisionConfig(), description="how `rlpipe run` restarts and stops services"
     )
-    admin: AdminConfig = Field(AdminConfig(), description="the trainer's Admin gRPC API")
+    admin: AdminConfig = Field(default=AdminConfig(), description="the trainer's Admin gRPC API")
     weight_sync: WeightSyncConfig = Field(
-        WeightSyncConfig(), description="TLS of the trainer's WeightSync port (its token: RLPIPE_WEIGHTSYNC_TOKEN)"
+        default=WeightSyncConfig(),
+        description="TLS of the trainer's WeightSync port (its token: RLPIPE_WEIGHTSYNC_TOKEN)",
     )
-    telemetry: TelemetryConfig = Field(TelemetryConfig(), description="metrics endpoints, files and trackers")
-    alerts: AlertsConfig = Field(AlertsConfig(), description="alert rules and where firings go")
-    cost: CostConfig = Field(CostConfig(), description="prices per device-hour, for the run's cost lines")
+    telemetry: TelemetryConfig = Field(default=TelemetryConfig(), description="metrics endpoints, files and trackers")
+    alerts: AlertsConfig = Field(default=AlertsConfig(), description="alert rules and where firings go")
+    cost: CostConfig = Field(default=CostConfig(), description="prices per device-hour, for the run's cost lines")
 
     @classmethod
     def settings_customise_sources(
@@ -124,6 +152,26 @@ class RunConfig(BaseSettings):
             raise ValueError(
                 f"train.lost_after_s ({self.train.lost_after_s}) must exceed nats.ack_wait_s x nats.max_deliver "
                 f"({retrying_s}): a group that stages still retry would be recorded as lost"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _deterministic_runs_have_one_of_each(self) -> RunConfig:
+        # Two replicas of a role share its queue by whoever pulls first, and two trainer processes reduce gradients
+        # across processes (not verified to be reproducible): either would make a run depend on timing.
+        if not self.train.deterministic:
+            return self
+        several = {
+            "rollout.replicas": self.rollout.replicas,
+            "reward.replicas": self.reward.replicas,
+            "reference.replicas": self.reference.replicas,
+            "trainer.nproc": self.trainer.nproc,
+        }
+        problems = [f"{name} is {count}" for name, count in several.items() if count > 1]
+        if problems:
+            raise ValueError(
+                f"train.deterministic needs one process of every role, and {', '.join(problems)}: set them to 1 or "
+                "train.deterministic: false"
             )
         return self
 
@@ -176,6 +224,40 @@ class RunConfig(BaseSettings):
             )
         return self
 
+    @model_validator(mode="after")
+    def _gpu_shares_fit_one_gpu(self) -> RunConfig:
+        # Shares are of one GPU that the named roles' processes share: together they cannot claim more than all of
+        # it. vLLM takes its share as rollout.gpu_memory_utilization, which a rollout's share therefore replaces
+        # (every reload of a dumped config sees both, so the share must win rather than conflict).
+        shares, rollout = self.service.gpu_memory_fraction, self.rollout
+        if "rollout" in shares and rollout.backend == "vllm":
+            rollout.gpu_memory_utilization = shares["rollout"]
+        replicas: dict[Role, int] = {
+            "trainer": 1,
+            "reference": self.reference.replicas,
+            "reward": self.reward.replicas,
+            "rollout": rollout.replicas if isinstance(rollout.replicas, int) else 0,  # auto: the launcher's count
+        }
+        terms: dict[Role, float] = {role: shares[role] * count for role, count in replicas.items() if role in shares}
+        if sum(terms.values()) > 1 + 1e-9:
+            said = " + ".join(f"{role} {shares[role]:g} x {replicas[role]}" for role in terms)
+            raise ValueError(
+                f"service.gpu_memory_fraction: the processes sharing one GPU would take {sum(terms.values()):.3f} of "
+                f"its memory ({said}); at most 1: lower a share or a role's replicas"
+            )
+        if rollout.replicas == "auto":
+            if self.trainer.nproc > 1:
+                raise ValueError(
+                    f"rollout.replicas: auto places every role on one GPU, and trainer.nproc {self.trainer.nproc} "
+                    "wants a GPU per trainer process: give rollout.replicas a count"
+                )
+            if rollout.tensor_parallel_size > 1:
+                raise ValueError(
+                    f"rollout.replicas: auto places every role on one GPU, and rollout.tensor_parallel_size "
+                    f"{rollout.tensor_parallel_size} shards each engine over several: give rollout.replicas a count"
+                )
+        return self
+
     @field_validator("reward")
     @classmethod
     def _known_reward_functions(cls, reward: RewardConfig) -> RewardConfig:
@@ -198,7 +280,7 @@ class RunConfig(BaseSettings):
 
     @property
     def reference_model_path(self) -> Path:
-        return self.reference.model_path or self.model.path
+        return self.reference.model_path or self.model.folder
 
     @property
     def trainer_address(self) -> str:
@@ -209,8 +291,8 @@ class BuildInfo(BaseSettings):
     """What is running: baked into images as RLPIPE_BUILD_VERSION / RLPIPE_BUILD_REVISION, reported by status."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_BUILD_", extra="ignore")
-    version: str = Field("", description="the package version; empty = the installed rlpipe's")
-    revision: str = Field("", description="the source revision; empty = the git checkout's short hash")
+    version: str = Field(default="", description="the package version; empty = the installed rlpipe's")
+    revision: str = Field(default="", description="the source revision; empty = the git checkout's short hash")
 
     def resolved(self) -> BuildInfo:
         """Fill what the environment left empty from the installed package and the git checkout."""
@@ -237,4 +319,4 @@ class DeploymentEnvironment(BaseSettings):
     """``RLPIPE_ENV``: which deployment this machine belongs to (dev, test or prod)."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_", extra="ignore")
-    env: str = Field("", description="this machine's deployment (dev, test or prod); empty = any")
+    env: str = Field(default="", description="this machine's deployment (dev, test or prod); empty = any")

@@ -108,7 +108,7 @@ class EnvironmentFailed(Exception):
 
     def __init__(self, outcome: Literal["env_error", "timeout"], reason: str, refused: str = ""):
         super().__init__(reason)
-        self.outcome = outcome
+        self.outcome: Literal["env_error", "timeout"] = outcome
         self.refused = refused
 
 
@@ -180,7 +180,8 @@ def evaluate_arithmetic(expression: str) -> int | float:
 
 
 def _evaluate(node: ast.expr) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    # A number, not a bool (True is an int too): the parser gives plain ints and floats.
+    if isinstance(node, ast.Constant) and isinstance(node.value, int | float) and not isinstance(node.value, bool):
         if abs(node.value) > MAX_MAGNITUDE:
             raise ToolError(f"number above {MAX_MAGNITUDE:g}")
         return node.value

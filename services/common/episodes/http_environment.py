@@ -10,12 +10,12 @@ docs/agents.md has the schema. Failure policy: ``services.common.transport.http_
 reward shares. No connection, no answer within ``rollout.environment_timeout_s``, a 5xx, 408 or 429, or an answer off
 the schema is transient, retried ``rollout.environment_retries`` times with doubling backoff; a 400 or 422 is the
 environment rejecting this turn (the episode ends as env_error, nothing retried, the breaker untouched); any other
-status, a TLS or a DNS failure says the URL or the service is wrong and opens the breaker at once. Every client
-shares one breaker: while it is open no request is sent and the episodes asking end as env_error (a reset, which no
-episode has spent tokens on yet, holds the batch instead: see ``episodes.start_episodes``; a reset the service
-refuses, by status, TLS or DNS, holds it as ``DependencyRefused``, which alerts at once). Opening logs
-``environment_service_down`` (an alert), closing ``environment_service_recovered``. The client sends no
-credential of its own.
+status (a redirect too: none is followed, so no prompt or answer goes to the host it names), a TLS or a DNS failure
+says the URL or the service is wrong and opens the breaker at once. Every client shares one breaker: while it is
+open no request is sent and the episodes asking end as env_error (a reset, which no episode has spent tokens on yet,
+holds the batch instead: see ``episodes.start_episodes``; a reset the service refuses, by status, TLS or DNS,
+holds it as ``DependencyRefused``, which alerts at once). Opening logs ``environment_service_down`` (an alert),
+closing ``environment_service_recovered``. The client sends no credential of its own.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from services.common.episodes.environments import EnvironmentFailed, StepResult,
 from services.common.observe.events import Event
 from services.common.transport.breaker import BreakerState, CircuitBreaker
 from services.common.transport.http_dependency import (
+    NO_REDIRECTS,
     BreakerOpen,
     DependencyEvents,
     Fault,
@@ -67,12 +68,17 @@ def _post(url: str, payload: dict[str, Any], timeout_s: float) -> dict[str, Any]
         url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}, method="POST"
     )
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with NO_REDIRECTS.open(request, timeout=timeout_s) as response:
             body = response.read(MAX_RESPONSE_BYTES + 1)
     except urllib.error.HTTPError as error:
         status, fault = error.code, fault_of_status(error.code)
         if fault == Fault.INPUT:
             raise RequestFailed(Verdict(fault, "rejected", f"{url} rejected the turn with {status}")) from None
+        if 300 <= status < 400:  # persistent: the prompt, the answer and the episode go nowhere else
+            moved = f"{url} answered {status} to {error.headers.get('Location', '')!r}, which is not followed"
+            raise RequestFailed(
+                Verdict(fault, f"http_{status}", f"{moved}: set rollout.environment_url to the service")
+            ) from None
         raise RequestFailed(Verdict(fault, f"http_{status}", f"{url} answered {status}")) from None
     except (urllib.error.URLError, OSError) as error:
         raise RequestFailed(judge_error(error, url, timeout_s)) from None

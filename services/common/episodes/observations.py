@@ -18,7 +18,10 @@ its message closed as the template closes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Contents no template produces by itself: where they land in the rendering marks the message's bounds.
 REPLY, OBSERVATION = "rlpipe-reply-7f3a", "rlpipe-observation-7f3a"
@@ -32,13 +35,21 @@ class Tokenizer(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def episode_tokenizer(tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
+    """A Hugging Face tokenizer as the episode loop's ``Tokenizer``, which it is: transformers' annotations do not
+    show it (the special-token ids come from ``__getattr__``, and ``decode`` is typed for a batch of sequences too)."""
+    return tokenizer  # pyright: ignore[reportReturnType]  (transformers' annotations, see above)
+
+
 class ObservationFormat(Protocol):
     """The rule the episode loop follows after each model turn."""
 
-    eos_ends_episode: bool
+    @property
+    def eos_ends_episode(self) -> bool: ...
 
     def tokens(self, observation: str, turn_ended_with_eos: bool) -> list[int]:
         """The tokens appended (loss mask 0) for ``observation`` after a model turn."""
+        ...
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 
@@ -52,17 +52,20 @@ from services.common.observe.instruments import LATENCY_BUCKETS_S
 from services.common.observe.logs import log_event
 from services.common.observe.telemetry import meter
 from services.common.refusal import StartRefused
+from services.common.seeding import sampling_seed
 from services.common.transport.breaker import DependencyRefused, DependencyUnavailable
 from services.common.transport.messages import Completion, Episode, Prompt, RolloutGroup, advance
 
 log = logging.getLogger(__name__)
 
 Outcome = Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
+Argument = TypeVar("Argument", Task, Turn)  # what an environment's call takes
 # Outcomes that cut the episode short of an answer: its completion reads as one that ran out of length.
 CUT_SHORT: tuple[Outcome, ...] = ("max_turns", "max_tokens", "truncated")
 
-# (contexts, max new tokens for each) -> one turn each: the engine call, on the engine's thread.
-TurnGenerator = Callable[[list[list[int]], list[int]], Awaitable[list[Generation]]]
+# (contexts, max new tokens for each[, each one's seed]) -> one turn each: the engine call, on the engine's thread.
+# The seeds come only from a run_episodes given a run seed.
+TurnGenerator = Callable[..., Awaitable[list[Generation]]]
 
 
 class EpisodeEnvironment(Protocol):
@@ -109,7 +112,7 @@ class LocalEnvironment:
     async def close(self) -> None:
         pass  # the plugin instance is the episode's own: it goes with the episode
 
-    async def _call(self, method: Callable[[Task], object] | Callable[[Turn], object], argument: Task | Turn) -> object:
+    async def _call(self, method: Callable[[Argument], object], argument: Argument) -> object:
         try:
             call = asyncio.get_running_loop().run_in_executor(ENVIRONMENT_THREADS, method, argument)
             return await asyncio.wait_for(call, self.timeout_s)
@@ -145,12 +148,18 @@ class EpisodeState:
     prompt_len: int
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)
+    # The policy version of each token after the prompt, where the generations say theirs (Generation.policy_version:
+    # the rollout's); an observation carries the version of the turn it answers. Empty in the trainer's evaluation.
+    versions: list[int] = field(default_factory=list)
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
     env_seconds: float = 0.0
     env_reward: float = 0.0  # the environment's own reward parts, summed: trained on with reward.environment_weight
     outcome: Outcome | None = None
+    # (group id, index in the group): what seeds each turn's draws when run_episodes is given a run seed
+    # (train.deterministic); unused otherwise.
+    sample: tuple[str, int] = ("", 0)
 
     @property
     def generated(self) -> int:
@@ -164,15 +173,23 @@ class EpisodeState:
             limits.max_seq_len - len(self.context),
         )
 
-    def completion(self, tokenizer: Tokenizer) -> Completion:
+    @property
+    def newest_version(self) -> int | None:
+        return max(self.versions) if self.versions else None
+
+    def completion(self, tokenizer: Tokenizer, group_version: int | None = None) -> Completion:
+        """The ended episode; per-token versions only where a token's differs from ``group_version``."""
         assert self.outcome is not None, "an episode becomes a completion once it has ended"
         ids = self.context[self.prompt_len :]
+        versions = np.asarray(self.versions, dtype=np.int32)
+        differ = group_version is not None and len(versions) == len(ids) and bool((versions != group_version).any())
         return Completion(
             text=tokenizer.decode(ids, skip_special_tokens=True),
             token_ids=np.asarray(ids, dtype=np.int32),
             logprobs=np.asarray(self.logprobs, dtype=np.float32),
             finish_reason="length" if self.outcome in CUT_SHORT else "stop",
             loss_mask=np.asarray(self.mask, dtype=np.int32),
+            token_versions=versions if differ else None,
             episode=Episode(
                 turns=self.turns,
                 tool_calls=self.tool_calls,
@@ -235,12 +252,16 @@ async def run_episodes(
     tokenizer: Tokenizer,
     observations: ObservationFormat,
     end_tokens: frozenset[int] | None = None,
+    run_seed: int | None = None,
 ) -> None:
     """Run every episode to its end (each gets an ``outcome``), observations appended as ``observations`` says.
     ``end_tokens``: what the engine ends a generation on (``Engine.end_tokens``; default the tokenizer's EOS),
     read as the model ending its message. A prompt that leaves no room for a first turn is the prompt's fault:
-    ValueError, as in single-turn generation."""
-    ends = end_tokens if end_tokens is not None else frozenset({tokenizer.eos_token_id})
+    ValueError, as in single-turn generation. ``run_seed`` (train.deterministic): each turn is drawn with the seed
+    ``sampling_seed(run_seed, group id, index, turn)`` of its episode's ``sample``, passed to ``generate`` as a
+    third argument; None: ``generate`` gets two."""
+    eos = tokenizer.eos_token_id
+    ends = end_tokens if end_tokens is not None else frozenset(() if eos is None else (eos,))
     for episode in episodes:
         if limits.max_seq_len - episode.prompt_len < 1:
             raise ValueError(f"prompt of {episode.prompt_len} tokens leaves no room under {limits.max_seq_len=}")
@@ -250,7 +271,12 @@ async def run_episodes(
         while ready or stepping:
             if ready:
                 turn_of, ready = ready, []
-                generations = await generate([e.context for e in turn_of], [e.room(limits) for e in turn_of])
+                contexts, rooms = [e.context for e in turn_of], [e.room(limits) for e in turn_of]
+                if run_seed is None:
+                    generations = await generate(contexts, rooms)
+                else:
+                    seeds = [sampling_seed(run_seed, *e.sample, e.turns) for e in turn_of]
+                    generations = await generate(contexts, rooms, seeds)
                 for episode, generation in zip(turn_of, generations, strict=True):
                     after = _after_turn(episode, generation, limits, ends, observations)
                     stepping.add(asyncio.create_task(after))
@@ -276,6 +302,8 @@ async def _after_turn(
     episode.context += ids
     episode.logprobs += generation.logprobs.tolist()
     episode.mask += [1] * len(ids)
+    if generation.policy_version is not None:
+        episode.versions += [generation.policy_version] * len(ids)
     episode.turns += 1
     ended_on_end_token = bool(ids) and ids[-1] in end_tokens  # any end token closes the message: no EOS added
     # The model ended its answer (nothing to continue), unless EOS ends a chat message only (observation_role).
@@ -309,6 +337,8 @@ async def _after_turn(
         episode.context += observation
         episode.logprobs += [0.0] * len(observation)
         episode.mask += [0] * len(observation)
+        if generation.policy_version is not None:
+            episode.versions += [generation.policy_version] * len(observation)
     return episode
 
 
@@ -380,11 +410,16 @@ class EpisodeRunner:
         self.limits = EpisodeLimits.of(cfg)
         stop = list(cfg.rollout.turn_stop)
 
+        # train.deterministic: each turn drawn with a seed of its own (services/common/seeding.py).
+        self.run_seed = cfg.train.seed if cfg.train.deterministic else None
+
         async def engine_turns(
-            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+            contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, seeds: list[int] | None = None
         ) -> list[Generation]:
             # on_engine runs the call on the engine's thread and judges its failures
-            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+            if seeds is None:  # an engine that takes no seeds (the hf one) serves unseeded runs
+                return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
+            return await on_engine(generate_turns, contexts, max_tokens, sampling, stop, seeds)
 
         self.turns = TurnBatcher(engine_turns)
         self.metrics = EpisodeMetrics()
@@ -399,22 +434,34 @@ class EpisodeRunner:
     ) -> list[RolloutGroup]:
         tasks = [Task(prompt_id=p.prompt_id, prompt=p.prompt, answer=p.answer, info=p.info) for p in prompts]
         groups = await start_episodes(tasks, self.make_environment, sampling.group_size, self.tokenizer)
+        for prompt, group in zip(prompts, groups, strict=True):
+            for index, episode in enumerate(group):
+                episode.sample = (prompt.group_id, index)
 
-        async def generate(contexts: list[list[int]], max_tokens: list[int]) -> list[Generation]:
-            return await self.turns.generate(contexts, max_tokens, sampling)
+        async def generate(
+            contexts: list[list[int]], max_tokens: list[int], seeds: list[int] | None = None
+        ) -> list[Generation]:
+            return await self.turns.generate(contexts, max_tokens, sampling, seeds)
 
         episodes = [episode for group in groups for episode in group]
-        await run_episodes(episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens)
+        await run_episodes(
+            episodes, generate, self.limits, self.tokenizer, self.observations, self.end_tokens, self.run_seed
+        )
         for group in groups:
             self.metrics.record(group)
+        # A group is tagged with the newest version that sampled a token of it (RolloutGroup.policy_version): its
+        # turns may have run on several (in-flight updates, or another batch's sync between turns).
+        versions = [
+            max((v for e in group if (v := e.newest_version) is not None), default=policy_version) for group in groups
+        ]
         return [
             advance(
                 prompt,
                 RolloutGroup,
                 prompt_ids=np.asarray(group[0].context[: group[0].prompt_len], dtype=np.int32),
-                policy_version=policy_version,
+                policy_version=version,
                 config_version=config_version,
-                completions=[episode.completion(self.tokenizer) for episode in group],
+                completions=[episode.completion(self.tokenizer, version) for episode in group],
             )
-            for prompt, group in zip(prompts, groups, strict=True)
+            for prompt, group, version in zip(prompts, groups, versions, strict=True)
         ]

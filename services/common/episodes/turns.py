@@ -22,10 +22,12 @@ class _TurnRequest:
     max_tokens: list[int]
     sampling: SamplingConfig
     answer: asyncio.Future[list[Generation]]
+    seeds: list[int] | None = None  # each context's own sampling seed (train.deterministic); None: the shared stream
 
 
-# (contexts, max new tokens for each, sampling) -> one turn each: one engine call.
-EngineTurns = Callable[[list[list[int]], list[int], SamplingConfig], Awaitable[list[Generation]]]
+# (contexts, max new tokens for each, sampling[, seeds=each context's seed]) -> one turn each: one engine call. The
+# seeds are passed only when some turn has one, so an engine that takes none serves unseeded runs.
+EngineTurns = Callable[..., Awaitable[list[Generation]]]
 
 
 class TurnBatcher:
@@ -43,10 +45,16 @@ class TurnBatcher:
         self._serving: asyncio.Task[None] | None = None
 
     async def generate(
-        self, contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig
+        self,
+        contexts: list[list[int]],
+        max_tokens: list[int],
+        sampling: SamplingConfig,
+        seeds: list[int] | None = None,
     ) -> list[Generation]:
+        """One turn for each of ``contexts``; with ``seeds``, each drawn with its own (a seeded sample does not
+        depend on which other turns share its engine call)."""
         answer: asyncio.Future[list[Generation]] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_TurnRequest(contexts, max_tokens, sampling, answer))
+        self._waiting.append(_TurnRequest(contexts, max_tokens, sampling, answer, seeds))
         if self._serving is None or self._serving.done():
             self._serving = asyncio.create_task(self._serve())
         return await answer
@@ -66,9 +74,14 @@ class TurnBatcher:
     async def _call(self, taken: list[_TurnRequest], sampling: SamplingConfig) -> None:
         contexts = [context for request in taken for context in request.contexts]
         max_tokens = [tokens for request in taken for tokens in request.max_tokens]
+        seeded = any(request.seeds is not None for request in taken)
+        seeds = [seed for request in taken for seed in request.seeds or [None] * len(request.contexts)]
         self.calls += 1
         try:
-            generations = await self.engine_turns(contexts, max_tokens, sampling)
+            if seeded:
+                generations = await self.engine_turns(contexts, max_tokens, sampling, seeds=seeds)
+            else:
+                generations = await self.engine_turns(contexts, max_tokens, sampling)
         except asyncio.CancelledError:
             for request in taken:
                 request.answer.cancel()

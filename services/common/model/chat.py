@@ -40,13 +40,16 @@ def prompt_text(row: dict[str, Any], tokenizer: PreTrainedTokenizerBase) -> str:
             "give the row a plain 'prompt' or use a chat model"
         )
     try:
-        return tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(row["messages"], tokenize=False, add_generation_prompt=True)
     except Exception as error:  # jinja2's TemplateError, or whatever a template's raise_exception() raises
         roles = sorted({message["role"] for message in row["messages"]})
         raise ChatTemplateRefused(
             f"row {row.get('id', '?')!r}: the model's chat template cannot render its messages (roles {roles}): "
             f"{error}; rewrite the row with roles the template takes"
         ) from None
+    if not isinstance(text, str):  # tokenize=False renders text; transformers types the tokenized forms too
+        raise TypeError(f"the chat template rendered {type(text).__name__}, not text")
+    return text
 
 
 def render_rows(rows: list[dict[str, Any]], tokenizer: PreTrainedTokenizerBase) -> list[dict[str, Any]]:

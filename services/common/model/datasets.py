@@ -301,6 +301,9 @@ def read_rows(path: Path, columns: DataColumns, split: str = "train", limit: int
 
 
 Render = Callable[[dict[str, Any]], str]
+# Rows in, their prompt texts out in the same order (None for None): a renderer that works ahead of the walk
+# (``preprocess.Preprocessor.rendered_ahead``, on data.tokenize_workers processes).
+RenderAhead = Callable[[Iterator[dict[str, Any] | None]], Iterator[str | None]]
 
 
 @dataclass
@@ -394,8 +397,28 @@ def _stream(path: Path, data: DataConfig) -> RowStream:
     return RowStream(indexed, "row", data.columns, data.shuffle_buffer)
 
 
-def open_prompts(data: DataConfig, render: Render | None = None, check_rows: int = 1_000) -> PromptSource:
-    """The training rows of ``data`` for the feeder, each prompt rendered by ``render`` when given.
+class RenderedAhead:
+    """A source whose rows' prompts ``ahead`` renders, a stretch of rows ahead of the walk."""
+
+    def __init__(self, source: PromptSource, ahead: RenderAhead):
+        self.source = source
+        self.ahead = ahead
+
+    def walk(self, epoch: int, start: int, seed: int, shuffle: bool) -> Iterator[Fed]:
+        feds, rows = itertools.tee(self.source.walk(epoch, start, seed, shuffle))
+        texts = self.ahead(fed.row for fed in rows)
+        for fed, text in zip(feds, texts, strict=True):
+            yield Fed(fed.position, fed.index, None if fed.row is None else {**fed.row, "prompt": text})
+
+
+def open_prompts(
+    data: DataConfig,
+    render: Render | None = None,
+    check_rows: int = 1_000,
+    render_ahead: RenderAhead | None = None,
+) -> PromptSource:
+    """The training rows of ``data`` for the feeder, each prompt rendered by ``render`` when given, or by
+    ``render_ahead`` (rows rendered ahead of the walk; ``render`` then only checks the chats at start).
 
     Checked at start: every row of a JSON Lines file or a dataset read whole; the first ``check_rows`` of
     a stream (later bad ones are skipped and logged). DatasetError lists the bad rows by line or index.
@@ -418,5 +441,7 @@ def open_prompts(data: DataConfig, render: Render | None = None, check_rows: int
     if render is not None:
         for chat in scan.chats_by_roles.values():
             render(chat)  # a template missing, or refusing a role, raises ChatTemplateError now, not mid-run
+    if render_ahead is not None:
+        return RenderedAhead(source, render_ahead)
     source.render = render
     return source

@@ -2,61 +2,49 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
+from services.common.config import DataConfig
 from services.common.model.answers import ends_on_answer
-from services.common.model.modeling import Precision
+from services.common.model.batch_generation import generate_batch
+from services.common.model.modeling import Precision, decode_text
+from services.common.model.padding import eos_token_id, pad_token_id
+
+# The run's default (data.eval_batch_size), so an accuracy computed outside a run chunks as the trainer's does.
+EVAL_BATCH_SIZE = DataConfig.model_fields["eval_batch_size"].default
 
 
 def greedy_generate(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[str],
     max_new_tokens: int,
-    batch_size: int = 256,
+    batch_size: int = EVAL_BATCH_SIZE,
     precision: Precision | None = None,
 ) -> list[str]:
     """Greedily complete each prompt and return the text before the first EOS.
 
-    Prompts are left-padded so every row's last prompt token sits at the same
-    position, which is where ``generate`` appends new tokens. The model runs where it is
-    (``model.device``); with ``precision`` (a trainer's fp32 master weights) under its autocast,
-    so held-out accuracy is measured in the dtype the rollouts sample in.
+    ``batch_size`` prompts per ``generate`` call (of like length together), left-padded with ``pad_token_id``'s
+    fallback under an attention mask (``batch_generation.generate_batch``). The model runs where it is
+    (``model.device``); with ``precision`` (a trainer's fp32 master weights) under its autocast, so held-out
+    accuracy is measured in the dtype the rollouts sample in.
     """
-    pad_id = tokenizer.pad_token_id
-    eos_id = tokenizer.eos_token_id
-    was_training = model.training
-    model.eval()
-    completions = []
-    try:
-        for start in range(0, len(prompts), batch_size):
-            encoded = [
-                tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts[start : start + batch_size]
-            ]
-            width = max(len(ids) for ids in encoded)
-            input_ids = torch.tensor([[pad_id] * (width - len(ids)) + ids for ids in encoded])
-            attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in encoded])
-            # no_grad, not inference_mode: the model trains on afterwards, and FSDP2 refills the unsharded
-            # parameters it gathered here in place, which an inference tensor refuses.
-            with torch.no_grad(), precision.autocast() if precision else contextlib.nullcontext():
-                output = model.generate(
-                    input_ids=input_ids.to(model.device),
-                    attention_mask=attention_mask.to(model.device),
-                    do_sample=False,
-                    max_new_tokens=max_new_tokens,
-                    pad_token_id=pad_id,
-                    eos_token_id=eos_id,
-                )
-            for new_ids in output[:, width:].tolist():
-                if eos_id in new_ids:
-                    new_ids = new_ids[: new_ids.index(eos_id)]
-                completions.append(tokenizer.decode(new_ids, skip_special_tokens=True))
-    finally:
-        model.train(was_training)
-    return completions
+    eos_id = eos_token_id(tokenizer)
+    encoded = [tokenizer.encode(prompt, add_special_tokens=False) for prompt in prompts]
+    continuations = generate_batch(
+        model,
+        encoded,
+        [max_new_tokens] * len(encoded),
+        pad_id=pad_token_id(tokenizer),
+        end_tokens=() if eos_id is None else (eos_id,),
+        max_per_call=batch_size,
+        precision=precision,
+    )
+    return [
+        decode_text(tokenizer, c.token_ids[:-1] if c.stopped else c.token_ids, skip_special_tokens=True)
+        for c in continuations
+    ]
 
 
 def strict_match(completion: str, answer: str) -> bool:
@@ -66,18 +54,19 @@ def strict_match(completion: str, answer: str) -> bool:
 
 
 def greedy_accuracy(
-    model: PreTrainedModel,
+    model: torch.nn.Module,  # a transformers model, or peft's wrapper of one
     tokenizer: PreTrainedTokenizerBase,
     rows: list[dict],
     max_new_tokens: int,
     precision: Precision | None = None,
+    batch_size: int = EVAL_BATCH_SIZE,
 ) -> float:
-    """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer`` (``precision``: see
-    ``greedy_generate``)."""
+    """Fraction of ``rows`` whose greedy completion of ``prompt`` matches ``answer`` (``precision``,
+    ``batch_size``: see ``greedy_generate``)."""
     if not rows:
         raise ValueError("greedy_accuracy needs at least one row")
     prompts = [row["prompt"] for row in rows]
-    completions = greedy_generate(model, tokenizer, prompts, max_new_tokens, precision=precision)
+    completions = greedy_generate(model, tokenizer, prompts, max_new_tokens, batch_size, precision)
     correct = sum(answered(c, row) for c, row in zip(completions, rows, strict=False))
     return correct / len(rows)
 

@@ -42,7 +42,7 @@ def peft_config(lora: LoraConfig, base_path: Path | str = "") -> PeftLoraConfig:
 
     return PeftLoraConfig(
         r=lora.r,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # pyright: ignore[reportArgumentType]  (peft annotates an int; it scales by any number)
         lora_dropout=lora.dropout,
         target_modules=list(lora.target_modules),
         base_model_name_or_path=str(base_path),

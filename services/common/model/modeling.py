@@ -7,11 +7,14 @@ response exactly the same way: logits at position t predict the token at t + 1.
 from __future__ import annotations
 
 import contextlib
+import os
+import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -25,11 +28,21 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def load_model(path: Path, dtype: str | torch.dtype = "float32") -> PreTrainedModel:
     if not (Path(path) / "config.json").is_file():
         raise FileNotFoundError(f"no Hugging Face model at {str(path)!r} (config.json missing)")
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=DTYPES.get(dtype, dtype))
+    return AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=DTYPES.get(dtype, dtype) if isinstance(dtype, str) else dtype
+    )
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def decode_text(tokenizer: PreTrainedTokenizerBase, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one sequence of ids (transformers types ``decode`` for a batch of sequences too)."""
+    text = tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"the tokenizer decoded one sequence of ids into {type(text).__name__}, not text")
+    return text
 
 
 def enable_gradient_checkpointing(model: PreTrainedModel) -> None:
@@ -42,6 +55,21 @@ def resolve_device(name: str, cuda_available: bool | None = None) -> torch.devic
     """``model.device`` as a torch device (``device_name``); ``cuda_available`` defaults to
     ``torch.cuda.is_available()``."""
     return torch.device(device_name(name, torch.cuda.is_available() if cuda_available is None else cuda_available))
+
+
+def make_deterministic(seed: int) -> None:
+    """``train.deterministic`` in a process that computes with torch (the trainer, the reference, a reward model):
+    torch's deterministic algorithms (a kernel that would pick its reduction order at run time, such as CUDA's
+    atomic adds or cuDNN's benchmarked choice, is replaced by one that does not, and an op that has none raises
+    instead of varying), and torch's, numpy's and Python's global generators started from ``seed`` (LoRA's adapter
+    initialisation, a critic's value head and LoRA dropout draw from torch's). cuBLAS needs a fixed workspace for
+    deterministic results, set here before its first call unless the environment set one."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.manual_seed(seed)  # every device's generator
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,8 @@ class Event(StrEnum):
     ADMIN_TOKEN_EMPTY = "admin_token_empty"  # the trainer's admin token file is empty: admin calls are refused
     ADMIN_TOKEN_ROTATED = "admin_token_rotated"  # the admin token file changed and was read again
     ADMIN_TOKEN_UNREADABLE = "admin_token_unreadable"  # the admin token file cannot be read
+    ADOPTION_SERVE_RETRY = "adoption_serve_retry"  # a resume's or rollback's weights were not served: tried again
+    ADOPTION_UNSERVED = "adoption_unserved"  # a resume's or rollback's weights could not be served: not done
     ALERT = "alert"  # an alert rule fired (log, events.jsonl, metrics row, Prometheus counter, webhook)
     ALERT_ROLLBACK_FAILED = "alert_rollback_failed"  # an alert's rollback failed: the run is paused
     ALERT_WEBHOOK_FAILED = "alert_webhook_failed"  # an alert's webhook POST failed after its retries
@@ -68,7 +70,8 @@ class Event(StrEnum):
     CHECKPOINT_DEFERRED = "checkpoint_deferred"  # a save was skipped: the previous upload still runs
     CHECKPOINT_FAILED = "checkpoint_failed"  # a save failed; training goes on
     CHECKPOINT_FALLBACK = "checkpoint_fallback"  # a resume passed over newer checkpoints (recorded)
-    CHECKPOINT_RECORD_FAILED = "checkpoint_record_failed"  # a stored step could not be noted in the run folder
+    CHECKPOINT_RECORD_FAILED = "checkpoint_record_failed"  # a stored step could not be noted in the run folder: held
+    CHECKPOINT_RECORD_RETRY = "checkpoint_record_retry"  # noting a stored step in the run folder failed once
     CHECKPOINT_REPLACED = "checkpoint_replaced"  # a torn or foreign checkpoint at a step was replaced
     CHECKPOINT_SIZE_UNKNOWN = "checkpoint_size_unknown"  # the status could not size the newest checkpoint
     CHECKPOINT_SKIPPED = "checkpoint_skipped"  # a checkpoint that cannot be read was passed over
@@ -114,6 +117,8 @@ class Event(StrEnum):
     FOREIGN_DEAD_LETTER_IGNORED = "foreign_dead_letter_ignored"  # a dead letter of another incarnation
     FOREIGN_GROUP_DROPPED = "foreign_group_dropped"  # a group of another incarnation was dropped
     GPUS_WATCHED = "gpus_watched"  # a role watches the GPUs NVML shows it (once, at start)
+    GPU_MEMORY_SHARE = "gpu_memory_share"  # a role with a share of its GPU capped its allocator, or says why not
+    GPU_MEMORY_UNREADABLE = "gpu_memory_unreadable"  # a role's GPU memory reading failed: its figures skip a beat
     GROUPS_LOST = "groups_lost"  # groups overdue and nowhere in the pipeline were written off (recorded, alert)
     GROUPS_REOPENED_BY_ROLLBACK = "groups_reopened_by_rollback"  # a rollback put settled groups in flight (recorded)
     GROUP_LOST_TO_DEAD_LETTERS = "group_lost_to_dead_letters"  # a group's message was dead-lettered
@@ -132,6 +137,7 @@ class Event(StrEnum):
     )
     MARKED_STABLE = "marked_stable"  # a checkpoint was marked stable
     MIRROR_FAILED = "mirror_failed"  # a write to the checkpoint mirror failed
+    MODEL_FETCHED = "model_fetched"  # model.path's S3 prefix or Hub repository was fetched into the cache folder
     OPTIMIZER_FRESH = "optimizer_fresh"  # a save without optimizer state was adopted: AdamW starts fresh (recorded)
     PAUSE = "pause"  # events.jsonl's kind of PAUSED
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)
@@ -197,8 +203,10 @@ class Event(StrEnum):
 
 # The events written to events.jsonl, under the kind its readers (verify, report, the tuner, operators) know.
 RECORDED_AS: dict[Event, Event] = {
+    Event.ADOPTION_UNSERVED: Event.ADOPTION_UNSERVED,
     Event.ALERT: Event.ALERT,
     Event.CHECKPOINT_FALLBACK: Event.CHECKPOINT_FALLBACK,
+    Event.CHECKPOINT_RECORD_FAILED: Event.CHECKPOINT_RECORD_FAILED,
     Event.CONFIG_CHANGE: Event.CONFIG_CHANGE,
     Event.DEPENDENCY_RECOVERED: Event.DEPENDENCY_RECOVERED,
     Event.DEPENDENCY_REFUSED: Event.DEPENDENCY_REFUSED,

@@ -168,12 +168,13 @@ class HardwareSampler:
         torch.cuda.reset_peak_memory_stats(index)
         free, total = torch.cuda.mem_get_info(index)
         util = used = device_total = None
-        if self._handle is not None:
+        nvml = self._nvml
+        if nvml is not None and self._handle is not None:
             try:
-                util = float(self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
-                memory = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+                util = float(nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu)
+                memory = nvml.nvmlDeviceGetMemoryInfo(self._handle)
                 used, device_total = memory.used / GIB, memory.total / GIB
-            except self._nvml.NVMLError:  # a query the device does not support: leave the keys out this step
+            except nvml.NVMLError:  # a query the device does not support: leave the keys out this step
                 util = used = device_total = None
         return HardwareSample(
             host_rss_gb=host,
@@ -390,6 +391,8 @@ def gpu_facts() -> GpuFacts:
         return GpuFacts(**common, gpu_seen=seen, cuda_error=cuda_init_error(), **_driver())
     devices = tuple(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count()))
     try:
+        import torch.cuda.nccl  # loaded with torch.cuda already; named here for the type checker
+
         loaded = torch.cuda.nccl.version()
         nccl, nccl_error = ".".join(map(str, loaded)) if isinstance(loaded, tuple) else str(loaded), ""
     except (RuntimeError, AttributeError) as error:

@@ -9,6 +9,14 @@ every service (made by ``start_telemetry`` in telemetry.py)
   rlpipe_process_cpu_seconds_total                        counter, CPU time used (core-hours per role, summed)
   rlpipe_log_records_total{level}                         log lines at warning, error or critical: the log error rate
   target_info                                             service.name rlpipe-<role>, service.instance.id, rlpipe.run_id
+  rlpipe_network_bytes_total{role,channel,direction}      counter, bytes moved: channel bus (NATS payloads) |
+                                                          weight_sync (tensor bytes), direction in | out
+                                                          (observe/network.py); rate() is bytes per second
+  rlpipe_network_link_bytes_per_second{role}              gauge, telemetry.link_mib_s (absent without it)
+every service holding GPU memory (``watch_gpu_memory``, observe/gpu_memory.py; no series on a CPU)
+  rlpipe_role_gpu_memory_bytes{role,kind}                 gauge, kind: allocated | reserved (torch's allocator, once
+                                                          the process initialized CUDA) | used (NVML, the process and
+                                                          its children, CUDA context included), read at each scrape
 every service whose process NVML shows a GPU (``watch_gpus``; none without nvidia-ml-py, a driver or a GPU)
   rlpipe_gpu_utilization_percent{role,gpu,uuid}           gauge, % of NVML's last sample period a kernel ran, read
                                                           at each scrape; all processes on the GPU count
@@ -65,6 +73,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -73,10 +82,14 @@ from typing import Any
 
 from opentelemetry.metrics import CallbackOptions, Counter, Histogram, Observation
 
+from services.common.observe.gpu_memory import ProcessGpuMemory, process_gpu_memory
 from services.common.observe.hardware import GpuWatch
 from services.common.observe.metrics import EXPORTED
 from services.common.observe.telemetry import meter
+from services.common.observe.timeshare import StageActivity
 
+# Why a message went to DEAD, as the rlpipe_dead_letters_total{reason} label (transport/settle.py's DeadCause).
+DEAD_LETTER_REASONS = ("undecodable", "max_deliver", "timeout")
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 SLOW_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
@@ -173,7 +186,7 @@ def _observe_stalled(options: CallbackOptions) -> Iterable[Observation]:
 
 
 # (role, edge) -> seconds per activity so far (Stage.time_share.seconds), read at each scrape.
-_stage_times: dict[tuple[str, str], Callable[[], Mapping[str, float]]] = {}
+_stage_times: dict[tuple[str, str], Callable[[], Mapping[StageActivity, float]]] = {}
 
 
 def _observe_stage_time(options: CallbackOptions) -> Iterable[Observation]:
@@ -191,6 +204,10 @@ class StageMetrics:
         self.instruments = _instruments()
         self.key = (role, edge)
         self.attributes = {"role": role, "edge": edge}
+        # Each reason's series from the start at 0: a healthy run's dashboard and increase() show 0 dead letters,
+        # not a missing series.
+        for reason in DEAD_LETTER_REASONS:
+            self.instruments.dead_letters.add(0, {**self.attributes, "reason": reason})
 
     def lag(self, pending: int) -> None:
         _consumer_lag[self.key] = pending
@@ -199,7 +216,7 @@ class StageMetrics:
         """Export ``rlpipe_stage_stalled`` from ``stalled_for(now)``, asked at each scrape."""
         _stall_clocks[self.key] = stalled_for
 
-    def watch_time(self, spent: Callable[[], Mapping[str, float]]) -> None:
+    def watch_time(self, spent: Callable[[], Mapping[StageActivity, float]]) -> None:
         """Export ``rlpipe_stage_time_seconds_total{activity}`` from ``spent()``, asked at each scrape."""
         _stage_times[self.key] = spent
 
@@ -273,7 +290,7 @@ class TrainerMetrics:
             if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy scalars are Real too
                 continue
             if math.isfinite(value):
-                gauge.set(value)
+                gauge.set(float(value))
             else:
                 self.nonfinite.add(1, {"metric": key})
 
@@ -362,6 +379,26 @@ def watch_gpus(role: str) -> GpuWatch | None:
             name, callbacks=[_gpu_callback(watch, role, field)], unit=unit, description=description
         )
     return watch
+
+
+def watch_gpu_memory(role: str, read: Callable[[], ProcessGpuMemory] | None = None) -> None:
+    """Export this process's GPU memory as ``rlpipe_role_gpu_memory_bytes{role,kind}``, ``read()`` at each scrape
+    (default: ``process_gpu_memory`` of this process); a figure it does not have is no series."""
+    reading = read or (lambda: process_gpu_memory(os.getpid()))
+
+    def observe(options: CallbackOptions) -> Iterable[Observation]:
+        memory = reading()
+        figures = {"allocated": memory.allocated, "reserved": memory.reserved, "used": memory.used}
+        return [
+            Observation(value, {"role": role, "kind": kind}) for kind, value in figures.items() if value is not None
+        ]
+
+    meter().create_observable_gauge(
+        "rlpipe_role_gpu_memory",
+        callbacks=[observe],
+        unit="By",
+        description="GPU memory this process holds: allocated and reserved by torch, used as NVML counts it",
+    )
 
 
 def _gpu_callback(watch: GpuWatch, role: str, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:

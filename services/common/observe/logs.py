@@ -269,13 +269,14 @@ class JsonlFollower:
     def new_lines(self) -> list[bytes]:
         lines: list[bytes] = []
         while True:
-            if self._file is None and not self._open_next():
+            file = self._file if self._file is not None else self._open_next()
+            if file is None:
                 return lines
-            lines += self._read()
-            if self._queued or self._renamed_away():
-                lines += self._read()  # what was written before the rename
-                self._finished = os.fstat(self._file.fileno()).st_ino
-                self._file.close()
+            lines += self._read(file)
+            if self._queued or self._renamed_away(file):
+                lines += self._read(file)  # what was written before the rename
+                self._finished = os.fstat(file.fileno()).st_ino
+                file.close()
                 self._file, self._pending = None, b""
                 continue
             return lines
@@ -304,19 +305,20 @@ class JsonlFollower:
                 rows.append(row)
         return rows
 
-    def _open_next(self) -> bool:
+    def _open_next(self) -> IO[bytes] | None:
+        """The next file to read (it becomes ``_file``), None while there is none."""
         first = self._queued is None
         if first:
             self._queued = [part for part in jsonl_parts(self.path) if part != self.path]
         if self._queued:
             self._file = self._queued.pop(0).open("rb")  # a rolled part keeps its name
-            return True
+            return self._file
         try:
             current = self.path.open("rb")
         except FileNotFoundError:
             if first:
                 self._queued = None  # nothing yet: list the parts again at the next call
-            return False
+            return None
         # Parts rolled since the queue was listed (the file just opened among them, if it rolled meanwhile) come
         # first; none means the file opened is the one that follows the last file read.
         self._queued = self._parts_after(self._finished)
@@ -324,16 +326,16 @@ class JsonlFollower:
             current.close()
             current = self._queued.pop(0).open("rb")
         self._file = current
-        return True
+        return current
 
-    def _read(self) -> list[bytes]:
-        data = self._pending + self._file.read()
+    def _read(self, file: IO[bytes]) -> list[bytes]:
+        data = self._pending + file.read()
         end = data.rfind(b"\n") + 1
         self._pending = data[end:]
         return data[:end].splitlines()
 
-    def _renamed_away(self) -> bool:
+    def _renamed_away(self, file: IO[bytes]) -> bool:
         try:
-            return os.stat(self.path).st_ino != os.fstat(self._file.fileno()).st_ino
+            return os.stat(self.path).st_ino != os.fstat(file.fileno()).st_ino
         except FileNotFoundError:  # renamed, its successor not made yet: read on in the old one
             return False

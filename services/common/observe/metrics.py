@@ -53,6 +53,7 @@ class Group(StrEnum):
     PIPELINE = "Pipeline health (the group ledger, services, disk)"
     AGENT = "Multi-turn episodes (absent without episodes)"
     HARDWARE = "Memory and GPU"
+    NETWORK = "Network (the trainer's own traffic)"
     EVAL = "Held-out evaluation (eval rows)"
     CHECKPOINT = "Checkpoints (save rows)"
     ALERT = "Alerts (alert rows)"
@@ -275,6 +276,10 @@ GENERATED_BY_VERSION_MAX = batch.metric("generated_by_version_max", GAUGE, "vers
                                         "generated the batch", tracker="rollout/policy_version_max")
 STALENESS_MEAN = batch.metric("staleness_mean", GAUGE, "versions", "mean policy versions between a group's "
                               "generation and its use", tracker="rollout/staleness_mean", exported=True)
+MIXED_VERSION_FRACTION = batch.metric("mixed_version_fraction", RATE, "fraction", "share of the step's completions "
+                                      "whose sampled tokens came from more than one policy version "
+                                      "(rollout.inflight_updates, or a sync between an episode's turns)",
+                                      tracker="rollout/mixed_version_fraction", exported=True)
 STALENESS_MAX = batch.metric("staleness_max", GAUGE, "versions", "most policy versions between a group's generation "
                              "and its use", tracker="rollout/staleness_max", exported=True)
 GROUPS = batch.metric("groups", COUNTER, "groups", "groups in the step", tracker="rollout/groups")
@@ -351,6 +356,23 @@ GPU_UTIL = hardware.metric("gpu/util_pct", RATE, "%", "% of NVML's last sample p
 GPU_MEM_USED_GB = hardware.metric("gpu/mem_used_gb", GAUGE, "GiB", "device memory in use, all processes",
                                   exported=True)
 GPU_MEM_TOTAL_GB = hardware.metric("gpu/mem_total_gb", GAUGE, "GiB", "device memory", exported=True)
+ROLE_GPU_MEMORY = hardware.family("memory/<role>/<figure>_gb", GAUGE, "GiB", "GPU memory of a role's live replicas "
+                                  "summed, from their presence entries: figure allocated or reserved (torch's "
+                                  "allocator) or used (NVML); observe/gpu_memory.py. Each role also exports "
+                                  "`rlpipe_role_gpu_memory_bytes{role,kind}` itself")
+MFU = hardware.metric("perf/mfu", RATE, "fraction", "the learner's model FLOPs utilization: the step's model FLOPs "
+                      "over its wall time and the device's bfloat16 peak (observe/flops.py); absent where the peak "
+                      "is unknown (a CPU)", exported=True)
+
+network = Declare(Group.NETWORK)
+NETWORK_BUS_IN = network.metric("network/bus_in_bytes_per_s", RATE, "B/s", "NATS payload bytes the trainer read per "
+                                "second since the previous step row", exported=True)
+NETWORK_BUS_OUT = network.metric("network/bus_out_bytes_per_s", RATE, "B/s", "NATS payload bytes the trainer wrote "
+                                 "per second since the previous step row", exported=True)
+NETWORK_WEIGHT_SYNC_OUT = network.metric("network/weight_sync_out_bytes_per_s", RATE, "B/s", "weight-sync bytes the "
+                                         "trainer served per second since the previous step row", exported=True)
+NETWORK_LINK_USE = network.metric("network/link_use_frac", RATE, "fraction", "the busier direction's share of "
+                                  "telemetry.link_mib_s (absent without it)", exported=True)
 
 evaluation = Declare(Group.EVAL)
 EVAL_ACCURACY = evaluation.metric("eval_accuracy", RATE, "fraction", "held-out accuracy (greedy); every eval row "

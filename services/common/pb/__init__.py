@@ -18,7 +18,7 @@ PROTOS = ("weights.proto", "admin.proto")
 
 
 def _stale(proto: Path) -> bool:
-    generated = [PACKAGE_DIR / f"{proto.stem}_pb2.py", PACKAGE_DIR / f"{proto.stem}_pb2_grpc.py"]
+    generated = [PACKAGE_DIR / f"{proto.stem}{suffix}" for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
     return any(not path.exists() or path.stat().st_mtime < proto.stat().st_mtime for path in generated)
 
 
@@ -37,10 +37,13 @@ def build() -> None:
             f"-Iservices/common/pb={PROTO_DIR}",
             f"--python_out={tmp}",
             f"--grpc_python_out={tmp}",
+            # Stubs typing the messages' fields for pyright: the .py files build the classes at import time from a
+            # serialized descriptor, which a type checker cannot read.
+            f"--pyi_out={tmp}",
         ]
         if protoc.main(args + [f"services/common/pb/{proto.name}" for proto in protos]) != 0:
             raise RuntimeError(f"protoc failed on {[str(p) for p in protos]}")
-        for generated in (Path(tmp) / "services" / "common" / "pb").glob("*.py"):
+        for generated in (Path(tmp) / "services" / "common" / "pb").glob("*.py*"):
             os.replace(generated, PACKAGE_DIR / generated.name)
     importlib.invalidate_caches()
 

@@ -85,7 +85,7 @@ def interpreter() -> str:
 
 def interpreter_binds() -> list[str]:
     """The system folders, plus the interpreter's install where it lies outside them (a pyenv or uv Python)."""
-    binds = list(SYSTEM_BINDS)
+    binds: list[str] = list(SYSTEM_BINDS)
     for folder in (sys.base_prefix, sys.base_exec_prefix, os.path.dirname(interpreter())):
         real = os.path.realpath(folder)
         if real != "/" and not any(real == b or real.startswith(b.rstrip("/") + "/") for b in binds):

@@ -32,9 +32,10 @@ from enum import Enum
 from typing import TypeVar
 
 import nats
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import Error as NatsError
-from nats.js import api
+from nats.js import JetStreamContext, api
 from nats.js.errors import APIError, BadRequestError, NotFoundError
 
 from services.common.cancel import cancel_until_done
@@ -42,6 +43,7 @@ from services.common.config import RunConfig
 from services.common.observe.events import Event
 from services.common.observe.instruments import record_dead_letter
 from services.common.observe.logs import log_event
+from services.common.observe.network import watch_network_bytes
 from services.common.observe.telemetry import inject_trace
 from services.common.refusal import StartRefused
 from services.common.transport.claims import (
@@ -108,8 +110,8 @@ class Bus:
         self.service = service
         self.run_id = cfg.run_id
         self.creates_streams = creates_run_state(service)  # the trainer; a stage waits for them instead
-        self.nc: nats.NATS | None = None
-        self.js: nats.js.JetStreamContext | None = None
+        self._nc: NATS | None = None
+        self._js: JetStreamContext | None = None
         # Bumped once nats-py calls back after a reconnect, before streams are restored: a reader seeing it
         # change re-checks its stream before trusting what it reads next.
         self.reconnects = 0
@@ -117,8 +119,22 @@ class Bus:
         self._reconnect_listeners: list[Callable[[], Awaitable[None]]] = []
         self._restores: set[asyncio.Task[None]] = set()  # after each reconnect; a newer one supersedes the others
 
+    @property
+    def nc(self) -> NATS:
+        """The connection to NATS (``connect`` comes first)."""
+        if self._nc is None:
+            raise RuntimeError(f"the {self.service}'s bus is not connected: Bus.connect comes first")
+        return self._nc
+
+    @property
+    def js(self) -> JetStreamContext:
+        """The connection's JetStream context (``connect`` comes first)."""
+        if self._js is None:
+            raise RuntimeError(f"the {self.service}'s bus is not connected: Bus.connect comes first")
+        return self._js
+
     async def connect(self) -> Bus:
-        self.nc = await nats.connect(
+        nc = self._nc = await nats.connect(
             self.cfg.nats.url,
             name=f"{self.run_id}-{self.service}",
             max_reconnect_attempts=-1,
@@ -127,13 +143,17 @@ class Bus:
             reconnected_cb=self._reconnected,
             **connect_options(self.cfg.nats, self.service),
         )
-        refusal = broker_version_refusal(self.nc.connected_server_version) or message_limit_refusal(
-            self.cfg.nats.max_message_bytes, self.nc.max_payload
+        refusal = broker_version_refusal(nc.connected_server_version) or message_limit_refusal(
+            self.cfg.nats.max_message_bytes, nc.max_payload
         )
         if refusal:  # too old for batched reads, or it would refuse every message between the two size limits
-            await self.nc.close()
+            await nc.close()
             raise StartRefused(refusal)
-        self.js = self.nc.jetstream()
+        self._js = nc.jetstream()
+        # Payload bytes as nats-py counts them, across reconnects (the client's stats outlive its connections).
+        stats = nc.stats
+        watch_network_bytes(self.service, "bus", "in", lambda: stats["in_bytes"])
+        watch_network_bytes(self.service, "bus", "out", lambda: stats["out_bytes"])
         await self._streams_in_place()
         return self
 
@@ -144,9 +164,9 @@ class Bus:
         # trusted to have been discarded by their callback already.
         while running := [restore for restore in self._restores if not restore.done()]:
             await cancel_until_done(*running)
-        if self.nc is not None and not self.nc.is_closed:
+        if self._nc is not None and not self._nc.is_closed:
             # Not drain(): unacked work simply redelivers, and a pending pull would stall the drain.
-            await self.nc.close()
+            await self._nc.close()
 
     @property
     def connections(self) -> int:
@@ -355,9 +375,9 @@ class Bus:
         broker and messages would drop out after the old count). A difference JetStream cannot update
         raises ``ConsumerSettingsConflict`` naming the field, its value on the broker and the wanted one.
         """
-        stream, wanted = stream_name(self.run_id, edge), self.consumer_config(edge)
+        stream, durable, wanted = stream_name(self.run_id, edge), WORK_QUEUES[edge], self.consumer_config(edge)
         try:
-            info = await self.js.consumer_info(stream, wanted.durable_name)
+            info = await self.js.consumer_info(stream, durable)
         except NotFoundError:
             return await self.js.add_consumer(stream, wanted)
         differences = {
@@ -370,13 +390,13 @@ class Bus:
         fixed = {name: change for name, change in differences.items() if name not in UPDATABLE_CONSUMER_FIELDS}
         if fixed:
             raise ConsumerSettingsConflict(
-                stream, wanted.durable_name, {name: (_plain(old), _plain(new)) for name, (old, new) in fixed.items()}
+                stream, durable, {name: (_plain(old), _plain(new)) for name, (old, new) in fixed.items()}
             )
         try:
             updated = await self.js.add_consumer(stream, wanted)  # same durable name: the server updates it
         except APIError as error:
             plain = {name: (_plain(old), _plain(new)) for name, (old, new) in differences.items()}
-            raise ConsumerSettingsConflict(stream, wanted.durable_name, plain, str(error.description)) from error
+            raise ConsumerSettingsConflict(stream, durable, plain, str(error.description)) from error
         log_event(
             log,
             Event.CONSUMER_UPDATED,
@@ -386,7 +406,7 @@ class Bus:
         )
         return updated
 
-    async def work_queue(self, edge: str) -> nats.js.JetStreamContext.PullSubscription:
+    async def work_queue(self, edge: str) -> JetStreamContext.PullSubscription:
         """The durable pull consumer of ``edge``, shared by every replica of its consuming role."""
         await self.ensure_consumer(edge)
         self._work_queues.add(edge)
@@ -404,5 +424,5 @@ def _plain(value: object) -> object:
 def _same_setting(old: object, new: object) -> bool:
     old, new = _plain(old), _plain(new)
     if isinstance(old, float) or isinstance(new, float):  # durations come back from nanoseconds
-        return old is not None and new is not None and abs(float(old) - float(new)) < 1e-6
+        return isinstance(old, int | float) and isinstance(new, int | float) and abs(float(old) - float(new)) < 1e-6
     return old == new

@@ -17,6 +17,11 @@ breaker's state (``<prefix>_latency``, ``<prefix>_errors``, ``<prefix>_breaker_s
 request, the ``down`` event (an alert) when the breaker opens and ``recovered`` at the first success after it. What
 a failure means to the caller (a group held, an episode ended) is the caller's; so is reading the request's answer
 into a ``Verdict`` where only its schema tells (``judge_error`` and ``fault_of_status`` decide the rest).
+
+Redirects are never followed (``NO_REDIRECTS``, the opener both clients post through): urllib would follow a 301,
+302 or 303 as a GET carrying the request's other headers (a bearer token among them) to whatever host the answer
+names. A 3xx comes back as the ``HTTPError`` it is, and ``fault_of_status`` makes it persistent: the configured URL
+is wrong, which asking again cannot fix.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import socket
 import ssl
 import time
 import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
@@ -48,6 +54,16 @@ LOGGED_ERROR_CHARS = 300
 # row open it, and while it is open one request is let through every BREAKER_COOLDOWN_S.
 BREAKER_THRESHOLD = 3
 BREAKER_COOLDOWN_S = 5.0
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A 3xx comes back as the HTTPError it is (see the module docstring for why none is followed)."""
+
+    def redirect_request(self, *args: object) -> None:
+        return None
+
+
+NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
 class Fault(Enum):

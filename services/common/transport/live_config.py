@@ -21,6 +21,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import nats
@@ -45,6 +46,37 @@ log = logging.getLogger(__name__)
 KEY = "current"
 CONTROL_KEY = "control"
 HISTORY = 64  # the most revisions JetStream keeps per key
+
+
+class HoldSource(StrEnum):
+    """Who held a run (paused or stopped it): what ``rlpipe run --resume`` does with the hold depends on it."""
+
+    OPERATOR = "operator"  # rlpipe pause or stop: a restart the operator asks for clears it
+    START = "start"  # started held (rlpipe run --paused, rlpipe verify's smoke run): cleared likewise
+    ALERT = "alert"  # an alert rule's pause or stop, or the trainer holding itself for a failure: it stays
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The run's operator state under ``CONTROL_KEY``: paused (a stop is a hold too), why, and by whom."""
+
+    paused: bool = False
+    reason: str = ""
+    by: HoldSource | None = None  # None: a record written before holds named their source
+
+    @property
+    def outlives_resume(self) -> bool:
+        """Only an operator who looked may lift a hold the run's own watch set: ``--resume`` leaves it."""
+        return self.paused and self.by == HoldSource.ALERT
+
+    def record(self) -> dict[str, Any]:
+        return {"paused": self.paused, "reason": self.reason, **({"by": str(self.by)} if self.by else {})}
+
+    @classmethod
+    def of_record(cls, record: dict[str, Any]) -> Hold:
+        by = record.get("by")
+        known = by in {source.value for source in HoldSource}
+        return cls(bool(record.get("paused")), str(record.get("reason", "")), HoldSource(by) if known else None)
 
 
 def bucket_name(run_id: str) -> str:

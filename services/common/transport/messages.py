@@ -102,7 +102,7 @@ class Prompt(Message):
     incarnation: str = ""
     # The rollout generates it with this policy version or a newer one (train.synchronous: the version the
     # trainer has just published); 0 for whatever version the rollout holds.
-    min_policy_version: int = Field(0, ge=0)
+    min_policy_version: int = Field(default=0, ge=0)
 
 
 class Episode(BaseModel):
@@ -115,7 +115,7 @@ class Episode(BaseModel):
     tool_errors: int = Field(ge=0)
     env_seconds: float = Field(ge=0)
     # The environment's reward parts summed (StepResult.reward_part): the reward part 'environment'.
-    env_reward: float = Field(0.0, allow_inf_nan=False)
+    env_reward: float = Field(default=0.0, allow_inf_nan=False)
     outcome: Literal["done", "max_turns", "max_tokens", "env_error", "timeout", "truncated"]
 
 
@@ -279,8 +279,17 @@ class ClaimCheck(Message):
     sha256: str
 
 
+def packed(value: Any) -> bytes:
+    """msgpack's bytes of ``value``, binary kept binary. (msgpack is untyped: its ``Packer.pack`` returns None only
+    for a packer that does not reset, which ``packb`` never makes.)"""
+    data = msgpack.packb(value, use_bin_type=True)
+    if not isinstance(data, bytes):
+        raise TypeError(f"msgpack packed {type(value).__name__} into {type(data).__name__}, not bytes")
+    return data
+
+
 def encode(message: Message) -> bytes:
-    return msgpack.packb(message.model_dump() | {"v": message.schema_version()}, use_bin_type=True)
+    return packed(message.model_dump() | {"v": message.schema_version()})
 
 
 def decode(data: bytes, kind: type[M]) -> M:

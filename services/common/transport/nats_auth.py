@@ -143,7 +143,8 @@ def new_role_key(role: str, folder: Path, name: str = "") -> RoleKey:
     descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     with os.fdopen(descriptor, "wb") as out:
         out.write(seed + b"\n")
-    return RoleKey(role, nkeys.from_seed(seed).public_key.decode(), path)
+    # (nkeys is untyped: its public_key is the encoded key, bytes)
+    return RoleKey(role, nkeys.from_seed(seed).public_key.decode(), path)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def write_run_credentials(folder: Path) -> dict[str, RoleKey]:

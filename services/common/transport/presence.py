@@ -28,6 +28,7 @@ import re
 import socket
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from nats.js import api
@@ -36,7 +37,9 @@ from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from services.common.cancel import cancel_until_done
 from services.common.config import BuildInfo, RunConfig
+from services.common.observe import metrics as m
 from services.common.observe.events import Event
+from services.common.observe.gpu_memory import KINDS, ProcessGpuMemory, process_gpu_memory
 from services.common.observe.instruments import record_service_starts
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import Refusal
@@ -71,6 +74,9 @@ class ServiceEntry(BaseModel):
     progress_time: float | None = None  # stages: wall time its loop last moved; None until it reports
     time_s: dict[str, float] = {}  # stages: seconds its loop spent per activity (busy, idle, blocked)
     refused: Refusal | None = None  # stages: a dependency that refuses it holds its work (outage.OutageGate.refusal)
+    # GiB it holds on GPUs (observe/gpu_memory.py): allocated_gb and reserved_gb (torch), used_gb (NVML); each
+    # absent where its source is, so empty on a CPU
+    gpu_memory: dict[str, float] = {}
     # What its ``ready`` event reported (its load times, what it serves: backend, model, reward functions); empty
     # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/launch/watch.py).
     startup: dict[str, JsonValue] = {}
@@ -106,7 +112,14 @@ async def open_bucket(js: Any, cfg: RunConfig, create: bool = True) -> Any:
 
 
 class Presence:
-    def __init__(self, js: Any, cfg: RunConfig, role: str, live: LiveConfig | None = None):
+    def __init__(
+        self,
+        js: Any,
+        cfg: RunConfig,
+        role: str,
+        live: LiveConfig | None = None,
+        gpu_memory: Callable[[], ProcessGpuMemory] | None = None,
+    ):
         self.js = js
         self.cfg = cfg
         self.role = role
@@ -124,6 +137,8 @@ class Presence:
         )
         self.kv: Any = None
         self._task: asyncio.Task | None = None
+        # Read at each beat, off the event loop: NVML lists every process on every GPU.
+        self.gpu_memory = gpu_memory or (lambda: process_gpu_memory(os.getpid()))
 
     async def start(self, **info: Any) -> Presence:
         self.kv = await open_bucket(self.js, self.cfg, create=creates_run_state(self.role))
@@ -159,7 +174,13 @@ class Presence:
 
     async def _beat(self) -> None:
         versions = {"config_version": self.live.version} if self.live else {}
-        self.entry = ServiceEntry.model_validate({**self.entry.model_dump(), **versions, "time": time.time()})
+        try:
+            gpu = (await asyncio.to_thread(self.gpu_memory)).gib()
+        except Exception as error:  # a reading NVML or torch refuses costs this beat its figures, never the beat
+            log_event(log, Event.GPU_MEMORY_UNREADABLE, level=logging.DEBUG, error=repr(error)[:200])
+            gpu = {}
+        fields = {**self.entry.model_dump(), **versions, "gpu_memory": gpu, "time": time.time()}
+        self.entry = ServiceEntry.model_validate(fields)
         await self.kv.put(self.instance, self.entry.model_dump_json().encode())
 
     async def _beat_forever(self) -> None:
@@ -254,6 +275,19 @@ def role_time_shares(entries: list[SeenService]) -> dict[str, dict[str, float]]:
         for role, by_activity in spent.items()
         if (total := sum(by_activity.values())) > 0
     }
+
+
+def role_gpu_memory(entries: list[SeenService]) -> dict[str, float]:
+    """Step-row keys ``memory/<role>/<figure>_gb`` (``m.ROLE_GPU_MEMORY``): each figure of each entry's
+    ``gpu_memory`` summed over the role's live replicas; a figure no live replica reports is left out."""
+    row: dict[str, float] = {}
+    for entry in entries:
+        for figure, gib in entry.gpu_memory.items() if entry.up else ():
+            kind = figure.removesuffix("_gb")
+            if kind in KINDS:
+                key = m.ROLE_GPU_MEMORY.of(entry.role, kind).key
+                row[key] = round(row.get(key, 0.0) + gib, 4)
+    return row
 
 
 class RestartCounter:

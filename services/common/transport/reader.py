@@ -143,17 +143,17 @@ class StreamReader:
         request = {"seq": self.next_seq, "next_by_subj": self.subject, "batch": READ_AHEAD}
         request["max_bytes"] = READ_AHEAD_BYTES
         await nc.publish(f"$JS.API.DIRECT.GET.{self.stream}", json.dumps(request).encode(), reply=reply_to)
-        ahead = await self._replies_to(reply_to)
+        ahead = await self._replies_to(self._replies, reply_to)
         if ahead and self.bus.connections != connections:
             await self.verify()
         return ahead
 
-    async def _replies_to(self, reply_to: str) -> deque[StreamMessage]:
+    async def _replies_to(self, replies: Subscription, reply_to: str) -> deque[StreamMessage]:
         ahead: deque[StreamMessage] = deque()
         expected, previous = self.next_seq, 0
         while True:
             try:
-                reply = await self._replies.next_msg(timeout=REPLY_TIMEOUT_S)
+                reply = await replies.next_msg(timeout=REPLY_TIMEOUT_S)
             except TimeoutError:
                 if ahead:
                     return ahead

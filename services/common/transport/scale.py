@@ -66,14 +66,17 @@ def scale_key(role: str) -> str:
     return KEY_PREFIX + role
 
 
-def configured_replicas(cfg: RunConfig, role: str) -> int:
-    """The replicas of ``role`` the config starts: ``rollout.replicas``, ``reward.replicas``, ``reference.replicas``."""
-    return getattr(cfg, role).replicas
+def configured_replicas(cfg: RunConfig, role: str) -> int | None:
+    """The replicas of ``role`` the config starts: ``rollout.replicas``, ``reward.replicas``, ``reference.replicas``;
+    None for ``rollout.replicas: auto``, whose count the launcher's placement decides at start."""
+    replicas = getattr(cfg, role).replicas
+    return None if replicas == "auto" else replicas
 
 
-def check_scale(role: str, replicas: int, supervision: SupervisionConfig) -> None:
+def check_scale(role: str, replicas: int, supervision: SupervisionConfig, deterministic: bool = False) -> None:
     """Raises ScaleRefused naming what is wrong with asking for ``replicas`` of ``role``; ScaledElsewhere when
-    this run's replicas are an orchestrator's to scale."""
+    this run's replicas are an orchestrator's to scale. A ``deterministic`` run (train.deterministic) keeps one
+    replica of each role: which replica takes a group would otherwise decide what the run computes."""
     if role == RUN_OWNER:
         raise ScaleRefused(
             "the trainer does not scale: a run has one trainer, fenced by its lease, and a second would be refused "
@@ -87,6 +90,11 @@ def check_scale(role: str, replicas: int, supervision: SupervisionConfig) -> Non
         raise ScaleRefused(
             f"{replicas} {role} replicas is more than supervision.max_replicas ({supervision.max_replicas}); "
             "raise it in the run's config if this machine can hold that many"
+        )
+    if deterministic and replicas > 1:
+        raise ScaleRefused(
+            f"{replicas} {role} replicas in a train.deterministic run: a reproducible run has one replica of each "
+            "role; restart it without train.deterministic to scale"
         )
     if supervision.scaler != "launcher":
         raise ScaledElsewhere(
@@ -124,8 +132,3 @@ async def forget_scale(kv: Any) -> None:
     """Drop every stored request: a run started again (``rlpipe run --resume``) starts the config's counts."""
     for role in STAGE_ROLES:
         await kv.delete(scale_key(role))
-
-
-def desired_replicas(cfg: RunConfig, records: dict[str, ScaleRecord]) -> dict[str, int]:
-    """Each stage role's count: the newest request's, else the config's."""
-    return {role: records[role].replicas if role in records else configured_replicas(cfg, role) for role in STAGE_ROLES}

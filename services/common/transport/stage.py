@@ -71,15 +71,16 @@ from services.common.transport.breaker import DependencyUnavailable
 from services.common.transport.bus import Bus
 from services.common.transport.claim_lifecycle import deletable_after_ack, missing_body_is_stale
 from services.common.transport.claims import ClaimMissing
-from services.common.transport.messages import DecodeError, Message, dedupe_id
+from services.common.transport.messages import DecodeError, Prompt, dedupe_id
 from services.common.transport.outage import OutageGate, StoppedDuringOutage
 from services.common.transport.settle import Ack, DeadLetter, Decision, Nak, Outcome, settle, unsettled_letter
 from services.common.transport.streams import H_GROUP
 
 log = logging.getLogger(__name__)
 
-In = TypeVar("In", bound=Message)
-Out = TypeVar("Out", bound=Message)
+# A stage's messages are a group's, from the prompt on: each names its group (its id, and its dedupe id).
+In = TypeVar("In", bound=Prompt)
+Out = TypeVar("Out", bound=Prompt)
 T = TypeVar("T")
 
 
@@ -136,6 +137,13 @@ class Received(Generic[In]):
 
     def __post_init__(self) -> None:
         self.last_touch = self.fetched_at
+
+    @property
+    def decoded(self) -> In:
+        """The decoded message, which every message past decoding has."""
+        if self.item is None:
+            raise RuntimeError("a stage used a message it had not decoded")
+        return self.item
 
     def touch(self) -> None:
         now = time.perf_counter()
@@ -344,7 +352,7 @@ class Stage(Generic[In, Out]):
     async def _process(self, decoded: list[Received[In]], stop: asyncio.Event) -> None:
         try:
             outputs = await self.outage.available(
-                functools.partial(self._capped_compute, [one.item for one in decoded]), "compute", stop
+                functools.partial(self._capped_compute, [one.decoded for one in decoded]), "compute", stop
             )
         except StoppedDuringOutage:
             raise
@@ -397,7 +405,7 @@ class Stage(Generic[In, Out]):
                         await msg.ack_sync()
                     except (NatsError, TimeoutError) as ack_error:
                         # Unacked, the input is redelivered after AckWait; its repeat publish is deduplicated.
-                        group_id = one.item.group_id  # an acked message was decoded
+                        group_id = one.decoded.group_id  # an acked message was decoded
                         log_event(
                             log, Event.ACK_FAILED, level=logging.WARNING, group_id=group_id, error=repr(ack_error)[:300]
                         )

@@ -106,15 +106,23 @@ def _unless_vanished(error: OSError) -> None:
 
 
 class S3Store:
-    def __init__(self, bucket: str, prefix: str, cfg: CheckpointConfig):
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        cfg: CheckpointConfig,
+        credentials: S3Credentials | None = None,
+        read_timeout_s: float = 60.0,
+    ):
+        """``credentials``: RLPIPE_S3_* (``S3Credentials()``) unless given."""
         from minio import Minio
 
         if not cfg.s3_endpoint:
             raise ValueError("checkpoint.s3_endpoint must be set (host:port) for s3:// store URLs")
-        creds = S3Credentials()
+        creds = credentials or S3Credentials()
         # Fail fast (the SDK's default waits minutes on a dead endpoint); the checkpoint store retries with backoff.
         http = urllib3.PoolManager(
-            timeout=urllib3.Timeout(connect=5, read=60),
+            timeout=urllib3.Timeout(connect=5, read=read_timeout_s),
             retries=urllib3.Retry(total=1, backoff_factor=0.2, status_forcelist=[500, 502, 503, 504]),
             ca_certs=str(cfg.s3_ca_file) if cfg.s3_ca_file else certifi.where(),
         )
@@ -126,6 +134,7 @@ class S3Store:
             region=cfg.s3_region,
             http_client=http,
         )
+        self.endpoint = cfg.s3_endpoint
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.part_size = cfg.s3_part_mib << 20
@@ -187,6 +196,35 @@ class S3Store:
             response.close()
             response.release_conn()
 
+    def download(self, key: str, path: Path) -> int:
+        """Stream the object to ``path`` (never whole in memory: a model's weights can outsize it); its byte count.
+        FileNotFoundError when there is none."""
+        from minio.error import S3Error
+
+        try:
+            response = self.client.get_object(self.bucket, self._key(key))
+        except S3Error as error:
+            if error.code in ("NoSuchKey", "NoSuchBucket"):
+                raise FileNotFoundError(f"{self.url.rstrip('/')}/{key}") from error
+            raise
+        written = 0
+        try:
+            with path.open("wb") as file:
+                for chunk in response.stream(1 << 20):
+                    file.write(chunk)
+                    written += len(chunk)
+        finally:
+            response.close()
+            response.release_conn()
+        return written
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Each object under ``prefix`` (keys relative to the store) with its size in bytes, as one listing."""
+        strip = len(self._key(""))
+        objects = self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
+        # (a listed object always has its name)
+        return {obj.object_name[strip:]: int(obj.size or 0) for obj in objects if obj.object_name is not None}
+
     def list(self, prefix: str) -> list[str]:
         from minio.error import S3Error
 
@@ -195,6 +233,7 @@ class S3Store:
             return sorted(
                 obj.object_name[strip:]
                 for obj in self.client.list_objects(self.bucket, prefix=self._key(prefix), recursive=True)
+                if obj.object_name is not None  # (a listed object always has its name)
             )
         except S3Error as error:
             if error.code == "NoSuchBucket":  # an endpoint that came back empty holds nothing; put() recreates it
@@ -209,7 +248,7 @@ class S3Store:
         from minio.deleteobjects import DeleteObject
 
         for error in self.client.remove_objects(self.bucket, [DeleteObject(self._key(key)) for key in keys]):
-            raise OSError(f"could not delete {error.object_name}: {error.message}")
+            raise OSError(f"could not delete {error.name}: {error.code} {error.message}")
 
 
 def open_store(url: str, cfg: CheckpointConfig) -> ObjectStore:

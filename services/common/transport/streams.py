@@ -29,6 +29,9 @@ H_INCARNATION = "Rlpipe-Incarnation"
 # On a DEAD message that is not a dead letter but the record of a re-inject (``rlpipe dead-letters --reinject``):
 # the DEAD sequence of the letter sent back. The trainer reopens the letter's group when it reads it.
 H_REINJECTED = "Rlpipe-Reinjected"
+# On the DEAD message written once the copy of a re-inject is on its origin stream: the letter's DEAD sequence. It
+# names no group, so the trainer passes over it; it is what tells a re-inject done from one stopped half-way.
+H_REINJECT_SENT = "Rlpipe-Reinject-Sent"
 
 
 def subject(run_id: str, edge: str) -> str:

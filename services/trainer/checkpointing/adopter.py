@@ -18,10 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
+from services.common.config import CheckpointConfig
 from services.common.observe.events import Event, Journal
 from services.common.observe.logs import log_event
+from services.common.refusal import StartRefused
 from services.trainer.checkpointing.lineage import settled_after
 from services.trainer.checkpointing.manifest import UnknownCheckpointFormat
 from services.trainer.checkpointing.restorable import Restorable
@@ -33,10 +37,44 @@ from services.trainer.progress import Adopted, ProcessState
 
 log = logging.getLogger(__name__)
 RESUME_RETRY_MAX_S = 30.0  # the longest pause between two looks at an unreadable store
+T = TypeVar("T")
 
 
-class ResumeRefused(RuntimeError):
+class ResumeRefused(StartRefused):
     """The checkpoint a resume needs stayed unreadable for ``checkpoint.resume_wait_s``: the trainer does not start."""
+
+
+async def wait_for_store(
+    call: Callable[[], T], cfg: CheckpointConfig, store: str, refusing: str, record: str = ""
+) -> T:
+    """``call()`` on a worker thread, again while it raises ResumeBlocked: each wait logs ``resume_waiting`` (an
+    alert) and doubles, up to ``RESUME_RETRY_MAX_S``; past ``cfg.resume_wait_s`` it raises ResumeRefused, its message
+    ``refusing`` (what is not done), the error, and ``record`` (what the run's own record says)."""
+    started = time.monotonic()
+    delay = 1.0
+    while True:
+        try:
+            return await asyncio.to_thread(call)
+        except ResumeBlocked as error:
+            waited = time.monotonic() - started
+            if waited + delay > cfg.resume_wait_s:
+                raise ResumeRefused(
+                    f"{refusing}: {error}{record}. Waited {waited:.0f} s (checkpoint.resume_wait_s: "
+                    f"{cfg.resume_wait_s:g}); nothing was written. Bring the store back and start the run again; "
+                    "starting it without --resume abandons its training."
+                ) from error
+            log_event(
+                log,
+                Event.RESUME_WAITING,
+                level=logging.ERROR,
+                alert=True,
+                store=store,
+                error=str(error)[:500],
+                waited_s=round(waited, 1),
+                retry_s=delay,
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RESUME_RETRY_MAX_S)
 
 
 @dataclass(frozen=True)
@@ -64,35 +102,17 @@ class Adopter:
     async def find_checkpoint(self, saved: SavedRecord | None, wanted: int | None) -> Resumable:
         """The checkpoint to resume from (``wanted``, or the newest), waiting for a store that cannot be read."""
         checkpoints = self.parts.checkpoints
-        bound = self.parts.settings.cfg.checkpoint.resume_wait_s
-        started = time.monotonic()
-        delay = 1.0
-        while True:
-            try:
-                if wanted is not None:
-                    return Resumable(await asyncio.to_thread(self._load_requested, wanted))
-                return await asyncio.to_thread(self.parts.checkpoints.load_newest, saved.step if saved else None)
-            except ResumeBlocked as error:
-                waited = time.monotonic() - started
-                if waited + delay > bound:
-                    record = f"; this run last saved step {saved.step} at {saved.location}" if saved else ""
-                    raise ResumeRefused(
-                        f"not resuming from {checkpoints.location()}: {error}{record}. Waited {waited:.0f} s "
-                        f"(checkpoint.resume_wait_s: {bound:g}); nothing was written. Bring the store back and "
-                        "start the run again; starting it without --resume abandons its training."
-                    ) from error
-                log_event(
-                    log,
-                    Event.RESUME_WAITING,
-                    level=logging.ERROR,
-                    alert=True,
-                    store=self.parts.checkpoints.location(),
-                    error=str(error)[:500],
-                    waited_s=round(waited, 1),
-                    retry_s=delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, RESUME_RETRY_MAX_S)
+
+        def find() -> Resumable:
+            if wanted is not None:
+                return Resumable(self._load_requested(wanted))
+            return checkpoints.load_newest(saved.step if saved else None)
+
+        record = f"; this run last saved step {saved.step} at {saved.location}" if saved else ""
+        where = checkpoints.location()
+        return await wait_for_store(
+            find, self.parts.settings.cfg.checkpoint, where, f"not resuming from {where}", record
+        )
 
     def _load_requested(self, step: int) -> Checkpoint:
         """Step ``step`` (``checkpoint.resume_step``); a store that fails to answer is waited for, not a refusal."""
@@ -194,7 +214,12 @@ class Adopter:
             # The same process goes back: prompts already fed stay in flight and are not fed again.
             abandoned_groups = settled_after(await asyncio.to_thread(self.parts.lineage.records), ckpt.step)
             undone = self.parts.ledger.rewind(
-                state.applied_ids, ckpt.step, time.monotonic(), state.settled_through, abandoned_groups
+                state.applied_ids,
+                ckpt.step,
+                time.monotonic(),
+                state.settled_through,
+                abandoned_groups,
+                dead=state.dead_ids,
             )
             if undone:
                 message = f"{len(undone)} group(s) the abandoned steps had settled are in flight again"
@@ -206,7 +231,7 @@ class Adopter:
             self.parts.lineage.restart_from,
             ckpt.step,
             new_version,
-            event,
+            "resume" if event == Event.RESUME else "rollback",
             copy_if_missing=ckpt.lineage,
             abandoned_versions=disowned if disowned[1] >= disowned[0] else None,
             requested=requested,

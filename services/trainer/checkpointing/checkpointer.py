@@ -157,7 +157,7 @@ class Checkpointer:
         """Encode and upload ``ckpt`` off the loop; a failure is logged and returned, never raised."""
         took = Stopwatch()
         try:
-            location = await asyncio.to_thread(self.parts.checkpoints.save, ckpt, self.parts.settings.cfg.model.path)
+            location = await asyncio.to_thread(self.parts.checkpoints.save, ckpt, self.parts.settings.cfg.model.folder)
         except Exception as error:  # the store's many failure types; training must go on
             self.telemetry.record_checkpoint(took(), ok=False)
             log_event(

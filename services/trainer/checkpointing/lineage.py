@@ -97,7 +97,7 @@ class ReopenedRecord(_Record):
 
 LineageRecord = StepRecord | RestartRecord | LostRecord | ReopenedRecord
 # The key that tells each kind of record apart, as files have always been written.
-_KIND_BY_KEY: dict[str, type[_Record]] = {
+_KIND_BY_KEY: dict[str, type[LineageRecord]] = {
     "step": StepRecord,
     "event": RestartRecord,
     "lost": LostRecord,
@@ -323,5 +323,14 @@ def settled_after(records: list[LineageRecord], step: int) -> list[str]:
 
 
 def lost_groups(records: list[LineageRecord]) -> list[str]:
-    """Every group written off as lost, in the order it was."""
-    return [group for record in records if isinstance(record, LostRecord) for group in record.lost]
+    """Every group written off as lost that the run still holds so, in the order it was. A write-off made after the
+    checkpoint a new process goes on from (a resume or a restart) is forgotten with the process that made it: the
+    adopted checkpoint's ledger never knew it, and the group may be applied later. A rollback keeps its process's
+    write-offs (its ledger keeps lost groups settled)."""
+    kept: list[LostRecord] = []
+    for record in records:
+        if isinstance(record, RestartRecord) and record.event != "rollback":
+            kept = [lost for lost in kept if lost.at_step < record.from_step]
+        elif isinstance(record, LostRecord):
+            kept.append(record)
+    return [group for record in kept for group in record.lost]

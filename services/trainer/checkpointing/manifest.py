@@ -22,6 +22,7 @@ import json
 import pickle
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -30,16 +31,20 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from services.trainer.checkpointing import codec
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt, TrainerState, UnsafeCheckpoint, untied
 
 MANIFEST = "manifest.json"
 # The layout of a step folder. 1: written before the manifest named its format (read as such: trainer_state.json
 # fields added since default, and a pickled rng.pkl is refused by name). 2: every part. 3: optimizer.pt may be absent
 # (checkpoint.optimizer_every) and the weights may be in the serving dtype (trainer_state.json's weights_dtype).
+# 4: parts may be stored compressed (their manifest entries name the codec, codec.py).
 # A step is written in the oldest format that holds it, so an older rlpipe still resumes a full step. A step of a
 # newer format is refused by name, never skipped for an older step: that would silently abandon its training.
-CHECKPOINT_FORMAT = 3
+CHECKPOINT_FORMAT = 4
+COMPRESSED_FORMAT = 4
 FULL_FORMAT = 2  # every part, weights in the master dtype
+PARTIAL_FORMAT = 3  # no optimizer state, or weights in the serving dtype
 REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "lineage.jsonl")
 OPTIONAL_FROM_FORMAT_3 = ("optimizer.pt",)
 STABLE = "STABLE"
@@ -75,8 +80,27 @@ def marker_note() -> bytes:
 
 @dataclass(frozen=True)
 class PartMeta:
+    """A stored object of a step: its size and sha256 as stored; a compressed part also names its codec
+    (``codec.Codec.name``) and its size before compression."""
+
     size: int
     sha256: str
+    codec: str = ""  # "": stored as it is
+    raw_size: int | None = None
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any]) -> PartMeta:
+        raw_size = meta.get("raw_size")
+        return cls(
+            int(meta["size"]),
+            str(meta["sha256"]),
+            str(meta.get("codec") or ""),
+            None if raw_size is None else int(raw_size),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        plain = {"size": self.size, "sha256": self.sha256}
+        return plain if not self.codec else {**plain, "codec": self.codec, "raw_size": self.raw_size}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,7 +131,7 @@ class Manifest:
             seq = raw.get("last_experience_seq")
             return cls(
                 step=int(raw["step"]),
-                files={name: PartMeta(int(meta["size"]), str(meta["sha256"])) for name, meta in raw["files"].items()},
+                files={name: PartMeta.parse(meta) for name, meta in raw["files"].items()},
                 created=float(raw["created"]),
                 incarnation=raw.get("incarnation"),
                 fence_epoch=raw.get("fence_epoch"),
@@ -121,7 +145,15 @@ class Manifest:
             return None
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), indent=2).encode()
+        fields = asdict(self)
+        fields["files"] = {name: meta.to_json() for name, meta in self.files.items()}
+        return json.dumps(fields, indent=2).encode()
+
+    @property
+    def parts(self) -> set[str]:
+        """The parts the step holds, by the names they have once read back (``model.safetensors``, not the
+        ``model.safetensors.zlib`` a compressed one is stored as)."""
+        return {name.removesuffix(codec.SUFFIX) if meta.codec else name for name, meta in self.files.items()}
 
     @property
     def size(self) -> int:
@@ -144,7 +176,7 @@ class Manifest:
                 "(checkpoint.resume_step)"
             )
         optional = OPTIONAL_FROM_FORMAT_3 if self.format >= 3 else ()
-        missing = [name for name in REQUIRED_PARTS if name not in self.files and name not in optional]
+        missing = [name for name in REQUIRED_PARTS if name not in self.parts and name not in optional]
         if missing:
             raise CheckpointCorrupt(
                 f"step {self.step} (checkpoint format {self.format}): its manifest lists no {missing}"
@@ -155,6 +187,23 @@ class Manifest:
         meta = self.files[name]
         if len(data) != meta.size or sha256(data) != meta.sha256:
             raise CheckpointCorrupt(f"step {self.step}: {name} does not match its manifest hash")
+
+    def read_back(self, stored: dict[str, bytes]) -> dict[str, bytes]:
+        """The parts as they were before storing: each compressed one (verified already) inflated under its own
+        name. CheckpointCorrupt when one names a codec this rlpipe does not read or does not inflate to its
+        recorded size."""
+        parts = {}
+        for name, data in stored.items():
+            meta = self.files[name]
+            if not meta.codec:
+                parts[name] = data
+                continue
+            try:
+                how = codec.Codec.parse(meta.codec)
+                parts[name.removesuffix(codec.SUFFIX)] = codec.decompress(data, how, meta.raw_size or 0)
+            except ValueError as error:  # UnknownCodec too
+                raise CheckpointCorrupt(f"step {self.step}: {name}: {error}") from None
+        return parts
 
 
 @dataclass(frozen=True)
@@ -237,14 +286,55 @@ def encode_parts(ckpt: Checkpoint, sidecars: dict[str, bytes]) -> dict[str, byte
     return parts | sidecars | (ckpt.extras or {})
 
 
-def describe(ckpt: Checkpoint, parts: dict[str, bytes], incarnation: str, fence_epoch: int | None) -> Manifest:
-    """The manifest of ``parts``, saved by ``incarnation`` holding lease epoch ``fence_epoch``."""
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested state (an optimizer's ``state_dict()``)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def compress_parts(ckpt: Checkpoint, parts: dict[str, bytes]) -> tuple[dict[str, bytes], dict[str, PartMeta]]:
+    """``parts`` as stored with ``checkpoint.compression: zlib``: the weights and the optimizer state compressed
+    (``codec``), each shuffled by the element size of most of its tensors, under ``name + codec.SUFFIX``; the
+    others as they are. Returns the stored objects and the manifest entries of the compressed ones."""
+    sources = {"model.safetensors": ckpt.model, "critic.safetensors": ckpt.critic, "optimizer.pt": ckpt.optimizer}
+    stored, metas = dict(parts), {}
+    for name in codec.COMPRESSIBLE:
+        if name not in parts:
+            continue
+        how = codec.Codec(codec.lane_of(_tensors(sources[name])))
+        data = codec.compress(parts[name], how)
+        del stored[name]
+        stored[name + codec.SUFFIX] = data
+        metas[name + codec.SUFFIX] = PartMeta(len(data), sha256(data), how.name, len(parts[name]))
+    return stored, metas
+
+
+def describe(
+    ckpt: Checkpoint,
+    parts: dict[str, bytes],
+    incarnation: str,
+    fence_epoch: int | None,
+    compressed: dict[str, PartMeta] | None = None,
+) -> Manifest:
+    """The manifest of the stored objects ``parts``, saved by ``incarnation`` holding lease epoch ``fence_epoch``;
+    ``compressed``: the entries of those stored compressed (``compress_parts``)."""
     state = ckpt.state
+    compressed = compressed or {}
+    if compressed:
+        written = COMPRESSED_FORMAT
+    else:
+        written = FULL_FORMAT if ckpt.optimizer is not None and not state.weights_dtype else PARTIAL_FORMAT
     return Manifest(
         step=ckpt.step,
         incarnation=incarnation,
         fence_epoch=fence_epoch,
-        format=FULL_FORMAT if ckpt.optimizer is not None and not state.weights_dtype else CHECKPOINT_FORMAT,
+        format=written,
         policy_version=state.policy_version,
         version_high_water=max(state.version_high_water, state.policy_version),
         last_experience_seq=state.last_experience_seq,
@@ -252,7 +342,7 @@ def describe(ckpt: Checkpoint, parts: dict[str, bytes], incarnation: str, fence_
         if state.base_model_sha256
         else None,
         created=time.time(),
-        files={name: PartMeta(len(data), sha256(data)) for name, data in parts.items()},
+        files={name: compressed.get(name) or PartMeta(len(data), sha256(data)) for name, data in parts.items()},
     )
 
 

@@ -9,8 +9,11 @@ It wires three single-purpose parts and orders their effects, so that the order 
 A save snapshots between steps and uploads in the background while training goes on; once the step is stored the
 run's own record (``resume.SavedRecord``) names it, a metrics row reports it, and what no kept checkpoint would
 re-read is purged. An adoption (resume or rollback, ``adopt``) is put in force after the adopter changed the store,
-the learner, the ledger and the lineage: the progress is replaced, the record names the adopted step, its weights are
-published as a new policy version, and EXPERIENCE is re-read from its sequence.
+the learner, the ledger and the lineage: the progress is replaced, EXPERIENCE is re-read from its sequence, the
+record names the adopted step, and its weights are served as a new policy version. Only then is it done (its event
+emitted): weights that cannot be served are offered again, and if they still cannot be the rollouts would go on
+with the abandoned branch's, so a rollback holds the run (``AdoptionUnserved``) and the loop serves them before its
+next step once an operator resumes it.
 
 Publishing is ``Publisher``'s (services/trainer/publisher.py), in the background after a step and awaited after an
 adoption; a save's snapshot and an adoption first wait until the newest version's copy was taken, since they read
@@ -20,9 +23,11 @@ or change the learner.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from services.common.config import BuildInfo
@@ -48,6 +53,26 @@ from services.trainer.progress import Adopted, ConfigSource, Progress
 from services.trainer.publisher import Publisher
 
 log = logging.getLogger(__name__)
+# An adoption's weights are offered this often, waiting 0.5 s, then 1 s, between, before the run is held for them.
+SERVE_ATTEMPTS = 3
+SERVE_BACKOFF_S = 0.5
+# Writing the run's record of a save (checkpoint-saved.json) is tried this often, waiting 0.5 s, then 1 s, between.
+RECORD_ATTEMPTS = 3
+RECORD_BACKOFF_S = 0.5
+
+
+class AdoptionUnserved(RuntimeError):
+    """An adopted step (a resume's, a rollback's) is in force but its weights could not be served to the rollouts."""
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """An adoption in force whose weights are not served yet, and what its event says once they are."""
+
+    rollback: bool  # a rollback's, else a resume's
+    message: str
+    version: int
+    fields: dict[str, Any]
 
 
 class Recovery:
@@ -65,8 +90,11 @@ class Recovery:
         journal: Journal,
         telemetry: TrainerMetrics,
         report: Callable[[dict[str, Any]], Awaitable[None]],
-        rewind: Callable[[], None],
+        rewind: Callable[[], object],
+        hold: Callable[[str], Awaitable[None]] | None = None,
     ):
+        """``hold``: pause the run for an operator, with the reason (the trainer's ``Control``); None holds nothing
+        (a recovery driven without a loop, as the simulation drives it)."""
         self.settings = settings
         self.learner = learner
         self.checkpoints = checkpoints
@@ -77,6 +105,7 @@ class Recovery:
         self.telemetry = telemetry
         self.report = report  # a metrics row about a save: written and judged by the alert rules
         self.rewind = rewind  # re-read EXPERIENCE after progress.applied_seq
+        self.hold = hold
         self.build = BuildInfo().resolved()
         self.purger = Purger(settings, checkpoints, progress, ledger, bus)
         parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
@@ -84,6 +113,7 @@ class Recovery:
         self.adopter = Adopter(parts, self.purger, journal)
         self.publisher = Publisher(learner, weights, on_refused=self._weights_refused)
         self.upload: asyncio.Task | None = None
+        self.unserved: Unserved | None = None
 
     @property
     def claim_keys(self) -> dict[str, int]:
@@ -98,16 +128,21 @@ class Recovery:
 
     # -- start ------------------------------------------------------------------------
 
-    async def start(self, resume: bool) -> bool:
+    async def start(self, resume: bool, claim: Callable[[], None] | None = None) -> bool:
         """Adopt the configured or newest checkpoint when resuming; returns whether one was adopted.
 
         A fresh start refuses a store that already holds steps of this run id (another run's, or this
         one's from before): it would prune, purge and later resume from them. A resume whose store cannot be
-        read waits for it, then raises ResumeRefused; nothing is written before the checkpoint is in hand."""
+        read, or lacks the steps the run's record names, waits for it, then raises ResumeRefused; nothing is
+        written before the checkpoint is in hand. ``claim`` (the lease fence) is the first write to the store,
+        made once the start has found there what it expects."""
         run_dir = self.settings.cfg.run_dir
         await asyncio.to_thread(self.lineage.catch_up)  # the whole file, once: later reads take only what is new
         if not resume:
-            self.progress.started(await asyncio.to_thread(self.checkpoints.start_fresh))
+            incarnation = await asyncio.to_thread(self.checkpoints.start_fresh)
+            if claim is not None:
+                await asyncio.to_thread(claim)
+            self.progress.started(incarnation)
             SavedRecord.clear(run_dir)  # an earlier run's record under this run id is not this run's
             return False
         try:
@@ -122,6 +157,8 @@ class Recovery:
             log_event(log, Event.RESUME_STEP_DONE, step=wanted)
             wanted = None
         found = await self.adopter.find_checkpoint(saved, wanted)
+        if claim is not None:
+            await asyncio.to_thread(claim)
         if found.checkpoint is None:
             adopted = await self.adopter.restart_without_checkpoint()
             self.progress.adopt(adopted)
@@ -149,28 +186,83 @@ class Recovery:
     async def adopt(self, ckpt: Checkpoint, event: str, reason: str, requested: bool = False) -> list[int]:
         """Serve stored step ``ckpt.step`` as a new policy version; returns the steps this abandons.
 
-        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once)."""
+        ``requested``: a resume to the step named by ``checkpoint.resume_step`` (recorded, so it is made once).
+        Once the adopter has changed the store, the adoption is in force; its weights are then served, retried, and
+        the adoption is done (its event emitted) only once they are: else ``AdoptionUnserved`` (``_serve``)."""
         await self.publisher.released()  # the learner is about to change under any copy still being taken
         adoption = await self.adopter.take(ckpt, event, requested)
         adopted: Adopted = adoption.adopted
         self.progress.adopt(adopted)
+        self.rewind()  # EXPERIENCE is re-read from the adopted step's sequence, served or not
         # The newest live step is now this one: a later resume expects it (or a newer one saved after).
-        await asyncio.to_thread(self._record_saved, ckpt.step)
-        await self.publish()
-        self.rewind()
+        unrecorded = await self._record_with_retries(ckpt.step)
+        if unrecorded:
+            await self._unrecorded(ckpt.step, unrecorded, stall_s=0.0)
         abandoned = adoption.abandoned_steps
-        message = f"{event} to step {ckpt.step} as policy version {adopted.version} ({reason})"
-        self.journal.emit(
-            Event.RESUMED if event == Event.RESUME else Event.ROLLED_BACK,
-            message,
-            step=ckpt.step,
-            policy_version=adopted.version,
-            experience_seq=adopted.applied_seq,
-            abandoned_steps=abandoned,
-            abandoned_checkpoints=adoption.abandoned_checkpoints,
-            reason=reason,
+        self.unserved = Unserved(
+            event == Event.ROLLBACK,
+            f"{event} to step {ckpt.step} as policy version {adopted.version} ({reason})",
+            adopted.version,
+            {
+                "step": ckpt.step,
+                "policy_version": adopted.version,
+                "experience_seq": adopted.applied_seq,
+                "abandoned_steps": abandoned,
+                "abandoned_checkpoints": adoption.abandoned_checkpoints,
+                "reason": reason,
+            },
         )
+        await self._serve()
         return abandoned
+
+    async def serve_pending(self) -> None:
+        """Before the next step: serve the weights of an adoption that could not serve them (the run was held; an
+        operator resumed it). Failing again holds the run again."""
+        if self.unserved is not None:
+            with contextlib.suppress(AdoptionUnserved):
+                await self._serve()
+
+    async def _serve(self) -> None:
+        """Serve the adopted weights as ``unserved.version`` and emit the adoption's event, retried; when they cannot
+        be served the rollouts keep the abandoned branch's version: the adoption is not done, the event
+        ``adoption_unserved`` alerts, a rollback holds the run (a resume's process exits and its restart tries
+        again) and AdoptionUnserved is raised."""
+        pending = self.unserved
+        assert pending is not None
+        error = ""
+        for attempt in range(1, SERVE_ATTEMPTS + 1):
+            try:
+                await self.publish()
+            except Exception as failure:  # the copy's or the weight server's: the adoption stands, unserved
+                error = repr(failure)[:300]
+            else:
+                if self.publisher.served >= pending.version:
+                    self.unserved = None
+                    self.journal.emit(
+                        Event.ROLLED_BACK if pending.rollback else Event.RESUMED, pending.message, **pending.fields
+                    )
+                    return
+                error = "the weight server refused them (see step_skipped)"
+            if attempt < SERVE_ATTEMPTS:
+                delay = SERVE_BACKOFF_S * 2 ** (attempt - 1)
+                log_event(log, Event.ADOPTION_SERVE_RETRY, level=logging.WARNING, error=error, retry_s=delay)
+                await asyncio.sleep(delay)
+        message = (
+            f"{pending.message}: its weights could not be served ({error}). Rollouts keep the version they hold, "
+            "whose groups are dropped as abandoned; no step is taken until they are served"
+        )
+        self.journal.emit(
+            Event.ADOPTION_UNSERVED,
+            message,
+            level=logging.ERROR,
+            alert=True,
+            step=pending.fields["step"],
+            policy_version=pending.version,
+            error=error,
+        )
+        if pending.rollback and self.hold is not None:
+            await self.hold(f"{message}. `rlpipe resume` serves them again")
+        raise AdoptionUnserved(message)
 
     async def rollback(self, step: int | None, reason: str) -> tuple[int, int, list[int]]:
         """Serve checkpoint ``step`` (None: the newest stable one) as a new policy version.
@@ -251,13 +343,11 @@ class Recovery:
             row = {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s}
             await self.report({**row, "error": outcome.error})
             return
+        unrecorded = await self._record_with_retries(max(self.progress.saved_step, ckpt.step))
+        if unrecorded:
+            await self._unrecorded(ckpt.step, unrecorded, stall_s)
+            return
         self.progress.saved(ckpt.step)
-        try:
-            await asyncio.to_thread(self._record_saved, self.progress.saved_step)
-        except OSError as error:  # the step is stored; a resume finds it by listing, the record is a second witness
-            log_event(
-                log, Event.CHECKPOINT_RECORD_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300]
-            )
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {
@@ -279,6 +369,40 @@ class Recovery:
             optimizer=ckpt.optimizer is not None,
         )
         await self.purger.purge_consumed()
+
+    async def _record_with_retries(self, step: int) -> str:
+        """Write the record that ``step`` is saved (``_record_saved``), retried; "" once written, else the error."""
+        failure = ""
+        for attempt in range(1, RECORD_ATTEMPTS + 1):
+            try:
+                await asyncio.to_thread(self._record_saved, step)
+                return ""
+            except OSError as error:  # a full disk, a read-only or vanished runs volume
+                failure = repr(error)[:300]
+            if attempt < RECORD_ATTEMPTS:
+                delay = RECORD_BACKOFF_S * 2 ** (attempt - 1)
+                log_event(log, Event.CHECKPOINT_RECORD_RETRY, level=logging.WARNING, step=step, retry_s=delay)
+                await asyncio.sleep(delay)
+        return failure
+
+    async def _unrecorded(self, step: int, error: str, stall_s: float) -> None:
+        """Step ``step`` is stored but the run's record of it could not be written: without the record an emptied
+        store would read as a first start (``resume.py``), so the save does not count (``progress.saved_step``
+        stays, the run ends unsaved if it ends now) and the run is held until an operator has looked."""
+        run_dir = self.settings.cfg.run_dir
+        message = (
+            f"step {step} is stored, but {run_dir / SavedRecord.FILE} could not be written ({error}): until it is, a "
+            "restart that finds the store empty would take the run for a new one. Make the run folder writable, then "
+            "`rlpipe resume` and `rlpipe checkpoint` to write it"
+        )
+        self.journal.emit(
+            Event.CHECKPOINT_RECORD_FAILED, message, level=logging.ERROR, alert=True, step=step, error=error
+        )
+        await self.report(
+            {"step": self.progress.step, "checkpoint_failed": 1, "checkpoint_stall_s": stall_s, "error": message}
+        )
+        if self.hold is not None:
+            await self.hold(f"checkpoint record: {message}")
 
     # -- operator calls -------------------------------------------------------------
 

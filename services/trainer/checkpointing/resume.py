@@ -38,6 +38,7 @@ class StoreListing:
     url: str
     steps: list[int] | None  # None: the listing failed, after retries
     error: str = ""
+    abandoned: frozenset[int] = frozenset()  # steps whose copy here is marked ABANDONED
 
 
 def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> list[tuple[int, str]]:
@@ -46,8 +47,20 @@ def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> l
     ``saved_step``: the newest live step the run's own record says it saved (None: no record). Raises
     StoreUnreadable when an unlisted store may hold a newer step than the listed ones (none listed, or only older
     than ``saved_step``), CheckpointsMissing when every store listed and none holds a step the record says exists.
-    An empty list means the run never saved: a start without a checkpoint is right."""
-    candidates = [(step, listing.url) for listing in listings if listing.steps is not None for step in listing.steps]
+    An empty list means the run never saved: a start without a checkpoint is right.
+
+    The first listing is the primary store's, which a rollback marks first: a step it marks ABANDONED is no
+    candidate in a later store either (a mirror out of reach during the rollback still holds it live), unless the
+    primary holds it live too (saved again on the new branch, which the primary gets first)."""
+    primary = listings[0] if listings and listings[0].steps is not None else None
+    disowned = primary.abandoned - set(primary.steps or ()) if primary is not None else frozenset()
+    candidates = [
+        (step, listing.url)
+        for listing in listings
+        if listing.steps is not None
+        for step in listing.steps
+        if listing is primary or step not in disowned
+    ]
     candidates.sort(key=lambda candidate: -candidate[0])  # stable: for one step, the stores keep their order
     newest = candidates[0][0] if candidates else None
     unreadable = [listing for listing in listings if listing.steps is None]

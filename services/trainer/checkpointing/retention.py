@@ -45,9 +45,10 @@ def replay_floor(own: list[StoredStep], keep_last: int, read_seq: int) -> int | 
     sequence."""
     window = [entry for entry in own if entry.live][-keep_last:]
     seqs = [entry.manifest.last_experience_seq if entry.manifest is not None else None for entry in window]
-    if None in seqs:
+    known = [seq for seq in seqs if seq is not None]
+    if len(known) < len(seqs):
         return None
-    return min([*seqs, read_seq])
+    return min([*known, read_seq])
 
 
 class Purger:

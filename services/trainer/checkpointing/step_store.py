@@ -46,8 +46,12 @@ class StepStore:
         backoff_s: float = 1.0,
         mirror: ObjectStore | None = None,
         incarnation: str | None = None,
+        compression: str = "none",
     ):
+        """``compression``: checkpoint.compression, how the weights and optimizer state of a save are stored
+        (every step loads whichever way it was stored)."""
         self.store = store
+        self.compression = compression
         self.mirror = mirror
         self.run_id = run_id
         self.keep_last = keep_last

@@ -59,8 +59,10 @@ from services.trainer.checkpointing.manifest import (
     STABLE,
     CatalogEntry,
     Manifest,
+    PartMeta,
     StoredStep,
     UnknownCheckpointFormat,
+    compress_parts,
     decode_checkpoint,
     describe,
     encode_parts,
@@ -165,7 +167,10 @@ class CheckpointStore(StepStore):
             raise NonFiniteWeights(f"step {ckpt.step} is not saved: NaN or inf in {', '.join(broken[:3])}")
         sidecars = {name: (model_dir / name).read_bytes() for name in MODEL_SIDECARS if (model_dir / name).is_file()}
         parts = encode_parts(ckpt, sidecars)
-        manifest = describe(ckpt, parts, self.incarnation, self.epoch)
+        compressed: dict[str, PartMeta] = {}
+        if self.compression == "zlib":
+            parts, compressed = compress_parts(ckpt, parts)
+        manifest = describe(ckpt, parts, self.incarnation, self.epoch, compressed)
         stable = self._write_step(self.store, ckpt.step, parts, manifest, stable=False)
         # From here the step is stored: what follows is housekeeping that the next save redoes.
         try:
@@ -250,12 +255,18 @@ class CheckpointStore(StepStore):
         self, store: ObjectStore | None = None, include_abandoned: bool = False, include_foreign: bool = False
     ) -> list[int]:
         """Steps that have a manifest, oldest first; this incarnation's only, unless ``include_foreign``."""
+        return [entry.step for entry in self._owned(store, include_foreign) if include_abandoned or entry.live]
+
+    def step_marks(self, store: ObjectStore | None = None) -> tuple[list[int], frozenset[int]]:
+        """This incarnation's steps that have a manifest in ``store``: the live ones, oldest first, and those marked
+        ABANDONED (one listing for both)."""
+        entries = self._owned(store)
+        return [e.step for e in entries if e.live], frozenset(e.step for e in entries if not e.live)
+
+    def _owned(self, store: ObjectStore | None, include_foreign: bool = False) -> list[StoredStep]:
+        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``."""
         check_owner = self.incarnation is not None and not include_foreign
-        return [
-            entry.step
-            for entry in self._scan(store, manifests=check_owner)
-            if (include_abandoned or entry.live) and not (check_owner and self._foreign(entry))
-        ]
+        return [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
 
     def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
@@ -381,7 +392,7 @@ class CheckpointStore(StepStore):
             data = store.get(prefix + name)
             manifest.verify(name, data)
             parts[name] = data
-        return decode_checkpoint(step, parts)
+        return decode_checkpoint(step, manifest.read_back(parts))
 
     def load_latest(self, saved_step: int | None = None) -> Checkpoint | None:
         """The newest live step of this incarnation (of any, before it has one) whose parts all match its
@@ -399,7 +410,8 @@ class CheckpointStore(StepStore):
             if store is None:
                 continue
             try:
-                listings.append(StoreListing(store.url, self._retried(self.run_id, lambda s=store: self.steps(s))))
+                live, abandoned = self._retried(self.run_id, lambda s=store: self.step_marks(s))
+                listings.append(StoreListing(store.url, live, abandoned=abandoned))
             except Exception as error:  # the store's many failure types: it may hold steps all the same
                 log_event(log, Event.STORE_UNREADABLE, level=logging.WARNING, store=store.url, reason=repr(error)[:300])
                 listings.append(StoreListing(store.url, None, repr(error)[:300]))

@@ -76,8 +76,8 @@ class GroupLedger:
     def __init__(self) -> None:
         self.in_flight: dict[str, Flight] = {}
         # Read from EXPERIENCE into the batch being collected, not yet given a fate: no longer in flight (the
-        # pipeline is done with them, so no slot and no age bound), but a checkpoint taken now must still list
-        # them, or a fed group would have no fate in it.
+        # pipeline is done with them, so no slot and no age bound) unless the batch is dropped (``unread``), but a
+        # checkpoint taken now must still list them, or a fed group would have no fate in it.
         self.read: set[str] = set()
         self.settled: dict[str, Settled] = {}
         self.repeats = 0  # deliveries of a group that already had its fate: never applied
@@ -165,8 +165,14 @@ class GroupLedger:
         return True
 
     def settle(self, group_ids: list[str], step: int, fate: Fate) -> list[str]:
-        """Give each group its fate (once); returns those that had none yet."""
-        new = [g for g in group_ids if g not in self.settled]
+        """Give each group its fate (once); returns those that had none yet. One under the watermark and neither in
+        flight nor read has its fate, forgotten: a dead letter of another copy of it must not settle it again (a
+        re-inject would then reopen it, and apply it a second time: the recovery simulation's seed 450)."""
+        new = [
+            g
+            for g in group_ids
+            if g not in self.settled and (g in self.in_flight or g in self.read or not self.covered(g))
+        ]
         for group_id in new:
             self.in_flight.pop(group_id, None)
             self.read.discard(group_id)
@@ -196,6 +202,16 @@ class GroupLedger:
         self.in_flight[group_id] = Flight(now, self.fed_count)
         self.reopened += 1
         return True
+
+    def unread(self, now: float) -> None:
+        """The batch being collected was dropped (an interrupt, a failure): its groups are read again from
+        EXPERIENCE and are in flight until then, their clocks starting ``now`` and counted as fed before any group
+        in flight (serial 0: the pipeline already took them through once). One whose message is gone by then (a
+        broker back without its unsynced writes, the recovery simulation's seed 84) is written off as lost once
+        overdue, rather than left read, with no fate, for good."""
+        for group_id in self.read:
+            self.in_flight[group_id] = Flight(now, 0)
+        self.read.clear()
 
     def overdue(self, now: float, max_age_s: float) -> list[str]:
         """Groups in flight longer than ``max_age_s`` that a group fed after them has overtaken. A group nothing
@@ -239,32 +255,49 @@ class GroupLedger:
         self.unfed_from = None  # until the next feed says where the feeder, sought to the checkpoint, goes on from
 
     def rewind(
-        self, applied: list[str], step: int, now: float, settled_through: str = "", abandoned: Iterable[str] = ()
+        self,
+        applied: list[str],
+        step: int,
+        now: float,
+        settled_through: str = "",
+        abandoned: Iterable[str] = (),
+        dead: Iterable[str] = (),
     ) -> list[str]:
-        """A rollback to a checkpoint: only its watermark and its applied and dropped groups stand. Dead and lost
-        groups stay settled (they are facts about the pipeline, not the model) and groups in flight stay in
-        flight. A group applied or dropped after the checkpoint loses that fate and is in flight again, so it
-        keeps exactly one: applied anew when EXPERIENCE is re-read, or, its message purged, written off as lost
-        once overdue. Their clocks start now, and they count as fed before any group in flight (serial 0): the
-        pipeline already took them through once. ``abandoned``: the groups the abandoned steps applied or dropped
-        as the lineage records them, since the ledger may have forgotten their fates below its watermark (the
-        recovery simulation's seed 151). A group the checkpoint holds settled that is in flight now was re-injected
-        since (its dead fate reopened by an operator, a fact about the pipeline): it stays in flight (seed 923).
-        Returns the reopened groups in feeding order."""
+        """A rollback to a checkpoint: its applied and dropped groups stand. Dead and lost groups stay settled
+        (they are facts about the pipeline, not the model) and groups in flight stay in flight. A group applied or
+        dropped after the checkpoint loses that fate and is in flight again, so it keeps exactly one: applied anew
+        when EXPERIENCE is re-read, or, its message purged, written off as lost once overdue. Their clocks start
+        now, and they count as fed before any group in flight (serial 0): the pipeline already took them through
+        once. ``abandoned``: the groups the abandoned steps applied or dropped as the lineage records them, since
+        the ledger may have forgotten their fates below its watermark (the recovery simulation's seed 151).
+
+        ``dead``: the checkpoint's dead groups. One that is not dead here was re-injected since (its dead fate
+        reopened by an operator, a fact about the pipeline that the rollback keeps): the checkpoint's fate does not
+        stand for it. In flight (or read), it stays so (seed 923); settled since by a step the rollback abandons, it
+        is reopened like that step's other groups (seed 65).
+
+        The higher of the checkpoint's watermark and this ledger's stands: every group under this one has a fate
+        the rollback keeps, or was settled by a step it abandons and is in flight again. The checkpoint's lower one
+        would forget a lost group this ledger knows only by its watermark (a resume from a later checkpoint, then a
+        rollback: seed 151 again). Returns the reopened groups in feeding order."""
+        unsettled = self.in_flight.keys() | self.read
+        reinjected = {g for g in dead if self.fate(g) != Fate.DEAD}
         checkpoint = GroupLedger()
-        checkpoint.settled = {g: Settled(step, Fate.APPLIED) for g in applied if g not in self.in_flight}
+        checkpoint.settled = {
+            g: Settled(step, Fate.APPLIED) for g in applied if g not in unsettled and g not in reinjected
+        }
         checkpoint.settled_through = feed_position(settled_through)
         kept = {g: s for g, s in self.settled.items() if s.fate in (Fate.DEAD, Fate.LOST)}
         undone = sorted(
             (
                 g
-                for g in (self.settled.keys() | set(abandoned)) - kept.keys() - self.in_flight.keys()
-                if not checkpoint.known(g)
+                for g in (self.settled.keys() | set(abandoned)) - kept.keys() - unsettled
+                if not checkpoint.known(g) or g in reinjected
             ),
             key=feeding_order,
         )
         self.settled = checkpoint.settled | kept
-        self.settled_through = checkpoint.settled_through
+        self.settled_through = max(filter(None, (checkpoint.settled_through, self.settled_through)), default=None)
         for group_id in undone:
             self.in_flight[group_id] = Flight(now, 0)
         return undone

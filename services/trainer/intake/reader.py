@@ -46,7 +46,7 @@ from services.common.transport.streams import (
 )
 from services.trainer.intake.episode_stats import episodes_of
 from services.trainer.intake.feeder import PromptFeeder
-from services.trainer.intake.ledger import Fate, GroupLedger, cursor_position
+from services.trainer.intake.ledger import Fate, GroupLedger, cursor_position, feeding_order
 from services.trainer.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -130,12 +130,15 @@ class Intake:
         self.broker = CircuitBreaker()
         self.refused: set[str] = set()  # prompts the broker refused for themselves, alerted once each
 
-    def rewind(self) -> None:
-        """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch."""
+    def rewind(self) -> StreamReader:
+        """Read EXPERIENCE again after the last applied sequence: after a restore, a rollback, or a dropped batch,
+        whose groups are in flight again until they are read again (``GroupLedger.unread``). Returns the reader."""
+        self.ledger.unread(time.monotonic())
         if self.reader is None:
             self.reader = self.bus.read_from(EXPERIENCE, self.progress.applied_seq + 1)
         else:  # the same reader, and so the same reply subscription
             self.reader.seek(self.progress.applied_seq + 1)
+        return self.reader
 
     async def feed(self, cfg: RunConfig, config_version: int, accepted: int = 0) -> None:
         """Top PROMPTS up to the in-flight bound. Synchronous (``train.synchronous``), the bound is one batch
@@ -301,7 +304,8 @@ class Intake:
         """The groups EXPERIENCE holds unread, or None when it holds more than the in-flight limit (a backlog)."""
         stream = stream_name(self.bus.run_id, EXPERIENCE)
         last = (await self.bus.js.stream_info(stream)).state.last_seq
-        first_unread = self.reader.next_seq
+        # Nothing read yet: the reader would start after the last applied sequence (``rewind``).
+        first_unread = self.reader.next_seq if self.reader is not None else self.progress.applied_seq + 1
         if last - first_unread + 1 > cfg.train.max_inflight_batches * cfg.train.batch_size:
             return None
         waiting = set()
@@ -338,18 +342,17 @@ class Intake:
         claims: list[tuple[int, str]] = []
         in_batch: set[str] = set()
         sequence = self.progress.applied_seq
-        if self.reader is None:
-            self.rewind()
+        reader = self.reader if self.reader is not None else self.rewind()
         while len(batch) < cfg.train.batch_size and not stop.is_set():
             if await interrupted():
                 self.rewind()
                 return None
-            if not self.reader.buffered:
+            if not reader.buffered:
                 # DEAD is looked at before each read that goes to the broker, not before every message read ahead:
                 # a letter settles a group whichever comes first, and one a read group needs is read at once below.
                 await self.catch_up_dead()
             await self.feed(cfg, config_version, accepted=len(batch))
-            msg = await self.reader.next(timeout=1.0)
+            msg = await reader.next(timeout=1.0)
             await self.write_off_overdue(cfg)
             if msg is None:
                 continue
@@ -406,6 +409,10 @@ class Intake:
                         )
                     continue
                 batch.append(group)
+        if cfg.train.deterministic:
+            # Arrival order is the pipeline's timing; feeding order is the run's own (the groups' sums, the batch's
+            # rows and its mini-batches follow it).
+            batch.sort(key=lambda group: feeding_order(group.group_id))
         return Collected(batch, dropped, sequence, claims, filtered, filtered_episodes)
 
     def _unusable(self, group: ExperienceGroup, max_staleness: int | None) -> bool:

@@ -55,6 +55,14 @@ class Batch:
         return torch.minimum(sampled.amin(-1), self.policy_versions)
 
     @property
+    def mixed_versions(self) -> torch.Tensor:
+        """``[N]`` True where a row's sampled tokens came from more than one policy version (weights loaded while it
+        was generated)."""
+        sampled = self.mask > 0
+        newest = torch.where(sampled, self.token_versions, -torch.inf).amax(-1)
+        return sampled.any(-1) & (newest != self.oldest_versions)
+
+    @property
     def lengths(self) -> torch.Tensor:
         """``[N]`` prompt + response length of each row, on the CPU (it only decides how rows are grouped)."""
         return torch.tensor([len(prompt) + len(response) for prompt, response in self.pairs])

@@ -26,7 +26,7 @@ class Critic(torch.nn.Module):
         self.kind = cfg.train.critic.kind
         hidden = policy.config.hidden_size
         if self.kind == "separate":
-            self.backbone = load_model(cfg.model.path, policy.dtype).model
+            self.backbone = load_model(cfg.model.folder, policy.dtype).model
             if cfg.train.gradient_checkpointing:
                 enable_gradient_checkpointing(self.backbone)
         self.head = torch.nn.Linear(hidden, 1, dtype=policy.dtype)

@@ -174,7 +174,10 @@ class Mesh:
         # CPU tensors (commands, small state) take gloo; CUDA tensors NCCL.
         backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world)
-        self.commands = dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
+        commands = dist.new_group(backend="gloo", timeout=COMMAND_WAIT)
+        if not isinstance(commands, dist.ProcessGroup):  # every rank is in it: a group, not a non-member marker
+            raise RuntimeError(f"rank {self.rank} is not in the trainer's command group ({commands!r})")
+        self.commands = commands
         self.device_mesh = init_device_mesh(device.type, (self.world,))
         return device
 
@@ -339,7 +342,7 @@ class Mesh:
             raise ValueError(problem)
         with torch.no_grad():
             for names, target in entries:
-                if self.is_main:
+                if self.is_main and state is not None:  # (rank 0's, checked above)
                     source = next(state[name] for name in names if name in state)
                 else:
                     source = torch.empty(target.shape, dtype=target.dtype)
@@ -371,7 +374,10 @@ class Mesh:
             for key in sorted(outline["state"][index]):
                 value = outline["state"][index][key]
                 if isinstance(value, _Sharded):
-                    source = state["state"][index][key] if self.is_main else torch.empty(param.shape, dtype=value.dtype)
+                    if self.is_main and state is not None:  # (rank 0's, checked above)
+                        source = state["state"][index][key]
+                    else:
+                        source = torch.empty(param.shape, dtype=value.dtype)
                     value = distribute_tensor(
                         source.to(param.device), param.device_mesh, param.placements, src_data_rank=0
                     )

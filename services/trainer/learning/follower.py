@@ -16,7 +16,7 @@ import msgpack
 import torch
 
 from services.common.config import RunConfig
-from services.common.transport.messages import ExperienceGroup, decode, encode
+from services.common.transport.messages import ExperienceGroup, decode, encode, packed
 from services.trainer.learning.distributed import Mesh, Op
 
 
@@ -33,7 +33,7 @@ class Replica(Protocol):
 
 
 def step_payload(groups: list[ExperienceGroup], policy_version: int) -> bytes:
-    return msgpack.packb({"groups": [encode(g) for g in groups], "policy_version": policy_version}, use_bin_type=True)
+    return packed({"groups": [encode(g) for g in groups], "policy_version": policy_version})
 
 
 def config_payload(cfg: RunConfig) -> bytes:
@@ -43,7 +43,7 @@ def config_payload(cfg: RunConfig) -> bytes:
 
 def evaluate_payload(rows: list[dict[str, Any]], max_new_tokens: int, episodes: bool = False) -> bytes:
     """``episodes``: a multi-turn run's evaluation, whose budgets are the config's, not ``max_new_tokens``."""
-    return msgpack.packb({"rows": rows, "max_new_tokens": max_new_tokens, "episodes": episodes}, use_bin_type=True)
+    return packed({"rows": rows, "max_new_tokens": max_new_tokens, "episodes": episodes})
 
 
 def follow(mesh: Mesh, replica: Replica) -> None:

@@ -40,11 +40,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
 from services.common.config import RunConfig
 from services.common.model.evaluation import greedy_accuracy
@@ -56,11 +57,15 @@ from services.common.model.modeling import (
     host_copy,
     load_model,
     load_tokenizer,
+    make_deterministic,
     pack,
     response_window,
     token_logprobs,
     window_logits,
 )
+from services.common.model.padding import pad_token_id
+from services.common.observe import metrics as m
+from services.common.observe.flops import device_peak_flops, model_arithmetic, model_flops_utilization
 from services.common.transport.messages import ExperienceGroup
 from services.common.transport.weightsync.snapshot import HostStaging, Snapshot
 from services.trainer.checkpointing.state import (
@@ -88,6 +93,9 @@ from services.trainer.learning.critic import Critic
 from services.trainer.learning.distributed import Mesh, Op
 from services.trainer.learning.follower import config_payload, evaluate_payload, step_payload
 from services.trainer.learning.passes import rank_passes
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 def _layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -130,22 +138,33 @@ class Learner:
         cfg = self.mesh.agree(cfg)
         self.cfg = cfg
         train = cfg.train
+        if train.deterministic:  # before anything draws from torch's generator: adapters and a value head do
+            make_deterministic(train.seed)
         self.precision = replace(Precision.of(cfg.model, train.master_weights), device=device)
         self.device = self.precision.device
         # model.path's content hash, read beside the load: a checkpoint records it, and a resume over other weights
         # is refused (LearnerLayout.check).
-        base_hash = base_identity_in_background(cfg.model.path)
-        self.model = load_model(cfg.model.path, self.precision.param_dtype).to(self.device)
+        base_hash = base_identity_in_background(cfg.model.folder)
+        # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
+        model = load_model(cfg.model.folder, self.precision.param_dtype).to(self.device)  # pyright: ignore[reportArgumentType]
+        self.model: PreTrainedModel | PeftModel = model
+        # perf/mfu (services/common/observe/flops.py): the model's arithmetic, and the device's bfloat16 peak
+        # where the table knows it and the step computes in bfloat16.
+        self.arithmetic = model_arithmetic(self.model.config, sum(p.numel() for p in self.model.parameters()))
+        on_bf16_gpu = self.device.type == "cuda" and self.precision.compute_dtype == torch.bfloat16
+        self.peak_flops = device_peak_flops(torch.cuda.get_device_name(self.device)) if on_bf16_gpu else None
         if train.gradient_checkpointing:
             enable_gradient_checkpointing(self.model)
         # With LoRA only the adapters train: the names a checkpoint, the optimizer and weight sync hold (None: all).
         self.adapter_names: set[str] | None = None
         self.base_model: tuple[str, str] = base_hash()  # path and content hash of the model the run started from
         if cfg.model.lora is not None:
-            self.model = attach_adapters(self.model, cfg.model.lora, cfg.model.path)
+            self.model = attach_adapters(model, cfg.model.lora, cfg.model.folder)
             self.adapter_names = {name for name, p in self.model.named_parameters() if p.requires_grad}
-        self.tokenizer = load_tokenizer(cfg.model.path)
-        self.critic = Critic(cfg, self.model).to(self.device) if train.algorithm == "ppo" else None
+        self.tokenizer = load_tokenizer(cfg.model.folder)
+        self.pad_id = pad_token_id(self.tokenizer)
+        # The policy's transformers model (inside peft's wrappers with LoRA): its config and dtype size the critic.
+        self.critic = Critic(cfg, model).to(self.device) if train.algorithm == "ppo" else None
         # What a checkpoint must hold to load, in whole tensors: taken before sharding splits them.
         model_layout = ModuleLayout.of(self.model, self.adapter_names)
         critic_layout = ModuleLayout.of(self.critic) if self.critic is not None else None
@@ -153,7 +172,8 @@ class Learner:
         parameter_shapes += [tuple(p.shape) for p in self.critic.parameters()] if self.critic is not None else []
         # Sharding replaces the parameters with DTensors: before the optimizer takes them.
         # With LoRA the root is the transformers model inside peft's wrappers: generation calls it past them.
-        root = self.model.get_base_model() if self.adapter_names is not None else self.model
+        # (peft wraps it in place: the PeftModel's get_base_model() is this same model).
+        root = model
         self.mesh.shard(root, _layers(root))
         if self.critic is not None:
             backbone = getattr(self.critic, "backbone", None)
@@ -167,7 +187,7 @@ class Learner:
         self.layout = LearnerLayout(
             base_model=self.base_model,
             adapters=self.adapter_names is not None,
-            model_path=cfg.model.path,
+            model_path=str(cfg.model.path),
             algorithm=train.algorithm,
             model=model_layout,
             critic=critic_layout,
@@ -237,7 +257,9 @@ class Learner:
     def evaluate(self, rows: list[dict[str, Any]], max_new_tokens: int) -> float:
         """Greedy accuracy on held-out ``rows``; every rank generates alike (each forward gathers the shards)."""
         with self.mesh.command(Op.EVALUATE, evaluate_payload(rows, max_new_tokens) if self.mesh.leads else b""):
-            return greedy_accuracy(self.model, self.tokenizer, rows, max_new_tokens, precision=self.precision)
+            return greedy_accuracy(
+                self.model, self.tokenizer, rows, max_new_tokens, self.precision, self.cfg.data.eval_batch_size
+            )
 
     def evaluate_episodes(self, rows: list[dict[str, Any]]) -> EpisodeEvaluation:
         """Greedy held-out episodes of ``rows`` with the run's environment (a multi-turn run's evaluation)."""
@@ -308,7 +330,7 @@ class Learner:
 
     def _pack(self, rows: torch.Tensor, batch: Batch) -> ResponseBatch:
         # Padded to these rows' own longest sequence: a length-sorted micro-batch of short rows stays short.
-        return pack([batch.pairs[i] for i in rows.tolist()], self.tokenizer.pad_token_id).to(self.device)
+        return pack([batch.pairs[i] for i in rows.tolist()], self.pad_id).to(self.device)
 
     def _forward(self, rows: torch.Tensor, batch: Batch) -> tuple[ResponseBatch, torch.Tensor, torch.Tensor | None]:
         """Policy logits ``[n, R, V]`` and critic values ``[n, R]`` (None without a critic) for ``rows``."""
@@ -333,21 +355,22 @@ class Learner:
         old_logp = torch.zeros_like(batch.mask) if policy else None
         old_values = torch.zeros_like(batch.mask) if self.critic is not None else None
         # A separate critic needs no policy pass when the rollout's logprobs serve as pi_old.
-        values_only = not policy and self.critic is not None and self.critic.kind == "separate"
+        critic = self.critic
+        values_only = critic if not policy and critic is not None and critic.kind == "separate" else None
         for rows, counts in rank_passes(torch.arange(len(batch.pairs)), batch.lengths, self.cfg.train, self.mesh):
-            if values_only:
+            if values_only is not None:
                 packed = self._pack(rows, batch)
                 with self.precision.autocast():
-                    logits, values = None, self.critic.values(packed, None)
+                    logits, values = None, values_only.values(packed, None)
             else:
                 packed, logits, values = self._forward(rows, batch)
             if not counts:
                 continue
             r = packed.mask.shape[1]
             at = rows.to(self.device)
-            if old_logp is not None:
+            if old_logp is not None and logits is not None:  # logits come with every pass that scores the policy
                 old_logp[at, :r] = token_logprobs(logits, packed.targets) * batch.mask[at, :r]
-            if values is not None:
+            if old_values is not None and values is not None:
                 old_values[at, :r] = values * batch.mask[at, :r]
         # Each rank filled its own rows and left the others' zero: the sum is every row.
         if old_logp is not None:
@@ -416,6 +439,9 @@ class Learner:
             "step_time_s": elapsed,
             "tokens_per_s": float(batch.filled.sum()) * train.epochs / max(elapsed, 1e-9),
         }
+        if self.peak_flops is not None:  # every rank's rows are in the batch: its FLOPs over all ranks' time
+            flops = self.arithmetic.step_flops(batch.lengths.tolist(), train.epochs)
+            metrics[m.MFU.key] = model_flops_utilization(flops, elapsed, self.peak_flops, self.mesh.world)
         return metrics
 
     def targets(self, batch: Batch) -> StepTargets:
@@ -423,11 +449,10 @@ class Learner:
         train = self.cfg.train
         self.model.eval()  # scoring must match generation: no dropout
         recompute = train.old_logprobs == "recompute"
-        old_logp, old_values = (
+        scored_logp, old_values = (
             self._score(batch, policy=recompute) if recompute or self.critic is not None else (None, None)
         )
-        if not recompute:
-            old_logp = batch.rollout_logp
+        old_logp = scored_logp if scored_logp is not None else batch.rollout_logp  # scored when recompute
         advantages, returns = objective.advantages(train, batch, old_logp, old_values)
         # rho = pi_old / pi_rollout is 1 by definition when the rollout's logprobs are pi_old: nothing to measure.
         log_rho = log_ratio(old_logp, batch.rollout_logp, batch.mask) if recompute else None

@@ -45,6 +45,8 @@ def advantages(
     if train.kl.placement == "reward" and train.kl.coef > 0:
         token_rewards = token_rewards - train.kl.coef * kl_penalty(old_logp, batch.ref_logp, train.kl.estimator) * mask
     if train.algorithm == "ppo":
+        if old_values is None:
+            raise ValueError("PPO's advantages need the critic's values of the batch, and none were scored")
         advantage, returns = gae(token_rewards, old_values, mask, train.gamma, train.lam)
         return whiten(advantage, mask) * mask, returns
     if train.algorithm == "reinforce_pp":
@@ -101,6 +103,8 @@ def micro_batch_loss(
         loss = loss + train.kl.coef * kl
     stats |= {"pg_loss": pg_loss.detach(), "entropy": entropy.detach(), "kl_ref": kl.detach()}
     if values is not None:
+        if targets.old_values is None or targets.returns is None:
+            raise ValueError("the critic's value loss needs the step's old values and returns (PPO's targets)")
         v_loss, v_clipfrac = value_loss(
             values,
             cut(targets.old_values),
@@ -143,6 +147,7 @@ def batch_metrics(batch: Batch, targets: StepTargets, policy_version: int) -> di
         "generated_by_version_max": float(batch.policy_versions.max()),
         "staleness_mean": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
+        "mixed_version_fraction": float(batch.mixed_versions.float().mean()),
         "groups": float(batch.group_index.max() + 1),
         "completions": float(len(batch.pairs)),
     }

@@ -50,8 +50,9 @@ def _to_ggml_rotary(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_llama_gguf(path: Path, seed: int = 0) -> LlamaForCausalLM:
-    """A 2-layer llama in GGUF; returns the float model its weights came from."""
+def write_tiny_llama_gguf(path: Path, seed: int = 0, pad: bool = True) -> LlamaForCausalLM:
+    """A 2-layer llama in GGUF; returns the float model its weights came from. ``pad``: the file names a pad
+    token (the EOS, as SmolLM2's does)."""
     vocab = _vocab()
     config = LlamaConfig(
         vocab_size=len(vocab),
@@ -87,7 +88,8 @@ def write_tiny_llama_gguf(path: Path, seed: int = 0) -> LlamaForCausalLM:
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_pad_token_id(2)
+    if pad:
+        writer.add_pad_token_id(2)
     writer.add_chat_template(CHAT_TEMPLATE)
 
     def matrix(name: str, w: np.ndarray) -> None:
@@ -203,6 +205,21 @@ def test_tokenizer_special_tokens_and_chat_template_survive(imported: Path) -> N
     ids = tokenizer.encode(text, add_special_tokens=False)
     # Control tokens stay whole; " the" is one merged token (the vocabulary's last).
     assert ids[0] == 1 and ids.count(2) == 1 and len(_vocab()) - 1 in ids
+
+
+@pytest.mark.integration
+def test_a_gguf_file_without_a_pad_token_imports_with_its_eos_as_the_pad_everywhere_the_folder_names_it(tmp_path):
+    source = tmp_path / "padless.gguf"
+    write_tiny_llama_gguf(source, pad=False)
+    assert load_gguf(source)[1].pad_token is None  # what this transformers version makes of such a file
+
+    out = tmp_path / "imported"
+    import_gguf(source, out)
+
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
+    assert json.loads((out / "config.json").read_text())["pad_token_id"] == 2
+    assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == 2
 
 
 def test_the_summary_is_recorded_last_in_the_folder(tiny_gguf: tuple[Path, LlamaForCausalLM], imported: Path) -> None:

@@ -132,6 +132,68 @@ def test_s3_storage_probe(s3_env):
     assert result.status == "fail" and result.detail.startswith("s3://doctor/ckpt: write failed:")
 
 
+class RefusingS3:
+    """A real HTTP endpoint that answers every S3 request 403 AccessDenied, as a store refusing our key does."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        class Refuse(http.server.BaseHTTPRequestHandler):
+            def refuse(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                body = b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>"
+                self.send_response(403)
+                self.send_header("Content-Type", "application/xml")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = refuse
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+        self.endpoint = f"127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_store_out_of_reach_fails_a_fresh_start_but_only_warns_a_resume_and_a_refusing_one_fails_both(
+    s3_env, tmp_path
+):
+    """A resume waits out a store outage (checkpoint.resume_wait_s); refused at its start-up check instead, a
+    restarted trainer exited 2, which no supervisor restarts, and a passing outage ended the run. A store that
+    refuses us is a configuration to fix, named, whether the run resumes or not."""
+    dead = CheckpointConfig(store_url="s3://doctor/ckpt", s3_endpoint=f"127.0.0.1:{free_port()}", s3_secure=False)
+    fresh = check_storage(dead.store_url, dead)
+    assert fresh.status == "fail" and fresh.detail.endswith(
+        "never reached at a fresh start: check checkpoint.s3_endpoint and the bucket"
+    )
+    resumed = check_storage(dead.store_url, dead, resume=True)
+    assert resumed.status == "warn" and "out of reach, not refusing: the resume waits for it" in resumed.detail
+
+    refusing = RefusingS3()
+    try:
+        denied = CheckpointConfig(store_url="s3://doctor/ckpt", s3_endpoint=refusing.endpoint, s3_secure=False)
+        for resume in (False, True):
+            result = check_storage(denied.store_url, denied, resume=resume)
+            assert result.status == "fail", result.detail
+            assert "refuses these credentials: check RLPIPE_S3_ACCESS_KEY and RLPIPE_S3_SECRET_KEY" in result.detail
+    finally:
+        refusing.close()
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    in_the_way = CheckpointConfig(store_url=(blocker / "ckpt").as_uri())
+    result = check_storage(in_the_way.store_url, in_the_way, resume=True)
+    assert result.status == "fail" and "checkpoint.store_url cannot hold a store here (ENOTDIR)" in result.detail
+
+
 def test_a_remote_reward_out_of_reach_fails_naming_its_url_and_one_that_answers_passes(tiny_model, tmp_path, nats_url):
     with socket.create_server(("127.0.0.1", 0)) as listening:
         up = f"http://127.0.0.1:{listening.getsockname()[1]}/score"

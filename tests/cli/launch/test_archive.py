@@ -13,9 +13,12 @@ import pytest
 from services.cli.launch.archive import RunArchiver, archive_and_describe, archive_run, archive_until_stopped
 from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import open_store
+from services.trainer.checkpointing.resume import SavedRecord
+from services.trainer.checkpointing.store import CheckpointStore
 from tests.support.paths import ROOT
 from tests.support.runs import run_config
 from tests.support.servers import free_port
+from tests.support.trainer import checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -71,6 +74,25 @@ def test_a_file_store_holding_the_run_folder_itself_copies_nothing_and_an_unreac
     said = archive_and_describe(cfg)
     assert said.startswith("archive: the run's record could not be stored (") and said.endswith(f"{cfg.run_dir}")
     assert (cfg.run_dir / "metrics.jsonl").read_bytes() == RECORD["metrics.jsonl"]
+
+
+def test_a_store_without_the_checkpoints_the_run_saved_gets_no_archive_until_it_holds_them(
+    tmp_path, tiny_model, s3_env
+):
+    """The run's own record says it saved step 4, and the store holds none of the run's steps (moved away, a bucket
+    re-created): a resume waits for such a store rather than take it for empty, and the run's end must not write
+    into it either. Once the store holds the step again, the record is archived there."""
+    cfg = run_with_record(tmp_path, tiny_model, {**S3, "store_url": "s3://archive-moved/runs", "s3_endpoint": s3_env})
+    location = "s3://archive-moved/runs/archived/step-00000004/"
+    SavedRecord(step=4, policy_version=4, incarnation="i", location=location).write(cfg.run_dir)
+    said = archive_and_describe(cfg)
+    assert said.startswith("archive: not copied: archived's checkpoints are not where its record says (")
+    assert "holds no checkpoint of this run, but step 4" in said and said.endswith(f"it stays in {cfg.run_dir}")
+    store = open_store(cfg.checkpoint_url, cfg.checkpoint)
+    assert store.list("archived/") == []  # not one object
+
+    CheckpointStore(store, "archived", keep_last=5, incarnation="i").save(checkpoint(4, "i"), tmp_path)
+    assert sorted(archive_run(cfg).keys) == sorted(RECORD)
 
 
 # ------------------------------------------------------------------ rlpipe archive: beside a trainer it does not run

@@ -13,10 +13,9 @@ from rich.console import Console
 
 from services.cli.launch.children import Child
 from services.cli.launch.scaling import ReplicaScaler, ScalePlan, plan_scale
-from services.common.config import SupervisionConfig, load_config
+from services.common.config import SupervisionConfig
 from services.common.observe.events import EventLog
 from services.common.transport.scale import ScaledElsewhere, ScaleRecord, ScaleRefused, check_scale
-from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
@@ -77,6 +76,13 @@ def test_where_an_orchestrator_runs_the_replicas_a_scale_request_says_where_to_s
     assert "kubectl scale deployment/rollout --replicas=3" in message and "--scale rollout=3" in message
 
 
+def test_a_deterministic_run_keeps_one_replica_of_each_role():
+    with pytest.raises(ScaleRefused, match="a reproducible run has one replica of each role"):
+        check_scale("rollout", 2, LAUNCHED, deterministic=True)
+    check_scale("rollout", 1, LAUNCHED, deterministic=True)
+    check_scale("rollout", 0, LAUNCHED, deterministic=True)
+
+
 class FakeProcess:
     """What the scaler asks of a replica's process: whether it runs, a signal, a kill."""
 
@@ -102,10 +108,9 @@ def replica(name: str, tmp_path: Path) -> Child:
 
 
 @pytest.fixture
-def scaler(config_only_model, tmp_path) -> ReplicaScaler:
-    config = config_file(tmp_path, config_only_model, run_id="elastic")
-    cfg = load_config(config)
-    return ReplicaScaler(cfg, EventLog(tmp_path / "events.jsonl"), Console(file=io.StringIO()))
+def scaler(tmp_path) -> ReplicaScaler:
+    started = {"rollout": 1, "reward": 1, "reference": 1}
+    return ReplicaScaler(started, EventLog(tmp_path / "events.jsonl"), Console(file=io.StringIO()))
 
 
 def test_the_scaler_starts_replicas_for_a_request_then_drains_the_highest_and_never_restarts_them(scaler, tmp_path):

@@ -1,4 +1,4 @@
-"""The environment protocol's built-ins (issue 22 items 1 and 4): the safe arithmetic evaluator, the calculator and
+"""The environment protocol's built-ins: the safe arithmetic evaluator, the calculator and
 Python tools, and rollout.environment's config refused at load naming the field."""
 
 import re

@@ -1,4 +1,4 @@
-"""The HTTP environment client (issue 22 items 1 and 8) against a real HTTP server on a real socket: the reference
+"""The HTTP environment client against a real HTTP server on a real socket: the reference
 environment server, and the same server made to misbehave (slow, failing, off the schema, gone)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from services.common.transport.breaker import BreakerState, DependencyRefused, D
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
 from tests.support.episodes import CharTokenizer, ScriptedEngine
-from tests.support.servers import free_port
+from tests.support.servers import RedirectingService, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -164,6 +164,25 @@ def test_a_reset_the_environment_refuses_holds_the_batch_as_a_refusal_and_an_out
     assert type(held.value) is refused
     if refused is DependencyRefused:
         assert held.value.kind == f"http_{mode}"
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_refused_so_no_prompt_reaches_the_host_it_names_and_the_breaker_opens_at_once(status, caplog):
+    service = RedirectingService(status)
+    try:
+        client = HttpEnvironmentClient(
+            RolloutConfig(environment_url=f"http://127.0.0.1:{service.port}", environment_timeout_s=0.5)
+        )
+        refused = f"answered {status} to 'http://localhost:.*not followed: set rollout.environment_url"
+        with pytest.raises(EnvironmentFailed, match=refused) as failed:
+            asyncio.run(client.episode().reset(TASK))
+        assert failed.value.outcome == "env_error"
+        assert service.reached == []  # urllib alone follows 301, 302 and 303 there as a GET
+        assert client.breaker.state == BreakerState.OPEN
+        [alert] = alerts(caplog)
+        assert (alert["event"], alert["kind"]) == ("environment_service_down", f"http_{status}")
+    finally:
+        service.close()
 
 
 def test_a_rejected_turn_ends_only_its_episode_and_leaves_the_breaker_closed(server):

@@ -1,4 +1,4 @@
-"""The episode loop (issue 22 items 2 and 8) over a deterministic engine stub and a character tokenizer: token in,
+"""The episode loop over a deterministic engine stub and a character tokenizer: token in,
 token out with masks and logprobs, continuous batching past a slow tool, and every bad environment ending its
 episode with a named outcome instead of failing the batch."""
 

@@ -7,6 +7,7 @@ one thing faked. Only the calls rlpipe makes are here; tests replace a function 
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 GIB = 2**30
@@ -35,6 +36,13 @@ def nvmlDeviceGetHandleByIndex(index: int) -> int:
     return index
 
 
+def nvmlDeviceGetHandleByUUID(uuid: str) -> int:
+    for index, (known, *_) in enumerate(GPUS):
+        if known == uuid:
+            return index
+    raise NVMLError(f"no device {uuid}")
+
+
 def nvmlDeviceGetUUID(handle: int) -> str:
     return GPUS[handle][0]
 
@@ -51,10 +59,15 @@ def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
 # Per device index: (pid, device memory it uses in bytes, or None where NVML cannot tell) of each compute process.
 # Empty unless a test puts processes there; no process ever holds a graphics context here.
 PROCESSES: dict[int, list[tuple[int, int | None]]] = {}
+# A process started with FAKE_NVML_SELF_MIB set (a role a test starts) is listed on device 0 as using that much.
+SELF_MIB = os.environ.get("FAKE_NVML_SELF_MIB")
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[SimpleNamespace]:
-    return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in PROCESSES.get(handle, [])]
+    listed = list(PROCESSES.get(handle, []))
+    if SELF_MIB is not None and handle == 0:
+        listed.append((os.getpid(), int(SELF_MIB) * 2**20))
+    return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in listed]
 
 
 def nvmlDeviceGetGraphicsRunningProcesses(handle: int) -> list[SimpleNamespace]:

@@ -53,9 +53,22 @@ def test_restarts_abandon_later_steps_and_lost_groups_are_listed(tmp_path):
     assert lineage.restart_from(1, 4, "rollback", abandoned_versions=(2, 3)) == [2, 3]
     records = lineage.records()
     assert [r.step for r in effective_steps(records)] == [1]
-    assert lost_groups(records) == ["e0-i9"]
+    assert lost_groups(records) == ["e0-i9"]  # a rollback keeps its process's write-offs
     assert lineage.abandoned_versions() == [(2, 3)]
     assert lineage.max_version() == 4
+
+
+def test_a_write_off_after_the_checkpoint_a_resume_adopts_is_forgotten_with_the_process_that_made_it(tmp_path):
+    lineage = Lineage(tmp_path / "lineage.jsonl")
+    lineage.record_step(1, 1, [("e0-i0", 0)], [], 5)
+    lineage.record_lost(1, ["e0-i1"])  # after step 1's checkpoint: a resume from 1 never knew it
+    lineage.record_step(2, 2, [("e0-i2", 1)], [], 9)
+    lineage.restart_from(1, 3, "resume")
+    lineage.record_step(2, 3, [("e0-i1", 2)], [], 12)  # the group came back, and the new branch applied it
+    assert lost_groups(lineage.records()) == []
+    lineage.record_lost(2, ["e0-i3"])
+    lineage.restart_from(2, 4, "restart")
+    assert lost_groups(lineage.records()) == []  # made at step 2, after the checkpoint of step 2 was taken
 
 
 def test_every_record_is_fsynced_before_append_returns_and_the_new_file_with_its_folder(tmp_path, monkeypatch):

@@ -24,7 +24,7 @@ from services.common.transport.weightsync.snapshot import snapshot_of
 from services.trainer.checkpointing.adopter import ResumeRefused
 from services.trainer.checkpointing.lineage import Lineage
 from services.trainer.checkpointing.manifest import FULL_FORMAT, UnknownCheckpointFormat
-from services.trainer.checkpointing.recovery import Recovery
+from services.trainer.checkpointing.recovery import AdoptionUnserved, Recovery
 from services.trainer.checkpointing.resume import SavedRecord
 from services.trainer.checkpointing.state import CheckpointMismatch
 from services.trainer.checkpointing.store import CheckpointStore, ForeignCheckpoints
@@ -59,6 +59,19 @@ class ExperienceStream:
         self.deleted_claims += keys
 
 
+class FailingWeights(WeightSyncServer):
+    """A weight server whose next ``failures`` publishes fail as a copy that cannot be taken would (host memory)."""
+
+    failures = 0
+
+    async def publish(self, snapshot) -> None:
+        if self.failures:
+            self.failures -= 1
+            snapshot.release()
+            raise MemoryError("no host memory for the weights' copy")
+        await super().publish(snapshot)
+
+
 class Harness:
     """One trainer process's recovery and what it touches; a second Harness on the same folder is a restart."""
 
@@ -86,8 +99,9 @@ class Harness:
         self.lineage = Lineage(tmp_path / "runs" / "lineage.jsonl")
         self.progress = Progress()
         self.ledger = GroupLedger()
-        self.weights = WeightSyncServer(snapshot_of(self.learner.model, 0, 0))
+        self.weights = FailingWeights(snapshot_of(self.learner.model, 0, 0))
         self.rows: list[dict[str, Any]] = []
+        self.holds: list[str] = []  # the reasons the run was held for, as Control.pause would get them
         self.rewinds = 0
         self.events_path = tmp_path / "runs" / "events.jsonl"
         settings = type("Settings", (), {"cfg": self.cfg, "version": 0})()
@@ -105,7 +119,11 @@ class Harness:
             telemetry=TrainerMetrics(),
             report=self.report,
             rewind=self.rewind,
+            hold=self.hold,
         )
+
+    async def hold(self, reason: str) -> None:
+        self.holds.append(reason)
 
     async def report(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -224,9 +242,46 @@ def test_a_rollback_that_cannot_mark_the_later_steps_changes_nothing_and_a_retry
         assert torch.equal(first_weights(run.learner), at_one)
         assert run.weights.latest.version == 4 and run.rewinds == 1
         assert run.checkpoints.steps() == [1]
-        assert run.ledger.settled == {} and run.ledger.watermark() == "e0-i1"  # step 1's checkpoint's
-        assert sorted(run.ledger.in_flight) == ["e0-i2", "e0-i3"]  # applied by the abandoned steps: to come again
+        # The ledger's own watermark stands (step 1's checkpoint's is lower); the groups the abandoned steps applied
+        # are in flight below it, to come again.
+        assert run.ledger.settled == {} and run.ledger.watermark() == "e0-i3"
+        assert sorted(run.ledger.in_flight) == ["e0-i2", "e0-i3"]
         assert run.lineage.records()[-1].event == "rollback"
+
+    asyncio.run(scenario())
+
+
+def test_a_rollback_whose_weights_cannot_be_served_is_not_done_holds_the_run_and_is_served_once_resumed(
+    tiny_model, tmp_path
+):
+    """Before, a failed publish of the adopted weights left the rollback half-done (EXPERIENCE not re-read, raised
+    past), and weights the server refused let it complete with the rollouts on the abandoned branch. Now the offer
+    is retried; when it keeps failing the rollback is not done (no rollback event, AdoptionUnserved), the run is
+    held, and the loop serves the weights before its next step once an operator resumes."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        for step in (1, 2, 3):
+            await run.step_and_save(step, [f"e0-i{step}"])
+            await run.recovery.publish()  # as the loop offers each step's version
+        run.weights.failures = 3  # every attempt
+        with pytest.raises(AdoptionUnserved, match=r"rollback to step 1 as policy version 4 \(test\): its weights"):
+            await run.recovery.rollback(1, reason="test")
+        assert run.weights.latest.version == 3  # the abandoned branch's version, still served
+        assert (run.progress.step, run.progress.version, run.rewinds) == (1, 4, 1)  # in force, EXPERIENCE re-read
+        [held] = run.holds
+        assert "could not be served (MemoryError" in held and held.endswith("`rlpipe resume` serves them again")
+        assert events_of(run, "rollback") == [] and len(events_of(run, "adoption_unserved")) == 1
+
+        await run.recovery.serve_pending()  # what the loop does once resumed, before its next step
+        assert run.weights.latest.version == 4 and run.recovery.unserved is None
+        [rolled] = events_of(run, "rollback")
+        assert (rolled["step"], rolled["policy_version"], rolled["abandoned_steps"]) == (1, 4, [2, 3])
+
+        run.weights.failures = 1  # once: the retry serves it, and the rollback is done at once
+        assert await run.recovery.rollback(1, reason="again") == (1, 5, [])
+        assert run.weights.latest.version == 5 and len(run.holds) == 1
 
     asyncio.run(scenario())
 
@@ -297,7 +352,8 @@ def test_groups_applied_by_the_steps_a_rollback_abandons_are_in_flight_again_and
             await run.step_and_save(step, [f"e0-i{step}"])
         await run.recovery.rollback(None, reason="test")
         assert run.progress.applied_seq == 30  # EXPERIENCE through step 3's sequence is purged
-        assert run.ledger.watermark() == "e0-i1" and run.ledger.settled == {}
+        # The ledger's own watermark stands (step 1's is lower); e0-i2..4 are in flight again below it.
+        assert run.ledger.watermark() == "e0-i4" and run.ledger.settled == {}
         serials = {g: f.serial for g, f in run.ledger.in_flight.items()}
         assert serials == {"e0-i5": 1, "e0-i2": 0, "e0-i3": 0, "e0-i4": 0}
         reopened = events_of(run, "groups_reopened_by_rollback")
@@ -380,10 +436,41 @@ def test_a_resume_whose_store_cannot_be_reached_waits_then_refuses_having_writte
 
         s3.start()  # moto comes back empty
         again = Harness(tiny_model, tmp_path, **settings)
+        claim = lambda: again.checkpoints.claim_fence(2, "host:2")  # noqa: E731  (the lease's, as role.py passes it)
         with pytest.raises(ResumeRefused, match=r"holds no checkpoint of this run, but step 2, which"):
-            await again.recovery.start(resume=True)
+            await again.recovery.start(resume=True, claim=claim)
         assert again.lineage.text() == lineage_before
-        assert again.checkpoints.steps() == []  # nothing was written to the store either
+        assert again.checkpoints.store.list("run/") == []  # nothing was written to the store either, no fence
+
+    asyncio.run(scenario())
+
+
+def test_a_save_whose_record_cannot_be_written_does_not_count_alerts_and_holds_the_run(tiny_model, tmp_path):
+    """Without ``checkpoint-saved.json`` a store emptied later reads as a first start. Before, a failed write of it
+    was a warning and the run went on counting the step saved; now the write is retried, then the save does not
+    count (a stop now ends unsaved), a ``checkpoint_failed`` row and the ``checkpoint_record_failed`` event alert,
+    and the run is held. Once the record can be written, the same step saved again counts."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path)
+        await run.recovery.start(resume=False)
+        record = run.cfg.run_dir / SavedRecord.FILE
+        (record / "in-the-way").mkdir(parents=True)  # a folder where the file goes: replacing it fails
+        await run.step_and_save(1, ["e0-i1"])
+        assert run.checkpoints.steps() == [1]  # the step itself is stored
+        assert run.progress.saved_step == 0
+        [held] = run.holds
+        assert held.startswith("checkpoint record: step 1 is stored, but") and str(record) in held
+        [failed] = [row for row in run.rows if row.get("checkpoint_failed")]
+        assert failed["error"] in held and not any(row.get("checkpoint_saved") for row in run.rows)
+        [event] = events_of(run, "checkpoint_record_failed")
+        assert event["step"] == 1 and event["message"] == held.removeprefix("checkpoint record: ")
+
+        (record / "in-the-way").rmdir()
+        record.rmdir()
+        await run.recovery.checkpoint_now(config_version=0)  # the operator's `rlpipe checkpoint`, once it is fixed
+        assert run.progress.saved_step == 1 and SavedRecord.read(run.cfg.run_dir).step == 1
+        assert run.holds == [held]
 
     asyncio.run(scenario())
 

@@ -40,6 +40,20 @@ def test_steps_are_tried_newest_first_and_the_primary_before_the_mirror():
     ]
 
 
+def test_a_step_the_primary_marks_abandoned_is_no_candidate_on_a_mirror_that_missed_the_rollback():
+    # A rollback to 10 marked 15 and 20 ABANDONED on the primary while the mirror was out of reach.
+    listings = [StoreListing(PRIMARY, [10], abandoned=frozenset({15, 20})), StoreListing(MIRROR, [10, 15, 20])]
+    assert resume_candidates(listings, saved_step=10) == [(10, PRIMARY), (10, MIRROR)]
+    # The new branch saved 15 again on the primary; the mirror's old 15 is still live there, tried after it, and
+    # a mirror's own ABANDONED mark does not disown the primary's copy.
+    listings = [
+        StoreListing(PRIMARY, [10, 15], abandoned=frozenset({20})),
+        StoreListing(MIRROR, [10, 15, 20], abandoned=frozenset({12})),
+    ]
+    assert resume_candidates(listings, saved_step=15)[:2] == [(15, PRIMARY), (15, MIRROR)]
+    assert (20, MIRROR) not in resume_candidates(listings, saved_step=15)
+
+
 def test_a_mirror_holding_the_recorded_step_stands_in_for_an_unreadable_primary():
     listings = [StoreListing(PRIMARY, None, "refused"), StoreListing(MIRROR, [10, 20])]
     assert resume_candidates(listings, saved_step=20) == [(20, MIRROR), (10, MIRROR)]

@@ -1,7 +1,7 @@
 """Checkpoints belong to one run incarnation and one branch; saving never leaves a live step without a copy.
 
-Issue #11 items 3 (checkpoints of another run or branch are trusted) and 8 (a prune failure
-after the manifest landed failed the save, and the re-save deleted the good copy first).
+Checkpoints of another run or branch are never trusted, and a prune failure after the manifest landed neither fails
+the save nor lets a re-save delete the good copy first.
 """
 
 import json

@@ -288,13 +288,64 @@ def test_a_group_whose_fate_a_rollback_undoes_is_in_flight_again_and_written_off
         "e0-i1",
         "e0-i2",
     ]
-    assert ledger.watermark() == "e0-i0" and not ledger.arrived("e0-i0")  # the checkpoint's fates stand
+    # The fates under the ledger's own watermark stand (the checkpoint's, the lost e0-i3's); the groups the rollback
+    # undid are in flight again below it.
+    assert ledger.watermark() == "e0-i3" and not ledger.arrived("e0-i0")
     assert ledger.fate("e0-i3") == Fate.LOST  # a lost group stays lost: it is not lost twice
     assert ledger.unsettled() == ["e0-i1", "e0-i2", "e0-i4"]
     assert ledger.overdue(now=150.0, max_age_s=60.0) == []  # their clocks started at the rollback
     # Groups fed after them came back before the rollback: the pipeline is past them. e0-i4 waits for one that
     # was fed after it.
     assert ledger.overdue(now=200.0, max_age_s=60.0) == ["e0-i1", "e0-i2"]
+
+
+def test_a_rollback_reopens_a_group_its_checkpoint_saw_dead_that_was_reinjected_and_applied_since():
+    """The recovery simulation's seed 65: the checkpoint saw e0-i0 dead, an operator re-injected it and a step the
+    rollback abandons applied it. It came back settled as the checkpoint's, so its copy was refused: no fate."""
+    ledger = GroupLedger()
+    ledger.fed("e0-i0", now=0.0)
+    ledger.settle(["e0-i0"], step=1, fate=Fate.DEAD)
+    checkpoint_dead, checkpoint_settled = ledger.dead(), ledger.exceptions()  # a checkpoint of step 1
+    assert ledger.reopen("e0-i0", now=1.0) and ledger.arrived("e0-i0")
+    ledger.settle(["e0-i0"], step=2, fate=Fate.APPLIED)
+    assert ledger.rewind(checkpoint_settled, step=1, now=5.0, dead=checkpoint_dead) == ["e0-i0"]
+    assert "e0-i0" not in ledger.settled and ledger.arrived("e0-i0")  # its copy, re-read, is applied anew
+
+
+def test_a_dead_letter_of_another_copy_does_not_settle_again_a_group_whose_fate_is_under_the_watermark():
+    """The recovery simulation's seed 450: settled and forgotten under the watermark, a group got a dead letter from
+    a second copy of its prompt; settled again as dead, a re-inject reopened it and it was applied once more."""
+    ledger = GroupLedger()
+    ledger.fed("e0-i0", now=0.0)
+    assert ledger.arrived("e0-i0")
+    ledger.settle(["e0-i0"], step=1, fate=Fate.APPLIED)
+    ledger.forget_through(2)
+    assert ledger.watermark() == "e0-i0" and "e0-i0" not in ledger.settled
+    assert ledger.settle(["e0-i0"], step=2, fate=Fate.DEAD) == []
+    assert not ledger.reopen("e0-i0", now=3.0) and not ledger.arrived("e0-i0")
+
+
+def test_the_groups_of_a_dropped_batch_are_in_flight_again_and_written_off_if_their_messages_are_gone():
+    """The recovery simulation's seed 84: the broker lost messages the trainer had read into a batch it then
+    dropped. Left read, their groups were neither re-read nor written off: they never got a fate."""
+    ledger = GroupLedger()
+    for group_id in ("e0-i0", "e0-i1"):
+        ledger.fed(group_id, now=0.0)
+    assert ledger.arrived("e0-i0")  # read into the batch being collected, which an interrupt drops
+    ledger.unread(now=10.0)
+    assert ledger.read == set() and ledger.unsettled() == ["e0-i0", "e0-i1"]
+    assert ledger.arrived("e0-i1")  # a group fed after it came back: the pipeline is past e0-i0
+    assert ledger.overdue(now=100.0, max_age_s=60.0) == ["e0-i0"]
+
+
+def test_a_rollback_keeps_the_ledger_s_higher_watermark_so_a_lost_group_known_only_by_it_stays_refused():
+    """The recovery simulation's seed 151 (with a resume before the rollback): the resumed ledger knew a lost group
+    only by its watermark; the older checkpoint's lower one forgot it, and a late copy would have been applied."""
+    ledger = GroupLedger()
+    # Resumed from a checkpoint under whose watermark e0-i0 was lost.
+    ledger.restore(in_flight=["e0-i1"], applied=[], dead=[], reinjected=[], step=5, now=0.0, settled_through="e0-i0")
+    assert ledger.rewind([], step=0, now=1.0, settled_through="") == []
+    assert ledger.watermark() == "e0-i0" and not ledger.arrived("e0-i0")
 
 
 def test_a_restored_ledger_numbers_in_flight_groups_in_feeding_order_not_string_order():

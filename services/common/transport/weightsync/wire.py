@@ -166,7 +166,8 @@ class TensorAssembler:
                     f"{header.name}: shape {list(header.shape)} does not hold {header.tensor_bytes} bytes"
                 )
             dest = (
-                memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                # (numpy's stubs give arrays the buffer protocol on Python 3.12 and later only)
+                memoryview(tensor.reshape(-1).view(torch.uint8).numpy())  # pyright: ignore[reportArgumentType]
                 if header.tensor_bytes
                 else memoryview(bytearray())
             )

@@ -1,0 +1,160 @@
+"""The transformers engine: a batch's prompts x group_size in one ``generate`` call, against one call per group.
+
+    python -m bench.hf_engine [--model tiny|smol] [--prompts 16] [--group 8] [--max-new-tokens N] [--repeats 3]
+
+Both paths are the engine's own (``HfEngine``): per group is ``rollout.hf.max_sequences_per_call`` set to the group
+size (one call per prompt, each a group of copies of one prompt: how the engine generated before it batched);
+batched is one call for all (the default cap holds 16 x 8). They alternate on the same prompts in one process,
+``--repeats`` times each, so both see the same machine. Reported: completions per wall second and per CPU second
+of each (median; with one torch thread the CPU seconds are the work done, whatever else shares the cores), the
+ratios batched / per group, and the logprobs check. At a near-zero temperature both paths draw the argmax, so their
+tokens must match and their logprobs agree within float noise (the largest difference is printed); and the logprobs
+each path reports at the run's temperature are compared with the trainer's teacher-forced scoring of the same tokens.
+
+``--model tiny`` is ``models/tiny-arith`` (``make model``), else the test suite's ``build/test-model/model``, on its
+arithmetic prompts; ``--model smol`` is SmolLM2-135M-Instruct (``make model-smol``) on its chat word problems
+(rendered with its chat template), 40 new tokens at temperature 0.7 as ``examples/smol-arith.yaml`` samples. One torch
+thread (``--threads``), as a rollout runs by default. Appends one JSON line to ``build/bench/hf_engine.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from services.common.config import SamplingConfig, load_config
+from services.common.model.chat import render_rows
+from services.common.model.datasets import load_jsonl
+from services.common.model.modeling import load_model, pack, response_logits, token_logprobs
+from services.rollout.engines import HfEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "build" / "bench"
+MODELS = {
+    # name: (model folders, first that exists; its eval rows; max new tokens; temperature)
+    "tiny": ((ROOT / "models/tiny-arith", ROOT / "build/test-model/model"), "eval.jsonl", 6, 1.0),
+    "smol": ((ROOT / "models/smollm2-135m-instruct",), ROOT / "data/word-problems/eval.jsonl", 40, 0.7),
+}
+DATA = {
+    ROOT / "models/tiny-arith": ROOT / "data/arith",
+    ROOT / "build/test-model/model": ROOT / "build/test-model/data",
+}
+
+
+def resolve(model: str) -> tuple[Path, Path, int, float]:
+    """(model folder, eval rows, max new tokens, temperature) for ``--model``."""
+    folders, rows, tokens, temperature = MODELS[model]
+    folder = next((f for f in folders if (f / "config.json").is_file()), None)
+    if folder is None:
+        raise SystemExit(f"no {model} model at {', '.join(map(str, folders))}: `make model` or `make model-smol`")
+    return folder, rows if isinstance(rows, Path) else DATA[folder] / rows, tokens, temperature
+
+
+def engine(folder: Path, rows: Path, max_per_call: int | None) -> HfEngine:
+    cfg = load_config(
+        None,
+        model={"path": str(folder)},
+        data={"train_path": str(rows)},
+        train={"max_seq_len": 512},
+        rollout={"backend": "hf", "hf": {"max_sequences_per_call": max_per_call}},
+    )
+    return HfEngine(cfg)
+
+
+def scored(model: PreTrainedModel, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
+    """The trainer's teacher-forced logprobs of each pair's response (one forward pass of each sequence whole)."""
+    with torch.no_grad():
+        batch = pack(pairs, pad_id=0)
+        logprobs = token_logprobs(response_logits(model, batch), batch.targets)
+    return [row[: len(r)].numpy() for row, (_, r) in zip(logprobs, pairs, strict=True)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, help="default: 6 for tiny, 40 for smol")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    folder, rows_path, tokens, temperature = resolve(args.model)
+    sampling = SamplingConfig(
+        group_size=args.group, max_new_tokens=args.max_new_tokens or tokens, temperature=temperature
+    )
+    hf = engine(folder, rows_path, max_per_call=None)
+    rows = render_rows(load_jsonl(rows_path)[: args.prompts], hf.tokenizer)
+    prompt_ids = [hf.tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
+    caps = {"per_group": args.group, "batched": None}
+
+    def run(path: str, settings: SamplingConfig) -> tuple[float, float, list]:
+        """(wall s, CPU s, the samples) of one ``generate`` of every prompt by ``path``."""
+        hf.max_per_call = caps[path]
+        wall, cpu = time.perf_counter(), time.process_time()
+        groups = hf.generate(prompt_ids, settings, 512)
+        return time.perf_counter() - wall, time.process_time() - cpu, [g for group in groups for g in group]
+
+    run("batched", sampling)  # warm-up: first-call allocations and lazy imports, for neither path's figure
+    seconds: dict[str, list[float]] = {path: [] for path in caps}
+    cpu_seconds: dict[str, list[float]] = {path: [] for path in caps}
+    samples: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for path in caps:
+            wall, cpu, samples[path] = run(path, sampling)
+            seconds[path].append(wall)
+            cpu_seconds[path].append(cpu)
+    completions = args.prompts * args.group
+    per_s = {path: completions / statistics.median(times) for path, times in seconds.items()}
+    per_cpu_s = {path: completions / statistics.median(times) for path, times in cpu_seconds.items()}
+
+    # Logprobs: each path's sampled tokens against the trainer's scoring, and the two paths' argmax draws.
+    model = load_model(folder, "float32").eval()
+    contexts = [ids for ids in prompt_ids for _ in range(args.group)]
+    vs_scoring = {}
+    for path, generated in samples.items():
+        expected = scored(model, [(c, g.token_ids.tolist()) for c, g in zip(contexts, generated, strict=True)])
+        vs_scoring[path] = max(
+            float(np.abs(g.logprobs - e).max()) for g, e in zip(generated, expected, strict=True) if len(e)
+        )
+    cold = sampling.model_copy(update={"temperature": 1e-4})
+    per_group, batched = run("per_group", cold)[2], run("batched", cold)[2]
+    same_tokens = all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(per_group, batched, strict=True))
+    argmax_diff = max(
+        float(np.abs(a.logprobs - b.logprobs).max())
+        for a, b in zip(per_group, batched, strict=True)
+        if a.token_ids.tolist() == b.token_ids.tolist() and len(a.token_ids)
+    )
+    result = {
+        "model": str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder),
+        "prompts": args.prompts,
+        "group": args.group,
+        "max_new_tokens": sampling.max_new_tokens,
+        "temperature": temperature,
+        "threads": args.threads,
+        "seconds": {path: [round(t, 3) for t in times] for path, times in seconds.items()},
+        "cpu_seconds": {path: [round(t, 3) for t in times] for path, times in cpu_seconds.items()},
+        "completions_per_s": {path: round(value, 2) for path, value in per_s.items()},
+        "completions_per_cpu_s": {path: round(value, 2) for path, value in per_cpu_s.items()},
+        "batched_over_per_group": round(per_s["batched"] / per_s["per_group"], 2),
+        "batched_over_per_group_cpu": round(per_cpu_s["batched"] / per_cpu_s["per_group"], 2),
+        "argmax_same_tokens": same_tokens,
+        "argmax_logprob_max_diff": argmax_diff,
+        "logprob_vs_scoring_max_diff": vs_scoring,
+        "generated_tokens_mean": {path: float(np.mean([len(g.token_ids) for g in s])) for path, s in samples.items()},
+    }
+    OUT.mkdir(parents=True, exist_ok=True)
+    with (OUT / "hf_engine.jsonl").open("a") as out:
+        out.write(json.dumps(result) + "\n")
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
