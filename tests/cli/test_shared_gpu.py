@@ -20,8 +20,8 @@ from services.common.config import ConfigError, load_config
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.support.hardware import GPU_A, GPU_B
-from tests.support.models import SMOLLM2_CONFIG
-from tests.support.runs import write_config
+from tests.support.models import SMOLLM2_CONFIG, config_only
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
@@ -84,16 +84,10 @@ def test_the_plan_line_names_the_replicas_and_each_roles_share_and_memory():
 @pytest.fixture
 def run_config(tmp_path: Path):
     """A run config writer for SmolLM2's shape: ``run_config(**sections)`` -> its path."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    folders = config_only(tmp_path, SMOLLM2_CONFIG)
 
     def write(**sections: dict) -> Path:
-        return write_config(tmp_path / "run.yaml", model, data, tmp_path / "runs", **sections)
+        return config_file(tmp_path, folders, "run.yaml", **sections)
 
     return write
 

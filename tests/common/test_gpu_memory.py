@@ -35,7 +35,7 @@ from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import StatusReporter
-from tests.support.records import T0, write_jsonl
+from tests.support.records import T0, report_section, write_jsonl
 from tests.support.runs import write_config
 from tests.support.trainer import Holds
 
@@ -127,9 +127,7 @@ def test_the_report_tabulates_and_plots_each_roles_gpu_memory_and_a_cpu_run_has_
         ("GPU GiB: rollout", "used peak 3.00, last 2.00"),
     ]
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_jsonl(run_dir / "metrics.jsonl", rows)
-    section = render_html(run_dir).read_text().split("<h2>GPU memory per role</h2>")[1].split("<h2>")[0]
+    section = report_section(run_dir, rows, "GPU memory per role")
     assert "data:image/png;base64," in section
     assert "<td>GPU GiB: rollout</td><td>used peak 3.00, last 2.00</td>" in section
     write_jsonl(run_dir / "metrics.jsonl", [{k: v for k, v in row.items() if "memory" not in k} for row in rows])

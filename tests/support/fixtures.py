@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.models import config_only
 from tests.support.paths import TEST_MODEL_DIR, one_builder
 from tests.support.runs import WARM_POOL
 from tests.support.servers import StoppableS3, free_port, running_warm_pool, start_moto, start_nats
@@ -85,10 +86,4 @@ def tiny_model(warm_pool: Path) -> tuple[Path, Path]:
 def config_only_model(tmp_path: Path) -> tuple[Path, Path]:
     """A model folder and data files the config loader accepts, for a test that only reads a config: nothing to
     load or build (the unit tier may not build the tiny model)."""
-    model_dir, data_dir = tmp_path / "config-only-model", tmp_path / "config-only-data"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text('{"model_type": "llama"}')
-    data_dir.mkdir()
-    for split in ("train", "eval"):
-        (data_dir / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return model_dir, data_dir
+    return config_only(tmp_path)

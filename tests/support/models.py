@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 SMOLLM2_CONFIG = {
     "model_type": "llama",
     "num_hidden_layers": 30,
@@ -13,3 +16,15 @@ SMOLLM2_CONFIG = {
     "vocab_size": 49152,
     "tie_word_embeddings": True,
 }
+
+
+def config_only(folder: Path, model_config: dict | None = None) -> tuple[Path, Path]:
+    """A model folder holding only ``model_config`` as its config.json (a bare llama unless given) and a data folder
+    with one row in each split, under ``folder``: what the config loader accepts, with nothing to load or build."""
+    model_dir, data_dir = folder / "config-only-model", folder / "config-only-data"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(model_config or {"model_type": "llama"}))
+    data_dir.mkdir()
+    for split in ("train", "eval"):
+        (data_dir / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    return model_dir, data_dir

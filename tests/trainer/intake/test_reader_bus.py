@@ -119,9 +119,7 @@ def test_dead_letters_settle_their_groups_even_after_the_oldest_ones_expired(tin
                 f"rlpipe.{cfg.run_id}.dead", b"x", headers={"Rlpipe-Group-Id": f"e0-i{i}", "Nats-Msg-Id": f"d{i}"}
             )
         await bus.js.delete_msg(stream_name(cfg.run_id, DEAD), 1)  # aged out (nats.dead_letter_max_age_s)
-        ledger = GroupLedger()
-        for i in range(3):
-            ledger.fed(f"e0-i{i}", now=0.0)
+        ledger = fed_ledger(3)
         intake = intake_of(bus, rows, ledger, Progress(step=5))
         assert await intake.catch_up_dead() == 2
         assert sorted(ledger.in_flight) == ["e0-i0"]
@@ -263,9 +261,7 @@ def test_a_hole_in_dead_is_stepped_over_and_only_this_incarnations_letters_settl
         for n, (group_id, incarnation) in enumerate([("e0-i0", "b"), ("e0-i1", "b"), ("e0-i2", "a"), ("e0-i3", None)]):
             await publish_dead_letter(bus, group_id, n, incarnation)
         await bus.js.delete_msg(stream_name(cfg.run_id, DEAD), 2)  # e0-i1's letter, between two others
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=0.0)
+        ledger = fed_ledger(4)
         progress = Progress(step=5, incarnation="b")
         intake = intake_of(bus, rows, ledger, progress)
         assert await intake.catch_up_dead() == 2
@@ -281,6 +277,21 @@ def experience_with_float_ids(group_id: str, incarnation: str) -> ExperienceGrou
     group = experience(group_id, incarnation=incarnation)
     group.completions[0].token_ids = group.completions[0].token_ids.astype(np.float32)  # decodes, breaks the learner
     return group
+
+
+def fed_ledger(count: int, now: float = 0.0) -> GroupLedger:
+    """A ledger that has fed the groups e0-i0 .. e0-i{count-1} at ``now``."""
+    ledger = GroupLedger()
+    for i in range(count):
+        ledger.fed(f"e0-i{i}", now=now)
+    return ledger
+
+
+async def publish_one_bad_then_two_good(bus: Bus) -> None:
+    """Incarnation b's EXPERIENCE as the reference stage sends it: e0-i0 with float token ids, then e0-i1 and e0-i2."""
+    await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
+    for group_id in ("e0-i1", "e0-i2"):
+        await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
 
 
 def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
@@ -349,13 +360,9 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        ledger = fed_ledger(4, now=time.monotonic())
         intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
-        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
-        for group_id in ("e0-i1", "e0-i2"):
-            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        await publish_one_bad_then_two_good(bus)
         assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert letter.headers[H_GROUP] == "e0-i0" and letter.headers[H_INCARNATION] == "b"
@@ -457,14 +464,10 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        ledger = fed_ledger(4, now=time.monotonic())
         intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
         saved = checkpoint(ledger, intake.progress)  # before anything was read
-        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
-        for group_id in ("e0-i1", "e0-i2"):
-            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        await publish_one_bad_then_two_good(bus)
         assert applied(intake, await intake.collect(cfg, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         assert await reinject(nats_url, cfg.run_id, 1, encode(experience("e0-i0", incarnation="b")))
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
