@@ -82,6 +82,17 @@ def tiny_model(warm_pool: Path) -> tuple[Path, Path]:
     return model_dir, data_dir
 
 
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model) -> tuple[Path, dict]:
+    """The tiny arithmetic reward model, trained once from the tiny policy (reused while its settings match)."""
+    from services.cli.build.tiny_reward_model import build_reward_model
+
+    model_dir, data_dir = tiny_model
+    out = TEST_MODEL_DIR / "reward-model"
+    with one_builder("reward-model"):
+        return out, build_reward_model(out, model_dir, data_dir, seed=0)
+
+
 @pytest.fixture
 def config_only_model(tmp_path: Path) -> tuple[Path, Path]:
     """A model folder and data files the config loader accepts, for a test that only reads a config: nothing to

@@ -14,6 +14,7 @@ from tests.support.tiers import tier_of
 LONGEST_FIRST = (
     "tests/trainer/test_simulation.py",
     "tests/trainer/test_algorithms_pipeline.py",
+    "tests/test_examples.py",
     "tests/cli/verify/test_checklist.py",
     "tests/trainer/learning/test_distributed.py",
     "tests/test_storage_outage.py",
