@@ -16,7 +16,7 @@ from rich.console import Console
 
 from services.cli import admin
 from services.cli.report import render_html
-from services.common.config import BuildInfo, load_config
+from services.common.config import BuildInfo
 from services.common.observe import metrics as m
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.gpu_memory import (
@@ -36,7 +36,7 @@ from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import StatusReporter
 from tests.support.records import T0, report_section, write_jsonl
-from tests.support.runs import write_config
+from tests.support.runs import run_config
 from tests.support.trainer import Holds
 
 pytestmark = pytest.mark.unit
@@ -138,10 +138,7 @@ def test_the_report_tabulates_and_plots_each_roles_gpu_memory_and_a_cpu_run_has_
 def test_replicas_figures_reach_the_trainers_status_and_step_row_through_their_presence_entries(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="mem", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="mem", nats={"url": nats_url})
     figures = {
         "rollout-0": ProcessGpuMemory(allocated=GIB, reserved=2 * GIB, used=3 * GIB),
         "rollout-1": ProcessGpuMemory(allocated=GIB // 2, reserved=GIB, used=GIB),
