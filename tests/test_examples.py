@@ -4,6 +4,7 @@ spec's base config is one of them."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -24,9 +25,14 @@ def is_study(path: Path) -> bool:
 RUN_EXAMPLES = [path for path in EXAMPLES if not is_study(path)]
 
 
+# The lengths a config sets, scaled down together where the tiny model has fewer positions than the example's model.
+ROLLOUT_LENGTHS = ("max_total_tokens", "max_tokens_per_turn", "max_observation_tokens")
+
+
 def on_the_tiny_model(example: Path, folder: Path, tiny_model, reward_model: Path | None) -> Path:
     """``example`` with only what this machine lacks replaced: the model and reward model folders, the data files,
-    and the runs folder (under ``folder``); every other setting is the example's own."""
+    the runs folder (under ``folder``), and sequence lengths past the tiny model's positions, scaled down to them;
+    every other setting is the example's own."""
     model_dir, data_dir = tiny_model
     config = yaml.safe_load(example.read_text())
     config["runs_dir"] = str(folder / "runs")
@@ -34,6 +40,13 @@ def on_the_tiny_model(example: Path, folder: Path, tiny_model, reward_model: Pat
     config["data"] |= {"train_path": str(data_dir / "train.jsonl"), "eval_path": str(data_dir / "eval.jsonl")}
     if "model" in config.get("reward", {}):
         config["reward"]["model"]["path"] = str(reward_model)
+    positions = json.loads((model_dir / "config.json").read_text())["max_position_embeddings"]
+    longest = config["train"]["max_seq_len"]
+    if longest > positions:
+        config["train"]["max_seq_len"] = positions
+        config["sampling"]["max_new_tokens"] = config["sampling"]["max_new_tokens"] * positions // longest
+        for key in set(ROLLOUT_LENGTHS) & set(config["rollout"]):
+            config["rollout"][key] = config["rollout"][key] * positions // longest
     if WARM_POOL:  # the roles fork from this worker's pool, as the other runs over the tiny model do
         config.setdefault("service", {})["warm_start_pool"] = str(WARM_POOL[0])
     path = folder / example.name
@@ -64,11 +77,11 @@ def test_each_example_run_config_passes_a_smoke_run_with_its_own_settings(exampl
     written = yaml.safe_load(example.read_text())
     run_dir = tmp_path / "runs" / f"{written['run_id']}-smoke"
     assert [row.step for row in metric_rows(run_dir) if row.is_step] == [1, 2, 3]
-    # The run trained with the example's own settings, not the defaults: its algorithm, rollout (but for what the
-    # smoke run sets itself) and rewards.
+    # The run trained with the example's own settings, not the defaults: its algorithm, rewards and rollout (but for
+    # what the smoke run sets itself, and the lengths the tiny model bounds).
     ran = yaml.safe_load((run_dir / "effective-config.yaml").read_text())
     assert ran["train"]["algorithm"] == written["train"]["algorithm"]
-    smoke_sets = {key.removeprefix("rollout.") for key in smoke_overrides(written["run_id"])}
-    rollout = {key: value for key, value in written["rollout"].items() if key not in smoke_sets}
-    assert {key: ran["rollout"][key] for key in rollout} == rollout
     assert ran["reward"]["functions"] == written["reward"]["functions"]
+    smoke_sets = {key.removeprefix("rollout.") for key in smoke_overrides(written["run_id"])}
+    rollout = {key: value for key, value in written["rollout"].items() if key not in {*smoke_sets, *ROLLOUT_LENGTHS}}
+    assert {key: ran["rollout"][key] for key in rollout} == rollout
