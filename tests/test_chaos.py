@@ -51,6 +51,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
         wait_for(lambda: len(steps()) >= 2, "the first steps", process)
         for victim in VICTIMS:
             seen = len(steps())
+            # A kill at a random moment: the delay is the chaos test's input, not a wait for anything.
             time.sleep(rng.uniform(0.0, 2.0))
             kill_service(run_dir, victim, process)
             # Let the pipeline apply steps after each kill, so every outage is recovered from.

@@ -430,6 +430,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait into the outage: what is checked is the state at that moment, not an event to wait for.
         await asyncio.sleep(outage_s * 0.8)
         # Mid-outage: the breaker is open, the stage holds one batch and fetches nothing more; the rest waits
         # in the stream undelivered, and nothing was redelivered.
@@ -518,6 +519,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait past the whole redelivery budget, since what it shows is that nothing happens: no crash.
         await asyncio.sleep(3 * stage_cfg.nats.ack_wait_s * stage_cfg.nats.max_deliver)
         assert not task.done(), "the stage crashed on the store outage"
         assert stage.outage.breaker.failures > 0 and await stream_messages(bus, SCORED) == 0
@@ -575,6 +577,7 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait past several ack waits, since what it shows is that nothing happens: no crash.
         await asyncio.sleep(4 * cfg.nats.ack_wait_s)
         assert not task.done(), "the stage crashed on a dead letter the broker refused"
         assert stage.outage.breaker.failures > 0 and await stream_messages(bus, DEAD) == 1

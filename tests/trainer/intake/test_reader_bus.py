@@ -415,6 +415,7 @@ def test_dead_lettering_experience_waits_out_a_broker_that_refuses_the_write(tin
         # Each try drops the partial batch (the loop goes on) and backs off; the message is not skipped.
         assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 1 and intake.broker.retry_in() > 0
+        # The backoff's lapse is the condition: the intake tries again only after it.
         await asyncio.sleep(intake.broker.retry_in())
         assert await intake.collect(cfg, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 2 and ledger.fate("e0-i0") is None and intake.reader.next_seq == 1
