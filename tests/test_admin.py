@@ -25,7 +25,8 @@ from services.common.observe.records import read_events
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
-from tests.conftest import free_port, metric_rows, rlpipe, running_pipeline, wait_for, write_config
+from tests.support.runs import config_file, metric_rows, rlpipe, running_pipeline, wait_for
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -49,13 +50,10 @@ def status(run_dir: Path) -> dict:
 
 
 def start(tiny_model, tmp_path: Path, run_id: str, **sections) -> tuple[Path, Path]:
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id=run_id,
         train={"total_steps": 1000, "batch_size": 8, "learning_rate": 1e-4, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 2, "keep_last": 20},
@@ -113,7 +111,7 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
         assert rlpipe(run_dir, "pause").returncode == 0
         paused = status(run_dir)
         assert paused["state"] == "paused"
-        time.sleep(4)
+        time.sleep(4)  # a fixed wait, since what it shows is that nothing happens: no step while paused
         assert status(run_dir)["step"] == paused["step"] == max(r.step for r in metric_rows(run_dir) if r.is_step)
         # A trainer that dies while paused comes back paused: the pause lives in the run's bucket, not the process.
         os.kill(info["pids"]["trainer"], signal.SIGKILL)

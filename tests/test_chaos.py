@@ -14,8 +14,8 @@ import pytest
 
 from services.common.observe import metrics as m
 from services.trainer.checkpointing.lineage import Lineage, RestartRecord, effective_steps
-from tests.conftest import kill_service, metric_rows, running_pipeline, wait_for, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.support.fates import assert_every_fed_prompt_accounted_once
+from tests.support.runs import config_file, kill_service, metric_rows, running_pipeline, wait_for
 
 pytestmark = pytest.mark.e2e
 
@@ -25,13 +25,10 @@ VICTIMS = ["reward-0", "rollout-0", "reference-0", "trainer", "reward-0", "refer
 
 @pytest.mark.e2e
 def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="chaos-all",
         sampling={"group_size": 8, "max_new_tokens": 6},
         train={
@@ -54,6 +51,7 @@ def test_every_role_killed_twice_and_the_run_still_learns(tiny_model, tmp_path):
         wait_for(lambda: len(steps()) >= 2, "the first steps", process)
         for victim in VICTIMS:
             seen = len(steps())
+            # A kill at a random moment: the delay is the chaos test's input, not a wait for anything.
             time.sleep(rng.uniform(0.0, 2.0))
             kill_service(run_dir, victim, process)
             # Let the pipeline apply steps after each kill, so every outage is recovered from.

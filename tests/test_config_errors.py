@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import RLPIPE_RUN, ROOT
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN
 
 pytestmark = pytest.mark.integration
 

@@ -20,8 +20,9 @@ from prometheus_client.samples import Sample
 
 from services.common.observe import instruments
 from services.common.observe import metrics as m
-from tests.common.test_telemetry import scrape, values
-from tests.conftest import ROOT, metric_rows, run_info, running_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, metric_rows, run_info, running_pipeline
+from tests.support.telemetry import scrape, values
 
 pytestmark = pytest.mark.e2e
 
@@ -95,13 +96,11 @@ def progressed(steps: float, syncs: float) -> Callable[[dict[str, list[Sample]]]
 
 @pytest.mark.timeout(900)
 def test_every_metric_the_dashboard_queries_is_exported_and_each_roles_network_counters_move(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "dash.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "dash.yaml",
         run_id="dash",
         train={"total_steps": 500, "batch_size": 4, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 0},

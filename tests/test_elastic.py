@@ -15,8 +15,16 @@ from pathlib import Path
 import pytest
 
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
-from tests.conftest import metric_rows, rlpipe, run_info, running_pipeline, service_events, wait_for, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.support.fates import assert_every_fed_prompt_accounted_once
+from tests.support.runs import (
+    config_file,
+    metric_rows,
+    rlpipe,
+    run_info,
+    running_pipeline,
+    service_events,
+    wait_for,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -31,13 +39,10 @@ def stage_replicas(run_dir: Path, role: str) -> tuple[list[str], list[str]]:
 
 @pytest.mark.timeout(900)
 def test_rollouts_scaled_up_and_down_mid_run_lose_and_repeat_no_group(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="elastic",
         train={
             "total_steps": 10_000,  # stopped by the test once the scaled run has trained on

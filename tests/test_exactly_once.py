@@ -36,9 +36,11 @@ from services.trainer.checkpointing.lineage import (
     lost_groups,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import (
+from tests.support.fates import assert_every_fed_prompt_accounted_once
+from tests.support.paths import ROOT
+from tests.support.runs import (
     RLPIPE_RUN,
-    ROOT,
+    config_file,
     kill_service,
     metric_rows,
     rlpipe,
@@ -47,9 +49,7 @@ from tests.conftest import (
     running_pipeline,
     service_events,
     wait_for,
-    write_config,
 )
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
 
 pytestmark = pytest.mark.e2e
 
@@ -59,13 +59,10 @@ WINDOW_S = 5.0
 
 
 def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="late",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": SAVE_EVERY, "keep_last": 10},
@@ -83,7 +80,7 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
         os.kill(pids["trainer"], signal.SIGKILL)  # no final save: the resume goes back to step 10
         process.kill()  # the launcher; its children die with it
         process.wait()
-    time.sleep(WINDOW_S + 1.0)  # every dedupe entry of the first run has expired
+    time.sleep(WINDOW_S + 1.0)  # the time passing is the condition: every dedupe entry of the first run expired
 
     done = subprocess.run(
         [*RLPIPE_RUN, str(config), f"checkpoint.resume_step={SAVE_EVERY}", "--resume"],
@@ -106,13 +103,10 @@ def test_a_trainer_back_after_the_duplicate_window_applies_no_group_twice(tiny_m
 
 
 def test_a_fresh_run_over_another_runs_checkpoints_is_refused_and_touches_nothing(tiny_model, tmp_path, s3):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="reuse",
         train={"total_steps": 4},
         checkpoint=s3.checkpoint(save_every_steps=2, keep_last=5),
@@ -144,13 +138,10 @@ def test_prompts_the_broker_lost_are_written_off_and_the_run_goes_on(tiny_model,
     fires, and feeding goes on instead of starving with every service up. (The run is stopped once every purged
     group has a fate: written off, or used after all. Left to end at a step count, it could end while the last
     purged groups were still short of lost_after_s, in flight for a reason, and the test would be racing it.)"""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="leak",
         train={"total_steps": 10_000, "batch_size": 8, "max_inflight_batches": 4, "lost_after_s": 6},
         nats={"ack_wait_s": 2, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": 30},
@@ -225,13 +216,10 @@ def test_a_broker_back_without_its_store_stops_the_trainer_with_a_named_error(ti
     """A broker that restarts without its volume holds none of the EXPERIENCE the trainer read. Waiting below the
     lost sequence forever, or reading on from sequence 1 as if nothing happened, would both be silent; the trainer
     stops with broker_state_lost instead, and is not restarted into the same state."""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="lostvol",
         train={"total_steps": 500, "batch_size": 8},
         checkpoint={"save_every_steps": 5, "keep_last": 3},
@@ -282,13 +270,10 @@ def test_without_periodic_checkpoints_experience_is_purged_and_a_restarted_train
     """save_every_steps: 0 used to keep EXPERIENCE forever. Now everything read is purged every few steps, and a
     trainer killed before any checkpoint starts over reading after the purge, not stopping on the gap as if the
     broker had lost messages."""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="nosave",
         train={"total_steps": 30, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 0},

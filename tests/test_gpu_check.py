@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

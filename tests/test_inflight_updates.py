@@ -13,8 +13,8 @@ import pytest
 
 from services.common.observe import metrics as m
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
-from tests.conftest import run_pipeline, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.support.fates import assert_every_fed_prompt_accounted_once
+from tests.support.runs import config_file, run_pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -22,13 +22,10 @@ pytestmark = pytest.mark.e2e
 def test_versions_change_mid_sample_and_every_fed_group_is_applied_dropped_or_in_flight_exactly_once(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="inflight",
         train={"total_steps": 10, "batch_size": 4, "max_inflight_batches": 2, "max_staleness": 2},
         checkpoint={"save_every_steps": 5, "keep_last": 10},

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from services.common import registry
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -10,8 +10,8 @@ from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy
 from services.common.model.modeling import load_model, load_tokenizer
 from services.common.observe import metrics as m
-from tests.common.model.padless import without_pad_token
-from tests.conftest import run_pipeline, write_config
+from tests.support.padless import without_pad_token
+from tests.support.runs import run_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 

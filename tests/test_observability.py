@@ -22,8 +22,8 @@ from prometheus_client.samples import Sample
 
 from services.cli.dead_letters import operator_options
 from services.common.transport.streams import EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, subject
-from tests.common.test_telemetry import OtlpReceiver, one_value, scrape, values
-from tests.conftest import running_pipeline, write_config
+from tests.support.runs import config_file, running_pipeline
+from tests.support.telemetry import OtlpReceiver, one_value, scrape, values
 
 pytestmark = pytest.mark.e2e
 
@@ -131,14 +131,12 @@ def assert_stage(samples: list[Sample], role: str, edge: str) -> None:
 
 @pytest.mark.timeout(900)
 def test_every_service_is_scraped_and_one_group_is_one_trace(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     receiver = OtlpReceiver()
-    config = write_config(
-        tmp_path / "obs.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "obs.yaml",
         run_id="obs",
         train={"total_steps": TOTAL_STEPS, "batch_size": 4, "learning_rate": 2e-5, "max_inflight_batches": 2},
         checkpoint={"save_every_steps": 2, "keep_last": 2},

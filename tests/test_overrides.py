@@ -10,8 +10,8 @@ import yaml
 
 from services.common.config import ConfigError, load_config_with, parse_overrides
 from services.common.observe import metrics as m
-from tests.common.test_trackers import LIGHT_RUN
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import LIGHT_RUN, RLPIPE_RUN, config_file, metric_rows
 
 pytestmark = pytest.mark.integration
 
@@ -45,8 +45,7 @@ BAD_OVERRIDES = [
 def test_a_bad_override_is_refused_in_one_line_naming_it_before_anything_starts(
     command, override, refusal, tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     done = rlpipe(*command, str(config), override)
     assert done.returncode == 2
     [line] = done.stderr.strip().splitlines()
@@ -55,8 +54,7 @@ def test_a_bad_override_is_refused_in_one_line_naming_it_before_anything_starts(
 
 
 def test_an_override_an_environment_variable_would_undo_is_refused(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     done = rlpipe("run", str(config), "train.learning_rate=5e-5", env={"RLPIPE_TRAIN__LEARNING_RATE": "1e-3"})
     assert done.returncode == 2
     assert done.stderr.strip() == (
@@ -67,8 +65,7 @@ def test_an_override_an_environment_variable_would_undo_is_refused(tiny_model, t
 
 @pytest.mark.integration
 def test_overrides_are_read_as_yaml_and_written_into_the_file_data(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     overrides = parse_overrides(
         ["train.learning_rate=5e-5", "reward.functions={exact_match: 0.5, format: 0.5}", "run_id=variant-2"]
     )
@@ -90,8 +87,7 @@ def test_overrides_are_read_as_yaml_and_written_into_the_file_data(tiny_model, t
 
 @pytest.mark.e2e
 def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective_config(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **LIGHT_RUN)
+    config = config_file(tmp_path, tiny_model, **LIGHT_RUN)
     done = subprocess.run(
         [
             *RLPIPE_RUN,
@@ -126,10 +122,9 @@ def test_a_run_with_overrides_trains_with_them_and_records_them_in_its_effective
 
 
 def test_tune_overrides_its_base_config_and_refuses_a_searched_key(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     # The example's search space over a base config on the test model (a fresh clone has no models/ yet),
     # in its own, empty study.
-    base = write_config(tmp_path / "base.yaml", model_dir, data_dir, tmp_path / "runs")
+    base = config_file(tmp_path, tiny_model, "base.yaml")
     spec = yaml.safe_load((ROOT / "examples" / "tune-arith.yaml").read_text())
     tune_file = tmp_path / "tune.yaml"
     tune_file.write_text(yaml.safe_dump({**spec, "base_config": str(base), "workdir": str(tmp_path / "tune")}))

@@ -35,7 +35,8 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, rlpipe, run_info, running_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, rlpipe, run_info, running_pipeline
 
 pytestmark = pytest.mark.e2e
 
@@ -95,13 +96,12 @@ async def dead_letters_around_a_resume(nats_url: str, run_dir: Path, options: di
 
 @pytest.mark.timeout(900)
 def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
+    _, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "pipeline.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "pipeline.yaml",
         run_id="pipe",
         train={"total_steps": TOTAL_STEPS, "batch_size": 8, "learning_rate": 2e-5, "max_inflight_batches": 2},
         data={"eval_every_steps": 5, "eval_size": 200},
@@ -213,11 +213,10 @@ def test_rlpipe_run_end_to_end(tiny_model, tmp_path):
     # --overwrite (what `make demo` passes) starts over in the same directory: the old steps and rows are gone.
     # It runs synchronously (train.synchronous): each step trains only on groups the weights just published
     # generated, and the rollouts wait for those weights rather than have their groups dropped as stale.
-    short = write_config(
-        tmp_path / "short.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    short = config_file(
+        tmp_path,
+        tiny_model,
+        "short.yaml",
         run_id="pipe",
         train={"total_steps": 2, "batch_size": 8, "learning_rate": 2e-5, "synchronous": True},
         checkpoint={"save_every_steps": 2, "keep_last": 3},

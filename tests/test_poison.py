@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 
 from services.cli.dead_letters import list_dead_letters, operator_options
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance, encode
+from services.common.transport.messages import encode
 from services.common.transport.streams import stream_name, subject
-from tests.conftest import metric_rows, rlpipe, run_info, running_pipeline, wait_for, write_config
+from tests.support.messages import completion, scored_group
+from tests.support.runs import config_file, metric_rows, rlpipe, run_info, running_pipeline, wait_for
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -32,20 +33,9 @@ KINDS = {"prompts": "Prompt", "rollouts": "RolloutGroup", "scored": "ScoredGroup
 
 
 def nan_rewards_group() -> bytes:
-    completion = Completion(
-        text="2",
-        token_ids=np.array([5, 1], np.int32),
-        logprobs=np.array([-0.1, -0.2], np.float32),
-        finish_reason="stop",
-    )
-    rollout = advance(
-        Prompt(group_id="nan", prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([3], np.int32),
-        policy_version=0,
-        completions=[completion],
-    )
-    raw = msgpack.unpackb(encode(advance(rollout, ScoredGroup, rewards=np.array([0.0], np.float32))))
+    answer = completion(np.array([5, 1], np.int32), text="2", logprobs=np.array([-0.1, -0.2], np.float32))
+    group = scored_group("nan", [0.0], completions=[answer], prompt_ids=[3], prompt_id="p")
+    raw = msgpack.unpackb(encode(group))
     raw["rewards"]["data"] = np.array([np.nan], "<f4").tobytes()
     return msgpack.packb(raw)
 
@@ -96,13 +86,10 @@ async def dead_letter_count(nats_url: str, run_id: str, options: dict) -> int:
 
 
 def test_thousand_malformed_messages_land_in_dead_and_the_run_finishes(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     # Long enough that the run is still training when the flood's last message is handled; it is stopped then.
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="poison",
         train={"total_steps": 100_000, "batch_size": 8, "learning_rate": 1e-5},
         rollout={"backend": "hf"},

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.reproducible import row_differences
-from tests.conftest import run_pipeline, write_config
+from tests.support.runs import run_pipeline, write_config
 
 pytestmark = pytest.mark.e2e
 

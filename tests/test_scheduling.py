@@ -1,8 +1,9 @@
-"""The order the integration and e2e tiers hand files to pytest-xdist workers (tests/conftest.py)."""
+"""The order the integration and e2e tiers hand files to pytest-xdist workers (tests/support/scheduling.py)."""
 
 import pytest
 
-from tests.conftest import LONGEST_FIRST, ROOT, WAITING, scheduling_rank
+from tests.support.paths import ROOT
+from tests.support.scheduling import LONGEST_FIRST, WAITING, scheduling_rank
 
 pytestmark = pytest.mark.unit
 

@@ -3,24 +3,21 @@ and a reward token rotated to one that cannot be sent, then every file of the ru
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from services.common.observe.records import read_jsonl
-from tests.conftest import (
-    ROOT,
-    free_port,
+from tests.support.runs import (
+    config_file,
     metric_rows,
     rlpipe,
+    rlpipe_command,
     running_pipeline,
     service_events,
     wait_for,
-    write_config,
 )
-from tests.reward.test_remote import start_server
+from tests.support.servers import free_port, start_reward_server
 
 pytestmark = pytest.mark.e2e
 
@@ -54,7 +51,6 @@ def test_no_credential_reaches_a_log_event_metric_dead_letter_or_refusal_of_a_ru
     dependency_refused at once naming the refusal, and the rewritten token lets the run go on. The admin refuses
     to repoint the token file (it was live: at /proc/self/environ it sent the environment as the token) or any
     endpoint. Then nothing the run wrote, nor anything an operator was shown, holds any planted credential."""
-    model_dir, data_dir = tiny_model
     port = free_port()
     token_file = tmp_path / "reward.token"
     token_file.write_text(REWARD_TOKEN + "\n")
@@ -66,11 +62,10 @@ def test_no_credential_reaches_a_log_event_metric_dead_letter_or_refusal_of_a_ru
         ("TEST_REWARD_API_KEY", API_KEY),
     ):
         monkeypatch.setenv(name, value)
-    config = write_config(
-        tmp_path / "secrets.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "secrets.yaml",
         run_id="secrets",
         train={"total_steps": 1000, "batch_size": 4},  # open-ended: stopped below, never raced
         rollout={"prompts_per_batch": 8},
@@ -87,7 +82,7 @@ def test_no_credential_reaches_a_log_event_metric_dead_letter_or_refusal_of_a_ru
     )
     run_dir = tmp_path / "runs" / "secrets"
     shown: list[tuple[str, str]] = []  # what operators were shown: (what, text)
-    server = start_server(port, "--token", REWARD_TOKEN)
+    server = start_reward_server(port, "--token", REWARD_TOKEN)
     try:
         with running_pipeline(config) as process:
             wait_for(lambda: steps(run_dir) >= 1, "a step scored by the reward service", process, timeout=600)
@@ -115,13 +110,7 @@ def test_no_credential_reaches_a_log_event_metric_dead_letter_or_refusal_of_a_ru
             wait_for(lambda: steps(run_dir) >= held_at + 2, "steps after the token was fixed", process, timeout=300)
             wait_for(lambda: events(run_dir, "dependency_recovered"), "dependency_recovered", process, timeout=60)
 
-            listed = subprocess.run(
-                [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--json"],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            listed = rlpipe_command("dead-letters", str(run_dir), "--json")
             assert listed.returncode == 0, listed.stderr
             assert listed.stdout.strip() == ""  # held, never dead-lettered
             shown.append(("dead-letters", listed.stdout + listed.stderr))

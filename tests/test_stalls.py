@@ -1,4 +1,5 @@
-"""What used to stall silently is detected: a stopped role, a hung compute, a stuck loop, a crash loop, no steps.
+"""Stalls that nothing else would report are detected: a stopped role, a hung compute, a stuck loop, a crash loop,
+no steps.
 
 The rules are judged on rows as the trainer writes them; the hung compute and the stuck loop run a real
 stage on a real nats-server with a real gRPC health server; the stopped role is a rollout SIGSTOPped in a
@@ -31,8 +32,12 @@ from services.common.transport.stage import Stage, stall_bound_s
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.trainer.alerts import AlertEvaluator
 from services.trainer.status import save_paths
-from tests.common.test_bus_faults import config, group, scored, stream_messages
-from tests.conftest import ROOT, create_run_state, metric_rows, run_info, running_pipeline, wait_for, write_config
+from tests.support.bus import stream_messages, until_messages
+from tests.support.messages import rollout_group, scored
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, metric_rows, run_config, run_info, running_pipeline, wait_for
+from tests.support.servers import create_run_state
+from tests.support.waits import until
 
 pytestmark = pytest.mark.unit
 
@@ -109,7 +114,7 @@ def test_restarts_count_per_role_within_the_window_only():
 def capped_config(tmp_path, tiny_model, nats_url):
     """Computes capped at half a second, two deliveries each."""
     nats = {"url": nats_url, "ack_wait_s": 5, "heartbeat_s": 1, "max_deliver": 2, "fetch_timeout_s": 0.3}
-    return config(tmp_path, tiny_model, nats={**nats, "max_work_s": 0.5})
+    return run_config(tmp_path, tiny_model, run_id="faults", nats={**nats, "max_work_s": 0.5})
 
 
 @pytest.mark.integration
@@ -122,7 +127,7 @@ def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as
     async def scenario() -> None:
         await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
-        await bus.publish(ROLLOUTS, group("hangs"), msg_id="hangs.rollout")
+        await bus.publish(ROLLOUTS, rollout_group("hangs"), msg_id="hangs.rollout")
 
         async def compute(groups):
             await asyncio.to_thread(never.wait)
@@ -131,10 +136,7 @@ def test_a_compute_that_hangs_is_abandoned_after_max_work_s_and_dead_lettered_as
         stop = asyncio.Event()
         task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
         try:
-            for _ in range(300):
-                if await stream_messages(bus, DEAD):
-                    break
-                await asyncio.sleep(0.1)
+            await until_messages(bus, DEAD, 1)
             stop.set()
             await task
         finally:
@@ -176,10 +178,11 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         stop = asyncio.Event()
         task = asyncio.create_task(serve_stage(stage, stop, server, presence))
+        # A fixed wait, since what it shows is a state that lasts: idle and fetching for a while, still SERVING.
         await asyncio.sleep(1.0)
-        assert await asyncio.to_thread(check, address) is None  # idle, fetching: SERVING
+        assert await asyncio.to_thread(check, address) is None
 
-        await bus.publish(ROLLOUTS, group("stuck"), msg_id="stuck.rollout")
+        await bus.publish(ROLLOUTS, rollout_group("stuck"), msg_id="stuck.rollout")
         reason = None
         for _ in range(100):
             reason = await asyncio.to_thread(check, address)
@@ -187,9 +190,12 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
                 break
             await asyncio.sleep(0.1)
         assert reason == f"{address}: NOT_SERVING"
-        await asyncio.sleep(5.5)  # a presence heartbeat carries the standing progress time
-        entries = await read_presence(bus.js, cfg.run_id, cfg.nats)
-        assert roles_stalled(entries, time.time(), stall_bound_s(cfg.nats)) == ["reward"]
+
+        async def stalled_in_presence() -> bool:  # a presence heartbeat carries the standing progress time
+            entries = await read_presence(bus.js, cfg.run_id, cfg.nats)
+            return roles_stalled(entries, time.time(), stall_bound_s(cfg.nats)) == ["reward"]
+
+        await until(stalled_in_presence, 30, "the stall seen in presence", poll=0.2)
 
         release.set()  # the compute returns: the loop moves and health comes back
         for _ in range(100):
@@ -207,13 +213,10 @@ def test_a_stage_whose_loop_is_stuck_reports_not_serving_and_stalled(tiny_model,
 
 @pytest.mark.integration
 def test_a_stage_stalled_past_exit_when_stalled_s_exits_for_its_restart_policy(config_only_model, tmp_path, nats_url):
-    model_dir, data_dir = config_only_model
     nats = {"url": nats_url, "ack_wait_s": 5, "heartbeat_s": 1, "max_deliver": 2, "fetch_timeout_s": 0.3}
-    path = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    path = config_file(
+        tmp_path,
+        config_only_model,
         run_id="faults",
         nats={**nats, "max_work_s": 0.5},
         service={"exit_when_stalled_s": 1.0},
@@ -230,7 +233,7 @@ def test_a_stage_stalled_past_exit_when_stalled_s_exits_for_its_restart_policy(c
         async def feed() -> None:
             await create_run_state(cfg)
             bus = await Bus(cfg, "rollout").connect()
-            await bus.publish(ROLLOUTS, group("blocks"), msg_id="blocks.rollout")
+            await bus.publish(ROLLOUTS, rollout_group("blocks"), msg_id="blocks.rollout")
             await bus.close()
 
         asyncio.run(feed())
@@ -261,17 +264,14 @@ def test_no_stall_exit_thread_runs_unless_asked():
 
 @pytest.mark.e2e
 def test_a_sigstopped_rollout_fires_steps_absent_and_service_down(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
     rules = [
         rule.model_dump() | ({"window_s": 30.0} if rule.name == "steps_absent" else {})
         for rule in default_alert_rules()
     ]
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="stall",
         train={"total_steps": 1000, "max_inflight_batches": 1},
         checkpoint={"save_every_steps": 0},

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
@@ -33,8 +34,7 @@ def modules_after(script: str) -> dict:
 
 
 def test_a_one_process_full_weights_trainer_builds_its_policy_without_peft_vllm_or_matplotlib(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     found = modules_after(
         "import json, sys\n"
         # what `python -m services.trainer` imports (its __main__ starts the service on import)
@@ -48,8 +48,7 @@ def test_a_one_process_full_weights_trainer_builds_its_policy_without_peft_vllm_
 
 
 def test_a_transformers_rollout_generates_without_vllm_or_peft(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"backend": "hf"})
+    config = config_file(tmp_path, tiny_model, rollout={"backend": "hf"})
     found = modules_after(
         "import json, sys\n"
         "import services.rollout.__main__\n"  # guarded: importing it starts nothing
@@ -86,8 +85,7 @@ def test_the_launchers_start_up_checks_import_neither_torch_nor_transformers_whe
     importing torch and transformers would cost each run's launcher seconds of CPU before anything starts."""
     from services.common.observe.hardware import gpu_seen
 
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     found = modules_after(
         "import json, sys\n"
         "import services.cli.app, services.cli.launch.command\n"

@@ -22,19 +22,9 @@ from services.common.observe.records import read_metrics
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import (
-    BIN,
-    RLPIPE_RUN,
-    ROOT,
-    StoppableS3,
-    free_port,
-    rlpipe,
-    run_pipeline,
-    running_pipeline,
-    wait_for,
-    wait_for_port,
-    write_config,
-)
+from tests.support.paths import BIN, ROOT
+from tests.support.runs import RLPIPE_RUN, config_file, rlpipe, run_pipeline, running_pipeline, wait_for
+from tests.support.servers import StoppableS3, free_port, wait_for_port
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -106,13 +96,10 @@ class UnreachableS3(StoppableS3):
 
 
 def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
-    model_dir, data_dir = tiny_model
     checkpoint = s3.checkpoint(save_every_steps=2, keep_last=20)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="outage",
         # Ended by `rlpipe stop` once a save meets the store again, not at a step count: a count long enough to
         # outlast the outage (a failed save retries for ~7 s) trained on for minutes after it.
@@ -173,12 +160,9 @@ def test_checkpoints_survive_an_object_store_outage(tiny_model, tmp_path, s3):
 
 
 def test_a_run_that_ends_with_its_last_steps_unsaved_does_not_exit_clean(tiny_model, tmp_path, s3):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="unsaved",
         train={"total_steps": 8, "batch_size": 8, "learning_rate": 1e-5},
         checkpoint=s3.checkpoint(save_every_steps=1000),
@@ -212,15 +196,12 @@ CLAIM_OUTAGE_S = 25.0
 
 
 def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(tiny_model, tmp_path, unreachable_s3):
-    model_dir, data_dir = tiny_model
     nats = {"ack_wait_s": 3, "heartbeat_s": 1, "max_deliver": 2, "duplicate_window_s": 600, "claim_check_bytes": 512}
     # The outage outlasts every delivery a message has (ack_wait_s * max_deliver = 6 s) several times over.
     assert 3 * nats["ack_wait_s"] * nats["max_deliver"] < CLAIM_OUTAGE_S
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="claims",
         train={"total_steps": CLAIM_STEPS, "batch_size": 8, "learning_rate": 1e-5},
         checkpoint=unreachable_s3.checkpoint(save_every_steps=4, keep_last=20),
@@ -232,7 +213,7 @@ def test_claim_checked_groups_cross_an_object_store_outage_without_dead_letters(
     with running_pipeline(config) as run:
         wait_for(lambda: len(steps()) >= 2, "step 2", run)
         unreachable_s3.stop()
-        time.sleep(CLAIM_OUTAGE_S)
+        time.sleep(CLAIM_OUTAGE_S)  # the outage's length is what the run must survive, so the wait is fixed
         assert run.poll() is None, "the run died during the store outage"
         stopped_at = len(steps())
         unreachable_s3.start()
@@ -260,13 +241,10 @@ def test_a_run_resumed_over_a_store_that_came_back_empty_is_refused_naming_its_s
     the startup storage probe passes, and the listing is empty. Before, the trainer took that for a run without
     checkpoints and started again from base weights, writing a restart into the lineage that abandoned every step.
     Its own record says it saved step 4: it waits checkpoint.resume_wait_s, then refuses (exit 2), writing nothing."""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="emptied",
         train={"total_steps": 4},
         checkpoint=s3.checkpoint(save_every_steps=2, keep_last=5, resume_wait_s=3),

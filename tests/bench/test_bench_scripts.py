@@ -7,7 +7,6 @@ import sys
 import time
 from dataclasses import replace
 
-import numpy as np
 import pytest
 
 from bench.pipeline_run import CpuSampler, where_the_time_went
@@ -21,8 +20,9 @@ from bench.throughput import (
 from bench.trl_worker import device_args, trl_rows
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
-from services.common.transport.messages import ExperienceGroup, ScoredGroup, advance
-from tests.conftest import ROOT, write_config
+from tests.support.messages import completion, experience_group
+from tests.support.paths import ROOT
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -229,12 +229,12 @@ def test_the_bus_overhead_is_taken_against_the_compute_of_one_group():
 
 
 def test_a_batchs_three_hops_are_timed_through_a_real_broker_one_message_at_a_time_and_batched(tiny_model, tmp_path):
-    from tests.common.test_stage import rollout
-
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
-    scored = [advance(rollout(f"g{n}"), ScoredGroup, rewards=np.zeros(2, np.float32)) for n in range(3)]
-    groups = [advance(g, ExperienceGroup, ref_logprobs=[c.logprobs for c in g.completions]) for g in scored]
+    cfg = run_config(tmp_path, tiny_model)
+    completions = [completion()] * 2
+    groups = [
+        experience_group(f"g{n}", ref_logprobs=[c.logprobs for c in completions], completions=completions)
+        for n in range(3)
+    ]
     timed = bench_bus(cfg, groups, repeats=2)
     assert (timed["group_size"], timed["batch_groups"]) == (2, 3)
     assert 0 < timed["bus_s_per_group"] < 5 and 0 < timed["bus_s_per_group_one_at_a_time"] < 5

@@ -6,14 +6,14 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from services.cli.app import app
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
+from tests.support.runs import wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +29,17 @@ def cli_process(run_dir: Path, *args: str, **options) -> subprocess.Popen:
     )
 
 
+def read_position(pid: int, path: Path) -> int | None:
+    """Where process ``pid`` has read ``path`` up to (Linux's /proc fdinfo); None while it has not opened it."""
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            if Path(os.readlink(fd)) == path.resolve():
+                return int((Path(f"/proc/{pid}/fdinfo") / fd.name).read_text().split()[1])  # "pos:\t<offset>"
+        except FileNotFoundError:  # closed since the listing
+            continue
+    return None
+
+
 def row(step: int) -> str:
     return json.dumps({"time": 1.0, "step": step, "reward_mean": step / 10, "entropy": 1.5, "config_version": 0}) + "\n"
 
@@ -40,7 +51,9 @@ def test_metrics_follow_waits_for_a_half_written_row(tmp_path):
     follower = cli_process(tmp_path, "metrics", "--follow")
     try:
         assert follower.stdout.readline().startswith("step=1  config_version=0  reward_mean=0.1  entropy=1.5")
-        time.sleep(1.5)  # the follower has read the half row by now and must keep it
+        # Only once the follower has read the half row does the rest of the row test that it kept it.
+        half_read = lambda: read_position(follower.pid, metrics) == metrics.stat().st_size  # noqa: E731
+        wait_for(half_read, "the follower's read of the half row", follower, timeout=30)
         with metrics.open("a") as out:
             out.write(second[25:] + row(3))
         assert follower.stdout.readline().startswith("step=2  config_version=0  reward_mean=0.2")

@@ -65,7 +65,7 @@ def test_a_run_reviews_each_rule_with_its_firings_and_a_rule_never_fed_is_not_ju
 
 
 def test_rlpipe_alerts_review_prints_every_rule_of_the_runs_config(tmp_path, config_only_model):
-    from tests.conftest import write_config
+    from tests.support.runs import write_config
 
     model_dir, data_dir = config_only_model
     run_dir = tmp_path / "runs" / "test"

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from services.cli.app import app
 from services.common.model.modeling import load_tokenizer
-from tests.conftest import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def sample(*args: str):
 
 def test_sampled_rows_are_the_seeds_draw_rendered_and_counted_as_the_rollout_encodes_them(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     rows = [json.loads(line) for line in (data_dir / "train.jsonl").read_text().splitlines()]
     tokenizer = load_tokenizer(model_dir)
 
@@ -43,8 +43,8 @@ def test_sampled_rows_are_the_seeds_draw_rendered_and_counted_as_the_rollout_enc
 
 
 def test_eval_rows_are_sampled_from_eval_path_and_bad_requests_are_refused_in_one_line(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    _, data_dir = tiny_model
+    config = config_file(tmp_path, tiny_model)
     done = sample(str(config), "-n", "2", "--split", "eval")
     assert done.exit_code == 0, done.output
     assert f"of {data_dir / 'eval.jsonl'} (split test)" in done.output.splitlines()[0]
@@ -55,16 +55,15 @@ def test_eval_rows_are_sampled_from_eval_path_and_bad_requests_are_refused_in_on
     assert "--split must be train or eval, not 'dev'" in refused.output
     refused = sample(str(config), "--rows", "0")
     assert refused.exit_code == 2 and "--rows must be at least 1, not 0" in refused.output
-    no_eval = write_config(tmp_path / "d.yaml", model_dir, data_dir, tmp_path / "runs", data={"eval_path": None})
+    no_eval = config_file(tmp_path, tiny_model, "d.yaml", data={"eval_path": None})
     refused = sample(str(no_eval), "--split", "eval")
     assert refused.exit_code == 2 and "data.eval_path is not set" in refused.output
 
 
 def test_a_chat_row_for_a_model_without_a_chat_template_is_refused_naming_the_row(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     chat = tmp_path / "chat.jsonl"
     chat.write_text(json.dumps({"id": "c1", "messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}) + "\n")
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", data={"train_path": str(chat)})
+    config = config_file(tmp_path, tiny_model, data={"train_path": str(chat)})
     refused = sample(str(config))
     assert refused.exit_code == 2
     assert "row 'c1' has 'messages' but the model's tokenizer has no chat template" in refused.output

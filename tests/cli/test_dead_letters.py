@@ -4,8 +4,6 @@ the re-inject in DEAD beside the letter."""
 import asyncio
 import contextlib
 import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,19 +14,9 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from services.cli.dead_letters import list_dead_letters, operator_options, reinject
-from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.transport.bus import Bus
-from services.common.transport.messages import (
-    Completion,
-    ExperienceGroup,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    decode,
-    encode,
-)
+from services.common.transport.messages import Prompt, decode, encode
 from services.common.transport.streams import (
     DEAD,
     EXPERIENCE,
@@ -41,17 +29,19 @@ from services.common.transport.streams import (
     subject,
 )
 from services.trainer.checkpointing.lineage import Lineage, ReopenedRecord, StepRecord, effective_steps
-from tests.conftest import (
-    ROOT,
-    free_port,
+from tests.support.messages import completion, experience_group, prompt
+from tests.support.runs import (
+    config_file,
     kill_service,
     metric_rows,
     rlpipe,
+    rlpipe_command,
+    run_config,
     run_info,
     running_pipeline,
     wait_for,
-    write_config,
 )
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -61,13 +51,7 @@ def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(t
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"nats_url": f"nats://127.0.0.1:{free_port()}"}))  # nobody there
     (run_dir / "exit.json").write_text(json.dumps({"state": "finished", "code": 0}))
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = rlpipe_command("dead-letters", str(run_dir))
     assert done.returncode == 2
     assert (
         done.stderr.startswith("rlpipe dead-letters: no broker answers at nats://127.0.0.1:")
@@ -77,9 +61,8 @@ def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(t
 
 
 def test_list_and_reinject(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="dl", nats={"url": nats_url}))
+    cfg = run_config(tmp_path, tiny_model, run_id="dl", nats={"url": nats_url})
     run_dir = runs / "dl"
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"nats_url": nats_url}))
@@ -94,47 +77,19 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
         await bus.close()
 
     asyncio.run(dead_letter_one_bad_prompt())
-    listed = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), "--json"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    listed = rlpipe_command("dead-letters", str(run_dir), "--json")
     assert listed.returncode == 0, listed.stderr
     [letter] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert letter["reason"] == "invalid Prompt: group_id missing" and letter["origin_stream"] == stream_name(
         "dl", PROMPTS
     )
     assert letter["service"] == "test" and letter["origin_sequence"] == 1
-    table = subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    table = rlpipe_command("dead-letters", str(run_dir))
     assert "dead letters of dl: 1" in table.stdout
 
     fixed = tmp_path / "fixed.msgpack"
-    fixed.write_bytes(encode(Prompt(group_id="e0-i0", prompt_id="p", prompt="1+1=", answer="2")))
-    sent = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "services.cli",
-            "dead-letters",
-            str(run_dir),
-            "--reinject",
-            str(letter["sequence"]),
-            "--payload",
-            str(fixed),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    fixed.write_bytes(encode(prompt("e0-i0", prompt_id="p")))
+    sent = rlpipe_command("dead-letters", str(run_dir), "--reinject", str(letter["sequence"]), "--payload", str(fixed))
     assert sent.returncode == 0, sent.stderr
 
     async def read_back() -> Prompt:
@@ -162,27 +117,15 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
     assert headers[H_STREAM] == stream_name("dl", PROMPTS)
 
 
-def dead_letters_cli(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", "dead-letters", str(run_dir), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-
-
 def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_done_one_is_reported_done(
     config_only_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = config_only_model
-    runs = tmp_path / "runs"
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, runs, run_id="dl", nats={"url": nats_url}))
-    run_dir = runs / "dl"
+    cfg = run_config(tmp_path, config_only_model, run_id="dl", nats={"url": nats_url})
+    run_dir = cfg.run_dir
     run_dir.mkdir(parents=True)
     (run_dir / "run.json").write_text(json.dumps({"nats_url": nats_url}))
     fixed = tmp_path / "fixed.msgpack"
-    fixed.write_bytes(encode(Prompt(group_id="e0-i0", prompt_id="p", prompt="1+1=", answer="2")))
+    fixed.write_bytes(encode(prompt("e0-i0", prompt_id="p")))
     again = ("--reinject", "1", "--payload", str(fixed))
 
     async def dead_letter_a_prompt_and_refuse_copies() -> None:
@@ -212,7 +155,7 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
         return dead, prompts
 
     asyncio.run(dead_letter_a_prompt_and_refuse_copies())
-    failed = dead_letters_cli(run_dir, *again)
+    failed = rlpipe_command("dead-letters", str(run_dir), *again)
     assert failed.returncode == 1 and "Traceback" not in failed.stderr, failed.stderr[-2000:]
     assert "its re-inject record is stored (DEAD 2) but the copy could not be sent" in failed.stderr
     assert "Run the same command again" in failed.stderr
@@ -229,7 +172,7 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
         await bus.close()
 
     asyncio.run(accept_copies())
-    completed = dead_letters_cli(run_dir, *again)
+    completed = rlpipe_command("dead-letters", str(run_dir), *again)
     assert completed.returncode == 0, completed.stderr
     assert completed.stdout.startswith("completed the re-inject of dead letter 1 into RLPIPE_dl_PROMPTS")
     dead, prompts = asyncio.run(streams())  # one record, one copy, and the note that the copy went
@@ -237,7 +180,7 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
     [record, note] = dead
     assert record[H_REINJECTED] == "1" and note[H_REINJECT_SENT] == "1"
 
-    done = dead_letters_cli(run_dir, *again)
+    done = rlpipe_command("dead-letters", str(run_dir), *again)
     assert done.returncode == 0, done.stderr
     assert "dead letter 1 was re-injected into RLPIPE_dl_PROMPTS already (its record: DEAD 2)" in done.stdout
     assert asyncio.run(streams())[1] == 1
@@ -251,7 +194,7 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
     asyncio.run(lose_the_note())
     [listed] = asyncio.run(list_dead_letters(nats_url, "dl"))
     assert (listed.reinjected_at, listed.reinject_sent) == (2, False)
-    retried = dead_letters_cli(run_dir, *again)
+    retried = rlpipe_command("dead-letters", str(run_dir), *again)
     assert retried.returncode == 0, retried.stderr
     assert "was re-injected into RLPIPE_dl_PROMPTS already" in retried.stdout
     assert asyncio.run(streams())[1] == 1  # the duplicate window dropped the repeat
@@ -259,15 +202,11 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
     assert (listed.reinjected_at, listed.reinject_sent) == (2, True)
 
 
-def experience_group(group_id: str, dtype: type) -> bytes:
+def experience_body(group_id: str, dtype: type) -> bytes:
     """An EXPERIENCE body that decodes; with float token ids it would break the learner."""
-    ids = np.asarray([5, 2], dtype=dtype)
-    completion = Completion(text="2", token_ids=ids, logprobs=np.full(2, -0.5, np.float32), finish_reason="stop")
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
-    prompt_ids = np.asarray([3], np.int32)
-    rollout = advance(prompt, RolloutGroup, prompt_ids=prompt_ids, policy_version=0, completions=[completion])
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
-    return encode(advance(scored, ExperienceGroup, ref_logprobs=[np.full(2, -0.5, np.float32)]))
+    answer = completion(np.asarray([5, 2], dtype=dtype), text="2")
+    references = [np.full(2, -0.5, np.float32)]
+    return encode(experience_group(group_id, [1.0], references, completions=[answer], prompt_ids=[3]))
 
 
 @pytest.mark.e2e
@@ -277,13 +216,10 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
     restarts it: DEAD read at start is no lost broker state) and the group stays applied exactly once in the steps
     that make up the final model. The run has no end of its own (a short one could finish before the kill): the
     operator stops it."""
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="reinj",
         train={"total_steps": 100_000, "batch_size": 8, "max_inflight_batches": 2, "max_staleness": None},
         checkpoint={"save_every_steps": 2, "keep_last": 10},
@@ -299,7 +235,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
 
         async def send_bad() -> None:
             nc = await nats.connect(url, **operator)
-            body = experience_group(group_id, np.float32)
+            body = experience_body(group_id, np.float32)
             # Headers as the reference stage sets them (Bus.publish): the group id, and no incarnation (the body has
             # none either), so the trainer takes the group for one of its own.
             await nc.jetstream().publish(subject("reinj", EXPERIENCE), body, headers={H_GROUP: group_id})
@@ -310,7 +246,7 @@ def test_a_re_injected_group_is_applied_once_and_a_killed_trainer_restarts_past_
         wait_for(lambda: len(letters()) == 1, "the dead letter", run)
         [letter] = letters()
         assert letter.group_id == group_id and "token_ids are float32, not integers" in letter.reason
-        fixed = experience_group(group_id, np.int32)
+        fixed = experience_body(group_id, np.int32)
         sent = asyncio.run(reinject(url, "reinj", letter.sequence, fixed, operator))
         assert sent.origin == stream_name("reinj", EXPERIENCE)
         applied = lambda: [g for r in steps_in_lineage(run_dir) for g, _ in r.groups if g == group_id]  # noqa: E731

@@ -18,7 +18,7 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.state import Checkpoint, TrainerState
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.learner import Learner
-from tests.conftest import write_config
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.integration
 

@@ -14,8 +14,9 @@ import pytest
 from services.common.config import load_config
 from services.common.service import start_grpc_server
 from services.common.transport.weight_sync_tls import ROLLOUT, TRAINER, server_credentials
-from tests.conftest import ROOT, write_config
-from tests.trainer.test_admin_transport import self_signed
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
+from tests.support.servers import self_signed
 
 pytestmark = pytest.mark.integration
 

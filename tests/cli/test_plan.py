@@ -15,27 +15,20 @@ from services.cli.app import app
 from services.cli.plan import Gpus, inputs_from_config, resolve_gpus, sizing_row
 from services.cli.sizing import GIB, MIB, HostMemory, SizingInputs, estimate, gib, read_model_shape, with_headroom
 from services.common.config import load_config
-from tests.cli.test_sizing import SMOLLM2_CONFIG
-from tests.conftest import ROOT, write_config
+from tests.support.models import SMOLLM2_CONFIG, config_only
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
 def config_path(tmp_path: Path) -> Path:
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return write_config(
-        tmp_path / "run.yaml",
-        model,
-        data,
-        tmp_path / "runs",
-        model={"path": str(model), "dtype": "bfloat16"},
+    return config_file(
+        tmp_path,
+        config_only(tmp_path, SMOLLM2_CONFIG),
+        "run.yaml",
+        model={"dtype": "bfloat16"},
         sampling={"group_size": 4, "max_new_tokens": 6},
         train={
             "algorithm": "ppo",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import itertools
-import json
 import math
 import re
 import struct
@@ -18,17 +17,13 @@ from services.cli import report
 from services.cli.report import curve, event_steps, render_html, render_report, time_lines
 from services.common.observe import metrics as m
 from services.common.observe.records import event_records, metrics_rows
+from tests.support.records import T0, report_section, write_jsonl
 
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[2]
-T0 = 1_700_000_000.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 KINDS = ("config_change", "alert", "rollback", "resume", "restart", "pause", "unpause", "stop")
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
 
 
 def synthetic_metrics() -> list[dict]:
@@ -289,10 +284,7 @@ def test_the_report_shows_the_mean_split_of_a_steps_wall_time_and_each_roles_tim
         ("time share: rollout", "busy 70%, idle 20%, blocked 10%"),
         ("time share: trainer", "busy 60%, idle 35%, blocked 5%"),
     ]
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_jsonl(run_dir / "metrics.jsonl", rows)
-    section = render_html(run_dir).read_text().split("<h2>Where the time goes</h2>")[1].split("<h2>")[0]
+    section = report_section(tmp_path / "run", rows, "Where the time goes")
     assert "<td>time share: rollout</td><td>busy 70%, idle 20%, blocked 10%</td>" in section
 
 

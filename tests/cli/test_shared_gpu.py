@@ -19,9 +19,9 @@ from services.cli.sizing import shared_gpu as plan_shared_gpu
 from services.common.config import ConfigError, load_config
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
-from tests.cli.test_sizing import SMOLLM2_CONFIG
-from tests.common.test_hardware import GPU_A, GPU_B, fake_nvml  # noqa: F401  (fake_nvml is a fixture)
-from tests.conftest import write_config
+from tests.support.hardware import GPU_A, GPU_B
+from tests.support.models import SMOLLM2_CONFIG, config_only
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
@@ -84,16 +84,10 @@ def test_the_plan_line_names_the_replicas_and_each_roles_share_and_memory():
 @pytest.fixture
 def run_config(tmp_path: Path):
     """A run config writer for SmolLM2's shape: ``run_config(**sections)`` -> its path."""
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(SMOLLM2_CONFIG))
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    folders = config_only(tmp_path, SMOLLM2_CONFIG)
 
     def write(**sections: dict) -> Path:
-        return write_config(tmp_path / "run.yaml", model, data, tmp_path / "runs", **sections)
+        return config_file(tmp_path, folders, "run.yaml", **sections)
 
     return write
 
@@ -200,7 +194,7 @@ def test_the_shared_gpu_is_the_first_the_launcher_sees():
     assert shared_device(f"{GPU_B.uuid},0") == GPU_B.uuid
 
 
-def test_the_shared_gpus_memory_comes_from_nvml_by_index_or_uuid_else_from_torch(fake_nvml):  # noqa: F811
+def test_the_shared_gpus_memory_comes_from_nvml_by_index_or_uuid_else_from_torch(fake_nvml):
     never = lambda: pytest.fail("torch asked although NVML answered")  # noqa: E731
     assert gpu_memory(None, fake_nvml, never) == GPU_A.mem_total_bytes
     assert gpu_memory("1", fake_nvml, never) == GPU_B.mem_total_bytes

@@ -20,6 +20,7 @@ from services.cli.sizing import (
     swap_in_use,
     with_headroom,
 )
+from tests.support.models import SMOLLM2_CONFIG
 
 pytestmark = pytest.mark.unit
 
@@ -38,18 +39,6 @@ SMALLER_BATCH = SizingInputs(
     model_dtype="bfloat16",
     master_dtype="float32",
 )
-
-SMOLLM2_CONFIG = {
-    "model_type": "llama",
-    "num_hidden_layers": 30,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "head_dim": 64,
-    "vocab_size": 49152,
-    "tie_word_embeddings": True,
-}
 
 
 def write_config(folder: Path, config: dict) -> Path:

@@ -5,16 +5,12 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
 from services.common.transport.messages import (
     ClaimCheck,
-    Completion,
     DecodeError,
-    Prompt,
     RolloutGroup,
-    advance,
     decode,
     encode,
 )
@@ -30,38 +26,24 @@ from services.common.transport.streams import (
     StreamMessage,
     stream_name,
 )
-from tests.conftest import create_run_state, free_port, write_config
+from tests.support.bus import until_messages
+from tests.support.messages import completion, rollout_group
+from tests.support.runs import run_config
+from tests.support.servers import create_run_state, free_port
 
 pytestmark = pytest.mark.integration
 
 
 def big_group(tokens: int) -> RolloutGroup:
-    completion = Completion(
-        text="x",
-        token_ids=np.arange(tokens, dtype=np.int32),
-        logprobs=np.full(tokens, -0.5, np.float32),
-        finish_reason="length",
-    )
-    return advance(
-        Prompt(group_id="big", prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([1, 2], np.int32),
-        policy_version=3,
-        completions=[completion] * 4,
-    )
+    return rollout_group("big", [completion(tokens, finish_reason="length")] * 4, policy_version=3)
 
 
 def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="claims",
-            nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        run_id="claims",
+        nats={"url": nats_url, "claim_check_bytes": 4096, "max_message_bytes": 8192},
     )
 
     async def scenario() -> None:
@@ -100,16 +82,11 @@ def test_large_groups_travel_by_claim_check(tiny_model, tmp_path, nats_url):
 
 
 def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="unsettled",
-            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        run_id="unsettled",
+        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.5, "max_deliver": 2, "fetch_timeout_s": 0.5},
     )
 
     async def scenario() -> None:
@@ -117,9 +94,10 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
         bus = await Bus(cfg, "reward").connect()
         await bus.publish(ROLLOUTS, big_group(10), msg_id="g.rollout")
         queue = await bus.work_queue(ROLLOUTS)
-        for _ in range(cfg.nats.max_deliver):  # a reward replica takes it and dies before any outcome, twice
+        # A reward replica takes it and dies before any outcome, twice: each fetch waits for the broker to deliver it
+        # again, once the ack wait of the delivery before has passed.
+        for _ in range(cfg.nats.max_deliver):
             [_msg] = await queue.fetch(1, timeout=5)
-            await asyncio.sleep(cfg.nats.ack_wait_s + 0.3)
         computed = []
 
         async def compute(groups):
@@ -128,14 +106,10 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
 
         stop = asyncio.Event()
         stage = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
-        dead = stream_name("unsettled", DEAD)
-        for _ in range(100):
-            if (await bus.js.stream_info(dead)).state.messages:
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, 1, timeout=10)
         stop.set()
         await stage
-        letter = await bus.js.get_msg(dead, seq=1)
+        letter = await bus.js.get_msg(stream_name("unsettled", DEAD), seq=1)
         assert "delivered 3 times without an outcome" in letter.headers[H_REASON] and letter.headers[H_GROUP] == "big"
         assert computed == []  # the third delivery is not tried again: it would crash the replica once more
         await bus.close()
@@ -146,22 +120,18 @@ def test_a_message_whose_deliveries_never_came_back_is_dead_lettered(tiny_model,
 def test_a_missing_claim_body_is_bad_input_but_an_unreachable_store_is_only_a_delay(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
-    model_dir, data_dir = tiny_model
     claim = StreamMessage(
         1, encode(ClaimCheck(key="test/claims/rollouts/g.rollout", size=10, sha256="0" * 64)), {H_CLAIM: "1"}
     )
-    on_disk = load_config(write_config(tmp_path / "a.yaml", model_dir, data_dir, tmp_path / "runs"))
+    on_disk = run_config(tmp_path, tiny_model, "a.yaml")
     with pytest.raises(DecodeError, match="is missing"):  # dead-lettered: no retry brings it back
         asyncio.run(Bus(on_disk, "reward").decode(claim, RolloutGroup))
     # An S3 endpoint nobody answers on: the message stays (nak, re-read) until the store is back.
-    unreachable = load_config(
-        write_config(
-            tmp_path / "b.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False},
-        )
+    unreachable = run_config(
+        tmp_path,
+        tiny_model,
+        "b.yaml",
+        checkpoint={"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{free_port()}", "s3_secure": False},
     )
     with pytest.raises(StoreUnavailable, match="could not be read"):
         asyncio.run(Bus(unreachable, "reward").decode(claim, RolloutGroup))

@@ -10,7 +10,6 @@ import logging
 import shutil
 import subprocess
 
-import numpy as np
 import pytest
 from nats.aio.subscription import Subscription
 from nats.js import api
@@ -18,15 +17,7 @@ from nats.js import api
 from services.common.config import RunConfig, load_config
 from services.common.transport.breaker import BreakerState, DependencyUnavailable
 from services.common.transport.bus import Bus, ConsumerSettingsConflict
-from services.common.transport.messages import (
-    ClaimCheck,
-    Completion,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    encode,
-)
+from services.common.transport.messages import ClaimCheck, RolloutGroup, ScoredGroup, encode
 from services.common.transport.reader import DIRECT_GET_HEADERS
 from services.common.transport.stage import Stage
 from services.common.transport.streams import (
@@ -42,40 +33,17 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
-from tests.conftest import BIN, create_run_state, free_port, start_nats, wait_for_port, write_config
+from tests.support.bus import stream_messages, until_messages
+from tests.support.messages import completion, rollout_group, scored
+from tests.support.paths import BIN
+from tests.support.runs import QUICK_REDELIVERY, run_config
+from tests.support.servers import create_run_state, free_port, start_nats, wait_for_port
 
 pytestmark = pytest.mark.integration
 
 
-def group(group_id: str, tokens: int = 3) -> RolloutGroup:
-    completion = Completion(
-        text="x",
-        token_ids=np.arange(tokens, dtype=np.int32),
-        logprobs=np.zeros(tokens, np.float32),
-        finish_reason="stop",
-    )
-    return advance(
-        Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([1, 2], np.int32),
-        policy_version=0,
-        completions=[completion],
-    )
-
-
-def scored(item: RolloutGroup) -> ScoredGroup:
-    return advance(item, ScoredGroup, rewards=np.zeros(len(item.completions), np.float32))
-
-
 def config(tmp_path, tiny_model, name: str = "c.yaml", **sections) -> RunConfig:
-    model_dir, data_dir = tiny_model
-    return load_config(
-        write_config(tmp_path / name, model_dir, data_dir, tmp_path / "runs", run_id="faults", **sections)
-    )
-
-
-async def stream_messages(bus: Bus, edge: str) -> int:
-    return (await bus.js.stream_info(stream_name(bus.run_id, edge))).state.messages
+    return run_config(tmp_path, tiny_model, name, run_id="faults", **sections)
 
 
 def minimal_config(tmp_path, **nats) -> RunConfig:
@@ -107,7 +75,7 @@ def test_a_claim_with_a_bad_key_or_size_is_dead_lettered_with_the_reason_and_rea
         max_claim_bytes=4096,
     )
     outside = tmp_path / "outside.msgpack"
-    body = encode(group("planted"))
+    body = encode(rollout_group("planted"))
     outside.write_bytes(body)
     store_root = cfg.runs_dir.resolve()
     (store_root / "faults" / "claims" / "rollouts").mkdir(parents=True)  # as once the run has stored a claim
@@ -135,10 +103,7 @@ def test_a_claim_with_a_bad_key_or_size_is_dead_lettered_with_the_reason_and_rea
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 4, "reward")
         task = asyncio.create_task(stage.run(stop))
-        for _ in range(300):
-            if await stream_messages(bus, DEAD) == len(claims):
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, len(claims))
         stop.set()
         await task
         assert computed == [] and await stream_messages(bus, SCORED) == 0
@@ -199,7 +164,7 @@ def test_changed_consumer_settings_reach_the_broker(tiny_model, tmp_path, nats_u
 async def to_experience(bus: Bus, numbers: range) -> None:
     """Groups g<n> on EXPERIENCE, as the reference publishes them."""
     for n in numbers:
-        await bus.publish(EXPERIENCE, group(f"g{n}"), msg_id=f"g{n}.reference")
+        await bus.publish(EXPERIENCE, rollout_group(f"g{n}"), msg_id=f"g{n}.reference")
 
 
 def test_a_reader_stops_at_a_gap_instead_of_skipping_it(tiny_model, tmp_path, nats_url):
@@ -348,7 +313,7 @@ def test_a_broker_back_without_its_store_gets_its_streams_and_consumers_back_and
         bus.on_reconnect(listener)
         await bus.work_queue(ROLLOUTS)
         for i in range(3):
-            await bus.publish(EXPERIENCE, group(f"g{i}"), msg_id=f"g{i}.reference")
+            await bus.publish(EXPERIENCE, rollout_group(f"g{i}"), msg_id=f"g{i}.reference")
         reader = bus.read_from(EXPERIENCE, 1)
         assert [(await reader.next(2)).sequence for _ in range(3)] == [1, 2, 3]
         created = await bus.stream_created(EXPERIENCE)
@@ -370,7 +335,7 @@ def test_a_broker_back_without_its_store_gets_its_streams_and_consumers_back_and
         # Refilled past the reader's position, the re-created stream would hand out other groups under the
         # sequences expected; the creation time tells them apart.
         for i in range(5):
-            await bus.publish(EXPERIENCE, group(f"new{i}"), msg_id=f"new{i}.reference")
+            await bus.publish(EXPERIENCE, rollout_group(f"new{i}"), msg_id=f"new{i}.reference")
         with pytest.raises(BrokerStateLost, match="was re-created"):
             await reader.next(2)
         with pytest.raises(BrokerStateLost, match="was re-created"):
@@ -415,7 +380,8 @@ def test_a_stage_finding_a_broker_back_without_its_store_waits_for_the_trainer_t
                 break
             await asyncio.sleep(0.1)
         assert waiting() == [f"stream {stream_name('faults', 'prompts')}"]
-        await asyncio.sleep(1.0)  # the stage keeps looking; it creates nothing meanwhile
+        # A fixed wait, since what it shows is that nothing happens: the stage keeps looking and creates nothing.
+        await asyncio.sleep(1.0)
         assert not restored.is_set()
         assert (await stage.js.streams_info()) == []
         trainer = await Bus(cfg, "trainer").connect()  # back: it restores the streams
@@ -440,7 +406,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY},
     )
     outage_s = 3 * cfg.nats.ack_wait_s * cfg.nats.max_deliver  # the old rule dead-lettered within ack_wait*max_deliver
     ids = [f"g{i}" for i in range(5)]
@@ -450,7 +416,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
         await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         for group_id in ids:
-            await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
+            await bus.publish(ROLLOUTS, rollout_group(group_id), msg_id=f"{group_id}.rollout")
         loop = asyncio.get_running_loop()
         back_at = loop.time() + outage_s
         computed: list[str] = []
@@ -464,6 +430,7 @@ def test_an_engine_outage_longer_than_the_delivery_budget_dead_letters_nothing(t
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait into the outage: what is checked is the state at that moment, not an event to wait for.
         await asyncio.sleep(outage_s * 0.8)
         # Mid-outage: the breaker is open, the stage holds one batch and fetches nothing more; the rest waits
         # in the stream undelivered, and nothing was redelivered.
@@ -491,14 +458,14 @@ def test_a_bad_message_still_goes_to_dead_letters(tiny_model, tmp_path, nats_url
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY},
     )
 
     async def scenario() -> None:
         await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
         for group_id in ("good", "bad"):
-            await bus.publish(ROLLOUTS, group(group_id), msg_id=f"{group_id}.rollout")
+            await bus.publish(ROLLOUTS, rollout_group(group_id), msg_id=f"{group_id}.rollout")
 
         async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
             if any(g.group_id == "bad" for g in groups):
@@ -507,10 +474,7 @@ def test_a_bad_message_still_goes_to_dead_letters(tiny_model, tmp_path, nats_url
 
         stop = asyncio.Event()
         task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward").run(stop))
-        for _ in range(200):
-            if await stream_messages(bus, DEAD):
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, 1, timeout=20)
         stop.set()
         await task
         assert await stream_messages(bus, SCORED) == 1 and await stream_messages(bus, DEAD) == 1
@@ -527,7 +491,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
     monkeypatch.setenv("RLPIPE_S3_ACCESS_KEY", "testing")
     monkeypatch.setenv("RLPIPE_S3_SECRET_KEY", "testing")
     s3_port = free_port()  # nothing listens on it until the store "comes back"
-    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
+    nats = {"url": nats_url, **QUICK_REDELIVERY}
     checkpoint = {"store_url": "s3://claims/x", "s3_endpoint": f"127.0.0.1:{s3_port}", "s3_secure": False}
     producer = config(tmp_path, tiny_model, "p.yaml", nats=nats)  # its groups are small enough to travel inline
     stage_cfg = config(
@@ -546,7 +510,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
         for group_id in ids:
             # ~2 KB: inline for the producer, past the stage's claim_check_bytes, so every output's body
             # goes to the (unreachable) store.
-            await source.publish(ROLLOUTS, group(group_id, tokens=200), msg_id=f"{group_id}.rollout")
+            await source.publish(ROLLOUTS, rollout_group(group_id, [completion(200)]), msg_id=f"{group_id}.rollout")
         bus = await Bus(stage_cfg, "reward").connect()
 
         async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
@@ -555,6 +519,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait past the whole redelivery budget, since what it shows is that nothing happens: no crash.
         await asyncio.sleep(3 * stage_cfg.nats.ack_wait_s * stage_cfg.nats.max_deliver)
         assert not task.done(), "the stage crashed on the store outage"
         assert stage.outage.breaker.failures > 0 and await stream_messages(bus, SCORED) == 0
@@ -566,10 +531,7 @@ def test_a_claim_store_outage_while_storing_bodies_holds_the_messages(tiny_model
             )
         )
         await asyncio.to_thread(wait_for_port, s3_port, moto[0], "moto_server")
-        for _ in range(600):
-            if await stream_messages(bus, SCORED) == len(ids):
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, SCORED, len(ids), timeout=60)
         stop.set()
         await task
         assert await stream_messages(bus, SCORED) == len(ids) and await stream_messages(bus, DEAD) == 0
@@ -597,7 +559,7 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
     cfg = config(
         tmp_path,
         tiny_model,
-        nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 1, "fetch_timeout_s": 0.3},
+        nats={"url": nats_url, **QUICK_REDELIVERY, "max_deliver": 1},
     )
 
     async def scenario() -> None:
@@ -607,7 +569,7 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
         settings = owner.stream_config(DEAD)
         await owner.js.update_stream(dataclasses.replace(settings, max_msgs=1, discard=api.DiscardPolicy.NEW))
         bus = await Bus(cfg, "reward").connect()
-        await bus.publish(ROLLOUTS, group("bad"), msg_id="bad.rollout")
+        await bus.publish(ROLLOUTS, rollout_group("bad"), msg_id="bad.rollout")
 
         async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
             raise ValueError("no answer can be scored")
@@ -615,14 +577,12 @@ def test_a_broker_refusing_a_dead_letter_holds_the_message_instead_of_crashing_t
         stop = asyncio.Event()
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         task = asyncio.create_task(stage.run(stop))
+        # A fixed wait past several ack waits, since what it shows is that nothing happens: no crash.
         await asyncio.sleep(4 * cfg.nats.ack_wait_s)
         assert not task.done(), "the stage crashed on a dead letter the broker refused"
         assert stage.outage.breaker.failures > 0 and await stream_messages(bus, DEAD) == 1
         await owner.js.update_stream(settings)
-        for _ in range(300):
-            if await stream_messages(bus, DEAD) == 2:
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, 2)
         stop.set()
         await task
         assert await stream_messages(bus, DEAD) == 2 and await stream_messages(bus, ROLLOUTS) == 0

@@ -16,7 +16,7 @@ from services.cli.build.tiny_model import build_char_tokenizer
 from services.common.model.answers import ends_on_answer, last_number, parse_number
 from services.common.model.chat import ChatTemplateMissing, ChatTemplateRefused, prompt_text, render_rows
 from services.common.model.datasets import load_jsonl, row_problem
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -7,26 +7,20 @@ import json
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from services.cli.dead_letters import list_dead_letters, reinject
-from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.lifecycle_tags import TRANSIENT_TAG
-from services.common.transport.messages import (
-    ClaimCheck,
-    Completion,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    decode,
-)
+from services.common.transport.messages import ClaimCheck, RolloutGroup, ScoredGroup, decode
 from services.common.transport.reader import StreamReader
 from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, H_GROUP, ROLLOUTS, SCORED
-from tests.conftest import create_run_state, write_config
+from tests.support.bus import running
+from tests.support.messages import completion, rollout_group, scored
+from tests.support.runs import run_config
+from tests.support.servers import create_run_state
+from tests.support.waits import until
 
 pytestmark = pytest.mark.integration
 
@@ -34,42 +28,25 @@ ACK_WAIT_S = 4.0  # a delivery may go 2 s without a beat and still count as held
 
 
 def group(group_id: str, tokens: int = 400) -> RolloutGroup:
-    completion = Completion(
-        text="x",
-        token_ids=np.arange(tokens, dtype=np.int32),
-        logprobs=np.full(tokens, -0.5, np.float32),
-        finish_reason="length",
-    )
-    return advance(
-        Prompt(group_id=group_id, prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([1, 2], np.int32),
-        policy_version=0,
-        completions=[completion] * 2,
-    )
+    return rollout_group(group_id, [completion(tokens, finish_reason="length")] * 2)
 
 
 def config(tmp_path, tiny_model, nats_url, s3_env):
-    model_dir, data_dir = tiny_model
-    return load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id="lifecycle",
-            nats={
-                "url": nats_url,
-                "claim_check_bytes": 1024,
-                "max_message_bytes": 4096,
-                "ack_wait_s": ACK_WAIT_S,
-                "heartbeat_s": 0.2,
-                "max_deliver": 2,
-                "duplicate_window_s": 60,
-            },
-            train={"lost_after_s": 120},
-            checkpoint={"store_url": "s3://lifecycle/ckpt", "s3_endpoint": s3_env, "s3_secure": False},
-        )
+    return run_config(
+        tmp_path,
+        tiny_model,
+        run_id="lifecycle",
+        nats={
+            "url": nats_url,
+            "claim_check_bytes": 1024,
+            "max_message_bytes": 4096,
+            "ack_wait_s": ACK_WAIT_S,
+            "heartbeat_s": 0.2,
+            "max_deliver": 2,
+            "duplicate_window_s": 60,
+        },
+        train={"lost_after_s": 120},
+        checkpoint={"store_url": "s3://lifecycle/ckpt", "s3_endpoint": s3_env, "s3_secure": False},
     )
 
 
@@ -92,7 +69,7 @@ def test_a_consumed_body_is_deleted_and_one_a_dead_letter_or_a_reinject_still_ne
     async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
         if any(g.group_id == "poison" for g in groups):
             raise ValueError("this group always fails")
-        return [advance(g, ScoredGroup, rewards=np.zeros(len(g.completions), np.float32)) for g in groups]
+        return [scored(g) for g in groups]
 
     async def scenario() -> None:
         await create_run_state(cfg)
@@ -129,15 +106,8 @@ def test_a_consumed_body_is_deleted_and_one_a_dead_letter_or_a_reinject_still_ne
         # Sent back and consumed, a re-inject leaves the body its letter still points at.
         await reinject(nats_url, cfg.run_id, letters[0].sequence)
         fixed = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, accept_all, 1, "reward")
-        stop = asyncio.Event()
-        loop = asyncio.create_task(fixed.run(stop))
-        for _ in range(100):
-            if fixed.handled == 1:
-                break
-            await asyncio.sleep(0.1)
-        stop.set()
-        await loop
-        assert fixed.handled == 1
+        async with running(fixed):
+            await until(lambda: fixed.handled == 1, 10, "the re-injected group handled")
         assert sent["poison"] in store.list(claims)
         dead = StreamReader(bus, DEAD, 1)
         letter = await dead.next(5)
@@ -149,7 +119,7 @@ def test_a_consumed_body_is_deleted_and_one_a_dead_letter_or_a_reinject_still_ne
 
 
 async def accept_all(groups: list[RolloutGroup]) -> list[ScoredGroup]:
-    return [advance(g, ScoredGroup, rewards=np.zeros(len(g.completions), np.float32)) for g in groups]
+    return [scored(g) for g in groups]
 
 
 def test_a_delivery_that_went_half_an_ack_wait_without_a_beat_leaves_its_body_to_the_lifecycle_rule(
@@ -170,15 +140,8 @@ def test_a_delivery_that_went_half_an_ack_wait_without_a_beat_leaves_its_body_to
         await producer.publish(ROLLOUTS, group("slow"), msg_id="slow.rollout")
         key = (await rollout_keys(producer, 1))["slow"]
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, stalling, 1, "reward")
-        stop = asyncio.Event()
-        loop = asyncio.create_task(stage.run(stop))
-        for _ in range(100):
-            if stage.handled == 1:
-                break
-            await asyncio.sleep(0.1)
-        stop.set()
-        await loop
-        assert stage.handled == 1
+        async with running(stage):
+            await until(lambda: stage.handled == 1, 10, "the slow group handled")
         assert key in bus.claims.list(f"{cfg.run_id}/claims/rollouts/")
         await bus.close()
         await producer.close()

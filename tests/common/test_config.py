@@ -24,7 +24,8 @@ from services.common.config import (
     reference,
     refuse_unsafe_live_change,
 )
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import write_config
 
 pytestmark = pytest.mark.unit
 

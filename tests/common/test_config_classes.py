@@ -20,12 +20,11 @@ from services.common.config import (
     fields_of,
     is_live,
     leaf_fields,
-    load_config,
     refuse_fixed_changes,
     refuse_unsafe_live_change,
 )
 from services.common.config.base import Live, Restart
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
@@ -109,10 +108,9 @@ def test_a_section_is_live_only_when_every_field_in_it_is_live_or_refused():
 
 @pytest.fixture
 def base(tmp_path: Path, config_only_model) -> RunConfig:
-    model_dir, data_dir = config_only_model
     (tmp_path / "token").write_text("s3cret-token\n")
     http = {"url": "http://127.0.0.1:1/score", "token_file": str(tmp_path / "token")}
-    return load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", reward={"http": http}))
+    return run_config(tmp_path, config_only_model, reward={"http": http})
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ from services.common.config import DataColumns, DataConfig
 from services.common.model.datasets import DatasetError, load_jsonl, open_prompts, read_rows, scan_dataset
 from services.common.transport.messages import Prompt, decode, encode
 from services.trainer.intake.feeder import PromptFeeder
-from tests.common.test_trackers import LIGHT_RUN
-from tests.conftest import ROOT, run_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import LIGHT_RUN, config_file, doctor, doctor_config, run_pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -228,12 +228,12 @@ def test_a_dataset_without_the_columns_or_the_split_names_what_it_has(tiny_model
 
 
 def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_path, nats_url):
-    from tests.cli.doctor.test_checks import config_for, doctor
-
     rows = their_rows(tiny_model)
     rows[5]["question"] = None
     path, _ = write_source("parquet", rows, tmp_path / "data")
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, data={"train_path": str(path), "columns": THEIR_COLUMNS}))
+    done = doctor(
+        doctor_config(tmp_path, tiny_model, nats_url, data={"train_path": str(path), "columns": THEIR_COLUMNS})
+    )
     assert done.returncode == 1
     [line] = [line for line in done.stdout.splitlines() if line.startswith("FAIL dataset data.train_path:")]
     assert f"{path}: 1 bad of {N_ROWS} rows: row 5: missing or non-string field 'question' (or give 'messages')" in line
@@ -243,7 +243,7 @@ def test_doctor_names_the_unusable_rows_of_a_parquet_dataset(tiny_model, tmp_pat
 def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model, tmp_path):
     import datasets
 
-    model_dir, data_dir = tiny_model
+    _, data_dir = tiny_model
 
     def parquet(split: str, count: int) -> tuple[Path, list[dict]]:
         rows = [
@@ -255,11 +255,9 @@ def test_a_run_trains_on_a_parquet_dataset_with_its_own_column_names(tiny_model,
         return path, rows
 
     (train, train_rows), (held_out, _) = parquet("train", 200), parquet("eval", 40)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         data={"train_path": str(train), "eval_path": str(held_out), "columns": THEIR_COLUMNS, "eval_size": 40},
         train={"total_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "max_seq_len": 32},
         checkpoint={"save_every_steps": 0},

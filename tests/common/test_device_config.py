@@ -5,29 +5,18 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import ConfigError, load_config
-from tests.conftest import write_config
+from services.common.config import ConfigError
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    model, data = tmp_path / "model", tmp_path / "data"
-    model.mkdir()
-    data.mkdir()
-    (model / "config.json").write_text("{}")
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return model, data
+def load(tmp_path: Path, config_only_model: tuple[Path, Path], **sections: dict):
+    return run_config(tmp_path, config_only_model, **sections)
 
 
-def load(tmp_path: Path, dirs: tuple[Path, Path], **sections: dict):
-    return load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", **sections))
-
-
-def test_defaults(tmp_path, dirs):
-    cfg = load(tmp_path, dirs)
+def test_defaults(tmp_path, config_only_model):
+    cfg = load(tmp_path, config_only_model)
     assert (cfg.model.device, cfg.model.dtype) == ("auto", "float32")
     assert (cfg.train.master_weights, cfg.train.gradient_checkpointing, cfg.train.micro_batch_tokens) == (
         "float32",
@@ -37,11 +26,11 @@ def test_defaults(tmp_path, dirs):
     assert (cfg.rollout.gpu_memory_utilization, cfg.rollout.tensor_parallel_size) == (0.9, 1)
 
 
-def test_the_new_fields_load(tmp_path, dirs):
+def test_the_new_fields_load(tmp_path, config_only_model):
     cfg = load(
         tmp_path,
-        dirs,
-        model={"path": str(dirs[0]), "device": "cpu", "dtype": "bfloat16"},
+        config_only_model,
+        model={"path": str(config_only_model[0]), "device": "cpu", "dtype": "bfloat16"},
         train={
             "max_seq_len": 32,
             "micro_batch_tokens": 32,
@@ -84,9 +73,9 @@ def test_the_new_fields_load(tmp_path, dirs):
         ({"rollout": {"tensor_parallel_size": 0}}, "rollout.tensor_parallel_size: Input should be greater than or"),
     ],
 )
-def test_bad_values_are_refused_at_load_naming_the_field(tmp_path, dirs, change, message):
+def test_bad_values_are_refused_at_load_naming_the_field(tmp_path, config_only_model, change, message):
     if "model" in change:
-        change = {"model": {"path": str(dirs[0]), **change["model"]}}
+        change = {"model": {"path": str(config_only_model[0]), **change["model"]}}
     with pytest.raises(ConfigError) as error:
-        load(tmp_path, dirs, **change)
+        load(tmp_path, config_only_model, **change)
     assert message in str(error.value)

@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from services.common.observe.events import RECORDED_AS, Event, EventLog, Journal, JournalEntry
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

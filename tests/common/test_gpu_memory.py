@@ -16,7 +16,7 @@ from rich.console import Console
 
 from services.cli.admin import views as admin
 from services.cli.report import render_html
-from services.common.config import BuildInfo, load_config
+from services.common.config import BuildInfo
 from services.common.observe import metrics as m
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.gpu_memory import (
@@ -35,9 +35,9 @@ from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import StatusReporter
-from tests.cli.test_report import T0, write_jsonl
-from tests.conftest import write_config
-from tests.trainer.test_commands import Holds
+from tests.support.records import T0, report_section, write_jsonl
+from tests.support.runs import run_config
+from tests.support.trainer import Holds
 
 pytestmark = pytest.mark.unit
 GIB = 2**30
@@ -127,9 +127,7 @@ def test_the_report_tabulates_and_plots_each_roles_gpu_memory_and_a_cpu_run_has_
         ("GPU GiB: rollout", "used peak 3.00, last 2.00"),
     ]
     run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    write_jsonl(run_dir / "metrics.jsonl", rows)
-    section = render_html(run_dir).read_text().split("<h2>GPU memory per role</h2>")[1].split("<h2>")[0]
+    section = report_section(run_dir, rows, "GPU memory per role")
     assert "data:image/png;base64," in section
     assert "<td>GPU GiB: rollout</td><td>used peak 3.00, last 2.00</td>" in section
     write_jsonl(run_dir / "metrics.jsonl", [{k: v for k, v in row.items() if "memory" not in k} for row in rows])
@@ -140,10 +138,7 @@ def test_the_report_tabulates_and_plots_each_roles_gpu_memory_and_a_cpu_run_has_
 def test_replicas_figures_reach_the_trainers_status_and_step_row_through_their_presence_entries(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="mem", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="mem", nats={"url": nats_url})
     figures = {
         "rollout-0": ProcessGpuMemory(allocated=GIB, reserved=2 * GIB, used=3 * GIB),
         "rollout-1": ProcessGpuMemory(allocated=GIB // 2, reserved=GIB, used=GIB),

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError
 from services.common.model.gpu_share import CUDA_CONTEXT_BYTES, allocator_fraction, apply_gpu_share, decide_share
-from tests.conftest import write_config
+from tests.support.models import config_only
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 GIB = 2**30
@@ -17,19 +18,10 @@ GIB = 2**30
 
 @pytest.fixture
 def config_with(tmp_path: Path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    folders = config_only(tmp_path)
 
     def load(shares: dict[str, float], **sections: dict):
-        path = write_config(
-            tmp_path / "c.yaml", model, data, tmp_path / "runs", service={"gpu_memory_fraction": shares}, **sections
-        )
-        return load_config(path)
+        return run_config(tmp_path, folders, service={"gpu_memory_fraction": shares}, **sections)
 
     return load
 

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.config import load_config
 from services.common.service import start_grpc_server
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import mmap
@@ -10,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -35,8 +33,9 @@ from services.common.observe.instruments import watch_gpus
 from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row, gauge_name
 from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
-from tests.common.test_telemetry import minimal_config, one_value, scrape
-from tests.conftest import ROOT
+from tests.support.hardware import GPU_A, GPU_B
+from tests.support.paths import ROOT
+from tests.support.telemetry import minimal_config, one_value, scrape
 
 pytestmark = pytest.mark.unit
 
@@ -114,21 +113,6 @@ def test_nvml_is_used_only_where_a_gpu_shows_itself():
     import pynvml  # noqa: F401  an ImportError here means the test extra is not installed
 
     assert (initialized_nvml() is None) == (gpu_seen() == "")
-
-
-FAKE_NVML = Path(__file__).parent / "fake_nvml" / "pynvml.py"
-GPU_A = GpuReading(0, "GPU-00000000-0000-0000-0000-00000000000a", 87.0, 100 * GIB, 140 * GIB)
-GPU_B = GpuReading(1, "GPU-00000000-0000-0000-0000-00000000000b", 3.0, 7 * GIB, 80 * GIB)
-
-
-@pytest.fixture
-def fake_nvml(monkeypatch):
-    """The fake NVML in place of pynvml for this test: what ``initialized_nvml`` imports."""
-    spec = importlib.util.spec_from_file_location("pynvml", FAKE_NVML)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setitem(sys.modules, "pynvml", module)
-    return module
 
 
 def test_the_gpu_watch_reads_every_gpu_nvml_shows_with_its_load_and_memory(fake_nvml):

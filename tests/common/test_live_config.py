@@ -6,19 +6,16 @@ import sys
 import nats
 import pytest
 
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError
 from services.common.transport.live_config import LiveConfig, parse_value, stored_config
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def base(tmp_path, tiny_model, nats_url):
-    model_dir, data_dir = tiny_model
-    return load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"url": nats_url})
-    )
+    return run_config(tmp_path, tiny_model, nats={"url": nats_url})
 
 
 def test_versions_are_validated_stored_with_history_and_picked_up(base, nats_url):

@@ -19,7 +19,9 @@ from services.common.model.modeling import load_model, load_tokenizer
 from services.common.refusal import StartRefused
 from services.common.transport.model_source import RECORD, folder_hashes, folder_sha256, resolve_model
 from services.common.transport.storage import S3Store
-from tests.conftest import ROOT, write_config
+from tests.support.models import config_only
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, write_config
 
 pytestmark = pytest.mark.integration
 
@@ -204,17 +206,9 @@ def test_the_documented_shell_pipeline_prints_the_model_hash(tiny_model):
 
 
 def test_a_role_refuses_to_start_on_a_model_that_is_not_the_pinned_one(tmp_path):
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text('{"model_type": "llama"}')
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    (data / "eval.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    model, data = config_only(tmp_path)
     pinned = "f" * 64
-    path = write_config(
-        tmp_path / "c.yaml", model, data, tmp_path / "runs", model={"path": str(model), "sha256": pinned}
-    )
+    path = config_file(tmp_path, (model, data), model={"sha256": pinned})
     done = subprocess.run(
         [sys.executable, "-m", "services.reference", "--config", str(path)],
         cwd=ROOT,

@@ -21,7 +21,8 @@ from services.common.transport.nats_connect import STAGE_ROLES, connect_options
 from services.common.transport.presence import Presence, read_presence
 from services.common.transport.streams import EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, stream_name, subject
 from services.trainer.lease import Lease
-from tests.conftest import keyed_nats, write_config
+from tests.support.runs import config_file
+from tests.support.servers import keyed_nats
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +31,7 @@ pytestmark = pytest.mark.integration
 def secured(tiny_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict[str, RoleKey]]]:
     """A broker with the run's per-role keys, as the launcher starts it, and the run's config."""
     with keyed_nats(tmp_path) as (url, keys):
-        model_dir, data_dir = tiny_model
-        cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"), nats={"url": url})
+        cfg = load_config(config_file(tmp_path, tiny_model), nats={"url": url})
         yield cfg, keys
 
 

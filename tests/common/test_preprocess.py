@@ -20,7 +20,7 @@ from services.common.model.datasets import open_prompts
 from services.common.model.modeling import load_tokenizer
 from services.common.model.preprocess import CHUNK_ROWS, Preprocessor
 from services.trainer.intake.feeder import PromptFeeder
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,6 @@ import time
 import nats
 import pytest
 
-from services.common.config import load_config
 from services.common.service import watch_progress
 from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
@@ -20,18 +19,14 @@ from services.common.transport.presence import (
     role_time_shares,
     roles_down,
 )
-from tests.conftest import write_config
+from tests.support.runs import run_config
+from tests.support.waits import until
 
 pytestmark = pytest.mark.integration
 
 
 def test_every_registered_replica_is_read_back_every_time(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="presence", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="presence", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
@@ -75,12 +70,7 @@ class MovingLoop:
 
 
 def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_fractions(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="shares", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="shares", nats={"url": nats_url})
     spent = {
         "reward-0": {"busy": 3.0, "idle": 1.0, "blocked": 0.0},
         "reward-1": {"busy": 1.0, "idle": 2.0, "blocked": 1.0},
@@ -96,9 +86,12 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
             presence = await Presence(js, named, "reward").start()
             replicas.append(presence)
             watchdogs.append(asyncio.create_task(watch_progress(MovingLoop(), [], presence, lambda s=seconds: s)))
-        await asyncio.sleep(HEARTBEAT_S + 1)  # the next beat carries what the watchdog put in the entry
+
+        async def beaten() -> bool:  # the next beat carries what the watchdog put in the entry
+            return {e.instance: e.time_s for e in await read_presence(js, cfg.run_id, cfg.nats)} == spent
+
+        await until(beaten, 10 * HEARTBEAT_S, "each replica's time shares in its entry")
         entries = await read_presence(js, cfg.run_id, cfg.nats)
-        assert {e.instance: e.time_s for e in entries} == spent
         assert role_time_shares(entries) == {"reward": {"busy": 0.5, "idle": 0.375, "blocked": 0.125}}
         for task in watchdogs:
             task.cancel()
@@ -112,17 +105,16 @@ def test_each_replicas_loop_time_reaches_the_bucket_and_sums_into_its_roles_frac
 def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_started_never_an_older_one(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="port", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="port", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
         js = nc.jetstream()
         since = time.time()
         waiting = asyncio.create_task(await_trainer_port(js, cfg.run_id, cfg.nats, since))
-        await asyncio.sleep(1.0)  # no bucket yet: it waits for the trainer to create it
+        # Fixed waits, since what they show is that nothing happens: with no bucket yet it waits for the trainer to
+        # create one, and an entry older than its start does not end the wait.
+        await asyncio.sleep(1.0)
         kv = await open_bucket(js, cfg.run_id, cfg.nats)
         dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
         await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start
@@ -139,12 +131,7 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
 def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_newer_builds_fields_are_ignored(
     tiny_model, tmp_path, nats_url, caplog
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="typed", nats={"url": nats_url}
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="typed", nats={"url": nats_url})
 
     async def scenario():
         nc = await nats.connect(nats_url)
@@ -179,10 +166,7 @@ def test_a_stopped_presence_beats_no_more_even_when_a_beat_dropped_its_cancellat
 ):
     """A beat is a KV put: on Python 3.11 a cancellation landing as its reply comes in is dropped. Stopped once
     and left so, the heartbeat would go on telling the run the replica is up after it stopped."""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="b", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="b", nats={"url": nats_url})
     monkeypatch.setattr(presence_module, "HEARTBEAT_S", 0.05)
     beats = []
     beat = Presence._beat

@@ -15,7 +15,7 @@ from services.common.observe.logs import JsonlFollower, RollingJsonl, jsonl_part
 from services.common.observe.records import read_jsonl
 from services.common.transport.nats_server import embedded_config, nats_server_binary
 from services.trainer.responder import MetricsLog
-from tests.conftest import free_port, wait_for_port
+from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.unit
 

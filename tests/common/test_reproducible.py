@@ -5,11 +5,11 @@ import math
 
 import pytest
 
-from services.common.config import Change, ConfigError, field_classes, load_config
+from services.common.config import Change, ConfigError, field_classes
 from services.common.observe.records import metrics_rows
 from services.common.observe.reproducible import comparable, is_reading, row_differences
 from services.reward.model import forward_spans
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
@@ -17,8 +17,7 @@ DETERMINISTIC = {"deterministic": True, "synchronous": True}
 
 
 def config(tmp_path, config_only_model, **sections):
-    model_dir, data_dir = config_only_model
-    return load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **sections))
+    return run_config(tmp_path, config_only_model, **sections)
 
 
 def test_a_deterministic_config_with_synchronous_feeding_and_one_of_every_role_loads(tmp_path, config_only_model):

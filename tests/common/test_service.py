@@ -10,17 +10,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.config import load_config
 from services.common.service import start_grpc_server
-from tests.common.test_telemetry import scrape
-from tests.conftest import ROOT, free_port, wait_for_port, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, run_config
+from tests.support.servers import free_port, wait_for_port
+from tests.support.telemetry import scrape
 
 pytestmark = pytest.mark.integration
 
 
 def test_a_port_another_server_holds_fails_the_bind(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
 
     async def scenario():
         first, address = await start_grpc_server(cfg, 0)
@@ -47,13 +47,11 @@ def test_each_role_exports_every_gpu_nvml_shows_it_and_its_own_gpu_memory_under_
     """The role's own process, NVML faked at the import (tests/common/fake_nvml first on PYTHONPATH): its metrics
     endpoint, up before the role waits for the run's streams, carries both GPUs' load and memory, labelled, and the
     memory NVML lists for the role's own process."""
-    model_dir, data_dir = tiny_model
+    model_dir, _ = tiny_model
     port = free_port()
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         model={"path": str(model_dir), "device": "cpu"},  # the fake shows GPUs CUDA cannot open
         nats={"url": nats_url},
         telemetry={"metrics_port": port},

@@ -3,16 +3,19 @@
 import asyncio
 import time
 
-import numpy as np
 import pytest
 
-from services.common.config import RunConfig, load_config
+from services.common.config import RunConfig
 from services.common.observe.timeshare import StageActivity
 from services.common.transport.bus import Bus
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import RolloutGroup, ScoredGroup
 from services.common.transport.stage import Stage
 from services.common.transport.streams import ROLLOUTS, SCORED
-from tests.conftest import create_run_state, write_config
+from tests.support.bus import running
+from tests.support.messages import completion, rollout_group, scored
+from tests.support.runs import run_config
+from tests.support.servers import create_run_state
+from tests.support.waits import until
 
 pytestmark = pytest.mark.integration
 
@@ -20,27 +23,11 @@ COMPUTE_S = 0.4
 
 
 def rollout(group_id: str) -> RolloutGroup:
-    completion = Completion(
-        text="2",
-        token_ids=np.arange(3, dtype=np.int32),
-        logprobs=np.full(3, -0.5, np.float32),
-        finish_reason="stop",
-    )
-    return advance(
-        Prompt(group_id=group_id, prompt_id="p", prompt="1+1=", answer="2"),
-        RolloutGroup,
-        prompt_ids=np.array([1, 2], np.int32),
-        policy_version=0,
-        completions=[completion] * 2,
-    )
+    return rollout_group(group_id, [completion()] * 2)
 
 
 def stage_config(tiny_model, tmp_path, nats_url: str, run_id: str) -> RunConfig:
-    model_dir, data_dir = tiny_model
-    nats = {"url": nats_url, "fetch_timeout_s": 0.2}
-    return load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id=run_id, nats=nats)
-    )
+    return run_config(tmp_path, tiny_model, run_id=run_id, nats={"url": nats_url, "fetch_timeout_s": 0.2})
 
 
 def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fractions_sum_to_one(
@@ -54,23 +41,21 @@ def test_a_stage_without_input_is_idle_and_its_compute_counts_as_busy_and_its_fr
 
         async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
             await asyncio.sleep(COMPUTE_S)
-            return [advance(g, ScoredGroup, rewards=np.zeros(len(g.completions), np.float32)) for g in groups]
+            return [scored(g) for g in groups]
 
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward")
         started = time.monotonic()
         stop = asyncio.Event()
         loop = asyncio.create_task(stage.run(stop))
-        await asyncio.sleep(1.5)  # nothing to do: every second of it is spent waiting for input
+        # The wait is what is measured, so it is a fixed one: with nothing to do, all of it must count as idle.
+        await asyncio.sleep(1.5)
         quiet = stage.time_share.seconds()
         assert quiet[StageActivity.BUSY] == 0.0 and quiet[StageActivity.BLOCKED] == 0.0
         assert stage.time_share.fractions()[StageActivity.IDLE] == 1.0
 
         for name in ("a", "b"):
             await bus.publish(ROLLOUTS, rollout(name), msg_id=f"{name}.rollout")
-        for _ in range(100):
-            if stage.handled == 2:
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: stage.handled == 2, 10, "both groups handled")
         stop.set()
         await loop
         wall = time.monotonic() - started
@@ -104,20 +89,14 @@ def test_a_stage_with_two_lanes_computes_a_second_batch_while_the_first_is_still
             else:
                 other_done.set()
             finished.append(group.group_id)
-            return [advance(group, ScoredGroup, rewards=np.zeros(len(group.completions), np.float32))]
+            return [scored(group)]
 
         stage = Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward", lanes=2)
-        stop = asyncio.Event()
-        loop = asyncio.create_task(stage.run(stop))
-        await bus.publish(ROLLOUTS, rollout("a"), msg_id="a.rollout")
-        await asyncio.sleep(0.5)  # a is in one lane's hands before b is published
-        await bus.publish(ROLLOUTS, rollout("b"), msg_id="b.rollout")
-        for _ in range(100):
-            if stage.handled == 2:
-                break
-            await asyncio.sleep(0.1)
-        stop.set()
-        await loop
+        async with running(stage):
+            await bus.publish(ROLLOUTS, rollout("a"), msg_id="a.rollout")
+            await asyncio.sleep(0.5)  # a is in one lane's hands before b is published
+            await bus.publish(ROLLOUTS, rollout("b"), msg_id="b.rollout")
+            await until(lambda: stage.handled == 2, 10, "both groups handled")
         assert finished == ["b", "a"]
         assert stage.handled == 2
         assert sum(stage.time_share.fractions().values()) == pytest.approx(1.0)

@@ -3,20 +3,16 @@
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.startup_checks.roles import startup_checks
 from services.common.startup_checks.rows import StartupCheckError
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize("role", ["trainer", "reference", "run"])
 def test_cuda_without_a_gpu_fails_the_start_up_checks_naming_the_field(tiny_model, tmp_path, role):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model={"device": "cuda"})
-    )
+    cfg = run_config(tmp_path, tiny_model, model={"device": "cuda"})
     if torch.cuda.is_available():  # a GPU machine (the device check script): cuda is a valid choice there
         assert {r.name: r.status for r in startup_checks(cfg, role)}["device"] == "ok"
         return
@@ -28,8 +24,7 @@ def test_cuda_without_a_gpu_fails_the_start_up_checks_naming_the_field(tiny_mode
 
 
 def test_auto_picks_the_cpu_here(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     rows = {r.name: r for r in startup_checks(cfg, "reference")}
     expected = "cuda" if torch.cuda.is_available() else "cpu"
     assert (rows["device"].status, rows["device"].detail) == ("ok", f"model.device auto: {expected}")

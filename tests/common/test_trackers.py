@@ -7,13 +7,10 @@ from services.common.config import ConfigError, load_config
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.trackers import TrackerUnavailable, open_trackers, require, tracker_entry
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import LIGHT_RUN, RLPIPE_RUN, config_file, metric_rows, run_pipeline
 
 pytestmark = pytest.mark.integration
-
-# Real runs whose subject is not generation: transformers' generate starts and stops faster than vLLM, and a busy
-# machine gets more time to stop the services.
-LIGHT_RUN = {"rollout": {"backend": "hf", "prompts_per_batch": 16}, "supervision": {"stop_grace_s": 60}}
 
 STEP_ROW = {
     "time": 1.0,
@@ -73,24 +70,16 @@ def test_alerts_checkpoints_and_new_config_versions_become_events():
 def test_a_missing_tracker_library_is_named_with_the_extra(tiny_model, tmp_path):
     with pytest.raises(TrackerUnavailable, match=r"mlflow.*no_such_tracker_module.*pip install 'rlpipe\[trackers\]'"):
         require("no_such_tracker_module", "mlflow")
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", telemetry={"report_to": ["mlflow", "mlflow"]}
-    )
+    config = config_file(tmp_path, tiny_model, telemetry={"report_to": ["mlflow", "mlflow"]})
     with pytest.raises(ConfigError, match=r"telemetry.report_to: names a tracker twice"):
         load_config(config)
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", telemetry={"report_to": ["comet"]}
-    )
+    config = config_file(tmp_path, tiny_model, telemetry={"report_to": ["comet"]})
     with pytest.raises(ConfigError, match=r"telemetry.report_to.0: Input should be 'tensorboard', 'mlflow' or 'wandb'"):
         load_config(config)
 
 
 def test_wandb_runs_offline_into_the_run_directory_and_a_reopened_run_keeps_its_id(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="wb-run", telemetry={"report_to": ["wandb"]}
-    )
+    config = config_file(tmp_path, tiny_model, run_id="wb-run", telemetry={"report_to": ["wandb"]})
     cfg = load_config(config)
     for step in (1, 2):  # a trainer, then the same run resumed
         trackers = open_trackers(cfg)
@@ -107,10 +96,9 @@ def test_wandb_runs_offline_into_the_run_directory_and_a_reopened_run_keeps_its_
 
 
 def test_a_tracker_that_cannot_open_is_left_out_and_the_others_get_every_row(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     unwritable = "sqlite:////proc/no-such-dir/mlflow.db"  # what a tracking store that is away looks like at start
     telemetry = {"report_to": ["tensorboard", "mlflow"], "mlflow_tracking_uri": unwritable}
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", telemetry=telemetry)
+    config = config_file(tmp_path, tiny_model, telemetry=telemetry)
     cfg = load_config(config)
     trackers = open_trackers(cfg)
     assert list(trackers.trackers) == ["tensorboard"]
@@ -141,13 +129,10 @@ def _mlflow_history(run_dir: Path, run_id: str, key: str) -> tuple[int, list[tup
 
 @pytest.mark.e2e
 def test_a_run_reports_to_tensorboard_and_mlflow_and_its_resume_appends_to_the_same_tracker_runs(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         train={"total_steps": 2, "batch_size": 4, "learning_rate": 1e-3, "max_seq_len": 32},
         checkpoint={"save_every_steps": 2, "keep_last": 2},
         telemetry={"report_to": ["tensorboard", "mlflow"]},

@@ -109,7 +109,7 @@ def test_cpu_time_is_the_processes_own_and_a_sleeping_child_costs_nothing():
         assert child.stdout.readline() == "1\n"
         meter = UsageMeter()
         meter.sample({child.pid: "reward"}, now=0.0, gpus={})
-        time.sleep(1.0)
+        time.sleep(1.0)  # a wall second of the child sleeping is what the count must leave out
         meter.sample({child.pid: "reward"}, now=1.0, gpus={})
         used = meter.device_hours()["reward"][CPU_CORE] * 3600
         assert 0.4 <= used < 0.4 + 0.35  # the burn plus the interpreter's start, not the second of sleep

@@ -16,7 +16,8 @@ from services.common.transport.weightsync.wire import (
     chunks_of,
     split_chunk,
 )
-from tests.conftest import free_port
+from tests.support.servers import free_port
+from tests.support.weights import serve_weights
 
 pytestmark = pytest.mark.integration
 
@@ -77,11 +78,8 @@ def test_watch_and_pull_over_a_real_socket():
 
 async def serving(snap: Snapshot) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
     impl = WeightSyncServer(snap)
-    server = grpc.aio.server()
-    weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
-    port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-    await server.start()
-    return server, impl, f"127.0.0.1:{port}"
+    server, address = await serve_weights(impl)
+    return server, impl, address
 
 
 class TiedLM(torch.nn.Module):

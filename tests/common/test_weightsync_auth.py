@@ -22,8 +22,8 @@ from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
-from tests.conftest import write_config
-from tests.trainer.test_admin_transport import self_signed
+from tests.support.runs import config_file, run_config
+from tests.support.servers import self_signed
 
 pytestmark = pytest.mark.integration
 
@@ -91,8 +91,7 @@ def test_a_relay_registration_without_the_token_is_refused_and_never_enters_the_
 
 
 def test_a_rollouts_relay_port_refuses_a_pull_without_the_token(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
 
     async def scenario() -> None:
         relay = Relay()
@@ -113,14 +112,11 @@ def test_a_rollouts_relay_port_refuses_a_pull_without_the_token(tiny_model, tmp_
 def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_token_pulls(
     tiny_model, tmp_path, monkeypatch
 ):
-    model_dir, data_dir = tiny_model
     cert, key = self_signed(tmp_path)
     monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", TOKEN)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         service={"host": "localhost"},
         weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
     )
@@ -157,10 +153,9 @@ def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_
 
 @pytest.mark.unit
 def test_a_prod_trainer_without_a_weight_sync_token_refuses_to_start(config_only_model, tmp_path, monkeypatch):
-    model_dir, data_dir = config_only_model
     monkeypatch.delenv("RLPIPE_WEIGHTSYNC_TOKEN", raising=False)
     monkeypatch.delenv("RLPIPE_ENV", raising=False)
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    cfg = run_config(tmp_path, config_only_model, environment="prod")
     with pytest.raises(StartRefused, match="RLPIPE_WEIGHTSYNC_TOKEN is not set"):
         server_interceptors(cfg)
     assert server_interceptors(cfg.model_copy(update={"environment": "dev"})) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, load_yaml, one, trainer
+from tests.support.deploy import DEPLOY, load_yaml, one, trainer
 
 pytestmark = pytest.mark.unit
 

@@ -10,7 +10,8 @@ import pytest
 from services.common.config import default_alert_rules
 from services.common.observe import instruments
 from services.common.observe.metrics import EXPORTED, gauge_name
-from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
+from tests.support.deploy import DEPLOY, load_yaml
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

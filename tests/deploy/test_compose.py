@@ -5,18 +5,16 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-from importlib import resources
 
 import jsonschema
 import pytest
 
-from tests.deploy.conftest import DEPLOY, ROOT, load_yaml
+from tests.support.deploy import ALWAYS, DEPLOY, GPU_ROLES, compose_schema, load_yaml
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 
 RLPIPE_SERVICES = ("reference", "trainer", "rollout", "reward")
-GPU_ROLES = ("trainer", "rollout", "reference")  # each also as <role>-gpu in the gpu profile
-ALWAYS = {"nats", "secrets-init", "minio", "minio-init", "model-init", "reward", "archive"}
 ADMIN_PORT = "${ADMIN_BIND_ADDRESS:-127.0.0.1}:50052:50052"
 DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
@@ -24,11 +22,6 @@ DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 @pytest.fixture(scope="module")
 def compose() -> dict:
     return load_yaml(DEPLOY / "compose.yaml")
-
-
-def compose_schema() -> dict:
-    # The Compose specification's own JSON schema, as vendored (with its licence) by check-jsonschema.
-    return json.loads((resources.files("check_jsonschema.builtin_schemas.vendor") / "compose-spec.json").read_text())
 
 
 @pytest.mark.integration

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.deploy.conftest import ROOT
-from tests.deploy.test_compose import ALWAYS, GPU_ROLES
+from tests.support.deploy import ALWAYS, GPU_ROLES
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import ssl
 import subprocess
-import sys
 from pathlib import Path
 
 import nats
@@ -27,8 +25,10 @@ from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.storage import open_store
 from services.common.transport.streams import EXPERIENCE, subject
-from tests.conftest import BIN, free_port, wait_for_port, write_config
-from tests.deploy.conftest import DEPLOY, load_yaml
+from tests.support.deploy import DEPLOY, load_yaml, local_compose_conf, make_compose_secrets
+from tests.support.paths import BIN
+from tests.support.runs import config_file
+from tests.support.servers import free_port, wait_for_port
 
 pytestmark = pytest.mark.unit
 
@@ -144,42 +144,16 @@ def test_the_broker_waits_for_its_secrets(compose):
     assert init["restart"] == "no" and init["build"]["target"] == "cli"
 
 
-def local_compose_conf(folder: Path, port: int, monitor: int) -> Path:
-    """deploy/nats/nats.conf with its store, ports and secrets moved into ``folder`` (secrets made in
-    ``folder/secrets``, where its include finds auth.conf)."""
-    conf = (DEPLOY / "nats" / "nats.conf").read_text()
-    for old, new in (
-        ("store_dir: /data", f"store_dir: {folder / 'store'}"),
-        ("listen: 0.0.0.0:4222", f"listen: 127.0.0.1:{port}"),
-        ("http: 0.0.0.0:8222", f"http: 127.0.0.1:{monitor}"),
-        ("/etc/nats/secrets", str(folder / "secrets")),
-    ):
-        assert old in conf
-        conf = conf.replace(old, new)
-    (folder / "nats.conf").write_text(conf)
-    return folder / "nats.conf"
-
-
-def make_secrets(out: Path, config: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    return subprocess.run(
-        ["sh", str(DEPLOY / "nats" / "make-secrets.sh"), str(out), str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-    )
-
-
 @pytest.mark.integration
 def test_the_shipped_broker_config_with_made_secrets_admits_each_role_to_its_own_subjects_over_tls(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
-    made = make_secrets(tmp_path / "secrets", config)
+    config = config_file(tmp_path, tiny_model)
+    made = make_compose_secrets(tmp_path / "secrets", config)
     assert made.returncode == 0, made.stderr
-    assert make_secrets(tmp_path / "secrets", config).stdout.startswith("secrets already in")  # kept at later starts
+    assert make_compose_secrets(tmp_path / "secrets", config).stdout.startswith(
+        "secrets already in"
+    )  # kept at later starts
     for role in ("trainer", "rollout", "reward", "reference", "operator"):
         assert (tmp_path / "secrets" / role / "nats.nk").stat().st_mode & 0o777 == 0o600
     env_folders = {role: tmp_path / "secrets" / role / "env" for role in POLICIES}
@@ -245,10 +219,9 @@ def certificate_names(path: Path) -> list[str]:
 def test_made_secrets_serve_minio_and_weight_sync_over_tls_that_only_the_deployments_ca_trusts(
     config_only_model, tmp_path, monkeypatch
 ):
-    model_dir, data_dir = config_only_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, config_only_model)
     secrets = tmp_path / "secrets"
-    made = make_secrets(secrets, config)
+    made = make_compose_secrets(secrets, config)
     assert made.returncode == 0, made.stderr
     ca_cert = x509.load_pem_x509_certificate((secrets / "ca" / "ca.pem").read_bytes())
     for path, host in (

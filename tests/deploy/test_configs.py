@@ -28,7 +28,8 @@ from services.common.config import (
     load_config,
 )
 from services.tuner.cli import STORAGE_ENVVAR
-from tests.deploy.conftest import DEPLOY, ROOT, find, load_yaml
+from tests.support.deploy import DEPLOY, find, load_yaml
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from tests.conftest import ROOT, free_port
+from tests.support.paths import ROOT
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

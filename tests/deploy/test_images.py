@@ -19,7 +19,8 @@ from packaging.specifiers import SpecifierSet
 from packaging.utils import canonicalize_name
 
 from services.common.config import BuildInfo
-from tests.deploy.conftest import DEPLOY, ROOT
+from tests.support.deploy import DEPLOY
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

@@ -9,11 +9,24 @@ import kubernetes_validate
 import pytest
 
 from services.common.transport.streams import WORK_QUEUES, stream_name
-from tests.deploy.conftest import DEPLOY, OVERLAYS, find, load_yaml, one, trainer
+from tests.support.deploy import (
+    ADMIN_PORT,
+    DEPLOY,
+    HEALTH_PORT,
+    KUBERNETES_VERSION,
+    METRICS_PORT,
+    OVERLAYS,
+    TRAINER_PORT,
+    container,
+    env_map,
+    find,
+    load_yaml,
+    one,
+    trainer,
+)
 
 pytestmark = pytest.mark.integration
 
-KUBERNETES_VERSION = "1.33"
 # Custom resources have no schema in kubernetes-validate; their shape is checked below.
 CUSTOM_KINDS = {
     "ScaledObject",
@@ -27,7 +40,6 @@ CUSTOM_KINDS = {
     "ResourceFlavor",
 }
 STATELESS = {role: edge for edge, role in WORK_QUEUES.items()}  # role -> the edge it consumes
-HEALTH_PORT, TRAINER_PORT, ADMIN_PORT, METRICS_PORT = 50061, 50051, 50052, 9400
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -82,16 +94,6 @@ def test_everything_lands_in_the_overlay_namespace(overlay, rendered):
     cluster_wide = {"Namespace", "PriorityClass"}
     assert {doc["metadata"].get("namespace") for doc in rendered[overlay] if doc["kind"] not in cluster_wide} == {name}
     assert not find(rendered[overlay], "ConfigMap", "rlpipe-run"), "components/run's input is local-config"
-
-
-def container(workload: dict) -> dict:
-    (only,) = workload["spec"]["template"]["spec"]["containers"]
-    return only
-
-
-def env_map(docs: list[dict]) -> dict[str, str]:
-    (config_map,) = [cm for cm in find(docs, "ConfigMap") if cm["metadata"]["name"].startswith("rlpipe-env")]
-    return config_map["data"]
 
 
 def config_probe(role: str) -> dict:

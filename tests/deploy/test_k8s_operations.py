@@ -17,9 +17,21 @@ import yaml
 from services.common.config import AdminConfig
 from services.common.service import EXIT_REFUSED
 from services.common.transport.streams import WORK_QUEUES, stream_name
-from tests.deploy.conftest import DEPLOY, OVERLAYS, ROOT, find, kubectl, load_yaml, one, trainer
-from tests.deploy.test_k8s import ADMIN_PORT, container, env_map
-from tests.deploy.test_k8s_security import mounted_files, render_with_component
+from tests.support.deploy import (
+    ADMIN_PORT,
+    DEPLOY,
+    OVERLAYS,
+    container,
+    env_map,
+    find,
+    kubectl,
+    load_yaml,
+    mounted_files,
+    one,
+    render_with_component,
+    trainer,
+)
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

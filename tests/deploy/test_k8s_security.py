@@ -6,14 +6,11 @@ and the trainer runs under rlpipe's torchrun wrapper. The broker config the pods
 from __future__ import annotations
 
 import asyncio
-import base64
 import json
 import os
-import shutil
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -22,21 +19,34 @@ import kubernetes_validate
 import nats
 import nkeys
 import pytest
-import yaml
 
 from services.common.config import load_config
 from services.common.transport.bus import Bus
 from services.common.transport.nats_connect import ROLES, SERVICE_ROLES, connect_options
 from services.common.transport.streams import stream_name
-from tests.conftest import BIN, free_port, write_config
-from tests.deploy.conftest import DEPLOY, OVERLAYS, find, kubectl, load_yaml, one
-from tests.deploy.conftest import trainer as trainer_workload
-from tests.deploy.test_k8s import KUBERNETES_VERSION, container
+from tests.support.deploy import (
+    KUBERNETES_VERSION,
+    OVERLAYS,
+    PROD_CONFIG,
+    broker_secrets,
+    container,
+    decoded,
+    find,
+    load_yaml,
+    make_k8s_secrets,
+    mounted_files,
+    one,
+    render_with_component,
+    run_make_k8s_secrets,
+)
+from tests.support.deploy import trainer as trainer_workload
+from tests.support.paths import BIN
+from tests.support.runs import config_file
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 
 SECRETS_DIR = "/run/rlpipe/secrets"
-PROD_CONFIG = DEPLOY / "config" / "prod.yaml"
 STAGES = tuple(role for role in SERVICE_ROLES if role != "trainer")
 # Every Secret a pod of the default overlays reads, and which keys of it: the whole Secret is "*".
 ROLE_SECRETS = {"rlpipe-secrets": {"*"}, "nats-tls": {"ca.crt"}}
@@ -96,17 +106,6 @@ def secrets_read(pod: dict) -> dict[str, set[str]]:
 
 def env_of(workload: dict) -> dict[str, str]:
     return {e["name"]: e.get("value") for e in container(workload)["env"]}
-
-
-def mounted_files(pod: dict, volume_name: str) -> dict[str, tuple[str, str]]:
-    """The files of a projected volume: path -> (Secret or ConfigMap name, key)."""
-    (volume,) = [v for v in pod["volumes"] if v["name"] == volume_name]
-    files = {}
-    for source in volume["projected"]["sources"]:
-        ((_, ref),) = source.items()
-        for item in ref.get("items", []):
-            files[item["path"]] = (ref["name"], item["key"])
-    return files
 
 
 def certificate(docs: list[dict], name: str) -> dict:
@@ -230,27 +229,6 @@ def test_the_trainer_runs_torchrun_through_rlpipes_wrapper(rendered):
         assert env_of(trainer_workload(rendered[overlay]))["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "280"
 
 
-def render_with_component(tmp_path: Path, overlay: str, component: str, instead_of: str = "") -> list[dict]:
-    """``overlay`` with ``components/<component>`` added (before components/run, which stays last), in place of
-    ``components/<instead_of>`` if given, as docs/operations.md says to do."""
-    source = DEPLOY / "k8s" / "overlays" / overlay
-    for path in source.iterdir():
-        shutil.copy(path, tmp_path / path.name)
-    kustomization = yaml.safe_load((source / "kustomization.yaml").read_text())
-
-    def moved(ref: str) -> str:
-        return os.path.relpath(source / ref, tmp_path) if ref.startswith("..") else ref
-
-    kustomization["resources"] = [moved(ref) for ref in kustomization["resources"]]
-    components = [moved(ref) for ref in kustomization.get("components", []) if Path(ref).name != instead_of]
-    components.insert(-1, os.path.relpath(DEPLOY / "k8s" / "components" / component, tmp_path))
-    kustomization["components"] = components
-    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
-    done = subprocess.run([kubectl(), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return [doc for doc in yaml.safe_load_all(done.stdout) if doc]
-
-
 def test_the_multinode_trainer_keeps_the_wrapper_its_rendezvous_and_its_secrets(tmp_path):
     from torch.distributed.run import parse_args
 
@@ -273,28 +251,8 @@ def test_the_multinode_trainer_keeps_the_wrapper_its_rendezvous_and_its_secrets(
 # -- the secrets step and the broker, for real -----------------------------------------------------------------
 
 
-def run_make_secrets(config: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["sh", str(DEPLOY / "k8s" / "make-secrets.sh"), str(config)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHON": sys.executable},
-    )
-
-
-def make_secrets(config: Path) -> list[dict]:
-    done = run_make_secrets(config)
-    assert done.returncode == 0, done.stderr
-    return list(yaml.safe_load_all(done.stdout))
-
-
-def decoded(secret: dict) -> dict[str, bytes]:
-    return {key: base64.b64decode(value) for key, value in secret["data"].items()}
-
-
 def test_make_secrets_makes_the_secrets_the_pods_mount_and_keys_the_broker_admits(rendered):
-    secrets = {s["metadata"]["name"]: s for s in make_secrets(PROD_CONFIG)}
+    secrets = {s["metadata"]["name"]: s for s in make_k8s_secrets(PROD_CONFIG)}
     assert set(secrets) == {"rlpipe-nats-auth", "rlpipe-weightsync", *(f"rlpipe-nats-{role}" for role in ROLES)}
     assert len(decoded(secrets["rlpipe-weightsync"])["token"]) == 64
     for secret in secrets.values():
@@ -311,71 +269,15 @@ def test_make_secrets_makes_the_secrets_the_pods_mount_and_keys_the_broker_admit
     for role in ROLES:
         seed = decoded(secrets[f"rlpipe-nats-{role}"])["nats.nk"].strip()
         assert f'nkey: "{nkeys.from_seed(seed).public_key.decode()}"' in auth, role
-    again = {s["metadata"]["name"]: s for s in make_secrets(PROD_CONFIG)}
+    again = {s["metadata"]["name"]: s for s in make_k8s_secrets(PROD_CONFIG)}
     assert again["rlpipe-nats-trainer"]["data"] != secrets["rlpipe-nats-trainer"]["data"]  # fresh keys each run
 
 
 def test_make_secrets_refuses_a_config_without_run_id(tmp_path):
     (tmp_path / "c.yaml").write_text("environment: prod\n")
-    done = run_make_secrets(tmp_path / "c.yaml")
+    done = run_make_k8s_secrets(tmp_path / "c.yaml")
     assert done.returncode != 0 and done.stdout == ""
     assert "no run_id" in done.stderr
-
-
-def openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True, timeout=60)
-
-
-def issue_certificates(folder: Path, spec: dict) -> None:
-    """What cert-manager puts in the Secret nats-tls (tls.crt, tls.key, ca.crt), made with openssl from the
-    rendered Certificate's names and usages."""
-    folder.mkdir()
-    ca_key, ca, key, request = folder / "ca.key", folder / "ca.crt", folder / "tls.key", folder / "tls.csr"
-    new_key = ("-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes")
-    openssl("req", "-x509", *new_key, "-days", "2", "-subj", "/CN=test CA", "-keyout", ca_key, "-out", ca)
-    openssl("req", *new_key, "-subj", f"/CN={spec['commonName']}", "-keyout", key, "-out", request)
-    usage = {"server auth": "serverAuth", "client auth": "clientAuth"}
-    (folder / "ext").write_text(
-        f"subjectAltName={','.join(f'DNS:{name}' for name in spec['dnsNames'])}\n"
-        f"extendedKeyUsage={','.join(usage[u] for u in spec['usages'] if u in usage)}\n"
-    )
-    openssl(
-        "x509",
-        "-req",
-        "-in",
-        request,
-        "-CA",
-        ca,
-        "-CAkey",
-        ca_key,
-        "-CAcreateserial",
-        "-days",
-        "2",
-        "-extfile",
-        folder / "ext",
-        "-out",
-        folder / "tls.crt",
-    )
-
-
-def broker_secrets(folder: Path, nats_certificate: dict) -> dict[str, dict[str, bytes]]:
-    """``folder`` laid out as the NATS pods' /etc/nats, but for nats.conf: auth.conf from make-secrets.sh and tls/
-    as cert-manager issues ``nats_certificate``. Returns every Secret make-secrets.sh made, decoded."""
-    secrets = {s["metadata"]["name"]: decoded(s) for s in make_secrets(PROD_CONFIG)}
-    (folder / "auth.conf").write_bytes(secrets["rlpipe-nats-auth"]["auth.conf"])
-    issue_certificates(folder / "tls", nats_certificate)
-    return secrets
-
-
-def k8s_conf_with_secrets(folder: Path) -> Path:
-    """deploy/k8s/base/nats/nats.conf runnable here, with its secrets in ``folder`` where the pods have /etc/nats."""
-    specs = yaml.safe_load_all((DEPLOY / "k8s" / "components" / "cert-manager" / "certificates.yaml").read_text())
-    (nats_certificate,) = [doc["spec"] for doc in specs if doc["metadata"]["name"] == "nats-tls"]
-    broker_secrets(folder, nats_certificate)
-    conf = (DEPLOY / "k8s" / "base" / "nats" / "nats.conf").read_text()
-    assert "/etc/nats/" in conf
-    (folder / "nats.conf").write_text(conf.replace("/etc/nats/", f"{folder}/"))
-    return folder / "nats.conf"
 
 
 def local_node_conf(conf: str, folder: Path, node: int, ports: list[dict[str, int]]) -> str:
@@ -443,8 +345,7 @@ def test_the_pods_broker_config_runs_a_tls_cluster_that_admits_only_the_role_key
             time.sleep(0.2)
         client = ports[0]["client"]
         run_id = load_yaml(PROD_CONFIG)["run_id"]  # the subjects the keys are allowed
-        model_dir, data_dir = tiny_model
-        config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+        config = config_file(tmp_path, tiny_model)
         for role in ROLES:
             (tmp_path / role).mkdir()
             (tmp_path / role / "nats.nk").write_bytes(secrets[f"rlpipe-nats-{role}"]["nats.nk"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.deploy.conftest import DEPLOY, OVERLAYS, load_yaml
-from tests.deploy.conftest import trainer as trainer_workload
+from tests.support.deploy import DEPLOY, OVERLAYS, load_yaml
+from tests.support.deploy import trainer as trainer_workload
 
 pytestmark = pytest.mark.unit
 

@@ -11,7 +11,7 @@ from fnmatch import fnmatchcase
 import pytest
 
 from services.common.transport.claims import claim_prefix
-from tests.deploy.conftest import DEPLOY, load_yaml
+from tests.support.deploy import DEPLOY, load_yaml
 
 pytestmark = pytest.mark.unit
 

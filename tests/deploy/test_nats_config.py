@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from services.common.config import NatsConfig
-from tests.conftest import BIN, free_port, write_config
-from tests.deploy.conftest import DEPLOY
-from tests.deploy.test_compose_security import local_compose_conf, make_secrets
-from tests.deploy.test_k8s_security import k8s_conf_with_secrets
+from tests.support.deploy import DEPLOY, k8s_conf_with_secrets, local_compose_conf, make_compose_secrets
+from tests.support.paths import BIN
+from tests.support.runs import config_file
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -39,8 +39,8 @@ def test_jetstream_fsyncs_every_write(path: Path):
 
 def compose_conf_with_secrets(folder: Path, model: tuple[Path, Path], port: int, monitor: int) -> Path:
     """The compose config runnable here: secrets made as secrets-init makes them, paths moved into ``folder``."""
-    config = write_config(folder / "c.yaml", *model, folder / "runs")
-    made = make_secrets(folder / "secrets", config)
+    config = config_file(folder, model)
+    made = make_compose_secrets(folder / "secrets", config)
     assert made.returncode == 0, made.stderr
     return local_compose_conf(folder, port, monitor)
 

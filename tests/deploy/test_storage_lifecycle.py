@@ -9,7 +9,7 @@ import pytest
 
 from services.common.config import NatsConfig
 from services.common.transport.lifecycle_tags import ARCHIVE_TAG, CHECKPOINT_TAG, TRANSIENT_TAG
-from tests.deploy.conftest import DEPLOY, load_yaml
+from tests.support.deploy import DEPLOY, load_yaml
 
 pytestmark = pytest.mark.unit
 

@@ -15,10 +15,9 @@ import pytest
 import yaml
 
 from services.tuner.tune_file import load_tune_file
-from tests.deploy.conftest import DEPLOY, ROOT, kubectl, load_yaml, one
-from tests.deploy.conftest import trainer as trainer_workload
-from tests.deploy.test_compose import compose_schema
-from tests.deploy.test_k8s import KUBERNETES_VERSION
+from tests.support.deploy import DEPLOY, KUBERNETES_VERSION, compose_schema, kubectl, load_yaml, one
+from tests.support.deploy import trainer as trainer_workload
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

@@ -3,13 +3,12 @@
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.model.modeling import load_tokenizer
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import HfEngine
-from tests.common.model.padless import without_pad_token
-from tests.conftest import write_config
+from tests.support.messages import completion, scored_group
+from tests.support.padless import without_pad_token
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -17,17 +16,12 @@ pytestmark = pytest.mark.integration
 # None: one pass over the batch; 32 (max_seq_len): length-sorted passes of a few sequences each.
 @pytest.mark.parametrize("micro_batch_tokens", [None, 32])
 def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model, tmp_path, micro_batch_tokens):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            rollout={"backend": "hf"},
-            train={"max_seq_len": 32},
-            reference={"micro_batch_tokens": micro_batch_tokens},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        rollout={"backend": "hf"},
+        train={"max_seq_len": 32},
+        reference={"micro_batch_tokens": micro_batch_tokens},
     )
     engine = HfEngine(cfg)
     prompts = ["37+45=", "9+9="]
@@ -40,14 +34,8 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
         for g in group:
             assert g.finish_reason in ("stop", "length") and len(g.token_ids) == len(g.logprobs) > 0
             assert (g.finish_reason == "stop") == (g.token_ids[-1] == engine.tokenizer.eos_token_id)
-        rollout = advance(
-            Prompt(group_id=text, prompt_id=text, prompt=text),
-            RolloutGroup,
-            prompt_ids=np.asarray(ids, dtype=np.int32),
-            policy_version=0,
-            completions=[g.completion() for g in group],
-        )
-        groups.append(advance(rollout, ScoredGroup, rewards=np.zeros(len(group), dtype=np.float32)))
+        completions = [g.completion() for g in group]
+        groups.append(scored_group(text, completions=completions, prompt_ids=ids, prompt=text, answer=""))
 
     scorer = ReferenceScorer(cfg)
     pairs = [(g.prompt_ids.tolist(), c.token_ids.tolist()) for g in groups for c in g.completions]
@@ -62,35 +50,20 @@ def test_reference_logprobs_equal_sampling_logprobs_of_the_same_model(tiny_model
     experience = scorer(groups)
     for group in experience:
         assert group.kind == "experience"
-        for completion, ref in zip(group.completions, group.ref_logprobs, strict=False):
-            np.testing.assert_allclose(ref, completion.logprobs, atol=1e-4)
+        for sampled, ref in zip(group.completions, group.ref_logprobs, strict=False):
+            np.testing.assert_allclose(ref, sampled.logprobs, atol=1e-4)
 
 
 def test_a_reference_whose_tokenizer_has_no_pad_token_packs_with_its_eos_and_scores_the_same(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     padless = without_pad_token(model_dir, tmp_path / "padless")
     scorers = [
-        ReferenceScorer(load_config(write_config(tmp_path / f"{name}.yaml", folder, data_dir, tmp_path / "runs")))
+        ReferenceScorer(run_config(tmp_path, (folder, data_dir), f"{name}.yaml"))
         for name, folder in (("with", model_dir), ("without", padless))
     ]
-    prompt = Prompt(group_id="g", prompt_id="p", prompt="37+45=")
-    rollout = advance(
-        prompt,
-        RolloutGroup,
-        prompt_ids=np.asarray([5, 9, 3, 6, 8, 2], dtype=np.int32),
-        policy_version=0,
-        # Responses of different lengths: the pass pads the shorter ones.
-        completions=[
-            Completion(
-                text="",
-                token_ids=np.asarray(ids, np.int32),
-                logprobs=np.zeros(len(ids), np.float32),
-                finish_reason="stop",
-            )
-            for ids in ([7, 1], [4, 5, 6, 1], [3])
-        ],
-    )
-    group = advance(rollout, ScoredGroup, rewards=np.zeros(3, dtype=np.float32))
+    # Responses of different lengths: the pass pads the shorter ones.
+    completions = [completion(ids, logprob=0.0, text="") for ids in ([7, 1], [4, 5, 6, 1], [3])]
+    group = scored_group(prompt_id="p", prompt="37+45=", prompt_ids=[5, 9, 3, 6, 8, 2], completions=completions)
 
     assert scorers[1].pad_id == load_tokenizer(padless).eos_token_id
     expected, got = (scorer([group])[0].ref_logprobs for scorer in scorers)

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from services.common.config import load_config
-from services.common.transport.messages import Completion, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import ScoredGroup
 from services.reference.service import ReferenceScorer
-from tests.conftest import write_config
+from tests.support.messages import completion, scored_group
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -14,39 +14,19 @@ pytestmark = pytest.mark.integration
 def group(name: str, prompt: list[int], lengths: list[int], seed: int) -> ScoredGroup:
     draw = np.random.default_rng(seed)
     completions = [
-        Completion(
-            text="",
-            token_ids=draw.integers(2, 40, n).astype(np.int32),
-            logprobs=np.zeros(n, np.float32),
-            finish_reason="length",
-        )
+        completion(draw.integers(2, 40, n).astype(np.int32), logprob=0.0, text="", finish_reason="length")
         for n in lengths
     ]
-    rollout = advance(
-        Prompt(group_id=name, prompt_id=name, prompt=""),
-        RolloutGroup,
-        prompt_ids=np.asarray(prompt, np.int32),
-        policy_version=0,
-        completions=completions,
-    )
-    return advance(rollout, ScoredGroup, rewards=np.zeros(len(lengths), np.float32))
+    return scored_group(name, prompt="", answer="", prompt_ids=prompt, completions=completions)
 
 
 def test_a_groups_reference_logprobs_are_the_same_alone_and_among_longer_groups_only_when_deterministic(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
     scored = {}
     for deterministic in (True, False):
-        cfg = load_config(
-            write_config(
-                tmp_path / f"{deterministic}.yaml",
-                model_dir,
-                data_dir,
-                tmp_path / "runs",
-                train={"max_seq_len": 32, "deterministic": deterministic, "synchronous": True},
-            )
-        )
+        train = {"max_seq_len": 32, "deterministic": deterministic, "synchronous": True}
+        cfg = run_config(tmp_path, tiny_model, f"{deterministic}.yaml", train=train)
         scorer = ReferenceScorer(cfg)
         short = group("short", [5, 7, 9], [2, 3, 1, 4], seed=0)
         # Longer sequences pad the short group's rows further when they share its forward passes.

@@ -9,8 +9,6 @@ import json
 import logging
 import socket
 import ssl
-import subprocess
-import sys
 import urllib.error
 
 import pytest
@@ -19,18 +17,9 @@ from services.common.config import RewardHttpConfig
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import Fault, RequestFailed, judge_error
 from services.reward.remote import RemoteItem, RemoteRewardRejected, RemoteScorer, judge_status, parse_scores
-from tests.conftest import free_port, wait_for_port
+from tests.support.servers import RedirectingService, free_port, start_reward_server
 
 pytestmark = pytest.mark.integration
-
-
-def start_server(port: int, *options: str) -> subprocess.Popen:
-    server = subprocess.Popen(
-        [sys.executable, "-m", "services.reward.reference_server", "--port", str(port), *options],
-        stdout=subprocess.DEVNULL,
-    )
-    wait_for_port(port, server, "reference reward server")
-    return server
 
 
 @pytest.fixture
@@ -47,7 +36,7 @@ ITEMS = [RemoteItem("1+1=", text, "2", {"group_id": "g"}) for text in ("2", "3",
 
 
 def test_scores_come_back_in_order_across_concurrent_batches(port):
-    server = start_server(port, "--token", "s3cret")
+    server = start_reward_server(port, "--token", "s3cret")
     try:
         client = scorer(port, max_concurrency=2)
         client.headers["Authorization"] = "Bearer s3cret"
@@ -70,7 +59,7 @@ def test_a_service_that_is_down_opens_the_breaker_and_is_never_scored_as_zero(po
         with pytest.raises(DependencyUnavailable, match="breaker open"):  # known down: nothing is sent
             await client.score(ITEMS[:1])
         assert client.breaker.failures == 4
-        server = start_server(port)
+        server = start_reward_server(port)
         try:
             client.breaker.cooldown_s = 0.01  # let the half-open probe through now
             await asyncio.sleep(0.02)
@@ -84,7 +73,7 @@ def test_a_service_that_is_down_opens_the_breaker_and_is_never_scored_as_zero(po
 
 
 def test_a_slow_answer_counts_as_a_failure(port):
-    server = start_server(port, "--delay-s", "1.5")
+    server = start_reward_server(port, "--delay-s", "1.5")
     try:
         with pytest.raises(DependencyUnavailable, match=r"within 0\.5s"):
             asyncio.run(scorer(port, timeout_s=0.5, retries=0).score(ITEMS[:1]))
@@ -227,56 +216,6 @@ def test_an_auth_or_routing_error_is_the_services_outage_opened_at_once_and_aler
         service.close()
 
 
-class RedirectingService:
-    """A real HTTP server that answers every request with ``status`` and a Location on ``target``, and a target
-    that records the method and Authorization header of every request it gets."""
-
-    def __init__(self, status: int):
-        import http.server
-        import threading
-
-        self.reached: list[tuple[str, str | None]] = []
-        service = self
-
-        class Target(http.server.BaseHTTPRequestHandler):
-            def answer(self) -> None:
-                service.reached.append((self.command, self.headers.get("Authorization")))
-                body = b'{"scores": [1.0]}'
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = answer
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.target = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Target)
-        location = f"http://localhost:{self.target.server_address[1]}/score"
-
-        class Redirect(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers["Content-Length"]))
-                self.send_response(status)
-                self.send_header("Location", location)
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
-        self.port = self.server.server_address[1]
-        for server in (self.server, self.target):
-            threading.Thread(target=server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        for server in (self.server, self.target):
-            server.shutdown()
-            server.server_close()
-
-
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_a_redirect_is_not_followed_so_the_token_never_reaches_another_host(status, tmp_path):
     service = RedirectingService(status)
@@ -307,7 +246,7 @@ def test_an_answer_over_max_response_bytes_is_the_services_outage_and_is_not_rea
 
 
 def test_the_token_file_is_read_before_each_batch_so_a_rewritten_token_is_used(port, tmp_path):
-    server = start_server(port, "--token", "right")
+    server = start_reward_server(port, "--token", "right")
     token_file = tmp_path / "token"
     token_file.write_text("wrong")
     try:
@@ -428,7 +367,7 @@ def test_a_request_without_an_answer_is_the_services_outage_tls_and_dns_persiste
 
 
 def test_a_tls_failure_against_a_real_socket_is_a_persistent_outage(port):
-    server = start_server(port)  # plain HTTP: the TLS handshake fails
+    server = start_reward_server(port)  # plain HTTP: the TLS handshake fails
     try:
         client = RemoteScorer(RewardHttpConfig(url=f"https://127.0.0.1:{port}/score", retries=3))
         with pytest.raises(DependencyUnavailable, match=r"TLS with https://127\.0\.0\.1"):

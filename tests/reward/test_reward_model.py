@@ -11,8 +11,8 @@ from services.common.config import ConfigError, RewardModelConfig, load_config_w
 from services.common.model.datasets import load_jsonl
 from services.reward.model import RewardModel, model_device
 from services.reward.service import weights_of
-from tests.common.model.padless import without_pad_token
-from tests.conftest import ROOT
+from tests.support.padless import without_pad_token
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

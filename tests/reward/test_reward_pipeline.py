@@ -10,30 +10,27 @@ import pytest
 from services.common.model.reward_rules import exact_match
 from services.common.observe import metrics as m
 from services.trainer.intake.samples import GroupSample
-from tests.common.test_telemetry import scrape, values
-from tests.conftest import (
-    free_port,
+from tests.support.runs import (
+    config_file,
     metric_rows,
     run_pipeline,
     running_pipeline,
     service_events,
     wait_for,
-    write_config,
 )
-from tests.reward.test_remote import start_server
+from tests.support.servers import free_port, start_reward_server
+from tests.support.telemetry import scrape, values
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.e2e
 def test_a_run_scored_by_the_reward_model_reports_each_part_in_its_step_rows(tiny_model, tiny_reward_model, tmp_path):
-    model_dir, data_dir = tiny_model
     reward_model, _ = tiny_reward_model
-    config = write_config(
-        tmp_path / "rm.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "rm.yaml",
         run_id="rm",
         train={"total_steps": 3},
         reward={
@@ -62,13 +59,11 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
     """The reward server answers, then is slowed past the timeout, then killed, then restarted: every group
     is applied with exactly the score the server gives it, none is lost or dead-lettered, and the outage
     shows as error metrics and the reward_service_down alert."""
-    model_dir, data_dir = tiny_model
     port = free_port()
-    config = write_config(
-        tmp_path / "remote.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "remote.yaml",
         run_id="remote",
         train={"total_steps": TOTAL_STEPS, "batch_size": BATCH},
         checkpoint={"save_every_steps": 5, "keep_last": 2},
@@ -88,13 +83,13 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
     run_dir = tmp_path / "runs" / "remote"
     steps = lambda: [r.step for r in metric_rows(run_dir) if r.is_step] if run_dir.exists() else []  # noqa: E731
     reward_events = lambda: service_events(run_dir, "reward-0")  # noqa: E731
-    server = start_server(port)
+    server = start_reward_server(port)
     try:
         with running_pipeline(config) as process:
             wait_for(lambda: len(steps()) >= 3, "three steps scored by the server", process, timeout=600)
             server.kill()
             server.wait()
-            server = start_server(port, "--delay-s", "2")  # slower than timeout_s: every request fails
+            server = start_reward_server(port, "--delay-s", "2")  # slower than timeout_s: every request fails
             wait_for(
                 lambda: any(e["event"] == "reward_request_failed" and e["kind"] == "timeout" for e in reward_events()),
                 "a request timed out",
@@ -110,10 +105,12 @@ def test_a_remote_reward_outage_loses_no_group_and_scores_none_falsely(tiny_mode
                 timeout=120,
             )
             stalled_at = len(steps())
-            time.sleep(5)  # down for a while: nothing is scored (so nothing is applied beyond what was in flight)
+            # A fixed wait, since what it shows is that nothing happens: while the server is down nothing is scored
+            # (so nothing is applied beyond what was in flight).
+            time.sleep(5)
             metrics_url = next(e["metrics_url"] for e in reward_events() if e["event"] == "ready")
             samples = scrape(metrics_url)
-            server = start_server(port)
+            server = start_reward_server(port)
             output, _ = process.communicate(timeout=600)
         assert process.returncode == 0, output[-3000:]
     finally:

@@ -29,29 +29,12 @@ from services.common.transport.stage import Stage
 from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
 from services.reward.sandbox import RuleSandbox
 from services.reward.service import RewardOutOfBounds, RewardSources, overlong_scores, score_groups
-from tests.conftest import create_run_state, write_config
+from tests.support.bus import stream_messages, until_messages
+from tests.support.messages import answered
+from tests.support.runs import QUICK_REDELIVERY, config_file, run_config
+from tests.support.servers import create_run_state
 
 pytestmark = pytest.mark.integration
-
-
-def group(group_id: str, answer: str, texts: list[str], finish: str = "stop") -> RolloutGroup:
-    return RolloutGroup(
-        group_id=group_id,
-        prompt_id=group_id,
-        prompt="1+1=",
-        answer=answer,
-        prompt_ids=np.array([1, 2], dtype=np.int64),
-        policy_version=0,
-        completions=[
-            Completion(
-                text=text,
-                token_ids=np.array([3], dtype=np.int64),
-                logprobs=np.array([-0.5], dtype=np.float32),
-                finish_reason=finish,
-            )
-            for text in texts
-        ],
-    )
 
 
 @pytest.fixture
@@ -63,7 +46,9 @@ def rules():
 
 def test_rewards_are_the_weighted_sum_of_the_parts_kept_per_completion(rules):
     reward = RewardConfig(functions={"exact_match": 1.0, "format": 0.5, "examples.reward_plugin:brevity": 0.25})
-    scored = asyncio.run(score_groups([group("a", "2", ["2", "x 3 4"]), group("b", "22", ["22"])], reward, rules, 7))
+    scored = asyncio.run(
+        score_groups([answered("a", "2", ["2", "x 3 4"]), answered("b", "22", ["22"])], reward, rules, 7)
+    )
     first, second = scored
     assert first.reward_parts["exact_match"].tolist() == [1.0, 0.0]
     assert first.reward_parts["format"].tolist() == [1.0, 0.0]
@@ -80,7 +65,7 @@ def test_rewards_are_the_weighted_sum_of_the_parts_kept_per_completion(rules):
 
 
 def test_reward_parts_survive_the_wire_to_the_trainer(rules):
-    (scored,) = asyncio.run(score_groups([group("a", "2", ["2", "3"])], RewardConfig(), rules))
+    (scored,) = asyncio.run(score_groups([answered("a", "2", ["2", "3"])], RewardConfig(), rules))
     experience = advance(
         decode(encode(scored), ScoredGroup), ExperienceGroup, ref_logprobs=[np.array([-1.0], np.float32)] * 2
     )
@@ -90,7 +75,7 @@ def test_reward_parts_survive_the_wire_to_the_trainer(rules):
 @pytest.mark.unit
 def test_a_part_of_the_wrong_length_or_not_finite_is_refused():
     scored = {"rewards": np.zeros(1, np.float32)}
-    base = group("a", "2", ["2"]).model_dump() | scored | {"kind": "scored"}
+    base = answered("a", "2", ["2"]).model_dump() | scored | {"kind": "scored"}
     with pytest.raises(ValueError, match=r"model shape \(2,\) must be \(1,\)"):
         ScoredGroup.model_validate(base | {"reward_parts": {"model": np.zeros(2, np.float32)}})
     with pytest.raises(ValueError, match="http contain NaN"):
@@ -180,7 +165,7 @@ def test_a_header_value_from_the_environment_that_cannot_be_sent_stops_the_start
 
 def test_a_reward_beyond_max_abs_reward_fails_the_group_naming_the_completion_and_its_parts(rules):
     reward = RewardConfig(functions={"exact_match": 3.0, "format": 1.0}, max_abs_reward=2.0)
-    groups = [group("a", "2", ["3", "x"]), group("b", "2", ["x", "2"])]
+    groups = [answered("a", "2", ["3", "x"]), answered("b", "2", ["x", "2"])]
     with pytest.raises(RewardOutOfBounds) as error:
         asyncio.run(score_groups(groups, reward, rules))
     assert str(error.value) == (
@@ -201,15 +186,14 @@ def test_a_non_finite_max_abs_reward_is_refused_naming_the_field(tiny_model):
 def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_the_rest_is_scored(
     rules, tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
-    nats = {"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3}
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats=nats))
+    nats = {"url": nats_url, **QUICK_REDELIVERY}
+    cfg = run_config(tmp_path, tiny_model, nats=nats)
     reward = RewardConfig(functions={"exact_match": 3.0}, max_abs_reward=2.0)
 
     async def scenario() -> None:
         await create_run_state(cfg)
         bus = await Bus(cfg, "reward").connect()
-        for item in (group("calm", "2", ["x"]), group("wild", "2", ["2"])):
+        for item in (answered("calm", "2", ["x"]), answered("wild", "2", ["2"])):
             await bus.publish(ROLLOUTS, item, msg_id=f"{item.group_id}.rollout")
 
         async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
@@ -217,16 +201,11 @@ def test_a_group_beyond_max_abs_reward_goes_to_dead_letters_with_the_reason_and_
 
         stop = asyncio.Event()
         task = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 2, "reward").run(stop))
-        dead = stream_name(cfg.run_id, DEAD)
-        for _ in range(300):
-            if (await bus.js.stream_info(dead)).state.messages:
-                break
-            await asyncio.sleep(0.1)
+        await until_messages(bus, DEAD, 1)
         stop.set()
         await task
-        assert (await bus.js.stream_info(stream_name(cfg.run_id, SCORED))).state.messages == 1
-        assert (await bus.js.stream_info(dead)).state.messages == 1
-        letter = await bus.js.get_msg(dead, seq=1)
+        assert await stream_messages(bus, SCORED) == 1 and await stream_messages(bus, DEAD) == 1
+        letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert letter.headers["Rlpipe-Group-Id"] == "wild"
         assert (
             "group wild: completion 0 has reward 3, outside [-2, 2] (reward.max_abs_reward)"
@@ -262,7 +241,7 @@ def test_the_overlong_penalty_is_a_weighted_part_counting_only_the_model_tokens(
         )
 
     # 3 model tokens and 20 an environment inserted: no penalty, however long the episode's text.
-    rollout = group("a", "2", ["2"]).model_copy(
+    rollout = answered("a", "2", ["2"]).model_copy(
         update={"completions": [completion(2), completion(5), completion(9), completion(3, inserted=20)]}
     )
     reward = RewardConfig(overlong_penalty={"max_tokens": 6, "buffer_tokens": 2, "weight": 0.5})
@@ -290,7 +269,7 @@ def test_the_environments_own_reward_is_a_weighted_part_when_given_a_weight(rule
             ),
         )
 
-    rollout = group("a", "2", ["2"]).model_copy(update={"completions": [episode(1.0), episode(-0.5), episode(0.0)]})
+    rollout = answered("a", "2", ["2"]).model_copy(update={"completions": [episode(1.0), episode(-0.5), episode(0.0)]})
     reported_only = asyncio.run(score_groups([rollout], RewardConfig(), rules))[0]
     assert "environment" not in reported_only.reward_parts and reported_only.rewards.tolist() == [1.0, 1.0, 1.0]
 
@@ -303,9 +282,7 @@ def test_the_environments_own_reward_is_a_weighted_part_when_given_a_weight(rule
 
 
 def test_an_environment_weight_without_an_environment_is_refused_naming_the_field(tmp_path, config_only_model):
-    config = write_config(
-        tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", reward={"environment_weight": 1.0}
-    )
+    config = config_file(tmp_path, config_only_model, reward={"environment_weight": 1.0})
     with pytest.raises(ConfigError, match=r"reward\.environment_weight=1 weighs an environment's reward"):
         load_config(config)
     with pytest.raises(ValueError, match=r"may not use the names \['environment'\]"):

@@ -17,16 +17,16 @@ from services.common.transport.bus import Bus
 from services.common.transport.messages import ScoredGroup
 from services.common.transport.presence import read_presence
 from services.common.transport.reader import StreamReader
-from services.common.transport.streams import DEAD, ROLLOUTS, SCORED, stream_name
+from services.common.transport.streams import DEAD, ROLLOUTS, SCORED
 from services.reward import service as reward_service
-from tests.conftest import create_run_state, free_port
-from tests.reward.test_remote import start_server
-from tests.reward.test_scoring import group
+from tests.support.bus import stream_messages
+from tests.support.messages import answered
+from tests.support.servers import create_run_state, free_port, start_reward_server
 
 pytestmark = pytest.mark.integration
 
 RUN_ID = "authfix"
-GROUPS = [group("g1", "2", ["2", "3"]), group("g2", "5", ["5", "x"]), group("g3", "7", ["no", "7"])]
+GROUPS = [answered("g1", "2", ["2", "3"]), answered("g2", "5", ["5", "x"]), answered("g3", "7", ["no", "7"])]
 
 
 def events(caplog, name: str) -> list[dict]:
@@ -35,10 +35,6 @@ def events(caplog, name: str) -> list[dict]:
 
 def everything_logged(caplog) -> str:
     return "\n".join(json.dumps([r.getMessage(), getattr(r, "fields", {})], default=str) for r in caplog.records)
-
-
-async def count(bus: Bus, edge: str) -> int:
-    return (await bus.js.stream_info(stream_name(RUN_ID, edge))).state.messages
 
 
 async def wait_until(condition, what: str, reward: asyncio.Task, timeout_s: float = 60) -> None:
@@ -89,7 +85,7 @@ def test_a_refused_or_unsendable_token_holds_every_group_alerts_and_scores_them_
     no log line quotes the token, and rewriting the file with the right token lets the same groups through."""
     caplog.set_level(logging.INFO)
     port = free_port()
-    server = start_server(port, "--token", "right")
+    server = start_reward_server(port, "--token", "right")
     # Short enough that an input fault would be dead-lettered well inside the waits below.
     cfg = reward_config(tmp_path, nats_url, port, "wrong\n", ack_wait_s=1, heartbeat_s=0.3, max_deliver=2)
     token_file = tmp_path / "token"
@@ -108,21 +104,23 @@ def test_a_refused_or_unsendable_token_holds_every_group_alerts_and_scores_them_
 
         try:
             await wait_until(lambda: refused("http_401"), "the 401", reward)
+            # Fixed waits, past the delivery budget, since what they show is that nothing happens: held, not
+            # dead-lettered.
             await asyncio.sleep(4 * retrying_s)
-            assert (await count(bus, DEAD), await count(bus, SCORED)) == (0, 0)
+            assert (await stream_messages(bus, DEAD), await stream_messages(bus, SCORED)) == (0, 0)
 
             token_file.write_text("right\nLEAKED-second-line\n")  # a rotation gone wrong
             await wait_until(lambda: refused("token"), "the unsendable token", reward)
             await asyncio.sleep(4 * retrying_s)
-            assert (await count(bus, DEAD), await count(bus, SCORED)) == (0, 0)
+            assert (await stream_messages(bus, DEAD), await stream_messages(bus, SCORED)) == (0, 0)
 
             token_file.write_text("right\n")
 
             async def all_scored() -> bool:
-                return await count(bus, SCORED) == len(GROUPS)
+                return await stream_messages(bus, SCORED) == len(GROUPS)
 
             await wait_until(all_scored, "the rewritten token to let the groups through", reward)
-            assert await count(bus, DEAD) == 0
+            assert await stream_messages(bus, DEAD) == 0
             reader = StreamReader(bus, SCORED, 1)
             return [await bus.decode(await reader.next(5), ScoredGroup) for _ in GROUPS]
         finally:
@@ -157,7 +155,7 @@ def test_a_refused_token_alerts_at_once_and_tells_the_trainer_through_presence_n
     first tries (the wait below is a bound far under the redelivery bound, not a speed target)."""
     caplog.set_level(logging.INFO)
     port = free_port()
-    server = start_server(port, "--token", "right")
+    server = start_reward_server(port, "--token", "right")
     cfg = reward_config(
         tmp_path, nats_url, port, "wrong\n", ack_wait_s=300, max_deliver=5, heartbeat_s=10, duplicate_window_s=3600
     )
@@ -184,7 +182,7 @@ def test_a_refused_token_alerts_at_once_and_tells_the_trainer_through_presence_n
             [entry] = [entry for entry in await read_presence(bus.js, cfg.run_id, cfg.nats) if entry.role == "reward"]
             assert (entry.refused.kind, entry.refused.step) == ("http_401", "compute")
             assert "HTTP 401" in entry.refused.error
-            assert await count(bus, DEAD) == 0
+            assert await stream_messages(bus, DEAD) == 0
         finally:
             stop.set()
             await asyncio.wait_for(reward, 30)

@@ -14,8 +14,8 @@ from services.common.episodes.episode_environment import LocalEnvironment
 from services.common.episodes.generation import Generation
 from services.common.episodes.observations import VerbatimObservations
 from services.common.episodes.runner import run_episodes, start_episodes
-from tests.common.episodes.test_runner import LIMITS, CharTokenizer
-from tests.conftest import ROOT
+from tests.support.episodes import LIMITS, CharTokenizer
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.unit
 

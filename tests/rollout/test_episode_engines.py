@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.runner import EpisodeRunner
 from services.common.model.modeling import load_model
 from services.common.transport.messages import Prompt, RolloutGroup, decode, encode
 from services.rollout.engines import Engine, build_engine
-from tests.conftest import write_config
+from tests.support.messages import prompt
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -35,7 +35,6 @@ class AddOne:
 
 
 def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engine, EpisodeRunner]:
-    model_dir, data_dir = tiny_model
     rollout = {
         "backend": backend,
         "kv_cache_mib": 48,
@@ -44,7 +43,7 @@ def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engi
         "max_tokens_per_turn": 2,
         "max_total_tokens": 20,
     }
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, tiny_model, rollout=rollout)
     engine_thread = ThreadPoolExecutor(max_workers=1)
     engine = engine_thread.submit(build_engine, cfg).result()
 
@@ -52,8 +51,8 @@ def run_episodes(tiny_model, tmp_path, backend: str) -> tuple[RolloutGroup, Engi
         return await asyncio.get_running_loop().run_in_executor(engine_thread, call, *args)
 
     runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
-    prompt = Prompt(group_id="g0", prompt_id="p0", prompt="12+34=", answer="46")
-    [group] = asyncio.run(runner.groups([prompt], cfg.sampling.model_copy(update={"group_size": 2}), 0, 0))
+    asked = prompt("g0", prompt_id="p0", prompt="12+34=", answer="46")
+    [group] = asyncio.run(runner.groups([asked], cfg.sampling.model_copy(update={"group_size": 2}), 0, 0))
     return group, engine, runner
 
 
@@ -94,7 +93,6 @@ def test_episodes_on_the_tiny_model_record_the_policys_own_logprobs_on_its_token
 
 
 def test_a_deterministic_groups_episodes_on_vllm_are_the_same_alone_and_sharing_each_turns_call(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     rollout = {
         "kv_cache_mib": 48,
         "environment": f"{__name__}:AddOne",
@@ -102,16 +100,7 @@ def test_a_deterministic_groups_episodes_on_vllm_are_the_same_alone_and_sharing_
         "max_tokens_per_turn": 2,
         "max_total_tokens": 20,
     }
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            rollout=rollout,
-            train={"deterministic": True, "synchronous": True},
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, rollout=rollout, train={"deterministic": True, "synchronous": True})
     engine_thread = ThreadPoolExecutor(max_workers=1)
     engine = engine_thread.submit(build_engine, cfg).result()
 
@@ -120,8 +109,8 @@ def test_a_deterministic_groups_episodes_on_vllm_are_the_same_alone_and_sharing_
 
     runner = EpisodeRunner(cfg, engine.tokenizer, on_engine, engine.generate_turns, engine.end_tokens)
     sampling = cfg.sampling.model_copy(update={"group_size": 3})
-    ours = Prompt(group_id="e0-i5", prompt_id="p5", prompt="12+34=", answer="46")
-    other = Prompt(group_id="e0-i6", prompt_id="p6", prompt="7+8=", answer="15")
+    ours = prompt("e0-i5", prompt_id="p5", prompt="12+34=", answer="46")
+    other = prompt("e0-i6", prompt_id="p6", prompt="7+8=", answer="15")
 
     def episodes(prompts: list[Prompt]) -> list[tuple[list[int], list[float]]]:
         groups = asyncio.run(runner.groups(prompts, sampling, 0, 0))

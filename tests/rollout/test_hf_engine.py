@@ -7,14 +7,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.config import SamplingConfig, load_config
+from services.common.config import SamplingConfig
 from services.common.model.batch_generation import generate_batch
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model
 from services.rollout.engines import HfEngine
-from tests.common.model.padless import without_pad_token
-from tests.conftest import write_config
-from tests.rollout.test_vllm_weight_sync import trainer_logprobs
+from tests.support.padless import without_pad_token
+from tests.support.runs import run_config
+from tests.support.weights import trainer_logprobs
 
 pytestmark = pytest.mark.integration
 
@@ -30,15 +30,8 @@ def sampling(**update) -> SamplingConfig:
 
 def engine_for(model_dir, data_dir, tmp_path, **hf) -> HfEngine:
     tmp_path.mkdir(exist_ok=True)
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        sampling={"group_size": GROUP, "max_new_tokens": 6},
-        rollout={"backend": "hf", "hf": hf},
-    )
-    return HfEngine(load_config(config))
+    sampling = {"group_size": GROUP, "max_new_tokens": 6}
+    return HfEngine(run_config(tmp_path, (model_dir, data_dir), sampling=sampling, rollout={"backend": "hf", "hf": hf}))
 
 
 def counting_calls(engine: HfEngine) -> list[int]:

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.modeling import load_model
 from services.rollout.engines import build_engine
 from services.rollout.partial import PartialSample, generate_in_chunks, newest_version
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -44,9 +43,9 @@ def scored(model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> np.n
 def test_a_sample_continued_across_a_weight_load_has_each_tokens_logprob_from_the_version_it_is_tagged_with(
     tiny_model, tmp_path, backend, tolerance
 ):
-    model_dir, data_dir = tiny_model
+    model_dir, _ = tiny_model
     rollout = {"backend": backend, "kv_cache_mib": 48, "inflight_updates": True, "inflight_chunk_tokens": CHUNK}
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, tiny_model, rollout=rollout)
     engine = build_engine(cfg)
     base = load_model(model_dir, "float32").eval()
     moved = load_model(model_dir, "float32").eval()

@@ -5,21 +5,19 @@ trainer's peft policy does; a second version replaces the first rather than addi
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.modeling import load_tokenizer
-from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.rollout.engines import HfEngine, VllmEngine, build_engine
 from services.rollout.follower import PolicyFollower
 from services.trainer.learning.learner import Learner
-from tests.conftest import free_port, write_config
-from tests.rollout.test_vllm_weight_sync import PAIRS, trainer_logprobs, until, wire_bytes
+from tests.support.runs import run_config
+from tests.support.waits import until
+from tests.support.weights import PAIRS, serve_weights, trainer_logprobs, wire_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -60,17 +58,8 @@ def train_adapters(learner: Learner, seed: int) -> None:
 def test_an_adapter_only_sync_makes_the_rollout_score_as_the_trainers_lora_policy(
     tiny_model, tmp_path, backend, mode, served
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            model={"lora": LORA},
-            rollout={"backend": backend, "lora": mode},
-        )
-    )
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model, model={"lora": LORA}, rollout={"backend": backend, "lora": mode})
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pairs = [
@@ -96,11 +85,8 @@ def test_an_adapter_only_sync_makes_the_rollout_score_as_the_trainers_lora_polic
 
     async def follow() -> dict[str, float]:
         weights = WeightSyncServer(snapshots[1])
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"))
+        server, address = await serve_weights(weights)
+        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(address))
         watcher = asyncio.create_task(follower.watch())
         try:
             seen = {"before": await asyncio.to_thread(gap, 1)}

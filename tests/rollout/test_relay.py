@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from services.common.config import RunConfig, load_config
+from services.common.config import RunConfig
 from services.common.pb import weights_pb2_grpc
 from services.common.transport import weight_sync_tls
 from services.common.transport.weightsync.auth import WeightSyncToken
@@ -18,8 +18,10 @@ from services.common.transport.weightsync.server import WeightSyncServer, relay_
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.follower import PolicyFollower
 from services.rollout.service import relays
-from tests.conftest import free_port, write_config
-from tests.trainer.test_admin_transport import self_signed
+from tests.support.runs import run_config
+from tests.support.servers import free_port, self_signed
+from tests.support.waits import until
+from tests.support.weights import wire_bytes
 
 pytestmark = pytest.mark.integration
 
@@ -40,10 +42,6 @@ def model(version: int) -> Snapshot:
     shared = torch.randn(64, 1000)  # tied: sent once, loaded under both names
     tensors = [(f"layer{i}", torch.randn(300_000)) for i in range(4)]  # 1.2 MB each: several chunks
     return Snapshot(version, version, (("embed", shared), *tensors, ("head", shared), ("ids", torch.arange(5))))
-
-
-def wire_bytes(snap: Snapshot) -> int:
-    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in snap.tensors}.values())
 
 
 @pytest.mark.unit
@@ -121,10 +119,17 @@ class Replica:
         await self.server.stop(0)
 
 
-async def until(condition, timeout: float = 10.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
+async def chain_and_sync(weights: WeightSyncServer, replicas: list[Replica], snapshot: Snapshot) -> int:
+    """Starts ``replicas`` one by one (join order is the tree's order), publishes ``snapshot`` and syncs them, the
+    leaf first; the bytes the trainer sent for it (relaying replicas pull as soon as they hear of the version)."""
+    for count, replica in enumerate(replicas, 1):
+        await replica.start()
+        await until(lambda count=count: len(weights.members) == count)
+    before = weights.sent_bytes
+    await weights.publish(snapshot)
+    await until(lambda: all(r.follower.newest == snapshot.version for r in replicas))
+    await asyncio.gather(*(r.follower.sync() for r in reversed(replicas)))
+    return weights.sent_bytes - before
 
 
 def test_a_chain_of_replicas_gets_each_version_out_of_the_trainer_once():
@@ -185,15 +190,9 @@ def test_with_the_runs_token_on_every_port_a_version_still_crosses_the_chain_thr
         server, weights, address = await trainer(model(1), fanout=1, token="run-token")
         replicas = [Replica(address, token="run-token") for _ in range(2)]
         try:
-            for count, replica in enumerate(replicas, 1):
-                await replica.start()
-                await until(lambda count=count: len(weights.members) == count)
-            before = weights.sent_bytes
-            await weights.publish(model(2))
-            await until(lambda: all(r.follower.newest == 2 for r in replicas))
-            await asyncio.gather(*(r.follower.sync() for r in reversed(replicas)))
+            trainer_sent = await chain_and_sync(weights, replicas, model(2))
             return (
-                weights.sent_bytes - before,
+                trainer_sent,
                 [r.follower.last_origin for r in replicas],
                 [r.follower.loaded for r in replicas],
             )
@@ -212,17 +211,12 @@ def test_under_tls_a_version_crosses_the_chain_through_the_relays_and_a_plaintex
     """The relay ports speak TLS with the trainer's certificate (weight_sync.tls_*), checked under the trainer's
     name though each is dialled at 127.0.0.1; a relay that served plaintext would make every peer pull fail and
     fall back to the trainer, which would then send the version twice."""
-    model_dir, data_dir = tiny_model
     cert, key = self_signed(tmp_path)  # names localhost
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            service={"host": "0.0.0.0", "trainer_host": "localhost"},
-            weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        service={"host": "0.0.0.0", "trainer_host": "localhost"},
+        weight_sync={"tls_cert": str(cert), "tls_key": str(key), "tls_ca": str(cert)},
     )
 
     async def scenario():
@@ -231,17 +225,11 @@ def test_under_tls_a_version_crosses_the_chain_through_the_relays_and_a_plaintex
         replicas = [Replica(address, token="run-token", cfg=cfg) for _ in range(3)]
         plaintext = WeightSyncClient(replicas[0].address, token="run-token")
         try:
-            for count, replica in enumerate(replicas, 1):
-                await replica.start()
-                await until(lambda count=count: len(weights.members) == count)
-            before = weights.sent_bytes
-            await weights.publish(model(2))
-            await until(lambda: all(r.follower.newest == 2 for r in replicas))
-            await asyncio.gather(*(r.follower.sync() for r in reversed(replicas)))
+            trainer_sent = await chain_and_sync(weights, replicas, model(2))
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await plaintext.pull(version=2)
             return (
-                weights.sent_bytes - before,
+                trainer_sent,
                 [r.follower.last_origin for r in replicas],
                 [r.follower.loaded for r in replicas],
                 [r.relay.sent_bytes for r in replicas],
@@ -335,13 +323,10 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
 def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_does_not_relay(
     config_only_model, tmp_path
 ):
-    model_dir, data_dir = config_only_model
     cert, key = self_signed(tmp_path)
 
     def rollout_config(**weight_sync: str) -> RunConfig:
-        return load_config(
-            write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", weight_sync=weight_sync)
-        )
+        return run_config(tmp_path, config_only_model, weight_sync=weight_sync)
 
     assert not relays(rollout_config(tls_ca=str(cert)))  # its pulls from the trainer are TLS all the same
     assert relays(rollout_config(tls_ca=str(cert), tls_cert=str(cert), tls_key=str(key)))

@@ -8,14 +8,13 @@ import asyncio
 import numpy as np
 import pytest
 
-from services.common.config import load_config
 from services.common.episodes.environments import StepResult, Task, Turn
 from services.common.episodes.generation import Generation
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, decode
 from services.common.transport.streams import DEAD, ROLLOUTS, stream_name
-from tests.conftest import free_port, write_config
-from tests.rollout.test_engine_outage import RUN_ID, FakeEngine, messages, run_rollout
+from tests.support.bus import stream_messages
+from tests.support.rollout import RUN_ID, FakeEngine, rollout_config, run_rollout
 
 pytestmark = pytest.mark.integration
 
@@ -47,36 +46,21 @@ class TurnEngine(FakeEngine):
 def test_an_environment_that_fails_every_step_ends_episodes_as_env_error_and_dead_letters_no_group(
     tiny_model, tmp_path, nats_url, monkeypatch
 ):
-    model_dir, data_dir = tiny_model
     rollout = {
-        "prompts_per_batch": 2,
-        "weight_relay": False,
         "environment": f"{__name__}:BrokenTool",
         "turn_stop": ["</calc>"],
         # One batch in hand: with two, each lane may fetch one prompt and the engine calls below split in two.
         "episode_batches": 1,
     }
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            run_id=RUN_ID,
-            sampling={"group_size": 2, "max_new_tokens": 4},
-            nats={"url": nats_url, "ack_wait_s": 1, "heartbeat_s": 0.3, "max_deliver": 2, "fetch_timeout_s": 0.3},
-            rollout=rollout,
-            service={"trainer_grpc_port": free_port()},
-        )
-    )
+    cfg = rollout_config(tmp_path, tiny_model, nats_url, **rollout)
     engine = TurnEngine()
 
     async def scenario() -> list[RolloutGroup]:
         async def done(bus: Bus) -> bool:
-            return await messages(bus, ROLLOUTS) == 2
+            return await stream_messages(bus, ROLLOUTS) == 2
 
         bus = await run_rollout(cfg, engine, monkeypatch, done, timeout=60)
-        assert await messages(bus, DEAD) == 0
+        assert await stream_messages(bus, DEAD) == 0
         stream = stream_name(RUN_ID, ROLLOUTS)
         groups = [decode((await bus.js.get_msg(stream, seq=seq)).data, RolloutGroup) for seq in (1, 2)]
         await bus.close()

@@ -3,10 +3,9 @@ its seeds alone, not on the prompts that shared its engine call nor on what the 
 
 import pytest
 
-from services.common.config import load_config
 from services.common.seeding import sampling_seed
 from services.rollout.engines import HfEngine, VllmEngine
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -21,8 +20,7 @@ def drawn(groups) -> list[list[tuple[tuple[int, ...], tuple[float, ...]]]]:
 def test_a_seeded_group_draws_the_same_completions_alone_among_other_prompts_and_turns_and_an_unseeded_one_does_not(
     tiny_model, tmp_path, engine_class
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     engine = engine_class(cfg)
     ids = [engine.tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     n, length = cfg.sampling.group_size, cfg.train.max_seq_len

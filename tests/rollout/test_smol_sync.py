@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.chat import prompt_text
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
@@ -19,9 +18,9 @@ from services.common.transport.messages import Completion, Prompt, RolloutGroup,
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.reference.service import ReferenceScorer
 from services.rollout.engines import VllmEngine
-from tests.conftest import ROOT, write_config
-from tests.rollout.grpc_sync import sync_over_grpc
-from tests.rollout.test_vllm_weight_sync import vllm_response_logprobs
+from tests.support.paths import ROOT
+from tests.support.runs import run_config
+from tests.support.weights import sync_over_grpc, vllm_response_logprobs
 
 pytestmark = pytest.mark.e2e
 
@@ -61,15 +60,7 @@ def gap(got: list[np.ndarray], want: list[np.ndarray]) -> float:
 @pytest.mark.e2e
 def test_smol_weights_synced_into_vllm_score_like_the_trainer_and_the_reference_keeps_the_base(smol_model, tmp_path):
     model_dir, data_dir = smol_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            train={"max_seq_len": 128},
-        )
-    )
+    cfg = run_config(tmp_path, smol_model, train={"max_seq_len": 128})
     tokenizer = load_tokenizer(model_dir)
     rows = load_jsonl(data_dir / "eval.jsonl")[:2]
     assert all("messages" in row for row in rows)

@@ -7,7 +7,6 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
@@ -15,13 +14,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench.mmap_threshold import peak_rss_reset, rss_kib
 from services.common.config import load_config
-from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import HfEngine, VllmEngine
 from services.rollout.follower import PolicyFollower
-from tests.conftest import free_port, write_config
+from tests.support.runs import write_config
+from tests.support.waits import until
+from tests.support.weights import serve_weights
 
 pytestmark = pytest.mark.integration
 
@@ -53,6 +53,33 @@ def many_layer_model(seed: int) -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
+async def catch_up(
+    engine, engine_thread: ThreadPoolExecutor, policies: dict[int, torch.nn.Module], trim: bool = True
+) -> tuple[PolicyFollower, int]:
+    """A replica loads version 1 of ``policies``, misses 2 and 3 while they are published, then syncs straight to 4:
+    its follower, and how many bytes the process's peak RSS grew in that last sync (``trim``: the heap trimmed
+    before it is measured). The first sync is left out of the measure: it also turns the engine's weights, mapped
+    from the safetensors file, into private memory (copy on write), a one-off."""
+    weights = WeightSyncServer(snapshot_of(policies[1], version=1, step=10))
+    server, address = await serve_weights(weights)
+    follower = PolicyFollower(engine, engine_thread, WeightSyncClient(address), buffer_bytes=BUFFER)
+    watcher = asyncio.create_task(follower.watch())
+    await until(lambda: follower.newest == 1, what="version 1 announced")
+    await follower.sync()
+    assert follower.loaded == 1
+    for version in (2, 3, 4):
+        await weights.publish(snapshot_of(policies[version], version=version, step=10 * version))
+    await until(lambda: follower.newest == 4, what="version 4 announced")
+    peak_rss_reset(trim=trim)
+    before = rss_kib("VmRSS")
+    await follower.sync()
+    growth = (rss_kib("VmHWM") - before) << 10
+    watcher.cancel()
+    await follower.client.close()
+    await server.stop(0)
+    return follower, growth
+
+
 def test_replica_behind_catches_up_to_the_newest_with_bounded_memory(tiny_model, tmp_path):
     _, data_dir = tiny_model
     model_dir = tmp_path / "model"
@@ -70,34 +97,7 @@ def test_replica_behind_catches_up_to_the_newest_with_bounded_memory(tiny_model,
     model_bytes = sum(t.numel() * t.element_size() for t in policies[4].state_dict().values())
     assert model_bytes > 90e6
 
-    async def scenario() -> tuple[PolicyFollower, int]:
-        weights = WeightSyncServer(snapshot_of(policies[1], version=1, step=10))
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"), buffer_bytes=BUFFER)
-        watcher = asyncio.create_task(follower.watch())
-        while follower.newest != 1:
-            await asyncio.sleep(0.01)
-        # The first sync also turns the engine's weights, mapped from the safetensors file by transformers,
-        # into private memory (copy on write): a one-off the measured sync below must not count.
-        await follower.sync()
-        assert follower.loaded == 1
-        for version in (2, 3, 4):
-            await weights.publish(snapshot_of(policies[version], version=version, step=10 * version))
-        while follower.newest != 4:
-            await asyncio.sleep(0.01)
-        peak_rss_reset()
-        before = rss_kib("VmRSS")
-        await follower.sync()
-        growth = (rss_kib("VmHWM") - before) << 10
-        watcher.cancel()
-        await follower.client.close()
-        await server.stop(0)
-        return follower, growth
-
-    follower, growth = asyncio.run(scenario())
+    follower, growth = asyncio.run(catch_up(engine, engine_thread, policies))
     assert follower.loaded == 4 and not follower.torn
     live = engine.model.state_dict()
     for name, tensor in policies[4].state_dict().items():
@@ -120,7 +120,7 @@ class CatchUp:
 
 def vllm_replica_catches_up(model_dir: Path, data_dir: Path, tmp: Path) -> CatchUp:
     """A replica that loaded version 1 syncs while 2, 3 and 4 are published; measured in the process it runs in."""
-    from tests.rollout.test_vllm_weight_sync import trainer_logprobs, vllm_response_logprobs
+    from tests.support.weights import trainer_logprobs, vllm_response_logprobs
 
     cfg = load_config(write_config(tmp / "c.yaml", model_dir, data_dir, tmp / "runs"))
     engine_thread = ThreadPoolExecutor(max_workers=1)
@@ -129,34 +129,9 @@ def vllm_replica_catches_up(model_dir: Path, data_dir: Path, tmp: Path) -> Catch
     pairs = [([5, 9, 12, 7], [20, 3, 1]), ([8, 8, 2], [30, 31, 1])]
     expected = trainer_logprobs(policies[4], pairs, pad_id=0)
 
-    async def scenario() -> tuple[PolicyFollower, int]:
-        weights = WeightSyncServer(snapshot_of(policies[1], version=1, step=10))
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"), buffer_bytes=BUFFER)
-        watcher = asyncio.create_task(follower.watch())
-        while follower.newest != 1:
-            await asyncio.sleep(0.01)
-        await follower.sync()  # the first reload's one-off allocations stay out of the measured sync
-        assert follower.loaded == 1
-        for version in (2, 3, 4):
-            await weights.publish(snapshot_of(policies[version], version=version, step=10 * version))
-        while follower.newest != 4:
-            await asyncio.sleep(0.01)
-        # Without trimming: this process also built the trainer's snapshots, whose freed heap a trimmed reload would
-        # fault back in and count, which a rollout's process never holds (see the test's docstring).
-        peak_rss_reset(trim=False)
-        before = rss_kib("VmRSS")
-        await follower.sync()
-        growth = (rss_kib("VmHWM") - before) << 10
-        watcher.cancel()
-        await follower.client.close()
-        await server.stop(0)
-        return follower, growth
-
-    follower, growth = asyncio.run(scenario())
+    # Without trimming: this process also built the trainer's snapshots, whose freed heap a trimmed reload would
+    # fault back in and count, which a rollout's process never holds (see the test's docstring).
+    follower, growth = asyncio.run(catch_up(engine, engine_thread, policies, trim=False))
     got = engine_thread.submit(vllm_response_logprobs, engine, pairs).result()
     return CatchUp(
         loaded=follower.loaded,

@@ -16,7 +16,7 @@ from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.engines import EngineUnavailable
 from services.rollout.follower import PolicyFollower
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -8,28 +8,22 @@ import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
 from services.common.transport.weightsync.snapshot import snapshot_of
 from services.rollout.engines import VllmEngine, vllm_engine_args
-from tests.conftest import write_config
-from tests.rollout.grpc_sync import sync_over_grpc
-from tests.rollout.test_vllm_weight_sync import PAIRS, vllm_response_logprobs
+from tests.support.runs import run_config
+from tests.support.weights import PAIRS, sync_over_grpc, vllm_response_logprobs
 
 pytestmark = pytest.mark.integration
 
 
 def test_memory_share_kv_cache_size_and_dtype_reach_the_running_vllm_engine(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            model={"path": str(model_dir), "dtype": "bfloat16"},
-            rollout={"gpu_memory_utilization": 0.35, "kv_cache_mib": 48},
-        )
+    model_dir, _ = tiny_model
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        model={"path": str(model_dir), "dtype": "bfloat16"},
+        rollout={"gpu_memory_utilization": 0.35, "kv_cache_mib": 48},
     )
     engine = VllmEngine(cfg)
     vllm_config = engine.llm.llm_engine.vllm_config
@@ -45,15 +39,8 @@ def test_a_tensor_parallel_size_and_no_kv_cache_size_reach_vllms_resolved_config
     machine can run, and what the engine is built from."""
     from vllm.engine.arg_utils import EngineArgs
 
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            rollout={"gpu_memory_utilization": 0.6, "tensor_parallel_size": 2, "kv_cache_mib": None},
-        )
+    cfg = run_config(
+        tmp_path, tiny_model, rollout={"gpu_memory_utilization": 0.6, "tensor_parallel_size": 2, "kv_cache_mib": None}
     )
     vllm_config = EngineArgs(**vllm_engine_args(cfg)).create_engine_config()
     assert vllm_config.parallel_config.tensor_parallel_size == 2
@@ -66,10 +53,8 @@ def test_a_tensor_parallel_size_and_no_kv_cache_size_reach_vllms_resolved_config
 def test_a_tensor_parallel_engine_takes_a_weight_sync_into_both_its_workers(tiny_model, tmp_path, monkeypatch):
     """Two CPU workers, each its own process holding half of every layer: the synced weights reach both, so the
     engine then scores as the trainer's model does."""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"tensor_parallel_size": 2})
-    )
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model, rollout={"tensor_parallel_size": 2})
     cpus = sorted(os.sched_getaffinity(0))
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", f"{cpus[0]}|{cpus[-1]}")  # one core per worker
     from vllm import envs

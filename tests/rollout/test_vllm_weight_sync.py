@@ -4,76 +4,38 @@ replica that fell behind skipped the versions in between."""
 
 import asyncio
 import shutil
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
 
-from services.common.config import load_config
-from services.common.model.modeling import load_model, load_tokenizer, pack, response_logits, token_logprobs
-from services.common.pb import weights_pb2_grpc
+from services.common.model.modeling import load_tokenizer
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.server import WeightSyncServer
-from services.common.transport.weightsync.snapshot import Snapshot, snapshot_of
+from services.common.transport.weightsync.snapshot import snapshot_of
 from services.common.transport.weightsync.wire import dtype_named
 from services.rollout.engines import VllmEngine, serving_dtype
 from services.rollout.follower import PolicyFollower
-from tests.conftest import free_port, write_config
+from tests.support.runs import run_config
+from tests.support.waits import until
+from tests.support.weights import (
+    PAIRS,
+    moved_policy,
+    serve_weights,
+    trainer_logprobs,
+    vllm_response_logprobs,
+    wire_bytes,
+)
 
 pytestmark = pytest.mark.integration
-
-PAIRS = [("37+45=", "82"), ("9+9=", "18"), ("50+50=", "100"), ("3+4=", "7")]
-
-
-def vllm_response_logprobs(engine: VllmEngine, pairs: list[tuple[list[int], list[int]]]) -> list[np.ndarray]:
-    from vllm import SamplingParams, TokensPrompt
-
-    prompts = [TokensPrompt(prompt_token_ids=p + r) for p, r in pairs]
-    outputs = engine.llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    scored = []
-    for (prompt, response), out in zip(pairs, outputs, strict=False):
-        per_position = out.prompt_logprobs  # first entry is None: nothing predicts the first token
-        scored.append(np.array([per_position[len(prompt) + j][token].logprob for j, token in enumerate(response)]))
-    return scored
-
-
-def moved_policy(model_dir: Path, seed: int) -> torch.nn.Module:
-    """The base model moved away from what vLLM loaded: a trained policy."""
-    model = load_model(model_dir).eval()
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(0.05 * torch.randn_like(param))
-    return model
-
-
-def trainer_logprobs(model: torch.nn.Module, pairs: list[tuple[list[int], list[int]]], pad_id: int) -> list[np.ndarray]:
-    with torch.no_grad():
-        batch = pack(pairs, pad_id)
-        logprobs = token_logprobs(response_logits(model, batch), batch.targets)
-    return [row[: len(r)].numpy() for row, (_, r) in zip(logprobs, pairs, strict=True)]
-
-
-def wire_bytes(snapshot: Snapshot) -> int:
-    """What one pull of ``snapshot`` carries as stored: every tensor once, tied ones included."""
-    return sum(t.numel() * t.element_size() for t in {id(t): t for _, t in snapshot.tensors}.values())
-
-
-async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
-    async with asyncio.timeout(timeout):
-        while not condition():
-            await asyncio.sleep(0.01)
 
 
 def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
     """Latest wins: a replica that loaded version 5 and fell behind while 6 and 7 were published catches up
     to 7 in one pull, skipping 6, and then scores as the trainer's version 7 does."""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model)
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
     pairs = [
@@ -103,11 +65,8 @@ def test_vllm_logprobs_match_trainer_after_sync(tiny_model, tmp_path):
     async def follow_over_grpc() -> dict:
         # The replica follows the trainer through its watch stream, as a rollout does, and loads version 5.
         weights = WeightSyncServer(snapshots[5])
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(f"127.0.0.1:{port}"))
+        server, address = await serve_weights(weights)
+        follower = PolicyFollower(engine, engine_thread, WeightSyncClient(address))
         watcher = asyncio.create_task(follower.watch())
         try:
             await until(lambda: follower.newest == 5)
@@ -144,10 +103,8 @@ def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_
     a bfloat16 engine started from the trainer's policy does. (Against the trainer's own transformers forward in
     bfloat16 it differs by ~2e-2: the two sum bfloat16 products in different orders; float32 is held to 1e-3
     by the test above.)"""
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", rollout={"dtype": "bfloat16"})
-    )
+    model_dir, _ = tiny_model
+    cfg = run_config(tmp_path, tiny_model, rollout={"dtype": "bfloat16"})
     assert cfg.model.dtype == "float32" and serving_dtype(cfg.model, cfg.rollout) == "bfloat16"
     tokenizer = load_tokenizer(model_dir)
     eos = tokenizer.eos_token_id
@@ -175,11 +132,8 @@ def test_a_bfloat16_rollout_pulls_half_the_bytes_and_then_scores_as_one_started_
 
     async def sync() -> tuple[int, int]:
         weights = WeightSyncServer(snapshot)
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        client = WeightSyncClient(f"127.0.0.1:{port}")
+        server, address = await serve_weights(weights)
+        client = WeightSyncClient(address)
         follower = PolicyFollower(
             engine, engine_thread, client, dtype=dtype_named(serving_dtype(cfg.model, cfg.rollout))
         )

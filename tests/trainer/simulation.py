@@ -538,30 +538,23 @@ def simulated_world(clock: Clock):
         await asyncio.sleep(0)
 
     fake_time = SimpleNamespace(monotonic=clock.monotonic)
-    saved = (
-        intake_module.time,
-        adopter_module.time,
-        lease_module.asyncio,
-        checkpointer_module.yaml,
-        recovery_module.BuildInfo,
-        os.fsync,
-        step_store_module.time,
-    )
-    intake_module.time, adopter_module.time, lease_module.asyncio = fake_time, fake_time, SimpleNamespace(sleep=sleep)
-    checkpointer_module.yaml, recovery_module.BuildInfo, os.fsync = _NoYaml, _Build, lambda fd: None
-    step_store_module.time = SimpleNamespace(sleep=lambda seconds: None, time=time.time)
+    stand_ins = [
+        (intake_module, "time", fake_time),
+        (adopter_module, "time", fake_time),
+        (lease_module, "asyncio", SimpleNamespace(sleep=sleep)),
+        (checkpointer_module, "yaml", _NoYaml),
+        (recovery_module, "BuildInfo", _Build),
+        (os, "fsync", lambda fd: None),
+        (step_store_module, "time", SimpleNamespace(sleep=lambda seconds: None, time=time.time)),
+    ]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in stand_ins]
+    for owner, name, stand_in in stand_ins:
+        setattr(owner, name, stand_in)
     try:
         yield
     finally:
-        (
-            intake_module.time,
-            adopter_module.time,
-            lease_module.asyncio,
-            checkpointer_module.yaml,
-            recovery_module.BuildInfo,
-            os.fsync,
-            step_store_module.time,
-        ) = saved
+        for owner, name, original in saved:
+            setattr(owner, name, original)
 
 
 @contextlib.contextmanager

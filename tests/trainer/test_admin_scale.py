@@ -19,7 +19,8 @@ from services.common.transport.scale import read_scale
 from services.trainer.admin import AdminServicer
 from services.trainer.control import RunState
 from services.trainer.role import start_admin_server
-from tests.conftest import RLPIPE, ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE, config_file
 
 pytestmark = pytest.mark.integration
 TOKEN = "scale-token"
@@ -70,7 +71,7 @@ async def serving(cfg: RunConfig, nats_url: str, call, services: Services | None
 @pytest.fixture
 def config(config_only_model, tmp_path, monkeypatch):
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", TOKEN)
-    return write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="scale", admin={"port": 0})
+    return config_file(tmp_path, config_only_model, run_id="scale", admin={"port": 0})
 
 
 def test_a_local_run_stores_the_count_for_its_launcher_and_refuses_bad_requests_naming_why(config, nats_url):

@@ -9,12 +9,11 @@ import os
 import grpc
 import pytest
 
-from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer
 from services.trainer.role import start_admin_server
-from tests.conftest import write_config
-from tests.trainer.test_admin_transport import StatusOnly
+from tests.support.runs import run_config
+from tests.support.trainer import StatusOnly
 
 pytestmark = pytest.mark.integration
 
@@ -23,16 +22,7 @@ def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tm
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
     token_file = tmp_path / "admin.token"
     token_file.write_text("first-token\n")
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            admin={"port": 0, "token_file": str(token_file)},
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, admin={"port": 0, "token_file": str(token_file)})
 
     async def status_code(admin: admin_pb2_grpc.AdminStub, token: str) -> grpc.StatusCode:
         try:
@@ -80,8 +70,7 @@ def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tm
 
 def test_no_token_anywhere_refuses_to_start_the_admin_port(tiny_model, tmp_path, monkeypatch):
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", admin={"port": 0}))
+    cfg = run_config(tmp_path, tiny_model, admin={"port": 0})
     servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
 
     with pytest.raises(ValueError, match="no admin token"):

@@ -3,68 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-import datetime
 import subprocess
 import sys
-from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import load_config
 from services.common.pb import admin_pb2, admin_pb2_grpc
 from services.trainer.admin import AdminServicer, SourceAllowlist, peer_address
 from services.trainer.role import start_admin_server
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
+from tests.support.servers import self_signed
+from tests.support.trainer import StatusOnly
 
 pytestmark = pytest.mark.integration
 
 
-class StatusOnly:
-    """Stands in for the trainer's status reporter: this test is about who gets through, not what they get."""
-
-    async def status(self) -> admin_pb2.Status:
-        return admin_pb2.Status(run_id="tls", state="running", step=7)
-
-
-def self_signed(folder: Path) -> tuple[Path, Path]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost")]), critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_path, key_path = folder / "admin.crt", folder / "admin.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path
-
-
 def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp_path, monkeypatch):
-    model_dir, data_dir = tiny_model
     cert, key = self_signed(tmp_path)
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         service={"host": "localhost"},
         admin={"port": 0, "tls_cert": str(cert), "tls_key": str(key)},
     )
@@ -103,8 +66,7 @@ def test_tls_admin_needs_the_token_and_answers_health_without_it(tiny_model, tmp
 
 
 def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     env = {"PATH": "/usr/bin:/bin"}
     done = subprocess.run(
         [sys.executable, "-m", "services.trainer", "--config", str(config)],
@@ -121,19 +83,13 @@ def test_a_trainer_without_a_token_refuses_to_start(tiny_model, tmp_path):
 def test_an_admin_call_from_outside_the_allowed_sources_is_refused_whatever_token_it_carries(
     config_only_model, tmp_path, monkeypatch
 ):
-    model_dir, data_dir = config_only_model
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
     token = [("authorization", "Bearer s3cret")]
 
     async def calls_from_loopback(allowed: list[str]) -> list[grpc.StatusCode]:
         """GetStatus with the token, GetStatus without it and a health check, each over a real socket from 127.0.0.1."""
-        config = write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            service={"host": "0.0.0.0"},
-            admin={"port": 0, "allowed_sources": allowed},
+        config = config_file(
+            tmp_path, config_only_model, service={"host": "0.0.0.0"}, admin={"port": 0, "allowed_sources": allowed}
         )
         servicer = AdminServicer(control=None, status=StatusOnly(), live=None, recovery=None)
         server, address = await start_admin_server(load_config(config), servicer)

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from services.common.observe import metrics as m
-from tests.conftest import run_pipeline, write_config
+from tests.support.runs import config_file, run_pipeline
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
@@ -44,12 +44,9 @@ HELDOUT_STEPS = 30
     ],
 )
 def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id=algorithm,
         train={"algorithm": algorithm, "total_steps": 3, "batch_size": 8, "learning_rate": 1e-5, **train},
         data={"eval_every_steps": 0, "eval_size": 50},
@@ -79,12 +76,9 @@ def test_algorithm_runs_end_to_end(tiny_model, tmp_path, algorithm, train):
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_training_improves_heldout_accuracy(tiny_model, tmp_path, algorithm):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id=f"learn-{algorithm}",
         sampling={"group_size": 8, "max_new_tokens": 6},
         train={

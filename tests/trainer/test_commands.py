@@ -1,7 +1,6 @@
 """Operator commands run between steps, each once, and never after its caller has gone; holds survive restarts."""
 
 import asyncio
-from typing import Any
 
 import pytest
 
@@ -10,21 +9,9 @@ from services.common.observe.records import read_events
 from services.common.transport.live_config import Hold, HoldSource
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
+from tests.support.trainer import Holds
 
 pytestmark = pytest.mark.unit
-
-
-class Holds:
-    """The run's config bucket as Control sees it: where a pause or stop is kept across restarts."""
-
-    def __init__(self) -> None:
-        self.stored: dict[str, Any] = {}
-
-    async def put_control(self, control: dict[str, Any]) -> None:
-        self.stored = control
-
-    async def get_control(self) -> dict[str, Any]:
-        return self.stored
 
 
 def test_a_command_whose_caller_gave_up_is_skipped_and_the_rest_run_in_order(tmp_path):

@@ -13,7 +13,7 @@ from services.common.episodes.observations import VerbatimObservations
 from services.trainer.episode_eval import EpisodeEvaluation, RuleReward, play
 from services.trainer.learning.distributed import Op
 from services.trainer.learning.follower import evaluate_payload, follow
-from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
+from tests.support.episodes import CharTokenizer, ScriptedEngine
 
 pytestmark = pytest.mark.unit
 

@@ -8,8 +8,8 @@ from services.common.model.datasets import load_jsonl
 from services.common.model.evaluation import greedy_accuracy, greedy_generate
 from services.common.model.modeling import load_model, load_tokenizer
 from services.trainer.episode_eval import evaluate_episodes, greedy_turns
-from tests.common.model.padless import without_pad_token
-from tests.conftest import write_config
+from tests.support.padless import without_pad_token
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
@@ -39,12 +39,10 @@ def test_a_rows_greedy_turn_in_a_left_padded_batch_is_its_turn_alone(model_and_r
 
 def test_a_model_that_never_calls_the_tool_scores_as_the_single_turn_evaluation(model_and_rows, tiny_model, tmp_path):
     model, tokenizer, rows = model_and_rows
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "run.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
+        "run.yaml",
         rollout={"environment": "calculator", "turn_stop": ["</calc>"], "max_turns": 3, "max_tokens_per_turn": 6},
         reward={"functions": {"final_number": 1.0}},
     )

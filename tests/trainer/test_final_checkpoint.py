@@ -11,14 +11,13 @@ import asyncio
 
 import pytest
 
-from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.observe.metrics import check_row
 from services.common.observe.records import read_metrics
 from services.common.transport.streams import EXPERIENCE
-from tests.conftest import write_config
-from tests.trainer.intake.test_reader_bus import experience
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.messages import experience_group
+from tests.support.runs import run_config
+from tests.support.trainer import start_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -28,7 +27,9 @@ async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
     published: set[str] = set()
     while not done.done():
         for group_id in sorted(set(trainer.ledger.in_flight) - published):
-            group = experience(group_id, trainer.progress.version, trainer.progress.incarnation)
+            group = experience_group(
+                group_id, [1.0], policy_version=trainer.progress.version, incarnation=trainer.progress.incarnation
+            )
             await trainer.bus.publish(EXPERIENCE, group, msg_id=f"{group_id}.experience")
             published.add(group_id)
         await asyncio.sleep(0.05)
@@ -36,18 +37,13 @@ async def _stand_in_for_the_stages(trainer, done: asyncio.Task) -> None:
 
 @pytest.mark.parametrize(("total_steps", "saved"), [(2, [2]), (3, [2, 3])])
 def test_the_last_step_is_saved_once_with_the_final_evaluation(tiny_model, tmp_path, nats_url, total_steps, saved):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            data={"eval_size": 4, "shuffle": False},
-            train={"total_steps": total_steps, "batch_size": 2},
-            checkpoint={"save_every_steps": 2, "keep_last": 5},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        nats={"url": nats_url},
+        data={"eval_size": 4, "shuffle": False},
+        train={"total_steps": total_steps, "batch_size": 2},
+        checkpoint={"save_every_steps": 2, "keep_last": 5},
     )
 
     async def scenario() -> None:

@@ -2,13 +2,9 @@
 lease (SIGSTOP) that wakes after a successor took over stops without writing anything to the checkpoint store."""
 
 import asyncio
-import json
 import logging
 import os
 import signal
-import subprocess
-import sys
-import threading
 import time
 
 import nats
@@ -23,13 +19,12 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.lease import Lease, LeaseLost
-from tests.conftest import ROOT, write_config
-from tests.trainer.checkpointing.test_store import checkpoint, stored_objects
+from tests.support.runs import config_file
+from tests.support.trainer import TrainerProcess, checkpoint, stored_objects
 
 pytestmark = pytest.mark.integration
 
 TTL_S = 3.0
-START_TIMEOUT_S = 180.0
 
 
 def test_a_second_lease_is_refused_while_the_first_is_renewed_and_taken_at_a_higher_epoch_once_it_lapses(
@@ -180,73 +175,21 @@ def test_a_restarted_trainer_takes_its_reaped_predecessor_s_lease_at_once_at_a_h
     asyncio.run(scenario())
 
 
-class Trainer:
-    """A real trainer process and the events it logs."""
-
-    def __init__(self, config, nats_url: str, **settings: str):
-        """``settings``: more of its environment (``RLPIPE_CHECKPOINT__RESUME``, the store's credentials)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RLPIPE_")}
-        env |= {
-            "OMP_NUM_THREADS": "1",
-            "RLPIPE_NATS__URL": nats_url,
-            "RLPIPE_ADMIN_TOKEN": "s3cret",
-            "RLPIPE_SERVICE__TRAINER_GRPC_PORT": "0",
-            "RLPIPE_ADMIN__PORT": "0",
-            **settings,
-        }
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "services.trainer", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        self.events: list[dict] = []
-        self.output: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.process.stdout:
-            self.output.append(line)
-            if line.startswith("{"):
-                self.events.append(json.loads(line))
-
-    def event(self, name: str) -> dict | None:
-        return next((e for e in list(self.events) if e.get("event") == name), None)
-
-    def wait_event(self, name: str) -> dict:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while (found := self.event(name)) is None:
-            assert self.process.poll() is None, "".join(self.output)[-4000:]
-            assert time.monotonic() < deadline, f"no {name} event: " + "".join(self.output)[-4000:]
-            time.sleep(0.2)
-        return found
-
-    def wait_exit(self) -> int:
-        code = self.process.wait(timeout=START_TIMEOUT_S)
-        time.sleep(0.5)  # the reader thread takes the last lines
-        return code
-
-
 def test_a_second_trainer_is_refused_and_a_sigstopped_holder_woken_after_a_takeover_stops_writing_nothing(
     tiny_model, tmp_path, nats_url
 ):
-    model_dir, data_dir = tiny_model
     # The checkpoint store apart from the run directory, where both trainers (on one machine) log their metrics.
     stored = {"store_url": f"file://{tmp_path / 'store'}"}
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"lease_ttl_s": TTL_S}, checkpoint=stored
-    )
+    config = config_file(tmp_path, tiny_model, trainer={"lease_ttl_s": TTL_S}, checkpoint=stored)
     cfg = load_config(config)
     store = CheckpointStore(open_store(cfg.checkpoint_url, cfg.checkpoint), cfg.run_id, cfg.checkpoint.keep_last)
-    holder = Trainer(config, nats_url)
+    holder = TrainerProcess(config, nats_url)
     started = []
     try:
         holder.wait_event("ready")
         assert holder.event("lease_acquired")["epoch"] == 1
 
-        second = Trainer(config, nats_url)
+        second = TrainerProcess(config, nats_url)
         started.append(second)
         assert second.wait_exit() == EXIT_REFUSED
         refusal = second.event("start_refused")["error"]
@@ -256,7 +199,7 @@ def test_a_second_trainer_is_refused_and_a_sigstopped_holder_woken_after_a_takeo
 
         os.kill(holder.process.pid, signal.SIGSTOP)
         time.sleep(TTL_S + 1.0)  # past its lease: it cannot renew while stopped
-        successor = Trainer(config, nats_url)
+        successor = TrainerProcess(config, nats_url)
         started.append(successor)
         successor.wait_event("ready")
         assert successor.event("lease_acquired")["epoch"] == 2

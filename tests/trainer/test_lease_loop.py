@@ -14,14 +14,12 @@ import time
 
 import pytest
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.transport.lease_bucket import open_bucket
 from services.trainer.intake.reader import Collected
 from services.trainer.lease import Lease, LeaseLost
-from tests.conftest import write_config
-from tests.trainer.learning.test_learner import experience
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.runs import run_config
+from tests.support.trainer import experience, start_trainer
 
 pytestmark = pytest.mark.integration
 
@@ -29,17 +27,8 @@ TTL_S = 1.5  # renewed every 0.5 s
 
 
 def test_a_snapshot_twice_the_lease_ttl_keeps_the_lease_and_the_save_completes(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            data={"eval_path": None},
-        )
-    )
+    _, data_dir = tiny_model
+    cfg = run_config(tmp_path, tiny_model, nats={"url": nats_url}, data={"eval_path": None})
     groups = experience(cfg, load_jsonl(data_dir / "train.jsonl")[:4])
 
     async def scenario() -> None:

@@ -9,13 +9,10 @@ from __future__ import annotations
 
 import asyncio
 
-import grpc
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
-from services.common.pb import weights_pb2_grpc
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import LiveConfig
 from services.common.transport.weightsync.client import WeightSyncClient
@@ -24,8 +21,10 @@ from services.common.transport.weightsync.snapshot import Snapshot
 from services.trainer.intake.reader import Collected
 from services.trainer.learning.learner import Learner
 from services.trainer.service import Trainer
-from tests.conftest import create_run_state, free_port, write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.runs import run_config
+from tests.support.servers import create_run_state
+from tests.support.trainer import experience
+from tests.support.weights import serve_weights
 
 pytestmark = pytest.mark.integration
 
@@ -52,17 +51,8 @@ def weights_now(learner: Learner) -> dict[str, torch.Tensor]:
 
 
 def test_a_slow_offer_holds_no_step_and_each_version_pulled_is_its_own_steps_weights(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            data={"eval_path": None},
-        )
-    )
+    _, data_dir = tiny_model
+    cfg = run_config(tmp_path, tiny_model, nats={"url": nats_url}, data={"eval_path": None})
     groups = experience(cfg, load_jsonl(data_dir / "train.jsonl")[:4])
 
     async def scenario() -> None:
@@ -73,11 +63,8 @@ def test_a_slow_offer_holds_no_step_and_each_version_pulled_is_its_own_steps_wei
         weights = GatedServer(learner.snapshot(version=0, step=0))
         trainer = Trainer(cfg, bus, learner, weights, live)
         await trainer.prepare()
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(weights, server)
-        port = server.add_insecure_port(f"127.0.0.1:{free_port()}")
-        await server.start()
-        client = WeightSyncClient(f"127.0.0.1:{port}")
+        server, address = await serve_weights(weights)
+        client = WeightSyncClient(address)
         publisher = trainer.recovery.publisher
         try:
             await trainer.train_step(Collected(batch=groups, dropped=[], sequence=4))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,7 +14,7 @@ from services.common.config import AlertRule, AlertsConfig, CheckpointConfig
 from services.common.observe.events import Event, EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.records import read_jsonl
-from services.common.observe.trackers import TrackerEntry, TrackerFanout
+from services.common.observe.trackers import TrackerFanout
 from services.common.transport.live_config import Hold
 from services.common.transport.storage import open_store
 from services.trainer.alerts import AlertEvaluator
@@ -24,7 +23,7 @@ from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.control import Control, RunState
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
-from tests.trainer.test_commands import Holds
+from tests.support.trainer import Holds, StuckTracker
 
 pytestmark = pytest.mark.unit
 
@@ -107,23 +106,6 @@ def test_a_rollback_that_fails_pauses_the_run_with_the_reason(tmp_path):
         assert Hold.of_record(control.holds.stored).outlives_resume  # rlpipe run --resume leaves it for an operator
 
     asyncio.run(scenario())
-
-
-class StuckTracker:
-    """A tracker whose ``log`` blocks until released, like a hung tracking server."""
-
-    def __init__(self) -> None:
-        self.entered = threading.Event()
-        self.release = threading.Event()
-        self.steps: list[int] = []
-
-    def log(self, entry: TrackerEntry) -> None:
-        self.entered.set()
-        assert self.release.wait(10)
-        self.steps.append(entry.step)
-
-    def close(self) -> None:
-        pass
 
 
 def test_a_metrics_row_is_handed_over_while_a_tracker_is_still_blocked_and_reaches_file_and_tracker_at_close(

@@ -13,16 +13,12 @@ import time
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.timeshare import StepPhase, TimeShare
 from services.common.observe.trackers import TrackerFanout
 from services.trainer.control import RunState
 from services.trainer.intake.reader import Collected
-from tests.conftest import write_config
-from tests.trainer.learning.test_learner import experience, with_nan
-from tests.trainer.test_responder import StuckTracker
-from tests.trainer.test_trainer_health import start_trainer
+from tests.support.trainer import StuckTracker, experience, start_trainer, trainer_config, with_nan
 
 pytestmark = pytest.mark.integration
 
@@ -30,19 +26,7 @@ pytestmark = pytest.mark.integration
 @pytest.fixture
 def cfg(tiny_model, tmp_path, nats_url, monkeypatch):
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    model_dir, data_dir = tiny_model
-    return load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            service={"trainer_grpc_port": 0},
-            admin={"port": 0},
-            data={"eval_path": None},
-        )
-    )
+    return trainer_config(tmp_path, tiny_model, nats_url)
 
 
 def events(cfg, kind: str) -> list[dict]:

@@ -7,8 +7,8 @@ import signal
 import pytest
 
 from services.common.service import EXIT_REFUSED
-from tests.conftest import write_config
-from tests.trainer.test_lease_bus import Trainer
+from tests.support.runs import config_file
+from tests.support.trainer import TrainerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -20,11 +20,9 @@ def test_a_trainer_restarted_while_its_store_is_down_waits_for_it_and_a_fresh_st
 ):
     """Before, the start-up check's probe failed the restart with exit 2 (which the launcher never restarts), so a
     passing store outage at a trainer's restart ended the run before the resume's wait could hold it."""
-    model_dir, data_dir = tiny_model
-    checkpoint = s3.checkpoint(resume_wait_s=300)
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+    config = config_file(tmp_path, tiny_model, checkpoint=s3.checkpoint(resume_wait_s=300))
     s3.stop()
-    restarted = Trainer(config, nats_url, RLPIPE_CHECKPOINT__RESUME="true", **S3_KEYS)
+    restarted = TrainerProcess(config, nats_url, RLPIPE_CHECKPOINT__RESUME="true", **S3_KEYS)
     try:
         waiting = restarted.wait_event("resume_waiting")
         assert "cannot read the lease fence" in waiting["error"] and waiting["alert"] is True
@@ -38,7 +36,7 @@ def test_a_trainer_restarted_while_its_store_is_down_waits_for_it_and_a_fresh_st
             restarted.process.kill()
 
     s3.stop()  # a first start against a store never reached: the endpoint is most likely wrong
-    fresh = Trainer(config, nats_url, RLPIPE_CHECKPOINT__RESUME="false", **S3_KEYS)
+    fresh = TrainerProcess(config, nats_url, RLPIPE_CHECKPOINT__RESUME="false", **S3_KEYS)
     assert fresh.wait_exit() == EXIT_REFUSED
     said = "".join(fresh.output)
     assert "storage: s3://ckpt/prefix: write failed:" in said and "never reached at a fresh start" in said

@@ -7,10 +7,9 @@ import time
 
 import pytest
 
-from services.common.config import BuildInfo, load_config
+from services.common.config import BuildInfo
 from services.common.observe.events import EventLog, Journal
 from services.common.transport.bus import Bus
-from services.common.transport.messages import Prompt
 from services.common.transport.presence import SeenService
 from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
@@ -18,18 +17,15 @@ from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
 from services.trainer.status import ROLE_STARTUP_GRACE_S, StatusReporter
-from tests.conftest import write_config
-from tests.trainer.intake.test_reader_bus import experience
-from tests.trainer.test_commands import Holds
+from tests.support.messages import experience_group, prompt
+from tests.support.runs import run_config
+from tests.support.trainer import Holds
 
 pytestmark = pytest.mark.integration
 
 
 def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="st", nats={"url": nats_url})
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="st", nats={"url": nats_url})
 
     async def store_down() -> list[dict]:
         raise ConnectionError("minio unreachable")
@@ -38,9 +34,9 @@ def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(
         bus = await Bus(cfg, "trainer").connect()
         await bus.work_queue(PROMPTS)  # the rollout role's durable consumer, as a rollout would create it
         for i in range(3):
-            await bus.publish(PROMPTS, Prompt(group_id=f"g{i}", prompt_id=f"g{i}", prompt="1+1=", answer="2"), f"p{i}")
+            await bus.publish(PROMPTS, prompt(f"g{i}"), f"p{i}")
         for i in range(5):
-            await bus.publish(EXPERIENCE, experience(f"x{i}"), msg_id=f"x{i}")
+            await bus.publish(EXPERIENCE, experience_group(f"x{i}"), msg_id=f"x{i}")
         progress = Progress(step=4, version=6, applied_seq=2)
         control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), progress)
         await control.pause("looking at KL")
@@ -67,8 +63,7 @@ def test_status_reports_lag_state_in_flight_and_a_checkpoint_store_that_is_down(
 
 
 def test_a_role_that_never_registered_counts_as_down_only_after_the_start_up_grace(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     settings = type("Settings", (), {"cfg": cfg, "version": 0})()
     progress = Progress()
 

@@ -12,35 +12,20 @@ import asyncio
 import pytest
 
 from services.cli.healthcheck import check
-from services.common.config import ConfigError, RunConfig, load_config
+from services.common.config import ConfigError, load_config
 from services.common.pb import weights_pb2_grpc
 from services.common.service import start_grpc_server, watch_progress
-from services.common.transport.bus import Bus
-from services.common.transport.live_config import LiveConfig
 from services.common.transport.presence import Presence
-from services.common.transport.weightsync.server import WeightSyncServer
 from services.trainer.admin import AdminServicer
-from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.role import start_admin_server
-from services.trainer.service import Trainer
-from tests.conftest import create_run_state, write_config
+from tests.support.runs import config_file
+from tests.support.trainer import start_trainer, trainer_config
 
 pytestmark = pytest.mark.integration
 
 # Shrunk from train.stall_bound_s (at least 60 s in a config) so the test need not wait minutes.
 BOUND_S = 3.0
-
-
-async def start_trainer(cfg: RunConfig) -> Trainer:
-    """A trainer as ``lead`` wires it (its run's streams and buckets created, its checkpoint adopted), not running."""
-    await create_run_state(cfg)
-    bus = await Bus(cfg, "trainer").connect()
-    live = await LiveConfig(cfg, bus.js).start()
-    learner = Learner(cfg)
-    trainer = Trainer(cfg, bus, learner, WeightSyncServer(learner.snapshot(version=0, step=0)), live)
-    await trainer.prepare()
-    return trainer
 
 
 async def _health(addresses: list[str]) -> list[str | None]:
@@ -61,19 +46,7 @@ def test_the_trainer_reports_not_serving_while_its_loop_is_stuck_and_serving_whe
     tiny_model, tmp_path, nats_url, monkeypatch
 ):
     monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "s3cret")
-    model_dir, data_dir = tiny_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            nats={"url": nats_url},
-            service={"trainer_grpc_port": 0},
-            admin={"port": 0},
-            data={"eval_path": None},
-        )
-    )
+    cfg = trainer_config(tmp_path, tiny_model, nats_url)
 
     async def scenario() -> None:
         trainer = await start_trainer(cfg)
@@ -132,7 +105,6 @@ def test_the_heartbeat_counts_stalled_seconds_only_past_its_bound():
 
 
 def test_a_stall_bound_below_a_minute_is_refused_naming_the_field(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"stall_bound_s": 5})
+    config = config_file(tmp_path, tiny_model, train={"stall_bound_s": 5})
     with pytest.raises(ConfigError, match=r"train\.stall_bound_s"):
         load_config(config)

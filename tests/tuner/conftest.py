@@ -21,7 +21,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 
 def postgres_bin(name: str) -> str:

@@ -13,20 +13,17 @@ import pytest
 from services.tuner.records import TrialStart, records, save
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
-from tests.conftest import ROOT, write_config
-from tests.tuner.test_tune import TUNE, alive, tune_file
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
+from tests.support.tuner import TUNE, alive, runnable_tune_file
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(
-        tmp_path / "base.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 1},
+    return config_file(
+        tmp_path, tiny_model, "base.yaml", rollout={"backend": "hf", "prompts_per_batch": 16}, train={"total_steps": 1}
     )
 
 
@@ -37,7 +34,7 @@ ONE_STEP = {"max_steps": 1, "max_wall_s": 300, "stop_grace_s": 10, "poll_s": 0.2
 @pytest.mark.e2e
 def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budget(tmp_path, base, postgres_url):
     # The tune file names no storage: the one setting the deploy profiles use does (RLPIPE_TUNE_STORAGE).
-    path = tune_file(tmp_path, base, study="two-workers", budget={"max_trials": 4}, trial=ONE_STEP)
+    path = runnable_tune_file(tmp_path, base, study="two-workers", budget={"max_trials": 4}, trial=ONE_STEP)
     env = {**os.environ, "RLPIPE_TUNE_STORAGE": postgres_url}
     workers = [
         subprocess.Popen(
@@ -79,7 +76,7 @@ def test_two_workers_on_one_postgresql_study_run_disjoint_trials_within_its_budg
 @pytest.mark.integration
 def test_a_trial_whose_worker_stopped_its_heartbeat_is_failed_by_the_next_worker(tmp_path, base, postgres_url):
     spec, cfg = load_tune_file(
-        tune_file(
+        runnable_tune_file(
             tmp_path,
             base,
             study="stale",
@@ -98,7 +95,7 @@ def test_a_trial_whose_worker_stopped_its_heartbeat_is_failed_by_the_next_worker
 
     here = Tuner(spec, cfg)
     assert here.stop_reason() == "budget.max_trials (1) reached"  # the running trial holds the budget's one trial
-    time.sleep(3)  # past parallel.stale_after_s without a heartbeat
+    time.sleep(3)  # the time passing is the condition: past parallel.stale_after_s without a heartbeat
     assert here.run() == "budget.max_trials (1) reached"
 
     (failed,) = records(here.study)
@@ -112,7 +109,9 @@ def test_a_trial_whose_worker_stopped_its_heartbeat_is_failed_by_the_next_worker
 @pytest.mark.e2e
 def test_device_slots_run_trials_concurrently_each_on_its_own_cuda_visible_devices(tmp_path, base):
     spec, cfg = load_tune_file(
-        tune_file(tmp_path, base, budget={"max_trials": 2}, trial=ONE_STEP, parallel={"device_slots": ["0", "1"]})
+        runnable_tune_file(
+            tmp_path, base, budget={"max_trials": 2}, trial=ONE_STEP, parallel={"device_slots": ["0", "1"]}
+        )
     )
     tuner = Tuner(spec, cfg)
     assert tuner.run() == "budget.max_trials (2) reached"

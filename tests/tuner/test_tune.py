@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,26 +17,20 @@ import pytest
 
 from services.common.config import load_config
 from services.common.observe.usage import USAGE_FILE, run_quantities
-from services.tuner.procs import group_members
 from services.tuner.records import TrialRecord, records
 from services.tuner.study import Tuner, open_storage, open_study
 from services.tuner.tune_file import load_tune_file
-from tests.conftest import ROOT, write_config
-from tests.tuner.test_tune_file import tune_file as any_tune_file
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
+from tests.support.tuner import TUNE, alive, runnable_tune_file
 
 pytestmark = pytest.mark.integration
-
-TUNE = [sys.executable, "-m", "services.cli", "tune"]
 
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(
-        tmp_path / "base.yaml",
-        *tiny_model,
-        tmp_path / "runs",
-        rollout={"backend": "hf", "prompts_per_batch": 16},
-        train={"total_steps": 2},
+    return config_file(
+        tmp_path, tiny_model, "base.yaml", rollout={"backend": "hf", "prompts_per_batch": 16}, train={"total_steps": 2}
     )
 
 
@@ -46,32 +39,18 @@ ENDLESS_STEPS = 100_000
 
 def endless_base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
     """A base config whose runs have steps for far longer than any test waits: its trials end at their limits."""
-    return write_config(
-        tmp_path / "endless.yaml",
-        *tiny_model,
-        tmp_path / "runs",
+    return config_file(
+        tmp_path,
+        tiny_model,
+        "endless.yaml",
         rollout={"backend": "hf", "prompts_per_batch": 16},
         train={"total_steps": ENDLESS_STEPS},
     )
 
 
-def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
-    """A tune file whose trials run: two steps each, scored on the final evaluation, none pruned."""
-    runnable = {
-        "objective": {"metric": "eval_accuracy", "reduce": "final", "direction": "maximize"},
-        "pruner": {"kind": "none"},
-        "trial": {"max_steps": 2, "max_wall_s": 300, "stop_grace_s": 10, "poll_s": 0.2},
-    }
-    return any_tune_file(tmp_path, base, **{**runnable, **fields})
-
-
 def study_records(path: Path) -> list[TrialRecord]:
     spec, _ = load_tune_file(path)
     return records(open_study(spec, open_storage(spec)))
-
-
-def alive(pgid: int | None) -> list[int]:
-    return [m.pid for m in group_members(pgid)] if pgid else []
 
 
 def broken_model(tmp_path: Path) -> Path:
@@ -84,7 +63,7 @@ def broken_model(tmp_path: Path) -> Path:
 
 def test_a_trial_that_crashes_is_failed_and_the_study_goes_on_to_a_complete_one(tmp_path, base, tiny_model):
     broken, good = str(broken_model(tmp_path)), str(tiny_model[0])
-    path = tune_file(
+    path = runnable_tune_file(
         tmp_path,
         base,
         space={"model.path": {"type": "categorical", "choices": [broken, good]}},
@@ -136,7 +115,7 @@ def test_a_trial_past_its_time_limit_is_a_timeout_and_the_study_goes_on(tmp_path
     # However fast the machine, no trial ends on its own within 6 s.
     trial = {"max_steps": None, "max_wall_s": 6, "stop_grace_s": 5, "poll_s": 0.2}
     spec, cfg = load_tune_file(
-        tune_file(tmp_path, endless_base(tmp_path, tiny_model), budget={"max_trials": 2}, trial=trial)
+        runnable_tune_file(tmp_path, endless_base(tmp_path, tiny_model), budget={"max_trials": 2}, trial=trial)
     )
     tuner = Tuner(spec, cfg)
     assert tuner.run() == "budget.max_trials (2) reached"
@@ -150,7 +129,7 @@ def test_a_trial_past_its_time_limit_is_a_timeout_and_the_study_goes_on(tmp_path
 
 
 def test_a_trial_past_its_memory_limit_is_oom_infeasible_and_the_study_goes_on(tmp_path, base):
-    spec, cfg = load_tune_file(tune_file(tmp_path, base, budget={"max_trials": 2}, trial={"max_rss_gb": 0.25}))
+    spec, cfg = load_tune_file(runnable_tune_file(tmp_path, base, budget={"max_trials": 2}, trial={"max_rss_gb": 0.25}))
     tuner = Tuner(spec, cfg)
     assert tuner.run() == "budget.max_trials (2) reached"
     found = records(tuner.study)
@@ -167,7 +146,7 @@ def test_the_tuner_killed_mid_trial_and_restarted_keeps_finished_trials_and_leav
     # Every trial ends at its time limit (it has steps for far longer), so each takes a known time; trial 1 is the
     # one the tuner dies in. The limit is the window in which the poll below must see trial 1 under way: on a
     # loaded host (another test worker beside this one) its start alone took most of 12 s, so the window is 20 s.
-    path = tune_file(
+    path = runnable_tune_file(
         tmp_path,
         endless_base(tmp_path, tiny_model),
         budget={"max_trials": 3},

@@ -12,27 +12,16 @@ import yaml
 from services.common.config import load_config
 from services.tuner.spec import TuneFileError
 from services.tuner.tune_file import load_tune_file, trial_config_data
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
+from tests.support.tuner import tune_file
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
 def base(tmp_path: Path, tiny_model: tuple[Path, Path]) -> Path:
-    return write_config(tmp_path / "base.yaml", *tiny_model, tmp_path / "runs")
-
-
-def tune_file(tmp_path: Path, base: Path, **fields) -> Path:
-    data = {
-        "study": "s",
-        "base_config": str(base),
-        "workdir": str(tmp_path / "tune"),
-        "space": {"train.learning_rate": {"type": "float", "low": 1e-4, "high": 1e-2, "log": True}},
-        **fields,
-    }
-    path = tmp_path / "tune.yaml"
-    path.write_text(yaml.safe_dump(data))
-    return path
+    return config_file(tmp_path, tiny_model, "base.yaml")
 
 
 @pytest.mark.parametrize(
@@ -127,9 +116,7 @@ def test_a_bad_tune_file_is_refused_naming_the_key(tmp_path, base, fields, expec
 
 
 def test_a_priced_base_config_may_tune_for_cost_per_accuracy_point(tmp_path, tiny_model):
-    priced = write_config(
-        tmp_path / "priced.yaml", *tiny_model, tmp_path / "runs", cost={"per_device_hour": {"cpu-core": 0.04}}
-    )
+    priced = config_file(tmp_path, tiny_model, "priced.yaml", cost={"per_device_hour": {"cpu-core": 0.04}})
     objective = {"metric": "usage.cost_per_accuracy_point", "direction": "minimize"}
     spec, base = load_tune_file(tune_file(tmp_path, priced, objective=objective, pruner={"kind": "none"}))
     assert spec.objective.metric == "usage.cost_per_accuracy_point" and base.cost.per_device_hour == {"cpu-core": 0.04}
@@ -158,6 +145,6 @@ def test_a_trial_config_is_the_base_file_with_its_params_and_its_own_run_id_runs
     assert trial.admin.port == 0  # two trials side by side never ask for the same admin port
     assert trial.data.eval_every_steps == 1  # the study's fixed settings
     assert trial.sampling.group_size == cfg.sampling.group_size  # the rest is the base file's
-    # The base forks from the test worker's warm-start pool (tests/conftest.py); a trial never does: its roles stay
-    # in its own process group, which the tuner measures and kills.
+    # The base forks from the test worker's warm-start pool (tests/support/fixtures.py: warm_pool); a trial never
+    # does: its roles stay in its own process group, which the tuner measures and kills.
     assert cfg.service.warm_start_pool is not None and trial.service.warm_start_pool is None

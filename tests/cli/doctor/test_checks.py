@@ -7,13 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import shutil
 import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import grpc
 import nats
@@ -35,22 +31,10 @@ from services.common.transport.streams import PROMPTS, stream_name, subject
 from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import Snapshot
-from tests.conftest import ROOT, free_port, write_config
+from tests.support.runs import config_file, doctor, doctor_config, run_config, write_config
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
-
-
-def doctor(config: Path, *args: str) -> subprocess.CompletedProcess:
-    """`rlpipe doctor` as a user runs it; a wide terminal so table rows stay on one line."""
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli", "doctor", "--config", str(config), *args],
-        check=False,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "300"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 @pytest.fixture
@@ -58,22 +42,8 @@ def no_admin_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
 
 
-def config_for(tmp_path: Path, tiny_model, nats_url: str = "nats://127.0.0.1:4222", **sections) -> Path:
-    """A healthy config: its own ports (other tests may hold the defaults) and an admin token file."""
-    model_dir, data_dir = tiny_model
-    token = tmp_path / "admin.token"
-    token.write_text("s3cret\n")
-    sections = {
-        "nats": {"url": nats_url},
-        "service": {"trainer_grpc_port": free_port()},
-        "admin": {"port": free_port(), "token_file": str(token)},
-        **sections,
-    }
-    return write_config(tmp_path / "run.yaml", model_dir, data_dir, tmp_path / "runs", **sections)
-
-
 def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_token):
-    config = config_for(tmp_path, tiny_model, nats_url)
+    config = doctor_config(tmp_path, tiny_model, nats_url)
 
     async def create_the_runs_streams() -> None:
         bus = await Bus(load_config(config), "test").connect()
@@ -93,16 +63,10 @@ def test_healthy_local_setup_passes(tiny_model, tmp_path, nats_url, no_admin_tok
 
 
 def test_embedded_checks_the_broker_binary_not_nats_url(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
     # rlpipe run starts its own broker and makes the admin token,
     # so neither a closed nats.url nor a missing token fails.
-    config = write_config(
-        tmp_path / "run.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        nats={"url": f"nats://127.0.0.1:{free_port()}"},
-        admin={"port": free_port()},
+    config = config_file(
+        tmp_path, tiny_model, "run.yaml", nats={"url": f"nats://127.0.0.1:{free_port()}"}, admin={"port": free_port()}
     )
     done = doctor(config, "--embedded")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -112,7 +76,7 @@ def test_embedded_checks_the_broker_binary_not_nats_url(tiny_model, tmp_path, no
 
 def test_missing_model_path_fails_naming_it(tiny_model, tmp_path, nats_url):
     missing = tmp_path / "no-such-model"
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, model={"path": str(missing)}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, model={"path": str(missing)}))
     assert done.returncode == 1
     assert "FAIL config: " in done.stdout and f"model.path: model folder '{missing}' does not exist" in done.stdout
     assert "rlpipe doctor: 1 failed: config" in done.stdout
@@ -122,7 +86,7 @@ def test_missing_model_path_fails_naming_it(tiny_model, tmp_path, nats_url):
 
 def test_doctor_json_lists_every_check_with_its_status_and_exits_as_the_table_does(tiny_model, tmp_path, nats_url):
     missing = tmp_path / "no-such-model"
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, model={"path": str(missing)}), "--json")
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, model={"path": str(missing)}), "--json")
     assert done.returncode == 1
     checks = {check["name"]: check for check in json.loads(done.stdout)}
     assert (
@@ -139,7 +103,7 @@ def test_model_folder_without_tokenizer_fails(tiny_model, tmp_path, nats_url):
     bare = tmp_path / "bare-model"
     bare.mkdir()
     shutil.copy(model_dir / "config.json", bare / "config.json")
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, model={"path": str(bare)}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, model={"path": str(bare)}))
     assert done.returncode == 1
     assert f"FAIL model: {bare}: the tokenizer is empty" in done.stdout
 
@@ -148,7 +112,7 @@ def test_unwritable_storage_fails_naming_it(tiny_model, tmp_path, nats_url):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
     url = (blocker / "checkpoints").as_uri()
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, checkpoint={"store_url": url}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, checkpoint={"store_url": url}))
     assert done.returncode == 1
     assert f"FAIL storage: {url}: write failed:" in done.stdout
     assert "rlpipe doctor: 1 failed: storage" in done.stdout
@@ -229,11 +193,11 @@ def test_a_store_out_of_reach_fails_a_fresh_start_but_only_warns_a_resume_and_a_
 def test_a_remote_reward_out_of_reach_fails_naming_its_url_and_one_that_answers_passes(tiny_model, tmp_path, nats_url):
     with socket.create_server(("127.0.0.1", 0)) as listening:
         up = f"http://127.0.0.1:{listening.getsockname()[1]}/score"
-        done = doctor(config_for(tmp_path, tiny_model, nats_url, reward={"http": {"url": up}}))
+        done = doctor(doctor_config(tmp_path, tiny_model, nats_url, reward={"http": {"url": up}}))
     assert done.returncode == 0, done.stdout
     assert f"reward.http.url {up}: reachable" in done.stdout
     down = f"http://127.0.0.1:{free_port()}/score"
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, reward={"http": {"url": down}}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, reward={"http": {"url": down}}))
     assert done.returncode == 1
     assert f"FAIL remote services: reward.http.url {down}: 127.0.0.1:" in done.stdout
     assert "rlpipe doctor: 1 failed: remote services" in done.stdout
@@ -241,21 +205,21 @@ def test_a_remote_reward_out_of_reach_fails_naming_its_url_and_one_that_answers_
 
 def test_nats_down_fails_naming_it(tiny_model, tmp_path):
     url = f"nats://127.0.0.1:{free_port()}"
-    done = doctor(config_for(tmp_path, tiny_model, url))
+    done = doctor(doctor_config(tmp_path, tiny_model, url))
     assert done.returncode == 1
     assert f"FAIL nats: cannot connect to {url}" in done.stdout
     assert "rlpipe doctor: 1 failed: nats" in done.stdout
 
 
 def test_a_message_limit_above_the_brokers_max_payload_fails_naming_both(tiny_model, tmp_path, nats_url):
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, nats={"url": nats_url, "max_message_bytes": 2 * 2**20}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, nats={"url": nats_url, "max_message_bytes": 2 * 2**20}))
     assert done.returncode == 1
     assert "nats.max_message_bytes is 2097152 bytes but the broker takes at most 1048576" in done.stdout
     assert "rlpipe doctor: 1 failed: nats" in done.stdout
 
 
 def test_wrong_stream_settings_fail_naming_stream_and_setting(tiny_model, tmp_path, nats_url):
-    config = config_for(tmp_path, tiny_model, nats_url)
+    config = doctor_config(tmp_path, tiny_model, nats_url)
     name = stream_name("test", PROMPTS)
 
     async def create_a_stale_stream() -> None:
@@ -289,7 +253,7 @@ def test_malformed_dataset_lines_fail_with_line_numbers(tiny_model, tmp_path, na
         '{"prompt": "2+2="}\n'
         '{"prompt": "3+3=", "answer": "6"}\n'
     )
-    done = doctor(config_for(tmp_path, tiny_model, nats_url, data={"train_path": str(train)}))
+    done = doctor(doctor_config(tmp_path, tiny_model, nats_url, data={"train_path": str(train)}))
     assert done.returncode == 1
     [line] = [line for line in done.stdout.splitlines() if line.startswith("FAIL dataset data.train_path:")]
     assert f"{train}: 3 bad of 6 lines:" in line
@@ -309,11 +273,10 @@ def test_busy_port_is_named():
 
 
 def test_admin_token_is_required_unless_the_launcher_makes_one(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs"))
+    cfg = run_config(tmp_path, tiny_model)
     assert check_admin_token(cfg, launcher_generates=True).status == "warn"
     assert check_admin_token(cfg, launcher_generates=False).status == "fail"
-    prod = load_config(write_config(tmp_path / "p.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    prod = run_config(tmp_path, tiny_model, "p.yaml", environment="prod")
     assert check_admin_token(prod, launcher_generates=True).status == "fail"
 
 
@@ -359,22 +322,17 @@ def test_packages_of_an_image_count_only_what_its_recorded_extras_install(tmp_pa
 
 
 def test_startup_checks_name_each_failure_for_the_roles_that_need_them(tiny_model, tmp_path, no_admin_token):
-    model_dir, data_dir = tiny_model
     train = tmp_path / "train.jsonl"
     train.write_text("garbage\n")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            data={"train_path": str(train)},
-            checkpoint={"store_url": (blocker / "ckpt").as_uri()},
-            service={"trainer_grpc_port": free_port()},
-            admin={"port": free_port()},
-        )
+    cfg = run_config(
+        tmp_path,
+        tiny_model,
+        data={"train_path": str(train)},
+        checkpoint={"store_url": (blocker / "ckpt").as_uri()},
+        service={"trainer_grpc_port": free_port()},
+        admin={"port": free_port()},
     )
     with pytest.raises(StartupCheckError) as raised:
         startup_checks(cfg, "trainer")
@@ -392,11 +350,10 @@ WEIGHT_SYNC_TOKEN = "the-runs-weight-sync-token"
 
 
 def test_the_weight_sync_token_is_required_where_the_trainer_needs_one(tiny_model, tmp_path, monkeypatch):
-    model_dir, data_dir = tiny_model
     monkeypatch.delenv("RLPIPE_WEIGHTSYNC_TOKEN", raising=False)
     monkeypatch.delenv("RLPIPE_ENV", raising=False)
-    dev = load_config(write_config(tmp_path / "d.yaml", model_dir, data_dir, tmp_path / "runs"))
-    prod = load_config(write_config(tmp_path / "p.yaml", model_dir, data_dir, tmp_path / "runs", environment="prod"))
+    dev = run_config(tmp_path, tiny_model, "d.yaml")
+    prod = run_config(tmp_path, tiny_model, "p.yaml", environment="prod")
     assert [(r.status, r.detail) for r in weight_sync_rows(prod, embedded=False)[:1]] == [
         ("fail", "RLPIPE_WEIGHTSYNC_TOKEN is not set: a prod trainer refuses to start without one")
     ]
@@ -413,12 +370,9 @@ def test_a_token_that_cannot_go_into_a_calls_metadata_fails_the_start_named_neve
 ):
     """gRPC refuses a metadata value with a line break ('Invalid metadata'): every call would fail, so each such
     token fails the start checks of the roles that send it, naming where it came from."""
-    model_dir, data_dir = config_only_model
     token_file = tmp_path / "admin.token"
     token_file.write_text("LEAKED-admin\nsecond-line\n")
-    cfg = load_config(
-        write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", admin={"token_file": str(token_file)})
-    )
+    cfg = run_config(tmp_path, config_only_model, admin={"token_file": str(token_file)})
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
     from_file = check_admin_token(cfg, launcher_generates=False)
     assert from_file.status == "fail" and from_file.detail.startswith("admin.token_file: the token in")

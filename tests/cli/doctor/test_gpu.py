@@ -7,16 +7,14 @@ The decisions are pure functions of ``GpuFacts``; the facts of this machine come
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
+from pathlib import Path
 
 import pytest
 
 from services.cli.doctor.gpu import cuda_versions_row, gpu_row, gpu_rows, nccl_row, vllm_row
 from services.common.observe.hardware import GpuFacts, gpu_facts
 from services.common.startup_checks.machine import device_result
-from tests.conftest import ROOT
+from tests.support.runs import doctor
 
 pytestmark = pytest.mark.integration
 
@@ -159,15 +157,7 @@ def test_model_device_against_a_gpu_cuda_cannot_open():
 
 def test_the_whole_doctor_here_reports_this_machines_gpu_facts():
     """`rlpipe doctor` as a user runs it; no config, so the config checks are skipped and it exits 1 for that."""
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "doctor", "--config", "no-such-config.yaml"],
-        check=False,
-        cwd=ROOT,
-        env={**os.environ, "COLUMNS": "300"},
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    done = doctor(Path("no-such-config.yaml"))
     expected = gpu_rows(gpu_facts())
     lines = done.stdout.splitlines()
     for row in expected:

@@ -6,16 +6,16 @@ from __future__ import annotations
 import pytest
 
 from services.cli.doctor.model import model_rows
-from services.common.config import CheckpointConfig, load_config
+from services.common.config import CheckpointConfig
 from services.common.transport.model_source import folder_sha256
 from services.common.transport.storage import S3Store
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
 
 def rows(tmp_path, model_dir, data_dir, **model):
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", model=model))
+    cfg = run_config(tmp_path, (model_dir, data_dir), model=model)
     return {row.name: row for row in model_rows(cfg)}
 
 

@@ -12,9 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.cli.doctor.network import nats_row, network_rows, store_row, weight_sync_row
-from services.common.config import load_config
 from services.common.transport.storage import open_store
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +33,7 @@ def model_and_data(tmp_path):
 
 
 def config(tmp_path, model_and_data, **sections):
-    model, data = model_and_data
-    return load_config(write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", **sections))
+    return run_config(tmp_path, model_and_data, **sections)
 
 
 def step_rows(cfg, interval_s: float) -> None:

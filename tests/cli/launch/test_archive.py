@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from services.cli.launch.archive import RunArchiver, archive_and_describe, archive_run, archive_until_stopped
-from services.common.config import load_config
 from services.common.transport.lifecycle_tags import ARCHIVE_TAG
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.resume import SavedRecord
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import ROOT, free_port, write_config
-from tests.trainer.checkpointing.test_store import checkpoint
+from tests.support.paths import ROOT
+from tests.support.runs import run_config
+from tests.support.servers import free_port
+from tests.support.trainer import checkpoint
 
 pytestmark = pytest.mark.integration
 
@@ -36,13 +37,8 @@ NOT_ARCHIVED = {"samples/step_1.jsonl": b"{}\n", "step-00000002/manifest.json": 
 
 
 def run_with_record(tmp_path: Path, tiny_model, checkpoint: dict) -> tuple:
-    model_dir, data_dir = tiny_model
     tmp_path.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", run_id="archived", checkpoint=checkpoint
-        )
-    )
+    cfg = run_config(tmp_path, tiny_model, run_id="archived", checkpoint=checkpoint)
     for name, data in {**RECORD, **NOT_ARCHIVED}.items():
         (cfg.run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (cfg.run_dir / name).write_bytes(data)

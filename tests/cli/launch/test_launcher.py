@@ -28,22 +28,16 @@ from services.common.observe.records import RunDone, read_events
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
-from tests.conftest import RLPIPE_RUN, ROOT, metric_rows, run_pipeline, running_pipeline, wait_for, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, run_pipeline, running_pipeline, wait_for
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def config(tmp_path: Path) -> Path:
+def config(tmp_path: Path, config_only_model: tuple[Path, Path]) -> Path:
     # Enough for the config to load; the refusals under test come before anything reads the model.
-    model = tmp_path / "model"
-    model.mkdir()
-    (model / "config.json").write_text("{}")
-    data = tmp_path / "data"
-    data.mkdir()
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return write_config(tmp_path / "c.yaml", model, data, tmp_path / "runs", run_id="kept")
+    return config_file(tmp_path, config_only_model, run_id="kept")
 
 
 def rlpipe_run(config: Path, *options: str) -> subprocess.CompletedProcess:
@@ -292,14 +286,8 @@ if os.environ.get("RLPIPE_SERVICE__INSTANCE") == "trainer":
 def test_a_trainer_failing_alike_at_its_first_step_ends_the_run_after_one_restart_naming_its_error(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        service={"warm_start": False, "warm_start_pool": None},
-        supervision={"backoff_s": 0.1},
+    config = config_file(
+        tmp_path, tiny_model, service={"warm_start": False, "warm_start_pool": None}, supervision={"backoff_s": 0.1}
     )
     (tmp_path / "inject").mkdir()
     (tmp_path / "inject" / "sitecustomize.py").write_text(FAILING_STEP)
@@ -451,12 +439,9 @@ def test_a_second_ctrl_c_during_the_stop_kills_every_service_at_once(config, tmp
 def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tiny_model, tmp_path):
     """Ctrl-C is how a person ends a run early: not a failure. Every service stops in order, the trainer saves
     the step in hand, the report is written, and the exit status is 130 (128 + SIGINT) with the resume command."""
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="ctrlc",
         train={"total_steps": 10_000, "batch_size": 4},
         checkpoint={"save_every_steps": 1000, "keep_last": 2},
@@ -480,13 +465,10 @@ def test_ctrl_c_stops_the_run_in_order_saves_its_step_and_says_how_to_resume(tin
 
 @pytest.mark.e2e
 def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_once(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     missing = tmp_path / "no-pool.sock"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="cold",
         train={"total_steps": 2, "batch_size": 4},
         checkpoint={"save_every_steps": 0},
@@ -508,10 +490,7 @@ def test_a_run_whose_warm_start_pool_is_gone_starts_its_roles_cold_and_says_so_o
 def test_a_role_that_refuses_to_start_ends_the_run_with_2_printing_its_reason_once(tiny_model, tmp_path):
     """The trainer refuses a message limit its broker would not take (the embedded nats-server's max_payload is
     1 MiB): ``rlpipe run`` does not restart it, prints its reason and exits 2."""
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", nats={"max_message_bytes": 2 * 2**20}
-    )
+    config = config_file(tmp_path, tiny_model, nats={"max_message_bytes": 2 * 2**20})
     done = rlpipe_run(config)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     reason = (
@@ -578,16 +557,8 @@ def test_a_restarted_trainer_is_told_the_lease_holder_of_the_process_the_launche
 def test_an_observation_role_the_models_template_cannot_wrap_ends_the_run_with_2_naming_the_field(tiny_model, tmp_path):
     """The tiny model has no chat template: the rollout (and the trainer, for its held-out episodes) refuse at start
     rather than run episodes they cannot render; whichever refuses first, the reason is the field's."""
-    model_dir, data_dir = tiny_model
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "observation_role": "tool"}
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        rollout=rollout,
-        reward={"functions": {"final_number": 1.0}},
-    )
+    config = config_file(tmp_path, tiny_model, rollout=rollout, reward={"functions": {"final_number": 1.0}})
     done = rlpipe_run(config)
     assert done.returncode == EXIT_REFUSED, done.stderr[-3000:]
     reason = "rollout.observation_role='tool' wraps observations in the model's chat template, and the model has none"

@@ -7,19 +7,16 @@ import json
 import pytest
 
 from services.cli.plan import CPU_AUTO_REPLICAS
-from tests.conftest import rlpipe, run_info, running_pipeline, write_config
+from tests.support.runs import config_file, rlpipe, run_info, running_pipeline
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.parametrize(("replicas", "started"), [("auto", CPU_AUTO_REPLICAS), (2, 2)])
 def test_a_run_starts_the_rollout_replicas_its_placement_gives(replicas, started, tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="placed",
         rollout={"replicas": replicas, "prompts_per_batch": 4, "backend": "hf"},
     )

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from services.cli.launch.warm_start import WarmStarter, WarmStartError
-from tests.conftest import ROOT, running_warm_pool
+from tests.support.paths import ROOT
+from tests.support.servers import running_warm_pool
 
 pytestmark = pytest.mark.integration
 

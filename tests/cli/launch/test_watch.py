@@ -25,7 +25,9 @@ from services.common.service import announce_ready
 from services.common.transport.bus import Bus
 from services.common.transport.nats_auth import RoleKey
 from services.common.transport.presence import Presence, open_bucket
-from tests.conftest import ROOT, keyed_nats, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, run_config
+from tests.support.servers import keyed_nats
 
 
 @pytest.fixture
@@ -33,7 +35,7 @@ def secured(config_only_model, tmp_path: Path) -> Iterator[tuple[RunConfig, dict
     """A broker with the run's per-role keys, as the launcher starts it, and the config of a reward replica."""
     with keyed_nats(tmp_path) as (url, keys):
         cfg = load_config(
-            write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs"),
+            config_file(tmp_path, config_only_model),
             nats={"url": url},
             service={"instance": "reward-0"},
         )
@@ -103,7 +105,7 @@ def test_the_record_reads_only_what_is_written_after_the_launch(config_only_mode
     # A resumed run's earlier rows, done included: not news to this launch.
     metrics.write_text(json.dumps({"step": 3, "reward_mean": 0.1, "entropy": 1.0, "kl_ref": 0.0}) + "\n")
     events.write_text(json.dumps({"kind": "done", "step": 3, "steps": 3}) + "\n")
-    cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", run_id="r"))
+    cfg = run_config(tmp_path, config_only_model, run_id="r")
     record = RunRecord.of_run(cfg)
     assert record.new_steps() == ([], []) and record.new_events() == [] and record.done is None
 

@@ -25,7 +25,9 @@ from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, StepRecord
 from services.trainer.checkpointing.state import Checkpoint, TrainerState, detached_copy, rng_state
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import ROOT, free_port, metric_rows, running_pipeline, wait_for, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file, metric_rows, running_pipeline, wait_for
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -77,7 +79,7 @@ def jsonl(path: Path) -> list[dict]:
 def test_alerts_test_fires_every_rule_through_log_events_metrics_prometheus_and_a_real_webhook(
     tmp_path, tiny_model, webhook
 ):
-    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs", alerts={"webhook_url": webhook.url})
+    config = config_file(tmp_path, tiny_model, alerts={"webhook_url": webhook.url})
     rules = [rule.name for rule in load_config(config).alerts.rules]
     done = rlpipe("alerts", "test", "--config", str(config))
     assert done.returncode == 0, done.stdout + done.stderr
@@ -93,7 +95,7 @@ def test_alerts_test_fires_every_rule_through_log_events_metrics_prometheus_and_
 
 def test_alerts_test_fails_naming_the_webhook_when_it_is_unreachable(tmp_path, tiny_model):
     unreachable = f"http://127.0.0.1:{free_port()}/hook"  # nothing listens there
-    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs", alerts={"webhook_url": unreachable})
+    config = config_file(tmp_path, tiny_model, alerts={"webhook_url": unreachable})
     done = rlpipe("alerts", "test", "kl_too_high", "--config", str(config))
     assert done.returncode == 1
     failures = [line for line in done.stderr.splitlines() if line.startswith("rlpipe alerts test:")]
@@ -104,7 +106,7 @@ def test_alerts_test_fails_naming_the_webhook_when_it_is_unreachable(tmp_path, t
 
 
 def test_alerts_test_refuses_an_unknown_rule_naming_the_configured_ones(tmp_path, tiny_model):
-    config = write_config(tmp_path / "c.yaml", *tiny_model, tmp_path / "runs")
+    config = config_file(tmp_path, tiny_model)
     done = rlpipe("alerts", "test", "no_such_rule", "--config", str(config))
     assert done.returncode == 2
     assert "no alert rule 'no_such_rule' in this config (rules: entropy_collapse, kl_too_high," in done.stderr
@@ -140,9 +142,9 @@ def findings(done: subprocess.CompletedProcess) -> list[str]:
 
 
 def test_checkpoints_verify_names_the_step_and_file_of_a_corrupted_tensor_in_s3(tmp_path, tiny_model, s3):
-    model_dir, data_dir = tiny_model
+    model_dir, _ = tiny_model
     checkpoint = s3.checkpoint(mirror_url=(tmp_path / "mirror").as_uri())
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+    config = config_file(tmp_path, tiny_model, checkpoint=checkpoint)
     save_steps(load_config(config), [1, 2], model_dir)
     flip_bytes(f"127.0.0.1:{s3.port}", "prefix/test/step-00000002/model.safetensors")
 
@@ -167,9 +169,9 @@ def test_checkpoints_verify_names_the_step_and_file_of_a_corrupted_tensor_in_s3(
 
 
 def test_checkpoints_verify_fails_a_whole_checkpoint_whose_weights_do_not_fit_the_model(tmp_path, tiny_model):
-    model_dir, data_dir = tiny_model
+    model_dir, _ = tiny_model
     checkpoint = {"store_url": (tmp_path / "store").as_uri(), "mirror_url": (tmp_path / "mirror").as_uri()}
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
+    config = config_file(tmp_path, tiny_model, checkpoint=checkpoint)
 
     def renamed(model) -> dict:
         return {f"renamed.{name}": tensor for name, tensor in detached_copy(model).items()}
@@ -186,7 +188,7 @@ def test_checkpoints_verify_fails_a_whole_checkpoint_whose_weights_do_not_fit_th
 
 
 def verify_config(tmp_path: Path, tiny_model, **sections) -> Path:
-    return write_config(tmp_path / "deploy.yaml", *tiny_model, tmp_path / "runs", run_id="deploy", **sections)
+    return config_file(tmp_path, tiny_model, "deploy.yaml", run_id="deploy", **sections)
 
 
 VERIFY_LEARNING_RATE = 3e-4

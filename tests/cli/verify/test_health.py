@@ -16,11 +16,10 @@ from services.cli.verify.health import (
     remote_services_check,
     resources_check,
 )
-from services.common.config import load_config
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow
 from services.common.observe.usage import ResourceTrend
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
@@ -146,16 +145,11 @@ def test_resources_flag_a_gpu_out_of_headroom_or_never_busy_and_skip_rows_withou
 
 
 def test_remote_services_come_from_the_config_and_each_unreachable_one_is_named(tmp_path, config_only_model):
-    model_dir, data_dir = config_only_model
-    cfg = load_config(
-        write_config(
-            tmp_path / "c.yaml",
-            model_dir,
-            data_dir,
-            tmp_path / "runs",
-            reward={"functions": {"exact_match": 1.0}, "http": {"url": "http://rewards:8080/score"}},
-            rollout={"environment_url": "http://env:9000"},
-        )
+    cfg = run_config(
+        tmp_path,
+        config_only_model,
+        reward={"functions": {"exact_match": 1.0}, "http": {"url": "http://rewards:8080/score"}},
+        rollout={"environment_url": "http://env:9000"},
     )
     assert remote_services(cfg) == {
         "reward.http.url": "http://rewards:8080/score",

@@ -12,7 +12,7 @@ from services.cli.verify.checklist import write_record
 from services.cli.verify.record import conclusion, first_run_metrics, library_versions
 from services.common.config import load_config
 from services.common.observe.records import metrics_rows
-from tests.conftest import write_config
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.unit
 
@@ -50,14 +50,7 @@ def test_the_record_holds_build_versions_the_redacted_config_first_metrics_and_c
 ):
     monkeypatch.setenv("RLPIPE_BUILD_VERSION", "1.2.3")  # as an image bakes them in
     monkeypatch.setenv("RLPIPE_BUILD_REVISION", "abc1234")
-    model_dir, data_dir = config_only_model
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        alerts={"webhook_url": "https://hooks.example/T0KEN-in-the-path"},
-    )
+    config = config_file(tmp_path, config_only_model, alerts={"webhook_url": "https://hooks.example/T0KEN-in-the-path"})
     cfg = load_config(config)
     checks = [Check("roles", "pass", "up"), Check("jumps", "fail", "entropy 2 -> 30")]
     rows = metrics_rows([{"step": 1, "loss": 0.25, "entropy": 2.0, "time": 5.0}])

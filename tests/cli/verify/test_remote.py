@@ -8,7 +8,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from services.cli.verify.health import probe_remote, remote_services_check
-from tests.conftest import free_port
+from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
 

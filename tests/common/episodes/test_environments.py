@@ -19,7 +19,7 @@ from services.common.episodes.environments import (
     evaluate_arithmetic,
 )
 from services.common.model.datasets import load_jsonl
-from tests.conftest import write_config
+from tests.support.runs import config_file, run_config
 
 pytestmark = pytest.mark.unit
 
@@ -124,17 +124,6 @@ def test_a_plugin_environment_is_found_by_its_import_path():
     assert environment_factory("python") is PythonTool
 
 
-@pytest.fixture
-def dirs(tmp_path: Path) -> tuple[Path, Path]:
-    model, data = tmp_path / "model", tmp_path / "data"
-    model.mkdir()
-    data.mkdir()
-    (model / "config.json").write_text("{}")
-    for split in ("train", "eval"):
-        (data / f"{split}.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
-    return model, data
-
-
 @pytest.mark.parametrize(
     ("rollout", "message"),
     [
@@ -157,30 +146,28 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
         ({"max_turns": 0}, "rollout.max_turns: Input should be greater than or equal to 1"),
     ],
 )
-def test_bad_environment_config_is_refused_at_load_naming_the_field(tmp_path, dirs, rollout, message):
+def test_bad_environment_config_is_refused_at_load_naming_the_field(tmp_path, config_only_model, rollout, message):
     with pytest.raises(ConfigError) as error:
-        load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout))
+        run_config(tmp_path, config_only_model, rollout=rollout)
     assert message in str(error.value)
 
 
-def test_an_environment_config_loads(tmp_path, dirs):
+def test_an_environment_config_loads(tmp_path, config_only_model):
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"], "max_turns": 3}
-    cfg = load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, config_only_model, rollout=rollout)
     assert (cfg.rollout.multi_turn, cfg.rollout.turn_stop, cfg.rollout.max_turns) == (True, ["</calc>"], 3)
 
 
-def test_a_multi_turn_run_whose_held_out_episodes_no_rule_could_score_is_refused_at_load(tmp_path, dirs):
+def test_a_multi_turn_run_whose_held_out_episodes_no_rule_could_score_is_refused_at_load(tmp_path, config_only_model):
     rollout = {"environment": "calculator", "turn_stop": ["</calc>"]}
     reward = {"functions": {"exact_match": -1.0}}  # a weight that only ever takes away
     with pytest.raises(ConfigError) as error:
-        load_config(write_config(tmp_path / "c.yaml", *dirs, tmp_path / "runs", rollout=rollout, reward=reward))
+        run_config(tmp_path, config_only_model, rollout=rollout, reward=reward)
     assert "reward.functions and reward.environment_weight, none of which has a positive weight" in str(error.value)
     assert "leave data.eval_path empty" in str(error.value)
 
-    without_eval = {"train_path": str(dirs[1] / "train.jsonl"), "eval_path": None}
-    config = write_config(
-        tmp_path / "d.yaml", *dirs, tmp_path / "runs", rollout=rollout, reward=reward, data=without_eval
-    )
+    without_eval = {"train_path": str(config_only_model[1] / "train.jsonl"), "eval_path": None}
+    config = config_file(tmp_path, config_only_model, "d.yaml", rollout=rollout, reward=reward, data=without_eval)
     assert load_config(config).rollout.multi_turn
 
 

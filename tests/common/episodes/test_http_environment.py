@@ -20,9 +20,8 @@ from services.common.episodes.runner import run_episodes, start_episodes
 from services.common.transport.breaker import BreakerState, DependencyRefused, DependencyUnavailable
 from services.common.transport.http_dependency import BREAKER_COOLDOWN_S, BREAKER_THRESHOLD
 from services.rollout.environment_server import EnvironmentHandler, EnvironmentServer
-from tests.common.episodes.test_runner import CharTokenizer, ScriptedEngine
-from tests.conftest import free_port
-from tests.reward.test_remote import RedirectingService
+from tests.support.episodes import CharTokenizer, ScriptedEngine
+from tests.support.servers import RedirectingService, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -39,7 +38,7 @@ class Misbehaving(EnvironmentHandler):
         if mode == "ok":
             super().do_POST()
         elif mode == "slow":
-            time.sleep(1.0)
+            time.sleep(1.0)  # the slow environment under test: past the client's timeout
             super().do_POST()
         elif mode == "garbage":
             self.send_response(200)

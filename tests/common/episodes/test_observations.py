@@ -7,15 +7,14 @@ import asyncio
 import pytest
 
 from services.cli.build.tiny_model import ALPHABET, build_char_tokenizer
-from services.common.config import load_config
 from services.common.episodes.environments import Calculator, Task
 from services.common.episodes.episode_environment import LocalEnvironment
 from services.common.episodes.episode_state import EpisodeState
 from services.common.episodes.observations import ChatObservations, VerbatimObservations, observation_format
 from services.common.episodes.runner import EpisodeRunner, run_episodes, start_episodes
 from services.common.refusal import StartRefused
-from tests.common.episodes.test_runner import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
-from tests.conftest import write_config
+from tests.support.episodes import EOS, LIMITS, SAMPLED_LOGPROB, CharTokenizer, ScriptedEngine
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
@@ -130,6 +129,6 @@ def test_a_turn_cut_by_its_stop_string_gets_its_eos_before_the_message_masked_ou
 
 def test_a_rollout_whose_model_cannot_wrap_observations_refuses_to_start(tmp_path, config_only_model):
     rollout = {"environment": "calculator", "observation_role": "tool"}
-    cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, config_only_model, rollout=rollout)
     with pytest.raises(StartRefused, match=r"rollout\.observation_role='tool' wraps observations in the model's chat"):
         EpisodeRunner(cfg, build_char_tokenizer(), on_engine=None, generate_turns=None)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from services.common.sandbox import Box, BoxFailed, BoxLimits, Outcome
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 pytestmark = pytest.mark.integration
 

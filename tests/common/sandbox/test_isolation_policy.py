@@ -9,13 +9,13 @@ import logging
 
 import pytest
 
-from services.common.config import RolloutConfig, load_config
+from services.common.config import RolloutConfig
 from services.common.episodes.environments import PythonTool, Turn, python_tool
 from services.common.episodes.episode_environment import environment_maker
 from services.common.refusal import StartRefused
 from services.common.startup_checks.machine import check_python_box
 from services.common.startup_checks.roles import _startup_checks
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
 
@@ -87,7 +87,7 @@ def test_allowed_unisolated_the_tool_runs_the_code_in_a_plain_child_process():
 @pytest.mark.integration
 def test_a_run_with_the_python_environment_finds_a_box_here_and_plays_its_episodes_in_one(tmp_path, config_only_model):
     rollout = {"environment": "python", "turn_stop": ["</python>"]}
-    cfg = load_config(write_config(tmp_path / "c.yaml", *config_only_model, tmp_path / "runs", rollout=rollout))
+    cfg = run_config(tmp_path, config_only_model, rollout=rollout)
     assert [row.status for row in check_python_box(cfg.rollout)] == ["ok"]  # the real probe
     environment = environment_maker(cfg.rollout)()
     turn = Turn("<python>import os; print(os.getcwd(), os.path.exists('/proc'))</python>", (1,))

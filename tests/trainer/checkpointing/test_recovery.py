@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 import torch
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
@@ -34,7 +33,7 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.learning.learner import Learner
 from services.trainer.progress import Progress
-from tests.conftest import write_config
+from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
 
@@ -85,10 +84,8 @@ class Harness:
         store: ObjectStore | None = None,
         **checkpoint: Any,
     ):
-        model_dir, data_dir = tiny_model
-        self.cfg = load_config(
-            write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", checkpoint=checkpoint)
-        )
+        _, data_dir = tiny_model
+        self.cfg = run_config(tmp_path, tiny_model, checkpoint=checkpoint)
         torch.manual_seed(0)
         self.learner = Learner(self.cfg)
         # A file:// store under tmp_path unless the test names one (an S3 endpoint's).

@@ -9,36 +9,13 @@ from services.common.config import CheckpointConfig
 from services.common.transport.lifecycle_tags import CHECKPOINT_TAG
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.manifest import FENCE, MANIFEST, STABLE
-from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt, TrainerState, rng_state
+from services.trainer.checkpointing.state import CheckpointCorrupt, TrainerState
 from services.trainer.checkpointing.step_store import FencedOut
 from services.trainer.checkpointing.store import AbandonedStep, CheckpointStore
 from services.trainer.lease import LeaseLost
+from tests.support.trainer import checkpoint, stored_objects, tiny_state
 
 pytestmark = pytest.mark.unit
-
-
-def tiny_state(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
-    model[1].weight = model[0].weight  # tied, like the tiny Qwen2's embeddings
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.tensor([1, 2])).sum().backward()
-    optimizer.step()
-    return model, optimizer
-
-
-def checkpoint(step: int, incarnation: str, extra: dict[str, torch.Tensor] | None = None, **state) -> Checkpoint:
-    """A small checkpoint of ``step``; ``state`` overrides TrainerState fields (the version defaults to the step)."""
-    model, optimizer = tiny_state(step)
-    fields = {"step": step, "policy_version": step, "last_experience_seq": 10 * step, "incarnation": incarnation}
-    return Checkpoint(
-        step,
-        {**model.state_dict(), **(extra or {})},
-        optimizer.state_dict(),
-        {"last_epoch": step},
-        rng_state(),
-        TrainerState(**(fields | state)),
-    )
 
 
 def round_trip(store_url: str, cfg: CheckpointConfig, tmp_path) -> None:
@@ -236,11 +213,6 @@ def test_after_a_rollback_the_new_branch_is_kept_on_the_mirror_and_abandoned_ste
 
 
 # ------------------------------------------------------------------ fencing: a stale trainer's writes
-
-
-def stored_objects(store: CheckpointStore) -> dict[str, bytes]:
-    """Every object under the run's prefix with its bytes: what a write, prune or purge note would change."""
-    return {key: store.store.get(key) for key in store.store.list(f"{store.run_id}/")}
 
 
 def test_a_writer_whose_epoch_a_successor_passed_is_refused_every_write_and_leaves_the_store_as_it_was(tmp_path):

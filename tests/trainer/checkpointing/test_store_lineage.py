@@ -16,7 +16,7 @@ from services.trainer.checkpointing.manifest import ABANDONED, STABLE, sha256
 from services.trainer.checkpointing.state import TrainerState
 from services.trainer.checkpointing.step_reader import ForeignCheckpoints
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.trainer.checkpointing.test_store import checkpoint
+from tests.support.trainer import checkpoint
 
 pytestmark = pytest.mark.unit
 

@@ -18,7 +18,7 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.state import CheckpointMismatch, UnsafeCheckpoint, load_untied, restore_rng
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.trainer.checkpointing.test_store import checkpoint
+from tests.support.trainer import checkpoint
 
 pytestmark = pytest.mark.unit
 

@@ -3,10 +3,11 @@
 import numpy as np
 import pytest
 
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import ExperienceGroup
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.intake.reader import token_id_problem, unusable
 from services.trainer.progress import Progress
+from tests.support.messages import completion, experience_group
 
 pytestmark = pytest.mark.unit
 
@@ -189,13 +190,7 @@ def test_a_dead_group_or_one_without_a_fate_reopens_and_no_other():
 
 
 def experience_with(prompt_ids: np.ndarray, token_ids: np.ndarray) -> ExperienceGroup:
-    prompt = Prompt(group_id="g", prompt_id="g", prompt="1+1=", answer="2")
-    completion = Completion(
-        text="2", token_ids=token_ids, logprobs=np.zeros(token_ids.shape, np.float32), finish_reason="stop"
-    )
-    rollout = advance(prompt, RolloutGroup, prompt_ids=prompt_ids, policy_version=0, completions=[completion])
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(token_ids.shape, np.float32)])
+    return experience_group("g", [1.0], completions=[completion(token_ids, 0.0, text="2")], prompt_ids=prompt_ids)
 
 
 def test_token_ids_must_be_integers_inside_the_models_vocabulary():
@@ -220,21 +215,17 @@ def group_of_versions(policy_version: int, *token_versions: list[int] | None) ->
     """A group made at ``policy_version`` whose completions' tokens came from ``token_versions`` (None: no
     per-token versions, every token the group's; [] a completion that stopped before its first token)."""
     completions = [
-        Completion(
+        completion(
+            np.zeros(len(versions) if versions is not None else 2, np.int32),
+            0.0,
             text="2",
-            token_ids=np.zeros(len(versions) if versions is not None else 2, np.int32),
-            logprobs=np.zeros(len(versions) if versions is not None else 2, np.float32),
             finish_reason="length",
             token_versions=np.asarray(versions, np.int32) if versions is not None else None,
         )
         for versions in token_versions
     ]
-    prompt = Prompt(group_id="g", prompt_id="g", prompt="1+1=", answer="2")
-    rollout = advance(
-        prompt, RolloutGroup, prompt_ids=np.ones(2, np.int32), policy_version=policy_version, completions=completions
-    )
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(len(completions), np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(c.token_ids.shape, np.float32) for c in completions])
+    rewards = [1.0] * len(completions)
+    return experience_group("g", rewards, completions=completions, prompt_ids=[1, 1], policy_version=policy_version)
 
 
 def test_a_group_is_as_stale_as_its_oldest_token_and_without_per_token_versions_as_its_own_version():

@@ -15,16 +15,7 @@ from services.cli.dead_letters import reinject
 from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.common.transport.bus import Bus
-from services.common.transport.messages import (
-    Completion,
-    Episode,
-    ExperienceGroup,
-    Prompt,
-    RolloutGroup,
-    ScoredGroup,
-    advance,
-    encode,
-)
+from services.common.transport.messages import Episode, ExperienceGroup, Prompt, encode
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
     DEAD,
@@ -42,33 +33,34 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.intake.reader import Collected, Intake, without_signal
 from services.trainer.progress import Progress
-from tests.conftest import write_config
+from tests.support.messages import completion, experience_group
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
 
 def config(tiny_model, tmp_path, nats_url, nats: dict | None = None, checkpoint: dict | None = None, **train):
-    model_dir, data_dir = tiny_model
-    path = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    _, data_dir = tiny_model
+    path = config_file(
+        tmp_path,
+        tiny_model,
         run_id="intake",
         nats={"url": nats_url, **(nats or {})},
         train={"batch_size": 2, "max_inflight_batches": 2, **train},
-        **({"checkpoint": checkpoint} if checkpoint else {}),
+        **{"checkpoint": checkpoint} if checkpoint else {},
     )
     return load_config(path), load_jsonl(data_dir / "train.jsonl")
 
 
 def experience(group_id: str, policy_version: int = 0, incarnation: str = "") -> ExperienceGroup:
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2", incarnation=incarnation)
-    ids = np.asarray([5, 2], dtype=np.int32)
-    completion = Completion(text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop")
-    rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=policy_version, completions=[completion])
-    scored = advance(rollout, ScoredGroup, rewards=np.ones(1, np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)])
+    return experience_group(
+        group_id,
+        [1.0],
+        completions=[completion([5, 2], 0.0, text="2")],
+        prompt_ids=[5, 2],
+        policy_version=policy_version,
+        incarnation=incarnation,
+    )
 
 
 async def lost_nowhere(group_ids: list[str]) -> None:
@@ -127,9 +119,7 @@ def test_dead_letters_settle_their_groups_even_after_the_oldest_ones_expired(tin
                 f"rlpipe.{cfg.run_id}.dead", b"x", headers={"Rlpipe-Group-Id": f"e0-i{i}", "Nats-Msg-Id": f"d{i}"}
             )
         await bus.js.delete_msg(stream_name(cfg.run_id, DEAD), 1)  # aged out (nats.dead_letter_max_age_s)
-        ledger = GroupLedger()
-        for i in range(3):
-            ledger.fed(f"e0-i{i}", now=0.0)
+        ledger = fed_ledger(3)
         intake = intake_of(bus, rows, ledger, Progress(step=5))
         assert await intake.catch_up_dead() == 2
         assert sorted(ledger.in_flight) == ["e0-i0"]
@@ -271,9 +261,7 @@ def test_a_hole_in_dead_is_stepped_over_and_only_this_incarnations_letters_settl
         for n, (group_id, incarnation) in enumerate([("e0-i0", "b"), ("e0-i1", "b"), ("e0-i2", "a"), ("e0-i3", None)]):
             await publish_dead_letter(bus, group_id, n, incarnation)
         await bus.js.delete_msg(stream_name(cfg.run_id, DEAD), 2)  # e0-i1's letter, between two others
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=0.0)
+        ledger = fed_ledger(4)
         progress = Progress(step=5, incarnation="b")
         intake = intake_of(bus, rows, ledger, progress)
         assert await intake.catch_up_dead() == 2
@@ -289,6 +277,21 @@ def experience_with_float_ids(group_id: str, incarnation: str) -> ExperienceGrou
     group = experience(group_id, incarnation=incarnation)
     group.completions[0].token_ids = group.completions[0].token_ids.astype(np.float32)  # decodes, breaks the learner
     return group
+
+
+def fed_ledger(count: int, now: float = 0.0) -> GroupLedger:
+    """A ledger that has fed the groups e0-i0 .. e0-i{count-1} at ``now``."""
+    ledger = GroupLedger()
+    for i in range(count):
+        ledger.fed(f"e0-i{i}", now=now)
+    return ledger
+
+
+async def publish_one_bad_then_two_good(bus: Bus) -> None:
+    """Incarnation b's EXPERIENCE as the reference stage sends it: e0-i0 with float token ids, then e0-i1 and e0-i2."""
+    await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
+    for group_id in ("e0-i1", "e0-i2"):
+        await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
 
 
 def checkpoint(ledger: GroupLedger, progress: Progress) -> TrainerState:
@@ -357,13 +360,9 @@ def test_a_dead_lettered_group_re_injected_while_the_trainer_is_down_is_applied_
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        ledger = fed_ledger(4, now=time.monotonic())
         intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
-        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
-        for group_id in ("e0-i1", "e0-i2"):
-            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        await publish_one_bad_then_two_good(bus)
         assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
         assert letter.headers[H_GROUP] == "e0-i0" and letter.headers[H_INCARNATION] == "b"
@@ -416,6 +415,7 @@ def test_dead_lettering_experience_waits_out_a_broker_that_refuses_the_write(tin
         # Each try drops the partial batch (the loop goes on) and backs off; the message is not skipped.
         assert await intake.collect(cfg.train, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 1 and intake.broker.retry_in() > 0
+        # The backoff's lapse is the condition: the intake tries again only after it.
         await asyncio.sleep(intake.broker.retry_in())
         assert await intake.collect(cfg.train, 0, never, asyncio.Event()) is None
         assert intake.broker.failures == 2 and ledger.fate("e0-i0") is None and intake.reader.next_seq == 1
@@ -465,14 +465,10 @@ def test_a_trainer_resumed_from_before_a_dead_letter_replays_it_and_still_applie
 
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
-        ledger = GroupLedger()
-        for i in range(4):
-            ledger.fed(f"e0-i{i}", now=time.monotonic())
+        ledger = fed_ledger(4, now=time.monotonic())
         intake = intake_of(bus, rows, ledger, Progress(incarnation="b"))
         saved = checkpoint(ledger, intake.progress)  # before anything was read
-        await bus.publish(EXPERIENCE, experience_with_float_ids("e0-i0", "b"), msg_id="e0-i0.b.reference")
-        for group_id in ("e0-i1", "e0-i2"):
-            await bus.publish(EXPERIENCE, experience(group_id, incarnation="b"), msg_id=f"{group_id}.b.reference")
+        await publish_one_bad_then_two_good(bus)
         assert applied(intake, await intake.collect(cfg.train, 0, never, asyncio.Event())) == ["e0-i1", "e0-i2"]
         assert await reinject(nats_url, cfg.run_id, 1, encode(experience("e0-i0", incarnation="b")))
         letter = await bus.js.get_msg(stream_name(cfg.run_id, DEAD), seq=1)
@@ -534,14 +530,8 @@ def test_a_late_copy_of_a_group_whose_fate_left_memory_is_refused_with_the_stale
 
 def rewarded(group_id: str, rewards: list[float], episode: Episode | None = None) -> ExperienceGroup:
     """A group of ``len(rewards)`` completions with those rewards (each ``episode``, if given)."""
-    prompt = Prompt(group_id=group_id, prompt_id=group_id, prompt="1+1=", answer="2")
-    ids = np.asarray([5, 2], dtype=np.int32)
-    completion = Completion(
-        text="2", token_ids=ids, logprobs=np.zeros(2, np.float32), finish_reason="stop", episode=episode
-    )
-    rollout = advance(prompt, RolloutGroup, prompt_ids=ids, policy_version=0, completions=[completion] * len(rewards))
-    scored = advance(rollout, ScoredGroup, rewards=np.asarray(rewards, np.float32))
-    return advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(2, np.float32)] * len(rewards))
+    answer = completion([5, 2], 0.0, text="2", episode=episode)
+    return experience_group(group_id, rewards, completions=[answer] * len(rewards), prompt_ids=[5, 2])
 
 
 def test_dynamic_sampling_filters_equal_reward_groups_fills_the_batch_from_the_stream_and_settles_each_once(

@@ -27,9 +27,10 @@ from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.passes import rank_passes
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
+from tests.support.trainer import experience
 from tests.trainer.learning import dist_worker
-from tests.trainer.learning.test_learner import experience
 
 pytestmark = pytest.mark.integration
 
@@ -42,13 +43,12 @@ TORCHRUN_TIMEOUT_S = 240
 def setup(tiny_model, tmp_path_factory) -> tuple[Path, Path, Path]:
     """A config (several optimizer steps per trainer step, micro-batches cut by tokens, pi_old recomputed, so every
     path that splits rows is taken) and fixed experience groups."""
-    model_dir, data_dir = tiny_model
+    _, data_dir = tiny_model
     tmp = tmp_path_factory.mktemp("distributed")
-    config = write_config(
-        tmp / "config.yaml",
-        model_dir,
-        data_dir,
-        tmp / "runs",
+    config = config_file(
+        tmp,
+        tiny_model,
+        "config.yaml",
         train={
             "algorithm": "grpo",
             # The runs differ only in summation order (~1e-7 in a gradient); each step carries that difference on in

@@ -19,7 +19,8 @@ import pytest
 from services.cli.launch.children import trainer_command
 from services.common.config import load_config
 from services.common.service import EXIT_REFUSED
-from tests.conftest import ROOT, write_config
+from tests.support.paths import ROOT
+from tests.support.runs import config_file
 
 pytestmark = pytest.mark.integration
 
@@ -57,8 +58,7 @@ def running(pid: int) -> bool:
 
 def test_a_rank_that_refuses_to_start_makes_the_trainer_command_exit_refused(tiny_model, tmp_path):
     """Without an admin token rank 0 refuses (exit 2) while rank 1 waits for it; torchrun alone would say 1."""
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"nproc": 2})
+    config = config_file(tmp_path, tiny_model, trainer={"nproc": 2})
     done = subprocess.run(
         launcher_command(config), cwd=ROOT, env=rank_env(), capture_output=True, text=True, timeout=START_TIMEOUT_S
     )
@@ -111,8 +111,7 @@ def test_a_sigterm_stops_every_rank_in_order_and_the_trainer_command_dies_of_it_
 
 
 def test_no_trainer_rank_outlives_a_sigkilled_torchrun(tiny_model, tmp_path, nats_url):
-    model_dir, data_dir = tiny_model
-    config = write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", trainer={"nproc": 2})
+    config = config_file(tmp_path, tiny_model, trainer={"nproc": 2})
     env = rank_env(
         RLPIPE_NATS__URL=nats_url,
         RLPIPE_ADMIN_TOKEN="s3cret",

@@ -10,21 +10,18 @@ from services.common.config import CheckpointConfig
 from services.common.transport.storage import open_store
 from services.trainer.checkpointing.lineage import Lineage, effective_steps
 from services.trainer.checkpointing.store import CheckpointStore
-from tests.conftest import run_pipeline, write_config
-from tests.test_recovery import assert_every_fed_prompt_accounted_once
+from tests.support.fates import assert_every_fed_prompt_accounted_once
+from tests.support.runs import config_file, run_pipeline
 
 # Whole pipelines, minutes each: the slow tier (make test runs it after the rest).
 pytestmark = pytest.mark.e2e
 
 
 def test_a_two_rank_trainer_trains_saves_and_stops_cleanly_in_the_pipeline(tiny_model, tmp_path):
-    model_dir, data_dir = tiny_model
     runs = tmp_path / "runs"
-    config = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        runs,
+    config = config_file(
+        tmp_path,
+        tiny_model,
         run_id="ranks",
         trainer={"nproc": 2},
         train={"total_steps": 4, "batch_size": 8},

@@ -19,68 +19,15 @@ from services.common.model.modeling import (
     split_by_tokens,
 )
 from services.common.observe.metrics import check_row
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
-from services.reference.service import ReferenceScorer
+from services.common.transport.messages import Completion, ExperienceGroup
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
 from services.trainer.learning.objective import advantages
 from services.trainer.learning.passes import micro_batches
-from tests.conftest import write_config
+from tests.support.runs import write_config
+from tests.support.trainer import experience, with_nan
 
 pytestmark = pytest.mark.integration
-
-
-def experience(cfg, rows, group_size=4, observation: list[int] | None = None) -> list[ExperienceGroup]:
-    """Groups whose completions are right or wrong answers, scored by the base model as the sampler would.
-
-    With ``observation``, each completion is a two-turn episode: the answer, those tokens inserted by an
-    environment (loss mask 0, sampling logprob 0), then the model's end of sequence."""
-    scorer = ReferenceScorer(cfg)
-    tokenizer = load_tokenizer(cfg.model.path)
-    rng = np.random.default_rng(0)
-    groups = []
-    for row in rows:
-        prompt_ids = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        completions, rewards = [], []
-        for k in range(group_size):
-            right = k % 2 == 0
-            text = row["answer"] if right else str(int(row["answer"]) + int(rng.integers(1, 9)))
-            answer = tokenizer.encode(text, add_special_tokens=False)
-            inserted = observation or []
-            ids = [*answer, *inserted, tokenizer.eos_token_id]
-            completions.append(
-                Completion(
-                    text=text,
-                    token_ids=np.asarray(ids, dtype=np.int32),
-                    logprobs=np.zeros(len(ids), np.float32),
-                    finish_reason="stop",
-                    loss_mask=np.asarray([1] * len(answer) + [0] * len(inserted) + [1], dtype=np.int32)
-                    if observation
-                    else None,
-                )
-            )
-            rewards.append(float(right))
-        rollout = advance(
-            Prompt(group_id=row["id"], prompt_id=row["id"], prompt=row["prompt"], answer=row["answer"]),
-            RolloutGroup,
-            prompt_ids=np.asarray(prompt_ids, dtype=np.int32),
-            policy_version=0,
-            completions=completions,
-        )
-        groups.append(advance(rollout, ScoredGroup, rewards=np.asarray(rewards, dtype=np.float32)))
-    scored = scorer(groups)
-    # The sampler's logprobs are the base model's: use the reference's scores for them.
-    return [
-        advance(
-            g,
-            ExperienceGroup,
-            completions=[
-                c.model_copy(update={"logprobs": ref if c.loss_mask is None else ref * c.loss_mask})
-                for c, ref in zip(g.completions, g.ref_logprobs, strict=False)
-            ],
-        )
-        for g in scored
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -418,17 +365,6 @@ def test_serving_dtype_weights_load_widened_into_float32_master_weights_and_no_o
         assert torch.equal(loaded[name], saved.to(torch.bfloat16).float())
     resumed.step(groups[3:], 1)  # trains on from fresh moments
     assert len(resumed.optimizer.state) > 0
-
-
-def with_nan(groups, group_index: int, field: str):
-    """``groups`` with one group's rewards (or reference logprobs) NaN: built past the message validation that would
-    refuse it, as a bug upstream of the learner or a numerical blow-up would hand it over."""
-    broken = groups[group_index]
-    if field == "rewards":
-        update = {"rewards": np.full_like(broken.rewards, np.nan)}
-    else:
-        update = {"ref_logprobs": [np.full_like(ref, np.nan) for ref in broken.ref_logprobs]}
-    return [*groups[:group_index], broken.model_copy(update=update), *groups[group_index + 1 :]]
 
 
 def test_a_nan_advantage_skips_every_update_of_the_step_and_the_weights_stay_as_they_were(setup):

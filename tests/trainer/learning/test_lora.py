@@ -16,8 +16,8 @@ from services.reference.service import ReferenceScorer
 from services.trainer.checkpointing.state import Checkpoint, CheckpointMismatch, TrainerState
 from services.trainer.checkpointing.store import CheckpointStore
 from services.trainer.learning.learner import Learner
-from tests.conftest import write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.runs import write_config
+from tests.support.trainer import experience
 
 pytestmark = pytest.mark.integration
 

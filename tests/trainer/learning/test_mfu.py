@@ -2,12 +2,11 @@
 
 import pytest
 
-from services.common.config import load_config
 from services.common.model.datasets import load_jsonl
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
-from tests.conftest import write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.runs import run_config
+from tests.support.trainer import experience
 
 pytestmark = pytest.mark.integration
 
@@ -15,8 +14,8 @@ pytestmark = pytest.mark.integration
 def test_a_cpu_step_has_no_mfu_and_a_step_on_a_device_of_known_peak_reports_its_flops_over_the_peak(
     tiny_model, tmp_path
 ):
-    model_dir, data_dir = tiny_model
-    cfg = load_config(write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", train={"epochs": 2}))
+    _, data_dir = tiny_model
+    cfg = run_config(tmp_path, tiny_model, train={"epochs": 2})
     learner = Learner(cfg)
     groups = experience(cfg, load_jsonl(data_dir / "train.jsonl")[:4])
     assert learner.peak_flops is None  # a CPU has no entry in the peak table

@@ -10,11 +10,13 @@ from services.common.config.training import OffPolicyConfig, TrainConfig
 from services.common.model.modeling import pack, token_logprobs
 from services.common.observe import metrics as m
 from services.common.observe.metrics import check_row
-from services.common.transport.messages import Completion, ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
+from services.common.transport.messages import Completion
 from services.trainer.learning import objective
 from services.trainer.learning.algorithms import group_advantages, policy_loss, value_loss
 from services.trainer.learning.batch import Batch, StepTargets
 from services.trainer.learning.corrections import correction_weights, log_ratio
+from tests.support.messages import completion as sampled
+from tests.support.messages import experience_group
 
 pytestmark = pytest.mark.unit
 
@@ -155,19 +157,9 @@ def test_the_batch_carries_each_token_s_version_and_a_completion_is_as_stale_as_
     completions = [
         completion([4, 4, 5]),  # the rollout loaded version 5 before its last token
         completion([1, 5, 6], loss_mask=[0, 1, 1]),  # an inserted observation's version does not count
-        Completion(
-            text="y", token_ids=np.arange(2, dtype=np.int32), logprobs=np.zeros(2, np.float32), finish_reason="stop"
-        ),
+        sampled(2, 0.0, text="y"),
     ]
-    rollout = advance(
-        Prompt(group_id="g", prompt_id="p", prompt="1+1="),
-        RolloutGroup,
-        prompt_ids=np.asarray([1, 2], np.int32),
-        policy_version=6,
-        completions=completions,
-    )
-    scored = advance(rollout, ScoredGroup, rewards=np.asarray([1.0, 0.0, 1.0], np.float32))
-    group = advance(scored, ExperienceGroup, ref_logprobs=[np.zeros(len(c.token_ids), np.float32) for c in completions])
+    group = experience_group("g", [1.0, 0.0, 1.0], completions=completions, policy_version=6, prompt_id="p", answer="")
     batch = Batch.of([group])
     torch.testing.assert_close(batch.token_versions, torch.tensor([[4.0, 4, 5], [1, 5, 6], [6, 6, 0]]))
     torch.testing.assert_close(batch.oldest_versions, torch.tensor([4.0, 5.0, 6.0]))

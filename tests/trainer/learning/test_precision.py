@@ -13,8 +13,8 @@ from services.common.model.modeling import Precision, host_copy, host_state, loa
 from services.reference.service import ReferenceScorer
 from services.trainer.learning.batch import Batch
 from services.trainer.learning.learner import Learner
-from tests.conftest import write_config
-from tests.trainer.learning.test_learner import experience
+from tests.support.runs import write_config
+from tests.support.trainer import experience
 
 pytestmark = pytest.mark.integration
 
