@@ -77,9 +77,10 @@ test: $(STAMP)
 	$(BIN)/ruff check services tests bench
 	$(BIN)/ruff format --check services tests bench
 # pyright (basic) on services and bench ([tool.pyright] in pyproject.toml); the gRPC stubs' .pyi type the messages,
-# so they are generated first (a tree installed before they were has only the .py stubs).
+# so they are generated first (a tree installed before they were has only the .py stubs). --project: this tree's
+# pyproject.toml, never a pyrightconfig.json that a folder above it holds.
 	$(BIN)/python -c "import services.common.pb"
-	$(BIN)/pyright
+	$(BIN)/pyright --project .
 # Every process a test starts imports rlpipe's own modules; compiled once here (nothing writes .pyc files at
 # import under PYTHONDONTWRITEBYTECODE), each of them saves about 0.2 CPU s.
 	$(BIN)/python -m compileall -q -j 0 services tests bench > /dev/null

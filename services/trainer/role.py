@@ -217,7 +217,7 @@ async def lead_holding(
         cfg,
         cfg.service.trainer_grpc_port,
         register,
-        interceptors=weight_sync_auth.server_interceptors(cfg),
+        interceptors=weight_sync_auth.server_interceptors(cfg.environment),
         credentials=weight_sync_tls.server_credentials(cfg.weight_sync, cfg.rollout, weight_sync_tls.TRAINER),
     )
     # Off the loop, which renews the lease meanwhile: MLflow's first open creates its database (16 s seen under load).

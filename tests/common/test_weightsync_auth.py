@@ -133,7 +133,7 @@ def test_with_tls_configured_a_plaintext_client_fails_and_a_tls_client_with_the_
             cfg,
             0,
             register,
-            interceptors=server_interceptors(cfg),
+            interceptors=server_interceptors(cfg.environment),
             credentials=server_credentials(cfg.weight_sync, cfg.rollout, TRAINER),
         )
         plaintext = WeightSyncClient(address, token=TOKEN)
@@ -157,5 +157,5 @@ def test_a_prod_trainer_without_a_weight_sync_token_refuses_to_start(config_only
     monkeypatch.delenv("RLPIPE_ENV", raising=False)
     cfg = run_config(tmp_path, config_only_model, environment="prod")
     with pytest.raises(StartRefused, match="RLPIPE_WEIGHTSYNC_TOKEN is not set"):
-        server_interceptors(cfg)
-    assert server_interceptors(cfg.model_copy(update={"environment": "dev"})) == []
+        server_interceptors(cfg.environment)
+    assert server_interceptors("dev") == []

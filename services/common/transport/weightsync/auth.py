@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from services.common.config import RunConfig, WeightSyncCredentials
+from services.common.config import WeightSyncCredentials
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.refusal import StartRefused
@@ -64,13 +64,13 @@ class WeightSyncToken(grpc.aio.ServerInterceptor):
         return self._refuse_stream if handler is not None and handler.response_streaming else self._refuse_unary
 
 
-def server_interceptors(cfg: RunConfig) -> list[grpc.aio.ServerInterceptor]:
-    """The token check for the trainer's WeightSync port. Without a token the port is open: refused in prod, a
-    warning elsewhere (``rlpipe run``, compose and the k8s overlays always give one)."""
+def server_interceptors(environment: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """The token check for the trainer's WeightSync port. Without a token the port is open: refused in a prod
+    ``environment``, a warning elsewhere (``rlpipe run``, compose and the k8s overlays always give one)."""
     token = WeightSyncCredentials().token
     if token:
         return [WeightSyncToken(token)]
-    if cfg.environment == "prod":
+    if environment == "prod":
         raise StartRefused("RLPIPE_WEIGHTSYNC_TOKEN is not set: a prod trainer does not serve its weights to anyone")
     log_event(log, Event.WEIGHT_SYNC_OPEN, level=logging.WARNING, reason="RLPIPE_WEIGHTSYNC_TOKEN is not set")
     return []
