@@ -33,28 +33,21 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         return print_json(status)
     state = f"[bold]{status.state}[/]" + (f" ({status.paused_reason})" if status.paused_reason else "")
     unreadable = f"[red]unknown: store unreadable ({status.checkpoint_store_error})[/]"
+
+    def stored_step(step: int) -> str:
+        """A step the store names: unknown while it is unreadable, "none" when it has none (-1)."""
+        if status.checkpoint_store_error:
+            return unreadable
+        return str(step) if step >= 0 else "none"
+
     summary = Table(title=f"run {status.run_id}", show_header=False)
     for name, value in (
         ("state", state),
         ("step", f"{status.step} / {status.total_steps}"),
         ("policy version", str(status.policy_version)),
         ("config version", str(status.config_version)),
-        (
-            "last checkpoint",
-            unreadable
-            if status.checkpoint_store_error
-            else str(status.last_checkpoint_step)
-            if status.last_checkpoint_step >= 0
-            else "none",
-        ),
-        (
-            "last stable",
-            unreadable
-            if status.checkpoint_store_error
-            else str(status.last_stable_step)
-            if status.last_stable_step >= 0
-            else "none",
-        ),
+        ("last checkpoint", stored_step(status.last_checkpoint_step)),
+        ("last stable", stored_step(status.last_stable_step)),
         ("eval accuracy", f"{status.last_eval_accuracy:.3f}" if status.last_eval_accuracy >= 0 else "-"),
         ("groups in flight", str(status.in_flight_groups)),
         ("build", f"{status.build_version} ({status.build_revision})"),

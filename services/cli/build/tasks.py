@@ -125,11 +125,12 @@ def make_long_tail_dataset(
         a = rng.randint(0, MAX_OPERAND)
         b = rng.randint(0, MAX_OPERAND - a)
         repeats = rng.randint(*LONG_REPEATS)
-        long[f"rep-{a:02d}-{b:02d}-{repeats:02d}"] = {
+        row = {
             "id": f"rep-{a:02d}-{b:02d}-{repeats:02d}",
             "prompt": f"{a}+{b} r{repeats}=",
             "answer": str(a + b) * repeats,
         }
+        long[row["id"]] = row
     problems = [*short.values(), *long.values()]
     rng.shuffle(problems)
     return _write_splits(problems, n_eval, n_dev, out_dir)
