@@ -33,6 +33,7 @@ from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.gpu_memory import KINDS as GPU_MEMORY_KINDS
 from services.common.observe.gpu_memory import memory_lines, role_memory
+from services.common.observe.metric_types import Metric
 from services.common.observe.records import EventRecord, MetricsRow, read_events, read_metrics, step_rows
 from services.common.observe.timeshare import StageActivity
 from services.common.observe.usage import USAGE_FILE, RunCost
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
     from matplotlib.typing import LineStyleType
 
-PANELS: tuple[tuple[m.Metric, str, m.Metric | None], ...] = (
+PANELS: tuple[tuple[Metric, str, Metric | None], ...] = (
     (m.REWARD_MEAN, "reward mean (band: ±std)", m.REWARD_STD),
     (m.EVAL_ACCURACY, "held-out accuracy (greedy)", None),
     (m.ENTROPY, "policy entropy (nats/token)", None),
@@ -112,7 +113,7 @@ def event_steps(events: list[EventRecord], rows: list[MetricsRow]) -> list[tuple
 
 
 def curve(
-    rows: list[MetricsRow], metric: m.Metric, band: m.Metric | None
+    rows: list[MetricsRow], metric: Metric, band: Metric | None
 ) -> tuple[list[float], list[float], list[float] | None]:
     """x, y and the ±band of one curve in file order, with a NaN gap wherever the step goes back."""
     xs: list[float] = []

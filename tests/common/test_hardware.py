@@ -30,7 +30,8 @@ from services.common.observe.hardware import (
     smi_cuda_version,
 )
 from services.common.observe.instruments import watch_gpus
-from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row, gauge_name
+from services.common.observe.metric_types import gauge_name
+from services.common.observe.metrics import TRAINER_STEP_KEYS, check_row
 from services.common.observe.usage import GPU, GpuHold, UsageMeter, gpu_holders
 from services.trainer.alerts import AlertEvaluator
 from tests.support.hardware import GPU_A, GPU_B

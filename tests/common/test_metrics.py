@@ -11,6 +11,7 @@ import pytest
 from services.common.config import default_alert_rules
 from services.common.observe import metrics as m
 from services.common.observe import metrics_reference
+from services.common.observe.metric_types import Kind
 from services.common.observe.timeshare import StageActivity, StepPhase
 
 pytestmark = pytest.mark.unit
@@ -54,7 +55,7 @@ def test_the_exported_gauges_are_the_exported_declarations_with_each_closed_fami
     assert {f"agent/outcome/{outcome}" for outcome in m.EPISODE_OUTCOMES} <= keys
     assert {metric.key for metric in m.METRICS if metric.exported} <= keys
     assert not keys & {metric.key for metric in m.METRICS if not metric.exported}
-    assert all(m.find(key).kind != m.Kind.TEXT for key in keys)
+    assert all(m.find(key).kind != Kind.TEXT for key in keys)
     assert m.TIME_SPLIT.of("wait").gauge_name == "rlpipe_trainer_time_wait_s"
 
 
@@ -64,7 +65,7 @@ def test_the_trackers_get_the_common_namespaces_and_no_two_keys_share_a_tracker_
     assert m.tracker_name("roles_stalled") == "trainer/roles_stalled"  # none of its own: under trainer/
     assert m.tracker_name("never_declared") == "trainer/never_declared"
     concrete = [*m.METRICS, *(member for family in m.FAMILIES for member in family.members())]
-    names = [metric.tracker_name for metric in concrete if metric.kind not in (m.Kind.INDEX, m.Kind.TEXT)]
+    names = [metric.tracker_name for metric in concrete if metric.kind not in (Kind.INDEX, Kind.TEXT)]
     assert len(names) == len(set(names))
     assert {"time", "step", "alert", "alert_severity", "error"} == m.NOT_METRICS
 

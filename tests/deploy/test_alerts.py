@@ -9,7 +9,8 @@ import pytest
 
 from services.common.config import default_alert_rules
 from services.common.observe import instruments
-from services.common.observe.metrics import EXPORTED, gauge_name
+from services.common.observe.metric_types import gauge_name
+from services.common.observe.metrics import EXPORTED
 from tests.support.deploy import DEPLOY, load_yaml
 from tests.support.paths import ROOT
 

@@ -12,6 +12,7 @@ from services.cli.report import time_lines, write_run_report
 from services.common.config import RunConfig
 from services.common.files import write_atomically
 from services.common.observe import metrics as m
+from services.common.observe.metric_types import Metric
 from services.common.observe.records import MetricsRow, RunDone, read_metrics
 from services.common.observe.usage import USAGE_FILE, RunCost, UsageMeter
 
@@ -64,7 +65,7 @@ def summarize(
     return table
 
 
-def _mean(rows: list[MetricsRow], metric: m.Metric) -> float:
+def _mean(rows: list[MetricsRow], metric: Metric) -> float:
     return sum(row[metric] for row in rows) / len(rows)
 
 

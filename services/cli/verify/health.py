@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 from services.cli.verify.check import Check
 from services.common.config import RunConfig
 from services.common.observe import metrics as m
+from services.common.observe.metric_types import Metric
 from services.common.observe.records import MetricsRow
 from services.common.observe.usage import ResourceTrend
 
@@ -47,7 +48,7 @@ class JumpRule:
 
     floor: float
     rel: float
-    spread: m.Metric | None = None
+    spread: Metric | None = None
     spreads: float = 0.0
     from_step_2: bool = False  # step 1's value is fixed by construction, so leaving it is no jump
 

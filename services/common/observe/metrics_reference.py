@@ -12,7 +12,8 @@ import re
 import sys
 from pathlib import Path
 
-from services.common.observe.metrics import DECLARED, Family, Group, Kind, Metric, gauge_name
+from services.common.observe.metric_types import Family, Group, Kind, Metric, gauge_name
+from services.common.observe.metrics import DECLARED
 
 BEGIN = (
     "<!-- generated from services/common/observe/metrics.py by "

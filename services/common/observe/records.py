@@ -22,6 +22,7 @@ from typing import Any
 from services.common.observe import metrics as m
 from services.common.observe.events import Event
 from services.common.observe.logs import jsonl_parts
+from services.common.observe.metric_types import Family, Metric
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -54,30 +55,30 @@ class MetricsRow:
 
     raw: Mapping[str, Any]  # the row as parsed from its line
 
-    def __contains__(self, metric: m.Metric) -> bool:
+    def __contains__(self, metric: Metric) -> bool:
         return metric.key in self.raw
 
-    def get(self, metric: m.Metric) -> float | None:
+    def get(self, metric: Metric) -> float | None:
         """The number under ``metric`` (an int stays an int), or None."""
         return _number(self.raw.get(metric.key))
 
-    def finite(self, metric: m.Metric) -> float | None:
+    def finite(self, metric: Metric) -> float | None:
         """The number under ``metric`` when it is finite, else None."""
         value = self.get(metric)
         return value if value is not None and math.isfinite(value) else None
 
-    def __getitem__(self, metric: m.Metric) -> float:
+    def __getitem__(self, metric: Metric) -> float:
         value = self.get(metric)
         if value is None:
             raise KeyError(f"the row has no number under {metric.key!r}")
         return value
 
-    def text(self, metric: m.Metric) -> str | None:
+    def text(self, metric: Metric) -> str | None:
         """The string under a ``Kind.TEXT`` metric (the alert's rule, a failed save's error), or None."""
         value = self.raw.get(metric.key)
         return value if isinstance(value, str) else None
 
-    def family(self, family: m.Family) -> dict[tuple[str, ...], float]:
+    def family(self, family: Family) -> dict[tuple[str, ...], float]:
         """The numbers of ``family``'s members in the row, by their placeholders' values:
         ``{("gsm8k",): 0.5}`` for ``reward/gsm8k/mean``."""
         found = {}
