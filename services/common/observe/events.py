@@ -125,7 +125,6 @@ class Event(StrEnum):
     GROUP_REOPENED = "group_reopened"  # a dead letter's re-injection reopened its group
     LEASE_ACQUIRED = "lease_acquired"  # the trainer holds the run's lease
     LEASE_LOST = "lease_lost"  # the trainer lost the run's lease and stops
-    LEASE_READ_FAILED = "lease_read_failed"  # reading the lease failed
     LEASE_RECLAIMED = "lease_reclaimed"  # the lease ran out unrenewed, nobody took it, and the trainer took it back
     LEASE_RELEASE_FAILED = "lease_release_failed"  # releasing the lease failed; it expires on its own
     LEASE_RELEASE_SKIPPED = "lease_release_skipped"  # another trainer holds the lease now
