@@ -5,8 +5,9 @@ transformers reads a GGUF file through ``from_pretrained(folder, gguf_file=name)
 the tokenizer, special tokens and chat template from the file's metadata. The model it returns
 is still marked GGUF-quantized, and ``save_pretrained`` refuses it, so the import rebuilds a
 plain model from its config and state dict and saves that, with the tokenizer and generation
-config; a tokenizer left without a pad token gets one (``with_pad_token``). The folder then
-loads through the same ``from_pretrained`` and vLLM paths as any other checkpoint, which is
+config. The special tokens are the file's own (``with_file_special_tokens``: transformers 5.17 reads a
+GPT-2-style vocabulary's BOS as its EOS too), and a file that names no pad token gets one (``with_pad_token``).
+The folder then loads through the same ``from_pretrained`` and vLLM paths as any other checkpoint, which is
 what the trainer, reference and rollouts use.
 
 Before anything is written the import checks that transformers can read the file's
@@ -39,6 +40,14 @@ IMPORT_MARKER = "gguf_import.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Keys of transformers' GGUF config table that name metadata groups, not model architectures.
 _NOT_ARCHITECTURES = {"general", "tokenizer"}
+# The special tokens a GGUF file names by id, and the tokenizer attribute each one sets.
+SPECIAL_TOKEN_FIELDS = {
+    "tokenizer.ggml.bos_token_id": "bos_token",
+    "tokenizer.ggml.eos_token_id": "eos_token",
+    "tokenizer.ggml.padding_token_id": "pad_token",
+    "tokenizer.ggml.unknown_token_id": "unk_token",
+}
+CONFIG_TOKENS = ("bos_token", "eos_token", "pad_token")  # those the model and generation configs carry as ids too
 # The probe is chat-rendered when the tokenizer has a template, so special tokens are compared too.
 PROBE_TEXT = "Tom has 17 apples and buys 25 more. How many apples does he have now?"
 
@@ -60,6 +69,9 @@ class ImportSummary:
     dtype: str
     max_logit_diff: float | None  # saved folder vs GGUF-loaded model on the probe; None when not verified
     seconds: float
+    # special tokens this transformers version read wrongly or not at all, as the file names them:
+    # {"eos_token": "'<|im_start|>' -> '<|im_end|>'"}; empty when it read them all
+    special_tokens_corrected: dict[str, str]
 
 
 def supported_architectures() -> list[str]:
@@ -133,11 +145,39 @@ def plain_copy(model: PreTrainedModel) -> PreTrainedModel:
     return plain.eval()
 
 
+def file_special_tokens(path: Path) -> dict[str, int]:
+    """The special-token ids the GGUF file's metadata names (``SPECIAL_TOKEN_FIELDS``), by tokenizer attribute."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    return {attribute: int(fields[key].contents()) for key, attribute in SPECIAL_TOKEN_FIELDS.items() if key in fields}
+
+
+def with_file_special_tokens(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, named: dict[str, int]
+) -> dict[str, str]:
+    """Set the tokenizer's and the configs' special tokens to those the file names (``file_special_tokens``) where
+    transformers read them otherwise; returns what changed, ``{attribute: "'old' -> 'new'"}``.
+
+    The file is the authority: transformers 5.17's GPT-2 GGUF converter (SmolLM2's vocabulary) takes the BOS id for
+    the EOS as well and drops the pad, so a folder saved as loaded would end every sequence at ``<|im_start|>``."""
+    corrected = {}
+    for attribute, token_id in named.items():
+        token = tokenizer.convert_ids_to_tokens(token_id)
+        before = getattr(tokenizer, attribute, None)
+        if before != token:
+            setattr(tokenizer, attribute, token)
+            corrected[attribute] = f"{before!r} -> {token!r}"
+        if attribute in CONFIG_TOKENS:
+            for config in (model.config, model.generation_config):
+                setattr(config, f"{attribute}_id", token_id)
+    return corrected
+
+
 def with_pad_token(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Give the folder a pad token where the GGUF file's did not come through: ``tokenizer.ggml.padding_token_id``
-    reaches the tokenizer on some transformers versions the pins allow and not on others, and a file may have none.
-    The pad is ``padding.pad_token_id``'s fallback (pad, else EOS, else unknown), written to the tokenizer, the
-    model config and the generation config, so every reader of the folder pads alike."""
+    """Give the folder a pad token where the file names none (``with_file_special_tokens`` set the one it names):
+    ``padding.pad_token_id``'s fallback (pad, else EOS, else unknown), written to the tokenizer, the model config and
+    the generation config, so every reader of the folder pads alike."""
     ensure_pad_token(tokenizer)
     for config in (model.config, model.generation_config):
         if getattr(config, "pad_token_id", None) is None:
@@ -230,6 +270,7 @@ def import_gguf(
     staging = out_dir.with_name(out_dir.name + ".importing")
     shutil.rmtree(staging, ignore_errors=True)
     plain = plain_copy(gguf_model)
+    corrected = with_file_special_tokens(plain, tokenizer, file_special_tokens(gguf_path))
     with_pad_token(plain, tokenizer)
     model_class, parameters = type(plain).__name__, sum(p.numel() for p in plain.parameters())
     plain.save_pretrained(staging)
@@ -260,6 +301,7 @@ def import_gguf(
         dtype=dtype,
         max_logit_diff=diff,
         seconds=round(time.perf_counter() - started, 2),
+        special_tokens_corrected=corrected,
     )
     (staging / IMPORT_MARKER).write_text(json.dumps(asdict(summary), indent=2) + "\n")
     if out_dir.exists():

@@ -19,6 +19,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from typer.testing import CliRunner
 
 from services.cli.app import app
+from services.cli.build import gguf_import
 from services.cli.build.gguf_import import (
     IMPORT_MARKER,
     GGUFImportError,
@@ -220,6 +221,33 @@ def test_a_gguf_file_without_a_pad_token_imports_with_its_eos_as_the_pad_everywh
     assert (tokenizer.pad_token, tokenizer.pad_token_id) == ("<|im_end|>", 2)
     assert json.loads((out / "config.json").read_text())["pad_token_id"] == 2
     assert json.loads((out / "generation_config.json").read_text())["pad_token_id"] == 2
+
+
+@pytest.mark.integration
+def test_special_tokens_transformers_misreads_are_taken_from_the_file_and_named_in_the_summary(
+    tiny_gguf: tuple[Path, LlamaForCausalLM], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """transformers 5.17 (the GPU image's) reads a GPT-2-style GGUF vocabulary's BOS as its EOS too and no pad;
+    planted here on the version under test, so the folder must still end sequences at the file's EOS."""
+    load = gguf_import.load_gguf
+
+    def misread(path: Path, dtype: str = "float32"):
+        model, tokenizer = load(path, dtype)
+        tokenizer.eos_token = tokenizer.bos_token
+        tokenizer.pad_token = None
+        return model, tokenizer
+
+    monkeypatch.setattr(gguf_import, "load_gguf", misread)
+    summary = import_gguf(tiny_gguf[0], tmp_path / "imported")
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "imported"))
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token) == ("<|im_end|>", 2, "<|im_end|>")
+    config = json.loads((tmp_path / "imported" / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
+    assert summary.special_tokens_corrected == {
+        "eos_token": "'<|im_start|>' -> '<|im_end|>'",
+        "pad_token": "None -> '<|im_end|>'",
+    }
 
 
 def test_the_summary_is_recorded_last_in_the_folder(tiny_gguf: tuple[Path, LlamaForCausalLM], imported: Path) -> None:
