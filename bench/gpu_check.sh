@@ -11,7 +11,9 @@
 #   --python PATH  an interpreter that already holds rlpipe's dependencies with a CUDA torch and vLLM (a
 #                  machine without a package index); default: build .venv-gpu with deploy/install-python.sh
 #                  and the GPU images' pins (deploy/requirements-cuda.txt), as deploy/Dockerfile's GPU targets do
-# environment: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_DIR (scratch folder, default a new temp dir)
+# environment: GPU_CHECK_VENV (default .venv-gpu), GPU_CHECK_DIR (scratch folder, default a new temp dir),
+#              GPU_CHECK_TRL_VENV (TRL's environment for vs-trl-gpu, default build/bench/trl-venv; bench/gpu_carry.py
+#              points it at the image's interpreter where there is no package index)
 #
 # Exits 1 if any step failed; a step that does not apply (torchrun with one GPU) is "skipped", not failed.
 set -euo pipefail
@@ -39,7 +41,7 @@ while [ $# -gt 0 ]; do
             shift
             ;;
         -h | --help)
-            sed -n '2,16p' "$0"
+            sed -n '2,18p' "$0"
             exit 0
             ;;
         *)
@@ -351,7 +353,8 @@ step_vs_trl_gpu() {
         }
     fi
     # TRL runs in its own environment (build/bench/trl-venv), which the bench creates with pip where it is missing.
-    "$python" -m bench.vs_trl --task smol --device cuda --trl-threads 1
+    "$python" -m bench.vs_trl --task smol --device cuda --trl-threads 1 \
+        --trl-venv "${GPU_CHECK_TRL_VENV:-build/bench/trl-venv}"
     roles build/bench/runs/bench-vs-trl-smol
     "$python" - <<'EOF'
 import json
