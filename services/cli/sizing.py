@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from services.common.model.gpu_share import CUDA_CONTEXT_BYTES
+from services.common.model.gpu_share import ALLOCATOR_FLOOR_BYTES, CUDA_CONTEXT_BYTES
 
 MIB = 1024**2
 GIB = 1024**3
@@ -336,10 +336,11 @@ class SharedGpu:
 
 
 def gpu_share(need: int, gpu_bytes: int) -> float:
-    """A process's share of a GPU of ``gpu_bytes`` for its own ``need``: the need with headroom plus a CUDA context
-    (``CUDA_CONTEXT_BYTES``), over the GPU's memory, rounded up to a thousandth so it never falls short (a share
-    a float's last bit above a thousandth is that thousandth)."""
-    return math.ceil((with_headroom(need) + CUDA_CONTEXT_BYTES) / gpu_bytes * 1000 - 1e-9) / 1000
+    """A process's share of a GPU of ``gpu_bytes`` for its own ``need``: the need with headroom, the allocator's
+    floor (``ALLOCATOR_FLOOR_BYTES``) and a CUDA context (``CUDA_CONTEXT_BYTES``), over the GPU's memory, rounded
+    up to a thousandth so it never falls short (a share a float's last bit above a thousandth is that thousandth)."""
+    held = with_headroom(need) + ALLOCATOR_FLOOR_BYTES + CUDA_CONTEXT_BYTES
+    return math.ceil(held / gpu_bytes * 1000 - 1e-9) / 1000
 
 
 def shared_gpu(

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.observe.hardware import nvml_or
+
 PROC = Path("/proc")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PR_SET_PDEATHSIG = 1
@@ -105,8 +107,10 @@ class GpuMemory:
             return 0
         nvml, total = self._nvml, 0
         for index in range(self.device_count):
-            handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            for proc in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            handle = nvml_or(nvml, None, nvml.nvmlDeviceGetHandleByIndex, index)
+            if handle is None:
+                continue
+            for proc in nvml_or(nvml, [], nvml.nvmlDeviceGetComputeRunningProcesses, handle):
                 if proc.pid in pids and proc.usedGpuMemory:
                     total += proc.usedGpuMemory
         return total

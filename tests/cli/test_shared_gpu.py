@@ -17,6 +17,7 @@ from services.cli.plan import CPU_AUTO_REPLICAS, shared_gpu_line
 from services.cli.sizing import GIB, ModelShape, RoleMemory, SizingEstimate, SizingInputs, TrainerMemory, gpu_share
 from services.cli.sizing import shared_gpu as plan_shared_gpu
 from services.common.config import ConfigError, load_config
+from services.common.model.gpu_share import ALLOCATOR_FLOOR_BYTES, allocator_fraction
 from services.common.transport.nats_auth import write_run_credentials
 from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.support.hardware import GPU_A, GPU_B
@@ -35,50 +36,60 @@ def estimate_of(trainer_gib: float, reference_gib: float, rollout_gib: float) ->
     return SizingEstimate(SHAPE, SizingInputs(), 0, trainer, reference, rollout)
 
 
-# On 80 GiB, with 25% headroom and a 0.5 GiB CUDA context each: the trainer (6 GiB) 7.5 + 0.5 = 8 GiB = 0.100;
-# the reference (1.2 GiB) 1.5 + 0.5 = 2 GiB = 0.025; a rollout (2 GiB) 2.5 + 0.5 = 3 GiB = 0.0375, up to 0.038.
+# On 80 GiB (a thousandth is 0.08 GiB), with 25% headroom, the allocator's 0.25 GiB floor and a 0.5 GiB CUDA context
+# each: the trainer (6 GiB) 7.5 + 0.75 = 8.25 GiB = 0.1031, up to 0.104; the reference (1.2 GiB) 1.5 + 0.75 = 2.25 GiB
+# = 0.0281, up to 0.029; a rollout (2 GiB) 2.5 + 0.75 = 3.25 GiB = 0.0406, up to 0.041.
 EIGHTY = 80 * GIB
 EST = estimate_of(6, 1.2, 2)
 
 
-def test_a_process_share_is_its_need_with_headroom_and_a_cuda_context_rounded_up_to_a_thousandth():
-    assert gpu_share(int(6 * GIB), EIGHTY) == 0.1  # exactly a thousandth: not pushed up by a float's last bit
-    assert gpu_share(int(2 * GIB), EIGHTY) == 0.038
-    assert gpu_share(int(1.2 * GIB), EIGHTY) == 0.025
+def test_a_process_share_is_its_need_with_headroom_an_allocator_floor_and_a_cuda_context_rounded_up_to_a_thousandth():
+    assert gpu_share(int(5.8 * GIB), EIGHTY) == 0.1  # 7.25 + 0.75 = 8 GiB, exactly a thousandth: not pushed up
+    assert gpu_share(int(6 * GIB), EIGHTY) == 0.104
+    assert gpu_share(int(2 * GIB), EIGHTY) == 0.041
+    assert gpu_share(int(1.2 * GIB), EIGHTY) == 0.029
+
+
+def test_a_tiny_models_share_leaves_its_allocator_at_least_the_floor_on_a_large_gpu():
+    """The tiny model's roles on an H200 got 0.004 (575 MiB), an allocator cap of 63 MiB after the context: under
+    cuBLAS's 32 MiB workspace and the allocator's 20 MiB segments beside the model."""
+    h200 = 143_771 * 2**20
+    for need in (1, 24 * 2**20, 42 * 2**20):
+        assert allocator_fraction(gpu_share(need, h200), h200, "trainer") * h200 >= ALLOCATOR_FLOOR_BYTES
 
 
 def test_the_rollout_replicas_that_fit_are_what_the_trainer_and_reference_leave_over_one_rollouts_share():
     plan = plan_shared_gpu(EST, EIGHTY, max_replicas=100)
-    assert plan.shares == {"trainer": 0.1, "reference": 0.025, "rollout": 0.038}
-    assert plan.fitting == plan.rollout_replicas == 23  # (1 - 0.1 - 0.025) / 0.038 = 23.03
-    assert plan.claimed == pytest.approx(0.1 + 0.025 + 23 * 0.038)
+    assert plan.shares == {"trainer": 0.104, "reference": 0.029, "rollout": 0.041}
+    assert plan.fitting == plan.rollout_replicas == 21  # (1 - 0.104 - 0.029) / 0.041 = 21.1
+    assert plan.claimed == pytest.approx(0.104 + 0.029 + 21 * 0.041)
 
 
 def test_auto_starts_at_most_its_maximum_however_many_fit():
     plan = plan_shared_gpu(EST, EIGHTY, max_replicas=4)
-    assert (plan.fitting, plan.rollout_replicas) == (23, 4)
+    assert (plan.fitting, plan.rollout_replicas) == (21, 4)
 
 
 def test_shares_the_config_gives_win_over_the_plans_and_reference_and_reward_replicas_take_their_room():
     plan = plan_shared_gpu(EST, EIGHTY, given={"trainer": 0.5}, max_replicas=100)
     assert plan.shares["trainer"] == 0.5 and plan.given == ("trainer",)
-    assert plan.fitting == 12  # (1 - 0.5 - 0.025) / 0.038 = 12.5
-    assert plan_shared_gpu(EST, EIGHTY, reference_replicas=2, max_replicas=100).fitting == 22  # 0.85 / 0.038
+    assert plan.fitting == 11  # (1 - 0.5 - 0.029) / 0.041 = 11.5
+    assert plan_shared_gpu(EST, EIGHTY, reference_replicas=2, max_replicas=100).fitting == 20  # 0.838 / 0.041
     reward = plan_shared_gpu(EST, EIGHTY, given={"reward": 0.1}, reward_replicas=2, max_replicas=100)
-    assert (reward.reserved, reward.fitting) == (0.2, 17)  # 0.675 / 0.038 = 17.8
+    assert (reward.reserved, reward.fitting) == (0.2, 16)  # 0.667 / 0.041 = 16.3
 
 
 def test_a_gpu_the_trainer_alone_overflows_fits_no_rollout_replica():
     plan = plan_shared_gpu(EST, 4 * GIB)
-    assert plan.shares["trainer"] == 2.0 and (plan.fitting, plan.fits) == (0, False)
+    assert plan.shares["trainer"] == 2.063 and (plan.fitting, plan.fits) == (0, False)
     assert shared_gpu_line(plan).startswith("one GPU shared: does not fit: the trainer and reference leave no room")
 
 
 def test_the_plan_line_names_the_replicas_and_each_roles_share_and_memory():
     line = shared_gpu_line(plan_shared_gpu(EST, EIGHTY, given={"trainer": 0.1}))
     assert line.startswith("one GPU shared: trainer + reference + 4 rollout replica(s): fits")
-    assert "trainer 0.100 = 8.00 GiB (set), reference 0.025 = 2.00 GiB each, rollout 0.038 = 3.04 GiB each" in line
-    assert "23 rollout replica(s) fit, rollout.replicas: auto starts 4" in line
+    assert "trainer 0.100 = 8.00 GiB (set), reference 0.029 = 2.32 GiB each, rollout 0.041 = 3.28 GiB each" in line
+    assert "21 rollout replica(s) fit, rollout.replicas: auto starts 4" in line
 
 
 @pytest.fixture
@@ -153,9 +164,9 @@ def test_auto_on_a_gpu_starts_the_plans_replicas_on_the_first_visible_gpu_each_r
         run_config(rollout={"replicas": "auto", "backend": "hf"}, service={"gpu_memory_fraction": {"reward": 0.05}})
     )
     placement = decide_placement(cfg, EST, EIGHTY, "3,5")
-    # The reward's 0.05 comes off first: (1 - 0.05 - 0.1 - 0.025) / 0.038 = 21.7, of which auto starts 4.
-    assert placement.rollout_replicas == 4 and "4 rollout replica(s) of the 21 that fit" in placement.summary
-    shares = {"trainer": 0.1, "reference": 0.025, "rollout": 0.038, "reward": 0.05}
+    # The reward's 0.05 comes off first: (1 - 0.05 - 0.104 - 0.029) / 0.041 = 19.9, of which auto starts 4.
+    assert placement.rollout_replicas == 4 and "4 rollout replica(s) of the 19 that fit" in placement.summary
+    shares = {"trainer": 0.104, "reference": 0.029, "rollout": 0.041, "reward": 0.05}
     assert placement.env() == {
         "RLPIPE_ROLLOUT__REPLICAS": "4",
         "RLPIPE_SERVICE__GPU_MEMORY_FRACTION": json.dumps(shares, sort_keys=True),
@@ -170,8 +181,8 @@ def test_a_role_started_with_the_placements_environment_loads_a_config_whose_sha
         monkeypatch.setenv(name, value)
     cfg = load_config(config)  # as the role loads it: the environment over the file
     assert cfg.rollout.replicas == placement.rollout_replicas == 4
-    assert cfg.service.gpu_memory_fraction == {"trainer": 0.5, "reference": 0.025, "rollout": 0.038}
-    assert cfg.rollout.gpu_memory_utilization == 0.038  # the vLLM rollout's share
+    assert cfg.service.gpu_memory_fraction == {"trainer": 0.5, "reference": 0.029, "rollout": 0.041}
+    assert cfg.rollout.gpu_memory_utilization == 0.041  # the vLLM rollout's share
 
 
 def test_auto_with_no_room_for_one_rollout_refuses_to_start_naming_the_field(run_config):

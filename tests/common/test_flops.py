@@ -35,6 +35,7 @@ def test_utilization_is_the_flops_over_what_the_devices_could_do_in_the_step():
         ("NVIDIA H200", 989e12),
         ("NVIDIA H100 80GB HBM3", 989e12),
         ("NVIDIA H100 PCIe", 756e12),  # the longer match wins over "H100"
+        ("NVIDIA H200 NVL", 835e12),  # the PCIe card, not the SXM module "H200" alone names
         ("NVIDIA A100-SXM4-80GB", 312e12),
         ("NVIDIA GeForce RTX 4090", None),  # not in the table: no MFU rather than a guess
     ],

@@ -207,6 +207,26 @@ def test_hardware_keys_reach_prometheus_under_their_mapped_names(tmp_path):
     assert one_value(samples, "rlpipe_trainer_step") == 2
 
 
+def test_what_nvml_refuses_is_left_out_of_the_gpu_holders_rather_than_raised(fake_nvml, monkeypatch):
+    """Under some virtualised drivers NVML answers NOT_SUPPORTED or NO_PERMISSION; the launcher samples the holders
+    from its loop every two seconds, so a refusal there would end the run."""
+    rollout, trainer = 101, 202
+    fake_nvml.PROCESSES = {0: [(rollout, 3 * GIB)], 1: [(trainer, 5 * GIB)]}
+
+    def refused(*args):
+        raise fake_nvml.NVMLError("NVML_ERROR_NOT_SUPPORTED")
+
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetGraphicsRunningProcesses", refused)
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetUtilizationRates", refused)
+    assert gpu_holders() == {
+        rollout: GpuHold(devices=1, mem_gib=3.0, util_pct=0.0),  # no utilisation figure: 0, as for an idle GPU
+        trainer: GpuHold(devices=1, mem_gib=5.0, util_pct=0.0),
+    }
+    handle = fake_nvml.nvmlDeviceGetHandleByIndex
+    monkeypatch.setattr(fake_nvml, "nvmlDeviceGetHandleByIndex", lambda index: refused() if index else handle(index))
+    assert gpu_holders() == {rollout: GpuHold(devices=1, mem_gib=3.0, util_pct=0.0)}  # device 1 lost
+
+
 def test_each_process_holding_gpus_is_read_with_its_device_memory_and_its_busiest_gpu(fake_nvml):
     rollout, reference, blind = 101, 202, 303
     fake_nvml.PROCESSES = {

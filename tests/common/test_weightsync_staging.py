@@ -7,6 +7,7 @@ newer versions are published (over a socket gRPC's buffers decide how far the se
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -122,3 +123,21 @@ def test_snapshots_handed_out_and_not_published_keep_their_memory():
         tensors = dict(snapshot.tensors)
         assert all(torch.equal(tensors[name], tensor) for name, tensor in made.items())
     assert len({id(snapshot.buffer) for snapshot, _ in kept}) == 3
+
+
+def test_the_first_version_is_served_only_once_its_copy_from_the_gpu_has_landed():
+    """On a GPU a snapshot's host tensors fill asynchronously (``copied`` is the copy's CUDA event); version 0 is
+    served from the server's first pull on, so the server waits for it, as ``publish`` does for later versions."""
+
+    class CopyEvent:  # a CUDA event's one method the snapshot uses; this machine has no GPU to record one
+        synchronized = False
+
+        def synchronize(self) -> None:
+            self.synchronized = True
+
+    event = CopyEvent()
+    initial = dataclasses.replace(HostStaging().copy(Model().state_dict().items(), 0, 0), copied=event)
+
+    WeightSyncServer(initial)
+
+    assert event.synchronized

@@ -395,6 +395,9 @@ def main() -> None:
     """``warm_start FD MODULES...`` (a run's own, on the socket pair end FD) or ``warm_start --listen SOCKET
     MODULES...`` (a pool)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ctrl-c is the launcher's to handle, stopping roles in order
+    # torch.cuda.is_available() in an imported module would otherwise call cuInit here, which no forked child can
+    # undo, while is_initialized() (_check_fork_safe) still says False; NVML answers the same question fork-safely.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     pool = listening(sys.argv[2]) if sys.argv[1] == "--listen" else None
     for module in sys.argv[3:] if pool is not None else sys.argv[2:]:
         importlib.import_module(module)

@@ -26,6 +26,11 @@ log = logging.getLogger(__name__)
 # What a process's CUDA context takes on the device before its first tensor: about 500 MiB on H100-class GPUs with
 # CUDA's lazy module loading (more without it). `rlpipe plan` adds it to every process's budget.
 CUDA_CONTEXT_BYTES = 512 * 2**20
+# What torch's allocator holds in any process that computes on the GPU, beyond the tensors `rlpipe plan` estimates:
+# cuBLAS's workspace (32 MiB per stream on Hopper, drawn from the allocator), the allocator's rounding of blocks to
+# 2 MiB and 20 MiB segments, and the small fixed tensors no estimate counts. A tiny model's share would otherwise
+# cap its allocator at tens of MiB, under that floor.
+ALLOCATOR_FLOOR_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)

@@ -23,10 +23,13 @@ from dataclasses import dataclass
 from typing import Any
 
 # Dense bfloat16 peaks (FLOP/s, no structured sparsity), by a name the device's name contains; the longest match wins,
-# so "NVIDIA H100 PCIe" is the PCIe card's and "NVIDIA H100 80GB HBM3" the SXM module's.
+# so "NVIDIA H100 PCIe" is the PCIe card's and "NVIDIA H100 80GB HBM3" the SXM module's. The NVL cards (PCIe, lower
+# clocks and power) are rated 1,671 TFLOPS with sparsity, half that dense.
 BF16_PEAK_FLOPS: dict[str, float] = {
     "H200": 989e12,
+    "H200 NVL": 835e12,
     "H100": 989e12,
+    "H100 NVL": 835e12,
     "H100 PCIe": 756e12,
     "A100": 312e12,
 }

@@ -37,9 +37,10 @@ import os
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from services.common.observe import metrics as m
 from services.common.observe.metrics import Metric
@@ -47,6 +48,7 @@ from services.common.observe.metrics import Metric
 if TYPE_CHECKING:
     import torch
 
+T = TypeVar("T")
 GIB = 2**30
 NVIDIA_PROC = Path("/proc/driver/nvidia/gpus")
 SMI_TIMEOUT_S = 10.0
@@ -122,6 +124,16 @@ def initialized_nvml() -> Any | None:
     except pynvml.NVMLError:  # no driver library, or no GPU: the same as having no NVML
         return None
     return pynvml
+
+
+def nvml_or(nvml: Any, refused: T, query: Callable[..., T], *args: Any) -> T:
+    """``query(*args)``'s answer, or ``refused`` where NVML refuses it: nvidia-ml-py raises NVMLError for every failure
+    (NOT_SUPPORTED or NO_PERMISSION under some virtualised or containerised drivers, a device lost), and code that
+    samples GPUs from a run's loop must leave out what it could not learn rather than end the run."""
+    try:
+        return query(*args)
+    except nvml.NVMLError:
+        return refused
 
 
 class HardwareSampler:

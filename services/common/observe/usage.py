@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.common.observe.hardware import initialized_nvml
+from services.common.observe.hardware import initialized_nvml, nvml_or
 
 CPU_CORE, GPU = "cpu-core", "gpu"  # the device kinds cost.per_device_hour prices
 USAGE_FILE = "usage.json"  # in the run directory: RunCost.as_record(), read by the report and the tuner
@@ -75,20 +75,26 @@ class GpuHold:
 
 
 def gpu_holders() -> dict[int, GpuHold]:
-    """pid -> what that process holds on the GPUs; empty without NVML."""
+    """pid -> what that process holds on the GPUs; empty without NVML.
+
+    A query NVML refuses leaves out what it would have told (``nvml_or``) rather than raise: the launcher samples
+    this every two seconds from its loop."""
     nvml = initialized_nvml()
     if nvml is None:
         return {}
     held: dict[int, GpuHold] = {}
-    for index in range(nvml.nvmlDeviceGetCount()):
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
+    for index in range(nvml_or(nvml, 0, nvml.nvmlDeviceGetCount)):
+        handle = nvml_or(nvml, None, nvml.nvmlDeviceGetHandleByIndex, index)
+        if handle is None:
+            continue
         used: dict[int, int | None] = {}
         for process in [
-            *nvml.nvmlDeviceGetComputeRunningProcesses(handle),
-            *nvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
+            *nvml_or(nvml, [], nvml.nvmlDeviceGetComputeRunningProcesses, handle),
+            *nvml_or(nvml, [], nvml.nvmlDeviceGetGraphicsRunningProcesses, handle),
         ]:
             used[process.pid] = _plus(used.get(process.pid, 0), process.usedGpuMemory)
-        util = float(nvml.nvmlDeviceGetUtilizationRates(handle).gpu) if used else 0.0
+        rates = nvml_or(nvml, None, nvml.nvmlDeviceGetUtilizationRates, handle) if used else None
+        util = 0.0 if rates is None else float(rates.gpu)
         for pid, memory in used.items():
             before = held.get(pid, GpuHold(0, 0.0, 0.0))
             gib = None if memory is None or before.mem_gib is None else before.mem_gib + memory / 2**30

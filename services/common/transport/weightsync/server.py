@@ -43,6 +43,7 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
     relaying); the rest get it from a peer, see :func:`relay_route`."""
 
     def __init__(self, initial: Snapshot, fanout: int = DEFAULT_FANOUT):
+        initial.wait_copied()  # served from the first pull on, so its copy from a GPU must have landed (ms)
         self.latest = initial
         self.fanout = fanout
         self.sent_bytes = 0  # tensor data streamed by PullWeights, all versions: what the trainer's egress pays
