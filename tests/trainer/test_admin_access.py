@@ -4,6 +4,8 @@ refused when the config loads."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from services.common.config import Change, ConfigError
@@ -19,6 +21,7 @@ from services.trainer.admin import (
     judge,
     read_only_refusal,
 )
+from tests.support.paths import ROOT
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.unit
@@ -106,3 +109,12 @@ def test_a_read_token_file_that_does_not_exist_is_refused_at_load_naming_the_fie
         run_config(tmp_path, config_only_model, admin={"read_token_file": str(tmp_path / "missing.token")})
     assert not is_live("admin.read_token_file")
     assert field_classes()["admin.read_token_file"] == Change.SECURITY
+
+
+def test_the_operations_guides_table_gives_each_admin_method_the_token_the_trainer_asks_for():
+    lines = (ROOT / "docs" / "operations.md").read_text().splitlines()
+    start = lines.index("| Admin method | `rlpipe` command | Token | Kubernetes role that can call it |")
+    rows = itertools.takewhile(lambda line: line.startswith("|"), lines[start + 2 :])  # past the header's rule
+    documented = {method.strip(" `"): token.strip() for method, _, token in (row.split("|")[1:4] for row in rows)}
+    expected = {name: "read or admin" if access == Access.READ else "admin" for name, access in METHOD_ACCESS.items()}
+    assert documented == expected
