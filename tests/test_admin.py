@@ -83,6 +83,14 @@ def test_operator_controls_a_live_run(tiny_model, tmp_path, monkeypatch):
             except grpc.RpcError as error:
                 assert error.code() == grpc.StatusCode.UNAUTHENTICATED
 
+        # The read-only token rlpipe run wrote beside admin.token reads the run and changes nothing.
+        assert (run_dir / "admin-read.token").stat().st_mode & 0o777 == 0o600
+        assert status(run_dir)["state"] == "running"
+        assert json.loads(rlpipe(run_dir, "--read-only", "status", "--json").stdout)["state"] == "running"
+        read_only_pause = rlpipe(run_dir, "--read-only", "pause")
+        assert read_only_pause.returncode == 1 and "PERMISSION_DENIED" in read_only_pause.stderr
+        assert status(run_dir)["state"] == "running"
+
         # Health and reflection answer on every service, token or not.
         endpoints = [info["admin"]] + [s["grpc"] for s in info["services"].values()]
         assert len(endpoints) == 5

@@ -3,10 +3,13 @@
 Read-only calls answer from the trainer's state at once; calls that change training
 (pause, rollback, checkpoint, stop) are queued to the training loop, which runs them
 between steps, and answer when they are done. A scale request changes no training: it is stored at once, for the
-launcher of a local run to carry out. Every call must carry the bearer token.
+launcher of a local run to carry out. Every call must carry a bearer token.
 
-The token comes from RLPIPE_ADMIN_TOKEN (fixed for the process) or from ``admin.token_file``, which is
-re-read whenever it changes: writing a new token there rotates it without a restart, and the old one
+Two tokens: the admin token makes every call; the read token, when one is set, makes only the calls
+``METHOD_ACCESS`` marks ``Access.READ`` (status, config, config history, the checkpoint list), and any other call
+with it is refused with PERMISSION_DENIED naming the call. The admin token comes from RLPIPE_ADMIN_TOKEN (fixed for
+the process) or from ``admin.token_file``, the read token from RLPIPE_ADMIN_READ_TOKEN or ``admin.read_token_file``;
+each file is re-read whenever it changes: writing a new token there rotates it without a restart, and the old one
 is refused from the next call on.
 
 Before the token, the caller's address: a call from outside ``admin.allowed_sources`` is refused with
@@ -21,6 +24,7 @@ import logging
 import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,24 +57,96 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+ADMIN_SERVICE = "/rlpipe.v1.Admin/"
+
+
+class Access(StrEnum):
+    """Which token an Admin method needs."""
+
+    READ = "read"  # reads the run's state and changes nothing: the read token or the admin token
+    ADMIN = "admin"  # changes the run (or its stored config or scale): the admin token alone
+
+
+# Every method of proto/admin.proto's Admin service, by what it does; a unit test fails on a method missing here, so a
+# new RPC is classified before it ships. A method not listed needs the admin token.
+METHOD_ACCESS: dict[str, Access] = {
+    "GetStatus": Access.READ,
+    "GetConfig": Access.READ,
+    "GetConfigHistory": Access.READ,
+    "ListCheckpoints": Access.READ,
+    "Pause": Access.ADMIN,
+    "Resume": Access.ADMIN,
+    "UpdateConfig": Access.ADMIN,
+    "Checkpoint": Access.ADMIN,
+    "Rollback": Access.ADMIN,
+    "MarkStable": Access.ADMIN,
+    "Stop": Access.ADMIN,
+    "Scale": Access.ADMIN,
+}
+
+
+def access_needed(method: str) -> Access:
+    """What a call to ``method`` (gRPC's full name, ``/rlpipe.v1.Admin/GetStatus``) needs; ADMIN for anything not
+    classified, so that nothing becomes readable by being forgotten."""
+    if not method.startswith(ADMIN_SERVICE):
+        return Access.ADMIN
+    return METHOD_ACCESS.get(method.removeprefix(ADMIN_SERVICE), Access.ADMIN)
+
+
+class Verdict(StrEnum):
+    ADMITTED = "admitted"
+    READ_ONLY = "read_only"  # the read token, on a call that needs the admin token: PERMISSION_DENIED
+    UNAUTHENTICATED = "unauthenticated"  # neither token: UNAUTHENTICATED
+
+
+def judge(method: str, authorization: str, admin_token: str, read_token: str) -> Verdict:
+    """The decision on a call to ``method`` carrying the ``authorization`` metadata value, against the tokens in force
+    (``read_token`` "" = none). Compared in constant time, so the time taken tells nothing of either token."""
+    given = authorization.encode()
+    if hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
+        return Verdict.ADMITTED
+    if read_token and hmac.compare_digest(given, f"Bearer {read_token}".encode()):
+        return Verdict.ADMITTED if access_needed(method) == Access.READ else Verdict.READ_ONLY
+    return Verdict.UNAUTHENTICATED
+
+
+def read_only_refusal(method: str) -> str:
+    """What a caller holding the read token is told on ``method``: the call and what it needs, never a token."""
+    return f"the read-only token may not call {method.removeprefix(ADMIN_SERVICE)}: it needs the admin token"
 
 
 class AdminToken:
-    """The token calls must carry: a fixed one, or the content of a file, re-read when the file changes."""
+    """A token calls may carry: a fixed one, or the content of a file, re-read when the file changes. ``field`` names
+    the file's config field in what is logged about it."""
 
-    def __init__(self, fixed: str = "", path: Path | None = None):
+    def __init__(self, fixed: str = "", path: Path | None = None, field: str = "admin.token_file"):
         self.fixed = fixed
         self.path = path
+        self.field = field
         self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file when last read
         self._token = fixed
         if not fixed and path is not None:
             self.current()
-        if not self._token:
-            raise ValueError("no admin token: set RLPIPE_ADMIN_TOKEN or admin.token_file (rlpipe run generates one)")
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> AdminToken:
-        return cls(AdminCredentials().token, cfg.admin.token_file)
+        """The admin token; ValueError when there is none (the trainer does not serve Admin without one)."""
+        token = cls(AdminCredentials().token, cfg.admin.token_file)
+        if not token.current():
+            raise ValueError("no admin token: set RLPIPE_ADMIN_TOKEN or admin.token_file (rlpipe run generates one)")
+        return token
+
+    @classmethod
+    def read_only_from_config(cls, cfg: RunConfig) -> AdminToken | None:
+        """The read token; None when neither RLPIPE_ADMIN_READ_TOKEN nor admin.read_token_file is set, ValueError
+        when the file holds none (the start checks name what is wrong with it)."""
+        fixed, path = AdminCredentials().read_token, cfg.admin.read_token_file
+        if not fixed and path is None:
+            return None
+        token = cls(fixed, path, "admin.read_token_file")
+        if not token.current():
+            raise ValueError(f"no read token in admin.read_token_file {str(path)!r}: write one or unset the field")
+        return token
 
     def current(self) -> str:
         if self.fixed or self.path is None:
@@ -78,34 +154,44 @@ class AdminToken:
         try:
             stat = self.path.stat()
         except OSError as error:  # moved away mid-rotation: the token in force stands until the new file is there
-            log_event(log, Event.ADMIN_TOKEN_UNREADABLE, level=logging.WARNING, path=str(self.path), error=str(error))
+            log_event(
+                log,
+                Event.ADMIN_TOKEN_UNREADABLE,
+                level=logging.WARNING,
+                field=self.field,
+                path=str(self.path),
+                error=str(error),
+            )
             return self._token
         if (stat.st_mtime_ns, stat.st_size) == self._seen:
             return self._token
         self._seen = (stat.st_mtime_ns, stat.st_size)
         try:
-            token = read_token_file(self.path, "admin.token_file")
+            token = read_token_file(self.path, self.field)
         except TokenError as error:  # named, never quoted: the token in force stands
             log_event(  # empty: a file being rewritten, or emptied by mistake
                 log,
                 Event.ADMIN_TOKEN_EMPTY if error.empty else Event.ADMIN_TOKEN_UNREADABLE,
                 level=logging.WARNING,
+                field=self.field,
                 path=str(self.path),
                 error=str(error),
             )
             return self._token
         if token != self._token:
             if self._token:
-                log_event(log, Event.ADMIN_TOKEN_ROTATED, path=str(self.path))
+                log_event(log, Event.ADMIN_TOKEN_ROTATED, field=self.field, path=str(self.path))
             self._token = token
         return self._token
 
 
 class BearerToken(grpc.aio.ServerInterceptor):
-    """Refuses every call but health and reflection unless it carries ``authorization: Bearer <token>``."""
+    """Refuses every call but health and reflection unless it carries ``authorization: Bearer <token>``: the admin
+    token for any call, the read token (when there is one) for the calls that only read (``judge``)."""
 
-    def __init__(self, token: AdminToken):
+    def __init__(self, token: AdminToken, read_token: AdminToken | None = None):
         self.token = token
+        self.read_token = read_token
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -120,10 +206,22 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        expected = f"Bearer {self.token.current()}".encode()
-        if isinstance(given, str) and hmac.compare_digest(given.encode(), expected):
+        read = self.read_token.current() if self.read_token is not None else ""
+        verdict = judge(details.method, given if isinstance(given, str) else "", self.token.current(), read)
+        if verdict == Verdict.ADMITTED:
             return await continuation(details)
+        if verdict == Verdict.READ_ONLY:
+            return self._refuse_read_only(details.method)
         return self._refuse
+
+    @staticmethod
+    def _refuse_read_only(method: str) -> grpc.RpcMethodHandler:
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            name = method.removeprefix(ADMIN_SERVICE)
+            log_event(log, Event.ADMIN_READ_ONLY_REFUSED, level=logging.WARNING, method=name, peer=context.peer())
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, read_only_refusal(method))
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
 
 def peer_address(peer: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:

@@ -101,7 +101,7 @@ async def take_lease(cfg: RunConfig, bus: Bus) -> Lease:
 
 async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[Any, str]:
     """Admin on its own port (the one operators reach), open to ``admin.allowed_sources`` only, behind the bearer
-    token, TLS when configured."""
+    tokens (the admin token, and the read token for the calls that read), TLS when configured."""
     credentials = None
     admin = cfg.admin
     if admin.tls_cert is not None and admin.tls_key is not None:  # both or neither (AdminConfig checks)
@@ -115,7 +115,10 @@ async def start_admin_server(cfg: RunConfig, servicer: AdminServicer) -> tuple[A
         cfg,
         cfg.admin.port,
         register,
-        interceptors=[SourceAllowlist(cfg.admin.allowed_sources), BearerToken(AdminToken.from_config(cfg))],
+        interceptors=[
+            SourceAllowlist(cfg.admin.allowed_sources),
+            BearerToken(AdminToken.from_config(cfg), AdminToken.read_only_from_config(cfg)),
+        ],
         credentials=credentials,
     )
 

@@ -102,3 +102,22 @@ def test_a_run_command_that_finds_no_run_names_the_folder_it_looked_in_and_how_t
     assert result.exit_code == 2
     said = " ".join(result.output.split())
     assert f"no {tmp_path}/*/run.json found" in said and "--runs-dir or RLPIPE_RUNS_DIR" in said
+
+
+@pytest.mark.unit
+def test_the_cli_uses_the_admin_token_by_default_and_the_read_token_with_read_only(tmp_path, monkeypatch):
+    from services.cli.admin.client import Target
+
+    for name in ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "admin.token").write_text("admin-file\n")
+    (tmp_path / "admin-read.token").write_text("read-file\n")
+
+    def token(given: str = "", read_only: bool = False) -> str:
+        return Target("127.0.0.1:1", given, 0.0, tmp_path, None, read_only=read_only).token()
+
+    assert (token(), token(read_only=True)) == ("admin-file", "read-file")
+    monkeypatch.setenv("RLPIPE_ADMIN_TOKEN", "admin-env")
+    monkeypatch.setenv("RLPIPE_ADMIN_READ_TOKEN", "read-env")
+    assert (token(), token(read_only=True)) == ("admin-env", "read-env")
+    assert (token("given"), token("given", read_only=True)) == ("given", "given")  # --token wins either way

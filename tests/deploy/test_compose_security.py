@@ -97,11 +97,13 @@ def test_minio_init_makes_one_store_user_per_role_with_its_policy_after_the_secr
     assert "trainer | operator) policy=$role ;;" in script and "*) policy=stage ;;" in script
 
 
-def test_the_admin_token_reaches_the_trainer_and_cli_only_and_the_admin_port_speaks_tls(compose):
+def test_the_admin_tokens_reach_the_trainer_and_cli_only_and_the_admin_port_speaks_tls(compose):
     services = compose["services"]
     for stage in ("reference", "rollout", "reward"):
-        assert services[stage]["environment"]["RLPIPE_ADMIN_TOKEN"] == "", stage  # blanks deploy/.env's
-    assert "RLPIPE_ADMIN_TOKEN" not in services["trainer"]["environment"]
+        for token in ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN"):
+            assert services[stage]["environment"][token] == "", (stage, token)  # blanks deploy/.env's
+    for token in ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN"):
+        assert token not in services["trainer"]["environment"], token  # deploy/.env's reaches it
     assert services["trainer"]["environment"]["RLPIPE_ADMIN__TLS_CERT"] == "/run/rlpipe/secrets/admin.pem"
     assert services["cli"]["entrypoint"][-2:] == ["--tls-ca", "/run/rlpipe/secrets/ca.pem"]
 

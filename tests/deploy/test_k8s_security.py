@@ -188,12 +188,14 @@ def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(ov
     docs = rendered[overlay]
     for role in STAGES:
         assert env_of(one(docs, "Deployment", role))["RLPIPE_ADMIN_TOKEN"] == "", role  # blanks rlpipe-secrets'
+        assert env_of(one(docs, "Deployment", role))["RLPIPE_ADMIN_READ_TOKEN"] == "", role
         if role != "rollout":  # nor the weight-sync token, which rlpipe-secrets might carry too
             assert env_of(one(docs, "Deployment", role))["RLPIPE_WEIGHTSYNC_TOKEN"] == "", role
     trainer = trainer_workload(docs)
     env = env_of(trainer)
     # From its file, which the kubelet refreshes when the Secret changes; never from a variable.
-    assert env["RLPIPE_ADMIN_TOKEN"] == ""
+    assert env["RLPIPE_ADMIN_TOKEN"] == "" and env["RLPIPE_ADMIN_READ_TOKEN"] == ""
+    assert "RLPIPE_ADMIN__READ_TOKEN_FILE" not in env  # no read-only token unless components/admin-read-token
     files = mounted_files(trainer["spec"]["template"]["spec"], "secrets")
     assert env["RLPIPE_ADMIN__TOKEN_FILE"] == f"{SECRETS_DIR}/admin.token"
     assert files["admin.token"] == ("rlpipe-admin", "token")
@@ -209,6 +211,27 @@ def test_only_the_trainer_holds_the_admin_token_and_its_admin_port_speaks_tls(ov
     assert one(docs, "Service", "trainer-admin")["metadata"]["name"] in spec["dnsNames"]
     assert "localhost" in spec["dnsNames"] and "127.0.0.1" in spec["ipAddresses"]  # port-forward, exec
     assert "client auth" not in spec["usages"]  # it cannot pose as a NATS node
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_admin_read_token_component_mounts_an_optional_read_token_into_the_trainer_alone(overlay, tmp_path):
+    docs = render_with_component(tmp_path, overlay, "admin-read-token")
+    trainer = trainer_workload(docs)
+    kubernetes_validate.validate(trainer, KUBERNETES_VERSION, strict=True)
+    pod = trainer["spec"]["template"]["spec"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "admin-read"]
+    assert volume["secret"]["secretName"] == "rlpipe-admin-read" and volume["secret"]["defaultMode"] == 0o440
+    (mount,) = [m for m in container(trainer)["volumeMounts"] if m["name"] == "admin-read"]
+    assert mount["readOnly"] is True
+    [item] = volume["secret"]["items"]
+    env = env_of(trainer)
+    assert env["RLPIPE_ADMIN__READ_TOKEN_FILE"] == f"{mount['mountPath']}/{item['path']}"
+    assert env["RLPIPE_ADMIN_READ_TOKEN"] == ""  # the file, not a variable rlpipe-secrets might carry
+    names = [variable["name"] for variable in container(trainer)["env"]]
+    assert len(names) == len(set(names))
+    assert secrets_read(pod) == EXPECTED_SECRETS["trainer"] | {"rlpipe-admin-read": {"token"}}
+    for name, other in pod_templates(docs).items():  # nobody else reads it
+        assert "rlpipe-admin-read" not in secrets_read(other) or name == "trainer", name
 
 
 def torchrun_arguments(args: list[str]) -> list[str]:

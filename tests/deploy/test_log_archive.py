@@ -48,6 +48,7 @@ def test_the_compose_archiver_reads_the_runs_and_logs_and_outlives_the_trainer(c
     environment = archive["environment"]
     assert environment["RLPIPE_CHECKPOINT__S3_CA_FILE"] == "/run/rlpipe/secrets/ca.pem"
     assert environment["RLPIPE_ADMIN_TOKEN"] == ""  # no admin token, even one deploy/.env sets
+    assert environment["RLPIPE_ADMIN_READ_TOKEN"] == ""  # nor the read-only one
     # No file the container lacks: the config refuses a NATS key or CA it names and cannot find.
     assert "RLPIPE_NATS__NKEY_SEED_FILE" not in environment and "RLPIPE_NATS__TLS_CA_FILE" not in environment
     assert "profiles" not in archive  # in every profile, beside whichever trainer runs

@@ -125,7 +125,8 @@ def kill_service(run_dir: Path, name: str, process: subprocess.Popen) -> int:
 
 def rlpipe(run_dir: Path, *args: str) -> subprocess.CompletedProcess:
     """An operator's `rlpipe --run-dir RUN_DIR ARGS...`, with the address and token of that run."""
-    env = {k: v for k, v in os.environ.items() if k != "RLPIPE_ADMIN_TOKEN"}  # the token comes from the run directory
+    # The tokens come from the run directory (admin.token, or admin-read.token with --read-only).
+    env = {k: v for k, v in os.environ.items() if k not in ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN")}
     return subprocess.run(
         [*RLPIPE, "--run-dir", str(run_dir), *args],
         cwd=ROOT,

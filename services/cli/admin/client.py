@@ -45,6 +45,7 @@ class Target:
         run_dir: Path | None,
         tls_ca: Path | None,
         runs_dir: Path | None = None,
+        read_only: bool = False,
     ):
         self.runs_dir = runs_dir or RunsLocation().runs_dir
         self.run_dir = run_dir or newest_run_dir(self.runs_dir)
@@ -52,6 +53,7 @@ class Target:
         self.given_token = token
         self.timeout = timeout
         self.tls_ca = tls_ca
+        self.read_only = read_only  # the read token instead of the admin token: the calls that read, and no other
 
     def _recorded(self, key: str) -> str:
         if self.run_dir is None or not (self.run_dir / "run.json").is_file():
@@ -65,13 +67,23 @@ class Target:
             fail(USAGE, f"{self.run_dir / 'run.json'} has no {key!r} yet (is the trainer up?)")
         return value
 
-    def _token_file(self) -> str:
-        path = self.run_dir / "admin.token" if self.run_dir else None
+    def _token_file(self, name: str) -> str:
+        path = self.run_dir / name if self.run_dir else None
         return path.read_text().strip() if path and path.is_file() else ""
+
+    def token(self) -> str:
+        """--token, else the admin token (RLPIPE_ADMIN_TOKEN, the run's admin.token), or with --read-only the read
+        token (RLPIPE_ADMIN_READ_TOKEN, the run's admin-read.token)."""
+        if self.given_token:
+            return self.given_token
+        credentials = AdminCredentials()
+        if self.read_only:
+            return credentials.read_token or self._token_file("admin-read.token")
+        return credentials.token or self._token_file("admin.token")
 
     def call(self, method: str, request: Any) -> Any:
         address = self.given_address or self._recorded("admin")
-        token = self.given_token or AdminCredentials().token or self._token_file()
+        token = self.token()
         channel = (
             grpc.secure_channel(address, grpc.ssl_channel_credentials(self.tls_ca.read_bytes()))
             if self.tls_ca

@@ -20,19 +20,31 @@ def register(app: typer.Typer) -> typer.Typer:
     def connect(
         ctx: typer.Context,
         address: str = typer.Option("", help="trainer admin host:port (default: the newest local run's)"),
-        token: str = typer.Option("", help="admin token (default: RLPIPE_ADMIN_TOKEN, else the run's admin.token)"),
+        token: str = typer.Option(
+            "",
+            help="admin token (default: RLPIPE_ADMIN_TOKEN, else the run's admin.token; with --read-only "
+            "RLPIPE_ADMIN_READ_TOKEN, else the run's admin-read.token)",
+        ),
+        read_only: bool = typer.Option(
+            False,
+            "--read-only",
+            help="call with the read-only token: status, config show, config history and checkpoints answer; "
+            "every command that changes the run is refused (PERMISSION_DENIED, exit 1)",
+        ),
         timeout: float = typer.Option(
             0.0,
             help=f"deadline of each call, seconds (default: {READ_DEADLINE_S:g} for reads, "
             f"{LOOP_DEADLINE_S:g} for commands the training loop runs)",
         ),
-        run_dir: Path | None = typer.Option(None, help="run directory whose run.json and admin.token to use"),
+        run_dir: Path | None = typer.Option(
+            None, help="run directory whose run.json and admin.token (admin-read.token) to use"
+        ),
         runs_dir: Path | None = typer.Option(
             None, help="where to find the newest local run without --run-dir (default: RLPIPE_RUNS_DIR, else runs)"
         ),
         tls_ca: Path | None = typer.Option(None, help="CA certificate when the admin port speaks TLS"),
     ) -> None:
-        ctx.obj = Target(address, token, timeout, run_dir, tls_ca, runs_dir)
+        ctx.obj = Target(address, token, timeout, run_dir, tls_ca, runs_dir, read_only)
 
     def target(ctx: typer.Context) -> Target:
         return ctx.obj

@@ -37,7 +37,7 @@ from services.common.startup_checks.folders import dataset_rows, model_rows, wei
 from services.common.startup_checks.machine import check_ports, check_python_box, role_ports
 from services.common.startup_checks.rows import Check, CheckResult, human_size, run_each
 from services.common.startup_checks.storage import storage_rows
-from services.common.startup_checks.tokens import check_admin_token
+from services.common.startup_checks.tokens import check_admin_read_token, check_admin_token
 from services.common.transport.model_source import local_model_path
 
 if TYPE_CHECKING:
@@ -236,7 +236,11 @@ def _doctor_checks(embedded: bool) -> list[Check]:
             ("service", "admin", "telemetry"),
             lambda cfg: [check_ports(cfg.service.host, role_ports(cfg, ports_of))],
         ),
-        Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=embedded)]),
+        Check(
+            "admin token",
+            ("admin",),
+            lambda cfg: [check_admin_token(cfg, launcher_generates=embedded), *check_admin_read_token(cfg)],
+        ),
         Check("weight-sync token", ("weight_sync", "service"), lambda cfg: weight_sync_rows(cfg, embedded)),
         Check("disk", ("model", "checkpoint", "train"), lambda cfg: [check_disk(cfg)]),
         Check("remote services", ("reward", "rollout"), remote_rows),

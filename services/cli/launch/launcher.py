@@ -66,7 +66,7 @@ from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 
 # Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
-ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
+ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 
 READY_TIMEOUT_S = 600.0
 
@@ -106,12 +106,13 @@ class Launcher:
         self.placement = placement
 
     def role_env(self, role: str) -> dict[str, str]:
-        """What only ``role`` is given: its own NATS key, the admin token for the trainer alone (as a file it
-        re-reads, so that rewriting runs/<run>/admin.token rotates it), and the weight-sync token for the trainer and
-        the rollouts, the two ends of WeightSync."""
+        """What only ``role`` is given: its own NATS key, the admin and read tokens for the trainer alone (as files
+        it re-reads, so that rewriting runs/<run>/admin.token or admin-read.token rotates it), and the weight-sync
+        token for the trainer and the rollouts, the two ends of WeightSync."""
         env = {"RLPIPE_NATS__NKEY_SEED_FILE": str(self.nats_keys[role].seed_file)}
         if role == "trainer":
             env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
+            env["RLPIPE_ADMIN__READ_TOKEN_FILE"] = str(self.read_token_file)
         if role in ("trainer", "rollout"):
             env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
         if self.placement is not None:
@@ -122,13 +123,23 @@ class Launcher:
     def token_file(self) -> Path:
         return self.run_dir.resolve() / "admin.token"
 
-    def write_admin_token(self) -> None:
-        """RLPIPE_ADMIN_TOKEN if set, else a fresh one; kept owner-only in the run directory for the CLI."""
-        token = AdminCredentials().token or secrets.token_urlsafe(24)
-        self.token_file.touch(mode=0o600)
-        # touch's mode applies only to a new file: one kept from an earlier start (--resume) may be readable by all.
-        self.token_file.chmod(0o600)
-        self.token_file.write_text(token + "\n")
+    @property
+    def read_token_file(self) -> Path:
+        return self.run_dir.resolve() / "admin-read.token"
+
+    def write_admin_tokens(self) -> None:
+        """The admin token (RLPIPE_ADMIN_TOKEN if set, else a fresh one) and the read-only token
+        (RLPIPE_ADMIN_READ_TOKEN if set, else a fresh one), each kept owner-only in the run directory for the CLI
+        (`rlpipe --read-only` uses the second)."""
+        credentials = AdminCredentials()
+        for path, token in (
+            (self.token_file, credentials.token or secrets.token_urlsafe(24)),
+            (self.read_token_file, credentials.read_token or secrets.token_urlsafe(24)),
+        ):
+            path.touch(mode=0o600)
+            # touch's mode applies only to a new file: one kept from an earlier start (--resume) may be readable by all.
+            path.chmod(0o600)
+            path.write_text(token + "\n")
 
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -264,7 +275,7 @@ class Launcher:
             forget_scale_requests(self.cfg, nats_url, self.nats_keys["trainer"])
         if self.hold:
             self.broker.hold(self.hold)
-        self.write_admin_token()
+        self.write_admin_tokens()
         if self.placement is None:
             self.placement = place_roles(self.cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
         started = {

@@ -130,6 +130,14 @@ class AdminConfig(Section):
     token_file: Security[Path | None] = Field(
         default=None, description="file holding the bearer token; RLPIPE_ADMIN_TOKEN wins over it"
     )
+    read_token_file: Security[Path | None] = Field(
+        default=None,
+        description="file holding a second, read-only bearer token: it may make the Admin calls that only read "
+        "(rlpipe status, config show, config history, checkpoints) and is refused (PERMISSION_DENIED) on every "
+        "other; for dashboards and on-call people. RLPIPE_ADMIN_READ_TOKEN wins over it; re-read when it changes, "
+        "like token_file; a start with it equal to the admin token is refused. Unset = no read-only access (the "
+        "admin token still makes every call)",
+    )
     tls_cert: Security[Path | None] = Field(
         default=None, description="PEM certificate chain; with tls_key, the admin port speaks TLS"
     )
@@ -162,7 +170,7 @@ class AdminConfig(Section):
     def _cert_and_key_together(self) -> AdminConfig:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("set both tls_cert and tls_key, or neither")
-        for path in (self.tls_cert, self.tls_key, self.token_file):
+        for path in (self.tls_cert, self.tls_key, self.token_file, self.read_token_file):
             if path is not None and not path.is_file():
                 raise ValueError(f"file {str(path)!r} does not exist")
         return self

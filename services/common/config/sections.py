@@ -25,6 +25,7 @@ from services.common.config.operations import (
     TelemetryConfig,
 )
 from services.common.config.scoring import ReferenceConfig, RewardConfig
+from services.common.config.tokens import TokenError, read_token_file
 from services.common.config.training import TrainConfig, TrainerConfig
 from services.common.config.transport import CheckpointConfig, NatsConfig, WeightSyncConfig
 
@@ -57,12 +58,30 @@ class ModelCredentials(BaseSettings):
 
 
 class AdminCredentials(BaseSettings):
-    """The admin bearer token, only from the environment, a secrets file or admin.token_file, never from YAML."""
+    """The admin bearer tokens, only from the environment, a secrets file or admin.token_file and
+    admin.read_token_file, never from YAML."""
 
     model_config = SettingsConfigDict(env_prefix="RLPIPE_ADMIN_", extra="ignore", secrets_dir=SECRETS_DIRS)
     token: str = Field(
         default="", repr=False, description="the admin bearer token (RLPIPE_ADMIN_TOKEN); empty = admin.token_file"
     )
+    read_token: str = Field(
+        default="",
+        repr=False,
+        description="the read-only bearer token (RLPIPE_ADMIN_READ_TOKEN), which may make only the Admin calls that "
+        "read; empty = admin.read_token_file",
+    )
+
+
+def _token_or_nothing(path: Path | None, field: str) -> str:
+    """The token in ``path``, or "" when there is none to compare: a missing, unreadable or malformed file is named
+    by AdminConfig's check that it exists and by the start checks (services/common/startup_checks/tokens.py)."""
+    if path is None:
+        return ""
+    try:
+        return read_token_file(path, field)
+    except TokenError:
+        return ""
 
 
 class WeightSyncCredentials(BaseSettings):
@@ -143,6 +162,28 @@ class RunConfig(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # The YAML arrives as init kwargs; the environment must override it.
         return (env_settings, init_settings) if read_environment.get() else (init_settings,)
+
+    @model_validator(mode="after")
+    def _read_token_is_not_the_admin_token(self) -> RunConfig:
+        # The same token twice would give every holder of the "read-only" one the power to pause, roll back and stop.
+        # Skipped while a live override is validated: the token files and the environment are the deployment's.
+        if not read_environment.get():
+            return self
+        credentials = AdminCredentials()
+        read = credentials.read_token or _token_or_nothing(self.admin.read_token_file, "admin.read_token_file")
+        if not read:
+            return self
+        if read == (credentials.token or _token_or_nothing(self.admin.token_file, "admin.token_file")):
+            source = (
+                "RLPIPE_ADMIN_READ_TOKEN"
+                if credentials.read_token
+                else f"admin.read_token_file: the token in {str(self.admin.read_token_file)!r}"
+            )
+            raise ValueError(
+                f"{source} is the admin token: a read-only token must be one of its own "
+                "(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')"
+            )
+        return self
 
     @model_validator(mode="after")
     def _lost_only_after_every_delivery(self) -> RunConfig:

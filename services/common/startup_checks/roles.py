@@ -7,7 +7,7 @@ from services.common.startup_checks.folders import dataset_rows, model_rows
 from services.common.startup_checks.machine import check_device, check_ports, check_python_box, role_ports
 from services.common.startup_checks.rows import Check, CheckResult, StartupCheckError, run_each
 from services.common.startup_checks.storage import storage_rows
-from services.common.startup_checks.tokens import check_admin_token, check_weight_sync_token
+from services.common.startup_checks.tokens import check_admin_read_token, check_admin_token, check_weight_sync_token
 
 STARTUP_DATASET_LINES = 1_000
 
@@ -21,7 +21,11 @@ def _startup_checks(role: str, resume: bool = False) -> list[Check]:
     policy = Check("model", ("model",), lambda cfg: model_rows(cfg, policy=True, reference=False))
     dataset = Check("dataset", ("data",), lambda cfg: dataset_rows(cfg.data, STARTUP_DATASET_LINES))
     storage = Check("storage", ("checkpoint",), lambda cfg: storage_rows(cfg, resume))
-    token = Check("admin token", ("admin",), lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run")])
+    token = Check(
+        "admin token",
+        ("admin",),
+        lambda cfg: [check_admin_token(cfg, launcher_generates=role == "run"), *check_admin_read_token(cfg)],
+    )
     device = Check("device", ("model",), lambda cfg: [check_device(cfg.model)])
     # The rollout plays episodes, the trainer its held-out ones: both run the Python tool.
     box = Check("python tool box", ("rollout",), lambda cfg: check_python_box(cfg.rollout))
@@ -45,12 +49,12 @@ def _startup_checks(role: str, resume: bool = False) -> list[Check]:
 def startup_checks(cfg: RunConfig, role: str, resume: bool = False) -> list[CheckResult]:
     """The cheap checks ``role`` needs before it starts (no network wait beyond a few seconds, no broker).
 
-    trainer: model, datasets, storage probe, admin token (required: it does not start without
-    one), weight-sync token (sendable when set), the Python tool's box (with ``rollout.environment: python``), its
-    ports; rollout: model, weight-sync token, the box, ports; reference: reference model, ports; reward: ports; run
-    (the launcher): models, datasets, storage, admin token (a warning: it generates one, except in prod),
-    weight-sync token, the box, admin and metrics ports. The broker is left out: the bus waits for it, and
-    ``rlpipe run`` starts its own after these checks.
+    trainer: model, datasets, storage probe, admin token (required: it does not start without one) and the read-only
+    admin token when one is set, weight-sync token (sendable when set), the Python tool's box (with
+    ``rollout.environment: python``), its ports; rollout: model, weight-sync token, the box, ports; reference:
+    reference model, ports; reward: ports; run (the launcher): models, datasets, storage, admin token (a warning: it
+    generates one, except in prod), weight-sync token, the box, admin and metrics ports. The broker is left out: the
+    bus waits for it, and ``rlpipe run`` starts its own after these checks.
     ``resume``: the run goes on from its checkpoints (a restart, ``rlpipe run --resume``), so a store out of reach
     is an outage the resume waits out, not a refusal (``check_storage``).
     Returns the rows (warnings included); raises StartupCheckError naming each failure.

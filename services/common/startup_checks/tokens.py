@@ -1,4 +1,5 @@
-"""The admin and weight-sync tokens are set (or generated) and can go into a request's metadata; never quoted."""
+"""The admin token, the read-only admin token when one is set, and the weight-sync token are set (or generated) and
+can go into a request's metadata; never quoted."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ def check_admin_token(cfg: RunConfig, launcher_generates: bool) -> CheckResult:
             "admin token", "fail", f"{missing}: a prod deployment must set its own, not rely on a generated one"
         )
     return CheckResult("admin token", "warn", f"{missing}: rlpipe run generates one into {cfg.run_dir / 'admin.token'}")
+
+
+def check_admin_read_token(cfg: RunConfig) -> list[CheckResult]:
+    """The read-only admin token, when one is set (none: no row, and no read-only access): it can go into a call's
+    metadata, named by where it came from, never quoted. One equal to the admin token never gets here: the config
+    refuses it at load."""
+    if token := AdminCredentials().read_token:
+        problem = token_problem(token)
+        if problem is not None:
+            return [CheckResult("admin read token", "fail", f"RLPIPE_ADMIN_READ_TOKEN {problem}")]
+        return [CheckResult("admin read token", "ok", "set by RLPIPE_ADMIN_READ_TOKEN: the calls that read")]
+    token_file = cfg.admin.read_token_file
+    if token_file is None:
+        return []
+    try:
+        read_token_file(token_file, "admin.read_token_file")
+    except TokenError as error:  # empty too: the trainer would not start with a read token file holding none
+        return [CheckResult("admin read token", "fail", str(error))]
+    return [CheckResult("admin read token", "ok", f"read from admin.read_token_file {token_file}: the calls that read")]
 
 
 def check_weight_sync_token() -> CheckResult:

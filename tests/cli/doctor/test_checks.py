@@ -25,7 +25,7 @@ from services.common.startup_checks.machine import check_ports
 from services.common.startup_checks.roles import _startup_checks, startup_checks
 from services.common.startup_checks.rows import StartupCheckError
 from services.common.startup_checks.storage import check_storage
-from services.common.startup_checks.tokens import check_admin_token, check_weight_sync_token
+from services.common.startup_checks.tokens import check_admin_read_token, check_admin_token, check_weight_sync_token
 from services.common.transport.bus import Bus
 from services.common.transport.streams import PROMPTS, stream_name, subject
 from services.common.transport.weightsync.auth import WeightSyncToken
@@ -439,3 +439,24 @@ def test_a_serving_trainers_port_must_refuse_a_call_without_the_token_and_take_t
     assert found["open"] == [("fail", found["open"][0][1])]
     assert found["open"][0][1].endswith("serves weights to a caller without the token")
     assert [status for status, _ in found["none"]] == ["skip"]
+
+
+@pytest.mark.unit
+def test_the_start_checks_report_the_read_token_when_set_and_name_a_bad_one_never_quoting_it(
+    config_only_model, tmp_path, monkeypatch
+):
+    monkeypatch.delenv("RLPIPE_ADMIN_READ_TOKEN", raising=False)
+    read_file = tmp_path / "admin-read.token"
+    read_file.write_text("fine\n")
+    cfg = run_config(tmp_path, config_only_model, admin={"read_token_file": str(read_file)})
+    [row] = check_admin_read_token(cfg)
+    assert (row.name, row.status) == ("admin read token", "ok") and str(read_file) in row.detail
+    read_file.write_text("LEAKED-read\nsecond-line\n")
+    [row] = check_admin_read_token(cfg)
+    assert row.status == "fail" and row.detail.startswith("admin.read_token_file: the token in")
+    monkeypatch.setenv("RLPIPE_ADMIN_READ_TOKEN", "LEAKED-re\u00e4d")
+    [from_env] = check_admin_read_token(cfg)
+    assert (from_env.status, from_env.detail) == ("fail", "RLPIPE_ADMIN_READ_TOKEN holds a character outside ASCII")
+    assert "LEAKED" not in row.detail + from_env.detail
+    monkeypatch.delenv("RLPIPE_ADMIN_READ_TOKEN")
+    assert check_admin_read_token(run_config(tmp_path, config_only_model, "none.yaml")) == []  # none set: no row

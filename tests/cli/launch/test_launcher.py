@@ -350,16 +350,37 @@ def test_a_log_that_cannot_be_written_costs_lines_never_the_child(config):
     assert child.refusal == "its last word"  # its events are still read
 
 
-def test_an_admin_token_file_kept_from_an_earlier_start_is_made_owner_only(config, monkeypatch):
+def test_admin_and_read_token_files_kept_from_an_earlier_start_are_made_owner_only_and_new(config, monkeypatch):
     monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
+    monkeypatch.delenv("RLPIPE_ADMIN_READ_TOKEN", raising=False)
     cfg = load_config(config)
     cfg.run_dir.mkdir(parents=True)
     launcher = Launcher(cfg, config, resume=True)
-    launcher.token_file.write_text("old\n")
-    launcher.token_file.chmod(0o644)
-    launcher.write_admin_token()
-    assert launcher.token_file.stat().st_mode & 0o777 == 0o600
-    assert launcher.token_file.read_text() != "old\n"
+    for path in (launcher.token_file, launcher.read_token_file):
+        path.write_text("old\n")
+        path.chmod(0o644)
+    launcher.write_admin_tokens()
+    assert launcher.read_token_file == launcher.token_file.with_name("admin-read.token")
+    for path in (launcher.token_file, launcher.read_token_file):
+        assert path.stat().st_mode & 0o777 == 0o600
+        assert path.read_text() != "old\n"
+    assert launcher.token_file.read_text() != launcher.read_token_file.read_text()
+
+
+@pytest.mark.unit
+def test_the_read_token_comes_from_the_shell_when_set_and_goes_to_the_trainer_alone_as_a_file(
+    config, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("RLPIPE_ADMIN_READ_TOKEN", "read-from-the-shell")
+    cfg = load_config(config)
+    cfg.run_dir.mkdir(parents=True)
+    launcher = Launcher(cfg, config, resume=False)
+    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.write_admin_tokens()
+    assert launcher.read_token_file.read_text() == "read-from-the-shell\n"
+    files = {role: launcher.role_env(role).get("RLPIPE_ADMIN__READ_TOKEN_FILE") for role in SERVICE_ROLES}
+    assert files == {"trainer": str(launcher.read_token_file), "rollout": None, "reward": None, "reference": None}
+    assert "RLPIPE_ADMIN_READ_TOKEN" in ROLE_TOKENS  # not inherited from the launching shell by any child
 
 
 # Exits 0 `seconds` after SIGTERM, as a service finishing its work (the trainer's final save) would.
