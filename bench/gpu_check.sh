@@ -69,6 +69,7 @@ STEPS=(
 BENCHES=(
     "vs-trl-gpu|600|step_vs_trl_gpu|python -m bench.vs_trl --task smol --device cuda: rlpipe against TRL on the GPU"
     "long-tail-gpu|420|step_long_tail_gpu|python -m bench.inflight on examples/long-tail.yaml, cuda: in flight or not"
+    "hf-static-gpu|300|step_hf_static_gpu|python -m bench.hf_engine --model smol --device cuda: static cache, compiled"
 )
 
 if [ "$dry_run" = 1 ]; then
@@ -387,9 +388,32 @@ step_long_tail_gpu() {
     echo "FIGURE off ${off} steps/s; on ${on}"
 }
 
+# hf-static-gpu: the transformers engine's rollout.hf.cache: static against the dynamic cache on SmolLM2, 16 x 8,
+# bfloat16 on the GPU, where transformers compiles the decode step (CUDA graphs): completions/s, the warm-up (the
+# compile) and whether the argmax draws agree.
+step_hf_static_gpu() {
+    if [ ! -f models/smollm2-135m-instruct/gguf_import.json ] || [ ! -f data/word-problems/train.jsonl ]; then
+        echo "SKIP no models/smollm2-135m-instruct or data/word-problems (make model-smol, or bench/gpu_carry.py)"
+        return 0
+    fi
+    "$python" -m bench.hf_engine --model smol --device cuda --paths batched,static --repeats 3 --threads 4
+    "$python" - <<'EOF'
+import json
+from pathlib import Path
+
+row = json.loads(Path("build/bench/hf_engine.jsonl").read_text().splitlines()[-1])
+rates, warm = row["completions_per_s"], row["warm_up_seconds"]
+print(
+    f"FIGURE static {rates['static']} vs dynamic {rates['batched']} completions/s ({row['over_first']['static']}x), "
+    f"warm-up {warm['static']} vs {warm['batched']} s, argmax tokens alike: {row['argmax_same_tokens']['static']}"
+)
+EOF
+}
+
 export python work rlpipe
 export -f derive summarize roles gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
-    step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu step_long_tail_gpu
+    step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu step_long_tail_gpu \
+    step_hf_static_gpu
 
 derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
     model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \

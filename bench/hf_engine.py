@@ -1,15 +1,18 @@
 """The transformers engine: a batch's prompts x group_size in one ``generate`` call, against one call per group.
 
     python -m bench.hf_engine [--model tiny|smol] [--prompts 16] [--group 8] [--max-new-tokens N] [--repeats 3]
+                              [--paths per_group,batched] [--device cpu|cuda]
 
-Both paths are the engine's own (``HfEngine``): per group is ``rollout.hf.max_sequences_per_call`` set to the group
+Every path is the engine's own (``HfEngine``): per_group is ``rollout.hf.max_sequences_per_call`` set to the group
 size (one call per prompt, each a group of copies of one prompt: how the engine generated before it batched);
-batched is one call for all (the default cap holds 16 x 8). They alternate on the same prompts in one process,
-``--repeats`` times each, so both see the same machine. Reported: completions per wall second and per CPU second
-of each (median; with one torch thread the CPU seconds are the work done, whatever else shares the cores), the
-ratios batched / per group, and the logprobs check. At a near-zero temperature both paths draw the argmax, so their
-tokens must match and their logprobs agree within float noise (the largest difference is printed); and the logprobs
-each path reports at the run's temperature are compared with the trainer's teacher-forced scoring of the same tokens.
+batched is one call for all (the default cap holds 16 x 8); static is batched over ``rollout.hf.cache: static``
+(compiled with CUDA graphs on a GPU). They alternate on the same prompts in one process, ``--repeats`` times each,
+after one warm-up call of each (a compile's), so all see the same machine. Reported: completions per wall second
+and per CPU second of each (median; with one torch thread the CPU seconds are the work done, whatever else shares
+the cores), the ratios of each path to the first, and the logprobs check. At a near-zero temperature every path
+draws the argmax, so their tokens must match the first path's and their logprobs agree within float noise (the
+largest difference is printed); and the logprobs each path reports at the run's temperature are compared with the
+trainer's teacher-forced scoring of the same tokens (float32, on the CPU). ``--device cuda`` generates in bfloat16.
 
 ``--model tiny`` is ``models/tiny-arith`` (``make model``), else the test suite's ``build/test-model/model``, on its
 arithmetic prompts; ``--model smol`` is SmolLM2-135M-Instruct (``make model-smol``) on its chat word problems
@@ -24,6 +27,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -57,13 +61,22 @@ def resolve(model: str) -> tuple[Path, Path, int, float]:
     return folder, rows if isinstance(rows, Path) else DATA[folder] / rows, tokens, temperature
 
 
-def engine(folder: Path, rows: Path, max_per_call: int | None) -> HfEngine:
+# path: (a call per group, else one for all: rollout.hf.max_sequences_per_call; rollout.hf.cache)
+PATHS: dict[str, tuple[bool, Literal["dynamic", "static"]]] = {
+    "per_group": (True, "dynamic"),
+    "batched": (False, "dynamic"),
+    "static": (False, "static"),
+}
+
+
+def engine(folder: Path, rows: Path, device: str) -> HfEngine:
+    model = {"path": str(folder), "device": device, **({"dtype": "bfloat16"} if device == "cuda" else {})}
     cfg = load_config(
         None,
-        model={"path": str(folder)},
+        model=model,
         data={"train_path": str(rows)},
         train={"max_seq_len": 512},
-        rollout={"backend": "hf", "hf": {"max_sequences_per_call": max_per_call}},
+        rollout={"backend": "hf", "hf": {"max_sequences_per_call": None}},
     )
     return HfEngine(cfg)
 
@@ -84,30 +97,39 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, help="default: 6 for tiny, 40 for smol")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument(
+        "--paths", default="per_group,batched", help=f"the paths compared, the first the baseline: {', '.join(PATHS)}"
+    )
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     args = parser.parse_args(argv)
+    paths = args.paths.split(",")
+    if len(paths) < 2 or not set(paths) <= set(PATHS):
+        parser.error(f"--paths: two or more of {', '.join(PATHS)}")
     torch.set_num_threads(args.threads)
     folder, rows_path, tokens, temperature = resolve(args.model)
     sampling = SamplingConfig(
         group_size=args.group, max_new_tokens=args.max_new_tokens or tokens, temperature=temperature
     )
-    hf = engine(folder, rows_path, max_per_call=None)
+    hf = engine(folder, rows_path, args.device)
     rows = render_rows(load_jsonl(rows_path)[: args.prompts], hf.tokenizer)
     prompt_ids = [hf.tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
-    caps = {"per_group": args.group, "batched": None}
 
     def run(path: str, settings: SamplingConfig) -> tuple[float, float, list]:
         """(wall s, CPU s, the samples) of one ``generate`` of every prompt by ``path``."""
-        hf.max_per_call = caps[path]
+        per_group, hf.cache = PATHS[path]
+        hf.max_per_call = args.group if per_group else None
         wall, cpu = time.perf_counter(), time.process_time()
         groups = hf.generate(prompt_ids, settings, 512)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
         return time.perf_counter() - wall, time.process_time() - cpu, [g for group in groups for g in group]
 
-    run("batched", sampling)  # warm-up: first-call allocations and lazy imports, for neither path's figure
-    seconds: dict[str, list[float]] = {path: [] for path in caps}
-    cpu_seconds: dict[str, list[float]] = {path: [] for path in caps}
+    warm_up = {path: run(path, sampling)[0] for path in paths}  # allocations, lazy imports, a compile: no figure
+    seconds: dict[str, list[float]] = {path: [] for path in paths}
+    cpu_seconds: dict[str, list[float]] = {path: [] for path in paths}
     samples: dict[str, list] = {}
     for _ in range(args.repeats):
-        for path in caps:
+        for path in paths:
             wall, cpu, samples[path] = run(path, sampling)
             seconds[path].append(wall)
             cpu_seconds[path].append(cpu)
@@ -125,13 +147,20 @@ def main(argv: list[str] | None = None) -> None:
             float(np.abs(g.logprobs - e).max()) for g, e in zip(generated, expected, strict=True) if len(e)
         )
     cold = sampling.model_copy(update={"temperature": 1e-4})
-    per_group, batched = run("per_group", cold)[2], run("batched", cold)[2]
-    same_tokens = all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in zip(per_group, batched, strict=True))
-    argmax_diff = max(
-        float(np.abs(a.logprobs - b.logprobs).max())
-        for a, b in zip(per_group, batched, strict=True)
-        if a.token_ids.tolist() == b.token_ids.tolist() and len(a.token_ids)
-    )
+    argmax = {path: run(path, cold)[2] for path in paths}
+    baseline = argmax[paths[0]]
+    same_tokens, argmax_diff = {}, {}
+    for path in paths[1:]:
+        pairs = list(zip(baseline, argmax[path], strict=True))
+        same_tokens[path] = all(a.token_ids.tolist() == b.token_ids.tolist() for a, b in pairs)
+        argmax_diff[path] = max(
+            (
+                float(np.abs(a.logprobs - b.logprobs).max())
+                for a, b in pairs
+                if a.token_ids.tolist() == b.token_ids.tolist() and len(a.token_ids)
+            ),
+            default=None,
+        )
     result = {
         "model": str(folder.relative_to(ROOT) if folder.is_relative_to(ROOT) else folder),
         "prompts": args.prompts,
@@ -139,12 +168,15 @@ def main(argv: list[str] | None = None) -> None:
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": temperature,
         "threads": args.threads,
+        "device": args.device,
+        "paths": paths,
+        "warm_up_seconds": {path: round(t, 3) for path, t in warm_up.items()},
         "seconds": {path: [round(t, 3) for t in times] for path, times in seconds.items()},
         "cpu_seconds": {path: [round(t, 3) for t in times] for path, times in cpu_seconds.items()},
         "completions_per_s": {path: round(value, 2) for path, value in per_s.items()},
         "completions_per_cpu_s": {path: round(value, 2) for path, value in per_cpu_s.items()},
-        "batched_over_per_group": round(per_s["batched"] / per_s["per_group"], 2),
-        "batched_over_per_group_cpu": round(per_cpu_s["batched"] / per_cpu_s["per_group"], 2),
+        "over_first": {path: round(per_s[path] / per_s[paths[0]], 2) for path in paths[1:]},
+        "over_first_cpu": {path: round(per_cpu_s[path] / per_cpu_s[paths[0]], 2) for path in paths[1:]},
         "argmax_same_tokens": same_tokens,
         "argmax_logprob_max_diff": argmax_diff,
         "logprob_vs_scoring_max_diff": vs_scoring,

@@ -16,7 +16,7 @@ STEPS = [
     "nvidia-smi", "build-tiny", "doctor", "hardware", "vllm", "bf16-trainer", "weight-sync", "torchrun-2", "smol",
     "shared-gpu",
 ]  # fmt: skip
-BENCHES = ["vs-trl-gpu", "long-tail-gpu"]  # run only when --only names them
+BENCHES = ["vs-trl-gpu", "long-tail-gpu", "hf-static-gpu"]  # run only when --only names them
 
 
 def test_the_script_parses():

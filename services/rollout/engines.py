@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
@@ -328,6 +328,8 @@ class HfEngine:
         self.pad_id = pad_token_id(self.tokenizer)
         self.end_tokens = end_token_ids(cfg.model.folder, eos_token_id(self.tokenizer))
         self.max_per_call = cfg.rollout.hf.max_sequences_per_call
+        self.cache: Literal["dynamic", "static"] = cfg.rollout.hf.cache
+        self.bucket_tokens = cfg.rollout.hf.static_bucket_tokens
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
         # The merger's copy of the base stays on the host, where adapters arrive and are merged; the model goes to
@@ -394,6 +396,8 @@ class HfEngine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_per_call=self.max_per_call,
+            cache=self.cache,
+            bucket_tokens=self.bucket_tokens,
         )
         return [
             Generation(

@@ -38,6 +38,19 @@ class HfEngineConfig(Section):
         "several, each of sequences of like length (memory: the KV cache grows with sequences x length). "
         "null = always one call",
     )
+    cache: Restart[Literal["dynamic", "static"]] = Field(
+        default="dynamic",
+        description="the KV cache generate keeps: dynamic (grown token by token) or static (allocated once per call "
+        "for its width plus its longest limit). On a CUDA device transformers compiles the decode step over a static "
+        "cache (CUDA graphs), which pays where kernel launches dominate a step (a small model on a large GPU); on a "
+        "CPU it measured slower (docs/performance.md). Off until measured on a GPU",
+    )
+    static_bucket_tokens: Restart[int] = Field(
+        default=64,
+        ge=1,
+        description="with cache: static, each call's contexts are left-padded to a multiple of this many tokens, so "
+        "batches of like prompts share one cache size and compiled shape instead of recompiling for every width",
+    )
 
 
 class RolloutConfig(Section):

@@ -11,6 +11,10 @@ Each sampled token's logprob is taken as it is drawn, under the raw policy (befo
 trainer computes it): one ``[B, V]`` log-softmax at a time, not the ``[B, T, V]`` stack ``output_logits`` keeps
 (6 GB of float32 for 128 rows of 256 tokens over SmolLM2's 49,152-token vocabulary).
 
+``cache="static"`` hands ``generate`` a KV cache allocated once for the call (transformers' static cache); on a
+CUDA device transformers then compiles the decode step, with CUDA graphs. Compiled graphs are per shape, so the rows
+are padded to a multiple of ``bucket_tokens``: batches of like prompts share one.
+
 Used by the transformers rollout engine (sampled) and the trainer's held-out evaluation (greedy).
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -111,8 +115,11 @@ def _one_call(
     stop: Sequence[str],
     decode: Callable[[list[int]], str] | None,
     sampling: dict[str, Any],
+    cache: Literal["dynamic", "static"],
+    bucket_tokens: int,
 ) -> list[Continuation]:
-    input_ids, attention_mask, position_ids = (t.to(model.device) for t in left_padded(contexts, pad_id))
+    multiple = bucket_tokens if cache == "static" else 1
+    input_ids, attention_mask, position_ids = (t.to(model.device) for t in left_padded(contexts, pad_id, multiple))
     width = input_ids.shape[1]
     raw = _RawLogprobs()
     ends = _RowEnds(width, limits, end_tokens, stop, decode, raw, model.device)
@@ -126,6 +133,7 @@ def _one_call(
         stopping_criteria=StoppingCriteriaList([ends]),
         pad_token_id=pad_id,
         eos_token_id=sorted(end_tokens) or None,  # an empty list is not 'none' to generate
+        **({"cache_implementation": "static"} if cache == "static" else {}),
     )
     new_tokens = sequences[:, width:].tolist()  # (B, steps)
     logprobs = torch.stack(ends.logprobs, dim=1).float().cpu().numpy()  # (B, steps)
@@ -159,11 +167,14 @@ def generate_batch(
     top_p: float = 1.0,
     max_per_call: int | None = None,
     precision: Precision | None = None,
+    cache: Literal["dynamic", "static"] = "dynamic",
+    bucket_tokens: int = 1,
 ) -> list[Continuation]:
     """One continuation of each of ``contexts``, at most ``limits[i]`` tokens, in as few ``generate`` calls as
     ``max_per_call`` allows (None: one). ``temperature`` 0 decodes greedily; above it samples from
     ``softmax(z / temperature)`` cut to ``top_p``, over the whole vocabulary (no top-k). ``stop`` needs ``decode``
-    (token ids -> text). ``precision``: run under its autocast (a trainer's fp32 master weights).
+    (token ids -> text). ``precision``: run under its autocast (a trainer's fp32 master weights). ``cache`` and
+    ``bucket_tokens``: the KV cache ``generate`` keeps (module docstring).
 
     The model runs where it is, in eval mode, without autograd (no_grad rather than inference_mode: a trainer's
     model trains on afterwards, and FSDP2 refills the parameters it gathered here in place)."""
@@ -193,6 +204,8 @@ def generate_batch(
                     stop,
                     decode,
                     sampling,
+                    cache,
+                    bucket_tokens,
                 )
                 for i, continuation in zip(rows, done, strict=True):
                     results[i] = continuation

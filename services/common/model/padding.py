@@ -45,11 +45,14 @@ def ensure_pad_token(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def left_padded(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def left_padded(
+    rows: list[list[int]], pad_id: int, multiple: int = 1
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``rows`` of different lengths as one batch ending at the same column, where ``generate`` appends:
-    (input_ids, attention_mask, position_ids), each ``[B, width]``. A row's positions count its own tokens from 0,
-    so its first token sits at position 0 however much padding precedes it; padding gets position 0 and mask 0."""
-    width = max(len(ids) for ids in rows)
+    (input_ids, attention_mask, position_ids), each ``[B, width]``, ``width`` the longest row rounded up to a
+    ``multiple`` (batches of like rows then share one shape). A row's positions count its own tokens from 0, so its
+    first token sits at position 0 however much padding precedes it; padding gets position 0 and mask 0."""
+    width = -(-max(len(ids) for ids in rows) // multiple) * multiple
     input_ids = torch.tensor([[pad_id] * (width - len(ids)) + list(ids) for ids in rows], dtype=torch.long)
     attention_mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in rows], dtype=torch.long)
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # (B, width)

@@ -61,3 +61,12 @@ def test_left_padding_masks_the_gaps_and_counts_each_rows_positions_from_its_fir
     assert attention_mask.tolist() == [[1, 1, 1], [0, 0, 1]]
     assert position_ids.tolist() == [[0, 1, 2], [0, 0, 0]]
     assert input_ids.dtype == attention_mask.dtype == position_ids.dtype == torch.long
+
+
+def test_left_padding_to_a_multiple_rounds_the_width_up_and_keeps_each_rows_positions():
+    input_ids, attention_mask, position_ids = left_padded([[5, 6, 7], [8]], pad_id=1, multiple=4)
+
+    assert input_ids.tolist() == [[1, 5, 6, 7], [1, 1, 1, 8]]
+    assert attention_mask.tolist() == [[0, 1, 1, 1], [0, 0, 0, 1]]
+    assert position_ids.tolist() == [[0, 0, 1, 2], [0, 0, 0, 0]]
+    assert left_padded([[5, 6, 7, 8]], pad_id=1, multiple=4)[0].tolist() == [[5, 6, 7, 8]]  # already a multiple
