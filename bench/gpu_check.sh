@@ -67,7 +67,7 @@ STEPS=(
 )
 # Benches: minutes each, so they run only when --only names them (a device session sized to them).
 BENCHES=(
-    "vs-trl-gpu|600|step_vs_trl_gpu|python -m bench.vs_trl --task smol --device cuda: rlpipe against TRL on the GPU"
+    "vs-trl-gpu|540|step_vs_trl_gpu|python -m bench.vs_trl --task smol --device cuda: rlpipe against TRL on the GPU"
     "long-tail-gpu|420|step_long_tail_gpu|python -m bench.inflight on examples/long-tail.yaml, cuda: in flight or not"
     "hf-static-gpu|300|step_hf_static_gpu|python -m bench.hf_engine --model smol --device cuda: static cache, compiled"
 )
@@ -332,6 +332,9 @@ EOF
 # shared-gpu: the one-GPU placement on the tiny model with transformers rollouts (no CUDA vLLM needed): the launcher
 # decides the replicas and shares, each role caps its allocator, and each role's memory reaches the step rows.
 step_shared_gpu() {
+    if [ ! -f models/tiny-arith/config.json ] || [ ! -f data/arith/train.jsonl ]; then
+        step_build_tiny # the bf16 config's model and data, where --only left the build-tiny step out
+    fi
     derive "$work/bf16.yaml" "$work/shared.yaml" run_id=gpu-check-shared rollout.replicas=auto \
         rollout.backend=hf train.total_steps=10
     "$rlpipe" run "$work/shared.yaml" --overwrite 2>&1 | tee "$work/logs/shared-gpu.run.log"
@@ -377,7 +380,7 @@ EOF
 # frontier", item 3), on the transformers engine (no CUDA vLLM here), whose batched generate carries finished rows
 # to the end of the longest: steps/s with and without, and held-out accuracy.
 step_long_tail_gpu() {
-    if [ ! -f models/tiny-long-tail/config.json ]; then
+    if [ ! -f models/tiny-long-tail/config.json ] || [ ! -f data/long-tail/train.jsonl ]; then
         "$rlpipe" build-tiny --task long-tail --seed 0 || return 1
     fi
     "$python" -m bench.inflight --config examples/long-tail.yaml --model models/tiny-long-tail --data data/long-tail \
@@ -413,7 +416,7 @@ EOF
 export python work rlpipe
 export -f derive summarize roles gpu_count step_nvidia_smi step_build_tiny step_doctor step_hardware step_vllm \
     step_bf16_trainer step_weight_sync step_torchrun step_smol step_shared_gpu step_vs_trl_gpu step_long_tail_gpu \
-    step_hf_static_gpu
+    step_hf_static_gpu step_build_tiny
 
 derive examples/arith-grpo.yaml "$work/bf16.yaml" run_id=gpu-check-bf16 "runs_dir=$work/runs" \
     model.device=cuda model.dtype=bfloat16 train.total_steps=30 data.eval_every_steps=1000 \

