@@ -198,6 +198,7 @@ class StatusReporter:
             consumer_lag=self.lag.get(entry.role, 0),
             last_seen_s=entry.last_seen_s,
             up=entry.up,
+            stopped=entry.stopped,
             build_version=entry.build_version,
             build_revision=entry.build_revision,
             gpu_allocated_gib=entry.gpu_memory.get("allocated_gb", 0.0),

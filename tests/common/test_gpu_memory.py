@@ -116,6 +116,21 @@ def test_rlpipe_status_shows_each_replicas_gpu_memory_and_a_dash_for_a_cpu_one()
     assert gpu == {"rollout-0": "1.50 / 2.00 / 2.60", "reward-0": "-", "trainer": "- / - / 0.75"}
 
 
+def test_rlpipe_status_lists_a_replica_that_ended_in_order_as_stopped_and_a_silent_one_as_down():
+    cells = status_cells(
+        [
+            admin_pb2.ServiceStatus(instance="rollout-0", role="rollout", up=True),
+            admin_pb2.ServiceStatus(instance="rollout-1", role="rollout", stopped=True),  # scaled in
+            admin_pb2.ServiceStatus(instance="rollout-2", role="rollout"),  # killed
+        ]
+    )
+    assert {instance: row["up"] for instance, row in cells.items()} == {
+        "rollout-0": "up",
+        "rollout-1": "stopped",
+        "rollout-2": "down",
+    }
+
+
 def test_the_report_tabulates_and_plots_each_roles_gpu_memory_and_a_cpu_run_has_no_such_section(tmp_path):
     memory = {"memory/trainer/allocated_gb": 2.0}
     rows = [

@@ -192,3 +192,40 @@ def test_a_stopped_presence_beats_no_more_even_when_a_beat_dropped_its_cancellat
         await nc.close()
 
     asyncio.run(scenario())
+
+
+def test_a_replica_stopped_in_order_reads_as_stopped_a_silent_one_as_down_and_a_restart_as_up_again(
+    tiny_model, tmp_path, nats_url, monkeypatch
+):
+    """A scale-in (KEDA, compose, `rlpipe scale`) ends replicas with SIGTERM: they are not failures, and `rlpipe
+    status` and `rlpipe verify` must not call them down. One that stops beating without saying so (SIGKILL, a hang)
+    is down."""
+    cfg = run_config(tmp_path, tiny_model, run_id="stops", nats={"url": nats_url})
+    monkeypatch.setattr(presence_module, "UP_WITHIN_S", 0.5)
+
+    def named(instance: str):
+        return cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": instance})})
+
+    async def scenario():
+        nc = await nats.connect(nats_url)
+        js = nc.jetstream()
+        await read_presence(js, cfg.run_id, cfg.nats)  # the trainer's read creates the bucket
+        scaled_in = await Presence(js, named("rollout-1"), "rollout").start()
+        killed = await Presence(js, named("rollout-2"), "rollout").start()
+        staying = await Presence(js, named("rollout-0"), "rollout").start()
+
+        await scaled_in.stop()
+        killed._task.cancel()  # its process gone without a last word
+        await asyncio.sleep(0.6)  # past UP_WITHIN_S
+        await staying.announce()
+        seen = {e.instance: (e.up, e.stopped) for e in await read_presence(js, cfg.run_id, cfg.nats)}
+        assert seen == {"rollout-0": (True, False), "rollout-1": (False, True), "rollout-2": (False, False)}
+
+        again = await Presence(js, named("rollout-1"), "rollout").start()  # started again under its name
+        entry = next(e for e in await read_presence(js, cfg.run_id, cfg.nats) if e.instance == "rollout-1")
+        assert (entry.up, entry.stopped, entry.restarts) == (True, False, 1)
+        for replica in (again, staying):
+            await replica.stop()
+        await nc.close()
+
+    asyncio.run(scenario())

@@ -240,7 +240,7 @@ def wait_for_replicas(where: Target, role: str, replicas: int) -> int:
     deadline = time.monotonic() + (where.timeout or LOOP_DEADLINE_S)
     while True:
         status = where.call("GetStatus", admin_pb2.GetStatusRequest())
-        mine = [s for s in status.services if s.role == role]
+        mine = [s for s in status.services if s.role == role and not s.stopped]  # a drained one may still be listed
         if len(mine) == replicas and all(s.up for s in mine):
             return replicas
         if time.monotonic() > deadline:

@@ -64,7 +64,7 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
         services.add_row(
             s.instance,
             s.role,
-            "[green]up[/]" if s.up else "[red]down[/]",
+            service_state(s),
             str(s.restarts),
             str(s.consumer_lag),
             str(s.policy_version) if s.role in ("trainer", "rollout") else "-",  # the others hold no policy
@@ -91,6 +91,13 @@ def show_status(status: admin_pb2.Status, as_json: bool) -> None:
                 ",".join(a.actions),
             )
         console.print(alerts)
+
+
+def service_state(service: admin_pb2.ServiceStatus) -> str:
+    """up, down (stopped beating: killed, hung, or out of reach), or stopped (ended in order: scaled in, stopped)."""
+    if service.up:
+        return "[green]up[/]"
+    return "[dim]stopped[/]" if service.stopped else "[red]down[/]"
 
 
 def gpu_memory_cell(service: admin_pb2.ServiceStatus) -> str:

@@ -70,7 +70,7 @@ class PresenceWatch:
         """``instance``'s entry if the process ``pid`` (or one it started) wrote it at or after ``since`` (wall time)
         and it carries its start-up report: the entry of a predecessor that died is never taken."""
         entry = self.entry(instance)
-        if entry is None or not entry.startup or entry.time < since:
+        if entry is None or not entry.startup or entry.stopped or entry.time < since:
             return None
         return entry if entry.pid in with_descendants(pid) else None
 

@@ -300,7 +300,9 @@ def verify_live(
         roles = Check("roles", "fail", f"trainer admin: {status}")
         sync = Check("weight-sync", "skip", "the trainer's status could not be read")
     else:
-        problems = [f"{s.instance}: down in the trainer's status" for s in status.services if not s.up]
+        # A stopped replica ended in order (a scale-in): not a problem, and not up.
+        down = [s.instance for s in status.services if not s.up and not s.stopped]
+        problems = [f"{instance}: down in the trainer's status" for instance in down]
         for service in status.services:
             reason = health_check(service.grpc_address, timeout=PROBE_TIMEOUT_S) if service.grpc_address else None
             if service.up and reason:

@@ -193,7 +193,7 @@ def check_roles(run_dir: Path) -> tuple[list[str], str]:
     if isinstance(status, str):
         problems.append(f"trainer admin: {status}")
         return problems, ""
-    down = [s.instance for s in status.services if not s.up]
+    down = [s.instance for s in status.services if not s.up and not s.stopped]  # stopped: ended in order
     problems += [f"{instance}: down in the trainer's status" for instance in down]
     evidence = (
         f"{', '.join(healthy)}: gRPC health SERVING, metrics endpoint answers; "

@@ -49,6 +49,7 @@ from services.common.transport.nats_connect import STAGE_ROLES, await_run_state,
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
 UP_WITHIN_S = 3 * HEARTBEAT_S
+STOPPED_BEAT_TIMEOUT_S = 2.0  # the last beat of an orderly stop: never long enough to hold up a SIGTERM's grace
 
 
 class ServiceEntry(BaseModel):
@@ -80,13 +81,16 @@ class ServiceEntry(BaseModel):
     # What its ``ready`` event reported (its load times, what it serves: backend, model, reward functions); empty
     # while it starts. The launcher takes a replica as ready when its entry carries this (services/cli/launch/watch.py).
     startup: dict[str, JsonValue] = {}
+    # Written by its last beat when its process ends in order (SIGTERM: a scale-in by KEDA, compose or `rlpipe scale`,
+    # a rolling update, a stop): it left, it did not fail, so it is listed as stopped rather than down.
+    stopped: bool = False
 
 
 class SeenService(ServiceEntry):
     """An entry as the trainer read it at one moment."""
 
     last_seen_s: float  # since its last beat
-    up: bool  # beat within UP_WITHIN_S
+    up: bool  # beat within UP_WITHIN_S, and not stopped
     restarts: int
 
 
@@ -192,8 +196,17 @@ class Presence:
                 log_event(log, Event.PRESENCE_FAILED, level=logging.DEBUG, error=repr(error)[:200])
 
     async def stop(self) -> None:
+        """Stop beating, and say so with a last beat (``stopped``): an orderly end is not a failure. A broker out of
+        reach costs that beat only; the entry then goes stale and reads as down."""
         if self._task is not None:
             await cancel_until_done(self._task)
+        if self.kv is None:
+            return
+        self.update(stopped=True)
+        try:
+            await asyncio.wait_for(self._beat(), STOPPED_BEAT_TIMEOUT_S)
+        except Exception as error:
+            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, error=repr(error)[:200])
 
 
 async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenService]:
@@ -217,7 +230,10 @@ async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenServ
         last_seen_s = now - entry.time
         entries.append(
             SeenService(
-                **entry.model_dump(), last_seen_s=last_seen_s, up=last_seen_s <= UP_WITHIN_S, restarts=entry.starts - 1
+                **entry.model_dump(),
+                last_seen_s=last_seen_s,
+                up=last_seen_s <= UP_WITHIN_S and not entry.stopped,
+                restarts=entry.starts - 1,
             )
         )
     return sorted(entries, key=lambda e: (e.role, e.instance))
