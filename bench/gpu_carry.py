@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import os
 import re
@@ -58,9 +59,10 @@ OFFLINE = {
     "HF_HUB_DISABLE_TELEMETRY": "1",
 }
 # What the first call imports once the wheels are in: a conflict with the image's packages shows there, not in a bench.
-IMPORT_CHECK = "import trl, datasets, pydantic, nats, grpc_tools, gguf, services.cli.app"
+IMPORT_CHECK = "import trl, datasets, pydantic, nats, nkeys, grpc_tools, gguf, services.cli.app"
 MIB = 1 << 20
 CALL_LIMIT = 64 * MIB
+ARCHIVED_FILE_MAX = 4 * MIB  # a file larger than this stays out of what comes back (the tool returns small files)
 MAX_CARRY_PATHS = 8  # the device tool's limit on carried paths per call
 PART_BYTES = 8 * MIB  # small parts pack the calls closely
 IMAGE_PYTHON = "3.12"
@@ -105,7 +107,7 @@ IMAGE_HAS = frozenset(
 )
 # Not in rlpipe's runtime but needed on the GPU: NVML for the per-process memory figures, TRL for the bench.
 BENCH_EXTRAS = ("nvidia-ml-py>=12.535", "trl==1.16.0")
-NO_WHEEL = ("nkeys",)  # published as a source distribution only: built into a wheel here
+NO_WHEEL = ("nkeys",)  # published as a source distribution only: built into a wheel here, its requirements resolved
 
 
 @dataclass
@@ -190,12 +192,17 @@ def tracked_tree_bytes() -> int:
 
 
 def runtime_requirements() -> list[str]:
-    """rlpipe's runtime dependencies, less torch (the image's) and the source-only ones, plus the bench's."""
+    """rlpipe's runtime dependencies, less torch and transformers (the image's) and the source-only ones, in whose
+    place go their own requirements (nkeys's pynacl), plus the bench's."""
+    from importlib.metadata import requires
+
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = []
     for requirement in project["dependencies"]:
         if requirement_name(requirement) not in ("torch", "transformers", *NO_WHEEL):
             requirements.append(requirement)
+    for name in NO_WHEEL:
+        requirements += [r for r in requires(name) or [] if "extra ==" not in r]
     return [*requirements, *BENCH_EXTRAS]
 
 
@@ -419,28 +426,41 @@ def device(args: argparse.Namespace) -> None:
         return
     started = time.time()
     shutil.rmtree(CHECK_DIR, ignore_errors=True)
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    # Written as it runs, under $OUT where there is one: a call the tool stops at its limit still brings it back.
+    summary = (out or CHECK_DIR.parent) / "gpu-check.txt"
     check = ["bash", "bench/gpu_check.sh", "--python", sys.executable, "--set", "rollout.backend=hf"]
-    done = subprocess.run([*check, "--only", args.only], cwd=ROOT, env=environment, capture_output=True, text=True)
-    print(done.stdout + done.stderr)
-    if os.environ.get("OUT"):
-        bring_back(Path(os.environ["OUT"]), done.stdout + done.stderr, started)
+    with summary.open("w") as text:
+        done = subprocess.run([*check, "--only", args.only], cwd=ROOT, env=environment, stdout=text, stderr=text)
+    print(summary.read_text())
+    if out is not None:
+        bring_back(out, started)
     raise SystemExit(done.returncode)
 
 
-def bring_back(out: Path, summary: str, since: float) -> None:
-    """Put what explains this call's benches under ``out``, in two files (the device tool returns a few files, each
-    under a size limit): the check's output as text, and one archive of the step logs, the benches' rows and plots
-    written since ``since``, and every run's metrics and role logs (no checkpoints, no broker store)."""
-    (out / "gpu-check.txt").write_text(summary)
+def bring_back(out: Path, since: float) -> None:
+    """Put what explains this call's benches under ``out`` beside the check's output (``gpu-check.txt``), in one
+    archive (the device tool returns a few files, each under a size limit): the step logs, the benches' rows and
+    plots written since ``since``, and every run's metrics, events and role logs; no checkpoints, no broker store,
+    and no file over ``ARCHIVED_FILE_MAX`` (listed in the archive's ``left-out.txt``)."""
     bench = ROOT / "build/bench"
     wanted = [CHECK_DIR / "logs"]
     wanted += [p for p in bench.glob("*") if p.is_file() and p.stat().st_mtime >= since]
     for runs in (CHECK_DIR / "runs", bench):  # rlpipe's runs, and TRL's (its steps.jsonl beside its saved model)
         wanted += [p for p in runs.rglob("*") if p.is_file() and (p.name in RUN_FILES or p.suffix == ".log")]
+    files = [f for path in wanted if path.exists() for f in ([path] if path.is_file() else path.rglob("*"))]
+    left_out = [
+        f"{f} ({f.stat().st_size} bytes)" for f in files if f.is_file() and f.stat().st_size > ARCHIVED_FILE_MAX
+    ]
     with tarfile.open(out / "gpu-check.tgz", "w:gz") as archive:
-        for path in wanted:
-            if path.exists():
-                archive.add(path, arcname=str(path.relative_to(path.anchor)))
+        for f in files:
+            if f.is_file() and f.stat().st_size <= ARCHIVED_FILE_MAX:
+                archive.add(f, arcname=str(f.relative_to(f.anchor)))
+        if left_out:
+            listing = "\n".join(left_out).encode() + b"\n"
+            info = tarfile.TarInfo("left-out.txt")
+            info.size = len(listing)
+            archive.addfile(info, io.BytesIO(listing))
 
 
 def main() -> None:

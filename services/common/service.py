@@ -212,13 +212,15 @@ async def serve_stage(stage: Stage, stop: asyncio.Event, server: grpc.aio.Server
     watchdog = asyncio.create_task(
         watch_progress(stage, [server], presence, stage.time_share.seconds, lambda: stage.outage.refusal)
     )
+    orderly = False
     try:
         with exit_when_stalled(stage, stage.bus.cfg.service.exit_when_stalled_s):
             await stage.run(stop)
+        orderly = True
     finally:
         watchdog.cancel()
         log_event(log, Event.DRAINING, handled=stage.handled)
-        await presence.stop()
+        await presence.stop(orderly)
         await server.stop(grace=1)
         await stage.bus.close()
 

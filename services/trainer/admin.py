@@ -101,13 +101,20 @@ class Verdict(StrEnum):
 
 def judge(method: str, authorization: str, admin_token: str, read_token: str) -> Verdict:
     """The decision on a call to ``method`` carrying the ``authorization`` metadata value, against the tokens in force
-    (``read_token`` "" = none). Compared in constant time, so the time taken tells nothing of either token."""
+    (``read_token`` "" = none). Compared in constant time, so the time taken tells nothing of either token.
+
+    A read token equal to the admin token (refused at start, but a rotation of either file can make them so) would
+    hand every reader the admin's calls: the token then only reads (fails closed) until one of them changes."""
     given = authorization.encode()
-    if hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
+    if not tokens_equal(admin_token, read_token) and hmac.compare_digest(given, f"Bearer {admin_token}".encode()):
         return Verdict.ADMITTED
     if read_token and hmac.compare_digest(given, f"Bearer {read_token}".encode()):
         return Verdict.ADMITTED if access_needed(method) == Access.READ else Verdict.READ_ONLY
     return Verdict.UNAUTHENTICATED
+
+
+def tokens_equal(admin_token: str, read_token: str) -> bool:
+    return bool(read_token) and hmac.compare_digest(admin_token.encode(), read_token.encode())
 
 
 def read_only_refusal(method: str) -> str:
@@ -192,6 +199,7 @@ class BearerToken(grpc.aio.ServerInterceptor):
     def __init__(self, token: AdminToken, read_token: AdminToken | None = None):
         self.token = token
         self.read_token = read_token
+        self._said_equal = False
 
         async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
             await context.abort(
@@ -206,8 +214,12 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if details.method.startswith(OPEN_METHODS):
             return await continuation(details)
         given = dict(details.invocation_metadata or ()).get("authorization", "")
-        read = self.read_token.current() if self.read_token is not None else ""
-        verdict = judge(details.method, given if isinstance(given, str) else "", self.token.current(), read)
+        admin, read = self.token.current(), self.read_token.current() if self.read_token is not None else ""
+        same = tokens_equal(admin, read)
+        if same and not self._said_equal:  # said once each time they become equal, naming neither token
+            log_event(log, Event.ADMIN_TOKENS_EQUAL, level=logging.ERROR, alert=True)
+        self._said_equal = same
+        verdict = judge(details.method, given if isinstance(given, str) else "", admin, read)
         if verdict == Verdict.ADMITTED:
             return await continuation(details)
         if verdict == Verdict.READ_ONLY:

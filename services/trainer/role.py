@@ -265,6 +265,7 @@ async def lead_holding(
         model_load_s=model_s,
         startup_s=started(),
     )
+    orderly = False
     try:
         try:
             # A loop stalled past its bound plus service.exit_when_stalled_s ends the process, to be restarted.
@@ -289,6 +290,7 @@ async def lead_holding(
                 saved_step=progress.saved_step,
             )
             raise SystemExit(1)
+        orderly = True
     finally:
         watchdog.cancel()
         # First, while presence and the store still answer: the Stop call that ended the run is still composing
@@ -296,5 +298,5 @@ async def lead_holding(
         # a call in progress may finish; new calls are refused at once.
         await admin_server.stop(grace=ADMIN_GRACE_S)
         trainer.responder.metrics.close()  # the trackers' last rows flushed (a W&B run finished)
-        await trainer.presence.stop()
+        await trainer.presence.stop(orderly)
         await server.stop(grace=1)

@@ -122,7 +122,7 @@ def test_the_carried_requirements_leave_the_images_torch_and_transformers_and_bu
     names = {gpu_carry.requirement_name(requirement) for requirement in gpu_carry.runtime_requirements()}
 
     assert not names & {"torch", "transformers", "nkeys"}  # the image's own; nkeys has no wheel to resolve
-    assert {"nats-py", "pydantic", "grpcio-tools", "gguf", "trl", "nvidia-ml-py"} <= names
+    assert {"nats-py", "pydantic", "grpcio-tools", "gguf", "trl", "nvidia-ml-py", "pynacl"} <= names  # nkeys's own
 
 
 def test_a_device_call_refuses_wheels_for_another_python_and_names_a_missing_manifest(device, monkeypatch):
@@ -155,10 +155,15 @@ def test_what_comes_back_is_the_checks_output_and_one_archive_of_logs_rows_and_r
         (bench / name).write_text("x")
     out.mkdir()
 
-    gpu_carry.bring_back(out, "step result figure", since=0.0)
+    (bench / "runs/bench-vs-trl-smol/logs").mkdir(parents=True)
+    (bench / "runs/bench-vs-trl-smol/logs/rollout.log").write_bytes(b"x" * (gpu_carry.ARCHIVED_FILE_MAX + 1))
 
-    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tgz", "gpu-check.txt"]
+    gpu_carry.bring_back(out, since=0.0)
+
+    assert sorted(p.name for p in out.iterdir()) == ["gpu-check.tgz"]  # beside the check's own gpu-check.txt
     with tarfile.open(out / "gpu-check.tgz") as archive:
         names = {Path(name).name for name in archive.getnames()}
+        left_out = archive.extractfile("left-out.txt").read().decode()
     assert {"vs-trl-gpu.log", "metrics.jsonl", "trainer.log", "vs_trl-smol.jsonl", "steps.jsonl"} <= names
     assert "model.safetensors" not in names  # checkpoints stay there
+    assert "rollout.log" not in names and "rollout.log" in left_out  # too large to come back, and said so

@@ -198,8 +198,8 @@ def test_a_replica_stopped_in_order_reads_as_stopped_a_silent_one_as_down_and_a_
     tiny_model, tmp_path, nats_url, monkeypatch
 ):
     """A scale-in (KEDA, compose, `rlpipe scale`) ends replicas with SIGTERM: they are not failures, and `rlpipe
-    status` and `rlpipe verify` must not call them down. One that stops beating without saying so (SIGKILL, a hang)
-    is down."""
+    status` and `rlpipe verify` must not call them down. One whose loop raised (its presence stopped, not in order)
+    or that stops beating without a word (SIGKILL, a hang) is down."""
     cfg = run_config(tmp_path, tiny_model, run_id="stops", nats={"url": nats_url})
     monkeypatch.setattr(presence_module, "UP_WITHIN_S", 0.5)
 
@@ -211,15 +211,22 @@ def test_a_replica_stopped_in_order_reads_as_stopped_a_silent_one_as_down_and_a_
         js = nc.jetstream()
         await read_presence(js, cfg.run_id, cfg.nats)  # the trainer's read creates the bucket
         scaled_in = await Presence(js, named("rollout-1"), "rollout").start()
-        killed = await Presence(js, named("rollout-2"), "rollout").start()
+        crashed = await Presence(js, named("rollout-2"), "rollout").start()
+        killed = await Presence(js, named("rollout-3"), "rollout").start()
         staying = await Presence(js, named("rollout-0"), "rollout").start()
 
-        await scaled_in.stop()
+        await scaled_in.stop(orderly=True)
+        await crashed.stop()  # what serve_stage's finally does when the stage's loop raised
         killed._task.cancel()  # its process gone without a last word
         await asyncio.sleep(0.6)  # past UP_WITHIN_S
         await staying.announce()
         seen = {e.instance: (e.up, e.stopped) for e in await read_presence(js, cfg.run_id, cfg.nats)}
-        assert seen == {"rollout-0": (True, False), "rollout-1": (False, True), "rollout-2": (False, False)}
+        assert seen == {
+            "rollout-0": (True, False),
+            "rollout-1": (False, True),
+            "rollout-2": (False, False),
+            "rollout-3": (False, False),
+        }
 
         again = await Presence(js, named("rollout-1"), "rollout").start()  # started again under its name
         entry = next(e for e in await read_presence(js, cfg.run_id, cfg.nats) if e.instance == "rollout-1")

@@ -118,3 +118,11 @@ def test_the_operations_guides_table_gives_each_admin_method_the_token_the_train
     documented = {method.strip(" `"): token.strip() for method, _, token in (row.split("|")[1:4] for row in rows)}
     expected = {name: "read or admin" if access == Access.READ else "admin" for name, access in METHOD_ACCESS.items()}
     assert documented == expected
+
+
+def test_a_read_token_rotated_to_equal_the_admin_token_only_reads_until_one_of_them_changes():
+    """Refused at start, equality can still come from rotating either file: failing open would give every reader
+    the admin's calls."""
+    assert judge(f"{ADMIN_SERVICE}GetStatus", f"Bearer {ADMIN}", ADMIN, ADMIN) == Verdict.ADMITTED
+    assert judge(f"{ADMIN_SERVICE}Pause", f"Bearer {ADMIN}", ADMIN, ADMIN) == Verdict.READ_ONLY
+    assert judge(f"{ADMIN_SERVICE}Pause", f"Bearer {ADMIN}", ADMIN, READ) == Verdict.ADMITTED  # told apart again

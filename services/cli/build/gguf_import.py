@@ -164,13 +164,17 @@ def with_file_special_tokens(
     corrected = {}
     for attribute, token_id in named.items():
         token = tokenizer.convert_ids_to_tokens(token_id)
+        if token is None:  # an id past the vocabulary: nothing to name, so the loader's reading stands
+            continue
         before = getattr(tokenizer, attribute, None)
         if before != token:
             setattr(tokenizer, attribute, token)
             corrected[attribute] = f"{before!r} -> {token!r}"
         if attribute in CONFIG_TOKENS:
             for config in (model.config, model.generation_config):
-                setattr(config, f"{attribute}_id", token_id)
+                held = getattr(config, f"{attribute}_id", None)
+                if not (isinstance(held, list) and token_id in held):  # several end tokens, the file's among them
+                    setattr(config, f"{attribute}_id", token_id)
     return corrected
 
 

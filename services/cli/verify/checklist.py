@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,8 @@ from services.common.config import RunConfig, load_config_with
 from services.common.observe import metrics as m
 from services.common.observe.records import MetricsRow, read_metrics
 from services.common.observe.usage import ResourceTrend
+from services.common.pb import admin_pb2
+from services.common.transport.nats_connect import STAGE_ROLES
 from services.trainer.intake.samples import SampleArchive
 
 # Mean per-token |log pi_sampler - log pi_trainer| allowed on groups the trainer's current version generated:
@@ -282,6 +284,23 @@ def smoke_only(config_path: Path) -> list[Check]:
     return [roles_check(run), smoke_check(run, step_rows(run.cfg))]
 
 
+def live_roles_check(services: Sequence[admin_pb2.ServiceStatus], probe: Callable[[str], str | None]) -> Check:
+    """The roles check of a live deployment, from the trainer's status: every replica up or stopped in order (a
+    scale-in is not a problem), every stage role with a replica up, and each one up answering its gRPC health
+    (``probe(address)``: None when SERVING, else why not). A stopped replica is neither up nor probed."""
+    down = [s for s in services if not s.up and not s.stopped]
+    problems = [f"{s.instance}: down in the trainer's status" for s in down]
+    named = {s.role for s in services if s.up} | {s.role for s in down}
+    problems += [f"{role}: no replica up in the trainer's status" for role in STAGE_ROLES if role not in named]
+    for service in services:
+        if service.up and service.grpc_address and (reason := probe(service.grpc_address)):
+            problems.append(f"{service.instance}: health {reason}")
+    if problems:
+        return Check("roles", "fail", "; ".join(problems))
+    up = [s.instance for s in services if s.up]
+    return Check("roles", "pass", f"{', '.join(up)}: up in the trainer's status, gRPC health SERVING")
+
+
 def verify_live(
     config_path: Path, address: str, token: str, tls_ca: Path | None = None, settings: Mapping[str, Any] | None = None
 ) -> tuple[list[Check], RunConfig, tuple[Path, Path]]:
@@ -300,20 +319,8 @@ def verify_live(
         roles = Check("roles", "fail", f"trainer admin: {status}")
         sync = Check("weight-sync", "skip", "the trainer's status could not be read")
     else:
-        # A stopped replica ended in order (a scale-in): not a problem, and not up.
-        down = [s.instance for s in status.services if not s.up and not s.stopped]
-        problems = [f"{instance}: down in the trainer's status" for instance in down]
-        for service in status.services:
-            reason = health_check(service.grpc_address, timeout=PROBE_TIMEOUT_S) if service.grpc_address else None
-            if service.up and reason:
-                problems.append(f"{service.instance}: health {reason}")
-        up = [s.instance for s in status.services if s.up]
-        roles = (
-            Check("roles", "fail", "; ".join(problems))
-            if problems
-            else Check("roles", "pass", f"{', '.join(up)}: up in the trainer's status, gRPC health SERVING")
-        )
-        rollouts = [s for s in status.services if s.role == "rollout"]
+        roles = live_roles_check(status.services, lambda address: health_check(address, timeout=PROBE_TIMEOUT_S))
+        rollouts = [s for s in status.services if s.role == "rollout" and not s.stopped]
         behind = [f"{s.instance} (version {s.policy_version})" for s in rollouts if s.policy_version < 1]
         if not rollouts or behind:
             sync = Check(

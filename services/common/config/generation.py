@@ -48,8 +48,9 @@ class HfEngineConfig(Section):
     static_bucket_tokens: Restart[int] = Field(
         default=64,
         ge=1,
-        description="with cache: static, each call's contexts are left-padded to a multiple of this many tokens, so "
-        "batches of like prompts share one cache size and compiled shape instead of recompiling for every width",
+        description="with cache: static, each call's contexts are left-padded, and its token limit raised, to "
+        "multiples of this many tokens, so calls of like prompts and limits share one cache size instead of "
+        "recompiling for every width (a new batch size still compiles anew: multi-turn and in-flight calls vary it)",
     )
 
 

@@ -13,7 +13,8 @@ trainer computes it): one ``[B, V]`` log-softmax at a time, not the ``[B, T, V]`
 
 ``cache="static"`` hands ``generate`` a KV cache allocated once for the call (transformers' static cache); on a
 CUDA device transformers then compiles the decode step, with CUDA graphs. Compiled graphs are per shape, so the rows
-are padded to a multiple of ``bucket_tokens``: batches of like prompts share one.
+are padded, and the call's token limit raised, to multiples of ``bucket_tokens``: calls of like prompts and limits
+share one cache size. A new batch size still compiles anew (multi-turn turns and in-flight chunks vary it).
 
 Used by the transformers rollout engine (sampled) and the trainer's held-out evaluation (greedy).
 """
@@ -120,6 +121,9 @@ def _one_call(
 ) -> list[Continuation]:
     multiple = bucket_tokens if cache == "static" else 1
     input_ids, attention_mask, position_ids = (t.to(model.device) for t in left_padded(contexts, pad_id, multiple))
+    # The cache holds the width plus max_new_tokens: both rounded to the bucket, so that calls of like prompts and
+    # limits share its size. Each row still ends at its own limit (_RowEnds).
+    room = -(-max(limits) // multiple) * multiple
     width = input_ids.shape[1]
     raw = _RawLogprobs()
     ends = _RowEnds(width, limits, end_tokens, stop, decode, raw, model.device)
@@ -128,7 +132,7 @@ def _one_call(
         attention_mask=attention_mask,
         position_ids=position_ids,
         **sampling,
-        max_new_tokens=max(limits),
+        max_new_tokens=room,
         logits_processor=LogitsProcessorList([raw]),
         stopping_criteria=StoppingCriteriaList([ends]),
         pad_token_id=pad_id,

@@ -48,6 +48,7 @@ class Event(StrEnum):
     ACK_FAILED = "ack_failed"  # a stage could not ack or hand back a message (its broker away)
     ADMIN_READ_ONLY_REFUSED = "admin_read_only_refused"  # an Admin call that changes the run came with the read token
     ADMIN_SOURCE_REFUSED = "admin_source_refused"  # an Admin call from outside admin.allowed_sources was refused
+    ADMIN_TOKENS_EQUAL = "admin_tokens_equal"  # a rotation made the read and admin tokens equal: it only reads (alert)
     ADMIN_TOKEN_EMPTY = "admin_token_empty"  # the trainer's admin token file is empty: admin calls are refused
     ADMIN_TOKEN_ROTATED = "admin_token_rotated"  # the admin token file changed and was read again
     ADMIN_TOKEN_UNREADABLE = "admin_token_unreadable"  # the admin token file cannot be read

@@ -195,12 +195,13 @@ class Presence:
             except Exception as error:  # broker away: the next beat tries again
                 log_event(log, Event.PRESENCE_FAILED, level=logging.DEBUG, error=repr(error)[:200])
 
-    async def stop(self) -> None:
-        """Stop beating, and say so with a last beat (``stopped``): an orderly end is not a failure. A broker out of
-        reach costs that beat only; the entry then goes stale and reads as down."""
+    async def stop(self, orderly: bool = False) -> None:
+        """Stop beating. ``orderly``: the process ends in order (its loop returned after SIGTERM, not an exception),
+        said with a last beat (``stopped``), so it is listed as stopped, not down; a broker out of reach costs that
+        beat only, and the entry then goes stale and reads as down, as a failed replica's does."""
         if self._task is not None:
             await cancel_until_done(self._task)
-        if self.kv is None:
+        if self.kv is None or not orderly:
             return
         self.update(stopped=True)
         try:

@@ -362,3 +362,31 @@ def test_verify_checks_a_live_deployment_through_its_admin_address_without_a_smo
         ("tuning", "skip"),
     ]
     assert not (tmp_path / "runs" / "deploy-smoke").exists()
+
+
+@pytest.mark.unit
+def test_a_live_deployments_roles_pass_with_replicas_scaled_in_and_fail_on_one_down_or_a_role_left_without_any():
+    """A replica stopped in order (a KEDA scale-in) is neither a problem nor probed; one down is; and a stage
+    role whose replicas all stopped has none to do its work."""
+    from services.cli.verify.checklist import live_roles_check
+    from services.common.pb import admin_pb2
+
+    def service(instance: str, role: str, **state) -> admin_pb2.ServiceStatus:
+        return admin_pb2.ServiceStatus(instance=instance, role=role, grpc_address=f"{instance}:1", **state)
+
+    probed = []
+
+    def probe(address: str) -> None:
+        probed.append(address)
+
+    running = [service(f"{r}-0", r, up=True) for r in ("trainer", "rollout", "reward", "reference")]
+    scaled_in = [*running, service("rollout-1", "rollout", stopped=True)]
+    check = live_roles_check(scaled_in, probe)
+    assert check.status == "pass" and "rollout-1" not in check.detail and "rollout-1:1" not in probed
+
+    down = live_roles_check([*running, service("rollout-2", "rollout")], probe)
+    assert down.status == "fail" and down.detail == "rollout-2: down in the trainer's status"
+
+    gone = [s for s in running if s.role != "reward"] + [service("reward-0", "reward", stopped=True)]
+    left = live_roles_check(gone, probe)
+    assert left.status == "fail" and left.detail == "reward: no replica up in the trainer's status"
