@@ -49,6 +49,15 @@ def test_a_role_on_a_gpu_caps_its_allocator_at_its_share(config_with):
     assert rollout.allocator_fraction == allocator_fraction(0.1, 80 * GIB, "rollout")  # transformers: torch's cap
 
 
+def test_a_share_set_by_hand_that_leaves_the_allocator_under_its_floor_says_so_naming_the_field(config_with):
+    """The plan keeps ALLOCATOR_FLOOR_BYTES in every share it computes; a share set by hand may not, and a role
+    whose allocator cannot hold cuBLAS's workspace beside its model runs out of memory at its first matmuls."""
+    cfg = config_with({"reference": 0.004, "trainer": 0.25})
+    small = decide_share(cfg, "reference", cuda_available=True, total_bytes=lambda: 140 * GIB)
+    assert small.under_floor and "raise service.gpu_memory_fraction.reference" in small.reason
+    assert not decide_share(cfg, "trainer", cuda_available=True, total_bytes=lambda: 140 * GIB).under_floor
+
+
 def test_no_cap_on_a_cpu_for_a_vllm_rollout_for_a_reward_without_a_model_or_a_role_without_a_share(config_with):
     cfg = config_with({"trainer": 0.25, "rollout": 0.1, "reward": 0.1})
     cpu = decide_share(cfg, "trainer", cuda_available=False, total_bytes=never)

@@ -41,6 +41,7 @@ class GpuShare:
     share: float | None  # service.gpu_memory_fraction's entry for the role; None = not set
     allocator_fraction: float | None  # the cap given to torch; None = no cap
     reason: str  # why no cap, or what the cap is
+    under_floor: bool = False  # the cap is under ALLOCATOR_FLOOR_BYTES: the role will likely run out of memory
 
 
 def allocator_fraction(share: float, total_bytes: int, role: str, context_bytes: int = CUDA_CONTEXT_BYTES) -> float:
@@ -82,7 +83,13 @@ def decide_share(cfg: RunConfig, role: Role, cuda_available: bool, total_bytes: 
         return GpuShare(role, share, None, "not applied: this role computes on the CPU")
     total = total_bytes()
     fraction = allocator_fraction(share, total, role)
-    return GpuShare(role, share, fraction, f"torch's allocator capped at {fraction:.4f} of {total / 2**30:.1f} GiB")
+    reason = f"torch's allocator capped at {fraction:.4f} of {total / 2**30:.1f} GiB"
+    if under := fraction * total < ALLOCATOR_FLOOR_BYTES:
+        reason += (
+            f", {fraction * total / 2**20:.0f} MiB: under the {ALLOCATOR_FLOOR_BYTES // 2**20} MiB torch holds "
+            f"whatever the model (cuBLAS's workspace, segment rounding); raise service.gpu_memory_fraction.{role}"
+        )
+    return GpuShare(role, share, fraction, reason, under)
 
 
 def apply_gpu_share(cfg: RunConfig, role: Role) -> GpuShare:
@@ -104,6 +111,7 @@ def apply_gpu_share(cfg: RunConfig, role: Role) -> GpuShare:
     log_event(
         log,
         Event.GPU_MEMORY_SHARE,
+        level=logging.WARNING if decided.under_floor else logging.INFO,
         share=decided.share,
         allocator_fraction=decided.allocator_fraction,
         reason=decided.reason,
