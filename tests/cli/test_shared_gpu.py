@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from services.cli.app import app
+from services.cli.launch.credentials import RunCredentials
 from services.cli.launch.launcher import Launcher
 from services.cli.launch.placement import RunPlacement, decide_placement, gpu_memory, shared_device
 from services.cli.plan import CPU_AUTO_REPLICAS, shared_gpu_line
@@ -194,7 +195,7 @@ def test_auto_with_no_room_for_one_rollout_refuses_to_start_naming_the_field(run
 def test_every_role_and_its_restarts_get_the_placements_gpu_and_shares(run_config, tmp_path):
     placement = RunPlacement(2, "two", {"trainer": 0.4, "rollout": 0.2}, "0", decided=True)
     launcher = Launcher(load_config(run_config(rollout={"backend": "hf"})), tmp_path, resume=False, placement=placement)
-    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.credentials = RunCredentials(tmp_path, nats_keys=write_run_credentials(tmp_path / "nats-auth"))
     for role in SERVICE_ROLES:  # role_env is what spawn gives a role, at its start and at each restart
         given = launcher.role_env(role)
         assert {name: given[name] for name in placement.env()} == placement.env(), role

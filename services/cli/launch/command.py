@@ -21,7 +21,8 @@ import yaml
 
 from services.cli.launch.archive import archive_and_describe
 from services.cli.launch.children import RoleCrashLoop, RoleRefused
-from services.cli.launch.launcher import Launcher, inherited_env
+from services.cli.launch.credentials import inherited_env
+from services.cli.launch.launcher import Launcher
 from services.cli.launch.lock import RunIsLive, hold_run, previous_run
 from services.cli.launch.narration import console
 from services.cli.launch.placement import place_roles

@@ -1,13 +1,14 @@
 """The Launcher behind ``rlpipe run`` (services/cli/launch/command.py): the whole pipeline on one machine.
 
-Starts a local NATS server with JetStream in the run directory (services/cli/launch/broker.py), then one OS process
-per service (services/cli/launch/children.py), all at once (the others wait for the streams the trainer creates; a
-rollout reads the trainer's port from its presence entry), each waited on until its presence entry says it is
-ready (services/cli/launch/watch.py); runs/<run>/startup.jsonl (services/cli/launch/files.py) records when each was
+Issues the start's credentials (services/cli/launch/credentials.py), starts a local NATS server with JetStream in
+the run directory (services/cli/launch/broker.py), then one OS process per service
+(services/cli/launch/children.py), all at once (the others wait for the streams the trainer creates; a rollout
+reads the trainer's port from its presence entry), each waited on until its presence entry says it is ready
+(services/cli/launch/watch.py); runs/<run>/startup.jsonl (services/cli/launch/files.py) records when each was
 ready, and the first step, in seconds after the launch; the roles are forked warm where they can be
-(services/cli/launch/warm_forks.py). Shows a progress bar over training steps, read from the
-metrics file, until ``events.jsonl`` records the trainer's ``done``. Replicas of a stage role are added or removed
-while it runs, as ``rlpipe scale`` asks (services/cli/launch/scaling.py).
+(services/cli/launch/warm_forks.py). Shows a progress bar over training steps, read from the metrics file, until
+``events.jsonl`` records the trainer's ``done``. Replicas of a stage role are added or removed while it runs, as
+``rlpipe scale`` asks (services/cli/launch/scaling.py).
 
 A service that dies is restarted with exponential backoff,
 unless it died more than ``supervision.max_restarts`` times within
@@ -19,8 +20,6 @@ run stops, prints the service's reason and exits 2. On stop each service gets it
 
 from __future__ import annotations
 
-import os
-import secrets
 import subprocess
 import sys
 import threading
@@ -42,6 +41,7 @@ from services.cli.launch.children import (
     trainer_env,
 )
 from services.cli.launch.crash_loop import CrashLoopGuard
+from services.cli.launch.credentials import RunCredentials, inherited_env
 from services.cli.launch.files import StartupRecord, write_run_file
 from services.cli.launch.narration import (
     LAUNCHER_SAYS,
@@ -56,17 +56,13 @@ from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_p
 from services.cli.launch.stopping import kill_children, stop_children, stop_grace_s
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
-from services.common.config import AdminCredentials, RunConfig, WeightSyncCredentials
+from services.common.config import RunConfig
 from services.common.observe import metrics as m
 from services.common.observe.events import Event, EventLog
 from services.common.observe.records import RunDone
 from services.common.observe.usage import UsageMeter, with_descendants
 from services.common.parent_death import dies_with_this_process
 from services.common.service import EXIT_REFUSED
-from services.common.transport.nats_auth import RoleKey, write_run_credentials
-
-# Credentials the launcher hands to the roles that need them (role_env), never to every child through its own shell.
-ROLE_TOKENS = ("RLPIPE_ADMIN_TOKEN", "RLPIPE_ADMIN_READ_TOKEN", "RLPIPE_WEIGHTSYNC_TOKEN")
 
 READY_TIMEOUT_S = 600.0
 
@@ -92,8 +88,7 @@ class Launcher:
         self.restarts: dict[str, int] = self.restart_policy.total
         self.crash_loops = CrashLoopGuard()
         self.last_step = 0  # the newest step row read: a restarted role that saw a later one made progress
-        self.nats_keys: dict[str, RoleKey] = {}
-        self.weight_sync_token = ""
+        self.credentials = RunCredentials(self.run_dir)  # issued afresh at start()
         self.events = EventLog.of_run(cfg)
         self.usage = UsageMeter()
         self._usage_sampled = 0.0
@@ -106,40 +101,12 @@ class Launcher:
         self.placement = placement
 
     def role_env(self, role: str) -> dict[str, str]:
-        """What only ``role`` is given: its own NATS key, the admin and read tokens for the trainer alone (as files
-        it re-reads, so that rewriting runs/<run>/admin.token or admin-read.token rotates it), and the weight-sync
-        token for the trainer and the rollouts, the two ends of WeightSync."""
-        env = {"RLPIPE_NATS__NKEY_SEED_FILE": str(self.nats_keys[role].seed_file)}
-        if role == "trainer":
-            env["RLPIPE_ADMIN__TOKEN_FILE"] = str(self.token_file)
-            env["RLPIPE_ADMIN__READ_TOKEN_FILE"] = str(self.read_token_file)
-        if role in ("trainer", "rollout"):
-            env["RLPIPE_WEIGHTSYNC_TOKEN"] = self.weight_sync_token
+        """What ``role`` is given at its start and each restart: its credentials (RunCredentials.role_env) and
+        where it runs on a shared GPU."""
+        env = self.credentials.role_env(role)
         if self.placement is not None:
             env.update(self.placement.env())
         return env
-
-    @property
-    def token_file(self) -> Path:
-        return self.run_dir.resolve() / "admin.token"
-
-    @property
-    def read_token_file(self) -> Path:
-        return self.run_dir.resolve() / "admin-read.token"
-
-    def write_admin_tokens(self) -> None:
-        """The admin token (RLPIPE_ADMIN_TOKEN if set, else a fresh one) and the read-only token
-        (RLPIPE_ADMIN_READ_TOKEN if set, else a fresh one), each kept owner-only in the run directory for the CLI
-        (`rlpipe --read-only` uses the second)."""
-        credentials = AdminCredentials()
-        for path, token in (
-            (self.token_file, credentials.token or secrets.token_urlsafe(24)),
-            (self.read_token_file, credentials.read_token or secrets.token_urlsafe(24)),
-        ):
-            path.touch(mode=0o600)
-            # touch's mode applies only to a new file: one kept from an earlier start (--resume) may be readable by all.
-            path.chmod(0o600)
-            path.write_text(token + "\n")
 
     def spawn(self, role: str, name: str, env: dict[str, str] | None = None) -> Child:
         log_path = self.run_dir / "logs" / f"{name}.log"
@@ -262,20 +229,20 @@ class Launcher:
     def start(self) -> None:
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         self.warm.start()
-        # Fresh keys at every start: a key of an earlier run of this directory opens nothing.
-        self.nats_keys = write_run_credentials(self.run_dir.resolve() / "nats-auth")
-        self.broker = RunBroker(self.cfg, self.nats_keys)
+        # Fresh credentials at every start: a key of an earlier run of this directory opens nothing.
+        self.credentials = RunCredentials.issue(self.run_dir)
+        nats_keys = self.credentials.nats_keys
+        self.broker = RunBroker(self.cfg, nats_keys)
         nats_url = self.broker.start()
-        self.presence = PresenceWatch(self.cfg, nats_url, self.nats_keys["operator"].seed_file).start()
+        self.presence = PresenceWatch(self.cfg, nats_url, nats_keys["operator"].seed_file).start()
         self.startup.record("nats", {"url": nats_url, "store": str(self.run_dir / "nats")})
         console.log(f"[green]nats ready[/] at {nats_url} {self.startup['nats']:.1f}s after the launch")
         if self.resume:
             self.held_by_alert = held_on_resume(self.broker.release_hold(), self.run_dir)
             # This start runs the config's replica counts, not those asked for in the last one.
-            forget_scale_requests(self.cfg, nats_url, self.nats_keys["trainer"])
+            forget_scale_requests(self.cfg, nats_url, nats_keys["trainer"])
         if self.hold:
             self.broker.hold(self.hold)
-        self.write_admin_tokens()
         if self.placement is None:
             self.placement = place_roles(self.cfg, inherited_env().get("CUDA_VISIBLE_DEVICES"))
         started = {
@@ -284,8 +251,6 @@ class Launcher:
             "reference": self.cfg.reference.replicas,
         }
         self.scaler = ReplicaScaler(started, self.events, console)
-        # RLPIPE_WEIGHTSYNC_TOKEN if set, else one for this start: the trainer and the rollouts start together.
-        self.weight_sync_token = WeightSyncCredentials().token or secrets.token_urlsafe(24)
         # Only the roles that need a token are given it (role_env); no service inherits one from this shell.
         self.env = {**inherited_env(), "RLPIPE_NATS__URL": nats_url, **LAUNCHER_SCALES}
         # Every role at once: the trainer creates the run's streams and buckets, which the others wait for (any
@@ -401,8 +366,8 @@ class Launcher:
             self.children = [c for c in self.children if c is not child]
             self.restart_policy.recent.pop(child.name, None)
             self.crash_loops.last.pop(child.name, None)
-        url = self.env["RLPIPE_NATS__URL"]
-        self.scaler.forget_departed(lambda role, name: forget_presence(self.cfg, url, self.nats_keys[role], name))
+        url, keys = self.env["RLPIPE_NATS__URL"], self.credentials.nats_keys
+        self.scaler.forget_departed(lambda role, name: forget_presence(self.cfg, url, keys[role], name))
         if step.start or step.gone:
             self.write_run_file()
 
@@ -444,8 +409,3 @@ class Launcher:
     def kill(self) -> list[str]:
         """SIGKILL every process at once (stopping.py); returns the services it killed."""
         return kill_children(self)
-
-
-def inherited_env() -> dict[str, str]:
-    """This shell's environment without the tokens only some roles are given (Launcher.role_env)."""
-    return {name: value for name, value in os.environ.items() if name not in ROLE_TOKENS}

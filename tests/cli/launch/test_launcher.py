@@ -19,7 +19,8 @@ from rich.progress import Progress
 
 from services.cli.launch.children import Child, RestartPolicy, RoleCrashLoop, RoleRefused, restart_env
 from services.cli.launch.command import interrupt, stop_or_kill
-from services.cli.launch.launcher import ROLE_TOKENS, Launcher
+from services.cli.launch.credentials import RunCredentials
+from services.cli.launch.launcher import Launcher
 from services.cli.launch.lock import hold_run, launcher_lock
 from services.cli.launch.summary import summarize
 from services.common.config import ConfigError, SupervisionConfig, load_config
@@ -27,7 +28,6 @@ from services.common.observe.events import Event
 from services.common.observe.records import RunDone, read_events
 from services.common.service import EXIT_REFUSED
 from services.common.transport.nats_auth import write_run_credentials
-from services.common.transport.nats_connect import SERVICE_ROLES
 from tests.support.paths import ROOT
 from tests.support.runs import RLPIPE_RUN, config_file, metric_rows, run_pipeline, running_pipeline, wait_for
 
@@ -350,39 +350,6 @@ def test_a_log_that_cannot_be_written_costs_lines_never_the_child(config):
     assert child.refusal == "its last word"  # its events are still read
 
 
-def test_admin_and_read_token_files_kept_from_an_earlier_start_are_made_owner_only_and_new(config, monkeypatch):
-    monkeypatch.delenv("RLPIPE_ADMIN_TOKEN", raising=False)
-    monkeypatch.delenv("RLPIPE_ADMIN_READ_TOKEN", raising=False)
-    cfg = load_config(config)
-    cfg.run_dir.mkdir(parents=True)
-    launcher = Launcher(cfg, config, resume=True)
-    for path in (launcher.token_file, launcher.read_token_file):
-        path.write_text("old\n")
-        path.chmod(0o644)
-    launcher.write_admin_tokens()
-    assert launcher.read_token_file == launcher.token_file.with_name("admin-read.token")
-    for path in (launcher.token_file, launcher.read_token_file):
-        assert path.stat().st_mode & 0o777 == 0o600
-        assert path.read_text() != "old\n"
-    assert launcher.token_file.read_text() != launcher.read_token_file.read_text()
-
-
-@pytest.mark.unit
-def test_the_read_token_comes_from_the_shell_when_set_and_goes_to_the_trainer_alone_as_a_file(
-    config, tmp_path, monkeypatch
-):
-    monkeypatch.setenv("RLPIPE_ADMIN_READ_TOKEN", "read-from-the-shell")
-    cfg = load_config(config)
-    cfg.run_dir.mkdir(parents=True)
-    launcher = Launcher(cfg, config, resume=False)
-    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
-    launcher.write_admin_tokens()
-    assert launcher.read_token_file.read_text() == "read-from-the-shell\n"
-    files = {role: launcher.role_env(role).get("RLPIPE_ADMIN__READ_TOKEN_FILE") for role in SERVICE_ROLES}
-    assert files == {"trainer": str(launcher.read_token_file), "rollout": None, "reward": None, "reference": None}
-    assert "RLPIPE_ADMIN_READ_TOKEN" in ROLE_TOKENS  # not inherited from the launching shell by any child
-
-
 # Exits 0 `seconds` after SIGTERM, as a service finishing its work (the trainer's final save) would.
 SLOW_TO_STOP = """
 import signal, sys, time
@@ -540,26 +507,14 @@ def test_the_run_summary_gives_the_mean_share_of_groups_dynamic_sampling_filtere
 
 
 @pytest.mark.unit
-def test_the_weight_sync_token_goes_to_the_trainer_and_the_rollouts_alone(config, tmp_path, monkeypatch):
-    monkeypatch.setenv("RLPIPE_WEIGHTSYNC_TOKEN", "from-the-shell")
-    launcher = Launcher(load_config(config), config, resume=False)
-    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
-    launcher.weight_sync_token = "the-runs-token"
-    tokens = {role: launcher.role_env(role).get("RLPIPE_WEIGHTSYNC_TOKEN") for role in SERVICE_ROLES}
-    assert tokens == {"trainer": "the-runs-token", "rollout": "the-runs-token", "reward": None, "reference": None}
-    # Nor does a child inherit one from the launching shell: only role_env hands it out.
-    assert "RLPIPE_WEIGHTSYNC_TOKEN" in ROLE_TOKENS and "RLPIPE_ADMIN_TOKEN" in ROLE_TOKENS
-
-
-@pytest.mark.unit
 def test_a_rollout_is_handed_its_own_seed_file_and_the_weight_sync_token_and_nothing_else(config, tmp_path):
     launcher = Launcher(load_config(config), config, resume=False)
-    launcher.nats_keys = write_run_credentials(tmp_path / "nats-auth")
-    launcher.weight_sync_token = "the-runs-token"
+    keys = write_run_credentials(tmp_path / "nats-auth")
+    launcher.credentials = RunCredentials(tmp_path, nats_keys=keys, weight_sync_token="the-runs-token")
     given = launcher.role_env("rollout")
     # Not the admin token file, not the operator's seed: the Python tool's box then keeps even these from the code.
     assert given == {
-        "RLPIPE_NATS__NKEY_SEED_FILE": str(launcher.nats_keys["rollout"].seed_file),
+        "RLPIPE_NATS__NKEY_SEED_FILE": str(keys["rollout"].seed_file),
         "RLPIPE_WEIGHTSYNC_TOKEN": "the-runs-token",
     }
 
