@@ -28,6 +28,9 @@ from services.common.transport.live_config import bucket_name as config_bucket
 from services.common.transport.presence import (
     RestartCounter,
     SeenService,
+    gone_for,
+    instance_name,
+    prune_presence,
     read_presence,
     role_gpu_memory,
     role_time_shares,
@@ -82,7 +85,8 @@ class StatusReporter:
     async def refresh_services(self, max_age_s: float = 5.0) -> list[SeenService]:
         if time.monotonic() - self.services_read > max_age_s:
             try:
-                self.services = await read_presence(self.bus.js, self.settings.cfg.run_id, self.settings.cfg.nats)
+                services = await read_presence(self.bus.js, self.settings.cfg.run_id, self.settings.cfg.nats)
+                self.services = await self.prune_gone(services)
                 self.lag = await self.consumer_lag()
                 scale = await read_scale(await self.bus.js.key_value(config_bucket(self.settings.cfg.run_id)))
                 self.scaled_to_zero = {role for role, record in scale.items() if record.replicas == 0}
@@ -91,6 +95,27 @@ class StatusReporter:
             except (NatsError, TimeoutError) as error:
                 log_event(log, Event.PRESENCE_UNREADABLE, level=logging.WARNING, error=repr(error)[:200])
         return self.services
+
+    async def prune_gone(self, services: list[SeenService]) -> list[SeenService]:
+        """``services`` less the replicas stopped or silent for over ``supervision.presence_retention_s``, whose
+        entries are deleted (journal: ``presence_pruned``); where the broker refuses, they stay listed."""
+        cfg = self.settings.cfg
+        retention_s = cfg.supervision.presence_retention_s
+        gone = gone_for(services, retention_s, spare=instance_name(cfg.service, "trainer"))
+        if not gone:
+            return services
+        try:
+            pruned = await prune_presence(self.bus.js, cfg.run_id, cfg.nats, gone)
+        except (NatsError, TimeoutError) as error:
+            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, error=repr(error)[:200])
+            return services
+        self.control.journal.emit(
+            Event.PRESENCE_PRUNED,
+            f"no longer listing {len(pruned)} replica(s) stopped or silent for over {retention_s:g}s",
+            step=self.progress.step,
+            instances=pruned,
+        )
+        return [entry for entry in services if entry.instance not in pruned]
 
     async def consumer_lag(self) -> dict[str, int]:
         """Messages waiting per consuming role: pending plus unacknowledged on its work queue; the trainer's

@@ -13,7 +13,9 @@ from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
     HEARTBEAT_S,
     Presence,
+    SeenService,
     await_trainer_port,
+    gone_for,
     open_bucket,
     read_presence,
     role_time_shares,
@@ -236,3 +238,19 @@ def test_a_replica_stopped_in_order_reads_as_stopped_a_silent_one_as_down_and_a_
         await nc.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.unit
+def test_gone_for_names_replicas_stopped_or_silent_past_the_retention_but_never_the_reader_nor_with_retention_0():
+    def seen(instance: str, last_seen_s: float, up: bool) -> SeenService:
+        return SeenService(role="rollout", instance=instance, time=0.0, last_seen_s=last_seen_s, up=up, restarts=0)
+
+    entries = [
+        seen("live", 1, True),
+        seen("stopped-long-ago", 700, False),
+        seen("silent-long-ago", 900, False),
+        seen("stopped-lately", 30, False),
+        seen("reader", 900, False),
+    ]
+    assert gone_for(entries, 600, spare="reader") == ["stopped-long-ago", "silent-long-ago"]
+    assert gone_for(entries, 0, spare="reader") == []  # 0 keeps every entry for the whole run

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -10,9 +11,17 @@ import pytest
 from services.common.config import BuildInfo
 from services.common.observe.events import EventLog, Journal
 from services.common.transport.bus import Bus
-from services.common.transport.presence import SeenService
+from services.common.transport.presence import (
+    Presence,
+    SeenService,
+    ServiceEntry,
+    instance_name,
+    open_bucket,
+    read_presence,
+)
 from services.common.transport.streams import EXPERIENCE, PROMPTS
 from services.trainer.alerts import AlertEvaluator
+from services.trainer.checkpointing.manifest import CatalogEntry
 from services.trainer.control import Control
 from services.trainer.intake.ledger import GroupLedger
 from services.trainer.progress import Progress
@@ -77,3 +86,51 @@ def test_a_role_that_never_registered_counts_as_down_only_after_the_start_up_gra
     assert reporter.roles_down(trainer_only) == []  # rollouts may still be loading their engines
     reporter.created = time.monotonic() - ROLE_STARTUP_GRACE_S - 1
     assert reporter.roles_down(trainer_only) == ["rollout", "reward", "reference"]
+
+
+def test_replicas_stopped_or_silent_past_the_retention_are_no_longer_listed_and_come_back_when_they_beat(
+    tiny_model, tmp_path, nats_url
+):
+    retention = {"presence_retention_s": 600}
+    cfg = run_config(tmp_path, tiny_model, run_id="prune", nats={"url": nats_url}, supervision=retention)
+    now = time.time()
+    own = instance_name(cfg.service, "trainer")
+    entries = {
+        "rollout-live": ServiceEntry(role="rollout", instance="rollout-live", time=now),
+        "rollout-scaled-in": ServiceEntry(role="rollout", instance="rollout-scaled-in", time=now - 3600, stopped=True),
+        "reward-crashed": ServiceEntry(role="reward", instance="reward-crashed", time=now - 3600),
+        "reward-left-lately": ServiceEntry(role="reward", instance="reward-left-lately", time=now - 60, stopped=True),
+        own: ServiceEntry(role="trainer", instance=own, time=now - 3600),  # never its own, however old
+    }
+
+    async def scenario() -> None:
+        bus = await Bus(cfg, "trainer").connect()
+        kv = await open_bucket(bus.js, cfg.run_id, cfg.nats)
+        for name, entry in entries.items():
+            await kv.put(name, entry.model_dump_json().encode())
+        progress = Progress(step=9)
+        control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), progress)
+
+        async def no_catalog() -> list[CatalogEntry]:
+            return []
+
+        settings = type("Settings", (), {"cfg": cfg, "version": 0})()
+        reporter = StatusReporter(
+            settings, bus, progress, control, GroupLedger(), AlertEvaluator([], 0), no_catalog, BuildInfo()
+        )
+        listed = {entry.instance for entry in await reporter.refresh_services(max_age_s=0)}
+        assert listed == {"rollout-live", "reward-left-lately", own}
+        assert {entry.instance for entry in await read_presence(bus.js, cfg.run_id, cfg.nats)} == listed
+        rows = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+        (pruned,) = [row for row in rows if row["kind"] == "presence_pruned"]
+        assert (pruned["instances"], pruned["step"]) == (["reward-crashed", "rollout-scaled-in"], 9)
+
+        # A pruned replica that comes back is listed again, as a first start.
+        returned = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": "reward-crashed"})})
+        presence = await Presence(bus.js, returned, "reward").start()
+        again = {entry.instance: entry for entry in await reporter.refresh_services(max_age_s=0)}
+        assert again["reward-crashed"].up and again["reward-crashed"].restarts == 0
+        await presence.stop()
+        await bus.close()
+
+    asyncio.run(scenario())

@@ -303,6 +303,13 @@ class SupervisionConfig(Section):
         description="the most replicas of one stage role `rlpipe scale` may ask for (count): a typo such as 300 "
         "would start hundreds of processes on one machine",
     )
+    presence_retention_s: Restart[float] = Field(
+        default=3600.0,
+        ge=0,
+        description="how long `rlpipe status` lists a replica that stopped or went silent before the trainer "
+        "removes its presence entry (seconds; 0 keeps them for the whole run): Kubernetes names each new pod "
+        "afresh, so without it a long run with autoscaling or rolling updates lists every pod it ever had",
+    )
 
     @model_validator(mode="after")
     def _window_outlasts_the_backoff(self) -> SupervisionConfig:

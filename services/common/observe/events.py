@@ -146,6 +146,7 @@ class Event(StrEnum):
     PORT_BUSY = "port_busy"  # a fixed gRPC port is still held by another socket: binding is tried again
     PRESENCE_FAILED = "presence_failed"  # a replica's presence entry could not be written
     PRESENCE_MALFORMED = "presence_malformed"  # a presence entry is not one this build reads: left out, key named
+    PRESENCE_PRUNED = "presence_pruned"  # the trainer removed entries of replicas gone for presence_retention_s
     PRESENCE_UNREADABLE = "presence_unreadable"  # the trainer's status could not read the presence bucket
     PRUNE_FAILED = "prune_failed"  # deleting an old checkpoint failed
     PURGED = "purged"  # consumed experience and its claim-checked bodies were deleted
@@ -217,6 +218,7 @@ RECORDED_AS: dict[Event, Event] = {
     Event.GROUPS_REOPENED_BY_ROLLBACK: Event.GROUPS_REOPENED_BY_ROLLBACK,
     Event.OPTIMIZER_FRESH: Event.OPTIMIZER_FRESH,
     Event.PAUSED: Event.PAUSE,
+    Event.PRESENCE_PRUNED: Event.PRESENCE_PRUNED,
     Event.RESTART: Event.RESTART,
     Event.RESUMED: Event.RESUME,
     Event.ROLLED_BACK: Event.ROLLBACK,

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from nats.errors import Error as NatsError
 from nats.js import api
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
@@ -238,6 +239,30 @@ async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenServ
             )
         )
     return sorted(entries, key=lambda e: (e.role, e.instance))
+
+
+def gone_for(entries: list[SeenService], retention_s: float, spare: str) -> list[str]:
+    """Instances of the entries whose replica stopped or went silent more than ``retention_s`` seconds ago (none
+    when it is 0), ``spare`` (the reader's own instance) never."""
+    if retention_s <= 0:
+        return []
+    return [e.instance for e in entries if not e.up and e.last_seen_s > retention_s and e.instance != spare]
+
+
+async def prune_presence(js: Any, run_id: str, nats: NatsConfig, instances: list[str]) -> list[str]:
+    """Delete the presence entries of ``instances``; those deleted, in order, up to the first the broker refused
+    (logged; the rest are tried at the next call). A replica that comes back writes its entry anew at its next
+    beat (its restart count then starts over)."""
+    kv = await open_bucket(js, run_id, nats, create=False)
+    pruned = []
+    for instance in instances:
+        try:
+            await kv.delete(instance)
+        except (NatsError, TimeoutError) as error:
+            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, key=instance, error=repr(error)[:200])
+            break
+        pruned.append(instance)
+    return pruned
 
 
 async def await_trainer_port(js: Any, run_id: str, nats: NatsConfig, since: float) -> int:
