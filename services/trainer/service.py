@@ -279,8 +279,9 @@ class Trainer:
         self.telemetry.record_groups("lost", len(group_ids))  # now: a stalled pipeline brings no step row
         await self.responder.watch({"step": self.progress.step, "groups_lost": float(len(group_ids))})
 
-    def record_reopened(self, group_id: str, dead_letter: int) -> None:
-        self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
+    async def record_reopened(self, group_id: str, dead_letter: int) -> None:
+        step = self.progress.step
+        await asyncio.to_thread(self.lineage.record_reopened, step, group_id, dead_letter)  # an fsync: off the loop
 
     # -- a step ------------------------------------------------------------------------
 

@@ -157,7 +157,7 @@ class Trainer:
         self.lineage.record_lost(self.progress.step, group_ids)
         self.world.oracle.written_off(self.progress.incarnation, group_ids)
 
-    def _on_reopened(self, group_id: str, dead_letter: int) -> None:
+    async def _on_reopened(self, group_id: str, dead_letter: int) -> None:
         self.lineage.record_reopened(self.progress.step, group_id, dead_letter)
 
     async def _report(self, row: dict[str, Any]) -> None:

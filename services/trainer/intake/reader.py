@@ -112,7 +112,7 @@ class Intake:
         ledger: GroupLedger,
         progress: Progress,
         on_lost: Callable[[list[str]], Awaitable[None]],
-        on_reopened: Callable[[str, int], None],
+        on_reopened: Callable[[str, int], Awaitable[None]],
         vocab_size: int,
     ):
         self.bus = bus
@@ -225,10 +225,10 @@ class Intake:
         new = 0
         while (msg := await self.dead.next(timeout=0)) is not None:
             self.progress.read_dead(msg.sequence)
-            new += self._read_dead(msg)
+            new += await self._read_dead(msg)
         return new
 
-    def _read_dead(self, msg: StreamMessage) -> int:
+    async def _read_dead(self, msg: StreamMessage) -> int:
         """Act on one DEAD message: 1 when it settled a group as dead, else 0."""
         headers = msg.headers or {}
         group_id = headers.get(H_GROUP)
@@ -247,7 +247,7 @@ class Intake:
             self.ledger.reinjected.add(origin)
             if self.ledger.reopen(group_id, time.monotonic()):
                 log_event(log, Event.GROUP_REOPENED, group_id=group_id, dead_letter=letter)
-                self.on_reopened(group_id, letter)
+                await self.on_reopened(group_id, letter)
             else:  # applied, dropped or lost meanwhile, or never dead here: its copy will be refused as a repeat
                 log_event(log, Event.REOPEN_REFUSED, level=logging.WARNING, group_id=group_id, dead_letter=letter)
             return 0

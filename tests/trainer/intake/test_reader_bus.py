@@ -75,7 +75,7 @@ def intake_of(
 ) -> Intake:
     """An intake feeding ``rows`` in order; re-injected groups it reopens are appended to ``reopened``."""
 
-    def record(group_id: str, dead_letter: int) -> None:
+    async def record(group_id: str, dead_letter: int) -> None:
         if reopened is None:
             raise AssertionError(f"nothing may be reopened here: {group_id}")
         reopened.append((group_id, dead_letter))
