@@ -343,6 +343,10 @@ class SimBus:
         self.streams[DEAD].append(msg.data, headers)
         self.oracle.dead_lettered(headers.get(H_INCARNATION, ""), headers.get(H_GROUP, ""), f"{edge}:{msg.sequence}")
 
+    async def groups_queued(self, incarnation: str) -> set[str]:
+        """PROMPTS's prompts no rollout took yet: they wait for one however long (work_queues.groups_queued)."""
+        return {fed.group_id for fed in self.prompts if fed.incarnation in ("", incarnation)}
+
     def read_from(self, edge: str, start_seq: int) -> SimReader:
         reader = SimReader(self, edge, start_seq)
         if edge == EXPERIENCE:

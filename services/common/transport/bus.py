@@ -78,6 +78,7 @@ from services.common.transport.streams import (
     stream_name,
     subject,
 )
+from services.common.transport.work_queues import groups_queued
 
 log = logging.getLogger(__name__)
 
@@ -411,6 +412,10 @@ class Bus:
         await self.ensure_consumer(edge)
         self._work_queues.add(edge)
         return await self.js.pull_subscribe_bind(consumer=WORK_QUEUES[edge], stream=stream_name(self.run_id, edge))
+
+    async def groups_queued(self, incarnation: str) -> set[str] | None:
+        """The groups of ``incarnation`` a stage may still deliver from its work queue (work_queues.groups_queued)."""
+        return await groups_queued(self.js, self.run_id, self.cfg.nats, incarnation)
 
     def read_from(self, edge: str, start_seq: int) -> StreamReader:
         """A reader of ``edge`` in stream order from sequence ``start_seq`` on."""

@@ -277,9 +277,10 @@ class Intake:
         )
 
     async def write_off_overdue(self, train: TrainConfig) -> list[str]:
-        """Groups in flight past the bound, overtaken by later ones, and not waiting unread in EXPERIENCE: their
-        deliveries are spent. Looked at every ``LOST_CHECK_S``; skipped while EXPERIENCE holds a backlog (after
-        a pause, say), in which an overdue group may still be waiting."""
+        """Groups in flight past the bound, overtaken by later ones, not waiting unread in EXPERIENCE and with no
+        message a stage may still deliver (services/common/transport/work_queues.py: a long compute is not a
+        loss): their deliveries are spent. Looked at every ``LOST_CHECK_S``; skipped while EXPERIENCE or the work
+        queues hold a backlog (after a pause, say), in which an overdue group may still be waiting."""
         now = time.monotonic()
         if now - self.lost_checked < LOST_CHECK_S:
             return []
@@ -295,7 +296,15 @@ class Intake:
         self.broker.succeeded()
         if waiting is None:
             return []
-        lost = self.ledger.settle([g for g in overdue if g not in waiting], self.progress.step, Fate.LOST)
+        try:
+            queued = await self.bus.groups_queued(self.progress.incarnation)
+        except (NatsError, TimeoutError) as error:
+            self._broker_failed("write_off", error)
+            return []
+        if queued is None:
+            return []
+        gone = [g for g in overdue if g not in waiting and g not in queued]
+        lost = self.ledger.settle(gone, self.progress.step, Fate.LOST)
         if lost:
             await self.on_lost(lost)
         return lost

@@ -726,3 +726,45 @@ def test_a_deterministic_batch_is_in_feeding_order_whatever_order_its_groups_arr
 
     arrival = ["e0-i10", "e0-i9"]
     assert asyncio.run(scenario()) == (["e0-i9", "e0-i10"] if deterministic else arrival)
+
+
+def test_an_overdue_group_a_stage_still_holds_or_has_yet_to_take_is_not_written_off_until_its_message_is_gone(
+    tiny_model, tmp_path, nats_url
+):
+    """A long compute (within nats.max_work_s) or a queue a replica has not reached yet is no loss, however long the
+    group has been in flight; a group with no message left anywhere is."""
+    cfg, rows = config(tiny_model, tmp_path, nats_url, nats={"ack_wait_s": 1, "heartbeat_s": 0.5}, lost_after_s=6)
+
+    async def scenario() -> None:
+        trainer = await Bus(cfg, "trainer").connect()
+        rollout = await Bus(cfg, "rollout").connect()
+        written_off: list[str] = []
+
+        async def record_lost(group_ids: list[str]) -> None:
+            written_off.extend(group_ids)
+
+        async def reopened_nowhere(group_id: str, dead_letter: int) -> None:
+            raise AssertionError(f"nothing may be reopened here: {group_id}")
+
+        ledger = GroupLedger()
+        feeder = PromptFeeder(rows, 0, shuffle=False)
+        intake = Intake(trainer, feeder, ledger, Progress(), record_lost, reopened_nowhere, VOCAB)
+        await intake.feed(cfg.train, config_version=0)  # e0-i0 .. e0-i3 on PROMPTS
+        [held] = await (await rollout.work_queue(PROMPTS)).fetch(1, timeout=5)  # a rollout works on e0-i0 at length
+        long_ago = time.monotonic() - 60
+        for group, flight in list(ledger.in_flight.items()):
+            ledger.in_flight[group] = dataclasses.replace(flight, fed_at=long_ago)
+        assert ledger.arrived("e0-i3")  # a later group came back: the three before it are overtaken and overdue
+        assert sorted(ledger.overdue(time.monotonic(), cfg.train.lost_after_s)) == ["e0-i0", "e0-i1", "e0-i2"]
+
+        assert await intake.write_off_overdue(cfg.train) == []
+        await held.in_progress()
+        # The broker lost PROMPTS (a wiped volume): no stage will ever bring those groups back.
+        await trainer.js.purge_stream(stream_name(cfg.run_id, PROMPTS))
+        intake.lost_checked = 0.0
+        assert await intake.write_off_overdue(cfg.train) == ["e0-i0", "e0-i1", "e0-i2"]
+        assert written_off == ["e0-i0", "e0-i1", "e0-i2"]
+        await rollout.close()
+        await trainer.close()
+
+    asyncio.run(scenario())
