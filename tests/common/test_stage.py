@@ -1,16 +1,18 @@
 """A real stage's loop against a real broker: where its wall time goes (busy, idle, blocked)."""
 
 import asyncio
+import contextlib
 import time
 
 import pytest
+from nats.js.errors import NotFoundError
 
 from services.common.config import RunConfig
 from services.common.observe.timeshare import StageActivity
 from services.common.transport.bus import Bus
 from services.common.transport.messages import RolloutGroup, ScoredGroup
 from services.common.transport.stage import Stage
-from services.common.transport.streams import ROLLOUTS, SCORED
+from services.common.transport.streams import ROLLOUTS, SCORED, stream_name
 from tests.support.bus import running
 from tests.support.messages import completion, rollout_group, scored
 from tests.support.runs import run_config
@@ -100,6 +102,46 @@ def test_a_stage_with_two_lanes_computes_a_second_batch_while_the_first_is_still
         assert finished == ["b", "a"]
         assert stage.handled == 2
         assert sum(stage.time_share.fractions().values()) == pytest.approx(1.0)
+        await bus.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_batch_fetched_after_the_stop_was_asked_for_is_handed_back_at_once_not_computed(
+    tiny_model, tmp_path, nats_url
+):
+    # A long fetch, so the stop comes while the lane waits in it, and an ack wait far longer than the test.
+    nats = {"url": nats_url, "fetch_timeout_s": 10, "ack_wait_s": 60, "heartbeat_s": 5}
+    cfg = run_config(tmp_path, tiny_model, run_id="handback", nats=nats)
+
+    async def scenario() -> None:
+        await create_run_state(cfg)
+        bus = await Bus(cfg, "reward").connect()
+        computed: list[str] = []
+
+        async def compute(groups: list[RolloutGroup]) -> list[ScoredGroup]:
+            computed.extend(g.group_id for g in groups)
+            return [scored(g) for g in groups]
+
+        stop = asyncio.Event()
+        loop = asyncio.create_task(Stage(bus, ROLLOUTS, SCORED, RolloutGroup, compute, 1, "reward").run(stop))
+        rollouts = stream_name(cfg.run_id, ROLLOUTS)
+
+        async def waiting_in_fetch() -> bool:
+            with contextlib.suppress(NotFoundError):
+                return (await bus.js.consumer_info(rollouts, "reward")).num_waiting > 0
+            return False
+
+        await until(waiting_in_fetch, 10, "the lane waiting in its fetch")
+        stop.set()  # SIGTERM: a scale-in
+        await bus.publish(ROLLOUTS, rollout("late"), msg_id="late.rollout")
+        await asyncio.wait_for(loop, 15)
+        assert computed == []
+        # Back in the queue now, for another replica: its second delivery, long before the ack wait would give it.
+        other = await Bus(cfg, "reward").connect()
+        [again] = await (await other.work_queue(ROLLOUTS)).fetch(1, timeout=5)
+        assert again.metadata.num_delivered == 2
+        await other.close()
         await bus.close()
 
     asyncio.run(scenario())

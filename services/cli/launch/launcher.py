@@ -53,7 +53,7 @@ from services.cli.launch.narration import (
 )
 from services.cli.launch.placement import RunPlacement, place_roles
 from services.cli.launch.scaling import LAUNCHER_SCALES, ReplicaScaler, forget_presence, forget_scale_requests
-from services.cli.launch.stopping import kill_children, stop_children, stop_grace_s
+from services.cli.launch.stopping import kill_children, stop_children
 from services.cli.launch.warm_forks import WarmForks
 from services.cli.launch.watch import PresenceWatch, RunRecord
 from services.common.config import RunConfig
@@ -357,9 +357,9 @@ class Launcher:
         has exited, and its name's restart history goes with it."""
         if self.presence is None:
             return
-        step = self.scaler.follow(
-            self.presence.scale_records(), self.children, lambda child: stop_grace_s(self.cfg.supervision, child)
-        )
+        # A replica scaled away gets its whole grace even if its ready entry was not read yet: it may have announced
+        # itself and taken a batch since the watch's last look, and a SIGKILL would cost that batch a delivery.
+        step = self.scaler.follow(self.presence.scale_records(), self.children, self.cfg.supervision.stop_grace_s)
         for role, name in step.start:
             self.spawn(role, name)
         for child in step.gone:

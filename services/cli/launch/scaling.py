@@ -114,10 +114,8 @@ class ReplicaScaler:
         """Whether the replica ``name`` is still one of its role's: not scaled away. The restart policy asks."""
         return name not in self.retiring
 
-    def follow(
-        self, requests: dict[str, ScaleRecord], children: list[Child], grace: Callable[[Child], float]
-    ) -> ScaleStep:
-        """Take new requests, stop the replicas above each count (SIGTERM; SIGKILL past ``grace``), and say what
+    def follow(self, requests: dict[str, ScaleRecord], children: list[Child], grace_s: float) -> ScaleStep:
+        """Take new requests, stop the replicas above each count (SIGTERM; SIGKILL past ``grace_s``), and say what
         to start and which retired replicas have exited."""
         kept = [child for child in children if child.name not in self.retiring]
         members = {role: [child for child in kept if child.role == role] for role in STAGE_ROLES}
@@ -131,7 +129,7 @@ class ReplicaScaler:
             step.start += [(role, name) for name in plan.start]
             for name in plan.stop:
                 child = next(c for c in members[role] if c.name == name)
-                self._retire(child, grace(child))
+                self._retire(child, grace_s)
         step.gone = self._reap()
         return step
 

@@ -125,6 +125,7 @@ class Event(StrEnum):
     GROUPS_REOPENED_BY_ROLLBACK = "groups_reopened_by_rollback"  # a rollback put settled groups in flight (recorded)
     GROUP_LOST_TO_DEAD_LETTERS = "group_lost_to_dead_letters"  # a group's message was dead-lettered
     GROUP_REOPENED = "group_reopened"  # a dead letter's re-injection reopened its group
+    HANDED_BACK_AT_STOP = "handed_back_at_stop"  # a stage stopping gave back, uncomputed, what its last fetch took
     LEASE_ACQUIRED = "lease_acquired"  # the trainer holds the run's lease
     LEASE_LOST = "lease_lost"  # the trainer lost the run's lease and stops
     LEASE_RECLAIMED = "lease_reclaimed"  # the lease ran out unrenewed, nobody took it, and the trainer took it back

@@ -239,6 +239,9 @@ class Stage(Generic[In, Out]):
             self.last_progress = time.time()
             if not msgs:  # fetch can also come back empty-handed
                 continue
+            if stop.is_set():
+                await self._hand_back(msgs)
+                continue
             self.time_share.enter(StageActivity.BUSY)
             # The newest message says how many still wait behind it. A fetch that finds nothing leaves the
             # value as it was: either the queue drained (its last message said 0) or the consumer is at
@@ -262,6 +265,15 @@ class Stage(Generic[In, Out]):
                 for one in received:
                     if not one.settled:
                         self._settle(one, Nak.label)
+
+    async def _hand_back(self, msgs: list[Msg]) -> None:
+        """Messages a fetch took after the stop was asked for (a scale-in, a rolling update): back to the queue at
+        once for another replica, not computed here, where the stop grace may not cover a whole batch and a kill
+        would leave them to ``ack_wait_s``."""
+        for msg in msgs:
+            with contextlib.suppress(NatsError, TimeoutError):
+                await msg.nak()
+        log_event(log, Event.HANDED_BACK_AT_STOP, messages=len(msgs))
 
     async def _handle(self, received: list[Received[In]], stop: asyncio.Event) -> None:
         nats_cfg = self.bus.cfg.nats

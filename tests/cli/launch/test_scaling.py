@@ -116,14 +116,14 @@ def scaler(tmp_path) -> ReplicaScaler:
 def test_the_scaler_starts_replicas_for_a_request_then_drains_the_highest_and_never_restarts_them(scaler, tmp_path):
     children = [replica(name, tmp_path) for name in ("trainer-x", "rollout-0", "reward-0", "reference-0")]
 
-    step = scaler.follow({"rollout": ScaleRecord("rollout", 3, "alice", 1.0, revision=1)}, children, lambda c: 20.0)
+    step = scaler.follow({"rollout": ScaleRecord("rollout", 3, "alice", 1.0, revision=1)}, children, 20.0)
     assert step.start == [("rollout", "rollout-1"), ("rollout", "rollout-2")] and not step.gone
     children += [replica("rollout-1", tmp_path), replica("rollout-2", tmp_path)]
     # The same request read again starts nothing more.
-    assert scaler.follow({"rollout": ScaleRecord("rollout", 3, "alice", 1.0, 1)}, children, lambda c: 20.0).start == []
+    assert scaler.follow({"rollout": ScaleRecord("rollout", 3, "alice", 1.0, 1)}, children, 20.0).start == []
 
     down = {"rollout": ScaleRecord("rollout", 1, "bob", 2.0, revision=2)}
-    step = scaler.follow(down, children, lambda c: 20.0)
+    step = scaler.follow(down, children, 20.0)
     removed = [c for c in children if c.name in ("rollout-1", "rollout-2")]
     assert step.start == [] and step.gone == []
     assert [c.process.signals for c in removed] == [[signal.SIGTERM], [signal.SIGTERM]]
@@ -131,7 +131,7 @@ def test_the_scaler_starts_replicas_for_a_request_then_drains_the_highest_and_ne
 
     # rollout-2 drains and exits; the launcher may drop it and forget its presence entry, and starts nothing.
     removed[1].process.returncode = 0
-    step = scaler.follow(down, children, lambda c: 20.0)
+    step = scaler.follow(down, children, 20.0)
     assert step.gone == [removed[1]] and step.start == []
     forgotten: list[tuple[str, str]] = []
     scaler.forget_departed(lambda role, name: forgotten.append((role, name)) is None)
@@ -140,7 +140,7 @@ def test_the_scaler_starts_replicas_for_a_request_then_drains_the_highest_and_ne
 
     # rollout-1 outlives its stop grace: killed, then gone. Its unacked messages come back after the ack wait.
     scaler.retiring["rollout-1"].kill_at = 0.0
-    step = scaler.follow(down, children, lambda c: 20.0)
+    step = scaler.follow(down, children, 20.0)
     assert removed[0].process.signals == [signal.SIGTERM, signal.SIGKILL] and step.gone == [removed[0]]
 
     events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
