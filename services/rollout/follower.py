@@ -186,6 +186,9 @@ class PolicyFollower:
             stream = open_stream()
             if await self._load(stream, last=origin == "trainer"):
                 self.last_origin = origin
+                # The trainer serves its newest version, which may be ahead of the announcement heard so far: the
+                # next sync must neither pull it again nor go back to the version announced.
+                self.newest = max(self.newest, self.loaded)
                 seconds = time.perf_counter() - started
                 record_weight_sync(seconds, stream.data_bytes, self.loaded)
                 add_network_bytes("rollout", "weight_sync", "in", stream.data_bytes)
