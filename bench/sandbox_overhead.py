@@ -1,5 +1,6 @@
-"""What the Python tool's box costs per call: the box against the plain child process the tool used before it, and
-against the box's own unisolated fallback, in one run, calls interleaved so a busy machine weighs on all alike.
+"""What the Python tool's box costs per call: the box against the plain child process the tool used before it, against
+the same box without its system-call filter, and against the box's own unisolated fallback, in one run, calls
+interleaved so a busy machine weighs on all alike.
 
     python -m bench.sandbox_overhead [--calls 30] [--code "print(sum(range(10)))"]
 
@@ -8,7 +9,8 @@ environment's site-packages), rlimits set by the child itself, the code exec'd i
 Prints one JSON line: per kind the median, lowest and highest wall time of a call and the median CPU time of its
 processes (the caller's children as it reaped them; every process of a box is reaped by its parent, so the CPU counts
 them all, and a busy machine changes it less than it changes the wall time), and the box's medians over the
-baseline's.
+baseline's and over the unfiltered box's (what the seccomp filter adds: building its program on the caller's side,
+installing it, and running it on each of the code's system calls).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     kinds: dict[str, Callable[[str], str]] = {
         "old_subprocess": old_subprocess,
         "box": lambda code: Box(LIMITS).run(code).stdout,
+        "box_unfiltered": lambda code: Box(LIMITS, syscall_filter=False).run(code).stdout,
         "unisolated": lambda code: Box(LIMITS, isolated=False).run(code).stdout,
     }
     expected = old_subprocess(args.code)
@@ -97,7 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     ratios = {
         f"{kind}_over_old{suffix}": round(statistics.median(of[kind]) / statistics.median(of["old_subprocess"]), 2)
-        for kind in ("box", "unisolated")
+        for kind in ("box", "box_unfiltered", "unisolated")
+        for suffix, of in (("", seconds), ("_cpu", cpu))
+    }
+    ratios |= {
+        f"box_over_unfiltered{suffix}": round(statistics.median(of["box"]) / statistics.median(of["box_unfiltered"]), 2)
         for suffix, of in (("", seconds), ("_cpu", cpu))
     }
     rounded = {kind: {name: round(value, 1) for name, value in stats.items()} for kind, stats in row.items()}

@@ -11,7 +11,8 @@ Four processes, each waiting on the next (the caller kills the starter's process
 - init, PID 1 of the new PID namespace: mounts the code's private ``/tmp``, brings loopback up, drops every
   capability, forks the worker and reaps until it ends; its exit makes the kernel kill every process left in the
   namespace, however it was started (a double fork and ``setsid`` included);
-- the worker: sets the limits and runs the code, in this same interpreter.
+- the worker: sets the limits, installs the system-call filter (the spec's ``syscall_filter``, a seccomp program
+  ``seccomp.py`` built on the caller's side) and runs the code, in this same interpreter.
 
 What happened goes to the status file (its descriptor is the spec's ``status_fd``), which the worker closes before
 it runs anything of the code's: ``setup <reason>``, ``exit <status>`` or ``signal <number>`` (and ``init <pid>``,
@@ -43,6 +44,8 @@ MOUNT_ATTR_RDONLY, MOUNT_ATTR_NOSUID, MOUNT_ATTR_NODEV = 0x1, 0x2, 0x4
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP = 1, 4, 24
 PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 38, 47, 4
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+SOCK_FILTER_BYTES = 8  # struct sock_filter
 LINUX_CAPABILITY_VERSION_3 = 0x20080522
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 # Syscalls without a libc wrapper. mount_setattr (Linux 5.12) has one number on every architecture.
@@ -66,6 +69,10 @@ class CapHeader(ctypes.Structure):
 
 class CapData(ctypes.Structure):
     _fields_ = [(name, ctypes.c_uint32) for name in ("effective", "permitted", "inheritable")]
+
+
+class SockFprog(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
 
 
 def call(result: int, what: str) -> None:
@@ -281,7 +288,18 @@ def run(spec: dict, code: str) -> None:
         bounds.append((resource.RLIMIT_NPROC, limits["processes"]))
     for which, bound in bounds:
         resource.setrlimit(which, (bound, bound))
+    if spec["syscall_filter"]:
+        filter_system_calls(spec["syscall_filter"])
     raise RunCode
+
+
+def filter_system_calls(program: bytes) -> None:
+    """Install the seccomp ``program`` on this process and every one it starts; none can remove it. The last step
+    before the code: the box's own setup above needs calls it refuses (unshare, mount, pivot_root). Unprivileged,
+    the kernel takes a filter only once ``no_new_privs`` is set (init set it)."""
+    fprog = SockFprog(len(program) // SOCK_FILTER_BYTES, program)
+    mode, unused = ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.c_ulong(0)  # C longs: prctl(2) is variadic
+    call(libc.prctl(PR_SET_SECCOMP, mode, ctypes.byref(fprog), unused, unused), "prctl(PR_SET_SECCOMP)")
 
 
 def guarded(step, *args) -> None:

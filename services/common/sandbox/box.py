@@ -13,6 +13,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from services.common.sandbox import seccomp
+
 # The system's programs and libraries, read-only (missing ones are left out; /bin -> usr/bin stays a link).
 SYSTEM_BINDS = (
     "/usr",
@@ -62,7 +64,8 @@ class Outcome:
 @dataclass(frozen=True)
 class BoxSpec:
     """What ``boot.py`` is told, marshalled: whether to build the box, who its parent is (it dies with it), where its
-    status goes, the interpreter, the empty folder its root is mounted on, what it binds and its limits."""
+    status goes, the interpreter, the empty folder its root is mounted on, what it binds, its limits and the
+    seccomp program the code runs under (``seccomp.program``; empty: none)."""
 
     isolate: bool
     parent: int
@@ -72,6 +75,7 @@ class BoxSpec:
     binds: list[str]
     devices: list[str]
     limits: BoxLimits
+    syscall_filter: bytes
 
 
 class BoxFailed(RuntimeError):
@@ -99,17 +103,28 @@ class Box:
     Isolated, the code runs as ``nobody`` in new user, PID, network, mount, IPC and UTS namespaces: its root is a
     read-only tmpfs holding read-only binds of the system's libraries and the interpreter, five device nodes and
     a private ``/tmp`` tmpfs; no /proc, /sys, home, run directory or checkout; only a loopback interface; no
-    capability; an empty environment; rlimits on address space, CPU time, file size, open files and processes.
-    At the time limit, or when the code's main process ends, the PID namespace's init ends and the kernel kills
-    every process in it. Unisolated: the same limits but the process count, a fresh folder, an empty
-    environment and the process group killed at the end; the file system, the network and /proc are open."""
+    capability; an empty environment; rlimits on address space, CPU time, file size, open files and processes; a
+    seccomp filter (``seccomp.py``) that refuses namespaces, mounts, tracing, BPF, io_uring, keyrings and the rest
+    of the kernel's surface the code has no use for, and kills a call through another ABI. At the time limit, or
+    when the code's main process ends, the PID namespace's init ends and the kernel kills every process in it.
+    Unisolated: the same limits but the process count, a fresh folder, an empty environment and the process group
+    killed at the end; the file system, the network and /proc are open, and no filter is installed.
+    ``syscall_filter=False`` builds the box without its filter: only for the tests and the bench that show what
+    the filter stops and what it costs (no config reaches it)."""
 
-    def __init__(self, limits: BoxLimits = BoxLimits(), isolated: bool = True):
+    def __init__(self, limits: BoxLimits = BoxLimits(), isolated: bool = True, syscall_filter: bool = True):
         self.limits = limits
         self.isolated = isolated
+        self.syscall_filter = syscall_filter
 
     def run(self, code: str) -> Outcome:
         """Run ``code`` once; its outcome, or BoxFailed when the box could not run it."""
+        program = b""
+        if self.isolated and self.syscall_filter:
+            try:
+                program = seccomp.program(os.uname().machine)
+            except seccomp.Unsupported as error:  # no weaker box: none, as where namespaces are refused
+                raise BoxFailed(f"cannot build the box: {error}") from None
         with tempfile.TemporaryDirectory(prefix="rlpipe-box-") as folder:
             (Path(folder) / "root").mkdir()  # the box's root is mounted here, in its own mount namespace only
             (Path(folder) / "work").mkdir()  # unisolated, the code's working folder
@@ -124,6 +139,7 @@ class Box:
                     binds=interpreter_binds(),
                     devices=list(DEVICES),
                     limits=self.limits,
+                    syscall_filter=program,
                 )
                 try:
                     starter = subprocess.Popen(
