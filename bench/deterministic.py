@@ -32,9 +32,11 @@ from pathlib import Path
 
 import torch
 
-from bench.pipeline_run import demo_overrides, run_pipeline
+from bench.pipeline_run import demo_overrides, run_pipeline, steady_steps
 from bench.throughput import experience, prompt_batch
 from services.common.config import RunConfig, load_config_with
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 from services.common.seeding import sampling_seed
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,11 +49,11 @@ VARIANTS = {
 }
 
 
-def steady_steps_per_s(rows: list[dict], skip: int) -> tuple[float, float]:
+def steady_steps_per_s(rows: list[MetricsRow], skip: int) -> tuple[float, float]:
     """Steps/s and completions/s over the steps after the first ``skip`` (start-up and the first syncs)."""
-    steps = sorted((row for row in rows if "completions" in row), key=lambda row: row["step"])[skip:]
-    span = steps[-1]["time"] - steps[0]["time"]
-    return (len(steps) - 1) / span, sum(row["completions"] for row in steps[1:]) / span
+    steps = steady_steps(rows, skip)
+    span = steps[-1][m.TIME] - steps[0][m.TIME]
+    return (len(steps) - 1) / span, sum(row[m.COMPLETIONS] for row in steps[1:]) / span
 
 
 def stage_config(model: Path, data: Path) -> RunConfig:

@@ -29,7 +29,8 @@ import statistics
 from pathlib import Path
 
 from bench.deterministic import steady_steps_per_s
-from bench.pipeline_run import demo_overrides, run_pipeline
+from bench.pipeline_run import demo_overrides, run_pipeline, steady_steps
+from services.common.observe import metrics as m
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -71,14 +72,14 @@ def main() -> None:
             overrides = [*demo_overrides(run_dir, args.model, args.data, args.steps), *args.set, *settings]
             rows = run_pipeline(args.config, overrides, run_dir, args.steps)
             steps_per_s, completions_per_s = steady_steps_per_s(rows, args.skip)
-            steady = sorted((r for r in rows if "completions" in r), key=lambda r: r["step"])[args.skip :]
+            steady = steady_steps(rows, args.skip)
             measured[name].append(
                 {
                     "steps_per_s": round(steps_per_s, 4),
                     "completions_per_s": round(completions_per_s, 1),
-                    "mixed_version_fraction": round(statistics.fmean(r["mixed_version_fraction"] for r in steady), 4),
-                    "staleness_mean": round(statistics.fmean(r["staleness_mean"] for r in steady), 3),
-                    "eval_accuracy": [r["eval_accuracy"] for r in rows if "eval_accuracy" in r][-1],
+                    "mixed_version_fraction": round(statistics.fmean(r[m.MIXED_VERSION_FRACTION] for r in steady), 4),
+                    "staleness_mean": round(statistics.fmean(r[m.STALENESS_MEAN] for r in steady), 3),
+                    "eval_accuracy": [r[m.EVAL_ACCURACY] for r in rows if r.is_eval][-1],
                 }
             )
             print(f"repeat {repeat + 1} {name}: {json.dumps(measured[name][-1])}", flush=True)

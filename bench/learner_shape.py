@@ -31,6 +31,8 @@ import numpy as np
 import torch
 
 from bench.pipeline_run import cpu_model
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -166,11 +168,11 @@ def main() -> None:
     rows, cpu_s = [], []
     for step in range(1, args.steps + 1):
         before = time.process_time()  # this process's CPU time, all its threads: what a busy machine cannot inflate
-        rows.append(learner.step(groups, step))
+        rows.append(MetricsRow(learner.step(groups, step)))
         cpu_s.append(time.process_time() - before)
     lengths = [args.prompt + args.response] * (args.groups * args.group_size)
     tokens = sum(lengths)
-    seconds = statistics.median(row["step_time_s"] for row in rows)
+    seconds = statistics.median(row[m.STEP_TIME_S] for row in rows)
     summary = {
         "model": "Qwen2.5-0.5B shape, random weights",
         "parameters": learner.arithmetic.parameters,
@@ -185,9 +187,9 @@ def main() -> None:
         "median_step_cpu_s": round(statistics.median(cpu_s), 3),
         "trained_tokens_per_cpu_s": round(tokens / statistics.median(cpu_s), 1),
         "trained_tokens_per_s": round(tokens / seconds, 1),
-        "response_tokens_per_s": round(statistics.median(row["tokens_per_s"] for row in rows), 1),
+        "response_tokens_per_s": round(statistics.median(row[m.TOKENS_PER_S] for row in rows), 1),
         "model_tflop_per_s": round(learner.arithmetic.step_flops(lengths) / seconds / 1e12, 4),
-        "mfu": round(statistics.median(row["perf/mfu"] for row in rows), 4) if "perf/mfu" in rows[0] else None,
+        "mfu": round(statistics.median(row[m.MFU] for row in rows), 4) if m.MFU in rows[0] else None,
         "build_s": round(built_s, 1),
         "cpu": f"{cpu_model()}, {os.cpu_count()} cores",
         "load_before_after": f"{load_before:.2f} / {os.getloadavg()[0]:.2f}",

@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 from typing import TypedDict
 
+from services.common.observe import metrics as m
+from services.common.observe.records import MetricsRow, read_metrics, step_rows
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -76,7 +79,7 @@ def demo_overrides(run_dir: Path, model: Path, data: Path, steps: int) -> list[s
     ]
 
 
-def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) -> list[dict]:
+def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) -> list[MetricsRow]:
     """``rlpipe run config overrides`` to its end; the run's metrics rows. Its output goes to ``<run_dir>.log``.
 
     A nonzero exit after every step was recorded (a service slow to stop on a loaded machine) is reported
@@ -87,9 +90,8 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
         # python -m, not the rlpipe script: the services run from this tree, whichever one .venv installed.
         command = [sys.executable, "-m", "services.cli", "run", str(config), *overrides, "--overwrite"]
         code = subprocess.run(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
-    metrics = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    recorded = {row["step"] for row in rows if "completions" in row}
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    recorded = {row.step for row in step_rows(rows)}
     if len(recorded) < steps:
         raise RuntimeError(f"rlpipe run exited {code} after {len(recorded)} of {steps} steps; see {log}")
     if code != 0:
@@ -97,20 +99,23 @@ def run_pipeline(config: Path, overrides: list[str], run_dir: Path, steps: int) 
     return rows
 
 
+def steady_steps(rows: list[MetricsRow], skip: int) -> list[MetricsRow]:
+    """The step rows in step order, less the first ``skip`` (start-up and the first weight syncs)."""
+    return sorted(step_rows(rows), key=lambda row: row[m.STEP])[skip:]
+
+
 class TimeSplit(TypedDict):
     step_wall_s_by_phase: dict[str, float]  # "time/<phase>" -> mean seconds per step
     role_time_shares: dict[str, dict[str, float]]  # role -> activity -> fraction, at the last step
 
 
-def where_the_time_went(steady: list[dict]) -> TimeSplit:
+def where_the_time_went(steady: list[MetricsRow]) -> TimeSplit:
     """The mean wall seconds per step by phase, and each role's busy/idle/blocked fractions at the last step."""
-    phases = sorted(key for key in steady[-1] if key.startswith("time/"))
+    phases = sorted((phase for phase in m.TIME_SPLIT.members() if phase in steady[-1]), key=lambda phase: phase.key)
     shares: dict[str, dict[str, float]] = {}
-    for key, value in steady[-1].items():
-        if key.startswith("share/"):
-            role, _, activity = key.removeprefix("share/").partition("/")
-            shares.setdefault(role, {})[activity] = value
-    split = {key: round(statistics.fmean(row[key] for row in steady), 4) for key in phases}
+    for (role, activity), value in steady[-1].family(m.TIME_SHARE).items():
+        shares.setdefault(role, {})[activity] = value
+    split = {phase.key: round(statistics.fmean(row[phase] for row in steady), 4) for phase in phases}
     return {"step_wall_s_by_phase": split, "role_time_shares": shares}
 
 

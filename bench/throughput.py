@@ -43,9 +43,10 @@ import numpy as np
 import torch
 import yaml
 
-from bench.pipeline_run import CpuSampler, run_pipeline, where_the_time_went
+from bench.pipeline_run import CpuSampler, run_pipeline, steady_steps, where_the_time_went
 from services.common.config import RunConfig, load_config
 from services.common.model.datasets import load_jsonl
+from services.common.observe.metrics import COMPLETIONS, RESPONSE_LENGTH_MEAN, STEP_TIME_S, TIME
 from services.common.transport.messages import ExperienceGroup, Prompt, RolloutGroup, ScoredGroup, advance
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -337,12 +338,11 @@ def bench_pipeline(model: Model, steps: int, skip: int, synchronous: bool = Fals
     with CpuSampler(run_dir / "run.json") as sampler:
         rows = run_pipeline(model.config, overrides, run_dir, steps)
     wall = time.time() - started
-    steps_rows = sorted((row for row in rows if "completions" in row), key=lambda row: row["step"])
-    steady = steps_rows[skip:]
-    span = steady[-1]["time"] - steady[0]["time"]
-    completions = sum(row["completions"] for row in steady[1:])
-    tokens = sum(row["completions"] * row["response_length_mean"] for row in steady[1:])
-    trainer_busy = sum(row["step_time_s"] for row in steady[1:]) / span
+    steady = steady_steps(rows, skip)
+    span = steady[-1][TIME] - steady[0][TIME]
+    completions = sum(row[COMPLETIONS] for row in steady[1:])
+    tokens = sum(row[COMPLETIONS] * row[RESPONSE_LENGTH_MEAN] for row in steady[1:])
+    trainer_busy = sum(row[STEP_TIME_S] for row in steady[1:]) / span
     return Measurement(
         model=model.name,
         kind="pipeline",
@@ -354,9 +354,9 @@ def bench_pipeline(model: Model, steps: int, skip: int, synchronous: bool = Fals
         extra={
             "steps_measured": len(steady) - 1,
             "wall_s_with_startup": round(wall, 1),
-            "median_step_time_s": round(statistics.median(row["step_time_s"] for row in steady), 4),
+            "median_step_time_s": round(statistics.median(row[STEP_TIME_S] for row in steady), 4),
             "trainer_busy_fraction": round(trainer_busy, 3),
-            "cpu_cores_per_process": sampler.shares(steady[0]["time"], steady[-1]["time"]),
+            "cpu_cores_per_process": sampler.shares(steady[0][TIME], steady[-1][TIME]),
             **where_the_time_went(steady),
         },
     )

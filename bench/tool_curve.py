@@ -9,7 +9,6 @@ writes one PNG with two panels and prints each evaluation as a Markdown table ro
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,9 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+
+from services.common.observe import metrics as m
+from services.common.observe.records import read_metrics
 
 
 @dataclass(frozen=True)
@@ -29,19 +31,19 @@ class Evaluation:
 
 def evaluations(run_dir: Path) -> list[Evaluation]:
     """The run's held-out evaluations in order; ValueError when it has none."""
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows:
         raise ValueError(f"{run_dir}/metrics.jsonl has no rows")
-    start = min(row["time"] for row in rows)
+    start = min(row[m.TIME] for row in rows)
     found = [
         Evaluation(
-            step=row["step"],
-            minutes=(row["time"] - start) / 60,
-            accuracy=row["eval_accuracy"],
-            tool_calls_mean=row.get("eval/tool_calls_mean"),
+            step=step,
+            minutes=(row[m.TIME] - start) / 60,
+            accuracy=accuracy,
+            tool_calls_mean=row.get(m.EVAL_TOOL_CALLS),
         )
         for row in rows
-        if row.get("eval_accuracy") is not None
+        if (accuracy := row.get(m.EVAL_ACCURACY)) is not None and (step := row.step) is not None
     ]
     if not found:
         raise ValueError(f"{run_dir}/metrics.jsonl has no eval_accuracy row: was data.eval_every_steps 0?")

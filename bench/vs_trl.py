@@ -66,6 +66,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from bench.pipeline_run import cpu_busy_fraction, cpu_model, run_pipeline
+from services.common.observe import metrics as m
+from services.common.observe.records import step_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
@@ -339,14 +341,14 @@ def run_rlpipe(task: Task) -> Result:
     started_at = time.time()
     rows = run_pipeline(config, [], runs_dir / cfg["run_id"], task.steps)
     wall = time.perf_counter() - started
-    steps = {row["step"]: row for row in rows if "completions" in row}
-    evals = {row["step"]: row["eval_accuracy"] for row in rows if "eval_accuracy" in row}
+    steps = {row[m.STEP]: row for row in step_rows(rows)}
+    evals = {row[m.STEP]: row[m.EVAL_ACCURACY] for row in rows if row.is_eval}
     ordered = [steps[step] for step in sorted(steps)]
     return Result(
         system="rlpipe",
         wall_s=wall,
-        step_times=[row["time"] - started_at for row in ordered],
-        rewards=[row["reward_mean"] for row in ordered],
+        step_times=[row[m.TIME] - started_at for row in ordered],
+        rewards=[row[m.REWARD_MEAN] for row in ordered],
         accuracy_start=evals[0],
         accuracy_end=evals[task.steps],
         threads=f"roles x {cfg.get('service', {}).get('torch_threads', 1)} torch thread",

@@ -20,6 +20,7 @@ from bench.throughput import (
 from bench.trl_worker import device_args, trl_rows
 from bench.vs_trl import TASKS, Result, Task, rlpipe_config
 from services.common.config import load_config
+from services.common.observe.records import metrics_rows
 from tests.support.messages import completion, experience_group
 from tests.support.paths import ROOT
 from tests.support.runs import run_config
@@ -150,10 +151,12 @@ def test_the_sync_baseline_is_paired_with_the_async_run_of_its_model_and_the_tim
     asynchronous, synchronous = pipeline("rlpipe run", 2.0), pipeline("rlpipe run --sync", 3.0)
     assert async_sync_pairs([synchronous, asynchronous]) == [(asynchronous, synchronous)]
     assert async_sync_pairs([synchronous]) == []
-    steady = [
-        {"time/wait_s": 0.1, "time/compute_s": 0.5, "share/rollout/busy": 0.5},
-        {"time/wait_s": 0.3, "time/compute_s": 0.7, "share/rollout/busy": 0.6, "share/rollout/idle": 0.4},
-    ]
+    steady = metrics_rows(
+        [
+            {"time/wait_s": 0.1, "time/compute_s": 0.5, "share/rollout/busy": 0.5},
+            {"time/wait_s": 0.3, "time/compute_s": 0.7, "share/rollout/busy": 0.6, "share/rollout/idle": 0.4},
+        ]
+    )
     assert where_the_time_went(steady) == {
         "step_wall_s_by_phase": {"time/compute_s": 0.6, "time/wait_s": 0.2},
         "role_time_shares": {"rollout": {"busy": 0.6, "idle": 0.4}},
@@ -271,6 +274,8 @@ def test_the_deterministic_bench_counts_the_steps_after_the_skipped_ones_over_th
     from bench.deterministic import steady_steps_per_s
 
     rows = [{"step": 0, "eval_accuracy": 0.1, "time": 0.0}]
-    rows += [{"step": step, "completions": 8, "time": 10.0 + 2.0 * step} for step in range(6, 0, -1)]
+    rows += [
+        {"step": step, "reward_mean": 0.5, "completions": 8, "time": 10.0 + 2.0 * step} for step in range(6, 0, -1)
+    ]
     # Steps 3..6 kept: three intervals of 2 s, the completions of the three steps that end them.
-    assert steady_steps_per_s(rows, skip=2) == (3 / 6.0, 24 / 6.0)
+    assert steady_steps_per_s(metrics_rows(rows), skip=2) == (3 / 6.0, 24 / 6.0)
