@@ -238,6 +238,8 @@ def run_python(code: str, box: Box | None = None) -> str:
     outcome = box.run(code)
     if outcome.timed_out:
         raise ToolError(f"the code ran past {box.limits.time_s:g}s")
+    if outcome.signal == signal.SIGSYS:  # the box's system-call filter kills a call made through another ABI
+        raise ToolError("the code was killed (SIGSYS): it made a system call the box forbids")
     if outcome.signal is not None:  # killed by the kernel: the CPU limit (SIGXCPU, then SIGKILL), or out of memory
         killed = signal.Signals(outcome.signal).name if outcome.signal in signal.valid_signals() else outcome.signal
         raise ToolError(f"the code was killed ({killed}): past {box.limits.cpu_s}s of CPU time or out of memory")
@@ -278,7 +280,8 @@ def python_tool(
     elif isolation == "required":
         raise StartRefused(
             f"the python environment runs model-written code only in a box, and none can be built here: {reason}. "
-            "Allow user namespaces (a container needs a seccomp profile that permits unshare), or set "
+            "It needs unprivileged user namespaces (a container's seccomp profile must permit unshare) on x86_64 or "
+            "aarch64 (docs/agents.md, \"The box\"); provide them, or set "
             "rollout.python_tool_isolation: allow_unisolated to run it unboxed (it can then read this process's "
             "environment and files and reach the network)"
         )

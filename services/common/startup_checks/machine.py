@@ -67,7 +67,8 @@ def check_python_box(rollout: RolloutConfig, probe_box: Callable[[], str | None]
     name = "python tool box"
     reason = probe_box()
     if reason is None:
-        return [CheckResult(name, "ok", "model-written code runs in new user, PID, network and mount namespaces")]
+        detail = "model-written code runs in new user, PID, network and mount namespaces behind a system-call filter"
+        return [CheckResult(name, "ok", detail)]
     if rollout.python_tool_isolation == "allow_unisolated":
         detail = f"no box here ({reason}): model-written code runs unboxed, as rollout.python_tool_isolation allows"
         return [CheckResult(name, "warn", detail)]
@@ -75,8 +76,9 @@ def check_python_box(rollout: RolloutConfig, probe_box: Callable[[], str | None]
         CheckResult(
             name,
             "fail",
-            f"no box for model-written code can be built here: {reason}; allow user namespaces, or set "
-            "rollout.python_tool_isolation: allow_unisolated to run it unboxed",
+            f"no box for model-written code can be built here: {reason}; it needs unprivileged user namespaces on "
+            "x86_64 or aarch64 (docs/agents.md, \"The box\"), or set rollout.python_tool_isolation: "
+            "allow_unisolated to run it unboxed",
         )
     ]
 

@@ -11,6 +11,7 @@ import signal
 
 import pytest
 
+from services.common.episodes.environments import ToolError, run_python
 from services.common.sandbox import Box, Outcome
 
 pytestmark = pytest.mark.integration
@@ -133,6 +134,11 @@ def test_a_call_through_another_abi_kills_the_code(filtered, abi):
         assert (outcome.signal, outcome.stdout) == (signal.SIGSYS, "")
     else:
         assert outcome.exit_status == 0 and outcome.stdout.strip() in UNFILTERED[abi]
+
+
+def test_the_tool_tells_the_model_its_code_made_a_forbidden_call_not_that_it_ran_out_of_time_or_memory():
+    with pytest.raises(ToolError, match=r"killed \(SIGSYS\): it made a system call the box forbids"):
+        run_python(OTHER_ABIS["x32"], Box())
 
 
 # What a model's code does: imports, threads, processes (fork, a child interpreter, posix_spawn), files in /tmp,
