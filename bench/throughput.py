@@ -298,11 +298,10 @@ def bench_learner(model: Model, cfg: RunConfig, groups: list[ExperienceGroup], r
     batch = [groups[i % len(groups)] for i in range(cfg.train.batch_size)]
     on = cfg.model_copy(update={"train": cfg.train.model_copy(update={"micro_batch_tokens": model.micro_batch_tokens})})
     learners = {"whole batch": Learner(cfg), f"micro_batch_tokens {model.micro_batch_tokens}": Learner(on)}
-    metrics: dict[str, dict] = {}
 
     def step(name: str) -> Callable[[], None]:
         def run() -> None:
-            metrics[name] = learners[name].step(batch, learners[name].steps_done)
+            learners[name].step(batch, learners[name].steps_done)
 
         return run
 

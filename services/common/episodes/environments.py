@@ -281,7 +281,7 @@ def python_tool(
         raise StartRefused(
             f"the python environment runs model-written code only in a box, and none can be built here: {reason}. "
             "It needs unprivileged user namespaces (a container's seccomp profile must permit unshare) on x86_64 or "
-            "aarch64 (docs/agents.md, \"The box\"); provide them, or set "
+            'aarch64 (docs/agents.md, "The box"); provide them, or set '
             "rollout.python_tool_isolation: allow_unisolated to run it unboxed (it can then read this process's "
             "environment and files and reach the network)"
         )

@@ -213,7 +213,7 @@ class EpisodeRunner:
             contexts: list[list[int]], max_tokens: list[int], sampling: SamplingConfig, seeds: list[int] | None = None
         ) -> list[Generation]:
             # on_engine runs the call on the engine's thread and judges its failures
-            if seeds is None:  # an engine that takes no seeds (the hf one) serves unseeded runs
+            if seeds is None:  # an unseeded run: the engine's own random stream
                 return await on_engine(generate_turns, contexts, max_tokens, sampling, stop)
             return await on_engine(generate_turns, contexts, max_tokens, sampling, stop, seeds)
 

@@ -77,7 +77,7 @@ def check_python_box(rollout: RolloutConfig, probe_box: Callable[[], str | None]
             name,
             "fail",
             f"no box for model-written code can be built here: {reason}; it needs unprivileged user namespaces on "
-            "x86_64 or aarch64 (docs/agents.md, \"The box\"), or set rollout.python_tool_isolation: "
+            'x86_64 or aarch64 (docs/agents.md, "The box"), or set rollout.python_tool_isolation: '
             "allow_unisolated to run it unboxed",
         )
     ]
