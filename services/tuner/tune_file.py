@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from services.common.config import ConfigError, RunConfig, apply_overrides, load_config
+from services.common.config import ConfigError, RunConfig, apply_overrides, hide_url_secrets, load_config
 from services.common.observe.metrics import find
 from services.common.observe.usage import PRICED_QUANTITIES, RUN_QUANTITIES
 from services.tuner.spec import (
@@ -158,7 +158,9 @@ def _describe(error: ValidationError) -> list[str]:
         parts = [str(p) for p in item["loc"] if p not in ("float", "int", "categorical")]
         given = item.get("input")
         shown = "" if isinstance(given, (dict, list)) or given is None else f" (got {given!r})"
-        lines.append(f"{'.'.join(parts) or '<root>'}: {item['msg'].removeprefix('Value error, ')}{shown}")
+        # A storage URL's password (postgresql://user:PASSWORD@host) stays out of the message.
+        message = hide_url_secrets(f"{item['msg'].removeprefix('Value error, ')}{shown}")
+        lines.append(f"{'.'.join(parts) or '<root>'}: {message}")
     return lines
 
 

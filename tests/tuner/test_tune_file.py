@@ -148,3 +148,10 @@ def test_a_trial_config_is_the_base_file_with_its_params_and_its_own_run_id_runs
     # The base forks from the test worker's warm-start pool (tests/support/fixtures.py: warm_pool); a trial never
     # does: its roles stay in its own process group, which the tuner measures and kills.
     assert cfg.service.warm_start_pool is not None and trial.service.warm_start_pool is None
+
+
+def test_a_mistyped_storage_url_is_refused_without_its_password(tmp_path, base):
+    # postgres:// where postgresql:// is meant, the common typo: the refusal quotes the URL, never its password.
+    with pytest.raises(TuneFileError, match=r"storage: 'postgres://tuner:<redacted>@db/optuna' is not") as refused:
+        load_tune_file(tune_file(tmp_path, base), storage="postgres://tuner:PW-tune@db/optuna")
+    assert "PW-tune" not in str(refused.value)

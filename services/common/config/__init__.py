@@ -51,7 +51,7 @@ from services.common.config.operations import (
     SupervisionConfig,
     TelemetryConfig,
 )
-from services.common.config.redaction import REDACTED, SECRET_FIELDS, redact, redacted_dump
+from services.common.config.redaction import REDACTED, SECRET_FIELDS, hide_url_secrets, redact, redacted_dump
 from services.common.config.scoring import (
     OverlongPenaltyConfig,
     ReferenceConfig,
@@ -129,6 +129,7 @@ __all__ = [
     "field_classes",
     "fields_of",
     "header_value_problem",
+    "hide_url_secrets",
     "is_live",
     "leaf_fields",
     "load_config",

@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from services.common.config.base import ConfigError, read_environment
-from services.common.config.redaction import SECRET_FIELDS
+from services.common.config.redaction import SECRET_FIELDS, hide_url_secrets
 from services.common.config.sections import DeploymentEnvironment, RunConfig
 
 
@@ -18,11 +18,11 @@ def _describe(error: ValidationError) -> list[str]:
     lines = []
     for item in error.errors():
         field = ".".join(str(part) for part in item["loc"]) or "<root>"
-        message = item["msg"].removeprefix("Value error, ")
+        message = hide_url_secrets(item["msg"].removeprefix("Value error, "))
         given = item.get("input")
         secret = field in SECRET_FIELDS  # a webhook URL's path often holds a token
         shown = "" if isinstance(given, (dict, list)) or given is None or secret else f" (got {given!r})"
-        lines.append(f"  {field}: {message}{shown}")
+        lines.append(f"  {field}: {message}{hide_url_secrets(shown)}")
     return lines
 
 

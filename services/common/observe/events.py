@@ -38,7 +38,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Protocol
 
-from services.common.config import RunConfig
+from services.common.config import RunConfig, hide_url_secrets
 from services.common.observe.logs import RollingJsonl, log_event
 
 
@@ -246,7 +246,7 @@ class EventLog:
 
     def write(self, kind: Event, message: str, step: int | None = None, **extra: Any) -> None:
         row = {"time": round(time.time(), 3), "step": step, "kind": kind, "message": message, **extra}
-        self.file.write(json.dumps(row, default=str) + "\n")
+        self.file.write(hide_url_secrets(json.dumps(row, default=str)) + "\n")
 
 
 @dataclass(frozen=True)

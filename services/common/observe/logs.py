@@ -34,6 +34,8 @@ from typing import IO, TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from services.common.config.redaction import hide_url_secrets
+
 if TYPE_CHECKING:  # events.py builds its journal on log_event
     from services.common.observe.events import Event
 
@@ -61,7 +63,8 @@ class JsonFormatter(logging.Formatter):
             payload["span_id"] = trace.format_span_id(span.span_id)
         if record.exc_info:
             payload["exception"] = self.formatException(record.exc_info)
-        return json.dumps(payload, default=str)
+        # A URL's credentials never reach a log, wherever they came from (a field, an exception's text).
+        return hide_url_secrets(json.dumps(payload, default=str))
 
 
 class RotatingLogHandler(logging.Handler):

@@ -6,6 +6,7 @@ trainer can trace a letter back to its group, read its claim-checked body and se
 
 from __future__ import annotations
 
+from services.common.config import hide_url_secrets
 from services.common.transport.streams import (
     H_CLAIM,
     H_GROUP,
@@ -30,7 +31,7 @@ def letter_headers(
 ) -> dict[str, str]:
     """The headers of the dead letter of message ``sequence`` of ``stream`` (whose headers were ``source``)."""
     headers = {
-        H_REASON: reason[:REASON_CHARS].replace("\r", " ").replace("\n", " "),
+        H_REASON: hide_url_secrets(reason)[:REASON_CHARS].replace("\r", " ").replace("\n", " "),
         H_STREAM: stream,
         H_SEQ: str(sequence),
         H_SERVICE: service,
