@@ -218,6 +218,11 @@ def initialize(spec: dict, code: str) -> None:
     loopback_up()
     call(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # the worker may not trace init
     drop_capabilities()
+    # The kernel gives the init of a PID namespace only the signals it handles, from inside: handling none (Python
+    # handles SIGINT), it cannot be interrupted by the code, which could otherwise end the box as if it had failed.
+    for number in signal.valid_signals():
+        if callable(signal.getsignal(number)):
+            signal.signal(number, signal.SIG_DFL)
     supervise(spec, code)
 
 
@@ -288,6 +293,7 @@ def run(spec: dict, code: str) -> None:
         bounds.append((resource.RLIMIT_NPROC, limits["processes"]))
     for which, bound in bounds:
         resource.setrlimit(which, (bound, bound))
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the code's Ctrl-C, as in any interpreter
     if spec["syscall_filter"]:
         filter_system_calls(spec["syscall_filter"])
     raise RunCode

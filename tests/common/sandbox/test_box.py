@@ -331,3 +331,25 @@ def test_code_cannot_pass_its_own_failure_off_as_the_boxs():
     # What the box says goes to a file the code never holds: a setup line on the code's stderr is just its output.
     outcome = run("import sys; print('setup cannot build', file=sys.stderr); sys.exit(1)")
     assert (outcome.exit_status, outcome.stderr.strip()) == (1, "setup cannot build")
+
+
+def test_the_code_cannot_pass_its_own_failure_off_as_the_boxs_by_signalling_the_boxs_init():
+    # Signals from inside a PID namespace reach its init only where init handles them: it handles none, so these
+    # are dropped, the code goes on, and what ends the call is the code's own outcome, never a box that "failed".
+    code = (
+        "import os, signal\n"
+        "for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGQUIT):\n"
+        "    os.kill(1, sig)\n"
+        "print('still here')\n"
+    )
+    outcome = Box().run(code)
+    assert (outcome.exit_status, outcome.signal, outcome.stdout.strip()) == (0, None, "still here")
+    # And the code's own Ctrl-C still behaves as in any interpreter.
+    interrupted = Box().run(
+        "import os, signal\n"
+        "try:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n"
+    )
+    assert interrupted.stdout.strip() == "interrupted"
