@@ -36,6 +36,7 @@ import os
 import select
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -149,6 +150,9 @@ class WarmStarter:
         channel = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             channel.connect(str(pool))
+            if not _same_user(channel):  # it would be handed the roles' credentials
+                channel.close()
+                raise WarmStartError(f"{where} runs as another user: not joined")
             # The pool may still be importing: it accepts once it is done.
             answered = select.select([channel], [], [], SPAWN_TIMEOUT_S)[0]
             hello = json.loads(channel.recv(MESSAGE_BYTES) or b"{}") if answered else {}
@@ -285,13 +289,26 @@ def _running(pid: int) -> bool:
 
 def listening(path: str) -> socket.socket:
     """The pool's socket, listening before the imports so that a launcher connecting meanwhile waits for them.
-    A socket file left at ``path`` by a pool that died is replaced."""
+    A socket file left at ``path`` by a pool that died is replaced. Its owner alone may connect (mode 0600, and
+    ``sessions`` checks the caller's uid): whoever connects starts any module as the pool's user and hands it a
+    role's credentials."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     server = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    server.bind(path)
+    kept = os.umask(0o177)  # the file is made 0600 by bind itself: no moment in which others may connect
+    try:
+        server.bind(path)
+    finally:
+        os.umask(kept)
     server.listen(16)
     return server
+
+
+def _same_user(channel: socket.socket) -> bool:
+    """Whether the process at the other end of ``channel`` runs as this one's user (SO_PEERCRED)."""
+    credentials = channel.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _pid, uid, _gid = struct.unpack("3i", credentials)
+    return uid == os.getuid()
 
 
 def sessions(server: socket.socket) -> socket.socket:
@@ -300,6 +317,9 @@ def sessions(server: socket.socket) -> socket.socket:
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps finished sessions
     while True:
         channel, _ = server.accept()
+        if not _same_user(channel):
+            channel.close()
+            continue
         _check_fork_safe()
         sys.stdout.flush()
         sys.stderr.flush()

@@ -136,7 +136,8 @@ class RolloutConfig(Section):
         "directory or the network; docs/agents.md, 'The box'), and a rollout or trainer on a machine that refuses "
         "user namespaces refuses to start, saying why; allow_unisolated = in the box where one can be built, else "
         "in a plain child process under the same limits but the process count, which can read the run's "
-        "credentials and files and reach the network (a python_tool_unisolated warning says so at start)",
+        "credentials and files and reach the network (a python_tool_unisolated warning says so at start; refused "
+        "in prod)",
     )
     environment_timeout_s: Restart[float] = Field(
         default=10.0,

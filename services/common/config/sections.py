@@ -197,6 +197,17 @@ class RunConfig(BaseSettings):
         return self
 
     @model_validator(mode="after")
+    def _prod_runs_model_code_boxed(self) -> RunConfig:
+        # Unboxed, the code reads the rollout's environment through /proc: the weight-sync token and the store's keys.
+        if self.environment == "prod" and self.rollout.python_tool_isolation == "allow_unisolated":
+            raise ValueError(
+                "rollout.python_tool_isolation: allow_unisolated is refused in a prod deployment: model-written code "
+                "would run unboxed beside the run's credentials; run the rollout where a box can be built "
+                "(docs/agents.md, \"The box\")"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _deterministic_runs_have_one_of_each(self) -> RunConfig:
         # Two replicas of a role share its queue by whoever pulls first, and two trainer processes reduce gradients
         # across processes (not verified to be reproducible): either would make a run depend on timing.

@@ -4,6 +4,7 @@ each behaving as the ``python -m`` process it replaces. Real processes, signals 
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.launch.warm_start import WarmStarter, WarmStartError
+from services.cli.launch.warm_start import WarmStarter, WarmStartError, _same_user, listening
 from tests.support.paths import ROOT
 from tests.support.servers import running_warm_pool
 
@@ -141,3 +142,19 @@ def test_roles_die_with_the_pool_and_a_missing_pool_is_refused_naming_its_socket
     starter.close()
     with pytest.raises(WarmStartError, match=f"cannot join the warm-start pool at {socket_path}"):
         WarmStarter.join(socket_path)
+
+
+def test_the_pools_socket_is_its_owners_alone_and_a_caller_of_its_own_user_is_let_in(tmp_path):
+    previous = os.umask(0o002)  # a shared-group umask: bind alone would leave the socket group-writable
+    try:
+        server = listening(str(tmp_path / "pool.sock"))
+    finally:
+        os.umask(previous)
+    try:
+        assert (tmp_path / "pool.sock").stat().st_mode & 0o777 == 0o600
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        assert _same_user(ours)
+        ours.close()
+        theirs.close()
+    finally:
+        server.close()

@@ -9,7 +9,7 @@ import logging
 
 import pytest
 
-from services.common.config import RolloutConfig
+from services.common.config import ConfigError, RolloutConfig
 from services.common.episodes.environments import PythonTool, Turn, python_tool
 from services.common.episodes.episode_environment import environment_maker
 from services.common.refusal import StartRefused
@@ -92,3 +92,10 @@ def test_a_run_with_the_python_environment_finds_a_box_here_and_plays_its_episod
     environment = environment_maker(cfg.rollout)()
     turn = Turn("<python>import os; print(os.getcwd(), os.path.exists('/proc'))</python>", (1,))
     assert asyncio.run(environment.step(turn)).observation == "<result>/tmp False</result>"
+
+
+def test_a_prod_config_that_lets_model_code_run_unboxed_is_refused_naming_the_field(tmp_path, config_only_model):
+    unboxed = {"python_tool_isolation": "allow_unisolated"}
+    with pytest.raises(ConfigError, match=r"rollout.python_tool_isolation: allow_unisolated is refused in a prod"):
+        run_config(tmp_path, config_only_model, environment="prod", rollout=unboxed)
+    assert run_config(tmp_path, config_only_model, environment="dev", rollout=unboxed).environment == "dev"
