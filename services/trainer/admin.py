@@ -130,7 +130,9 @@ class AdminToken:
         self.fixed = fixed
         self.path = path
         self.field = field
-        self._seen: tuple[int, int] | None = None  # (mtime_ns, size) of the file when last read
+        # (inode, ctime_ns, mtime_ns, size) of the file when last read: a file replaced by rename, or rewritten
+        # within one mtime tick at the same size, is read again
+        self._seen: tuple[int, int, int, int] | None = None
         self._token = fixed
         if not fixed and path is not None:
             self.current()
@@ -170,9 +172,10 @@ class AdminToken:
                 error=str(error),
             )
             return self._token
-        if (stat.st_mtime_ns, stat.st_size) == self._seen:
+        seen = (stat.st_ino, stat.st_ctime_ns, stat.st_mtime_ns, stat.st_size)
+        if seen == self._seen:
             return self._token
-        self._seen = (stat.st_mtime_ns, stat.st_size)
+        self._seen = seen
         try:
             token = read_token_file(self.path, self.field)
         except TokenError as error:  # named, never quoted: the token in force stands

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from services.common.pb import admin_pb2, admin_pb2_grpc
-from services.trainer.admin import AdminServicer
+from services.trainer.admin import AdminServicer, AdminToken
 from services.trainer.role import start_admin_server
 from tests.support.runs import run_config
 from tests.support.trainer import StatusOnly
@@ -75,3 +75,19 @@ def test_no_token_anywhere_refuses_to_start_the_admin_port(tiny_model, tmp_path,
 
     with pytest.raises(ValueError, match="no admin token"):
         asyncio.run(start_admin_server(cfg, servicer))
+
+
+@pytest.mark.unit
+def test_a_token_file_replaced_by_one_of_the_same_size_and_time_is_read_again(tmp_path):
+    # An atomic rotation (write a new file, rename it over the old) can keep the size and, within a clock tick or
+    # with its time copied, the modification time: the file is another one all the same.
+    path = tmp_path / "admin.token"
+    path.write_text("first-token-aaaa\n")
+    token = AdminToken(path=path)
+    assert token.current() == "first-token-aaaa"
+    replacement = tmp_path / "admin.token.new"
+    replacement.write_text("other-token-bbbb\n")
+    stat = path.stat()
+    os.utime(replacement, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    os.replace(replacement, path)
+    assert token.current() == "other-token-bbbb"

@@ -203,7 +203,7 @@ class RunConfig(BaseSettings):
             raise ValueError(
                 "rollout.python_tool_isolation: allow_unisolated is refused in a prod deployment: model-written code "
                 "would run unboxed beside the run's credentials; run the rollout where a box can be built "
-                "(docs/agents.md, \"The box\")"
+                '(docs/agents.md, "The box")'
             )
         return self
 

@@ -213,7 +213,10 @@ def set_mount_attributes(path: str, attributes: int, recursive: bool) -> None:
 
 def initialize(spec: dict, code: str) -> None:
     die_with_parent(0)
-    tmp_options = f"size={spec['limits']['tmp_bytes']},mode=0700,uid={NOBODY},gid={NOBODY}".encode()
+    # Inodes bounded too: empty files cost kernel memory the size bound does not count.
+    tmp_bytes = spec["limits"]["tmp_bytes"]
+    inodes = max(tmp_bytes // 4096, 64)
+    tmp_options = f"size={tmp_bytes},nr_inodes={inodes},mode=0700,uid={NOBODY},gid={NOBODY}".encode()
     call(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", MS_NOSUID | MS_NODEV, tmp_options), "mount /tmp")
     loopback_up()
     call(libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0), "prctl(PR_SET_DUMPABLE)")  # the worker may not trace init

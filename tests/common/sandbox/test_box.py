@@ -353,3 +353,18 @@ def test_the_code_cannot_pass_its_own_failure_off_as_the_boxs_by_signalling_the_
         "    print('interrupted')\n"
     )
     assert interrupted.stdout.strip() == "interrupted"
+
+
+def test_files_in_the_boxs_tmp_are_bounded_in_number_as_in_bytes():
+    code = (
+        "import os\n"
+        "made = 0\n"
+        "try:\n"
+        "    while made < 100000:\n"
+        "        open(f'/tmp/{made}', 'w').close()\n"
+        "        made += 1\n"
+        "except OSError as error:\n"
+        "    print(made, error.errno)\n"
+    )
+    made, error = Box().run(code).stdout.split()
+    assert int(made) < 5000 and int(error) == errno.ENOSPC  # 16 MiB of /tmp: 4096 inodes, not memory's worth
