@@ -27,6 +27,7 @@ pytestmark = pytest.mark.unit
         ("https://hooks.example/x?token=PW&v=2", "https://hooks.example/x?token=<redacted>&v=<redacted>"),
         ("cannot reach 'https://u:PW@r/score': refused", "cannot reach 'https://u:<redacted>@r/score': refused"),
         ("s3://bucket/run/step-3", "s3://bucket/run/step-3"),
+        ("hf://gpt2@main", "hf://gpt2@main"),  # a model's repository and revision, no credential
         ("http://127.0.0.1:8000/score", "http://127.0.0.1:8000/score"),
         ("no address at all", "no address at all"),
     ],

@@ -16,7 +16,7 @@ _URL = re.compile(r"""[A-Za-z][A-Za-z0-9+.-]*://[^\s'"<>`]+""")
 # scheme://user:PASSWORD@host, up to the authority's last "@" (so a password holding an unencoded "@" goes whole),
 # or scheme://TOKEN@host (NATS token auth, a Git token as the user name): the user name alone is a secret there.
 _PASSWORD = re.compile(r"^([^:/?#]+://[^/?#@:]*):[^/?#]*@")
-_TOKEN_USER = re.compile(r"^([^:/?#]+://)[^/?#@:]+@")
+_TOKEN_USER = re.compile(r"^((?!hf://)[^:/?#]+://)[^/?#@:]+@")  # not hf://repo@revision, a model's address
 _QUERY_VALUE = re.compile(r"([?&][^=&#]+=)[^&#]+")  # ?key=VALUE&key=VALUE
 
 
