@@ -8,6 +8,7 @@ import time
 import nats
 import pytest
 
+from services.common.config import ServiceConfig
 from services.common.service import watch_progress
 from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
@@ -16,7 +17,10 @@ from services.common.transport.presence import (
     SeenService,
     await_trainer_port,
     gone_for,
+    instance_name,
+    key_role,
     open_bucket,
+    presence_key,
     read_presence,
     role_time_shares,
     roles_down,
@@ -257,3 +261,17 @@ def test_gone_for_names_replicas_stopped_or_silent_past_the_retention_but_never_
         "silent-long-ago",
     ]
     assert gone_for(entries, 0, spare="rollout.reader") == []  # 0 keeps every entry for the whole run
+
+
+@pytest.mark.unit
+def test_an_instance_name_with_dots_keys_its_entry_under_its_own_role_and_never_holds_an_empty_token():
+    """The broker grants a stage ``$KV.<bucket>.<role>.>``: the role must be the key's first token whatever the
+    instance is named, and a key with an empty token (``a..b``) is no subject at all."""
+
+    def named(instance: str) -> ServiceConfig:
+        return ServiceConfig(instance=instance)
+
+    instance = instance_name(named("trainer.x"), "rollout")
+    assert key_role(presence_key("rollout", instance)) == "rollout"
+    assert instance_name(named(".a..b*c."), "rollout") == "-.a.-.b-c.-"
+    assert "" not in presence_key("rollout", instance_name(named("..."), "rollout")).split(".")

@@ -4,8 +4,8 @@ A replica writes what it is (role, instance, endpoints, build), which versions i
 (config, policy) and a heartbeat every few seconds, under the key ``<role>.<instance>``
 (``presence_key``). The entry outlives the process, so a restarted replica of the same
 name finds its own earlier entry and counts the restart whatever restarted it (the
-launcher, Docker, or Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to notice a
-role with no live replica, a role whose loops make no progress (``progress_time``, the
+launcher, Docker, or Kubernetes). The trainer reads the bucket to answer ``rlpipe status``
+and to notice a role with no live replica, a role whose loops make no progress (``progress_time``, the
 stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is down; one
 whose loop is stuck beats on but its progress time stands still), a replica held by a
 dependency that refuses it (``refused``, written at once when it changes), and restart loops
