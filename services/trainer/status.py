@@ -30,6 +30,7 @@ from services.common.transport.presence import (
     SeenService,
     gone_for,
     instance_name,
+    presence_key,
     prune_presence,
     read_presence,
     role_gpu_memory,
@@ -101,7 +102,7 @@ class StatusReporter:
         entries are deleted (journal: ``presence_pruned``); where the broker refuses, they stay listed."""
         cfg = self.settings.cfg
         retention_s = cfg.supervision.presence_retention_s
-        gone = gone_for(services, retention_s, spare=instance_name(cfg.service, "trainer"))
+        gone = gone_for(services, retention_s, spare=presence_key("trainer", instance_name(cfg.service, "trainer")))
         if not gone:
             return services
         try:
@@ -113,9 +114,9 @@ class StatusReporter:
             Event.PRESENCE_PRUNED,
             f"no longer listing {len(pruned)} replica(s) stopped or silent for over {retention_s:g}s",
             step=self.progress.step,
-            instances=pruned,
+            instances=[entry.instance for entry in pruned],
         )
-        return [entry for entry in services if entry.instance not in pruned]
+        return [entry for entry in services if entry not in pruned]
 
     async def consumer_lag(self) -> dict[str, int]:
         """Messages waiting per consuming role: pending plus unacknowledged on its work queue; the trainer's

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,17 +13,26 @@ import nats
 import pytest
 from nats.js.errors import BucketNotFoundError, KeyNotFoundError
 
+from services.cli.launch.scaling import forget_presence
 from services.common.config import RunConfig, load_config
 from services.common.transport import lease_bucket, live_config, presence
 from services.common.transport.bus import Bus
 from services.common.transport.live_config import KEY, LiveConfig, stored_config
 from services.common.transport.nats_auth import RoleKey, write_run_credentials
 from services.common.transport.nats_connect import STAGE_ROLES, connect_options
-from services.common.transport.presence import Presence, read_presence
+from services.common.transport.presence import (
+    Presence,
+    SeenService,
+    ServiceEntry,
+    instance_name,
+    presence_key,
+    read_presence,
+)
 from services.common.transport.streams import EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, stream_name, subject
 from services.trainer.lease import Lease
 from tests.support.runs import config_file
 from tests.support.servers import keyed_nats
+from tests.support.waits import until
 
 pytestmark = pytest.mark.integration
 
@@ -260,3 +270,133 @@ def test_the_trainer_key_takes_and_renews_the_run_lease_and_a_stage_key_may_not_
 
     assert (trainer_errors, epoch) == ([], 1)
     assert errors == [violation(f"$KV.{lease_name}.trainer")]
+
+
+def test_a_rollout_key_writes_its_own_presence_entries_but_not_the_trainers_nor_a_rollup_of_the_bucket(secured):
+    cfg, keys = secured
+    bucket = presence.bucket_name("test")
+    trainer_key = presence_key("trainer", instance_name(cfg.service, "trainer"))
+    rollout_cfg = as_role(cfg, keys, "rollout")
+
+    async def scenario() -> tuple[list[str], dict[str, SeenService], list[str]]:
+        trainer_errors: list[str] = []
+        trainer_nc = await connect(as_role(cfg, keys, "trainer"), "trainer", trainer_errors)
+        trainer = await Presence(trainer_nc.jetstream(), as_role(cfg, keys, "trainer"), "trainer").start(
+            grpc="127.0.0.1:4567"
+        )
+        errors: list[str] = []
+        nc = await connect(rollout_cfg, "rollout", errors)
+        js = nc.jetstream(timeout=1)
+
+        def named(instance: str) -> RunConfig:
+            return rollout_cfg.model_copy(
+                update={"service": rollout_cfg.service.model_copy(update={"instance": instance})}
+            )
+
+        rollout = await Presence(js, named("r-0"), "rollout").start()  # its own entry: allowed
+        departed = await Presence(js, named("r-1"), "rollout").start()
+        await departed.stop()
+        kv = await js.key_value(bucket)
+        forged = ServiceEntry(role="trainer", instance="t", time=time.time(), grpc="127.0.0.1:1111")
+        with pytest.raises(nats.errors.TimeoutError):
+            await kv.put(trainer_key, forged.model_dump_json().encode())
+        with pytest.raises(nats.errors.TimeoutError):
+            await kv.delete(trainer_key)
+        # A rollup, even on its own key, would remove every entry: the stream refuses it.
+        with pytest.raises(nats.js.errors.APIError, match=r"(?i)rollup"):
+            await js.publish(f"$KV.{bucket}.rollout.r-0", b"{}", headers={"Nats-Rollup": "all"})
+        # The launcher forgets a departed rollout's entry with the rollout's key.
+        assert await asyncio.to_thread(forget_presence, cfg, cfg.nats.url, keys["rollout"], "r-1")
+        entries = {presence_key(e.role, e.instance): e for e in await read_presence(trainer.js, "test", cfg.nats)}
+        await rollout.stop()
+        await trainer.stop()
+        await nc.close()
+        await trainer_nc.close()
+        return errors, entries, trainer_errors
+
+    errors, entries, trainer_errors = asyncio.run(scenario())
+
+    assert sorted(entries) == ["rollout.r-0", trainer_key]
+    assert entries[trainer_key].grpc == "127.0.0.1:4567" and entries[trainer_key].up
+    assert errors == [violation(f"$KV.{bucket}.{trainer_key}")] * 2
+    assert trainer_errors == []
+
+
+def test_an_entry_under_a_rollout_key_claiming_the_trainer_role_is_left_out_and_never_names_the_trainer_port(
+    secured, caplog
+):
+    """The review's attack: a rollout writes a `trainer` entry under a key it may write, naming a port it chose;
+    rollouts started with the trainer would dial it and send it the weight-sync token."""
+    cfg, keys = secured
+    trainer_cfg, rollout_cfg = as_role(cfg, keys, "trainer"), as_role(cfg, keys, "rollout")
+    caplog.set_level(logging.WARNING)
+
+    def malformed() -> list[str]:
+        return [r.fields["key"] for r in caplog.records if r.getMessage() == "presence_malformed"]
+
+    async def scenario() -> tuple[int, list[SeenService]]:
+        trainer_nc = await nats.connect(cfg.nats.url, **connect_options(trainer_cfg.nats, "trainer"))
+        await presence.open_bucket(trainer_nc.jetstream(), "test", trainer_cfg.nats)  # the trainer creates it
+        nc = await nats.connect(cfg.nats.url, **connect_options(rollout_cfg.nats, "rollout"))
+        js = nc.jetstream(timeout=2)
+        since = time.time()
+        forged = ServiceEntry(role="trainer", instance="x", time=time.time() + 3600, grpc="127.0.0.1:1111")
+        kv = await js.key_value(presence.bucket_name("test"))
+        await kv.put("rollout.x", forged.model_dump_json().encode())
+        waiting = asyncio.create_task(presence.await_trainer_port(js, "test", rollout_cfg.nats, since))
+        await until(lambda: malformed().count("rollout.x") >= 3, 30, "the forged entry read and left out thrice")
+        assert not waiting.done()
+        trainer = await Presence(trainer_nc.jetstream(), trainer_cfg, "trainer").start(grpc="127.0.0.1:4567")
+        port = await asyncio.wait_for(waiting, 10)
+        entries = await read_presence(js, "test", rollout_cfg.nats)
+        await trainer.stop()
+        await nc.close()
+        await trainer_nc.close()
+        return port, entries
+
+    port, entries = asyncio.run(scenario())
+
+    assert port == 4567
+    assert [(e.role, e.grpc) for e in entries] == [("trainer", "127.0.0.1:4567")]
+    assert set(malformed()) == {"rollout.x"}
+
+
+def test_a_bucket_an_older_build_made_is_upgraded_at_the_trainers_start_to_refuse_rollups_and_drop_bare_keys(
+    secured, caplog
+):
+    """A run resumed across the upgrade: its bucket allows rollups and keys entries by bare instance name."""
+    cfg, keys = secured
+    trainer_cfg, reward_cfg = as_role(cfg, keys, "trainer"), as_role(cfg, keys, "reward")
+    bucket = presence.bucket_name("test")
+    caplog.set_level(logging.INFO)
+
+    def reward_named(instance: str) -> RunConfig:
+        return reward_cfg.model_copy(update={"service": reward_cfg.service.model_copy(update={"instance": instance})})
+
+    async def scenario() -> tuple[bool, list[tuple[str, str, int]]]:
+        trainer_nc = await nats.connect(cfg.nats.url, **connect_options(trainer_cfg.nats, "trainer"))
+        js = trainer_nc.jetstream()
+        old = await js.create_key_value(bucket=bucket, history=1)  # as the older build made it
+        now = time.time()
+        for key, role in (("trainer", "trainer"), ("reward-0", "reward")):
+            await old.put(key, ServiceEntry(role=role, instance=key, time=now).model_dump_json().encode())
+        trainer = await Presence(js, trainer_cfg, "trainer").start()
+        allows_rollups = (await js.stream_info(f"KV_{bucket}")).config.allow_rollup_hdrs
+        nc = await nats.connect(cfg.nats.url, **connect_options(reward_cfg.nats, "reward"))
+        reward = await Presence(nc.jetstream(timeout=2), reward_named("reward-0"), "reward").start()
+        await reward.stop(orderly=True)
+        again = await Presence(nc.jetstream(timeout=2), reward_named("reward-0"), "reward").start()  # a restart
+        entries = await read_presence(js, "test", trainer_cfg.nats)
+        await again.stop()
+        await trainer.stop()
+        await nc.close()
+        await trainer_nc.close()
+        return bool(allows_rollups), [(e.role, e.instance, e.restarts) for e in entries]
+
+    allows_rollups, entries = asyncio.run(scenario())
+
+    assert not allows_rollups
+    trainer_instance = instance_name(cfg.service, "trainer")
+    assert entries == [("reward", "reward-0", 1), ("trainer", trainer_instance, 0)]
+    assert [r.getMessage() for r in caplog.records].count("presence_upgraded") == 1
+    assert not [r for r in caplog.records if r.getMessage() in ("presence_malformed", "presence_failed")]

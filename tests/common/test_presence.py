@@ -8,6 +8,7 @@ import time
 import nats
 import pytest
 
+from services.common.config import ServiceConfig
 from services.common.service import watch_progress
 from services.common.transport import presence as presence_module
 from services.common.transport.presence import (
@@ -16,7 +17,10 @@ from services.common.transport.presence import (
     SeenService,
     await_trainer_port,
     gone_for,
+    instance_name,
+    key_role,
     open_bucket,
+    presence_key,
     read_presence,
     role_time_shares,
     roles_down,
@@ -119,7 +123,7 @@ def test_a_rollout_takes_the_trainer_port_from_a_trainer_entry_written_since_it_
         await asyncio.sleep(1.0)
         kv = await open_bucket(js, cfg.run_id, cfg.nats)
         dead = {"role": "trainer", "instance": "trainer", "grpc": "127.0.0.1:1111", "time": since - 30}
-        await kv.put("trainer", json.dumps(dead).encode())  # a trainer that died before this start
+        await kv.put("trainer.trainer", json.dumps(dead).encode())  # a trainer that died before this start
         await asyncio.sleep(1.5)
         assert not waiting.done()
         trainer = await Presence(js, cfg, "trainer").start(grpc="127.0.0.1:4567")
@@ -141,9 +145,9 @@ def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_new
         kv = await open_bucket(js, cfg.run_id, cfg.nats)
         now = time.time()
         newer = {"role": "reward", "instance": "reward-1", "time": now, "starts": 3, "gpu_util": 0.5}
-        await kv.put("reward-1", json.dumps(newer).encode())
-        await kv.put("reward-2", json.dumps({"role": "reward", "instance": "reward-2", "time": "now"}).encode())
-        await kv.put("rollout-0", b"not json")
+        await kv.put("reward.reward-1", json.dumps(newer).encode())
+        await kv.put("reward.reward-2", json.dumps({"role": "reward", "instance": "reward-2", "time": "now"}).encode())
+        await kv.put("rollout.rollout-0", b"not json")
         # A replica restarting over the unreadable entry of its instance name starts counting again.
         named = cfg.model_copy(update={"service": cfg.service.model_copy(update={"instance": "rollout-0"})})
         rollout = await Presence(js, named, "rollout").start(grpc="127.0.0.1:1234")
@@ -159,7 +163,7 @@ def test_an_entry_this_build_cannot_read_is_logged_by_key_and_left_out_and_a_new
     assert [(e.instance, e.up, e.restarts) for e in entries] == [("reward-1", True, 2), ("rollout-0", True, 1)]
     assert entries[1].grpc == "127.0.0.1:1234" and entries[1].pid > 0
     malformed = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "presence_malformed"]
-    assert [m["key"] for m in malformed] == ["rollout-0", "reward-2"]
+    assert [m["key"] for m in malformed] == ["rollout.rollout-0", "reward.reward-2"]
     assert "time" in malformed[1]["error"]
 
 
@@ -252,5 +256,22 @@ def test_gone_for_names_replicas_stopped_or_silent_past_the_retention_but_never_
         seen("stopped-lately", 30, False),
         seen("reader", 900, False),
     ]
-    assert gone_for(entries, 600, spare="reader") == ["stopped-long-ago", "silent-long-ago"]
-    assert gone_for(entries, 0, spare="reader") == []  # 0 keeps every entry for the whole run
+    assert [e.instance for e in gone_for(entries, 600, spare="rollout.reader")] == [
+        "stopped-long-ago",
+        "silent-long-ago",
+    ]
+    assert gone_for(entries, 0, spare="rollout.reader") == []  # 0 keeps every entry for the whole run
+
+
+@pytest.mark.unit
+def test_an_instance_name_with_dots_keys_its_entry_under_its_own_role_and_never_holds_an_empty_token():
+    """The broker grants a stage ``$KV.<bucket>.<role>.>``: the role must be the key's first token whatever the
+    instance is named, and a key with an empty token (``a..b``) is no subject at all."""
+
+    def named(instance: str) -> ServiceConfig:
+        return ServiceConfig(instance=instance)
+
+    instance = instance_name(named("trainer.x"), "rollout")
+    assert key_role(presence_key("rollout", instance)) == "rollout"
+    assert instance_name(named(".a..b*c."), "rollout") == "-.a.-.b-c.-"
+    assert "" not in presence_key("rollout", instance_name(named("..."), "rollout")).split(".")

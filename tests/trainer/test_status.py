@@ -17,6 +17,7 @@ from services.common.transport.presence import (
     ServiceEntry,
     instance_name,
     open_bucket,
+    presence_key,
     read_presence,
 )
 from services.common.transport.streams import EXPERIENCE, PROMPTS
@@ -106,8 +107,8 @@ def test_replicas_stopped_or_silent_past_the_retention_are_no_longer_listed_and_
     async def scenario() -> None:
         bus = await Bus(cfg, "trainer").connect()
         kv = await open_bucket(bus.js, cfg.run_id, cfg.nats)
-        for name, entry in entries.items():
-            await kv.put(name, entry.model_dump_json().encode())
+        for entry in entries.values():
+            await kv.put(presence_key(entry.role, entry.instance), entry.model_dump_json().encode())
         progress = Progress(step=9)
         control = Control(Holds(), Journal(EventLog(tmp_path / "events.jsonl")), progress)
 

@@ -210,7 +210,7 @@ class Launcher:
         endpoints and load times are kept, recorded in startup.jsonl the first time, and put in run.json)."""
         if child.ready is not None or self.presence is None:
             return False
-        entry = self.presence.ready_entry(child.name, child.process.pid, child.spawned_at)
+        entry = self.presence.ready_entry(child.role, child.name, child.process.pid, child.spawned_at)
         if entry is None:
             return False
         endpoints = {name: getattr(entry, name) for name in ("grpc", "admin", "metrics_url") if getattr(entry, name)}

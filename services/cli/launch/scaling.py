@@ -188,8 +188,8 @@ class ReplicaScaler:
 
 
 def forget_presence(cfg: RunConfig, nats_url: str, key: RoleKey, instance: str) -> bool:
-    """Delete ``instance``'s presence entry, with the key of its own role (which may write its role's entries, as
-    the replica itself did); False when the broker could not be reached or refused."""
+    """Delete ``instance``'s presence entry, with the NATS key of its own role (which may write its role's entries,
+    as the replica itself did); False when the broker could not be reached or refused."""
 
     async def delete() -> None:
         nc = await nats.connect(
@@ -200,7 +200,7 @@ def forget_presence(cfg: RunConfig, nats_url: str, key: RoleKey, instance: str) 
         )
         try:
             kv = await nc.jetstream().key_value(presence.bucket_name(cfg.run_id))
-            await kv.delete(instance)
+            await kv.delete(presence.presence_key(key.role, instance))
         finally:
             await nc.close()
 

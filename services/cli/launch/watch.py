@@ -29,7 +29,7 @@ from services.common.observe.records import EventRecord, MetricsRow, RunDone, ev
 from services.common.observe.usage import with_descendants
 from services.common.transport import live_config
 from services.common.transport.nats_connect import connect_options
-from services.common.transport.presence import SeenService, bucket_name, read_presence
+from services.common.transport.presence import SeenService, bucket_name, presence_key, read_presence
 from services.common.transport.scale import ScaleRecord, read_scale
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ class PresenceWatch:
         self.nats_url = nats_url
         self.nats = cfg.nats.model_copy(update={"nkey_seed_file": seed_file})
         self.last_error = ""  # why the last reading failed; empty once one succeeds (said when a start times out)
-        self._entries: dict[str, SeenService] = {}
+        self._entries: dict[str, SeenService] = {}  # by presence key: an instance name is unique within its role
         self._scale: dict[str, ScaleRecord] = {}
         self._readings = 0  # completed readings so far
         self._read = threading.Condition()
@@ -57,19 +57,20 @@ class PresenceWatch:
         self._thread.start()
         return self
 
-    def entry(self, instance: str) -> SeenService | None:
+    def entry(self, role: str, instance: str) -> SeenService | None:
         with self._read:
-            return self._entries.get(instance)
+            return self._entries.get(presence_key(role, instance))
 
     def scale_records(self) -> dict[str, ScaleRecord]:
         """role -> the newest replica count asked for, as last read; roles never scaled are absent."""
         with self._read:
             return dict(self._scale)
 
-    def ready_entry(self, instance: str, pid: int, since: float) -> SeenService | None:
-        """``instance``'s entry if the process ``pid`` (or one it started) wrote it at or after ``since`` (wall time)
-        and it carries its start-up report: the entry of a predecessor that died is never taken."""
-        entry = self.entry(instance)
+    def ready_entry(self, role: str, instance: str, pid: int, since: float) -> SeenService | None:
+        """The entry of ``role``'s ``instance`` if the process ``pid`` (or one it started) wrote it at or after
+        ``since`` (wall time) and it carries its start-up report: the entry of a predecessor that died is never
+        taken."""
+        entry = self.entry(role, instance)
         if entry is None or not entry.startup or entry.stopped or entry.time < since:
             return None
         return entry if entry.pid in with_descendants(pid) else None
@@ -106,7 +107,7 @@ class PresenceWatch:
                     log.debug("presence not read: %r", error)
                 else:
                     with self._read:
-                        self._entries = {entry.instance: entry for entry in entries}
+                        self._entries = {presence_key(entry.role, entry.instance): entry for entry in entries}
                         self.last_error = ""
                     await self._read_scale(js)
                 with self._read:

@@ -146,9 +146,10 @@ class Event(StrEnum):
     PAUSED = "paused"  # training is held (an operator, an alert, or a hold kept over a restart)
     PORT_BUSY = "port_busy"  # a fixed gRPC port is still held by another socket: binding is tried again
     PRESENCE_FAILED = "presence_failed"  # a replica's presence entry could not be written
-    PRESENCE_MALFORMED = "presence_malformed"  # a presence entry is not one this build reads: left out, key named
+    PRESENCE_MALFORMED = "presence_malformed"  # a presence entry this build cannot read, or not its key's: left out
     PRESENCE_PRUNED = "presence_pruned"  # the trainer removed entries of replicas gone for presence_retention_s
     PRESENCE_UNREADABLE = "presence_unreadable"  # the trainer's status could not read the presence bucket
+    PRESENCE_UPGRADED = "presence_upgraded"  # an older build's presence bucket now refuses rollups; old keys gone
     PRUNE_FAILED = "prune_failed"  # deleting an old checkpoint failed
     PURGED = "purged"  # consumed experience and its claim-checked bodies were deleted
     PURGE_FAILED = "purge_failed"  # purging consumed experience failed; tried at the next save

@@ -4,22 +4,26 @@ Every role connects with its own nkey (``nats.nkey_seed_file``); the broker hold
 with the permissions below and refuses anything else with a permissions violation. What each role
 may publish follows what it does in ``transport.bus`` and ``stage``, ``live_config`` and ``presence``:
 
-    role       publishes to                      consumes (durable)   config bucket    other
-    rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             presence
-    reward     SCORED, DEAD                       ROLLOUTS (reward)    read             presence
-    reference  EXPERIENCE, DEAD                   SCORED (reference)   read             presence
-    trainer    PROMPTS, DEAD                      reads every stream   read and write   creates and updates the
-                                                                                        streams and buckets,
-                                                                                        purges EXPERIENCE, presence
-    operator   re-injected dead letters, DEAD     reads every stream   read             deletes single messages
+    role       publishes to                      consumes (durable)   config bucket    presence bucket
+    rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             read; write rollout.*
+    reward     SCORED, DEAD                       ROLLOUTS (reward)    read             read; write reward.*
+    reference  EXPERIENCE, DEAD                   SCORED (reference)   read             read; write reference.*
+    trainer    PROMPTS, DEAD                      reads every stream   read and write   read and write any key
+               creates and updates the streams and buckets, purges EXPERIENCE
+    operator   re-injected dead letters, DEAD     reads every stream   read             read
+               deletes single messages
 
 Only the trainer, the run's owner, creates and updates the run's streams and buckets (and restores
 the streams after a broker lost its store, see ``Bus.ensure_streams``); it alone, with the admin API
 it serves, writes the config bucket and PROMPTS. The stages only look the streams and buckets up,
-waiting while one is missing (``Bus.await_streams``), and create their own durable consumer. Every
-service writes its presence entry; nobody may delete a stream, and none may purge one but the
-trainer's purge of EXPERIENCE. Replies come to a per-role inbox prefix (``_INBOX_<role>``), so one
-role cannot read the answers another gets (a pulled batch, a config read).
+waiting while one is missing (``Bus.await_streams``), and create their own durable consumer. A stage
+writes (and the launcher, with that stage's key, deletes) only presence entries keyed ``<role>.*``,
+its own role's (services/common/transport/presence.py): it cannot overwrite, delete or forge another
+role's, and the bucket's stream refuses the rollup that would wipe them all. The trainer, the run's
+owner, may write any entry: it prunes the entries of replicas gone for long
+(``supervision.presence_retention_s``), of every role. Nobody may delete a stream, and none may
+purge one but the trainer's purge of EXPERIENCE. Replies come to a per-role inbox prefix
+(``_INBOX_<role>``), so one role cannot read the answers another gets (a pulled batch, a config read).
 
 Pure: ``permissions`` and ``server_authorization`` decide, ``write_run_credentials`` writes files.
 """
@@ -74,7 +78,10 @@ def permissions(run_id: str, role: str) -> Permissions:
     config, services = live_config.bucket_name(run_id), presence.bucket_name(run_id)
     publish: list[str] = []
     if role in SERVICE_ROLES:
-        publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD), f"$KV.{services}.>"]
+        # A stage writes its own role's presence entries only (a key's first token is its role); the trainer any
+        # (it prunes gone replicas of every role, and an older build's bare keys: presence.upgrade_bucket).
+        entries = f"$KV.{services}.>" if role == RUN_OWNER else f"$KV.{services}.{role}.>"
+        publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD), entries]
     if (
         role == RUN_OWNER
     ):  # the others wait for what it creates (services.common.transport.nats_connect.await_run_state)
@@ -82,6 +89,8 @@ def permissions(run_id: str, role: str) -> Permissions:
             stream = _stream(run_id, edge)
             publish += [f"$JS.API.STREAM.CREATE.{stream}", f"$JS.API.STREAM.UPDATE.{stream}"]
         publish += [f"$JS.API.STREAM.CREATE.KV_{config}", f"$JS.API.STREAM.CREATE.KV_{services}"]
+        # An older build's presence bucket made to refuse rollups (presence.upgrade_bucket).
+        publish += [f"$JS.API.STREAM.UPDATE.KV_{services}"]
         # The run's lease (services/trainer/lease.py): only the trainer takes, renews and reads it.
         lease = lease_bucket.bucket_name(run_id)
         publish += [f"$JS.API.STREAM.CREATE.KV_{lease}", f"$KV.{lease}.>", *_bucket_read(lease, watch=False)]

@@ -1,11 +1,11 @@
 """Service presence: each replica's entry in the key-value bucket ``RLPIPE_<run>_SERVICES``.
 
 A replica writes what it is (role, instance, endpoints, build), which versions it runs
-(config, policy) and a heartbeat every few seconds, under its instance name. The
-entry outlives the process, so a restarted replica of the same name finds its own
-earlier entry and counts the restart whatever restarted it (the launcher, Docker, or
-Kubernetes). The trainer reads the bucket to answer ``rlpipe status`` and to notice a
-role with no live replica, a role whose loops make no progress (``progress_time``, the
+(config, policy) and a heartbeat every few seconds, under the key ``<role>.<instance>``
+(``presence_key``). The entry outlives the process, so a restarted replica of the same
+name finds its own earlier entry and counts the restart whatever restarted it (the
+launcher, Docker, or Kubernetes). The trainer reads the bucket to answer ``rlpipe status``
+and to notice a role with no live replica, a role whose loops make no progress (``progress_time``, the
 stage's ``last_progress``: a replica stopped with SIGSTOP stops beating and is down; one
 whose loop is stuck beats on but its progress time stands still), a replica held by a
 dependency that refuses it (``refused``, written at once when it changes), and restart loops
@@ -16,11 +16,20 @@ An entry is a ``ServiceEntry`` in JSON; read back it is a ``SeenService`` (the e
 restarts). Fields a newer build's replica adds are ignored on read, so replicas of two builds can share a bucket
 during a rolling upgrade; an entry that is not a valid ``ServiceEntry`` is logged (``presence_malformed``, naming
 the key) and left out, so its role counts as down rather than hiding the others.
+
+The role is the key's first subject token, so the broker can hold each role to its own entries
+(``$KV.<bucket>.<role>.>``, services/common/transport/nats_auth.py), and an entry whose ``role`` or ``instance`` is
+not what its key names is left out the same way: a stage cannot pass itself off as the trainer (whose entry names
+the weight-sync port rollouts dial, ``await_trainer_port``). The bucket's stream refuses ``Nats-Rollup`` headers
+(``bucket_stream``), so no writer can wipe the others' entries with one message; a bucket an older build created
+(which allowed them) is brought to that at the trainer's start (``upgrade_bucket``), which deletes its entries
+under bare instance names (the key scheme before): their replicas write anew under their new keys.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -45,7 +54,7 @@ from services.common.observe.instruments import record_service_starts
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import Refusal
 from services.common.transport.live_config import LiveConfig
-from services.common.transport.nats_connect import STAGE_ROLES, await_run_state, creates_run_state
+from services.common.transport.nats_connect import SERVICE_ROLES, STAGE_ROLES, await_run_state, creates_run_state
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 5.0
@@ -100,20 +109,82 @@ def bucket_name(run_id: str) -> str:
 
 
 def instance_name(service: ServiceConfig, role: str) -> str:
-    name = service.instance or f"{role}-{socket.gethostname()}"
-    return re.sub(r"[^A-Za-z0-9_=.-]", "-", name)
+    """``service.instance`` (else ``<role>-<host>``) as a key's tail: characters a key may not hold become ``-``,
+    and so does an empty dot-separated token (``a..b``, ``.a``), which no subject may have."""
+    name = re.sub(r"[^A-Za-z0-9_=.-]", "-", service.instance or f"{role}-{socket.gethostname()}")
+    return ".".join(token or "-" for token in name.split("."))
+
+
+def presence_key(role: str, instance: str) -> str:
+    """The key of a replica's entry: its role first, the token the broker's permissions match on."""
+    return f"{role}.{instance}"
+
+
+def key_role(key: str) -> str:
+    """The role a key names: its first token (an instance's own dots come after it)."""
+    return key.partition(".")[0]
+
+
+def bucket_stream(run_id: str, nats: NatsConfig) -> api.StreamConfig:
+    """The stream of the presence bucket, as nats-py's ``create_key_value`` makes a bucket's (one message per key,
+    direct gets, no deletes through the stream API) but refusing ``Nats-Rollup`` headers, with which any writer
+    could remove every entry at once. ``kv.delete`` writes a delete marker, no rollup, so it works as before."""
+    name = bucket_name(run_id)
+    return api.StreamConfig(
+        name=f"KV_{name}",
+        subjects=[f"$KV.{name}.>"],
+        allow_direct=True,
+        allow_rollup_hdrs=False,
+        deny_delete=True,
+        discard=api.DiscardPolicy.NEW,
+        duplicate_window=120.0,
+        max_consumers=-1,
+        max_msgs=-1,
+        max_msgs_per_subject=1,
+        num_replicas=nats.stream_replicas,
+        storage=api.StorageType.FILE if nats.storage == "file" else api.StorageType.MEMORY,
+    )
 
 
 async def open_bucket(js: Any, run_id: str, nats: NatsConfig, create: bool = True) -> Any:
-    """The run's presence bucket: created when missing, or (``create=False``, a role that may not) waited for."""
+    """The run's presence bucket: created when missing (its stream refusing rollups, ``bucket_stream``), or
+    (``create=False``, a role that may not) waited for."""
     name = bucket_name(run_id)
     if not create:
         return await await_run_state(f"bucket {name}", lambda: js.key_value(name), BucketNotFoundError)
     try:
         return await js.key_value(name)
     except BucketNotFoundError:
-        storage = api.StorageType.FILE if nats.storage == "file" else api.StorageType.MEMORY
-        return await js.create_key_value(bucket=name, history=1, storage=storage, replicas=nats.stream_replicas)
+        await js.add_stream(bucket_stream(run_id, nats))
+        return await js.key_value(name)
+
+
+async def upgrade_bucket(js: Any, run_id: str) -> None:
+    """What the trainer does to a bucket an older build made (a run resumed across the upgrade): deletes its
+    entries under bare instance names, then makes its stream refuse rollups. A broker that refuses the change (an
+    ``auth.conf`` written by that older build) is logged and the run goes on, with rollups possible as before."""
+    name = bucket_name(run_id)
+    found = await js.stream_info(f"KV_{name}")
+    if not found.config.allow_rollup_hdrs:
+        return
+    kv = await js.key_value(name)
+    for key in await _keys(js, run_id):
+        if key_role(key) not in SERVICE_ROLES or "." not in key:
+            await kv.delete(key)
+    try:
+        await js.update_stream(dataclasses.replace(found.config, allow_rollup_hdrs=False))
+    except (NatsError, TimeoutError) as error:
+        log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, key=f"KV_{name}", error=repr(error)[:200])
+        return
+    log_event(log, Event.PRESENCE_UPGRADED, bucket=name)
+
+
+async def _keys(js: Any, run_id: str) -> list[str]:
+    """The bucket's keys, from the stream's subject index: kv.keys() goes through a watcher that can report no keys
+    while there are some (nats.py#842), which would make every service look gone."""
+    prefix = f"$KV.{bucket_name(run_id)}."
+    info = await js.stream_info(f"KV_{bucket_name(run_id)}", subjects_filter=f"{prefix}>")
+    return [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
 
 
 class Presence:
@@ -130,6 +201,7 @@ class Presence:
         self.role = role
         self.live = live
         self.instance = instance_name(cfg.service, role)
+        self.key = presence_key(role, self.instance)
         build = BuildInfo().resolved()
         self.entry = ServiceEntry(
             role=role,
@@ -146,15 +218,18 @@ class Presence:
         self.gpu_memory = gpu_memory or (lambda: process_gpu_memory(os.getpid()))
 
     async def start(self, **info: Any) -> Presence:
-        self.kv = await open_bucket(self.js, self.cfg.run_id, self.cfg.nats, create=creates_run_state(self.role))
+        creates = creates_run_state(self.role)
+        self.kv = await open_bucket(self.js, self.cfg.run_id, self.cfg.nats, create=creates)
+        if creates:
+            await upgrade_bucket(self.js, self.cfg.run_id)
         try:
-            earlier = json.loads((await self.kv.get(self.instance)).value)
+            earlier = json.loads((await self.kv.get(self.key)).value)
             # An earlier entry this build cannot read counts as one start: the restart count starts over.
             self.update(starts=int(earlier.get("starts", 0)) + 1 if isinstance(earlier, dict) else 2)
         except KeyNotFoundError:
             pass
         except (ValueError, TypeError) as error:
-            log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=self.instance, error=str(error)[:300])
+            log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=self.key, error=str(error)[:300])
             self.update(starts=2)
         self.update(**info)
         record_service_starts(self.role, self.entry.starts)
@@ -186,7 +261,7 @@ class Presence:
             gpu = {}
         fields = {**self.entry.model_dump(), **versions, "gpu_memory": gpu, "time": time.time()}
         self.entry = ServiceEntry.model_validate(fields)
-        await self.kv.put(self.instance, self.entry.model_dump_json().encode())
+        await self.kv.put(self.key, self.entry.model_dump_json().encode())
 
     async def _beat_forever(self) -> None:
         while True:
@@ -212,22 +287,22 @@ class Presence:
 
 
 async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenService]:
-    """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out."""
+    """Every replica ever registered in this run, with ``up`` and ``restarts`` worked out; an entry whose role or
+    instance is not the one its key names is left out (``presence_malformed``)."""
     kv = await open_bucket(js, run_id, nats)
-    # The keys from the stream's subject index: kv.keys() goes through a watcher that can report
-    # no keys while there are some (nats.py#842), which would make every service look gone.
-    prefix = f"$KV.{bucket_name(run_id)}."
-    info = await js.stream_info(f"KV_{bucket_name(run_id)}", subjects_filter=f"{prefix}>")
-    keys = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
     now = time.time()
     entries = []
-    for key in keys:
+    for key in await _keys(js, run_id):
         try:
             entry = ServiceEntry.model_validate_json((await kv.get(key)).value)
         except KeyNotFoundError:
             continue
         except ValidationError as error:
             log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=key, error=str(error)[:300])
+            continue
+        if presence_key(entry.role, entry.instance) != key:
+            error = f"its entry names role {entry.role!r} and instance {entry.instance!r}, not what its key names"
+            log_event(log, Event.PRESENCE_MALFORMED, level=logging.WARNING, key=key, error=error[:300])
             continue
         last_seen_s = now - entry.time
         entries.append(
@@ -241,27 +316,30 @@ async def read_presence(js: Any, run_id: str, nats: NatsConfig) -> list[SeenServ
     return sorted(entries, key=lambda e: (e.role, e.instance))
 
 
-def gone_for(entries: list[SeenService], retention_s: float, spare: str) -> list[str]:
-    """Instances of the entries whose replica stopped or went silent more than ``retention_s`` seconds ago (none
-    when it is 0), ``spare`` (the reader's own instance) never."""
+def gone_for(entries: list[SeenService], retention_s: float, spare: str) -> list[SeenService]:
+    """The entries whose replica stopped or went silent more than ``retention_s`` seconds ago (none when it is 0),
+    that under the key ``spare`` (the reader's own) never."""
     if retention_s <= 0:
         return []
-    return [e.instance for e in entries if not e.up and e.last_seen_s > retention_s and e.instance != spare]
+    return [
+        e for e in entries if not e.up and e.last_seen_s > retention_s and presence_key(e.role, e.instance) != spare
+    ]
 
 
-async def prune_presence(js: Any, run_id: str, nats: NatsConfig, instances: list[str]) -> list[str]:
-    """Delete the presence entries of ``instances``; those deleted, in order, up to the first the broker refused
-    (logged; the rest are tried at the next call). A replica that comes back writes its entry anew at its next
-    beat (its restart count then starts over)."""
+async def prune_presence(js: Any, run_id: str, nats: NatsConfig, gone: list[SeenService]) -> list[SeenService]:
+    """Delete the entries ``gone`` (any role's: only the trainer, the run's owner, may); those deleted, in order, up
+    to the first the broker refused (logged; the rest are tried at the next call). A replica that comes back writes
+    its entry anew at its next beat (its restart count then starts over)."""
     kv = await open_bucket(js, run_id, nats, create=False)
     pruned = []
-    for instance in instances:
+    for entry in gone:
+        key = presence_key(entry.role, entry.instance)
         try:
-            await kv.delete(instance)
+            await kv.delete(key)
         except (NatsError, TimeoutError) as error:
-            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, key=instance, error=repr(error)[:200])
+            log_event(log, Event.PRESENCE_FAILED, level=logging.WARNING, key=key, error=repr(error)[:200])
             break
-        pruned.append(instance)
+        pruned.append(entry)
     return pruned
 
 
@@ -269,7 +347,8 @@ async def await_trainer_port(js: Any, run_id: str, nats: NatsConfig, since: floa
     """The weight-sync port the live trainer's presence entry names, waited for: ``rlpipe run`` starts the
     rollouts with the trainer, before it has bound the port the OS gives it (``service.trainer_grpc_port: 0``).
     Only an entry written at or after ``since`` (wall time) counts, so the entry of a trainer that died before
-    this start is never taken; a live trainer rewrites its entry every ``HEARTBEAT_S``."""
+    this start is never taken; a live trainer rewrites its entry every ``HEARTBEAT_S``. Only an entry under a
+    ``trainer.`` key counts (``read_presence``), which only the trainer's NATS key may write."""
     await open_bucket(js, run_id, nats, create=False)  # waits for the trainer to create the bucket
     while True:
         for entry in await read_presence(js, run_id, nats):

@@ -71,12 +71,12 @@ def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secure
         loop = asyncio.new_event_loop()
         bus, presence = loop.run_until_complete(starting())
         # Registered, serving nothing yet: an entry without its start-up report is not ready.
-        assert seen_within(watch, lambda: watch.entry("reward-0") is not None)
-        assert watch.ready_entry("reward-0", os.getpid(), spawned_at) is None
+        assert seen_within(watch, lambda: watch.entry("reward", "reward-0") is not None)
+        assert watch.ready_entry("reward", "reward-0", os.getpid(), spawned_at) is None
 
         loop.run_until_complete(announce_ready(presence, grpc="127.0.0.1:1", model_load_s=1.5, backend="hf"))
         assert watch.await_reading(timeout_s=10)  # one that began after the announcement
-        entry = watch.ready_entry("reward-0", os.getpid(), spawned_at)
+        entry = watch.ready_entry("reward", "reward-0", os.getpid(), spawned_at)
         assert entry is not None and entry.grpc == "127.0.0.1:1"
         startup = dict(entry.startup)
         assert startup.pop("ready_at") >= spawned_at
@@ -84,10 +84,12 @@ def test_a_replica_is_ready_once_its_own_entry_carries_its_startup_report(secure
         assert startup.pop("torch_threads") == torch.get_num_threads()
         assert startup == {"grpc": "127.0.0.1:1", "model_load_s": 1.5, "backend": "hf"}
         # Written by a process the launched one started (a torchrun trainer's rank): this one, below its parent.
-        assert watch.ready_entry("reward-0", os.getppid(), spawned_at) is not None
+        assert watch.ready_entry("reward", "reward-0", os.getppid(), spawned_at) is not None
         # Written by another process than the one asked about, or before it started: a predecessor's entry.
-        assert watch.ready_entry("reward-0", other.pid, spawned_at) is None
-        assert watch.ready_entry("reward-0", os.getpid(), time.time() + 60) is None
+        assert watch.ready_entry("reward", "reward-0", other.pid, spawned_at) is None
+        assert watch.ready_entry("reward", "reward-0", os.getpid(), time.time() + 60) is None
+        # Another role's replica of the same name: not this entry, which only a reward (or the trainer) may write.
+        assert watch.ready_entry("rollout", "reward-0", os.getpid(), spawned_at) is None
         loop.run_until_complete(presence.stop())
         loop.run_until_complete(bus.close())
         loop.close()
