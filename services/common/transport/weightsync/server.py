@@ -251,8 +251,12 @@ class WeightSyncServer(pb_grpc.WeightSyncServicer):
 
             async def compute() -> bytes:
                 try:
-                    digest = await asyncio.to_thread(digest_of, snapshot, dtype, aliases)
-                    return snapshot.digests.setdefault(kept, digest)
+                    digest = snapshot.digests.setdefault(
+                        kept, await asyncio.to_thread(digest_of, snapshot, dtype, aliases)
+                    )
+                    if snapshot is not self.latest:  # replaced meanwhile: its digests were kept without this one
+                        self._keep_digests(snapshot)
+                    return digest
                 finally:
                     snapshot.release()
                     self._digesting.pop(key, None)
