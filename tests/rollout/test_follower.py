@@ -7,7 +7,7 @@ import pytest
 
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.rollout.follower import PolicyFollower
-from tests.rollout.test_relay import model, trainer
+from tests.support.relay_tree import model, trainer
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration

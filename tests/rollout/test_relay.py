@@ -12,15 +12,14 @@ import torch
 
 from services.common.config import RunConfig
 from services.common.pb import weights_pb2 as pb
-from services.common.pb import weights_pb2_grpc
 from services.common.transport import weight_sync_tls
-from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.follower import PolicyFollower
 from services.rollout.service import relays
+from tests.support.relay_tree import bind, model, token_check, trainer
 from tests.support.runs import run_config
 from tests.support.servers import free_port, self_signed
 from tests.support.waits import until
@@ -42,13 +41,6 @@ class DictEngine:
             self.weights[name] = tensor.clone()
 
 
-def model(version: int) -> Snapshot:
-    torch.manual_seed(version)
-    shared = torch.randn(64, 1000)  # tied: sent once, loaded under both names
-    tensors = [(f"layer{i}", torch.randn(300_000)) for i in range(4)]  # 1.2 MB each: several chunks
-    return Snapshot(version, version, (("embed", shared), *tensors, ("head", shared), ("ids", torch.arange(5))))
-
-
 @pytest.mark.unit
 def test_relay_route_is_a_complete_tree_under_the_trainer():
     plan = tuple("abcdefg")
@@ -65,26 +57,6 @@ def test_relay_route_is_a_complete_tree_under_the_trainer():
     assert relay_route(plan, "a", 0) == ("", False)  # fanout 0: everyone from the trainer
     assert relay_route(plan, "z", 2) == ("", False)  # joined after the version was published
     assert relay_route(("a",), "a", 2) == ("", False)  # nobody below it: nothing to keep
-
-
-def token_check(token: str) -> list[grpc.aio.ServerInterceptor]:
-    return [WeightSyncToken(token)] if token else []
-
-
-def bind(server: grpc.aio.Server, tls: grpc.ServerCredentials | None) -> int:
-    where = f"127.0.0.1:{free_port()}"
-    return server.add_secure_port(where, tls) if tls is not None else server.add_insecure_port(where)
-
-
-async def trainer(
-    snap: Snapshot, fanout: int, token: str = "", tls: grpc.ServerCredentials | None = None
-) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
-    impl = WeightSyncServer(snap, fanout=fanout)
-    server = grpc.aio.server(interceptors=token_check(token))
-    weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
-    port = bind(server, tls)
-    await server.start()
-    return server, impl, f"127.0.0.1:{port}"
 
 
 class ForgingRelay(Relay):
