@@ -26,7 +26,7 @@ from services.common.observe.network import add_network_bytes
 from services.common.pb import weights_pb2 as pb
 from services.common.transport.weightsync.client import WeightStream, WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, RelayBroken, RelayBuffer
-from services.common.transport.weightsync.wire import ChecksumError, dtype_text
+from services.common.transport.weightsync.wire import ChecksumError, UnverifiedWeights, dtype_text
 from services.rollout.engines import EngineUnavailable, WeightTarget
 from services.rollout.handoff import EngineGone, TensorHandoff
 
@@ -47,7 +47,12 @@ class PolicyFollower:
     tree: each announcement names where to pull from (a peer, or the trainer) and whether to relay. A
     relaying replica pulls the version at once, in the background, into its relay (children stream from
     it as it arrives) and later loads it from there; the others pull at their next sync. A pull from a
-    peer that fails (the peer left, or has not got the version) is retried from the trainer."""
+    peer that fails (the peer left, or has not got the version) is retried from the trainer.
+
+    A peer is not trusted with the weights (every rollout holds the token and, under TLS, the same certificate):
+    a version whose chunks came from a peer must be the version asked for, or it is refused before loading, and
+    once loaded its digest must be the one the trainer gives (``GetDigest``), or the engine is torn and the
+    version pulled from the trainer (``weight_relay_forged``)."""
 
     def __init__(
         self,
@@ -104,6 +109,7 @@ class PolicyFollower:
         sending anything (once children have part of it, they fall back themselves)."""
         clients = [self._peer(source), self.client] if source else [self.client]
         for client in clients:
+            buffer.origin = source if client is not self.client else ""
             try:
                 await buffer.fill(client.raw(version=buffer.version, dtype=self.dtype))
                 return
@@ -133,17 +139,35 @@ class PolicyFollower:
             )
         return client
 
-    def _sources(self) -> list[tuple[str, Callable[[], WeightStream]]]:
-        """Where to get the newest version, best first; the trainer is always last."""
-        sources: list[tuple[str, Callable[[], WeightStream]]] = []
+    def _sources(self) -> list[tuple[str, str, Callable[[], WeightStream]]]:
+        """Where to get the newest version, best first, as (origin, the peer its chunks come from or "" for the
+        trainer, the pull); the trainer is always last."""
+        sources: list[tuple[str, str, Callable[[], WeightStream]]] = []
         current = self.relay.current if self.relay is not None else None
         if current is not None and current.version == self.newest and not (current.done and current.error):
-            sources.append(("relay", lambda: WeightStream(raw async for raw, _ in current.read())))
+            checked = bool(current.origin)  # relayed from a peer: checked as a pull from a peer is
+            sources.append(
+                (
+                    "relay",
+                    current.origin,
+                    lambda: WeightStream(
+                        (raw async for raw, _ in current.read()),
+                        expect_version=current.version if checked else None,
+                        digest=checked,
+                    ),
+                )
+            )
         announced = self.announced
         if not sources and announced is not None and announced.version == self.newest and announced.source:
             peer = self._peer(announced.source)
-            sources.append(("peer", lambda: peer.stream(version=announced.version, dtype=self.dtype)))
-        sources.append(("trainer", lambda: self.client.stream(dtype=self.dtype)))
+            sources.append(
+                (
+                    "peer",
+                    announced.source,
+                    lambda: peer.stream(version=announced.version, dtype=self.dtype, peer=True),
+                )
+            )
+        sources.append(("trainer", "", lambda: self.client.stream(dtype=self.dtype)))
         return sources
 
     async def catch_up(self, version: int) -> None:
@@ -182,9 +206,9 @@ class PolicyFollower:
 
     async def _sync(self) -> None:
         started = time.perf_counter()
-        for origin, open_stream in self._sources():
+        for origin, peer, open_stream in self._sources():
             stream = open_stream()
-            if await self._load(stream, last=origin == "trainer"):
+            if await self._load(stream, last=origin == "trainer", peer=peer):
                 self.last_origin = origin
                 # The trainer serves its newest version, which may be ahead of the announcement heard so far: the
                 # next sync must neither pull it again nor go back to the version announced.
@@ -205,9 +229,10 @@ class PolicyFollower:
             if origin != "trainer":
                 log_event(log, Event.WEIGHT_RELAY_FALLBACK, level=logging.WARNING, origin=origin, torn=self.torn)
 
-    async def _load(self, stream: WeightStream, last: bool) -> bool:
+    async def _load(self, stream: WeightStream, last: bool, peer: str = "") -> bool:
         """Stream one pull into the engine; True once it is loaded. A pull that fails before its first tensor
-        leaves the engine as it was; one that fails after leaves it torn."""
+        leaves the engine as it was; one that fails after leaves it torn. A stream whose chunks came from a
+        ``peer`` counts only once the trainer confirms its digest; otherwise the engine is left torn."""
         tensors = aiter(stream)
         try:
             # The engine starts loading only once the first tensor is here: a trainer that is down costs
@@ -215,6 +240,8 @@ class PolicyFollower:
             first = await anext(tensors)
         except (grpc.aio.AioRpcError, ChecksumError, RelayBroken, StopAsyncIteration) as error:
             stream.cancel()
+            if isinstance(error, UnverifiedWeights):
+                self._forged(peer, self.newest, str(error))
             if last:
                 self._deferred(error)
             return False
@@ -249,9 +276,40 @@ class PolicyFollower:
                 newest=self.newest,
             )
             return False
+        if peer:
+            self.torn = True  # until the trainer vouches for the weights the engine now holds, no batch runs on them
+            if not await self._vouched(stream, peer):
+                return False
         self.loaded, self.torn = stream.version or 0, False
         self.last_buffer_peak = handoff.peak
         return True
+
+    async def _vouched(self, stream: WeightStream, peer: str) -> bool:
+        """Whether the trainer confirms the digest of ``stream``, which came whole from ``peer``."""
+        version = stream.version or 0
+        try:
+            trainers = await self.client.digest(version, self.dtype)
+        except grpc.aio.AioRpcError as error:  # the trainer away, or past the version: unconfirmed is refused
+            log_event(
+                log,
+                Event.WEIGHT_RELAY_PULL_FAILED,
+                level=logging.WARNING,
+                code=error.code().name,
+                source=peer,
+                version=version,
+                reason="the trainer did not confirm the digest",
+            )
+            return False
+        if trainers != stream.digest():
+            self._forged(peer, version, "its digest is not the trainer's")
+            return False
+        return True
+
+    def _forged(self, peer: str, version: int, reason: str) -> None:
+        log_event(log, Event.WEIGHT_RELAY_FORGED, level=logging.ERROR, peer=peer, version=version, reason=reason)
+        current = self.relay.current if self.relay is not None else None
+        if current is not None and current.origin == peer and current.version == version:
+            current.discard(UnverifiedWeights(f"version {version} from {peer}: {reason}"))
 
     def _deferred(self, error: BaseException) -> None:
         code = error.code().name if isinstance(error, grpc.aio.AioRpcError) else type(error).__name__

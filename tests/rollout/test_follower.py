@@ -3,15 +3,11 @@
 import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import pytest
-import torch
 
-from services.common.pb import weights_pb2_grpc
 from services.common.transport.weightsync.client import WeightSyncClient
-from services.common.transport.weightsync.server import WeightSyncServer
-from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.follower import PolicyFollower
+from tests.support.relay_tree import model, trainer
 from tests.support.servers import free_port
 
 pytestmark = pytest.mark.integration
@@ -47,14 +43,7 @@ def test_a_version_pulled_from_the_trainer_ahead_of_its_announcement_is_not_pull
     sync neither pulls the whole model again nor goes back to 4."""
 
     async def scenario():
-        torch.manual_seed(5)
-        server = grpc.aio.server()
-        weights_pb2_grpc.add_WeightSyncServicer_to_server(
-            WeightSyncServer(Snapshot(5, 5, (("layer", torch.randn(1000)),)), fanout=0), server
-        )
-        address = f"127.0.0.1:{free_port()}"
-        server.add_insecure_port(address)
-        await server.start()
+        server, _, address = await trainer(model(5), fanout=0)
         engine = RecordingEngine()
         follower = PolicyFollower(engine, ThreadPoolExecutor(max_workers=1), WeightSyncClient(address))
         follower.loaded, follower.newest = 3, 4

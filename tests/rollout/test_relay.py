@@ -1,7 +1,9 @@
 """Fan-out: replicas relay a version down a tree, so the trainer sends it a fixed number of times."""
 
 import asyncio
-from collections.abc import Iterable
+import logging
+import zlib
+from collections.abc import AsyncIterator, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -9,15 +11,15 @@ import pytest
 import torch
 
 from services.common.config import RunConfig
-from services.common.pb import weights_pb2_grpc
+from services.common.pb import weights_pb2 as pb
 from services.common.transport import weight_sync_tls
-from services.common.transport.weightsync.auth import WeightSyncToken
 from services.common.transport.weightsync.client import WeightSyncClient
 from services.common.transport.weightsync.relay import Relay, add_relay_to_server
 from services.common.transport.weightsync.server import WeightSyncServer, relay_route
 from services.common.transport.weightsync.snapshot import Snapshot
 from services.rollout.follower import PolicyFollower
 from services.rollout.service import relays
+from tests.support.relay_tree import bind, model, token_check, trainer
 from tests.support.runs import run_config
 from tests.support.servers import free_port, self_signed
 from tests.support.waits import until
@@ -27,21 +29,16 @@ pytestmark = pytest.mark.integration
 
 
 class DictEngine:
-    """Keeps a copy of every tensor it is given, as an engine copies them into its parameters."""
+    """Keeps a copy of every tensor it is given, as an engine copies them into its parameters; counts its loads."""
 
     def __init__(self) -> None:
         self.weights: dict[str, torch.Tensor] = {}
+        self.loads = 0
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.loads += 1
         for name, tensor in tensors:
             self.weights[name] = tensor.clone()
-
-
-def model(version: int) -> Snapshot:
-    torch.manual_seed(version)
-    shared = torch.randn(64, 1000)  # tied: sent once, loaded under both names
-    tensors = [(f"layer{i}", torch.randn(300_000)) for i in range(4)]  # 1.2 MB each: several chunks
-    return Snapshot(version, version, (("embed", shared), *tensors, ("head", shared), ("ids", torch.arange(5))))
 
 
 @pytest.mark.unit
@@ -62,33 +59,38 @@ def test_relay_route_is_a_complete_tree_under_the_trainer():
     assert relay_route(("a",), "a", 2) == ("", False)  # nobody below it: nothing to keep
 
 
-def token_check(token: str) -> list[grpc.aio.ServerInterceptor]:
-    return [WeightSyncToken(token)] if token else []
+class ForgingRelay(Relay):
+    """A compromised rollout's relay: what it serves its children is ``forge`` of each chunk it holds, with a CRC
+    that fits (the chunks' CRCs are the sender's own)."""
 
+    def __init__(self, flip_byte: bool = False, version: int | None = None):
+        super().__init__()
+        self.flip_byte, self.version = flip_byte, version
 
-def bind(server: grpc.aio.Server, tls: grpc.ServerCredentials | None) -> int:
-    where = f"127.0.0.1:{free_port()}"
-    return server.add_secure_port(where, tls) if tls is not None else server.add_insecure_port(where)
+    def forge(self, raw: bytes) -> bytes:
+        chunk = pb.WeightChunk.FromString(raw)
+        if self.flip_byte and chunk.name == "layer2" and chunk.offset == 0:
+            chunk.data = bytes([chunk.data[0] ^ 0x40]) + chunk.data[1:]
+        if self.version is not None:
+            chunk.version = self.version
+        chunk.crc32 = zlib.crc32(chunk.data)
+        return chunk.SerializeToString()
 
-
-async def trainer(
-    snap: Snapshot, fanout: int, token: str = "", tls: grpc.ServerCredentials | None = None
-) -> tuple[grpc.aio.Server, WeightSyncServer, str]:
-    impl = WeightSyncServer(snap, fanout=fanout)
-    server = grpc.aio.server(interceptors=token_check(token))
-    weights_pb2_grpc.add_WeightSyncServicer_to_server(impl, server)
-    port = bind(server, tls)
-    await server.start()
-    return server, impl, f"127.0.0.1:{port}"
+    async def PullWeights(  # type: ignore[override]
+        self, request: pb.PullWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        async for raw in super().PullWeights(request, context):
+            yield self.forge(raw)
 
 
 class Replica:
     """A rollout's weight path: its follower, its engine and its relay served on its own gRPC port."""
 
-    def __init__(self, trainer_address: str, token: str = "", cfg: RunConfig | None = None):
-        """With ``cfg``, TLS as a rollout of that run has it (weight_sync_tls): on its port and to every peer."""
+    def __init__(self, trainer_address: str, token: str = "", cfg: RunConfig | None = None, relay: Relay | None = None):
+        """With ``cfg``, TLS as a rollout of that run has it (weight_sync_tls): on its port and to every peer;
+        ``relay`` serves its peers in place of an honest one."""
         self.engine = DictEngine()
-        self.relay = Relay()
+        self.relay = relay if relay is not None else Relay()
         self.server = grpc.aio.server(interceptors=token_check(token))
         add_relay_to_server(self.relay, self.server)
         tls = (
@@ -173,9 +175,9 @@ def test_a_chain_of_replicas_gets_each_version_out_of_the_trainer_once():
     assert (heard.version, heard.source, heard.relay) == (2, "", False)
     assert [a.relay for a in announced] == [True, True, False]
     assert addresses[0] == "" and addresses[1] != addresses[2] != ""
-    assert trainer_sent == wire_bytes(second)  # once, not three times
+    assert trainer_sent == wire_bytes(second)  # once, not three times: confirming the digest sent no weights
     assert relayed == [wire_bytes(second), wire_bytes(second), 0]
-    assert origins == ["relay", "relay", "peer"]
+    assert origins == ["relay", "relay", "peer"]  # the second and third confirmed by digest, and counted
     assert buffers[2] is None and all(b is not None and b.complete and b.version == 2 for b in buffers[:2])
     assert loaded == [2, 2, 2]
     for weights in engines:
@@ -298,7 +300,7 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
         watches = []
         try:
             for i, client in enumerate(clients):  # one by one: join order is the tree's order
-                watches.append(client.watch(after_version=0, relay_address=f"10.0.0.{i}:1"))
+                watches.append(client.watch(after_version=0, relay_address=f"127.0.0.1:{6000 + i}"))
                 await watches[-1].read()
             await until(lambda: len(weights.members) == 4)
             watches[1].cancel()  # the chain's second link goes away
@@ -315,8 +317,8 @@ def test_a_replica_that_leaves_drops_out_of_the_next_tree():
             await server.stop(0)
 
     members, routes = asyncio.run(scenario())
-    assert members == ("10.0.0.0:1", "10.0.0.2:1", "10.0.0.3:1")
-    assert routes == [("", True), ("10.0.0.0:1", True), ("10.0.0.2:1", False)]
+    assert members == ("127.0.0.1:6000", "127.0.0.1:6002", "127.0.0.1:6003")
+    assert routes == [("", True), ("127.0.0.1:6000", True), ("127.0.0.1:6002", False)]
 
 
 @pytest.mark.unit
@@ -331,3 +333,94 @@ def test_a_replica_that_peers_would_dial_by_tls_but_has_no_certificate_to_serve_
     assert not relays(rollout_config(tls_ca=str(cert)))  # its pulls from the trainer are TLS all the same
     assert relays(rollout_config(tls_ca=str(cert), tls_cert=str(cert), tls_key=str(key)))
     assert relays(rollout_config())  # no TLS anywhere: a plaintext relay, as before
+
+
+def forged_events(caplog: pytest.LogCaptureFixture) -> list[dict]:
+    return [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "weight_relay_forged"]
+
+
+def test_weights_a_relay_altered_are_not_served_by_its_subtree_which_reloads_them_from_the_trainer(caplog):
+    """A compromised rollout at the top of a chain flips a bit of one tensor and fixes the CRC: its child (a relay,
+    which forwards the same chunks on) and its grandchild each load it, find the digest is not the trainer's, stay
+    torn meanwhile and load the version from the trainer."""
+    caplog.set_level(logging.INFO)
+
+    async def scenario():
+        server, weights, address = await trainer(model(1), fanout=1)
+        forger = Replica(address, relay=ForgingRelay(flip_byte=True))
+        replicas = [forger, Replica(address), Replica(address)]
+        attempts: list[list[tuple[bool, bool]]] = [[], []]  # per replica below the forger: (loaded, torn after)
+        try:
+            for replica, seen in zip(replicas[1:], attempts, strict=True):
+                original = replica.follower._load
+
+                async def load(stream, last, peer="", original=original, follower=replica.follower, seen=seen):
+                    counted = await original(stream, last, peer)
+                    seen.append((counted, follower.torn))
+                    return counted
+
+                replica.follower._load = load
+            for count, replica in enumerate(replicas, 1):
+                await replica.start()
+                await until(lambda count=count: len(weights.members) == count)
+            await weights.publish(model(2))
+            await until(lambda: all(r.follower.newest == 2 for r in replicas))
+            for replica in reversed(replicas):  # one by one: the leaf reads the middle relay before it drops it
+                await replica.follower.sync()
+            return (
+                [r.follower.announced.source for r in replicas],
+                [r.follower.last_origin for r in replicas],
+                [(r.follower.loaded, r.follower.newest, r.follower.torn) for r in replicas],
+                [r.engine.loads for r in replicas],
+                [r.engine.weights for r in replicas],
+                replicas[1].relay.current,
+                attempts,
+            )
+        finally:
+            for replica in replicas:
+                await replica.stop()
+            await server.stop(0)
+
+    sources, origins, states, loads, engines, middle_buffer, attempts = asyncio.run(scenario())
+    assert sources[0] == "" and sources[1] != sources[2] != ""
+    assert origins == ["relay", "trainer", "trainer"]  # the forger loaded its own honest copy
+    assert states == [(2, 2, False)] * 3
+    assert loads == [1, 2, 2]  # the forged weights, then the trainer's
+    assert attempts == [[(False, True), (True, False)]] * 2  # torn on the forged weights until the trainer's load
+    for weights in engines:
+        assert all(torch.equal(weights[name], tensor) for name, tensor in model(2).tensors)
+    # The middle replica's relay drops what it cannot vouch for: no later child is served it.
+    assert middle_buffer is not None and middle_buffer.done and middle_buffer.error is not None
+    assert not middle_buffer.chunks
+    forged = forged_events(caplog)
+    assert {(e["peer"], e["version"]) for e in forged} == {(sources[1], 2), (sources[2], 2)}
+
+
+def test_a_relay_that_stamps_a_huge_version_is_refused_before_loading_and_the_child_is_not_pinned_to_it(caplog):
+    """Version 2**62 on valid chunks would, once loaded, make the child's newest version one the trainer never
+    reaches: it would never sync again."""
+    caplog.set_level(logging.INFO)
+    huge = 1 << 62
+
+    async def scenario():
+        server, weights, address = await trainer(model(1), fanout=1)
+        forger, child = Replica(address, relay=ForgingRelay(version=huge)), Replica(address)
+        try:
+            await chain_and_sync(weights, [forger, child], model(2))
+            first = (child.follower.loaded, child.follower.newest, child.follower.last_origin, child.engine.loads)
+            await weights.publish(model(3))  # and it goes on following the trainer
+            await until(lambda: child.follower.newest == 3)
+            await child.follower.sync()
+            return first, (child.follower.loaded, child.follower.newest, child.follower.torn), child.engine.weights
+        finally:
+            for replica in (forger, child):
+                await replica.stop()
+            await server.stop(0)
+
+    first, later, engine = asyncio.run(scenario())
+    assert first == (2, 2, "trainer", 1)  # the forged stream never reached the engine
+    assert later == (3, 3, False)
+    assert all(torch.equal(engine[name], tensor) for name, tensor in model(3).tensors)
+    # The forger is still in the tree at version 3: refused again.
+    refused = [(e["version"], f"sent version {huge}" in e["reason"]) for e in forged_events(caplog)]
+    assert refused == [(2, True), (3, True)]

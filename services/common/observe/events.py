@@ -195,7 +195,9 @@ class Event(StrEnum):
     WAITING_FOR_TRAINER = "waiting_for_trainer"  # a role waits for the trainer to create the streams
     WARM_START_FAILED = "warm_start_failed"  # the launcher could not fork a role warm; every role starts cold
     WEIGHTS_LOADED = "weights_loaded"  # a rollout loaded a new policy version
+    WEIGHT_RELAY_ADDRESS_REFUSED = "weight_relay_address_refused"  # a relay address off its watcher's host: left out
     WEIGHT_RELAY_FALLBACK = "weight_relay_fallback"  # a rollout pulled weights from the trainer, not a relay
+    WEIGHT_RELAY_FORGED = "weight_relay_forged"  # a peer sent weights the trainer does not vouch for
     WEIGHT_RELAY_OFF = "weight_relay_off"  # the rollout cannot relay weights (no reachable address)
     WEIGHT_RELAY_PULL_FAILED = "weight_relay_pull_failed"  # pulling weights from a relay failed
     WEIGHT_SYNC_DEFERRED = "weight_sync_deferred"  # a rollout keeps its weights; the newer version is loaded later

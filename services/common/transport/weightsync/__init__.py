@@ -30,4 +30,9 @@ children per node, the trainer at the root); each announcement tells a replica w
 whether to keep what it pulls for its children (:class:`Relay`). A relay forwards the raw messages it
 received as they arrive, so a version crosses the tree in about one model transfer plus a chunk per
 level, not one transfer per level. Any pull from a peer that fails falls back to the trainer.
+
+A peer is trusted with nothing it could forge (every rollout holds the token and the TLS certificate): a pull from a
+peer must be the version asked for, and its :class:`wire.StreamDigest` must be the one the trainer gives
+(``GetDigest``), or it is not used and the version comes from the trainer; the trainer keeps a relay address in the
+tree only if it is on the host its watch came from.
 """

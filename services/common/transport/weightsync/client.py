@@ -31,12 +31,20 @@ class WeightStream:
     """One pull. Iterate for ``(name, tensor)`` pairs, each as soon as it is complete and checked; ``version``
     is known from the first chunk on. An error (the trainer went away, a bad chunk) raises from the loop.
 
-    The serialized chunks come from a gRPC call or from this process's own :class:`Relay`."""
+    The serialized chunks come from a gRPC call or from this process's own :class:`Relay`. A stream whose chunks
+    came from a peer gives ``expect_version`` (any other version is refused before its first tensor) and keeps its
+    ``digest``, for the trainer to confirm."""
 
-    def __init__(self, call: AsyncIterable[bytes], cancel: Callable[[], object] | None = None):
+    def __init__(
+        self,
+        call: AsyncIterable[bytes],
+        cancel: Callable[[], object] | None = None,
+        expect_version: int | None = None,
+        digest: bool = False,
+    ):
         self._call = call
         self._cancel = cancel if cancel is not None else getattr(call, "cancel", lambda: None)
-        self._assembler = TensorAssembler()
+        self._assembler = TensorAssembler(expect_version, digest)
 
     @property
     def version(self) -> int | None:
@@ -51,6 +59,10 @@ class WeightStream:
             for item in self._assembler.feed(raw):
                 yield item
         self._assembler.finish()
+
+    def digest(self) -> bytes | None:
+        """The digest of what was received (complete once iteration ended); None unless asked for."""
+        return self._assembler.digest()
 
     def cancel(self) -> None:
         self._cancel()
@@ -101,9 +113,20 @@ class WeightSyncClient:
         )
         return self._pull(request, timeout=timeout, metadata=self._metadata)
 
-    def stream(self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0) -> WeightStream:
-        """Pull ``version`` (0: the newest), floating-point tensors as ``dtype`` if given."""
-        return WeightStream(self.raw(version, dtype, timeout))
+    def stream(
+        self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0, peer: bool = False
+    ) -> WeightStream:
+        """Pull ``version`` (0: the newest), floating-point tensors as ``dtype`` if given. From a ``peer``, the
+        stream must be that version and keeps its digest (see WeightStream)."""
+        call = self.raw(version, dtype, timeout)
+        return WeightStream(call, expect_version=version, digest=True) if peer else WeightStream(call)
+
+    async def digest(self, version: int, dtype: torch.dtype | None = None, timeout: float = 30.0) -> bytes:
+        """What the trainer vouches ``version`` streams as in ``dtype`` (with aliases, as every pull here asks):
+        a unary call, no weights sent."""
+        request = pb.DigestRequest(version=version, dtype=dtype_text(dtype), accept_aliases=True)
+        reply = await self.stub.GetDigest(request, timeout=timeout, metadata=self._metadata)
+        return reply.sha256
 
     async def pull(
         self, version: int = 0, dtype: torch.dtype | None = None, timeout: float = 120.0

@@ -27,6 +27,7 @@ class RelayBuffer:
     def __init__(self, version: int, dtype: str):
         self.version = version
         self.dtype = dtype  # PullWeightsRequest.dtype it was pulled with
+        self.origin = ""  # the peer its chunks come from; "" = the trainer
         self.chunks: list[tuple[bytes, int]] = []  # (serialized chunk, its tensor data bytes)
         self.done = False
         self.error: BaseException | None = None
@@ -45,6 +46,12 @@ class RelayBuffer:
         if not self.done:
             self.done, self.error = True, error
             self._wake()
+
+    def discard(self, error: BaseException) -> None:
+        """Drop what was received (the trainer does not vouch for it): no child is served it from now on."""
+        self.chunks.clear()
+        self.done, self.error = True, error
+        self._wake()
 
     @property
     def complete(self) -> bool:

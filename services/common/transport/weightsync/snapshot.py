@@ -36,6 +36,9 @@ class Snapshot:
     # Chunk CRCs per (wire dtype, chunk bytes, aliases), filled by the first pull of this version and reused by
     # every later one: N replicas cost the trainer one checksum pass per version, not N.
     crcs: dict[tuple[str, int, bool], list[int]] = field(default_factory=dict, compare=False, repr=False)
+    # The StreamDigest of this version per (wire dtype text, aliases), kept by its first whole pull (or computed for
+    # a GetDigest that came first): what a replica that got the version through relays checks its stream against.
+    digests: dict[tuple[str, bool], bytes] = field(default_factory=dict, compare=False, repr=False)
     # Tensors cast to a wire dtype (flat), by (id of the stored tensor, dtype): filled chunk by chunk by the first
     # pull that asks for that dtype and shared by every later one, freed with the snapshot when the next version
     # replaces it. `cast_upto` is how many elements of each are filled (every pull walks a tensor in order).

@@ -1,10 +1,13 @@
 """The wire format of a pull: a snapshot cut into CRC-checked chunks, a chunk's data found without protobuf copying
-it, and tensors rebuilt from chunks in stream order. No I/O here."""
+it, tensors rebuilt from chunks in stream order, and the digest of a whole stream that a pull from a peer is checked
+against the trainer's with. No I/O here."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,27 +46,68 @@ def _raw_bytes(piece: torch.Tensor) -> bytes:
     return piece.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+class StreamDigest:
+    """SHA-256 over a pull's tensors in stream order: per tensor a length-prefixed header (its names, aliases
+    included, wire dtype, shape and byte size), then its data bytes.
+
+    Chunk boundaries do not enter it, so every replica that pulls a version in one dtype (and with aliases, as
+    rollouts do) gets the trainer's digest whatever chunk size it or a relay asked for. It is what the trainer
+    vouches for: a relay forwards the trainer's chunks unchanged, so a stream from a peer that hashes otherwise
+    was altered on the way (the CRCs cannot tell, a peer recomputes them)."""
+
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+
+    def tensor(self, names: Sequence[str], dtype: str, shape: Sequence[int], tensor_bytes: int) -> None:
+        header = json.dumps([list(names), dtype, [int(n) for n in shape], int(tensor_bytes)]).encode()
+        self._hash.update(len(header).to_bytes(8, "little") + header)
+
+    def data(self, data: bytes | memoryview) -> None:
+        self._hash.update(data)
+
+    def digest(self) -> bytes:
+        return self._hash.digest()
+
+
+def digest_key(dtype: torch.dtype | None, aliases: bool) -> tuple[str, bool]:
+    """What a digest depends on besides the version: the wire dtype asked for and whether aliases travel once."""
+    return dtype_text(dtype), aliases
+
+
 def chunks_of(
     snapshot: Snapshot, chunk_bytes: int = CHUNK_BYTES, dtype: torch.dtype | None = None, aliases: bool = False
 ) -> Iterator[pb.WeightChunk]:
-    """The snapshot as chunks of at most ``chunk_bytes`` data each, cut at element boundaries."""
+    """The snapshot as chunks of at most ``chunk_bytes`` data each, cut at element boundaries.
+
+    The first stream of a (dtype, aliases) also keeps its :class:`StreamDigest` in ``snapshot.digests``, stored
+    before the last chunk goes out: a replica that got the version through relays, which asks once its stream
+    ended, finds it there."""
     key = (str(dtype), chunk_bytes, aliases)
     known = snapshot.crcs.get(key)
+    digest = StreamDigest() if digest_key(dtype, aliases) not in snapshot.digests else None
     crcs: list[int] = []
+    pending: pb.WeightChunk | None = None  # held back one chunk, so the digest is stored before the last one goes
     for names, tensor in _groups(snapshot.tensors, aliases):
         sent = wire_dtype(tensor.dtype, dtype)
         numel = tensor.numel()
         itemsize = torch.empty(0, dtype=sent).element_size()
         per_chunk = max(1, chunk_bytes // itemsize)
+        sent_text = dtype_text(sent)
+        if digest is not None:
+            digest.tensor(names, sent_text, tensor.shape, numel * itemsize)
         for start in range(0, max(numel, 1), per_chunk):
             # Sliced out of the snapshot (or its shared cast) chunk by chunk: no per-pull copy of a tensor.
             data = _raw_bytes(snapshot.piece(tensor, sent, start, min(start + per_chunk, numel)))
             crc = known[len(crcs)] if known is not None else zlib.crc32(data)
             crcs.append(crc)
-            yield pb.WeightChunk(
+            if digest is not None:
+                digest.data(data)
+            if pending is not None:
+                yield pending
+            pending = pb.WeightChunk(
                 version=snapshot.version,
                 name=names[0],
-                dtype=str(sent).removeprefix("torch."),
+                dtype=sent_text,
                 shape=list(tensor.shape),
                 offset=start * itemsize,
                 tensor_bytes=numel * itemsize,
@@ -71,7 +115,27 @@ def chunks_of(
                 crc32=crc,
                 aliases=names[1:] if start == 0 else [],
             )
-    snapshot.crcs[key] = crcs  # only a stream that ran to the end gets here
+    # Every chunk was made: their CRCs and the digest are whole, even if the last one never leaves.
+    snapshot.crcs[key] = crcs
+    if digest is not None:
+        snapshot.digests.setdefault(digest_key(dtype, aliases), digest.digest())
+    if pending is not None:
+        yield pending
+
+
+def digest_of(snapshot: Snapshot, dtype: torch.dtype | None = None, aliases: bool = False) -> bytes:
+    """The :class:`StreamDigest` of ``snapshot`` as :func:`chunks_of` would stream it, for a version no pull has
+    streamed in that dtype. Casts a piece at a time into memory of its own (never the snapshot's shared casts), so
+    it may run on a worker thread while pulls stream the same snapshot."""
+    digest = StreamDigest()
+    for names, tensor in _groups(snapshot.tensors, aliases):
+        sent = wire_dtype(tensor.dtype, dtype)
+        flat = tensor.reshape(-1)
+        digest.tensor(names, dtype_text(sent), tensor.shape, flat.numel() * torch.empty(0, dtype=sent).element_size())
+        step = max(1, CHUNK_BYTES // flat.element_size())
+        for start in range(0, flat.numel(), step):
+            digest.data(_raw_bytes(flat[start : start + step].to(sent)))
+    return digest.digest()
 
 
 def dtype_text(dtype: torch.dtype | None) -> str:
@@ -88,6 +152,11 @@ def dtype_named(name: str) -> torch.dtype:
 
 class ChecksumError(RuntimeError):
     pass
+
+
+class UnverifiedWeights(ChecksumError):
+    """A stream from a peer that is not what the trainer serves: another version than the one asked for, or a
+    digest the trainer does not confirm. Its tensors must not count as a loaded version."""
 
 
 def _varint(buffer: bytes | memoryview, at: int) -> tuple[int, int]:
@@ -140,17 +209,29 @@ class TensorAssembler:
     """Rebuilds tensors from serialized chunks in stream order, checking each chunk as it comes (no I/O).
 
     ``feed`` returns the tensors its chunk completed, under every name (aliases included), so the caller
-    can load each one while later chunks are still arriving."""
+    can load each one while later chunks are still arriving.
 
-    def __init__(self) -> None:
+    For a stream from a peer: ``expect_version`` refuses any chunk of another version (before its tensor could be
+    loaded), and ``digest`` keeps the stream's :class:`StreamDigest` (``digest()`` once finished) to check
+    against the trainer's."""
+
+    def __init__(self, expect_version: int | None = None, digest: bool = False) -> None:
         self.version: int | None = None
         self.data_bytes = 0  # tensor bytes received, as sent (aliases once)
+        self.expect_version = expect_version
+        self._digest = StreamDigest() if digest else None
         self._partial: _Partial | None = None
+
+    def digest(self) -> bytes | None:
+        """The stream's digest so far; None when not asked to keep one."""
+        return self._digest.digest() if self._digest is not None else None
 
     def feed(self, raw: bytes) -> list[tuple[str, torch.Tensor]]:
         header, data = split_chunk(raw)
         if zlib.crc32(data) != header.crc32:
             raise ChecksumError(f"chunk of {header.name} at offset {header.offset} failed its CRC-32")
+        if self.expect_version is not None and header.version != self.expect_version:
+            raise UnverifiedWeights(f"asked for version {self.expect_version}, sent version {header.version}")
         if self.version is None:
             self.version = header.version
         elif header.version != self.version:
@@ -172,12 +253,16 @@ class TensorAssembler:
                 else memoryview(bytearray())
             )
             partial = self._partial = _Partial(header, tensor, dest)
+            if self._digest is not None:
+                self._digest.tensor((header.name, *header.aliases), header.dtype, header.shape, header.tensor_bytes)
         if header.offset != partial.filled:
             raise ChecksumError(f"chunk of {header.name} at offset {header.offset} arrived out of order")
         end = partial.filled + len(data)
         if end > partial.header.tensor_bytes:
             raise ChecksumError(f"{header.name}: {end} bytes overflow its {partial.header.tensor_bytes}")
         partial.dest[partial.filled : end] = data  # the one copy, out of the received message into the tensor
+        if self._digest is not None:
+            self._digest.data(data)
         partial.filled = end
         self.data_bytes += len(data)
         if end < partial.header.tensor_bytes:
