@@ -54,6 +54,18 @@ def test_a_step_the_primary_marks_abandoned_is_no_candidate_on_a_mirror_that_mis
     assert (20, MIRROR) not in resume_candidates(listings, saved_step=15)
 
 
+def test_a_mirror_step_newer_than_the_primarys_newest_and_the_record_is_no_candidate():
+    # The primary pruned the old branch's 20 (ABANDONED by a rollback to 10) at the new branch's save of 15; the
+    # mirror missed both the rollback and that save.
+    listings = [StoreListing(PRIMARY, [10, 15]), StoreListing(MIRROR, [10, 15, 20])]
+    assert resume_candidates(listings, saved_step=15) == [(15, PRIMARY), (15, MIRROR), (10, PRIMARY), (10, MIRROR)]
+    assert (20, MIRROR) not in resume_candidates(listings, saved_step=None)  # a new machine: no record
+    # The record names 20: the primary lost it, and the mirror's copy is the run's.
+    assert resume_candidates(listings, saved_step=20)[0] == (20, MIRROR)
+    # An emptied primary and no record: the mirror is the only copy there is.
+    assert resume_candidates([StoreListing(PRIMARY, []), StoreListing(MIRROR, [10, 20])], None)[0] == (20, MIRROR)
+
+
 def test_a_mirror_holding_the_recorded_step_stands_in_for_an_unreadable_primary():
     listings = [StoreListing(PRIMARY, None, "refused"), StoreListing(MIRROR, [10, 20])]
     assert resume_candidates(listings, saved_step=20) == [(20, MIRROR), (10, MIRROR)]
