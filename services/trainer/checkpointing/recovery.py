@@ -152,7 +152,9 @@ class Recovery:
             # older than the one the run last saved.
             raise ResumeRefused(str(error)) from None
         wanted = self.settings.cfg.checkpoint.resume_step
-        if wanted is not None and self.lineage.resumed_to(wanted):
+        if wanted is not None and (
+            self.lineage.resumed_to(wanted) or await self.adopter.resumed_already(saved, wanted)
+        ):
             # Made already: a restart after it continues from the newest step, not from the requested one again.
             log_event(log, Event.RESUME_STEP_DONE, step=wanted)
             wanted = None

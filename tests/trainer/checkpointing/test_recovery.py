@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -601,6 +602,47 @@ def test_a_resume_to_a_named_step_is_made_once_and_a_later_restart_takes_the_new
         assert third.lineage.records()[-1].from_step == 3
 
     asyncio.run(scenario())
+
+
+def test_a_requested_resume_made_before_the_run_folder_was_lost_is_not_made_again(tiny_model, tmp_path, saved_run):
+    """The run folder (lineage.jsonl with it) is gone, as on a new machine: the stored steps' lineage still records
+    the requested resume, so the restart takes the newest step instead of abandoning everything after step 1."""
+
+    async def scenario() -> None:
+        second = Harness(tiny_model, tmp_path, resume_step=1)
+        assert await second.recovery.start(resume=True)
+        assert second.progress.step == 1
+        second.progress.step, second.progress.version, second.progress.applied_seq = 3, 6, 35
+        second.ledger.settle(["e0-i5"], 3, Fate.APPLIED)
+        second.lineage.record_step(3, 6, [("e0-i5", 5)], [], 35)
+        await second.recovery.save(config_version=0, wait=True)
+        shutil.rmtree(tmp_path / "runs")
+
+        third = Harness(tiny_model, tmp_path, resume_step=1)
+        assert await third.recovery.start(resume=True)
+        assert (third.progress.step, third.progress.applied_seq) == (3, 35)
+        assert [entry.step for entry in third.checkpoints.catalog() if entry.abandoned] == []
+        assert third.checkpoints.steps() == [1, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_requested_step_that_is_not_stored_refuses_the_start_by_name_and_writes_nothing(
+    tiny_model, tmp_path, saved_run
+):
+    """A crash (exit 1) would have the launcher restart it into the same missing step, over and over."""
+    store = tmp_path / "store"
+    before = sorted(str(path.relative_to(store)) for path in store.rglob("*"))
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_step=7)
+        with pytest.raises(
+            ResumeRefused, match=r"checkpoint\.resume_step 7: no step 7 is stored .* \(stored: \[1, 2, 3\]\)"
+        ):
+            await restarted.recovery.start(resume=True, claim=lambda: restarted.checkpoints.claim_fence(1, "h:1"))
+
+    asyncio.run(scenario())
+    assert sorted(str(path.relative_to(store)) for path in store.rglob("*")) == before
 
 
 @pytest.mark.parametrize("spoil", ["shape", "nan"])

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import ObjectStore, open_store
+from services.trainer.checkpointing.lineage import RestartRecord
 from services.trainer.checkpointing.manifest import ABANDONED, STABLE, sha256
 from services.trainer.checkpointing.state import TrainerState
 from services.trainer.checkpointing.step_reader import ForeignCheckpoints
@@ -476,3 +477,17 @@ def test_a_resume_from_the_mirror_onto_an_emptied_primary_keeps_the_mirrors_olde
     assert store.load_newest(saved_step=3).checkpoint.step == 3
     store.save(checkpoint(4, "inc"), model_dir)
     assert store.steps(primary) == [4] and store.steps(mirror) == [2, 3, 4]  # rollback targets stay on the mirror
+
+
+def test_the_requested_resumes_are_read_from_the_newest_live_steps_lineage_alone(tmp_path, model_dir):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-q", keep_last=3, mirror=mirror, incarnation="inc")
+    assert store.requested_resumes() == set()  # never saved
+    resumed = RestartRecord(event="resume", from_step=1, policy_version=4, abandoned_steps=[2], requested=True)
+    older, newer = checkpoint(1, "inc"), checkpoint(3, "inc")
+    newer.lineage = resumed.line().decode() + "\n"
+    store.save(older, model_dir)
+    store.save(newer, model_dir)
+    assert store.requested_resumes(saved_step=3) == {1}
+    primary.put("run-q/step-00000003/lineage.jsonl", b"bitrot")
+    assert store.requested_resumes(saved_step=3) == {1}  # the mirror's copy
