@@ -325,8 +325,8 @@ class Recovery:
                 )
                 return
             await self.upload
-            if self.progress.saved_step == self.progress.step:
-                return  # that upload was this very step
+            if self.progress.saved_in_full:
+                return  # that upload was this very step, with the optimizer state
         took = Stopwatch()
         await self.publisher.released()  # the snapshot reads the learner: after the newest version's copy
         taken = await self.checkpointer.snapshot(config_version, final=wait)
@@ -349,7 +349,7 @@ class Recovery:
         if unrecorded:
             await self._unrecorded(ckpt.step, unrecorded, stall_s)
             return
-        self.progress.saved(ckpt.step)
+        self.progress.saved(ckpt.step, whole=ckpt.optimizer is not None)
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {
@@ -415,9 +415,10 @@ class Recovery:
         return next((e for e in await self.catalog() if e.step == step), None)
 
     async def checkpoint_now(self, config_version: int) -> CatalogEntry | None:
-        """Store the current step (unless it already is) and describe it; None if the save failed."""
+        """Store the current step (unless it already is, with the optimizer state) and describe it; None if the save
+        failed."""
         step = self.progress.step
-        if self.progress.saved_step != step or step not in await asyncio.to_thread(self.checkpoints.steps):
+        if not self.progress.saved_in_full or step not in await asyncio.to_thread(self.checkpoints.steps):
             await self.save(config_version, wait=True)
         return await self.entry(step)
 

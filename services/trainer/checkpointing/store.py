@@ -23,7 +23,10 @@ What a reader sees while ``save`` runs
 - The same step saved again by the same incarnation with the same policy version and
   EXPERIENCE sequence (a retry after a failed prune or mirror copy, or "checkpoint now" on
   a step just saved): nothing changes. The stored copy (and its STABLE mark) stands; only
-  pruning and the mirror copy are redone. The stored parts are not re-verified.
+  pruning and the mirror copy are redone. The stored parts are not re-verified. Except that
+  a copy without optimizer state (``checkpoint.optimizer_every``) gains the new save's: its
+  optimizer part is written, then the stored manifest with that part added. A reader loads
+  the old copy until then, and the whole one from then.
 - A step of the same number from another branch (an abandoned step, or a live copy with a
   different policy version or sequence): the old copy is marked ABANDONED first unless it
   already is, so from then on every reader skips it as it skips any abandoned step. Then
@@ -190,6 +193,13 @@ class CheckpointStore(StepReader):
                     found,
                 )
             if old is not None and old.same_save(manifest) and ABANDONED not in names:
+                upgraded = old.with_optimizer_of(manifest)
+                if upgraded is not None:
+                    # A copy without optimizer state (checkpoint.optimizer_every) saved again at a stop or on
+                    # request: the part first, then the manifest that lists it. Readers load the copy throughout.
+                    for name in set(upgraded.files) - set(old.files):
+                        self._put_in_step(prefix + name, parts[name], store)
+                    self._put_in_step(prefix + MANIFEST, upgraded.to_bytes(), store)
                 if stable and STABLE not in names:
                     self._put_in_step(prefix + STABLE, marker_note(), store)
                 return stable or STABLE in names  # saved already: the stored copy stands

@@ -749,3 +749,32 @@ def test_a_rollback_to_a_save_without_optimizer_state_starts_adamw_fresh_says_so
         assert [event["step"] for event in events if event["kind"] == "optimizer_fresh"] == [1]
 
     asyncio.run(scenario())
+
+
+def test_a_save_at_a_stop_or_on_request_of_a_step_saved_without_optimizer_state_stores_it(tiny_model, tmp_path):
+    """checkpoint.optimizer_every: 2 with a save every step: step 1's periodic save holds no optimizer state, and
+    the saves that the config promises always keep it (at a stop, on request) kept the stored copy without it."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, save_every_steps=1, optimizer_every=2)
+        assert not await run.recovery.start(resume=False)
+        for param in run.learner.parameters():
+            param.grad = torch.ones_like(param)
+        run.learner.optimizer.step()
+        await run.step_and_save(1, ["e0-i1"], final=False)
+        assert run.checkpoints.load(1).optimizer is None
+        entry = await run.recovery.checkpoint_now(config_version=0)  # `rlpipe checkpoint`
+        assert entry is not None and entry.step == 1
+        assert run.checkpoints.load(1).optimizer is not None
+        assert run.progress.saved_in_full
+
+        # A stop while the periodic save of the same step still uploads: the stop's save waits for it, then saves.
+        with torch.no_grad():
+            next(run.learner.model.parameters()).add_(1.0)
+        run.progress.step, run.progress.version, run.progress.applied_seq = 3, 3, 30
+        run.lineage.record_step(3, 3, [("e0-i3", 2)], [], 30)
+        await run.recovery.save(config_version=0)  # periodic, in the background: step 3 keeps no optimizer state
+        await run.recovery.save(config_version=0, wait=True)
+        assert run.checkpoints.load(3).optimizer is not None
+
+    asyncio.run(scenario())

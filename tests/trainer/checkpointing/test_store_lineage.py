@@ -491,3 +491,25 @@ def test_the_requested_resumes_are_read_from_the_newest_live_steps_lineage_alone
     assert store.requested_resumes(saved_step=3) == {1}
     primary.put("run-q/step-00000003/lineage.jsonl", b"bitrot")
     assert store.requested_resumes(saved_step=3) == {1}  # the mirror's copy
+
+
+def test_saving_a_step_again_with_optimizer_state_adds_it_to_a_copy_without_and_a_reader_always_loads_one(
+    tmp_path, model_dir
+):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-o", keep_last=3, mirror=mirror, incarnation="inc")
+    weights_only = checkpoint(75, "inc")
+    weights_only.optimizer = None
+    store.save(weights_only, model_dir)  # a periodic save under checkpoint.optimizer_every
+    store.mark(75, STABLE)
+    reader = CheckpointStore(primary, "run-o", keep_last=3, incarnation="inc")
+    seen = []
+    store.store = Observed(primary, lambda: seen.append(reader.load_latest().step))
+    store.save(checkpoint(75, "inc"), model_dir)  # the same state, saved at a stop: with the optimizer's
+    assert seen and set(seen) == {75}  # never without a loadable copy, never skipped
+    for copy in (primary, mirror):
+        assert store.load(75, copy).optimizer is not None
+    assert reader.latest_stable() == 75  # still the step the operator vouched for
+    writes = store.store.writes
+    store.save(checkpoint(75, "inc"), model_dir)  # a copy that holds it stands
+    assert store.store.writes == writes
