@@ -83,6 +83,22 @@ def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> l
     return candidates
 
 
+def fenced_out(live: list[tuple[int, int | None]]) -> set[int]:
+    """The steps of ``live`` ((step, the lease epoch its manifest names), oldest first) that a fenced-out writer
+    landed: a lower epoch than an older live step's. The fence check and the write are two requests, so a trainer
+    paused between them can land one manifest after its successor's; no step of the current branch is written under
+    a lower epoch than an older one. A step without an epoch (a writer without a lease) is never judged."""
+    highest, found = None, set()
+    for step, epoch in live:
+        if epoch is None:
+            continue
+        if highest is not None and epoch < highest:
+            found.add(step)
+        else:
+            highest = epoch
+    return found
+
+
 @dataclass(frozen=True)
 class SavedRecord:
     """``checkpoint-saved.json``: the newest live step this run stored, and the highest policy version it served

@@ -21,7 +21,13 @@ from services.trainer.checkpointing.manifest import (
     UnknownCheckpointFormat,
     decode_checkpoint,
 )
-from services.trainer.checkpointing.resume import CheckpointsMissing, StoreListing, StoreUnreadable, resume_candidates
+from services.trainer.checkpointing.resume import (
+    CheckpointsMissing,
+    StoreListing,
+    StoreUnreadable,
+    fenced_out,
+    resume_candidates,
+)
 from services.trainer.checkpointing.retention import replay_floor
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
 from services.trainer.checkpointing.step_store import StepStore
@@ -62,14 +68,26 @@ class StepReader(StepStore):
 
     def step_marks(self, store: ObjectStore | None = None) -> tuple[list[int], frozenset[int]]:
         """This incarnation's steps that have a manifest in ``store``: the live ones, oldest first, and those marked
-        ABANDONED (one listing for both)."""
-        entries = self._owned(store)
-        return [e.step for e in entries if e.live], frozenset(e.step for e in entries if not e.live)
+        ABANDONED or landed by a fenced-out writer (``resume.fenced_out``), which a resume takes as abandoned (its
+        adoption then marks them so), one listing for all."""
+        entries = self._owned(store, manifests=True)
+        live = [(e.step, e.manifest.fence_epoch if e.manifest is not None else None) for e in entries if e.live]
+        overtaken = fenced_out(live)
+        for step in sorted(overtaken):
+            log_event(log, Event.CHECKPOINT_SKIPPED, level=logging.WARNING, step=step, reason="fenced-out writer")
+        return (
+            [step for step, _ in live if step not in overtaken],
+            frozenset(e.step for e in entries if not e.live) | overtaken,
+        )
 
-    def _owned(self, store: ObjectStore | None, include_foreign: bool = False) -> list[StoredStep]:
-        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``."""
+    def _owned(
+        self, store: ObjectStore | None, include_foreign: bool = False, manifests: bool = False
+    ) -> list[StoredStep]:
+        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``;
+        with ``manifests`` each with its manifest read (also read whenever the incarnation is known)."""
         check_owner = self.incarnation is not None and not include_foreign
-        return [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
+        entries = self._scan(store, manifests=check_owner or manifests)
+        return [e for e in entries if not (check_owner and self._foreign(e))]
 
     def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,

@@ -7,6 +7,7 @@ from services.trainer.checkpointing.resume import (
     SavedRecord,
     StoreListing,
     StoreUnreadable,
+    fenced_out,
     resume_candidates,
 )
 
@@ -91,3 +92,8 @@ def test_a_damaged_saved_record_is_a_clear_error_naming_its_file(tmp_path):
     (tmp_path / SavedRecord.FILE).write_text('{"step": 20}')
     with pytest.raises(ValueError, match=r"checkpoint-saved.json is not a checkpoint record"):
         SavedRecord.read(tmp_path)
+
+
+def test_a_live_step_of_a_lower_lease_epoch_than_an_older_one_is_a_fenced_out_writers():
+    assert fenced_out([(1, 1), (2, 2), (3, 1), (4, 2), (5, None)]) == {3}
+    assert fenced_out([(1, None), (2, 1), (3, 1)]) == set()  # writers without a lease, then one epoch
