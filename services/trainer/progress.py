@@ -56,6 +56,9 @@ class Progress:
     applied_seq: int = 0  # every EXPERIENCE message up to here is applied, dropped or dead-lettered
     dead_seq: int = 0  # every DEAD message up to here has been read: its group settled as dead, or reopened
     saved_step: int = 0  # the newest step stored in the checkpoint store
+    # Whether saved_step's stored copy holds all the learner would save (not a periodic save that left out the
+    # optimizer state, checkpoint.optimizer_every): a save at a stop or on request must keep it.
+    saved_whole: bool = True
     last_eval: float | None = None
     baseline_eval: float | None = None
     incarnation: str = ""  # this run's checkpoint lineage; written into every manifest
@@ -73,6 +76,7 @@ class Progress:
     def adopt(self, adopted: Adopted) -> None:
         """Go on from ``adopted``: the adopted step is the newest one stored."""
         self.step = self.saved_step = adopted.step
+        self.saved_whole = True  # without optimizer state in the step, the learner's starts fresh: nothing to add
         self.version = adopted.version
         self.applied_seq = adopted.applied_seq
         self.incarnation = adopted.incarnation
@@ -100,9 +104,17 @@ class Progress:
         """The newest step's metrics row."""
         self.last_row = row
 
-    def saved(self, step: int) -> None:
-        """Step ``step`` is stored."""
-        self.saved_step = max(self.saved_step, step)
+    def saved(self, step: int, whole: bool = True) -> None:
+        """Step ``step`` is stored; ``whole``: with the optimizer state."""
+        if step > self.saved_step:
+            self.saved_step, self.saved_whole = step, whole
+        elif step == self.saved_step:
+            self.saved_whole = self.saved_whole or whole
+
+    @property
+    def saved_in_full(self) -> bool:
+        """Whether the current step is stored with everything a save at a stop or on request keeps."""
+        return self.saved_step == self.step and self.saved_whole
 
     def read_dead(self, seq: int) -> None:
         """DEAD is read through ``seq``."""

@@ -421,14 +421,15 @@ class Trainer:
         await self.recovery.publisher.drain()  # the last version offered is served (or refused) before the end
         stopped = control.state == RunState.STOPPING
         if not stopped and progress.step < self.cfg.train.total_steps:
-            # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read).
-            if progress.step > progress.saved_step:
+            # Stopped by a signal: keep what was applied (a partial batch was not, and will be re-read), with the
+            # optimizer state a periodic save of this step may have left out.
+            if not progress.saved_in_full:
                 await self.save(wait=True)
             log_event(log, Event.STOPPED_EARLY, step=progress.step)
             return
         if not stopped:
             await self.evaluate()  # the run's last word on held-out accuracy, saved with the last step below
-        if progress.step > progress.saved_step or not stopped:
+        if not progress.saved_in_full or not stopped:
             await self.save(wait=True)  # after any upload still running; the last step once, with its evaluation
         control.state = RunState.DONE
         # Whoever reads "done" (the launcher, then verify and report) finds every row in metrics.jsonl.

@@ -64,3 +64,15 @@ def test_a_save_never_moves_the_saved_step_back():
     progress.saved(6)
     progress.saved(4)  # an older upload that finished late
     assert progress.saved_step == 6
+
+
+def test_a_step_saved_without_optimizer_state_is_not_saved_in_full_until_a_save_of_it_keeps_the_state():
+    progress = Progress(step=6)
+    progress.saved(6, whole=False)  # a periodic save under checkpoint.optimizer_every
+    assert progress.saved_step == 6 and not progress.saved_in_full
+    progress.saved(6)  # the save at a stop
+    assert progress.saved_in_full
+    progress.saved(6, whole=False)  # a late copy without it takes nothing back
+    assert progress.saved_in_full
+    progress.step = 7
+    assert not progress.saved_in_full

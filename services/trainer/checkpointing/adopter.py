@@ -114,11 +114,46 @@ class Adopter:
             find, self.parts.settings.cfg.checkpoint, where, f"not resuming from {where}", record
         )
 
+    async def resumed_already(self, saved: SavedRecord | None, wanted: int) -> bool:
+        """Whether the stored steps' lineage records the requested resume to ``wanted`` as made: the newest live
+        step's copy, read when the run folder's own lineage.jsonl does not (a run folder lost or moved to another
+        machine), so that the resume is not made again, abandoning every step saved after it. A store that cannot
+        be read is waited for as a resume waits for it."""
+        checkpoints = self.parts.checkpoints
+        record = f"; this run last saved step {saved.step} at {saved.location}" if saved else ""
+        where = checkpoints.location()
+        done = await wait_for_store(
+            lambda: wanted in checkpoints.requested_resumes(saved.step if saved else None),
+            self.parts.settings.cfg.checkpoint,
+            where,
+            f"not resuming from {where}",
+            record,
+        )
+        return done
+
     def _load_requested(self, step: int) -> Checkpoint:
-        """Step ``step`` (``checkpoint.resume_step``); a store that fails to answer is waited for, not a refusal."""
+        """Step ``step`` (``checkpoint.resume_step``); a store that fails to answer is waited for, not a refusal.
+
+        A step that is not stored, or whose copies do not load, is refused (ResumeRefused, exit 2) naming it: a
+        restart with the same config would meet it again."""
+        checkpoints = self.parts.checkpoints
         try:
-            return self.parts.checkpoints.load(step)
-        except (CheckpointCorrupt, FileNotFoundError, UnknownCheckpointFormat, ForeignCheckpoints):
+            return checkpoints.load(step)
+        except FileNotFoundError:
+            try:
+                stored = f" (stored: {checkpoints.steps()})"
+            except Exception:  # the listing is only for the message
+                stored = ""
+            raise ResumeRefused(
+                f"checkpoint.resume_step {step}: no step {step} is stored at {checkpoints.location()}{stored}. Name "
+                "a stored step, or unset checkpoint.resume_step to resume from the newest; nothing was written"
+            ) from None
+        except CheckpointCorrupt as error:
+            raise ResumeRefused(
+                f"checkpoint.resume_step {step}: step {step} at {checkpoints.location()} does not load ({error}). "
+                "Name another step, or unset checkpoint.resume_step to resume from the newest; nothing was written"
+            ) from error
+        except (UnknownCheckpointFormat, ForeignCheckpoints):
             raise
         except Exception as error:  # the store's many failure types
             raise StoreUnreadable(f"cannot read step {step}: {error!r}"[:500]) from error

@@ -151,6 +151,16 @@ class LineageIndex:
             self.max_version = max(self.max_version, record.policy_version)
 
 
+def requested_resumes(text: str, where: str) -> set[int]:
+    """The steps of the resumes an operator asked for (``checkpoint.resume_step``) that the lineage ``text`` records
+    (a checkpoint's copy, complete lines only); ``where`` names it in a ``LineageError``."""
+    index = LineageIndex()
+    for number, line in enumerate(text.split("\n")[:-1], start=1):
+        if line.strip():
+            index.add(parse_record(line, f"{where}:{number}"))
+    return index.requested_resumes
+
+
 class Lineage:
     def __init__(self, path: Path):
         self.path = path

@@ -23,7 +23,7 @@ import pickle
 import re
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -46,7 +46,8 @@ COMPRESSED_FORMAT = 4
 FULL_FORMAT = 2  # every part, weights in the master dtype
 PARTIAL_FORMAT = 3  # no optimizer state, or weights in the serving dtype
 REQUIRED_PARTS = ("model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json", "lineage.jsonl")
-OPTIONAL_FROM_FORMAT_3 = ("optimizer.pt",)
+OPTIMIZER = "optimizer.pt"
+OPTIONAL_FROM_FORMAT_3 = (OPTIMIZER,)
 STABLE = "STABLE"
 ABANDONED = "ABANDONED"
 PURGED = "experience-purged.json"  # beside the step folders: how far this run purged EXPERIENCE (record_purge)
@@ -166,6 +167,17 @@ class Manifest:
             other.policy_version,
             other.last_experience_seq,
         )
+
+    def with_optimizer_of(self, other: Manifest) -> Manifest | None:
+        """This manifest with the optimizer state of ``other``, a manifest of the same save (``same_save``) that
+        holds it where this one does not; None when there is nothing to add. Every other part stays this one's
+        (what a reader of this copy already loads), so only the optimizer part and the manifest are written. The
+        format is the higher of the two: each reads a step with or without the part."""
+        if OPTIMIZER in self.parts or OPTIMIZER not in other.parts:
+            return None
+        added = {name: meta for name, meta in other.files.items() if name.removesuffix(codec.SUFFIX) == OPTIMIZER}
+        written = max(fmt for fmt in (self.format, other.format) if isinstance(fmt, int))
+        return replace(self, files={**self.files, **added}, format=written)
 
     def check_readable(self, where: str) -> None:
         """Raise UnknownCheckpointFormat for a newer format, CheckpointCorrupt when a required part is not listed."""

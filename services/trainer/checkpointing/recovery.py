@@ -152,7 +152,9 @@ class Recovery:
             # older than the one the run last saved.
             raise ResumeRefused(str(error)) from None
         wanted = self.settings.cfg.checkpoint.resume_step
-        if wanted is not None and self.lineage.resumed_to(wanted):
+        if wanted is not None and (
+            self.lineage.resumed_to(wanted) or await self.adopter.resumed_already(saved, wanted)
+        ):
             # Made already: a restart after it continues from the newest step, not from the requested one again.
             log_event(log, Event.RESUME_STEP_DONE, step=wanted)
             wanted = None
@@ -323,8 +325,8 @@ class Recovery:
                 )
                 return
             await self.upload
-            if self.progress.saved_step == self.progress.step:
-                return  # that upload was this very step
+            if self.progress.saved_in_full:
+                return  # that upload was this very step, with the optimizer state
         took = Stopwatch()
         await self.publisher.released()  # the snapshot reads the learner: after the newest version's copy
         taken = await self.checkpointer.snapshot(config_version, final=wait)
@@ -347,7 +349,7 @@ class Recovery:
         if unrecorded:
             await self._unrecorded(ckpt.step, unrecorded, stall_s)
             return
-        self.progress.saved(ckpt.step)
+        self.progress.saved(ckpt.step, whole=ckpt.optimizer is not None)
         # checkpoint_failed 0 clears a checkpoint-failure alert that an earlier save raised.
         await self.report(
             {
@@ -413,9 +415,10 @@ class Recovery:
         return next((e for e in await self.catalog() if e.step == step), None)
 
     async def checkpoint_now(self, config_version: int) -> CatalogEntry | None:
-        """Store the current step (unless it already is) and describe it; None if the save failed."""
+        """Store the current step (unless it already is, with the optimizer state) and describe it; None if the save
+        failed."""
         step = self.progress.step
-        if self.progress.saved_step != step or step not in await asyncio.to_thread(self.checkpoints.steps):
+        if not self.progress.saved_in_full or step not in await asyncio.to_thread(self.checkpoints.steps):
             await self.save(config_version, wait=True)
         return await self.entry(step)
 

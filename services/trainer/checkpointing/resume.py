@@ -49,17 +49,24 @@ def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> l
     than ``saved_step``), CheckpointsMissing when every store listed and none holds a step the record says exists.
     An empty list means the run never saved: a start without a checkpoint is right.
 
-    The first listing is the primary store's, which a rollback marks first: a step it marks ABANDONED is no
-    candidate in a later store either (a mirror out of reach during the rollback still holds it live), unless the
-    primary holds it live too (saved again on the new branch, which the primary gets first)."""
+    The first listing is the primary store's, which a rollback marks first and every save writes first. A step it
+    marks ABANDONED is no candidate in a later store either (a mirror out of reach during the rollback still holds it
+    live), unless the primary holds it live too (saved again on the new branch). Nor is a later store's step newer
+    than both the primary's newest live step and ``saved_step``: the primary pruned its ABANDONED copy at its next save
+    while the mirror, out of reach, kept the old branch's live (a damaged primary copy still lists, so its step stays
+    a candidate on the mirror). Only a primary that lists no step at all, with no record, leaves the mirror's
+    steps uncapped: the mirror is then the run's only copy."""
     primary = listings[0] if listings and listings[0].steps is not None else None
     disowned = primary.abandoned - set(primary.steps or ()) if primary is not None else frozenset()
+    # The newest step a later store may offer; None: any.
+    known = [*(primary.steps or ()), *([saved_step] if saved_step is not None else [])] if primary is not None else []
+    ceiling = max(known, default=None)
     candidates = [
         (step, listing.url)
         for listing in listings
         if listing.steps is not None
         for step in listing.steps
-        if listing is primary or step not in disowned
+        if listing is primary or (step not in disowned and (ceiling is None or step <= ceiling))
     ]
     candidates.sort(key=lambda candidate: -candidate[0])  # stable: for one step, the stores keep their order
     newest = candidates[0][0] if candidates else None
@@ -74,6 +81,22 @@ def resume_candidates(listings: list[StoreListing], saved_step: int | None) -> l
         stores = ", ".join(listing.url for listing in listings)
         raise CheckpointsMissing(f"{stores} holds no checkpoint of this run, but {expected}")
     return candidates
+
+
+def fenced_out(live: list[tuple[int, int | None]]) -> set[int]:
+    """The steps of ``live`` ((step, the lease epoch its manifest names), oldest first) that a fenced-out writer
+    landed: a lower epoch than an older live step's. The fence check and the write are two requests, so a trainer
+    paused between them can land one manifest after its successor's; no step of the current branch is written under
+    a lower epoch than an older one. A step without an epoch (a writer without a lease) is never judged."""
+    highest, found = None, set()
+    for step, epoch in live:
+        if epoch is None:
+            continue
+        if highest is not None and epoch < highest:
+            found.add(step)
+        else:
+            highest = epoch
+    return found
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.storage import ObjectStore
+from services.trainer.checkpointing.lineage import requested_resumes
 from services.trainer.checkpointing.manifest import (
     ABANDONED,
     MANIFEST,
@@ -20,7 +21,13 @@ from services.trainer.checkpointing.manifest import (
     UnknownCheckpointFormat,
     decode_checkpoint,
 )
-from services.trainer.checkpointing.resume import CheckpointsMissing, StoreListing, StoreUnreadable, resume_candidates
+from services.trainer.checkpointing.resume import (
+    CheckpointsMissing,
+    StoreListing,
+    StoreUnreadable,
+    fenced_out,
+    resume_candidates,
+)
 from services.trainer.checkpointing.retention import replay_floor
 from services.trainer.checkpointing.state import Checkpoint, CheckpointCorrupt
 from services.trainer.checkpointing.step_store import StepStore
@@ -61,14 +68,26 @@ class StepReader(StepStore):
 
     def step_marks(self, store: ObjectStore | None = None) -> tuple[list[int], frozenset[int]]:
         """This incarnation's steps that have a manifest in ``store``: the live ones, oldest first, and those marked
-        ABANDONED (one listing for both)."""
-        entries = self._owned(store)
-        return [e.step for e in entries if e.live], frozenset(e.step for e in entries if not e.live)
+        ABANDONED or landed by a fenced-out writer (``resume.fenced_out``), which a resume takes as abandoned (its
+        adoption then marks them so), one listing for all."""
+        entries = self._owned(store, manifests=True)
+        live = [(e.step, e.manifest.fence_epoch if e.manifest is not None else None) for e in entries if e.live]
+        overtaken = fenced_out(live)
+        for step in sorted(overtaken):
+            log_event(log, Event.CHECKPOINT_SKIPPED, level=logging.WARNING, step=step, reason="fenced-out writer")
+        return (
+            [step for step, _ in live if step not in overtaken],
+            frozenset(e.step for e in entries if not e.live) | overtaken,
+        )
 
-    def _owned(self, store: ObjectStore | None, include_foreign: bool = False) -> list[StoredStep]:
-        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``."""
+    def _owned(
+        self, store: ObjectStore | None, include_foreign: bool = False, manifests: bool = False
+    ) -> list[StoredStep]:
+        """The stored steps with a manifest, oldest first: this incarnation's only, unless ``include_foreign``;
+        with ``manifests`` each with its manifest read (also read whenever the incarnation is known)."""
         check_owner = self.incarnation is not None and not include_foreign
-        return [e for e in self._scan(store, manifests=check_owner) if not (check_owner and self._foreign(e))]
+        entries = self._scan(store, manifests=check_owner or manifests)
+        return [e for e in entries if not (check_owner and self._foreign(e))]
 
     def catalog(self, include_foreign: bool = False) -> list[CatalogEntry]:
         """Every stored step of this incarnation (and of others with ``include_foreign``) with its markers,
@@ -159,20 +178,8 @@ class StepReader(StepStore):
         ``saved_step``: the step the run's own record says it saved last. Listing is retried with backoff; a
         store that still cannot be listed is never taken for an empty one (``resume_candidates`` raises
         StoreUnreadable or CheckpointsMissing). A step in an unknown format raises UnknownCheckpointFormat."""
-        listings = []
-        for store in (self.store, self.mirror):
-            if store is None:
-                continue
-            try:
-                live, abandoned = self._retried(self.run_id, lambda s=store: self.step_marks(s))
-                listings.append(StoreListing(store.url, live, abandoned=abandoned))
-            except Exception as error:  # the store's many failure types: it may hold steps all the same
-                log_event(log, Event.STORE_UNREADABLE, level=logging.WARNING, store=store.url, reason=repr(error)[:300])
-                listings.append(StoreListing(store.url, None, repr(error)[:300]))
+        by_step = self._candidates(saved_step)
         stores = {store.url: store for store in (self.store, self.mirror) if store is not None}
-        by_step: dict[int, list[str]] = {}
-        for step, url in resume_candidates(listings, saved_step):
-            by_step.setdefault(step, []).append(url)
         skipped: dict[int, str] = {}
         for step, urls in by_step.items():  # newest first
             unreachable = []
@@ -195,6 +202,53 @@ class StepReader(StepStore):
             expected = f"; this run's record says it saved step {saved_step}" if saved_step is not None else ""
             raise CheckpointsMissing(f"no stored step of this run loads ({why}){expected}")
         return Resumable(None, skipped)
+
+    def requested_resumes(self, saved_step: int | None = None) -> set[int]:
+        """The requested resumes (``checkpoint.resume_step``) that the newest live step's copy of the lineage
+        records, read without the rest of the step: a resume made on a run folder since lost (a new machine) is
+        still known. The step is the one ``load_newest`` would try first, or the next whose copy reads; an empty
+        set when the run never saved or no copy's lineage reads. Raises as ``load_newest`` lists."""
+        stores = {store.url: store for store in (self.store, self.mirror) if store is not None}
+        for step, urls in self._candidates(saved_step).items():  # newest first
+            for url in urls:
+                where = f"{url.rstrip('/')}/{self._prefix(step)}lineage.jsonl"
+                try:
+                    return requested_resumes(self._lineage_part(step, stores[url]), where)
+                except UNREADABLE as error:  # LineageError is a ValueError: that copy's lineage does not read
+                    log_event(
+                        log, Event.CHECKPOINT_SKIPPED, level=logging.WARNING, step=step, store=url, reason=str(error)
+                    )
+        return set()
+
+    def _lineage_part(self, step: int, store: ObjectStore) -> str:
+        """The ``lineage.jsonl`` part of ``step`` on ``store``, checked against the step's manifest."""
+        prefix = self._prefix(step)
+        manifest = Manifest.parse(store.get(prefix + MANIFEST))
+        if manifest is None:
+            raise CheckpointCorrupt(f"step {step}: manifest.json is not a manifest")
+        if "lineage.jsonl" not in manifest.files:
+            raise CheckpointCorrupt(f"step {step}: its manifest lists no lineage.jsonl")
+        data = store.get(prefix + "lineage.jsonl")
+        manifest.verify("lineage.jsonl", data)
+        return data.decode()
+
+    def _candidates(self, saved_step: int | None) -> dict[int, list[str]]:
+        """Step -> the urls of the stores to try it from, newest step first (``resume_candidates`` over both
+        stores' listings, each retried)."""
+        listings = []
+        for store in (self.store, self.mirror):
+            if store is None:
+                continue
+            try:
+                live, abandoned = self._retried(self.run_id, lambda s=store: self.step_marks(s))
+                listings.append(StoreListing(store.url, live, abandoned=abandoned))
+            except Exception as error:  # the store's many failure types: it may hold steps all the same
+                log_event(log, Event.STORE_UNREADABLE, level=logging.WARNING, store=store.url, reason=repr(error)[:300])
+                listings.append(StoreListing(store.url, None, repr(error)[:300]))
+        by_step: dict[int, list[str]] = {}
+        for step, url in resume_candidates(listings, saved_step):
+            by_step.setdefault(step, []).append(url)
+        return by_step
 
     def version_high_water(self) -> int:
         """The highest policy version any stored step of this incarnation (abandoned ones too) says was served."""

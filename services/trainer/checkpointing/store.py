@@ -23,7 +23,10 @@ What a reader sees while ``save`` runs
 - The same step saved again by the same incarnation with the same policy version and
   EXPERIENCE sequence (a retry after a failed prune or mirror copy, or "checkpoint now" on
   a step just saved): nothing changes. The stored copy (and its STABLE mark) stands; only
-  pruning and the mirror copy are redone. The stored parts are not re-verified.
+  pruning and the mirror copy are redone. The stored parts are not re-verified. Except that
+  a copy without optimizer state (``checkpoint.optimizer_every``) gains the new save's: its
+  optimizer part is written, then the stored manifest with that part added. A reader loads
+  the old copy until then, and the whole one from then.
 - A step of the same number from another branch (an abandoned step, or a live copy with a
   different policy version or sequence): the old copy is marked ABANDONED first unless it
   already is, so from then on every reader skips it as it skips any abandoned step. Then
@@ -39,7 +42,10 @@ What a reader sees while ``save`` runs
 
 Once the manifest and its markers are on the primary store the step is stored: a failure
 while pruning or copying to the mirror afterwards is logged (``prune_failed``,
-``mirror_failed``) and ``save`` returns normally; the next save prunes and mirrors again.
+``mirror_failed``) and ``save`` returns normally; the next save prunes and mirrors again. Each copy to the mirror
+also marks ABANDONED there every live step above the primary's oldest live one that the primary does not hold live:
+a rollback's marks that the mirror missed (``abandon_after`` only logs its failures there), which the primary's own
+copies, pruned at its next save, would otherwise no longer tell apart from the current branch's.
 """
 
 from __future__ import annotations
@@ -147,13 +153,15 @@ class CheckpointStore(StepReader):
         manifest = describe(ckpt, parts, self.incarnation, self.epoch, compressed)
         stable = self._write_step(self.store, ckpt.step, parts, manifest, stable=False)
         # From here the step is stored: what follows is housekeeping that the next save redoes.
+        kept: list[int] | None = None
         try:
-            self._prune(self.store)
+            kept = self._prune(self.store)
         except Exception as error:
             log_event(log, Event.PRUNE_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
         if self.mirror is not None:
             try:
                 self._write_step(self.mirror, ckpt.step, parts, manifest, stable=stable)
+                self._disown_on_mirror(self.steps(self.store) if kept is None else kept)
                 self._prune(self.mirror)
             except Exception as error:  # the primary copy stands; the mirror catches up at the next save
                 log_event(log, Event.MIRROR_FAILED, level=logging.WARNING, step=ckpt.step, error=repr(error)[:300])
@@ -185,6 +193,13 @@ class CheckpointStore(StepReader):
                     found,
                 )
             if old is not None and old.same_save(manifest) and ABANDONED not in names:
+                upgraded = old.with_optimizer_of(manifest)
+                if upgraded is not None:
+                    # A copy without optimizer state (checkpoint.optimizer_every) saved again at a stop or on
+                    # request: the part first, then the manifest that lists it. Readers load the copy throughout.
+                    for name in set(upgraded.files) - set(old.files):
+                        self._put_in_step(prefix + name, parts[name], store)
+                    self._put_in_step(prefix + MANIFEST, upgraded.to_bytes(), store)
                 if stable and STABLE not in names:
                     self._put_in_step(prefix + STABLE, marker_note(), store)
                 return stable or STABLE in names  # saved already: the stored copy stands
@@ -213,14 +228,36 @@ class CheckpointStore(StepReader):
             self._delete([prefix + ABANDONED], store)  # last: the new copy exists from here
         return stable
 
-    def _prune(self, store: ObjectStore) -> None:
-        """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first.
+    def _prune(self, store: ObjectStore) -> list[int]:
+        """Keep the newest ``keep_last`` live steps and every stable one; abandoned steps go first. Returns the live
+        steps kept, oldest first.
 
         Foreign steps are not this run's to delete: they stay."""
-        for step in prunable(self._owned(store), self.keep_last):
+        own = self._owned(store)
+        doomed = prunable(own, self.keep_last)
+        for step in doomed:
             prefix = self._prefix(step)
             self._delete([prefix + MANIFEST], store)  # first: the step is gone at once, never half-deleted
             self._retried(prefix, lambda prefix=prefix: store.delete_prefix(prefix))
+        return [entry.step for entry in own if entry.live and entry.step not in doomed]
+
+    def _disown_on_mirror(self, primary_live: list[int]) -> None:
+        """Mark ABANDONED on the mirror each live step newer than the primary's oldest live one that the primary
+        does not hold live: a branch that a rollback or resume abandoned while the mirror was out of reach.
+
+        The primary holds the truth, and once it has pruned its abandoned copies nothing else tells the mirror's
+        apart from the current branch's. Older steps stay: the mirror may be the only copy of a step that the
+        primary lost (a resume from the mirror onto an emptied primary), and pruning drops them in its own time."""
+        assert self.mirror is not None
+        oldest = min(primary_live, default=None)
+        entries = self._retried(self.run_id, lambda: self._owned(self.mirror))
+        stale = [
+            e.step for e in entries if e.live and oldest is not None and e.step > oldest and e.step not in primary_live
+        ]
+        for step in sorted(stale, reverse=True):  # newest first, as abandon_after marks them
+            self._put_in_step(self._prefix(step) + ABANDONED, marker_note(), self.mirror)
+        if stale:
+            log_event(log, Event.CHECKPOINTS_ABANDONED, level=logging.WARNING, store=self.mirror.url, steps=stale)
 
     def mark(self, step: int, marker: str) -> None:
         """Put ``marker`` (STABLE or ABANDONED) beside the manifest of ``step``; on the mirror too if it has it."""
@@ -251,7 +288,8 @@ class CheckpointStore(StepReader):
         For a resume from an older step and for a rollback, before any in-memory state changes:
         if it raises (the primary could not be marked), nothing else has changed and it can be
         run again. Newest first, so an interrupted call leaves the live steps one unbroken branch
-        from the oldest. The mirror's failures are logged: the primary holds the truth.
+        from the oldest. The mirror's failures are logged: the primary holds the truth, and the next save's copy to
+        the mirror marks there what this call missed (``_disown_on_mirror``).
         """
         marked = self._abandon_after(self.store, step)
         if self.mirror is not None:

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import json
 import re
+import shutil
 import time
 from collections.abc import Mapping
 from datetime import UTC, datetime
@@ -603,6 +604,47 @@ def test_a_resume_to_a_named_step_is_made_once_and_a_later_restart_takes_the_new
     asyncio.run(scenario())
 
 
+def test_a_requested_resume_made_before_the_run_folder_was_lost_is_not_made_again(tiny_model, tmp_path, saved_run):
+    """The run folder (lineage.jsonl with it) is gone, as on a new machine: the stored steps' lineage still records
+    the requested resume, so the restart takes the newest step instead of abandoning everything after step 1."""
+
+    async def scenario() -> None:
+        second = Harness(tiny_model, tmp_path, resume_step=1)
+        assert await second.recovery.start(resume=True)
+        assert second.progress.step == 1
+        second.progress.step, second.progress.version, second.progress.applied_seq = 3, 6, 35
+        second.ledger.settle(["e0-i5"], 3, Fate.APPLIED)
+        second.lineage.record_step(3, 6, [("e0-i5", 5)], [], 35)
+        await second.recovery.save(config_version=0, wait=True)
+        shutil.rmtree(tmp_path / "runs")
+
+        third = Harness(tiny_model, tmp_path, resume_step=1)
+        assert await third.recovery.start(resume=True)
+        assert (third.progress.step, third.progress.applied_seq) == (3, 35)
+        assert [entry.step for entry in third.checkpoints.catalog() if entry.abandoned] == []
+        assert third.checkpoints.steps() == [1, 3]
+
+    asyncio.run(scenario())
+
+
+def test_a_requested_step_that_is_not_stored_refuses_the_start_by_name_and_writes_nothing(
+    tiny_model, tmp_path, saved_run
+):
+    """A crash (exit 1) would have the launcher restart it into the same missing step, over and over."""
+    store = tmp_path / "store"
+    before = sorted(str(path.relative_to(store)) for path in store.rglob("*"))
+
+    async def scenario() -> None:
+        restarted = Harness(tiny_model, tmp_path, resume_step=7)
+        with pytest.raises(
+            ResumeRefused, match=r"checkpoint\.resume_step 7: no step 7 is stored .* \(stored: \[1, 2, 3\]\)"
+        ):
+            await restarted.recovery.start(resume=True, claim=lambda: restarted.checkpoints.claim_fence(1, "h:1"))
+
+    asyncio.run(scenario())
+    assert sorted(str(path.relative_to(store)) for path in store.rglob("*")) == before
+
+
 @pytest.mark.parametrize("spoil", ["shape", "nan"])
 def test_a_rollback_to_a_checkpoint_that_does_not_fit_changes_nothing(tiny_model, tmp_path, spoil):
     """Before, the later steps were marked abandoned first, and the weights that fitted were copied before the
@@ -705,5 +747,34 @@ def test_a_rollback_to_a_save_without_optimizer_state_starts_adamw_fresh_says_so
         assert len(run.learner.optimizer.state) == 0
         events = [json.loads(line) for line in run.events_path.read_text().splitlines()]
         assert [event["step"] for event in events if event["kind"] == "optimizer_fresh"] == [1]
+
+    asyncio.run(scenario())
+
+
+def test_a_save_at_a_stop_or_on_request_of_a_step_saved_without_optimizer_state_stores_it(tiny_model, tmp_path):
+    """checkpoint.optimizer_every: 2 with a save every step: step 1's periodic save holds no optimizer state, and
+    the saves that the config promises always keep it (at a stop, on request) kept the stored copy without it."""
+
+    async def scenario() -> None:
+        run = Harness(tiny_model, tmp_path, save_every_steps=1, optimizer_every=2)
+        assert not await run.recovery.start(resume=False)
+        for param in run.learner.parameters():
+            param.grad = torch.ones_like(param)
+        run.learner.optimizer.step()
+        await run.step_and_save(1, ["e0-i1"], final=False)
+        assert run.checkpoints.load(1).optimizer is None
+        entry = await run.recovery.checkpoint_now(config_version=0)  # `rlpipe checkpoint`
+        assert entry is not None and entry.step == 1
+        assert run.checkpoints.load(1).optimizer is not None
+        assert run.progress.saved_in_full
+
+        # A stop while the periodic save of the same step still uploads: the stop's save waits for it, then saves.
+        with torch.no_grad():
+            next(run.learner.model.parameters()).add_(1.0)
+        run.progress.step, run.progress.version, run.progress.applied_seq = 3, 3, 30
+        run.lineage.record_step(3, 3, [("e0-i3", 2)], [], 30)
+        await run.recovery.save(config_version=0)  # periodic, in the background: step 3 keeps no optimizer state
+        await run.recovery.save(config_version=0, wait=True)
+        assert run.checkpoints.load(3).optimizer is not None
 
     asyncio.run(scenario())

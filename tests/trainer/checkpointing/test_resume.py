@@ -7,6 +7,7 @@ from services.trainer.checkpointing.resume import (
     SavedRecord,
     StoreListing,
     StoreUnreadable,
+    fenced_out,
     resume_candidates,
 )
 
@@ -54,6 +55,18 @@ def test_a_step_the_primary_marks_abandoned_is_no_candidate_on_a_mirror_that_mis
     assert (20, MIRROR) not in resume_candidates(listings, saved_step=15)
 
 
+def test_a_mirror_step_newer_than_the_primarys_newest_and_the_record_is_no_candidate():
+    # The primary pruned the old branch's 20 (ABANDONED by a rollback to 10) at the new branch's save of 15; the
+    # mirror missed both the rollback and that save.
+    listings = [StoreListing(PRIMARY, [10, 15]), StoreListing(MIRROR, [10, 15, 20])]
+    assert resume_candidates(listings, saved_step=15) == [(15, PRIMARY), (15, MIRROR), (10, PRIMARY), (10, MIRROR)]
+    assert (20, MIRROR) not in resume_candidates(listings, saved_step=None)  # a new machine: no record
+    # The record names 20: the primary lost it, and the mirror's copy is the run's.
+    assert resume_candidates(listings, saved_step=20)[0] == (20, MIRROR)
+    # An emptied primary and no record: the mirror is the only copy there is.
+    assert resume_candidates([StoreListing(PRIMARY, []), StoreListing(MIRROR, [10, 20])], None)[0] == (20, MIRROR)
+
+
 def test_a_mirror_holding_the_recorded_step_stands_in_for_an_unreadable_primary():
     listings = [StoreListing(PRIMARY, None, "refused"), StoreListing(MIRROR, [10, 20])]
     assert resume_candidates(listings, saved_step=20) == [(20, MIRROR), (10, MIRROR)]
@@ -79,3 +92,8 @@ def test_a_damaged_saved_record_is_a_clear_error_naming_its_file(tmp_path):
     (tmp_path / SavedRecord.FILE).write_text('{"step": 20}')
     with pytest.raises(ValueError, match=r"checkpoint-saved.json is not a checkpoint record"):
         SavedRecord.read(tmp_path)
+
+
+def test_a_live_step_of_a_lower_lease_epoch_than_an_older_one_is_a_fenced_out_writers():
+    assert fenced_out([(1, 1), (2, 2), (3, 1), (4, 2), (5, None)]) == {3}
+    assert fenced_out([(1, None), (2, 1), (3, 1)]) == set()  # writers without a lease, then one epoch

@@ -328,3 +328,24 @@ def test_a_store_told_it_has_no_object_tagging_stores_what_would_be_tagged_untag
     raw.put("run-u/step-00000001/manifest.json", b"{}", dict([CHECKPOINT_TAG]))
     assert raw.get("run-u/step-00000001/manifest.json") == b"{}"
     assert dict(raw.client.get_object_tags(raw.bucket, raw._key("run-u/step-00000001/manifest.json")) or {}) == {}
+
+
+def test_a_step_a_fenced_out_writer_landed_after_its_successors_step_is_no_resume_candidate(tmp_path):
+    """The fence check and the write are two requests: a writer paused between them lands one late manifest."""
+    model_dir = tmp_path / "hf"
+    model_dir.mkdir()
+    url = f"file://{tmp_path / 'store'}"
+    stale = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=5)
+    stale.claim_fence(1, "host:1")
+    incarnation = stale.start_fresh()
+    stale.save(checkpoint(1, incarnation), model_dir)
+    successor = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=5, incarnation=incarnation)
+    successor.claim_fence(2, "host:2")
+    successor.save(checkpoint(2, incarnation, policy_version=20), model_dir)
+    stale.stored_fence = lambda: 1  # it read the fence before the successor claimed it
+    stale.save(checkpoint(3, incarnation), model_dir)
+    assert json.loads(stale.store.get("run-a/step-00000003/manifest.json"))["fence_epoch"] == 1
+
+    restarted = CheckpointStore(open_store(url, CheckpointConfig()), "run-a", keep_last=5)
+    resumed = restarted.load_latest(saved_step=2)
+    assert (resumed.step, resumed.state.policy_version) == (2, 20)

@@ -12,6 +12,7 @@ import pytest
 
 from services.common.config import CheckpointConfig
 from services.common.transport.storage import ObjectStore, open_store
+from services.trainer.checkpointing.lineage import RestartRecord
 from services.trainer.checkpointing.manifest import ABANDONED, STABLE, sha256
 from services.trainer.checkpointing.state import TrainerState
 from services.trainer.checkpointing.step_reader import ForeignCheckpoints
@@ -429,3 +430,86 @@ def test_a_resave_after_a_mirror_failure_copies_the_step_and_its_stable_mark_to_
     assert primary_writes.writes == []
     assert store.steps(mirror) == [1] and store.load(1, mirror).step == 1
     assert mirror.store.list("run-m/step-00000001/STABLE") == ["run-m/step-00000001/STABLE"]
+
+
+def test_a_mirror_that_missed_a_rollback_never_hands_the_abandoned_branch_to_the_next_resume(tmp_path, model_dir):
+    primary = file_store(tmp_path, "primary")
+    mirror = PutsFailAfter(file_store(tmp_path, "mirror"), None)
+    store = CheckpointStore(primary, "run-m", keep_last=3, mirror=mirror, incarnation="inc", attempts=1)
+    for step in (1, 2, 3):
+        store.save(checkpoint(step, "inc"), model_dir)
+    mirror.allowed = len(mirror.puts)  # the mirror goes down during the rollback to step 1
+    assert store.abandon_after(1) == [2, 3]
+    assert store.steps(mirror) == [1, 2, 3]
+    mirror.allowed = None  # back up: the new branch saves step 2 on both stores
+    store.save(checkpoint(2, "inc", policy_version=20), model_dir)
+    assert store.steps(primary, include_abandoned=True) == [1, 2]  # the primary pruned the abandoned step 3
+
+    assert store.steps(mirror) == [1, 2]  # the mirror disowned the old branch's step 3 too
+    restarted = CheckpointStore(primary, "run-m", keep_last=3, mirror=mirror.store, incarnation="inc")
+    resumed = restarted.load_newest(saved_step=2).checkpoint
+    assert (resumed.step, resumed.state.policy_version) == (2, 20)
+
+
+def test_a_mirror_down_for_the_rollback_and_the_next_save_still_hands_back_no_abandoned_step(tmp_path, model_dir):
+    primary = file_store(tmp_path, "primary")
+    mirror = PutsFailAfter(file_store(tmp_path, "mirror"), None)
+    store = CheckpointStore(primary, "run-m", keep_last=3, mirror=mirror, incarnation="inc", attempts=1)
+    for step in (1, 2, 3):
+        store.save(checkpoint(step, "inc"), model_dir)
+    mirror.allowed = len(mirror.puts)  # down through the rollback and the new branch's save of step 2
+    store.abandon_after(1)
+    store.save(checkpoint(2, "inc", policy_version=20), model_dir)
+    assert store.steps(primary, include_abandoned=True) == [1, 2] and store.steps(mirror.store) == [1, 2, 3]
+
+    restarted = CheckpointStore(primary, "run-m", keep_last=3, mirror=mirror.store, incarnation="inc")
+    for saved_step in (2, None):  # with the run's record, and on a new machine without it
+        resumed = restarted.load_newest(saved_step=saved_step).checkpoint
+        assert (resumed.step, resumed.state.policy_version) == (2, 20)
+
+
+def test_a_resume_from_the_mirror_onto_an_emptied_primary_keeps_the_mirrors_older_steps(tmp_path, model_dir):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-e", keep_last=3, mirror=mirror, incarnation="inc")
+    for step in (1, 2, 3):
+        store.save(checkpoint(step, "inc"), model_dir)
+    primary.delete_prefix("run-e/")  # a bucket re-created empty
+    assert store.load_newest(saved_step=3).checkpoint.step == 3
+    store.save(checkpoint(4, "inc"), model_dir)
+    assert store.steps(primary) == [4] and store.steps(mirror) == [2, 3, 4]  # rollback targets stay on the mirror
+
+
+def test_the_requested_resumes_are_read_from_the_newest_live_steps_lineage_alone(tmp_path, model_dir):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-q", keep_last=3, mirror=mirror, incarnation="inc")
+    assert store.requested_resumes() == set()  # never saved
+    resumed = RestartRecord(event="resume", from_step=1, policy_version=4, abandoned_steps=[2], requested=True)
+    older, newer = checkpoint(1, "inc"), checkpoint(3, "inc")
+    newer.lineage = resumed.line().decode() + "\n"
+    store.save(older, model_dir)
+    store.save(newer, model_dir)
+    assert store.requested_resumes(saved_step=3) == {1}
+    primary.put("run-q/step-00000003/lineage.jsonl", b"bitrot")
+    assert store.requested_resumes(saved_step=3) == {1}  # the mirror's copy
+
+
+def test_saving_a_step_again_with_optimizer_state_adds_it_to_a_copy_without_and_a_reader_always_loads_one(
+    tmp_path, model_dir
+):
+    primary, mirror = file_store(tmp_path, "primary"), file_store(tmp_path, "mirror")
+    store = CheckpointStore(primary, "run-o", keep_last=3, mirror=mirror, incarnation="inc")
+    weights_only = checkpoint(75, "inc")
+    weights_only.optimizer = None
+    store.save(weights_only, model_dir)  # a periodic save under checkpoint.optimizer_every
+    store.mark(75, STABLE)
+    reader = CheckpointStore(primary, "run-o", keep_last=3, incarnation="inc")
+    seen = []
+    store.store = Observed(primary, lambda: seen.append(reader.load_latest().step))
+    store.save(checkpoint(75, "inc"), model_dir)  # the same state, saved at a stop: with the optimizer's
+    assert seen and set(seen) == {75}  # never without a loadable copy, never skipped
+    for copy in (primary, mirror):
+        assert store.load(75, copy).optimizer is not None
+    assert reader.latest_stable() == 75  # still the step the operator vouched for
+    writes = store.store.writes
+    store.save(checkpoint(75, "inc"), model_dir)  # a copy that holds it stands
+    assert store.store.writes == writes
