@@ -37,13 +37,15 @@ def test_a_urls_password_token_and_query_values_are_hidden_and_the_rest_kept(tex
     assert hide_url_secrets(shown) == shown
 
 
-def test_every_string_of_a_configs_dump_is_shown_without_url_credentials(tmp_path, config_only_model):
+def config_with(tmp_path, config_only_model, **sections):
     model_dir, data_dir = config_only_model
-    path = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
+    return write_config(tmp_path / "c.yaml", model_dir, data_dir, tmp_path / "runs", **sections)
+
+
+def test_every_string_of_a_configs_dump_is_shown_without_url_credentials(tmp_path, config_only_model):
+    path = config_with(
+        tmp_path,
+        config_only_model,
         telemetry={"mlflow_tracking_uri": "postgresql://ml:PW-mlflow@db/mlflow"},
         nats={"url": "nats://alice:PW-nats@nats:4222"},
     )
@@ -61,14 +63,7 @@ def test_every_string_of_a_configs_dump_is_shown_without_url_credentials(tmp_pat
 
 
 def test_a_config_error_quoting_a_url_hides_its_credentials(tmp_path, config_only_model):
-    model_dir, data_dir = config_only_model
-    path = write_config(
-        tmp_path / "c.yaml",
-        model_dir,
-        data_dir,
-        tmp_path / "runs",
-        reward={"http": {"url": "ftp://scorer:PW-reward@r/score"}},
-    )
+    path = config_with(tmp_path, config_only_model, reward={"http": {"url": "ftp://scorer:PW-reward@r/score"}})
     with pytest.raises(ConfigError, match=r"reward\.http\.url") as refused:
         load_config(path)
     assert "PW-reward" not in str(refused.value) and "ftp://scorer:<redacted>@r/score" in str(refused.value)
