@@ -33,10 +33,11 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from services.common.config import SamplingConfig, load_config
+from services.common.config import HfEngineConfig, SamplingConfig, load_config
 from services.common.model.chat import render_rows
 from services.common.model.datasets import load_jsonl
 from services.common.model.modeling import load_model, pack, response_logits, token_logprobs
+from services.common.model.static_cache import StaticCaches
 from services.rollout.engines import HfEngine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,12 +112,15 @@ def main(argv: list[str] | None = None) -> None:
         group_size=args.group, max_new_tokens=args.max_new_tokens or tokens, temperature=temperature
     )
     hf = engine(folder, rows_path, args.device)
+    settings = HfEngineConfig()
+    static = StaticCaches(hf.model.config, settings.static_bucket_tokens, settings.static_batch_buckets)
     rows = render_rows(load_jsonl(rows_path)[: args.prompts], hf.tokenizer)
     prompt_ids = [hf.tokenizer.encode(row["prompt"], add_special_tokens=False) for row in rows]
 
     def run(path: str, settings: SamplingConfig) -> tuple[float, float, list]:
         """(wall s, CPU s, the samples) of one ``generate`` of every prompt by ``path``."""
-        per_group, hf.cache = PATHS[path]
+        per_group, cache = PATHS[path]
+        hf.static = static if cache == "static" else None
         hf.max_per_call = args.group if per_group else None
         wall, cpu = time.perf_counter(), time.process_time()
         groups = hf.generate(prompt_ids, settings, 512)
