@@ -78,7 +78,7 @@ def assert_alike(expected: list[Generation], got: list[Generation]) -> None:
 SIZES = [3, 5, 6, 7, 9, 12, 13, 16, 2, 3, 7, 11]  # live episodes per turn, as multi-turn and in-flight calls vary
 
 
-def test_calls_of_twelve_batch_sizes_run_at_four_shapes_each_on_one_cache_kept_across_calls(tiny_model, tmp_path):
+def test_twelve_calls_of_ten_batch_sizes_run_at_four_shapes_each_on_one_cache_kept_across_calls(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     bucketed = engine_for(model_dir, data_dir, tmp_path / "bucketed", cache="static")
     exact = engine_for(model_dir, data_dir, tmp_path / "exact", cache="static", static_batch_buckets=[1])
