@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Iterable, Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ from services.common.model.batch_generation import generate_batch
 from services.common.model.lora import AdapterMerger, write_adapter
 from services.common.model.modeling import DTYPES, decode_text, load_model, load_tokenizer, resolve_device
 from services.common.model.padding import eos_token_id, pad_token_id
+from services.common.model.static_cache import StaticCaches
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.breaker import DependencyUnavailable
@@ -320,7 +321,12 @@ class HfEngine:
 
     Seeded samples (train.deterministic) are each generated alone, from the device's generator set to the sample's
     seed: ``generate`` draws every row of a call from one generator, so a row's draws would depend on its
-    neighbours. One call per sample is slower; a reproducible run pays that for draws that are its own."""
+    neighbours. One call per sample is slower; a reproducible run pays that for draws that are its own.
+
+    With ``rollout.hf.cache: static`` the engine keeps the static KV caches ``generate`` runs over, one per batch
+    bucket (``services.common.model.static_cache``), and a call's sequences are padded up to their bucket with
+    copies whose outputs are dropped. A seeded sample alone is a batch of 1, the smallest bucket by default: no
+    copies draw beside it."""
 
     def __init__(self, cfg: RunConfig):
         model = load_model(cfg.model.folder, serving_dtype(cfg.model, cfg.rollout)).eval().requires_grad_(False)
@@ -328,8 +334,6 @@ class HfEngine:
         self.pad_id = pad_token_id(self.tokenizer)
         self.end_tokens = end_token_ids(cfg.model.folder, eos_token_id(self.tokenizer))
         self.max_per_call = cfg.rollout.hf.max_sequences_per_call
-        self.cache: Literal["dynamic", "static"] = cfg.rollout.hf.cache
-        self.bucket_tokens = cfg.rollout.hf.static_bucket_tokens
         torch.manual_seed(cfg.train.seed)
         self.lora_mode = "off" if cfg.model.lora is None else "merge"
         # The merger's copy of the base stays on the host, where adapters arrive and are merged; the model goes to
@@ -338,6 +342,12 @@ class HfEngine:
         self.device = resolve_device(cfg.model.device)
         # transformers wraps PreTrainedModel.to in functools.wraps(Module.to), which loses the bound self's type.
         self.model = model.to(self.device)  # pyright: ignore[reportArgumentType]
+        hf = cfg.rollout.hf
+        self.static = (
+            StaticCaches(model.config, hf.static_bucket_tokens, hf.static_batch_buckets, hf.max_sequences_per_call)
+            if hf.cache == "static"
+            else None
+        )
 
     def generate(
         self,
@@ -396,8 +406,7 @@ class HfEngine:
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             max_per_call=self.max_per_call,
-            cache=self.cache,
-            bucket_tokens=self.bucket_tokens,
+            static=self.static,
         )
         return [
             Generation(

@@ -107,6 +107,7 @@ def test_nested_env_override_of_algorithm_settings(tmp_path, model_dir, data_dir
         ({"model": {"path": "/nowhere/model"}}, "model.path", "/nowhere/model"),
         ({"reward": {"functions": {"vibes": 1.0}}}, "reward", "exact_match"),
         ({"rollout": {"backend": "tgi"}}, "rollout.backend", "'vllm' or 'hf'"),
+        ({"rollout": {"hf": {"static_batch_buckets": [8, 4]}}}, "rollout.hf.static_batch_buckets", "ascending"),
     ],
 )
 def test_bad_config_names_the_field(tmp_path, model_dir, data_dir, change, field, allowed):

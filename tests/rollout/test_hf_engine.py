@@ -115,34 +115,6 @@ def test_greedy_continuations_in_one_padded_batch_are_each_rows_own(tiny_model, 
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOLERANCE)
 
 
-def test_a_static_cache_padded_to_its_bucket_draws_and_scores_as_the_dynamic_one(tiny_model, tmp_path):
-    """rollout.hf.cache: static gives generate a cache allocated once per call, over contexts left-padded to a
-    multiple of static_bucket_tokens; the rows must still be their own: the same argmax tokens and logprobs."""
-    model_dir, data_dir = tiny_model
-    engine = engine_for(model_dir, data_dir, tmp_path / "dynamic")
-    static = engine_for(model_dir, data_dir, tmp_path / "static", cache="static", static_bucket_tokens=16)
-    widths, generate = [], static.model.generate
-
-    def recorded(*args, **kwargs):
-        widths.append(kwargs["input_ids"].shape[1])
-        assert kwargs["cache_implementation"] == "static"
-        return generate(*args, **kwargs)
-
-    static.model.generate = recorded
-    prompt_ids = prompts_of(engine, data_dir, 6)
-    cold = sampling(temperature=1e-4)
-
-    dynamic_groups = engine.generate(prompt_ids, cold, 64)
-    static_groups = static.generate(prompt_ids, cold, 64)
-
-    assert widths == [-(-max(map(len, prompt_ids)) // 16) * 16]  # one call, its width rounded up to the bucket
-    for a, b in zip(
-        (g for group in dynamic_groups for g in group), (g for group in static_groups for g in group), strict=True
-    ):
-        assert a.token_ids.tolist() == b.token_ids.tolist() and a.finish_reason == b.finish_reason
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=TOLERANCE)
-
-
 def test_every_live_episodes_turn_is_one_call_and_each_ends_at_its_own_stop(tiny_model, tmp_path):
     model_dir, data_dir = tiny_model
     engine = engine_for(model_dir, data_dir, tmp_path)

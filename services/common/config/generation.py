@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -40,18 +41,34 @@ class HfEngineConfig(Section):
     )
     cache: Restart[Literal["dynamic", "static"]] = Field(
         default="dynamic",
-        description="the KV cache generate keeps: dynamic (grown token by token) or static (allocated once per call "
-        "for its width plus its longest limit). On a CUDA device transformers compiles the decode step over a static "
-        "cache (CUDA graphs), which pays where kernel launches dominate a step (a small model on a large GPU); on a "
-        "CPU it measured slower (docs/performance.md). Off until measured on a GPU",
+        description="the KV cache generate keeps: dynamic (grown token by token) or static (allocated ahead, kept "
+        "by the engine, one per batch bucket, and reused call after call). On a CUDA device transformers compiles "
+        "the decode step over a static cache (CUDA graphs, one per batch x cache length), which pays where kernel "
+        "launches dominate a step (a small model on a large GPU); on a CPU it measured slower (docs/performance.md). "
+        "Off until measured on a GPU",
     )
     static_bucket_tokens: Restart[int] = Field(
         default=64,
         ge=1,
         description="with cache: static, each call's contexts are left-padded, and its token limit raised, to "
-        "multiples of this many tokens, so calls of like prompts and limits share one cache size instead of "
-        "recompiling for every width (a new batch size still compiles anew: multi-turn and in-flight calls vary it)",
+        "multiples of this many tokens, and a kept cache grows in such steps (never shrinking), so calls of like "
+        "prompts and limits share one cache length instead of compiling for every width (tokens)",
     )
+    static_batch_buckets: Restart[list[int]] = Field(
+        default_factory=lambda: [1, 2, 4, 8, 16, 32, 64, 128, 256],
+        description="with cache: static, the batch sizes a generate call runs at (sequences, ascending): a call's "
+        "sequences are padded up to the smallest that holds them (above the largest, to a multiple of it; never past "
+        "max_sequences_per_call) with copies of one of them whose outputs are dropped, so multi-turn turns and "
+        "in-flight chunks, whose sequence counts vary, compile the decode step for these sizes only. [1] = no "
+        "copies, every sequence count a shape of its own",
+    )
+
+    @field_validator("static_batch_buckets")
+    @classmethod
+    def _buckets_ascending(cls, buckets: list[int]) -> list[int]:
+        if not buckets or buckets[0] < 1 or any(b <= a for a, b in pairwise(buckets)):
+            raise ValueError(f"{buckets}: one batch size or more, each at least 1, in ascending order")
+        return buckets
 
 
 class RolloutConfig(Section):

@@ -11,10 +11,13 @@ Each sampled token's logprob is taken as it is drawn, under the raw policy (befo
 trainer computes it): one ``[B, V]`` log-softmax at a time, not the ``[B, T, V]`` stack ``output_logits`` keeps
 (6 GB of float32 for 128 rows of 256 tokens over SmolLM2's 49,152-token vocabulary).
 
-``cache="static"`` hands ``generate`` a KV cache allocated once for the call (transformers' static cache); on a
-CUDA device transformers then compiles the decode step, with CUDA graphs. Compiled graphs are per shape, so the rows
-are padded, and the call's token limit raised, to multiples of ``bucket_tokens``: calls of like prompts and limits
-share one cache size. A new batch size still compiles anew (multi-turn turns and in-flight chunks vary it).
+With ``static`` (``static_cache.StaticCaches``) ``generate`` runs over a static KV cache the caller keeps, one per
+batch size, reused call after call; on a CUDA device transformers then compiles the decode step, with CUDA graphs,
+one per shape. So a call's shapes are rounded: its rows up to their batch bucket, with copies of its first row that
+end after one token and whose outputs are dropped (each row is its own under the mask, so the copies change no real
+row's logprobs; the copies draw from the call's generator too, so a sampled call's real rows get other random numbers
+than without them, from the same distributions); its width and token limit up to multiples of ``bucket_tokens``; and
+the cache is as long as the longest call so far needed.
 
 Used by the transformers rollout engine (sampled) and the trainer's held-out evaluation (greedy).
 """
@@ -24,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +35,7 @@ from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria,
 
 from services.common.model.modeling import Precision
 from services.common.model.padding import left_padded
+from services.common.model.static_cache import StaticCaches
 
 
 @dataclass(frozen=True)
@@ -116,15 +120,21 @@ def _one_call(
     stop: Sequence[str],
     decode: Callable[[list[int]], str] | None,
     sampling: dict[str, Any],
-    cache: Literal["dynamic", "static"],
-    bucket_tokens: int,
+    static: StaticCaches | None,
 ) -> list[Continuation]:
-    multiple = bucket_tokens if cache == "static" else 1
+    real = len(contexts)
+    multiple = 1 if static is None else static.bucket_tokens
+    if static is not None:
+        # Filler rows up to the batch bucket: copies of the first row that end after one token, so they never
+        # lengthen the call; their outputs are cut off below.
+        filler = static.rows_for(real) - real
+        contexts, limits = contexts + [contexts[0]] * filler, limits + [1] * filler
     input_ids, attention_mask, position_ids = (t.to(model.device) for t in left_padded(contexts, pad_id, multiple))
-    # The cache holds the width plus max_new_tokens: both rounded to the bucket, so that calls of like prompts and
-    # limits share its size. Each row still ends at its own limit (_RowEnds).
+    # Width and max_new_tokens both rounded to the bucket, so that calls of like prompts and limits share the cache's
+    # length. Each row still ends at its own limit (_RowEnds).
     room = -(-max(limits) // multiple) * multiple
     width = input_ids.shape[1]
+    cache = {} if static is None else {"past_key_values": static.cache(len(contexts), width + room)}
     raw = _RawLogprobs()
     ends = _RowEnds(width, limits, end_tokens, stop, decode, raw, model.device)
     sequences = model.generate(
@@ -137,14 +147,14 @@ def _one_call(
         stopping_criteria=StoppingCriteriaList([ends]),
         pad_token_id=pad_id,
         eos_token_id=sorted(end_tokens) or None,  # an empty list is not 'none' to generate
-        **({"cache_implementation": "static"} if cache == "static" else {}),
+        **cache,
     )
-    new_tokens = sequences[:, width:].tolist()  # (B, steps)
-    logprobs = torch.stack(ends.logprobs, dim=1).float().cpu().numpy()  # (B, steps)
+    new_tokens = sequences[:real, width:].tolist()  # (real, steps)
+    logprobs = torch.stack(ends.logprobs, dim=1)[:real].float().cpu().numpy()  # (real, steps)
     return [
         Continuation(tokens[:end], logprobs[row, :end].astype(np.float32), stopped)
         for row, (tokens, end, stopped) in enumerate(
-            zip(new_tokens, ends.ends.tolist(), ends.stopped.tolist(), strict=True)
+            zip(new_tokens, ends.ends[:real].tolist(), ends.stopped[:real].tolist(), strict=True)
         )
     ]
 
@@ -171,14 +181,13 @@ def generate_batch(
     top_p: float = 1.0,
     max_per_call: int | None = None,
     precision: Precision | None = None,
-    cache: Literal["dynamic", "static"] = "dynamic",
-    bucket_tokens: int = 1,
+    static: StaticCaches | None = None,
 ) -> list[Continuation]:
     """One continuation of each of ``contexts``, at most ``limits[i]`` tokens, in as few ``generate`` calls as
     ``max_per_call`` allows (None: one). ``temperature`` 0 decodes greedily; above it samples from
     ``softmax(z / temperature)`` cut to ``top_p``, over the whole vocabulary (no top-k). ``stop`` needs ``decode``
-    (token ids -> text). ``precision``: run under its autocast (a trainer's fp32 master weights). ``cache`` and
-    ``bucket_tokens``: the KV cache ``generate`` keeps (module docstring).
+    (token ids -> text). ``precision``: run under its autocast (a trainer's fp32 master weights). ``static``: the
+    static KV caches to generate over, None for transformers' dynamic cache (module docstring).
 
     The model runs where it is, in eval mode, without autograd (no_grad rather than inference_mode: a trainer's
     model trains on afterwards, and FSDP2 refills the parameters it gathered here in place)."""
@@ -208,8 +217,7 @@ def generate_batch(
                     stop,
                     decode,
                     sampling,
-                    cache,
-                    bucket_tokens,
+                    static,
                 )
                 for i, continuation in zip(rows, done, strict=True):
                     results[i] = continuation
