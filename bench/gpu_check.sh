@@ -411,6 +411,22 @@ print(
     f"warm-up {warm['static']} vs {warm['batched']} s, argmax tokens alike: {row['argmax_same_tokens']['static']}"
 )
 EOF
+    # Calls shrinking as turns and in-flight chunks make them: with batch buckets (static) and without (static_exact),
+    # the compiles and graphs a bounded set of shapes saves.
+    "$python" -m bench.hf_engine --model smol --device cuda --paths batched,static,static_exact --repeats 2 \
+        --threads 4 --sizes 128,101,77,60,45,31,20,9
+    "$python" - <<'EOF'
+import json
+from pathlib import Path
+
+row = json.loads(Path("build/bench/hf_engine.jsonl").read_text().splitlines()[-1])
+rates, warm, shapes = row["completions_per_s"], row["warm_up_seconds"], row["static_shapes"]
+print(
+    f"FIGURE shrinking calls: static {rates['static']} ({len(shapes['static'])} shapes, warm-up {warm['static']} s), "
+    f"static_exact {rates['static_exact']} ({len(shapes['static_exact'])} shapes, warm-up {warm['static_exact']} s), "
+    f"dynamic {rates['batched']} completions/s"
+)
+EOF
 }
 
 export python work rlpipe
