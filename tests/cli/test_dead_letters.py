@@ -47,6 +47,12 @@ from tests.support.servers import free_port
 pytestmark = pytest.mark.integration
 
 
+async def rollout_bus(cfg) -> Bus:
+    """A bus of PROMPTS's reader, whose dead letters go on dead.rollout, once the trainer made the streams."""
+    await (await Bus(cfg, "trainer").connect()).close()
+    return await Bus(cfg, "rollout").connect()
+
+
 def test_dead_letters_of_a_finished_run_say_so_in_one_line_without_a_traceback(tmp_path):
     run_dir = tmp_path / "runs" / "done"
     run_dir.mkdir(parents=True)
@@ -69,7 +75,7 @@ def test_list_and_reinject(tiny_model, tmp_path, nats_url):
     (run_dir / "run.json").write_text(json.dumps({"nats_url": nats_url}))
 
     async def dead_letter_one_bad_prompt() -> None:
-        bus = await Bus(cfg, "rollout").connect()  # PROMPTS's reader: its letters are on dead.rollout
+        bus = await rollout_bus(cfg)
         await bus.js.publish(subject("dl", PROMPTS), msgpack.packb({"v": 1, "kind": "prompt"}))
         queue = await bus.work_queue(PROMPTS)
         [msg] = await queue.fetch(1, timeout=5)
@@ -130,7 +136,7 @@ def test_a_re_inject_stopped_half_way_is_completed_by_running_it_again_and_a_don
     again = ("--reinject", "1", "--payload", str(fixed))
 
     async def dead_letter_a_prompt_and_refuse_copies() -> None:
-        bus = await Bus(cfg, "rollout").connect()
+        bus = await rollout_bus(cfg)
         await bus.js.publish(subject("dl", PROMPTS), msgpack.packb({"v": 1, "kind": "prompt"}))
         [msg] = await (await bus.work_queue(PROMPTS)).fetch(1, timeout=5)
         await bus.dead_letter(msg, "invalid Prompt: group_id missing", PROMPTS)
