@@ -81,7 +81,7 @@ async def dead_letters_around_a_resume(nats_url: str, run_dir: Path, options: di
     nc = await nats.connect(nats_url, **options)
     try:
         js = nc.jetstream()
-        sub = await js.subscribe(subject("pipe", DEAD), ordered_consumer=True)
+        sub = await js.subscribe(f"{subject('pipe', DEAD)}.>", ordered_consumer=True)  # every role's letters
         for edge in STAGE_INPUTS:
             for payload in bad_messages():
                 await js.publish(subject("pipe", edge), payload)

@@ -25,7 +25,7 @@ out=$1
 config=$2
 # What this script makes; a volume made by an older one (another layout) is made anew, whole: every service
 # restarts with the new secrets as `docker compose up` recreates it, and minio-init sets the new store keys.
-layout=3  # 3: presence grants per role (a stage writes only its own role's entries)
+layout=4  # 4: DEAD subjects per role (a stage writes dead letters only on its own); 3: presence grants per role
 if [ -f "$out/.made" ] && [ "$(cat "$out/.made")" = "$layout" ]; then
     echo "secrets already in $out: kept"
     exit 0

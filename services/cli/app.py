@@ -154,7 +154,13 @@ def dead_letters(
     from nats.errors import NoServersError
     from rich.table import Table
 
-    from services.cli.dead_letters import ReinjectIncomplete, list_dead_letters, nats_url_of, operator_options
+    from services.cli.dead_letters import (
+        ReinjectIncomplete,
+        ReinjectRefused,
+        list_dead_letters,
+        nats_url_of,
+        operator_options,
+    )
     from services.cli.dead_letters import reinject as send_back
     from services.cli.output import console_for
     from services.cli.runs import launcher_holds, read_run
@@ -174,7 +180,7 @@ def dead_letters(
             for sequence in reinject:
                 try:
                     done = asyncio.run(send_back(url, run_id, sequence, body, operator_options(run_dir)))
-                except ReinjectIncomplete as error:
+                except (ReinjectIncomplete, ReinjectRefused) as error:
                     typer.echo(f"rlpipe dead-letters: {error}", err=True)
                     raise typer.Exit(1) from None
                 typer.echo(done.describe())
@@ -207,7 +213,7 @@ def dead_letters(
             d.service,
             d.group_id,
             str(d.size),
-            d.reason,
+            f"FORGED ({d.forged}): {d.reason}" if d.forged else d.reason,
             reinjected,
         )
     console_for().print(table)

@@ -13,6 +13,13 @@ already there is not written twice, and a copy the broker took although its answ
 already (the duplicate window drops the repeat). A re-inject whose note is there is done: running it again sends
 nothing and says so, also after the duplicate window, where the broker would have taken a second copy that the
 trainer then refuses.
+
+Who wrote a DEAD message is known from its subject (each role publishes only to its own ``dead.<role>``), never from
+its headers: the listing names that role, a re-inject sends the copy to the stream that role reads and refuses a
+letter whose headers name another (or that sits on another role's subject, ``dead_letters.forged``), and only
+records and notes on the operator's subject count. A record's ``Nats-Msg-Id`` another identity took first (a stage
+may publish to DEAD under any id) would have the broker drop the operator's record as a repeat: that is caught by
+looking at the subject of the message stored under it, and the re-inject fails instead of sending an unrecorded copy.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from nats.js.errors import NotFoundError
 
 from services.common.config import NatsConfig
 from services.common.transport.claim_lifecycle import REINJECT_ID_PREFIX
+from services.common.transport.dead_letters import forged
 from services.common.transport.nats_connect import connect_options
 from services.common.transport.streams import (
+    ANY_SUBJECT,
     DEAD,
     EDGES,
     H_CLAIM,
@@ -44,6 +53,10 @@ from services.common.transport.streams import (
     H_SEQ,
     H_SERVICE,
     H_STREAM,
+    OPERATOR,
+    READS,
+    dead_role,
+    dead_subject,
     stream_name,
     subject,
 )
@@ -60,14 +73,15 @@ class DeadLetter:
     size: int
     reinjected_at: int | None = None  # the DEAD sequence of the record of its re-inject; None: never re-injected
     reinject_sent: bool = False  # its copy went back too (a re-inject stopped after its record has not)
+    forged: str = ""  # why its subject does not vouch for it (dead_letters.forged); "" when it does
 
 
 async def _dead_messages(js: JetStreamContext, run_id: str, start: int) -> AsyncIterator[Any]:
-    """DEAD's messages from sequence ``start`` on, in order."""
+    """DEAD's messages from sequence ``start`` on, in order, whichever subject each came on."""
     sequence = start
     while True:
         try:
-            raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence, subject=subject(run_id, DEAD), next=True)
+            raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence, subject=ANY_SUBJECT, next=True)
         except NotFoundError:
             return
         if raw.seq is None:
@@ -87,23 +101,27 @@ async def list_dead_letters(
             if len(letters) >= limit:
                 break
             headers = raw.headers or {}
-            if H_REINJECTED in headers:  # not a letter: the record that an earlier one was sent back
-                if (letter := by_sequence.get(int(headers[H_REINJECTED]))) is not None:
+            why = forged(run_id, raw.subject or "", headers)
+            if H_REINJECTED in headers and not why:  # not a letter: the record that an earlier one was sent back
+                if (letter := by_sequence.get(_int(headers[H_REINJECTED]))) is not None:
                     letter.reinjected_at = raw.seq
                 continue
-            if H_REINJECT_SENT in headers:  # nor the note that the copy went
-                if (letter := by_sequence.get(int(headers[H_REINJECT_SENT]))) is not None:
+            if H_REINJECT_SENT in headers and not why:  # nor the note that the copy went
+                if (letter := by_sequence.get(_int(headers[H_REINJECT_SENT]))) is not None:
                     letter.reinject_sent = True
                 continue
+            # The role from the subject; a letter on the bare subject (an older build's) says it in a header.
+            role = dead_role(run_id, raw.subject or "")
             letters.append(
                 DeadLetter(
                     sequence=raw.seq,
                     origin_stream=headers.get(H_STREAM, "?"),
-                    origin_sequence=int(headers.get(H_SEQ, 0)),
-                    service=headers.get(H_SERVICE, "?"),
+                    origin_sequence=_int(headers.get(H_SEQ, "0")),
+                    service=role if role is not None else headers.get(H_SERVICE, "?"),
                     group_id=headers.get(H_GROUP, ""),
                     reason=headers.get(H_REASON, ""),
                     size=len(raw.data or b""),
+                    forged=why or "",
                 )
             )
             by_sequence[raw.seq] = letters[-1]
@@ -145,12 +163,23 @@ class ReinjectIncomplete(RuntimeError):
     """A re-inject stopped after its record: running the same command again completes it."""
 
 
+class ReinjectRefused(ValueError):
+    """A DEAD message that must not be sent back (no letter, a forged one), or a record whose id another took."""
+
+
+def _int(text: str) -> int:
+    """A sequence header's number; -1 (no message has it) for one that is none (a forged header may be anything)."""
+    return int(text) if text.isdigit() else -1
+
+
 async def _earlier_attempt(js: JetStreamContext, run_id: str, letter: int) -> tuple[int | None, bool]:
     """What earlier re-injects of DEAD message ``letter`` left after it: its record's sequence (None: no record) and
     whether a note says the copy went."""
     record, sent = None, False
     async for raw in _dead_messages(js, run_id, letter + 1):
         headers = raw.headers or {}
+        if forged(run_id, raw.subject or "", headers):  # another identity's record or note: not the operator's
+            continue
         if headers.get(H_REINJECTED) == str(letter):
             record = raw.seq
         elif headers.get(H_REINJECT_SENT) == str(letter):
@@ -164,19 +193,18 @@ async def reinject(
     """Re-inject DEAD message ``sequence`` (or a fixed ``payload`` in its place) as the module docstring says: the
     record in DEAD, the copy on its origin stream, the note in DEAD, each written unless an earlier attempt did.
 
-    Raises ReinjectIncomplete when the record is stored but the copy or the note could not be written.
+    Raises ReinjectRefused for a message that is no dead letter or one its subject does not vouch for, and when
+    another identity took the record's id; ReinjectIncomplete when the record is stored but the copy or the note
+    could not be written.
     """
-    by_stream = {stream_name(run_id, edge): edge for edge in EDGES}
     nc = await nats.connect(nats_url, **ONE_TRY, **(options or {}))
     try:
         js = nc.jetstream()
         raw = await js.get_msg(stream_name(run_id, DEAD), seq=sequence)
         letter = raw.headers or {}
         if H_REINJECTED in letter or H_REINJECT_SENT in letter:
-            raise ValueError(f"DEAD message {sequence} records a re-inject; it is no dead letter to send back")
-        origin = letter.get(H_STREAM, "")
-        if origin not in by_stream:
-            raise ValueError(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
+            raise ReinjectRefused(f"DEAD message {sequence} records a re-inject; it is no dead letter to send back")
+        origin, edge = _origin(run_id, sequence, raw.subject or "", letter)
         record, sent = await _earlier_attempt(js, run_id, sequence)
         if record is not None and sent:
             return Reinjected(sequence, origin, record, Outcome.ALREADY)
@@ -193,10 +221,13 @@ async def reinject(
             # (a replay of EXPERIENCE after a resume dead-letters it again), which would settle the reopened group.
             record_headers |= {H_REINJECTED: str(sequence), H_STREAM: origin, H_SEQ: letter.get(H_SEQ, "")}
             record_headers["Nats-Msg-Id"] = f"{REINJECT_ID_PREFIX}{sequence}.record"
-            record = (await js.publish(subject(run_id, DEAD), b"", headers=record_headers)).seq
+            ack = await js.publish(dead_subject(run_id, OPERATOR), b"", headers=record_headers)
+            if ack.duplicate:
+                await _check_record_ours(js, run_id, sequence, ack.seq)
+            record = ack.seq
         try:
             copy = await js.publish(
-                subject(run_id, by_stream[origin]), payload if payload is not None else raw.data or b"", headers=headers
+                subject(run_id, edge), payload if payload is not None else raw.data or b"", headers=headers
             )
         except Exception as error:  # the broker's many failure types: the record stands, the copy is not sent
             raise ReinjectIncomplete(
@@ -205,7 +236,7 @@ async def reinject(
                 "the group reopened, and writes it off as lost after train.lost_after_s"
             ) from error
         try:  # no Nats-Msg-Id: a second note says the same as the first
-            await js.publish(subject(run_id, DEAD), b"", headers={H_REINJECT_SENT: str(sequence)})
+            await js.publish(dead_subject(run_id, OPERATOR), b"", headers={H_REINJECT_SENT: str(sequence)})
         except Exception as error:  # the copy went; only the note of it is missing
             raise ReinjectIncomplete(
                 f"dead letter {sequence}: its copy is on {origin}, but the note of that could not be stored in DEAD "
@@ -216,6 +247,32 @@ async def reinject(
         return Reinjected(sequence, origin, record, Outcome.COMPLETED if earlier else Outcome.SENT)
     finally:
         await nc.close()
+
+
+def _origin(run_id: str, sequence: int, on: str, letter: dict[str, str]) -> tuple[str, str]:
+    """The stream (and edge) dead letter ``sequence``, published on subject ``on``, goes back to: the one its writer's
+    role reads (its subject says the role), or on the bare subject of an older build, the one its header names."""
+    if (why := forged(run_id, on, letter)) is not None:
+        raise ReinjectRefused(f"dead letter {sequence} is not sent back: {why}")
+    role = dead_role(run_id, on)
+    if role is not None:
+        return stream_name(run_id, READS[role]), READS[role]
+    by_stream = {stream_name(run_id, edge): edge for edge in EDGES if edge != DEAD}
+    origin = letter.get(H_STREAM, "")
+    if origin not in by_stream:
+        raise ReinjectRefused(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
+    return origin, by_stream[origin]
+
+
+async def _check_record_ours(js: JetStreamContext, run_id: str, letter: int, stored: int) -> None:
+    """The broker took a re-inject record of ``letter`` for a repeat of DEAD message ``stored``: unless that is on the
+    operator's subject, another identity published under the record's id first, and the operator's was dropped."""
+    on = (await js.get_msg(stream_name(run_id, DEAD), seq=stored)).subject
+    if on != dead_subject(run_id, OPERATOR):
+        raise ReinjectRefused(
+            f"dead letter {letter}: its re-inject record was dropped as a repeat of DEAD {stored}, which another "
+            f"identity published on {on} under the record's id; nothing was sent. Find out which key wrote it"
+        )
 
 
 def _group_headers(payload: bytes) -> dict[str, str]:

@@ -28,7 +28,16 @@ from services.common.transport.presence import (
     presence_key,
     read_presence,
 )
-from services.common.transport.streams import EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, stream_name, subject
+from services.common.transport.streams import (
+    DEAD,
+    EDGES,
+    EXPERIENCE,
+    PROMPTS,
+    ROLLOUTS,
+    dead_subject,
+    stream_name,
+    subject,
+)
 from services.trainer.lease import Lease
 from tests.support.runs import config_file
 from tests.support.servers import keyed_nats
@@ -95,6 +104,41 @@ def test_reward_consumes_rollouts_but_publishing_to_experience_is_a_permissions_
     assert stored == 0
     # nats-py reports the server's -ERR in lower case.
     assert f'nats: permissions violation for publish to "{subject("test", EXPERIENCE)}"' in errors
+
+
+def test_a_rollout_key_writes_dead_letters_on_its_own_dead_subject_only_and_the_operator_on_its_own(secured):
+    """A stage may not write on another role's DEAD subject, the operator's or the bare one, so a DEAD message's
+    subject says who wrote it."""
+    cfg, keys = secured
+    dead = stream_name("test", DEAD)
+
+    async def scenario() -> tuple[list[str], list[str], int]:
+        trainer = await Bus(as_role(cfg, keys, "trainer"), "trainer").connect()
+        errors: list[str] = []
+        rollout = await connect(as_role(cfg, keys, "rollout"), "rollout", errors)
+        js = rollout.jetstream()
+        await js.publish(dead_subject("test", "rollout"), b"letter", timeout=2)
+        for forged_on in (dead_subject("test", "reward"), dead_subject("test", "operator"), subject("test", DEAD)):
+            with pytest.raises(nats.errors.TimeoutError):  # dropped by the broker: no stream acks it
+                await js.publish(forged_on, b"forged", timeout=2)
+        operator_errors: list[str] = []
+        operator = await connect(as_role(cfg, keys, "operator"), "operator", operator_errors)
+        await operator.jetstream().publish(dead_subject("test", "operator"), b"record", timeout=2)
+        with pytest.raises(nats.errors.TimeoutError):
+            await operator.jetstream().publish(dead_subject("test", "trainer"), b"forged", timeout=2)
+        await rollout.close()
+        await operator.close()
+        stored = (await trainer.js.stream_info(dead)).state.messages
+        await trainer.close()
+        return errors, operator_errors, stored
+
+    errors, operator_errors, stored = asyncio.run(scenario())
+
+    assert stored == 2  # the rollout's own letter and the operator's record
+    assert sorted(errors) == sorted(
+        violation(s) for s in (dead_subject("test", "reward"), dead_subject("test", "operator"), subject("test", DEAD))
+    )
+    assert operator_errors == [violation(dead_subject("test", "trainer"))]
 
 
 def test_config_writes_with_a_stage_key_are_refused_and_the_trainers_are_taken(secured):

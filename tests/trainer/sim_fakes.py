@@ -33,8 +33,10 @@ from services.common.transport.streams import (
     H_REINJECTED,
     H_SEQ,
     H_STREAM,
+    OPERATOR,
     StreamGap,
     StreamMessage,
+    dead_subject,
     stream_name,
 )
 from services.trainer.checkpointing.lineage import Lineage, LineageRecord
@@ -170,9 +172,9 @@ class Stream:
     messages: dict[int, StreamMessage] = field(default_factory=dict)
     last_seq: int = 0
 
-    def append(self, data: bytes, headers: dict[str, str]) -> int:
+    def append(self, data: bytes, headers: dict[str, str], subject: str = "") -> int:
         self.last_seq += 1
-        self.messages[self.last_seq] = StreamMessage(self.last_seq, data, headers)
+        self.messages[self.last_seq] = StreamMessage(self.last_seq, data, headers, subject)
         return self.last_seq
 
     @property
@@ -325,7 +327,7 @@ class SimBus:
             return False
         origin = {H_STREAM: headers.get(H_STREAM, ""), H_SEQ: headers.get(H_SEQ, "")}
         record = {H_GROUP: group_id, H_INCARNATION: incarnation, H_REINJECTED: str(sequence), **origin}
-        self.streams[DEAD].append(b"", record)
+        self.streams[DEAD].append(b"", record, dead_subject(self.run_id, OPERATOR))
         self.oracle.reinjected(incarnation, group_id, f"{origin[H_STREAM]}:{origin[H_SEQ]}")
         body = f"{group_id}|{policy_version}|{incarnation}|0".encode()
         self.streams[EXPERIENCE].append(body, {H_GROUP: group_id, H_INCARNATION: incarnation})
@@ -339,9 +341,10 @@ class SimBus:
             self.fail_next -= 1
             raise TimeoutError("simulated broker outage")
         self.effects.effect(f"dead letter {msg.sequence}")
-        headers = {**(msg.headers or {}), H_STREAM: edge, H_SEQ: str(msg.sequence)}
-        self.streams[DEAD].append(msg.data, headers)
-        self.oracle.dead_lettered(headers.get(H_INCARNATION, ""), headers.get(H_GROUP, ""), f"{edge}:{msg.sequence}")
+        origin = stream_name(self.run_id, edge)
+        headers = {**(msg.headers or {}), H_STREAM: origin, H_SEQ: str(msg.sequence)}
+        self.streams[DEAD].append(msg.data, headers, dead_subject(self.run_id, "trainer"))  # the trainer's own subject
+        self.oracle.dead_lettered(headers.get(H_INCARNATION, ""), headers.get(H_GROUP, ""), f"{origin}:{msg.sequence}")
 
     async def groups_queued(self, incarnation: str) -> set[str]:
         """PROMPTS's prompts no rollout took yet: they wait for one however long (work_queues.groups_queued)."""

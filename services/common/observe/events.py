@@ -94,6 +94,9 @@ class Event(StrEnum):
     CRASH_LOOP = "crash_loop"  # a role crashed twice alike with no progress between: the launcher ends the run
     DATA_ROW_SKIPPED = "data_row_skipped"  # a dataset row that cannot be read was skipped
     DEAD_LETTER = "dead_letter"  # a message was moved to the DEAD stream with its reason
+    # A DEAD message its subject does not vouch for (another stream's letter, a record off the operator's subject):
+    # the trainer ignores it (alert: some stage's key writes what it should not)
+    DEAD_LETTER_FORGED = "dead_letter_forged"
     DEAD_LETTER_OF_REINJECTED_IGNORED = "dead_letter_of_reinjected_ignored"  # a dead letter of a re-injected copy
     DEPENDENCY_DOWN = "dependency_down"  # a stage's dependency is down past its bound, or refuses it (alert)
     DEPENDENCY_RECOVERED = "dependency_recovered"  # a stage's dependency answers again (recorded by the trainer)

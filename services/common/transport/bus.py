@@ -75,7 +75,9 @@ from services.common.transport.streams import (
     BrokerStateLost,
     StreamGap,
     StreamMessage,
+    dead_subject,
     stream_name,
+    stream_subjects,
     subject,
 )
 from services.common.transport.work_queues import groups_queued
@@ -268,7 +270,9 @@ class Bus:
         nats_cfg = self.cfg.nats
         return api.StreamConfig(
             name=stream_name(self.run_id, edge),
-            subjects=[subject(self.run_id, edge)],
+            # DEAD's are every role's own and the bare one an older build wrote to (an older run's stream gets the
+            # roles' when the trainer updates it, ``ensure_streams``).
+            subjects=stream_subjects(self.run_id, edge),
             retention=api.RetentionPolicy.WORK_QUEUE if edge in WORK_QUEUES else api.RetentionPolicy.LIMITS,
             storage=api.StorageType.FILE if nats_cfg.storage == "file" else api.StorageType.MEMORY,
             duplicate_window=nats_cfg.duplicate_window_s,
@@ -289,7 +293,8 @@ class Bus:
             await await_run_state(f"stream {name}", functools.partial(self.js.stream_info, name), NotFoundError)
 
     async def ensure_streams(self) -> None:
-        """Create the run's streams, or bring one whose settings changed up to date: the trainer's part."""
+        """Create the run's streams, or bring one whose settings changed up to date (an older build's DEAD, say, that
+        took only the bare subject): the trainer's part."""
         for edge in EDGES:
             config = self.stream_config(edge)
             try:
@@ -337,8 +342,8 @@ class Bus:
         return open_store(self.cfg.checkpoint_url, self.cfg.checkpoint)
 
     async def dead_letter(self, msg: Msg | StreamMessage, reason: str, edge: str, cause: str = "undecodable") -> None:
-        """Copy ``msg`` to DEAD with why and where from (``dead_letters.letter_headers``); the caller terminates it
-        upstream.
+        """Copy ``msg`` to DEAD, on this role's own subject, with why and where from (``dead_letters.letter_headers``);
+        the caller terminates it upstream.
 
         Broker failures propagate (NatsError, TimeoutError): a stage retries them as an outage
         (``Stage._on_broker``), never as the message's fault. ``cause`` is the reason's class for metrics
@@ -351,7 +356,7 @@ class Bus:
                 "Nats-Msg-Id": dead_letter_id(edge, sequence),
             }
         )
-        await self.js.publish(subject(self.run_id, DEAD), msg.data, headers=headers, timeout=10)
+        await self.js.publish(dead_subject(self.run_id, self.service), msg.data, headers=headers, timeout=10)
         record_dead_letter(self.service, edge, cause)
         log_event(log, Event.DEAD_LETTER, level=logging.WARNING, edge=edge, seq=sequence, reason=reason[:300])
 

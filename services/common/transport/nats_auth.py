@@ -5,13 +5,19 @@ with the permissions below and refuses anything else with a permissions violatio
 may publish follows what it does in ``transport.bus`` and ``stage``, ``live_config`` and ``presence``:
 
     role       publishes to                      consumes (durable)   config bucket    presence bucket
-    rollout    ROLLOUTS, DEAD                     PROMPTS (rollout)    read             read; write rollout.*
-    reward     SCORED, DEAD                       ROLLOUTS (reward)    read             read; write reward.*
-    reference  EXPERIENCE, DEAD                   SCORED (reference)   read             read; write reference.*
-    trainer    PROMPTS, DEAD                      reads every stream   read and write   read and write any key
+    rollout    ROLLOUTS, dead.rollout             PROMPTS (rollout)    read             read; write rollout.*
+    reward     SCORED, dead.reward                ROLLOUTS (reward)    read             read; write reward.*
+    reference  EXPERIENCE, dead.reference         SCORED (reference)   read             read; write reference.*
+    trainer    PROMPTS, dead.trainer              reads every stream   read and write   read and write any key
                creates and updates the streams and buckets, purges EXPERIENCE
-    operator   re-injected dead letters, DEAD     reads every stream   read             read
-               deletes single messages
+    operator   re-injected dead letters,          reads every stream   read             read
+               dead.operator; deletes single messages
+
+A role writes its dead letters to DEAD on its own subject ``rlpipe.<run>.dead.<role>`` only, and the operator its
+re-inject records to ``dead.operator`` only (``streams.dead_subject``): nobody publishes to the bare DEAD subject an
+older build used. So the subject a DEAD message came on says who wrote it, and its readers trust a letter for the
+stream its role reads and no other, and a re-inject record from the operator alone
+(``services.common.transport.dead_letters.forged``).
 
 Only the trainer, the run's owner, creates and updates the run's streams and buckets (and restores
 the streams after a broker lost its store, see ``Bus.ensure_streams``); it alone, with the admin API
@@ -39,7 +45,17 @@ import nkeys
 
 from services.common.transport import lease_bucket, live_config, presence
 from services.common.transport.nats_connect import ROLES, RUN_OWNER, SERVICE_ROLES, inbox_prefix
-from services.common.transport.streams import DEAD, EDGES, EXPERIENCE, PROMPTS, ROLLOUTS, SCORED, WORK_QUEUES
+from services.common.transport.streams import (
+    DEAD,
+    EDGES,
+    EXPERIENCE,
+    OPERATOR,
+    PROMPTS,
+    ROLLOUTS,
+    SCORED,
+    WORK_QUEUES,
+    dead_subject,
+)
 from services.common.transport.streams import stream_name as _stream
 from services.common.transport.streams import subject as _subject
 
@@ -81,7 +97,7 @@ def permissions(run_id: str, role: str) -> Permissions:
         # A stage writes its own role's presence entries only (a key's first token is its role); the trainer any
         # (it prunes gone replicas of every role, and an older build's bare keys: presence.upgrade_bucket).
         entries = f"$KV.{services}.>" if role == RUN_OWNER else f"$KV.{services}.{role}.>"
-        publish += [_subject(run_id, PRODUCES[role]), _subject(run_id, DEAD), entries]
+        publish += [_subject(run_id, PRODUCES[role]), dead_subject(run_id, role), entries]
     if (
         role == RUN_OWNER
     ):  # the others wait for what it creates (services.common.transport.nats_connect.await_run_state)
@@ -117,9 +133,10 @@ def permissions(run_id: str, role: str) -> Permissions:
         # Tailing the streams that keep their messages (work queues allow no second consumer anyway).
         publish += ["$JS.API.STREAM.NAMES"] + [rule for e in (EXPERIENCE, DEAD) for rule in _watch(_stream(run_id, e))]
         # `rlpipe dead-letters --reinject`: a dead letter goes back to the stream it came from, and a record of
-        # that goes to DEAD (which reopens the group); an operator may also take a single bad message out of any
-        # stream (never purge one, nor write config).
-        publish += [_subject(run_id, edge) for edge in (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD)]
+        # that goes to DEAD on the operator's own subject (which reopens the group); an operator may also take a
+        # single bad message out of any stream (never purge one, nor write config).
+        publish += [_subject(run_id, edge) for edge in (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE)]
+        publish += [dead_subject(run_id, OPERATOR)]
         publish += [f"$JS.API.STREAM.MSG.DELETE.{_stream(run_id, edge)}" for edge in EDGES]
     return Permissions(publish=tuple(publish), subscribe=(f"{inbox_prefix(role)}.>",))
 

@@ -16,6 +16,7 @@ from nats.errors import Error as NatsError
 from services.common.observe.events import Event
 from services.common.observe.logs import log_event
 from services.common.transport.streams import (
+    ANY_SUBJECT,
     DEAD,
     StreamGap,
     StreamMessage,
@@ -38,9 +39,9 @@ REPLY_TIMEOUT_S = 5.0  # the longest a direct get waits for each reply, as nats-
 # a status reply ends the batch (204), says there is nothing (404) or that nothing could answer (503).
 # Each reply names the sequence of the one sent before it in the same batch (0 before the first): a reply lost on
 # the way (a reconnect mid-batch) shows as a mismatch, a hole in the stream as a jump the broker made itself.
-SEQUENCE_HEADER, PREVIOUS_HEADER = "Nats-Sequence", "Nats-Last-Sequence"
+SEQUENCE_HEADER, PREVIOUS_HEADER, SUBJECT_HEADER = "Nats-Sequence", "Nats-Last-Sequence", "Nats-Subject"
 DIRECT_GET_HEADERS = frozenset(
-    {"Nats-Stream", "Nats-Subject", SEQUENCE_HEADER, "Nats-Time-Stamp", "Nats-Num-Pending", PREVIOUS_HEADER}
+    {"Nats-Stream", SUBJECT_HEADER, SEQUENCE_HEADER, "Nats-Time-Stamp", "Nats-Num-Pending", PREVIOUS_HEADER}
 )
 STATUS_HEADER, DESCRIPTION = "Status", "Description"
 END_OF_BATCH, NO_MESSAGE = "204", "404"
@@ -67,7 +68,9 @@ class StreamReader:
         self.edge = edge
         self.holes_allowed = edge == DEAD
         self.stream = stream_name(bus.run_id, edge)
-        self.subject = subject(bus.run_id, edge)
+        # Every subject of DEAD (each role writes to its own, an older build to the bare one); wildcards in a direct
+        # get's next_by_subj need nats-server 2.10, below the 2.11 rlpipe asks for (nats_connect.MIN_BROKER_VERSION).
+        self.subject = ANY_SUBJECT if edge == DEAD else subject(bus.run_id, edge)
         self._replies: Subscription | None = None  # where the broker answers this reader's direct gets
         self._inbox = ""
         self._requests = 0
@@ -178,4 +181,4 @@ class StreamReader:
                 raise StreamGap(self.stream, expected, sequence)
             expected = sequence + 1
             kept = {k: v for k, v in headers.items() if k not in DIRECT_GET_HEADERS}
-            ahead.append(StreamMessage(sequence, reply.data or b"", kept or None))
+            ahead.append(StreamMessage(sequence, reply.data or b"", kept or None, headers.get(SUBJECT_HEADER, "")))

@@ -13,6 +13,11 @@ from dataclasses import dataclass
 PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD = "prompts", "rollouts", "scored", "experience", "dead"
 WORK_QUEUES = {PROMPTS: "rollout", ROLLOUTS: "reward", SCORED: "reference"}  # edge -> consuming role
 EDGES = (PROMPTS, ROLLOUTS, SCORED, EXPERIENCE, DEAD)
+# The edge each role reads, and so the only stream its dead letters can come from.
+READS = {**{role: edge for edge, role in WORK_QUEUES.items()}, "trainer": EXPERIENCE}
+ANY_SUBJECT = ">"  # a filter that takes every subject of a stream (reading all of DEAD)
+# The DEAD subject of the operator's re-inject records and notes (``rlpipe dead-letters --reinject``).
+OPERATOR = "operator"
 
 # Dead-letter headers, also set on every published group so a dead letter can be traced back.
 H_REASON, H_STREAM, H_SEQ, H_SERVICE, H_GROUP = (
@@ -38,6 +43,25 @@ def subject(run_id: str, edge: str) -> str:
     return f"rlpipe.{run_id}.{edge}"
 
 
+def dead_subject(run_id: str, role: str) -> str:
+    """The DEAD subject ``role`` writes its dead letters (the operator its re-inject records) to."""
+    return f"{subject(run_id, DEAD)}.{role}"
+
+
+def dead_role(run_id: str, message_subject: str) -> str | None:
+    """The role whose DEAD subject ``message_subject`` is; None for the bare DEAD subject, which an older build
+    wrote every letter to (any role could, so a letter there says nothing sure about where it came from)."""
+    prefix = f"{subject(run_id, DEAD)}."
+    return message_subject[len(prefix) :] if message_subject.startswith(prefix) else None
+
+
+def stream_subjects(run_id: str, edge: str) -> list[str]:
+    """The subjects ``edge``'s stream captures: DEAD takes every role's and, for letters an older build wrote,
+    the bare one."""
+    bare = subject(run_id, edge)
+    return [bare, f"{bare}.>"] if edge == DEAD else [bare]
+
+
 def stream_name(run_id: str, edge: str) -> str:
     return f"RLPIPE_{run_id}_{edge.upper()}"
 
@@ -49,6 +73,7 @@ class StreamMessage:
     sequence: int
     data: bytes
     headers: dict[str, str] | None
+    subject: str = ""  # the subject it was published on (on DEAD, it says which role wrote it)
 
 
 class BrokerStateLost(RuntimeError):

@@ -5,7 +5,9 @@ Slots are reconciled, not only counted: dead letters are read from the DEAD stre
 sequence (none is missed while the trainer reconnects or is down; the sequence read through is
 kept in checkpoints, so a resumed trainer reads on after it), only this incarnation's letters
 settle groups, and a re-inject record there (``rlpipe dead-letters --reinject``) reopens the
-group it names, which is then in flight again until its copy comes back. A group that has
+group it names, which is then in flight again until its copy comes back. A DEAD message is judged by
+the subject it came on, never by its headers alone (``dead_letters.forged``): a stage's letter
+counts only for the stream that stage reads, a re-inject record only from the operator's subject. A group that has
 been in flight for ``train.lost_after_s``, that a group fed after it has overtaken, and
 that is not waiting unread in EXPERIENCE, is recorded as lost and its slot freed.
 """
@@ -30,6 +32,7 @@ from services.common.observe.telemetry import span_from_headers
 from services.common.transport.breaker import CircuitBreaker
 from services.common.transport.bus import Bus
 from services.common.transport.claims import StoreUnavailable
+from services.common.transport.dead_letters import forged
 from services.common.transport.messages import DecodeError, Episode, ExperienceGroup, Prompt, dedupe_id
 from services.common.transport.reader import StreamReader
 from services.common.transport.streams import (
@@ -231,6 +234,11 @@ class Intake:
     async def _read_dead(self, msg: StreamMessage) -> int:
         """Act on one DEAD message: 1 when it settled a group as dead, else 0."""
         headers = msg.headers or {}
+        if (why := forged(self.bus.run_id, msg.subject, headers)) is not None:
+            log_event(
+                log, Event.DEAD_LETTER_FORGED, level=logging.ERROR, alert=True, seq=msg.sequence, reason=why[:300]
+            )
+            return 0
         group_id = headers.get(H_GROUP)
         if not group_id:
             return 0
