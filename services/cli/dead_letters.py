@@ -225,16 +225,17 @@ async def reinject(
             if ack.duplicate:
                 await _check_record_ours(js, run_id, sequence, ack.seq)
             record = ack.seq
+        body = payload if payload is not None else raw.data or b""
         try:
-            copy = await js.publish(
-                subject(run_id, edge), payload if payload is not None else raw.data or b"", headers=headers
-            )
+            copy = await js.publish(subject(run_id, edge), body, headers=headers)
         except Exception as error:  # the broker's many failure types: the record stands, the copy is not sent
             raise ReinjectIncomplete(
                 f"dead letter {sequence}: its re-inject record is stored (DEAD {record}) but the copy could not be "
                 f"sent to {origin} ({error!r}). Run the same command again to send it: until then the trainer holds "
                 "the group reopened, and writes it off as lost after train.lost_after_s"
             ) from error
+        if copy.duplicate:
+            await _check_copy_ours(js, origin, sequence, copy.seq, body)
         try:  # no Nats-Msg-Id: a second note says the same as the first
             await js.publish(dead_subject(run_id, OPERATOR), b"", headers={H_REINJECT_SENT: str(sequence)})
         except Exception as error:  # the copy went; only the note of it is missing
@@ -262,6 +263,24 @@ def _origin(run_id: str, sequence: int, on: str, letter: dict[str, str]) -> tupl
     if origin not in by_stream:
         raise ReinjectRefused(f"dead letter {sequence} names no stream of run {run_id!r} (origin {origin!r})")
     return origin, by_stream[origin]
+
+
+async def _check_copy_ours(js: JetStreamContext, origin: str, letter: int, stored: int, body: bytes) -> None:
+    """The broker took the copy of ``letter`` for a repeat of ``origin``'s message ``stored``: an earlier attempt's
+    copy holds the same body; another body means another identity published under the copy's id first, and the
+    operator's copy was dropped. One already consumed (work queues keep a message until its stage settles it)
+    cannot be told apart: taken for the earlier attempt's."""
+    try:
+        held = (await js.get_msg(origin, seq=stored)).data or b""
+    except NotFoundError:
+        return
+    if held != body:
+        raise ReinjectRefused(
+            f"dead letter {letter}: its copy was dropped as a repeat of {origin} message {stored}, which holds another "
+            "body that another identity published under the copy's id; nothing was sent. The record stands: the "
+            "trainer holds the group reopened and writes it off as lost after train.lost_after_s. Find out which key "
+            "wrote it"
+        )
 
 
 async def _check_record_ours(js: JetStreamContext, run_id: str, letter: int, stored: int) -> None:

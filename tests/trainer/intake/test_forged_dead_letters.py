@@ -194,6 +194,29 @@ def test_a_record_id_a_stage_took_first_fails_the_re_inject_instead_of_sending_a
     assert "which another identity published on rlpipe.forge.dead.rollout under the record's id" in message
 
 
+def test_a_copy_id_a_stage_took_first_fails_the_re_inject_instead_of_reporting_it_sent(keyed):
+    """A rollout publishes on ROLLOUTS (its own stream) under the id the operator's copy of a reward's letter will
+    carry: the broker drops the operator's copy as a repeat. The re-inject sees the stored copy holds another body
+    and fails, rather than noting the copy as sent."""
+    cfg, keys, _ = keyed
+
+    async def scenario() -> str:
+        trainer = await Bus(as_role(cfg, keys, "trainer"), "trainer").connect()
+        await genuine_letter(cfg, keys, "reward", "e0-i0", seq=1)
+        nc = await nats.connect(cfg.nats.url, **connect_options(as_role(cfg, keys, "rollout").nats, "rollout"))
+        await nc.jetstream().publish(
+            subject(RUN, "rollouts"), b"forged", headers={"Nats-Msg-Id": f"{REINJECT_ID_PREFIX}1"}
+        )
+        await nc.close()
+        with pytest.raises(ReinjectRefused) as refused:
+            await reinject(cfg.nats.url, RUN, 1, None, operator_options(cfg.run_dir))
+        await trainer.close()
+        return str(refused.value)
+
+    message = asyncio.run(scenario())
+    assert "its copy was dropped as a repeat of RLPIPE_forge_ROLLOUTS message 1, which holds another body" in message
+
+
 def test_an_older_runs_dead_stream_is_upgraded_at_the_trainers_start_and_its_letters_still_read(
     tiny_model, tmp_path, nats_url
 ):
