@@ -204,13 +204,6 @@ class BearerToken(grpc.aio.ServerInterceptor):
         self.read_token = read_token
         self._said_equal = False
 
-        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
-            await context.abort(
-                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token (metadata authorization: Bearer <token>)"
-            )
-
-        self._refuse = grpc.unary_unary_rpc_method_handler(refuse)
-
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], details: grpc.HandlerCallDetails
     ) -> Any:
@@ -227,7 +220,19 @@ class BearerToken(grpc.aio.ServerInterceptor):
             return await continuation(details)
         if verdict == Verdict.READ_ONLY:
             return self._refuse_read_only(details.method)
-        return self._refuse
+        return self._refuse_unauthenticated(details.method)
+
+    @staticmethod
+    def _refuse_unauthenticated(method: str) -> grpc.RpcMethodHandler:
+        async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+            # Said, never the token it carried: a run of these from one peer is someone guessing or a stale token.
+            name = method.removeprefix(ADMIN_SERVICE)
+            log_event(log, Event.ADMIN_UNAUTHENTICATED, level=logging.WARNING, method=name, peer=context.peer())
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED, "missing or wrong admin token (metadata authorization: Bearer <token>)"
+            )
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
 
     @staticmethod
     def _refuse_read_only(method: str) -> grpc.RpcMethodHandler:

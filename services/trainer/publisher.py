@@ -42,10 +42,18 @@ class Publisher:
     refused, dropped or failed is not), ``offer_s`` (the background seconds, from offer to served, of the newest
     version served; None before the first)."""
 
-    def __init__(self, learner: Snapshots, weights: WeightSyncServer, on_refused: Refused):
+    def __init__(
+        self,
+        learner: Snapshots,
+        weights: WeightSyncServer,
+        on_refused: Refused,
+        before_serving: Callable[[int], Awaitable[None]] | None = None,
+    ):
+        """``before_serving(version)``: awaited before a version is served (the run's served-version mark)."""
         self.learner = learner
         self.weights = weights
         self.on_refused = on_refused
+        self.before_serving = before_serving
         self.newest = 0
         self.served = 0
         self.offer_s: float | None = None
@@ -93,6 +101,8 @@ class Publisher:
             if version < self.newest:
                 snapshot.release()  # overtaken: the newer version is served instead
                 return
+            if self.before_serving is not None:
+                await self.before_serving(version)
             try:
                 await self.weights.publish(snapshot)
             except NonFiniteWeights as error:

@@ -54,6 +54,7 @@ from services.trainer.learning.distributed import Mesh
 from services.trainer.learning.follower import follow
 from services.trainer.learning.learner import Learner
 from services.trainer.lease import Lease, LeaseLost
+from services.trainer.served_versions import ServedVersions
 from services.trainer.service import Trainer
 
 LEASE_LOST_CANCEL_AGAIN_S = 5.0
@@ -227,7 +228,7 @@ async def lead_holding(
     trackers = await asyncio.to_thread(open_trackers, cfg)
     preprocessor = Preprocessor(learner.tokenizer, cfg.model.folder, cfg.data.tokenize_workers)
     await asyncio.to_thread(preprocessor.start)  # seconds with workers: a fork server, a tokenizer each
-    trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor)
+    trainer = Trainer(cfg, bus, learner, weights, live, trackers, preprocessor, ServedVersions(lease.kv))
     try:
         trainer.checkpoints.guard = lease.check
         # The fence is the trainer's first write to the store, made once the start has found there what it expects

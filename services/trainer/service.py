@@ -62,6 +62,7 @@ from services.trainer.learning.learner import Learner
 from services.trainer.liveness import LoopHeartbeat
 from services.trainer.progress import Progress
 from services.trainer.responder import AlertResponder, AlertSink, MetricsLog
+from services.trainer.served_versions import ServedVersions
 from services.trainer.status import RefusalWatch, StatusReporter
 from services.trainer.step_rows import LedgerRows, dynamic_sampling_row, step_time_row
 
@@ -83,10 +84,12 @@ class Trainer:
         live: LiveConfig,
         trackers: TrackerFanout | None = None,
         preprocessor: Preprocessor | None = None,
+        served: ServedVersions | None = None,
     ):
         """``trackers``: telemetry.report_to's, opened by the caller (``open_trackers``, off the event loop: MLflow
         creates its database there, which can outlast the lease's TTL). ``preprocessor``: data.tokenize_workers'
-        pool, started by the caller off the loop for the same reason (None: everything inline)."""
+        pool, started by the caller off the loop for the same reason (None: everything inline). ``served``: the
+        run's served-version mark in the lease bucket (``Recovery``)."""
         self.cfg = cfg
         self.bus = bus
         self.learner = learner
@@ -154,6 +157,7 @@ class Trainer:
             report=self.report_row,
             rewind=self.intake.rewind,
             hold=lambda reason: self.control.pause(reason, by=HoldSource.ALERT),
+            served=served,
         )
         self.alerts = AlertEvaluator(cfg.alerts.rules, cfg.alerts.cooldown_steps)
         self.responder = AlertResponder(

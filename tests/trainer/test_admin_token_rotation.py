@@ -66,6 +66,9 @@ def test_rewritten_token_file_rotates_the_token_without_a_restart(tiny_model, tm
     [refused] = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "admin_token_unreadable"]
     assert refused["error"].startswith("admin.token_file: the token in") and "holds a line break" in refused["error"]
     assert not [r for r in caplog.records if "LEAKED" in r.getMessage() + repr(getattr(r, "fields", {}))]
+    # The call with the retired token is said, by method and peer, never by the token it carried.
+    [stale] = [getattr(r, "fields", {}) for r in caplog.records if r.getMessage() == "admin_unauthenticated"]
+    assert stale["method"] == "GetStatus" and stale["peer"].startswith("ipv") and "first-token" not in repr(stale)
 
 
 def test_no_token_anywhere_refuses_to_start_the_admin_port(tiny_model, tmp_path, monkeypatch):

@@ -52,6 +52,7 @@ class Event(StrEnum):
     ADMIN_TOKEN_EMPTY = "admin_token_empty"  # the trainer's admin token file is empty: admin calls are refused
     ADMIN_TOKEN_ROTATED = "admin_token_rotated"  # the admin token file changed and was read again
     ADMIN_TOKEN_UNREADABLE = "admin_token_unreadable"  # the admin token file cannot be read
+    ADMIN_UNAUTHENTICATED = "admin_unauthenticated"  # an Admin call came with neither token (method and peer named)
     ADOPTION_SERVE_RETRY = "adoption_serve_retry"  # a resume's or rollback's weights were not served: tried again
     ADOPTION_UNSERVED = "adoption_unserved"  # a resume's or rollback's weights could not be served: not done
     ALERT = "alert"  # an alert rule fired (log, events.jsonl, metrics row, Prometheus counter, webhook)
@@ -176,6 +177,7 @@ class Event(StrEnum):
     SCALED = "scaled"  # the launcher changed a stage role's replica count as an operator asked (recorded)
     SCALE_RECORD_MALFORMED = "scale_record_malformed"  # a stored replica count is not one this build reads: ignored
     SCALE_REQUESTED = "scale_requested"  # an operator asked the admin API for a stage role's replica count
+    SERVED_VERSION_UNRECORDED = "served_version_unrecorded"  # the broker refused the served-version mark (warning)
     STALLED_EXIT = (
         "stalled_exit"  # a loop stalled past service.exit_when_stalled_s: the process exits 3 to be restarted
     )

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -92,10 +92,18 @@ class Adopter:
         parts: Restorable,
         purger: Purger,
         journal: Journal,
+        served_mark: Callable[[], Awaitable[int]] | None = None,
     ):
+        """``served_mark``: the highest version the run served, from the broker (``ServedVersions.read``)."""
         self.parts = parts
         self.purger = purger
         self.journal = journal
+        self.served_mark = served_mark
+
+    async def _served_elsewhere(self) -> int:
+        """The highest version served as the broker records it: on another machine, or past what this run folder's
+        lineage kept, a resume still disowns the versions served after the step it adopts."""
+        return await self.served_mark() if self.served_mark is not None else 0
 
     # -- finding the step -----------------------------------------------------------------
 
@@ -183,7 +191,7 @@ class Adopter:
         incarnation = self.parts.checkpoints.incarnation = new_incarnation()
         applied_seq = await self.purger.read_on_after(0)
         version = self.parts.progress.version
-        served = self.parts.lineage.max_version()
+        served = max(self.parts.lineage.max_version(), await self._served_elsewhere())
         if served:
             version = served + 1
             await asyncio.to_thread(
@@ -218,6 +226,7 @@ class Adopter:
             self.parts.lineage.max_version(),
             state.policy_version,
             state.version_high_water,
+            await self._served_elsewhere(),
         )
         new_version = max(served, stored_high_water) + 1
         disowned = (state.policy_version + 1, new_version - 1)

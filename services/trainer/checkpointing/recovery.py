@@ -51,6 +51,7 @@ from services.trainer.intake.ledger import GroupLedger
 from services.trainer.learning.learner import Learner
 from services.trainer.progress import Adopted, ConfigSource, Progress
 from services.trainer.publisher import Publisher
+from services.trainer.served_versions import ServedVersions
 
 log = logging.getLogger(__name__)
 # An adoption's weights are offered this often, waiting 0.5 s, then 1 s, between, before the run is held for them.
@@ -92,9 +93,12 @@ class Recovery:
         report: Callable[[dict[str, Any]], Awaitable[None]],
         rewind: Callable[[], object],
         hold: Callable[[str], Awaitable[None]] | None = None,
+        served: ServedVersions | None = None,
     ):
         """``hold``: pause the run for an operator, with the reason (the trainer's ``Control``); None holds nothing
-        (a recovery driven without a loop, as the simulation drives it)."""
+        (a recovery driven without a loop, as the simulation drives it). ``served``: the run's served-version mark
+        on the broker, raised before each version is served and read at a resume; None keeps none (the lineage
+        alone then knows the versions served after the newest checkpoint)."""
         self.settings = settings
         self.learner = learner
         self.checkpoints = checkpoints
@@ -110,8 +114,9 @@ class Recovery:
         self.purger = Purger(settings, checkpoints, progress, ledger, bus)
         parts = Restorable(settings, learner, checkpoints, lineage, progress, ledger, feeder)
         self.checkpointer = Checkpointer(parts, self.purger, telemetry, self.build)
-        self.adopter = Adopter(parts, self.purger, journal)
-        self.publisher = Publisher(learner, weights, on_refused=self._weights_refused)
+        self.adopter = Adopter(parts, self.purger, journal, served.read if served is not None else None)
+        before_serving = served.raise_to if served is not None else None
+        self.publisher = Publisher(learner, weights, on_refused=self._weights_refused, before_serving=before_serving)
         self.upload: asyncio.Task | None = None
         self.unserved: Unserved | None = None
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
 
+import nats
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from services.common.model.datasets import load_jsonl
 from services.common.observe.events import EventLog, Journal
 from services.common.observe.instruments import TrainerMetrics
 from services.common.observe.logs import Stopwatch
+from services.common.transport.lease_bucket import open_bucket as open_lease_bucket
 from services.common.transport.storage import FileStore, ObjectStore, open_store
 from services.common.transport.weightsync.server import WeightSyncServer
 from services.common.transport.weightsync.snapshot import snapshot_of
@@ -34,6 +36,7 @@ from services.trainer.intake.feeder import PromptFeeder
 from services.trainer.intake.ledger import Fate, GroupLedger
 from services.trainer.learning.learner import Learner
 from services.trainer.progress import Progress
+from services.trainer.served_versions import ServedVersions
 from tests.support.runs import run_config
 
 pytestmark = pytest.mark.integration
@@ -83,6 +86,7 @@ class Harness:
         tmp_path,
         stream: ExperienceStream | None = None,
         store: ObjectStore | None = None,
+        served: ServedVersions | None = None,
         **checkpoint: Any,
     ):
         _, data_dir = tiny_model
@@ -122,6 +126,7 @@ class Harness:
             report=self.report,
             rewind=self.rewind,
             hold=self.hold,
+            served=served,
         )
 
     async def hold(self, reason: str) -> None:
@@ -579,6 +584,38 @@ def test_a_lineage_that_lost_its_tail_still_serves_a_version_past_every_stored_s
         assert await restarted.recovery.start(resume=True)
         assert (restarted.progress.step, restarted.progress.version) == (2, 4)
         assert restarted.weights.latest.version == 4
+
+    asyncio.run(scenario())
+
+
+def test_a_resume_on_another_machine_disowns_the_versions_served_after_the_newest_checkpoint(
+    tiny_model, tmp_path, nats_url
+):
+    """Step 1 saved as version 1, then versions 2 and 3 served and never saved, and the machine lost with its run
+    folder: its lineage knew 2 and 3, the checkpoint does not. The broker's served-version mark does, so the resume
+    serves version 4 and drops the groups versions 2 and 3 generated, as it would on the same machine."""
+
+    async def scenario() -> None:
+        nc = await nats.connect(nats_url)
+        kv = await open_lease_bucket(nc.jetstream(), "run", "memory", 1)
+        first = Harness(tiny_model, tmp_path, served=ServedVersions(kv))
+        assert not await first.recovery.start(resume=False)
+        await first.step_and_save(1, ["e0-i1"])
+        for version in (2, 3):
+            await first.recovery.publisher.publish(version, step=1)
+        assert first.weights.latest.version == 3
+        shutil.rmtree(tmp_path / "runs")
+
+        elsewhere = Harness(tiny_model, tmp_path, served=ServedVersions(kv))
+        assert await elsewhere.recovery.start(resume=True)
+        assert (elsewhere.progress.step, elsewhere.progress.version) == (1, 4)
+        assert elsewhere.progress.abandoned_versions == [(2, 3)]
+        assert elsewhere.weights.latest.version == 4
+        # A trainer that starts later never writes the mark below what an earlier one recorded.
+        late = ServedVersions(kv)
+        await late.raise_to(2)
+        assert await ServedVersions(kv).read() == 4
+        await nc.close()
 
     asyncio.run(scenario())
 
