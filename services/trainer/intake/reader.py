@@ -7,9 +7,10 @@ kept in checkpoints, so a resumed trainer reads on after it), only this incarnat
 settle groups, and a re-inject record there (``rlpipe dead-letters --reinject``) reopens the
 group it names, which is then in flight again until its copy comes back. A DEAD message is judged by
 the subject it came on, never by its headers alone (``dead_letters.forged``): a stage's letter
-counts only for the stream that stage reads, a re-inject record only from the operator's subject. A group that has
-been in flight for ``train.lost_after_s``, that a group fed after it has overtaken, and
-that is not waiting unread in EXPERIENCE, is recorded as lost and its slot freed.
+counts only for the stream that stage reads, a re-inject record only from the operator's subject.
+A group that has been in flight for ``train.lost_after_s``, that a group fed after it has
+overtaken, that is not waiting unread in EXPERIENCE and of which no work queue holds a message a
+stage may still settle (``work_queues.groups_queued``), is recorded as lost and its slot freed.
 """
 
 from __future__ import annotations
